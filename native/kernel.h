@@ -1,0 +1,51 @@
+// Internal interface between dispatch.cpp and the per-ISA translation units.
+//
+// Each ISA unit (adam_scalar.cpp, adam_avx2.cpp, adam_avx512.cpp) is compiled with its own
+// flags. Only the plain structs and the entry points below cross unit boundaries; every
+// helper lives in an anonymous namespace inside its unit, so the linker can never merge an
+// AVX-512-compiled inline function into the scalar path (the ODR trap of per-ISA builds).
+#ifndef OFFLOAD_KERNEL_H
+#define OFFLOAD_KERNEL_H
+
+#include <stdint.h>
+
+namespace offload {
+
+// Scalars of one step, already rounded to float the way torch rounds its Python scalars.
+struct AdamConsts {
+    float grad_scale;    // grad multiplier, negated when maximize
+    float l2;            // weight decay folded into the grad (Adam), used when use_l2
+    float decay;         // 1 - lr*wd (AdamW), 1 otherwise
+    float lerp_coeff;    // torch lerp: w = 1-beta1 if w < 0.5 else w - 1
+    float beta2;
+    float one_minus_beta2;
+    float bc2_sqrt;      // sqrt(1 - beta2^step) (1 without bias correction)
+    float eps;
+    float neg_step_size; // -lr / (1 - beta1^step)
+    bool use_l2;
+    bool lerp_from_end;  // torch lerp base: end (grad) when w >= 0.5, else start (exp_avg)
+};
+
+struct AdamBuffers {
+    float *param;
+    const void *grad;
+    float *exp_avg;
+    float *exp_avg_sq;
+    void *lowp;
+    int grad_dtype;
+    int lowp_dtype;  // -1: no lowp copy
+};
+
+// Update elements [begin, end). Returns 0 or -EINVAL for an unknown dtype.
+int adam_range_scalar(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end);
+int adam_range_avx2(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end);
+int adam_range_avx512(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end);
+
+// Sum of squares of float(grad[begin..end)) in double.
+int sumsq_range_scalar(const void *grad, int dtype, int64_t begin, int64_t end, double *out);
+int sumsq_range_avx2(const void *grad, int dtype, int64_t begin, int64_t end, double *out);
+int sumsq_range_avx512(const void *grad, int dtype, int64_t begin, int64_t end, double *out);
+
+}  // namespace offload
+
+#endif

@@ -1,0 +1,60 @@
+"""Argument checks shared by every backend, so all three fail the same way on bad input.
+
+The kernels read and write raw memory, so a wrong dtype, a strided view or a short buffer
+must be refused before any pointer is handed to C or numba; the error names the argument
+and the offending value.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["GRAD_DTYPES", "LOWP_DTYPES", "check_adam_args", "check_tensor", "check_threads"]
+
+# dtype -> code understood by native/ and the numba backend (keep in sync with offload_native.h)
+GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+LOWP_DTYPES = {torch.float16: 1, torch.bfloat16: 2}
+
+
+def check_tensor(name: str, t: object, dtypes) -> torch.Tensor:
+    """A contiguous CPU tensor whose dtype is in ``dtypes`` (any shape; read as flat)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {t.device}")
+    if t.is_sparse or t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")
+    return t
+
+
+def check_threads(num_threads: Optional[int]) -> None:
+    if num_threads is None:
+        return
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+
+
+def check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads) -> int:
+    """Validate one adam_step call; returns the element count."""
+    check_tensor("param", param, (torch.float32,))
+    check_tensor("grad", grad, GRAD_DTYPES)
+    check_tensor("exp_avg", exp_avg, (torch.float32,))
+    check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,))
+    if param_lowp is not None:
+        check_tensor("param_lowp", param_lowp, LOWP_DTYPES)
+    n = param.numel()
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+                    ("param_lowp", param_lowp)):
+        if t is not None and t.numel() != n:
+            raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 1 \
+            or float(step) != int(step):
+        raise ValueError(f"step must be an integer >= 1, got {step!r}")
+    check_threads(num_threads)
+    return n

@@ -1,0 +1,42 @@
+"""The kernel thread count, kept apart from torch's intra-op pool.
+
+The native kernels spawn their own std::threads per call and numba uses its own pool; none
+uses OpenMP, so they never oversubscribe against torch's OpenMP pool (the trap of DeepSpeed
+issue #4687). The default follows torch's setting so a user who limits torch limits us too.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+__all__ = ["set_num_threads", "get_num_threads", "resolve_threads"]
+
+_num_threads: Optional[int] = None
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def set_num_threads(n: Optional[int]) -> None:
+    """Set the kernel thread count; ``None`` restores the default."""
+    global _num_threads
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"num_threads must be a positive int or None, got {n!r}")
+    _num_threads = n
+
+
+def get_num_threads() -> int:
+    """The kernel thread count: the value set, else min(torch threads, usable CPUs)."""
+    if _num_threads is not None:
+        return _num_threads
+    return max(1, min(torch.get_num_threads(), _cpu_count()))
+
+
+def resolve_threads(num_threads: Optional[int]) -> int:
+    return get_num_threads() if num_threads is None else num_threads

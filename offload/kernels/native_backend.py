@@ -1,0 +1,122 @@
+"""The native backend: ctypes over liboffload_native.so (built by setup.py from native/).
+
+ctypes releases the GIL for the duration of each call, so I/O threads keep running while a
+sub-group is updated. The library holds no state; this wrapper only validates arguments,
+resolves the ISA (``OFFLOAD_ISA``) and the thread count, and passes raw pointers.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_adam_args, check_tensor, check_threads
+from ._threads import resolve_threads
+
+__all__ = ["NativeBackend", "LIB_PATH", "ISA_CODES", "load_library"]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LIB_PATH = os.path.join(HERE, "liboffload_native.so")
+ERROR_PATH = os.path.join(HERE, "native_build_error.txt")
+ABI_VERSION = 1
+
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+ISA_NAMES = {v: k for k, v in ISA_CODES.items()}
+
+_c_int, _c_i64, _c_dbl, _vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+
+
+def load_library() -> ctypes.CDLL:
+    """Open the library; failures carry the build error or the dlopen error."""
+    if not os.path.exists(LIB_PATH):
+        reason = f"{LIB_PATH} not found"
+        if os.path.exists(ERROR_PATH):
+            with open(ERROR_PATH, encoding="utf-8", errors="replace") as fh:
+                reason += f"; the native build failed:\n{fh.read().strip()}"
+        else:
+            reason += " (build it with `pip install -e .` or `pip install .`)"
+        raise OSError(errno.ENOENT, reason, LIB_PATH)
+    try:
+        lib = ctypes.CDLL(LIB_PATH)
+    except OSError as exc:
+        raise OSError(errno.ENOEXEC, f"cannot load {LIB_PATH}: {exc}", LIB_PATH) from exc
+    lib.offload_abi_version.restype = _c_int
+    lib.offload_abi_version.argtypes = []
+    if lib.offload_abi_version() != ABI_VERSION:
+        raise OSError(errno.ENOEXEC, f"{LIB_PATH} has ABI {lib.offload_abi_version()}, "
+                      f"this package expects {ABI_VERSION}; rebuild it", LIB_PATH)
+    lib.offload_isa_supported.restype = _c_int
+    lib.offload_isa_supported.argtypes = [_c_int]
+    lib.offload_isa_best.restype = _c_int
+    lib.offload_isa_best.argtypes = []
+    lib.offload_adam_step.restype = _c_int
+    lib.offload_adam_step.argtypes = [
+        _vp, _vp, _c_int, _vp, _vp, _vp, _c_int, _c_i64,  # buffers, n
+        _c_dbl, _c_dbl, _c_dbl, _c_dbl, _c_dbl, _c_i64,   # lr b1 b2 eps wd step
+        _c_int, _c_int, _c_int, _c_dbl, _c_int, _c_int]   # flags, grad_scale, isa, threads
+    lib.offload_grad_sumsq.restype = _c_int
+    lib.offload_grad_sumsq.argtypes = [_vp, _c_int, _c_i64, ctypes.POINTER(_c_dbl),
+                                       ctypes.POINTER(_c_int), _c_int, _c_int]
+    return lib
+
+
+class NativeBackend:
+    name = "native"
+
+    def __init__(self) -> None:
+        self._lib = load_library()
+        self.supported = [n for n, c in ISA_CODES.items() if self._lib.offload_isa_supported(c)]
+        self.best = ISA_NAMES[self._lib.offload_isa_best()]
+
+    def describe(self) -> str:
+        return f"ok, ISA {self.isa()} (supported: {', '.join(self.supported)})"
+
+    def isa(self) -> str:
+        """The ISA the next call runs: $OFFLOAD_ISA if set, else the best supported."""
+        want = os.environ.get("OFFLOAD_ISA", "").strip().lower()
+        if not want or want in ("auto", "best"):
+            return self.best
+        if want not in ISA_CODES:
+            raise ValueError(f"OFFLOAD_ISA={want!r} is not one of "
+                             f"{', '.join(ISA_CODES)} (or auto)")
+        if want not in self.supported:
+            raise RuntimeError(f"OFFLOAD_ISA={want}: this CPU does not support {want} "
+                               f"(supported: {', '.join(self.supported)})")
+        return want
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise OSError(-rc, f"{what} failed: {os.strerror(-rc)}")
+
+    def adam_step(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
+                  weight_decay, step, decoupled, bias_correction=True, maximize=False,
+                  grad_scale=1.0, param_lowp=None, num_threads=None) -> None:
+        n = check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads)
+        if n == 0:
+            return
+        isa = ISA_CODES[self.isa()]
+        lowp_ptr = param_lowp.data_ptr() if param_lowp is not None else None
+        lowp_code = LOWP_DTYPES[param_lowp.dtype] if param_lowp is not None else -1
+        rc = self._lib.offload_adam_step(
+            param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(),
+            exp_avg_sq.data_ptr(), lowp_ptr, lowp_code, n, float(lr), float(beta1),
+            float(beta2), float(eps), float(weight_decay), int(step), bool(decoupled),
+            bool(bias_correction), bool(maximize), float(grad_scale), isa,
+            resolve_threads(num_threads))
+        self._check(rc, "offload_adam_step")
+
+    def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
+        check_tensor("grad", grad, GRAD_DTYPES)
+        check_threads(num_threads)
+        out = _c_dbl(0.0)
+        flag = _c_int(0)
+        if grad.numel() == 0:
+            return 0.0, False
+        rc = self._lib.offload_grad_sumsq(
+            grad.data_ptr(), GRAD_DTYPES[grad.dtype], grad.numel(), ctypes.byref(out),
+            ctypes.byref(flag), ISA_CODES[self.isa()], resolve_threads(num_threads))
+        self._check(rc, "offload_grad_sumsq")
+        return out.value, bool(flag.value)

@@ -1,0 +1,73 @@
+"""The pure-torch reference backend: torch.optim.Adam/AdamW (foreach=False) math, op by op.
+
+It is the last resort when neither the native library nor numba is available, and the
+reference the tests hold the other backends to. It follows ``_single_tensor_adam`` in
+torch/optim/adam.py statement for statement (same scalar types, same operation order).
+It runs on torch's own intra-op pool: ``num_threads`` is validated but torch's pool size
+(``torch.set_num_threads``) governs it, because resizing a process-wide pool per call is
+not thread-safe.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from ._checks import check_adam_args, check_tensor, check_threads, GRAD_DTYPES
+
+__all__ = ["TorchBackend"]
+
+_CHUNK = 1 << 20  # elements upcast to double at a time by grad_sumsq
+
+
+class TorchBackend:
+    name = "torch"
+
+    def adam_step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                  exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float,
+                  eps: float, weight_decay: float, step: int, decoupled: bool,
+                  bias_correction: bool = True, maximize: bool = False,
+                  grad_scale: float = 1.0, param_lowp: Optional[torch.Tensor] = None,
+                  num_threads: Optional[int] = None) -> None:
+        n = check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads)
+        if n == 0:
+            return
+        p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+        g = grad.view(-1).float()
+        if grad_scale != 1.0:
+            g = g * grad_scale
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            if decoupled:
+                p.mul_(1 - lr * weight_decay)
+            else:
+                g = g.add(p, alpha=weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if bias_correction:
+            step = float(step)
+            bc1 = 1 - beta1 ** step
+            bc2 = 1 - beta2 ** step
+        else:
+            bc1 = bc2 = 1.0
+        step_size = lr / bc1
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)
+        if param_lowp is not None:
+            param_lowp.view(-1).copy_(p)
+
+    def grad_sumsq(self, grad: torch.Tensor, *,
+                   num_threads: Optional[int] = None) -> Tuple[float, bool]:
+        check_tensor("grad", grad, GRAD_DTYPES)
+        check_threads(num_threads)
+        g = grad.view(-1)
+        total = 0.0
+        # Accumulate in double, a chunk at a time, so memory stays bounded. A double sum of
+        # squares of finite fp32 values cannot overflow (n * 2**256 << 2**1024), so the sum
+        # is non-finite exactly when some element is.
+        for start in range(0, g.numel(), _CHUNK):
+            c = g[start:start + _CHUNK].double()
+            total += float(torch.dot(c, c))
+        return total, not math.isfinite(total)
