@@ -1,0 +1,38 @@
+# Quick start:  make demo   (set up .venv, install, train the demo model with NVMe offload)
+#               make test   (set up .venv, install, run the suite with native kernels, then numba)
+#
+# torch==2.13.0 is pinned for set-up because on a machine without a GPU pip takes the local
+# CPU wheel for exactly that release; an unpinned `torch` would pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.offload-installed
+
+.PHONY: setup demo test test-native test-numba bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py setup.cfg pyproject.toml $(wildcard native/*.cpp native/*.h)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q --no-build-isolation -e ".[test,plot]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/offload demo
+
+test: setup
+	$(MAKE) --no-print-directory test-native
+	$(MAKE) --no-print-directory test-numba
+
+test-native:
+	OFFLOAD_BACKEND=native $(PY) -m pytest -q -p no:cacheprovider tests
+
+test-numba:
+	OFFLOAD_BACKEND=numba $(PY) -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info offload/kernels/liboffload_native.so offload/kernels/native_build_error.txt

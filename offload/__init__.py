@@ -1,0 +1,11 @@
+"""offload: train PyTorch models larger than accelerator memory.
+
+``offload.AdamW(model.parameters(), lr=..., offload="nvme", swap_dir=...)`` in an unchanged
+training loop keeps the fp32 optimizer states in host memory or NVMe swap files and updates
+them with a SIMD CPU kernel.
+"""
+from offload._version import __version__
+from offload.kernels import get_num_threads, set_num_threads
+from offload.optim import Adam, AdamW, adam_step
+
+__all__ = ["Adam", "AdamW", "adam_step", "set_num_threads", "get_num_threads", "__version__"]

@@ -1,0 +1,391 @@
+"""``offload.Adam`` and ``offload.AdamW``: drop-in for ``torch.optim.Adam`` / ``AdamW``.
+
+They subclass ``torch.optim.Optimizer`` so that LR schedulers, ``GradScaler`` and
+checkpoint code that expect a torch optimizer accept them (torchao's CPUOffloadOptimizer
+does the same for the same reason). Same arguments, defaults, validation messages and
+``state_dict`` layout as torch's; the extras choose where the fp32 states live
+(``offload=``) and which kernel runs (``backend=``).
+
+Where the states live is a *store* (see [Note: store interface] in ``host_state.py``):
+
+- ``HostState``: fp32 CPU params updated in place, moments in ``self.state[p]``;
+- ``SwappedState``: moments (and a master when needed) in NVMe swap files;
+- ``FlatState``: device or fp16/bf16 params with a flat fp32 master on the host,
+  optionally partitioned across data-parallel ranks.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.optim import Optimizer
+
+from offload.config import IOConfig, OffloadConfig, parse_bytes
+from offload.kernels import get_backend
+from offload.optim.functional import AdamHyper
+from offload.optim.host_state import HostState, StepBatch
+from offload.optim.stats import StepStats, process_rss_bytes
+
+__all__ = ["Adam", "AdamW"]
+
+log = logging.getLogger("offload.optim")
+
+
+def _to_float(x: Any, what: str) -> float:
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"Tensor {what} must be 1-element")
+        return float(x.item())
+    return float(x)
+
+
+class _AdamBase(Optimizer):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        decoupled_weight_decay: bool = False,
+        bias_correction: bool = True,
+        backend: Optional[str] = None,
+        offload: str = "none",
+        swap_dir: Optional[str] = None,
+        max_host_bytes: "Optional[int | str]" = None,
+        sub_group_size: Optional[int] = None,
+        verify: bool = False,
+        resume: bool = False,
+        io_engine: Optional[str] = None,
+        num_threads: Optional[int] = None,
+        max_grad_norm: Optional[float] = None,
+        stage: Optional[int] = None,
+        process_group: Any = None,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if amsgrad:
+            raise NotImplementedError(
+                "offload.Adam/AdamW: amsgrad=True is not implemented (the fused kernels keep "
+                "two moments); use torch.optim.AdamW(amsgrad=True) or amsgrad=False"
+            )
+        if capturable:
+            raise NotImplementedError("offload.Adam/AdamW: capturable=True (CUDA graphs) is not supported")
+        if differentiable:
+            raise NotImplementedError("offload.Adam/AdamW: differentiable=True is not supported")
+        if foreach and fused:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be a finite number > 0)")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"Invalid num_threads: {num_threads}")
+        # `foreach` and `fused` are accepted for signature compatibility: every step here is
+        # one fused pass per tensor whatever they say, which honours both requests.
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize, foreach=foreach, capturable=capturable,
+            differentiable=differentiable, fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
+        self._store = None
+        super().__init__(params, defaults)
+
+        self.config = OffloadConfig(
+            offload=offload,
+            swap_dir=swap_dir,
+            max_host_bytes=None if max_host_bytes is None else parse_bytes(max_host_bytes),
+            sub_group_size=sub_group_size,
+            verify=verify,
+            resume=resume,
+            io=IOConfig(engine=io_engine or "auto"),
+        )
+        self.bias_correction = bool(bias_correction)
+        self.max_grad_norm = max_grad_norm
+        self.backend = backend
+        self.num_threads = num_threads
+        get_backend(backend)  # a forced backend that cannot load fails here, with its reason
+        # GradScaler hands us the scale and found_inf instead of unscaling the grads itself,
+        # so the unscale happens inside the kernel pass (torch/amp/grad_scaler.py).
+        self._step_supports_amp_scaling = True
+        self.last_step_skipped = False
+        self.skipped_steps = 0
+        self.last_grad_norm: Optional[float] = None
+        self._stats = StepStats()
+        self._store = self._make_store(stage, process_group)
+
+    # ---------------------------------------------------------------- store selection
+    def _all_params(self) -> List[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _make_store(self, stage: Optional[int], process_group: Any):
+        params = self._all_params()
+        world = 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world = torch.distributed.get_world_size(process_group)
+        if stage is None:
+            stage = 2 if world > 1 else 0
+        if stage not in (0, 1, 2):
+            raise ValueError(f"Invalid stage: {stage} (0, 1 or 2; stage 3 is not implemented yet)")
+        self.stage = stage
+        host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+        if stage == 0 and host_ok and self.config.offload in ("none", "cpu"):
+            return HostState(self, backend=self.backend, num_threads=self.num_threads)
+        if stage == 0 and host_ok and self.config.offload == "nvme":
+            from offload.optim.swapped_state import SwappedState
+
+            return SwappedState.for_optimizer(self)
+        try:
+            from offload.optim.flat_state import FlatState
+        except ImportError as exc:  # pragma: no cover - until the flat store lands
+            bad = next((p for p in params if not (p.device.type == "cpu" and p.dtype == torch.float32)), None)
+            what = f"a {bad.dtype} param on {bad.device}" if bad is not None else f"stage={stage}"
+            raise NotImplementedError(f"offload.Adam/AdamW: {what} is not supported yet ({exc})") from None
+        return FlatState.for_optimizer(self, stage=stage, process_group=process_group)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if self._store is None:
+            return
+        group = self.param_groups[-1]
+        add = getattr(self._store, "add_param_group", None)
+        if add is not None:
+            add(group)
+            return
+        check = getattr(self._store, "check_param", None)
+        if check is None:
+            raise NotImplementedError(
+                f"add_param_group after construction is not supported with offload={self.config.offload!r}"
+            )
+        base = len(self._all_params()) - len(group["params"])
+        for i, p in enumerate(group["params"]):
+            check(base + i, p)
+
+    # ---------------------------------------------------------------- the step
+    def _hyper(self, group: Dict[str, Any], grad_scale: float) -> AdamHyper:
+        beta1, beta2 = group["betas"]
+        return AdamHyper(
+            lr=_to_float(group["lr"], "lr"),
+            beta1=_to_float(beta1, "betas[0]"),
+            beta2=_to_float(beta2, "betas[1]"),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            decoupled=bool(group.get("decoupled_weight_decay", False)),
+            maximize=bool(group.get("maximize", False)),
+            bias_correction=self.bias_correction,
+            grad_scale=grad_scale,
+        )
+
+    def _grads_with_params(self) -> List[Tuple[Dict[str, Any], List[Tuple[torch.Tensor, torch.Tensor]]]]:
+        grads_fn = getattr(self._store, "grads", None)
+        out = []
+        for group in self.param_groups:
+            if group.get("amsgrad"):
+                raise NotImplementedError("offload.Adam/AdamW: amsgrad=True is not implemented")
+            items = []
+            for p in group["params"]:
+                g = grads_fn(p) if grads_fn is not None else p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError(
+                        "Adam does not support sparse gradients, please consider SparseAdam instead"
+                    )
+                items.append((p, g))
+            out.append((group, items))
+        return out
+
+    def _grad_multiplier(self, work) -> Optional[float]:
+        """1/loss-scale times the clip coefficient, or None when the step must be skipped."""
+        inv_scale = 1.0
+        scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
+        if scale is not None:
+            inv_scale = 1.0 / float(scale)
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and float(found_inf) > 0:
+            log.info("step skipped: GradScaler found inf/nan in the gradients")
+            return None
+        if self.max_grad_norm is None:
+            return inv_scale
+        norm_fn = getattr(self._store, "global_grad_sumsq", None)
+        if norm_fn is not None:
+            sumsq, nonfinite = norm_fn(work)
+        else:
+            kernel = get_backend(self.backend)
+            sumsq, nonfinite = 0.0, False
+            for _, items in work:
+                for _, g in items:
+                    if g.numel():
+                        s, bad = kernel.grad_sumsq(g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1), num_threads=self.num_threads)
+                        sumsq += s
+                        nonfinite |= bad
+        if nonfinite:
+            log.warning("step skipped: non-finite gradient norm")
+            self.last_grad_norm = float("nan")
+            return None
+        norm = math.sqrt(sumsq) * inv_scale
+        self.last_grad_norm = norm
+        # Same coefficient as torch.nn.utils.clip_grad_norm_.
+        clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
+        return inv_scale * clip
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t0 = time.perf_counter()
+        work = self._grads_with_params()
+        t_clip = time.perf_counter()
+        multiplier = self._grad_multiplier(work)
+        t_clip = time.perf_counter() - t_clip
+        self.last_step_skipped = multiplier is None
+        if multiplier is None:
+            self.skipped_steps += 1
+            self._stats.record({"unscale_clip": t_clip}, time.perf_counter() - t0, skipped=True)
+            return loss
+        batches: List[StepBatch] = []
+        for group, items in work:
+            hyper = self._hyper(group, multiplier)
+            triples = []
+            for p, g in items:
+                st = self.state[p]
+                if "step" not in st:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["step"] += 1
+                triples.append((p, g, int(st["step"].item())))
+            batches.append((hyper, triples))
+        phases = dict(self._store.step(batches))
+        phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip
+        self._stats.record(phases, time.perf_counter() - t0)
+        return loss
+
+    # ---------------------------------------------------------------- state_dict
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()
+        if isinstance(self._store, HostState):
+            return sd
+        # Other stores keep the moments outside self.state: put them in torch's layout.
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                exported = self._store.export_state(p)
+                if exported:
+                    entry = sd["state"].setdefault(index, {})
+                    entry.update(exported)
+                index += 1
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if isinstance(self._store, HostState):
+            return
+        for p in self._all_params():
+            st = self.state.get(p)
+            if not st:
+                continue
+            moments = {k: st.pop(k) for k in ("exp_avg", "exp_avg_sq") if k in st}
+            if moments:
+                self._store.import_state(p, moments)
+
+    # ---------------------------------------------------------------- reports
+    def memory_report(self) -> Dict[str, Any]:
+        """Bytes this optimizer holds per tier (its own accounting) and the process RSS."""
+        tiers = dict(self._store.memory_report())
+        return {
+            "offload": self.config.offload,
+            "store": getattr(self._store, "kind", type(self._store).__name__),
+            "tiers": {k: int(tiers.get(k, 0)) for k in ("device", "pinned", "pageable", "nvme")},
+            "detail": {k: v for k, v in tiers.items() if k not in ("device", "pinned", "pageable", "nvme")},
+            "rss": process_rss_bytes(),
+        }
+
+    def step_stats(self) -> Dict[str, Any]:
+        """The last step's time per phase, the running mean, and overlap efficiency."""
+        return self._stats.summary()
+
+    def save_checkpoint(self, directory: str) -> None:
+        save = getattr(self._store, "save_checkpoint", None)
+        if save is None:
+            raise NotImplementedError(
+                f"save_checkpoint needs offload='nvme' (offload={self.config.offload!r}: use torch.save(opt.state_dict()))"
+            )
+        save(directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        load = getattr(self._store, "load_checkpoint", None)
+        if load is None:
+            raise NotImplementedError(
+                f"load_checkpoint needs offload='nvme' (offload={self.config.offload!r}: use opt.load_state_dict(torch.load(...)))"
+            )
+        load(directory)
+
+    def close(self) -> None:
+        """Release host buffers and remove swap files (also done at interpreter exit)."""
+        if self._store is not None:
+            self._store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Adam(_AdamBase):
+    """``torch.optim.Adam`` with offloaded states and fused SIMD kernels.
+
+    Same arguments and defaults as ``torch.optim.Adam`` (``decoupled_weight_decay=True``
+    makes it AdamW), plus: ``offload`` ("none", "cpu", "nvme"), ``swap_dir``,
+    ``max_host_bytes``, ``sub_group_size``, ``verify``, ``resume``, ``io_engine``,
+    ``backend`` ("native", "numba", "torch"; default ``$OFFLOAD_BACKEND`` or auto),
+    ``num_threads``, ``max_grad_norm`` (global-norm clipping inside the step),
+    ``bias_correction``, ``stage`` and ``process_group`` (ZeRO partitioning).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False, **offload_kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=decoupled_weight_decay, **offload_kwargs)
+
+
+class AdamW(_AdamBase):
+    """``torch.optim.AdamW`` with offloaded states and fused SIMD kernels.
+
+    Same arguments and defaults as ``torch.optim.AdamW``, plus the options of
+    :class:`offload.Adam`.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, **offload_kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable, differentiable=differentiable,
+                         fused=fused, decoupled_weight_decay=True, **offload_kwargs)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True

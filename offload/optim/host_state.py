@@ -1,0 +1,97 @@
+"""States of fp32 CPU params kept in host memory, in torch's own layout.
+
+This is the store behind ``offload="none"`` and ``offload="cpu"`` for fp32 CPU params:
+the param is its own fp32 master and is updated in place; ``exp_avg`` and ``exp_avg_sq``
+live in ``optimizer.state[p]`` exactly as ``torch.optim.AdamW`` keeps them, so
+``state_dict()`` needs no translation.
+
+[Note: store interface] Every state store (this one, ``SwappedState`` for NVMe, the flat
+store for device params) offers ``step(batches) -> timings``, ``export_state(p)``,
+``import_state(p, state)``, ``memory_report()`` and ``close()``; the optimizer class
+drives them the same way.
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from offload.optim.functional import AdamHyper, adam_step
+
+__all__ = ["HostState", "StepBatch"]
+
+# One param group's work for a step: its hyperparameters and (param, grad, step) triples,
+# step being the number after incrementing.
+StepBatch = Tuple[AdamHyper, List[Tuple[torch.Tensor, torch.Tensor, int]]]
+
+
+class HostState:
+    """fp32 CPU params updated in place, moments in ``opt.state[p]``."""
+
+    kind = "host"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, backend: Optional[str], num_threads: Optional[int]):
+        # Keep the optimizer, not its state dict: torch's load_state_dict replaces opt.state.
+        self._opt = optimizer
+        self._backend = backend
+        self._num_threads = num_threads
+
+    @staticmethod
+    def check_param(index: int, p: torch.Tensor) -> None:
+        if p.device.type != "cpu":
+            raise ValueError(
+                f"parameter {index} is on {p.device}; this store updates CPU params in place "
+                "(device params need offload='cpu' or 'nvme' with a flat fp32 master)"
+            )
+        if p.dtype != torch.float32:
+            raise ValueError(
+                f"parameter {index} has dtype {p.dtype}; params updated in place must be "
+                "torch.float32 (fp16/bf16 params need a flat fp32 master)"
+            )
+
+    def _moments(self, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        st = self._opt.state[p]
+        if "exp_avg" not in st:
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return st["exp_avg"], st["exp_avg_sq"]
+
+    def step(self, batches: List[StepBatch]) -> Dict[str, float]:
+        t0 = time.perf_counter()
+        for hyper, items in batches:
+            if not items:
+                continue
+            params = [p for p, _, _ in items]
+            moments = [self._moments(p) for p in params]
+            adam_step(
+                params,
+                [g for _, g, _ in items],
+                [m for m, _ in moments],
+                [v for _, v in moments],
+                [s for _, _, s in items],
+                hyper,
+                backend=self._backend,
+                num_threads=self._num_threads,
+            )
+        return {"kernel": time.perf_counter() - t0}
+
+    def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        st = self._opt.state.get(p, {})
+        return {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
+
+    def import_state(self, p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
+        # torch's load_state_dict already placed the tensors in opt.state[p].
+        pass
+
+    def memory_report(self) -> Dict[str, int]:
+        nbytes = 0
+        for st in self._opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = st.get(key)
+                if isinstance(t, torch.Tensor):
+                    nbytes += t.numel() * t.element_size()
+        return {"device": 0, "pinned": 0, "pageable": nbytes, "nvme": 0}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,105 @@
+"""Builds the native kernels (``native/``) into ``offload/kernels/liboffload_native.so``.
+
+The library is a plain ``extern "C"`` shared object loaded with ctypes: it links neither
+libtorch nor the Python C API, so one binary serves every Python. Each instruction set is its
+own translation unit compiled with its own flags and chosen at run time; nothing installed is
+built with ``-march=native``.
+
+A missing or failing compiler does not fail the install: the compiler's message is written
+to ``offload/kernels/native_build_error.txt`` and the native backend raises it when asked
+for, while the numba backend serves.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from setuptools import Distribution, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NATIVE = os.path.join(HERE, "native")
+LIB_NAME = "liboffload_native.so"
+ERROR_NAME = "native_build_error.txt"
+
+# Translation unit -> its own flags. Only these files see wider instruction sets.
+COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-fvisibility=hidden", "-Wall"]
+UNITS = {
+    "dispatch.cpp": [],
+    "adam_scalar.cpp": [],
+    "adam_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+    "adam_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+
+
+def compile_native(out_dir: str) -> "str | None":
+    """Compile and link the library into ``out_dir``; returns an error text or None."""
+    cxx = shlex.split(os.environ.get("CXX", "c++"))
+    if shutil.which(cxx[0]) is None:
+        return f"no C++ compiler: {cxx[0]!r} not found on PATH (set CXX, or install g++)"
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = []
+        for unit, flags in UNITS.items():
+            src = os.path.join(NATIVE, unit)
+            if not os.path.exists(src):
+                return f"missing native source {src}"
+            obj = os.path.join(tmp, unit + ".o")
+            cmd = cxx + COMMON_FLAGS + flags + ["-I", NATIVE, "-c", src, "-o", obj]
+            err = _run(cmd)
+            if err:
+                return err
+            objects.append(obj)
+        tmp_lib = os.path.join(tmp, LIB_NAME)
+        err = _run(cxx + ["-shared", "-o", tmp_lib] + objects + ["-pthread"])
+        if err:
+            return err
+        shutil.move(tmp_lib, os.path.join(out_dir, LIB_NAME))
+    return None
+
+
+def _run(cmd: "list[str]") -> "str | None":
+    print(" ".join(shlex.quote(c) for c in cmd), file=sys.stderr)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as exc:
+        return f"{' '.join(cmd)}\n{exc}"
+    if proc.returncode != 0:
+        return f"{' '.join(cmd)}\nexit status {proc.returncode}\n{proc.stdout}{proc.stderr}"
+    return None
+
+
+class BuildNative(build_ext):
+    """``build_ext`` that builds the ctypes library (in place for editable installs)."""
+
+    def run(self) -> None:
+        if self.inplace:
+            out_dir = os.path.join(HERE, "offload", "kernels")
+        else:
+            out_dir = os.path.join(os.path.abspath(self.build_lib), "offload", "kernels")
+        error_file = os.path.join(out_dir, ERROR_NAME)
+        err = compile_native(out_dir)
+        if err:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(error_file, "w") as fh:
+                fh.write(err)
+            print(f"warning: native kernels not built; numba will serve.\n{err}", file=sys.stderr)
+        elif os.path.exists(error_file):
+            os.remove(error_file)
+
+    def get_outputs(self) -> "list[str]":
+        return []
+
+
+class BinaryDistribution(Distribution):
+    """The wheel carries a shared object, so it is platform-specific and build_ext runs."""
+
+    def has_ext_modules(self) -> bool:
+        return True
+
+
+setup(cmdclass={"build_ext": BuildNative}, distclass=BinaryDistribution)
