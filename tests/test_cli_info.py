@@ -1,0 +1,35 @@
+"""``offload info``: the report a user pastes into a bug report."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from offload.cli import main
+from offload.kernels import backend_status
+
+
+def test_info_json_reports_backends_isa_and_machine(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["torch"] == torch.__version__
+    assert set(info["backends"]) == {"native", "numba", "torch"}
+    for name, (ok, _reason) in backend_status().items():
+        assert info["backends"][name]["available"] == ok
+    assert info["backends"]["torch"]["available"] is True
+    assert info["cuda"]["available"] == torch.cuda.is_available()
+    assert info["isa_supported"] and info["isa_supported"][0] == "scalar"
+    assert info["transparent_hugepage"]
+    assert "io" in info and info["ulimit_memlock"]
+
+
+def test_info_table_and_forced_backend_in_a_fresh_process():
+    env = dict(os.environ, OFFLOAD_BACKEND="torch")
+    out = subprocess.run([sys.executable, "-m", "offload", "info"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "kernel backend" in out.stdout and "torch" in out.stdout
+    assert "transparent huge pages" in out.stdout
