@@ -1,0 +1,177 @@
+"""``offload plan``: bytes per tier and a predicted optimizer step, before renting the machine.
+
+Rates for the predicted step come, in order, from flags (``--kernel-gparams``,
+``--disk-gbps``), from files benchmarks wrote (``--adam-bench``, ``--io-tune``), or from a
+short probe on this machine (the kernel on 10M params, the disk in ``--swap-dir``) unless
+``--no-probe``. The output says which.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any, Dict, Optional
+
+__all__ = ["add_parser", "run"]
+
+log = logging.getLogger("offload.plan")
+
+
+def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        name,
+        help="memory per tier and predicted step time for a model",
+        description="Plan the bytes per rank on device, pinned host, pageable host and NVMe for "
+                    "training a model with offload.AdamW, and predict its optimizer step.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", help="parameter count, e.g. 125M, 7.5B, 1e9 (decimal units)")
+    src.add_argument("--model-config", metavar="CONFIG_JSON",
+                     help="Hugging Face config.json (or its directory), read locally")
+    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks N_d (default 1)")
+    p.add_argument("--stage", type=int, default=0, help="ZeRO stage 0, 1, 2 (3: not yet) (default 0)")
+    p.add_argument("--offload", default="none", help="none, cpu or nvme (default none)")
+    p.add_argument("--param-dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
+    p.add_argument("--grad-dtype", default=None, help="default: the param dtype")
+    p.add_argument("--optimizer", default="adamw", help="adam or adamw (default adamw)")
+    p.add_argument("--param-device", default="cuda", help="where the params live: cuda or cpu (default cuda)")
+    p.add_argument("--device-memory", help="memory per accelerator, e.g. 80GiB")
+    p.add_argument("--host-memory", help="host memory per node, e.g. 512GiB")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a node (default min(N_d, 8))")
+    p.add_argument("--max-host-bytes", help="bound on the swap pipeline's host buffers (default 1GiB)")
+    p.add_argument("--sub-group-size", type=int, default=None, help="elements per swapped sub-group")
+    p.add_argument("--swap-dir", help="swap directory: its free space is the NVMe capacity, and the disk probe runs there")
+    p.add_argument("--nvme-capacity", help="NVMe bytes available per node (default: free space of --swap-dir)")
+    p.add_argument("--disk-gbps", type=float, help="disk rate in GB/s (10^9 B/s) for reads and writes")
+    p.add_argument("--disk-read-gbps", type=float, help="disk read rate in GB/s")
+    p.add_argument("--disk-write-gbps", type=float, help="disk write rate in GB/s")
+    p.add_argument("--io-tune", metavar="FILE", help="file written by `offload bench-io --tune` (disk rates)")
+    p.add_argument("--kernel-gparams", type=float, help="CPU Adam rate in 10^9 params/s")
+    p.add_argument("--adam-bench", metavar="FILE", help="bench/adam.py output (kernel rate)")
+    p.add_argument("--no-probe", action="store_true", help="never run the short kernel/disk probes")
+    p.add_argument("--cheapest", action="store_true",
+                   help="also search stage and offload for the cheapest configuration that fits")
+    p.add_argument("--explain", action="store_true", help="print the formulas behind the numbers")
+    p.add_argument("--json", action="store_true", help="print one JSON object (bytes, not GiB)")
+    p.set_defaults(run=run)
+    return p
+
+
+def _rates(args: argparse.Namespace, need_kernel: bool, need_disk: bool) -> Dict[str, Any]:
+    """Resolve kernel and disk rates: flags, then files, then probes."""
+    from offload.plan import disk_rate_from_tune, kernel_rate_from_bench, probe_disk_rate, probe_kernel_rate
+    from offload.plan.rates import Rate
+
+    out: Dict[str, Optional[Rate]] = {"kernel": None, "disk_read": None, "disk_write": None}
+    if args.kernel_gparams is not None:
+        out["kernel"] = Rate(args.kernel_gparams, "Gparam/s", "--kernel-gparams")
+    elif args.adam_bench:
+        out["kernel"] = kernel_rate_from_bench(args.adam_bench)
+    elif need_kernel and not args.no_probe:
+        out["kernel"] = probe_kernel_rate()
+
+    if args.disk_gbps is not None:
+        out["disk_read"] = out["disk_write"] = Rate(args.disk_gbps, "GB/s", "--disk-gbps")
+    if args.disk_read_gbps is not None:
+        out["disk_read"] = Rate(args.disk_read_gbps, "GB/s", "--disk-read-gbps")
+    if args.disk_write_gbps is not None:
+        out["disk_write"] = Rate(args.disk_write_gbps, "GB/s", "--disk-write-gbps")
+    if (out["disk_read"] is None or out["disk_write"] is None) and args.io_tune:
+        r, w = disk_rate_from_tune(args.io_tune)
+        out["disk_read"] = out["disk_read"] or r
+        out["disk_write"] = out["disk_write"] or w
+    if need_disk and (out["disk_read"] is None or out["disk_write"] is None) and args.swap_dir and not args.no_probe:
+        try:
+            r, w = probe_disk_rate(args.swap_dir)
+        except RuntimeError as exc:  # no io layer: plan the bytes anyway, say why no step time
+            log.warning("disk probe skipped: %s", exc)
+        else:
+            out["disk_read"] = out["disk_read"] or r
+            out["disk_write"] = out["disk_write"] or w
+    return out
+
+
+def _plan_kwargs(args: argparse.Namespace, rates: Dict[str, Any]) -> Dict[str, Any]:
+    return dict(
+        world_size=args.world_size,
+        param_dtype=args.param_dtype,
+        grad_dtype=args.grad_dtype,
+        optimizer=args.optimizer,
+        param_device=args.param_device,
+        device_memory=args.device_memory,
+        host_memory=args.host_memory,
+        ranks_per_node=args.ranks_per_node,
+        max_host_bytes=args.max_host_bytes,
+        sub_group_size=args.sub_group_size,
+        swap_dir=args.swap_dir,
+        nvme_capacity=args.nvme_capacity,
+        kernel_gparams=rates["kernel"].value if rates["kernel"] else None,
+        disk_read_gbps=rates["disk_read"].value if rates["disk_read"] else None,
+        disk_write_gbps=rates["disk_write"].value if rates["disk_write"] else None,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from offload.plan import cheapest_fitting, estimate
+    from offload.plan.render import gib
+
+    source = args.params if args.params is not None else args.model_config
+    if args.model_config is not None:
+        # A config path must never be mistaken for a count; resolve it here.
+        from offload.plan import params_from_hf_config
+        source = params_from_hf_config(args.model_config)
+    on_cpu = str(args.param_device).lower() == "cpu"
+    need_kernel = on_cpu or args.offload != "none" or args.cheapest
+    need_disk = args.offload == "nvme" or args.cheapest
+    rates = _rates(args, need_kernel, need_disk)
+    kw = _plan_kwargs(args, rates)
+    plan = estimate(source, stage=args.stage, offload=args.offload, **kw)
+    if args.model_config is not None:
+        plan.inputs["source"] = f"{args.model_config} ({plan.inputs['num_params']:,} params)"
+
+    best = None
+    tried = []
+    if args.cheapest:
+        best, tried = cheapest_fitting(source, **kw)
+
+    if args.json:
+        doc = plan.to_dict()
+        doc["rates"] = {k: (None if r is None else {"value": r.value, "unit": r.unit, "source": r.source})
+                        for k, r in rates.items()}
+        doc["cheapest"] = None
+        if args.cheapest:
+            doc["cheapest"] = {
+                "found": best is not None,
+                "stage": best.inputs["stage"] if best else None,
+                "offload": best.inputs["offload"] if best else None,
+                "per_rank": best.per_rank if best else None,
+                "step_time_s": best.step_time_s if best else None,
+                "candidates": [
+                    {"stage": c.inputs["stage"], "offload": c.inputs["offload"], "fits": c.fits,
+                     "fits_all": c.fits_all, "per_rank": c.per_rank, "step_time_s": c.step_time_s}
+                    for c in tried
+                ],
+            }
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+
+    print(plan.table())
+    for k, r in rates.items():
+        if r is not None:
+            print(f"rate {k}: {r.value:.3f} {r.unit} ({r.source})")
+    if args.cheapest:
+        print("cheapest configuration that fits (order: none < cpu < nvme, lower stage first):")
+        for c in tried:
+            mark = "fits" if c.fits_all else "does not fit"
+            t = c.step_time_s
+            print(f"  stage {c.inputs['stage']} offload={c.inputs['offload']:<5} device {gib(c.per_rank['device'])} "
+                  f"host {gib(c.host_bytes)} nvme {gib(c.per_rank['nvme'])} GiB"
+                  + (f", step {t * 1e3:.0f} ms" if t is not None else "") + f": {mark}")
+        if best is None:
+            print("  nothing fits: more ranks, more host memory or a bigger disk are needed")
+        else:
+            print(f"  -> stage {best.inputs['stage']}, offload={best.inputs['offload']}")
+    if args.explain:
+        print()
+        print(plan.explain())
+    return 0

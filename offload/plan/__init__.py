@@ -1,0 +1,37 @@
+"""The bill before and during training: the memory planner and the runtime report.
+
+``estimate(...)`` predicts bytes per rank and tier and the optimizer step time;
+``cheapest_fitting(...)`` searches stage and offload target; ``StepLogger`` writes the
+per-step JSON lines that ``offload report`` reads back.
+"""
+from .estimate import (
+    COMPONENTS,
+    TIERS,
+    EngineModel,
+    Plan,
+    cheapest_fitting,
+    count_params,
+    estimate,
+    parse_count,
+    parse_dtype,
+    zero_paper_bytes,
+)
+from .hf_config import load_hf_config, params_from_hf_config
+from .rates import Rate, disk_rate_from_tune, kernel_rate_from_bench, probe_disk_rate, probe_kernel_rate
+from .report import (
+    StepLogger,
+    format_log_summary,
+    format_memory_report,
+    format_step_stats,
+    read_step_log,
+    summarize_step_log,
+)
+
+__all__ = [
+    "estimate", "cheapest_fitting", "Plan", "EngineModel", "TIERS", "COMPONENTS",
+    "count_params", "parse_count", "parse_dtype", "zero_paper_bytes",
+    "params_from_hf_config", "load_hf_config",
+    "Rate", "probe_kernel_rate", "kernel_rate_from_bench", "probe_disk_rate", "disk_rate_from_tune",
+    "StepLogger", "read_step_log", "summarize_step_log", "format_log_summary",
+    "format_memory_report", "format_step_stats",
+]

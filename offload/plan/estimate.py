@@ -1,0 +1,545 @@
+"""The memory planner: bytes per tier and a predicted optimizer step, before any training.
+
+[Note: the model]
+The ZeRO paper (Rajbhandari et al., 2020, section 3 and table 1) counts the model states of
+mixed-precision Adam as 2Ψ (fp16/bf16 params) + 2Ψ (grads) + KΨ (fp32 master, exp_avg,
+exp_avg_sq: K = 12) and divides them per stage over the N_d data-parallel ranks:
+
+    stage 0 (DP):        (2 + 2 + K) Ψ
+    stage 1 (P_os):      (2 + 2) Ψ + K Ψ / N_d
+    stage 2 (P_os+g):    2 Ψ + (2 + K) Ψ / N_d
+    stage 3 (P_os+g+p):  (2 + 2 + K) Ψ / N_d            (not offered yet: no param offload)
+
+This module keeps that arithmetic (``zero_paper_bytes``) and then places each piece on the
+tier where *this* engine keeps it, adding the buffers the engine itself allocates:
+
+- fp32 params on the CPU are their own master: the kernel updates them in place, so there is
+  no third copy (K drops to 8) - issue 4, "what lives where";
+- ``offload="cpu"``: fp32 master (when separate) + exp_avg + exp_avg_sq in pageable host memory;
+- ``offload="nvme"``: the same states in swap files; host memory holds the swap pipeline's
+  buffers, bounded by ``max_host_bytes`` (1 GiB by default), pinned when CUDA is present;
+- device params (fp16/bf16 on a GPU): the device keeps params + grads, the host keeps the
+  fp32 states plus pinned buffers that receive the grads (in their own dtype) and that hold
+  the low-precision copy of the updated params on its way back to the device.
+
+Activations, the CUDA context and the allocator's fragmentation are not model states and are
+not counted; ``explain()`` says so. The engine's constants live in ``EngineModel`` so that a
+change in the engine is a change in one place (and the plan-then-run tests catch a drift).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .hf_config import params_from_hf_config
+
+__all__ = [
+    "Plan",
+    "EngineModel",
+    "TIERS",
+    "COMPONENTS",
+    "estimate",
+    "cheapest_fitting",
+    "count_params",
+    "parse_count",
+    "parse_dtype",
+    "zero_paper_bytes",
+]
+
+TIERS = ("device", "pinned", "pageable", "nvme")
+COMPONENTS = (
+    "params",        # the model's own parameters (user tensors)
+    "grads",         # the model's own .grad tensors
+    "master",        # fp32 master copy, when the param is not itself the fp32 master
+    "exp_avg",
+    "exp_avg_sq",
+    "grad_buffers",  # host buffers the grads are copied into (device params)
+    "lowp_buffers",  # host buffers holding the fp16/bf16 copy of updated params (device params)
+    "io_buffers",    # swap pipeline buffers (offload="nvme")
+)
+# Pieces the optimizer allocates itself (what ``memory_report()`` can see); params and grads
+# belong to the user's model.
+OPTIMIZER_COMPONENTS = COMPONENTS[2:]
+
+GiB = 1 << 30
+_OFFLOADS = ("none", "cpu", "nvme")
+_OPTIMIZERS = {"adam": 12, "adamw": 12}    # K of the ZeRO paper: master + two moments, fp32
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """What the engine allocates beyond the model states, as the planner assumes it.
+
+    Kept in step with ``offload/optim`` and ``offload/swap``; ``plan then run`` tests compare
+    a plan with ``memory_report()`` and fail when the two drift apart.
+    """
+
+    default_max_host_bytes: int = GiB
+    """Bound on the swap pipeline's host buffers when ``max_host_bytes`` is not given."""
+    io_buffers: int = 3
+    """Sub-group buffers in flight in the swap pipeline (read g+1, compute g, write g-1)."""
+    swap_slots: int = 1
+    """Copies of each state kept on disk (2 when crash-consistent alternating slots are used)."""
+    file_alignment: int = 4096
+    """Swap files are padded to this (O_DIRECT)."""
+    lowp_buffer_full_shard: bool = True
+    """True: one pinned fp16/bf16 buffer per rank shard; False: per in-flight sub-group."""
+
+
+DEFAULT_ENGINE = EngineModel()
+
+
+# --------------------------------------------------------------------------- input parsing
+
+_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
+_COUNT_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "b": 10 ** 9, "t": 10 ** 12}
+
+
+def parse_count(value: Union[int, str]) -> int:
+    """``"7.5B"`` -> 7_500_000_000, ``"125M"`` -> 125_000_000, ``42`` -> 42 (decimal units:
+    parameter counts are quoted in powers of ten)."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid parameter count: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"parameter count must be >= 0, got {value}")
+        return value
+    if isinstance(value, float):
+        if value < 0 or not math.isfinite(value):
+            raise ValueError(f"parameter count must be a finite number >= 0, got {value}")
+        return int(round(value))
+    m = _COUNT_RE.match(str(value))
+    if not m:
+        if str(value).strip().startswith("-"):
+            raise ValueError(f"parameter count must be >= 0, got {value!r}")
+        raise ValueError(f"invalid parameter count: {value!r} (examples: 125M, 7.5B, 1e9)")
+    return int(round(float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]))
+
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "f32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "f16": torch.float16,
+}
+
+
+def parse_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
+    """A torch dtype or one of its names (``bf16``, ``fp16``, ``fp32`` ...); others: ValueError."""
+    if isinstance(value, torch.dtype):
+        if value not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported dtype {value}; expected float32, bfloat16 or float16")
+        return value
+    key = str(value).strip().lower().replace("torch.", "")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {value!r}; expected one of fp32, bf16, fp16 (or torch dtypes)")
+    return _DTYPES[key]
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def count_params(module: torch.nn.Module, trainable_only: bool = True) -> int:
+    """Parameters the optimizer would receive: each tensor once (tied weights count once)."""
+    seen = set()
+    total = 0
+    for p in module.parameters():
+        if trainable_only and not p.requires_grad:
+            continue
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total
+
+
+def _resolve_params(source: Any) -> Tuple[int, str, Optional[torch.nn.Module]]:
+    """(count, description, module or None) for an int, "7.5B", a Module or a config path."""
+    if isinstance(source, torch.nn.Module):
+        return count_params(source), f"{type(source).__name__} module", source
+    if isinstance(source, (int, float)) and not isinstance(source, bool):
+        n = parse_count(source)
+        return n, f"{n:,} params", None
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if _COUNT_RE.match(text) or text.strip().startswith("-"):
+            n = parse_count(text)
+            return n, f"{n:,} params", None
+        if not os.path.exists(text) and os.sep not in text and not text.endswith(".json"):
+            raise ValueError(f"invalid parameter count: {text!r} (examples: 125M, 7.5B, 1e9; or a config.json path)")
+        n = params_from_hf_config(text)
+        return n, f"{text} ({n:,} params)", None
+    raise ValueError(f"num_params must be a count, a torch.nn.Module or a config.json path, got {type(source).__name__}")
+
+
+def _nonneg_bytes(name: str, value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        from offload.config import parse_bytes
+        value = parse_bytes(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{name} must be a byte count >= 0, got {value!r}")
+    return int(value)
+
+
+def _positive_rate(name: str, value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive number, got {value!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return v
+
+
+# --------------------------------------------------------------------------- the paper
+
+def zero_paper_bytes(num_params: int, world_size: int, stage: int, k: int = 12) -> float:
+    """Model-state bytes per rank as in the ZeRO paper (fp16 params and grads, K=12)."""
+    psi, n = float(num_params), float(world_size)
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return (2 + 2) * psi + k * psi / n
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / n
+    if stage == 3:
+        return (2 + 2 + k) * psi / n
+    raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+
+
+# --------------------------------------------------------------------------- the plan
+
+@dataclass
+class Plan:
+    """Bytes per rank and tier, what fits, and the predicted optimizer step."""
+
+    inputs: Dict[str, Any]
+    """Normalised inputs (dtype names as strings, sizes in bytes)."""
+    breakdown: Dict[str, Dict[str, int]]
+    """tier -> component -> bytes per rank (components in ``COMPONENTS``)."""
+    capacity: Dict[str, Optional[int]]
+    """``device``, ``host`` (per rank share of the node's memory) and ``nvme`` (free space)."""
+    step: Dict[str, Any]
+    """Predicted optimizer step: ``kernel_s``, ``io_s``, ``read_bytes``, ``write_bytes``,
+    ``step_time_s`` (``None`` where a rate is unknown), and the rates used."""
+    supported: bool = True
+    """False for stage 3, which this engine does not offer yet."""
+    notes: List[str] = field(default_factory=list)
+
+    # derived views -------------------------------------------------------------------------
+    @property
+    def per_rank(self) -> Dict[str, int]:
+        """tier -> bytes per rank."""
+        return {t: sum(self.breakdown[t].values()) for t in TIERS}
+
+    @property
+    def optimizer_bytes(self) -> Dict[str, int]:
+        """tier -> bytes the optimizer allocates itself (no user params or grads)."""
+        return {t: sum(v for c, v in self.breakdown[t].items() if c in OPTIMIZER_COMPONENTS) for t in TIERS}
+
+    @property
+    def host_bytes(self) -> int:
+        return self.per_rank["pinned"] + self.per_rank["pageable"]
+
+    @property
+    def fits(self) -> Dict[str, Optional[bool]]:
+        """``device``/``host``/``nvme`` -> True, False or None (capacity not given)."""
+        need = {"device": self.per_rank["device"], "host": self.host_bytes, "nvme": self.per_rank["nvme"]}
+        out: Dict[str, Optional[bool]] = {}
+        for k, n in need.items():
+            cap = self.capacity.get(k)
+            out[k] = None if cap is None else n <= cap
+        return out
+
+    @property
+    def fits_all(self) -> bool:
+        """Supported and no tier known to overflow (an unknown capacity counts as fitting)."""
+        return self.supported and all(v is not False for v in self.fits.values())
+
+    @property
+    def step_time_s(self) -> Optional[float]:
+        return self.step.get("step_time_s")
+
+    @property
+    def zero_paper_bytes(self) -> float:
+        i = self.inputs
+        return zero_paper_bytes(i["num_params"], i["world_size"], i["stage"], i["k"])
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The stable JSON form (``offload plan --json``); keys pinned by a test."""
+        return {
+            "schema": "offload.plan/1",
+            "inputs": dict(self.inputs),
+            "supported": self.supported,
+            "per_rank": self.per_rank,
+            "breakdown": {t: dict(self.breakdown[t]) for t in TIERS},
+            "optimizer_bytes": self.optimizer_bytes,
+            "capacity": dict(self.capacity),
+            "fits": self.fits,
+            "fits_all": self.fits_all,
+            "step": dict(self.step),
+            "zero_paper_bytes": int(round(self.zero_paper_bytes)),
+            "notes": list(self.notes),
+        }
+
+    def explain(self) -> str:
+        from .render import explain_text
+        return explain_text(self)
+
+    def table(self) -> str:
+        from .render import plan_table
+        return plan_table(self)
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def estimate(
+    num_params: Any,
+    *,
+    world_size: int = 1,
+    stage: int = 0,
+    offload: str = "none",
+    param_dtype: Union[str, torch.dtype, None] = None,
+    grad_dtype: Union[str, torch.dtype, None] = None,
+    optimizer: str = "adamw",
+    param_device: Optional[str] = None,
+    cuda: Optional[bool] = None,
+    device_memory: Union[int, str, None] = None,
+    host_memory: Union[int, str, None] = None,
+    ranks_per_node: Optional[int] = None,
+    max_host_bytes: Union[int, str, None] = None,
+    sub_group_size: Optional[int] = None,
+    swap_dir: Union[str, "os.PathLike[str]", None] = None,
+    nvme_capacity: Union[int, str, None] = None,
+    disk_gbps: Optional[float] = None,
+    disk_read_gbps: Optional[float] = None,
+    disk_write_gbps: Optional[float] = None,
+    kernel_gparams: Optional[float] = None,
+    engine: EngineModel = DEFAULT_ENGINE,
+) -> Plan:
+    """Plan the bytes per rank and tier for training ``num_params`` parameters.
+
+    ``num_params``: a count (``7_500_000_000`` or ``"7.5B"``), a ``torch.nn.Module`` (its
+    trainable params, tied ones once; its dtype and device are used unless given) or the
+    path of a Hugging Face ``config.json`` (read locally).
+
+    ``param_dtype`` defaults to bfloat16 (the module's dtype for a module); ``grad_dtype`` to
+    ``param_dtype``. ``param_device`` is where the model's params live: ``"cuda"`` (the
+    default; any accelerator) or ``"cpu"`` (fp32 CPU params are then their own master).
+    ``cuda`` says whether host buffers can be pinned (default: ``param_device != "cpu"``).
+    ``device_memory`` and ``host_memory`` are per accelerator and per node (``host_memory``
+    is shared by ``ranks_per_node`` ranks, default ``min(world_size, 8)``). ``nvme_capacity``
+    defaults to the free space of ``swap_dir`` when given. Rates: ``kernel_gparams`` (CPU
+    Adam, 10^9 params/s) and ``disk_gbps`` (10^9 B/s, or separate read and write rates).
+    """
+    n, source_desc, module = _resolve_params(num_params)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if offload not in _OFFLOADS:
+        raise ValueError(f"unknown offload target {offload!r}; expected 'none', 'cpu' or 'nvme'")
+    opt = str(optimizer).lower()
+    if opt not in _OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adam' or 'adamw'")
+    k = _OPTIMIZERS[opt]
+
+    if module is not None:
+        first = next((p for p in module.parameters()), None)
+        if param_dtype is None and first is not None and first.is_floating_point():
+            param_dtype = first.dtype
+        if param_device is None and first is not None:
+            param_device = first.device.type
+    pdt = parse_dtype(param_dtype if param_dtype is not None else torch.bfloat16)
+    gdt = parse_dtype(grad_dtype) if grad_dtype is not None else pdt
+    pdev = (param_device or "cuda").lower()
+    if pdev == "gpu":
+        pdev = "cuda"
+    on_cpu = pdev == "cpu"
+    if cuda is None:
+        cuda = not on_cpu
+    pb = torch.tensor([], dtype=pdt).element_size()
+    gb = torch.tensor([], dtype=gdt).element_size()
+
+    dev_mem = _nonneg_bytes("device_memory", device_memory)
+    host_mem = _nonneg_bytes("host_memory", host_memory)
+    mhb = _nonneg_bytes("max_host_bytes", max_host_bytes)
+    if mhb is not None and mhb == 0:
+        raise ValueError(f"max_host_bytes must be > 0, got {max_host_bytes!r}")
+    if sub_group_size is not None and (isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size <= 0):
+        raise ValueError(f"sub_group_size must be a positive integer, got {sub_group_size!r}")
+    if ranks_per_node is None:
+        ranks_per_node = min(world_size, 8)
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
+    nvme_cap = _nonneg_bytes("nvme_capacity", nvme_capacity)
+    if nvme_cap is None and swap_dir is not None:
+        try:
+            nvme_cap = shutil.disk_usage(os.fspath(swap_dir)).free
+        except FileNotFoundError:
+            raise FileNotFoundError(2, "swap directory does not exist", os.fspath(swap_dir)) from None
+    kg = _positive_rate("kernel_gparams", kernel_gparams)
+    dg = _positive_rate("disk_gbps", disk_gbps)
+    rg = _positive_rate("disk_read_gbps", disk_read_gbps) or dg
+    wg = _positive_rate("disk_write_gbps", disk_write_gbps) or dg
+
+    notes: List[str] = []
+    # Elements of the flat fp32 buffers this rank owns: stage 1/2 pad to the world size.
+    shard = -(-n // world_size) if stage >= 1 else n
+    if stage >= 1 and world_size == 1:
+        notes.append("world_size 1: stages 1 and 2 partition nothing (same as stage 0)")
+
+    # Where do the fp32 optimizer states live, and is the param its own fp32 master?
+    states_with_params = offload == "none" or (on_cpu and offload == "cpu")
+    separate_master = not (pdt == torch.float32 and (states_with_params or on_cpu))
+
+    B: Dict[str, Dict[str, int]] = {t: {c: 0 for c in COMPONENTS} for t in TIERS}
+    user_tier = "pageable" if on_cpu else "device"
+    host_buf_tier = "pinned" if cuda else "pageable"
+
+    # The model's own params and grads (replicated below stage 3).
+    B[user_tier]["params"] = n * pb
+    if stage >= 2 and not on_cpu:
+        # ZeRO-2: grads are reduce-scattered bucket by bucket during backward; a rank keeps
+        # only its 1/N_d (the paper's count; buckets in flight are not model states).
+        B[user_tier]["grads"] = shard * gb
+    else:
+        B[user_tier]["grads"] = n * gb
+
+    state_elems = {"master": shard if separate_master else 0, "exp_avg": shard, "exp_avg_sq": shard}
+    if offload == "nvme":
+        for c, e in state_elems.items():
+            B["nvme"][c] = _round_up(e * 4, engine.file_alignment) * engine.swap_slots if e else 0
+        # Pipeline buffers: io_buffers sub-groups of all streamed states, bounded by max_host_bytes.
+        per_elem = 4 * sum(1 for e in state_elems.values() if e)
+        bound = mhb if mhb is not None else engine.default_max_host_bytes
+        sg = sub_group_size or max(1, bound // (engine.io_buffers * per_elem))
+        sg = min(sg, shard) if shard else 0
+        B[host_buf_tier]["io_buffers"] = min(bound, engine.io_buffers * sg * per_elem)
+        if sub_group_size is not None and engine.io_buffers * sub_group_size * per_elem > bound:
+            notes.append(
+                f"sub_group_size {sub_group_size:,} needs {engine.io_buffers} x {sub_group_size * per_elem:,} B "
+                f"of pipeline buffers, more than max_host_bytes {bound:,} B: the engine will refuse it"
+            )
+        states_tier = None
+    elif states_with_params and not on_cpu:
+        states_tier = "device"
+    else:
+        states_tier = "pageable"
+    if states_tier is not None:
+        for c, e in state_elems.items():
+            B[states_tier][c] = e * 4
+
+    if not on_cpu and offload != "none":
+        # Grads leave the device as they are produced, into host buffers in their own dtype;
+        # the kernel writes the updated low-precision params into host buffers for the H2D copy.
+        B[host_buf_tier]["grad_buffers"] = shard * gb
+        if pdt != torch.float32:
+            if engine.lowp_buffer_full_shard:
+                B[host_buf_tier]["lowp_buffers"] = shard * pb
+            else:
+                sgl = min(sub_group_size or shard, shard)
+                B[host_buf_tier]["lowp_buffers"] = engine.io_buffers * sgl * pb
+        else:
+            B[host_buf_tier]["lowp_buffers"] = shard * pb  # fp32 params still travel back
+    if on_cpu and pdt != torch.float32:
+        notes.append("low-precision CPU params: the kernel writes the rounded copy into the param itself")
+
+    supported = True
+    if stage == 3:
+        supported = False
+        notes.append(
+            "stage 3 (parameter partitioning) is not yet offered by this engine; the ZeRO "
+            f"paper's figure would be {zero_paper_bytes(n, world_size, 3, k) / 1e9:.2f} GB per rank"
+        )
+    if offload == "none" and not on_cpu and pdt != torch.float32:
+        notes.append("offload='none' with device params: states on the device (the paper's baseline)")
+
+    # Host memory is shared by the ranks of a node: each rank's share.
+    host_cap = None if host_mem is None else host_mem // ranks_per_node
+    nvme_share = None if nvme_cap is None else nvme_cap // ranks_per_node
+    capacity = {"device": None if on_cpu else dev_mem, "host": host_cap, "nvme": nvme_share}
+    if on_cpu and dev_mem is not None:
+        notes.append("params live on the CPU: device_memory is not used")
+
+    # Predicted optimizer step: the ideal max(I/O, kernel) of the pipelined step.
+    step: Dict[str, Any] = {"kernel_gparams": kg, "disk_read_gbps": rg, "disk_write_gbps": wg}
+    kernel_on_cpu = offload != "none" or on_cpu
+    step["kernel_s"] = (shard / (kg * 1e9)) if (kg and kernel_on_cpu) else None
+    if offload == "nvme":
+        streamed = sum(4 * e for e in state_elems.values())
+        step["read_bytes"] = streamed
+        step["write_bytes"] = streamed
+        step["io_s"] = (streamed / (rg * 1e9) + streamed / (wg * 1e9)) if (rg and wg) else None
+    else:
+        step["read_bytes"] = step["write_bytes"] = 0
+        step["io_s"] = 0.0
+    if not kernel_on_cpu:
+        step["step_time_s"] = None
+        notes.append("offload='none' with device params: the update runs on the device; no step time predicted")
+    elif step["kernel_s"] is None or step["io_s"] is None:
+        step["step_time_s"] = None
+    else:
+        step["step_time_s"] = max(step["kernel_s"], step["io_s"])
+
+    inputs = {
+        "source": source_desc,
+        "num_params": n,
+        "world_size": world_size,
+        "stage": stage,
+        "offload": offload,
+        "optimizer": opt,
+        "k": k,
+        "param_dtype": _dtype_name(pdt),
+        "grad_dtype": _dtype_name(gdt),
+        "param_device": pdev,
+        "cuda": bool(cuda),
+        "ranks_per_node": ranks_per_node,
+        "max_host_bytes": mhb if mhb is not None else (engine.default_max_host_bytes if offload == "nvme" else None),
+        "sub_group_size": sub_group_size,
+        "swap_dir": os.fspath(swap_dir) if swap_dir is not None else None,
+        "shard_numel": shard,
+        "separate_master": separate_master,
+        "engine": dataclasses.asdict(engine),
+    }
+    return Plan(inputs=inputs, breakdown=B, capacity=capacity, step=step, supported=supported, notes=notes)
+
+
+def cheapest_fitting(
+    num_params: Any,
+    *,
+    stages: Sequence[int] = (0, 1, 2),
+    offloads: Sequence[str] = _OFFLOADS,
+    **kwargs: Any,
+) -> Tuple[Optional[Plan], List[Plan]]:
+    """The first configuration that fits, in order of cost, and every candidate tried.
+
+    Cost order: keep states where they are (``none``) before moving them to host memory
+    (``cpu``) before streaming them from disk (``nvme``), each farther tier being slower;
+    within a tier, the lower stage first (fewer collectives, simpler). With one rank, stages
+    1 and 2 equal stage 0 and are skipped.
+    """
+    world = kwargs.get("world_size", 1)
+    tried: List[Plan] = []
+    for off in offloads:
+        for st in stages:
+            if st == 3 or (st > 0 and world == 1):
+                continue
+            p = estimate(num_params, stage=st, offload=off, **kwargs)
+            tried.append(p)
+            if p.fits_all:
+                return p, tried
+    return None, tried

@@ -1,0 +1,256 @@
+"""Measured rates the planner turns into a predicted step: CPU Adam Gparam/s and disk GB/s.
+
+Each rate comes from a short probe on this machine or from a file a benchmark wrote
+(``bench/adam.py``'s JSON line, ``offload bench-io --tune``'s file). A ``Rate`` keeps where
+it came from, because a predicted step is only as good as the rate behind it and the user
+must be able to see which one was used. Files are read defensively (their schemas belong to
+other layers and may grow): unknown keys are ignored, a file without any usable figure is a
+``ValueError`` naming it.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "Rate",
+    "probe_kernel_rate",
+    "kernel_rate_from_bench",
+    "probe_disk_rate",
+    "disk_rate_from_tune",
+]
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A measured rate: ``value`` in ``unit`` (``Gparam/s``: 10^9 params/s; ``GB/s``: 10^9 B/s)."""
+
+    value: float
+    unit: str
+    source: str
+
+
+def _read_json_any(path: str) -> Any:
+    """A JSON document, or the last line of a file that parses as JSON (benchmarks print a
+    table and then one JSON line)."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, "rates file not found", path)
+    with open(path, "r", encoding="utf-8") as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{") or line.startswith("["):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    raise ValueError(f"{path}: no JSON document or JSON line found")
+
+
+def _walk(obj: Any, trail: Tuple[str, ...] = ()) -> Iterator[Tuple[Tuple[str, ...], dict]]:
+    """Every dict inside ``obj`` with the keys leading to it."""
+    if isinstance(obj, dict):
+        yield trail, obj
+        for k, v in obj.items():
+            yield from _walk(v, trail + (str(k),))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _walk(v, trail + (str(i),))
+
+
+def _num(v: Any) -> Optional[float]:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)) and math.isfinite(v) and v > 0:
+        return float(v)
+    return None
+
+
+# --------------------------------------------------------------------------- kernel
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up: first touch of fresh memory and any JIT compilation stay out of the timing
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def probe_kernel_rate(numel: int = 10_000_000, *, repeats: int = 5, num_threads: Optional[int] = None,
+                      backend: Optional[str] = None) -> Rate:
+    """Time ``offload.kernels.get_backend().adam_step`` on ``numel`` fp32 params (median).
+
+    Without the kernels package (or if it fails to load) torch's fused AdamW is timed instead,
+    and the source says so: the prediction then describes torch, not this engine.
+    """
+    if numel <= 0:
+        raise ValueError(f"probe numel must be > 0, got {numel}")
+    g = torch.Generator().manual_seed(0)
+    param = torch.randn(numel, generator=g)
+    grad = torch.randn(numel, generator=g)
+    m = torch.zeros(numel)
+    v = torch.zeros(numel)
+    try:
+        from offload.kernels import get_backend
+        b = get_backend(backend)
+    except ImportError as exc:
+        b, why = None, f"offload.kernels unavailable: {exc}"
+    except (RuntimeError, OSError) as exc:
+        if backend is not None:
+            raise
+        b, why = None, f"offload.kernels failed to load: {exc}"
+    if b is not None:
+        step = [0]
+
+        def run() -> None:
+            step[0] += 1
+            b.adam_step(param, grad, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                        weight_decay=0.01, step=step[0], decoupled=True, num_threads=num_threads)
+
+        t = _median_time(run, repeats)
+        src = f"probe: {b.name} adam_step, {numel:,} fp32 params, median of {repeats}"
+    else:
+        p = torch.nn.Parameter(param)
+        p.grad = grad
+        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+        t = _median_time(opt.step, repeats)
+        src = f"probe: torch AdamW(fused=True) ({why}), {numel:,} fp32 params, median of {repeats}"
+    return Rate(numel / t / 1e9, "Gparam/s", src)
+
+
+def kernel_rate_from_bench(path: str, *, prefer: Iterable[str] = ("native", "numba")) -> Rate:
+    """Gparam/s from ``bench/adam.py`` output (its JSON line or a JSON file).
+
+    Picks rows with a ``gparam*`` figure, prefers those naming one of ``prefer`` (in that
+    order), then the largest N, then the highest rate (the most threads measured).
+    """
+    data = _read_json_any(path)
+    rows = []
+    for trail, d in _walk(data):
+        rate = None
+        for k, v in d.items():
+            if "gparam" in str(k).lower() and _num(v) is not None:
+                rate = _num(v)
+                break
+        if rate is None:
+            continue
+        label = " ".join([*trail, *[str(v) for v in d.values() if isinstance(v, str)]]).lower()
+        size = next((_num(d[k]) for k in ("n", "N", "numel", "params", "num_params", "size") if _num(d.get(k))), 0.0)
+        rows.append((label, size or 0.0, rate))
+    if not rows:
+        raise ValueError(f"{path}: no Gparam/s figure found (expected bench/adam.py output)")
+    for want in prefer:
+        chosen = [r for r in rows if want in r[0]]
+        if chosen:
+            break
+    else:
+        chosen = rows
+    big = max(r[1] for r in chosen)
+    label, size, rate = max((r for r in chosen if r[1] == big), key=lambda r: r[2])
+    return Rate(rate, "Gparam/s", f"file {path}: {label.strip()}" + (f" (N={int(size):,})" if size else ""))
+
+
+# --------------------------------------------------------------------------- disk
+
+def probe_disk_rate(directory: str, *, nbytes: int = 256 << 20, chunk: int = 8 << 20) -> Tuple[Rate, Rate]:
+    """Write then read ``nbytes`` with O_DIRECT in ``directory`` through the io layer.
+
+    The file is preallocated and written once before the timed write, because overwriting
+    is what swap files do (a fresh file writes 2-3x slower on this machine's disk). The
+    file is removed afterwards. Returns (read, write) rates.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(errno.ENOENT, "disk probe directory does not exist", directory)
+    try:
+        from offload.io import IORequest, open_engine, open_file
+        from offload.memory import BufferPool
+    except ImportError as exc:
+        raise RuntimeError(f"the disk probe needs offload.io ({exc}); pass --disk-gbps instead") from None
+    nbytes = max(chunk, nbytes // chunk * chunk)
+    path = os.path.join(directory, f".offload-plan-probe-{os.getpid()}")
+    pool = BufferPool()
+    eng = open_engine("auto", directory=directory)
+    bufs = [pool.acquire(chunk) for _ in range(4)]
+    try:
+        for b in bufs:  # fresh data, not zeros (some devices compress or skip zero pages)
+            b.tensor(torch.uint8).copy_(torch.randint(0, 256, (chunk,), dtype=torch.uint8))
+        with open_file(path, write=True, create=True, exclusive=True) as f:
+            f.preallocate(nbytes)
+
+            def pass_(op: str) -> float:
+                t0 = time.perf_counter()
+                reqs = [IORequest(op=op, file=f, offset=off, buf=bufs[(off // chunk) % len(bufs)].memoryview)
+                        for off in range(0, nbytes, chunk)]
+                # In flight at most len(bufs) chunks of distinct buffers per batch.
+                for i in range(0, len(reqs), len(bufs)):
+                    eng.wait(eng.submit(reqs[i:i + len(bufs)]))
+                if op == "write":
+                    f.fsync()
+                return time.perf_counter() - t0
+
+            pass_("write")               # lay the blocks down once
+            tw = pass_("write")
+            tr = pass_("read")
+            direct = f.direct
+    finally:
+        for b in bufs:
+            pool.release(b)
+        pool.close()
+        eng.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    how = f"probe: {eng.name} engine, {'O_DIRECT' if direct else 'buffered (page cache may flatter reads)'}, " \
+          f"{nbytes >> 20} MiB in {chunk >> 20} MiB requests, {directory}"
+    return Rate(nbytes / tr / 1e9, "GB/s", how), Rate(nbytes / tw / 1e9, "GB/s", how)
+
+
+def disk_rate_from_tune(path: str) -> Tuple[Optional[Rate], Optional[Rate]]:
+    """(read, write) GB/s from the file ``offload bench-io --tune`` writes, or its ``--json`` rows.
+
+    Accepted shapes (the io layer owns the schema): ``{"read": {..."gbps"}, "write": {...}}``
+    (possibly nested, e.g. under ``"best"``), ``{"read_gbps": x, "write_gbps": y}``, or a list
+    of rows ``{"rw": "read", "gbps": x, ...}`` of which the best per direction is taken.
+    """
+    data = _read_json_any(path)
+    best = {"read": None, "write": None}
+
+    def offer(rw: str, v: Optional[float], label: str) -> None:
+        if v is None:
+            return
+        if best[rw] is None or v > best[rw][0]:
+            best[rw] = (v, label)
+
+    for trail, d in _walk(data):
+        for rw in ("read", "write"):
+            offer(rw, _num(d.get(f"{rw}_gbps")), "/".join(trail + (f"{rw}_gbps",)))
+        rw = str(d.get("rw", d.get("direction", ""))).lower()
+        if rw in ("read", "write", "randread", "randwrite"):
+            if str(d.get("tool", "offload")) != "offload":
+                continue  # fio rows are the reference, not what the engine will do
+            offer("write" if "write" in rw else "read", _num(d.get("gbps")), "/".join(trail) or rw)
+        elif trail and trail[-1] in ("read", "write"):
+            offer(trail[-1], _num(d.get("gbps")), "/".join(trail))
+    if best["read"] is None and best["write"] is None:
+        raise ValueError(f"{path}: no read/write GB/s found (expected an `offload bench-io --tune` file)")
+    out: List[Optional[Rate]] = []
+    for rw in ("read", "write"):
+        out.append(None if best[rw] is None else Rate(best[rw][0], "GB/s", f"file {path}: {best[rw][1]}"))
+    return out[0], out[1]

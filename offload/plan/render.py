@@ -1,0 +1,142 @@
+"""Text forms of a plan: the per-rank table (GiB, binary) and the ``--explain`` derivation."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .estimate import Plan
+
+__all__ = ["plan_table", "explain_text", "gib", "fmt_bytes"]
+
+_GiB = float(1 << 30)
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB (2^30) with two decimals."""
+    return f"{n / _GiB:.2f}"
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    """Human form in binary units (KiB, MiB, GiB, TiB), never GB for 2^30."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _fit_word(v: Optional[bool]) -> str:
+    return "unknown (capacity not given)" if v is None else ("yes" if v else "NO")
+
+
+def plan_table(plan: "Plan") -> str:
+    from .estimate import COMPONENTS, TIERS
+
+    i = plan.inputs
+    lines: List[str] = []
+    lines.append(
+        f"offload plan: {i['source']}, world size {i['world_size']}, stage {i['stage']}, "
+        f"offload={i['offload']}, params {i['param_dtype']} on {i['param_device']}, grads {i['grad_dtype']}, "
+        f"{i['optimizer']}"
+    )
+    if not plan.supported:
+        lines.append("stage 3: not yet (parameter partitioning/offload does not exist in this engine)")
+    lines.append("bytes per rank, in GiB (2^30 bytes):")
+    comps = [c for c in COMPONENTS if any(plan.breakdown[t][c] for t in TIERS)]
+    head = f"  {'':<14}" + "".join(f"{t:>11}" for t in TIERS)
+    lines.append(head)
+    for c in comps:
+        lines.append(f"  {c:<14}" + "".join(f"{gib(plan.breakdown[t][c]):>11}" for t in TIERS))
+    totals = plan.per_rank
+    lines.append(f"  {'total':<14}" + "".join(f"{gib(totals[t]):>11}" for t in TIERS))
+    cap = plan.capacity
+    fits = plan.fits
+    if i["param_device"] == "cpu":
+        dev = "device not used (params on the CPU)"
+    else:
+        dev = (f"device {_fit_word(fits['device'])} (needs {gib(totals['device'])} of "
+               f"{gib(cap['device']) if cap['device'] is not None else '?'} GiB)")
+    lines.append(
+        f"fits: {dev}; host {_fit_word(fits['host'])} "
+        f"(needs {gib(plan.host_bytes)} of {gib(cap['host']) if cap['host'] is not None else '?'} GiB per rank); "
+        f"nvme {_fit_word(fits['nvme'])} (needs {gib(totals['nvme'])} of "
+        f"{gib(cap['nvme']) if cap['nvme'] is not None else '?'} GiB per rank)"
+    )
+    s = plan.step
+    if s.get("step_time_s") is not None:
+        parts = [f"kernel {s['kernel_s'] * 1e3:.1f} ms at {s['kernel_gparams']:.2f} Gparam/s"]
+        if i["offload"] == "nvme":
+            parts.append(
+                f"I/O {s['io_s'] * 1e3:.1f} ms for {gib(s['read_bytes'])} GiB read at {s['disk_read_gbps']:.2f} GB/s "
+                f"+ {gib(s['write_bytes'])} GiB written at {s['disk_write_gbps']:.2f} GB/s (GB = 10^9 B)"
+            )
+        lines.append(f"predicted optimizer step: {s['step_time_s'] * 1e3:.1f} ms = max({'; '.join(parts)})")
+    elif i["offload"] != "none" or i["param_device"] == "cpu":
+        missing = []
+        if s.get("kernel_gparams") is None:
+            missing.append("a kernel rate (--kernel-gparams, --adam-bench or the probe)")
+        if i["offload"] == "nvme" and (s.get("disk_read_gbps") is None or s.get("disk_write_gbps") is None):
+            missing.append("disk rates (--disk-gbps, --io-tune or --swap-dir for the probe)")
+        if missing:
+            lines.append(f"predicted optimizer step: needs {' and '.join(missing)}")
+    for n in plan.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def explain_text(plan: "Plan") -> str:
+    """The formulas behind the numbers, with this plan's values substituted."""
+    i = plan.inputs
+    n, N, st, k = i["num_params"], i["world_size"], i["stage"], i["k"]
+    paper = plan.zero_paper_bytes
+    e = i["engine"]
+    lines = [
+        "How these numbers are computed (Ψ = params, N_d = data-parallel ranks):",
+        f"  Ψ = {n:,}, N_d = {N}, K = {k} (fp32 master 4 + exp_avg 4 + exp_avg_sq 4 bytes per param, "
+        "mixed-precision Adam)",
+        "ZeRO paper (Rajbhandari et al. 2020, table 1), 2-byte params and grads:",
+        "  stage 0: (2 + 2 + K)Ψ;  stage 1 (P_os): 4Ψ + KΨ/N_d;  stage 2 (P_os+g): 2Ψ + (2 + K)Ψ/N_d;",
+        "  stage 3 (P_os+g+p): (2 + 2 + K)Ψ/N_d (not offered yet)",
+        f"  -> stage {st}: {paper / 1e9:.2f} GB (10^9 B) = {paper / (1 << 30):.2f} GiB per rank",
+        "This engine places the same states on tiers and adds its own buffers:",
+        f"  shard = ceil(Ψ / N_d) = {i['shard_numel']:,} elements for stages 1-2 (Ψ for stage 0)",
+        f"  params {i['param_dtype']} and grads {i['grad_dtype']} on {i['param_device']} "
+        "(stage 2 keeps grads for the shard only, as in the paper)",
+    ]
+    if i["separate_master"]:
+        lines.append("  fp32 master = 4 B x shard (the params are not fp32 where the states live)")
+    else:
+        lines.append("  no separate fp32 master: the fp32 param is updated in place (K = 8)")
+    off = i["offload"]
+    if off == "none":
+        lines.append("  offload=none: master + exp_avg + exp_avg_sq beside the params")
+    elif off == "cpu":
+        lines.append("  offload=cpu: master + exp_avg + exp_avg_sq (4 B each x shard) in pageable host memory")
+    else:
+        lines.append(
+            f"  offload=nvme: master + moments in swap files, padded to {e['file_alignment']} B, "
+            f"x {e['swap_slots']} slot(s); host keeps {e['io_buffers']} sub-group buffers of every streamed "
+            f"state, at most max_host_bytes = {i['max_host_bytes']:,} B "
+            f"({'pinned' if i['cuda'] else 'pageable: no CUDA, nothing to pin for'})"
+        )
+    if i["param_device"] != "cpu" and off != "none":
+        lines.append(
+            "  device params: host buffers receive grads in their own dtype (grad bytes x shard) and the "
+            "low-precision copy of the updated params (param bytes x shard), pinned when CUDA is present"
+        )
+    lines.append(
+        "Host memory is shared by the ranks of a node: capacity per rank = host_memory / ranks_per_node "
+        f"({i['ranks_per_node']})."
+    )
+    lines.append(
+        "Not counted: activations, temporary buffers of the forward/backward, the CUDA context, allocator "
+        "fragmentation, the Python process itself."
+    )
+    lines.append(
+        "Step time (ideal of the pipelined step) = max(kernel, I/O): kernel = shard / (Gparam/s x 10^9); "
+        "I/O (nvme) = bytes read / read GB/s + bytes written / write GB/s, every streamed state read and "
+        "written once per step."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,236 @@
+"""The runtime side of the bill: a JSON line per step, and text forms of the optimizer's reports.
+
+``StepLogger(path)`` appends one JSON object per line (the schema below); ``offload report
+FILE`` reads the lines back, summarises them and plots them. ``format_memory_report`` and
+``format_step_stats`` print what ``opt.memory_report()`` and ``opt.step_stats()`` return.
+
+[Note: step log schema, version 1]
+    {"schema": "offload.steplog/1", "step": int, "time": unix seconds (float),
+     "step_s": wall seconds of the optimizer step,
+     "phases": {"grad_transfer": s, "unscale_clip": s, "kernel": s, "swap_read": s,
+                "swap_write": s, "h2d": s, "allgather": s, "wait_<phase>": s, ...},
+     "overlap_efficiency": ideal / actual or null,
+     "bytes": {"device": B, "pinned": B, "pageable": B, "nvme": B},
+     "rss": process resident bytes}
+Readers ignore keys they do not know, so writers may add some; phases absent in a step are 0.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import statistics
+import time
+from typing import Any, Dict, IO, List, Mapping, Optional
+
+__all__ = [
+    "StepLogger",
+    "read_step_log",
+    "summarize_step_log",
+    "format_memory_report",
+    "format_step_stats",
+    "format_log_summary",
+    "STEPLOG_SCHEMA",
+    "PHASES",
+]
+
+STEPLOG_SCHEMA = "offload.steplog/1"
+PHASES = ("grad_transfer", "unscale_clip", "kernel", "swap_read", "swap_write", "h2d", "allgather")
+_TIERS = ("device", "pinned", "pageable", "nvme")
+# The memory layer names its tiers pinned_host/pageable_host; the report speaks the plan's names.
+_TIER_ALIASES = {"pinned_host": "pinned", "pageable_host": "pageable"}
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _tiers(mapping: Optional[Mapping[str, Any]]) -> Dict[str, int]:
+    out = {t: 0 for t in _TIERS}
+    for k, v in (mapping or {}).items():
+        k = _TIER_ALIASES.get(k, k)
+        if k in out and isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = int(v)
+    return out
+
+
+class StepLogger:
+    """Append one JSON line per optimizer step to ``path`` (flushed, so a crash keeps the lines).
+
+    ``log(step, phases=..., bytes=..., ...)`` with explicit values, or ``log_optimizer(step,
+    opt)`` which reads ``opt.step_stats()["last"]`` and ``opt.memory_report()``.
+    """
+
+    def __init__(self, path: "str | os.PathLike[str]", *, append: bool = False) -> None:
+        self.path = os.fspath(path)
+        parent = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(errno.ENOENT, "directory for the step log does not exist", parent)
+        self._fh: Optional[IO[str]] = open(self.path, "a" if append else "w", encoding="utf-8")
+
+    def log(self, step: int, *, phases: Optional[Mapping[str, float]] = None, step_s: Optional[float] = None,
+            overlap_efficiency: Optional[float] = None, bytes: Optional[Mapping[str, int]] = None,
+            rss: Optional[int] = None, **extra: Any) -> Dict[str, Any]:
+        if self._fh is None:
+            raise ValueError(f"step log {self.path} is closed")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        ph = {}
+        for k, v in (phases or {}).items():
+            if k in ("step", "overlap_efficiency"):
+                continue
+            fv = float(v)
+            if not math.isfinite(fv) or fv < 0:
+                raise ValueError(f"phase {k!r} must be a finite number of seconds >= 0, got {v!r}")
+            ph[str(k)] = fv
+        row: Dict[str, Any] = {
+            "schema": STEPLOG_SCHEMA,
+            "step": step,
+            "time": time.time(),
+            "step_s": None if step_s is None else float(step_s),
+            "phases": ph,
+            "overlap_efficiency": None if overlap_efficiency is None else float(overlap_efficiency),
+            "bytes": _tiers(bytes),
+            "rss": _rss() if rss is None else int(rss),
+        }
+        row.update(extra)
+        self._fh.write(json.dumps(row, sort_keys=True) + "\n")
+        self._fh.flush()
+        return row
+
+    def log_optimizer(self, step: int, opt: Any, **extra: Any) -> Dict[str, Any]:
+        """Log the last step of an ``offload.Adam``/``AdamW`` from its own reports."""
+        stats = opt.step_stats() if hasattr(opt, "step_stats") else {}
+        last = dict(stats.get("last") or {})
+        mem = opt.memory_report() if hasattr(opt, "memory_report") else {}
+        return self.log(
+            step,
+            phases={k: v for k, v in last.items() if k not in ("step", "overlap_efficiency")},
+            step_s=last.get("step"),
+            overlap_efficiency=last.get("overlap_efficiency"),
+            bytes=mem.get("tiers"),
+            rss=mem.get("rss"),
+            **extra,
+        )
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> "StepLogger":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_step_log(path: "str | os.PathLike[str]") -> List[Dict[str, Any]]:
+    """The rows of a step log; a malformed line is a ``ValueError`` naming file and line."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, "step log not found", path)
+    rows = []
+    with open(path, "r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not a JSON line ({exc.msg})") from None
+            if not isinstance(row, dict) or "step" not in row:
+                raise ValueError(f"{path}:{lineno}: expected an object with a 'step' key")
+            row["phases"] = {str(k): float(v) for k, v in (row.get("phases") or {}).items()
+                             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            row["bytes"] = _tiers(row.get("bytes"))
+            rows.append(row)
+    return rows
+
+
+def summarize_step_log(rows: List[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Means and medians of the step and each phase, mean overlap efficiency, peak bytes."""
+    if not rows:
+        raise ValueError("step log has no rows")
+    steps = [float(r["step_s"]) for r in rows if r.get("step_s") is not None]
+    names = sorted({k for r in rows for k in r["phases"]},
+                   key=lambda k: (PHASES.index(k) if k in PHASES else len(PHASES), k))
+    phases = {k: statistics.fmean(r["phases"].get(k, 0.0) for r in rows) for k in names}
+    eff = [float(r["overlap_efficiency"]) for r in rows if r.get("overlap_efficiency") is not None]
+    return {
+        "rows": len(rows),
+        "first_step": rows[0]["step"],
+        "last_step": rows[-1]["step"],
+        "step_s_mean": statistics.fmean(steps) if steps else None,
+        "step_s_median": statistics.median(steps) if steps else None,
+        "phase_s_mean": phases,
+        "overlap_efficiency_mean": statistics.fmean(eff) if eff else None,
+        "peak_bytes": {t: max(r["bytes"][t] for r in rows) for t in _TIERS},
+        "peak_rss": max(int(r.get("rss") or 0) for r in rows),
+    }
+
+
+def _b(n: Optional[float]) -> str:
+    from .render import fmt_bytes
+    return fmt_bytes(n)
+
+
+def format_log_summary(summary: Mapping[str, Any]) -> str:
+    lines = [f"{summary['rows']} steps logged ({summary['first_step']}..{summary['last_step']})"]
+    if summary["step_s_mean"] is not None:
+        lines.append(f"step: mean {summary['step_s_mean'] * 1e3:.2f} ms, median {summary['step_s_median'] * 1e3:.2f} ms")
+    total = summary["step_s_mean"]
+    lines.append("phase means (phases overlap, so shares can add up to more than 100 %):")
+    for k, v in summary["phase_s_mean"].items():
+        share = f"{100 * v / total:6.1f} %" if total else ""
+        lines.append(f"  {k:<16}{v * 1e3:10.2f} ms {share}")
+    if summary["overlap_efficiency_mean"] is not None:
+        lines.append(f"overlap efficiency (ideal / actual): mean {summary['overlap_efficiency_mean']:.3f}")
+    lines.append("peak bytes: " + ", ".join(f"{t} {_b(v)}" for t, v in summary["peak_bytes"].items())
+                 + f"; peak RSS {_b(summary['peak_rss'])}")
+    return "\n".join(lines)
+
+
+def format_memory_report(report: Mapping[str, Any]) -> str:
+    """Text for ``opt.memory_report()``: bytes per tier (binary units), details, RSS."""
+    tiers = _tiers(report.get("tiers", report))
+    head = "optimizer memory"
+    if report.get("offload") is not None:
+        head += f" (offload={report['offload']}" + (f", store {report['store']}" if report.get("store") else "") + ")"
+    lines = [head + ":"]
+    for t in _TIERS:
+        lines.append(f"  {t:<10}{_b(tiers[t]):>14}")
+    lines.append(f"  {'total host':<10}{_b(tiers['pinned'] + tiers['pageable']):>14}")
+    detail = report.get("detail") or {}
+    for k, v in detail.items():
+        lines.append(f"  {k}: {_b(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v}")
+    if report.get("rss") is not None:
+        lines.append(f"  process RSS {_b(report['rss'])}")
+    return "\n".join(lines)
+
+
+def format_step_stats(stats: Mapping[str, Any]) -> str:
+    """Text for ``opt.step_stats()``: last step and running mean per phase, overlap efficiency."""
+    last = dict(stats.get("last") or {})
+    mean = dict(stats.get("mean") or {})
+    lines = [f"optimizer steps: {stats.get('steps', 0)} (skipped {stats.get('skipped', 0)})"]
+    if not last:
+        lines.append("  no step yet")
+        return "\n".join(lines)
+    keys = [k for k in PHASES if k in last or k in mean]
+    keys += sorted(k for k in set(last) | set(mean) if k not in PHASES and k not in ("step", "overlap_efficiency"))
+    lines.append(f"  {'phase':<16}{'last ms':>10}{'mean ms':>10}")
+    for k in ["step"] + keys:
+        lv = last.get(k)
+        mv = mean.get(k)
+        lines.append(f"  {k:<16}{'' if lv is None else f'{lv * 1e3:.2f}':>10}{'' if mv is None else f'{mv * 1e3:.2f}':>10}")
+    if "overlap_efficiency" in last:
+        m = mean.get("overlap_efficiency")
+        lines.append(f"  overlap efficiency: last {last['overlap_efficiency']:.3f}" + ("" if m is None else f", mean {m:.3f}"))
+    return "\n".join(lines)

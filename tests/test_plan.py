@@ -1,0 +1,444 @@
+"""The memory planner: numbers worked out by hand, config param counts, bad input, CLI schema."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from offload.plan import (
+    COMPONENTS,
+    TIERS,
+    cheapest_fitting,
+    count_params,
+    disk_rate_from_tune,
+    estimate,
+    kernel_rate_from_bench,
+    params_from_hf_config,
+    probe_kernel_rate,
+    zero_paper_bytes,
+)
+from offload.plan.estimate import DEFAULT_ENGINE
+
+GiB = 1 << 30
+
+
+def _cli(*argv: str):
+    from offload.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+# --------------------------------------------------------------------------- ZeRO paper
+
+# ZeRO paper, section 3 / figure 1: Ψ = 7.5B, N_d = 64, K = 12, fp16 params and grads,
+# GB = 10^9 bytes. Worked out by hand:
+#   baseline  (2 + 2 + K)Ψ        = 16 x 7.5e9                     = 120e9        -> 120 GB
+#   P_os      4Ψ + KΨ/N_d         = 30e9 + 12 x 7.5e9 / 64 = 30e9 + 1.40625e9      -> 31.4 GB
+#   P_os+g    2Ψ + (2 + K)Ψ/N_d   = 15e9 + 14 x 7.5e9 / 64 = 15e9 + 1.640625e9     -> 16.6 GB
+PAPER = {0: (120_000_000_000, 120.0), 1: (31_406_250_000, 31.4), 2: (16_640_625_000, 16.6)}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zero_paper_7_5b_on_64_ranks(stage):
+    exact, printed = PAPER[stage]
+    plan = estimate(7_500_000_000, world_size=64, stage=stage, offload="none", param_dtype=torch.float16)
+    # Everything sits on the device with offload="none": the device tier is the paper's figure.
+    assert plan.per_rank["device"] == exact
+    assert plan.per_rank["pinned"] == plan.per_rank["pageable"] == plan.per_rank["nvme"] == 0
+    assert round(plan.per_rank["device"] / 1e9, 1) == printed
+    assert zero_paper_bytes(7_500_000_000, 64, stage) == exact
+    assert plan.to_dict()["zero_paper_bytes"] == exact
+
+
+def test_zero_paper_breakdown_stage2():
+    plan = estimate("7.5B", world_size=64, stage=2, param_dtype="fp16")
+    d = plan.breakdown["device"]
+    shard = 7_500_000_000 // 64                       # 117,187,500 (divides exactly)
+    assert d["params"] == 2 * 7_500_000_000
+    assert d["grads"] == 2 * shard
+    assert d["master"] == d["exp_avg"] == d["exp_avg_sq"] == 4 * shard
+
+
+def test_stage3_is_not_yet():
+    plan = estimate(7_500_000_000, world_size=64, stage=3)
+    assert plan.supported is False and plan.fits_all is False
+    assert any("not yet" in n for n in plan.notes)
+    # the paper's P_os+g+p figure is still reported: 16 x 7.5e9 / 64 = 1.875e9
+    assert plan.to_dict()["zero_paper_bytes"] == 1_875_000_000
+    rc, out, _ = _cli("plan", "--params", "7.5B", "--world-size", "64", "--stage", "3", "--no-probe")
+    assert rc == 0 and "not yet" in out
+
+
+# --------------------------------------------------------------------------- offload by hand
+
+def test_device_bf16_offload_cpu_one_rank():
+    n = 1_000_000_000
+    plan = estimate(n, offload="cpu")                 # bf16 params on the accelerator
+    b = plan.breakdown
+    assert plan.per_rank["device"] == 2 * n + 2 * n   # params + grads
+    assert b["pageable"]["master"] == 4 * n
+    assert b["pageable"]["exp_avg"] == b["pageable"]["exp_avg_sq"] == 4 * n
+    assert plan.per_rank["pageable"] == 12 * n
+    assert b["pinned"]["grad_buffers"] == 2 * n        # grads land in host buffers, in bf16
+    assert b["pinned"]["lowp_buffers"] == 2 * n        # bf16 copy of the updated params
+    assert plan.per_rank["pinned"] == 4 * n
+    assert plan.per_rank["nvme"] == 0
+    assert plan.optimizer_bytes == {"device": 0, "pinned": 4 * n, "pageable": 12 * n, "nvme": 0}
+
+
+def test_device_bf16_offload_cpu_stage2_four_ranks():
+    n, N = 1_000_000_000, 4
+    shard = n // N
+    plan = estimate(n, world_size=N, stage=2, offload="cpu")
+    assert plan.per_rank["device"] == 2 * n + 2 * shard
+    assert plan.per_rank["pageable"] == 12 * shard
+    assert plan.per_rank["pinned"] == 2 * shard + 2 * shard
+
+
+def test_device_bf16_offload_nvme():
+    n = 1000 << 20
+    plan = estimate(n, offload="nvme", max_host_bytes=GiB)
+    # three fp32 states of 4n bytes each in swap files (4n is a multiple of 4096 here)
+    assert plan.breakdown["nvme"]["master"] == 4 * n * DEFAULT_ENGINE.swap_slots
+    assert plan.per_rank["nvme"] == 12 * n * DEFAULT_ENGINE.swap_slots
+    # pipeline buffers are bounded by max_host_bytes; grads and bf16 copies as with cpu
+    assert plan.breakdown["pinned"]["io_buffers"] <= GiB
+    assert plan.breakdown["pinned"]["io_buffers"] > GiB - 3 * 12  # at most one element short per buffer
+    assert plan.per_rank["pageable"] == 0
+    assert plan.per_rank["device"] == 4 * n
+
+
+def test_cpu_fp32_params_are_their_own_master():
+    n = 10_000_000
+    plan = estimate(n, offload="cpu", param_dtype=torch.float32, param_device="cpu")
+    b = plan.breakdown["pageable"]
+    assert b["params"] == 4 * n and b["grads"] == 4 * n
+    assert b["master"] == 0
+    assert b["exp_avg"] == b["exp_avg_sq"] == 4 * n
+    assert plan.per_rank == {"device": 0, "pinned": 0, "pageable": 16 * n, "nvme": 0}
+    assert plan.optimizer_bytes["pageable"] == 8 * n
+    # the same model with offload="none" holds the same bytes (the CPU is the device)
+    assert estimate(n, param_dtype="fp32", param_device="cpu").per_rank == plan.per_rank
+
+
+def test_cpu_fp32_params_nvme_small_and_large():
+    # small: buffers for 3 sub-groups of the whole tensor (8 bytes of moments per element)
+    n = 1000
+    plan = estimate(n, offload="nvme", param_dtype="fp32", param_device="cpu")
+    assert plan.breakdown["nvme"]["exp_avg"] == 4096 * DEFAULT_ENGINE.swap_slots   # 4000 B padded to 4 KiB
+    assert plan.breakdown["nvme"]["master"] == 0
+    assert plan.breakdown["pageable"]["io_buffers"] == 3 * n * 8
+    assert plan.per_rank["pinned"] == 0                      # no CUDA: nothing to pin
+    # large: bounded by max_host_bytes
+    plan = estimate(100_000_000, offload="nvme", param_dtype="fp32", param_device="cpu", max_host_bytes="256MiB")
+    sg = (256 << 20) // (3 * 8)
+    assert plan.breakdown["pageable"]["io_buffers"] == 3 * sg * 8
+    # with CUDA present the pipeline buffers are pinned
+    plan = estimate(n, offload="nvme", param_dtype="fp32", param_device="cpu", cuda=True)
+    assert plan.breakdown["pinned"]["io_buffers"] == 3 * n * 8
+
+
+def test_shard_rounds_up_for_uneven_world_sizes():
+    plan = estimate(10, world_size=3, stage=1, offload="cpu", param_dtype="fp32", param_device="cpu")
+    assert plan.inputs["shard_numel"] == 4
+    assert plan.breakdown["pageable"]["exp_avg"] == 16
+
+
+def test_fits_per_tier_and_host_shared_by_node():
+    n = 1_000_000_000
+    plan = estimate(n, offload="cpu", device_memory="3GiB", host_memory="64GiB")
+    assert plan.fits["device"] is False                 # needs 4e9 B > 3 GiB
+    assert plan.fits["host"] is True                    # needs 16e9 B
+    assert plan.fits["nvme"] is None
+    assert plan.fits_all is False
+    # eight ranks on one node share its host memory: 64 GiB / 8 = 8 GiB each
+    plan8 = estimate(n, world_size=8, stage=1, offload="cpu", host_memory="64GiB")
+    assert plan8.capacity["host"] == 8 * GiB
+    assert plan8.host_bytes == 16 * n // 8 and plan8.fits["host"] is True
+    plan8 = estimate(n, world_size=8, stage=0, offload="cpu", host_memory="64GiB")
+    assert plan8.fits["host"] is False                  # 16e9 B each > 8 GiB
+
+
+def test_step_time_nvme_is_max_of_io_and_kernel():
+    n = 100_000_000
+    plan = estimate(n, offload="nvme", param_dtype="fp32", param_device="cpu",
+                    kernel_gparams=2.0, disk_read_gbps=2.0, disk_write_gbps=4.0)
+    # kernel: 1e8 / 2e9 = 0.05 s; I/O: both moments (8e8 B) read at 2 GB/s and written at 4 GB/s
+    assert plan.step["read_bytes"] == plan.step["write_bytes"] == 8 * n
+    assert math.isclose(plan.step["kernel_s"], 0.05)
+    assert math.isclose(plan.step["io_s"], 0.4 + 0.2)
+    assert math.isclose(plan.step_time_s, 0.6)
+    # bf16 device params: the master is streamed too (12 bytes per element each way)
+    plan = estimate(n, offload="nvme", kernel_gparams=2.0, disk_gbps=3.0)
+    assert plan.step["read_bytes"] == 12 * n
+    assert math.isclose(plan.step_time_s, 2 * 12 * n / 3e9)
+    # offload=cpu: the kernel alone
+    plan = estimate(n, world_size=4, stage=2, offload="cpu", kernel_gparams=2.0)
+    assert math.isclose(plan.step_time_s, (n // 4) / 2e9)
+    # no rate, no prediction
+    assert estimate(n, offload="cpu").step_time_s is None
+
+
+def test_cheapest_fitting_order():
+    n = 1_000_000_000
+    kw = dict(world_size=8, device_memory="14GiB", host_memory="64GiB", nvme_capacity="10TiB")
+    best, tried = cheapest_fitting(n, **kw)
+    # none/stage 0: 16e9 B > 14 GiB (15.03e9 B); none/stage 1: 4e9 + 12e9/8 = 5.5e9 fits
+    assert (best.inputs["offload"], best.inputs["stage"]) == ("none", 1)
+    assert [(p.inputs["offload"], p.inputs["stage"]) for p in tried] == [("none", 0), ("none", 1)]
+    best, _ = cheapest_fitting(n, world_size=1, device_memory="8GiB", host_memory="64GiB")
+    assert (best.inputs["offload"], best.inputs["stage"]) == ("cpu", 0)
+    best, tried = cheapest_fitting(n, world_size=1, device_memory="8GiB", host_memory="8GiB", nvme_capacity="1TiB")
+    assert best.inputs["offload"] == "nvme"
+    best, tried = cheapest_fitting(n, world_size=1, device_memory="1GiB", host_memory="8GiB")
+    assert best is None and len(tried) == 3             # none, cpu, nvme at stage 0 only
+
+
+# --------------------------------------------------------------------------- inputs
+
+def test_module_input_counts_tied_weights_once_and_takes_dtype():
+    emb = torch.nn.Embedding(100, 16)
+    head = torch.nn.Linear(16, 100, bias=False)
+    head.weight = emb.weight                           # tied
+    frozen = torch.nn.Linear(16, 16)
+    frozen.requires_grad_(False)
+    model = torch.nn.ModuleList([emb, head, frozen])
+    assert count_params(model) == 1600
+    assert count_params(model, trainable_only=False) == 1600 + 16 * 16 + 16
+    plan = estimate(model, offload="cpu")
+    assert plan.inputs["num_params"] == 1600
+    assert plan.inputs["param_dtype"] == "float32" and plan.inputs["param_device"] == "cpu"
+    assert plan.breakdown["pageable"]["master"] == 0
+
+
+def _write(tmp_path, cfg, name="config.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+LLAMA2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False)
+MISTRAL_7B = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)
+GPT2 = dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
+
+
+def test_hf_config_published_totals(tmp_path):
+    # Llama-2-7B by hand: embed + lm_head 2 x 32000 x 4096 = 262,144,000; per layer 4 x 4096^2
+    # (q,k,v,o) + 3 x 4096 x 11008 (gate, up, down) + 2 x 4096 (norms) = 202,383,360; x 32 =
+    # 6,476,267,520; + final norm 4096 -> 6,738,415,616 (the published count).
+    assert params_from_hf_config(_write(tmp_path, LLAMA2_7B)) == 6_738_415_616
+    # Mistral-7B: k,v project to 8 x 128 = 1024: per layer 2 x 4096^2 + 2 x 4096 x 1024 +
+    # 3 x 4096 x 14336 + 8192 = 218,112,000; x 32 + 262,144,000 + 4096 = 7,241,732,096.
+    assert params_from_hf_config(_write(tmp_path, MISTRAL_7B, "m.json")) == 7_241_732_096
+    # GPT-2 small, tied LM head: 124,439,808.
+    assert params_from_hf_config(_write(tmp_path, GPT2, "g.json")) == 124_439_808
+    # a directory holding config.json works too
+    assert params_from_hf_config(tmp_path) == 6_738_415_616
+
+
+class _TinyLlama(torch.nn.Module):
+    """The shapes of a llama decoder built directly, to count against the config formula."""
+
+    def __init__(self, h, inter, layers, heads, kv_heads, vocab, tie):
+        super().__init__()
+        hd = h // heads
+        self.embed = torch.nn.Embedding(vocab, h)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(layers):
+            blk = torch.nn.Module()
+            blk.q = torch.nn.Linear(h, heads * hd, bias=False)
+            blk.k = torch.nn.Linear(h, kv_heads * hd, bias=False)
+            blk.v = torch.nn.Linear(h, kv_heads * hd, bias=False)
+            blk.o = torch.nn.Linear(heads * hd, h, bias=False)
+            blk.gate = torch.nn.Linear(h, inter, bias=False)
+            blk.up = torch.nn.Linear(h, inter, bias=False)
+            blk.down = torch.nn.Linear(inter, h, bias=False)
+            blk.norm1 = torch.nn.Parameter(torch.ones(h))
+            blk.norm2 = torch.nn.Parameter(torch.ones(h))
+            self.layers.append(blk)
+        self.norm = torch.nn.Parameter(torch.ones(h))
+        self.lm_head = torch.nn.Linear(h, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_config_against_directly_built_llama(tmp_path, tie):
+    cfg = dict(model_type="llama", hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+               num_attention_heads=6, num_key_value_heads=2, vocab_size=97, tie_word_embeddings=tie)
+    model = _TinyLlama(48, 80, 3, 6, 2, 97, tie)
+    assert params_from_hf_config(_write(tmp_path, cfg)) == count_params(model)
+    assert estimate(_write(tmp_path, cfg)).inputs["num_params"] == count_params(model)
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("llama", {}), ("mistral", {}), ("qwen2", {}), ("mixtral", {"num_local_experts": 3}),
+    ("gemma", {"head_dim": 24}), ("qwen3", {"head_dim": 24}),
+])
+def test_hf_config_against_transformers(tmp_path, model_type, extra):
+    transformers = pytest.importorskip("transformers")
+    kw = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=101, **extra)
+    cfg = transformers.AutoConfig.for_model(model_type, **kw)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json_string(use_diff=False))
+    assert params_from_hf_config(path) == count_params(model)
+
+
+def test_hf_config_errors(tmp_path):
+    missing = tmp_path / "nope" / "config.json"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        params_from_hf_config(missing)
+    with pytest.raises(ValueError, match="bert"):
+        params_from_hf_config(_write(tmp_path, {"model_type": "bert", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        params_from_hf_config(_write(tmp_path, {"model_type": "llama", "hidden_size": 8}))
+    rc, _, err = _cli("plan", "--model-config", str(missing), "--no-probe")
+    assert rc == 1 and "nope" in err
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(num_params=-5), "-5"),
+    (dict(num_params="-1B"), "-1B"),
+    (dict(num_params="lots"), "lots"),
+    (dict(world_size=0), "0"),
+    (dict(stage=4), "4"),
+    (dict(offload="disk"), "disk"),
+    (dict(param_dtype="fp8"), "fp8"),
+    (dict(grad_dtype=torch.int8), "int8"),
+    (dict(optimizer="sgd"), "sgd"),
+    (dict(device_memory=-1), "-1"),
+    (dict(host_memory="-2GiB"), "-2GiB"),
+    (dict(max_host_bytes=0), "0"),
+    (dict(kernel_gparams=0), "0"),
+    (dict(disk_gbps=-3), "-3"),
+    (dict(sub_group_size=-7), "-7"),
+])
+def test_bad_input_is_a_value_error_with_the_value(kwargs, fragment):
+    args = dict(num_params=1000)
+    args.update(kwargs)
+    n = args.pop("num_params")
+    with pytest.raises(ValueError, match=fragment):
+        estimate(n, **args)
+
+
+def test_cli_bad_input_exits_1_with_message():
+    rc, _, err = _cli("plan", "--params", "1B", "--world-size", "0", "--no-probe")
+    assert rc == 1 and "world_size" in err and "0" in err
+    rc, _, err = _cli("plan", "--params", "1B", "--param-dtype", "fp7", "--no-probe")
+    assert rc == 1 and "fp7" in err
+
+
+# --------------------------------------------------------------------------- CLI
+
+JSON_KEYS = {"schema", "inputs", "supported", "per_rank", "breakdown", "optimizer_bytes", "capacity", "fits",
+             "fits_all", "step", "zero_paper_bytes", "notes", "rates", "cheapest"}
+INPUT_KEYS = {"source", "num_params", "world_size", "stage", "offload", "optimizer", "k", "param_dtype",
+              "grad_dtype", "param_device", "cuda", "ranks_per_node", "max_host_bytes", "sub_group_size",
+              "swap_dir", "shard_numel", "separate_master", "engine"}
+STEP_KEYS = {"kernel_gparams", "disk_read_gbps", "disk_write_gbps", "kernel_s", "io_s", "read_bytes",
+             "write_bytes", "step_time_s"}
+
+
+def test_cli_json_schema_is_stable():
+    rc, out, _ = _cli("plan", "--params", "1B", "--offload", "nvme", "--kernel-gparams", "2",
+                      "--disk-gbps", "2.5", "--device-memory", "80GiB", "--host-memory", "256GiB", "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert set(doc) == JSON_KEYS
+    assert doc["schema"] == "offload.plan/1"
+    assert set(doc["inputs"]) == INPUT_KEYS
+    assert set(doc["per_rank"]) == set(TIERS)
+    assert set(doc["breakdown"]) == set(TIERS)
+    for t in TIERS:
+        assert set(doc["breakdown"][t]) == set(COMPONENTS)
+        assert sum(doc["breakdown"][t].values()) == doc["per_rank"][t]
+    assert set(doc["fits"]) == {"device", "host", "nvme"}
+    assert set(doc["capacity"]) == {"device", "host", "nvme"}
+    assert set(doc["step"]) == STEP_KEYS
+    assert set(doc["rates"]) == {"kernel", "disk_read", "disk_write"}
+    assert doc["rates"]["kernel"] == {"value": 2.0, "unit": "Gparam/s", "source": "--kernel-gparams"}
+    assert doc["cheapest"] is None
+    assert doc["per_rank"]["device"] == 4_000_000_000       # bytes, not GiB
+    assert math.isclose(doc["step"]["step_time_s"], 2 * 12e9 / 2.5e9)
+
+
+def test_cli_json_cheapest():
+    rc, out, _ = _cli("plan", "--params", "1B", "--device-memory", "8GiB", "--host-memory", "64GiB",
+                      "--kernel-gparams", "2", "--disk-gbps", "2", "--cheapest", "--json")
+    assert rc == 0
+    c = json.loads(out)["cheapest"]
+    assert set(c) == {"found", "stage", "offload", "per_rank", "step_time_s", "candidates"}
+    assert (c["found"], c["offload"], c["stage"]) == (True, "cpu", 0)
+    assert set(c["candidates"][0]) == {"stage", "offload", "fits", "fits_all", "per_rank", "step_time_s"}
+
+
+def test_cli_table_says_gib_and_explains(tmp_path):
+    cfg = _write(tmp_path, LLAMA2_7B)
+    rc, out, _ = _cli("plan", "--model-config", str(cfg), "--offload", "cpu", "--kernel-gparams", "1.8",
+                      "--explain")
+    assert rc == 0
+    assert "6,738,415,616 params" in out
+    assert "GiB (2^30 bytes)" in out
+    assert "2Ψ + (2 + K)Ψ/N_d" in out and "K = 12" in out
+    # pageable host: 12 B x 6,738,415,616 = 80,860,987,392 B = 75.31 GiB
+    total_line = next(l for l in out.splitlines() if l.strip().startswith("total"))
+    assert total_line.split()[3] == f"{12 * 6_738_415_616 / GiB:.2f}" == "75.31"
+    assert "predicted optimizer step: 3743.6 ms" in out      # 6,738,415,616 / 1.8e9 s
+
+
+# --------------------------------------------------------------------------- rates
+
+def test_kernel_rate_from_bench_output(tmp_path):
+    p = tmp_path / "adam.txt"
+    rows = [
+        {"impl": "torch_fused", "n": 100_000_000, "threads": 2, "gparams": 1.8},
+        {"impl": "native", "n": 10_000_000, "threads": 2, "gparams": 2.5},
+        {"impl": "native", "n": 100_000_000, "threads": 1, "gparams": 1.7},
+        {"impl": "native", "n": 100_000_000, "threads": 2, "gparams": 1.95},
+        {"impl": "numba", "n": 100_000_000, "threads": 2, "gparams": 1.9},
+    ]
+    p.write_text("a table\n| x | y |\n" + json.dumps({"bench": "adam", "results": rows}) + "\n")
+    r = kernel_rate_from_bench(str(p))
+    assert r.value == 1.95 and r.unit == "Gparam/s" and "native" in r.source
+    with pytest.raises(ValueError, match="Gparam"):
+        (tmp_path / "empty.json").write_text("{}")
+        kernel_rate_from_bench(str(tmp_path / "empty.json"))
+
+
+@pytest.mark.parametrize("doc", [
+    {"read": {"engine": "uring", "block_size": 1048576, "gbps": 2.4}, "write": {"gbps": 5.9}},
+    {"best": {"read": {"gbps": 2.4}, "write": {"gbps": 5.9}}},
+    {"read_gbps": 2.4, "write_gbps": 5.9},
+    [{"tool": "offload", "rw": "read", "gbps": 2.1}, {"tool": "offload", "rw": "read", "gbps": 2.4},
+     {"tool": "fio", "rw": "read", "gbps": 9.0}, {"tool": "offload", "rw": "write", "gbps": 5.9}],
+])
+def test_disk_rate_from_tune_shapes(tmp_path, doc):
+    p = tmp_path / "tune.json"
+    p.write_text(json.dumps(doc))
+    r, w = disk_rate_from_tune(str(p))
+    assert (r.value, w.value) == (2.4, 5.9)
+
+
+def test_disk_rate_from_tune_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        disk_rate_from_tune(str(tmp_path / "missing.json"))
+    (tmp_path / "x.json").write_text(json.dumps({"engine": "uring"}))
+    with pytest.raises(ValueError, match="x.json"):
+        disk_rate_from_tune(str(tmp_path / "x.json"))
+
+
+def test_probe_kernel_rate_small():
+    r = probe_kernel_rate(200_000, repeats=3)
+    assert r.unit == "Gparam/s" and 0.001 < r.value < 100
+    assert "200,000" in r.source
