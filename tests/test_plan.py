@@ -21,7 +21,6 @@ from offload.plan import (
     probe_kernel_rate,
     zero_paper_bytes,
 )
-from offload.plan.estimate import DEFAULT_ENGINE
 
 GiB = 1 << 30
 
@@ -103,16 +102,31 @@ def test_device_bf16_offload_cpu_stage2_four_ranks():
 
 
 def test_device_bf16_offload_nvme():
-    n = 1000 << 20
+    n = 1000 << 20                                    # 1,048,576,000: every state 4 KiB-aligned
     plan = estimate(n, offload="nvme", max_host_bytes=GiB)
-    # three fp32 states of 4n bytes each in swap files (4n is a multiple of 4096 here)
-    assert plan.breakdown["nvme"]["master"] == 4 * n * DEFAULT_ENGINE.swap_slots
-    assert plan.per_rank["nvme"] == 12 * n * DEFAULT_ENGINE.swap_slots
-    # pipeline buffers are bounded by max_host_bytes; grads and bf16 copies as with cpu
-    assert plan.breakdown["pinned"]["io_buffers"] <= GiB
-    assert plan.breakdown["pinned"]["io_buffers"] > GiB - 3 * 12  # at most one element short per buffer
+    # The swap layer's rules (offload/swap/pipeline.py plan_sub_groups), worked by hand for
+    # 3 fp32 states (master, exp_avg, exp_avg_sq) = 12 B per element within 1 GiB:
+    #   sub-group = floor(2^30 / (4 buffers x 12 B) / 1024) x 1024        = 22,369,280 elements
+    #     (under the cap of ceil(n / 16 groups) = 65,536,000)
+    #   region    = 3 states x 4 B x 22,369,280                           = 268,431,360 B
+    #   buffers   = min(floor(2^30 / region) = 4, 8, 47 groups)           = 4
+    sw = plan.inputs["swap"]
+    assert (sw["sub_group_size"], sw["region_bytes"], sw["buffers"], sw["num_groups"]) == (22_369_280, 268_431_360, 4, 47)
+    assert plan.breakdown["pinned"]["io_buffers"] == 4 * 268_431_360
+    # disk: 12 B per element (no padding: every piece is a multiple of 4 KiB) in 2 slots
+    assert plan.breakdown["nvme"]["master"] == plan.breakdown["nvme"]["exp_avg"] == 2 * 4 * n
+    assert plan.per_rank["nvme"] == 2 * 12 * n
+    # grads and the bf16 copy in pinned host buffers, as with offload="cpu"
+    assert plan.breakdown["pinned"]["grad_buffers"] == plan.breakdown["pinned"]["lowp_buffers"] == 2 * n
     assert plan.per_rank["pageable"] == 0
     assert plan.per_rank["device"] == 4 * n
+
+
+def test_nvme_bound_too_small_is_a_problem_not_a_crash():
+    plan = estimate(100_000_000, offload="nvme", param_dtype="fp32", param_device="cpu", max_host_bytes="16KiB")
+    # one sub-group of 1024 elements x 2 states = 8 KiB per buffer: 16 KiB holds 2 < 3 buffers
+    assert plan.problems and "max_host_bytes" in plan.problems[0]
+    assert plan.fits_all is False
 
 
 def test_cpu_fp32_params_are_their_own_master():
@@ -129,20 +143,29 @@ def test_cpu_fp32_params_are_their_own_master():
 
 
 def test_cpu_fp32_params_nvme_small_and_large():
-    # small: buffers for 3 sub-groups of the whole tensor (8 bytes of moments per element)
+    # small: 1000 elements, 2 states (exp_avg, exp_avg_sq; the fp32 param is its own master).
+    # One sub-group of 1024 elements (whole 4 KiB pages), one buffer of 2 x 4096 B; on disk
+    # each state takes 4096 B (4000 padded) in each of 2 slots.
     n = 1000
     plan = estimate(n, offload="nvme", param_dtype="fp32", param_device="cpu")
-    assert plan.breakdown["nvme"]["exp_avg"] == 4096 * DEFAULT_ENGINE.swap_slots   # 4000 B padded to 4 KiB
+    assert plan.breakdown["nvme"]["exp_avg"] == plan.breakdown["nvme"]["exp_avg_sq"] == 2 * 4096
     assert plan.breakdown["nvme"]["master"] == 0
-    assert plan.breakdown["pageable"]["io_buffers"] == 3 * n * 8
+    assert plan.breakdown["pageable"]["io_buffers"] == 2 * 4096
     assert plan.per_rank["pinned"] == 0                      # no CUDA: nothing to pin
-    # large: bounded by max_host_bytes
+    # large: 100M elements within 256 MiB:
+    #   sub-group = min(floor(2^28 / (4 x 8) / 1024) x 1024 = 8,388,608,
+    #                   roundup(ceil(1e8 / 16), 1024) = 6,250,496)  = 6,250,496 elements (16 groups)
+    #   region = 2 x 4 x 6,250,496 = 50,003,968 B; buffers = min(floor(2^28 / region) = 5, 8, 16) = 5
     plan = estimate(100_000_000, offload="nvme", param_dtype="fp32", param_device="cpu", max_host_bytes="256MiB")
-    sg = (256 << 20) // (3 * 8)
-    assert plan.breakdown["pageable"]["io_buffers"] == 3 * sg * 8
+    assert plan.breakdown["pageable"]["io_buffers"] == 5 * 50_003_968
+    assert plan.inputs["swap"]["num_groups"] == 16
+    # the last group holds 1e8 - 15 x 6,250,496 = 6,242,560 elements: 24,970,240 B per state,
+    # padded to 24,973,312 (6,097 pages). One slot = 15 x 50,003,968 + 2 x 24,973,312 = 800,006,144 B.
+    assert plan.per_rank["nvme"] == 2 * 800_006_144
+    assert plan.step["read_bytes"] == plan.step["write_bytes"] == 800_006_144
     # with CUDA present the pipeline buffers are pinned
     plan = estimate(n, offload="nvme", param_dtype="fp32", param_device="cpu", cuda=True)
-    assert plan.breakdown["pinned"]["io_buffers"] == 3 * n * 8
+    assert plan.breakdown["pinned"]["io_buffers"] == 2 * 4096
 
 
 def test_shard_rounds_up_for_uneven_world_sizes():
@@ -170,15 +193,16 @@ def test_step_time_nvme_is_max_of_io_and_kernel():
     n = 100_000_000
     plan = estimate(n, offload="nvme", param_dtype="fp32", param_device="cpu",
                     kernel_gparams=2.0, disk_read_gbps=2.0, disk_write_gbps=4.0)
-    # kernel: 1e8 / 2e9 = 0.05 s; I/O: both moments (8e8 B) read at 2 GB/s and written at 4 GB/s
-    assert plan.step["read_bytes"] == plan.step["write_bytes"] == 8 * n
+    # kernel: 1e8 / 2e9 = 0.05 s; I/O: both moments (8e8 B + 6,144 B of padding, see above)
+    # read at 2 GB/s and written at 4 GB/s
+    assert plan.step["read_bytes"] == plan.step["write_bytes"] == 800_006_144
     assert math.isclose(plan.step["kernel_s"], 0.05)
-    assert math.isclose(plan.step["io_s"], 0.4 + 0.2)
-    assert math.isclose(plan.step_time_s, 0.6)
+    assert math.isclose(plan.step["io_s"], 800_006_144 / 2e9 + 800_006_144 / 4e9)
+    assert math.isclose(plan.step_time_s, plan.step["io_s"])
     # bf16 device params: the master is streamed too (12 bytes per element each way)
     plan = estimate(n, offload="nvme", kernel_gparams=2.0, disk_gbps=3.0)
-    assert plan.step["read_bytes"] == 12 * n
-    assert math.isclose(plan.step_time_s, 2 * 12 * n / 3e9)
+    assert math.isclose(plan.step["read_bytes"], 12 * n, rel_tol=1e-4)   # + last group's padding
+    assert math.isclose(plan.step_time_s, 2 * plan.step["read_bytes"] / 3e9)
     # offload=cpu: the kernel alone
     plan = estimate(n, world_size=4, stage=2, offload="cpu", kernel_gparams=2.0)
     assert math.isclose(plan.step_time_s, (n // 4) / 2e9)
@@ -342,10 +366,10 @@ def test_cli_bad_input_exits_1_with_message():
 # --------------------------------------------------------------------------- CLI
 
 JSON_KEYS = {"schema", "inputs", "supported", "per_rank", "breakdown", "optimizer_bytes", "capacity", "fits",
-             "fits_all", "step", "zero_paper_bytes", "notes", "rates", "cheapest"}
+             "fits_all", "step", "zero_paper_bytes", "notes", "problems", "rates", "cheapest"}
 INPUT_KEYS = {"source", "num_params", "world_size", "stage", "offload", "optimizer", "k", "param_dtype",
               "grad_dtype", "param_device", "cuda", "ranks_per_node", "max_host_bytes", "sub_group_size",
-              "swap_dir", "shard_numel", "separate_master", "engine"}
+              "swap_dir", "shard_numel", "separate_master", "lowp_buffers", "swap"}
 STEP_KEYS = {"kernel_gparams", "disk_read_gbps", "disk_write_gbps", "kernel_s", "io_s", "read_bytes",
              "write_bytes", "step_time_s"}
 
@@ -370,7 +394,8 @@ def test_cli_json_schema_is_stable():
     assert doc["rates"]["kernel"] == {"value": 2.0, "unit": "Gparam/s", "source": "--kernel-gparams"}
     assert doc["cheapest"] is None
     assert doc["per_rank"]["device"] == 4_000_000_000       # bytes, not GiB
-    assert math.isclose(doc["step"]["step_time_s"], 2 * 12e9 / 2.5e9)
+    # 12 B per param read and written at 2.5 GB/s (+ the last sub-group's padding)
+    assert math.isclose(doc["step"]["step_time_s"], 2 * 12e9 / 2.5e9, rel_tol=1e-5)
 
 
 def test_cli_json_cheapest():

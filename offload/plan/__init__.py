@@ -7,7 +7,7 @@ per-step JSON lines that ``offload report`` reads back.
 from .estimate import (
     COMPONENTS,
     TIERS,
-    EngineModel,
+    SWAP_SLOTS,
     Plan,
     cheapest_fitting,
     count_params,
@@ -28,7 +28,7 @@ from .report import (
 )
 
 __all__ = [
-    "estimate", "cheapest_fitting", "Plan", "EngineModel", "TIERS", "COMPONENTS",
+    "estimate", "cheapest_fitting", "Plan", "SWAP_SLOTS", "TIERS", "COMPONENTS",
     "count_params", "parse_count", "parse_dtype", "zero_paper_bytes",
     "params_from_hf_config", "load_hf_config",
     "Rate", "probe_kernel_rate", "kernel_rate_from_bench", "probe_disk_rate", "disk_rate_from_tune",

@@ -23,12 +23,12 @@ tier where *this* engine keeps it, adding the buffers the engine itself allocate
   the low-precision copy of the updated params on its way back to the device.
 
 Activations, the CUDA context and the allocator's fragmentation are not model states and are
-not counted; ``explain()`` says so. The engine's constants live in ``EngineModel`` so that a
-change in the engine is a change in one place (and the plan-then-run tests catch a drift).
+not counted; ``explain()`` says so. The swap layer is asked directly how it will cut and
+buffer the states (``swap_model``), and the plan-then-run tests compare a plan with the
+optimizer's own ``memory_report()``, so a drift between engine and plan fails a test.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
@@ -42,7 +42,8 @@ from .hf_config import params_from_hf_config
 
 __all__ = [
     "Plan",
-    "EngineModel",
+    "SWAP_SLOTS",
+    "swap_model",
     "TIERS",
     "COMPONENTS",
     "estimate",
@@ -73,27 +74,33 @@ _OFFLOADS = ("none", "cpu", "nvme")
 _OPTIMIZERS = {"adam": 12, "adamw": 12}    # K of the ZeRO paper: master + two moments, fp32
 
 
-@dataclass(frozen=True)
-class EngineModel:
-    """What the engine allocates beyond the model states, as the planner assumes it.
+SWAP_SLOTS = 2
+"""Each sub-group has two slots on disk, written alternately, so that a crash leaves one
+complete step (offload/swap/store.py, [Note: two slots])."""
 
-    Kept in step with ``offload/optim`` and ``offload/swap``; ``plan then run`` tests compare
-    a plan with ``memory_report()`` and fail when the two drift apart.
+
+def swap_model(numel: int, nstates: int, max_host_bytes: Optional[int], sub_group_size: Optional[int]) -> Dict[str, Any]:
+    """What the swap layer will allocate for ``nstates`` fp32 states of ``numel`` elements.
+
+    Asks the swap layer itself (``plan_sub_groups`` and ``SwapLayout``) rather than copying
+    its rules, so the plan follows the engine when the engine changes. Raises ``ValueError``
+    (the engine's own message) when ``max_host_bytes`` cannot hold the pipeline.
     """
+    from offload.swap import SwapLayout, plan_sub_groups
 
-    default_max_host_bytes: int = GiB
-    """Bound on the swap pipeline's host buffers when ``max_host_bytes`` is not given."""
-    io_buffers: int = 3
-    """Sub-group buffers in flight in the swap pipeline (read g+1, compute g, write g-1)."""
-    swap_slots: int = 1
-    """Copies of each state kept on disk (2 when crash-consistent alternating slots are used)."""
-    file_alignment: int = 4096
-    """Swap files are padded to this (O_DIRECT)."""
-    lowp_buffer_full_shard: bool = True
-    """True: one pinned fp16/bf16 buffer per rank shard; False: per in-flight sub-group."""
-
-
-DEFAULT_ENGINE = EngineModel()
+    sg, nbuf = plan_sub_groups(numel, nstates, max_host_bytes, sub_group_size)
+    layout = SwapLayout(numel, sg, nstates)
+    return {
+        "sub_group_size": layout.sub_group_size,
+        "num_groups": layout.num_groups,
+        "buffers": nbuf,
+        "region_bytes": layout.region_bytes,
+        "host_bytes": nbuf * layout.region_bytes,
+        "file_bytes": layout.file_bytes,
+        "slots": SWAP_SLOTS,
+        "disk_bytes": SWAP_SLOTS * layout.file_bytes,
+        "nstates": nstates,
+    }
 
 
 # --------------------------------------------------------------------------- input parsing
@@ -236,6 +243,8 @@ class Plan:
     supported: bool = True
     """False for stage 3, which this engine does not offer yet."""
     notes: List[str] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)
+    """Reasons the engine would refuse this configuration (it then does not fit)."""
 
     # derived views -------------------------------------------------------------------------
     @property
@@ -265,7 +274,7 @@ class Plan:
     @property
     def fits_all(self) -> bool:
         """Supported and no tier known to overflow (an unknown capacity counts as fitting)."""
-        return self.supported and all(v is not False for v in self.fits.values())
+        return self.supported and not self.problems and all(v is not False for v in self.fits.values())
 
     @property
     def step_time_s(self) -> Optional[float]:
@@ -291,6 +300,7 @@ class Plan:
             "step": dict(self.step),
             "zero_paper_bytes": int(round(self.zero_paper_bytes)),
             "notes": list(self.notes),
+            "problems": list(self.problems),
         }
 
     def explain(self) -> str:
@@ -300,10 +310,6 @@ class Plan:
     def table(self) -> str:
         from .render import plan_table
         return plan_table(self)
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 def estimate(
@@ -328,7 +334,7 @@ def estimate(
     disk_read_gbps: Optional[float] = None,
     disk_write_gbps: Optional[float] = None,
     kernel_gparams: Optional[float] = None,
-    engine: EngineModel = DEFAULT_ENGINE,
+    lowp_buffers: str = "shard",
 ) -> Plan:
     """Plan the bytes per rank and tier for training ``num_params`` parameters.
 
@@ -344,6 +350,8 @@ def estimate(
     is shared by ``ranks_per_node`` ranks, default ``min(world_size, 8)``). ``nvme_capacity``
     defaults to the free space of ``swap_dir`` when given. Rates: ``kernel_gparams`` (CPU
     Adam, 10^9 params/s) and ``disk_gbps`` (10^9 B/s, or separate read and write rates).
+    ``lowp_buffers``: ``"shard"`` (one host buffer for the rank's whole shard of fp16/bf16
+    params, the default) or ``"none"``.
     """
     n, source_desc, module = _resolve_params(num_params)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -352,6 +360,8 @@ def estimate(
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if offload not in _OFFLOADS:
         raise ValueError(f"unknown offload target {offload!r}; expected 'none', 'cpu' or 'nvme'")
+    if lowp_buffers not in ("shard", "none"):
+        raise ValueError(f"lowp_buffers must be 'shard' or 'none', got {lowp_buffers!r}")
     opt = str(optimizer).lower()
     if opt not in _OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adam' or 'adamw'")
@@ -420,20 +430,20 @@ def estimate(
         B[user_tier]["grads"] = n * gb
 
     state_elems = {"master": shard if separate_master else 0, "exp_avg": shard, "exp_avg_sq": shard}
+    swap: Optional[Dict[str, Any]] = None
+    problems: List[str] = []
     if offload == "nvme":
-        for c, e in state_elems.items():
-            B["nvme"][c] = _round_up(e * 4, engine.file_alignment) * engine.swap_slots if e else 0
-        # Pipeline buffers: io_buffers sub-groups of all streamed states, bounded by max_host_bytes.
-        per_elem = 4 * sum(1 for e in state_elems.values() if e)
-        bound = mhb if mhb is not None else engine.default_max_host_bytes
-        sg = sub_group_size or max(1, bound // (engine.io_buffers * per_elem))
-        sg = min(sg, shard) if shard else 0
-        B[host_buf_tier]["io_buffers"] = min(bound, engine.io_buffers * sg * per_elem)
-        if sub_group_size is not None and engine.io_buffers * sub_group_size * per_elem > bound:
-            notes.append(
-                f"sub_group_size {sub_group_size:,} needs {engine.io_buffers} x {sub_group_size * per_elem:,} B "
-                f"of pipeline buffers, more than max_host_bytes {bound:,} B: the engine will refuse it"
-            )
+        streamed = [c for c, e in state_elems.items() if e]
+        if shard:
+            try:
+                swap = swap_model(shard, len(streamed), mhb, sub_group_size)
+            except ValueError as exc:
+                problems.append(f"the swap pipeline refuses this configuration: {exc}")
+        if swap is not None:
+            # the swap files hold the states one after the other per sub-group: equal shares
+            for c in streamed:
+                B["nvme"][c] = swap["disk_bytes"] // len(streamed)
+            B[host_buf_tier]["io_buffers"] = swap["host_bytes"]
         states_tier = None
     elif states_with_params and not on_cpu:
         states_tier = "device"
@@ -447,14 +457,8 @@ def estimate(
         # Grads leave the device as they are produced, into host buffers in their own dtype;
         # the kernel writes the updated low-precision params into host buffers for the H2D copy.
         B[host_buf_tier]["grad_buffers"] = shard * gb
-        if pdt != torch.float32:
-            if engine.lowp_buffer_full_shard:
-                B[host_buf_tier]["lowp_buffers"] = shard * pb
-            else:
-                sgl = min(sub_group_size or shard, shard)
-                B[host_buf_tier]["lowp_buffers"] = engine.io_buffers * sgl * pb
-        else:
-            B[host_buf_tier]["lowp_buffers"] = shard * pb  # fp32 params still travel back
+        # fp32 device params travel back from the same kind of buffer, in fp32.
+        B[host_buf_tier]["lowp_buffers"] = shard * pb if lowp_buffers == "shard" else 0
     if on_cpu and pdt != torch.float32:
         notes.append("low-precision CPU params: the kernel writes the rounded copy into the param itself")
 
@@ -480,7 +484,8 @@ def estimate(
     kernel_on_cpu = offload != "none" or on_cpu
     step["kernel_s"] = (shard / (kg * 1e9)) if (kg and kernel_on_cpu) else None
     if offload == "nvme":
-        streamed = sum(4 * e for e in state_elems.values())
+        # every sub-group is read from one slot and written to the other once per step
+        streamed = swap["file_bytes"] if swap else sum(4 * e for e in state_elems.values())
         step["read_bytes"] = streamed
         step["write_bytes"] = streamed
         step["io_s"] = (streamed / (rg * 1e9) + streamed / (wg * 1e9)) if (rg and wg) else None
@@ -508,14 +513,16 @@ def estimate(
         "param_device": pdev,
         "cuda": bool(cuda),
         "ranks_per_node": ranks_per_node,
-        "max_host_bytes": mhb if mhb is not None else (engine.default_max_host_bytes if offload == "nvme" else None),
+        "max_host_bytes": mhb,
         "sub_group_size": sub_group_size,
         "swap_dir": os.fspath(swap_dir) if swap_dir is not None else None,
         "shard_numel": shard,
         "separate_master": separate_master,
-        "engine": dataclasses.asdict(engine),
+        "lowp_buffers": lowp_buffers,
+        "swap": swap,
     }
-    return Plan(inputs=inputs, breakdown=B, capacity=capacity, step=step, supported=supported, notes=notes)
+    return Plan(inputs=inputs, breakdown=B, capacity=capacity, step=step, supported=supported, notes=notes,
+                problems=problems)
 
 
 def cheapest_fitting(

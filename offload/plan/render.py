@@ -81,6 +81,8 @@ def plan_table(plan: "Plan") -> str:
             missing.append("disk rates (--disk-gbps, --io-tune or --swap-dir for the probe)")
         if missing:
             lines.append(f"predicted optimizer step: needs {' and '.join(missing)}")
+    for n in plan.problems:
+        lines.append(f"PROBLEM: {n}")
     for n in plan.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
@@ -91,7 +93,6 @@ def explain_text(plan: "Plan") -> str:
     i = plan.inputs
     n, N, st, k = i["num_params"], i["world_size"], i["stage"], i["k"]
     paper = plan.zero_paper_bytes
-    e = i["engine"]
     lines = [
         "How these numbers are computed (Ψ = params, N_d = data-parallel ranks):",
         f"  Ψ = {n:,}, N_d = {N}, K = {k} (fp32 master 4 + exp_avg 4 + exp_avg_sq 4 bytes per param, "
@@ -115,12 +116,17 @@ def explain_text(plan: "Plan") -> str:
     elif off == "cpu":
         lines.append("  offload=cpu: master + exp_avg + exp_avg_sq (4 B each x shard) in pageable host memory")
     else:
-        lines.append(
-            f"  offload=nvme: master + moments in swap files, padded to {e['file_alignment']} B, "
-            f"x {e['swap_slots']} slot(s); host keeps {e['io_buffers']} sub-group buffers of every streamed "
-            f"state, at most max_host_bytes = {i['max_host_bytes']:,} B "
-            f"({'pinned' if i['cuda'] else 'pageable: no CUDA, nothing to pin for'})"
-        )
+        sw = i.get("swap")
+        lines.append("  offload=nvme: the streamed states live in swap files, every state padded to 4 KiB per "
+                     "sub-group, in 2 slots written alternately (a crash leaves one complete step)")
+        if sw:
+            bound = "default 1 GiB" if i["max_host_bytes"] is None else f"{i['max_host_bytes']:,} B"
+            pin = "pinned" if i["cuda"] else "pageable: no CUDA, nothing to pin for"
+            lines.append(
+                f"    sub-groups of {sw['sub_group_size']:,} elements x {sw['nstates']} states "
+                f"({sw['num_groups']} groups); host: {sw['buffers']} pipeline buffers of {sw['region_bytes']:,} B "
+                f"within max_host_bytes ({bound}), {pin}"
+            )
     if i["param_device"] != "cpu" and off != "none":
         lines.append(
             "  device params: host buffers receive grads in their own dtype (grad bytes x shard) and the "
