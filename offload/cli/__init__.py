@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "plan": "plan",
     "report": "report",
     "info": "info",
+    "clean": "clean",
 }
 
 

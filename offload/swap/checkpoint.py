@@ -1,0 +1,227 @@
+"""Checkpoints of a swap store, streamed in buffer-sized pieces (never the whole state in RAM).
+
+A checkpoint is a directory::
+
+    offload-ckpt.json        manifest (format, version, dtype, numel, states, files, crc32, meta)
+    exp_avg.<gen>.bin        one flat fp32 array per state, in index order, padded to 4096
+    exp_avg_sq.<gen>.bin
+
+The data files hold the plain flat arrays, independent of the sub-group layout, so a
+checkpoint loads with any ``sub_group_size`` (and the optimizer can write the same format
+from host-resident states). Saving writes new files under temporary names, fsyncs them,
+renames them to a new generation ``<gen>``, then replaces the manifest atomically; the old
+generation is deleted only after that, so a crash or ENOSPC mid-save leaves the previous
+checkpoint loadable.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import zlib
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from offload.io import IORequest, open_file
+from offload.swap import fsutil
+from offload.swap.layout import ALIGN, round_up
+
+__all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "save_store", "load_store", "read_manifest"]
+
+CKPT_FORMAT = "offload-ckpt"
+CKPT_VERSION = 1
+CKPT_MANIFEST = "offload-ckpt.json"
+
+
+def _stream(engine: Any, buffers: List[Any], groups: List[int],
+            reads: Callable[[int, Any], List[Any]], process: Callable[[int, Any], None],
+            writes: Callable[[int, Any], List[Any]]) -> None:
+    """For each group: read into a free buffer (synchronously), ``process``, then submit its
+    writes and go on; a buffer is reused only after its writes completed."""
+    from offload.swap.pipeline import _check_counts
+
+    free = list(buffers)
+    pending: Deque[Tuple[Any, Any, List[Any]]] = deque()
+    try:
+        for g in groups:
+            if not free:
+                buf, ticket, reqs = pending.popleft()
+                _check_counts(engine.wait(ticket), reqs, "write")
+                free.append(buf)
+            buf = free.pop()
+            rq = reads(g, buf)
+            if rq:
+                _check_counts(engine.wait(engine.submit(rq)), rq, "read")
+            process(g, buf)
+            wq = writes(g, buf)
+            pending.append((buf, engine.submit(wq), wq))
+        while pending:
+            buf, ticket, reqs = pending.popleft()
+            _check_counts(engine.wait(ticket), reqs, "write")
+    finally:
+        for _, ticket, _ in pending:  # after an error: let in-flight writes finish
+            try:
+                engine.wait(ticket)
+            except Exception:
+                pass
+
+
+def read_manifest(directory: str) -> Dict[str, Any]:
+    path = os.path.join(directory, CKPT_MANIFEST)
+    try:
+        m = fsutil.read_json(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "no offload checkpoint here (manifest missing)", path) from None
+    if not isinstance(m, dict) or m.get("format") != CKPT_FORMAT:
+        raise ValueError(f"{path}: not an offload checkpoint manifest")
+    if m.get("version") != CKPT_VERSION:
+        raise ValueError(f"{path}: checkpoint format version {m.get('version')!r}, this offload reads {CKPT_VERSION}")
+    return m
+
+
+def _remove_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, Any]) -> str:
+    """Stream the committed states of ``store`` into checkpoint ``directory`` (created 0700 if
+    missing). ``meta``: opaque JSON (the optimizer's steps, shapes, fingerprint)."""
+    layout, names = store.layout, store.state_names
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    old: Optional[Dict[str, Any]] = None
+    if os.path.lexists(os.path.join(directory, CKPT_MANIFEST)):
+        old = read_manifest(directory)
+    gen = int(old["gen"]) + 1 if old else 1
+    keep = set(old["files"].values()) if old else set()
+    pattern = re.compile(r"^\.?[A-Za-z0-9_]+\.\d+\.bin(\.tmp)?$")
+    for name in os.listdir(directory):  # leftovers of a save that died half-way
+        if pattern.match(name) and name not in keep:
+            _remove_quiet(os.path.join(directory, name))
+    per_file = round_up(layout.numel * layout.itemsize, ALIGN)
+    need = per_file * len(names)
+    free = fsutil.free_bytes(directory)
+    if free < need:
+        raise OSError(errno.ENOSPC, f"checkpoint needs {need} bytes ({need / 2**30:.2f} GiB) in this directory, "
+                      f"{free} free; the previous checkpoint is untouched", directory)
+    finals = {k: f"{k}.{gen}.bin" for k in names}
+    tmps = [os.path.join(directory, f".{finals[k]}.tmp") for k in names]
+    files: List[Any] = []
+    crcs = [0] * len(names)
+    try:
+        for tmp in tmps:
+            f = open_file(tmp, write=True, create=True, exclusive=True, mode=0o600, nofollow=True)
+            files.append(f)
+            try:
+                f.preallocate(per_file)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise OSError(exc.errno, f"checkpoint needs {need} bytes in this directory and the file system "
+                                  "ran out; the previous checkpoint is untouched", directory) from exc
+                raise
+
+        def process(g: int, buf: Any) -> None:
+            if store.verify:
+                store.check(g, buf)
+            s, e = layout.group_range(g)
+            stride, used = layout.state_bytes(g), (e - s) * layout.itemsize
+            view = buf.memoryview
+            for k in range(len(names)):
+                crcs[k] = zlib.crc32(view[k * stride:k * stride + used], crcs[k])
+                if used < stride:  # deterministic padding at the end of the file
+                    view[k * stride + used:(k + 1) * stride] = bytes(stride - used)
+
+        def reads(g: int, buf: Any) -> List[Any]:
+            rq = store.read_requests(g, buf)
+            if not rq:
+                buf.memoryview[:layout.group_bytes(g)] = bytes(layout.group_bytes(g))
+            return rq
+
+        def writes(g: int, buf: Any) -> List[Any]:
+            s, _ = layout.group_range(g)
+            stride = layout.state_bytes(g)
+            return [IORequest(op="write", file=files[k], offset=s * layout.itemsize,
+                              buf=buf.memoryview[k * stride:(k + 1) * stride]) for k in range(len(names))]
+
+        _stream(store.engine, buffers, list(range(layout.num_groups)), reads, process, writes)
+        for f in files:
+            f.fsync()
+            f.close()
+        for k, tmp in zip(names, tmps):
+            os.rename(tmp, os.path.join(directory, finals[k]))
+        fsutil.fsync_dir(directory)
+        manifest = {"format": CKPT_FORMAT, "version": CKPT_VERSION, "dtype": layout.dtype_name,
+                    "numel": layout.numel, "states": names, "gen": gen, "files": finals,
+                    "file_bytes": per_file, "crc32": dict(zip(names, crcs)), "meta": meta}
+        fsutil.write_json_atomic(directory, CKPT_MANIFEST, manifest)
+    except BaseException:
+        for f in files:
+            try:
+                f.close()
+            except OSError:
+                pass
+        for k, tmp in zip(names, tmps):
+            _remove_quiet(tmp)
+            if not old or finals[k] not in keep:
+                # renamed already but the manifest never pointed at it
+                cur = None
+                try:
+                    cur = read_manifest(directory).get("gen")
+                except (OSError, ValueError):
+                    pass
+                if cur != gen:
+                    _remove_quiet(os.path.join(directory, finals[k]))
+        raise
+    for name in keep:
+        _remove_quiet(os.path.join(directory, name))
+    return directory
+
+
+def load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[str, Any], Dict[int, Any]]:
+    """Stream checkpoint ``directory`` into the free slots of ``store``; returns (meta,
+    written) where ``written`` is what :meth:`SwapStore.commit` needs to make it current.
+    Nothing is committed here: on a crc mismatch or an I/O error the store is unchanged."""
+    layout, names = store.layout, store.state_names
+    directory = os.path.abspath(directory)
+    m = read_manifest(directory)
+    for key, want in (("dtype", layout.dtype_name), ("numel", layout.numel), ("states", names)):
+        if m.get(key) != want:
+            raise ValueError(f"{directory}: checkpoint {key} is {m.get(key)!r}, this optimizer has {want!r}")
+    per_file = round_up(layout.numel * layout.itemsize, ALIGN)
+    files: List[Any] = []
+    crcs = [0] * len(names)
+    written: Dict[int, Any] = {}
+    try:
+        for k in names:
+            f = open_file(os.path.join(directory, m["files"][k]), write=False, nofollow=True)
+            files.append(f)
+            if f.size < per_file:
+                raise ValueError(f"{f.path}: {f.size} bytes, a checkpoint of {layout.numel} elements has {per_file}")
+
+        def reads(g: int, buf: Any) -> List[Any]:
+            s, _ = layout.group_range(g)
+            stride = layout.state_bytes(g)
+            return [IORequest(op="read", file=files[k], offset=s * layout.itemsize,
+                              buf=buf.memoryview[k * stride:(k + 1) * stride]) for k in range(len(names))]
+
+        def process(g: int, buf: Any) -> None:
+            s, e = layout.group_range(g)
+            stride, used = layout.state_bytes(g), (e - s) * layout.itemsize
+            view = buf.memoryview
+            for k in range(len(names)):
+                crcs[k] = zlib.crc32(view[k * stride:k * stride + used], crcs[k])
+            written[g] = store.checksum(g, buf) if store.verify else None
+
+        _stream(store.engine, buffers, list(range(layout.num_groups)), reads, process, store.write_requests)
+    finally:
+        for f in files:
+            f.close()
+    for k, name in enumerate(names):
+        want = int(m["crc32"][name])
+        if crcs[k] != want:
+            raise OSError(errno.EIO, f"checkpoint data of {name} fails its crc32 ({crcs[k]:08x}, manifest {want:08x}); "
+                          "nothing was loaded", os.path.join(directory, m["files"][name]))
+    return m.get("meta") or {}, written

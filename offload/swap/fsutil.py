@@ -1,0 +1,211 @@
+"""Small, careful file-system helpers for the swap store: private directories, locks, atomic JSON.
+
+Everything here handles *metadata* (directories, the lock file, the small JSON manifest);
+the bulk data goes through :mod:`offload.io`. Every failure is an ``OSError(errno, msg, path)``.
+
+[Note: planted symlinks] Swap directories often live under shared places (``/var/tmp``, a
+scratch disk). Whatever we create we create with ``O_EXCL | O_NOFOLLOW`` (files) or ``mkdir``
+(which never follows), and an existing private directory is accepted only after ``lstat``
+says it is a real directory owned by us with mode 0700. Inside a 0700 directory nobody else
+can plant anything, so the files below it are safe once the directory is.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import stat
+from typing import Any, Optional, Tuple
+
+__all__ = [
+    "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
+    "write_json_atomic", "read_json", "fsync_dir", "remove_private_dir", "free_bytes",
+]
+
+LOCK_NAME = "lock"
+
+
+def check_parent_dir(path: str) -> str:
+    """``path`` must exist, be a directory and be writable; returns its absolute path."""
+    path = os.path.abspath(os.fspath(path))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "swap_dir does not exist (create it on a local disk first)", path) from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "swap_dir is not a directory", path)
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, "swap_dir is on a read-only file system", path)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "swap_dir is not writable by this user", path)
+    return path
+
+
+def check_private_dir(path: str) -> os.stat_result:
+    """Accept ``path`` only if it is a real (not symlinked) directory, ours, mode 0700."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "swap directory does not exist", path) from None
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(errno.ELOOP, "refusing a symlink where a private swap directory should be", path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "expected a private swap directory, found another kind of file", path)
+    if st.st_uid != os.geteuid():
+        raise PermissionError(errno.EPERM, f"swap directory belongs to uid {st.st_uid}, not to us ({os.geteuid()})", path)
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        raise PermissionError(errno.EPERM, f"swap directory has mode {stat.S_IMODE(st.st_mode):o}, expected 700", path)
+    return st
+
+
+def make_private_dir(path: str) -> bool:
+    """Create ``path`` with mode 0700 (``mkdir`` never follows symlinks). Returns False if it
+    already existed (and passed :func:`check_private_dir`), True if we created it."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        check_private_dir(path)
+        return False
+    os.chmod(path, 0o700, follow_symlinks=False)  # umask may have cleared bits we asked for
+    check_private_dir(path)
+    return True
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename/creation inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def lock_holder(lock_path: str) -> Optional[int]:
+    """The pid written in a lock file, or None when unreadable."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 64).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    return int(text) if text.isdigit() else None
+
+
+class Lock:
+    """An exclusive ``flock`` on ``DIR/lock`` holding our pid.
+
+    ``flock`` locks die with the process, so a directory left by ``kill -9`` has a free lock:
+    that is how a stale directory is told from a live one. The pid inside is only for the
+    message; the lock itself is the truth.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, LOCK_NAME)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = os.open(self.path, flags, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock_holder(self.path)
+            os.close(self.fd)
+            self.fd = -1
+            who = f"process {holder}" if holder is not None else "another process"
+            raise BlockingIOError(errno.EWOULDBLOCK,
+                                  f"swap directory is in use by {who} (its flock is held); "
+                                  "each run and rank needs its own directory", directory) from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the only descriptor drops the flock
+            self.fd = -1
+
+
+def try_lock(directory: str) -> Tuple[Optional[int], Optional[int]]:
+    """(fd holding the lock, None) when the lock of ``directory`` is free, else (None, pid)."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None, (lock_holder(path) or -1)  # held; -1: its pid is not written yet
+    return fd, None
+
+
+def write_json_atomic(directory: str, name: str, obj: Any) -> None:
+    """Write ``directory/name`` so that a reader sees the old or the new content, never a mix:
+    a temporary file (O_EXCL, O_NOFOLLOW, 0600), fsync, rename over, fsync of the directory."""
+    data = (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    final = os.path.join(directory, name)
+    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    try:
+        os.unlink(tmp)  # a leftover of this same pid (pid reuse after a crash)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    except OSError as exc:
+        os.close(fd)
+        os.unlink(tmp)
+        raise OSError(exc.errno, f"writing {len(data)} bytes of metadata failed: {exc.strerror}", tmp) from exc
+    os.close(fd)
+    os.rename(tmp, final)
+    fsync_dir(directory)
+
+
+def read_json(path: str) -> Any:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a valid manifest ({exc})") from None
+
+
+def free_bytes(path: str) -> float:
+    """Bytes available to us; ``inf`` where the file system reports no size (ramfs)."""
+    st = os.statvfs(path)
+    if st.f_blocks == 0:
+        return float("inf")
+    return st.f_bavail * st.f_frsize
+
+
+def remove_private_dir(path: str, *, lock: Optional[Lock] = None) -> int:
+    """Remove the regular files of private directory ``path``, then the directory; returns the
+    bytes freed. Only regular files directly inside are removed (the directory is 0700 and
+    holds nothing else); the lock file goes last so the directory stays claimed meanwhile."""
+    check_private_dir(path)
+    freed = 0
+    names = sorted(os.listdir(path), key=lambda n: n == LOCK_NAME)
+    for name in names:
+        full = os.path.join(path, name)
+        st = os.lstat(full)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EEXIST, "unexpected non-file entry in a swap directory; not removing it", full)
+        freed += st.st_blocks * 512
+        os.unlink(full)
+    if lock is not None:
+        lock.release()
+    os.rmdir(path)
+    return freed

@@ -1,0 +1,352 @@
+"""The swap store: one private, locked directory per run and rank holding the states of a
+:class:`~offload.swap.layout.SwapLayout` in two slot files and a manifest.
+
+Directory ``SWAP_DIR/offload-<run>.rank<r>/`` (mode 0700)::
+
+    lock            flock'ed while a process uses the directory; holds its pid
+    slot0.bin       preallocated region file (0600, O_EXCL|O_NOFOLLOW)
+    slot1.bin       the second slot
+    manifest.json   written atomically (tmp + fsync + rename + fsync dir)
+
+[Note: two slots] Each sub-group lives in one slot at a time (``manifest.slots[g]``). A step
+reads ``g`` from its slot and writes the updated states into the *other* slot; only after all
+writes of the step are durable (``fdatasync`` of both files) does the manifest flip the slots
+and advance ``step``. A ``kill -9`` at any moment therefore leaves the manifest describing
+the last finished step, whose data nobody has overwritten since.
+
+Nothing here knows optimizer math; ``extra`` is an opaque JSON dict the user of the store
+commits together with each step (the optimizer keeps per-param step counts and a parameter
+fingerprint there).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import threading
+import warnings
+import zlib
+from typing import Any, Dict, List, Optional, Sequence
+
+from offload.io import IORequest, open_engine, open_file
+from offload.swap import cleanup, fsutil
+from offload.swap.layout import SwapLayout
+
+__all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir_name", "resolve_engine"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "offload-swap"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SLOT_FILES = ("slot0.bin", "slot1.bin")
+VERIFY_BLOCK = 1 << 20
+DIR_PREFIX = "offload-"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def private_dir_name(run_name: str, rank: int) -> str:
+    if not _NAME_RE.match(run_name) or run_name.startswith("."):
+        raise ValueError(f"run_name must be 1-64 characters of [A-Za-z0-9_.-], got {run_name!r}")
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    return f"{DIR_PREFIX}{run_name}.rank{rank}"
+
+
+def resolve_engine(io_engine: Any, directory: str):
+    """(engine, owned): ``None``/str/``IOConfig`` open one (owned); an object with ``submit``
+    and ``wait`` is used as is (tests inject slow or faulty wrappers this way)."""
+    if io_engine is not None and hasattr(io_engine, "submit") and hasattr(io_engine, "wait"):
+        return io_engine, False
+    from offload.config import IOConfig
+
+    if io_engine is None or isinstance(io_engine, str):
+        cfg = IOConfig(engine=io_engine or "auto")
+    elif isinstance(io_engine, IOConfig):
+        cfg = io_engine
+    else:
+        raise ValueError(f"io_engine must be None, an engine name, an IOConfig or an engine object, got {io_engine!r}")
+    return open_engine(cfg, directory=directory), True
+
+
+def block_checksums(view: memoryview, nbytes: int) -> List[int]:
+    """crc32 of each VERIFY_BLOCK piece of the first ``nbytes`` of ``view`` (zlib releases the
+    GIL on large buffers)."""
+    return [zlib.crc32(view[i:min(i + VERIFY_BLOCK, nbytes)]) for i in range(0, nbytes, VERIFY_BLOCK)]
+
+
+class SwapStore:
+    """Own the private directory, its lock, slot files and manifest.
+
+    ``resume=False`` creates the directory (refusing one left by an earlier run: pass
+    ``resume=True`` to continue from it or run ``offload clean``); ``resume=True`` opens it and
+    checks that its manifest describes the same layout.
+    """
+
+    def __init__(self, swap_dir: str, layout: SwapLayout, *, state_names: Sequence[str],
+                 run_name: str = "run", rank: int = 0, verify: bool = False, resume: bool = False,
+                 io_engine: Any = None, direct: Optional[bool] = None) -> None:
+        if len(state_names) != layout.nstates:
+            raise ValueError(f"{len(state_names)} state names for a layout of {layout.nstates} states")
+        self.layout = layout
+        self.state_names = list(state_names)
+        self.verify = bool(verify)
+        self.run_name = run_name
+        self.rank = int(rank)
+        self.parent = fsutil.check_parent_dir(swap_dir)
+        self.path = os.path.join(self.parent, private_dir_name(run_name, self.rank))
+        self._lock: Optional[fsutil.Lock] = None
+        self.files: List[Any] = []
+        self.engine = None
+        self._owns_engine = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._token: Optional[int] = None
+        self.pending_error: Optional[BaseException] = None
+        try:
+            self._open(resume, io_engine, direct)
+        except BaseException:
+            self._abandon()
+            raise
+        self._token = cleanup.register(self)
+
+    # ------------------------------------------------------------------ opening
+    def _open(self, resume: bool, io_engine: Any, direct: Optional[bool]) -> None:
+        created = fsutil.make_private_dir(self.path)
+        if resume and created:
+            os.rmdir(self.path)
+            raise FileNotFoundError(errno.ENOENT, "resume=True but there is no swap directory to resume from", self.path)
+        self._lock = fsutil.Lock(self.path)  # refuses a directory in use, naming the pid
+        self._created = created
+        manifest_path = os.path.join(self.path, MANIFEST)
+        if not created and not resume:
+            if os.path.lexists(manifest_path):
+                try:
+                    step = fsutil.read_json(manifest_path).get("step", "?")
+                except (OSError, ValueError):
+                    step = "?"
+                raise FileExistsError(
+                    errno.EEXIST,
+                    f"swap directory holds step {step} left by an earlier run whose process is gone; "
+                    f"pass resume=True to continue from it or run `offload clean {self.parent}`", self.path)
+            # no manifest: a creation that died half-way; nothing to keep
+            fsutil.remove_private_dir(self.path, lock=self._lock)
+            fsutil.make_private_dir(self.path)
+            self._lock = fsutil.Lock(self.path)
+            self._created = True
+        if resume:
+            self._load_manifest(manifest_path)
+        self.engine, self._owns_engine = resolve_engine(io_engine, self.path)
+        if direct is None and getattr(io_engine, "direct", None) is not None and hasattr(io_engine, "engine"):
+            direct = io_engine.direct  # an IOConfig that says how to open files
+        if resume:
+            self._open_slot_files(create=False, direct=direct)
+        else:
+            self._open_slot_files(create=True, direct=direct)
+            self.step = 0
+            self.slots = [0] * self.layout.num_groups
+            self.valid = [False] * self.layout.num_groups
+            self.checksums: Dict[int, List[List[int]]] = {}
+            self.extra: Dict[str, Any] = {}
+            self._write_manifest()
+
+    def _open_slot_files(self, *, create: bool, direct: Optional[bool]) -> None:
+        need = self.layout.file_bytes
+        if create:
+            free = fsutil.free_bytes(self.path)
+            if free < 2 * need:
+                raise OSError(errno.ENOSPC, f"swap files need {2 * need} bytes ({2 * need / 2**30:.2f} GiB: two "
+                              f"slots of {need}) but the file system has {free} free", self.path)
+        for name in SLOT_FILES:
+            full = os.path.join(self.path, name)
+            f = open_file(full, write=True, create=create, exclusive=create, direct=direct, mode=0o600, nofollow=True)
+            self.files.append(f)
+            if create:
+                try:
+                    f.preallocate(need)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise OSError(exc.errno, f"no space to preallocate swap file of {need} bytes "
+                                      f"({2 * need} needed for both slots)", self.path) from exc
+                    raise
+            elif f.size < need:
+                raise ValueError(f"{full}: swap file has {f.size} bytes, the manifest's layout needs {need}")
+        if direct is None and not all(f.direct for f in self.files):
+            warnings.warn(f"swap directory {self.path} does not support O_DIRECT (tmpfs?): using buffered I/O "
+                          "with fdatasync at the end of each step; the page cache will hold a copy of the states",
+                          RuntimeWarning, stacklevel=4)
+
+    def _load_manifest(self, path: str) -> None:
+        try:
+            m = fsutil.read_json(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "swap directory has no manifest: nothing to resume", path) from None
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise ValueError(f"{path}: not an offload swap manifest")
+        if m.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: swap format version {m.get('version')!r}, this offload reads {FORMAT_VERSION}; "
+                             "clean the directory (`offload clean`) and start again")
+        expect = {"run": self.run_name, "rank": self.rank, "dtype": self.layout.dtype_name,
+                  "numel": self.layout.numel, "states": self.state_names,
+                  "sub_group_size": self.layout.sub_group_size, "ranges": self.layout.ranges()}
+        for key, want in expect.items():
+            if m.get(key) != want:
+                got = m.get(key)
+                if key == "ranges":
+                    got, want = f"{len(got or [])} sub-groups", f"{len(want)} sub-groups"
+                raise ValueError(f"{path}: swap directory belongs to another run or layout: {key} is {got!r}, "
+                                 f"expected {want!r}")
+        if bool(m.get("verify")) != self.verify and self.verify:
+            log.warning("%s was written without checksums; verify=True starts checking after the next write", path)
+        self.step = int(m["step"])
+        self.slots = [int(s) for s in m["slots"]]
+        self.valid = [bool(v) for v in m["valid"]]
+        self.checksums = {int(k): v for k, v in (m.get("checksums") or {}).items()}
+        self.extra = dict(m.get("extra") or {})
+
+    def _write_manifest(self) -> None:
+        m = {
+            "format": FORMAT, "version": FORMAT_VERSION, "run": self.run_name, "rank": self.rank,
+            "pid": os.getpid(), "dtype": self.layout.dtype_name, "numel": self.layout.numel,
+            "states": self.state_names, "sub_group_size": self.layout.sub_group_size,
+            "ranges": self.layout.ranges(), "region_bytes": self.layout.region_bytes,
+            "files": list(SLOT_FILES), "step": self.step, "slots": self.slots, "valid": self.valid,
+            "verify": self.verify, "verify_block": VERIFY_BLOCK,
+            "checksums": {str(k): v for k, v in self.checksums.items()} if self.verify else None,
+            "extra": self.extra,
+        }
+        fsutil.write_json_atomic(self.path, MANIFEST, m)
+
+    # ------------------------------------------------------------------ requests
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"swap store {self.path} is closed")
+
+    def _requests(self, op: str, slot: int, g: int, buf: Any) -> List[Any]:
+        nbytes = self.layout.group_bytes(g)
+        view = buf.memoryview if hasattr(buf, "memoryview") else buf
+        return [IORequest(op=op, file=self.files[slot], offset=self.layout.group_offset(g), buf=view[:nbytes])]
+
+    def read_requests(self, g: int, buf: Any) -> List[Any]:
+        """Requests that read sub-group ``g``'s committed states into ``buf``; ``[]`` when
+        ``g`` was never written (its states are zeros: fill the buffer instead of reading)."""
+        self._check_open()
+        if not self.valid[g]:
+            return []
+        return self._requests("read", self.slots[g], g, buf)
+
+    def write_requests(self, g: int, buf: Any) -> List[Any]:
+        """Requests that write ``buf`` into the slot of ``g`` that the manifest does *not* use."""
+        self._check_open()
+        return self._requests("write", 1 - self.slots[g], g, buf)
+
+    def read_slot_file(self, g: int) -> str:
+        return self.files[self.slots[g]].path
+
+    # ------------------------------------------------------------------ checksums
+    def checksum(self, g: int, buf: Any) -> List[List[int]]:
+        """Per-state, per-block crc32 of the states of ``g`` held in ``buf``."""
+        view = buf.memoryview if hasattr(buf, "memoryview") else buf
+        s, e = self.layout.group_range(g)
+        stride, used = self.layout.state_bytes(g), (e - s) * self.layout.itemsize
+        return [block_checksums(view[k * stride:k * stride + used], used) for k in range(self.layout.nstates)]
+
+    def check(self, g: int, buf: Any) -> None:
+        """With ``verify``: compare ``buf`` (just read) with the committed checksums of ``g``."""
+        if not self.verify or not self.valid[g] or g not in self.checksums:
+            return
+        got = self.checksum(g, buf)
+        want = self.checksums[g]
+        for k, (gk, wk) in enumerate(zip(got, want)):
+            for b, (x, y) in enumerate(zip(gk, wk)):
+                if x != y:
+                    offset = self.layout.group_offset(g) + k * self.layout.state_bytes(g) + b * VERIFY_BLOCK
+                    raise OSError(errno.EIO, f"checksum mismatch in block {b} ({VERIFY_BLOCK} bytes at file offset "
+                                  f"{offset}) of {self.state_names[k]} of sub-group {g} (step {self.step}): "
+                                  f"crc32 {x:08x}, manifest {y:08x}", self.read_slot_file(g))
+
+    # ------------------------------------------------------------------ commit
+    def commit(self, written: Dict[int, Optional[List[List[int]]]], extra: Optional[Dict[str, Any]] = None,
+               *, advance: bool = True) -> None:
+        """Make the writes of ``written`` (g -> checksums or None) the new consistent state:
+        fdatasync both slot files, flip the slots of those groups, advance ``step`` (when
+        ``advance``) and replace the manifest atomically. The caller must have waited for
+        every write to complete."""
+        self._check_open()
+        for f in self.files:
+            f.fsync()
+        slots, valid, checksums, step = list(self.slots), list(self.valid), dict(self.checksums), self.step
+        for g, sums in written.items():
+            self.slots[g] = 1 - self.slots[g]
+            self.valid[g] = True
+            if self.verify and sums is not None:
+                self.checksums[g] = sums
+            else:
+                self.checksums.pop(g, None)
+        if advance:
+            self.step += 1
+        old_extra = self.extra
+        if extra is not None:
+            self.extra = extra
+        try:
+            self._write_manifest()
+        except BaseException:
+            self.slots, self.valid, self.checksums, self.step, self.extra = slots, valid, checksums, step, old_extra
+            raise
+
+    # ------------------------------------------------------------------ closing
+    def disk_bytes(self) -> int:
+        return 2 * self.layout.file_bytes
+
+    def _abandon(self) -> None:
+        """Undo a failed open: remove what we created, release what we hold."""
+        for f in self.files:
+            try:
+                f.close()
+            except OSError:
+                pass
+        self.files = []
+        if self._owns_engine and self.engine is not None:
+            self.engine.close()
+        self.engine = None
+        if self._lock is not None and self._lock.fd >= 0:
+            if getattr(self, "_created", False):
+                try:
+                    fsutil.remove_private_dir(self.path, lock=self._lock)
+                except OSError as exc:
+                    log.warning("could not remove %s: %s", self.path, exc)
+            self._lock.release()
+
+    def close(self, *, remove: bool = True) -> None:
+        """Close files and engine; with ``remove`` (the default) delete the directory. With
+        ``remove=False`` the directory stays (resumable) and its lock is released."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._token is not None:
+            cleanup.unregister(self._token)
+        for f in self.files:
+            try:
+                f.close()
+            except OSError as exc:
+                log.warning("closing %s: %s", f.path, exc)
+        self.files = []
+        if self._owns_engine and self.engine is not None:
+            self.engine.close()
+        self.engine = None
+        if self._lock is not None:
+            if remove:
+                fsutil.remove_private_dir(self.path, lock=self._lock)
+            self._lock.release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "SwapStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,124 @@
+"""The generic swap pipeline: sizing, ordering and overlap under slow I/O, no read/write races."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from offload.swap import SwapLayout, SwapPipeline, SwapStore, plan_sub_groups
+from test_swap_util import SlowEngine, threads_engine
+
+
+def test_plan_sub_groups():
+    # explicit size: rounded up to 1024 elements; 3 buffers must fit
+    assert plan_sub_groups(10_000, 2, 1 << 20, 1000) == (1024, 8)
+    with pytest.raises(ValueError, match=r"max_host_bytes=100000 cannot hold 3 pipeline buffers .* 49152 bytes each"):
+        plan_sub_groups(1 << 20, 2, 100_000, 6000)
+    with pytest.raises(ValueError, match="cannot hold 3 pipeline buffers"):
+        plan_sub_groups(1 << 20, 2, 10_000, None)
+    # derived size: ~16 sub-groups, 4 buffers within the bound
+    sg, nbuf = plan_sub_groups(200_000_000, 2, 512 << 20, None)
+    assert sg % 1024 == 0 and 14 <= -(-200_000_000 // sg) <= 16 and nbuf * 2 * sg * 4 <= 512 << 20 and nbuf >= 3
+    sg, nbuf = plan_sub_groups(200_000_000, 2, 64 << 20, None)
+    assert nbuf == 4 and 4 * 2 * sg * 4 <= 64 << 20
+    # a single small sub-group needs one buffer only
+    assert plan_sub_groups(10, 2, 8192, None) == (1024, 1)
+
+
+def _ranges_to_group(entry, layout):
+    _, op, ranges, t = entry
+    return op, ranges[0][1] // layout.region_bytes
+
+
+def test_pipeline_overlaps_and_never_races(tmp_path):
+    inner = threads_engine()
+    slow = SlowEngine(inner, read_delay=0.03, write_delay=0.03)
+    layout = SwapLayout(10 * 1024 + 5, 1024, 2)
+    store = SwapStore(str(tmp_path), layout, state_names=["a", "b"], io_engine=slow)
+    pipe = SwapPipeline(store, buffers=3)
+    G = layout.num_groups
+    events = []
+
+    def compute(g, s, e, tensors):
+        t0 = time.perf_counter()
+        a, b = tensors
+        assert a.numel() == e - s
+        a += torch.arange(s, e, dtype=torch.float32)  # a = step * index
+        b += 1.0
+        time.sleep(0.005)
+        events.append(("compute", g, t0, time.perf_counter()))
+
+    for step in range(1, 4):
+        events.clear()
+        slow.log.clear()
+        stats = pipe.run(range(G), compute)
+        t_return = time.perf_counter()
+        assert store.step == step
+        log = [(_ranges_to_group(x, layout), x[0], x[3]) for x in slow.log]
+        done = {(op, g): t for (op, g), kind, t in log if kind == "done"}
+        sub = {(op, g): t for (op, g), kind, t in log if kind == "submit"}
+        reads_expected = G if step > 1 else 0  # first step: never-written groups are zeros, not read
+        assert sum(1 for (op, _) in done if op == "read") == reads_expected
+        for _, g, t0, t1 in events:
+            if step > 1:
+                assert done[("read", g)] < t0, f"compute {g} before its read finished"
+                if g + 1 < G:
+                    assert sub[("read", g + 1)] < t1, f"read {g + 1} not in flight during compute {g}"
+            if g >= 1:
+                assert sub[("write", g - 1)] < t0 < done[("write", g - 1)], f"write {g - 1} not overlapping compute {g}"
+        assert max(t for (op, _), t in done.items() if op == "write") < t_return  # writes done before return
+        assert stats["kernel_s"] > 0 and stats["wait_read_s"] >= 0 and stats["step_s"] >= stats["kernel_s"]
+        assert stats["write_bytes"] == G * 0 + sum(layout.group_bytes(g) for g in range(G))
+    assert slow.violations == []
+    # the data: a = 3 * index, b = 3 everywhere
+    for g in range(G):
+        buf = pipe.buffers[0]
+        inner.wait(inner.submit(store.read_requests(g, buf)))
+        a, b = pipe.tensors(g, buf)
+        s, e = layout.group_range(g)
+        assert torch.equal(a, 3 * torch.arange(s, e, dtype=torch.float32)) and torch.equal(b, torch.full_like(b, 3.0))
+    del a, b
+    pipe.close()
+    store.close()
+    inner.close()
+
+
+def test_pipeline_more_buffers_read_further_ahead(tmp_path):
+    inner = threads_engine()
+    slow = SlowEngine(inner, read_delay=0.02, write_delay=0.02)
+    layout = SwapLayout(8 * 1024, 1024, 1)
+    store = SwapStore(str(tmp_path), layout, state_names=["a"], io_engine=slow)
+    pipe = SwapPipeline(store, buffers=6)
+    pipe.run(range(8), lambda g, s, e, t: t[0].fill_(g))
+    slow.log.clear()
+    seen = []
+
+    def compute(g, s, e, t):
+        assert torch.equal(t[0], torch.full_like(t[0], float(g)))
+        seen.append(sum(1 for x in slow.log if x[0] == "submit" and x[1] == "read"))
+        t[0].add_(1)
+
+    pipe.run(range(8), compute)
+    assert seen[0] >= 4  # at the first compute, several reads were already in flight
+    assert slow.violations == []
+    pipe.close()
+    store.close()
+    inner.close()
+
+
+def test_subset_of_groups_keeps_others(tmp_path):
+    inner = threads_engine()
+    layout = SwapLayout(4 * 1024, 1024, 1)
+    store = SwapStore(str(tmp_path), layout, state_names=["a"], io_engine=inner)
+    pipe = SwapPipeline(store, buffers=3)
+    pipe.run(range(4), lambda g, s, e, t: t[0].fill_(g + 1))
+    pipe.run([1, 3], lambda g, s, e, t: t[0].mul_(10))
+    got = []
+    for g in range(4):
+        inner.wait(inner.submit(store.read_requests(g, pipe.buffers[0])))
+        got.append(pipe.tensors(g, pipe.buffers[0])[0][0].item())
+    assert got == [1.0, 20.0, 3.0, 40.0] and store.step == 2
+    pipe.close()
+    store.close()
+    inner.close()
