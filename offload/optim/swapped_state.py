@@ -1,0 +1,387 @@
+"""Adam moments of fp32 CPU params kept in NVMe swap files (``offload="nvme"``).
+
+Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
+
+    st = SwappedState(params, *, swap_dir, max_host_bytes=None, sub_group_size=None,
+                      verify=False, resume=False, io_engine=None, backend=None,
+                      num_threads=None, run_name="run", rank=None, pool=None)
+        params: the fp32, contiguous CPU params (all groups, in a fixed order). They are their
+            own fp32 master and are updated in place; only exp_avg and exp_avg_sq are swapped.
+        max_host_bytes: bound on the pipeline buffers (None: 1 GiB); ValueError when it
+            cannot hold 3 buffers of one sub-group. sub_group_size: elements per sub-group
+            (rounded up to 1024; None: derived from the bound).
+        resume: continue from the last consistent step in swap_dir (FileNotFoundError if
+            none; ValueError if the params are not those of that step).
+        io_engine: None/"auto"/"uring"/"threads"/"aiofiles", an IOConfig, or an engine object.
+        rank: None -> torch.distributed rank when initialised, else 0.
+    st.step(batches) -> dict of timings
+        batches: [(hyper, [(param, grad, step), ...]), ...], one entry per param group;
+        hyper an offload.optim.functional.AdamHyper (or a dict with lr, beta1, beta2, eps,
+        weight_decay, decoupled and optionally bias_correction, maximize, grad_scale);
+        step = the param's step number after incrementing (1 on the first step). Params
+        without a grad are simply left out. Timings: swap_read_s, swap_write_s, kernel_s,
+        wait_read_s, wait_write_s, verify_s, commit_s, step_s (+ read_bytes, write_bytes,
+        groups). On an I/O failure raises SwapStepError (an OSError): the swap state stays at
+        the previous step; params of the sub-groups already computed were updated in place
+        (listed in the message) and further steps are refused until load_checkpoint().
+    st.read_state(p) -> (exp_avg, exp_avg_sq)        new tensors shaped like p
+    st.write_state(p, exp_avg, exp_avg_sq, step=None)
+    st.export_state(p) -> {"exp_avg", "exp_avg_sq"} ({} before p's first step)
+    st.import_state(p, {"exp_avg", "exp_avg_sq"[, "step"]})
+    st.step_of(p) -> int                             step count recorded for p (0: none yet)
+    st.flush()                                       commit pending write_state() changes
+    st.save_checkpoint(dir) / st.load_checkpoint(dir) streamed, see offload.swap.checkpoint
+    st.memory_report() -> {"device", "pinned", "pageable", "nvme"} bytes
+    st.last_stats                                     timings of the last step
+    st.close()                                        removes the swap directory
+    st.swap_path, st.sub_group_size, st.num_buffers, st.host_bytes
+
+[Note: fingerprint] The fp32 params are the user's tensors, not ours: after a crash they come
+back from the user's own checkpoint. The manifest records, with each step, a crc32 of the
+param shapes and of a sample of elements (a few per sub-group and per param, so every
+sub-group a step touches changes it); ``resume=True`` with params from another step (or a
+half-applied step) is refused instead of silently mixing moments of step k with params of
+step j.
+"""
+from __future__ import annotations
+
+import errno
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from offload.swap import SwapLayout, SwapPipeline, SwapStepError, SwapStore, plan_sub_groups
+from offload.swap.checkpoint import load_store, save_store
+
+__all__ = ["SwappedState", "STATE_NAMES"]
+
+STATE_NAMES = ("exp_avg", "exp_avg_sq")
+_HYPER_KEYS = {"lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "bias_correction", "maximize",
+               "grad_scale"}
+_SAMPLES_PER_GROUP = 8
+
+
+def _kernel_kwargs(hyper: Any, step: int) -> Dict[str, Any]:
+    if hasattr(hyper, "kernel_kwargs"):
+        return hyper.kernel_kwargs(step)
+    if not isinstance(hyper, dict):
+        raise ValueError(f"hyper must be an AdamHyper or a dict, got {type(hyper).__name__}")
+    unknown = set(hyper) - _HYPER_KEYS
+    missing = {"lr", "beta1", "beta2", "eps", "weight_decay", "decoupled"} - set(hyper)
+    if unknown or missing:
+        raise ValueError(f"hyper: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+    return dict(hyper, step=step)
+
+
+class SwappedState:
+    """See the module docstring for the interface."""
+
+    kind = "nvme"
+
+    def __init__(self, params: Sequence[torch.Tensor], *, swap_dir: str, max_host_bytes: Optional[int] = None,
+                 sub_group_size: Optional[int] = None, verify: bool = False, resume: bool = False,
+                 io_engine: Any = None, backend: Optional[str] = None, num_threads: Optional[int] = None,
+                 run_name: str = "run", rank: Optional[int] = None, pool: Any = None) -> None:
+        from offload.kernels import get_backend
+
+        self._kernel = get_backend(backend)
+        self._num_threads = num_threads
+        self.params: List[torch.Tensor] = list(params)
+        if not self.params:
+            raise ValueError("SwappedState needs at least one param")
+        self._index: Dict[int, int] = {}
+        self._offsets: List[int] = []
+        total = 0
+        for i, p in enumerate(self.params):
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"param {i} is a {type(p).__name__}, not a tensor")
+            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+                raise ValueError(f"param {i}: offload='nvme' updates fp32 contiguous CPU params in place; got "
+                                 f"{p.dtype} on {p.device}{'' if p.is_contiguous() else ', non-contiguous'}")
+            if id(p) in self._index:
+                raise ValueError(f"param {i} appears twice")
+            self._index[id(p)] = i
+            self._offsets.append(total)
+            total += p.numel()
+        if total == 0:
+            raise ValueError("all params are empty")
+        self.numel = total
+        sg, nbuf = plan_sub_groups(total, len(STATE_NAMES), max_host_bytes, sub_group_size)
+        self.layout = SwapLayout(total, sg, len(STATE_NAMES))
+        if rank is None:
+            rank = torch.distributed.get_rank() if (torch.distributed.is_available()
+                                                    and torch.distributed.is_initialized()) else 0
+        self._steps = [0] * len(self.params)
+        self._group_params = self._params_per_group()
+        self._samples = self._sample_indices()
+        self._broken: Optional[str] = None
+        self._cache_g: Optional[int] = None
+        self._dirty = False
+        self._meta_dirty = False
+        self.last_stats: Dict[str, float] = {}
+        self.store = SwapStore(swap_dir, self.layout, state_names=STATE_NAMES, run_name=run_name, rank=rank,
+                               verify=verify, resume=resume, io_engine=io_engine)
+        try:
+            if resume:
+                self._check_resume()
+            else:
+                self.store.commit({}, self._extra(self._steps), advance=False)
+            self.pipeline = SwapPipeline(self.store, buffers=nbuf, pool=pool)
+        except BaseException:
+            self.store.close(remove=not resume)
+            raise
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def swap_path(self) -> str:
+        return self.store.path
+
+    @property
+    def sub_group_size(self) -> int:
+        return self.layout.sub_group_size
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.pipeline.buffers)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.pipeline.host_bytes
+
+    def _params_per_group(self) -> List[List[int]]:
+        out: List[List[int]] = [[] for _ in range(self.layout.num_groups)]
+        for i, p in enumerate(self.params):
+            off = self._offsets[i]
+            for g in self.layout.groups_overlapping(off, off + p.numel()):
+                out[g].append(i)
+        return out
+
+    def _sample_indices(self) -> List[torch.Tensor]:
+        """Per param, the local indices whose values enter the fingerprint: its first and last
+        element and a few spread over each sub-group it overlaps."""
+        out = []
+        for i, p in enumerate(self.params):
+            n, off = p.numel(), self._offsets[i]
+            idx = {0, n - 1} if n else set()
+            for g in self.layout.groups_overlapping(off, off + n):
+                s, e = self.layout.group_range(g)
+                a, b = max(s, off) - off, min(e, off + n) - off
+                k = min(_SAMPLES_PER_GROUP, b - a)
+                idx.update(a + (b - a - 1) * j // max(1, k - 1) for j in range(k))
+            out.append(torch.tensor(sorted(idx), dtype=torch.int64))
+        return out
+
+    def fingerprint(self) -> str:
+        crc = zlib.crc32(repr([tuple(p.shape) for p in self.params]).encode())
+        with torch.no_grad():
+            for p, idx in zip(self.params, self._samples):
+                if idx.numel():
+                    crc = zlib.crc32(p.detach().view(-1)[idx].numpy().tobytes(), crc)
+        return f"{crc:08x}"
+
+    def _extra(self, steps: List[int]) -> Dict[str, Any]:
+        return {"steps": list(steps), "fingerprint": self.fingerprint(),
+                "shapes": [list(p.shape) for p in self.params]}
+
+    def _check_resume(self) -> None:
+        extra = self.store.extra
+        shapes = [list(p.shape) for p in self.params]
+        if extra.get("shapes") != shapes:
+            raise ValueError(f"{self.store.path}: the swap directory holds states of other params "
+                             f"({len(extra.get('shapes') or [])} params of other shapes)")
+        if extra.get("fingerprint") != self.fingerprint():
+            raise ValueError(f"{self.store.path}: the params given are not those of step {self.store.step} "
+                             f"recorded in the swap directory (fingerprint {self.fingerprint()} != "
+                             f"{extra.get('fingerprint')}); load the params saved right after that step")
+        self._steps = [int(s) for s in extra["steps"]]
+
+    def _param_index(self, p: torch.Tensor) -> int:
+        i = self._index.get(id(p))
+        if i is None or self.params[i] is not p:
+            raise ValueError(f"tensor of shape {tuple(p.shape)} is not one of this optimizer's params")
+        return i
+
+    def step_of(self, p: torch.Tensor) -> int:
+        return self._steps[self._param_index(p)]
+
+    # ------------------------------------------------------------------ the step
+    def step(self, batches: Sequence[Tuple[Any, Sequence[Tuple[torch.Tensor, torch.Tensor, int]]]]) -> Dict[str, float]:
+        if self._broken:
+            raise RuntimeError(self._broken)
+        work: Dict[int, Tuple[torch.Tensor, Dict[str, Any], int]] = {}
+        for hyper, items in batches:
+            for p, grad, step in items:
+                i = self._param_index(p)
+                if i in work:
+                    raise ValueError(f"param {i} appears twice in one step")
+                if grad.numel() != p.numel() or grad.device.type != "cpu":
+                    raise ValueError(f"param {i}: grad of {grad.numel()} elements on {grad.device}, "
+                                     f"expected {p.numel()} on cpu")
+                if int(step) < 1:
+                    raise ValueError(f"param {i}: step must be >= 1, got {step}")
+                work[i] = (grad.detach().reshape(-1).contiguous(), _kernel_kwargs(hyper, int(step)), int(step))
+        if not work:
+            return {}
+        self.flush()
+        self._cache_g = None  # the pipeline reuses the cache buffer
+        groups = sorted({g for i in work for g in self.layout.groups_overlapping(
+            self._offsets[i], self._offsets[i] + self.params[i].numel())})
+        kernel, threads = self._kernel, self._num_threads
+        params, offsets, group_params = self.params, self._offsets, self._group_params
+
+        def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
+            m_all, v_all = tensors
+            for i in group_params[g]:
+                w = work.get(i)
+                if w is None:
+                    continue
+                grad, kw, _ = w
+                off = offsets[i]
+                a, b = max(s, off), min(e, off + params[i].numel())
+                kernel.adam_step(params[i].detach().view(-1)[a - off:b - off], grad[a - off:b - off],
+                                 m_all[a - s:b - s], v_all[a - s:b - s], num_threads=threads, **kw)
+
+        steps = list(self._steps)
+        for i, (_, _, st) in work.items():
+            steps[i] = st
+        try:
+            with torch.no_grad():
+                stats = self.pipeline.run(groups, compute, extra=lambda: self._extra(steps))
+        except SwapStepError as exc:
+            touched = sorted({i for g in exc.computed for i in group_params[g] if i in work})
+            self._broken = (f"{exc}. The in-place fp32 params {touched} of the sub-groups already computed "
+                            f"{exc.computed} hold step-{self.store.step + 1} values: restore them (your own "
+                            "checkpoint) and call load_checkpoint(), or resume=True with the params of step "
+                            f"{self.store.step}")
+            raise SwapStepError(exc.errno, self._broken, exc.filename, exc.computed) from exc
+        self._steps = steps
+        self.last_stats = stats
+        return stats
+
+    # ------------------------------------------------------------------ one param's states
+    def _load_group(self, g: int) -> Any:
+        """Sub-group ``g``'s committed states in the cache buffer (the pipeline's first)."""
+        buf = self.pipeline.buffers[0]
+        if self._cache_g == g:
+            return buf
+        self.flush()
+        self._cache_g = None
+        reqs = self.store.read_requests(g, buf)
+        if reqs:
+            from offload.swap.pipeline import _check_counts
+
+            eng = self.store.engine
+            _check_counts(eng.wait(eng.submit(reqs)), reqs, "read")
+            self.store.check(g, buf)
+        else:
+            self.pipeline._zero(g, buf)
+        self._cache_g = g
+        return buf
+
+    def read_state(self, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        i = self._param_index(p)
+        n, off = p.numel(), self._offsets[i]
+        out = (torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32))
+        for g in self.layout.groups_overlapping(off, off + n):
+            s, e = self.layout.group_range(g)
+            a, b = max(s, off), min(e, off + n)
+            tensors = self.pipeline.tensors(g, self._load_group(g))
+            for k in range(2):
+                out[k][a - off:b - off].copy_(tensors[k][a - s:b - s])
+        return out[0].view(p.shape), out[1].view(p.shape)
+
+    def write_state(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    step: Optional[int] = None) -> None:
+        i = self._param_index(p)
+        n, off = p.numel(), self._offsets[i]
+        src = []
+        for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if not isinstance(t, torch.Tensor) or t.numel() != n:
+                raise ValueError(f"param {i}: {name} must be a tensor of {n} elements, got "
+                                 f"{getattr(t, 'shape', type(t).__name__)}")
+            src.append(t.detach().reshape(-1).to(device="cpu", dtype=torch.float32))
+        for g in self.layout.groups_overlapping(off, off + n):
+            s, e = self.layout.group_range(g)
+            a, b = max(s, off), min(e, off + n)
+            tensors = self.pipeline.tensors(g, self._load_group(g))
+            for k in range(2):
+                tensors[k][a - s:b - s].copy_(src[k][a - off:b - off])
+            self._dirty = True
+        if step is not None:
+            self._steps[i] = int(step)
+            self._meta_dirty = True
+
+    def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        if self.step_of(p) == 0:
+            return {}
+        m, v = self.read_state(p)
+        return {"exp_avg": m, "exp_avg_sq": v}
+
+    def import_state(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            step = int(step.item())
+        self.write_state(p, state["exp_avg"], state["exp_avg_sq"], None if step is None else int(step))
+
+    def flush(self) -> None:
+        """Write the cached sub-group changed by write_state() into its free slot and commit
+        (the manifest flips only that sub-group; the step count does not advance)."""
+        if self._dirty and self._cache_g is not None:
+            from offload.swap.pipeline import _check_counts
+
+            g, buf = self._cache_g, self.pipeline.buffers[0]
+            sums = self.store.checksum(g, buf) if self.store.verify else None
+            reqs = self.store.write_requests(g, buf)
+            eng = self.store.engine
+            _check_counts(eng.wait(eng.submit(reqs)), reqs, "write")
+            self.store.commit({g: sums}, self._extra(self._steps), advance=False)
+            self._dirty = self._meta_dirty = False
+        elif self._meta_dirty:
+            self.store.commit({}, self._extra(self._steps), advance=False)
+            self._meta_dirty = False
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str) -> str:
+        """Stream the moments (and per-param steps, shapes) to ``directory``; see
+        offload.swap.checkpoint. Peak extra host memory: the pipeline buffers."""
+        self.flush()
+        self._cache_g = None
+        meta = {"steps": list(self._steps), "shapes": [list(p.shape) for p in self.params],
+                "fingerprint": self.fingerprint(), "swap_step": self.store.step}
+        return save_store(self.store, self.pipeline.buffers, directory, meta)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Replace the moments and steps with those of checkpoint ``directory`` (same param
+        shapes; any sub_group_size). The params themselves are the caller's."""
+        self.flush()
+        self._cache_g = None
+        meta, written = load_store(self.store, self.pipeline.buffers, directory)
+        shapes = [list(p.shape) for p in self.params]
+        if meta.get("shapes") != shapes:
+            raise ValueError(f"{directory}: checkpoint of params with other shapes")
+        steps = [int(s) for s in meta["steps"]]
+        self.store.commit(written, self._extra(steps), advance=False)
+        self._steps = steps
+        self._broken = None
+
+    # ------------------------------------------------------------------ reporting, closing
+    def memory_report(self) -> Dict[str, int]:
+        pinned = sum(b.capacity for b in self.pipeline.buffers if b.pinned)
+        pageable = sum(b.capacity for b in self.pipeline.buffers) - pinned
+        return {"device": 0, "pinned": pinned, "pageable": pageable, "nvme": self.store.disk_bytes()}
+
+    def close(self) -> None:
+        """Release buffers and remove the swap directory (use save_checkpoint() first to keep
+        the states)."""
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None:
+            self._cache_g = None
+            pipeline.close()
+        self.store.close()
+
+    def __enter__(self) -> "SwappedState":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
