@@ -1,0 +1,174 @@
+// AVX2 + FMA + F16C Adam kernel; compiled with those flags only here.
+// 8 fp32 lanes per step. AVX2 has no cheap masked 16-bit loads/stores, so the tail
+// (< 8 elements) is staged through small stack buffers and run through the same vector
+// code: every element sees identical arithmetic, whatever its position.
+#include <cerrno>
+#include <immintrin.h>
+#include <string.h>
+
+#include "kernel.h"
+#include "offload_native.h"
+
+namespace {
+
+using namespace offload;
+
+template <int G>
+inline __m256 load_grad(const void *g, int64_t i) {
+    if (G == OFFLOAD_F32) return _mm256_loadu_ps(static_cast<const float *>(g) + i);
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(g) + i));
+    if (G == OFFLOAD_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// torch's cvtfp32_bf16: round to nearest even, NaN -> 0xFFFF.
+inline __m128i to_bf16(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i t = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+    t = _mm256_srli_epi32(t, 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    t = _mm256_blendv_epi8(t, _mm256_set1_epi32(0xFFFF), nan);
+    // pack 8 x u32 (each <= 0xFFFF) to 8 x u16: packus works per 128-bit lane, then
+    // gather qwords 0 and 2 into the low half.
+    __m256i packed = _mm256_packus_epi32(t, t);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+template <int L>
+inline void store_lowp(void *dst, int64_t i, __m256 x) {
+    if (L < 0) return;
+    __m128i h = (L == OFFLOAD_F16) ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                   : to_bf16(x);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(static_cast<uint16_t *>(dst) + i), h);
+}
+
+struct VConsts {
+    __m256 gs, l2, decay, coeff, b2, w2, bc2s, eps, nss;
+    explicit VConsts(const AdamConsts &c)
+        : gs(_mm256_set1_ps(c.grad_scale)), l2(_mm256_set1_ps(c.l2)),
+          decay(_mm256_set1_ps(c.decay)), coeff(_mm256_set1_ps(c.lerp_coeff)),
+          b2(_mm256_set1_ps(c.beta2)), w2(_mm256_set1_ps(c.one_minus_beta2)),
+          bc2s(_mm256_set1_ps(c.bc2_sqrt)), eps(_mm256_set1_ps(c.eps)),
+          nss(_mm256_set1_ps(c.neg_step_size)) {}
+};
+
+// One vector of 8 at index i of the (possibly staged) buffers in b.
+template <int G, int L, bool L2, bool FROM_END>
+inline void adam_vec(const VConsts &c, const AdamBuffers &b, int64_t i) {
+    __m256 g = _mm256_mul_ps(load_grad<G>(b.grad, i), c.gs);
+    __m256 p = _mm256_loadu_ps(b.param + i);
+    __m256 m = _mm256_loadu_ps(b.exp_avg + i);
+    __m256 v = _mm256_loadu_ps(b.exp_avg_sq + i);
+    if (L2) g = _mm256_fmadd_ps(p, c.l2, g);
+    p = _mm256_mul_ps(p, c.decay);
+    m = _mm256_fmadd_ps(c.coeff, _mm256_sub_ps(g, m), FROM_END ? g : m);
+    v = _mm256_mul_ps(v, c.b2);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(c.w2, g), g, v);
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2s), c.eps);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));
+    _mm256_storeu_ps(b.param + i, p);
+    _mm256_storeu_ps(b.exp_avg + i, m);
+    _mm256_storeu_ps(b.exp_avg_sq + i, v);
+    store_lowp<L>(b.lowp, i, p);
+}
+
+inline size_t elem_size(int dtype) { return dtype == OFFLOAD_F32 ? 4 : 2; }
+
+template <int G, int L, bool L2, bool FROM_END>
+void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    const VConsts vc(c);
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) adam_vec<G, L, L2, FROM_END>(vc, b, i);
+    int64_t left = end - i;
+    if (left <= 0) return;
+    // Tail: copy in, run one full vector on zero-padded copies, copy the live part back.
+    alignas(32) float p[8] = {0}, m[8] = {0}, v[8] = {0}, g[8] = {0};
+    alignas(32) uint16_t lowp[8] = {0};
+    memcpy(p, b.param + i, left * 4);
+    memcpy(m, b.exp_avg + i, left * 4);
+    memcpy(v, b.exp_avg_sq + i, left * 4);
+    size_t gsz = elem_size(b.grad_dtype);
+    memcpy(g, static_cast<const char *>(b.grad) + i * gsz, left * gsz);
+    AdamBuffers t{p, g, m, v, lowp, b.grad_dtype, b.lowp_dtype};
+    adam_vec<G, L, L2, FROM_END>(vc, t, 0);
+    memcpy(b.param + i, p, left * 4);
+    memcpy(b.exp_avg + i, m, left * 4);
+    memcpy(b.exp_avg_sq + i, v, left * 4);
+    if (L >= 0) memcpy(static_cast<uint16_t *>(b.lowp) + i, lowp, left * 2);
+}
+
+template <int G, int L>
+void adam_flags(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    if (c.use_l2) {
+        if (c.lerp_from_end) adam_loop<G, L, true, true>(c, b, begin, end);
+        else adam_loop<G, L, true, false>(c, b, begin, end);
+    } else {
+        if (c.lerp_from_end) adam_loop<G, L, false, true>(c, b, begin, end);
+        else adam_loop<G, L, false, false>(c, b, begin, end);
+    }
+}
+
+template <int G>
+int adam_lowp(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    switch (b.lowp_dtype) {
+        case -1: adam_flags<G, -1>(c, b, begin, end); return 0;
+        case OFFLOAD_F16: adam_flags<G, OFFLOAD_F16>(c, b, begin, end); return 0;
+        case OFFLOAD_BF16: adam_flags<G, OFFLOAD_BF16>(c, b, begin, end); return 0;
+        default: return -EINVAL;
+    }
+}
+
+template <int G>
+inline void sumsq_vec(const void *g, int64_t i, __m256d &a0, __m256d &a1) {
+    __m256 x = load_grad<G>(g, i);
+    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    a0 = _mm256_fmadd_pd(lo, lo, a0);
+    a1 = _mm256_fmadd_pd(hi, hi, a1);
+}
+
+template <int G>
+double sumsq_loop(const void *g, int64_t begin, int64_t end) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+        sumsq_vec<G>(g, i, a0, a1);
+        sumsq_vec<G>(g, i + 8, a2, a3);
+    }
+    for (; i + 8 <= end; i += 8) sumsq_vec<G>(g, i, a0, a1);
+    if (i < end) {
+        alignas(32) float buf[8] = {0};
+        size_t gsz = G == OFFLOAD_F32 ? 4 : 2;
+        memcpy(buf, static_cast<const char *>(g) + i * gsz, (end - i) * gsz);
+        sumsq_vec<G>(buf, 0, a2, a3);
+    }
+    __m256d s = _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3));
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, s);
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
+
+}  // namespace
+
+namespace offload {
+
+int adam_range_avx2(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    switch (b.grad_dtype) {
+        case OFFLOAD_F32: return adam_lowp<OFFLOAD_F32>(c, b, begin, end);
+        case OFFLOAD_F16: return adam_lowp<OFFLOAD_F16>(c, b, begin, end);
+        case OFFLOAD_BF16: return adam_lowp<OFFLOAD_BF16>(c, b, begin, end);
+        default: return -EINVAL;
+    }
+}
+
+int sumsq_range_avx2(const void *grad, int dtype, int64_t begin, int64_t end, double *out) {
+    switch (dtype) {
+        case OFFLOAD_F32: *out = sumsq_loop<OFFLOAD_F32>(grad, begin, end); return 0;
+        case OFFLOAD_F16: *out = sumsq_loop<OFFLOAD_F16>(grad, begin, end); return 0;
+        case OFFLOAD_BF16: *out = sumsq_loop<OFFLOAD_BF16>(grad, begin, end); return 0;
+        default: return -EINVAL;
+    }
+}
+
+}  // namespace offload

@@ -1,0 +1,169 @@
+// AVX-512 Adam kernel (F, BW, VL, DQ + FMA + F16C); compiled with those flags only here.
+// 16 fp32 lanes per step; the tail uses masked loads and stores, so every element goes
+// through the same instruction sequence. Numerics mirror adam_scalar.cpp / torch's
+// vectorized kernels as built (fmadd in lerp, in the L2 add and in addcmul; divisions
+// kept as divisions); exp_avg and exp_avg_sq then match torch bit for bit without L2 decay.
+#include <cerrno>
+#include <immintrin.h>
+
+#include "kernel.h"
+#include "offload_native.h"
+
+namespace {
+
+using namespace offload;
+
+template <int G, bool MASKED>
+inline __m512 load_grad(const void *g, int64_t i, __mmask16 k) {
+    if (G == OFFLOAD_F32) {
+        const float *src = static_cast<const float *>(g) + i;
+        return MASKED ? _mm512_maskz_loadu_ps(k, src) : _mm512_loadu_ps(src);
+    }
+    const uint16_t *src = static_cast<const uint16_t *>(g) + i;
+    __m256i h = MASKED ? _mm256_maskz_loadu_epi16(k, src)
+                       : _mm256_loadu_si256(reinterpret_cast<const __m256i *>(src));
+    if (G == OFFLOAD_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <bool MASKED>
+inline __m512 load(const float *src, __mmask16 k) {
+    return MASKED ? _mm512_maskz_loadu_ps(k, src) : _mm512_loadu_ps(src);
+}
+
+template <bool MASKED>
+inline void store(float *dst, __m512 x, __mmask16 k) {
+    if (MASKED) _mm512_mask_storeu_ps(dst, k, x);
+    else _mm512_storeu_ps(dst, x);
+}
+
+// torch's cvtfp32_bf16: round to nearest even, NaN -> 0xFFFF.
+inline __m256i to_bf16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i t = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    t = _mm512_srli_epi32(t, 16);
+    __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
+    t = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), t);
+    return _mm512_cvtepi32_epi16(t);
+}
+
+template <int L, bool MASKED>
+inline void store_lowp(void *dst, int64_t i, __m512 x, __mmask16 k) {
+    if (L < 0) return;
+    __m256i h = (L == OFFLOAD_F16) ? _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                                   : to_bf16(x);
+    uint16_t *out = static_cast<uint16_t *>(dst) + i;
+    if (MASKED) _mm256_mask_storeu_epi16(out, k, h);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i *>(out), h);
+}
+
+struct VConsts {
+    __m512 gs, l2, decay, coeff, b2, w2, bc2s, eps, nss;
+    explicit VConsts(const AdamConsts &c)
+        : gs(_mm512_set1_ps(c.grad_scale)), l2(_mm512_set1_ps(c.l2)),
+          decay(_mm512_set1_ps(c.decay)), coeff(_mm512_set1_ps(c.lerp_coeff)),
+          b2(_mm512_set1_ps(c.beta2)), w2(_mm512_set1_ps(c.one_minus_beta2)),
+          bc2s(_mm512_set1_ps(c.bc2_sqrt)), eps(_mm512_set1_ps(c.eps)),
+          nss(_mm512_set1_ps(c.neg_step_size)) {}
+};
+
+template <int G, int L, bool L2, bool FROM_END, bool MASKED>
+inline void adam_vec(const VConsts &c, const AdamBuffers &b, int64_t i, __mmask16 k) {
+    __m512 g = _mm512_mul_ps(load_grad<G, MASKED>(b.grad, i, k), c.gs);
+    __m512 p = load<MASKED>(b.param + i, k);
+    __m512 m = load<MASKED>(b.exp_avg + i, k);
+    __m512 v = load<MASKED>(b.exp_avg_sq + i, k);
+    if (L2) g = _mm512_fmadd_ps(p, c.l2, g);
+    p = _mm512_mul_ps(p, c.decay);
+    m = _mm512_fmadd_ps(c.coeff, _mm512_sub_ps(g, m), FROM_END ? g : m);
+    v = _mm512_mul_ps(v, c.b2);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(c.w2, g), g, v);
+    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2s), c.eps);
+    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c.nss, m), denom));
+    store<MASKED>(b.param + i, p, k);
+    store<MASKED>(b.exp_avg + i, m, k);
+    store<MASKED>(b.exp_avg_sq + i, v, k);
+    store_lowp<L, MASKED>(b.lowp, i, p, k);
+}
+
+template <int G, int L, bool L2, bool FROM_END>
+void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    const VConsts vc(c);
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) adam_vec<G, L, L2, FROM_END, false>(vc, b, i, 0xFFFF);
+    if (i < end) {
+        __mmask16 k = static_cast<__mmask16>((1u << (end - i)) - 1u);
+        adam_vec<G, L, L2, FROM_END, true>(vc, b, i, k);
+    }
+}
+
+template <int G, int L>
+void adam_flags(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    if (c.use_l2) {
+        if (c.lerp_from_end) adam_loop<G, L, true, true>(c, b, begin, end);
+        else adam_loop<G, L, true, false>(c, b, begin, end);
+    } else {
+        if (c.lerp_from_end) adam_loop<G, L, false, true>(c, b, begin, end);
+        else adam_loop<G, L, false, false>(c, b, begin, end);
+    }
+}
+
+template <int G>
+int adam_lowp(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    switch (b.lowp_dtype) {
+        case -1: adam_flags<G, -1>(c, b, begin, end); return 0;
+        case OFFLOAD_F16: adam_flags<G, OFFLOAD_F16>(c, b, begin, end); return 0;
+        case OFFLOAD_BF16: adam_flags<G, OFFLOAD_BF16>(c, b, begin, end); return 0;
+        default: return -EINVAL;
+    }
+}
+
+template <int G, bool MASKED>
+inline void sumsq_vec(const void *g, int64_t i, __mmask16 k, __m512d &a0, __m512d &a1) {
+    __m512 x = load_grad<G, MASKED>(g, i, k);
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    a0 = _mm512_fmadd_pd(lo, lo, a0);
+    a1 = _mm512_fmadd_pd(hi, hi, a1);
+}
+
+template <int G>
+double sumsq_loop(const void *g, int64_t begin, int64_t end) {
+    __m512d a0 = _mm512_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = begin;
+    for (; i + 32 <= end; i += 32) {
+        sumsq_vec<G, false>(g, i, 0xFFFF, a0, a1);
+        sumsq_vec<G, false>(g, i + 16, 0xFFFF, a2, a3);
+    }
+    for (; i < end; i += 16) {
+        int64_t left = end - i;
+        __mmask16 k = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
+        sumsq_vec<G, true>(g, i, k, a0, a1);
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3)));
+}
+
+}  // namespace
+
+namespace offload {
+
+int adam_range_avx512(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    switch (b.grad_dtype) {
+        case OFFLOAD_F32: return adam_lowp<OFFLOAD_F32>(c, b, begin, end);
+        case OFFLOAD_F16: return adam_lowp<OFFLOAD_F16>(c, b, begin, end);
+        case OFFLOAD_BF16: return adam_lowp<OFFLOAD_BF16>(c, b, begin, end);
+        default: return -EINVAL;
+    }
+}
+
+int sumsq_range_avx512(const void *grad, int dtype, int64_t begin, int64_t end, double *out) {
+    switch (dtype) {
+        case OFFLOAD_F32: *out = sumsq_loop<OFFLOAD_F32>(grad, begin, end); return 0;
+        case OFFLOAD_F16: *out = sumsq_loop<OFFLOAD_F16>(grad, begin, end); return 0;
+        case OFFLOAD_BF16: *out = sumsq_loop<OFFLOAD_BF16>(grad, begin, end); return 0;
+        default: return -EINVAL;
+    }
+}
+
+}  // namespace offload

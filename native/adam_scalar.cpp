@@ -1,0 +1,106 @@
+// Portable Adam kernel: the fallback for CPUs without AVX2, and the numerics every SIMD
+// unit mirrors. Compiled with baseline flags only (the compiler may still use SSE2).
+#include <cerrno>
+#include <cmath>
+
+#include "convert.h"
+#include "kernel.h"
+#include "offload_native.h"
+
+namespace {
+
+using namespace offload;
+
+template <int G>
+inline float load_grad(const void *g, int64_t i) {
+    if (G == OFFLOAD_F32) return static_cast<const float *>(g)[i];
+    if (G == OFFLOAD_F16) return half_to_float(static_cast<const uint16_t *>(g)[i]);
+    return bf16_to_float(static_cast<const uint16_t *>(g)[i]);
+}
+
+// Statement order follows torch's _single_tensor_adam (see dispatch.cpp for the scalars).
+template <int G, int L, bool L2, bool FROM_END>
+void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    float *__restrict p = b.param;
+    float *__restrict m = b.exp_avg;
+    float *__restrict v = b.exp_avg_sq;
+    uint16_t *__restrict lowp = static_cast<uint16_t *>(b.lowp);
+    for (int64_t i = begin; i < end; ++i) {
+        float g = load_grad<G>(b.grad, i) * c.grad_scale;
+        float pi = p[i];
+        if (L2) g = g + c.l2 * pi;
+        pi = pi * c.decay;
+        float mi = m[i];
+        mi = c.lerp_coeff * (g - mi) + (FROM_END ? g : mi);
+        float vi = v[i] * c.beta2;
+        vi = vi + c.one_minus_beta2 * g * g;
+        float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
+        pi = pi + c.neg_step_size * mi / denom;
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (L == OFFLOAD_F16) lowp[i] = float_to_half(pi);
+        if (L == OFFLOAD_BF16) lowp[i] = float_to_bf16(pi);
+    }
+}
+
+template <int G, int L>
+void adam_flags(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    if (c.use_l2) {
+        if (c.lerp_from_end) adam_loop<G, L, true, true>(c, b, begin, end);
+        else adam_loop<G, L, true, false>(c, b, begin, end);
+    } else {
+        if (c.lerp_from_end) adam_loop<G, L, false, true>(c, b, begin, end);
+        else adam_loop<G, L, false, false>(c, b, begin, end);
+    }
+}
+
+template <int G>
+int adam_lowp(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    switch (b.lowp_dtype) {
+        case -1: adam_flags<G, -1>(c, b, begin, end); return 0;
+        case OFFLOAD_F16: adam_flags<G, OFFLOAD_F16>(c, b, begin, end); return 0;
+        case OFFLOAD_BF16: adam_flags<G, OFFLOAD_BF16>(c, b, begin, end); return 0;
+        default: return -EINVAL;
+    }
+}
+
+template <int G>
+double sumsq_loop(const void *g, int64_t begin, int64_t end) {
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};
+    int64_t i = begin;
+    for (; i + 4 <= end; i += 4)
+        for (int k = 0; k < 4; ++k) {
+            double x = load_grad<G>(g, i + k);
+            acc[k] += x * x;
+        }
+    for (; i < end; ++i) {
+        double x = load_grad<G>(g, i);
+        acc[0] += x * x;
+    }
+    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+}  // namespace
+
+namespace offload {
+
+int adam_range_scalar(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    switch (b.grad_dtype) {
+        case OFFLOAD_F32: return adam_lowp<OFFLOAD_F32>(c, b, begin, end);
+        case OFFLOAD_F16: return adam_lowp<OFFLOAD_F16>(c, b, begin, end);
+        case OFFLOAD_BF16: return adam_lowp<OFFLOAD_BF16>(c, b, begin, end);
+        default: return -EINVAL;
+    }
+}
+
+int sumsq_range_scalar(const void *grad, int dtype, int64_t begin, int64_t end, double *out) {
+    switch (dtype) {
+        case OFFLOAD_F32: *out = sumsq_loop<OFFLOAD_F32>(grad, begin, end); return 0;
+        case OFFLOAD_F16: *out = sumsq_loop<OFFLOAD_F16>(grad, begin, end); return 0;
+        case OFFLOAD_BF16: *out = sumsq_loop<OFFLOAD_BF16>(grad, begin, end); return 0;
+        default: return -EINVAL;
+    }
+}
+
+}  // namespace offload

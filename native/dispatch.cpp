@@ -1,0 +1,181 @@
+// Entry points of the native library: argument checks, ISA selection, thread split.
+//
+// Compiled with baseline x86-64 flags only: this unit runs on every CPU and decides at run
+// time (__builtin_cpu_supports / cpuid) which ISA unit may run.
+#include <cerrno>
+#include <cmath>
+#include <cpuid.h>
+#include <thread>
+#include <vector>
+
+#include "kernel.h"
+#include "offload_native.h"
+
+namespace {
+
+using namespace offload;
+
+// Below this many elements per thread, spawning a thread (~20-50 us) costs more than it
+// saves (at ~1 G elements/s a thread does 64 K elements in ~60 us).
+constexpr int64_t kMinPerThread = 1 << 16;
+// Thread ranges start on multiples of this (cache lines and whole vectors).
+constexpr int64_t kAlign = 64;
+
+bool has_f16c() {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+    return (c & bit_F16C) != 0;
+}
+
+bool isa_supported(int isa) {
+    __builtin_cpu_init();
+    switch (isa) {
+        case OFFLOAD_ISA_SCALAR:
+            return true;
+        case OFFLOAD_ISA_AVX2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
+        case OFFLOAD_ISA_AVX512:
+            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                   __builtin_cpu_supports("fma") && has_f16c();
+        default:
+            return false;
+    }
+}
+
+int isa_best() {
+    if (isa_supported(OFFLOAD_ISA_AVX512)) return OFFLOAD_ISA_AVX512;
+    if (isa_supported(OFFLOAD_ISA_AVX2)) return OFFLOAD_ISA_AVX2;
+    return OFFLOAD_ISA_SCALAR;
+}
+
+// -ENOTSUP for an ISA the CPU lacks, -EINVAL for an unknown code; else the ISA to run.
+int resolve_isa(int isa) {
+    if (isa == OFFLOAD_ISA_BEST) return isa_best();
+    if (isa < OFFLOAD_ISA_SCALAR || isa > OFFLOAD_ISA_AVX512) return -EINVAL;
+    return isa_supported(isa) ? isa : -ENOTSUP;
+}
+
+bool valid_dtype(int dtype) { return dtype == OFFLOAD_F32 || dtype == OFFLOAD_F16 || dtype == OFFLOAD_BF16; }
+
+int threads_for(int64_t n, int requested) {
+    int64_t by_size = n / kMinPerThread;
+    int64_t t = requested < by_size ? requested : by_size;
+    return t < 1 ? 1 : static_cast<int>(t);
+}
+
+// Runs fn(begin, end) -> int over [0, n) split into `threads` aligned ranges: the calling
+// thread takes the first range. If a thread cannot be spawned, the caller runs its range
+// (slower, never wrong). Returns the first nonzero result.
+template <typename Fn>
+int parallel_for(int64_t n, int threads, Fn fn) {
+    if (threads <= 1) return fn(0, n, 0);
+    int64_t chunk = (n + threads - 1) / threads;
+    chunk = (chunk + kAlign - 1) / kAlign * kAlign;
+    std::vector<int> rcs(threads, 0);
+    std::vector<std::thread> pool;
+    pool.reserve(threads - 1);
+    for (int t = 1; t < threads; ++t) {
+        int64_t begin = t * chunk, end = begin + chunk < n ? begin + chunk : n;
+        if (begin >= n) break;
+        try {
+            pool.emplace_back([&rcs, &fn, t, begin, end] { rcs[t] = fn(begin, end, t); });
+        } catch (...) {
+            rcs[t] = fn(begin, end, t);
+        }
+    }
+    rcs[0] = fn(0, chunk < n ? chunk : n, 0);
+    for (auto &th : pool) th.join();
+    for (int rc : rcs)
+        if (rc != 0) return rc;
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int offload_abi_version(void) { return 1; }
+
+int offload_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
+
+int offload_isa_best(void) { return isa_best(); }
+
+int offload_adam_step(float *param, const void *grad, int grad_dtype, float *exp_avg,
+                      float *exp_avg_sq, void *param_lowp, int lowp_dtype, int64_t n, double lr,
+                      double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                      int decoupled, int bias_correction, int maximize, double grad_scale,
+                      int isa, int num_threads) {
+    if (n < 0 || step < 1 || num_threads < 1 || !valid_dtype(grad_dtype)) return -EINVAL;
+    if (param_lowp != nullptr && lowp_dtype != OFFLOAD_F16 && lowp_dtype != OFFLOAD_BF16)
+        return -EINVAL;
+    int run_isa = resolve_isa(isa);
+    if (run_isa < 0) return run_isa;
+    if (n == 0) return 0;
+    if (!param || !grad || !exp_avg || !exp_avg_sq) return -EINVAL;
+
+    // Scalars as torch's _single_tensor_adam forms them: Python doubles, rounded to float
+    // where they meet a float32 tensor. beta^step uses the same libm pow as Python's float **.
+    AdamConsts c;
+    double gs = maximize ? -grad_scale : grad_scale;
+    c.grad_scale = static_cast<float>(gs);
+    c.use_l2 = !decoupled && weight_decay != 0.0;
+    c.l2 = static_cast<float>(weight_decay);
+    c.decay = (decoupled && weight_decay != 0.0) ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+    float w = static_cast<float>(1.0 - beta1);  // torch.lerp weight
+    c.lerp_from_end = !(std::fabs(w) < 0.5f);
+    c.lerp_coeff = c.lerp_from_end ? w - 1.0f : w;
+    c.beta2 = static_cast<float>(beta2);
+    c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    double bc1 = 1.0, bc2 = 1.0;
+    if (bias_correction) {
+        bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+        bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+    }
+    c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    c.eps = static_cast<float>(eps);
+    c.neg_step_size = static_cast<float>(-(lr / bc1));
+
+    AdamBuffers b{param, grad, exp_avg, exp_avg_sq, param_lowp, grad_dtype,
+                  param_lowp ? lowp_dtype : -1};
+    auto fn = [&c, &b, run_isa](int64_t begin, int64_t end, int) -> int {
+        switch (run_isa) {
+            case OFFLOAD_ISA_AVX512: return adam_range_avx512(c, b, begin, end);
+            case OFFLOAD_ISA_AVX2: return adam_range_avx2(c, b, begin, end);
+            default: return adam_range_scalar(c, b, begin, end);
+        }
+    };
+    return parallel_for(n, threads_for(n, num_threads), fn);
+}
+
+int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_sumsq,
+                       int *out_nonfinite, int isa, int num_threads) {
+    if (n < 0 || num_threads < 1 || !valid_dtype(grad_dtype) || !out_sumsq || !out_nonfinite)
+        return -EINVAL;
+    int run_isa = resolve_isa(isa);
+    if (run_isa < 0) return run_isa;
+    *out_sumsq = 0.0;
+    *out_nonfinite = 0;
+    if (n == 0) return 0;
+    if (!grad) return -EINVAL;
+    int threads = threads_for(n, num_threads);
+    std::vector<double> partial(threads, 0.0);
+    auto fn = [&partial, grad, grad_dtype, run_isa](int64_t begin, int64_t end, int t) -> int {
+        switch (run_isa) {
+            case OFFLOAD_ISA_AVX512: return sumsq_range_avx512(grad, grad_dtype, begin, end, &partial[t]);
+            case OFFLOAD_ISA_AVX2: return sumsq_range_avx2(grad, grad_dtype, begin, end, &partial[t]);
+            default: return sumsq_range_scalar(grad, grad_dtype, begin, end, &partial[t]);
+        }
+    };
+    int rc = parallel_for(n, threads, fn);
+    if (rc != 0) return rc;
+    double total = 0.0;
+    for (double s : partial) total += s;
+    *out_sumsq = total;
+    // A double sum of squares of finite fp32/fp16/bf16 values cannot overflow
+    // (n * 2^256 << 2^1024), so the sum is non-finite exactly when an element is.
+    *out_nonfinite = std::isfinite(total) ? 0 : 1;
+    return 0;
+}
+
+}  // extern "C"

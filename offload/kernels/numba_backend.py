@@ -1,0 +1,205 @@
+"""The numba backend: the fallback when the native library is missing (no compiler).
+
+Same signature and semantics as the native backend, and the same arithmetic order (see
+native/adam_avx512.cpp). Kept small on purpose: four compiled Adam specialisations (grads
+fp32 or 16-bit viewed as uint16, with or without the low-precision copy) and two
+sum-of-squares ones, cached on disk (``cache=True``), because each first compile costs
+~1-2 s and CI runs the suite with this backend too.
+
+Threads: numba's OpenMP layer would start a second OpenMP runtime beside torch's, both
+spinning (the trap of DeepSpeed issue #4687); unless the user chose a layer
+(NUMBA_THREADING_LAYER), this module selects numba's own "workqueue" pool. That pool does
+not accept concurrent launches from two Python threads, so launches are serialised by a lock.
+fastmath is limited to {"contract"} (FMA): the flags that assume no NaN/Inf would break NaN
+propagation and the non-finite flag, and "arcp" would turn divisions into reciprocals.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Tuple
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_adam_args, check_tensor, check_threads
+from ._numba_bits import bf16_to_float, float_to_bf16, float_to_half, half_to_float
+from ._threads import resolve_threads
+
+__all__ = ["NumbaBackend"]
+
+if not os.environ.get("NUMBA_THREADING_LAYER"):
+    numba.config.THREADING_LAYER = "workqueue"
+
+_FASTMATH = {"contract"}
+_MIN_PER_THREAD = 1 << 16  # as native/dispatch.cpp: below this a thread costs more than it saves
+_launch_lock = threading.Lock()
+
+
+@njit(inline="always", nogil=True, cache=True, fastmath=_FASTMATH)
+def _update(g, p, m, v, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, eps, nss):
+    """One element of torch's _single_tensor_adam; returns (p, m, v).
+
+    Flags become selects, not branches, so the loop stays vectorized."""
+    g = (g + l2 * p) if use_l2 else g
+    p = p * decay
+    m = coeff * (g - m) + (g if from_end else m)
+    v = v * b2
+    v = v + (w2 * g) * g
+    denom = np.sqrt(v) / bc2s + eps
+    p = p + (nss * m) / denom
+    return p, m, v
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _lowp_bits(p, lowp_code):
+    """Both conversions, then a select: an unconditional store keeps the loop vectorized."""
+    return float_to_half(p) if lowp_code == 1 else float_to_bf16(p)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _u16_to_float(g, grad_code):
+    return half_to_float(g) if grad_code == 1 else bf16_to_float(g)
+
+
+# prange over elements, not over per-thread chunks: numba vectorizes the body of a prange
+# loop, while an inner serial loop over a chunk came out scalar and ~8x slower here.
+# Four Adam specialisations: grad fp32 or uint16 (fp16/bf16) x with or without lowp copy.
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def _adam_f32(p, g, m, v, gs, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, eps, nss):
+    for i in prange(p.size):
+        p[i], m[i], v[i] = _update(g[i] * gs, p[i], m[i], v[i], use_l2, l2, decay, coeff,
+                                   from_end, b2, w2, bc2s, eps, nss)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def _adam_f32_lowp(p, g, m, v, lowp, lowp_code, gs, use_l2, l2, decay, coeff, from_end, b2,
+                   w2, bc2s, eps, nss):
+    for i in prange(p.size):
+        pi, mi, vi = _update(g[i] * gs, p[i], m[i], v[i], use_l2, l2, decay, coeff,
+                             from_end, b2, w2, bc2s, eps, nss)
+        p[i] = pi
+        m[i] = mi
+        v[i] = vi
+        lowp[i] = _lowp_bits(pi, lowp_code)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def _adam_u16(p, g, grad_code, m, v, gs, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s,
+              eps, nss):
+    for i in prange(p.size):
+        p[i], m[i], v[i] = _update(_u16_to_float(g[i], grad_code) * gs, p[i], m[i], v[i],
+                                   use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, eps, nss)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def _adam_u16_lowp(p, g, grad_code, m, v, lowp, lowp_code, gs, use_l2, l2, decay, coeff,
+                   from_end, b2, w2, bc2s, eps, nss):
+    for i in prange(p.size):
+        pi, mi, vi = _update(_u16_to_float(g[i], grad_code) * gs, p[i], m[i], v[i], use_l2,
+                             l2, decay, coeff, from_end, b2, w2, bc2s, eps, nss)
+        p[i] = pi
+        m[i] = mi
+        v[i] = vi
+        lowp[i] = _lowp_bits(pi, lowp_code)
+
+
+# Sum of squares: a prange reduction in double. "reassoc" lets LLVM vectorize the sum
+# (several partial sums); it does not assume finite values, so NaN/Inf still propagate.
+_SUMSQ_FASTMATH = {"reassoc", "contract"}
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=_SUMSQ_FASTMATH)
+def _sumsq_f32(g):
+    acc = 0.0
+    for i in prange(g.size):
+        x = np.float64(g[i])
+        acc += x * x
+    return acc
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=_SUMSQ_FASTMATH)
+def _sumsq_u16(g, grad_code):
+    acc = 0.0
+    for i in prange(g.size):
+        x = np.float64(_u16_to_float(g[i], grad_code))
+        acc += x * x
+    return acc
+
+
+def _u16(t: torch.Tensor) -> np.ndarray:
+    """A 16-bit tensor's memory as a flat uint16 array (numpy has no bfloat16)."""
+    return t.view(-1).view(torch.int16).numpy().view(np.uint16)
+
+
+def _threads_for(n: int, num_threads) -> int:
+    threads = resolve_threads(num_threads)
+    return max(1, min(threads, numba.config.NUMBA_NUM_THREADS, n // _MIN_PER_THREAD))
+
+
+class NumbaBackend:
+    name = "numba"
+
+    def describe(self) -> str:
+        return f"ok, numba {numba.__version__}"
+
+    def adam_step(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
+                  weight_decay, step, decoupled, bias_correction=True, maximize=False,
+                  grad_scale=1.0, param_lowp=None, num_threads=None) -> None:
+        n = check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads)
+        if n == 0:
+            return
+        f32 = np.float32
+        # Scalars rounded to float32 as torch rounds its Python scalars (native/dispatch.cpp).
+        gs = f32(-grad_scale if maximize else grad_scale)
+        use_l2 = (not decoupled) and weight_decay != 0
+        decay = f32(1 - lr * weight_decay) if (decoupled and weight_decay != 0) else f32(1)
+        w = f32(1 - beta1)
+        from_end = not abs(w) < 0.5
+        coeff = f32(w - f32(1)) if from_end else w
+        if bias_correction:
+            bc1 = 1 - beta1 ** float(step)
+            bc2 = 1 - beta2 ** float(step)
+        else:
+            bc1 = bc2 = 1.0
+        args = (gs, use_l2, f32(weight_decay), decay, coeff, from_end, f32(beta2),
+                f32(1 - beta2), f32(math.sqrt(bc2)), f32(eps), f32(-(lr / bc1)))
+        p = param.view(-1).numpy()
+        m = exp_avg.view(-1).numpy()
+        v = exp_avg_sq.view(-1).numpy()
+        threads = _threads_for(n, num_threads)
+        with _launch_lock:
+            numba.set_num_threads(threads)
+            if grad.dtype == torch.float32:
+                g = grad.view(-1).numpy()
+                if param_lowp is None:
+                    _adam_f32(p, g, m, v, *args)
+                else:
+                    _adam_f32_lowp(p, g, m, v, _u16(param_lowp),
+                                   LOWP_DTYPES[param_lowp.dtype], *args)
+            else:
+                g, code = _u16(grad), GRAD_DTYPES[grad.dtype]
+                if param_lowp is None:
+                    _adam_u16(p, g, code, m, v, *args)
+                else:
+                    _adam_u16_lowp(p, g, code, m, v, _u16(param_lowp),
+                                   LOWP_DTYPES[param_lowp.dtype], *args)
+
+    def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
+        check_tensor("grad", grad, GRAD_DTYPES)
+        check_threads(num_threads)
+        n = grad.numel()
+        if n == 0:
+            return 0.0, False
+        threads = _threads_for(n, num_threads)
+        with _launch_lock:
+            numba.set_num_threads(threads)
+            if grad.dtype == torch.float32:
+                total = float(_sumsq_f32(grad.view(-1).numpy()))
+            else:
+                total = float(_sumsq_u16(_u16(grad), GRAD_DTYPES[grad.dtype]))
+        # double accumulation of finite values cannot overflow: non-finite sum <=> element
+        return total, not math.isfinite(total)
