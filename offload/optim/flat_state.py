@@ -1,0 +1,600 @@
+"""Flat fp32 states on the host for device or fp16/bf16 params, optionally partitioned (ZeRO 1/2).
+
+This is the store behind ``offload.Adam``/``AdamW`` whenever params are not fp32 CPU tensors
+updated in place (see [Note: store interface] in ``host_state.py``): fp16/bf16 params on the
+CPU, params on CUDA, and any params once ``torch.distributed`` has more than one rank.
+
+Params are grouped by (device, dtype) into *flat groups* (see [Note: flat layout] in
+``offload/zero/partition.py``). For each, this rank keeps its shard of a flat fp32 master,
+``exp_avg`` and ``exp_avg_sq`` in host buffers from the memory layer (pinned when CUDA is
+present). One step runs the fused kernel per (param ∩ shard) piece, cut into sub-groups; the
+kernel upcasts the grad and writes the fp16/bf16 copy of the updated master in the same pass.
+
+[Note: what p.grad holds] ``p.grad`` keeps exactly torch's meaning: the local gradient,
+accumulated by autograd over backward passes, cleared by ``zero_grad`` (either way). The
+store never replaces or frees it; it *reads* it:
+
+- CPU params, one rank: the kernel reads ``p.grad`` where it lies (it already is a host
+  buffer in its own dtype; copying it first would only add a pass over memory).
+- CUDA params, one rank: a post-accumulate-grad hook copies ``p.grad`` (own dtype, half the
+  bytes of fp32 for fp16/bf16) into a pinned host flat buffer on a side stream as soon as
+  autograd has accumulated it. The copy is tagged with (a weak reference to the grad, its
+  version counter); at step time a tag that no longer matches ``p.grad`` (a later in-place
+  change such as ``clip_grad_norm_`` or ``zero_()``, or a grad assigned by hand) is copied
+  again, synchronously, so the step always sees what torch would. ``copy_cpu_grads = True``
+  runs this path for CPU params too (the tests use it; there is no GPU in CI).
+- Several ranks: at step time the grads are averaged across ranks, bucket by bucket: each
+  bucket gathers the N slices of the flat range that go to the N ranks into one fp32
+  buffer (upcasting on the way), then reduce-scatters it (stage 2) or all-reduces it and
+  keeps this rank's slice (stage 1). Each rank ends with the fp32 *sum* for its shard; the
+  1/N of the average is folded into the kernel's ``grad_scale``.
+
+[Note: DDP] The optimizer averages grads itself; the model needs no DDP wrapper. If the
+model *is* wrapped in DDP, its grads are already averaged: set
+``opt.grads_already_averaged = True`` (read at every step) and the store only slices them,
+saving the second reduction. Averaging already-averaged grads again would give the same
+values up to rounding, at the price of a redundant all-reduce.
+
+[Note: a grad on some ranks only] torch skips a param without grad (no step, no weight
+decay). Across ranks, a param counts as having a grad when any rank has one (missing grads
+count as zeros in the average, as in DDP); ``grads(p)`` answers accordingly so that every
+rank increments the same step counters. The answer comes from one small all-reduce per step.
+
+Stage 1 vs 2: both keep 1/N of the fp32 states and of the host grad buffer per rank; they
+differ in the collective (all-reduce vs reduce-scatter). ``p.grad`` itself stays full on
+every rank (torch's meaning, see above); freeing it after the reduction is not done.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from offload.kernels import get_backend
+from offload.memory import BufferPool
+from offload.zero import FlatLayout, SideStream, split_ranges
+from offload.zero import comm
+
+__all__ = ["FlatState"]
+
+log = logging.getLogger("offload.optim")
+
+_LOWP = (torch.float16, torch.bfloat16)
+
+
+class _FlatGroup:
+    """The params of one (device, dtype), this rank's shard of their fp32 states, and buffers."""
+
+    def __init__(self, params: List[torch.Tensor], *, world: int, rank: int, pool: BufferPool,
+                 comm_dev: torch.device, bucket_numel: int, need_host_grad: bool) -> None:
+        self.params = params
+        self.device = params[0].device
+        self.dtype = params[0].dtype
+        self.lowp = self.dtype in _LOWP
+        self.layout = FlatLayout([p.numel() for p in params], world, rank)
+        self.world, self.rank = world, rank
+        self._pool = pool
+        self._bufs = []
+        S = self.layout.shard
+        start, _ = self.layout.shard_range()
+        self.master = self._tensor(torch.float32, S)
+        self.exp_avg = self._tensor(torch.float32, S).zero_()
+        self.exp_avg_sq = self._tensor(torch.float32, S).zero_()
+        self.refresh_master()
+        # Destination of grad copies (one rank, hook path): the whole flat range, own dtype.
+        self.host_grad = self._tensor(self.dtype, self.layout.total) if need_host_grad else None
+        # Staging of updated low-precision params on their way to the device (one rank, CUDA).
+        self.stage = None
+        if world == 1 and self.device.type == "cuda" and self.lowp:
+            self.stage = self._tensor(self.dtype, S)
+        self.gshard = self.lowp_shard = None
+        self.send = self.gather = self.rs_out = None
+        if world > 1:
+            self.gshard = self._tensor(torch.float32, S)  # fp32 sum of the grads of this shard
+            if self.lowp:
+                self.lowp_shard = self._tensor(self.dtype, S)
+                self.refresh_lowp_shard()
+            # One bucket moves `chunk` elements of every rank's shard: a send buffer of
+            # world * chunk fp32 for grads and one of the param dtype for the all-gather.
+            self.chunk = max(1, min(S, bucket_numel // world))
+            self.send = torch.empty(world * self.chunk, dtype=torch.float32, device=comm_dev)
+            self.gather = torch.empty(world * self.chunk, dtype=self.dtype, device=comm_dev)
+            self.rs_out = torch.empty(self.chunk, dtype=torch.float32, device=comm_dev)
+            self.comm_dev = comm_dev
+        # Hook path bookkeeping: per param, (weakref to the grad copied, its _version).
+        self.grad_tag: List[Optional[Tuple[Any, int]]] = [None] * len(params)
+
+    def _tensor(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        size = torch.empty(0, dtype=dtype).element_size()
+        buf = self._pool.acquire(numel * size)
+        self._bufs.append(buf)
+        return buf.tensor(dtype, numel)
+
+    # -- views ------------------------------------------------------------------------------
+    def flat_param(self, i: int) -> torch.Tensor:
+        """The param's data as a 1-D view (params on CUDA must be contiguous: checked earlier)."""
+        return self.params[i].detach().view(-1) if self.params[i].is_contiguous() else None
+
+    def refresh_master(self) -> None:
+        """master <- the params' current values (at start, and after a load without masters)."""
+        start, end = self.layout.shard_range()
+        self.master.zero_()
+        for pc in self.layout.pieces(start, end):
+            src = self.params[pc.index].detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+            self.master[pc.lo - start:pc.hi - start].copy_(src)
+
+    def refresh_lowp_shard(self) -> None:
+        if self.lowp_shard is not None:
+            self.lowp_shard.copy_(self.master)
+
+    def nbytes(self) -> Dict[str, int]:
+        out = {"states": 3 * self.master.numel() * 4}
+        out["grads"] = 0
+        for t in (self.host_grad, self.gshard):
+            if t is not None:
+                out["grads"] += t.numel() * t.element_size()
+        out["lowp"] = sum(t.numel() * t.element_size() for t in (self.stage, self.lowp_shard) if t is not None)
+        out["comm"] = sum(t.numel() * t.element_size() for t in (self.send, self.gather) if t is not None)
+        return out
+
+    def close(self) -> None:
+        for name in ("master", "exp_avg", "exp_avg_sq", "host_grad", "stage", "gshard", "lowp_shard",
+                     "send", "gather", "rs_out"):
+            setattr(self, name, None)
+        for buf in self._bufs:
+            self._pool.release(buf)
+        self._bufs = []
+
+
+class FlatState:
+    """Flat fp32 master and moments on the host, sharded over data-parallel ranks."""
+
+    kind = "flat"
+    copy_cpu_grads = False
+    """Run the hook + host-grad-buffer path for CPU params too (tests; CUDA always uses it)."""
+    overlap = True
+    """False: host-to-device copies on the compute stream, synchronous (for comparisons)."""
+    bucket_numel = 1 << 22
+    """Elements of each rank's shard moved per collective (bounds the send buffers)."""
+    default_sub_group = 1 << 22
+    """Elements per kernel call / host-to-device copy when ``sub_group_size`` is not given."""
+
+    @classmethod
+    def for_optimizer(cls, opt, *, stage: int, process_group: Any = None) -> "FlatState":
+        if opt.config.offload == "nvme":
+            raise NotImplementedError(
+                "offload='nvme' for fp16/bf16 or device params, or with stage>0, is not implemented yet "
+                "(the flat store keeps its fp32 states in host memory): use offload='cpu'"
+            )
+        return cls(opt, stage=stage, process_group=process_group)
+
+    def __init__(self, opt, *, stage: int, process_group: Any = None) -> None:
+        self._opt = weakref.ref(opt)
+        self.stage = stage
+        self.group = process_group
+        world, rank = comm.world_and_rank(process_group) if stage > 0 else (1, 0)
+        self.world, self.rank = world, rank
+        self._backend = opt.backend
+        self._threads = opt.num_threads
+        self._sub = opt.config.sub_group_size or self.default_sub_group
+        self._comm_dev = comm.comm_device(process_group) if world > 1 else torch.device("cpu")
+        self._pool = BufferPool(name=f"flat-state:{id(self):x}")
+        self._groups: List[_FlatGroup] = []
+        self._where: Dict[torch.Tensor, Tuple[_FlatGroup, int]] = {}
+        self._order: List[torch.Tensor] = []  # every param, in param_groups order
+        self._hooks = []
+        self._streams: Dict[torch.device, Tuple[SideStream, SideStream]] = {}
+        self._mask: Optional[Dict[torch.Tensor, bool]] = None
+        self._reduced = False
+        self._stash: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
+        self.grads_already_averaged = False
+        self._closed = False
+        for group in opt.param_groups:
+            self.add_param_group(group)
+        self._hooks.append(opt.register_step_pre_hook(self._pre_step))
+        self._hooks.append(opt.register_load_state_dict_pre_hook(self._pre_load))
+        self._hooks.append(opt.register_load_state_dict_post_hook(self._post_load))
+
+    # ------------------------------------------------------------------ construction
+    def add_param_group(self, group: Dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p not in self._where]
+        for p in params:
+            if p.dtype not in (torch.float32,) + _LOWP:
+                raise ValueError(f"parameter of dtype {p.dtype}: only float32, float16 and bfloat16 are supported")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"parameter on {p.device}: only CPU and CUDA params are supported")
+            if p.device.type == "cuda" and not p.is_contiguous():
+                raise ValueError(f"CUDA parameter of shape {tuple(p.shape)} is not contiguous; "
+                                 "the flat store copies updated values into it as one range")
+        self._order.extend(params)
+        keys: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+        for p in params:
+            keys.setdefault((p.device, p.dtype), []).append(p)
+        for (device, _), members in keys.items():
+            hook_path = self.world == 1 and (device.type == "cuda" or self.copy_cpu_grads)
+            fg = _FlatGroup(members, world=self.world, rank=self.rank, pool=self._pool,
+                            comm_dev=self._comm_dev, bucket_numel=self.bucket_numel,
+                            need_host_grad=hook_path)
+            self._groups.append(fg)
+            for i, p in enumerate(members):
+                self._where[p] = (fg, i)
+                if hook_path and p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            if device.type == "cuda" and device not in self._streams:
+                # grad: D2H grad copies, overlapping the rest of backward. copy: H2D param
+                # copies, overlapping the CPU kernel of the next sub-group. [Note: streams of
+                # the flat store] in offload/zero/streams.py.
+                self._streams[device] = (SideStream(device), SideStream(device))
+
+    # ------------------------------------------------------------------ grads in
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: copy the accumulated grad to the host buffer now."""
+        g = p.grad
+        if g is None or self._closed:
+            return
+        fg, i = self._where[p]
+        lo, hi = fg.layout.slot(i)
+        dst = fg.host_grad[lo:hi]
+        if g.device.type == "cuda" and self.overlap:
+            grad_stream, _ = self._streams[g.device]
+            grad_stream.wait_current()  # the grad was produced on the compute stream
+            with grad_stream.context():
+                dst.copy_(g.detach().reshape(-1), non_blocking=True)
+            g.record_stream(grad_stream.stream)  # keep g's memory until the copy has read it
+        else:
+            dst.copy_(g.detach().reshape(-1))
+        fg.grad_tag[i] = (weakref.ref(g), g._version)
+
+    def _host_grad(self, fg: _FlatGroup, i: int, g: torch.Tensor) -> torch.Tensor:
+        """The host copy of p.grad (the hook's, or a fresh one when it is stale)."""
+        lo, hi = fg.layout.slot(i)
+        dst = fg.host_grad[lo:hi]
+        tag = fg.grad_tag[i]
+        if tag is None or tag[0]() is not g or tag[1] != g._version:
+            dst.copy_(g.detach().reshape(-1))
+            fg.grad_tag[i] = (weakref.ref(g), g._version)
+        return dst
+
+    def _wait_grad_copies(self) -> None:
+        for grad_stream, _ in self._streams.values():
+            grad_stream.synchronize()
+
+    def _pre_step(self, opt, args, kwargs) -> None:
+        """Step pre-hook: a new step; make the skip decision of GradScaler global."""
+        self._mask = None
+        self._reduced = False
+        found_inf = getattr(opt, "found_inf", None)
+        if self.world > 1 and isinstance(found_inf, torch.Tensor):
+            # GradScaler checks each rank's local grads; a step must be skipped on all
+            # ranks or on none, or the shards diverge. (The loss scale itself is still
+            # updated from the local check: see the note on GradScaler in the docs.)
+            flag = found_inf.detach().to(self._comm_dev, torch.float32).reshape(1).clone()
+            comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MAX)
+            opt.found_inf = flag.to(found_inf.device).reshape(found_inf.shape)
+
+    def _grad_mask(self) -> Dict[torch.Tensor, bool]:
+        if self._mask is None:
+            have = torch.tensor([p.grad is not None for p in self._order], dtype=torch.int32,
+                                device=self._comm_dev)
+            comm.all_reduce(have, self.group, op=torch.distributed.ReduceOp.MAX)
+            self._mask = {p: bool(h) for p, h in zip(self._order, have.tolist())}
+        return self._mask
+
+    _ELSEWHERE = torch.zeros(0)
+    """Stands for a grad that exists on another rank only (this rank contributes zeros)."""
+
+    def grads(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.world == 1:
+            return p.grad
+        have = self._grad_mask()[p]  # collective on the first call of a step, on every rank
+        if p.grad is not None:
+            return p.grad
+        return self._ELSEWHERE if have else None
+
+    def _reduce(self) -> None:
+        """Average grads across ranks into each group's fp32 shard buffer (see the notes)."""
+        if self._reduced:
+            return
+        mask = self._grad_mask()
+        only_slice = bool(getattr(self._opt(), "grads_already_averaged", False))
+        for fg in self._groups:
+            S, c, W = fg.layout.shard, fg.chunk, self.world
+            for a, b in split_ranges(0, S, c):
+                n = b - a
+                if only_slice:
+                    self._fill(fg, fg.send[:n], fg.layout.shard_range()[0] + a, mask)
+                    fg.gshard[a:b].copy_(fg.send[:n])
+                    continue
+                send = fg.send[:W * n]
+                for r in range(W):
+                    self._fill(fg, send[r * n:(r + 1) * n], r * S + a, mask)
+                out = send[fg.rank * n:(fg.rank + 1) * n]
+                if self.stage == 2:
+                    out = fg.rs_out[:n]
+                    comm.reduce_scatter(out, send, self.group)
+                else:
+                    comm.all_reduce(send, self.group)
+                fg.gshard[a:b].copy_(out)
+        self._reduced = True
+
+    @staticmethod
+    def _fill(fg: _FlatGroup, dst: torch.Tensor, lo: int, mask) -> None:
+        """dst <- the local grads of flat [lo, lo + len(dst)), upcast to fp32, zeros elsewhere."""
+        dst.zero_()
+        for pc in fg.layout.pieces(lo, lo + dst.numel()):
+            g = fg.params[pc.index].grad
+            if g is None:
+                continue
+            src = g.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+            dst[pc.lo - lo:pc.hi - lo].copy_(src)
+
+    def global_grad_sumsq(self, work) -> Tuple[float, bool]:
+        kernel = get_backend(self._backend)
+        if self.world > 1:
+            self._reduce()
+            acc = torch.zeros(2, dtype=torch.float64)
+            for fg in self._groups:
+                if fg.gshard.numel():
+                    s, bad = kernel.grad_sumsq(fg.gshard, num_threads=self._threads)
+                    acc[0] += s
+                    acc[1] += float(bad)
+            acc = acc.to(self._comm_dev)
+            comm.all_reduce(acc, self.group)
+            s, bad = acc.tolist()
+            return s / (self.world * self.world), bad > 0
+        self._wait_grad_copies()
+        total, nonfinite = 0.0, False
+        for _, items in work:
+            for p, g in items:
+                fg, i = self._where[p]
+                src = self._host_grad(fg, i, g) if fg.host_grad is not None else _flat_cpu(g)
+                if src.numel():
+                    s, bad = kernel.grad_sumsq(src, num_threads=self._threads)
+                    total += s
+                    nonfinite |= bad
+        return total, nonfinite
+
+    # ------------------------------------------------------------------ the step
+    def step(self, batches) -> Dict[str, float]:
+        t0 = time.perf_counter()
+        if self.world > 1:
+            self._reduce()
+        else:
+            self._wait_grad_copies()
+        t_grads = time.perf_counter() - t0
+        kernel = get_backend(self._backend)
+        for _, copy_stream in self._streams.values():
+            # The H2D copies below overwrite params that kernels queued on the compute
+            # stream may still read, and reuse staging the last step's copies may still read.
+            copy_stream.synchronize()
+            copy_stream.wait_current()
+        t_kernel = t_h2d = 0.0
+        for hyper, items in batches:
+            if self.world > 1:
+                hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale / self.world)
+            kw_base = None
+            for p, g, step in items:
+                fg, i = self._where[p]
+                if kw_base is None or kw_base[0] != step:
+                    kw_base = (step, hyper.kernel_kwargs(step))
+                tk, th = self._step_param(kernel, fg, i, g, kw_base[1])
+                t_kernel += tk
+                t_h2d += th
+        t_ag = time.perf_counter()
+        if self.world > 1:
+            for fg in self._groups:
+                self._all_gather(fg)
+        t_ag = time.perf_counter() - t_ag
+        for _, copy_stream in self._streams.values():
+            copy_stream.current_waits()  # the next forward reads the params copied above
+        return {"grad_transfer": t_grads, "kernel": t_kernel, "h2d": t_h2d, "allgather": t_ag}
+
+    def _step_param(self, kernel, fg: _FlatGroup, i: int, g: torch.Tensor, kw: dict) -> Tuple[float, float]:
+        piece = fg.layout.owned(i)
+        if piece is None:
+            return 0.0, 0.0
+        start = fg.layout.shard_range()[0]
+        off = fg.layout.offsets[i]
+        p = fg.params[i]
+        if self.world > 1:
+            grad, gbase = fg.gshard, -start  # indexed by flat position + gbase
+        elif fg.host_grad is not None:
+            grad, gbase = self._host_grad(fg, i, g), -off
+        else:
+            grad, gbase = _flat_cpu(g), -off
+        pflat = fg.flat_param(i)
+        copy_back = False
+        if self.world == 1 and pflat is None:  # non-contiguous CPU param: update a copy
+            pflat, copy_back = p.detach().reshape(-1).clone(), True
+        # Where the kernel writes the low-precision copy of the updated master, and what
+        # (with one rank) goes to the param after the kernel.
+        lowp, lbase, send = None, 0, None
+        if self.world > 1:
+            lowp, lbase = (fg.lowp_shard, -start) if fg.lowp else (None, 0)
+        elif fg.stage is not None:
+            lowp, lbase, send = fg.stage, -start, fg.stage  # CUDA bf16/fp16: via pinned staging
+        elif fg.lowp:
+            lowp, lbase = pflat, -off  # CPU bf16/fp16: straight into the param
+        else:
+            send = fg.master  # fp32 params: the master itself is copied
+        t_kernel = t_h2d = 0.0
+        _, copy_stream = self._streams.get(p.device, (None, None))
+        async_copy = copy_stream is not None and self.overlap
+        for a, b in split_ranges(piece.lo, piece.hi, self._sub):
+            s = slice(a - start, b - start)
+            t = time.perf_counter()
+            kernel.adam_step(
+                fg.master[s], grad[a + gbase:b + gbase], fg.exp_avg[s], fg.exp_avg_sq[s],
+                param_lowp=None if lowp is None else lowp[a + lbase:b + lbase],
+                num_threads=self._threads, **kw)
+            t_kernel += time.perf_counter() - t
+            if send is not None:
+                # Send this sub-group to the param; on CUDA the copy stream does it while
+                # the CPU computes the next sub-group.
+                t = time.perf_counter()
+                dst = pflat[a - off:b - off]
+                if async_copy:
+                    with copy_stream.context():
+                        dst.copy_(send[s], non_blocking=True)
+                else:
+                    dst.copy_(send[s])
+                t_h2d += time.perf_counter() - t
+        if copy_back:
+            p.detach().copy_(pflat.view_as(p))
+        return t_kernel, t_h2d
+
+    def _all_gather(self, fg: _FlatGroup) -> None:
+        """Every rank's updated shard -> every rank's params, bucket by bucket."""
+        src = fg.lowp_shard if fg.lowp else fg.master
+        S, W = fg.layout.shard, self.world
+        for a, b in split_ranges(0, S, fg.chunk):
+            n = b - a
+            out = fg.gather[:W * n]
+            comm.all_gather(out, src[a:b].to(out.device), self.group)
+            for r in range(W):
+                lo = r * S + a
+                for pc in fg.layout.pieces(lo, lo + n):
+                    p = fg.params[pc.index].detach()
+                    chunk = out[r * n + pc.lo - lo:r * n + pc.hi - lo]
+                    if p.is_contiguous():
+                        p.view(-1)[pc.param_offset:pc.param_offset + pc.numel].copy_(chunk)
+                    else:
+                        flat = p.reshape(-1).clone()
+                        flat[pc.param_offset:pc.param_offset + pc.numel].copy_(chunk)
+                        p.copy_(flat.view_as(p))
+
+    # ------------------------------------------------------------------ state_dict
+    def _has_state(self, p: torch.Tensor) -> bool:
+        opt = self._opt()
+        return opt is not None and "step" in opt.state.get(p, {})
+
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """The full fp32 master of ``p`` (gathered across ranks: call on every rank)."""
+        return self._gather_full(p, ("master",))["master"]
+
+    def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        if not self._has_state(p):
+            return {}
+        fg, _ = self._where[p]
+        keys = ("exp_avg", "exp_avg_sq") + (("master",) if fg.lowp else ())
+        return self._gather_full(p, keys)
+
+    def _gather_full(self, p: torch.Tensor, keys) -> Dict[str, torch.Tensor]:
+        """Full-shaped fp32 copies of this param's states; collective when partitioned."""
+        fg, i = self._where[p]
+        off, n = fg.layout.offsets[i], fg.layout.numels[i]
+        full = torch.empty(len(keys), n, dtype=torch.float32)
+        S = fg.layout.shard
+        for r in range(self.world):
+            a, b = max(off, r * S), min(off + n, (r + 1) * S)
+            if a >= b:
+                continue
+            part = torch.empty(len(keys), b - a, dtype=torch.float32, device=self._comm_dev)
+            if r == self.rank:
+                for k, key in enumerate(keys):
+                    part[k].copy_(getattr(fg, _ATTR[key])[a - r * S:b - r * S])
+            comm.broadcast(part, r, self.group)
+            full[:, a - off:b - off].copy_(part)
+        return {key: full[k].view_as(p).clone() for k, key in enumerate(keys)}
+
+    def import_state(self, p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
+        # torch's load_state_dict casts floating state to the param's dtype; the pre-load
+        # hook kept the original (fp32) tensors, which we prefer.
+        full = dict(state)
+        full.update(self._stash.get(p, {}))
+        fg, i = self._where[p]
+        piece = fg.layout.owned(i)
+        if piece is None:
+            return
+        start = fg.layout.shard_range()[0]
+        s = slice(piece.lo - start, piece.hi - start)
+        ps = slice(piece.param_offset, piece.param_offset + piece.numel)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in full:
+                getattr(fg, _ATTR[key])[s].copy_(full[key].detach().reshape(-1)[ps])
+
+    def _pre_load(self, opt, state_dict):
+        self._stash = {}
+        order = [p for g in opt.param_groups for p in g["params"]]
+        index = dict(enumerate(order))
+        for k, st in state_dict.get("state", {}).items():
+            p = index.get(k)
+            if p is None or p not in self._where:
+                continue
+            self._stash[p] = {key: st[key] for key in ("exp_avg", "exp_avg_sq", "master")
+                              if isinstance(st.get(key), torch.Tensor)}
+        return None
+
+    def _post_load(self, opt) -> None:
+        """Masters from the checkpoint where it has them, else from the params' values."""
+        for fg in self._groups:
+            fg.refresh_master()
+            start, end = fg.layout.shard_range()
+            for pc in fg.layout.pieces(start, end):
+                p = fg.params[pc.index]
+                st = opt.state.get(p)
+                if st is not None:
+                    st.pop("master", None)  # torch cast it to the param dtype; we keep fp32
+                m = self._stash.get(p, {}).get("master")
+                if m is not None:
+                    fg.master[pc.lo - start:pc.hi - start].copy_(
+                        m.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel])
+            fg.refresh_lowp_shard()
+        for p in self._order:
+            st = opt.state.get(p)
+            if st is not None:
+                st.pop("master", None)
+
+    # ------------------------------------------------------------------ reports
+    def memory_report(self) -> Dict[str, int]:
+        host = {"states": 0, "grads": 0, "lowp": 0}
+        device = 0
+        for fg in self._groups:
+            nb = fg.nbytes()
+            for k in host:
+                host[k] += nb[k]
+            if self._comm_dev.type == "cuda":
+                device += nb["comm"]
+            else:
+                host["grads"] += nb["comm"]
+        total = sum(host.values())
+        pinned = total if self._pool.pin else 0
+        return {"device": device, "pinned": pinned, "pageable": total - pinned, "nvme": 0,
+                "state_bytes": host["states"], "grad_bytes": host["grads"], "lowp_bytes": host["lowp"],
+                "world": self.world, "rank": self.rank, "stage": self.stage,
+                "shard_numel": sum(fg.layout.shard for fg in self._groups)}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._wait_grad_copies()
+        for _, copy_stream in self._streams.values():
+            copy_stream.synchronize()
+        for fg in self._groups:
+            fg.close()
+        self._groups = []
+        self._stash = {}
+        try:
+            self._pool.close()
+        except BufferError as exc:  # a caller still holds a view; the OS reclaims it at exit
+            log.warning("flat store: %s", exc)
+
+
+_ATTR = {"master": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+def _flat_cpu(g: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous CPU view (or copy) of a grad."""
+    if g.device.type != "cpu":
+        g = g.detach().to("cpu")
+    return g.detach().reshape(-1) if g.is_contiguous() else g.detach().contiguous().view(-1)

@@ -1,0 +1,107 @@
+"""The few collectives the partitioned optimizer needs, on ``torch.distributed`` only.
+
+Wrappers that (1) pick the current name of each collective (torch 2.13 renamed
+``reduce_scatter_tensor`` / ``all_gather_into_tensor`` to ``*_single`` and warns on the old
+names), (2) fall back where a backend lacks one, and (3) do nothing for a world of one, so
+the optimizer runs the same code with and without ``torch.distributed``.
+
+[Note: gloo reduce-scatter] Older gloo builds raise on ``reduce_scatter``; torch 2.13's gloo
+has it (checked on this machine for fp32, bf16 and fp16). When a backend refuses it we fall
+back, once and for the rest of the process, to ``all_reduce`` of the whole bucket followed
+by taking this rank's slice: the same result, twice the bytes on the wire.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["world_and_rank", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
+           "comm_device", "reduce_scatter_supported"]
+
+log = logging.getLogger("offload.zero")
+
+_RS = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+_AG = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+_no_reduce_scatter: set = set()  # backend names that refused reduce_scatter (see the note)
+
+
+def world_and_rank(group: Any = None) -> Tuple[int, int]:
+    """(world size, rank) of ``group``, (1, 0) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def comm_device(group: Any = None) -> torch.device:
+    """Where tensors handed to collectives of ``group`` must live (NCCL: the current GPU)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _backend_name(group: Any) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+def reduce_scatter_supported(group: Any = None) -> bool:
+    return _backend_name(group) not in _no_reduce_scatter
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
+    """``out`` = this rank's 1/N slice of the elementwise sum of ``inp`` over ranks.
+
+    ``inp`` has N * out.numel() elements and may be overwritten (the fallback sums into it).
+    """
+    world, rank = world_and_rank(group)
+    n = out.numel()
+    if inp.numel() != world * n:
+        raise ValueError(f"reduce_scatter: input has {inp.numel()} elements, expected {world} x {n}")
+    if world == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return
+    name = _backend_name(group)
+    if name not in _no_reduce_scatter:
+        try:
+            _RS(out, inp, group=group)
+            return
+        except (RuntimeError, NotImplementedError) as exc:
+            if "support" not in str(exc).lower():
+                raise
+            _no_reduce_scatter.add(name)
+            log.warning("backend %s has no reduce_scatter (%s); using all_reduce + slice", name, exc)
+    dist.all_reduce(inp, group=group)
+    out.copy_(inp[rank * n:(rank + 1) * n])
+
+
+def all_reduce(t: torch.Tensor, group: Any = None, op: Optional[Any] = None) -> None:
+    """In-place all-reduce (sum by default); nothing for a world of one."""
+    if world_and_rank(group)[0] == 1:
+        return
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
+    """``out`` = concatenation over ranks of ``inp`` (N * inp.numel() elements)."""
+    world, _ = world_and_rank(group)
+    if out.numel() != world * inp.numel():
+        raise ValueError(f"all_gather: output has {out.numel()} elements, expected {world} x {inp.numel()}")
+    if world == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return
+    _AG(out, inp, group=group)
+
+
+def broadcast(t: torch.Tensor, src_group_rank: int, group: Any = None) -> None:
+    """Broadcast ``t`` from the rank ``src_group_rank`` *of group* to all its ranks."""
+    if world_and_rank(group)[0] == 1:
+        return
+    src = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
+    dist.broadcast(t, src=src, group=group)

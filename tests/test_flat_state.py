@@ -1,0 +1,200 @@
+"""The flat store on one process: bf16/fp16 CPU params with fp32 masters on the host.
+
+Reference: ``torch.optim.AdamW(foreach=False)`` run on an fp32 copy of the params (the
+master), fed each step with exactly the grads our bf16 model produced (upcast). Our masters
+must match it within rtol 1e-5 / atol 1e-6 after every step, and our bf16 params must be the
+round-to-nearest-even of our masters, bit for bit. The model mixes layers of low arithmetic
+density, a frozen layer, a branch used only on some steps, and odd sizes (SIMD tails).
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload.optim.flat_state import FlatState
+
+STEPS = 12
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(17, 33)
+        self.frozen = nn.Linear(33, 33)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(33)
+        self.side = nn.Linear(33, 33)  # used on even steps only
+        self.out = nn.Linear(33, 7)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.inp(x))
+        h = self.norm(self.frozen(h))
+        if use_side:
+            h = h + self.side(h)
+        return self.out(h)
+
+
+def _model(dtype: torch.dtype, seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net().to(dtype)
+
+
+def _train(monkeypatch, *, dtype=torch.bfloat16, copy_grads=False, accumulate=2, scaler=False,
+           overflow_at=None, max_grad_norm=None, set_to_none=True, steps=STEPS, on_step=None):
+    monkeypatch.setattr(FlatState, "copy_cpu_grads", copy_grads)
+    model = _model(dtype)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in params]
+    kw = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
+    ref = torch.optim.AdamW(masters, foreach=False, **kw)
+    opt = offload.AdamW(params, max_grad_norm=max_grad_norm, **kw)
+    assert isinstance(opt._store, FlatState)
+    lam = lambda s: 1.0 / (1 + 0.3 * s)  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lam)
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for micro in range(accumulate):
+            x = torch.randn(6, 17, generator=gen).to(dtype)
+            loss = model(x, use_side=step % 2 == 0).float().pow(2).mean()
+            if overflow_at == step and micro == 0:
+                loss = loss * float("inf")
+            (gs.scale(loss) if gs else loss).backward()
+        grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
+        if on_step is not None:
+            on_step(step, model, opt)
+            grads = [None if p.grad is None else p.grad.detach().float().clone() for p in params]
+        # The reference: torch.optim.AdamW on the fp32 masters, same grads, same decisions.
+        inv = 1.0 / gs.get_scale() if gs else 1.0
+        skip = any(g is not None and not torch.isfinite(g).all() for g in grads)
+        if not skip:
+            for m, g in zip(masters, grads):
+                m.grad = None if g is None else g * inv
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], max_grad_norm)
+            ref.step()
+        if gs:
+            gs.step(opt)
+            gs.update()
+        else:
+            opt.step()
+        assert opt.last_step_skipped == skip
+        sched.step()
+        ref_sched.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        ref.zero_grad()
+        for p, m in zip(params, masters):
+            ours = opt._store.master(p)
+            torch.testing.assert_close(ours, m.detach(), rtol=1e-5, atol=1e-6)
+            assert torch.equal(p.detach(), ours.to(dtype)), "param is not the RNE copy of its master"
+    return model, opt, ref, masters
+
+
+@pytest.mark.parametrize("copy_grads", [False, True], ids=["grads-in-place", "hook-copy"])
+def test_bf16_matches_adamw_on_fp32_master(monkeypatch, copy_grads):
+    _, opt, _, _ = _train(monkeypatch, copy_grads=copy_grads)
+    assert opt.memory_report()["tiers"]["pageable"] > 0
+
+
+def test_zero_grad_set_to_none_false_steps_zero_grads_like_torch(monkeypatch):
+    # With set_to_none=False the unused branch keeps a zero grad and torch steps it (weight
+    # decay, moments decay); the reference sees the same zeros.
+    _train(monkeypatch, set_to_none=False, copy_grads=True)
+
+
+def test_fp16_grad_scaler_injected_overflow_skips_step(monkeypatch):
+    _, opt, _, _ = _train(monkeypatch, dtype=torch.float16, scaler=True, overflow_at=3)
+    assert opt.skipped_steps == 1
+
+
+def test_max_grad_norm_matches_clip_grad_norm(monkeypatch):
+    _, opt, _, _ = _train(monkeypatch, max_grad_norm=0.05, accumulate=1)
+    assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.05  # clipping was active
+
+
+def test_grad_changed_after_hook_is_recopied(monkeypatch):
+    # The hook copied p.grad during backward; an in-place change afterwards (as
+    # clip_grad_norm_ or a manual unscale would make) must be what the step uses.
+    def halve(step, model, opt):
+        model.out.weight.grad.mul_(0.5)
+        model.inp.bias.grad = model.inp.bias.grad.clone() * 2  # a new tensor the hook never saw
+    _train(monkeypatch, copy_grads=True, accumulate=1, steps=4, on_step=halve)
+
+
+def test_state_dict_roundtrip_keeps_fp32_master_and_loads_into_torch(monkeypatch):
+    model, opt, ref, masters = _train(monkeypatch, steps=4)
+    sd = opt.state_dict()
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        if not p.requires_grad:
+            assert i not in sd["state"]
+            continue
+        st = sd["state"][i]
+        assert st["exp_avg"].dtype == torch.float32 and st["exp_avg"].shape == p.shape
+        torch.testing.assert_close(st["exp_avg"], ref.state[masters[i]]["exp_avg"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(st["exp_avg_sq"], ref.state[masters[i]]["exp_avg_sq"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(st["master"], masters[i].detach(), rtol=1e-5, atol=1e-6)
+    # A fresh optimizer on a fresh bf16 model of the same values continues identically.
+    twin = _model(torch.bfloat16, seed=5)
+    twin.load_state_dict(model.state_dict())
+    opt2 = offload.AdamW(twin.parameters(), lr=1.0)
+    opt2.load_state_dict(copy.deepcopy(sd))  # torch shares step tensors with the source
+    for p, q in zip(params, twin.parameters()):
+        torch.testing.assert_close(opt2._store.master(q), opt._store.master(p), rtol=0, atol=0)
+    x = torch.randn(5, 17).bfloat16()
+    for m, o in ((model, opt), (twin, opt2)):
+        m(x, True).float().sum().backward()
+        o.step()
+    for p, q in zip(params, twin.parameters()):
+        assert torch.equal(p, q)
+    # torch.optim.AdamW on fp32 params takes the same state dict (the extra key is ignored).
+    fp32 = [p.detach().float().clone().requires_grad_() for p in params]
+    t = torch.optim.AdamW(fp32)
+    t.load_state_dict(sd)
+    torch.testing.assert_close(t.state[fp32[0]]["exp_avg"], sd["state"][0]["exp_avg"])
+
+
+def test_load_without_master_takes_params(monkeypatch):
+    model, opt, _, _ = _train(monkeypatch, steps=2, accumulate=1)
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        del st["master"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the user loaded other weights
+    opt.load_state_dict(sd)
+    for p in model.parameters():
+        assert torch.equal(opt._store.master(p), p.detach().float())
+
+
+def test_rejects_unsupported_param_dtype():
+    with pytest.raises(ValueError, match="float64"):
+        offload.AdamW([nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+
+
+def test_nvme_with_flat_params_says_not_implemented(tmp_path):
+    with pytest.raises(NotImplementedError, match="nvme"):
+        offload.AdamW([nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], offload="nvme", swap_dir=str(tmp_path))
+
+
+def test_sub_groups_split_large_params(monkeypatch):
+    # A sub-group smaller than a param cuts it into several kernel calls: same result.
+    model = _model(torch.bfloat16)
+    twin = _model(torch.bfloat16)
+    a = offload.AdamW(model.parameters(), lr=1e-2)
+    b = offload.AdamW(twin.parameters(), lr=1e-2, sub_group_size=7)
+    x = torch.randn(4, 17).bfloat16()
+    for m, o in ((model, a), (twin, b)):
+        for _ in range(3):
+            m(x, True).float().sum().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a._store.master(p), b._store.master(q))
+        assert math.isfinite(float(p.float().sum()))
