@@ -94,7 +94,7 @@ class FaultyEngine:
 
     def __init__(self, inner: Any, *, op: str, fail_at: int, mode: str = "eio") -> None:
         self.inner, self.op, self.fail_at, self.mode = inner, op, fail_at, mode
-        self.count = 0
+        self.count = self.serial = 0
         self.tickets: Dict[int, Tuple[Any, bool, List[Any]]] = {}
 
     def arm(self, fail_at: int) -> None:
@@ -107,7 +107,8 @@ class FaultyEngine:
             self.count += 1
             bad = self.count == self.fail_at
         t = self.inner.submit(reqs)
-        key = len(self.tickets) + 1
+        self.serial += 1
+        key = self.serial
         self.tickets[key] = (t, bad, reqs)
         return key
 

@@ -23,13 +23,15 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
         wait_read_s, wait_write_s, verify_s, commit_s, step_s (+ read_bytes, write_bytes,
         groups). On an I/O failure raises SwapStepError (an OSError): the swap state stays at
         the previous step; params of the sub-groups already computed were updated in place
-        (listed in the message) and further steps are refused until load_checkpoint().
+        (listed in the message) and further steps are refused until the params are restored
+        (then clear_failure(), which checks them) or load_checkpoint().
     st.read_state(p) -> (exp_avg, exp_avg_sq)        new tensors shaped like p
     st.write_state(p, exp_avg, exp_avg_sq, step=None)
     st.export_state(p) -> {"exp_avg", "exp_avg_sq"} ({} before p's first step)
     st.import_state(p, {"exp_avg", "exp_avg_sq"[, "step"]})
     st.step_of(p) -> int                             step count recorded for p (0: none yet)
     st.flush()                                       commit pending write_state() changes
+    st.clear_failure()                               after a failed step and restored params
     st.save_checkpoint(dir) / st.load_checkpoint(dir) streamed, see offload.swap.checkpoint
     st.memory_report() -> {"device", "pinned", "pageable", "nvme"} bytes
     st.last_stats                                     timings of the last step
@@ -258,6 +260,14 @@ class SwappedState:
         self._steps = steps
         self.last_stats = stats
         return stats
+
+    def clear_failure(self) -> None:
+        """After a failed step: accept the params again once they are back at the step the
+        swap files hold (checked with the fingerprint), so training can go on."""
+        if self._broken and self.store.extra.get("fingerprint") != self.fingerprint():
+            raise ValueError(f"the params are not those of step {self.store.step} held in {self.store.path}; "
+                             "restore them first (or load_checkpoint())")
+        self._broken = None
 
     # ------------------------------------------------------------------ one param's states
     def _load_group(self, g: int) -> Any:
