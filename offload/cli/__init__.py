@@ -12,6 +12,7 @@ __all__ = ["main", "build_parser"]
 # subcommand -> module under offload.cli (imported lazily so `offload info` stays fast and
 # works even when an optional piece, e.g. matplotlib, is missing).
 SUBCOMMANDS = {
+    "bench-io": "bench_io",
     "plan": "plan",
     "report": "report",
     "info": "info",

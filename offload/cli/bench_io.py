@@ -1,0 +1,393 @@
+"""``offload bench-io``: what a directory's disk can do for offload, measured like swap does it.
+
+Sweeps engine x block size x queue depth for reads and writes over a fresh test file of
+random data, side by side with fio on the same file (``--fio``), and writes the best
+configuration for the swap layer (``--tune``). Throughput is GB/s = 10^9 bytes/s (and GiB/s
+= 2^30 bytes/s next to it). No sudo: O_DIRECT by default; with ``--buffered`` each read is
+preceded by ``posix_fadvise(DONTNEED)`` on the file, and a buffered read far above the direct
+rate is flagged as probably cached.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+log = logging.getLogger(__name__)
+
+DATA_NAME = "offload-bench-io.dat"
+
+
+# -- argument parsing -------------------------------------------------------------------------
+
+def _list(parse):
+    def f(text: str):
+        items = [x for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        try:
+            return [parse(x.strip()) for x in items]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc))
+    return f
+
+
+def _bytes(x: str) -> int:
+    from offload.config import parse_bytes
+
+    return parse_bytes(x)
+
+
+def _rw(x: str) -> str:
+    if x not in ("read", "write"):
+        raise ValueError(f"--rw takes read and/or write, got {x!r}")
+    return x
+
+
+def _engine(x: str) -> str:
+    from offload.io import ENGINES
+
+    if x not in ENGINES:
+        raise ValueError(f"unknown engine {x!r}; expected {', '.join(ENGINES)}")
+    return x
+
+
+def _pos_int(x: str) -> int:
+    v = int(x)
+    if v < 1:
+        raise ValueError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", required=True, help="directory to measure (the test file is created there)")
+    p.add_argument("--size", type=_bytes, default=1 << 30, help="test file size, e.g. 4GiB (default 1GiB)")
+    p.add_argument("--rw", type=_list(_rw), default=["read", "write"], help="read,write (default both)")
+    p.add_argument("--block-size", type=_list(_bytes), default=[1 << 20], help="e.g. 128K,1M,8M (default 1M)")
+    p.add_argument("--queue-depth", type=_list(_pos_int), default=[32], help="e.g. 1,8,32 (default 32)")
+    p.add_argument("--engine", type=_list(_engine), default=["uring", "threads", "aiofiles"],
+                   help="uring,threads,aiofiles (default all)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--direct", dest="direct", action="store_true", default=True, help="O_DIRECT (default)")
+    g.add_argument("--buffered", dest="direct", action="store_false", help="through the page cache")
+    p.add_argument("--loops", type=_pos_int, default=1, help="passes over the file per row, interleaved (default 1)")
+    p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
+    p.add_argument("--plot", metavar="FILE.png", help="plot throughput vs block size and queue depth")
+    p.add_argument("--fio", action="store_true", help="run fio with the same parameters and print ratios")
+    p.add_argument("--tune", metavar="FILE", help="write the best configuration for the swap layer")
+    p.add_argument("--keep", action="store_true", help="keep the test file")
+
+
+def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(name, help="measure disk throughput for offload (engines vs fio)",
+                              description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(run=run)
+    return p
+
+
+# -- progress -----------------------------------------------------------------------------------
+
+class Progress:
+    """A progress bar with ETA on stderr (one line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, stream=None) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.label = ""
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def step(self, label: str) -> None:
+        self.label = label
+        if not self.tty:
+            self._draw(force=True)
+
+    def advance(self, n: int) -> None:
+        self.done = min(self.total, self.done + n)
+        if self.tty:
+            self._draw()
+
+    def _draw(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < 0.1 and self.done < self.total:
+            return
+        self._last = now
+        frac = self.done / self.total
+        elapsed = now - self.t0
+        eta = elapsed / frac - elapsed if frac > 0 else float("nan")
+        eta_s = "--:--" if eta != eta else f"{int(eta) // 60}:{int(eta) % 60:02d}"
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        text = f"[{bar}] {100 * frac:3.0f}% ETA {eta_s}  {self.label}"
+        if self.tty:
+            self.stream.write("\r" + text[:150].ljust(150))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.done = self.total
+            self._draw(force=True)
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# -- the run ----------------------------------------------------------------------------------
+
+def _human(n: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def _create_data_file(path: str, size: int, direct: bool, pool, progress: Progress):
+    """A fresh file of random bytes (not zeros: compressing or deduplicating devices would lie)."""
+    import torch
+
+    from offload.io import IORequest, open_engine, open_file
+
+    if os.path.lexists(path):
+        os.unlink(path)
+    f = open_file(path, write=True, create=True, exclusive=True, direct=direct)
+    try:
+        f.preallocate(size)  # ENOSPC now, not half-way
+        chunk = 8 << 20
+        gen = torch.Generator().manual_seed(size)
+        bufs = [pool.acquire(chunk) for _ in range(4)]
+        try:
+            with open_engine("threads", queue_depth=8, block_size=1 << 20) as eng:
+                progress.step(f"creating {_human(size)} test file of random data")
+                off = 0
+                while off < size:
+                    reqs = []
+                    for b in bufs:
+                        if off >= size:
+                            break
+                        n = min(chunk, size - off)
+                        b.tensor(torch.int64).random_(generator=gen)
+                        reqs.append(IORequest("write", f, off, b[0:n]))
+                        off += n
+                    eng.wait(eng.submit(reqs))
+                    progress.advance(sum(len(r.buf) for r in reqs))
+            f.fsync()
+        finally:
+            for b in bufs:
+                pool.release(b)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _drop_cache(f) -> None:
+    """Evict the file's clean pages (no sudo needed for one's own file)."""
+    f.fsync()
+    os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def sweep(args) -> Tuple[List[dict], dict]:
+    """Run everything ``args`` asks for; returns (rows as dicts, context)."""
+    import torch
+
+    from offload.io import open_engine, probe_direct
+    from offload.io.fio import FIO_HINT, fio_path, run_fio
+    from offload.io.measure import measure, merge, window_buffers
+    from offload.memory import BufferPool
+
+    directory = os.path.abspath(args.dir)
+    if not os.path.isdir(directory):
+        raise OSError(2, "not a directory", directory)
+    ok, why = probe_direct(directory)
+    if args.direct and not ok:
+        raise OSError(22, f"{why}; measure with --buffered instead", directory)
+    size = args.size
+    for bs in args.block_size:
+        if bs < 4096 or bs % 4096:
+            raise ValueError(f"--block-size must be a multiple of 4096, got {bs}")
+        if size % bs:
+            raise ValueError(f"--size {size} is not a multiple of --block-size {bs}")
+    use_fio = bool(args.fio)
+    if use_fio and fio_path() is None:
+        print(f"offload bench-io: --fio: {FIO_HINT}; continuing without fio", file=sys.stderr)
+        use_fio = False
+    fio_variants = [(False, "io_uring"), (True, "io_uring"), (True, "libaio")] if use_fio else []
+    nconf = len(args.block_size) * len(args.queue_depth) * len(args.rw)
+    total = size + nconf * args.loops * size * (len(args.engine) + len(fio_variants))
+    progress = Progress(total)
+    path = os.path.join(directory, DATA_NAME)
+    rows: List[dict] = []
+    pool = BufferPool(region_bytes=64 << 20)
+    f = None
+    try:
+        f = _create_data_file(path, size, args.direct, pool, progress)
+        for bs in args.block_size:
+            for qd in args.queue_depth:
+                bufs = window_buffers(pool, bs, qd)
+                for b in bufs:  # writes carry random data too
+                    b.tensor(torch.int64).random_()
+                try:
+                    for rw in args.rw:
+                        parts: Dict[tuple, list] = {}
+                        for loop in range(args.loops):
+                            for name in args.engine:
+                                progress.step(f"{name} {rw} bs={_human(bs)} qd={qd} loop {loop + 1}/{args.loops}")
+                                if rw == "read" and not args.direct:
+                                    _drop_cache(f)
+                                with open_engine(name, queue_depth=qd, block_size=bs, direct=args.direct) as eng:
+                                    parts.setdefault(("offload", name, None), []).append(
+                                        measure(eng, f, rw=rw, nbytes=size, buffers=bufs, progress=progress.advance))
+                            for hp, ioengine in fio_variants:
+                                progress.step(f"fio {ioengine}{' +THP' if hp else ''} {rw} bs={_human(bs)} qd={qd}")
+                                if rw == "read" and not args.direct:
+                                    _drop_cache(f)
+                                m = run_fio(path, rw=rw, size=size, block_size=bs, queue_depth=qd, direct=args.direct,
+                                            hugepages=hp, ioengine=ioengine)
+                                parts.setdefault(("fio", ioengine, hp), []).append((m, []))
+                                progress.advance(size)
+                        for key, ps in parts.items():
+                            rows.append(merge(ps).as_dict())
+                finally:
+                    for b in bufs:
+                        pool.release(b)
+        progress.close()
+    finally:
+        if f is not None:
+            f.close()
+        if not args.keep and os.path.exists(path):
+            os.unlink(path)
+        pool.close()
+    _annotate(rows)
+    context = {"dir": directory, "size": size, "direct": args.direct, "kept": path if args.keep else None,
+               "fio": use_fio}
+    return rows, context
+
+
+def _annotate(rows: List[dict]) -> None:
+    """Add ``vs_fio`` (ours / best fio of the same rw, block size, queue depth, direct) and cache flags."""
+    best_fio: Dict[tuple, float] = {}
+    for r in rows:
+        if r["tool"] == "fio":
+            k = (r["rw"], r["block_size"], r["queue_depth"], r["direct"])
+            best_fio[k] = max(best_fio.get(k, 0.0), r["gbps"])
+    best_direct_read = max((r["gbps"] for r in rows if r["rw"] == "read" and r["direct"]), default=None)
+    for r in rows:
+        k = (r["rw"], r["block_size"], r["queue_depth"], r["direct"])
+        r["vs_fio"] = r["gbps"] / best_fio[k] if r["tool"] == "offload" and best_fio.get(k) else None
+        if r["rw"] == "read" and not r["direct"] and best_direct_read and r["gbps"] > 1.5 * best_direct_read:
+            r["note"] = (r["note"] + " " if r["note"] else "") + "probably cached"
+
+
+def best_rows(rows: Sequence[dict]) -> Dict[str, dict]:
+    """Fastest offload row per direction."""
+    out: Dict[str, dict] = {}
+    for r in rows:
+        if r["tool"] == "offload" and (r["rw"] not in out or r["gbps"] > out[r["rw"]]["gbps"]):
+            out[r["rw"]] = r
+    return out
+
+
+def best_config(rows: Sequence[dict]):
+    """The configuration for the swap layer: best harmonic mean of read and write GB/s (swap does
+    both every step); with one direction measured, the best of that one."""
+    from offload.config import IOConfig
+
+    by: Dict[tuple, Dict[str, float]] = {}
+    for r in rows:
+        if r["tool"] == "offload":
+            by.setdefault((r["engine"], r["block_size"], r["queue_depth"], r["direct"]), {})[r["rw"]] = r["gbps"]
+    if not by:
+        raise ValueError("no offload rows to tune from")
+
+    def score(v: Dict[str, float]) -> float:
+        vals = list(v.values())
+        return len(vals) / sum(1 / max(x, 1e-12) for x in vals)
+
+    full = {k: v for k, v in by.items() if len(v) == 2} or by
+    key = max(full, key=lambda k: score(full[k]))
+    eng, bs, qd, direct = key
+    return IOConfig(engine=eng, queue_depth=qd, block_size=bs, direct=direct), full[key]
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    head = (f"{'tool':<7} {'engine':<12} {'rw':<5} {'bs':>5} {'qd':>3} {'dir':>3} {'GB/s':>6} {'GiB/s':>6} "
+            f"{'IOPS':>8} {'p50 us':>9} {'p99 us':>9} {'p99.9 us':>9} {'usr%':>5} {'sys%':>5} {'vs fio':>6}  note")
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["rw"], r["block_size"], r["queue_depth"], r["tool"] != "offload",
+                                         -r["gbps"])):
+        eng = r["engine"] + ("+THP" if r.get("hugepages") else "")
+        ratio = f"{r['vs_fio']:.2f}" if r.get("vs_fio") else ""
+        lines.append(
+            f"{r['tool']:<7} {eng:<12} {r['rw']:<5} {_human(r['block_size']):>5} {r['queue_depth']:>3} "
+            f"{'y' if r['direct'] else 'n':>3} {r['gbps']:6.2f} {r['gibps']:6.2f} {r['iops']:8.0f} "
+            f"{r['lat_p50_us']:9.0f} {r['lat_p99_us']:9.0f} {r['lat_p999_us']:9.0f} {r['cpu_usr_pct']:5.0f} "
+            f"{r['cpu_sys_pct']:5.0f} {ratio:>6}  {r.get('note', '')}")
+    lines.append("GB/s = 10^9 bytes/s, GiB/s = 2^30 bytes/s; latency per request from submission to completion; "
+                 "usr%/sys% = CPU time of the whole process (fio: of fio) in % of one CPU; "
+                 "vs fio = offload GB/s / best fio GB/s of the same rw, bs, qd.")
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
+    rws = sorted({r["rw"] for r in rows})
+    fig, axes = plt.subplots(1, len(rws), figsize=(6 * len(rws), 4.5), squeeze=False)
+    for ax, rw in zip(axes[0], rws):
+        series: Dict[tuple, list] = {}
+        for r in rows:
+            if r["rw"] == rw:
+                label = (f"{r['tool']} {r['engine']}{'+THP' if r.get('hugepages') else ''} qd={r['queue_depth']}")
+                series.setdefault((label, r["tool"]), []).append((r["block_size"], r["gbps"]))
+        for (label, tool), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--" if tool == "fio" else "-",
+                    label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (bytes)")
+        ax.set_ylabel("GB/s (10^9 B/s)")
+        ax.set_title(f"{rw}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    from offload.io import save_tuning
+
+    rows, ctx = sweep(args)
+    print(f"offload bench-io: {ctx['dir']}, file {_human(ctx['size'])}, "
+          f"{'O_DIRECT' if ctx['direct'] else 'buffered'}, loops {args.loops}")
+    print(format_table(rows))
+    for rw, r in sorted(best_rows(rows).items()):
+        vs = f" ({r['vs_fio']:.2f}x best fio)" if r.get("vs_fio") else ""
+        print(f"best {rw}: {r['engine']} bs={_human(r['block_size'])} qd={r['queue_depth']} "
+              f"{r['gbps']:.2f} GB/s{vs}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+        print(f"rows written to {args.json}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot written to {args.plot}")
+    if args.tune:
+        cfg, measured = best_config(rows)
+        save_tuning(args.tune, cfg, read_gbps=measured.get("read"), write_gbps=measured.get("write"),
+                    directory=ctx["dir"])
+        print(f"tuning written to {args.tune}: engine={cfg.engine} block_size={cfg.block_size} "
+              f"queue_depth={cfg.queue_depth} direct={cfg.direct}")
+    return 0

@@ -1,0 +1,116 @@
+"""``offload bench-io``: rows, JSON keys, tuning file that takes effect, fio side by side, errors."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from offload.cli import main
+from offload.cli import bench_io
+from offload.io import load_tuning, open_engine, probe_direct
+from offload.io import fio as io_fio
+
+KEYS = {"tool", "engine", "rw", "block_size", "queue_depth", "direct", "bytes", "seconds", "gbps", "iops",
+        "lat_p50_us", "lat_p99_us"}
+
+
+@pytest.fixture
+def bench_dir(tmp_path):
+    d = tmp_path / "disk"
+    d.mkdir()
+    if not probe_direct(d)[0]:
+        pytest.skip(f"{d} refuses O_DIRECT")
+    return d
+
+
+def test_sweep_json_plot_and_tune(bench_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("OFFLOAD_IO_ENGINE", raising=False)
+    out_json, out_png, out_tune = tmp_path / "rows.json", tmp_path / "plot.png", tmp_path / "tune.json"
+    rc = main(["bench-io", "--dir", str(bench_dir), "--size", "8MiB", "--rw", "read,write",
+               "--block-size", "256K,1M", "--queue-depth", "1,4", "--engine", "uring,threads,aiofiles",
+               "--loops", "2", "--json", str(out_json), "--plot", str(out_png), "--tune", str(out_tune)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "GB/s = 10^9 bytes/s" in captured.out and "best read:" in captured.out and "best write:" in captured.out
+    assert "ETA" in captured.err
+    rows = json.loads(out_json.read_text())
+    assert len(rows) == 2 * 2 * 2 * 3
+    seen = set()
+    for r in rows:
+        assert KEYS <= set(r)
+        assert r["tool"] == "offload" and r["direct"] is True and r["loops"] == 2
+        assert r["bytes"] == 2 * (8 << 20)
+        assert r["gbps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9)
+        assert r["iops"] == pytest.approx(r["bytes"] / r["block_size"] / r["seconds"])
+        assert 0 < r["lat_p50_us"] <= r["lat_p99_us"] <= r["lat_p999_us"]
+        seen.add((r["engine"], r["rw"], r["block_size"], r["queue_depth"]))
+    assert len(seen) == len(rows)
+    assert out_png.stat().st_size > 1000
+    assert not (bench_dir / bench_io.DATA_NAME).exists()  # cleaned without --keep
+    # The tuning file names the best measured configuration and an engine opened from it uses it.
+    data = json.loads(out_tune.read_text())
+    cfg = load_tuning(out_tune)
+    expected, _ = bench_io.best_config(rows)
+    assert cfg == expected and data["measured"]["read_gbps"] > 0 and data["measured"]["write_gbps"] > 0
+    with open_engine(cfg, directory=bench_dir) as eng:
+        assert (eng.name, eng.block_size, eng.queue_depth, eng.direct) == (cfg.engine, cfg.block_size,
+                                                                          cfg.queue_depth, True)
+
+
+def test_best_config_prefers_balanced_read_write():
+    rows = [
+        dict(tool="offload", engine="uring", rw="read", block_size=1 << 20, queue_depth=32, direct=True, gbps=3.0),
+        dict(tool="offload", engine="uring", rw="write", block_size=1 << 20, queue_depth=32, direct=True, gbps=1.0),
+        dict(tool="offload", engine="threads", rw="read", block_size=1 << 20, queue_depth=32, direct=True, gbps=2.0),
+        dict(tool="offload", engine="threads", rw="write", block_size=1 << 20, queue_depth=32, direct=True, gbps=2.0),
+        dict(tool="fio", engine="io_uring", rw="read", block_size=1 << 20, queue_depth=32, direct=True, gbps=9.0),
+    ]
+    cfg, measured = bench_io.best_config(rows)
+    assert cfg.engine == "threads" and measured == {"read": 2.0, "write": 2.0}
+
+
+@pytest.mark.skipif(io_fio.fio_path() is None, reason="fio not installed (apt-get install fio)")
+def test_fio_side_by_side(bench_dir, tmp_path, capsys):
+    out_json = tmp_path / "rows.json"
+    rc = main(["bench-io", "--dir", str(bench_dir), "--size", "16MiB", "--rw", "read", "--engine", "uring",
+               "--fio", "--keep", "--json", str(out_json)])
+    assert rc == 0
+    rows = json.loads(out_json.read_text())
+    fio_rows = [r for r in rows if r["tool"] == "fio"]
+    ours = [r for r in rows if r["tool"] == "offload"]
+    assert fio_rows and len(ours) == 1
+    assert all(r["bytes"] == 16 << 20 and r["gbps"] > 0 for r in fio_rows)
+    assert {r["hugepages"] for r in fio_rows} == {False, True}
+    assert ours[0]["vs_fio"] == pytest.approx(ours[0]["gbps"] / max(r["gbps"] for r in fio_rows))
+    assert (bench_dir / bench_io.DATA_NAME).stat().st_size == 16 << 20  # --keep
+    assert "vs fio" in capsys.readouterr().out
+
+
+def test_without_fio_says_how_to_get_it(bench_dir, monkeypatch, capsys):
+    monkeypatch.setattr(io_fio, "fio_path", lambda: None)
+    rc = main(["bench-io", "--dir", str(bench_dir), "--size", "4MiB", "--rw", "write", "--engine", "threads",
+               "--fio"])
+    assert rc == 0
+    assert "apt-get install fio" in capsys.readouterr().err
+
+
+def test_buffered_mode_measures_after_dropping_the_cache(bench_dir, tmp_path):
+    out_json = tmp_path / "rows.json"
+    rc = main(["bench-io", "--dir", str(bench_dir), "--size", "4MiB", "--buffered", "--engine", "threads",
+               "--json", str(out_json)])
+    assert rc == 0
+    rows = json.loads(out_json.read_text())
+    assert {r["rw"] for r in rows} == {"read", "write"} and all(r["direct"] is False for r in rows)
+
+
+def test_errors(tmp_path, capsys):
+    assert main(["bench-io", "--dir", str(tmp_path / "missing"), "--size", "4MiB"]) == 1
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["bench-io", "--dir", str(tmp_path), "--size", "1000000", "--block-size", "1M"]) == 1
+    assert "not a multiple" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench-io", "--dir", str(tmp_path), "--engine", "spdk"])
+    with pytest.raises(SystemExit):
+        main(["bench-io", "--dir", str(tmp_path), "--direct", "--buffered"])
+    assert not os.path.exists(tmp_path / bench_io.DATA_NAME)
