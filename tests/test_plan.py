@@ -467,3 +467,86 @@ def test_probe_kernel_rate_small():
     r = probe_kernel_rate(200_000, repeats=3)
     assert r.unit == "Gparam/s" and 0.001 < r.value < 100
     assert "200,000" in r.source
+
+
+# --------------------------------------------------------------------------- plan, then run
+
+def _model_with_grads():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 1024))
+    model(torch.randn(8, 1024)).square().mean().backward()
+    return model                                       # 4,197,376 fp32 params on the CPU
+
+
+def _make_optimizer(params, **kw):
+    import offload
+
+    try:
+        return offload.AdamW(params, lr=1e-3, **kw)
+    except (AttributeError, ImportError, NotImplementedError) as exc:
+        pytest.skip(f"offload.AdamW({kw.get('offload')!r}) not available yet: {exc}")
+
+
+@pytest.mark.parametrize("target", ["cpu", "nvme"])
+def test_plan_then_run_bytes_match_memory_report(tmp_path, target):
+    from offload.optim.stats import process_rss_bytes
+
+    model = _model_with_grads()
+    kw = dict(offload=target)
+    if target == "nvme":
+        kw.update(swap_dir=str(tmp_path), max_host_bytes=64 << 20)
+    plan = estimate(model, **kw)
+    assert plan.inputs["param_dtype"] == "float32" and plan.inputs["param_device"] == "cpu"
+    # Warm up: load the kernel library, thread pool and io engine so that the RSS change
+    # below is the optimizer's states and buffers only.
+    w = torch.nn.Parameter(torch.randn(16))
+    w.grad = torch.randn(16)
+    warm_kw = dict(kw, swap_dir=str(tmp_path / "warm"), max_host_bytes=1 << 20) if target == "nvme" else kw
+    if target == "nvme":
+        (tmp_path / "warm").mkdir()
+    warm = _make_optimizer([w], **warm_kw)
+    warm.step()
+    rss0 = process_rss_bytes()
+    opt = _make_optimizer(model.parameters(), **kw)
+    try:
+        opt.step()
+        rss1 = process_rss_bytes()
+        report = opt.memory_report()
+    finally:
+        close = getattr(opt, "close", None)
+        if close:
+            close()
+        close = getattr(warm, "close", None)
+        if close:
+            close()
+    got, want = report["tiers"], plan.optimizer_bytes
+    for tier in TIERS:
+        assert abs(got[tier] - want[tier]) <= 0.05 * want[tier], (tier, got, want)
+    # ... and the optimizer's own accounting against the process: host bytes within 10 %
+    host = got["pinned"] + got["pageable"]
+    assert abs((rss1 - rss0) - host) <= 0.10 * host, (rss1 - rss0, host)
+
+
+def test_disk_rate_from_the_io_layers_tuning_file(tmp_path):
+    from offload.config import IOConfig
+    from offload.io import save_tuning
+
+    path = tmp_path / "tune.json"
+    save_tuning(path, IOConfig(engine="threads", queue_depth=8, block_size=1 << 20), read_gbps=2.41,
+                write_gbps=5.02, directory=str(tmp_path))
+    r, w = disk_rate_from_tune(str(path))
+    assert (r.value, w.value) == (2.41, 5.02)
+    rc, out, _ = _cli("plan", "--params", "1B", "--offload", "nvme", "--io-tune", str(path),
+                      "--kernel-gparams", "2", "--json")
+    doc = json.loads(out)
+    assert doc["rates"]["disk_read"]["value"] == 2.41 and doc["step"]["disk_write_gbps"] == 5.02
+
+
+def test_probe_disk_rate_leaves_nothing_behind(tmp_path):
+    from offload.plan import probe_disk_rate
+
+    r, w = probe_disk_rate(str(tmp_path), nbytes=16 << 20, chunk=4 << 20)
+    assert r.unit == w.unit == "GB/s" and r.value > 0 and w.value > 0
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match="nope"):
+        probe_disk_rate(str(tmp_path / "nope"))
