@@ -43,7 +43,10 @@ def _load(name: str):
             else:
                 raise ValueError(name)
         except Exception as exc:  # any load failure is a reason, kept and reported
-            _errors[name] = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, OSError) and exc.strerror:
+                _errors[name] = exc.strerror  # our loader's message already names the path
+            else:
+                _errors[name] = f"{type(exc).__name__}: {exc}"
             return None
         _loaded[name] = backend
         return backend
