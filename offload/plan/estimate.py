@@ -64,6 +64,7 @@ COMPONENTS = (
     "grad_buffers",  # host buffers the grads are copied into (device params)
     "lowp_buffers",  # host buffers holding the fp16/bf16 copy of updated params (device params)
     "io_buffers",    # swap pipeline buffers (offload="nvme")
+    "comm_buffers",  # per-bucket send/gather buffers of the collectives (stage >= 1, N_d > 1)
 )
 # Pieces the optimizer allocates itself (what ``memory_report()`` can see); params and grads
 # belong to the user's model.
@@ -407,32 +408,38 @@ def estimate(
     wg = _positive_rate("disk_write_gbps", disk_write_gbps) or dg
 
     notes: List[str] = []
-    # Elements of the flat fp32 buffers this rank owns: stage 1/2 pad to the world size.
-    shard = -(-n // world_size) if stage >= 1 else n
-    if stage >= 1 and world_size == 1:
-        notes.append("world_size 1: stages 1 and 2 partition nothing (same as stage 0)")
-
-    # Where do the fp32 optimizer states live, and is the param its own fp32 master?
-    states_with_params = offload == "none" or (on_cpu and offload == "cpu")
-    separate_master = not (pdt == torch.float32 and (states_with_params or on_cpu))
-
+    problems: List[str] = []
     B: Dict[str, Dict[str, int]] = {t: {c: 0 for c in COMPONENTS} for t in TIERS}
     user_tier = "pageable" if on_cpu else "device"
-    host_buf_tier = "pinned" if cuda else "pageable"
+    host_buf_tier = "pinned" if cuda else "pageable"   # BufferPool pins only when CUDA is there
 
-    # The model's own params and grads (replicated below stage 3).
+    # [Note: which store] offload/optim/adam.py picks the state store: fp32 CPU params on one
+    # rank at stage 0 are updated in place (HostState: moments in opt.state; SwappedState for
+    # nvme); everything else goes to the flat store (FlatState: a flat fp32 master + moments
+    # in pool buffers, sharded over the ranks when stage >= 1).
+    in_place = world_size == 1 and stage == 0 and pdt == torch.float32 and on_cpu
+    ranks = world_size if stage >= 1 else 1            # stage 0 with N ranks: plain DP
+    shard = -(-n // ranks) if n else 0                 # flat buffers padded to the world size
+    separate_master = not in_place
+    if stage >= 1 and world_size == 1:
+        notes.append("world_size 1: stages 1 and 2 partition nothing (same bytes as stage 0)")
+
+    # The model's own params and grads: full on every rank (p.grad keeps torch's meaning;
+    # the engine reads it and does not free it, so stage 2 does not shrink it).
     B[user_tier]["params"] = n * pb
-    if stage >= 2 and not on_cpu:
-        # ZeRO-2: grads are reduce-scattered bucket by bucket during backward; a rank keeps
-        # only its 1/N_d (the paper's count; buckets in flight are not model states).
-        B[user_tier]["grads"] = shard * gb
-    else:
-        B[user_tier]["grads"] = n * gb
+    B[user_tier]["grads"] = n * gb
+    if stage == 2 and not on_cpu:
+        notes.append("stage 2: the ZeRO paper counts 2Ψ/N_d of grads on the device; this engine keeps "
+                     "p.grad whole (reduce-scatter at step time), so the device holds 2Ψ of grads")
 
     state_elems = {"master": shard if separate_master else 0, "exp_avg": shard, "exp_avg_sq": shard}
     swap: Optional[Dict[str, Any]] = None
-    problems: List[str] = []
     if offload == "nvme":
+        if not in_place:
+            problems.append(
+                "offload='nvme' is implemented for fp32 CPU params on one rank only (the flat store "
+                "for fp16/bf16 or device params and for stage >= 1 keeps its states in host memory); "
+                "the NVMe figures show what it would take")
         streamed = [c for c, e in state_elems.items() if e]
         if shard:
             try:
@@ -444,21 +451,40 @@ def estimate(
             for c in streamed:
                 B["nvme"][c] = swap["disk_bytes"] // len(streamed)
             B[host_buf_tier]["io_buffers"] = swap["host_bytes"]
-        states_tier = None
-    elif states_with_params and not on_cpu:
-        states_tier = "device"
+    elif in_place:
+        # HostState: exp_avg and exp_avg_sq in opt.state, ordinary tensors (pageable).
+        B["pageable"]["exp_avg"] = B["pageable"]["exp_avg_sq"] = 4 * n
     else:
-        states_tier = "pageable"
-    if states_tier is not None:
         for c, e in state_elems.items():
-            B[states_tier][c] = e * 4
+            B[host_buf_tier][c] = 4 * e
+        if offload == "none" and not on_cpu:
+            notes.append("offload='none' with device params: this engine keeps the fp32 states of device "
+                         "params on the host anyway (same bytes as offload='cpu'); the ZeRO paper's "
+                         "baseline keeps them on the device")
 
-    if not on_cpu and offload != "none":
-        # Grads leave the device as they are produced, into host buffers in their own dtype;
-        # the kernel writes the updated low-precision params into host buffers for the H2D copy.
-        B[host_buf_tier]["grad_buffers"] = shard * gb
-        # fp32 device params travel back from the same kind of buffer, in fp32.
-        B[host_buf_tier]["lowp_buffers"] = shard * pb if lowp_buffers == "shard" else 0
+    if not in_place:
+        lowp = pdt != torch.float32
+        if ranks == 1:
+            # One rank: device grads are copied into a host buffer of their own dtype as they
+            # are produced (CPU grads are read in place); bf16/fp16 updates are staged in a
+            # host buffer on their way to the device (CPU low-precision params are written
+            # directly; fp32 device params are sent from the master itself).
+            if not on_cpu:
+                B[host_buf_tier]["grad_buffers"] = n * gb
+                if lowp and lowp_buffers == "shard":
+                    B[host_buf_tier]["lowp_buffers"] = shard * pb
+        else:
+            # Several ranks: the fp32 sum of this rank's shard of the grads, the low-precision
+            # shard that is all-gathered, and per-bucket send/gather buffers on the collective's
+            # device (NCCL: the GPU; gloo: the CPU).
+            from offload.optim.flat_state import FlatState
+
+            B[host_buf_tier]["grad_buffers"] = 4 * shard
+            if lowp:
+                B[host_buf_tier]["lowp_buffers"] = shard * pb
+            chunk = max(1, min(shard, FlatState.bucket_numel // ranks)) if shard else 0
+            comm_tier = "pageable" if on_cpu else "device"
+            B[comm_tier]["comm_buffers"] = ranks * chunk * 4 + ranks * chunk * pb + chunk * 4
     if on_cpu and pdt != torch.float32:
         notes.append("low-precision CPU params: the kernel writes the rounded copy into the param itself")
 
@@ -469,8 +495,6 @@ def estimate(
             "stage 3 (parameter partitioning) is not yet offered by this engine; the ZeRO "
             f"paper's figure would be {zero_paper_bytes(n, world_size, 3, k) / 1e9:.2f} GB per rank"
         )
-    if offload == "none" and not on_cpu and pdt != torch.float32:
-        notes.append("offload='none' with device params: states on the device (the paper's baseline)")
 
     # Host memory is shared by the ranks of a node: each rank's share.
     host_cap = None if host_mem is None else host_mem // ranks_per_node
@@ -481,8 +505,7 @@ def estimate(
 
     # Predicted optimizer step: the ideal max(I/O, kernel) of the pipelined step.
     step: Dict[str, Any] = {"kernel_gparams": kg, "disk_read_gbps": rg, "disk_write_gbps": wg}
-    kernel_on_cpu = offload != "none" or on_cpu
-    step["kernel_s"] = (shard / (kg * 1e9)) if (kg and kernel_on_cpu) else None
+    step["kernel_s"] = (shard / (kg * 1e9)) if kg else None
     if offload == "nvme":
         # every sub-group is read from one slot and written to the other once per step
         streamed = swap["file_bytes"] if swap else sum(4 * e for e in state_elems.values())
@@ -492,10 +515,7 @@ def estimate(
     else:
         step["read_bytes"] = step["write_bytes"] = 0
         step["io_s"] = 0.0
-    if not kernel_on_cpu:
-        step["step_time_s"] = None
-        notes.append("offload='none' with device params: the update runs on the device; no step time predicted")
-    elif step["kernel_s"] is None or step["io_s"] is None:
+    if step["kernel_s"] is None or step["io_s"] is None:
         step["step_time_s"] = None
     else:
         step["step_time_s"] = max(step["kernel_s"], step["io_s"])
@@ -537,11 +557,18 @@ def cheapest_fitting(
     Cost order: keep states where they are (``none``) before moving them to host memory
     (``cpu``) before streaming them from disk (``nvme``), each farther tier being slower;
     within a tier, the lower stage first (fewer collectives, simpler). With one rank, stages
-    1 and 2 equal stage 0 and are skipped.
+    1 and 2 equal stage 0 and are skipped; for device params ``none`` is ``cpu`` in this
+    engine and is skipped in favour of that name.
     """
     world = kwargs.get("world_size", 1)
+    device_params = str(kwargs.get("param_device") or "cuda").lower() != "cpu"
+    if isinstance(num_params, torch.nn.Module) and kwargs.get("param_device") is None:
+        first = next(iter(num_params.parameters()), None)
+        device_params = first is not None and first.device.type != "cpu"
     tried: List[Plan] = []
     for off in offloads:
+        if off == "none" and device_params and "cpu" in offloads:
+            continue  # the engine keeps device params' states on the host either way: say "cpu"
         for st in stages:
             if st == 3 or (st > 0 and world == 1):
                 continue

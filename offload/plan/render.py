@@ -73,7 +73,7 @@ def plan_table(plan: "Plan") -> str:
                 f"+ {gib(s['write_bytes'])} GiB written at {s['disk_write_gbps']:.2f} GB/s (GB = 10^9 B)"
             )
         lines.append(f"predicted optimizer step: {s['step_time_s'] * 1e3:.1f} ms = max({'; '.join(parts)})")
-    elif i["offload"] != "none" or i["param_device"] == "cpu":
+    else:
         missing = []
         if s.get("kernel_gparams") is None:
             missing.append("a kernel rate (--kernel-gparams, --adam-bench or the probe)")
@@ -81,6 +81,9 @@ def plan_table(plan: "Plan") -> str:
             missing.append("disk rates (--disk-gbps, --io-tune or --swap-dir for the probe)")
         if missing:
             lines.append(f"predicted optimizer step: needs {' and '.join(missing)}")
+    paper = plan.zero_paper_bytes
+    lines.append(f"ZeRO paper figure for stage {i['stage']} (all model states on the device, 2-byte params and "
+                 f"grads, K = {i['k']}): {paper / 1e9:.2f} GB = {gib(paper)} GiB per rank")
     for n in plan.problems:
         lines.append(f"PROBLEM: {n}")
     for n in plan.notes:
@@ -103,19 +106,18 @@ def explain_text(plan: "Plan") -> str:
         f"  -> stage {st}: {paper / 1e9:.2f} GB (10^9 B) = {paper / (1 << 30):.2f} GiB per rank",
         "This engine places the same states on tiers and adds its own buffers:",
         f"  shard = ceil(Ψ / N_d) = {i['shard_numel']:,} elements for stages 1-2 (Ψ for stage 0)",
-        f"  params {i['param_dtype']} and grads {i['grad_dtype']} on {i['param_device']} "
-        "(stage 2 keeps grads for the shard only, as in the paper)",
+        f"  params {i['param_dtype']} and grads {i['grad_dtype']} on {i['param_device']}, whole on every rank "
+        "(p.grad keeps torch's meaning; the engine reads it at step time and does not free it)",
     ]
-    if i["separate_master"]:
-        lines.append("  fp32 master = 4 B x shard (the params are not fp32 where the states live)")
+    if not i["separate_master"]:
+        lines.append("  fp32 CPU params on one rank are their own master, updated in place (K = 8): "
+                     "exp_avg + exp_avg_sq = 8 B x Ψ")
     else:
-        lines.append("  no separate fp32 master: the fp32 param is updated in place (K = 8)")
+        lines.append("  flat fp32 master + exp_avg + exp_avg_sq = 12 B x shard in host buffers "
+                     f"({'pinned' if i['cuda'] else 'pageable: no CUDA, nothing to pin for'}), also with "
+                     "offload='none' (this engine keeps the states of device params on the host)")
     off = i["offload"]
-    if off == "none":
-        lines.append("  offload=none: master + exp_avg + exp_avg_sq beside the params")
-    elif off == "cpu":
-        lines.append("  offload=cpu: master + exp_avg + exp_avg_sq (4 B each x shard) in pageable host memory")
-    else:
+    if off == "nvme":
         sw = i.get("swap")
         lines.append("  offload=nvme: the streamed states live in swap files, every state padded to 4 KiB per "
                      "sub-group, in 2 slots written alternately (a crash leaves one complete step)")
@@ -127,11 +129,15 @@ def explain_text(plan: "Plan") -> str:
                 f"({sw['num_groups']} groups); host: {sw['buffers']} pipeline buffers of {sw['region_bytes']:,} B "
                 f"within max_host_bytes ({bound}), {pin}"
             )
-    if i["param_device"] != "cpu" and off != "none":
-        lines.append(
-            "  device params: host buffers receive grads in their own dtype (grad bytes x shard) and the "
-            "low-precision copy of the updated params (param bytes x shard), pinned when CUDA is present"
-        )
+    if i["separate_master"]:
+        if N > 1 and st >= 1:
+            lines.append("  N_d > 1: grad_buffers = fp32 sum of this rank's shard (4 B x shard); lowp_buffers = "
+                         "bf16/fp16 shard for the all-gather (2 B x shard); comm_buffers = per-bucket send "
+                         "(N_d x chunk x 4 B), gather (N_d x chunk x param bytes) and reduce-scatter output "
+                         "(chunk x 4 B), chunk = min(shard, 4 Mi / N_d), on the collective's device")
+        elif i["param_device"] != "cpu":
+            lines.append("  one rank, device params: grad_buffers = host copy of the grads in their own dtype "
+                         "(grad bytes x Ψ); lowp_buffers = bf16/fp16 staging of updated params (2 B x shard)")
     lines.append(
         "Host memory is shared by the ranks of a node: capacity per rank = host_memory / ranks_per_node "
         f"({i['ranks_per_node']})."
