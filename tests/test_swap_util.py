@@ -33,8 +33,11 @@ class SlowEngine:
 
     name = "slow"
 
-    def __init__(self, inner: Any, *, read_delay: float = 0.02, write_delay: float = 0.02) -> None:
+    def __init__(self, inner: Any, *, read_delay: float = 0.02, write_delay: float = 0.02,
+                 hold: Any = None) -> None:
         self.inner = inner
+        self.hold = hold  # (op, ranges) -> threading.Event to wait for before doing the I/O, or None
+        self.hold_timeouts: List[str] = []
         self.delay = {"read": read_delay, "write": write_delay}
         self.lock = threading.Lock()
         self.log: List[Tuple[str, str, List[Tuple[str, int, int]], float]] = []
@@ -56,8 +59,12 @@ class SlowEngine:
             self.log.append(("submit", op, ranges, time.perf_counter()))
         ticket = _Ticket()
 
+        gate = self.hold(op, ranges) if self.hold is not None else None
+
         def work() -> None:
             time.sleep(self.delay[op])
+            if gate is not None and not gate.wait(5.0):
+                self.hold_timeouts.append(f"{op} {ranges}")
             try:
                 ticket.result = self.inner.wait(self.inner.submit(reqs))
             except BaseException as exc:  # handed to wait()

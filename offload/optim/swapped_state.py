@@ -14,14 +14,16 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
             none; ValueError if the params are not those of that step).
         io_engine: None/"auto"/"uring"/"threads"/"aiofiles", an IOConfig, or an engine object.
         rank: None -> torch.distributed rank when initialised, else 0.
-    st.step(batches) -> dict of timings
+    st.step(batches) -> dict of phase seconds for opt.step_stats()
         batches: [(hyper, [(param, grad, step), ...]), ...], one entry per param group;
         hyper an offload.optim.functional.AdamHyper (or a dict with lr, beta1, beta2, eps,
         weight_decay, decoupled and optionally bias_correction, maximize, grad_scale);
         step = the param's step number after incrementing (1 on the first step). Params
-        without a grad are simply left out. Timings: swap_read_s, swap_write_s, kernel_s,
-        wait_read_s, wait_write_s, verify_s, commit_s, step_s (+ read_bytes, write_bytes,
-        groups). On an I/O failure raises SwapStepError (an OSError): the swap state stays at
+        without a grad are simply left out. Returns {kernel, swap_read, swap_write (the disk's
+        busy time beyond reads, so that swap_read + swap_write = time with I/O in flight),
+        wait_read, wait_write, verify, commit}; st.last_stats has the pipeline's full dict
+        (swap_read_s, swap_write_s, io_busy_s, kernel_s, wait_read_s, wait_write_s, verify_s,
+        commit_s, step_s, read_bytes, write_bytes, groups). On an I/O failure raises SwapStepError (an OSError): the swap state stays at
         the previous step; params of the sub-groups already computed were updated in place
         (listed in the message) and further steps are refused until the params are restored
         (then clear_failure(), which checks them) or load_checkpoint().
@@ -30,6 +32,9 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
     st.export_state(p) -> {"exp_avg", "exp_avg_sq"} ({} before p's first step)
     st.import_state(p, {"exp_avg", "exp_avg_sq"[, "step"]})
     st.step_of(p) -> int                             step count recorded for p (0: none yet)
+    SwappedState.for_optimizer(opt)                  built from opt.config (OffloadConfig), opt.backend,
+                                                     opt.num_threads; keeps opt.state[p]["step"] in
+                                                     step with resume/load_checkpoint
     st.flush()                                       commit pending write_state() changes
     st.clear_failure()                               after a failed step and restored params
     st.save_checkpoint(dir) / st.load_checkpoint(dir) streamed, see offload.swap.checkpoint
@@ -47,7 +52,7 @@ step j.
 """
 from __future__ import annotations
 
-import errno
+import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -118,6 +123,7 @@ class SwappedState:
         self._group_params = self._params_per_group()
         self._samples = self._sample_indices()
         self._broken: Optional[str] = None
+        self._opt: Any = None  # weakref to the optimizer when built by for_optimizer()
         self._cache_g: Optional[int] = None
         self._dirty = False
         self._meta_dirty = False
@@ -133,6 +139,31 @@ class SwappedState:
         except BaseException:
             self.store.close(remove=not resume)
             raise
+
+    @classmethod
+    def for_optimizer(cls, opt: Any) -> "SwappedState":
+        """The store of ``offload.Adam/AdamW(..., offload="nvme")``: all params of ``opt``
+        in param_groups order, options from ``opt.config`` (an OffloadConfig). With
+        ``resume=True`` the step counts found in the swap directory go to ``opt.state``."""
+        cfg = opt.config
+        params = [p for g in opt.param_groups for p in g["params"]]
+        st = cls(params, swap_dir=cfg.swap_dir, max_host_bytes=cfg.max_host_bytes,
+                 sub_group_size=cfg.sub_group_size, verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
+                 backend=opt.backend, num_threads=opt.num_threads)
+        st._opt = weakref.ref(opt)
+        st._sync_opt_steps()
+        return st
+
+    def _sync_opt_steps(self) -> None:
+        """Mirror our per-param step counts into ``opt.state[p]["step"]`` (torch's layout)."""
+        opt = self._opt() if self._opt is not None else None
+        if opt is None:
+            return
+        for p, n in zip(self.params, self._steps):
+            if n:
+                opt.state[p]["step"] = torch.tensor(float(n), dtype=torch.float32)
+            elif "step" in opt.state.get(p, {}):
+                del opt.state[p]["step"]
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -259,7 +290,12 @@ class SwappedState:
             raise SwapStepError(exc.errno, self._broken, exc.filename, exc.computed) from exc
         self._steps = steps
         self.last_stats = stats
-        return stats
+        # the optimizer's phase names (offload/optim/stats.py): its ideal step adds swap_read
+        # and swap_write, so they split the disk's busy time instead of overlapping
+        return {"kernel": stats["kernel_s"], "swap_read": stats["swap_read_s"],
+                "swap_write": max(0.0, stats["io_busy_s"] - stats["swap_read_s"]),
+                "wait_read": stats["wait_read_s"], "wait_write": stats["wait_write_s"],
+                "verify": stats["verify_s"], "commit": stats["commit_s"]}
 
     def clear_failure(self) -> None:
         """After a failed step: accept the params again once they are back at the step the
@@ -330,6 +366,9 @@ class SwappedState:
 
     def import_state(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
         step = state.get("step")
+        opt = self._opt() if self._opt is not None else None
+        if step is None and opt is not None:  # the optimizer keeps torch's "step" in opt.state
+            step = opt.state.get(p, {}).get("step")
         if isinstance(step, torch.Tensor):
             step = int(step.item())
         self.write_state(p, state["exp_avg"], state["exp_avg_sq"], None if step is None else int(step))
@@ -374,6 +413,7 @@ class SwappedState:
         self.store.commit(written, self._extra(steps), advance=False)
         self._steps = steps
         self._broken = None
+        self._sync_opt_steps()
 
     # ------------------------------------------------------------------ reporting, closing
     def memory_report(self) -> Dict[str, int]:

@@ -159,7 +159,12 @@ class SwapPipeline:
         """Read, ``compute`` and write back each sub-group in ``groups`` (ascending), then
         commit the step to the store (unless ``commit=False``) with ``extra`` (a dict, or a
         callable evaluated once every write is done) as the manifest's opaque metadata.
-        Returns per-phase timings (seconds, plus byte counts)."""
+        Returns per-phase timings in seconds: ``swap_read_s`` / ``swap_write_s`` (time during
+        which some read / write was in flight, from submit to the moment the pipeline saw it
+        complete), ``io_busy_s`` (the same for any I/O), ``kernel_s`` (inside ``compute``),
+        ``wait_read_s`` / ``wait_write_s`` (this thread blocked on the engine),
+        ``verify_s`` (checksums), ``commit_s`` (fdatasync + manifest), ``step_s``; and
+        ``read_bytes``, ``write_bytes``, ``groups``."""
         store, engine = self.store, self.store.engine
         if store.closed:
             raise RuntimeError(f"swap store {store.path} is closed")
@@ -169,7 +174,7 @@ class SwapPipeline:
         reads: Dict[int, Tuple[Any, Any, float, List[Any]]] = {}   # index -> (buf, ticket, t0, reqs)
         writes: Deque[Tuple[int, Any, Any, float, List[Any]]] = deque()  # (g, buf, ticket, t0, reqs)
         in_flight_writes: set = set()
-        read_span, write_span = _Interval(), _Interval()
+        read_span, write_span, io_span = _Interval(), _Interval(), _Interval()
         kernel_s = wait_read_s = wait_write_s = verify_s = 0.0
         read_bytes = write_bytes = 0
         written: Dict[int, Optional[List[List[int]]]] = {}
@@ -188,6 +193,7 @@ class SwapPipeline:
                 wait_write_s += t1 - tw
             _check_counts(done, reqs, "write")
             write_span.add(t0, t1)
+            io_span.add(t0, t1)
             writes.popleft()
             in_flight_writes.discard((1 - store.slots[g], g))
             free.append(buf)
@@ -229,6 +235,7 @@ class SwapPipeline:
                     wait_read_s += t1 - tw
                     _check_counts(done, reqs, "read")
                     read_span.add(t0, t1)
+                    io_span.add(t0, t1)
                     if store.verify:
                         tv = time.perf_counter()
                         store.check(g, buf)
@@ -269,7 +276,8 @@ class SwapPipeline:
                 raise SwapStepError(exc.errno or errno.EIO, msg, exc.filename or store.path, computed) from exc
         commit_s = time.perf_counter() - tc
         self.last_stats = {
-            "swap_read_s": read_span.total(), "swap_write_s": write_span.total(), "kernel_s": kernel_s,
+            "swap_read_s": read_span.total(), "swap_write_s": write_span.total(), "io_busy_s": io_span.total(),
+            "kernel_s": kernel_s,
             "wait_read_s": wait_read_s, "wait_write_s": wait_write_s, "verify_s": verify_s,
             "commit_s": commit_s, "step_s": time.perf_counter() - t_step,
             "read_bytes": float(read_bytes), "write_bytes": float(write_bytes), "groups": float(len(order)),

@@ -1,0 +1,176 @@
+"""The NVMe-swapped AdamW step against its ideal, max(I/O alone, kernel alone), in one run.
+
+    .venv/bin/python bench/swap.py                       # N = 200M fp32 params, 512 MiB bound
+    .venv/bin/python bench/swap.py --numel 20_000_000 --max-host-bytes 64MiB --reps 3
+
+What is measured, interleaved rep by rep (medians reported; see MEASURED.md's pitfall):
+- step:        SwappedState.step() on every param: read moments, AdamW kernel, write back,
+               fdatasync, manifest. fp32 params are their own master (updated in place,
+               never swapped), so the swap files hold exp_avg + exp_avg_sq = 8 B/param
+               (1.6 GB at N = 200M; twice that on disk: two slots).
+- I/O alone:   the same pipeline with a no-op compute (same reads, writes, fdatasync, manifest).
+- kernel alone: the same kernel calls on the same slices, moments in one pipeline buffer, no I/O.
+- overlap efficiency = max(I/O alone, kernel alone) / step  (1.0 = perfect overlap).
+- peak RSS during the step (sampled every 5 ms) against max_host_bytes + params + grads.
+Prints a table, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from offload.config import parse_bytes  # noqa: E402
+from offload.kernels import get_backend  # noqa: E402
+from offload.optim.swapped_state import SwappedState  # noqa: E402
+
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssPeak:
+    """Max RSS seen while the block runs, sampled from another thread."""
+
+    def __init__(self, every: float = 0.005) -> None:
+        self.every, self.peak, self._stop = every, 0, threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.every)
+
+    def __enter__(self) -> "RssPeak":
+        self.peak = rss_bytes()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", type=lambda s: int(s.replace("_", "")), default=200_000_000)
+    ap.add_argument("--params", type=int, default=4, help="split numel into this many params")
+    ap.add_argument("--max-host-bytes", default="512MiB")
+    ap.add_argument("--sub-group-size", type=lambda s: int(s.replace("_", "")), default=None)
+    ap.add_argument("--swap-dir", default="/var/tmp/offload-bench-swap",
+                    help="on a real disk (not tmpfs): O_DIRECT and no page cache")
+    ap.add_argument("--engine", default="auto")
+    ap.add_argument("--threads", type=int, default=1, help="kernel threads (1 leaves a core to I/O)")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+
+    os.makedirs(args.swap_dir, exist_ok=True)
+    bound = parse_bytes(args.max_host_bytes)
+    sizes = [args.numel // args.params + (1 if i < args.numel % args.params else 0) for i in range(args.params)]
+    rss0 = rss_bytes()
+    params = [torch.empty(n).normal_() for n in sizes]
+    grads = [torch.empty(n).normal_() for n in sizes]
+    st = SwappedState(params, swap_dir=args.swap_dir, max_host_bytes=bound, sub_group_size=args.sub_group_size,
+                      io_engine=args.engine, num_threads=args.threads)
+    kernel = get_backend()
+    state_bytes = 2 * 4 * args.numel
+    try:
+        steps = [0] * len(params)
+
+        def do_step() -> dict:
+            for i in range(len(steps)):
+                steps[i] += 1
+            return st.step([(HYPER, [(p, g, s) for p, g, s in zip(params, grads, steps)])])
+
+        lay, pipe = st.layout, st.pipeline
+        groups = list(range(lay.num_groups))
+
+        def io_alone() -> dict:
+            return pipe.run(groups, lambda g, s, e, t: None)
+
+        def kernel_alone() -> float:
+            buf = pipe.buffers[0]
+            t0 = time.perf_counter()
+            for g in groups:
+                s, e = lay.group_range(g)
+                m, v = pipe.tensors(g, buf)
+                for i in st._group_params[g]:
+                    off = st._offsets[i]
+                    a, b = max(s, off), min(e, off + sizes[i])
+                    kernel.adam_step(params[i].view(-1)[a - off:b - off], grads[i].view(-1)[a - off:b - off],
+                                     m[a - s:b - s], v[a - s:b - s], step=steps[0], num_threads=args.threads,
+                                     **HYPER)
+            return time.perf_counter() - t0
+
+        for _ in range(2):  # first step writes only (states start at zero); second reads too
+            do_step()
+        rows = {"step": [], "io": [], "kernel": []}
+        details, peak = [], 0
+        for _ in range(args.reps):
+            with RssPeak() as rp:
+                t0 = time.perf_counter()
+                do_step()
+                rows["step"].append(time.perf_counter() - t0)
+            stats = dict(st.last_stats)
+            peak = max(peak, rp.peak)
+            details.append(stats)
+            t0 = time.perf_counter()
+            io_alone()
+            rows["io"].append(time.perf_counter() - t0)
+            rows["kernel"].append(kernel_alone())
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        ideal = max(med["io"], med["kernel"])
+        budget = bound + 2 * 4 * args.numel  # max_host_bytes + params + grads
+        phases = {k: statistics.median(d[k] for d in details) for k in ("swap_read_s", "swap_write_s", "kernel_s", "wait_read_s",
+                                                        "wait_write_s", "commit_s")}
+        result = {
+            "bench": "swap", "numel": args.numel, "params": args.params, "states_in_swap_bytes": state_bytes,
+            "swap_files_bytes": st.memory_report()["nvme"], "max_host_bytes": bound,
+            "sub_group_size": lay.sub_group_size, "sub_groups": lay.num_groups, "buffers": st.num_buffers,
+            "host_buffer_bytes": st.host_bytes, "engine": st.store.engine.name, "direct": st.store.files[0].direct,
+            "backend": kernel.name, "kernel_threads": args.threads, "reps": args.reps,
+            "step_s": med["step"], "io_alone_s": med["io"], "kernel_alone_s": med["kernel"],
+            "overlap_efficiency": ideal / med["step"], "step_over_ideal": med["step"] / ideal,
+            "io_GBps": 2 * state_bytes / med["io"] / 1e9, "step_phases_s": phases,
+            "peak_rss_bytes": peak, "rss_before_alloc_bytes": rss0, "rss_budget_bytes": budget,
+            "peak_rss_over_budget": peak / budget, "peak_rss_minus_baseline_over_budget": (peak - rss0) / budget,
+            "machine": f"{platform.node()} {os.cpu_count()} cpus {platform.processor() or platform.machine()}",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+    finally:
+        st.close()
+    gib = 2 ** 30
+    print(f"NVMe-swapped AdamW, N={args.numel:,} fp32 params ({len(params)} tensors), moments in swap "
+          f"{state_bytes / 1e9:.2f} GB ({result['swap_files_bytes'] / gib:.2f} GiB of files, two slots)")
+    print(f"bound {bound / gib:.2f} GiB -> {result['sub_groups']} sub-groups of {result['sub_group_size']:,}, "
+          f"{result['buffers']} buffers ({result['host_buffer_bytes'] / gib:.2f} GiB); engine {result['engine']}, "
+          f"O_DIRECT {result['direct']}; kernel {result['backend']} x{args.threads} thread(s)")
+    print(f"{'what':<28}{'median s':>10}  {'runs'}")
+    for name, key in (("step (read+kernel+write)", "step"), ("I/O alone", "io"), ("kernel alone", "kernel")):
+        print(f"{name:<28}{med[key]:>10.3f}  " + " ".join(f"{x:.3f}" for x in rows[key]))
+    print(f"{'overlap efficiency':<28}{result['overlap_efficiency']:>10.3f}  (max(I/O, kernel) / step; "
+          f"step = {result['step_over_ideal']:.3f} x ideal, target <= 1.15)")
+    print(f"{'I/O rate (read+write)':<28}{result['io_GBps']:>10.2f}  GB/s")
+    print(f"{'step phases (median)':<28}" + ", ".join(f"{k}={v:.3f}" for k, v in phases.items()))
+    print(f"{'peak RSS in step':<28}{peak / gib:>10.2f}  GiB; budget max_host+params+grads = {budget / gib:.2f} GiB "
+          f"(x{result['peak_rss_over_budget']:.3f}; x{result['peak_rss_minus_baseline_over_budget']:.3f} without "
+          f"the {rss0 / gib:.2f} GiB of the interpreter and torch)")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
