@@ -187,6 +187,25 @@ def _create_data_file(path: str, size: int, direct: bool, pool, progress: Progre
     return f
 
 
+def _settle(f, size: int, pool, progress: Progress) -> None:
+    """One untimed read pass after creating the file: on virtual disks the host is still
+    writing the new data back for a while, and whoever is measured first would pay for it."""
+    from offload.io import open_engine
+    from offload.io.measure import measure, window_buffers
+
+    bs = 4 << 20 if size % (4 << 20) == 0 else 1 << 20
+    if size % bs:
+        return
+    bufs = window_buffers(pool, bs, 8)
+    try:
+        with open_engine("threads", queue_depth=8, block_size=bs) as eng:
+            progress.step("settling: one untimed read pass")
+            measure(eng, f, rw="read", nbytes=size, buffers=bufs, progress=progress.advance)
+    finally:
+        for b in bufs:
+            pool.release(b)
+
+
 def _drop_cache(f) -> None:
     """Evict the file's clean pages (no sudo needed for one's own file)."""
     f.fsync()
@@ -220,7 +239,7 @@ def sweep(args) -> Tuple[List[dict], dict]:
         use_fio = False
     fio_variants = [(False, "io_uring"), (True, "io_uring"), (True, "libaio")] if use_fio else []
     nconf = len(args.block_size) * len(args.queue_depth) * len(args.rw)
-    total = size + nconf * args.loops * size * (len(args.engine) + len(fio_variants))
+    total = 2 * size + nconf * args.loops * size * (len(args.engine) + len(fio_variants))
     progress = Progress(total)
     path = os.path.join(directory, DATA_NAME)
     rows: List[dict] = []
@@ -228,6 +247,7 @@ def sweep(args) -> Tuple[List[dict], dict]:
     f = None
     try:
         f = _create_data_file(path, size, args.direct, pool, progress)
+        _settle(f, size, pool, progress)
         for bs in args.block_size:
             for qd in args.queue_depth:
                 bufs = window_buffers(pool, bs, qd)
@@ -236,24 +256,33 @@ def sweep(args) -> Tuple[List[dict], dict]:
                 try:
                     for rw in args.rw:
                         parts: Dict[tuple, list] = {}
+                        contenders = [("offload", name, None) for name in args.engine] + \
+                                     [("fio", ioengine, hp) for hp, ioengine in fio_variants]
                         for loop in range(args.loops):
-                            for name in args.engine:
-                                progress.step(f"{name} {rw} bs={_human(bs)} qd={qd} loop {loop + 1}/{args.loops}")
+                            # Rotate the order each loop so no contender is always first (the first
+                            # after a write pays for the device flushing it).
+                            k = loop % len(contenders)
+                            for tool, name, hp in contenders[k:] + contenders[:k]:
                                 if rw == "read" and not args.direct:
                                     _drop_cache(f)
-                                with open_engine(name, queue_depth=qd, block_size=bs, direct=args.direct) as eng:
-                                    parts.setdefault(("offload", name, None), []).append(
-                                        measure(eng, f, rw=rw, nbytes=size, buffers=bufs, progress=progress.advance))
-                            for hp, ioengine in fio_variants:
-                                progress.step(f"fio {ioengine}{' +THP' if hp else ''} {rw} bs={_human(bs)} qd={qd}")
-                                if rw == "read" and not args.direct:
-                                    _drop_cache(f)
-                                m = run_fio(path, rw=rw, size=size, block_size=bs, queue_depth=qd, direct=args.direct,
-                                            hugepages=hp, ioengine=ioengine)
-                                parts.setdefault(("fio", ioengine, hp), []).append((m, []))
-                                progress.advance(size)
+                                if tool == "offload":
+                                    progress.step(f"{name} {rw} bs={_human(bs)} qd={qd} loop {loop + 1}/{args.loops}")
+                                    with open_engine(name, queue_depth=qd, block_size=bs, direct=args.direct) as eng:
+                                        parts.setdefault((tool, name, hp), []).append(
+                                            measure(eng, f, rw=rw, nbytes=size, buffers=bufs,
+                                                    progress=progress.advance))
+                                else:
+                                    progress.step(f"fio {name}{' +THP' if hp else ''} {rw} bs={_human(bs)} qd={qd} "
+                                                  f"loop {loop + 1}/{args.loops}")
+                                    m = run_fio(path, rw=rw, size=size, block_size=bs, queue_depth=qd,
+                                                direct=args.direct, hugepages=hp, ioengine=name)
+                                    parts.setdefault((tool, name, hp), []).append((m, []))
+                                    progress.advance(size)
                         for key, ps in parts.items():
-                            rows.append(merge(ps).as_dict())
+                            row = merge(ps).as_dict()
+                            # In the order the loops ran, so ratios can be taken loop by loop.
+                            row["loop_gbps"] = [m.gbps for m, _ in ps]
+                            rows.append(row)
                 finally:
                     for b in bufs:
                         pool.release(b)
