@@ -417,8 +417,7 @@ class SwappedState:
 
     # ------------------------------------------------------------------ reporting, closing
     def memory_report(self) -> Dict[str, int]:
-        pinned = sum(b.capacity for b in self.pipeline.buffers if b.pinned)
-        pageable = sum(b.capacity for b in self.pipeline.buffers) - pinned
+        pinned, pageable = self.pipeline.host_bytes_by_kind()
         return {"device": 0, "pinned": pinned, "pageable": pageable, "nvme": self.store.disk_bytes()}
 
     def close(self) -> None:

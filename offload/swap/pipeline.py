@@ -33,7 +33,7 @@ import torch
 
 from offload.swap.layout import ELEMS_PER_PAGE, SwapLayout, round_up
 
-__all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "MIN_BUFFERS", "MAX_BUFFERS"]
+__all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "pipeline_host_bytes", "MIN_BUFFERS", "MAX_BUFFERS"]
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,14 @@ def plan_sub_groups(numel: int, nstates: int, max_host_bytes: Optional[int],
     return sg, nbuf
 
 
+def pipeline_host_bytes(buffers: int, region_bytes: int) -> int:
+    """Host bytes a pipeline with its own pool maps for ``buffers`` buffers of
+    ``region_bytes``: one region, rounded up to 2 MiB (huge pages) by the memory pool. This is
+    what RSS sees and what ``memory_report()`` says; it can exceed ``max_host_bytes`` by less
+    than 2 MiB."""
+    return round_up(buffers * round_up(region_bytes, 4096), 2 << 20)
+
+
 class _Interval:
     """Union of time intervals, to report how long some read (or write) was in flight."""
 
@@ -127,7 +135,10 @@ class SwapPipeline:
         if pool is None:
             from offload.memory import BufferPool
 
-            pool = BufferPool()
+            # One region holding exactly our buffers (rounded to 2 MiB for huge pages): the
+            # pool's default 64 MiB regions would map and prefault more than max_host_bytes.
+            total = pipeline_host_bytes(buffers, self.layout.region_bytes)
+            pool = BufferPool(region_bytes=total, max_bytes=total, name=f"swap:{store.path}")
         self.pool = pool
         self.buffers: List[Any] = []
         try:
@@ -140,7 +151,16 @@ class SwapPipeline:
 
     @property
     def host_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
+        """Host memory the pipeline holds: what its own pool mapped, else its buffers."""
+        return sum(self.host_bytes_by_kind())
+
+    def host_bytes_by_kind(self) -> Tuple[int, int]:
+        """(pinned, pageable) bytes held for the pipeline's buffers."""
+        if self._owns_pool and self.buffers:
+            st = self.pool.stats()
+            return st["pinned_bytes"], st["pageable_bytes"]
+        pinned = sum(b.capacity for b in self.buffers if b.pinned)
+        return pinned, sum(b.capacity for b in self.buffers) - pinned
 
     def tensors(self, g: int, buf: Any) -> List[torch.Tensor]:
         """The fp32 state tensors of sub-group ``g`` inside ``buf`` (zero-copy views)."""
