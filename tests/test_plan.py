@@ -462,6 +462,21 @@ def test_cli_table_says_gib_and_explains(tmp_path):
 
 # --------------------------------------------------------------------------- rates
 
+def test_kernel_rate_from_bench_adam_json_line(tmp_path):
+    # the shape bench/adam.py prints last: rows with n, threads and seconds per contender
+    rows = [
+        {"n": 10_000_000, "threads": 2, "kind": "adamw_fp32",
+         "seconds": {"ours_native": 0.004, "torch_fused": 0.005, "copy_probe": 0.001}},
+        {"n": 100_000_000, "threads": 1, "kind": "adamw_fp32", "seconds": {"ours_native": 0.0625, "ours_numba": 0.06}},
+        {"n": 100_000_000, "threads": 2, "kind": "adamw_fp32", "seconds": {"ours_native": 0.05, "torch_fused": 0.055}},
+    ]
+    p = tmp_path / "adam.out"
+    p.write_text("# table\n" + json.dumps({"bench": "adam", "env": {}, "steps": 7, "results": rows}) + "\n")
+    r = kernel_rate_from_bench(str(p))
+    assert r.value == pytest.approx(2.0)                # 1e8 / 0.05 s, native at 2 threads
+    assert "ours_native threads=2" in r.source and "N=100,000,000" in r.source
+
+
 def test_kernel_rate_from_bench_output(tmp_path):
     p = tmp_path / "adam.txt"
     rows = [

@@ -136,12 +136,21 @@ def probe_kernel_rate(numel: int = 10_000_000, *, repeats: int = 5, num_threads:
 def kernel_rate_from_bench(path: str, *, prefer: Iterable[str] = ("native", "numba")) -> Rate:
     """Gparam/s from ``bench/adam.py`` output (its JSON line or a JSON file).
 
-    Picks rows with a ``gparam*`` figure, prefers those naming one of ``prefer`` (in that
-    order), then the largest N, then the highest rate (the most threads measured).
+    Reads its ``results`` rows (``n`` and ``seconds`` per contender; fp32 AdamW rows only) or
+    any row with a ``gparam*`` figure; prefers contenders naming one of ``prefer`` (in that
+    order), then the largest N, then the highest rate (the best thread count measured).
     """
     data = _read_json_any(path)
     rows = []
     for trail, d in _walk(data):
+        # bench/adam.py's rows: {"n": N, "threads": T, "kind": ..., "seconds": {contender: s}}
+        secs, size = d.get("seconds"), _num(d.get("n"))
+        if isinstance(secs, dict) and size and str(d.get("kind", "adamw_fp32")) == "adamw_fp32":
+            for name, t in secs.items():
+                if _num(t) and "probe" not in str(name):
+                    label = f"{name} threads={d.get('threads', '?')}"
+                    rows.append((label.lower(), size, size / t / 1e9))
+            continue
         rate = None
         for k, v in d.items():
             if "gparam" in str(k).lower() and _num(v) is not None:
