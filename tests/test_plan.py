@@ -139,9 +139,10 @@ def test_device_bf16_offload_nvme():
     #     (under the cap of ceil(n / 16 groups) = 65,536,000)
     #   region    = 3 states x 4 B x 22,369,280                           = 268,431,360 B
     #   buffers   = min(floor(2^30 / region) = 4, 8, 47 groups)           = 4
+    #   mapped    = 4 x region = 1,073,725,440 B rounded up to 2 MiB        = 2^30 B
     sw = plan.inputs["swap"]
     assert (sw["sub_group_size"], sw["region_bytes"], sw["buffers"], sw["num_groups"]) == (22_369_280, 268_431_360, 4, 47)
-    assert plan.breakdown["pinned"]["io_buffers"] == 4 * 268_431_360
+    assert plan.breakdown["pinned"]["io_buffers"] == 1 << 30
     # disk: 12 B per element (no padding: every piece is a multiple of 4 KiB) in 2 slots
     assert plan.breakdown["nvme"]["master"] == plan.breakdown["nvme"]["exp_avg"] == 2 * 4 * n
     assert plan.per_rank["nvme"] == 2 * 12 * n
@@ -175,20 +176,21 @@ def test_cpu_fp32_params_are_their_own_master():
 
 def test_cpu_fp32_params_nvme_small_and_large():
     # small: 1000 elements, 2 states (exp_avg, exp_avg_sq; the fp32 param is its own master).
-    # One sub-group of 1024 elements (whole 4 KiB pages), one buffer of 2 x 4096 B; on disk
-    # each state takes 4096 B (4000 padded) in each of 2 slots.
+    # One sub-group of 1024 elements (whole 4 KiB pages), one buffer of 2 x 4096 B, mapped as
+    # one 2 MiB huge page; on disk each state takes 4096 B (4000 padded) in each of 2 slots.
     n = 1000
     plan = estimate(n, offload="nvme", param_dtype="fp32", param_device="cpu")
     assert plan.breakdown["nvme"]["exp_avg"] == plan.breakdown["nvme"]["exp_avg_sq"] == 2 * 4096
     assert plan.breakdown["nvme"]["master"] == 0
-    assert plan.breakdown["pageable"]["io_buffers"] == 2 * 4096
+    assert plan.breakdown["pageable"]["io_buffers"] == 2 << 20
     assert plan.per_rank["pinned"] == 0                      # no CUDA: nothing to pin
     # large: 100M elements within 256 MiB:
     #   sub-group = min(floor(2^28 / (4 x 8) / 1024) x 1024 = 8,388,608,
     #                   roundup(ceil(1e8 / 16), 1024) = 6,250,496)  = 6,250,496 elements (16 groups)
     #   region = 2 x 4 x 6,250,496 = 50,003,968 B; buffers = min(floor(2^28 / region) = 5, 8, 16) = 5
+    #   mapped = 5 x region = 250,019,840 B, rounded up to 2 MiB = 120 x 2 MiB = 251,658,240 B
     plan = estimate(100_000_000, offload="nvme", param_dtype="fp32", param_device="cpu", max_host_bytes="256MiB")
-    assert plan.breakdown["pageable"]["io_buffers"] == 5 * 50_003_968
+    assert plan.breakdown["pageable"]["io_buffers"] == 251_658_240
     assert plan.inputs["swap"]["num_groups"] == 16
     # the last group holds 1e8 - 15 x 6,250,496 = 6,242,560 elements: 24,970,240 B per state,
     # padded to 24,973,312 (6,097 pages). One slot = 15 x 50,003,968 + 2 x 24,973,312 = 800,006,144 B.
@@ -196,7 +198,7 @@ def test_cpu_fp32_params_nvme_small_and_large():
     assert plan.step["read_bytes"] == plan.step["write_bytes"] == 800_006_144
     # with CUDA present the pipeline buffers are pinned
     plan = estimate(n, offload="nvme", param_dtype="fp32", param_device="cpu", cuda=True)
-    assert plan.breakdown["pinned"]["io_buffers"] == 2 * 4096
+    assert plan.breakdown["pinned"]["io_buffers"] == 2 << 20
 
 
 def test_shard_rounds_up_for_uneven_world_sizes():
@@ -578,13 +580,7 @@ def test_plan_then_run_bytes_match_memory_report(tmp_path, target):
         assert abs(got[tier] - want[tier]) <= 0.05 * want[tier], (tier, got, want)
 
 
-@pytest.mark.parametrize("target", [
-    "cpu",
-    pytest.param("nvme", marks=pytest.mark.xfail(strict=True, reason=(
-        "memory_report() counts the pipeline buffers' capacities (16.8 MB here) but the BufferPool "
-        "maps and prefaults whole 64 MiB regions, which is what RSS sees; for small models the "
-        "report undercounts (owners: memory/swap/optim)"))),
-])
+@pytest.mark.parametrize("target", ["cpu", "nvme"])
 def test_memory_report_agrees_with_rss(tmp_path, target):
     _, report, rss_delta = _plan_and_run(tmp_path, target)
     host = report["tiers"]["pinned"] + report["tiers"]["pageable"]

@@ -87,16 +87,17 @@ def swap_model(numel: int, nstates: int, max_host_bytes: Optional[int], sub_grou
     its rules, so the plan follows the engine when the engine changes. Raises ``ValueError``
     (the engine's own message) when ``max_host_bytes`` cannot hold the pipeline.
     """
-    from offload.swap import SwapLayout, plan_sub_groups
+    from offload.swap import SwapLayout, pipeline_host_bytes, plan_sub_groups
 
     sg, nbuf = plan_sub_groups(numel, nstates, max_host_bytes, sub_group_size)
     layout = SwapLayout(numel, sg, nstates)
+    # The pipeline maps one pool region for its buffers, rounded up to 2 MiB (huge pages).
     return {
         "sub_group_size": layout.sub_group_size,
         "num_groups": layout.num_groups,
         "buffers": nbuf,
         "region_bytes": layout.region_bytes,
-        "host_bytes": nbuf * layout.region_bytes,
+        "host_bytes": pipeline_host_bytes(nbuf, layout.region_bytes),
         "file_bytes": layout.file_bytes,
         "slots": SWAP_SLOTS,
         "disk_bytes": SWAP_SLOTS * layout.file_bytes,
