@@ -58,17 +58,8 @@ int resolve_isa(int isa) {
 
 bool valid_dtype(int dtype) { return dtype == OFFLOAD_F32 || dtype == OFFLOAD_F16 || dtype == OFFLOAD_BF16; }
 
-int threads_for(int64_t n, int requested) {
-    int64_t by_size = n / kMinPerThread;
-    int64_t t = requested < by_size ? requested : by_size;
-    return t < 1 ? 1 : static_cast<int>(t);
-}
-
-// Runs fn(begin, end) -> int over [0, n) split into `threads` aligned ranges: the calling
-// thread takes the first range. If a thread cannot be spawned, the caller runs its range
-// (slower, never wrong). Returns the first nonzero result.
 template <typename Fn>
-int parallel_for(int64_t n, int threads, Fn fn) {
+int parallel_for_impl(int64_t n, int threads, Fn &fn) {
     if (threads <= 1) return fn(0, n, 0);
     int64_t chunk = (n + threads - 1) / threads;
     chunk = (chunk + kAlign - 1) / kAlign * kAlign;
@@ -89,6 +80,25 @@ int parallel_for(int64_t n, int threads, Fn fn) {
     for (int rc : rcs)
         if (rc != 0) return rc;
     return 0;
+}
+
+int threads_for(int64_t n, int requested) {
+    int64_t by_size = n / kMinPerThread;
+    int64_t t = requested < by_size ? requested : by_size;
+    return t < 1 ? 1 : static_cast<int>(t);
+}
+
+// Runs fn(begin, end, index) -> int over [0, n) split into `threads` aligned ranges: the
+// calling thread takes the first range. If a thread cannot be spawned, the caller runs its
+// range (slower, never wrong). Returns the first nonzero result; never throws (the only
+// allocation that can fail is the bookkeeping, reported as -ENOMEM).
+template <typename Fn>
+int parallel_for(int64_t n, int threads, Fn fn) noexcept {
+    try {
+        return parallel_for_impl(n, threads, fn);
+    } catch (...) {
+        return -ENOMEM;
+    }
 }
 
 }  // namespace
@@ -159,7 +169,12 @@ int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_
     if (n == 0) return 0;
     if (!grad) return -EINVAL;
     int threads = threads_for(n, num_threads);
-    std::vector<double> partial(threads, 0.0);
+    std::vector<double> partial;
+    try {
+        partial.assign(threads, 0.0);
+    } catch (...) {
+        return -ENOMEM;
+    }
     auto fn = [&partial, grad, grad_dtype, run_isa](int64_t begin, int64_t end, int t) -> int {
         switch (run_isa) {
             case OFFLOAD_ISA_AVX512: return sumsq_range_avx512(grad, grad_dtype, begin, end, &partial[t]);
