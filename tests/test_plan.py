@@ -585,3 +585,22 @@ def test_memory_report_agrees_with_rss(tmp_path, target):
     _, report, rss_delta = _plan_and_run(tmp_path, target)
     host = report["tiers"]["pinned"] + report["tiers"]["pageable"]
     assert abs(rss_delta - host) <= 0.10 * host, (rss_delta, host)
+
+
+def test_plan_then_run_bf16_cpu_params_flat_store():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    model(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
+    n = count_params(model)                            # 262,912
+    plan = estimate(model, offload="cpu")
+    # bf16 CPU params: flat fp32 master + moments (12 B x Ψ), pageable (no CUDA); grads read
+    # where they lie and the bf16 copy written straight into the params: no other buffers.
+    assert plan.optimizer_bytes == {"device": 0, "pinned": 0, "pageable": 12 * n, "nvme": 0}
+    opt = _make_optimizer(model.parameters(), offload="cpu")
+    try:
+        opt.step()
+        got = opt.memory_report()["tiers"]
+    finally:
+        opt.close()
+    for tier in TIERS:
+        assert abs(got[tier] - plan.optimizer_bytes[tier]) <= 0.05 * plan.optimizer_bytes[tier], (tier, got)
