@@ -110,6 +110,10 @@ class SwapStore:
             self._abandon()
             raise
         self._token = cleanup.register(self)
+        from offload.memory import default_accounting
+
+        self._acct_owner = f"swap:{self.path}"
+        default_accounting().add("nvme", self._acct_owner, self.disk_bytes())
 
     # ------------------------------------------------------------------ opening
     def _open(self, resume: bool, io_engine: Any, direct: Optional[bool]) -> None:
@@ -327,6 +331,9 @@ class SwapStore:
             self._closed = True
         if self._token is not None:
             cleanup.unregister(self._token)
+            from offload.memory import default_accounting
+
+            default_accounting().clear_owner(self._acct_owner)
         for f in self.files:
             try:
                 f.close()
