@@ -100,6 +100,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-host-bytes", type=int, default=256 << 20)
     ap.add_argument("--targets", default="cpu,nvme")
+    ap.add_argument("--probe-numel", type=int, default=10_000_000, help="params in the kernel probe (planner default 10M)")
     args = ap.parse_args()
     targets = args.targets.split(",")
 
@@ -117,7 +118,7 @@ def main() -> int:
         # Each round: the planner's probes, its prediction, then the real steps, so that a
         # noisy neighbour affects prediction and measurement of the same round alike.
         for r in range(args.rounds):
-            kernel = probe_kernel_rate()
+            kernel = probe_kernel_rate(args.probe_numel)
             disk_r, disk_w = probe_disk_rate(probe_dir)
             for t in targets:
                 plan = estimate(args.n, offload=t, param_dtype=torch.float32, param_device="cpu",
@@ -143,7 +144,7 @@ def main() -> int:
                 o.close()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"N = {args.n:,} fp32 CPU params, AdamW; each round: kernel probe (10M params), disk probe "
+    print(f"N = {args.n:,} fp32 CPU params, AdamW; each round: kernel probe ({args.probe_numel:,} params), disk probe "
           f"(256 MiB, O_DIRECT), plan, then median of {args.steps} steps. GB = 10^9 B.")
     print(f"{'round':>5} {'offload':<8}{'kernel Gp/s':>12}{'read GB/s':>10}{'write GB/s':>11}{'pred ms':>9}"
           f"{'meas ms':>9}{'meas/pred':>10}{'bytes err':>10}{'overlap':>8}")
@@ -169,6 +170,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "loadavg_1m": os.getloadavg()[0]},
+        "probe_numel": args.probe_numel,
         "summary": summary,
         "rows": rows,
     }))

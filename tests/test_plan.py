@@ -281,6 +281,14 @@ def test_module_input_counts_tied_weights_once_and_takes_dtype():
     assert plan.breakdown["pageable"]["master"] == 0
 
 
+def test_module_on_meta_device_is_counted_without_memory():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)])
+    plan = estimate(model, offload="cpu")
+    assert plan.inputs["num_params"] == 8 * (4096 * 4096 + 4096)
+    assert plan.inputs["param_device"] == "cuda" and plan.inputs["param_dtype"] == "float32"
+
+
 def _write(tmp_path, cfg, name="config.json"):
     p = tmp_path / name
     p.write_text(json.dumps(cfg))

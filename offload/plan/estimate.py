@@ -373,7 +373,9 @@ def estimate(
         first = next((p for p in module.parameters()), None)
         if param_dtype is None and first is not None and first.is_floating_point():
             param_dtype = first.dtype
-        if param_device is None and first is not None:
+        if param_device is None and first is not None and first.device.type != "meta":
+            # a model built on the meta device (to count a big model without memory) says
+            # nothing about where it will train: keep the default
             param_device = first.device.type
     pdt = parse_dtype(param_dtype if param_dtype is not None else torch.bfloat16)
     gdt = parse_dtype(grad_dtype) if grad_dtype is not None else pdt
