@@ -394,6 +394,9 @@ def test_hf_config_errors(tmp_path):
     (dict(kernel_gparams=0), "0"),
     (dict(disk_gbps=-3), "-3"),
     (dict(sub_group_size=-7), "-7"),
+    (dict(param_device="tpu"), "tpu"),
+    (dict(ranks_per_node=0), "0"),
+    (dict(nvme_capacity=-4), "-4"),
 ])
 def test_bad_input_is_a_value_error_with_the_value(kwargs, fragment):
     args = dict(num_params=1000)

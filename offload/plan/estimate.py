@@ -379,9 +379,11 @@ def estimate(
             param_device = first.device.type
     pdt = parse_dtype(param_dtype if param_dtype is not None else torch.bfloat16)
     gdt = parse_dtype(grad_dtype) if grad_dtype is not None else pdt
-    pdev = (param_device or "cuda").lower()
+    pdev = str(param_device or "cuda").lower().split(":")[0]
     if pdev == "gpu":
         pdev = "cuda"
+    if pdev not in ("cpu", "cuda"):
+        raise ValueError(f"param_device must be 'cpu' or 'cuda', got {param_device!r}")
     on_cpu = pdev == "cpu"
     if cuda is None:
         cuda = not on_cpu
