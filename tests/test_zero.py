@@ -1,0 +1,347 @@
+"""ZeRO partitioning on the CPU: flat layouts, and gloo ranks spawned by the test.
+
+Spawning processes that import torch costs seconds, so each world size gets one pool of
+worker processes for the module (``Workers``): they join a gloo group once and then run the
+jobs the tests send them (module-level functions named ``job_*``); results come back as
+tensors. References run in the test process: ``torch.optim.AdamW`` on the *global* batch in
+fp32, or (for bf16 params, whose rounding would amplify any 1e-7 difference) step-locked
+in the workers on exactly the grads the model produced.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import offload
+from offload.zero import FlatLayout, split_ranges
+
+GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
+STEPS = 20
+HP = dict(lr=2e-2, betas=(0.85, 0.97), eps=1e-7, weight_decay=0.05)
+
+
+# ---------------------------------------------------------------------- layout (no processes)
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_layout_pieces_cover_every_element_once(world):
+    numels = [7, 0, 1, 4097, 33, 2]
+    seen = torch.zeros(sum(numels), dtype=torch.int32)
+    for rank in range(world):
+        lay = FlatLayout(numels, world, rank)
+        assert lay.padded % world == 0 and lay.padded - lay.total < world
+        start, end = lay.shard_range()
+        assert end - start == lay.shard
+        for i in range(len(numels)):
+            pc = lay.owned(i)
+            if pc is None:
+                continue
+            assert start <= pc.lo < pc.hi <= end
+            assert pc.lo - lay.offsets[i] == pc.param_offset
+            seen[pc.lo:pc.hi] += 1
+    assert torch.equal(seen, torch.ones_like(seen))
+
+
+def test_split_ranges():
+    assert split_ranges(3, 10, 4) == [(3, 7), (7, 10)]
+    assert split_ranges(5, 5, 4) == []
+    with pytest.raises(ValueError):
+        split_ranges(0, 1, 0)
+
+
+def test_stage_without_process_group_is_one_rank():
+    # stage=2 asked for without torch.distributed: a world of one, same numbers as torch.
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(4))]
+    ref = [nn.Parameter(p.detach().clone()) for p in ps]
+    opt, topt = offload.AdamW(ps, stage=2, **HP), torch.optim.AdamW(ref, foreach=False, **HP)
+    assert type(opt._store).__name__ == "FlatState"
+    for _ in range(3):
+        for a, b in zip(ps, ref):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g, g.clone()
+        opt.step()
+        topt.step()
+    for a, b in zip(ps, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- the model and data
+def _model(dtype=torch.float32, seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential()
+    m.add_module("emb", nn.Linear(9, 24))
+    m.add_module("frozen", nn.Linear(24, 24))
+    m.frozen.requires_grad_(False)
+    m.add_module("enc", nn.TransformerEncoderLayer(24, 2, dim_feedforward=40, dropout=0.0, batch_first=True))
+    # The key part of the attention's input bias has a true gradient of zero (softmax is
+    # shift-invariant); its rounding noise makes Adam's g / sqrt(v) a coin flip: freeze it.
+    m.enc.self_attn.in_proj_bias.requires_grad_(False)
+    m.add_module("head", nn.Linear(24, 5))
+    return m.to(dtype)
+
+
+def _batch(step: int, micro: int):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(GLOBAL_BATCH, 4, 9, generator=g), torch.randn(GLOBAL_BATCH, 4, 5, generator=g)
+
+
+def _loss(model, x, y):
+    return (model(x.to(next(model.parameters()).dtype)).float() - y).pow(2).mean()
+
+
+def _reference(steps, *, accumulate=1, max_grad_norm=None, overflow_at=None, start_sd=None, start_model=None,
+               first_step=0):
+    """Single-process torch.optim.AdamW on the global batch, fp32."""
+    model = _model()
+    if start_model is not None:
+        model.load_state_dict(start_model)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HP)
+    if start_sd is not None:
+        opt.load_state_dict(copy.deepcopy(start_sd))
+    for step in range(first_step, first_step + steps):
+        for micro in range(accumulate):
+            x, y = _batch(step, micro)
+            _loss(model, x, y).backward()
+        if step != overflow_at:
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+# ---------------------------------------------------------------------- jobs (run on every rank)
+def _local(step, micro):
+    x, y = _batch(step, micro)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = GLOBAL_BATCH // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def job_train(stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, bucket=None,
+              start_sd=None, start_model=None, first_step=0):
+    from offload.optim.flat_state import FlatState
+
+    if bucket is not None:
+        FlatState.bucket_numel = bucket
+    model = _model()
+    if start_model is not None:
+        model.load_state_dict(start_model)
+    opt = offload.AdamW(model.parameters(), stage=stage, max_grad_norm=max_grad_norm, **HP)
+    if start_sd is not None:
+        opt.load_state_dict(start_sd)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if overflow_at is not None else None
+    for step in range(first_step, first_step + steps):
+        for micro in range(accumulate):
+            x, y = _local(step, micro)
+            loss = _loss(model, x, y)
+            if scaler is not None:
+                if step == overflow_at:
+                    loss = loss * float("inf")
+                loss = scaler.scale(loss)
+            loss.backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    report = opt.memory_report()
+    opt.close()
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sd": sd,
+            "skipped": opt.skipped_steps, "report": report}
+
+
+def job_bf16_locked(stage, steps):
+    """bf16 params; a reference AdamW on fp32 masters fed the exact averaged grads each step."""
+    model = _model(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in params]
+    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    opt = offload.AdamW(params, stage=stage, **HP)
+    world = dist.get_world_size()
+    worst = 0.0
+    for step in range(steps):
+        x, y = _local(step, 0)
+        _loss(model, x, y).backward()
+        for p, m in zip(params, masters):
+            if p.grad is None:
+                continue
+            parts = [torch.empty(p.shape) for _ in range(world)]
+            dist.all_gather(parts, p.grad.float())
+            m.grad = torch.stack(parts).sum(0) / world
+        ref.step()
+        opt.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        for p, m in zip(params, masters):
+            ours = opt._store.master(p)
+            torch.testing.assert_close(ours, m.detach(), rtol=1e-5, atol=1e-6)
+            if not torch.equal(p.detach(), ours.bfloat16()):
+                raise AssertionError("bf16 param is not the RNE copy of its master")
+            worst = max(worst, float((ours - m.detach()).abs().max()))
+    sd = opt.state_dict()
+    opt.close()
+    return {"worst": worst, "sd_keys": sorted(sd["state"][0])}
+
+
+def job_local_overflow():
+    """An overflow on rank 0 only: every rank must skip the step."""
+    model = _model()
+    opt = offload.AdamW(model.parameters(), **HP)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _local(0, 0)
+    loss = _loss(model, x, y) * (float("inf") if dist.get_rank() == 0 else 1.0)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return {"skipped": opt.last_step_skipped, "unchanged": same}
+
+
+# ---------------------------------------------------------------------- the worker pool
+def _worker(rank, world, port, inq, outq):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    while True:
+        job = inq.get()
+        if job is None:
+            break
+        name, kwargs = job
+        # Tensors from the queue live in shared memory, mapped by every rank: private copies,
+        # or every rank would increment the same "step" tensors of a loaded state_dict.
+        kwargs = copy.deepcopy(kwargs)
+        try:
+            outq.put((rank, True, globals()[name](**kwargs)))
+        except BaseException:  # report every failure to the test, keep serving
+            outq.put((rank, False, traceback.format_exc()))
+    # No destroy_process_group(): its barrier costs seconds; the process exits right after.
+
+
+class Workers:
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.world = world
+        self.inq = [ctx.Queue() for _ in range(world)]
+        self.outq = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inq[r], self.outq), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, name: str, **kwargs):
+        for q in self.inq:
+            q.put((name, kwargs))
+        out = {}
+        for _ in range(self.world):
+            rank, ok, value = self.outq.get(timeout=120)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+        return [out[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.inq:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def pools():
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    made = {}
+
+    def get(world):
+        if world not in made:
+            made[world] = Workers(world)
+        return made[world]
+
+    yield get
+    for w in made.values():
+        w.close()
+
+
+def _assert_params(got, ref_model):
+    for k, v in ref_model.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------------- distributed tests
+@pytest.mark.parametrize("world,stage", [(2, 1), (2, 2), (3, 2)])
+def test_partitioned_fp32_matches_torch_adamw_on_global_batch(pools, world, stage):
+    # Buckets of 1000 elements per rank: several per step, params straddling them and the shards.
+    res = pools(world).run("job_train", stage=stage, steps=STEPS, accumulate=2, max_grad_norm=1.0, bucket=1000)
+    ref, _ = _reference(STEPS, accumulate=2, max_grad_norm=1.0)
+    for r in res:
+        _assert_params(r["params"], ref)
+    # Each rank holds 1/N of the states (plus < N elements of padding).
+    states = [r["report"]["detail"]["state_bytes"] for r in res]
+    total = sum(p.numel() for p in ref.parameters())
+    assert all(abs(s - 12 * total / world) <= 12 * world for s in states)
+
+
+def test_grad_scaler_overflow_on_every_rank_skips_together(pools):
+    res = pools(2).run("job_train", stage=2, steps=6, overflow_at=2)
+    ref, _ = _reference(6, overflow_at=2)
+    for r in res:
+        assert r["skipped"] == 1
+        _assert_params(r["params"], ref)
+
+
+def test_overflow_on_one_rank_skips_on_all(pools):
+    res = pools(2).run("job_local_overflow")
+    assert all(r["skipped"] and r["unchanged"] for r in res)
+
+
+def test_bf16_params_partitioned_match_fp32_master_reference(pools):
+    res = pools(3).run("job_bf16_locked", stage=2, steps=8)
+    assert res[0]["sd_keys"] == ["exp_avg", "exp_avg_sq", "master", "step"]
+
+
+def test_checkpoint_from_2_ranks_loads_into_3_ranks_1_rank_and_torch(pools):
+    first = pools(2).run("job_train", stage=2, steps=5)
+    sd, params = first[0]["sd"], first[0]["params"]
+    # state_dict() is full and identical on every rank.
+    for k, st in first[1]["sd"]["state"].items():
+        for key, v in st.items():
+            assert torch.equal(v, sd["state"][k][key]), (k, key)
+    assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    five, five_opt = _reference(5)
+    _assert_params(params, five)
+    tsd = five_opt.state_dict()
+    for k, st in tsd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(sd["state"][k][key], st[key], rtol=1e-5, atol=1e-6)
+        assert float(sd["state"][k]["step"]) == float(st["step"])
+    ref, _ = _reference(5, start_sd=sd, start_model=params, first_step=5)  # torch.optim.AdamW loads it
+    full, _ = _reference(10)
+    _assert_params(ref.state_dict(), full)
+    third = pools(3).run("job_train", stage=2, steps=5, start_sd=sd, start_model=params, first_step=5)
+    for r in third:
+        _assert_params(r["params"], ref)
+    # One process (no process group): offload.AdamW on fp32 CPU params.
+    model = _model()
+    model.load_state_dict(params)
+    opt = offload.AdamW(model.parameters(), **HP)
+    opt.load_state_dict(copy.deepcopy(sd))
+    for step in range(5, 10):
+        x, y = _batch(step, 0)
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    _assert_params(model.state_dict(), ref)
+
