@@ -37,7 +37,11 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
                                                      step with resume/load_checkpoint
     st.flush()                                       commit pending write_state() changes
     st.clear_failure()                               after a failed step and restored params
-    st.save_checkpoint(dir) / st.load_checkpoint(dir) streamed, see offload.swap.checkpoint
+    st.save_checkpoint(dir) / st.load_checkpoint(dir) streamed, see offload.swap.checkpoint; the
+        same format is written from / read into host tensors by offload.swap.checkpoint
+        save_tensors(dir, {"exp_avg": [...], "exp_avg_sq": [...]}, meta) / load_tensors(dir, ...)
+        (meta: {"steps": [int per param], "shapes": [[...] per param]}), so offload="cpu" can
+        save a checkpoint that offload="nvme" loads, and back
     st.memory_report() -> {"device", "pinned", "pageable", "nvme"} bytes
     st.last_stats                                     timings of the last step
     st.close()                                        removes the swap directory

@@ -26,7 +26,8 @@ from offload.io import IORequest, open_file
 from offload.swap import fsutil
 from offload.swap.layout import ALIGN, round_up
 
-__all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "save_store", "load_store", "read_manifest"]
+__all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "save_store", "load_store", "save_tensors", "load_tensors",
+           "read_manifest"]
 
 CKPT_FORMAT = "offload-ckpt"
 CKPT_VERSION = 1
@@ -77,6 +78,13 @@ def read_manifest(directory: str) -> Dict[str, Any]:
     if m.get("version") != CKPT_VERSION:
         raise ValueError(f"{path}: checkpoint format version {m.get('version')!r}, this offload reads {CKPT_VERSION}")
     return m
+
+
+def _current_gen(directory: str) -> Optional[int]:
+    try:
+        return int(read_manifest(directory)["gen"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _remove_quiet(path: str) -> None:
@@ -163,17 +171,11 @@ def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, A
                 f.close()
             except OSError:
                 pass
+        pointed = _current_gen(directory) == gen  # only if the failure came after the manifest's rename
         for k, tmp in zip(names, tmps):
             _remove_quiet(tmp)
-            if not old or finals[k] not in keep:
-                # renamed already but the manifest never pointed at it
-                cur = None
-                try:
-                    cur = read_manifest(directory).get("gen")
-                except (OSError, ValueError):
-                    pass
-                if cur != gen:
-                    _remove_quiet(os.path.join(directory, finals[k]))
+            if not pointed:
+                _remove_quiet(os.path.join(directory, finals[k]))
         raise
     for name in keep:
         _remove_quiet(os.path.join(directory, name))
@@ -225,3 +227,160 @@ def load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[str
             raise OSError(errno.EIO, f"checkpoint data of {name} fails its crc32 ({crcs[k]:08x}, manifest {want:08x}); "
                           "nothing was loaded", os.path.join(directory, m["files"][name]))
     return m.get("meta") or {}, written
+
+
+# --------------------------------------------------------------------------- host tensors
+# The same checkpoint format written from / read into ordinary tensors (e.g. the moments of
+# offload="cpu" kept in opt.state), so a checkpoint moves between "cpu" and "nvme" both ways.
+
+_STAGE_BYTES = 32 << 20
+
+
+def _flat_pieces(tensors: List[Any], *, writable: bool):
+    import torch
+
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or (writable and not t.is_contiguous()):
+            raise ValueError(f"checkpoint tensors must be fp32 CPU tensors{' (contiguous)' if writable else ''}, "
+                             f"got {t.dtype} on {t.device}")
+        yield t.detach().reshape(-1)
+
+
+class _Staging:
+    """One pool buffer (and its fp32 view) to stream through; an engine unless given."""
+
+    def __init__(self, directory: str, stage_bytes: int, io_engine: Any) -> None:
+        import torch
+
+        from offload.memory import BufferPool
+        from offload.swap.store import resolve_engine
+
+        self.nbytes = max(ALIGN, stage_bytes // ALIGN * ALIGN)
+        self.engine, self._owned = resolve_engine(io_engine, directory)
+        self.pool = BufferPool(region_bytes=self.nbytes, name=f"ckpt:{directory}")
+        self.buf = self.pool.acquire(self.nbytes)
+        self.view = self.buf.memoryview
+        self.floats = self.buf.tensor(torch.float32)
+
+    def __enter__(self) -> "_Staging":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.view, self.floats
+        self.pool.release(self.buf)
+        try:
+            self.pool.close()
+        except BufferError:  # a view lives on in a traceback: the memory goes with it later
+            pass
+        if self._owned:
+            self.engine.close()
+
+
+def save_tensors(directory: str, states: Dict[str, List[Any]], meta: Dict[str, Any], *,
+                 io_engine: Any = None, stage_bytes: int = _STAGE_BYTES) -> str:
+    """Write ``states`` (name -> fp32 CPU tensors, concatenated in order) as a checkpoint in
+    ``directory``: the files and manifest of :func:`save_store`, streamed through one staging
+    buffer of ``stage_bytes``; the previous checkpoint there is replaced only once this one is
+    complete."""
+    names = list(states)
+    numels = {k: sum(t.numel() for t in states[k]) for k in names}
+    if not names or len(set(numels.values())) != 1:
+        raise ValueError(f"every state needs the same number of elements, got {numels}")
+    numel = numels[names[0]]
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    old = read_manifest(directory) if os.path.lexists(os.path.join(directory, CKPT_MANIFEST)) else None
+    gen = int(old["gen"]) + 1 if old else 1
+    keep = set(old["files"].values()) if old else set()
+    per_file = round_up(numel * 4, ALIGN)
+    need = per_file * len(names)
+    free = fsutil.free_bytes(directory)
+    if free < need:
+        raise OSError(errno.ENOSPC, f"checkpoint needs {need} bytes in this directory, {free} free; "
+                      "the previous checkpoint is untouched", directory)
+    finals = {k: f"{k}.{gen}.bin" for k in names}
+    crcs: Dict[str, int] = {}
+    try:
+        with _Staging(directory, stage_bytes, io_engine) as st:
+            for k in names:
+                tmp = os.path.join(directory, f".{finals[k]}.tmp")
+                _remove_quiet(tmp)
+                with open_file(tmp, write=True, create=True, exclusive=True, mode=0o600) as f:
+                    f.preallocate(per_file)
+                    crc, fill, offset = 0, 0, 0
+                    for piece in _flat_pieces(states[k], writable=False):
+                        pos = 0
+                        while pos < piece.numel():
+                            n = min(piece.numel() - pos, st.floats.numel() - fill)
+                            st.floats[fill:fill + n].copy_(piece[pos:pos + n])
+                            fill, pos = fill + n, pos + n
+                            if fill == st.floats.numel():
+                                crc = zlib.crc32(st.view, crc)
+                                st.engine.write(f, offset, st.view)
+                                offset, fill = offset + st.nbytes, 0
+                    if fill:
+                        used, padded = fill * 4, round_up(fill * 4, ALIGN)
+                        crc = zlib.crc32(st.view[:used], crc)
+                        st.view[used:padded] = bytes(padded - used)
+                        st.engine.write(f, offset, st.view[:padded])
+                    f.fsync()
+                crcs[k] = crc
+        for k in names:
+            os.rename(os.path.join(directory, f".{finals[k]}.tmp"), os.path.join(directory, finals[k]))
+        fsutil.fsync_dir(directory)
+        fsutil.write_json_atomic(directory, CKPT_MANIFEST, {
+            "format": CKPT_FORMAT, "version": CKPT_VERSION, "dtype": "float32", "numel": numel, "states": names,
+            "gen": gen, "files": finals, "file_bytes": per_file, "crc32": crcs, "meta": meta})
+    except BaseException:
+        pointed = _current_gen(directory) == gen  # only if the failure came after the manifest's rename
+        for k in names:
+            _remove_quiet(os.path.join(directory, f".{finals[k]}.tmp"))
+            if not pointed:
+                _remove_quiet(os.path.join(directory, finals[k]))
+        raise
+    for name in keep:
+        _remove_quiet(os.path.join(directory, name))
+    return directory
+
+
+def load_tensors(directory: str, states: Dict[str, List[Any]], *, io_engine: Any = None,
+                 stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
+    """Fill ``states`` (name -> contiguous fp32 CPU tensors, concatenated in order) from
+    checkpoint ``directory``; returns its ``meta``. The tensors are filled as the data streams
+    in and the crc32 is compared at the end of each file: after an error, treat them as
+    garbage (load into scratch tensors first where that matters)."""
+    directory = os.path.abspath(directory)
+    m = read_manifest(directory)
+    names = list(states)
+    if sorted(names) != sorted(m["states"]):
+        raise ValueError(f"{directory}: checkpoint holds states {m['states']}, asked for {names}")
+    for k in names:
+        n = sum(t.numel() for t in states[k])
+        if n != m["numel"]:
+            raise ValueError(f"{directory}: checkpoint has {m['numel']} elements per state, the tensors {n}")
+    with _Staging(directory, stage_bytes, io_engine) as st:
+        for k in names:
+            path = os.path.join(directory, m["files"][k])
+            crc, avail, fill, offset = 0, 0, 0, 0
+            with open_file(path, write=False) as f:
+                if f.size < m["file_bytes"]:
+                    raise ValueError(f"{path}: {f.size} bytes, the manifest says {m['file_bytes']}")
+                for piece in _flat_pieces(states[k], writable=True):
+                    pos = 0
+                    while pos < piece.numel():
+                        if fill == avail:
+                            nbytes = min(st.nbytes, m["file_bytes"] - offset)
+                            got = st.engine.read(f, offset, st.view[:nbytes])
+                            if got != nbytes:
+                                raise OSError(errno.EIO, f"short read: {got} of {nbytes} bytes at {offset}", path)
+                            used = min(nbytes, m["numel"] * 4 - offset)
+                            crc = zlib.crc32(st.view[:used], crc)
+                            offset += nbytes
+                            avail, fill = used // 4, 0
+                        n = min(piece.numel() - pos, avail - fill)
+                        piece[pos:pos + n].copy_(st.floats[fill:fill + n])
+                        fill, pos = fill + n, pos + n
+            if crc != int(m["crc32"][k]):
+                raise OSError(errno.EIO, f"checkpoint data of {k} fails its crc32 ({crc:08x}, manifest "
+                              f"{int(m['crc32'][k]):08x})", path)
+    return m.get("meta") or {}
