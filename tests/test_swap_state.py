@@ -212,3 +212,12 @@ def test_checkpoint_moves_between_host_tensors_and_swap(tmp_path):
     assert meta["steps"] == ref.steps
     assert all(torch.equal(x, y) for x, y in zip(m2 + v2, ref.m + ref.v))
     st.close()
+
+
+def test_two_optimizers_of_one_process_share_a_swap_dir(tmp_path):
+    a, b = [torch.randn(10)], [torch.randn(20)]
+    s1, s2 = _state(tmp_path, a), _state(tmp_path, b)
+    assert [os.path.basename(s.swap_path) for s in (s1, s2)] == ["offload-run.rank0", "offload-run-2.rank0"]
+    s1.close()
+    s2.close()
+    assert os.listdir(tmp_path) == []

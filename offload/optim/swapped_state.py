@@ -13,7 +13,9 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
         resume: continue from the last consistent step in swap_dir (FileNotFoundError if
             none; ValueError if the params are not those of that step).
         io_engine: None/"auto"/"uring"/"threads"/"aiofiles", an IOConfig, or an engine object.
-        rank: None -> torch.distributed rank when initialised, else 0.
+        rank: None -> torch.distributed rank when initialised, else 0. The directory is
+            SWAP_DIR/offload-<run_name>.rank<rank>; further stores of the same process on the
+            same swap_dir take run_name-2, run_name-3, ... (in creation order).
     st.step(batches) -> dict of phase seconds for opt.step_stats()
         batches: [(hyper, [(param, grad, step), ...]), ...], one entry per param group;
         hyper an offload.optim.functional.AdamHyper (or a dict with lr, beta1, beta2, eps,
@@ -56,6 +58,7 @@ step j.
 """
 from __future__ import annotations
 
+import os
 import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -132,8 +135,7 @@ class SwappedState:
         self._dirty = False
         self._meta_dirty = False
         self.last_stats: Dict[str, float] = {}
-        self.store = SwapStore(swap_dir, self.layout, state_names=STATE_NAMES, run_name=run_name, rank=rank,
-                               verify=verify, resume=resume, io_engine=io_engine)
+        self.store = self._open_store(swap_dir, run_name, rank, verify, resume, io_engine)
         try:
             if resume:
                 self._check_resume()
@@ -168,6 +170,23 @@ class SwappedState:
                 opt.state[p]["step"] = torch.tensor(float(n), dtype=torch.float32)
             elif "step" in opt.state.get(p, {}):
                 del opt.state[p]["step"]
+
+    def _open_store(self, swap_dir: str, run_name: str, rank: int, verify: bool, resume: bool,
+                    io_engine: Any) -> SwapStore:
+        """A second optimizer of this same process on the same swap_dir gets ``<run>-2``, a
+        third ``<run>-3``...: names follow creation order, so a resumed process that builds its
+        optimizers in the same order finds its own directories again (never named by id())."""
+        from offload.swap.fsutil import DirectoryBusy
+
+        for k in range(1, 65):
+            name = run_name if k == 1 else f"{run_name}-{k}"
+            try:
+                return SwapStore(swap_dir, self.layout, state_names=STATE_NAMES, run_name=name, rank=rank,
+                                 verify=verify, resume=resume, io_engine=io_engine)
+            except DirectoryBusy as exc:
+                if exc.pid != os.getpid():
+                    raise
+        raise RuntimeError(f"64 swap stores of this process already use {swap_dir}")
 
     # ------------------------------------------------------------------ bookkeeping
     @property

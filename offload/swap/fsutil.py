@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
-    "write_json_atomic", "read_json", "fsync_dir", "remove_private_dir", "free_bytes",
+    "write_json_atomic", "read_json", "fsync_dir", "remove_private_dir", "free_bytes", "DirectoryBusy",
 ]
 
 LOCK_NAME = "lock"
@@ -94,6 +94,14 @@ def lock_holder(lock_path: str) -> Optional[int]:
     return int(text) if text.isdigit() else None
 
 
+class DirectoryBusy(BlockingIOError):
+    """The swap directory's lock is held; ``pid`` is the holder (None if unknown)."""
+
+    def __init__(self, err: int, msg: str, path: str, pid: Optional[int]) -> None:
+        super().__init__(err, msg, path)
+        self.pid = pid
+
+
 class Lock:
     """An exclusive ``flock`` on ``DIR/lock`` holding our pid.
 
@@ -113,9 +121,8 @@ class Lock:
             os.close(self.fd)
             self.fd = -1
             who = f"process {holder}" if holder is not None else "another process"
-            raise BlockingIOError(errno.EWOULDBLOCK,
-                                  f"swap directory is in use by {who} (its flock is held); "
-                                  "each run and rank needs its own directory", directory) from None
+            raise DirectoryBusy(errno.EWOULDBLOCK, f"swap directory is in use by {who} (its flock is held); "
+                                "each run and rank needs its own directory", directory, holder) from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
