@@ -1,13 +1,12 @@
 """Planner accuracy: predicted against measured optimizer step (and bytes) at N = 100M.
 
-For ``offload="cpu"`` and ``offload="nvme"`` on fp32 CPU params, in one run:
-1. measure the rates the planner takes (kernel Gparam/s from the planner's own short probe
-   on 10M params; disk read/write GB/s from the planner's probe in the swap directory);
-2. predict with ``offload.plan.estimate`` (step = max(kernel, I/O), bytes per tier);
-3. time the real ``offload.AdamW`` step (median of ``--steps`` after ``--warmup``) and read
-   ``memory_report()``;
-in ``--rounds`` interleaved rounds (a noisy neighbour on a shared machine then shifts the
-probe and the measurement of the same round alike); the median ratio is the figure.
+For ``offload="cpu"`` and ``offload="nvme"`` on fp32 CPU params, in one run, ``--steps``
+times in turn: one step of the planner's kernel probe (10M params), one pass of its disk
+probe (nvme only; 256 MiB written then read with O_DIRECT in the swap directory), one real
+``offload.AdamW`` step. The medians give the rates, ``offload.plan.estimate`` turns them into
+a predicted step (max(kernel, I/O)) and bytes per tier, compared with the median real step
+and ``memory_report()``. Interleaving matters on a shared machine: a noisy neighbour then
+shifts probe and measurement alike. ``--rounds`` repeats it; the median ratio is the figure.
 Target (issue 6): predicted step within 25 % of measured; bytes within 5 %.
 
     .venv/bin/python bench/plan_accuracy.py [--n 100000000] [--dir DIR] [--steps 5]
@@ -31,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from offload.plan import TIERS, estimate, probe_disk_rate, probe_kernel_rate  # noqa: E402
+from offload.plan import TIERS, estimate  # noqa: E402
+from offload.plan.rates import DiskProbe, KernelProbe  # noqa: E402
 
 
 class _StoreDriver:
@@ -79,16 +79,21 @@ def make_optimizer(n: int, target: str, swap_dir: str, max_host_bytes: int):
         return _StoreDriver(p, swap_dir, max_host_bytes), f"SwappedState directly (offload.AdamW: {exc})"
 
 
-def time_steps(opt, steps: int):
-    times, effs = [], []
+def interleaved(opt, steps: int, kprobe: KernelProbe, dprobe: "DiskProbe | None"):
+    """Median seconds of: one kernel probe step, one disk probe pass (read, write), one real
+    step, taken in turn ``steps`` times so that a noisy neighbour shifts all three alike."""
+    tk, tr, tw, ts = [], [], [], []
     for _ in range(steps):
+        tk.append(kprobe.time_once())
+        if dprobe is not None:
+            r, w = dprobe.measure()
+            tr.append(r)
+            tw.append(w)
         t0 = time.perf_counter()
         opt.step()
-        times.append(time.perf_counter() - t0)
-        last = (opt.step_stats() or {}).get("last") or {}
-        if last.get("overlap_efficiency") is not None:
-            effs.append(last["overlap_efficiency"])
-    return statistics.median(times), (statistics.median(effs) if effs else None)
+        ts.append(time.perf_counter() - t0)
+    med = statistics.median
+    return med(tk), (med(tr) if tr else None), (med(tw) if tw else None), med(ts)
 
 
 def main() -> int:
@@ -115,43 +120,51 @@ def main() -> int:
                 opts[t].step()
         probe_dir = os.path.join(work, "probe")
         os.makedirs(probe_dir)
-        # Each round: the planner's probes, its prediction, then the real steps, so that a
-        # noisy neighbour affects prediction and measurement of the same round alike.
-        for r in range(args.rounds):
-            kernel = probe_kernel_rate(args.probe_numel)
-            disk_r, disk_w = probe_disk_rate(probe_dir)
-            for t in targets:
-                plan = estimate(args.n, offload=t, param_dtype=torch.float32, param_device="cpu",
-                                max_host_bytes=args.max_host_bytes if t == "nvme" else None,
-                                kernel_gparams=kernel.value, disk_read_gbps=disk_r.value,
-                                disk_write_gbps=disk_w.value)
-                measured, eff = time_steps(opts[t], args.steps)
-                report = opts[t].memory_report()["tiers"]
-                errs = [abs(report[k] - plan.optimizer_bytes[k]) / max(1, plan.optimizer_bytes[k])
-                        for k in TIERS if plan.optimizer_bytes[k] or report[k]]
-                rows.append({
-                    "round": r, "target": t, "n": args.n,
-                    "kernel_gparams": kernel.value, "disk_read_gbps": disk_r.value, "disk_write_gbps": disk_w.value,
-                    "predicted_s": plan.step_time_s, "predicted_kernel_s": plan.step["kernel_s"],
-                    "predicted_io_s": plan.step["io_s"], "measured_s": measured,
-                    "ratio": measured / plan.step_time_s, "overlap_efficiency": eff,
-                    "planned_bytes": plan.optimizer_bytes, "reported_bytes": report,
-                    "bytes_max_rel_err": max(errs) if errs else 0.0, "measured_via": via[t],
-                })
+        kprobe = KernelProbe(args.probe_numel)
+        dprobe = DiskProbe(probe_dir)
+        try:
+            for r in range(args.rounds):
+                for t in targets:
+                    tk, tr, tw, measured = interleaved(opts[t], args.steps, kprobe, dprobe if t == "nvme" else None)
+                    kg = args.probe_numel / tk / 1e9
+                    rg = dprobe.nbytes / tr / 1e9 if tr else None
+                    wg = dprobe.nbytes / tw / 1e9 if tw else None
+                    plan = estimate(args.n, offload=t, param_dtype=torch.float32, param_device="cpu",
+                                    max_host_bytes=args.max_host_bytes if t == "nvme" else None,
+                                    kernel_gparams=kg, disk_read_gbps=rg, disk_write_gbps=wg)
+                    report = opts[t].memory_report()["tiers"]
+                    errs = [abs(report[k] - plan.optimizer_bytes[k]) / max(1, plan.optimizer_bytes[k])
+                            for k in TIERS if plan.optimizer_bytes[k] or report[k]]
+                    last = (opts[t].step_stats() or {}).get("last") or {}
+                    rows.append({
+                        "round": r, "target": t, "n": args.n,
+                        "kernel_gparams": kg, "disk_read_gbps": rg, "disk_write_gbps": wg,
+                        "predicted_s": plan.step_time_s, "predicted_kernel_s": plan.step["kernel_s"],
+                        "predicted_io_s": plan.step["io_s"], "measured_s": measured,
+                        "ratio": measured / plan.step_time_s,
+                        "overlap_efficiency": last.get("overlap_efficiency"),
+                        "planned_bytes": plan.optimizer_bytes, "reported_bytes": report,
+                        "bytes_max_rel_err": max(errs) if errs else 0.0, "measured_via": via[t],
+                    })
+        finally:
+            dprobe.close()
     finally:
         for o in opts.values():
             if hasattr(o, "close"):
                 o.close()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"N = {args.n:,} fp32 CPU params, AdamW; each round: kernel probe ({args.probe_numel:,} params), disk probe "
-          f"(256 MiB, O_DIRECT), plan, then median of {args.steps} steps. GB = 10^9 B.")
+    print(f"N = {args.n:,} fp32 CPU params, AdamW. Each round, {args.steps} times in turn: one kernel probe step "
+          f"({args.probe_numel:,} params), one disk probe pass (256 MiB, O_DIRECT; nvme only), one real step; "
+          "medians -> rates -> plan. GB = 10^9 B.")
     print(f"{'round':>5} {'offload':<8}{'kernel Gp/s':>12}{'read GB/s':>10}{'write GB/s':>11}{'pred ms':>9}"
           f"{'meas ms':>9}{'meas/pred':>10}{'bytes err':>10}{'overlap':>8}")
     for r in rows:
         eff = "-" if r["overlap_efficiency"] is None else f"{r['overlap_efficiency']:.2f}"
-        print(f"{r['round']:>5} {r['target']:<8}{r['kernel_gparams']:>12.3f}{r['disk_read_gbps']:>10.2f}"
-              f"{r['disk_write_gbps']:>11.2f}{r['predicted_s'] * 1e3:>9.1f}{r['measured_s'] * 1e3:>9.1f}"
+        rd = "-" if r["disk_read_gbps"] is None else f"{r['disk_read_gbps']:.2f}"
+        wr = "-" if r["disk_write_gbps"] is None else f"{r['disk_write_gbps']:.2f}"
+        print(f"{r['round']:>5} {r['target']:<8}{r['kernel_gparams']:>12.3f}{rd:>10}"
+              f"{wr:>11}{r['predicted_s'] * 1e3:>9.1f}{r['measured_s'] * 1e3:>9.1f}"
               f"{r['ratio']:>10.3f}{100 * r['bytes_max_rel_err']:>9.2f}%{eff:>8}")
     summary = {}
     for t in targets:

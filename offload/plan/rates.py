@@ -22,6 +22,8 @@ import torch
 
 __all__ = [
     "Rate",
+    "KernelProbe",
+    "DiskProbe",
     "probe_kernel_rate",
     "kernel_rate_from_bench",
     "probe_disk_rate",
@@ -81,56 +83,64 @@ def _num(v: Any) -> Optional[float]:
 
 # --------------------------------------------------------------------------- kernel
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up: first touch of fresh memory and any JIT compilation stay out of the timing
-    times = []
-    for _ in range(repeats):
+class KernelProbe:
+    """``numel`` fp32 params with grads and moments, ready to time one Adam step at a time.
+
+    ``time_once()`` runs one ``offload.kernels`` ``adam_step`` (torch's fused AdamW when the
+    kernels package is missing or fails to load; ``source`` says which) and returns seconds.
+    Reusable, so a benchmark can interleave probe steps with the steps it predicts.
+    """
+
+    def __init__(self, numel: int = 10_000_000, *, num_threads: Optional[int] = None,
+                 backend: Optional[str] = None) -> None:
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+            raise ValueError(f"probe numel must be a positive integer, got {numel!r}")
+        self.numel = numel
+        g = torch.Generator().manual_seed(0)
+        self._p = torch.randn(numel, generator=g)
+        self._g = torch.randn(numel, generator=g)
+        self._m = torch.zeros(numel)
+        self._v = torch.zeros(numel)
+        self._step = 0
+        self._threads = num_threads
+        try:
+            from offload.kernels import get_backend
+            self._b = get_backend(backend)
+            self.source = f"{self._b.name} adam_step"
+        except ImportError as exc:
+            self._b, self.source = None, f"torch AdamW(fused=True) (offload.kernels unavailable: {exc})"
+        except (RuntimeError, OSError) as exc:
+            if backend is not None:
+                raise
+            self._b, self.source = None, f"torch AdamW(fused=True) (offload.kernels failed to load: {exc})"
+        if self._b is None:
+            param = torch.nn.Parameter(self._p)
+            param.grad = self._g
+            self._opt = torch.optim.AdamW([param], lr=1e-3, fused=True)
+        self.time_once()  # warm-up: first touch of the moments and any JIT compilation
+
+    def time_once(self) -> float:
+        self._step += 1
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        if self._b is not None:
+            self._b.adam_step(self._p, self._g, self._m, self._v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                              weight_decay=0.01, step=self._step, decoupled=True, num_threads=self._threads)
+        else:
+            self._opt.step()
+        return time.perf_counter() - t0
 
 
 def probe_kernel_rate(numel: int = 10_000_000, *, repeats: int = 5, num_threads: Optional[int] = None,
                       backend: Optional[str] = None) -> Rate:
-    """Time ``offload.kernels.get_backend().adam_step`` on ``numel`` fp32 params (median).
+    """Gparam/s of one Adam step on ``numel`` fp32 params: median of ``repeats`` after a warm-up.
 
-    Without the kernels package (or if it fails to load) torch's fused AdamW is timed instead,
-    and the source says so: the prediction then describes torch, not this engine.
+    Times ``offload.kernels.get_backend().adam_step``; without the kernels package (or if it
+    fails to load) torch's fused AdamW, and the source says so: the prediction then describes
+    torch, not this engine.
     """
-    if numel <= 0:
-        raise ValueError(f"probe numel must be > 0, got {numel}")
-    g = torch.Generator().manual_seed(0)
-    param = torch.randn(numel, generator=g)
-    grad = torch.randn(numel, generator=g)
-    m = torch.zeros(numel)
-    v = torch.zeros(numel)
-    try:
-        from offload.kernels import get_backend
-        b = get_backend(backend)
-    except ImportError as exc:
-        b, why = None, f"offload.kernels unavailable: {exc}"
-    except (RuntimeError, OSError) as exc:
-        if backend is not None:
-            raise
-        b, why = None, f"offload.kernels failed to load: {exc}"
-    if b is not None:
-        step = [0]
-
-        def run() -> None:
-            step[0] += 1
-            b.adam_step(param, grad, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                        weight_decay=0.01, step=step[0], decoupled=True, num_threads=num_threads)
-
-        t = _median_time(run, repeats)
-        src = f"probe: {b.name} adam_step, {numel:,} fp32 params, median of {repeats}"
-    else:
-        p = torch.nn.Parameter(param)
-        p.grad = grad
-        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-        t = _median_time(opt.step, repeats)
-        src = f"probe: torch AdamW(fused=True) ({why}), {numel:,} fp32 params, median of {repeats}"
-    return Rate(numel / t / 1e9, "Gparam/s", src)
+    probe = KernelProbe(numel, num_threads=num_threads, backend=backend)
+    t = statistics.median(probe.time_once() for _ in range(repeats))
+    return Rate(numel / t / 1e9, "Gparam/s", f"probe: {probe.source}, {numel:,} fp32 params, median of {repeats}")
 
 
 def kernel_rate_from_bench(path: str, *, prefer: Iterable[str] = ("native", "numba")) -> Rate:
@@ -176,59 +186,93 @@ def kernel_rate_from_bench(path: str, *, prefer: Iterable[str] = ("native", "num
 
 # --------------------------------------------------------------------------- disk
 
-def probe_disk_rate(directory: str, *, nbytes: int = 256 << 20, chunk: int = 8 << 20) -> Tuple[Rate, Rate]:
-    """Write then read ``nbytes`` with O_DIRECT in ``directory`` through the io layer.
+class DiskProbe:
+    """A preallocated probe file in ``directory`` and buffers, to time O_DIRECT passes.
 
-    The file is preallocated and written once before the timed write, because overwriting
-    is what swap files do (a fresh file writes 2-3x slower on this machine's disk). The
-    file is removed afterwards. Returns (read, write) rates.
+    ``measure()`` writes then reads ``nbytes`` through the io layer and returns (read, write)
+    seconds. The file is written once when opened, because overwriting is what swap files do
+    (a fresh file writes 2-3x slower on this machine's disk). ``close()`` removes the file.
     """
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(errno.ENOENT, "disk probe directory does not exist", directory)
-    try:
-        from offload.io import IORequest, open_engine, open_file
-        from offload.memory import BufferPool
-    except ImportError as exc:
-        raise RuntimeError(f"the disk probe needs offload.io ({exc}); pass --disk-gbps instead") from None
-    nbytes = max(chunk, nbytes // chunk * chunk)
-    path = os.path.join(directory, f".offload-plan-probe-{os.getpid()}")
-    pool = BufferPool()
-    eng = open_engine("auto", directory=directory)
-    bufs = [pool.acquire(chunk) for _ in range(4)]
-    try:
-        for b in bufs:  # fresh data, not zeros (some devices compress or skip zero pages)
-            b.tensor(torch.uint8).copy_(torch.randint(0, 256, (chunk,), dtype=torch.uint8))
-        with open_file(path, write=True, create=True, exclusive=True) as f:
-            f.preallocate(nbytes)
 
-            def pass_(op: str) -> float:
-                t0 = time.perf_counter()
-                reqs = [IORequest(op=op, file=f, offset=off, buf=bufs[(off // chunk) % len(bufs)].memoryview)
-                        for off in range(0, nbytes, chunk)]
-                # In flight at most len(bufs) chunks of distinct buffers per batch.
-                for i in range(0, len(reqs), len(bufs)):
-                    eng.wait(eng.submit(reqs[i:i + len(bufs)]))
-                if op == "write":
-                    f.fsync()
-                return time.perf_counter() - t0
-
-            pass_("write")               # lay the blocks down once
-            tw = pass_("write")
-            tr = pass_("read")
-            direct = f.direct
-    finally:
-        for b in bufs:
-            pool.release(b)
-        pool.close()
-        eng.close()
+    def __init__(self, directory: str, *, nbytes: int = 256 << 20, chunk: int = 8 << 20, buffers: int = 4) -> None:
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(errno.ENOENT, "disk probe directory does not exist", directory)
         try:
-            os.unlink(path)
+            from offload.io import IORequest, open_engine, open_file
+            from offload.memory import BufferPool
+        except ImportError as exc:
+            raise RuntimeError(f"the disk probe needs offload.io ({exc}); pass --disk-gbps instead") from None
+        self._IORequest = IORequest
+        self.directory = directory
+        self.nbytes = max(chunk, nbytes // chunk * chunk)
+        self.chunk = chunk
+        self.path = os.path.join(directory, f".offload-plan-probe-{os.getpid()}-{id(self):x}")
+        self._pool = BufferPool()
+        self._eng = self._file = None
+        self._bufs = []
+        try:
+            self._eng = open_engine("auto", directory=directory)
+            self._bufs = [self._pool.acquire(chunk) for _ in range(buffers)]
+            for b in self._bufs:  # fresh data, not zeros (some devices compress or skip zero pages)
+                t = b.tensor(torch.uint8)
+                t.copy_(torch.randint(0, 256, (chunk,), dtype=torch.uint8))
+                del t  # no view may outlive the buffer (the pool refuses to unmap otherwise)
+            self._file = open_file(self.path, write=True, create=True, exclusive=True)
+            self._file.preallocate(self.nbytes)
+            self._pass("write")
+        except BaseException:
+            self.close()
+            raise
+        self.source = (f"probe: {self._eng.name} engine, "
+                       f"{'O_DIRECT' if self._file.direct else 'buffered (page cache may flatter reads)'}, "
+                       f"{self.nbytes >> 20} MiB in {chunk >> 20} MiB requests, {directory}")
+
+    def _pass(self, op: str) -> float:
+        f, bufs = self._file, self._bufs
+        reqs = [self._IORequest(op=op, file=f, offset=off, buf=bufs[(off // self.chunk) % len(bufs)].memoryview)
+                for off in range(0, self.nbytes, self.chunk)]
+        t0 = time.perf_counter()
+        for i in range(0, len(reqs), len(bufs)):  # one request per buffer in flight
+            self._eng.wait(self._eng.submit(reqs[i:i + len(bufs)]))
+        if op == "write":
+            f.fsync()
+        return time.perf_counter() - t0
+
+    def measure(self) -> Tuple[float, float]:
+        """(read seconds, write seconds) for ``nbytes`` each."""
+        tw = self._pass("write")
+        return self._pass("read"), tw
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        try:
+            os.unlink(self.path)
         except FileNotFoundError:
             pass
-    how = f"probe: {eng.name} engine, {'O_DIRECT' if direct else 'buffered (page cache may flatter reads)'}, " \
-          f"{nbytes >> 20} MiB in {chunk >> 20} MiB requests, {directory}"
-    return Rate(nbytes / tr / 1e9, "GB/s", how), Rate(nbytes / tw / 1e9, "GB/s", how)
+        for b in self._bufs:
+            self._pool.release(b)
+        self._bufs = []
+        self._pool.close()
+        if self._eng is not None:
+            self._eng.close()
+            self._eng = None
+
+    def __enter__(self) -> "DiskProbe":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def probe_disk_rate(directory: str, *, nbytes: int = 256 << 20, chunk: int = 8 << 20) -> Tuple[Rate, Rate]:
+    """(read, write) GB/s of ``nbytes`` O_DIRECT passes in ``directory`` (see ``DiskProbe``)."""
+    with DiskProbe(directory, nbytes=nbytes, chunk=chunk) as probe:
+        tr, tw = probe.measure()
+        return (Rate(probe.nbytes / tr / 1e9, "GB/s", probe.source),
+                Rate(probe.nbytes / tw / 1e9, "GB/s", probe.source))
 
 
 def disk_rate_from_tune(path: str) -> Tuple[Optional[Rate], Optional[Rate]]:
