@@ -54,11 +54,16 @@ def compile_native(out_dir: str) -> "str | None":
             if err:
                 return err
             objects.append(obj)
-        tmp_lib = os.path.join(tmp, LIB_NAME)
+        # Link next to the target, then rename over it: an atomic replace, so a process that
+        # has the old library mapped keeps it intact (a copy over it, which shutil.move does
+        # across file systems, would rewrite the pages under a running process).
+        tmp_lib = os.path.join(out_dir, f".{LIB_NAME}.{os.getpid()}.tmp")
         err = _run(cxx + ["-shared", "-o", tmp_lib] + objects + ["-pthread"])
         if err:
+            if os.path.exists(tmp_lib):
+                os.remove(tmp_lib)
             return err
-        shutil.move(tmp_lib, os.path.join(out_dir, LIB_NAME))
+        os.replace(tmp_lib, os.path.join(out_dir, LIB_NAME))
     return None
 
 

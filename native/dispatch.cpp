@@ -2,6 +2,7 @@
 //
 // Compiled with baseline x86-64 flags only: this unit runs on every CPU and decides at run
 // time (__builtin_cpu_supports / cpuid) which ISA unit may run.
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cpuid.h>
@@ -18,8 +19,6 @@ using namespace offload;
 // Below this many elements per thread, spawning a thread (~20-50 us) costs more than it
 // saves (at ~1 G elements/s a thread does 64 K elements in ~60 us).
 constexpr int64_t kMinPerThread = 1 << 16;
-// Thread ranges start on multiples of this (cache lines and whole vectors).
-constexpr int64_t kAlign = 64;
 
 bool has_f16c() {
     unsigned a, b, c, d;
@@ -58,28 +57,46 @@ int resolve_isa(int isa) {
 
 bool valid_dtype(int dtype) { return dtype == OFFLOAD_F32 || dtype == OFFLOAD_F16 || dtype == OFFLOAD_BF16; }
 
+// Work is cut into fixed blocks that threads claim from a shared counter, rather than one
+// static range per thread: on a shared machine (or beside the I/O threads of the swap
+// pipeline) a descheduled thread then delays one block, not half the step. The blocks do
+// not depend on the thread count, so per-block results (sum of squares) combine in the
+// same order whatever the thread count: results are reproducible.
+constexpr int64_t kBlock = 1 << 16;
+
+int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+
 template <typename Fn>
-int parallel_for_impl(int64_t n, int threads, Fn &fn) {
-    if (threads <= 1) return fn(0, n, 0);
-    int64_t chunk = (n + threads - 1) / threads;
-    chunk = (chunk + kAlign - 1) / kAlign * kAlign;
-    std::vector<int> rcs(threads, 0);
+int parallel_blocks_impl(int64_t n, int threads, Fn &fn) {
+    const int64_t blocks = num_blocks(n);
+    std::atomic<int64_t> next{0};
+    std::atomic<int> first_error{0};
+    auto worker = [&]() {
+        for (;;) {
+            int64_t blk = next.fetch_add(1, std::memory_order_relaxed);
+            if (blk >= blocks) return;
+            int64_t begin = blk * kBlock, end = begin + kBlock < n ? begin + kBlock : n;
+            int rc = fn(begin, end, blk);
+            if (rc != 0) {
+                int expected = 0;
+                first_error.compare_exchange_strong(expected, rc);
+            }
+        }
+    };
     std::vector<std::thread> pool;
-    pool.reserve(threads - 1);
-    for (int t = 1; t < threads; ++t) {
-        int64_t begin = t * chunk, end = begin + chunk < n ? begin + chunk : n;
-        if (begin >= n) break;
-        try {
-            pool.emplace_back([&rcs, &fn, t, begin, end] { rcs[t] = fn(begin, end, t); });
-        } catch (...) {
-            rcs[t] = fn(begin, end, t);
+    if (threads > 1) {
+        pool.reserve(threads - 1);
+        for (int t = 1; t < threads; ++t) {
+            try {
+                pool.emplace_back(worker);
+            } catch (...) {
+                break;  // fewer helpers: the blocks still all get done
+            }
         }
     }
-    rcs[0] = fn(0, chunk < n ? chunk : n, 0);
+    worker();
     for (auto &th : pool) th.join();
-    for (int rc : rcs)
-        if (rc != 0) return rc;
-    return 0;
+    return first_error.load();
 }
 
 int threads_for(int64_t n, int requested) {
@@ -88,14 +105,13 @@ int threads_for(int64_t n, int requested) {
     return t < 1 ? 1 : static_cast<int>(t);
 }
 
-// Runs fn(begin, end, index) -> int over [0, n) split into `threads` aligned ranges: the
-// calling thread takes the first range. If a thread cannot be spawned, the caller runs its
-// range (slower, never wrong). Returns the first nonzero result; never throws (the only
+// Runs fn(begin, end, block) -> int over [0, n) in kBlock blocks on `threads` threads (the
+// caller is one of them). Returns the first nonzero result; never throws (the only
 // allocation that can fail is the bookkeeping, reported as -ENOMEM).
 template <typename Fn>
-int parallel_for(int64_t n, int threads, Fn fn) noexcept {
+int parallel_blocks(int64_t n, int threads, Fn fn) noexcept {
     try {
-        return parallel_for_impl(n, threads, fn);
+        return parallel_blocks_impl(n, threads, fn);
     } catch (...) {
         return -ENOMEM;
     }
@@ -148,14 +164,14 @@ int offload_adam_step(float *param, const void *grad, int grad_dtype, float *exp
 
     AdamBuffers b{param, grad, exp_avg, exp_avg_sq, param_lowp, grad_dtype,
                   param_lowp ? lowp_dtype : -1};
-    auto fn = [&c, &b, run_isa](int64_t begin, int64_t end, int) -> int {
+    auto fn = [&c, &b, run_isa](int64_t begin, int64_t end, int64_t) -> int {
         switch (run_isa) {
             case OFFLOAD_ISA_AVX512: return adam_range_avx512(c, b, begin, end);
             case OFFLOAD_ISA_AVX2: return adam_range_avx2(c, b, begin, end);
             default: return adam_range_scalar(c, b, begin, end);
         }
     };
-    return parallel_for(n, threads_for(n, num_threads), fn);
+    return parallel_blocks(n, threads_for(n, num_threads), fn);
 }
 
 int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_sumsq,
@@ -168,21 +184,21 @@ int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_
     *out_nonfinite = 0;
     if (n == 0) return 0;
     if (!grad) return -EINVAL;
-    int threads = threads_for(n, num_threads);
-    std::vector<double> partial;
+    std::vector<double> partial;  // one per block, summed in block order: reproducible
     try {
-        partial.assign(threads, 0.0);
+        partial.assign(num_blocks(n), 0.0);
     } catch (...) {
         return -ENOMEM;
     }
-    auto fn = [&partial, grad, grad_dtype, run_isa](int64_t begin, int64_t end, int t) -> int {
+    auto fn = [&partial, grad, grad_dtype, run_isa](int64_t begin, int64_t end, int64_t blk) -> int {
+        double *out = &partial[blk];
         switch (run_isa) {
-            case OFFLOAD_ISA_AVX512: return sumsq_range_avx512(grad, grad_dtype, begin, end, &partial[t]);
-            case OFFLOAD_ISA_AVX2: return sumsq_range_avx2(grad, grad_dtype, begin, end, &partial[t]);
-            default: return sumsq_range_scalar(grad, grad_dtype, begin, end, &partial[t]);
+            case OFFLOAD_ISA_AVX512: return sumsq_range_avx512(grad, grad_dtype, begin, end, out);
+            case OFFLOAD_ISA_AVX2: return sumsq_range_avx2(grad, grad_dtype, begin, end, out);
+            default: return sumsq_range_scalar(grad, grad_dtype, begin, end, out);
         }
     };
-    int rc = parallel_for(n, threads, fn);
+    int rc = parallel_blocks(n, threads_for(n, num_threads), fn);
     if (rc != 0) return rc;
     double total = 0.0;
     for (double s : partial) total += s;

@@ -311,6 +311,15 @@ def test_threads_give_identical_adam_results(backend):
             assert torch.equal(a, b)
 
 
+def test_threads_give_identical_sumsq(backend):
+    g = torch.randn(BIG)
+    sums = {backend.grad_sumsq(g, num_threads=t)[0] for t in (1, 2, 3)}
+    if backend.name == "native":  # fixed blocks summed in order: bit-reproducible
+        assert len(sums) == 1, sums
+    else:
+        assert max(sums) - min(sums) <= 1e-12 * max(sums), sums
+
+
 def test_set_num_threads():
     try:
         K.set_num_threads(3)

@@ -71,8 +71,9 @@ def float_to_half(x):
     rn = a & 0x1FFF
     qn += np.int64((rn > 0x1000) | ((rn == 0x1000) & ((qn & 1) == 1)))
     # subnormal half: value / 2**-24 = mant * 2**(e - 126); shift right by s = 126 - e
-    # (s >= 31 leaves 0: below half the smallest subnormal, or a float32 denormal)
-    s = min(126 - (a >> 23), 31)
+    # (s >= 31 leaves 0: below half the smallest subnormal, or a float32 denormal; s is
+    # clamped to >= 1 so the unused lanes of normal values shift by a defined amount)
+    s = max(min(126 - (a >> 23), 31), 1)
     mant = (a & 0x7FFFFF) | 0x800000
     qs = mant >> s
     rs = mant & ((1 << s) - 1)
