@@ -62,7 +62,10 @@ bool valid_dtype(int dtype) { return dtype == OFFLOAD_F32 || dtype == OFFLOAD_F1
 // pipeline) a descheduled thread then delays one block, not half the step. The blocks do
 // not depend on the thread count, so per-block results (sum of squares) combine in the
 // same order whatever the thread count: results are reproducible.
-constexpr int64_t kBlock = 1 << 16;
+#ifndef OFFLOAD_BLOCK_ELEMS
+#define OFFLOAD_BLOCK_ELEMS (1 << 16)
+#endif
+constexpr int64_t kBlock = OFFLOAD_BLOCK_ELEMS;
 
 int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
