@@ -1,0 +1,188 @@
+"""The full offloaded step for bf16 CPU params against the bare fp32 kernel, side by side.
+
+Contenders, on the same N, interleaved step by step (see MEASURED.md: the first large
+allocation of a process page-faults, so each is warmed up and medians are taken):
+
+- ``kernel_fp32``: ``get_backend().adam_step`` on fp32 param/grad/moments (28 B/param moved);
+- ``flat_bf16``: ``offload.AdamW`` step on bf16 params with ``max_grad_norm`` and a loss
+  scale (unscale + global-norm clip + AdamW + bf16 copy back, fp32 master and moments on
+  the host); its grads are read where autograd left them;
+- ``flat_bf16_hook``: the same with the grads copied into the host flat buffer by the
+  post-accumulate-grad hook (the CUDA path's copy, done on the CPU), copy included.
+
+``--ranks 2`` also runs ``flat_bf16`` partitioned over 2 gloo processes and reports each
+rank's step time and state bytes against one rank.
+
+    python bench/offload_step.py --numel 100000000 --steps 7 --threads 2 --ranks 2
+
+Prints a table and a final JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import offload  # noqa: E402
+from offload.kernels import get_backend  # noqa: E402
+from offload.optim.flat_state import FlatState  # noqa: E402
+
+HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+PIECES = 4  # params per model: a few large tensors, as in a real layer stack
+
+
+def _params(numel: int, dtype: torch.dtype):
+    sizes = [numel // PIECES] * (PIECES - 1)
+    sizes.append(numel - sum(sizes))
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.02).to(dtype)) for n in sizes]
+
+
+def _set_grads(params, seed: int) -> None:
+    # Grads as autograd leaves them after a backward: fresh tensors of the param dtype.
+    for i, p in enumerate(params):
+        g = torch.empty_like(p)
+        g.normal_(0, 1e-3, generator=torch.Generator().manual_seed(seed + i))
+        p.grad = g
+
+
+def _fire_hooks(params) -> None:
+    # What autograd does after accumulating a leaf's grad; lets the hook path run without a
+    # backward pass (the hook reads p.grad, which is all the bench needs).
+    for p in params:
+        for hook in getattr(p, "_post_accumulate_grad_hooks", {}).values():
+            hook(p)
+
+
+class Kernel:
+    name = "kernel_fp32"
+
+    def __init__(self, numel: int, threads: int) -> None:
+        self.k = get_backend()
+        self.t = [torch.zeros(numel) for _ in range(4)]
+        self.t[1].normal_(0, 1e-3)
+        self.threads = threads
+        self.n = 0
+
+    def step(self) -> float:
+        self.n += 1
+        t0 = time.perf_counter()
+        self.k.adam_step(*self.t, step=self.n, decoupled=True, lr=HP["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
+                         weight_decay=HP["weight_decay"], num_threads=self.threads)
+        return time.perf_counter() - t0
+
+
+class Flat:
+    def __init__(self, numel: int, threads: int, hook: bool, stage=None) -> None:
+        FlatState.copy_cpu_grads = hook
+        self.name = "flat_bf16_hook" if hook else "flat_bf16"
+        self.params = _params(numel, torch.bfloat16)
+        self.opt = offload.AdamW(self.params, max_grad_norm=1.0, num_threads=threads, stage=stage, **HP)
+        FlatState.copy_cpu_grads = False
+        self.hook = hook
+        self.n = 0
+        self.scale = torch.tensor(1024.0)
+
+    def step(self) -> float:
+        self.n += 1
+        _set_grads(self.params, self.n)
+        t0 = time.perf_counter()
+        if self.hook:
+            _fire_hooks(self.params)  # the grad copy the hook does during backward
+        # What GradScaler.step hands the optimizer: the scale (unscale inside the kernel).
+        self.opt.grad_scale, self.opt.found_inf = self.scale, torch.tensor(0.0)
+        self.opt.step()
+        del self.opt.grad_scale, self.opt.found_inf
+        dt = time.perf_counter() - t0
+        self.opt.zero_grad()
+        return dt
+
+
+def _median_table(contenders, steps: int, warmup: int = 2):
+    times = {c.name: [] for c in contenders}
+    for i in range(warmup + steps):
+        for c in contenders:  # interleaved, so drift hits every contender alike
+            dt = c.step()
+            if i >= warmup:
+                times[c.name].append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _rank_main(rank, world, port, numel, threads, steps, outq):
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    c = Flat(numel, threads, hook=False, stage=2)
+    med = _median_table([c], steps)
+    rep = c.opt.memory_report()
+    outq.put((rank, med["flat_bf16"], rep["detail"]["state_bytes"], c.opt.step_stats()["mean"]))
+
+
+def _ranks(world, numel, threads, steps):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, numel, threads, steps, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = sorted(q.get(timeout=1800) for _ in range(world))
+    for p in procs:
+        p.join()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=100_000_000)
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ranks", type=int, default=2, help="also run partitioned over this many gloo ranks (1: skip)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    contenders = [Kernel(args.numel, args.threads), Flat(args.numel, args.threads, hook=False),
+                  Flat(args.numel, args.threads, hook=True)]
+    med = _median_table(contenders, args.steps)
+    state_1 = contenders[1].opt.memory_report()["detail"]["state_bytes"]
+    phases = contenders[1].opt.step_stats()["mean"]
+    for c in contenders[1:]:
+        c.opt.close()
+    del contenders
+    base = med["kernel_fp32"]
+    print(f"backend={get_backend().name} N={args.numel} threads={args.threads} steps={args.steps} (medians)")
+    print(f"{'contender':<16}{'s/step':>10}{'Gparam/s':>10}{'x kernel':>10}")
+    for name, t in med.items():
+        print(f"{name:<16}{t:>10.4f}{args.numel / t / 1e9:>10.2f}{t / base:>10.2f}")
+    print("flat_bf16 phases (mean s): " + ", ".join(f"{k}={v:.4f}" for k, v in (phases or {}).items()))
+    result = {"bench": "offload_step", "numel": args.numel, "threads": args.threads, "backend": get_backend().name,
+              "median_s": med, "ratio_flat_bf16": med["flat_bf16"] / base,
+              "ratio_flat_bf16_hook": med["flat_bf16_hook"] / base, "state_bytes_1rank": state_1}
+    if args.ranks > 1:
+        # Each rank gets threads/ranks kernel threads so the ranks do not fight for cores.
+        per = max(1, args.threads // args.ranks)
+        rows = _ranks(args.ranks, args.numel, per, args.steps)
+        print(f"\n{args.ranks} gloo ranks, stage 2, {per} thread(s) each:")
+        print(f"{'rank':<6}{'s/step':>10}{'state bytes':>14}{'x 1 rank time':>15}{'x 1 rank bytes':>16}")
+        for rank, t, nbytes, ph in rows:
+            print(f"{rank:<6}{t:>10.4f}{nbytes:>14}{t / med['flat_bf16']:>15.2f}{nbytes / state_1:>16.3f}")
+        print("rank 0 phases (mean s): " + ", ".join(f"{k}={v:.4f}" for k, v in (rows[0][3] or {}).items()))
+        result["ranks"] = [{"rank": r, "step_s": t, "state_bytes": b, "time_ratio": t / med["flat_bf16"],
+                            "bytes_ratio": b / state_1} for r, t, b, _ in rows]
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The CUDA path of the flat store: grads D2H on a side stream, params H2D on a copy stream.
+
+Skipped without CUDA (run by bench/gpu_check.sh). Following torchao's trick, the model is a
+stack of layers with low arithmetic density (thin linears, elementwise ops), so the device
+finishes its work quickly and any missing wait between streams shows up as a stale value:
+the test reads params and losses right after ``step()`` on the compute stream, with no
+``torch.cuda.synchronize()`` in between.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload.optim.flat_state import FlatState
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.05)
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [nn.Linear(257, 257), nn.SiLU()]
+    layers.append(nn.Linear(257, 3))
+    m = nn.Sequential(*layers)
+    m[2].requires_grad_(False)  # a frozen layer
+    return m.to("cuda", dtype)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_params_match_adamw_on_host_master(monkeypatch, dtype, overlap):
+    monkeypatch.setattr(FlatState, "overlap", overlap)
+    model = _model(dtype)
+    params = list(model.parameters())
+    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
+    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    opt = offload.AdamW(params, offload="cpu", **HP)
+    assert isinstance(opt._store, FlatState)
+    for step in range(10):
+        for micro in range(2):  # gradient accumulation: the hook fires twice per param
+            x = torch.randn(64, 257, device="cuda", dtype=dtype)
+            model(x).float().pow(2).mean().backward()
+        for p, m in zip(params, masters):
+            m.grad = None if p.grad is None else p.grad.float().cpu()
+        ref.step()
+        opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        ref.zero_grad()
+        # Read on the compute stream right away: must see the copied params.
+        for p, m in zip(params, masters):
+            torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+            assert torch.equal(p.detach().cpu(), m.detach().to(dtype)) or dtype == torch.float32
+            if dtype == torch.float32:
+                torch.testing.assert_close(p.detach().cpu(), m.detach(), rtol=1e-5, atol=1e-6)
+    opt.close()
+
+
+def test_cuda_grad_changed_after_backward_is_seen(monkeypatch):
+    model = _model(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
+    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    opt = offload.AdamW(params, offload="cpu", **HP)
+    for _ in range(3):
+        model(torch.randn(8, 257, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # in place, after the hook's copy
+        for p, m in zip(params, masters):
+            m.grad = None if p.grad is None else p.grad.float().cpu()
+        ref.step()
+        opt.step()
+        opt.zero_grad()
+    for p, m in zip(params, masters):
+        torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+    assert opt.memory_report()["tiers"]["pinned"] > 0
