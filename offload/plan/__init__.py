@@ -17,7 +17,15 @@ from .estimate import (
     zero_paper_bytes,
 )
 from .hf_config import load_hf_config, params_from_hf_config
-from .rates import Rate, disk_rate_from_tune, kernel_rate_from_bench, probe_disk_rate, probe_kernel_rate
+from .rates import (
+    DiskProbe,
+    KernelProbe,
+    Rate,
+    disk_rate_from_tune,
+    kernel_rate_from_bench,
+    probe_disk_rate,
+    probe_kernel_rate,
+)
 from .report import (
     StepLogger,
     format_log_summary,
@@ -31,7 +39,7 @@ __all__ = [
     "estimate", "cheapest_fitting", "Plan", "SWAP_SLOTS", "TIERS", "COMPONENTS",
     "count_params", "parse_count", "parse_dtype", "zero_paper_bytes",
     "params_from_hf_config", "load_hf_config",
-    "Rate", "probe_kernel_rate", "kernel_rate_from_bench", "probe_disk_rate", "disk_rate_from_tune",
+    "Rate", "KernelProbe", "DiskProbe", "probe_kernel_rate", "kernel_rate_from_bench", "probe_disk_rate", "disk_rate_from_tune",
     "StepLogger", "read_step_log", "summarize_step_log", "format_log_summary",
     "format_memory_report", "format_step_stats",
 ]
