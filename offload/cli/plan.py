@@ -120,8 +120,7 @@ def run(args: argparse.Namespace) -> int:
         # A config path must never be mistaken for a count; resolve it here.
         from offload.plan import params_from_hf_config
         source = params_from_hf_config(args.model_config)
-    on_cpu = str(args.param_device).lower() == "cpu"
-    need_kernel = on_cpu or args.offload != "none" or args.cheapest
+    need_kernel = True  # this engine runs the update on the CPU whatever the offload target
     need_disk = args.offload == "nvme" or args.cheapest
     rates = _rates(args, need_kernel, need_disk)
     kw = _plan_kwargs(args, rates)

@@ -186,7 +186,10 @@ def format_log_summary(summary: Mapping[str, Any]) -> str:
     if summary["step_s_mean"] is not None:
         lines.append(f"step: mean {summary['step_s_mean'] * 1e3:.2f} ms, median {summary['step_s_median'] * 1e3:.2f} ms")
     total = summary["step_s_mean"]
-    lines.append("phase means (phases overlap, so shares can add up to more than 100 %):")
+    if summary["phase_s_mean"]:
+        lines.append("phase means (phases overlap, so shares can add up to more than 100 %):")
+    else:
+        lines.append("no phase times logged")
     for k, v in summary["phase_s_mean"].items():
         share = f"{100 * v / total:6.1f} %" if total else ""
         lines.append(f"  {k:<16}{v * 1e3:10.2f} ms {share}")
