@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +212,13 @@ def _drop_cache(f) -> None:
     os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def sweep(args) -> Tuple[List[dict], dict]:
-    """Run everything ``args`` asks for; returns (rows as dicts, context)."""
+def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tuple[List[dict], dict]:
+    """Run everything ``args`` asks for; returns (rows as dicts, context).
+
+    ``extra``: more contenders, ``{label: fn(path, rw=, size=, block_size=, queue_depth=,
+    direct=) -> Measurement}``, interleaved with the others (bench/io.py adds DeepSpeed's aio).
+    """
+    extra = extra or {}
     import torch
 
     from offload.io import open_engine, probe_direct
@@ -239,7 +244,7 @@ def sweep(args) -> Tuple[List[dict], dict]:
         use_fio = False
     fio_variants = [(False, "io_uring"), (True, "io_uring"), (True, "libaio")] if use_fio else []
     nconf = len(args.block_size) * len(args.queue_depth) * len(args.rw)
-    total = 2 * size + nconf * args.loops * size * (len(args.engine) + len(fio_variants))
+    total = 2 * size + nconf * args.loops * size * (len(args.engine) + len(fio_variants) + len(extra))
     progress = Progress(total)
     path = os.path.join(directory, DATA_NAME)
     rows: List[dict] = []
@@ -257,7 +262,8 @@ def sweep(args) -> Tuple[List[dict], dict]:
                     for rw in args.rw:
                         parts: Dict[tuple, list] = {}
                         contenders = [("offload", name, None) for name in args.engine] + \
-                                     [("fio", ioengine, hp) for hp, ioengine in fio_variants]
+                                     [("fio", ioengine, hp) for hp, ioengine in fio_variants] + \
+                                     [("extra", label, None) for label in extra]
                         for loop in range(args.loops):
                             # Rotate the order each loop so no contender is always first (the first
                             # after a write pays for the device flushing it).
@@ -271,6 +277,12 @@ def sweep(args) -> Tuple[List[dict], dict]:
                                         parts.setdefault((tool, name, hp), []).append(
                                             measure(eng, f, rw=rw, nbytes=size, buffers=bufs,
                                                     progress=progress.advance))
+                                elif tool == "extra":
+                                    progress.step(f"{name} {rw} bs={_human(bs)} qd={qd} loop {loop + 1}/{args.loops}")
+                                    m = extra[name](path, rw=rw, size=size, block_size=bs, queue_depth=qd,
+                                                    direct=args.direct)
+                                    parts.setdefault((tool, name, hp), []).append((m, []))
+                                    progress.advance(size)
                                 else:
                                     progress.step(f"fio {name}{' +THP' if hp else ''} {rw} bs={_human(bs)} qd={qd} "
                                                   f"loop {loop + 1}/{args.loops}")
@@ -309,7 +321,7 @@ def _annotate(rows: List[dict]) -> None:
     best_direct_read = max((r["gbps"] for r in rows if r["rw"] == "read" and r["direct"]), default=None)
     for r in rows:
         k = (r["rw"], r["block_size"], r["queue_depth"], r["direct"])
-        r["vs_fio"] = r["gbps"] / best_fio[k] if r["tool"] == "offload" and best_fio.get(k) else None
+        r["vs_fio"] = r["gbps"] / best_fio[k] if r["tool"] != "fio" and best_fio.get(k) else None
         if r["rw"] == "read" and not r["direct"] and best_direct_read and r["gbps"] > 1.5 * best_direct_read:
             r["note"] = (r["note"] + " " if r["note"] else "") + "probably cached"
 
