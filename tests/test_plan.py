@@ -245,23 +245,28 @@ def test_step_time_nvme_is_max_of_io_and_kernel():
 
 def test_cheapest_fitting_order():
     n = 1_000_000_000
-    # bf16 device params, 8 ranks of a node with 64 GiB (8 GiB each): offload="none" is the same
-    # as "cpu" here and is not offered; cpu/stage 0 needs 16e9 B of host per rank (> 8 GiB);
-    # cpu/stage 1 needs 18 x 1.25e8 = 2.25e9 B
+    # bf16 device params, 8 ranks of a node with 64 GiB (8 GiB each). cpu/stage 0 needs 16e9 B
+    # of host per rank (> 8 GiB); stages 1 and 2 need 18 x 1.25e8 = 2.25e9 B and update an
+    # eighth of the params each: same bytes, stage 2 preferred (less traffic). nvme is last
+    # (and not offered for device params yet).
     kw = dict(world_size=8, device_memory="14GiB", host_memory="64GiB", nvme_capacity="10TiB")
     best, tried = cheapest_fitting(n, **kw)
-    assert (best.inputs["offload"], best.inputs["stage"]) == ("cpu", 1)
-    assert [(p.inputs["offload"], p.inputs["stage"]) for p in tried] == [("cpu", 0), ("cpu", 1)]
+    assert (best.inputs["offload"], best.inputs["stage"]) == ("cpu", 2)
+    assert [(p.inputs["offload"], p.inputs["stage"]) for p in tried] == [
+        ("cpu", 2), ("cpu", 1), ("cpu", 0), ("nvme", 2), ("nvme", 1), ("nvme", 0)]
+    # with rates, the step time orders them: stage 0 updates all 1e9 params on every rank
+    best, tried = cheapest_fitting(n, kernel_gparams=2.0, **kw)
+    assert tried[-4].inputs["stage"] == 0 and math.isclose(tried[-4].step_time_s, 0.5)
     best, _ = cheapest_fitting(n, world_size=1, device_memory="8GiB", host_memory="64GiB")
     assert (best.inputs["offload"], best.inputs["stage"]) == ("cpu", 0)
-    # fp32 CPU params, one rank, 12 GiB of host: none/cpu need 16e9 B (14.9 GiB); nvme needs
+    # fp32 CPU params, one rank, 12 GiB of host: cpu needs 16e9 B (14.9 GiB); nvme needs
     # params + grads 8e9 B + 1 GiB of pipeline buffers = 8.45 GiB
     cpu = dict(param_dtype="fp32", param_device="cpu", world_size=1)
     best, tried = cheapest_fitting(n, host_memory="12GiB", nvme_capacity="1TiB", **cpu)
     assert best.inputs["offload"] == "nvme"
-    assert [p.inputs["offload"] for p in tried] == ["none", "cpu", "nvme"]
+    assert [p.inputs["offload"] for p in tried] == ["cpu", "nvme"]
     best, tried = cheapest_fitting(n, host_memory="8GiB", **cpu)
-    assert best is None and len(tried) == 3             # none, cpu, nvme at stage 0 only
+    assert best is None and len(tried) == 2
 
 
 # --------------------------------------------------------------------------- inputs

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         if r is not None:
             print(f"rate {k}: {r.value:.3f} {r.unit} ({r.source})")
     if args.cheapest:
-        print("cheapest configuration that fits (order: none < cpu < nvme, lower stage first):")
+        print("configurations, cheapest first (host memory before disk, then step time, bytes, higher stage):")
         for c in tried:
             mark = "fits" if c.fits_all else "does not fit"
             t = c.step_time_s

@@ -557,28 +557,31 @@ def cheapest_fitting(
     offloads: Sequence[str] = _OFFLOADS,
     **kwargs: Any,
 ) -> Tuple[Optional[Plan], List[Plan]]:
-    """The first configuration that fits, in order of cost, and every candidate tried.
+    """The cheapest configuration that fits, and every candidate tried, cheapest first.
 
-    Cost order: keep states where they are (``none``) before moving them to host memory
-    (``cpu``) before streaming them from disk (``nvme``), each farther tier being slower;
-    within a tier, the lower stage first (fewer collectives, simpler). With one rank, stages
-    1 and 2 equal stage 0 and are skipped; for device params ``none`` is ``cpu`` in this
-    engine and is skipped in favour of that name.
+    Cost, in order: streaming states from disk (``nvme``) only when nothing in host memory
+    fits; then the predicted step time (without rates: the shard each rank updates, which
+    the kernel time follows); then the bytes held; then the higher stage (in this engine
+    stage 2 moves fewer bytes over the network than stage 1: a reduce-scatter instead of an
+    all-reduce before the same all-gather). ``none`` is left out when ``cpu`` is tried: this
+    engine keeps the fp32 states on the host either way, so the two are the same plan. With
+    one rank, stages 1 and 2 equal stage 0 and are skipped.
     """
     world = kwargs.get("world_size", 1)
-    device_params = str(kwargs.get("param_device") or "cuda").lower() != "cpu"
-    if isinstance(num_params, torch.nn.Module) and kwargs.get("param_device") is None:
-        first = next(iter(num_params.parameters()), None)
-        device_params = first is not None and first.device.type != "cpu"
     tried: List[Plan] = []
     for off in offloads:
-        if off == "none" and device_params and "cpu" in offloads:
-            continue  # the engine keeps device params' states on the host either way: say "cpu"
+        if off == "none" and "cpu" in offloads:
+            continue
         for st in stages:
             if st == 3 or (st > 0 and world == 1):
                 continue
-            p = estimate(num_params, stage=st, offload=off, **kwargs)
-            tried.append(p)
-            if p.fits_all:
-                return p, tried
-    return None, tried
+            tried.append(estimate(num_params, stage=st, offload=off, **kwargs))
+
+    def cost(p: Plan) -> Tuple[Any, ...]:
+        t = p.step_time_s
+        return (p.inputs["offload"] == "nvme", t if t is not None else p.inputs["shard_numel"],
+                sum(p.per_rank.values()), -p.inputs["stage"])
+
+    tried.sort(key=cost)
+    best = next((p for p in tried if p.fits_all), None)
+    return best, tried
