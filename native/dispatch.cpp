@@ -4,6 +4,7 @@
 // time (__builtin_cpu_supports / cpuid) which ISA unit may run.
 #include <atomic>
 #include <cerrno>
+#include <memory>
 #include <cmath>
 #include <cpuid.h>
 #include <thread>
@@ -59,7 +60,7 @@ bool valid_dtype(int dtype) { return dtype == OFFLOAD_F32 || dtype == OFFLOAD_F1
 
 // Work is cut into fixed blocks that threads claim from a shared counter, rather than one
 // static range per thread: on a shared machine (or beside the I/O threads of the swap
-// pipeline) a descheduled thread then delays one block, not half the step. The blocks do
+// pipeline) a slow or descheduled thread then delays one block, not half the step. The blocks do
 // not depend on the thread count, so per-block results (sum of squares) combine in the
 // same order whatever the thread count: results are reproducible.
 #ifndef OFFLOAD_BLOCK_ELEMS
@@ -69,37 +70,57 @@ constexpr int64_t kBlock = OFFLOAD_BLOCK_ELEMS;
 
 int64_t num_blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
-template <typename Fn>
-int parallel_blocks_impl(int64_t n, int threads, Fn &fn) {
-    const int64_t blocks = num_blocks(n);
+// Shared by the caller and its helper threads; heap-held so a helper that starts late
+// (after the caller returned) touches only this, never the caller's stack.
+struct BlockQueue {
     std::atomic<int64_t> next{0};
+    std::atomic<int> active{0};  // helpers inside drain(): the caller waits for them
     std::atomic<int> first_error{0};
-    auto worker = [&]() {
-        for (;;) {
-            int64_t blk = next.fetch_add(1, std::memory_order_relaxed);
-            if (blk >= blocks) return;
-            int64_t begin = blk * kBlock, end = begin + kBlock < n ? begin + kBlock : n;
-            int rc = fn(begin, end, blk);
-            if (rc != 0) {
-                int expected = 0;
-                first_error.compare_exchange_strong(expected, rc);
-            }
-        }
-    };
-    std::vector<std::thread> pool;
-    if (threads > 1) {
-        pool.reserve(threads - 1);
-        for (int t = 1; t < threads; ++t) {
-            try {
-                pool.emplace_back(worker);
-            } catch (...) {
-                break;  // fewer helpers: the blocks still all get done
-            }
+    int64_t blocks = 0;
+    int64_t n = 0;
+};
+
+template <typename Fn>
+void drain(BlockQueue &q, Fn &fn) {
+    for (;;) {
+        int64_t blk = q.next.fetch_add(1);
+        if (blk >= q.blocks) return;
+        int64_t begin = blk * kBlock, end = begin + kBlock < q.n ? begin + kBlock : q.n;
+        int rc = fn(begin, end, blk);
+        if (rc != 0) {
+            int expected = 0;
+            q.first_error.compare_exchange_strong(expected, rc);
         }
     }
-    worker();
-    for (auto &th : pool) th.join();
-    return first_error.load();
+}
+
+// Helpers are spawned per call and detached; the caller works too and, once no block is
+// left, waits only for helpers that claimed one. A helper the scheduler has not started
+// yet is not waited for: on a busy machine a new thread can wait a whole scheduling
+// period before its first run (measured here: 2 threads took 2x as long as 1 while the
+// caller waited to join an idle helper). A late helper finds no block, so it never calls
+// fn, and leaves. Ordering: a helper raises `active` before claiming (seq_cst), so a
+// helper that claimed a block is counted before the caller's last failed claim.
+template <typename Fn>
+int parallel_blocks_impl(int64_t n, int threads, Fn &fn) {
+    auto q = std::make_shared<BlockQueue>();
+    q->blocks = num_blocks(n);
+    q->n = n;
+    Fn *fp = &fn;
+    for (int t = 1; t < threads; ++t) {
+        try {
+            std::thread([q, fp] {
+                q->active.fetch_add(1);
+                drain(*q, *fp);
+                q->active.fetch_sub(1);
+            }).detach();
+        } catch (...) {
+            break;  // fewer helpers: the caller still does every block left
+        }
+    }
+    drain(*q, fn);
+    while (q->active.load() != 0) std::this_thread::yield();
+    return q->first_error.load();
 }
 
 int threads_for(int64_t n, int requested) {

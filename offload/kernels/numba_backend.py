@@ -10,6 +10,7 @@ Threads: numba's OpenMP layer would start a second OpenMP runtime beside torch's
 spinning (the trap of DeepSpeed issue #4687); unless the user chose a layer
 (NUMBA_THREADING_LAYER), this module selects numba's own "workqueue" pool. That pool does
 not accept concurrent launches from two Python threads, so launches are serialised by a lock.
+``num_threads`` is capped at numba's pool size (NUMBA_NUM_THREADS, the CPU count by default).
 fastmath is limited to {"contract"} (FMA): the flags that assume no NaN/Inf would break NaN
 propagation and the non-finite flag, and "arcp" would turn divisions into reciprocals.
 """
