@@ -10,12 +10,10 @@ from .estimate import (
     SWAP_SLOTS,
     Plan,
     cheapest_fitting,
-    count_params,
     estimate,
-    parse_count,
-    parse_dtype,
     zero_paper_bytes,
 )
+from .inputs import count_params, parse_count, parse_dtype
 from .hf_config import load_hf_config, params_from_hf_config
 from .rates import (
     DiskProbe,

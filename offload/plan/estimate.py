@@ -29,16 +29,14 @@ optimizer's own ``memory_report()``, so a drift between engine and plan fails a 
 """
 from __future__ import annotations
 
-import math
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .hf_config import params_from_hf_config
+from .inputs import dtype_name, nonneg_bytes, parse_dtype, positive_rate, resolve_params
 
 __all__ = [
     "Plan",
@@ -48,9 +46,6 @@ __all__ = [
     "COMPONENTS",
     "estimate",
     "cheapest_fitting",
-    "count_params",
-    "parse_count",
-    "parse_dtype",
     "zero_paper_bytes",
 ]
 
@@ -103,112 +98,6 @@ def swap_model(numel: int, nstates: int, max_host_bytes: Optional[int], sub_grou
         "disk_bytes": SWAP_SLOTS * layout.file_bytes,
         "nstates": nstates,
     }
-
-
-# --------------------------------------------------------------------------- input parsing
-
-_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
-_COUNT_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "b": 10 ** 9, "t": 10 ** 12}
-
-
-def parse_count(value: Union[int, str]) -> int:
-    """``"7.5B"`` -> 7_500_000_000, ``"125M"`` -> 125_000_000, ``42`` -> 42 (decimal units:
-    parameter counts are quoted in powers of ten)."""
-    if isinstance(value, bool):
-        raise ValueError(f"invalid parameter count: {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"parameter count must be >= 0, got {value}")
-        return value
-    if isinstance(value, float):
-        if value < 0 or not math.isfinite(value):
-            raise ValueError(f"parameter count must be a finite number >= 0, got {value}")
-        return int(round(value))
-    m = _COUNT_RE.match(str(value))
-    if not m:
-        if str(value).strip().startswith("-"):
-            raise ValueError(f"parameter count must be >= 0, got {value!r}")
-        raise ValueError(f"invalid parameter count: {value!r} (examples: 125M, 7.5B, 1e9)")
-    return int(round(float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]))
-
-
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "f32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "f16": torch.float16,
-}
-
-
-def parse_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
-    """A torch dtype or one of its names (``bf16``, ``fp16``, ``fp32`` ...); others: ValueError."""
-    if isinstance(value, torch.dtype):
-        if value not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"unsupported dtype {value}; expected float32, bfloat16 or float16")
-        return value
-    key = str(value).strip().lower().replace("torch.", "")
-    if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {value!r}; expected one of fp32, bf16, fp16 (or torch dtypes)")
-    return _DTYPES[key]
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).replace("torch.", "")
-
-
-def count_params(module: torch.nn.Module, trainable_only: bool = True) -> int:
-    """Parameters the optimizer would receive: each tensor once (tied weights count once)."""
-    seen = set()
-    total = 0
-    for p in module.parameters():
-        if trainable_only and not p.requires_grad:
-            continue
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += p.numel()
-    return total
-
-
-def _resolve_params(source: Any) -> Tuple[int, str, Optional[torch.nn.Module]]:
-    """(count, description, module or None) for an int, "7.5B", a Module or a config path."""
-    if isinstance(source, torch.nn.Module):
-        return count_params(source), f"{type(source).__name__} module", source
-    if isinstance(source, (int, float)) and not isinstance(source, bool):
-        n = parse_count(source)
-        return n, f"{n:,} params", None
-    if isinstance(source, (str, os.PathLike)):
-        text = os.fspath(source)
-        if _COUNT_RE.match(text) or text.strip().startswith("-"):
-            n = parse_count(text)
-            return n, f"{n:,} params", None
-        if not os.path.exists(text) and os.sep not in text and not text.endswith(".json"):
-            raise ValueError(f"invalid parameter count: {text!r} (examples: 125M, 7.5B, 1e9; or a config.json path)")
-        n = params_from_hf_config(text)
-        return n, f"{text} ({n:,} params)", None
-    raise ValueError(f"num_params must be a count, a torch.nn.Module or a config.json path, got {type(source).__name__}")
-
-
-def _nonneg_bytes(name: str, value: Any) -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        from offload.config import parse_bytes
-        value = parse_bytes(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{name} must be a byte count >= 0, got {value!r}")
-    return int(value)
-
-
-def _positive_rate(name: str, value: Any) -> Optional[float]:
-    if value is None:
-        return None
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive number, got {value!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return v
 
 
 # --------------------------------------------------------------------------- the paper
@@ -355,7 +244,7 @@ def estimate(
     ``lowp_buffers``: ``"shard"`` (one host buffer for the rank's whole shard of fp16/bf16
     params, the default) or ``"none"``.
     """
-    n, source_desc, module = _resolve_params(num_params)
+    n, source_desc, module = resolve_params(num_params)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
@@ -390,9 +279,9 @@ def estimate(
     pb = torch.tensor([], dtype=pdt).element_size()
     gb = torch.tensor([], dtype=gdt).element_size()
 
-    dev_mem = _nonneg_bytes("device_memory", device_memory)
-    host_mem = _nonneg_bytes("host_memory", host_memory)
-    mhb = _nonneg_bytes("max_host_bytes", max_host_bytes)
+    dev_mem = nonneg_bytes("device_memory", device_memory)
+    host_mem = nonneg_bytes("host_memory", host_memory)
+    mhb = nonneg_bytes("max_host_bytes", max_host_bytes)
     if mhb is not None and mhb == 0:
         raise ValueError(f"max_host_bytes must be > 0, got {max_host_bytes!r}")
     if sub_group_size is not None and (isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size <= 0):
@@ -401,16 +290,16 @@ def estimate(
         ranks_per_node = min(world_size, 8)
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
-    nvme_cap = _nonneg_bytes("nvme_capacity", nvme_capacity)
+    nvme_cap = nonneg_bytes("nvme_capacity", nvme_capacity)
     if nvme_cap is None and swap_dir is not None:
         try:
             nvme_cap = shutil.disk_usage(os.fspath(swap_dir)).free
         except FileNotFoundError:
             raise FileNotFoundError(2, "swap directory does not exist", os.fspath(swap_dir)) from None
-    kg = _positive_rate("kernel_gparams", kernel_gparams)
-    dg = _positive_rate("disk_gbps", disk_gbps)
-    rg = _positive_rate("disk_read_gbps", disk_read_gbps) or dg
-    wg = _positive_rate("disk_write_gbps", disk_write_gbps) or dg
+    kg = positive_rate("kernel_gparams", kernel_gparams)
+    dg = positive_rate("disk_gbps", disk_gbps)
+    rg = positive_rate("disk_read_gbps", disk_read_gbps) or dg
+    wg = positive_rate("disk_write_gbps", disk_write_gbps) or dg
 
     notes: List[str] = []
     problems: List[str] = []
@@ -533,8 +422,8 @@ def estimate(
         "offload": offload,
         "optimizer": opt,
         "k": k,
-        "param_dtype": _dtype_name(pdt),
-        "grad_dtype": _dtype_name(gdt),
+        "param_dtype": dtype_name(pdt),
+        "grad_dtype": dtype_name(gdt),
         "param_device": pdev,
         "cuda": bool(cuda),
         "ranks_per_node": ranks_per_node,
