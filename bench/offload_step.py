@@ -15,6 +15,13 @@ rank's step time and state bytes against one rank.
 
     python bench/offload_step.py --numel 100000000 --steps 7 --threads 2 --ranks 2
 
+``--gpu`` instead runs the GPU check (bench/gpu_check.sh): bf16 params on CUDA whose fp32
+Adam states exceed ``--device-budget``, trained with ``offload="cpu"``; step time with the
+side streams (overlap) against the same step with synchronous copies, interleaved, plus
+the profiler's summary of the stream timeline of one overlapped step.
+
+    python bench/offload_step.py --gpu --width 8192 --layers 8 --device-budget 4GiB
+
 Prints a table and a final JSON line.
 """
 from __future__ import annotations
@@ -144,13 +151,102 @@ def _ranks(world, numel, threads, steps):
     return out
 
 
+def gpu_main(args) -> int:
+    from offload.config import parse_bytes
+
+    dev = torch.device("cuda")
+    budget = parse_bytes(args.device_budget)
+    layers = [torch.nn.Linear(args.width, args.width, device=dev, dtype=torch.bfloat16) for _ in range(args.layers)]
+    model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.GELU())])
+    numel = sum(p.numel() for p in model.parameters())
+    state_bytes = 12 * numel  # fp32 master + exp_avg + exp_avg_sq
+    print(f"GPU {torch.cuda.get_device_name(dev)}; params {numel / 1e6:.0f}M bf16 = {2 * numel / 2**30:.2f} GiB; "
+          f"fp32 Adam states {state_bytes / 2**30:.2f} GiB vs device budget {budget / 2**30:.2f} GiB "
+          f"({'exceeds' if state_bytes > budget else 'DOES NOT exceed'} it)")
+    threads = args.threads or os.cpu_count()
+    t0 = time.perf_counter()
+    opt = offload.AdamW(model.parameters(), offload="cpu", num_threads=threads, **HP)
+    print(f"optimizer set up in {time.perf_counter() - t0:.1f} s (host buffers allocated and pinned); "
+          f"kernel backend {get_backend().name}, {threads} threads")
+    x = torch.randn(args.batch, args.width, device=dev, dtype=torch.bfloat16)
+
+    def one(overlap: bool) -> float:
+        FlatState.overlap = overlap
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(x).float().pow(2).mean().backward()  # hooks copy grads to the host meanwhile
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    torch.cuda.reset_peak_memory_stats(dev)
+    times = {True: [], False: []}
+    for i in range(2 + args.steps):
+        for ov in (True, False):
+            dt = one(ov)
+            if i >= 2:
+                times[ov].append(dt)
+    FlatState.overlap = True
+    peak = torch.cuda.max_memory_allocated(dev)
+    med = {("overlap" if k else "sync"): statistics.median(v) for k, v in times.items()}
+    print(f"{'mode':<10}{'s/step':>10}{'Gparam/s':>10}")
+    for k, v in med.items():
+        print(f"{k:<10}{v:>10.4f}{numel / v / 1e9:>10.2f}")
+    print(f"overlap speed-up {med['sync'] / med['overlap']:.2f}x; peak device memory {peak / 2**30:.2f} GiB "
+          f"(budget {budget / 2**30:.2f} GiB: {'within' if peak <= budget else 'OVER'})")
+    stats = opt.step_stats()
+    print("last step phases (s): " + ", ".join(f"{k}={v:.4f}" for k, v in stats["last"].items()))
+    print("memory_report:", json.dumps(opt.memory_report()))
+    timeline = None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            one(True)
+        rows = {}
+        for ev in prof.events():
+            dev_t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0) or 0
+            if dev_t <= 0:
+                continue
+            name = ev.name
+            kind = "memcpy HtoD" if "HtoD" in name else "memcpy DtoH" if "DtoH" in name else "compute"
+            r = rows.setdefault(kind, [0, 0.0])
+            r[0] += 1
+            r[1] += dev_t / 1e6
+        print("stream timeline of one overlapped step (device time by kind):")
+        for k, (n, t) in sorted(rows.items()):
+            print(f"  {k:<12} {n:>6} ops {t:>9.4f} s")
+        timeline = {k: {"ops": n, "s": t} for k, (n, t) in rows.items()}
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    except Exception as exc:  # the profiler is a nice-to-have here; the timings above stand
+        print(f"profiler unavailable: {type(exc).__name__}: {exc}")
+    opt.close()
+    print(json.dumps({"bench": "offload_step_gpu", "numel": numel, "median_s": med, "peak_device_bytes": peak,
+                      "budget_bytes": budget, "state_bytes": state_bytes, "timeline": timeline,
+                      "speedup_overlap": med["sync"] / med["overlap"]}))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=100_000_000)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ranks", type=int, default=2, help="also run partitioned over this many gloo ranks (1: skip)")
+    ap.add_argument("--gpu", action="store_true", help="run the GPU check instead (see the docstring)")
+    ap.add_argument("--width", type=int, default=8192)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--device-budget", default="4GiB")
     args = ap.parse_args()
+    if args.gpu:
+        if not torch.cuda.is_available():
+            print("--gpu: torch sees no CUDA device", file=sys.stderr)
+            return 2
+        if args.threads == 2:
+            args.threads = 0  # default on a GPU box: every core
+        return gpu_main(args)
     torch.set_num_threads(args.threads)
     contenders = [Kernel(args.numel, args.threads), Flat(args.numel, args.threads, hook=False),
                   Flat(args.numel, args.threads, hook=True)]

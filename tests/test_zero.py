@@ -1,8 +1,9 @@
 """ZeRO partitioning on the CPU: flat layouts, and gloo ranks spawned by the test.
 
-Spawning processes that import torch costs seconds, so each world size gets one pool of
-worker processes for the module (``Workers``): they join a gloo group once and then run the
-jobs the tests send them (module-level functions named ``job_*``); results come back as
+Spawning processes that import torch costs seconds, so the module starts one pool of three
+worker processes (``Workers``): they join a gloo group once, make a sub-group of ranks 0-1
+(which also exercises ``process_group=``), and then run the jobs the tests send them
+(module-level functions named ``job_*``, on a world of 2 or 3); results come back as
 tensors. References run in the test process: ``torch.optim.AdamW`` on the *global* batch in
 fp32, or (for bf16 params, whose rounding would amplify any 1e-7 difference) step-locked
 in the workers on exactly the grads the model produced.
@@ -118,14 +119,17 @@ def _reference(steps, *, accumulate=1, max_grad_norm=None, overflow_at=None, sta
 
 
 # ---------------------------------------------------------------------- jobs (run on every rank)
-def _local(step, micro):
+_GROUPS = {}  # world size -> process group, made by each worker at start
+
+
+def _local(step, micro, group):
     x, y = _batch(step, micro)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = GLOBAL_BATCH // world
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def job_train(stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, bucket=None,
+def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, bucket=None,
               start_sd=None, start_model=None, first_step=0):
     from offload.optim.flat_state import FlatState
 
@@ -134,13 +138,13 @@ def job_train(stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, 
     model = _model()
     if start_model is not None:
         model.load_state_dict(start_model)
-    opt = offload.AdamW(model.parameters(), stage=stage, max_grad_norm=max_grad_norm, **HP)
+    opt = offload.AdamW(model.parameters(), stage=stage, max_grad_norm=max_grad_norm, process_group=group, **HP)
     if start_sd is not None:
         opt.load_state_dict(start_sd)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if overflow_at is not None else None
     for step in range(first_step, first_step + steps):
         for micro in range(accumulate):
-            x, y = _local(step, micro)
+            x, y = _local(step, micro, group)
             loss = _loss(model, x, y)
             if scaler is not None:
                 if step == overflow_at:
@@ -160,23 +164,23 @@ def job_train(stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, 
             "skipped": opt.skipped_steps, "report": report}
 
 
-def job_bf16_locked(stage, steps):
+def job_bf16_locked(group, stage, steps):
     """bf16 params; a reference AdamW on fp32 masters fed the exact averaged grads each step."""
     model = _model(torch.bfloat16)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in params]
     ref = torch.optim.AdamW(masters, foreach=False, **HP)
-    opt = offload.AdamW(params, stage=stage, **HP)
-    world = dist.get_world_size()
+    opt = offload.AdamW(params, stage=stage, process_group=group, **HP)
+    world = dist.get_world_size(group)
     worst = 0.0
     for step in range(steps):
-        x, y = _local(step, 0)
+        x, y = _local(step, 0, group)
         _loss(model, x, y).backward()
         for p, m in zip(params, masters):
             if p.grad is None:
                 continue
             parts = [torch.empty(p.shape) for _ in range(world)]
-            dist.all_gather(parts, p.grad.float())
+            dist.all_gather(parts, p.grad.float(), group=group)
             m.grad = torch.stack(parts).sum(0) / world
         ref.step()
         opt.step()
@@ -193,14 +197,14 @@ def job_bf16_locked(stage, steps):
     return {"worst": worst, "sd_keys": sorted(sd["state"][0])}
 
 
-def job_local_overflow():
+def job_local_overflow(group):
     """An overflow on rank 0 only: every rank must skip the step."""
     model = _model()
-    opt = offload.AdamW(model.parameters(), **HP)
+    opt = offload.AdamW(model.parameters(), process_group=group, **HP)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     before = [p.detach().clone() for p in model.parameters()]
-    x, y = _local(0, 0)
-    loss = _loss(model, x, y) * (float("inf") if dist.get_rank() == 0 else 1.0)
+    x, y = _local(0, 0, group)
+    loss = _loss(model, x, y) * (float("inf") if dist.get_rank(group) == 0 else 1.0)
     scaler.scale(loss).backward()
     scaler.step(opt)
     same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -211,19 +215,28 @@ def job_local_overflow():
 def _worker(rank, world, port, inq, outq):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _GROUPS[world] = None  # the default group
+    _GROUPS[2] = dist.new_group([0, 1])  # collective: every rank takes part
     while True:
         job = inq.get()
         if job is None:
             break
-        name, kwargs = job
+        name, world_size, kwargs = job
         # Tensors from the queue live in shared memory, mapped by every rank: private copies,
         # or every rank would increment the same "step" tensors of a loaded state_dict.
         kwargs = copy.deepcopy(kwargs)
         try:
-            outq.put((rank, True, globals()[name](**kwargs)))
+            if rank >= world_size:  # not in this job's group
+                outq.put((rank, True, None))
+                continue
+            outq.put((rank, True, globals()[name](group=_GROUPS[world_size], **kwargs)))
         except BaseException:  # report every failure to the test, keep serving
             outq.put((rank, False, traceback.format_exc()))
-    # No destroy_process_group(): its barrier costs seconds; the process exits right after.
+    # No destroy_process_group() nor interpreter teardown (gloo's destructors wait for the
+    # peers): nothing is left to flush, so leave at once.
+    outq.close()
+    outq.join_thread()
+    os._exit(0)
 
 
 class Workers:
@@ -240,16 +253,17 @@ class Workers:
         for p in self.procs:
             p.start()
 
-    def run(self, name: str, **kwargs):
+    def run(self, name: str, world: int, **kwargs):
+        """Run job ``name`` on ranks 0..world-1 (world 2 or 3); their results, by rank."""
         for q in self.inq:
-            q.put((name, kwargs))
+            q.put((name, world, kwargs))
         out = {}
         for _ in range(self.world):
             rank, ok, value = self.outq.get(timeout=120)
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             out[rank] = value
-        return [out[r] for r in range(self.world)]
+        return [out[r] for r in range(world)]
 
     def close(self) -> None:
         for q in self.inq:
@@ -261,18 +275,11 @@ class Workers:
 
 
 @pytest.fixture(scope="module")
-def pools():
+def pool():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    made = {}
-
-    def get(world):
-        if world not in made:
-            made[world] = Workers(world)
-        return made[world]
-
-    yield get
-    for w in made.values():
-        w.close()
+    w = Workers(3)
+    yield w
+    w.close()
 
 
 def _assert_params(got, ref_model):
@@ -282,9 +289,9 @@ def _assert_params(got, ref_model):
 
 # ---------------------------------------------------------------------- distributed tests
 @pytest.mark.parametrize("world,stage", [(2, 1), (2, 2), (3, 2)])
-def test_partitioned_fp32_matches_torch_adamw_on_global_batch(pools, world, stage):
+def test_partitioned_fp32_matches_torch_adamw_on_global_batch(pool, world, stage):
     # Buckets of 1000 elements per rank: several per step, params straddling them and the shards.
-    res = pools(world).run("job_train", stage=stage, steps=STEPS, accumulate=2, max_grad_norm=1.0, bucket=1000)
+    res = pool.run("job_train", world, stage=stage, steps=STEPS, accumulate=2, max_grad_norm=1.0, bucket=1000)
     ref, _ = _reference(STEPS, accumulate=2, max_grad_norm=1.0)
     for r in res:
         _assert_params(r["params"], ref)
@@ -294,26 +301,26 @@ def test_partitioned_fp32_matches_torch_adamw_on_global_batch(pools, world, stag
     assert all(abs(s - 12 * total / world) <= 12 * world for s in states)
 
 
-def test_grad_scaler_overflow_on_every_rank_skips_together(pools):
-    res = pools(2).run("job_train", stage=2, steps=6, overflow_at=2)
+def test_grad_scaler_overflow_on_every_rank_skips_together(pool):
+    res = pool.run("job_train", 2, stage=2, steps=6, overflow_at=2)
     ref, _ = _reference(6, overflow_at=2)
     for r in res:
         assert r["skipped"] == 1
         _assert_params(r["params"], ref)
 
 
-def test_overflow_on_one_rank_skips_on_all(pools):
-    res = pools(2).run("job_local_overflow")
+def test_overflow_on_one_rank_skips_on_all(pool):
+    res = pool.run("job_local_overflow", 2)
     assert all(r["skipped"] and r["unchanged"] for r in res)
 
 
-def test_bf16_params_partitioned_match_fp32_master_reference(pools):
-    res = pools(3).run("job_bf16_locked", stage=2, steps=8)
+def test_bf16_params_partitioned_match_fp32_master_reference(pool):
+    res = pool.run("job_bf16_locked", 3, stage=2, steps=8)
     assert res[0]["sd_keys"] == ["exp_avg", "exp_avg_sq", "master", "step"]
 
 
-def test_checkpoint_from_2_ranks_loads_into_3_ranks_1_rank_and_torch(pools):
-    first = pools(2).run("job_train", stage=2, steps=5)
+def test_checkpoint_from_2_ranks_loads_into_3_ranks_1_rank_and_torch(pool):
+    first = pool.run("job_train", 2, stage=2, steps=5)
     sd, params = first[0]["sd"], first[0]["params"]
     # state_dict() is full and identical on every rank.
     for k, st in first[1]["sd"]["state"].items():
@@ -330,7 +337,7 @@ def test_checkpoint_from_2_ranks_loads_into_3_ranks_1_rank_and_torch(pools):
     ref, _ = _reference(5, start_sd=sd, start_model=params, first_step=5)  # torch.optim.AdamW loads it
     full, _ = _reference(10)
     _assert_params(ref.state_dict(), full)
-    third = pools(3).run("job_train", stage=2, steps=5, start_sd=sd, start_model=params, first_step=5)
+    third = pool.run("job_train", 3, stage=2, steps=5, start_sd=sd, start_model=params, first_step=5)
     for r in third:
         _assert_params(r["params"], ref)
     # One process (no process group): offload.AdamW on fp32 CPU params.

@@ -69,7 +69,7 @@ _LOWP = (torch.float16, torch.bfloat16)
 class _FlatGroup:
     """The params of one (device, dtype), this rank's shard of their fp32 states, and buffers."""
 
-    def __init__(self, params: List[torch.Tensor], *, world: int, rank: int, pool: BufferPool,
+    def __init__(self, params: List[torch.Tensor], *, world: int, rank: int, pools: Tuple[BufferPool, BufferPool],
                  comm_dev: torch.device, bucket_numel: int, need_host_grad: bool) -> None:
         self.params = params
         self.device = params[0].device
@@ -77,20 +77,23 @@ class _FlatGroup:
         self.lowp = self.dtype in _LOWP
         self.layout = FlatLayout([p.numel() for p in params], world, rank)
         self.world, self.rank = world, rank
-        self._pool = pool
+        # (pageable, pinned): only what a DMA engine reads or writes is pinned (grad copies,
+        # staging, an fp32 master that is copied to the device); moments never leave the host.
+        self._pools = pools
+        cuda = self.device.type == "cuda"
         self._bufs = []
         S = self.layout.shard
         start, _ = self.layout.shard_range()
-        self.master = self._tensor(torch.float32, S)
+        self.master = self._tensor(torch.float32, S, pinned=cuda and not self.lowp)
         self.exp_avg = self._tensor(torch.float32, S).zero_()
         self.exp_avg_sq = self._tensor(torch.float32, S).zero_()
         self.refresh_master()
         # Destination of grad copies (one rank, hook path): the whole flat range, own dtype.
-        self.host_grad = self._tensor(self.dtype, self.layout.total) if need_host_grad else None
+        self.host_grad = self._tensor(self.dtype, self.layout.total, pinned=cuda) if need_host_grad else None
         # Staging of updated low-precision params on their way to the device (one rank, CUDA).
         self.stage = None
         if world == 1 and self.device.type == "cuda" and self.lowp:
-            self.stage = self._tensor(self.dtype, S)
+            self.stage = self._tensor(self.dtype, S, pinned=True)
         self.gshard = self.lowp_shard = None
         self.send = self.gather = self.rs_out = None
         if world > 1:
@@ -108,12 +111,13 @@ class _FlatGroup:
         # Hook path bookkeeping: per param, (weakref to the grad copied, its _version).
         self.grad_tag: List[Optional[Tuple[Any, int]]] = [None] * len(params)
 
-    def _tensor(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    def _tensor(self, dtype: torch.dtype, numel: int, pinned: bool = False) -> torch.Tensor:
         if numel == 0:
             return torch.empty(0, dtype=dtype)
         size = torch.empty(0, dtype=dtype).element_size()
-        buf = self._pool.acquire(numel * size)
-        self._bufs.append(buf)
+        pool = self._pools[1] if pinned else self._pools[0]
+        buf = pool.acquire(numel * size)
+        self._bufs.append((pool, buf))
         return buf.tensor(dtype, numel)
 
     # -- views ------------------------------------------------------------------------------
@@ -147,8 +151,8 @@ class _FlatGroup:
         for name in ("master", "exp_avg", "exp_avg_sq", "host_grad", "stage", "gshard", "lowp_shard",
                      "send", "gather", "rs_out"):
             setattr(self, name, None)
-        for buf in self._bufs:
-            self._pool.release(buf)
+        for pool, buf in self._bufs:
+            pool.release(buf)
         self._bufs = []
 
 
@@ -188,7 +192,8 @@ class FlatState:
         self._sub_user = opt.config.sub_group_size
         self._sub = opt.config.sub_group_size or self.default_sub_group
         self._comm_dev = comm.comm_device(process_group) if world > 1 else torch.device("cpu")
-        self._pool = BufferPool(name=f"flat-state:{id(self):x}")
+        self._pools = (BufferPool(pin=False, name=f"flat-state:{id(self):x}"),
+                       BufferPool(name=f"flat-state-pinned:{id(self):x}"))  # pinned when CUDA is present
         self._groups: List[_FlatGroup] = []
         self._where: Dict[torch.Tensor, Tuple[_FlatGroup, int]] = {}
         self._order: List[torch.Tensor] = []  # every param, in param_groups order
@@ -222,7 +227,7 @@ class FlatState:
             keys.setdefault((p.device, p.dtype), []).append(p)
         for (device, _), members in keys.items():
             hook_path = self.world == 1 and (device.type == "cuda" or self.copy_cpu_grads)
-            fg = _FlatGroup(members, world=self.world, rank=self.rank, pool=self._pool,
+            fg = _FlatGroup(members, world=self.world, rank=self.rank, pools=self._pools,
                             comm_dev=self._comm_dev, bucket_numel=self.bucket_numel,
                             need_host_grad=hook_path)
             self._groups.append(fg)
@@ -576,7 +581,7 @@ class FlatState:
             else:
                 host["grads"] += nb["comm"]
         total = sum(host.values())
-        pinned = total if self._pool.pin else 0
+        pinned = sum(buf.nbytes for fg in self._groups for pool, buf in fg._bufs if pool.pin)
         return {"device": device, "pinned": pinned, "pageable": total - pinned, "nvme": 0,
                 "state_bytes": host["states"], "grad_bytes": host["grads"], "lowp_bytes": host["lowp"],
                 "world": self.world, "rank": self.rank, "stage": self.stage,
@@ -597,7 +602,8 @@ class FlatState:
         self._groups = []
         self._stash = {}
         try:
-            self._pool.close()
+            for pool in self._pools:
+                pool.close()
         except BufferError as exc:  # a caller still holds a view; the OS reclaims it at exit
             log.warning("flat store: %s", exc)
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# GPU check for the offload library, in under 8 minutes on one CUDA GPU (made for an H200):
+#   1. versions (python, torch, CUDA, GPU, kernel backend);
+#   2. the CUDA-marked tests (tests/test_cuda.py: streams, hooks, copies, vs torch.optim.AdamW);
+#   3. a short benchmark: bf16 params whose fp32 Adam states exceed a device-memory budget,
+#      offload="cpu", step time with overlapping side streams vs synchronous copies, and the
+#      profiler's stream timeline summary (bench/offload_step.py --gpu).
+# Usage: bash bench/gpu_check.sh [extra args for bench/offload_step.py --gpu]
+# Environment: it reuses .venv if its torch sees CUDA (else .venv-gpu, else python3); only when
+# none does it pip-installs torch into .venv-gpu (which needs network access).
+# Every stage runs under its own timeout and the script goes on after a failure, so one run
+# prints everything there is to see; the exit status is the number of failed stages.
+set -u
+cd "$(dirname "$0")/.."
+fails=0
+say() { printf '\n== %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
+
+has_cuda_torch() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
+
+PY=""
+for cand in .venv/bin/python .venv-gpu/bin/python python3; do
+  if command -v "$cand" >/dev/null 2>&1 && has_cuda_torch "$cand"; then PY="$cand"; break; fi
+done
+if [ -z "$PY" ]; then
+  # A CPU-only torch (the .venv of a CPU machine) is left alone: the CUDA build goes into its
+  # own venv; PyPI's default torch wheel for Linux x86-64 is the CUDA one.
+  say "no python with CUDA torch found: pip install torch into .venv-gpu"
+  [ -x .venv-gpu/bin/python ] || python3 -m venv --system-site-packages .venv-gpu \
+    || { echo "cannot create .venv-gpu"; exit 99; }
+  PY=.venv-gpu/bin/python
+  timeout 300 "$PY" -m pip install -q torch numpy pytest || echo "pip install torch failed (no network?)"
+  has_cuda_torch "$PY" || { echo "torch still has no CUDA here; nothing more to check"; exit 98; }
+fi
+"$PY" -c 'import torch; print("using", __import__("sys").executable, "torch", torch.__version__)'
+# Python deps of the package itself, only where missing (offline machines keep what they have).
+"$PY" -c 'import numpy, pytest' >/dev/null 2>&1 || timeout 120 "$PY" -m pip install -q numpy pytest \
+  || echo "pip install numpy pytest failed"
+if [ ! -f offload/kernels/liboffload_native.so ]; then
+  say "building the native kernels (pip install -e .)"
+  timeout 180 "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
+    || echo "native build failed: the numba or torch backend will run (slower CPU step)"
+fi
+
+say "versions"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi unavailable"
+PYTHONPATH=. timeout 60 "$PY" - <<'EOF' || fails=$((fails + 1))
+import os, platform, sys, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "cudnn", torch.backends.cudnn.version())
+print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0),
+      f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB", "cpus", os.cpu_count())
+from offload.kernels import backend_status, get_backend
+print("kernel backend", get_backend().name, backend_status())
+EOF
+
+say "CUDA-marked tests"
+PYTHONPATH=. timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py || fails=$((fails + 1))
+
+say "GPU benchmark: offload='cpu', overlap vs synchronous copies"
+PYTHONPATH=. timeout 240 "$PY" bench/offload_step.py --gpu "$@" || fails=$((fails + 1))
+
+say "done: $fails failed stage(s)"
+exit "$fails"
