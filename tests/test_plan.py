@@ -455,6 +455,16 @@ def test_cli_json_schema_is_stable():
     assert math.isclose(doc["step"]["step_time_s"], 2 * 12e9 / 2.5e9, rel_tol=1e-5)
 
 
+def test_cli_host_memory_auto_reads_this_machine():
+    with open("/proc/meminfo") as fh:
+        total = next(int(l.split()[1]) * 1024 for l in fh if l.startswith("MemTotal:"))
+    rc, out, _ = _cli("plan", "--params", "1M", "--host-memory", "auto", "--kernel-gparams", "1", "--json")
+    assert rc == 0 and json.loads(out)["capacity"]["host"] == total
+    if not torch.cuda.is_available():
+        rc, _, err = _cli("plan", "--params", "1M", "--device-memory", "auto", "--kernel-gparams", "1")
+        assert rc == 1 and "no CUDA device" in err
+
+
 def test_cli_json_cheapest():
     rc, out, _ = _cli("plan", "--params", "1B", "--device-memory", "8GiB", "--host-memory", "64GiB",
                       "--kernel-gparams", "2", "--disk-gbps", "2", "--cheapest", "--json")

@@ -35,8 +35,8 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--grad-dtype", default=None, help="default: the param dtype")
     p.add_argument("--optimizer", default="adamw", help="adam or adamw (default adamw)")
     p.add_argument("--param-device", default="cuda", help="where the params live: cuda or cpu (default cuda)")
-    p.add_argument("--device-memory", help="memory per accelerator, e.g. 80GiB")
-    p.add_argument("--host-memory", help="host memory per node, e.g. 512GiB")
+    p.add_argument("--device-memory", help="memory per accelerator, e.g. 80GiB, or 'auto' (this machine's GPU 0)")
+    p.add_argument("--host-memory", help="host memory per node, e.g. 512GiB, or 'auto' (this machine's MemTotal)")
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a node (default min(N_d, 8))")
     p.add_argument("--max-host-bytes", help="bound on the swap pipeline's host buffers (default 1GiB)")
     p.add_argument("--sub-group-size", type=int, default=None, help="elements per swapped sub-group")
@@ -91,6 +91,26 @@ def _rates(args: argparse.Namespace, need_kernel: bool, need_disk: bool) -> Dict
     return out
 
 
+def _auto_memory(flag: str, value: Optional[str]) -> Optional[str]:
+    """``auto``: this machine's capacity (GPU 0's memory, or MemTotal from /proc/meminfo)."""
+    if value is None or str(value).lower() != "auto":
+        return value
+    if flag == "device":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device-memory auto: torch sees no CUDA device on this machine; give a size")
+        return str(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return str(int(line.split()[1]) * 1024)
+    except OSError as exc:
+        raise OSError(exc.errno, f"--host-memory auto: cannot read MemTotal ({exc.strerror})", "/proc/meminfo") from None
+    raise ValueError("--host-memory auto: no MemTotal line in /proc/meminfo; give a size")
+
+
 def _plan_kwargs(args: argparse.Namespace, rates: Dict[str, Any]) -> Dict[str, Any]:
     return dict(
         world_size=args.world_size,
@@ -98,8 +118,8 @@ def _plan_kwargs(args: argparse.Namespace, rates: Dict[str, Any]) -> Dict[str, A
         grad_dtype=args.grad_dtype,
         optimizer=args.optimizer,
         param_device=args.param_device,
-        device_memory=args.device_memory,
-        host_memory=args.host_memory,
+        device_memory=_auto_memory("device", args.device_memory),
+        host_memory=_auto_memory("host", args.host_memory),
         ranks_per_node=args.ranks_per_node,
         max_host_bytes=args.max_host_bytes,
         sub_group_size=args.sub_group_size,
