@@ -632,3 +632,14 @@ def test_plan_then_run_bf16_cpu_params_flat_store():
         opt.close()
     for tier in TIERS:
         assert abs(got[tier] - plan.optimizer_bytes[tier]) <= 0.05 * plan.optimizer_bytes[tier], (tier, got)
+
+
+def test_cli_swap_dir_probes_the_disk_and_takes_its_free_space(tmp_path):
+    rc, out, err = _cli("plan", "--params", "10M", "--param-device", "cpu", "--param-dtype", "fp32",
+                        "--offload", "nvme", "--swap-dir", str(tmp_path), "--kernel-gparams", "1", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["rates"]["disk_read"]["source"].startswith("probe:") and doc["rates"]["disk_read"]["value"] > 0
+    assert doc["step"]["step_time_s"] is not None
+    assert doc["capacity"]["nvme"] > 0 and doc["fits"]["nvme"] is True
+    assert list(tmp_path.iterdir()) == []              # the probe file is gone
