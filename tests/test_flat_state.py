@@ -198,3 +198,19 @@ def test_sub_groups_split_large_params(monkeypatch):
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a._store.master(p), b._store.master(q))
         assert math.isfinite(float(p.float().sum()))
+
+
+def test_save_and_load_checkpoint_one_rank(monkeypatch, tmp_path):
+    model, opt, _, _ = _train(monkeypatch, steps=3, accumulate=1)
+    opt.save_checkpoint(str(tmp_path))
+    twin = _model(torch.bfloat16, seed=9)  # other values: the checkpoint restores them
+    opt2 = offload.AdamW(twin.parameters(), lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
+    opt2.param_groups[0]["lr"] = opt.param_groups[0]["lr"]
+    opt2.load_checkpoint(str(tmp_path))
+    x = torch.randn(5, 17).bfloat16()
+    for m, o in ((model, opt), (twin, opt2)):
+        m(x, True).float().sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(opt._store.master(p), opt2._store.master(q))
+        assert torch.equal(p, q)

@@ -130,7 +130,7 @@ def _local(step, micro, group):
 
 
 def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, bucket=None,
-              start_sd=None, start_model=None, first_step=0):
+              start_sd=None, start_model=None, first_step=0, save_dir=None, load_dir=None):
     from offload.optim.flat_state import FlatState
 
     if bucket is not None:
@@ -141,6 +141,8 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
     opt = offload.AdamW(model.parameters(), stage=stage, max_grad_norm=max_grad_norm, process_group=group, **HP)
     if start_sd is not None:
         opt.load_state_dict(start_sd)
+    if load_dir is not None:
+        opt.load_checkpoint(load_dir)  # masters, moments, steps, and the params themselves
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if overflow_at is not None else None
     for step in range(first_step, first_step + steps):
         for micro in range(accumulate):
@@ -157,6 +159,8 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
         else:
             opt.step()
         opt.zero_grad()
+    if save_dir is not None:
+        opt.save_checkpoint(save_dir)
     sd = opt.state_dict()
     report = opt.memory_report()
     opt.close()
@@ -352,3 +356,15 @@ def test_checkpoint_from_2_ranks_loads_into_3_ranks_1_rank_and_torch(pool):
         opt.zero_grad()
     _assert_params(model.state_dict(), ref)
 
+
+
+def test_save_checkpoint_2_ranks_load_checkpoint_3_ranks(pool, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    pool.run("job_train", 2, stage=2, steps=5, save_dir=ckpt)
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rank1"]
+    ref, _ = _reference(10)
+    # A fresh model (other initial values): load_checkpoint restores the params too.
+    third = pool.run("job_train", 3, stage=1, steps=5, load_dir=ckpt, first_step=5,
+                     start_model=_model(seed=7).state_dict())
+    for r in third:
+        _assert_params(r["params"], ref)

@@ -568,6 +568,76 @@ class FlatState:
             if st is not None:
                 st.pop("master", None)
 
+    # ------------------------------------------------------------------ checkpoints
+    # [Note: flat checkpoints] save_checkpoint(DIR) writes, per rank, DIR/rank<r>/ with that
+    # rank's shards of master, exp_avg and exp_avg_sq (the swap layer's streamed checkpoint
+    # format, offload.swap.checkpoint.save_tensors) and a meta block with the world size,
+    # the numels of each flat group and every param's step. load_checkpoint(DIR) on M ranks
+    # reads the N shards back through the same FlatLayout arithmetic and keeps, on each
+    # rank, the intersection with its new shard: N -> M with no gather and no full copy.
+    def _ckpt_meta(self) -> Dict[str, Any]:
+        opt = self._opt()
+        steps = [int(opt.state[p]["step"].item()) if "step" in opt.state.get(p, {}) else 0 for p in self._order]
+        return {"kind": "flat", "world": self.world, "rank": self.rank, "steps": steps,
+                "groups": [list(fg.layout.numels) for fg in self._groups]}
+
+    def save_checkpoint(self, directory: str) -> None:
+        import os
+
+        from offload.swap.checkpoint import save_tensors
+
+        states = {k: [getattr(fg, _ATTR[k]) for fg in self._groups if fg.layout.shard] for k in _ATTR}
+        save_tensors(os.path.join(directory, f"rank{self.rank}"), states, self._ckpt_meta())
+        if self.world > 1:
+            torch.distributed.barrier(group=self.group)  # every shard is on disk before anyone returns
+
+    def load_checkpoint(self, directory: str) -> None:
+        import os
+
+        from offload.swap.checkpoint import load_tensors, read_manifest
+
+        first = read_manifest(os.path.join(directory, "rank0")).get("meta", {})
+        old_world = int(first.get("world", 0))
+        mine = [list(fg.layout.numels) for fg in self._groups]
+        if first.get("kind") != "flat" or first.get("groups") != mine:
+            raise ValueError(f"{directory}: not a flat-store checkpoint of these params "
+                             f"(its groups {first.get('groups')}, ours {mine})")
+        for r in range(old_world):
+            olds = [FlatLayout(n, old_world, r) for n in mine]
+            scratch = {k: [torch.empty(lay.shard) for lay in olds if lay.shard] for k in _ATTR}
+            meta = load_tensors(os.path.join(directory, f"rank{r}"), scratch)
+            if meta.get("rank") != r or meta.get("world") != old_world:
+                raise ValueError(f"{directory}/rank{r}: meta says rank {meta.get('rank')} of {meta.get('world')}")
+            it = {k: iter(v) for k, v in scratch.items()}
+            for fg, lay in zip(self._groups, olds):
+                if not lay.shard:
+                    continue
+                src = {k: next(it[k]) for k in _ATTR}
+                o0, o1 = lay.shard_range()
+                n0, n1 = fg.layout.shard_range()
+                a, b = max(o0, n0), min(o1, n1, fg.layout.total)
+                if a < b:
+                    for k in _ATTR:
+                        getattr(fg, _ATTR[k])[a - n0:b - n0].copy_(src[k][a - o0:b - o0])
+        opt = self._opt()
+        for p, step in zip(self._order, first.get("steps", [])):
+            if step:
+                opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
+            else:
+                opt.state[p].pop("step", None)
+        # The params take the values of their masters (a load also restores the model).
+        for fg in self._groups:
+            fg.refresh_lowp_shard()
+            self._write_params(fg)
+
+    def _write_params(self, fg: _FlatGroup) -> None:
+        if self.world > 1:
+            self._all_gather(fg)
+            return
+        for i, p in enumerate(fg.params):
+            lo, hi = fg.layout.slot(i)
+            p.detach().copy_(fg.master[lo:hi].view_as(p))
+
     # ------------------------------------------------------------------ reports
     def memory_report(self) -> Dict[str, int]:
         host = {"states": 0, "grads": 0, "lowp": 0}
