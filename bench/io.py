@@ -81,6 +81,17 @@ def main(argv=None) -> int:
           f"{'O_DIRECT' if ctx['direct'] else 'buffered'}, loops {args.loops} (interleaved), "
           f"{platform.node()}, {os.cpu_count()} CPUs, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC")
     print(bench_io.format_table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    if args.plot:
+        bench_io.plot(rows, args.plot)
+    if args.tune:
+        from offload.io import save_tuning
+
+        cfg, measured = bench_io.best_config(rows)
+        save_tuning(args.tune, cfg, read_gbps=measured.get("read"), write_gbps=measured.get("write"),
+                    directory=ctx["dir"], tool="bench/io.py")
     summary = {"bench": "io", "target_vs_best_fio": TARGET, "size": ctx["size"], "direct": ctx["direct"]}
     for rw in args.rw:
         for bs in args.block_size:

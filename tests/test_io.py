@@ -372,6 +372,22 @@ def test_direct_refused_falls_back_and_says_so(nodirect_dir, caplog, pool):
     assert ei.value.errno == errno.EINVAL
 
 
+def test_dev_shm_tmpfs_probe_matches_open(tmp_path):
+    """tmpfs refused O_DIRECT before Linux 6.6 and accepts it since: whatever this kernel does,
+    the probe, open_file and open_engine must agree (ramfs above covers the refusal)."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    ok, why = probe_direct("/dev/shm", refresh=True)
+    path = f"/dev/shm/offload-test-{os.getpid()}"
+    try:
+        with open_file(path, write=True, create=True, exclusive=True) as f:
+            assert f.direct == ok, why
+        with open_engine("auto", directory="/dev/shm") as eng:
+            assert (eng.direct is False) == (not ok)
+    finally:
+        os.unlink(path)
+
+
 def test_bad_requests(engine, workdir):
     with open_file(workdir / "r", write=True, create=True) as f:
         with pytest.raises(ValueError, match="op"):

@@ -385,23 +385,30 @@ def plot(rows: Sequence[dict], path: str) -> None:
     except ImportError as exc:
         raise RuntimeError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
     rws = sorted({r["rw"] for r in rows})
+    # One colour per contender, one line style per queue depth: lines stay readable with
+    # a dozen series.
+    contenders = sorted({(r["tool"], r["engine"], bool(r.get("hugepages"))) for r in rows})
+    colours = {c: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(contenders)}
+    qds = sorted({r["queue_depth"] for r in rows})
+    styles = {qd: ["-", "--", ":", "-."][i % 4] for i, qd in enumerate(reversed(qds))}
     fig, axes = plt.subplots(1, len(rws), figsize=(6 * len(rws), 4.5), squeeze=False)
     for ax, rw in zip(axes[0], rws):
         series: Dict[tuple, list] = {}
         for r in rows:
             if r["rw"] == rw:
-                label = (f"{r['tool']} {r['engine']}{'+THP' if r.get('hugepages') else ''} qd={r['queue_depth']}")
-                series.setdefault((label, r["tool"]), []).append((r["block_size"], r["gbps"]))
-        for (label, tool), pts in sorted(series.items()):
+                series.setdefault(((r["tool"], r["engine"], bool(r.get("hugepages"))), r["queue_depth"]),
+                                  []).append((r["block_size"], r["gbps"]))
+        for (c, qd), pts in sorted(series.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--" if tool == "fio" else "-",
+            label = f"{c[0]} {c[1]}{'+THP' if c[2] else ''} qd={qd}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[c], linestyle=styles[qd],
                     label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("block size (bytes)")
         ax.set_ylabel("GB/s (10^9 B/s)")
         ax.set_title(f"{rw}")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
