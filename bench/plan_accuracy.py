@@ -1,6 +1,7 @@
 """Planner accuracy: predicted against measured optimizer step (and bytes) at N = 100M.
 
-For ``offload="cpu"`` and ``offload="nvme"`` on fp32 CPU params, in one run, ``--steps``
+For ``offload="cpu"`` and ``offload="nvme"`` on fp32 CPU params, and ``offload="cpu"`` on bf16
+CPU params (``cpu-bf16``: the flat store, with a separate fp32 master), in one run, ``--steps``
 times in turn: one step of the planner's kernel probe (10M params), one pass of its disk
 probe (nvme only; 256 MiB written then read with O_DIRECT in the swap directory), one real
 ``offload.AdamW`` step. The medians give the rates, ``offload.plan.estimate`` turns them into
@@ -34,49 +35,23 @@ from offload.plan import TIERS, estimate  # noqa: E402
 from offload.plan.rates import DiskProbe, KernelProbe  # noqa: E402
 
 
-class _StoreDriver:
-    """The face of an optimizer (step, step_stats, memory_report, close) over SwappedState."""
-
-    def __init__(self, p: torch.Tensor, swap_dir: str, max_host_bytes: int) -> None:
-        from offload.optim.swapped_state import SwappedState
-
-        self.p = p
-        self.st = SwappedState([p], swap_dir=swap_dir, max_host_bytes=max_host_bytes)
-        self.k = 0
-        self.hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, decoupled=True)
-
-    def step(self) -> None:
-        self.k += 1
-        self.st.step([(self.hyper, [(self.p, self.p.grad, self.k)])])
-
-    def step_stats(self):
-        return {}  # the store's phase times overlap; no overlap efficiency of its own here
-
-    def memory_report(self):
-        return {"tiers": self.st.memory_report()}
-
-    def close(self) -> None:
-        self.st.close()
+# target -> (offload, param dtype): "cpu-bf16" runs bf16 CPU params through the flat store
+# (fp32 master + moments, grads upcast and the bf16 copy written in the kernel pass).
+TARGETS = {"cpu": ("cpu", torch.float32), "nvme": ("nvme", torch.float32), "cpu-bf16": ("cpu", torch.bfloat16)}
 
 
 def make_optimizer(n: int, target: str, swap_dir: str, max_host_bytes: int):
-    """(param, optimizer-like, how it is driven) for ``n`` fp32 CPU params."""
+    """``offload.AdamW`` over one tensor of ``n`` CPU params for ``target``."""
     import offload
 
+    off, dtype = TARGETS[target]
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n) * 1e-2
-    kw = dict(offload=target)
-    if target == "nvme":
+    p = torch.nn.Parameter(torch.randn(n).to(dtype))
+    p.grad = (torch.randn(n) * 1e-2).to(dtype)
+    kw = dict(offload=off)
+    if off == "nvme":
         kw.update(swap_dir=swap_dir, max_host_bytes=max_host_bytes)
-    try:
-        return offload.AdamW([p], lr=1e-3, **kw), "offload.AdamW"
-    except (AttributeError, ImportError, NotImplementedError) as exc:
-        if target != "nvme":
-            raise
-        # Until the optimizer wires the NVMe store in, drive the store itself: the same
-        # pipeline and kernel the optimizer will call, minus the optimizer's bookkeeping.
-        return _StoreDriver(p, swap_dir, max_host_bytes), f"SwappedState directly (offload.AdamW: {exc})"
+    return offload.AdamW([p], lr=1e-3, **kw)
 
 
 def interleaved(opt, steps: int, kprobe: KernelProbe, dprobe: "DiskProbe | None"):
@@ -104,18 +79,21 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round and target (median)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-host-bytes", type=int, default=256 << 20)
-    ap.add_argument("--targets", default="cpu,nvme")
+    ap.add_argument("--targets", default="cpu,nvme,cpu-bf16", help=f"comma-separated, of {', '.join(TARGETS)}")
     ap.add_argument("--probe-numel", type=int, default=10_000_000, help="params in the kernel probe (planner default 10M)")
     args = ap.parse_args()
     targets = args.targets.split(",")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        ap.error(f"unknown target(s) {', '.join(unknown)}; expected {', '.join(TARGETS)}")
 
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="plan-accuracy-", dir=args.dir)
-    opts, via, rows = {}, {}, []
+    opts, rows = {}, []
     try:
         for t in targets:
             os.makedirs(os.path.join(work, t))
-            opts[t], via[t] = make_optimizer(args.n, t, os.path.join(work, t), args.max_host_bytes)
+            opts[t] = make_optimizer(args.n, t, os.path.join(work, t), args.max_host_bytes)
             for _ in range(args.warmup):
                 opts[t].step()
         probe_dir = os.path.join(work, "probe")
@@ -129,7 +107,7 @@ def main() -> int:
                     kg = args.probe_numel / tk / 1e9
                     rg = dprobe.nbytes / tr / 1e9 if tr else None
                     wg = dprobe.nbytes / tw / 1e9 if tw else None
-                    plan = estimate(args.n, offload=t, param_dtype=torch.float32, param_device="cpu",
+                    plan = estimate(args.n, offload=TARGETS[t][0], param_dtype=TARGETS[t][1], param_device="cpu",
                                     max_host_bytes=args.max_host_bytes if t == "nvme" else None,
                                     kernel_gparams=kg, disk_read_gbps=rg, disk_write_gbps=wg)
                     report = opts[t].memory_report()["tiers"]
@@ -144,7 +122,7 @@ def main() -> int:
                         "ratio": measured / plan.step_time_s,
                         "overlap_efficiency": last.get("overlap_efficiency"),
                         "planned_bytes": plan.optimizer_bytes, "reported_bytes": report,
-                        "bytes_max_rel_err": max(errs) if errs else 0.0, "measured_via": via[t],
+                        "bytes_max_rel_err": max(errs) if errs else 0.0,
                     })
         finally:
             dprobe.close()
@@ -154,16 +132,16 @@ def main() -> int:
                 o.close()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"N = {args.n:,} fp32 CPU params, AdamW. Each round, {args.steps} times in turn: one kernel probe step "
+    print(f"N = {args.n:,} CPU params in one tensor, AdamW. Each round, {args.steps} times in turn: one kernel probe step "
           f"({args.probe_numel:,} params), one disk probe pass (256 MiB, O_DIRECT; nvme only), one real step; "
           "medians -> rates -> plan. GB = 10^9 B.")
-    print(f"{'round':>5} {'offload':<8}{'kernel Gp/s':>12}{'read GB/s':>10}{'write GB/s':>11}{'pred ms':>9}"
+    print(f"{'round':>5} {'target':<9}{'kernel Gp/s':>12}{'read GB/s':>10}{'write GB/s':>11}{'pred ms':>9}"
           f"{'meas ms':>9}{'meas/pred':>10}{'bytes err':>10}{'overlap':>8}")
     for r in rows:
         eff = "-" if r["overlap_efficiency"] is None else f"{r['overlap_efficiency']:.2f}"
         rd = "-" if r["disk_read_gbps"] is None else f"{r['disk_read_gbps']:.2f}"
         wr = "-" if r["disk_write_gbps"] is None else f"{r['disk_write_gbps']:.2f}"
-        print(f"{r['round']:>5} {r['target']:<8}{r['kernel_gparams']:>12.3f}{rd:>10}"
+        print(f"{r['round']:>5} {r['target']:<9}{r['kernel_gparams']:>12.3f}{rd:>10}"
               f"{wr:>11}{r['predicted_s'] * 1e3:>9.1f}{r['measured_s'] * 1e3:>9.1f}"
               f"{r['ratio']:>10.3f}{100 * r['bytes_max_rel_err']:>9.2f}%{eff:>8}")
     summary = {}
@@ -176,8 +154,6 @@ def main() -> int:
         print(f"{t}: median measured/predicted {med:.3f} ({'within' if summary[t]['within_25pct'] else 'NOT within'} "
               f"25 %; {summary[t]['rounds_within_25pct']}/{len(ratios)} rounds within); "
               f"bytes max error {100 * summary[t]['bytes_max_rel_err']:.2f} %")
-        if via[t] != "offload.AdamW":
-            print(f"  note: {t} measured through {via[t]}")
     print(json.dumps({
         "bench": "plan_accuracy",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
