@@ -13,14 +13,19 @@ exp_avg_sq: K = 12) and divides them per stage over the N_d data-parallel ranks:
 This module keeps that arithmetic (``zero_paper_bytes``) and then places each piece on the
 tier where *this* engine keeps it, adding the buffers the engine itself allocates:
 
-- fp32 params on the CPU are their own master: the kernel updates them in place, so there is
-  no third copy (K drops to 8) - issue 4, "what lives where";
-- ``offload="cpu"``: fp32 master (when separate) + exp_avg + exp_avg_sq in pageable host memory;
-- ``offload="nvme"``: the same states in swap files; host memory holds the swap pipeline's
-  buffers, bounded by ``max_host_bytes`` (1 GiB by default), pinned when CUDA is present;
-- device params (fp16/bf16 on a GPU): the device keeps params + grads, the host keeps the
-  fp32 states plus pinned buffers that receive the grads (in their own dtype) and that hold
-  the low-precision copy of the updated params on its way back to the device.
+- fp32 CPU params on one rank (stage 0) are their own master: the kernel updates them in
+  place, so there is no third copy (K drops to 8) and exp_avg + exp_avg_sq (8 B/param) are
+  ordinary host tensors (``offload="none"`` and ``"cpu"``) or swap files (``"nvme"``, with the
+  pipeline's buffers bounded by ``max_host_bytes``, 1 GiB by default);
+- everything else (fp16/bf16 params, device params, several ranks) goes to the flat store: a
+  flat fp32 master + moments, 12 B per element of this rank's shard, in pool buffers that are
+  pinned when CUDA is present, also with ``offload="none"`` (the engine keeps the states of
+  device params on the host); plus host buffers for the grads and the low-precision copy of
+  the updated params, and per-bucket buffers for the collectives when N_d > 1;
+- the model's params and grads stay whole on every rank: ``p.grad`` keeps torch's meaning
+  and is not freed after the reduce-scatter, so stage 2 saves host memory, not device memory.
+
+See [Note: which store] in ``estimate`` for the exact rules, taken from offload/optim.
 
 Activations, the CUDA context and the allocator's fragmentation are not model states and are
 not counted; ``explain()`` says so. The swap layer is asked directly how it will cut and
