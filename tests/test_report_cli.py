@@ -103,6 +103,15 @@ def test_report_cli_summary_and_plot(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_report_plot_of_a_long_log(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "long.jsonl"
+    _synthetic_log(path, steps=500)
+    rc, _, err = _cli("report", str(path), "--plot", str(tmp_path / "long.png"))
+    assert rc == 0, err
+    assert (tmp_path / "long.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_report_cli_errors(tmp_path):
     rc, _, err = _cli("report", str(tmp_path / "missing.jsonl"))
     assert rc == 1 and "missing.jsonl" in err

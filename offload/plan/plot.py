@@ -9,13 +9,15 @@ from .report import PHASES
 __all__ = ["plot_step_log"]
 
 _TIERS = ("device", "pinned", "pageable", "nvme")
+_MAX_BARS = 100
 
 
 def plot_step_log(rows: List[Mapping[str, Any]], out: "str | os.PathLike[str]") -> str:
     """Draw ``rows`` (from ``read_step_log``) to ``out`` (PNG); returns the path.
 
     Top: seconds per phase for each step as grouped bars (phases of a pipelined step overlap,
-    so stacking them would overstate the step), the wall time of the step as a line.
+    so stacking them would overstate the step; lines beyond 100 steps), the wall time of the
+    step as a line.
     Bottom: bytes per tier and the process RSS per step, in GiB (2^30 bytes).
     """
     try:
@@ -30,10 +32,14 @@ def plot_step_log(rows: List[Mapping[str, Any]], out: "str | os.PathLike[str]") 
     names = sorted({k for r in rows for k in r["phases"]},
                    key=lambda k: (PHASES.index(k) if k in PHASES else len(PHASES), k))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    width = 0.8 / max(1, len(names))
-    for j, k in enumerate(names):
-        xs = [s - 0.4 + (j + 0.5) * width for s in steps]
-        ax1.bar(xs, [r["phases"].get(k, 0.0) * 1e3 for r in rows], width=width, label=k)
+    if len(rows) <= _MAX_BARS:
+        width = 0.8 / max(1, len(names))
+        for j, k in enumerate(names):
+            xs = [s - 0.4 + (j + 0.5) * width for s in steps]
+            ax1.bar(xs, [r["phases"].get(k, 0.0) * 1e3 for r in rows], width=width, label=k)
+    else:  # bars of thousands of steps are unreadable (and slow to draw): one line per phase
+        for k in names:
+            ax1.plot(steps, [r["phases"].get(k, 0.0) * 1e3 for r in rows], linewidth=0.8, label=k)
     wall = [(s, r["step_s"] * 1e3) for s, r in zip(steps, rows) if r.get("step_s") is not None]
     if wall:
         ax1.plot([w[0] for w in wall], [w[1] for w in wall], "k.-", label="step (wall)")
