@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import weakref
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 __all__ = ["register", "unregister", "close_all"]
 

@@ -27,6 +27,7 @@ import errno
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -131,6 +132,7 @@ class SwapPipeline:
             raise ValueError(f"the pipeline needs at least {MIN_BUFFERS} buffers, got {buffers}")
         self.store = store
         self.layout: SwapLayout = store.layout
+        self._helpers: List[ThreadPoolExecutor] = []  # verify=True: read and write checksum threads
         self._owns_pool = pool is None
         if pool is None:
             from offload.memory import BufferPool
@@ -189,6 +191,12 @@ class SwapPipeline:
         if store.closed:
             raise RuntimeError(f"swap store {store.path} is closed")
         order = list(groups)
+        verify = store.verify
+        if verify and not self._helpers:
+            # [Note: verify off the critical path] crc32 runs at ~2 GB/s per core (zlib releases
+            # the GIL): checking reads and summing writes in the step's thread would add it to
+            # every step; two helper threads overlap it with the kernel and the I/O instead.
+            self._helpers = [ThreadPoolExecutor(1, thread_name_prefix=f"swap-verify-{k}") for k in ("read", "write")]
         t_step = time.perf_counter()
         free: List[Any] = list(self.buffers)
         reads: Dict[int, Tuple[Any, Any, float, List[Any]]] = {}   # index -> (buf, ticket, t0, reqs)
@@ -202,8 +210,16 @@ class SwapPipeline:
         next_read = 0
 
         def finish_write(block: bool) -> bool:
-            nonlocal wait_write_s
+            nonlocal wait_write_s, verify_s
             g, buf, ticket, t0, reqs = writes[0]
+            if isinstance(ticket, Future):  # verify: checksum, then submit, on the write helper
+                if not block and not ticket.done():
+                    return False
+                tw = time.perf_counter()
+                ticket, written[g], vt = ticket.result()
+                wait_write_s += time.perf_counter() - tw
+                verify_s += vt
+                writes[0] = (g, buf, ticket, t0, reqs)
             if not block and not engine.poll(ticket):
                 return False
             tw = time.perf_counter()
@@ -232,7 +248,10 @@ class SwapPipeline:
             if key in in_flight_writes:  # see [Note: no read races a write]
                 raise RuntimeError(f"internal error: read of sub-group {g} submitted while a write of it is in flight")
             read_bytes += sum(_nbytes(r.buf) for r in reqs)
-            reads[i] = (buf, engine.submit(reqs), time.perf_counter(), reqs)
+            ticket = engine.submit(reqs)
+            if verify:  # wait and check on the read helper, while this thread computes
+                ticket = self._helpers[0].submit(self._wait_and_check, ticket, reqs, g, buf)
+            reads[i] = (buf, ticket, time.perf_counter(), reqs)
 
         try:
             for i, g in enumerate(order):
@@ -248,7 +267,14 @@ class SwapPipeline:
                     next_read += 1
                 # (2) wait for g's states
                 buf, ticket, t0, reqs = reads.pop(i)
-                if ticket is not None:
+                if isinstance(ticket, Future):
+                    tw = time.perf_counter()
+                    t1, vt = ticket.result()
+                    wait_read_s += time.perf_counter() - tw
+                    verify_s += vt
+                    read_span.add(t0, t1)
+                    io_span.add(t0, t1)
+                elif ticket is not None:
                     tw = time.perf_counter()
                     done = engine.wait(ticket)
                     t1 = time.perf_counter()
@@ -256,27 +282,22 @@ class SwapPipeline:
                     _check_counts(done, reqs, "read")
                     read_span.add(t0, t1)
                     io_span.add(t0, t1)
-                    if store.verify:
-                        tv = time.perf_counter()
-                        store.check(g, buf)
-                        verify_s += time.perf_counter() - tv
                 # (3) compute
                 s, e = self.layout.group_range(g)
                 tk = time.perf_counter()
                 compute(g, s, e, self.tensors(g, buf))
                 kernel_s += time.perf_counter() - tk
                 computed.append(g)
-                if store.verify:
-                    tv = time.perf_counter()
-                    written[g] = store.checksum(g, buf)
-                    verify_s += time.perf_counter() - tv
-                else:
-                    written[g] = None
-                # (4) write into the other slot
+                written[g] = None
+                # (4) write into the other slot (with verify: checksum first, on the write helper)
                 wreqs = store.write_requests(g, buf)
                 write_bytes += sum(_nbytes(r.buf) for r in wreqs)
                 in_flight_writes.add((1 - store.slots[g], g))
-                writes.append((g, buf, engine.submit(wreqs), time.perf_counter(), wreqs))
+                if verify:
+                    wticket: Any = self._helpers[1].submit(self._checksum_and_submit, wreqs, g, buf)
+                else:
+                    wticket = engine.submit(wreqs)
+                writes.append((g, buf, wticket, time.perf_counter(), wreqs))
             while writes:
                 finish_write(block=True)
         except BaseException as exc:
@@ -304,20 +325,42 @@ class SwapPipeline:
         }
         return self.last_stats
 
+    def _wait_and_check(self, ticket: Any, reqs: List[Any], g: int, buf: Any) -> Tuple[float, float]:
+        """Read helper: wait for the read of ``g``, check its counts and checksums."""
+        _check_counts(self.store.engine.wait(ticket), reqs, "read")
+        t1 = time.perf_counter()
+        self.store.check(g, buf)
+        return t1, time.perf_counter() - t1
+
+    def _checksum_and_submit(self, wreqs: List[Any], g: int, buf: Any) -> Tuple[Any, List[List[int]], float]:
+        """Write helper: checksum ``g``'s states, then submit their write."""
+        t0 = time.perf_counter()
+        sums = self.store.checksum(g, buf)
+        vt = time.perf_counter() - t0
+        return self.store.engine.submit(wreqs), sums, vt
+
     def _drain(self, reads: Dict[int, Tuple[Any, Any, float, List[Any]]], writes: Deque[Any]) -> None:
         """After a failure: wait for everything still in flight (errors ignored) so no engine
-        keeps writing into a buffer that the next step will reuse."""
+        or helper keeps using a buffer that the next step will reuse."""
         engine = self.store.engine
         pending = [t for _, t, _, _ in reads.values() if t is not None] + [w[2] for w in writes]
         for ticket in pending:
             try:
-                engine.wait(ticket)
+                if isinstance(ticket, Future):
+                    res = ticket.result()
+                    if isinstance(res, tuple) and len(res) == 3:  # a write: now wait for the I/O
+                        engine.wait(res[0])
+                else:
+                    engine.wait(ticket)
             except Exception:  # already failing; the first error is the one reported
                 pass
         reads.clear()
         writes.clear()
 
     def close(self) -> None:
+        for ex in self._helpers:
+            ex.shutdown(wait=True)
+        self._helpers = []
         for buf in self.buffers:
             self.pool.release(buf)
         self.buffers = []
