@@ -18,7 +18,7 @@ import torch.nn as nn
 import offload
 from offload.optim.flat_state import FlatState
 
-STEPS = 12
+STEPS = 8
 
 
 class Net(nn.Module):

@@ -40,6 +40,15 @@ decay). Across ranks, a param counts as having a grad when any rank has one (mis
 count as zeros in the average, as in DDP); ``grads(p)`` answers accordingly so that every
 rank increments the same step counters. The answer comes from one small all-reduce per step.
 
+[Note: GradScaler across ranks] GradScaler looks for inf/nan in each rank's *local* grads
+(with DDP they are already averaged, so all ranks agree). Here a step pre-hook all-reduces
+``found_inf`` so that all ranks skip a step together and the shards stay consistent. The
+scaler's own ``update()`` still sees only the local answer: after an overflow on some ranks
+only, their loss scales differ, and the summed grads then mix scales. With fp16 and several
+ranks, either wrap the model in DDP (grads averaged before the scaler looks; set
+``grads_already_averaged``) or keep overflows global (they are, when every rank sees the
+same data distribution and an overflow comes from the weights). bf16 needs no scaler.
+
 Stage 1 vs 2: both keep 1/N of the fp32 states and of the host grad buffer per rank; they
 differ in the collective (all-reduce vs reduce-scatter). ``p.grad`` itself stays full on
 every rank (torch's meaning, see above); freeing it after the reduction is not done.
@@ -83,7 +92,6 @@ class _FlatGroup:
         cuda = self.device.type == "cuda"
         self._bufs = []
         S = self.layout.shard
-        start, _ = self.layout.shard_range()
         self.master = self._tensor(torch.float32, S, pinned=cuda and not self.lowp)
         self.exp_avg = self._tensor(torch.float32, S).zero_()
         self.exp_avg_sq = self._tensor(torch.float32, S).zero_()
@@ -282,7 +290,7 @@ class FlatState:
         if self.world > 1 and isinstance(found_inf, torch.Tensor):
             # GradScaler checks each rank's local grads; a step must be skipped on all
             # ranks or on none, or the shards diverge. (The loss scale itself is still
-            # updated from the local check: see the note on GradScaler in the docs.)
+            # updated from the local check: see [Note: GradScaler across ranks].)
             flag = found_inf.detach().to(self._comm_dev, torch.float32).reshape(1).clone()
             comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MAX)
             opt.found_inf = flag.to(found_inf.device).reshape(found_inf.shape)
