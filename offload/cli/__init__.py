@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "report": "report",
     "info": "info",
     "clean": "clean",
+    "demo": "demo",
 }
 
 

@@ -1,0 +1,306 @@
+"""``offload demo``: a small GPT trained with its optimizer states on disk, checked against torch.
+
+The user's first contact with the engine. It trains a byte-level decoder (offload.demo) for a
+few dozen steps with ``offload.AdamW(..., offload="nvme")`` under a host-memory budget smaller
+than the optimizer states, shows a progress bar, the loss and tokens/s, the optimizer's own
+memory report and step-time breakdown, then reruns the same steps with
+``torch.optim.AdamW`` from the same seed and prints the two loss curves side by side. The
+exit status is 1 when they disagree beyond ``--rtol``, so the demo is also a test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+__all__ = ["add_parser", "run"]
+
+# A tiny model gains nothing from a second torch thread, and on a busy 2-core machine two
+# threads that wait for each other make a 0.1 s step take 2 s: --quick uses one.
+QUICK = dict(params=500_000, steps=6, batch_size=4, seq_len=64, threads=1)
+
+
+def _count(text: str) -> int:
+    from offload.plan import parse_count
+
+    return parse_count(text)
+
+
+def _bytes(text: str) -> int:
+    from offload.config import parse_bytes
+
+    return parse_bytes(text)
+
+
+def add_parser(sub, name: str) -> None:
+    p = sub.add_parser(
+        name,
+        help="train a small GPT with optimizer states on disk and check it against torch.optim.AdamW",
+        description="Train a small byte-level GPT for a few dozen steps with offload.AdamW "
+                    "(states in NVMe swap files under a host-memory budget), then rerun the same "
+                    "steps with torch.optim.AdamW from the same seed and compare the losses. "
+                    "Exit status 1 if they differ by more than --rtol.",
+    )
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 30; --quick: 6)")
+    p.add_argument("--params", type=_count, default=None, metavar="N",
+                   help="model size, e.g. 5M, 50M, 1e8 (default 10M; --quick: 500K)")
+    p.add_argument("--offload", choices=("nvme", "cpu"), default="nvme",
+                   help="where the optimizer states live (default nvme)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model runs (default cpu)")
+    p.add_argument("--swap-dir", default=None, metavar="DIR",
+                   help="directory in which a temporary swap directory is made and removed "
+                        "(default /var/tmp unless it is tmpfs, else the current directory)")
+    p.add_argument("--max-host-bytes", type=_bytes, default=None, metavar="BYTES",
+                   help="bound on the optimizer's host buffers, e.g. 64MiB "
+                        "(default a quarter of the optimizer states)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--compare-steps", type=int, default=None, metavar="N",
+                   help="steps rerun with torch.optim.AdamW for the comparison (default all; 0: skip)")
+    p.add_argument("--rtol", type=float, default=1e-5, help="tolerance of the loss comparison (default 1e-5)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw loss and memory per step (matplotlib)")
+    p.add_argument("--step-log", default=None, metavar="FILE",
+                   help="write one JSON line per step (read by `offload report FILE`)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the summary as JSON to FILE")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads (default torch's own; --quick: 1)")
+    p.add_argument("--quick", action="store_true",
+                   help="a tiny model for a few steps (a few seconds; what the tests run)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=run)
+
+
+# ----------------------------------------------------------------------------- display helpers
+def _fmt_bytes(n: Optional[float]) -> str:
+    from offload.plan.render import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def _fmt_count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+class Progress:
+    """A one-line progress bar on stderr; on a non-terminal, a line per ~10 % instead."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True) -> None:
+        self.total, self.label, self.enabled = total, label, enabled
+        self.tty = sys.stderr.isatty()
+        self.start = time.perf_counter()
+        self._last_printed = 0
+
+    def update(self, done: int, text: str) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.total - done) if done else 0.0
+        width = 24
+        filled = int(width * done / self.total)
+        bar = "#" * filled + "." * (width - filled)
+        line = f"{self.label} [{bar}] {done}/{self.total} {text} eta {eta:4.0f}s"
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if done == self.total else ""))
+            sys.stderr.flush()
+        elif done == self.total or done == 1 or done - self._last_printed >= max(1, self.total // 10):
+            self._last_printed = done
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+
+def _comparison_rows(ours: List[float], ref: List[float]) -> List[str]:
+    n = min(len(ours), len(ref))
+    idx = list(range(n))
+    if n > 12:
+        idx = list(range(8)) + [-1] + list(range(n - 3, n))
+    lines = [f"  {'step':>4}  {'offload.AdamW':>14}  {'torch AdamW':>14}  {'rel diff':>9}"]
+    for i in idx:
+        if i < 0:
+            lines.append(f"  {'...':>4}")
+            continue
+        rel = abs(ours[i] - ref[i]) / max(abs(ref[i]), 1e-12)
+        lines.append(f"  {i + 1:>4}  {ours[i]:>14.6f}  {ref[i]:>14.6f}  {rel:>9.1e}")
+    return lines
+
+
+def _plot(path: str, ours, ref, budget: Optional[int]) -> str:
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'offload[plot]' (or matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r.step for r in ours.records]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(steps, ours.losses, label=f"offload.AdamW (offload={ours.offload})", lw=2)
+    if ref is not None:
+        ax1.plot([r.step for r in ref.records], ref.losses, "--", label="torch.optim.AdamW", lw=1.5)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("training loss (nats/byte)")
+    ax1.set_title(f"TinyGPT {_fmt_count(ours.model.num_params)} params")
+    ax1.legend()
+    mib = 2 ** 20
+    host = [(r.tiers.get("pinned", 0) + r.tiers.get("pageable", 0)) / mib for r in ours.records]
+    nvme = [r.tiers.get("nvme", 0) / mib for r in ours.records]
+    rss = [r.rss / mib for r in ours.records]
+    ax2.plot(steps, nvme, label="optimizer: NVMe swap files")
+    ax2.plot(steps, host, label="optimizer: host buffers")
+    ax2.plot(steps, rss, label="process RSS")
+    if budget:
+        ax2.axhline(budget / mib, color="grey", ls=":", label="max_host_bytes")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("MiB")
+    ax2.set_title("memory per tier")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- the command
+def run(args) -> int:
+    import torch
+
+    from offload.demo.train import DemoConfig, compare_losses, default_swap_parent, filesystem_type, run as train
+    from offload.plan import StepLogger, format_memory_report, format_step_stats
+
+    quick = QUICK if args.quick else {}
+    cfg = DemoConfig(
+        params=args.params or quick.get("params", DemoConfig.params),
+        steps=args.steps or quick.get("steps", DemoConfig.steps),
+        batch_size=args.batch_size or quick.get("batch_size", DemoConfig.batch_size),
+        seq_len=args.seq_len or quick.get("seq_len", DemoConfig.seq_len),
+        lr=args.lr,
+        warmup=min(DemoConfig.warmup, max(1, (args.steps or quick.get("steps", DemoConfig.steps)) // 3)),
+        offload=args.offload,
+        device=args.device,
+        swap_parent=args.swap_dir,
+        max_host_bytes=args.max_host_bytes,
+        seed=args.seed,
+        threads=args.threads or quick.get("threads"),
+    )
+    if args.swap_dir is not None and not os.path.isdir(args.swap_dir):
+        raise FileNotFoundError(2, "--swap-dir does not exist or is not a directory", args.swap_dir)
+    compare_steps = cfg.steps if args.compare_steps is None else args.compare_steps
+    if not 0 <= compare_steps <= cfg.steps:
+        raise ValueError(f"--compare-steps must be between 0 and --steps ({cfg.steps}), got {compare_steps}")
+
+    threads_before = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return _run(args, cfg)
+    finally:
+        torch.set_num_threads(threads_before)  # the demo may run in-process (tests)
+
+
+def _run(args, cfg) -> int:
+    import torch
+
+    from offload.demo.train import compare_losses, default_swap_parent, filesystem_type, run as train
+    from offload.plan import StepLogger, format_memory_report, format_step_stats
+
+    compare_steps = cfg.steps if args.compare_steps is None else args.compare_steps
+    show = not args.no_progress
+    m = cfg.model_config
+    n = m.num_params
+    print(f"offload demo: TinyGPT, {n:,} params ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, "
+          f"tied byte-level head), batch {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.steps} steps on {cfg.device}, "
+          f"{torch.get_num_threads()} torch threads")
+    from offload.demo.train import default_max_host_bytes, state_bytes, swapped_bytes
+
+    states = state_bytes(n)
+    budget = None
+    if cfg.offload == "nvme":
+        parent = cfg.swap_parent or default_swap_parent()
+        budget = cfg.max_host_bytes if cfg.max_host_bytes is not None else default_max_host_bytes(n)
+        swapped = swapped_bytes(n)
+        print(f"optimizer: offload.AdamW(offload=\"nvme\"), swap files in a temporary directory under {parent} "
+              f"({filesystem_type(parent) or 'unknown fs'})")
+        print(f"host budget: max_host_bytes = {_fmt_bytes(budget)}, "
+              f"{'smaller' if budget < swapped else 'NOT smaller'} than the swapped states "
+              f"(exp_avg + exp_avg_sq = {_fmt_bytes(swapped)}; the fp32 params are their own master)")
+    else:
+        print(f"optimizer: offload.AdamW(offload=\"{cfg.offload}\"), fp32 states in host memory ({_fmt_bytes(states)})")
+
+    logger = StepLogger(args.step_log) if args.step_log else None
+    bar = Progress(cfg.steps, "train", show)
+
+    def on_step(rec) -> None:
+        bar.update(rec.step, f"loss {rec.loss:6.3f} {rec.tokens_per_s:8,.0f} tok/s "
+                             f"step {rec.seconds:5.2f}s (opt {rec.opt_seconds:5.2f}s)")
+
+    t0 = time.perf_counter()
+    ours = train(cfg, "offload", on_step=on_step)
+    elapsed = time.perf_counter() - t0
+    if logger is not None:
+        for rec in ours.records:
+            logger.log(rec.step, step_s=rec.opt_seconds, bytes=rec.tiers, rss=rec.rss, loss=rec.loss,
+                       tokens_per_s=rec.tokens_per_s)
+        logger.close()
+
+    print(f"\ntrained {cfg.steps} steps in {elapsed:.1f} s: loss {ours.losses[0]:.3f} -> {ours.losses[-1]:.3f}, "
+          f"{ours.tokens_per_s:,.0f} tokens/s (steps 2..{cfg.steps})")
+    ok = True
+    summary: Dict[str, Any] = {
+        "params": n, "steps": cfg.steps, "offload": cfg.offload, "device": cfg.device,
+        "losses": ours.losses, "tokens_per_s": ours.tokens_per_s, "seconds": elapsed,
+        "max_host_bytes": budget, "state_bytes": states,
+    }
+    if ours.memory_report is not None:
+        print()
+        print(format_memory_report(ours.memory_report))
+        tiers = ours.memory_report["tiers"]
+        host = tiers["pinned"] + tiers["pageable"]
+        summary["memory_report"] = ours.memory_report
+        if budget is not None:
+            within = host <= budget
+            ok &= within
+            print(f"  host buffers {_fmt_bytes(host)} {'<=' if within else '>'} max_host_bytes "
+                  f"{_fmt_bytes(budget)}: {'OK' if within else 'OVER BUDGET'}; "
+                  f"states on disk {_fmt_bytes(tiers['nvme'])} (allocated in the swap files: "
+                  f"{_fmt_bytes(ours.swap_bytes_on_disk)})")
+    if ours.step_stats is not None:
+        print()
+        print(format_step_stats(ours.step_stats))
+        summary["step_stats"] = ours.step_stats
+    if ours.swap_dir is not None:
+        cleaned = not ours.leftover_files
+        ok &= cleaned
+        summary["swap_dir"] = ours.swap_dir
+        summary["swap_cleaned"] = cleaned
+        print(f"swap directory {ours.swap_dir}: "
+              + ("removed, nothing left behind" if cleaned else f"files left behind: {ours.leftover_files}"))
+
+    ref = None
+    if compare_steps:
+        print(f"\nrerunning the first {compare_steps} steps with torch.optim.AdamW(foreach=False), same seed and batches")
+        bar = Progress(compare_steps, "torch", show)
+        ref = train(cfg, "torch", steps=compare_steps,
+                    on_step=lambda r: bar.update(r.step, f"loss {r.loss:6.3f} {r.tokens_per_s:8,.0f} tok/s"))
+        worst, passed = compare_losses(ours.losses, ref.losses, rtol=args.rtol)
+        print("\n".join(_comparison_rows(ours.losses, ref.losses)))
+        print(f"max relative difference over {compare_steps} steps: {worst:.2e} (rtol {args.rtol:g}): "
+              f"{'PASS' if passed else 'FAIL'}")
+        print(f"throughput: offload.AdamW(offload=\"{cfg.offload}\") {ours.tokens_per_s:,.0f} tokens/s, "
+              f"torch.optim.AdamW in RAM {ref.tokens_per_s:,.0f} tokens/s "
+              f"({ours.tokens_per_s / max(ref.tokens_per_s, 1e-12):.2f}x)")
+        summary.update(torch_losses=ref.losses, max_rel_diff=worst, compare_passed=passed,
+                       torch_tokens_per_s=ref.tokens_per_s)
+        ok &= passed
+    if args.plot:
+        print(f"plot: {_plot(args.plot, ours, ref, budget)}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=1, default=str)
+    print("demo: " + ("OK" if ok else "FAILED"))
+    return 0 if ok else 1
