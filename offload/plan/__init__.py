@@ -26,6 +26,7 @@ from .rates import (
 )
 from .report import (
     StepLogger,
+    attach,
     format_log_summary,
     format_memory_report,
     format_step_stats,
@@ -38,6 +39,6 @@ __all__ = [
     "count_params", "parse_count", "parse_dtype", "zero_paper_bytes",
     "params_from_hf_config", "load_hf_config",
     "Rate", "KernelProbe", "DiskProbe", "probe_kernel_rate", "kernel_rate_from_bench", "probe_disk_rate", "disk_rate_from_tune",
-    "StepLogger", "read_step_log", "summarize_step_log", "format_log_summary",
+    "StepLogger", "attach", "read_step_log", "summarize_step_log", "format_log_summary",
     "format_memory_report", "format_step_stats",
 ]

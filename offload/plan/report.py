@@ -26,6 +26,7 @@ from typing import Any, Dict, IO, List, Mapping, Optional
 
 __all__ = [
     "StepLogger",
+    "attach",
     "read_step_log",
     "summarize_step_log",
     "format_memory_report",
@@ -128,6 +129,46 @@ class StepLogger:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def attach(opt: Any, *, every: int = 1, path: "Optional[str | os.PathLike[str]]" = None,
+           logger: Any = None) -> Any:
+    """Report an optimizer's steps while it trains: a JSON line per step and/or a log line.
+
+    ``path``: append one JSON line per step (the schema above) to that file. ``every``: emit
+    ``format_step_stats`` and ``format_memory_report`` through ``logging`` (``logger``, by
+    default ``logging.getLogger("offload.report")`` at INFO) every ``every`` steps; 0 turns the
+    log lines off. Uses torch's public ``register_step_post_hook``, so it works with any
+    ``offload.Adam``/``AdamW`` and needs nothing from the training loop. Returns a handle whose
+    ``remove()`` detaches it and closes the file.
+    """
+    import logging
+
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(f"every must be an integer >= 0, got {every!r}")
+    if not hasattr(opt, "register_step_post_hook") or not hasattr(opt, "step_stats"):
+        raise TypeError(f"attach needs an offload.Adam/AdamW, got {type(opt).__name__}")
+    log = logger or logging.getLogger("offload.report")
+    writer = StepLogger(path, append=True) if path is not None else None
+    count = [0]
+
+    def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        count[0] += 1
+        if writer is not None:
+            writer.log_optimizer(count[0], optimizer, skipped=bool(getattr(optimizer, "last_step_skipped", False)))
+        if every and count[0] % every == 0:
+            log.info("step %d\n%s\n%s", count[0], format_step_stats(optimizer.step_stats()),
+                     format_memory_report(optimizer.memory_report()))
+
+    hook = opt.register_step_post_hook(_after_step)
+
+    class _Handle:
+        def remove(self) -> None:
+            hook.remove()
+            if writer is not None:
+                writer.close()
+
+    return _Handle()
 
 
 def read_step_log(path: "str | os.PathLike[str]") -> List[Dict[str, Any]]:
