@@ -27,6 +27,9 @@ from offload.zero import FlatLayout, split_ranges
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 STEPS = 20
 HP = dict(lr=2e-2, betas=(0.85, 0.97), eps=1e-7, weight_decay=0.05)
+# A large eps makes Adam sensitive to the scale of the grads (it is nearly invariant to it
+# otherwise, and so is global-norm clipping): a grad averaged twice or not at all shows.
+DDP_HP = dict(HP, eps=1e-2)
 
 
 # ---------------------------------------------------------------------- layout (no processes)
@@ -98,12 +101,12 @@ def _loss(model, x, y):
 
 
 def _reference(steps, *, accumulate=1, max_grad_norm=None, overflow_at=None, start_sd=None, start_model=None,
-               first_step=0):
+               first_step=0, hp=HP):
     """Single-process torch.optim.AdamW on the global batch, fp32."""
     model = _model()
     if start_model is not None:
         model.load_state_dict(start_model)
-    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HP)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **hp)
     if start_sd is not None:
         opt.load_state_dict(copy.deepcopy(start_sd))
     for step in range(first_step, first_step + steps):
@@ -213,6 +216,20 @@ def job_local_overflow(group):
     scaler.step(opt)
     same = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return {"skipped": opt.last_step_skipped, "unchanged": same}
+
+
+def job_ddp(group, steps):
+    """A DDP-wrapped model: grads arrive averaged; the optimizer only slices them."""
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    opt = offload.AdamW(model.parameters(), stage=2, process_group=group, **DDP_HP)
+    opt.grads_already_averaged = True
+    for step in range(steps):
+        x, y = _local(step, 0, group)
+        _loss(ddp, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 # ---------------------------------------------------------------------- the worker pool
@@ -367,4 +384,11 @@ def test_save_checkpoint_2_ranks_load_checkpoint_3_ranks(pool, tmp_path):
     third = pool.run("job_train", 3, stage=1, steps=5, load_dir=ckpt, first_step=5,
                      start_model=_model(seed=7).state_dict())
     for r in third:
+        _assert_params(r["params"], ref)
+
+
+def test_ddp_wrapped_model_with_grads_already_averaged(pool):
+    res = pool.run("job_ddp", 3, steps=6)
+    ref, _ = _reference(6, hp=DDP_HP)
+    for r in res:
         _assert_params(r["params"], ref)

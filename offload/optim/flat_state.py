@@ -210,7 +210,6 @@ class FlatState:
         self._mask: Optional[Dict[torch.Tensor, bool]] = None
         self._reduced = False
         self._stash: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
-        self.grads_already_averaged = False
         self._closed = False
         for group in opt.param_groups:
             self.add_param_group(group)
@@ -320,6 +319,9 @@ class FlatState:
             return
         mask = self._grad_mask()
         only_slice = bool(getattr(self._opt(), "grads_already_averaged", False))
+        # The shard buffers hold the sum over ranks (folded into the kernel as 1/N) or,
+        # after DDP, the average already.
+        self._factor = 1.0 if only_slice else 1.0 / self.world
         for fg in self._groups:
             S, c, W = fg.layout.shard, fg.chunk, self.world
             for a, b in split_ranges(0, S, c):
@@ -371,7 +373,7 @@ class FlatState:
             acc = acc.to(self._comm_dev)
             comm.all_reduce(acc, self.group)
             s, bad = acc.tolist()
-            return s / (self.world * self.world), bad > 0
+            return s * self._factor * self._factor, bad > 0
         self._wait_grad_copies()
         total, nonfinite = 0.0, False
         for _, items in work:
@@ -401,7 +403,7 @@ class FlatState:
         t_kernel = t_h2d = 0.0
         for hyper, items in batches:
             if self.world > 1:
-                hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale / self.world)
+                hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * self._factor)
             kw_base = None
             for p, g, step in items:
                 fg, i = self._where[p]
