@@ -45,14 +45,16 @@ def _model(dtype: torch.dtype, seed: int = 0) -> Net:
 
 
 def _train(monkeypatch, *, dtype=torch.bfloat16, copy_grads=False, accumulate=2, scaler=False,
-           overflow_at=None, max_grad_norm=None, set_to_none=True, steps=STEPS, on_step=None):
-    monkeypatch.setattr(FlatState, "copy_cpu_grads", copy_grads)
+           overflow_at=None, max_grad_norm=None, set_to_none=True, steps=STEPS, on_step=None,
+           device_path=False, sub_group_size=None):
+    monkeypatch.setattr(FlatState, "copy_cpu_grads", copy_grads or device_path)
+    monkeypatch.setattr(FlatState, "stage_cpu_params", device_path)
     model = _model(dtype)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in params]
     kw = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
     ref = torch.optim.AdamW(masters, foreach=False, **kw)
-    opt = offload.AdamW(params, max_grad_norm=max_grad_norm, **kw)
+    opt = offload.AdamW(params, max_grad_norm=max_grad_norm, sub_group_size=sub_group_size, **kw)
     assert isinstance(opt._store, FlatState)
     lam = lambda s: 1.0 / (1 + 0.3 * s)  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
@@ -100,6 +102,13 @@ def _train(monkeypatch, *, dtype=torch.bfloat16, copy_grads=False, accumulate=2,
 def test_bf16_matches_adamw_on_fp32_master(monkeypatch, copy_grads):
     _, opt, _, _ = _train(monkeypatch, copy_grads=copy_grads)
     assert opt.memory_report()["tiers"]["pageable"] > 0
+
+
+def test_device_path_on_cpu_staging_and_sub_groups(monkeypatch):
+    # The CUDA path (hook copy to a host grad buffer, kernel writes a staging buffer, one
+    # copy per sub-group into the param) run with CPU params, sub-groups of 100 elements.
+    _, opt, _, _ = _train(monkeypatch, device_path=True, sub_group_size=100)
+    assert opt.memory_report()["detail"]["lowp_bytes"] > 0
 
 
 def test_zero_grad_set_to_none_false_steps_zero_grads_like_torch(monkeypatch):

@@ -67,10 +67,17 @@ def backend(request, monkeypatch):
         pytest.skip(str(exc))
 
 
+_grad_cache = {}
+
+
 def _grads(n, steps, seed, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        yield (torch.randn(n, generator=gen) * 0.5).to(dtype)
+    """The grads of a run, generated once and shared by the reference and every backend."""
+    key = (n, steps, seed, dtype)
+    if key not in _grad_cache:
+        gen = torch.Generator().manual_seed(seed)
+        _grad_cache[key] = [(torch.randn(n, generator=gen) * 0.5).to(dtype)
+                            for _ in range(steps)]
+    return _grad_cache[key]
 
 
 def _torch_optim(n, steps, *, cls, betas=(0.9, 0.999), weight_decay=0.0, maximize=False,
@@ -81,7 +88,7 @@ def _torch_optim(n, steps, *, cls, betas=(0.9, 0.999), weight_decay=0.0, maximiz
     opt = cls([p], lr=HP["lr"], betas=betas, eps=HP["eps"], weight_decay=weight_decay,
               maximize=maximize, foreach=False)
     for g in _grads(n, steps, seed, grad_dtype):
-        p.grad = g.float()
+        p.grad = g.float().clone()  # the cached grads stay untouched
         opt.step()
     st = opt.state[p]
     return p0, p.detach(), st["exp_avg"], st["exp_avg_sq"]
@@ -443,6 +450,7 @@ needs_native = pytest.mark.skipif(_native_or_none() is None, reason="native libr
 def test_unsupported_isa_is_an_error_naming_it(monkeypatch):
     native = K.get_backend("native")
     monkeypatch.setattr(native, "supported", ["scalar"])
+    monkeypatch.setattr(native, "_isa_cache", None)  # resolved ISA is cached per $OFFLOAD_ISA
     monkeypatch.setenv("OFFLOAD_ISA", "avx512")
     p, g, m, v = _args()
     with pytest.raises(RuntimeError, match="OFFLOAD_ISA=avx512: this CPU does not support avx512"):

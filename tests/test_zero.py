@@ -309,7 +309,7 @@ def _assert_params(got, ref_model):
 
 
 # ---------------------------------------------------------------------- distributed tests
-@pytest.mark.parametrize("world,stage", [(2, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("world,stage", [(2, 1), (3, 2)])  # stage 2 on 2 ranks: the tests below
 def test_partitioned_fp32_matches_torch_adamw_on_global_batch(pool, world, stage):
     # Buckets of 1000 elements per rank: several per step, params straddling them and the shards.
     res = pool.run("job_train", world, stage=stage, steps=STEPS, accumulate=2, max_grad_norm=1.0, bucket=1000)

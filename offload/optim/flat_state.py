@@ -79,7 +79,7 @@ class _FlatGroup:
     """The params of one (device, dtype), this rank's shard of their fp32 states, and buffers."""
 
     def __init__(self, params: List[torch.Tensor], *, world: int, rank: int, pools: Tuple[BufferPool, BufferPool],
-                 comm_dev: torch.device, bucket_numel: int, need_host_grad: bool) -> None:
+                 comm_dev: torch.device, bucket_numel: int, need_host_grad: bool, stage_cpu: bool = False) -> None:
         self.params = params
         self.device = params[0].device
         self.dtype = params[0].dtype
@@ -100,8 +100,8 @@ class _FlatGroup:
         self.host_grad = self._tensor(self.dtype, self.layout.total, pinned=cuda) if need_host_grad else None
         # Staging of updated low-precision params on their way to the device (one rank, CUDA).
         self.stage = None
-        if world == 1 and self.device.type == "cuda" and self.lowp:
-            self.stage = self._tensor(self.dtype, S, pinned=True)
+        if world == 1 and (cuda or stage_cpu) and self.lowp:
+            self.stage = self._tensor(self.dtype, S, pinned=cuda)
         self.gshard = self.lowp_shard = None
         self.send = self.gather = self.rs_out = None
         if world > 1:
@@ -172,6 +172,9 @@ class FlatState:
     """Run the hook + host-grad-buffer path for CPU params too (tests; CUDA always uses it)."""
     overlap = True
     """False: host-to-device copies on the compute stream, synchronous (for comparisons)."""
+    stage_cpu_params = False
+    """Send CPU bf16/fp16 params through the staging buffer and a copy, as CUDA params go
+    (tests: the CUDA path's indexing runs on the CPU too)."""
     bucket_numel = 1 << 22
     """Elements of each rank's shard moved per collective (bounds the send buffers)."""
     default_sub_group = 1 << 22
@@ -236,7 +239,7 @@ class FlatState:
             hook_path = self.world == 1 and (device.type == "cuda" or self.copy_cpu_grads)
             fg = _FlatGroup(members, world=self.world, rank=self.rank, pools=self._pools,
                             comm_dev=self._comm_dev, bucket_numel=self.bucket_numel,
-                            need_host_grad=hook_path)
+                            need_host_grad=hook_path, stage_cpu=self.stage_cpu_params)
             self._groups.append(fg)
             for i, p in enumerate(members):
                 self._where[p] = (fg, i)
