@@ -27,7 +27,7 @@ bool has_f16c() {
     return (c & bit_F16C) != 0;
 }
 
-bool isa_supported(int isa) {
+bool probe_isa(int isa) {
     __builtin_cpu_init();
     switch (isa) {
         case OFFLOAD_ISA_SCALAR:
@@ -41,6 +41,21 @@ bool isa_supported(int isa) {
         default:
             return false;
     }
+}
+
+// The CPU's features, probed once: CPUID traps to the hypervisor in a VM (~20 us per
+// call measured here), too slow to repeat on every kernel call. This is a fact about the
+// machine, not state carried between steps.
+struct IsaTable {
+    bool ok[3];
+    IsaTable() {
+        for (int i = 0; i < 3; ++i) ok[i] = probe_isa(i);
+    }
+};
+
+bool isa_supported(int isa) {
+    static const IsaTable table;  // thread-safe one-time init (C++11 magic statics)
+    return isa >= OFFLOAD_ISA_SCALAR && isa <= OFFLOAD_ISA_AVX512 && table.ok[isa];
 }
 
 int isa_best() {

@@ -24,9 +24,9 @@ def check_tensor(name: str, t: object, dtypes) -> torch.Tensor:
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({allowed}), got {t.dtype}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{name} must be on the CPU, got device {t.device}")
-    if t.is_sparse or t.layout != torch.strided:
+    if t.layout != torch.strided:
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")

@@ -16,11 +16,18 @@ __all__ = ["set_num_threads", "get_num_threads", "resolve_threads"]
 _num_threads: Optional[int] = None
 
 
+_cpus: Optional[int] = None
+
+
 def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """CPUs this process may run on, read once (a syscall is too slow per kernel call)."""
+    global _cpus
+    if _cpus is None:
+        try:
+            _cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            _cpus = os.cpu_count() or 1
+    return _cpus
 
 
 def set_num_threads(n: Optional[int]) -> None:

@@ -70,13 +70,23 @@ class NativeBackend:
         self._lib = load_library()
         self.supported = [n for n, c in ISA_CODES.items() if self._lib.offload_isa_supported(c)]
         self.best = ISA_NAMES[self._lib.offload_isa_best()]
+        self._isa_cache = None  # (raw $OFFLOAD_ISA, resolved name): re-resolved when it changes
 
     def describe(self) -> str:
         return f"ok, ISA {self.isa()} (supported: {', '.join(self.supported)})"
 
     def isa(self) -> str:
         """The ISA the next call runs: $OFFLOAD_ISA if set, else the best supported."""
-        want = os.environ.get("OFFLOAD_ISA", "").strip().lower()
+        raw = os.environ.get("OFFLOAD_ISA", "")
+        cached = self._isa_cache
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        isa = self._resolve_isa(raw)
+        self._isa_cache = (raw, isa)
+        return isa
+
+    def _resolve_isa(self, raw: str) -> str:
+        want = raw.strip().lower()
         if not want or want in ("auto", "best"):
             return self.best
         if want not in ISA_CODES:
