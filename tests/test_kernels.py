@@ -169,6 +169,24 @@ def test_low_precision_grads(backend, dtype):
     _close(_run(backend, p0, n, 100, decoupled=True, weight_decay=0.1, grad_dtype=dtype), ref)
 
 
+@pytest.mark.parametrize("n", [17, 4097])
+def test_nonfinite_grads_propagate_like_torch(backend, n):
+    # NaN and Inf in the SIMD tail and the body poison exactly the elements torch poisons
+    p0 = torch.randn(n)
+    g = torch.randn(n)
+    for pos, bad in ((n - 1, float("nan")), (n - 3, float("inf")), (1, -float("inf"))):
+        g[pos] = bad
+    ref = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+    ours = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+    K.get_backend("torch").adam_step(ref[0], g, ref[1], ref[2], weight_decay=0.1, step=1,
+                                     decoupled=True, **HP)
+    backend.adam_step(ours[0], g, ours[1], ours[2], weight_decay=0.1, step=1, decoupled=True,
+                      **HP)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert torch.isnan(ours[0][[1, n - 3, n - 1]]).all()
+
+
 def test_bias_correction_off(backend):
     # hand reference: no bias correction means step_size = lr and denom = sqrt(v) + eps
     n, lr, b1, b2, eps = 4097, 1e-2, 0.9, 0.999, 1e-8
@@ -285,7 +303,7 @@ def test_grad_sumsq(backend, n, dtype):
 @pytest.mark.parametrize("n,pos", [(1, 0), (17, 16), (17, 14), (4097, 4096), (4097, 4094),
                                    (4097, 0), (BIG, BIG - 1), (BIG, BIG - 3)])
 def test_grad_sumsq_nonfinite(backend, n, pos, bad):
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
         g = torch.ones(n, dtype=dtype)
         g[pos] = bad
         total, nonfinite = backend.grad_sumsq(g)
