@@ -46,7 +46,7 @@ def _model(dtype: torch.dtype, seed: int = 0) -> Net:
 
 def _train(monkeypatch, *, dtype=torch.bfloat16, copy_grads=False, accumulate=2, scaler=False,
            overflow_at=None, max_grad_norm=None, set_to_none=True, steps=STEPS, on_step=None,
-           device_path=False, sub_group_size=None):
+           device_path=False, sub_group_size=None, **extra):
     monkeypatch.setattr(FlatState, "copy_cpu_grads", copy_grads or device_path)
     monkeypatch.setattr(FlatState, "stage_cpu_params", device_path)
     model = _model(dtype)
@@ -54,7 +54,7 @@ def _train(monkeypatch, *, dtype=torch.bfloat16, copy_grads=False, accumulate=2,
     masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in params]
     kw = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
     ref = torch.optim.AdamW(masters, foreach=False, **kw)
-    opt = offload.AdamW(params, max_grad_norm=max_grad_norm, sub_group_size=sub_group_size, **kw)
+    opt = offload.AdamW(params, max_grad_norm=max_grad_norm, sub_group_size=sub_group_size, **kw, **extra)
     assert isinstance(opt._store, FlatState)
     lam = lambda s: 1.0 / (1 + 0.3 * s)  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
@@ -187,9 +187,36 @@ def test_rejects_unsupported_param_dtype():
         offload.AdamW([nn.Parameter(torch.zeros(3, dtype=torch.float64))])
 
 
-def test_nvme_with_flat_params_says_not_implemented(tmp_path):
-    with pytest.raises(NotImplementedError, match="nvme"):
-        offload.AdamW([nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], offload="nvme", swap_dir=str(tmp_path))
+def test_bf16_moments_on_nvme_match_adamw(monkeypatch, tmp_path):
+    # Moments in swap files (sub-groups of 1024 elements: several per step), master in RAM.
+    model, opt, ref, masters = _train(monkeypatch, offload="nvme", swap_dir=str(tmp_path), sub_group_size=1024,
+                                      max_grad_norm=0.5)
+    rep = opt.memory_report()
+    assert rep["tiers"]["nvme"] > 0 and rep["detail"]["state_bytes"] == 4 * sum(p.numel() for p in model.parameters())
+    sd = opt.state_dict()
+    for i, m in enumerate(masters):
+        if i in sd["state"]:
+            torch.testing.assert_close(sd["state"][i]["exp_avg_sq"], ref.state[m]["exp_avg_sq"], rtol=1e-5, atol=1e-6)
+    # load_state_dict writes the moments back into (other) swap files: same next step.
+    twin = _model(torch.bfloat16, seed=3)
+    twin.load_state_dict(model.state_dict())
+    (tmp_path / "b").mkdir()
+    opt2 = offload.AdamW(twin.parameters(), offload="nvme", swap_dir=str(tmp_path / "b"), max_grad_norm=0.5)
+    opt2.load_state_dict(copy.deepcopy(sd))
+    x = torch.randn(5, 17).bfloat16()
+    for m, o in ((model, opt), (twin, opt2)):
+        m(x, True).float().sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(opt._store.master(p), opt2._store.master(q))
+    opt.close()
+    opt2.close()
+
+
+def test_nvme_with_resume_for_flat_params_says_not_implemented(tmp_path):
+    with pytest.raises(NotImplementedError, match="resume"):
+        offload.AdamW([nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], offload="nvme", swap_dir=str(tmp_path),
+                      resume=True)
 
 
 def test_sub_groups_split_large_params(monkeypatch):

@@ -133,15 +133,18 @@ def _local(step, micro, group):
 
 
 def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, bucket=None,
-              start_sd=None, start_model=None, first_step=0, save_dir=None, load_dir=None):
+              start_sd=None, start_model=None, first_step=0, save_dir=None, load_dir=None, swap_dir=None,
+              dtype=torch.float32):
     from offload.optim.flat_state import FlatState
 
     if bucket is not None:
         FlatState.bucket_numel = bucket
-    model = _model()
+    model = _model(dtype)
     if start_model is not None:
         model.load_state_dict(start_model)
-    opt = offload.AdamW(model.parameters(), stage=stage, max_grad_norm=max_grad_norm, process_group=group, **HP)
+    nvme = dict(offload="nvme", swap_dir=swap_dir, sub_group_size=1024) if swap_dir else {}
+    opt = offload.AdamW(model.parameters(), stage=stage, max_grad_norm=max_grad_norm, process_group=group,
+                        **HP, **nvme)
     if start_sd is not None:
         opt.load_state_dict(start_sd)
     if load_dir is not None:
@@ -391,4 +394,12 @@ def test_ddp_wrapped_model_with_grads_already_averaged(pool):
     res = pool.run("job_ddp", 3, steps=6)
     ref, _ = _reference(6, hp=DDP_HP)
     for r in res:
+        _assert_params(r["params"], ref)
+
+
+def test_partitioned_with_moments_on_nvme_matches_torch(pool, tmp_path):
+    res = pool.run("job_train", 3, stage=2, steps=8, swap_dir=str(tmp_path))
+    ref, _ = _reference(8)
+    for r in res:
+        assert r["report"]["tiers"]["nvme"] > 0
         _assert_params(r["params"], ref)

@@ -79,7 +79,8 @@ class _FlatGroup:
     """The params of one (device, dtype), this rank's shard of their fp32 states, and buffers."""
 
     def __init__(self, params: List[torch.Tensor], *, world: int, rank: int, pools: Tuple[BufferPool, BufferPool],
-                 comm_dev: torch.device, bucket_numel: int, need_host_grad: bool, stage_cpu: bool = False) -> None:
+                 comm_dev: torch.device, bucket_numel: int, need_host_grad: bool, stage_cpu: bool = False,
+                 swapped: bool = False) -> None:
         self.params = params
         self.device = params[0].device
         self.dtype = params[0].dtype
@@ -93,8 +94,9 @@ class _FlatGroup:
         self._bufs = []
         S = self.layout.shard
         self.master = self._tensor(torch.float32, S, pinned=cuda and not self.lowp)
-        self.exp_avg = self._tensor(torch.float32, S).zero_()
-        self.exp_avg_sq = self._tensor(torch.float32, S).zero_()
+        self.swapped = swapped  # moments in NVMe swap files (see [Note: nvme]), not here
+        self.exp_avg = None if swapped else self._tensor(torch.float32, S).zero_()
+        self.exp_avg_sq = None if swapped else self._tensor(torch.float32, S).zero_()
         self.refresh_master()
         # Destination of grad copies (one rank, hook path): the whole flat range, own dtype.
         self.host_grad = self._tensor(self.dtype, self.layout.total, pinned=cuda) if need_host_grad else None
@@ -146,7 +148,7 @@ class _FlatGroup:
             self.lowp_shard.copy_(self.master)
 
     def nbytes(self) -> Dict[str, int]:
-        out = {"states": 3 * self.master.numel() * 4}
+        out = {"states": (1 if self.swapped else 3) * self.master.numel() * 4}
         out["grads"] = 0
         for t in (self.host_grad, self.gshard):
             if t is not None:
@@ -183,10 +185,15 @@ class FlatState:
     @classmethod
     def for_optimizer(cls, opt, *, stage: int, process_group: Any = None) -> "FlatState":
         if opt.config.offload == "nvme":
-            raise NotImplementedError(
-                "offload='nvme' for fp16/bf16 or device params, or with stage>0, is not implemented yet "
-                "(the flat store keeps its fp32 states in host memory): use offload='cpu'"
-            )
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if any(p.device.type != "cpu" for p in params):
+                raise NotImplementedError(
+                    "offload='nvme' with CUDA params is not implemented yet (moments on NVMe are "
+                    "supported for CPU params only): use offload='cpu'")
+            if opt.config.resume:
+                raise NotImplementedError(
+                    "resume=True with offload='nvme' is implemented for fp32 CPU params at stage 0 only; "
+                    "for bf16/fp16 or partitioned params use state_dict()/load_state_dict()")
         return cls(opt, stage=stage, process_group=process_group)
 
     def __init__(self, opt, *, stage: int, process_group: Any = None) -> None:
@@ -214,14 +221,21 @@ class FlatState:
         self._reduced = False
         self._stash: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
         self._closed = False
+        self._nvme = opt.config.offload == "nvme"
+        self._swap = None
+        self._swap_views: Dict[Tuple[int, int], torch.Tensor] = {}
         for group in opt.param_groups:
             self.add_param_group(group)
+        if self._nvme:
+            self._open_swap(opt)
         self._hooks.append(opt.register_step_pre_hook(self._pre_step))
         self._hooks.append(opt.register_load_state_dict_pre_hook(self._pre_load))
         self._hooks.append(opt.register_load_state_dict_post_hook(self._post_load))
 
     # ------------------------------------------------------------------ construction
     def add_param_group(self, group: Dict[str, Any]) -> None:
+        if self._swap is not None:
+            raise NotImplementedError("add_param_group after construction with offload='nvme'")
         params = [p for p in group["params"] if p not in self._where]
         for p in params:
             if p.dtype not in (torch.float32,) + _LOWP:
@@ -239,7 +253,7 @@ class FlatState:
             hook_path = self.world == 1 and (device.type == "cuda" or self.copy_cpu_grads)
             fg = _FlatGroup(members, world=self.world, rank=self.rank, pools=self._pools,
                             comm_dev=self._comm_dev, bucket_numel=self.bucket_numel,
-                            need_host_grad=hook_path, stage_cpu=self.stage_cpu_params)
+                            need_host_grad=hook_path, stage_cpu=self.stage_cpu_params, swapped=self._nvme)
             self._groups.append(fg)
             for i, p in enumerate(members):
                 self._where[p] = (fg, i)
@@ -403,6 +417,8 @@ class FlatState:
             # stream may still read, and reuse staging the last step's copies may still read.
             copy_stream.synchronize()
             copy_stream.wait_current()
+        if self._nvme:
+            return self._step_swapped(batches, t_grads)
         t_kernel = t_h2d = 0.0
         for hyper, items in batches:
             if self.world > 1:
@@ -479,6 +495,78 @@ class FlatState:
             p.detach().copy_(pflat.view_as(p))
         return t_kernel, t_h2d
 
+    # [Note: nvme] With offload="nvme" the moments (8 B/param of this rank's shard) live in
+    # swap files, streamed by the swap engineer's SwappedState (read g+1 / compute g / write
+    # g-1): its "params" are views of our fp32 master shard, one per (param ∩ shard) piece,
+    # which it updates in place. The master (4 B/param of the shard) stays in host memory, so
+    # after the swapped step one more pass writes the bf16/fp16 copy (or, partitioned, the
+    # shard that is all-gathered). CPU params only; CUDA params need the H2D pipeline to be
+    # driven from the swap pipeline's compute callback (not done yet).
+    def _open_swap(self, opt) -> None:
+        from offload.optim.swapped_state import SwappedState
+
+        for fg in self._groups:
+            start = fg.layout.shard_range()[0]
+            for i in range(len(fg.params)):
+                pc = fg.layout.owned(i)
+                if pc is not None:
+                    self._swap_views[(id(fg), i)] = fg.master[pc.lo - start:pc.hi - start]
+        if not self._swap_views:
+            return  # this rank owns no element (more ranks than elements)
+        cfg = opt.config
+        self._swap = SwappedState(list(self._swap_views.values()), swap_dir=cfg.swap_dir,
+                                  max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
+                                  verify=cfg.verify, io_engine=cfg.io, backend=self._backend,
+                                  num_threads=self._threads, run_name="flat")
+
+    def _swap_read(self, fg: _FlatGroup, i: int) -> Dict[str, torch.Tensor]:
+        m, v = self._swap.read_state(self._swap_views[(id(fg), i)])
+        return {"exp_avg": m.reshape(-1), "exp_avg_sq": v.reshape(-1)}
+
+    def _step_swapped(self, batches, t_grads: float) -> Dict[str, float]:
+        todo, sw_batches = [], []
+        for hyper, items in batches:
+            if self.world > 1:
+                hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * self._factor)
+            sw_items = []
+            for p, g, step in items:
+                fg, i = self._where[p]
+                pc = fg.layout.owned(i)
+                if pc is None:
+                    continue
+                start = fg.layout.shard_range()[0]
+                ps = slice(pc.param_offset, pc.param_offset + pc.numel)
+                if self.world > 1:
+                    grad = fg.gshard[pc.lo - start:pc.hi - start]
+                elif fg.host_grad is not None:
+                    grad = self._host_grad(fg, i, g)[ps]
+                else:
+                    grad = _flat_cpu(g)[ps]
+                sw_items.append((self._swap_views[(id(fg), i)], grad, step))
+                todo.append((fg, i, pc, start))
+            sw_batches.append((hyper, sw_items))
+        phases = dict(self._swap.step(sw_batches)) if todo else {}
+        t = time.perf_counter()
+        for fg, i, pc, start in todo:  # the low-precision copy, or the fp32 param itself
+            s = slice(pc.lo - start, pc.hi - start)
+            if self.world > 1:
+                if fg.lowp:
+                    fg.lowp_shard[s].copy_(fg.master[s])
+                continue
+            p = fg.params[i]
+            flat = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).clone()
+            flat[pc.param_offset:pc.param_offset + pc.numel].copy_(fg.master[s])  # RNE, as the kernel
+            if not p.is_contiguous():
+                p.detach().copy_(flat.view_as(p))
+        phases["kernel"] = phases.get("kernel", 0.0) + time.perf_counter() - t
+        t = time.perf_counter()
+        if self.world > 1:
+            for fg in self._groups:
+                self._all_gather(fg)
+        phases["allgather"] = time.perf_counter() - t
+        phases["grad_transfer"] = t_grads
+        return phases
+
     def _all_gather(self, fg: _FlatGroup) -> None:
         """Every rank's updated shard -> every rank's params, bucket by bucket."""
         src = fg.lowp_shard if fg.lowp else fg.master
@@ -527,8 +615,10 @@ class FlatState:
                 continue
             part = torch.empty(len(keys), b - a, dtype=torch.float32, device=self._comm_dev)
             if r == self.rank:
+                swapped = self._swap_read(fg, i) if fg.swapped and set(keys) - {"master"} else {}
                 for k, key in enumerate(keys):
-                    part[k].copy_(getattr(fg, _ATTR[key])[a - r * S:b - r * S])
+                    src = swapped[key] if key in swapped else getattr(fg, _ATTR[key])[a - r * S:b - r * S]
+                    part[k].copy_(src)
             comm.broadcast(part, r, self.group)
             full[:, a - off:b - off].copy_(part)
         return {key: full[k].view_as(p).clone() for k, key in enumerate(keys)}
@@ -545,6 +635,11 @@ class FlatState:
         start = fg.layout.shard_range()[0]
         s = slice(piece.lo - start, piece.hi - start)
         ps = slice(piece.param_offset, piece.param_offset + piece.numel)
+        if fg.swapped:
+            if "exp_avg" in full and "exp_avg_sq" in full:
+                self._swap.write_state(self._swap_views[(id(fg), i)], full["exp_avg"].detach().reshape(-1)[ps],
+                                       full["exp_avg_sq"].detach().reshape(-1)[ps])
+            return
         for key in ("exp_avg", "exp_avg_sq"):
             if key in full:
                 getattr(fg, _ATTR[key])[s].copy_(full[key].detach().reshape(-1)[ps])
@@ -597,6 +692,8 @@ class FlatState:
     def save_checkpoint(self, directory: str) -> None:
         import os
 
+        if self._nvme:
+            raise NotImplementedError("save_checkpoint of the flat store with offload='nvme': use state_dict()")
         from offload.swap.checkpoint import save_tensors
 
         states = {k: [getattr(fg, _ATTR[k]) for fg in self._groups if fg.layout.shard] for k in _ATTR}
@@ -607,6 +704,8 @@ class FlatState:
     def load_checkpoint(self, directory: str) -> None:
         import os
 
+        if self._nvme:
+            raise NotImplementedError("load_checkpoint of the flat store with offload='nvme': use load_state_dict()")
         from offload.swap.checkpoint import load_tensors, read_manifest
 
         first = read_manifest(os.path.join(directory, "rank0")).get("meta", {})
@@ -665,7 +764,13 @@ class FlatState:
                 host["grads"] += nb["comm"]
         total = sum(host.values())
         pinned = sum(buf.nbytes for fg in self._groups for pool, buf in fg._bufs if pool.pin)
-        return {"device": device, "pinned": pinned, "pageable": total - pinned, "nvme": 0,
+        nvme = 0
+        if self._swap is not None:
+            sw = self._swap.memory_report()
+            pinned += sw["pinned"]
+            total += sw["pinned"] + sw["pageable"]
+            nvme = sw["nvme"]
+        return {"device": device, "pinned": pinned, "pageable": total - pinned, "nvme": nvme,
                 "state_bytes": host["states"], "grad_bytes": host["grads"], "lowp_bytes": host["lowp"],
                 "world": self.world, "rank": self.rank, "stage": self.stage,
                 "shard_numel": sum(fg.layout.shard for fg in self._groups)}
@@ -680,6 +785,10 @@ class FlatState:
         self._wait_grad_copies()
         for _, copy_stream in self._streams.values():
             copy_stream.synchronize()
+        if self._swap is not None:
+            self._swap.close()
+            self._swap = None
+        self._swap_views = {}
         for fg in self._groups:
             fg.close()
         self._groups = []
