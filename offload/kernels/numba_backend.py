@@ -1,9 +1,10 @@
 """The numba backend: the fallback when the native library is missing (no compiler).
 
 Same signature and semantics as the native backend, and the same arithmetic order (see
-native/adam_avx512.cpp). Kept small on purpose: four compiled Adam specialisations (grads
-fp32 or 16-bit viewed as uint16, with or without the low-precision copy) and two
-sum-of-squares ones, cached on disk (``cache=True``), because each first compile costs
+native/adam_avx512.cpp). Kept small on purpose: four parallel (prange) Adam kernels (grads
+fp32 or 16-bit viewed as uint16, with or without the low-precision copy), two serial ones
+for small tensors, and a parallel and a serial sum of squares per grad kind; each is
+compiled on first use and cached on disk (``cache=True``), because a first compile costs
 ~1-2 s and CI runs the suite with this backend too.
 
 Threads: numba's OpenMP layer would start a second OpenMP runtime beside torch's, both
@@ -108,6 +109,40 @@ def _adam_u16_lowp(p, g, grad_code, m, v, lowp, lowp_code, gs, use_l2, l2, decay
         lowp[i] = _lowp_bits(pi, lowp_code)
 
 
+# Serial twins for small tensors: a parallel launch costs ~50-100 us even on one thread,
+# which a model with hundreds of small params (biases, norms) pays per tensor per step.
+# Below _SERIAL_MAX elements these plain loops (~1 us for 64 elements) are faster; above,
+# the prange versions win (numba vectorizes prange bodies, not these loops).
+_SERIAL_MAX = 16384
+_NO_LOWP = np.zeros(0, dtype=np.uint16)
+
+
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def _adam_f32_serial(p, g, m, v, lowp, lowp_code, gs, use_l2, l2, decay, coeff, from_end,
+                     b2, w2, bc2s, eps, nss):
+    for i in range(p.size):
+        pi, mi, vi = _update(g[i] * gs, p[i], m[i], v[i], use_l2, l2, decay, coeff,
+                             from_end, b2, w2, bc2s, eps, nss)
+        p[i] = pi
+        m[i] = mi
+        v[i] = vi
+        if lowp_code > 0:  # a branch costs nothing in a loop that is not vectorized anyway
+            lowp[i] = _lowp_bits(pi, lowp_code)
+
+
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def _adam_u16_serial(p, g, grad_code, m, v, lowp, lowp_code, gs, use_l2, l2, decay, coeff,
+                     from_end, b2, w2, bc2s, eps, nss):
+    for i in range(p.size):
+        pi, mi, vi = _update(_u16_to_float(g[i], grad_code) * gs, p[i], m[i], v[i], use_l2,
+                             l2, decay, coeff, from_end, b2, w2, bc2s, eps, nss)
+        p[i] = pi
+        m[i] = mi
+        v[i] = vi
+        if lowp_code > 0:
+            lowp[i] = _lowp_bits(pi, lowp_code)
+
+
 # Sum of squares: a prange reduction in double. "reassoc" lets LLVM vectorize the sum
 # (several partial sums); it does not assume finite values, so NaN/Inf still propagate.
 _SUMSQ_FASTMATH = {"reassoc", "contract"}
@@ -126,6 +161,24 @@ def _sumsq_f32(g):
 def _sumsq_u16(g, grad_code):
     acc = 0.0
     for i in prange(g.size):
+        x = np.float64(_u16_to_float(g[i], grad_code))
+        acc += x * x
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=_SUMSQ_FASTMATH)
+def _sumsq_f32_serial(g):
+    acc = 0.0
+    for i in range(g.size):
+        x = np.float64(g[i])
+        acc += x * x
+    return acc
+
+
+@njit(nogil=True, cache=True, fastmath=_SUMSQ_FASTMATH)
+def _sumsq_u16_serial(g, grad_code):
+    acc = 0.0
+    for i in range(g.size):
         x = np.float64(_u16_to_float(g[i], grad_code))
         acc += x * x
     return acc
@@ -171,23 +224,21 @@ class NumbaBackend:
         p = param.view(-1).numpy()
         m = exp_avg.view(-1).numpy()
         v = exp_avg_sq.view(-1).numpy()
+        lowp = () if param_lowp is None else (_u16(param_lowp), LOWP_DTYPES[param_lowp.dtype])
+        if grad.dtype == torch.float32:
+            head = (p, grad.view(-1).numpy(), m, v)
+            serial, parallel = _adam_f32_serial, (_adam_f32_lowp if lowp else _adam_f32)
+        else:
+            head = (p, _u16(grad), GRAD_DTYPES[grad.dtype], m, v)
+            serial, parallel = _adam_u16_serial, (_adam_u16_lowp if lowp else _adam_u16)
+        if n <= _SERIAL_MAX:
+            serial(*head, *(lowp or (_NO_LOWP, -1)), *args)
+            return
+        kernel, kargs = parallel, head + lowp
         threads = _threads_for(n, num_threads)
         with _launch_lock:
             numba.set_num_threads(threads)
-            if grad.dtype == torch.float32:
-                g = grad.view(-1).numpy()
-                if param_lowp is None:
-                    _adam_f32(p, g, m, v, *args)
-                else:
-                    _adam_f32_lowp(p, g, m, v, _u16(param_lowp),
-                                   LOWP_DTYPES[param_lowp.dtype], *args)
-            else:
-                g, code = _u16(grad), GRAD_DTYPES[grad.dtype]
-                if param_lowp is None:
-                    _adam_u16(p, g, code, m, v, *args)
-                else:
-                    _adam_u16_lowp(p, g, code, m, v, _u16(param_lowp),
-                                   LOWP_DTYPES[param_lowp.dtype], *args)
+            kernel(*kargs, *args)
 
     def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)
@@ -195,6 +246,12 @@ class NumbaBackend:
         n = grad.numel()
         if n == 0:
             return 0.0, False
+        if n <= _SERIAL_MAX:
+            if grad.dtype == torch.float32:
+                total = float(_sumsq_f32_serial(grad.view(-1).numpy()))
+            else:
+                total = float(_sumsq_u16_serial(_u16(grad), GRAD_DTYPES[grad.dtype]))
+            return total, not math.isfinite(total)
         threads = _threads_for(n, num_threads)
         with _launch_lock:
             numba.set_num_threads(threads)
