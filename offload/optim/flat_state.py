@@ -65,105 +65,13 @@ import torch
 
 from offload.kernels import get_backend
 from offload.memory import BufferPool
-from offload.zero import FlatLayout, SideStream, split_ranges
-from offload.zero import comm
+from offload.zero import SideStream, comm, split_ranges
+from offload.zero.checkpoint import load_shards, save_shards
+from offload.zero.flat_group import LOWP, FlatGroup
 
 __all__ = ["FlatState"]
 
 log = logging.getLogger("offload.optim")
-
-_LOWP = (torch.float16, torch.bfloat16)
-
-
-class _FlatGroup:
-    """The params of one (device, dtype), this rank's shard of their fp32 states, and buffers."""
-
-    def __init__(self, params: List[torch.Tensor], *, world: int, rank: int, pools: Tuple[BufferPool, BufferPool],
-                 comm_dev: torch.device, bucket_numel: int, need_host_grad: bool, stage_cpu: bool = False,
-                 swapped: bool = False) -> None:
-        self.params = params
-        self.device = params[0].device
-        self.dtype = params[0].dtype
-        self.lowp = self.dtype in _LOWP
-        self.layout = FlatLayout([p.numel() for p in params], world, rank)
-        self.world, self.rank = world, rank
-        # (pageable, pinned): only what a DMA engine reads or writes is pinned (grad copies,
-        # staging, an fp32 master that is copied to the device); moments never leave the host.
-        self._pools = pools
-        cuda = self.device.type == "cuda"
-        self._bufs = []
-        S = self.layout.shard
-        self.master = self._tensor(torch.float32, S, pinned=cuda and not self.lowp)
-        self.swapped = swapped  # moments in NVMe swap files (see [Note: nvme]), not here
-        self.exp_avg = None if swapped else self._tensor(torch.float32, S).zero_()
-        self.exp_avg_sq = None if swapped else self._tensor(torch.float32, S).zero_()
-        self.refresh_master()
-        # Destination of grad copies (one rank, hook path): the whole flat range, own dtype.
-        self.host_grad = self._tensor(self.dtype, self.layout.total, pinned=cuda) if need_host_grad else None
-        # Staging of updated low-precision params on their way to the device (one rank, CUDA).
-        self.stage = None
-        if world == 1 and (cuda or stage_cpu) and self.lowp:
-            self.stage = self._tensor(self.dtype, S, pinned=cuda)
-        self.gshard = self.lowp_shard = None
-        self.send = self.gather = self.rs_out = None
-        if world > 1:
-            self.gshard = self._tensor(torch.float32, S)  # fp32 sum of the grads of this shard
-            if self.lowp:
-                self.lowp_shard = self._tensor(self.dtype, S)
-                self.refresh_lowp_shard()
-            # One bucket moves `chunk` elements of every rank's shard: a send buffer of
-            # world * chunk fp32 for grads and one of the param dtype for the all-gather.
-            self.chunk = max(1, min(S, bucket_numel // world))
-            self.send = torch.empty(world * self.chunk, dtype=torch.float32, device=comm_dev)
-            self.gather = torch.empty(world * self.chunk, dtype=self.dtype, device=comm_dev)
-            self.rs_out = torch.empty(self.chunk, dtype=torch.float32, device=comm_dev)
-            self.comm_dev = comm_dev
-        # Hook path bookkeeping: per param, (weakref to the grad copied, its _version).
-        self.grad_tag: List[Optional[Tuple[Any, int]]] = [None] * len(params)
-
-    def _tensor(self, dtype: torch.dtype, numel: int, pinned: bool = False) -> torch.Tensor:
-        if numel == 0:
-            return torch.empty(0, dtype=dtype)
-        size = torch.empty(0, dtype=dtype).element_size()
-        pool = self._pools[1] if pinned else self._pools[0]
-        buf = pool.acquire(numel * size)
-        self._bufs.append((pool, buf))
-        return buf.tensor(dtype, numel)
-
-    # -- views ------------------------------------------------------------------------------
-    def flat_param(self, i: int) -> torch.Tensor:
-        """The param's data as a 1-D view (params on CUDA must be contiguous: checked earlier)."""
-        return self.params[i].detach().view(-1) if self.params[i].is_contiguous() else None
-
-    def refresh_master(self) -> None:
-        """master <- the params' current values (at start, and after a load without masters)."""
-        start, end = self.layout.shard_range()
-        self.master.zero_()
-        for pc in self.layout.pieces(start, end):
-            src = self.params[pc.index].detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
-            self.master[pc.lo - start:pc.hi - start].copy_(src)
-
-    def refresh_lowp_shard(self) -> None:
-        if self.lowp_shard is not None:
-            self.lowp_shard.copy_(self.master)
-
-    def nbytes(self) -> Dict[str, int]:
-        out = {"states": (1 if self.swapped else 3) * self.master.numel() * 4}
-        out["grads"] = 0
-        for t in (self.host_grad, self.gshard):
-            if t is not None:
-                out["grads"] += t.numel() * t.element_size()
-        out["lowp"] = sum(t.numel() * t.element_size() for t in (self.stage, self.lowp_shard) if t is not None)
-        out["comm"] = sum(t.numel() * t.element_size() for t in (self.send, self.gather) if t is not None)
-        return out
-
-    def close(self) -> None:
-        for name in ("master", "exp_avg", "exp_avg_sq", "host_grad", "stage", "gshard", "lowp_shard",
-                     "send", "gather", "rs_out"):
-            setattr(self, name, None)
-        for pool, buf in self._bufs:
-            pool.release(buf)
-        self._bufs = []
 
 
 class FlatState:
@@ -212,8 +120,8 @@ class FlatState:
         self._comm_dev = comm.comm_device(process_group) if world > 1 else torch.device("cpu")
         self._pools = (BufferPool(pin=False, name=f"flat-state:{id(self):x}"),
                        BufferPool(name=f"flat-state-pinned:{id(self):x}"))  # pinned when CUDA is present
-        self._groups: List[_FlatGroup] = []
-        self._where: Dict[torch.Tensor, Tuple[_FlatGroup, int]] = {}
+        self._groups: List[FlatGroup] = []
+        self._where: Dict[torch.Tensor, Tuple[FlatGroup, int]] = {}
         self._order: List[torch.Tensor] = []  # every param, in param_groups order
         self._hooks = []
         self._streams: Dict[torch.device, Tuple[SideStream, SideStream]] = {}
@@ -238,7 +146,7 @@ class FlatState:
             raise NotImplementedError("add_param_group after construction with offload='nvme'")
         params = [p for p in group["params"] if p not in self._where]
         for p in params:
-            if p.dtype not in (torch.float32,) + _LOWP:
+            if p.dtype not in (torch.float32,) + LOWP:
                 raise ValueError(f"parameter of dtype {p.dtype}: only float32, float16 and bfloat16 are supported")
             if p.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"parameter on {p.device}: only CPU and CUDA params are supported")
@@ -251,7 +159,7 @@ class FlatState:
             keys.setdefault((p.device, p.dtype), []).append(p)
         for (device, _), members in keys.items():
             hook_path = self.world == 1 and (device.type == "cuda" or self.copy_cpu_grads)
-            fg = _FlatGroup(members, world=self.world, rank=self.rank, pools=self._pools,
+            fg = FlatGroup(members, world=self.world, rank=self.rank, pools=self._pools,
                             comm_dev=self._comm_dev, bucket_numel=self.bucket_numel,
                             need_host_grad=hook_path, stage_cpu=self.stage_cpu_params, swapped=self._nvme)
             self._groups.append(fg)
@@ -284,7 +192,7 @@ class FlatState:
             dst.copy_(g.detach().reshape(-1))
         fg.grad_tag[i] = (weakref.ref(g), g._version)
 
-    def _host_grad(self, fg: _FlatGroup, i: int, g: torch.Tensor) -> torch.Tensor:
+    def _host_grad(self, fg: FlatGroup, i: int, g: torch.Tensor) -> torch.Tensor:
         """The host copy of p.grad (the hook's, or a fresh one when it is stale)."""
         lo, hi = fg.layout.slot(i)
         dst = fg.host_grad[lo:hi]
@@ -334,48 +242,14 @@ class FlatState:
         """Average grads across ranks into each group's fp32 shard buffer (see the notes)."""
         if self._reduced:
             return
-        mask = self._grad_mask()
+        self._grad_mask()  # every rank agrees on which params have a grad this step
         only_slice = bool(getattr(self._opt(), "grads_already_averaged", False))
         # The shard buffers hold the sum over ranks (folded into the kernel as 1/N) or,
         # after DDP, the average already.
         self._factor = 1.0 if only_slice else 1.0 / self.world
         for fg in self._groups:
-            S, c, W = fg.layout.shard, fg.chunk, self.world
-            for a, b in split_ranges(0, S, c):
-                n = b - a
-                if only_slice:
-                    self._fill(fg, fg.send[:n], fg.layout.shard_range()[0] + a, mask)
-                    fg.gshard[a:b].copy_(fg.send[:n])
-                    continue
-                send = fg.send[:W * n]
-                for r in range(W):
-                    self._fill(fg, send[r * n:(r + 1) * n], r * S + a, mask)
-                if self.stage == 2:
-                    # Straight into the host shard when the collective runs on the host.
-                    out = fg.gshard[a:b] if send.device.type == "cpu" else fg.rs_out[:n]
-                    comm.reduce_scatter(out, send, self.group)
-                else:
-                    comm.all_reduce(send, self.group)
-                    out = send[fg.rank * n:(fg.rank + 1) * n]
-                if out.data_ptr() != fg.gshard[a:b].data_ptr():
-                    fg.gshard[a:b].copy_(out)
+            fg.reduce_grads(self.group, self.stage, only_slice)
         self._reduced = True
-
-    @staticmethod
-    def _fill(fg: _FlatGroup, dst: torch.Tensor, lo: int, mask) -> None:
-        """dst <- the local grads of flat [lo, lo + len(dst)), upcast to fp32, zeros elsewhere."""
-        done = 0  # dst[:done] is written; gaps (padding, params without grad) get zeros
-        for pc in fg.layout.pieces(lo, lo + dst.numel()):
-            g = fg.params[pc.index].grad
-            if g is None:
-                continue
-            if pc.lo - lo > done:
-                dst[done:pc.lo - lo].zero_()
-            src = g.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
-            dst[pc.lo - lo:pc.hi - lo].copy_(src)
-            done = pc.hi - lo
-        if done < dst.numel():
-            dst[done:].zero_()
 
     def global_grad_sumsq(self, work) -> Tuple[float, bool]:
         kernel = get_backend(self._backend)
@@ -434,13 +308,13 @@ class FlatState:
         t_ag = time.perf_counter()
         if self.world > 1:
             for fg in self._groups:
-                self._all_gather(fg)
+                fg.all_gather_params(self.group)
         t_ag = time.perf_counter() - t_ag
         for _, copy_stream in self._streams.values():
             copy_stream.current_waits()  # the next forward reads the params copied above
         return {"grad_transfer": t_grads, "kernel": t_kernel, "h2d": t_h2d, "allgather": t_ag}
 
-    def _step_param(self, kernel, fg: _FlatGroup, i: int, g: torch.Tensor, kw: dict) -> Tuple[float, float]:
+    def _step_param(self, kernel, fg: FlatGroup, i: int, g: torch.Tensor, kw: dict) -> Tuple[float, float]:
         piece = fg.layout.owned(i)
         if piece is None:
             return 0.0, 0.0
@@ -519,7 +393,7 @@ class FlatState:
                                   verify=cfg.verify, io_engine=cfg.io, backend=self._backend,
                                   num_threads=self._threads, run_name="flat")
 
-    def _swap_read(self, fg: _FlatGroup, i: int) -> Dict[str, torch.Tensor]:
+    def _swap_read(self, fg: FlatGroup, i: int) -> Dict[str, torch.Tensor]:
         m, v = self._swap.read_state(self._swap_views[(id(fg), i)])
         return {"exp_avg": m.reshape(-1), "exp_avg_sq": v.reshape(-1)}
 
@@ -562,30 +436,10 @@ class FlatState:
         t = time.perf_counter()
         if self.world > 1:
             for fg in self._groups:
-                self._all_gather(fg)
+                fg.all_gather_params(self.group)
         phases["allgather"] = time.perf_counter() - t
         phases["grad_transfer"] = t_grads
         return phases
-
-    def _all_gather(self, fg: _FlatGroup) -> None:
-        """Every rank's updated shard -> every rank's params, bucket by bucket."""
-        src = fg.lowp_shard if fg.lowp else fg.master
-        S, W = fg.layout.shard, self.world
-        for a, b in split_ranges(0, S, fg.chunk):
-            n = b - a
-            out = fg.gather[:W * n]
-            comm.all_gather(out, src[a:b].to(out.device), self.group)
-            for r in range(W):
-                lo = r * S + a
-                for pc in fg.layout.pieces(lo, lo + n):
-                    p = fg.params[pc.index].detach()
-                    chunk = out[r * n + pc.lo - lo:r * n + pc.hi - lo]
-                    if p.is_contiguous():
-                        p.view(-1)[pc.param_offset:pc.param_offset + pc.numel].copy_(chunk)
-                    else:
-                        flat = p.reshape(-1).clone()
-                        flat[pc.param_offset:pc.param_offset + pc.numel].copy_(chunk)
-                        p.copy_(flat.view_as(p))
 
     # ------------------------------------------------------------------ state_dict
     def _has_state(self, p: torch.Tensor) -> bool:
@@ -617,7 +471,7 @@ class FlatState:
             if r == self.rank:
                 swapped = self._swap_read(fg, i) if fg.swapped and set(keys) - {"master"} else {}
                 for k, key in enumerate(keys):
-                    src = swapped[key] if key in swapped else getattr(fg, _ATTR[key])[a - r * S:b - r * S]
+                    src = swapped[key] if key in swapped else getattr(fg, key)[a - r * S:b - r * S]
                     part[k].copy_(src)
             comm.broadcast(part, r, self.group)
             full[:, a - off:b - off].copy_(part)
@@ -642,7 +496,7 @@ class FlatState:
             return
         for key in ("exp_avg", "exp_avg_sq"):
             if key in full:
-                getattr(fg, _ATTR[key])[s].copy_(full[key].detach().reshape(-1)[ps])
+                getattr(fg, key)[s].copy_(full[key].detach().reshape(-1)[ps])
 
     def _pre_load(self, opt, state_dict):
         self._stash = {}
@@ -677,78 +531,30 @@ class FlatState:
                 st.pop("master", None)
 
     # ------------------------------------------------------------------ checkpoints
-    # [Note: flat checkpoints] save_checkpoint(DIR) writes, per rank, DIR/rank<r>/ with that
-    # rank's shards of master, exp_avg and exp_avg_sq (the swap layer's streamed checkpoint
-    # format, offload.swap.checkpoint.save_tensors) and a meta block with the world size,
-    # the numels of each flat group and every param's step. load_checkpoint(DIR) on M ranks
-    # reads the N shards back through the same FlatLayout arithmetic and keeps, on each
-    # rank, the intersection with its new shard: N -> M with no gather and no full copy.
-    def _ckpt_meta(self) -> Dict[str, Any]:
+    def _ckpt_steps(self) -> List[int]:
         opt = self._opt()
-        steps = [int(opt.state[p]["step"].item()) if "step" in opt.state.get(p, {}) else 0 for p in self._order]
-        return {"kind": "flat", "world": self.world, "rank": self.rank, "steps": steps,
-                "groups": [list(fg.layout.numels) for fg in self._groups]}
+        return [int(opt.state[p]["step"].item()) if "step" in opt.state.get(p, {}) else 0 for p in self._order]
 
     def save_checkpoint(self, directory: str) -> None:
-        import os
-
+        """Per-rank shards + meta (see [Note: flat checkpoints] in offload/zero/checkpoint.py)."""
         if self._nvme:
             raise NotImplementedError("save_checkpoint of the flat store with offload='nvme': use state_dict()")
-        from offload.swap.checkpoint import save_tensors
-
-        states = {k: [getattr(fg, _ATTR[k]) for fg in self._groups if fg.layout.shard] for k in _ATTR}
-        save_tensors(os.path.join(directory, f"rank{self.rank}"), states, self._ckpt_meta())
-        if self.world > 1:
-            torch.distributed.barrier(group=self.group)  # every shard is on disk before anyone returns
+        save_shards(directory, self._groups, world=self.world, rank=self.rank,
+                    meta={"steps": self._ckpt_steps()}, process_group=self.group)
 
     def load_checkpoint(self, directory: str) -> None:
-        import os
-
+        """Masters, moments and steps from a checkpoint of any world size; params follow."""
         if self._nvme:
             raise NotImplementedError("load_checkpoint of the flat store with offload='nvme': use load_state_dict()")
-        from offload.swap.checkpoint import load_tensors, read_manifest
-
-        first = read_manifest(os.path.join(directory, "rank0")).get("meta", {})
-        old_world = int(first.get("world", 0))
-        mine = [list(fg.layout.numels) for fg in self._groups]
-        if first.get("kind") != "flat" or first.get("groups") != mine:
-            raise ValueError(f"{directory}: not a flat-store checkpoint of these params "
-                             f"(its groups {first.get('groups')}, ours {mine})")
-        for r in range(old_world):
-            olds = [FlatLayout(n, old_world, r) for n in mine]
-            scratch = {k: [torch.empty(lay.shard) for lay in olds if lay.shard] for k in _ATTR}
-            meta = load_tensors(os.path.join(directory, f"rank{r}"), scratch)
-            if meta.get("rank") != r or meta.get("world") != old_world:
-                raise ValueError(f"{directory}/rank{r}: meta says rank {meta.get('rank')} of {meta.get('world')}")
-            it = {k: iter(v) for k, v in scratch.items()}
-            for fg, lay in zip(self._groups, olds):
-                if not lay.shard:
-                    continue
-                src = {k: next(it[k]) for k in _ATTR}
-                o0, o1 = lay.shard_range()
-                n0, n1 = fg.layout.shard_range()
-                a, b = max(o0, n0), min(o1, n1, fg.layout.total)
-                if a < b:
-                    for k in _ATTR:
-                        getattr(fg, _ATTR[k])[a - n0:b - n0].copy_(src[k][a - o0:b - o0])
+        meta = load_shards(directory, self._groups)
         opt = self._opt()
-        for p, step in zip(self._order, first.get("steps", [])):
+        for p, step in zip(self._order, meta.get("steps", [])):
             if step:
                 opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
             else:
                 opt.state[p].pop("step", None)
-        # The params take the values of their masters (a load also restores the model).
         for fg in self._groups:
-            fg.refresh_lowp_shard()
-            self._write_params(fg)
-
-    def _write_params(self, fg: _FlatGroup) -> None:
-        if self.world > 1:
-            self._all_gather(fg)
-            return
-        for i, p in enumerate(fg.params):
-            lo, hi = fg.layout.slot(i)
-            p.detach().copy_(fg.master[lo:hi].view_as(p))
+            fg.write_params(self.group)
 
     # ------------------------------------------------------------------ reports
     def memory_report(self) -> Dict[str, int]:
@@ -798,9 +604,6 @@ class FlatState:
                 pool.close()
         except BufferError as exc:  # a caller still holds a view; the OS reclaims it at exit
             log.warning("flat store: %s", exc)
-
-
-_ATTR = {"master": "master", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 
 
 def _flat_cpu(g: torch.Tensor) -> torch.Tensor:

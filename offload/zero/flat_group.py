@@ -1,0 +1,187 @@
+"""One flat group: params of one device and dtype, this rank's shard of their fp32 states.
+
+See [Note: flat layout] in ``partition.py`` for the arithmetic. A ``FlatGroup`` owns the
+host buffers of its shard (from the memory layer's pools: pageable, or pinned where a DMA
+engine reads or writes them) and does the group's side of the collectives: bucketed
+reduction of the grads into the shard and the all-gather of the updated params. It knows
+no optimizer math; the optimizer's flat store (``offload/optim/flat_state.py``) drives it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from offload.memory import BufferPool
+from offload.zero import comm
+from offload.zero.partition import FlatLayout, split_ranges
+
+__all__ = ["FlatGroup", "LOWP"]
+
+LOWP = (torch.float16, torch.bfloat16)
+
+
+class FlatGroup:
+    """The params of one (device, dtype), this rank's shard of their fp32 states, and buffers."""
+
+    def __init__(self, params: List[torch.Tensor], *, world: int, rank: int, pools: Tuple[BufferPool, BufferPool],
+                 comm_dev: torch.device, bucket_numel: int, need_host_grad: bool, stage_cpu: bool = False,
+                 swapped: bool = False) -> None:
+        self.params = params
+        self.device = params[0].device
+        self.dtype = params[0].dtype
+        self.lowp = self.dtype in LOWP
+        self.layout = FlatLayout([p.numel() for p in params], world, rank)
+        self.world, self.rank = world, rank
+        # (pageable, pinned): only what a DMA engine reads or writes is pinned (grad copies,
+        # staging, an fp32 master that is copied to the device); moments never leave the host.
+        self._pools = pools
+        cuda = self.device.type == "cuda"
+        self._bufs = []
+        S = self.layout.shard
+        self.master = self._tensor(torch.float32, S, pinned=cuda and not self.lowp)
+        self.swapped = swapped  # moments in NVMe swap files (see [Note: nvme]), not here
+        self.exp_avg = None if swapped else self._tensor(torch.float32, S).zero_()
+        self.exp_avg_sq = None if swapped else self._tensor(torch.float32, S).zero_()
+        self.refresh_master()
+        # Destination of grad copies (one rank, hook path): the whole flat range, own dtype.
+        self.host_grad = self._tensor(self.dtype, self.layout.total, pinned=cuda) if need_host_grad else None
+        # Staging of updated low-precision params on their way to the device (one rank, CUDA).
+        self.stage = None
+        if world == 1 and (cuda or stage_cpu) and self.lowp:
+            self.stage = self._tensor(self.dtype, S, pinned=cuda)
+        self.gshard = self.lowp_shard = None
+        self.send = self.gather = self.rs_out = None
+        if world > 1:
+            self.gshard = self._tensor(torch.float32, S)  # fp32 sum of the grads of this shard
+            if self.lowp:
+                self.lowp_shard = self._tensor(self.dtype, S)
+                self.refresh_lowp_shard()
+            # One bucket moves `chunk` elements of every rank's shard: a send buffer of
+            # world * chunk fp32 for grads and one of the param dtype for the all-gather.
+            self.chunk = max(1, min(S, bucket_numel // world))
+            self.send = torch.empty(world * self.chunk, dtype=torch.float32, device=comm_dev)
+            self.gather = torch.empty(world * self.chunk, dtype=self.dtype, device=comm_dev)
+            self.rs_out = torch.empty(self.chunk, dtype=torch.float32, device=comm_dev)
+            self.comm_dev = comm_dev
+        # Hook path bookkeeping: per param, (weakref to the grad copied, its _version).
+        self.grad_tag: List[Optional[Tuple[Any, int]]] = [None] * len(params)
+
+    def _tensor(self, dtype: torch.dtype, numel: int, pinned: bool = False) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        size = torch.empty(0, dtype=dtype).element_size()
+        pool = self._pools[1] if pinned else self._pools[0]
+        buf = pool.acquire(numel * size)
+        self._bufs.append((pool, buf))
+        return buf.tensor(dtype, numel)
+
+    # -- views ------------------------------------------------------------------------------
+    def flat_param(self, i: int) -> torch.Tensor:
+        """The param's data as a 1-D view (params on CUDA must be contiguous: checked earlier)."""
+        return self.params[i].detach().view(-1) if self.params[i].is_contiguous() else None
+
+    def refresh_master(self) -> None:
+        """master <- the params' current values (at start, and after a load without masters)."""
+        start, end = self.layout.shard_range()
+        self.master.zero_()
+        for pc in self.layout.pieces(start, end):
+            src = self.params[pc.index].detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+            self.master[pc.lo - start:pc.hi - start].copy_(src)
+
+    def refresh_lowp_shard(self) -> None:
+        if self.lowp_shard is not None:
+            self.lowp_shard.copy_(self.master)
+
+    def nbytes(self) -> Dict[str, int]:
+        out = {"states": (1 if self.swapped else 3) * self.master.numel() * 4}
+        out["grads"] = 0
+        for t in (self.host_grad, self.gshard):
+            if t is not None:
+                out["grads"] += t.numel() * t.element_size()
+        out["lowp"] = sum(t.numel() * t.element_size() for t in (self.stage, self.lowp_shard) if t is not None)
+        out["comm"] = sum(t.numel() * t.element_size() for t in (self.send, self.gather) if t is not None)
+        return out
+
+    def close(self) -> None:
+        for name in ("master", "exp_avg", "exp_avg_sq", "host_grad", "stage", "gshard", "lowp_shard",
+                     "send", "gather", "rs_out"):
+            setattr(self, name, None)
+        for pool, buf in self._bufs:
+            pool.release(buf)
+        self._bufs = []
+
+    # -- collectives ------------------------------------------------------------------------
+    def fill_grads(self, dst: torch.Tensor, lo: int) -> None:
+        """dst <- the local grads of flat [lo, lo + len(dst)), upcast, zeros elsewhere."""
+        done = 0  # dst[:done] is written; gaps (padding, params without grad) get zeros
+        for pc in self.layout.pieces(lo, lo + dst.numel()):
+            g = self.params[pc.index].grad
+            if g is None:
+                continue
+            if pc.lo - lo > done:
+                dst[done:pc.lo - lo].zero_()
+            src = g.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+            dst[pc.lo - lo:pc.hi - lo].copy_(src)
+            done = pc.hi - lo
+        if done < dst.numel():
+            dst[done:].zero_()
+
+    def reduce_grads(self, group: Any, stage: int, only_slice: bool) -> None:
+        """gshard <- the sum over ranks of the grads of this rank's shard, bucket by bucket.
+
+        Each bucket gathers the N slices of the flat range that go to the N ranks into one
+        fp32 send buffer (upcasting on the way), then reduce-scatters it (stage 2) or
+        all-reduces it and keeps this rank's slice (stage 1). ``only_slice``: the grads are
+        already averaged (DDP): copy this rank's slice, no communication.
+        """
+        S, c, W = self.layout.shard, self.chunk, self.world
+        start = self.layout.shard_range()[0]
+        for a, b in split_ranges(0, S, c):
+            n = b - a
+            if only_slice:
+                self.fill_grads(self.send[:n], start + a)
+                self.gshard[a:b].copy_(self.send[:n])
+                continue
+            send = self.send[:W * n]
+            for r in range(W):
+                self.fill_grads(send[r * n:(r + 1) * n], r * S + a)
+            if stage == 2:
+                # Straight into the host shard when the collective runs on the host.
+                out = self.gshard[a:b] if send.device.type == "cpu" else self.rs_out[:n]
+                comm.reduce_scatter(out, send, group)
+            else:
+                comm.all_reduce(send, group)
+                out = send[self.rank * n:(self.rank + 1) * n]
+            if out.data_ptr() != self.gshard[a:b].data_ptr():
+                self.gshard[a:b].copy_(out)
+
+    def all_gather_params(self, group: Any) -> None:
+        """Every rank's updated shard -> every rank's params, bucket by bucket."""
+        src = self.lowp_shard if self.lowp else self.master
+        S, W = self.layout.shard, self.world
+        for a, b in split_ranges(0, S, self.chunk):
+            n = b - a
+            out = self.gather[:W * n]
+            comm.all_gather(out, src[a:b].to(out.device), group)
+            for r in range(W):
+                lo = r * S + a
+                for pc in self.layout.pieces(lo, lo + n):
+                    p = self.params[pc.index].detach()
+                    chunk = out[r * n + pc.lo - lo:r * n + pc.hi - lo]
+                    if p.is_contiguous():
+                        p.view(-1)[pc.param_offset:pc.param_offset + pc.numel].copy_(chunk)
+                    else:
+                        flat = p.reshape(-1).clone()
+                        flat[pc.param_offset:pc.param_offset + pc.numel].copy_(chunk)
+                        p.copy_(flat.view_as(p))
+
+    def write_params(self, group: Any) -> None:
+        """The params <- their masters (rounded to the param dtype), on every rank."""
+        if self.world > 1:
+            self.refresh_lowp_shard()
+            self.all_gather_params(group)
+            return
+        for i, p in enumerate(self.params):
+            lo, hi = self.layout.slot(i)
+            p.detach().copy_(self.master[lo:hi].view_as(p))
