@@ -7,8 +7,10 @@ CPU, params on CUDA, and any params once ``torch.distributed`` has more than one
 Params are grouped by (device, dtype) into *flat groups* (see [Note: flat layout] in
 ``offload/zero/partition.py``). For each, this rank keeps its shard of a flat fp32 master,
 ``exp_avg`` and ``exp_avg_sq`` in host buffers from the memory layer (pinned when CUDA is
-present). One step runs the fused kernel per (param ∩ shard) piece, cut into sub-groups; the
-kernel upcasts the grad and writes the fp16/bf16 copy of the updated master in the same pass.
+present; with ``offload="nvme"`` the moments go to swap files, see [Note: nvme]). One step
+runs the fused kernel per (param ∩ shard) piece (cut into sub-groups for CUDA params or when
+``sub_group_size`` is given); the kernel upcasts the grad and writes the fp16/bf16 copy of
+the updated master in the same pass.
 
 [Note: what p.grad holds] ``p.grad`` keeps exactly torch's meaning: the local gradient,
 accumulated by autograd over backward passes, cleared by ``zero_grad`` (either way). The
@@ -23,11 +25,10 @@ store never replaces or frees it; it *reads* it:
   change such as ``clip_grad_norm_`` or ``zero_()``, or a grad assigned by hand) is copied
   again, synchronously, so the step always sees what torch would. ``copy_cpu_grads = True``
   runs this path for CPU params too (the tests use it; there is no GPU in CI).
-- Several ranks: at step time the grads are averaged across ranks, bucket by bucket: each
-  bucket gathers the N slices of the flat range that go to the N ranks into one fp32
-  buffer (upcasting on the way), then reduce-scatters it (stage 2) or all-reduces it and
-  keeps this rank's slice (stage 1). Each rank ends with the fp32 *sum* for its shard; the
-  1/N of the average is folded into the kernel's ``grad_scale``.
+- Several ranks: at step time the grads are averaged across ranks, bucket by bucket
+  (``FlatGroup.reduce_grads`` in ``offload/zero/flat_group.py``; not yet overlapped with the
+  backward pass). Each rank ends with the fp32 *sum* for its shard; the 1/N of the average
+  is folded into the kernel's ``grad_scale``.
 
 [Note: DDP] The optimizer averages grads itself; the model needs no DDP wrapper. If the
 model *is* wrapped in DDP, its grads are already averaged: set
@@ -46,8 +47,8 @@ rank increments the same step counters. The answer comes from one small all-redu
 scaler's own ``update()`` still sees only the local answer: after an overflow on some ranks
 only, their loss scales differ, and the summed grads then mix scales. With fp16 and several
 ranks, either wrap the model in DDP (grads averaged before the scaler looks; set
-``grads_already_averaged``) or keep overflows global (they are, when every rank sees the
-same data distribution and an overflow comes from the weights). bf16 needs no scaler.
+``grads_already_averaged``) or expect the loss scales of the ranks to drift apart after a
+rank-local overflow. bf16 needs no scaler.
 
 Stage 1 vs 2: both keep 1/N of the fp32 states and of the host grad buffer per rank; they
 differ in the collective (all-reduce vs reduce-scatter). ``p.grad`` itself stays full on
