@@ -64,6 +64,68 @@ class RssPeak:
         self.peak = max(self.peak, rss_bytes())
 
 
+class DeepSpeedPeer:
+    """DeepSpeed's PipelinedOptimizerSwapper driven the way ZeRO-3's step drives it
+    (deepspeed/runtime/zero/stage3.py: per sub-group swap_in_optimizer_state(p, next),
+    DeepSpeedCPUAdam.step on [p], swap_out_optimizer_state(p, async_swap)), on the same grads.
+    Its fp32 master lives in the swap files too (ZeRO-3 has no user fp32 param to update in
+    place), so it moves 12 B/param each way where we move 8."""
+
+    def __init__(self, swap_dir: str, grads, sub_group_size: int, buffer_count: int, threads: int) -> None:
+        import deepspeed
+        import deepspeed.comm as dist
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.runtime.swap_tensor.constants import (AIO_BLOCK_SIZE, AIO_INTRA_OP_PARALLELISM,
+                                                             AIO_OVERLAP_EVENTS, AIO_QUEUE_DEPTH,
+                                                             AIO_SINGLE_SUBMIT, AIO_USE_GDS)
+        from deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper import PipelinedOptimizerSwapper
+        from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+
+        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                     ("LOCAL_RANK", "0")):
+            os.environ.setdefault(k, v)
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        self.grads = [g.view(-1)[i:i + sub_group_size] for g in grads for i in range(0, g.numel(), sub_group_size)]
+        self.flat = []
+        for k, g in enumerate(self.grads):
+            p = torch.empty(g.numel()).normal_()
+            p.ds_id = str(k)
+            self.flat.append(p)
+        self.opt = DeepSpeedCPUAdam(self.flat, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                                    eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], adamw_mode=True)
+        self.opt.param_groups[0]["params"] = []
+        aio = {AIO_BLOCK_SIZE: 1 << 20, AIO_QUEUE_DEPTH: 32, AIO_INTRA_OP_PARALLELISM: 1, AIO_SINGLE_SUBMIT: False,
+               AIO_OVERLAP_EVENTS: True, AIO_USE_GDS: False}
+        cfg = DeepSpeedZeroOffloadOptimizerConfig(device="nvme", nvme_path=swap_dir, buffer_count=buffer_count,
+                                                  pipeline_read=True, pipeline_write=True)
+        self.folder = os.path.join(swap_dir, "deepspeed_peer")
+        self.swapper = PipelinedOptimizerSwapper(swap_config=cfg, aio_config=aio, base_folder=self.folder,
+                                                 optimizer=self.opt, largest_numel=max(g.numel() for g in self.grads),
+                                                 device="cpu", dtype=torch.float32, timers=None)
+        self.swapper.initialize_parameters(parameters=self.flat, src_tensors=self.flat)
+        for p in self.flat:  # the master now lives in the swap files (as after ZeRO-3's init)
+            p.data = torch.empty(0)
+        self.threads = threads
+
+    def step(self) -> None:
+        n = len(self.flat)
+        for i, p in enumerate(self.flat):
+            nxt = self.flat[i + 1] if i + 1 < n else None
+            self.swapper.swap_in_optimizer_state(parameter=p, async_parameter=nxt)
+            p.grad = self.grads[i]
+            self.opt.param_groups[0]["params"] = [p]
+            self.opt.step()
+            self.opt.param_groups[0]["params"] = []
+            self.swapper.swap_out_optimizer_state(parameter=p, async_swap=nxt is not None)
+            p.grad = None
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=lambda s: int(s.replace("_", "")), default=200_000_000)
@@ -75,6 +137,10 @@ def main() -> int:
     ap.add_argument("--engine", default="auto")
     ap.add_argument("--threads", type=int, default=1, help="kernel threads (1 leaves a core to I/O)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--verify", action="store_true", help="per-block crc32 of every read and write")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="also time DeepSpeed's PipelinedOptimizerSwapper on the same grads, step by step "
+                         "(needs deepspeed and its AsyncIOBuilder op: Debian libaio-dev)")
     args = ap.parse_args()
 
     os.makedirs(args.swap_dir, exist_ok=True)
@@ -84,7 +150,7 @@ def main() -> int:
     params = [torch.empty(n).normal_() for n in sizes]
     grads = [torch.empty(n).normal_() for n in sizes]
     st = SwappedState(params, swap_dir=args.swap_dir, max_host_bytes=bound, sub_group_size=args.sub_group_size,
-                      io_engine=args.engine, num_threads=args.threads)
+                      io_engine=args.engine, num_threads=args.threads, verify=args.verify)
     kernel = get_backend()
     state_bytes = 2 * 4 * args.numel
     try:
@@ -115,9 +181,17 @@ def main() -> int:
                                      **HYPER)
             return time.perf_counter() - t0
 
+        peer = None
+        if args.deepspeed:
+            ds_buffers = bound // (lay.sub_group_size * 4)
+            peer = DeepSpeedPeer(args.swap_dir, grads, lay.sub_group_size, ds_buffers, args.threads)
+            for _ in range(2):
+                peer.step()
         for _ in range(2):  # first step writes only (states start at zero); second reads too
             do_step()
         rows = {"step": [], "io": [], "kernel": []}
+        if peer is not None:
+            rows["deepspeed"] = []
         details, peak = [], 0
         for _ in range(args.reps):
             with RssPeak() as rp:
@@ -131,17 +205,21 @@ def main() -> int:
             io_alone()
             rows["io"].append(time.perf_counter() - t0)
             rows["kernel"].append(kernel_alone())
+            if peer is not None:
+                t0 = time.perf_counter()
+                peer.step()
+                rows["deepspeed"].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in rows.items()}
         ideal = max(med["io"], med["kernel"])
         budget = bound + 2 * 4 * args.numel  # max_host_bytes + params + grads
-        phases = {k: statistics.median(d[k] for d in details) for k in ("swap_read_s", "swap_write_s", "kernel_s", "wait_read_s",
-                                                        "wait_write_s", "commit_s")}
+        phases = {k: statistics.median(d[k] for d in details) for k in (
+            "swap_read_s", "swap_write_s", "kernel_s", "wait_read_s", "wait_write_s", "verify_s", "commit_s")}
         result = {
             "bench": "swap", "numel": args.numel, "params": args.params, "states_in_swap_bytes": state_bytes,
             "swap_files_bytes": st.memory_report()["nvme"], "max_host_bytes": bound,
             "sub_group_size": lay.sub_group_size, "sub_groups": lay.num_groups, "buffers": st.num_buffers,
             "host_buffer_bytes": st.host_bytes, "engine": st.store.engine.name, "direct": st.store.files[0].direct,
-            "backend": kernel.name, "kernel_threads": args.threads, "reps": args.reps,
+            "backend": kernel.name, "kernel_threads": args.threads, "reps": args.reps, "verify": args.verify,
             "step_s": med["step"], "io_alone_s": med["io"], "kernel_alone_s": med["kernel"],
             "overlap_efficiency": ideal / med["step"], "step_over_ideal": med["step"] / ideal,
             "io_GBps": 2 * state_bytes / med["io"] / 1e9, "step_phases_s": phases,
@@ -150,8 +228,17 @@ def main() -> int:
             "machine": f"{platform.node()} {os.cpu_count()} cpus {platform.processor() or platform.machine()}",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         }
+        if peer is not None:
+            import deepspeed
+
+            result.update({"peak_rss_includes_deepspeed": True,
+                           "deepspeed_version": deepspeed.__version__, "deepspeed_step_s": med["deepspeed"],
+                           "deepspeed_buffers": ds_buffers, "deepspeed_bytes_moved": 2 * 12 * args.numel,
+                           "step_speedup_vs_deepspeed": med["deepspeed"] / med["step"]})
     finally:
         st.close()
+        if args.deepspeed and "peer" in locals() and peer is not None:
+            peer.close()
     gib = 2 ** 30
     print(f"NVMe-swapped AdamW, N={args.numel:,} fp32 params ({len(params)} tensors), moments in swap "
           f"{state_bytes / 1e9:.2f} GB ({result['swap_files_bytes'] / gib:.2f} GiB of files, two slots)")
@@ -159,15 +246,22 @@ def main() -> int:
           f"{result['buffers']} buffers ({result['host_buffer_bytes'] / gib:.2f} GiB); engine {result['engine']}, "
           f"O_DIRECT {result['direct']}; kernel {result['backend']} x{args.threads} thread(s)")
     print(f"{'what':<28}{'median s':>10}  {'runs'}")
-    for name, key in (("step (read+kernel+write)", "step"), ("I/O alone", "io"), ("kernel alone", "kernel")):
+    names = [("step (read+kernel+write)", "step"), ("I/O alone", "io"), ("kernel alone", "kernel")]
+    if "deepspeed" in rows:
+        names.append(("DeepSpeed pipelined swapper", "deepspeed"))
+    for name, key in names:
         print(f"{name:<28}{med[key]:>10.3f}  " + " ".join(f"{x:.3f}" for x in rows[key]))
     print(f"{'overlap efficiency':<28}{result['overlap_efficiency']:>10.3f}  (max(I/O, kernel) / step; "
           f"step = {result['step_over_ideal']:.3f} x ideal, target <= 1.15)")
     print(f"{'I/O rate (read+write)':<28}{result['io_GBps']:>10.2f}  GB/s")
     print(f"{'step phases (median)':<28}" + ", ".join(f"{k}={v:.3f}" for k, v in phases.items()))
-    print(f"{'peak RSS in step':<28}{peak / gib:>10.2f}  GiB; budget max_host+params+grads = {budget / gib:.2f} GiB "
+    print(f"{'peak RSS in step':<28}{peak / gib:>10.2f}  GiB{' (DeepSpeed in the process too)' if peer else ''}; budget max_host+params+grads = {budget / gib:.2f} GiB "
           f"(x{result['peak_rss_over_budget']:.3f}; x{result['peak_rss_minus_baseline_over_budget']:.3f} without "
           f"the {rss0 / gib:.2f} GiB of the interpreter and torch)")
+    if peer is not None:
+        print(f"{'DeepSpeed / ours, step time':<28}{result['step_speedup_vs_deepspeed']:>10.2f}  (DeepSpeed {args.threads} "
+              f"OMP thread(s), {ds_buffers} buffers of one sub-group, same bound; it moves 12 B/param each way, "
+              f"we move 8: its fp32 master is swapped too)")
     print(json.dumps(result))
     return 0
 
