@@ -4,7 +4,7 @@
     .venv/bin/python bench/adam.py --quick          # N = 4M, 5 steps: a smoke run
 
 Two contests, each timed in one process with the contenders interleaved step by step (in
-a rotating order) after a warm-up, sharing one set of buffers, so no contender pays
+a fresh random order each step) after a warm-up, sharing one set of buffers, so no contender pays
 another's page faults (see MEASURED.md, "Benchmarking pitfall"); the figure is the median
 step time.
 
@@ -30,6 +30,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -156,11 +157,18 @@ def mixed_contenders(buf: Buffers, threads: int):
 
 
 def time_interleaved(contenders, warmup: int, steps: int):
+    """Median and fastest step of each contender, run in a fresh random order every step.
+
+    A rotation would keep the cyclic order, so a contender would always follow the same
+    neighbour; after one of torch's OpenMP regions the pool's threads keep spinning for a
+    few ms (libgomp's default wait policy) and slow whatever runs next on their cores: a
+    fixed neighbour turned that into a 2x bias against one contender here. A seeded shuffle
+    spreads it evenly."""
     names = list(contenders)
     times = {k: [] for k in names}
+    rng = random.Random(0)
     for i in range(warmup + steps):
-        k0 = i % len(names)
-        for name in names[k0:] + names[:k0]:
+        for name in rng.sample(names, len(names)):
             t0 = time.perf_counter()
             contenders[name]()
             dt = time.perf_counter() - t0
