@@ -178,14 +178,20 @@ def test_atexit_and_sigterm_remove_files(tmp_path):
 
 
 _CHAIN = """
-import signal, sys, time
-def mine(s, f):
-    open(sys.argv[2], "w").write("called")
-    sys.exit(7)
+import os, signal, sys, time
+calls = []
+def mine(s, f):  # a framework's graceful shutdown: first SIGTERM sets a flag, the second exits
+    calls.append(s)
+    if len(calls) == 2:
+        open(sys.argv[2], "w").write("called twice")
+        sys.exit(7)
 signal.signal(signal.SIGTERM, mine)
 from offload.swap import SwapLayout, SwapStore
 st = SwapStore(sys.argv[1], SwapLayout(5000, 2048, 2), state_names=["exp_avg", "exp_avg_sq"])
 print("ready", flush=True)
+while not calls:
+    time.sleep(0.01)
+print("alive", os.path.exists(st.path), flush=True)
 time.sleep(60)
 """
 
@@ -197,8 +203,11 @@ def test_sigterm_chains_to_previous_handler(tmp_path):
     p = run_python(_CHAIN, str(swap), str(marker))
     assert p.stdout.readline().strip() == "ready", p.stderr.read()
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=30) == 7
-    assert marker.read_text() == "called" and os.listdir(swap) == []
+    # the previous handler returned: the process goes on, and so do its swap files
+    assert p.stdout.readline().strip() == "alive True", p.stderr.read()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 7  # it exited (SystemExit): atexit removed the files
+    assert marker.read_text() == "called twice" and os.listdir(swap) == []
 
 
 def test_resume_checks_version_and_layout(tmp_path):

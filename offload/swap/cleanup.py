@@ -1,9 +1,10 @@
 """Remove swap files on close, on normal interpreter exit and on SIGTERM.
 
 A swap directory holds as many bytes as the optimizer states, so a forgotten one costs real
-disk. Open stores register here; ``atexit`` closes them, and a SIGTERM handler closes them and
-then hands the signal to whatever handler was there before (the default one terminates the
-process, as the sender expects). ``kill -9`` cannot be caught: such a directory keeps its
+disk. Open stores register here; ``atexit`` closes them, and a SIGTERM handler chains to
+whatever handler was there before: with the default action it closes them and terminates
+the process, as the sender expects; a Python handler (a framework's graceful shutdown) runs
+untouched and the files go at exit. ``kill -9`` cannot be caught: such a directory keeps its
 files but its ``flock`` dies with the process, which is how ``offload clean`` and
 ``resume=True`` recognise it.
 """
@@ -57,13 +58,17 @@ def close_all() -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    close_all()
+    """SIGTERM: do what the handler we replaced would have done, cleaning up when that ends
+    the process. A Python handler (a framework's graceful shutdown) runs first and untouched:
+    if it exits (SystemExit), ``atexit`` cleans up; if it returns, the process goes on and so
+    must its swap files. SIG_IGN: nothing. SIG_DFL: clean up, then die of SIGTERM."""
     previous = _previous_handler
     if callable(previous):
         previous(signum, frame)
     elif previous == signal.SIG_IGN:
         return
     else:  # SIG_DFL or unknown (set from C): terminate as the default action would
+        close_all()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
