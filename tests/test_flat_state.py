@@ -250,3 +250,27 @@ def test_save_and_load_checkpoint_one_rank(monkeypatch, tmp_path):
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(opt._store.master(p), opt2._store.master(q))
         assert torch.equal(p, q)
+
+
+def test_param_groups_with_own_hyperparameters_and_add_param_group():
+    # Two groups with their own lr / weight decay / betas, and a third added later.
+    model = _model(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in params]
+    spec = [dict(lr=1e-2, weight_decay=0.0), dict(lr=3e-2, weight_decay=0.2, betas=(0.5, 0.9))]
+    ours = offload.AdamW([dict(params=params[:4], **spec[0]), dict(params=params[4:8], **spec[1])])
+    ref = torch.optim.AdamW([dict(params=masters[:4], **spec[0]), dict(params=masters[4:8], **spec[1])],
+                            foreach=False)
+    for step in range(4):
+        if step == 2:
+            ours.add_param_group(dict(params=params[8:], lr=5e-3, eps=1e-4))
+            ref.add_param_group(dict(params=masters[8:], lr=5e-3, eps=1e-4))
+        model(torch.randn(4, 17).bfloat16(), True).float().pow(2).sum().backward()
+        for p, m in zip(params, masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        ours.step()
+        ref.step()
+        ours.zero_grad()
+        ref.zero_grad()
+    for p, m in zip(params, masters):
+        torch.testing.assert_close(ours._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
