@@ -358,7 +358,7 @@ def best_config(rows: Sequence[dict]):
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    head = (f"{'tool':<7} {'engine':<12} {'rw':<5} {'bs':>5} {'qd':>3} {'dir':>3} {'GB/s':>6} {'GiB/s':>6} "
+    head = (f"{'tool':<9} {'engine':<12} {'rw':<5} {'bs':>5} {'qd':>3} {'dir':>3} {'GB/s':>6} {'GiB/s':>6} "
             f"{'IOPS':>8} {'p50 us':>9} {'p99 us':>9} {'p99.9 us':>9} {'usr%':>5} {'sys%':>5} {'vs fio':>6}  note")
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (r["rw"], r["block_size"], r["queue_depth"], r["tool"] != "offload",
@@ -366,7 +366,7 @@ def format_table(rows: Sequence[dict]) -> str:
         eng = r["engine"] + ("+THP" if r.get("hugepages") else "")
         ratio = f"{r['vs_fio']:.2f}" if r.get("vs_fio") else ""
         lines.append(
-            f"{r['tool']:<7} {eng:<12} {r['rw']:<5} {_human(r['block_size']):>5} {r['queue_depth']:>3} "
+            f"{r['tool']:<9} {eng:<12} {r['rw']:<5} {_human(r['block_size']):>5} {r['queue_depth']:>3} "
             f"{'y' if r['direct'] else 'n':>3} {r['gbps']:6.2f} {r['gibps']:6.2f} {r['iops']:8.0f} "
             f"{r['lat_p50_us']:9.0f} {r['lat_p99_us']:9.0f} {r['lat_p999_us']:9.0f} {r['cpu_usr_pct']:5.0f} "
             f"{r['cpu_sys_pct']:5.0f} {ratio:>6}  {r.get('note', '')}")

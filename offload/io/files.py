@@ -3,7 +3,8 @@
 [Note: O_DIRECT] Direct I/O bypasses the page cache: a hot cached read at 5.7 GB/s would fake a
 fast disk, and buffered writes ran at 0.49 GB/s with 99 % system CPU on our machines. It needs
 offset, length and buffer address on 4 KiB (we use 4096, the largest logical block size in
-practice, rather than asking statx). ramfs, tmpfs before Linux 6.6 and some network file systems refuse it (tmpfs accepts it since 6.6).
+practice, rather than asking statx). ramfs, tmpfs before Linux 6.6 and some network file
+systems refuse it (tmpfs accepts it since 6.6).
 
 We open *without* O_DIRECT first and then switch it on with ``fcntl(F_SETFL)``: a refusal
 then leaves exactly one file, created once, with O_EXCL semantics intact (opening with
@@ -239,7 +240,8 @@ def probe_direct(directory: "str | os.PathLike[str]", *, refresh: bool = False) 
                 result = (True, "O_DIRECT accepted")
             except OSError as exc:
                 result = (False, f"O_DIRECT refused ({os.strerror(exc.errno or errno.EINVAL)}), "
-                                 "the file system does not support direct I/O (e.g. ramfs, tmpfs before Linux 6.6, some network file systems)")
+                                 "the file system does not support direct I/O (e.g. ramfs, tmpfs before "
+                                 "Linux 6.6, some network file systems)")
     finally:
         os.close(fd)
     _probe_cache[key] = result

@@ -148,7 +148,8 @@ class UringEngine(Engine):
         except OSError as exc:
             L.io_uring_queue_exit(self._ring)
             os.close(self._efd)
-            raise OSError(exc.errno, f"io_uring_register_eventfd failed: {os.strerror(exc.errno)}", "io_uring") from None
+            raise OSError(exc.errno, f"io_uring_register_eventfd failed: {os.strerror(exc.errno)}",
+                          "io_uring") from None
         self._cqe = L.Cqe()
         self._slots = _IovecSlots(L, queue_depth)
         self._lock = threading.Lock()
