@@ -221,3 +221,16 @@ def test_two_optimizers_of_one_process_share_a_swap_dir(tmp_path):
     s1.close()
     s2.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_dropped_without_close_still_cleans_up(tmp_path):
+    import gc
+
+    params = [torch.randn(3000)]
+    st = _state(tmp_path, params)
+    st.step([(dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True),
+              [(params[0], torch.ones(3000), 1)])])
+    assert os.listdir(tmp_path) == ["offload-run.rank0"]
+    del st
+    gc.collect()
+    assert os.listdir(tmp_path) == []

@@ -88,6 +88,14 @@ def _kernel_kwargs(hyper: Any, step: int) -> Dict[str, Any]:
     return dict(hyper, step=step)
 
 
+def _close_quietly(pipeline: SwapPipeline, store: SwapStore) -> None:
+    """Close (also from the garbage collector): buffers first, then files and directory."""
+    try:
+        pipeline.close()
+    finally:
+        store.close()
+
+
 class SwappedState:
     """See the module docstring for the interface."""
 
@@ -145,6 +153,8 @@ class SwappedState:
         except BaseException:
             self.store.close(remove=not resume)
             raise
+        # an optimizer dropped without close() still frees its buffers and swap files
+        self._finalizer = weakref.finalize(self, _close_quietly, self.pipeline, self.store)
 
     @classmethod
     def for_optimizer(cls, opt: Any) -> "SwappedState":
@@ -446,11 +456,8 @@ class SwappedState:
     def close(self) -> None:
         """Release buffers and remove the swap directory (use save_checkpoint() first to keep
         the states)."""
-        pipeline = getattr(self, "pipeline", None)
-        if pipeline is not None:
-            self._cache_g = None
-            pipeline.close()
-        self.store.close()
+        self._cache_g = None
+        self._finalizer()
 
     def __enter__(self) -> "SwappedState":
         return self

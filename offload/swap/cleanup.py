@@ -15,14 +15,15 @@ import logging
 import os
 import signal
 import threading
-import weakref
 from typing import Any, Dict, List
 
 __all__ = ["register", "unregister", "close_all"]
 
 log = logging.getLogger(__name__)
 
-_open: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+# Strong references: a store dropped without close() must still be cleaned at exit (its
+# owner, e.g. SwappedState, also closes it when the owner is garbage-collected).
+_open: Dict[int, Any] = {}
 _lock = threading.Lock()
 _counter = 0
 _installed = False
