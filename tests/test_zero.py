@@ -134,7 +134,7 @@ def _local(step, micro, group):
 
 def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, bucket=None,
               start_sd=None, start_model=None, first_step=0, save_dir=None, load_dir=None, swap_dir=None,
-              dtype=torch.float32):
+              dtype=torch.float32, rank0_only=False):
     from offload.optim.flat_state import FlatState
 
     if bucket is not None:
@@ -167,6 +167,7 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
         opt.zero_grad()
     if save_dir is not None:
         opt.save_checkpoint(save_dir)
+    opt.state_dict_rank0_only = rank0_only
     sd = opt.state_dict()
     report = opt.memory_report()
     opt.close()
@@ -403,3 +404,12 @@ def test_partitioned_with_moments_on_nvme_matches_torch(pool, tmp_path):
     for r in res:
         assert r["report"]["tiers"]["nvme"] > 0
         _assert_params(r["params"], ref)
+
+
+def test_state_dict_rank0_only(pool):
+    res = pool.run("job_train", 3, stage=2, steps=3, rank0_only=True)
+    _, ref_opt = _reference(3)
+    for k, st in ref_opt.state_dict()["state"].items():
+        torch.testing.assert_close(res[0]["sd"]["state"][k]["exp_avg"], st["exp_avg"], rtol=1e-5, atol=1e-6)
+        for r in res[1:]:
+            assert set(r["sd"]["state"][k]) == {"step"}

@@ -30,6 +30,12 @@ store never replaces or frees it; it *reads* it:
   backward pass). Each rank ends with the fp32 *sum* for its shard; the 1/N of the average
   is folded into the kernel's ``grad_scale``.
 
+[Note: state_dict on several ranks] ``state_dict()`` is a collective: call it on every
+rank. It returns torch's AdamW layout with full tensors (plus ``master``, the fp32 master,
+for fp16/bf16 params), so a checkpoint from N ranks loads on M ranks, in one process, and
+into ``torch.optim.AdamW``. With ``opt.state_dict_rank0_only = True`` only rank 0 keeps the
+full tensors.
+
 [Note: DDP] The optimizer averages grads itself; the model needs no DDP wrapper. If the
 model *is* wrapped in DDP, its grads are already averaged: set
 ``opt.grads_already_averaged = True`` (read at every step) and the store only slices them,
@@ -456,13 +462,17 @@ class FlatState:
             return {}
         fg, _ = self._where[p]
         keys = ("exp_avg", "exp_avg_sq") + (("master",) if fg.lowp else ())
-        return self._gather_full(p, keys)
+        # opt.state_dict_rank0_only = True: every rank takes part in the gather, only rank 0
+        # keeps the full tensors (the others' state_dict() then holds only the steps).
+        keep = self.rank == 0 or not getattr(self._opt(), "state_dict_rank0_only", False)
+        out = self._gather_full(p, keys, keep=keep)
+        return out if keep else {}
 
-    def _gather_full(self, p: torch.Tensor, keys) -> Dict[str, torch.Tensor]:
+    def _gather_full(self, p: torch.Tensor, keys, keep: bool = True) -> Dict[str, torch.Tensor]:
         """Full-shaped fp32 copies of this param's states; collective when partitioned."""
         fg, i = self._where[p]
         off, n = fg.layout.offsets[i], fg.layout.numels[i]
-        full = torch.empty(len(keys), n, dtype=torch.float32)
+        full = torch.empty(len(keys), n if keep else 0, dtype=torch.float32)
         S = fg.layout.shard
         for r in range(self.world):
             a, b = max(off, r * S), min(off + n, (r + 1) * S)
@@ -475,7 +485,10 @@ class FlatState:
                     src = swapped[key] if key in swapped else getattr(fg, key)[a - r * S:b - r * S]
                     part[k].copy_(src)
             comm.broadcast(part, r, self.group)
-            full[:, a - off:b - off].copy_(part)
+            if keep:
+                full[:, a - off:b - off].copy_(part)
+        if not keep:
+            return {}
         return {key: full[k].view_as(p).clone() for k, key in enumerate(keys)}
 
     def import_state(self, p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
