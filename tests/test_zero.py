@@ -236,6 +236,39 @@ def job_ddp(group, steps):
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+class _WithSide(nn.Module):
+    """The test model plus a layer used on some ranks only (rank 0's rows in each step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+        torch.manual_seed(1)
+        self.side = nn.Linear(5, 5)
+
+    def forward(self, x, use_side):
+        h = self.body(x)
+        return h + self.side(h) if use_side else h
+
+
+def _side_loss(model, step, world, rank):
+    x, y = _batch(step, 0)
+    n = GLOBAL_BATCH // world
+    return (model(x[rank * n:(rank + 1) * n], rank == 0) - y[rank * n:(rank + 1) * n]).pow(2).mean()
+
+
+def job_side(group, steps):
+    model = _WithSide()
+    opt = offload.AdamW(model.parameters(), process_group=group, **HP)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    for step in range(steps):
+        _side_loss(model, step, world, rank).backward()
+        assert (model.side.weight.grad is None) == (rank != 0)
+        opt.step()
+        opt.zero_grad()
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "side_step": float(opt.state[model.side.weight]["step"])}
+
+
 # ---------------------------------------------------------------------- the worker pool
 def _worker(rank, world, port, inq, outq):
     torch.set_num_threads(1)
@@ -413,3 +446,18 @@ def test_state_dict_rank0_only(pool):
         torch.testing.assert_close(res[0]["sd"]["state"][k]["exp_avg"], st["exp_avg"], rtol=1e-5, atol=1e-6)
         for r in res[1:]:
             assert set(r["sd"]["state"][k]) == {"step"}
+
+
+def test_param_with_grad_on_one_rank_only_steps_everywhere(pool):
+    # Missing grads count as zeros in the average (as with DDP); every rank steps the param.
+    res = pool.run("job_side", 3, steps=4)
+    model = _WithSide()
+    opt = torch.optim.AdamW(model.parameters(), foreach=False, **HP)
+    for step in range(4):
+        loss = sum(_side_loss(model, step, 3, r) for r in range(3)) / 3
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for r in res:
+        assert r["side_step"] == 4.0
+        _assert_params(r["params"], model)
