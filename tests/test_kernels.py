@@ -345,6 +345,44 @@ def test_threads_give_identical_sumsq(backend):
         assert max(sums) - min(sums) <= 1e-12 * max(sums), sums
 
 
+def test_concurrent_calls_from_python_threads(backend):
+    # the swap pipeline updates one sub-group while another thread computes a norm: calls
+    # from several Python threads at once (the GIL is released) must not interfere
+    import threading
+    n, jobs = 3 * 65536 + 7, 4
+    gens = [torch.Generator().manual_seed(i) for i in range(jobs)]
+    bufs = [[torch.randn(n, generator=gn) for _ in range(2)] + [torch.zeros(n), torch.zeros(n)]
+            for gn in gens]
+    expected = []
+    for p, g, m, v in bufs:
+        ref = [p.clone(), m.clone(), v.clone()]
+        for s in range(1, 4):
+            K.get_backend("torch").adam_step(ref[0], g, ref[1], ref[2], weight_decay=0.1,
+                                             step=s, decoupled=True, **HP)
+        expected.append((ref, K.get_backend("torch").grad_sumsq(g)[0]))
+    errors, sums = [], [None] * jobs
+
+    def work(i):
+        try:
+            p, g, m, v = bufs[i]
+            for s in range(1, 4):
+                backend.adam_step(p, g, m, v, weight_decay=0.1, step=s, decoupled=True,
+                                  num_threads=2, **HP)
+                sums[i] = backend.grad_sumsq(g, num_threads=2)[0]
+        except Exception as exc:  # reported below, with the thread's index
+            errors.append((i, exc))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, ((ref, ref_sum), (p, g, m, v)) in enumerate(zip(expected, bufs)):
+        _close((p, m, v), ref)
+        assert math.isclose(sums[i], ref_sum, rel_tol=1e-12)
+
+
 def test_set_num_threads():
     try:
         K.set_num_threads(3)
