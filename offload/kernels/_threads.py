@@ -3,6 +3,12 @@
 The native kernels spawn their own std::threads per call and numba uses its own pool; none
 uses OpenMP, so they never oversubscribe against torch's OpenMP pool (the trap of DeepSpeed
 issue #4687). The default follows torch's setting so a user who limits torch limits us too.
+
+[Note: OpenMP spin] torch's OpenMP threads keep spinning for a few ms after each parallel
+region (libgomp's default wait policy), so a kernel that starts right after a torch op on
+the CPU shares its cores with them; measured here (bench/adam.py, RESULTS.md) that cost up
+to 2x at 10M params with 2 threads. ``OMP_WAIT_POLICY=PASSIVE`` in the environment, or one
+kernel thread, avoids it.
 """
 from __future__ import annotations
 
