@@ -33,3 +33,12 @@ def test_info_table_and_forced_backend_in_a_fresh_process():
     assert out.returncode == 0, out.stderr
     assert "kernel backend" in out.stdout and "torch" in out.stdout
     assert "transparent huge pages" in out.stdout
+
+
+def test_info_reports_a_bad_isa_request_instead_of_failing():
+    env = dict(os.environ, OFFLOAD_ISA="bogus")
+    out = subprocess.run([sys.executable, "-m", "offload", "info", "--json"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert "bogus" in info["isa_selected"]

@@ -67,7 +67,7 @@ def collect() -> Dict[str, Any]:
         selected = f"none ({exc})"
     try:
         isa = native_isa()
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # no native library, or a bad OFFLOAD_ISA
         isa = f"unavailable ({exc})"
     cuda = torch.cuda.is_available()
     return {

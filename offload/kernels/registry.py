@@ -86,5 +86,8 @@ def backend_status() -> Dict[str, Tuple[bool, str]]:
         if backend is None:
             status[name] = (False, _errors[name])
         else:
-            status[name] = (True, getattr(backend, "describe", lambda: "ok")())
+            try:
+                status[name] = (True, getattr(backend, "describe", lambda: "ok")())
+            except (RuntimeError, ValueError) as exc:  # loaded, but unusable as configured
+                status[name] = (False, str(exc))
     return status
