@@ -46,7 +46,7 @@ def _model(dtype: torch.dtype, seed: int = 0) -> Net:
 
 def _train(monkeypatch, *, dtype=torch.bfloat16, copy_grads=False, accumulate=2, scaler=False,
            overflow_at=None, max_grad_norm=None, set_to_none=True, steps=STEPS, on_step=None,
-           device_path=False, sub_group_size=None, **extra):
+           device_path=False, sub_group_size=None, unscale=False, **extra):
     monkeypatch.setattr(FlatState, "copy_cpu_grads", copy_grads or device_path)
     monkeypatch.setattr(FlatState, "stage_cpu_params", device_path)
     model = _model(dtype)
@@ -82,6 +82,8 @@ def _train(monkeypatch, *, dtype=torch.bfloat16, copy_grads=False, accumulate=2,
                 torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], max_grad_norm)
             ref.step()
         if gs:
+            if unscale:
+                gs.unscale_(opt)  # in place, after the hook copied the grads
             gs.step(opt)
             gs.update()
         else:
@@ -119,6 +121,14 @@ def test_zero_grad_set_to_none_false_steps_zero_grads_like_torch(monkeypatch):
 
 def test_fp16_grad_scaler_injected_overflow_skips_step(monkeypatch):
     _, opt, _, _ = _train(monkeypatch, dtype=torch.float16, scaler=True, overflow_at=3)
+    assert opt.skipped_steps == 1
+
+
+def test_grad_scaler_unscale_before_step_with_hook_copies(monkeypatch):
+    # unscale_() rewrites the grads without bumping their version: the copies must be redone.
+    # (bf16: GradScaler.unscale_ refuses fp16 grads.)
+    _, opt, _, _ = _train(monkeypatch, dtype=torch.bfloat16, scaler=True, overflow_at=2, copy_grads=True,
+                          unscale=True, steps=5)
     assert opt.skipped_steps == 1
 
 

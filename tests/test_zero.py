@@ -134,11 +134,12 @@ def _local(step, micro, group):
 
 def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, bucket=None,
               start_sd=None, start_model=None, first_step=0, save_dir=None, load_dir=None, swap_dir=None,
-              dtype=torch.float32, rank0_only=False):
+              dtype=torch.float32, rank0_only=False, reduce_in_backward=False, unscale=False):
     from offload.optim.flat_state import FlatState
 
     if bucket is not None:
         FlatState.bucket_numel = bucket
+    FlatState.reduce_in_backward = reduce_in_backward
     model = _model(dtype)
     if start_model is not None:
         model.load_state_dict(start_model)
@@ -160,6 +161,8 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
                 loss = scaler.scale(loss)
             loss.backward()
         if scaler is not None:
+            if unscale:
+                scaler.unscale_(opt)  # in place, after the grads were sent: must be sent again
             scaler.step(opt)
             scaler.update()
         else:
@@ -461,3 +464,23 @@ def test_param_with_grad_on_one_rank_only_steps_everywhere(pool):
     for r in res:
         assert r["side_step"] == 4.0
         _assert_params(r["params"], model)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reduce_in_backward_with_accumulation_matches_torch(pool, stage):
+    res = pool.run("job_train", 3, stage=stage, steps=6, accumulate=2, max_grad_norm=1.0, bucket=1000,
+                   reduce_in_backward=True)
+    ref, _ = _reference(6, accumulate=2, max_grad_norm=1.0)
+    for r in res:
+        _assert_params(r["params"], ref)
+
+
+def test_reduce_in_backward_resends_grads_changed_after_backward(pool):
+    # scaler.unscale_() divides the grads in place after they were sent; with an overflow
+    # at step 2 on every rank as well.
+    res = pool.run("job_train", 2, stage=2, steps=5, overflow_at=2, unscale=True, reduce_in_backward=True)
+    ref, _ = _reference(5, overflow_at=2)
+    for r in res:
+        assert r["skipped"] == 1
+        _assert_params(r["params"], ref)
+

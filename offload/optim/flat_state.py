@@ -23,7 +23,9 @@ store never replaces or frees it; it *reads* it:
   autograd has accumulated it. The copy is tagged with (a weak reference to the grad, its
   version counter); at step time a tag that no longer matches ``p.grad`` (a later in-place
   change such as ``clip_grad_norm_`` or ``zero_()``, or a grad assigned by hand) is copied
-  again, synchronously, so the step always sees what torch would. ``copy_cpu_grads = True``
+  again, synchronously, so the step always sees what torch would. ``GradScaler.unscale_()``
+  changes grads in place *without* bumping their version counters; the step pre-hook sees
+  that it ran (``found_inf`` set, ``grad_scale`` None) and drops every tag. ``copy_cpu_grads = True``
   runs this path for CPU params too (the tests use it; there is no GPU in CI).
 - Several ranks: at step time the grads are averaged across ranks, bucket by bucket
   (``FlatGroup.reduce_grads`` in ``offload/zero/flat_group.py``; not yet overlapped with the
@@ -92,6 +94,11 @@ class FlatState:
     stage_cpu_params = False
     """Send CPU bf16/fp16 params through the staging buffer and a copy, as CUDA params go
     (tests: the CUDA path's indexing runs on the CPU too)."""
+    reduce_in_backward = False
+    """Several ranks: start each bucket's reduction from the grad hooks, during backward (see
+    [Note: reduce in backward]); read when the optimizer is built. Off by default."""
+    inflight = 2
+    """Buckets in flight at once when reducing in backward (send buffers kept)."""
     bucket_numel = 1 << 22
     """Elements of each rank's shard moved per collective (bounds the send buffers)."""
     default_sub_group = 1 << 22
@@ -143,6 +150,9 @@ class FlatState:
             self.add_param_group(group)
         if self._nvme:
             self._open_swap(opt)
+        self._rib = self.reduce_in_backward and self.world > 1
+        if self._rib:
+            self._setup_reduce_in_backward()
         self._hooks.append(opt.register_step_pre_hook(self._pre_step))
         self._hooks.append(opt.register_load_state_dict_pre_hook(self._pre_load))
         self._hooks.append(opt.register_load_state_dict_post_hook(self._post_load))
@@ -218,6 +228,13 @@ class FlatState:
         self._mask = None
         self._reduced = False
         found_inf = getattr(opt, "found_inf", None)
+        if found_inf is not None and getattr(opt, "grad_scale", None) is None:
+            # GradScaler.unscale_() ran: it divides the grads in place with an op that does
+            # not bump their version counters, so copies made before it look current.
+            # Forget them all: grads are copied / reduced again at this step.
+            for fg in self._groups:
+                fg.grad_tag = [None] * len(fg.params)
+            self._bk_tags = {}
         if self.world > 1 and isinstance(found_inf, torch.Tensor):
             # GradScaler checks each rank's local grads; a step must be skipped on all
             # ranks or on none, or the shards diverge. (The loss scale itself is still
@@ -254,9 +271,107 @@ class FlatState:
         # The shard buffers hold the sum over ranks (folded into the kernel as 1/N) or,
         # after DDP, the average already.
         self._factor = 1.0 if only_slice else 1.0 / self.world
-        for fg in self._groups:
-            fg.reduce_grads(self.group, self.stage, only_slice)
+        if self._rib and not only_slice:
+            self._finish_backward_reduction()
+        else:
+            for fg in self._groups:
+                fg.reduce_grads(self.group, self.stage, only_slice)
         self._reduced = True
+
+    # [Note: reduce in backward] With reduce_in_backward, a post-accumulate-grad hook on
+    # every param counts the params of each bucket that have their grad; buckets are started
+    # (upcast into a send buffer, then an async reduce-scatter / all-reduce) strictly in one
+    # fixed order, the same on every rank, as soon as the next bucket in that order is
+    # complete; at the end of each backward pass (an autograd engine callback) the rest are
+    # started, params without grad counting as zeros. So every rank issues the same
+    # collectives in the same order, once per backward pass (ranks must run the same number
+    # of backward passes per step). At step time each rank checks that the grads of every
+    # bucket are still those it sent (same tensor, same version counter: a later micro-batch
+    # of gradient accumulation, an in-place unscale or clip changes them); one all-reduce
+    # makes that check global, and the buckets any rank finds stale are reduced again, by
+    # all ranks, synchronously. With accumulation over K passes the reduction runs K times
+    # (the last one overlaps the last backward); send buffers: `inflight` buckets.
+    def _setup_reduce_in_backward(self) -> None:
+        self._bk_members = [fg.bucket_members() for fg in self._groups]
+        self._bk_order = [(gi, k) for gi in reversed(range(len(self._groups)))
+                          for k in reversed(range(len(self._bk_members[gi])))]
+        for fg in self._groups:
+            W, c = self.world, fg.chunk
+            fg.slots = [torch.empty(W * c, dtype=torch.float32, device=self._comm_dev) for _ in range(self.inflight)]
+            if self._comm_dev.type != "cpu":
+                fg.slot_out = [torch.empty(c, dtype=torch.float32, device=self._comm_dev) for _ in range(self.inflight)]
+        self._bk_next = 0
+        self._bk_fired: set = set()
+        self._bk_cb = False
+        self._bk_seq = 0
+        self._bk_slot: List[Optional[Tuple[Any, Any, Tuple[int, int]]]] = [None] * self.inflight
+        self._bk_tags: Dict[Tuple[int, int], list] = {}
+        gi_of = {id(fg): gi for gi, fg in enumerate(self._groups)}
+        for p, (fg, i) in self._where.items():
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p, key=(gi_of[id(fg)], i): self._bucket_hook(key)))
+
+    def _bucket_hook(self, key: Tuple[int, int]) -> None:
+        if self._closed or getattr(self._opt(), "grads_already_averaged", False):
+            return
+        self._bk_fired.add(key)
+        if not self._bk_cb:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._bk_cb = True
+        self._advance(final=False)
+
+    def _end_backward(self) -> None:
+        self._advance(final=True)
+        self._bk_next, self._bk_fired, self._bk_cb = 0, set(), False
+
+    def _advance(self, final: bool) -> None:
+        while self._bk_next < len(self._bk_order):
+            gi, k = self._bk_order[self._bk_next]
+            fg = self._groups[gi]
+            if not final and any(fg.params[i].requires_grad and (gi, i) not in self._bk_fired
+                                 for i in self._bk_members[gi][k]):
+                return
+            self._launch(gi, k)
+            self._bk_next += 1
+
+    def _wait_slot(self, slot: int) -> None:
+        held = self._bk_slot[slot]
+        if held is not None:
+            work, finish, _ = held
+            work.wait()
+            finish()
+            self._bk_slot[slot] = None
+
+    def _launch(self, gi: int, k: int) -> None:
+        for slot, held in enumerate(self._bk_slot):  # a bucket's previous pass writes the same range
+            if held is not None and held[2] == (gi, k):
+                self._wait_slot(slot)
+        slot = self._bk_seq % self.inflight
+        self._bk_seq += 1
+        self._wait_slot(slot)
+        fg = self._groups[gi]
+        work, finish = fg.launch_bucket(k, slot, self.group, self.stage)
+        self._bk_slot[slot] = (work, finish, (gi, k))
+        self._bk_tags[(gi, k)] = [_tag(fg.params[i].grad) for i in self._bk_members[gi][k]]
+
+    def _finish_backward_reduction(self) -> None:
+        for slot in range(self.inflight):
+            self._wait_slot(slot)
+        ok = []
+        for gi, k in self._bk_order:
+            tags = self._bk_tags.get((gi, k))
+            fg = self._groups[gi]
+            ok.append(int(tags is not None and all(
+                _same(t, fg.params[i].grad) for t, i in zip(tags, self._bk_members[gi][k]))))
+        flags = torch.tensor(ok, dtype=torch.int32, device=self._comm_dev)
+        comm.all_reduce(flags, self.group, op=torch.distributed.ReduceOp.MIN)
+        for (gi, k), good in zip(self._bk_order, flags.tolist()):
+            if not good:  # stale on some rank: every rank reduces it again, now
+                work, finish = self._groups[gi].launch_bucket(k, 0, self.group, self.stage)
+                work.wait()
+                finish()
+        self._bk_tags = {}
 
     def global_grad_sumsq(self, work) -> Tuple[float, bool]:
         kernel = get_backend(self._backend)
@@ -599,6 +714,9 @@ class FlatState:
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_rib", False):
+            for slot in range(self.inflight):
+                self._wait_slot(slot)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -618,6 +736,17 @@ class FlatState:
                 pool.close()
         except BufferError as exc:  # a caller still holds a view; the OS reclaims it at exit
             log.warning("flat store: %s", exc)
+
+
+def _tag(g: Optional[torch.Tensor]) -> Tuple[Any, int]:
+    """(weak reference, version) of a grad, to tell whether it changed since it was sent."""
+    return (None, -1) if g is None else (weakref.ref(g), g._version)
+
+
+def _same(tag: Tuple[Any, int], g: Optional[torch.Tensor]) -> bool:
+    if g is None or tag[0] is None:
+        return g is None and tag[0] is None
+    return tag[0]() is g and tag[1] == g._version
 
 
 def _flat_cpu(g: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["world_and_rank", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
-           "comm_device", "reduce_scatter_supported"]
+           "comm_device", "reduce_scatter_supported", "reduce_scatter_async", "all_reduce_async"]
 
 log = logging.getLogger("offload.zero")
 
@@ -78,6 +78,38 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> N
             log.warning("backend %s has no reduce_scatter (%s); using all_reduce + slice", name, exc)
     dist.all_reduce(inp, group=group)
     out.copy_(inp[rank * n:(rank + 1) * n])
+
+
+class _Done:
+    """The handle of a collective that needed no communication."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def reduce_scatter_async(out: torch.Tensor, inp: torch.Tensor, group: Any = None):
+    """``reduce_scatter`` started asynchronously; returns a handle with ``wait()``.
+
+    Where the backend has no reduce_scatter (see the note) the fallback runs synchronously.
+    """
+    world, rank = world_and_rank(group)
+    if world == 1 or _backend_name(group) in _no_reduce_scatter:
+        reduce_scatter(out, inp, group)
+        return _Done()
+    try:
+        return _RS(out, inp, group=group, async_op=True)
+    except (RuntimeError, NotImplementedError) as exc:
+        if "support" not in str(exc).lower():
+            raise
+        reduce_scatter(out, inp, group)  # records the missing feature, then falls back
+        return _Done()
+
+
+def all_reduce_async(t: torch.Tensor, group: Any = None):
+    """In-place sum all-reduce started asynchronously; returns a handle with ``wait()``."""
+    if world_and_rank(group)[0] == 1:
+        return _Done()
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def all_reduce(t: torch.Tensor, group: Any = None, op: Optional[Any] = None) -> None:

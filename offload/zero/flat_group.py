@@ -63,6 +63,8 @@ class FlatGroup:
             self.send = torch.empty(world * self.chunk, dtype=torch.float32, device=comm_dev)
             self.gather = torch.empty(world * self.chunk, dtype=self.dtype, device=comm_dev)
             self.rs_out = torch.empty(self.chunk, dtype=torch.float32, device=comm_dev)
+            self.slots: List[torch.Tensor] = []  # send buffers of buckets in flight (reduce in backward)
+            self.slot_out: List[torch.Tensor] = []
             self.comm_dev = comm_dev
         # Hook path bookkeeping: per param, (weakref to the grad copied, its _version).
         self.grad_tag: List[Optional[Tuple[Any, int]]] = [None] * len(params)
@@ -155,6 +157,44 @@ class FlatGroup:
                 out = send[self.rank * n:(self.rank + 1) * n]
             if out.data_ptr() != self.gshard[a:b].data_ptr():
                 self.gshard[a:b].copy_(out)
+
+    # -- reduction during backward (opt-in, see [Note: reduce in backward]) ---------------
+    def bucket_ranges(self) -> List[Tuple[int, int]]:
+        """Shard-local [a, b) of each bucket (the same on every rank)."""
+        return split_ranges(0, self.layout.shard, self.chunk)
+
+    def bucket_members(self) -> List[List[int]]:
+        """Per bucket, the params with a part in it on any rank."""
+        S = self.layout.shard
+        out = []
+        for a, b in self.bucket_ranges():
+            idx = set()
+            for r in range(self.world):
+                idx.update(pc.index for pc in self.layout.pieces(r * S + a, r * S + b))
+            out.append(sorted(idx))
+        return out
+
+    def launch_bucket(self, k: int, slot: int, group: Any, stage: int):
+        """Fill send slot ``slot`` with bucket ``k`` and start its collective (async).
+
+        Returns (work, finish): ``work.wait()`` then ``finish()`` puts the sum in gshard.
+        """
+        a, b = self.bucket_ranges()[k]
+        n, W, S = b - a, self.world, self.layout.shard
+        send = self.slots[slot][:W * n]
+        for r in range(W):
+            self.fill_grads(send[r * n:(r + 1) * n], r * S + a)
+        if stage == 2:
+            out = self.gshard[a:b] if send.device.type == "cpu" else self.slot_out[slot][:n]
+            work = comm.reduce_scatter_async(out, send, group)
+        else:
+            out = send[self.rank * n:(self.rank + 1) * n]
+            work = comm.all_reduce_async(send, group)
+
+        def finish() -> None:
+            if out.data_ptr() != self.gshard[a:b].data_ptr():
+                self.gshard[a:b].copy_(out)
+        return work, finish
 
     def all_gather_params(self, group: Any) -> None:
         """Every rank's updated shard -> every rank's params, bucket by bucket."""
