@@ -242,3 +242,28 @@ def test_kill_9_at_a_random_moment(tmp_path):
             _state(swap, params, resume=True)
         return
     _resume_and_compare(swap, out, k, seed=seed, total=k + 2)
+
+
+def test_failed_commit_keeps_previous_step(tmp_path, monkeypatch):
+    """ENOSPC (or EIO) while replacing the manifest: the step is not applied to the swap state."""
+    import errno as _errno
+
+    from offload.swap import fsutil
+
+    params = [torch.randn(n) for n in SIZES]
+    st = _state(tmp_path, params)
+    steps = [0] * len(params)
+    st.step(batches_for(params, steps, 0, SPLIT))
+    before = _moments(st, params)
+    real = fsutil.write_json_atomic
+
+    def full(directory, name, obj):
+        raise OSError(_errno.ENOSPC, "No space left on device", os.path.join(directory, name))
+
+    monkeypatch.setattr(fsutil, "write_json_atomic", full)
+    with pytest.raises(SwapStepError, match="could not be committed.*still hold step 1"):
+        st.step(batches_for(params, list(steps), 1, SPLIT))
+    monkeypatch.setattr(fsutil, "write_json_atomic", real)
+    assert st.store.step == 1 and _same(_moments(st, params), before)
+    assert json.load(open(os.path.join(st.swap_path, "manifest.json")))["step"] == 1
+    st.close()

@@ -146,6 +146,9 @@ def test_second_process_refused_then_clean(tmp_path, capsys):
         _store(tmp_path)
     from offload.cli import main
 
+    assert main(["clean", "--dry-run", str(tmp_path)]) == 0
+    assert "would remove " + str(tmp_path / "offload-run.rank0") in capsys.readouterr().out
+    assert os.listdir(tmp_path) == ["offload-run.rank0"]
     assert main(["clean", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "removed " + str(tmp_path / "offload-run.rank0") in out and "1 directory" in out
