@@ -25,10 +25,11 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
         busy time beyond reads, so that swap_read + swap_write = time with I/O in flight),
         wait_read, wait_write, verify, commit}; st.last_stats has the pipeline's full dict
         (swap_read_s, swap_write_s, io_busy_s, kernel_s, wait_read_s, wait_write_s, verify_s,
-        commit_s, step_s, read_bytes, write_bytes, groups). On an I/O failure raises SwapStepError (an OSError): the swap state stays at
-        the previous step; params of the sub-groups already computed were updated in place
-        (listed in the message) and further steps are refused until the params are restored
-        (then clear_failure(), which checks them) or load_checkpoint().
+        commit_s, step_s, read_bytes, write_bytes, groups). On an I/O failure it raises
+        SwapStepError (an OSError): the swap state stays at the previous step; params of the
+        sub-groups already computed were updated in place (listed in the message) and further
+        steps are refused until the params are restored (then clear_failure(), which checks
+        them) or load_checkpoint().
     st.read_state(p) -> (exp_avg, exp_avg_sq)        new tensors shaped like p
     st.write_state(p, exp_avg, exp_avg_sq, step=None)
     st.export_state(p) -> {"exp_avg", "exp_avg_sq"} ({} before p's first step)
@@ -46,7 +47,8 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
         save a checkpoint that offload="nvme" loads, and back
     st.memory_report() -> {"device", "pinned", "pageable", "nvme"} bytes
     st.last_stats                                     timings of the last step
-    st.close()                                        removes the swap directory
+    st.close()                                        removes the swap directory (also done when st
+                                                     is garbage-collected, at exit and on SIGTERM)
     st.swap_path, st.sub_group_size, st.num_buffers, st.host_bytes
 
 [Note: fingerprint] The fp32 params are the user's tensors, not ours: after a crash they come
