@@ -474,6 +474,19 @@ def test_env_forces_an_engine(monkeypatch):
         open_engine("spdk")
 
 
+def test_engine_status_for_offload_info(monkeypatch):
+    from offload.io import engine_status
+
+    monkeypatch.delenv("OFFLOAD_IO_ENGINE", raising=False)
+    st = engine_status()
+    assert st["threads"] == "available" and st["env OFFLOAD_IO_ENGINE"] == "unset"
+    monkeypatch.setattr(io_auto, "_uring_reason", lambda: "blocked by seccomp")
+    st = engine_status()
+    assert st["uring"] == "unavailable: blocked by seccomp" and st["auto picks"].startswith("threads")
+    monkeypatch.setenv("OFFLOAD_IO_ENGINE", "aiofiles")
+    assert engine_status()["auto picks"].startswith("aiofiles (forced")
+
+
 def test_forced_engine_that_cannot_work_is_an_error(monkeypatch):
     blocked = "io_uring_queue_init failed: Operation not permitted (blocked by a seccomp filter)"
     monkeypatch.setattr(io_auto, "_uring_reason", lambda: blocked)

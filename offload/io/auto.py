@@ -13,14 +13,14 @@ import errno
 import functools
 import logging
 import os
-from typing import Any, Optional, Union
+from typing import Any, Dict, Optional, Union
 
 from offload.config import IOConfig
 
 from .engine import Engine
 from .files import probe_direct
 
-__all__ = ["ENGINES", "ENV_VAR", "open_engine", "engine_unavailable_reason"]
+__all__ = ["ENGINES", "ENV_VAR", "open_engine", "engine_unavailable_reason", "engine_status"]
 
 log = logging.getLogger(__name__)
 
@@ -126,3 +126,21 @@ def open_engine(name: Union[str, IOConfig] = "auto", *, directory: "Optional[str
     engine = _make(name, queue_depth=queue_depth, block_size=block_size, direct=direct)
     engine.reason = reason
     return engine
+
+
+def engine_status() -> Dict[str, str]:
+    """For ``offload info``: each engine's availability (with the reason when not), what
+    ``"auto"`` picks here without a directory to probe, and ``OFFLOAD_IO_ENGINE``."""
+    out: Dict[str, str] = {}
+    for name in ENGINES:
+        why = engine_unavailable_reason(name)
+        out[name] = "available" if why is None else f"unavailable: {why}"
+    env = os.environ.get(ENV_VAR, "").strip()
+    out["env " + ENV_VAR] = env or "unset"
+    if env and env != "auto":
+        out["auto picks"] = f"{env} (forced by {ENV_VAR})" if env in ENGINES else f"error: {env!r} is not an engine"
+    elif _uring_reason() is None:
+        out["auto picks"] = "uring (threads with buffered I/O where a directory refuses O_DIRECT)"
+    else:
+        out["auto picks"] = "threads (io_uring unavailable)"
+    return out
