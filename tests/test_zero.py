@@ -101,7 +101,7 @@ def _loss(model, x, y):
 
 
 def _reference(steps, *, accumulate=1, max_grad_norm=None, overflow_at=None, start_sd=None, start_model=None,
-               first_step=0, hp=HP):
+               first_step=0, hp=HP, sched=False):
     """Single-process torch.optim.AdamW on the global batch, fp32."""
     model = _model()
     if start_model is not None:
@@ -109,6 +109,7 @@ def _reference(steps, *, accumulate=1, max_grad_norm=None, overflow_at=None, sta
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **hp)
     if start_sd is not None:
         opt.load_state_dict(copy.deepcopy(start_sd))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.6) if sched else None
     for step in range(first_step, first_step + steps):
         for micro in range(accumulate):
             x, y = _batch(step, micro)
@@ -118,6 +119,8 @@ def _reference(steps, *, accumulate=1, max_grad_norm=None, overflow_at=None, sta
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     return model, opt
 
 
@@ -134,7 +137,7 @@ def _local(step, micro, group):
 
 def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, bucket=None,
               start_sd=None, start_model=None, first_step=0, save_dir=None, load_dir=None, swap_dir=None,
-              dtype=torch.float32, rank0_only=False, reduce_in_backward=False, unscale=False):
+              dtype=torch.float32, rank0_only=False, reduce_in_backward=False, unscale=False, sched=False):
     from offload.optim.flat_state import FlatState
 
     if bucket is not None:
@@ -151,6 +154,7 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
     if load_dir is not None:
         opt.load_checkpoint(load_dir)  # masters, moments, steps, and the params themselves
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if overflow_at is not None else None
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.6) if sched else None
     for step in range(first_step, first_step + steps):
         for micro in range(accumulate):
             x, y = _local(step, micro, group)
@@ -168,6 +172,8 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
         else:
             opt.step()
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     if save_dir is not None:
         opt.save_checkpoint(save_dir)
     opt.state_dict_rank0_only = rank0_only
@@ -352,8 +358,9 @@ def _assert_params(got, ref_model):
 @pytest.mark.parametrize("world,stage", [(2, 1), (3, 2)])  # stage 2 on 2 ranks: the tests below
 def test_partitioned_fp32_matches_torch_adamw_on_global_batch(pool, world, stage):
     # Buckets of 1000 elements per rank: several per step, params straddling them and the shards.
-    res = pool.run("job_train", world, stage=stage, steps=STEPS, accumulate=2, max_grad_norm=1.0, bucket=1000)
-    ref, _ = _reference(STEPS, accumulate=2, max_grad_norm=1.0)
+    res = pool.run("job_train", world, stage=stage, steps=STEPS, accumulate=2, max_grad_norm=1.0, bucket=1000,
+                   sched=True)
+    ref, _ = _reference(STEPS, accumulate=2, max_grad_norm=1.0, sched=True)
     for r in res:
         _assert_params(r["params"], ref)
     # Each rank holds 1/N of the states (plus < N elements of padding).
@@ -469,8 +476,8 @@ def test_param_with_grad_on_one_rank_only_steps_everywhere(pool):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_reduce_in_backward_with_accumulation_matches_torch(pool, stage):
     res = pool.run("job_train", 3, stage=stage, steps=6, accumulate=2, max_grad_norm=1.0, bucket=1000,
-                   reduce_in_backward=True)
-    ref, _ = _reference(6, accumulate=2, max_grad_norm=1.0)
+                   reduce_in_backward=True, sched=True)
+    ref, _ = _reference(6, accumulate=2, max_grad_norm=1.0, sched=True)
     for r in res:
         _assert_params(r["params"], ref)
 
