@@ -83,8 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(name, help="measure disk throughput for offload (engines vs fio)",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        name, help="measure disk throughput for offload (engines vs fio)",
+        description="Measure what a directory's disk can do for offload: engines x block sizes x queue "
+                    "depths on a fresh file of random data, optionally next to fio, and write the best "
+                    "configuration for the swap layer (--tune).",
+        epilog="GB/s = 10^9 bytes/s, GiB/s = 2^30 bytes/s. Example: offload bench-io --dir /nvme --size 4GiB "
+               "--block-size 128K,1M,8M --queue-depth 1,8,32 --fio --plot io.png --tune io-tune.json")
     add_arguments(p)
     p.set_defaults(run=run)
     return p
