@@ -77,3 +77,32 @@ def test_cuda_grad_changed_after_backward_is_seen(monkeypatch):
     for p, m in zip(params, masters):
         torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
     assert opt.memory_report()["tiers"]["pinned"] > 0
+
+
+def test_cuda_fp16_grad_scaler_overflow_skips_and_unscales_in_kernel():
+    model = _model(torch.float16)
+    params = list(model.parameters())
+    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
+    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    opt = offload.AdamW(params, offload="cpu", **HP)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)
+    for step in range(5):
+        loss = model(torch.randn(16, 257, device="cuda", dtype=torch.float16)).float().pow(2).mean()
+        if step == 2:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        grads = [None if p.grad is None else p.grad.float().cpu() for p in params]
+        skip = any(g is not None and not torch.isfinite(g).all() for g in grads)
+        inv = 1.0 / scaler.get_scale()
+        if not skip:
+            for m, g in zip(masters, grads):
+                m.grad = None if g is None else g * inv
+            ref.step()
+        scaler.step(opt)
+        scaler.update()
+        assert opt.last_step_skipped == skip
+        opt.zero_grad()
+        ref.zero_grad()
+    assert opt.skipped_steps == 1
+    for p, m in zip(params, masters):
+        torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
