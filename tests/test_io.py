@@ -8,7 +8,10 @@ import gc
 import json
 import logging
 import os
+import pathlib
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -16,8 +19,8 @@ import pytest
 import torch
 
 from offload.config import IOConfig
-from offload.io import (ENGINES, AsyncIO, IORequest, load_tuning, open_engine, open_file, probe_direct,
-                        save_tuning)
+from offload.io import (ENGINES, AsyncIO, IORequest, engine_unavailable_reason, load_tuning, open_engine,
+                        open_file, probe_direct, save_tuning)
 from offload.io import auto as io_auto
 from offload.memory import BufferPool
 
@@ -37,6 +40,9 @@ def pool():
 
 @pytest.fixture(params=ENGINES)
 def engine(request):
+    why = engine_unavailable_reason(request.param)
+    if why is not None:  # e.g. io_uring blocked by a container's seccomp filter
+        pytest.skip(f"{request.param} engine unavailable here: {why}")
     eng = open_engine(request.param, queue_depth=8, block_size=64 << 10)
     yield eng
     eng.close()
@@ -44,11 +50,18 @@ def engine(request):
 
 @pytest.fixture
 def workdir(tmp_path):
-    # tmp_path is on the root ext4 here, which accepts O_DIRECT; say so if it does not.
+    """A directory that accepts O_DIRECT: tmp_path, else one under /var/tmp (tmp_path may be
+    a tmpfs that refuses it on kernels before 6.6)."""
     ok, why = probe_direct(tmp_path)
-    if not ok:
-        pytest.skip(f"{tmp_path} refuses O_DIRECT ({why}); these tests exercise the direct path")
-    return tmp_path
+    if ok:
+        yield tmp_path
+        return
+    if os.path.isdir("/var/tmp") and probe_direct("/var/tmp")[0]:
+        d = tempfile.mkdtemp(prefix="offload-test-io-", dir="/var/tmp")
+        yield pathlib.Path(d)
+        shutil.rmtree(d, ignore_errors=True)
+        return
+    pytest.skip(f"{tmp_path} refuses O_DIRECT ({why}) and so does /var/tmp; these tests exercise the direct path")
 
 
 def _mount(tmp_path_factory, name, args):
