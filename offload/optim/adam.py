@@ -328,7 +328,7 @@ class _AdamBase(Optimizer):
         save = getattr(self._store, "save_checkpoint", None)
         if save is None:
             raise NotImplementedError(
-                f"save_checkpoint needs offload='nvme' (offload={self.config.offload!r}: use torch.save(opt.state_dict()))"
+                f"save_checkpoint is not available for this store ({type(self._store).__name__}); use torch.save(opt.state_dict())"
             )
         save(directory)
 
@@ -336,7 +336,7 @@ class _AdamBase(Optimizer):
         load = getattr(self._store, "load_checkpoint", None)
         if load is None:
             raise NotImplementedError(
-                f"load_checkpoint needs offload='nvme' (offload={self.config.offload!r}: use opt.load_state_dict(torch.load(...)))"
+                f"load_checkpoint is not available for this store ({type(self._store).__name__}); use opt.load_state_dict(torch.load(...))"
             )
         load(directory)
 

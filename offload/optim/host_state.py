@@ -84,6 +84,47 @@ class HostState:
         # torch's load_state_dict already placed the tensors in opt.state[p].
         pass
 
+    # A checkpoint in the swap layer's format (offload.swap.checkpoint), so that one saved with
+    # offload="cpu" loads with offload="nvme" and back. Moments of params that have not
+    # stepped yet are written as zeros with step 0, as SwappedState does.
+    def _checkpoint_tensors(self) -> Tuple[List[torch.Tensor], Dict[str, List[torch.Tensor]]]:
+        params = [p for g in self._opt.param_groups for p in g["params"]]
+        states: Dict[str, List[torch.Tensor]] = {"exp_avg": [], "exp_avg_sq": []}
+        for p in params:
+            st = self._opt.state.get(p, {})
+            for key in states:
+                t = st.get(key)
+                t = torch.zeros(p.numel(), dtype=torch.float32) if t is None else t.detach().reshape(-1).contiguous()
+                states[key].append(t)
+        return params, states
+
+    def save_checkpoint(self, directory: str) -> str:
+        from offload.swap.checkpoint import save_tensors
+
+        params, states = self._checkpoint_tensors()
+        steps = [int(self._opt.state[p]["step"]) if "step" in self._opt.state.get(p, {}) else 0 for p in params]
+        meta = {"steps": steps, "shapes": [list(p.shape) for p in params]}
+        return save_tensors(directory, states, meta)
+
+    def load_checkpoint(self, directory: str) -> None:
+        from offload.swap.checkpoint import load_tensors
+
+        params = [p for g in self._opt.param_groups for p in g["params"]]
+        scratch = {k: [torch.empty(p.numel(), dtype=torch.float32) for p in params] for k in ("exp_avg", "exp_avg_sq")}
+        # Loaded into scratch first: a failed load leaves the current state untouched.
+        meta = load_tensors(directory, scratch)
+        if meta.get("shapes") != [list(p.shape) for p in params]:
+            raise ValueError(f"{directory}: checkpoint of params with other shapes")
+        for i, (p, step) in enumerate(zip(params, meta["steps"])):
+            if int(step) == 0:
+                self._opt.state.pop(p, None)
+                continue
+            self._opt.state[p] = {
+                "step": torch.tensor(float(step), dtype=torch.float32),
+                "exp_avg": scratch["exp_avg"][i].view(p.shape),
+                "exp_avg_sq": scratch["exp_avg_sq"][i].view(p.shape),
+            }
+
     def memory_report(self) -> Dict[str, int]:
         nbytes = 0
         for st in self._opt.state.values():
