@@ -106,3 +106,25 @@ def test_cuda_fp16_grad_scaler_overflow_skips_and_unscales_in_kernel():
     assert opt.skipped_steps == 1
     for p, m in zip(params, masters):
         torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_bf16_params_with_moments_on_nvme(tmp_path):
+    model = _model(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
+    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    opt = offload.AdamW(params, offload="nvme", swap_dir=str(tmp_path), sub_group_size=4096, **HP)
+    for _ in range(4):
+        model(torch.randn(32, 257, device="cuda", dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        for p, m in zip(params, masters):
+            m.grad = None if p.grad is None else p.grad.float().cpu()
+        ref.step()
+        opt.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        for p, m in zip(params, masters):
+            ours = opt._store.master(p)
+            torch.testing.assert_close(ours, m.detach(), rtol=1e-5, atol=1e-6)
+            assert torch.equal(p.detach().cpu(), ours.to(torch.bfloat16))
+    assert opt.memory_report()["tiers"]["nvme"] > 0
+    opt.close()

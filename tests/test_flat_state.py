@@ -223,6 +223,13 @@ def test_bf16_moments_on_nvme_match_adamw(monkeypatch, tmp_path):
     opt2.close()
 
 
+def test_nvme_device_path_on_cpu(monkeypatch, tmp_path):
+    # The CUDA path (hook copies, staging, copies into the params) with moments on NVMe.
+    _, opt, _, _ = _train(monkeypatch, device_path=True, offload="nvme", swap_dir=str(tmp_path), steps=4)
+    assert opt.memory_report()["tiers"]["nvme"] > 0
+    opt.close()
+
+
 def test_nvme_with_resume_for_flat_params_says_not_implemented(tmp_path):
     with pytest.raises(NotImplementedError, match="resume"):
         offload.AdamW([nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))], offload="nvme", swap_dir=str(tmp_path),

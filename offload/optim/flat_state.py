@@ -107,11 +107,6 @@ class FlatState:
     @classmethod
     def for_optimizer(cls, opt, *, stage: int, process_group: Any = None) -> "FlatState":
         if opt.config.offload == "nvme":
-            params = [p for g in opt.param_groups for p in g["params"]]
-            if any(p.device.type != "cpu" for p in params):
-                raise NotImplementedError(
-                    "offload='nvme' with CUDA params is not implemented yet (moments on NVMe are "
-                    "supported for CPU params only): use offload='cpu'")
             if opt.config.resume:
                 raise NotImplementedError(
                     "resume=True with offload='nvme' is implemented for fp32 CPU params at stage 0 only; "
@@ -496,8 +491,9 @@ class FlatState:
     # g-1): its "params" are views of our fp32 master shard, one per (param ∩ shard) piece,
     # which it updates in place. The master (4 B/param of the shard) stays in host memory, so
     # after the swapped step one more pass writes the bf16/fp16 copy (or, partitioned, the
-    # shard that is all-gathered). CPU params only; CUDA params need the H2D pipeline to be
-    # driven from the swap pipeline's compute callback (not done yet).
+    # shard that is all-gathered, or the staging buffer copied to the device). That last pass
+    # and the host-to-device copies follow the whole swapped step instead of overlapping its
+    # sub-groups (that would take a hook in the swap pipeline's compute callback).
     def _open_swap(self, opt) -> None:
         from offload.optim.swapped_state import SwappedState
 
@@ -551,7 +547,17 @@ class FlatState:
                 continue
             p = fg.params[i]
             flat = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).clone()
-            flat[pc.param_offset:pc.param_offset + pc.numel].copy_(fg.master[s])  # RNE, as the kernel
+            dst = flat[pc.param_offset:pc.param_offset + pc.numel]
+            src = fg.master[s]
+            if fg.stage is not None:  # device bf16/fp16: round into the pinned staging first
+                fg.stage[s].copy_(src)  # RNE, as the kernel
+                src = fg.stage[s]
+            _, copy_stream = self._streams.get(p.device, (None, None))
+            if copy_stream is not None and self.overlap:
+                with copy_stream.context():  # H2D while the CPU rounds the next piece
+                    dst.copy_(src, non_blocking=True)
+            else:
+                dst.copy_(src)  # CPU params: the rounded copy (RNE) straight into the param
             if not p.is_contiguous():
                 p.detach().copy_(flat.view_as(p))
         phases["kernel"] = phases.get("kernel", 0.0) + time.perf_counter() - t
@@ -561,6 +567,8 @@ class FlatState:
                 fg.all_gather_params(self.group)
         phases["allgather"] = time.perf_counter() - t
         phases["grad_transfer"] = t_grads
+        for _, copy_stream in self._streams.values():
+            copy_stream.current_waits()  # the next forward reads the params copied above
         return phases
 
     # ------------------------------------------------------------------ state_dict
