@@ -75,6 +75,7 @@ import torch
 from offload.kernels import get_backend
 from offload.memory import BufferPool
 from offload.zero import SideStream, comm, split_ranges
+from offload.zero.backward_reduce import BackwardReducer
 from offload.zero.checkpoint import load_shards, save_shards
 from offload.zero.flat_group import LOWP, FlatGroup
 
@@ -96,7 +97,8 @@ class FlatState:
     (tests: the CUDA path's indexing runs on the CPU too)."""
     reduce_in_backward = False
     """Several ranks: start each bucket's reduction from the grad hooks, during backward (see
-    [Note: reduce in backward]); read when the optimizer is built. Off by default."""
+    [Note: reduce in backward] in offload/zero/backward_reduce.py); read when the optimizer
+    is built. Off by default."""
     inflight = 2
     """Buckets in flight at once when reducing in backward (send buffers kept)."""
     bucket_numel = 1 << 22
@@ -145,9 +147,12 @@ class FlatState:
             self.add_param_group(group)
         if self._nvme:
             self._open_swap(opt)
-        self._rib = self.reduce_in_backward and self.world > 1
-        if self._rib:
-            self._setup_reduce_in_backward()
+        self._rib: Optional[BackwardReducer] = None
+        if self.reduce_in_backward and self.world > 1 and self._groups:
+            self._rib = BackwardReducer(self._groups, group=self.group, stage=self.stage, comm_dev=self._comm_dev,
+                                        inflight=self.inflight,
+                                        disabled=lambda: bool(getattr(self._opt(), "grads_already_averaged", False)))
+            self._hooks.extend(self._rib.register())
         self._hooks.append(opt.register_step_pre_hook(self._pre_step))
         self._hooks.append(opt.register_load_state_dict_pre_hook(self._pre_load))
         self._hooks.append(opt.register_load_state_dict_post_hook(self._post_load))
@@ -229,7 +234,8 @@ class FlatState:
             # Forget them all: grads are copied / reduced again at this step.
             for fg in self._groups:
                 fg.grad_tag = [None] * len(fg.params)
-            self._bk_tags = {}
+            if self._rib is not None:
+                self._rib.forget()
         if self.world > 1 and isinstance(found_inf, torch.Tensor):
             # GradScaler checks each rank's local grads; a step must be skipped on all
             # ranks or on none, or the shards diverge. (The loss scale itself is still
@@ -266,107 +272,12 @@ class FlatState:
         # The shard buffers hold the sum over ranks (folded into the kernel as 1/N) or,
         # after DDP, the average already.
         self._factor = 1.0 if only_slice else 1.0 / self.world
-        if self._rib and not only_slice:
-            self._finish_backward_reduction()
+        if self._rib is not None and not only_slice:
+            self._rib.finish()  # started during backward: [Note: reduce in backward]
         else:
             for fg in self._groups:
                 fg.reduce_grads(self.group, self.stage, only_slice)
         self._reduced = True
-
-    # [Note: reduce in backward] With reduce_in_backward, a post-accumulate-grad hook on
-    # every param counts the params of each bucket that have their grad; buckets are started
-    # (upcast into a send buffer, then an async reduce-scatter / all-reduce) strictly in one
-    # fixed order, the same on every rank, as soon as the next bucket in that order is
-    # complete; at the end of each backward pass (an autograd engine callback) the rest are
-    # started, params without grad counting as zeros. So every rank issues the same
-    # collectives in the same order, once per backward pass (ranks must run the same number
-    # of backward passes per step). At step time each rank checks that the grads of every
-    # bucket are still those it sent (same tensor, same version counter: a later micro-batch
-    # of gradient accumulation, an in-place unscale or clip changes them); one all-reduce
-    # makes that check global, and the buckets any rank finds stale are reduced again, by
-    # all ranks, synchronously. With accumulation over K passes the reduction runs K times
-    # (the last one overlaps the last backward); send buffers: `inflight` buckets.
-    def _setup_reduce_in_backward(self) -> None:
-        self._bk_members = [fg.bucket_members() for fg in self._groups]
-        self._bk_order = [(gi, k) for gi in reversed(range(len(self._groups)))
-                          for k in reversed(range(len(self._bk_members[gi])))]
-        for fg in self._groups:
-            W, c = self.world, fg.chunk
-            fg.slots = [torch.empty(W * c, dtype=torch.float32, device=self._comm_dev) for _ in range(self.inflight)]
-            if self._comm_dev.type != "cpu":
-                fg.slot_out = [torch.empty(c, dtype=torch.float32, device=self._comm_dev) for _ in range(self.inflight)]
-        self._bk_next = 0
-        self._bk_fired: set = set()
-        self._bk_cb = False
-        self._bk_seq = 0
-        self._bk_slot: List[Optional[Tuple[Any, Any, Tuple[int, int]]]] = [None] * self.inflight
-        self._bk_tags: Dict[Tuple[int, int], list] = {}
-        gi_of = {id(fg): gi for gi, fg in enumerate(self._groups)}
-        for p, (fg, i) in self._where.items():
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, key=(gi_of[id(fg)], i): self._bucket_hook(key)))
-
-    def _bucket_hook(self, key: Tuple[int, int]) -> None:
-        if self._closed or getattr(self._opt(), "grads_already_averaged", False):
-            return
-        self._bk_fired.add(key)
-        if not self._bk_cb:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-            self._bk_cb = True
-        self._advance(final=False)
-
-    def _end_backward(self) -> None:
-        self._advance(final=True)
-        self._bk_next, self._bk_fired, self._bk_cb = 0, set(), False
-
-    def _advance(self, final: bool) -> None:
-        while self._bk_next < len(self._bk_order):
-            gi, k = self._bk_order[self._bk_next]
-            fg = self._groups[gi]
-            if not final and any(fg.params[i].requires_grad and (gi, i) not in self._bk_fired
-                                 for i in self._bk_members[gi][k]):
-                return
-            self._launch(gi, k)
-            self._bk_next += 1
-
-    def _wait_slot(self, slot: int) -> None:
-        held = self._bk_slot[slot]
-        if held is not None:
-            work, finish, _ = held
-            work.wait()
-            finish()
-            self._bk_slot[slot] = None
-
-    def _launch(self, gi: int, k: int) -> None:
-        for slot, held in enumerate(self._bk_slot):  # a bucket's previous pass writes the same range
-            if held is not None and held[2] == (gi, k):
-                self._wait_slot(slot)
-        slot = self._bk_seq % self.inflight
-        self._bk_seq += 1
-        self._wait_slot(slot)
-        fg = self._groups[gi]
-        work, finish = fg.launch_bucket(k, slot, self.group, self.stage)
-        self._bk_slot[slot] = (work, finish, (gi, k))
-        self._bk_tags[(gi, k)] = [_tag(fg.params[i].grad) for i in self._bk_members[gi][k]]
-
-    def _finish_backward_reduction(self) -> None:
-        for slot in range(self.inflight):
-            self._wait_slot(slot)
-        ok = []
-        for gi, k in self._bk_order:
-            tags = self._bk_tags.get((gi, k))
-            fg = self._groups[gi]
-            ok.append(int(tags is not None and all(
-                _same(t, fg.params[i].grad) for t, i in zip(tags, self._bk_members[gi][k]))))
-        flags = torch.tensor(ok, dtype=torch.int32, device=self._comm_dev)
-        comm.all_reduce(flags, self.group, op=torch.distributed.ReduceOp.MIN)
-        for (gi, k), good in zip(self._bk_order, flags.tolist()):
-            if not good:  # stale on some rank: every rank reduces it again, now
-                work, finish = self._groups[gi].launch_bucket(k, 0, self.group, self.stage)
-                work.wait()
-                finish()
-        self._bk_tags = {}
 
     def global_grad_sumsq(self, work) -> Tuple[float, bool]:
         kernel = get_backend(self._backend)
@@ -722,9 +633,8 @@ class FlatState:
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "_rib", False):
-            for slot in range(self.inflight):
-                self._wait_slot(slot)
+        if getattr(self, "_rib", None) is not None:
+            self._rib.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -744,17 +654,6 @@ class FlatState:
                 pool.close()
         except BufferError as exc:  # a caller still holds a view; the OS reclaims it at exit
             log.warning("flat store: %s", exc)
-
-
-def _tag(g: Optional[torch.Tensor]) -> Tuple[Any, int]:
-    """(weak reference, version) of a grad, to tell whether it changed since it was sent."""
-    return (None, -1) if g is None else (weakref.ref(g), g._version)
-
-
-def _same(tag: Tuple[Any, int], g: Optional[torch.Tensor]) -> bool:
-    if g is None or tag[0] is None:
-        return g is None and tag[0] is None
-    return tag[0]() is g and tag[1] == g._version
 
 
 def _flat_cpu(g: torch.Tensor) -> torch.Tensor:
