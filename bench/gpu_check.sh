@@ -8,7 +8,8 @@
 # Usage: bash bench/gpu_check.sh [extra args for bench/offload_step.py --gpu]
 # Environment: it reuses .venv if its torch sees CUDA (else .venv-gpu, else python3); only when
 # none does it pip-installs torch into .venv-gpu (which needs network access).
-# Every stage runs under its own timeout and the script goes on after a failure, so one run
+# Every stage runs under its own timeout (30 + 90 + 150 + 180 s at most: < 8 min when torch
+# with CUDA is already there) and the script goes on after a failure, so one run
 # prints everything there is to see; the exit status is the number of failed stages.
 set -u
 cd "$(dirname "$0")/.."
@@ -28,22 +29,22 @@ if [ -z "$PY" ]; then
   [ -x .venv-gpu/bin/python ] || python3 -m venv --system-site-packages .venv-gpu \
     || { echo "cannot create .venv-gpu"; exit 99; }
   PY=.venv-gpu/bin/python
-  timeout 300 "$PY" -m pip install -q torch numpy pytest || echo "pip install torch failed (no network?)"
+  timeout 150 "$PY" -m pip install -q torch numpy pytest || echo "pip install torch failed (no network?)"
   has_cuda_torch "$PY" || { echo "torch still has no CUDA here; nothing more to check"; exit 98; }
 fi
 "$PY" -c 'import torch; print("using", __import__("sys").executable, "torch", torch.__version__)'
 # Python deps of the package itself, only where missing (offline machines keep what they have).
-"$PY" -c 'import numpy, pytest' >/dev/null 2>&1 || timeout 120 "$PY" -m pip install -q numpy pytest \
+"$PY" -c 'import numpy, pytest' >/dev/null 2>&1 || timeout 60 "$PY" -m pip install -q numpy pytest \
   || echo "pip install numpy pytest failed"
 if [ ! -f offload/kernels/liboffload_native.so ]; then
   say "building the native kernels (pip install -e .)"
-  timeout 180 "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
+  timeout 90 "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
     || echo "native build failed: the numba or torch backend will run (slower CPU step)"
 fi
 
 say "versions"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi unavailable"
-PYTHONPATH=. timeout 60 "$PY" - <<'EOF' || fails=$((fails + 1))
+PYTHONPATH=. timeout 30 "$PY" - <<'EOF' || fails=$((fails + 1))
 import os, platform, sys, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "cudnn", torch.backends.cudnn.version())
@@ -54,10 +55,10 @@ print("kernel backend", get_backend().name, backend_status())
 EOF
 
 say "CUDA-marked tests"
-PYTHONPATH=. timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py || fails=$((fails + 1))
+PYTHONPATH=. timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py || fails=$((fails + 1))
 
 say "GPU benchmark: offload='cpu', overlap vs synchronous copies"
-PYTHONPATH=. timeout 240 "$PY" bench/offload_step.py --gpu "$@" || fails=$((fails + 1))
+PYTHONPATH=. timeout 180 "$PY" bench/offload_step.py --gpu "$@" || fails=$((fails + 1))
 
 say "done: $fails failed stage(s)"
 exit "$fails"
