@@ -112,10 +112,11 @@ def open_engine(name: Union[str, IOConfig] = "auto", *, directory: "Optional[str
         elif uring_why is None:
             name = "threads"
             reason = f"{direct_why} in {directory}: threads engine with buffered I/O"
-            direct = False if direct is None else direct
         else:
             name = "threads"
             reason = f"io_uring unavailable: {uring_why}"
+            if direct_ok is False:
+                reason += f"; {direct_why} in {directory}: buffered I/O"
         log.info("io engine %s: %s", name, reason)
     else:
         why = engine_unavailable_reason(name)
@@ -123,6 +124,8 @@ def open_engine(name: Union[str, IOConfig] = "auto", *, directory: "Optional[str
             raise RuntimeError(f"io engine {name!r} (asked for by {forced_by}) cannot work here: {why}")
         reason = f"asked for by {forced_by}"
         log.debug("io engine %s: %s", name, reason)
+    if direct_ok is False and direct is None:
+        direct = False  # files there will be buffered anyway; say so up front, no warning per file
     engine = _make(name, queue_depth=queue_depth, block_size=block_size, direct=direct)
     engine.reason = reason
     return engine
