@@ -590,3 +590,23 @@ def test_asyncio_face_round_trip_and_errors(pool, workdir):
     asyncio.run(main())
     for b in srcs:
         pool.release(b)
+
+
+def test_dropped_engine_releases_its_threads(workdir):
+    """An engine dropped without close() must not leave its reaper (or loop) thread behind."""
+    before = {t.ident for t in threading.enumerate()}
+    for name in ENGINES:
+        if engine_unavailable_reason(name) is not None:
+            continue
+        eng = open_engine(name, queue_depth=4)
+        with open_file(workdir / f"drop-{name}", write=True, create=True) as f:
+            assert eng.write(f, 0, bytearray(10000)) == 10000
+        del eng
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        extra = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+        if not extra:
+            break
+        time.sleep(0.05)
+    assert not extra, [t.name for t in extra]

@@ -12,6 +12,7 @@ import asyncio
 import errno
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Optional, Sequence
 
@@ -136,6 +137,13 @@ class AsyncIO:
         self.close()
 
 
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
 class AiofilesEngine(_Core):
     """The asyncio face as a synchronous engine: a private event loop in a daemon thread."""
 
@@ -144,7 +152,10 @@ class AiofilesEngine(_Core):
     def __init__(self, *, queue_depth: int = 32, block_size: int = 1 << 20, direct: Optional[bool] = None) -> None:
         super().__init__(queue_depth=queue_depth, block_size=block_size, direct=direct)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="offload-aiofiles-loop", daemon=True)
+        self._thread = threading.Thread(target=_run_loop, args=(self._loop,), name="offload-aiofiles-loop",
+                                        daemon=True)
+        # Dropped without close(): stop the loop so its thread ends (the thread holds only the loop).
+        self._finalizer = weakref.finalize(self, self._loop.call_soon_threadsafe, self._loop.stop)
         self._thread.start()
 
     def _issue(self, pieces: List[_Piece]) -> None:
@@ -153,6 +164,7 @@ class AiofilesEngine(_Core):
     def close(self) -> None:
         if self._closed:
             return
+        self._finalizer.detach()
         # Let scheduled work finish, then stop the loop and its thread.
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._loop).result()
         while True:
@@ -162,7 +174,6 @@ class AiofilesEngine(_Core):
             time.sleep(0.001)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
-        self._loop.close()
         super().close()
 
     async def _drained(self) -> bool:

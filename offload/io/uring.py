@@ -40,6 +40,7 @@ import os
 import select
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Deque, Dict, List, Optional
 
@@ -133,6 +134,32 @@ def uring_unavailable_reason() -> Optional[str]:
     return None
 
 
+def _reaper_main(engine_ref, L, ring, efd: int) -> None:
+    """The reaper thread: sleep in ``select`` (GIL released), then let the engine reap.
+
+    Holds the engine only between a wake-up and the end of its reaping. If the engine was
+    collected without ``close()``, tear its ring down here (nobody else is left to).
+    """
+    while True:
+        try:
+            select.select([efd], [], [])
+        except InterruptedError:
+            continue
+        try:
+            os.read(efd, 8)
+        except BlockingIOError:
+            pass
+        engine = engine_ref()
+        if engine is None:
+            L.io_uring_queue_exit(ring)
+            os.close(efd)
+            return
+        done = engine._reap_once()
+        del engine
+        if done:
+            return
+
+
 class UringEngine(Engine):
     """One ring of ``queue_depth`` entries and one reaper thread."""
 
@@ -167,7 +194,11 @@ class UringEngine(Engine):
         self._next_ud = 1
         self._stop = False
         self._broken: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._reap_loop, name="offload-uring-reaper", daemon=True)
+        # The reaper holds only a weak reference, so an engine dropped without close() is still
+        # collected: its finalizer pokes the eventfd and the reaper tears the ring down.
+        self._thread = threading.Thread(target=_reaper_main, args=(weakref.ref(self), L, self._ring, self._efd),
+                                        name="offload-uring-reaper", daemon=True)
+        self._finalizer = weakref.finalize(self, os.eventfd_write, self._efd, 1)
         self._thread.start()
 
     # -- submission -------------------------------------------------------------------------
@@ -230,26 +261,16 @@ class UringEngine(Engine):
 
     # -- completion -------------------------------------------------------------------------
 
-    def _reap_loop(self) -> None:
-        efd = self._efd
-        while True:
-            try:
-                select.select([efd], [], [])
-            except InterruptedError:
-                continue
-            try:
-                os.read(efd, 8)
-            except BlockingIOError:
-                pass
-            try:
-                with self._lock:
-                    self._reap_locked()
-                    if self._stop and not self._inflight and not self._pending:
-                        return
-            except BaseException as exc:  # pragma: no cover - a bug here must not hang waiters
-                log.exception("uring reaper failed")
-                self._fail_all(exc)
-                return
+    def _reap_once(self) -> bool:
+        """Drain completions and refill; True when the reaper should stop (after close)."""
+        try:
+            with self._lock:
+                self._reap_locked()
+                return self._stop and not self._inflight and not self._pending
+        except BaseException as exc:  # pragma: no cover - a bug here must not hang waiters
+            log.exception("uring reaper failed")
+            self._fail_all(exc)
+            return True
 
     def _reap_locked(self) -> None:
         L, ring, cqe = self._L, self._ring, self._cqe
@@ -306,10 +327,12 @@ class UringEngine(Engine):
         if self._closed:
             return
         super().close()
+        self._finalizer.detach()
         with self._lock:
             self._stop = True
         os.eventfd_write(self._efd, 1)
-        self._thread.join()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
         self._L.io_uring_queue_exit(self._ring)
         os.close(self._efd)
 
