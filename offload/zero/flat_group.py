@@ -102,13 +102,16 @@ class FlatGroup:
             if t is not None:
                 out["grads"] += t.numel() * t.element_size()
         out["lowp"] = sum(t.numel() * t.element_size() for t in (self.stage, self.lowp_shard) if t is not None)
-        out["comm"] = sum(t.numel() * t.element_size() for t in (self.send, self.gather) if t is not None)
+        comm_bufs = [self.send, self.gather, self.rs_out] + list(getattr(self, "slots", [])) + \
+            list(getattr(self, "slot_out", []))
+        out["comm"] = sum(t.numel() * t.element_size() for t in comm_bufs if t is not None)
         return out
 
     def close(self) -> None:
         for name in ("master", "exp_avg", "exp_avg_sq", "host_grad", "stage", "gshard", "lowp_shard",
                      "send", "gather", "rs_out"):
             setattr(self, name, None)
+        self.slots, self.slot_out = [], []
         for pool, buf in self._bufs:
             pool.release(buf)
         self._bufs = []
