@@ -289,3 +289,19 @@ def test_step_stats_and_memory_report():
     n = sum(p.numel() for p in model.parameters())
     assert report["tiers"]["pageable"] == 8 * n  # exp_avg + exp_avg_sq, fp32
     assert report["rss"] > 0
+
+
+def test_two_optimizers_loaded_from_one_state_dict_keep_their_own_steps():
+    model = make_model()
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, batches(2))
+    sd = opt.state_dict()
+    a_model, b_model = copy.deepcopy(model), copy.deepcopy(model)
+    a = offload.AdamW(a_model.parameters(), lr=1e-2)
+    b = offload.AdamW(b_model.parameters(), lr=1e-2)
+    a.load_state_dict(sd)
+    b.load_state_dict(sd)
+    train(a_model, a, batches(3))
+    assert float(a.state[next(a_model.parameters())]["step"]) == 5.0
+    assert float(b.state[next(b_model.parameters())]["step"]) == 2.0
+    assert float(sd["state"][0]["step"]) == 2.0

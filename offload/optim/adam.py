@@ -272,7 +272,10 @@ class _AdamBase(Optimizer):
                 st = self.state[p]
                 if "step" not in st:
                     st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                st["step"] += 1
+                # A new tensor, not `+= 1`: torch's load_state_dict shares the step tensors
+                # with the dict it loaded, and an in-place increment would couple two
+                # optimizers loaded from one dict.
+                st["step"] = st["step"] + 1
                 triples.append((p, g, int(st["step"].item())))
             batches.append((hyper, triples))
         phases = dict(self._store.step(batches))
