@@ -24,6 +24,8 @@ import statistics
 import time
 from typing import Any, Dict, IO, List, Mapping, Optional
 
+from offload.optim.stats import PHASES, process_rss_bytes
+
 __all__ = [
     "StepLogger",
     "attach",
@@ -37,18 +39,9 @@ __all__ = [
 ]
 
 STEPLOG_SCHEMA = "offload.steplog/1"
-PHASES = ("grad_transfer", "unscale_clip", "kernel", "swap_read", "swap_write", "h2d", "allgather")
 _TIERS = ("device", "pinned", "pageable", "nvme")
 # The memory layer names its tiers pinned_host/pageable_host; the report speaks the plan's names.
 _TIER_ALIASES = {"pinned_host": "pinned", "pageable_host": "pageable"}
-
-
-def _rss() -> int:
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def _tiers(mapping: Optional[Mapping[str, Any]]) -> Dict[str, int]:
@@ -97,7 +90,7 @@ class StepLogger:
             "phases": ph,
             "overlap_efficiency": None if overlap_efficiency is None else float(overlap_efficiency),
             "bytes": _tiers(bytes),
-            "rss": _rss() if rss is None else int(rss),
+            "rss": process_rss_bytes() if rss is None else int(rss),
         }
         row.update(extra)
         self._fh.write(json.dumps(row, sort_keys=True) + "\n")
