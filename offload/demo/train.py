@@ -60,6 +60,10 @@ class DemoConfig:
     seed: int = 0
     threads: Optional[int] = None
     """torch intra-op threads (None: leave torch's default)."""
+    torch_impl: str = "single"
+    """The ``torch.optim.AdamW`` to run as ``optimizer="torch"``: ``"single"`` (foreach=False,
+    the reference of the numerics contract, and torch's own default for CPU tensors) or
+    ``"fused"`` (fused=True, torch's fastest CPU path: the fair speed contender)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -70,6 +74,8 @@ class DemoConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.offload not in ("none", "cpu", "nvme"):
             raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {self.offload!r}")
+        if self.torch_impl not in ("single", "fused"):
+            raise ValueError(f"torch_impl must be 'single' or 'fused', got {self.torch_impl!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.device not in ("cpu", "cuda"):
@@ -206,6 +212,8 @@ def _make_optimizer(kind: str, model: torch.nn.Module, cfg: DemoConfig, swap_dir
                     max_host_bytes: Optional[int]):
     common = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     if kind == "torch":
+        if cfg.torch_impl == "fused":
+            return torch.optim.AdamW(model.parameters(), fused=True, **common)
         # foreach=False: the single-tensor path is the reference of our numerics contract.
         return torch.optim.AdamW(model.parameters(), foreach=False, **common)
     if kind != "offload":
