@@ -26,7 +26,9 @@ def test_demo_quick_trains_matches_torch_and_cleans_up(tmp_path, capsys):
         # Still runs (the io layer falls back to buffered I/O), but that is not the demo's point.
         pytest.skip("tmp_path is on tmpfs here")
     out = tmp_path / "summary.json"
-    rc = main(["demo", "--quick", "--no-progress", "--swap-dir", str(swap_parent), "--json", str(out)])
+    step_log = tmp_path / "steps.jsonl"
+    rc = main(["demo", "--quick", "--no-progress", "--swap-dir", str(swap_parent), "--json", str(out),
+               "--step-log", str(step_log)])
     text = capsys.readouterr().out
     assert rc == 0, text
     s = json.loads(out.read_text())
@@ -45,6 +47,16 @@ def test_demo_quick_trains_matches_torch_and_cleans_up(tmp_path, capsys):
     assert tiers["nvme"] >= swapped_bytes(s["params"])
     assert 0 < tiers["pinned"] + tiers["pageable"] <= s["max_host_bytes"]
     assert s["step_stats"]["steps"] == s["steps"]
+
+    # One step-log line per step, readable by `offload report`, with the pipeline's phases.
+    from offload.plan import read_step_log
+
+    rows = read_step_log(step_log)
+    assert [r["step"] for r in rows] == list(range(1, s["steps"] + 1))
+    assert all(r["bytes"]["nvme"] == tiers["nvme"] for r in rows)
+    assert all(r["phases"]["swap_write"] > 0 for r in rows)
+    assert all(r["phases"]["swap_read"] > 0 for r in rows[1:])  # step 1 has nothing to read yet
+    assert [r["loss"] for r in rows] == s["losses"]
 
     # The temporary swap directory (made inside --swap-dir) is gone and nothing is left.
     assert s["swap_cleaned"] is True

@@ -250,8 +250,10 @@ def _run(args, cfg) -> int:
     elapsed = time.perf_counter() - t0
     if logger is not None:
         for rec in ours.records:
-            logger.log(rec.step, step_s=rec.opt_seconds, bytes=rec.tiers, rss=rec.rss, loss=rec.loss,
-                       tokens_per_s=rec.tokens_per_s)
+            phases = {k: v for k, v in rec.phases.items() if k not in ("step", "overlap_efficiency")}
+            logger.log(rec.step, phases=phases, step_s=rec.phases.get("step", rec.opt_seconds),
+                       overlap_efficiency=rec.phases.get("overlap_efficiency"), bytes=rec.tiers, rss=rec.rss,
+                       loss=rec.loss, tokens_per_s=rec.tokens_per_s, iteration_s=rec.seconds)
         logger.close()
 
     print(f"\ntrained {cfg.steps} steps in {elapsed:.1f} s: loss {ours.losses[0]:.3f} -> {ours.losses[-1]:.3f}, "

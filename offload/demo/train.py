@@ -99,6 +99,8 @@ class StepRecord:
     tokens_per_s: float
     tiers: Dict[str, int] = field(default_factory=dict)
     """Optimizer bytes per tier after the step (empty for torch's optimizer)."""
+    phases: Dict[str, float] = field(default_factory=dict)
+    """``opt.step_stats()["last"]`` after the step (empty for torch's optimizer)."""
     rss: int = 0
 
 
@@ -281,6 +283,8 @@ def run(cfg: DemoConfig, optimizer: str = "offload", *, steps: Optional[int] = N
             if has_report:
                 report = opt.memory_report()
                 rec.tiers, rec.rss = dict(report["tiers"]), int(report.get("rss") or 0)
+            if hasattr(opt, "step_stats"):
+                rec.phases = dict(opt.step_stats().get("last") or {})
             result.records.append(rec)
             if on_step is not None:
                 on_step(rec)
