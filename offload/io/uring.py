@@ -335,9 +335,3 @@ class UringEngine(Engine):
             self._thread.join()
         self._L.io_uring_queue_exit(self._ring)
         os.close(self._efd)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
