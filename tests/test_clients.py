@@ -111,9 +111,16 @@ _DDP_SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(n_layer=2, n_head=2, d_model=48, block_size=32))
     reference = copy.deepcopy(model)
-    # A plain loop: no DDP wrapper, the optimizer averages the grads across ranks itself
-    # (ZeRO stage 2 by default with more than one rank: each rank keeps half the states).
-    opt = offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, offload="cpu")
+    mode, swap_dir = sys.argv[2], sys.argv[3]
+    if mode == "zero2":
+        # A plain loop: no DDP wrapper, the optimizer averages the grads across ranks itself
+        # (ZeRO stage 2 by default with more than one rank: each rank keeps half the states).
+        opt = offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, offload="cpu")
+    else:
+        # stage=0: plain data parallelism, every rank keeps all the states, here in its own
+        # swap files (one private directory per rank under swap_dir); grads averaged by hand.
+        opt = offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, offload="nvme", stage=0,
+                            swap_dir=swap_dir, max_host_bytes="2MiB")
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
     data = Batches(batch_size=4 * world, seq_len=32, seed=0)
     losses, ref_losses = [], []
@@ -121,6 +128,10 @@ _DDP_SCRIPT = textwrap.dedent(
         x, y = data[i]
         _, loss = model(x.chunk(world)[rank], y.chunk(world)[rank])  # this rank's half of the batch
         loss.backward()
+        if mode == "stage0":
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -150,19 +161,23 @@ _DDP_SCRIPT = textwrap.dedent(
 )
 
 
-def test_torchrun_two_ranks_gloo_matches_torch_adamw(tmp_path):
+@pytest.mark.parametrize("mode", ["zero2", "stage0"])
+def test_torchrun_two_ranks_gloo_matches_torch_adamw(tmp_path, mode):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
     script = tmp_path / "loop.py"
     script.write_text(_DDP_SCRIPT)
     out = tmp_path / "result.pt"
+    swap = tmp_path / "swap"
+    swap.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(offload.__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(script), str(out)]
+           str(script), str(out), mode, str(swap)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = torch.load(out)
-    assert r["world"] == 2 and r["stage"] == 2
+    assert r["world"] == 2 and r["stage"] == (2 if mode == "zero2" else 0)
+    assert os.listdir(swap) == []  # each rank's swap files were removed by close()
     assert r["losses"][-1] < r["losses"][0]
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=RTOL, atol=0)
     # Both ranks hold the same weights, equal to the single-process reference.
