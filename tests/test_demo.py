@@ -47,6 +47,9 @@ def test_demo_quick_trains_matches_torch_and_cleans_up(tmp_path, capsys):
     assert tiers["nvme"] >= swapped_bytes(s["params"])
     assert 0 < tiers["pinned"] + tiers["pageable"] <= s["max_host_bytes"]
     assert s["step_stats"]["steps"] == s["steps"]
+    # What the demo printed from the planner is what the optimizer holds (issue 6: within 5 %).
+    for tier in ("pinned", "pageable", "nvme"):
+        assert abs(s["planned_bytes"][tier] - tiers[tier]) <= 0.05 * max(tiers[tier], 1), tier
 
     # One step-log line per step, readable by `offload report`, with the pipeline's phases.
     from offload.plan import read_step_log

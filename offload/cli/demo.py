@@ -172,6 +172,17 @@ def _plot(path: str, ours, ref, budget: Optional[int]) -> str:
     return path
 
 
+def _planned_bytes(num_params: int, offload: str, budget: Optional[int]) -> Dict[str, int]:
+    """What ``offload.plan.estimate`` says this optimizer holds per tier (fp32 CPU params)."""
+    import torch
+
+    from offload.plan import estimate
+
+    plan = estimate(num_params, offload=offload, param_dtype=torch.float32, param_device="cpu",
+                    max_host_bytes=budget if offload == "nvme" else None)
+    return dict(plan.optimizer_bytes)
+
+
 # ----------------------------------------------------------------------------- the command
 def run(args) -> int:
     import torch
@@ -270,6 +281,11 @@ def _run(args, cfg) -> int:
         tiers = ours.memory_report["tiers"]
         host = tiers["pinned"] + tiers["pageable"]
         summary["memory_report"] = ours.memory_report
+        if cfg.device == "cpu":
+            planned = _planned_bytes(n, cfg.offload, budget)
+            summary["planned_bytes"] = planned
+            print("  planner (`offload plan`) for this configuration: "
+                  + ", ".join(f"{t} {_fmt_bytes(planned[t])}" for t in ("pinned", "pageable", "nvme")))
         if budget is not None:
             within = host <= budget
             ok &= within
