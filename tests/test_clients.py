@@ -6,7 +6,6 @@ requires the loss of every step, and the final weights, to agree within rtol 1e-
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

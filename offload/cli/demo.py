@@ -187,8 +187,7 @@ def _planned_bytes(num_params: int, offload: str, budget: Optional[int]) -> Dict
 def run(args) -> int:
     import torch
 
-    from offload.demo.train import DemoConfig, compare_losses, default_swap_parent, filesystem_type, run as train
-    from offload.plan import StepLogger, format_memory_report, format_step_stats
+    from offload.demo.train import DemoConfig
 
     quick = QUICK if args.quick else {}
     cfg = DemoConfig(
