@@ -64,16 +64,18 @@ def test_engine_placement_7_5b_on_64_ranks_stage1():
     #   device: params 2Ψ = 15e9, grads 2Ψ = 15e9; collective buffers per bucket of
     #     chunk = min(S, 2^22 / 64) = 65,536 elements: send 64 x 65,536 x 4 = 16,777,216,
     #     gather 64 x 65,536 x 2 = 8,388,608, reduce-scatter out 65,536 x 4 = 262,144
-    #   pinned host: master + exp_avg + exp_avg_sq 12 S = 1,406,250,000; fp32 grad shard
+    #   pageable host (nothing of it is a DMA source or target: the master of fp16 params is
+    #     not copied to the device, the shards go through the collective's buffers):
+    #     master + exp_avg + exp_avg_sq 12 S = 1,406,250,000; fp32 grad shard
     #     4 S = 468,750,000; fp16 shard for the all-gather 2 S = 234,375,000
     plan = estimate("7.5B", world_size=64, stage=1, offload="cpu", param_dtype="fp16")
     S = 117_187_500
     assert plan.inputs["shard_numel"] == S
-    d, h = plan.breakdown["device"], plan.breakdown["pinned"]
+    d, h = plan.breakdown["device"], plan.breakdown["pageable"]
     assert (d["params"], d["grads"], d["comm_buffers"]) == (15_000_000_000, 15_000_000_000, 25_427_968)
     assert (h["master"], h["exp_avg"], h["exp_avg_sq"]) == (4 * S, 4 * S, 4 * S)
     assert (h["grad_buffers"], h["lowp_buffers"]) == (468_750_000, 234_375_000)
-    assert plan.per_rank == {"device": 30_025_427_968, "pinned": 2_109_375_000, "pageable": 0, "nvme": 0}
+    assert plan.per_rank == {"device": 30_025_427_968, "pinned": 0, "pageable": 2_109_375_000, "nvme": 0}
 
 
 def test_stage3_is_not_yet():
@@ -93,12 +95,14 @@ def test_device_bf16_offload_cpu_one_rank():
     plan = estimate(n, offload="cpu")                 # bf16 params on the accelerator
     b = plan.breakdown
     assert plan.per_rank["device"] == 2 * n + 2 * n   # params + grads
-    # flat fp32 master + moments in pool buffers, pinned because CUDA is there
-    assert b["pinned"]["master"] == b["pinned"]["exp_avg"] == b["pinned"]["exp_avg_sq"] == 4 * n
+    # flat fp32 master + moments in pageable pool buffers (no DMA reads the master of bf16
+    # params; the moments never leave the host)
+    assert b["pageable"]["master"] == b["pageable"]["exp_avg"] == b["pageable"]["exp_avg_sq"] == 4 * n
+    # pinned because CUDA is there and the copy engine reads or writes them
     assert b["pinned"]["grad_buffers"] == 2 * n        # grads copied to the host in bf16
     assert b["pinned"]["lowp_buffers"] == 2 * n        # bf16 staging of the updated params
-    assert plan.per_rank == {"device": 4 * n, "pinned": 16 * n, "pageable": 0, "nvme": 0}
-    assert plan.optimizer_bytes == {"device": 0, "pinned": 16 * n, "pageable": 0, "nvme": 0}
+    assert plan.per_rank == {"device": 4 * n, "pinned": 4 * n, "pageable": 12 * n, "nvme": 0}
+    assert plan.optimizer_bytes == {"device": 0, "pinned": 4 * n, "pageable": 12 * n, "nvme": 0}
     # offload="none" is the same in this engine (states of device params stay on the host)
     assert estimate(n, offload="none").per_rank == plan.per_rank
     # without CUDA (planning for a CPU-only host) the same buffers are pageable
@@ -112,8 +116,8 @@ def test_device_bf16_offload_cpu_stage2_four_ranks():
     # chunk = min(S, 2^22 / 4) = 1,048,576: send 4 x chunk x 4 B + gather 4 x chunk x 2 B + out chunk x 4 B
     comm = 4 * 1_048_576 * 4 + 4 * 1_048_576 * 2 + 1_048_576 * 4
     assert plan.per_rank["device"] == 2 * n + 2 * n + comm
-    # 12 S of states + 4 S fp32 grad shard + 2 S bf16 shard
-    assert plan.per_rank["pinned"] == 18 * S
+    # 12 S of states + 4 S fp32 grad shard + 2 S bf16 shard, all pageable (no DMA touches them)
+    assert plan.per_rank["pageable"] == 18 * S and plan.per_rank["pinned"] == 0
     # stage 1 holds the same bytes (it differs in the collective only)
     assert estimate(n, world_size=N, stage=1, offload="cpu").per_rank == plan.per_rank
 
@@ -133,25 +137,56 @@ def test_cpu_fp32_params_several_ranks_use_the_flat_store():
 def test_device_bf16_offload_nvme():
     n = 1000 << 20                                    # 1,048,576,000: every state 4 KiB-aligned
     plan = estimate(n, offload="nvme", max_host_bytes=GiB)
-    # The swap layer's rules (offload/swap/pipeline.py plan_sub_groups), worked by hand for
-    # 3 fp32 states (master, exp_avg, exp_avg_sq) = 12 B per element within 1 GiB:
-    #   sub-group = floor(2^30 / (4 buffers x 12 B) / 1024) x 1024        = 22,369,280 elements
+    # The flat store swaps the moments only (2 fp32 states = 8 B per element); the swap
+    # layer's rules (offload/swap/pipeline.py plan_sub_groups), worked by hand within 1 GiB:
+    #   sub-group = floor(2^30 / (4 buffers x 8 B) / 1024) x 1024         = 33,554,432 elements
     #     (under the cap of ceil(n / 16 groups) = 65,536,000)
-    #   region    = 3 states x 4 B x 22,369,280                           = 268,431,360 B
-    #   buffers   = min(floor(2^30 / region) = 4, 8, 47 groups)           = 4
-    #   mapped    = 4 x region = 1,073,725,440 B rounded up to 2 MiB        = 2^30 B
+    #   groups    = ceil(1,048,576,000 / 33,554,432)                      = 32 (last: 8,388,608)
+    #   region    = 2 states x 4 B x 33,554,432                           = 268,435,456 B
+    #   buffers   = min(floor(2^30 / region) = 4, 8, 32 groups)           = 4
+    #   mapped    = 4 x region                                            = 2^30 B
     sw = plan.inputs["swap"]
-    assert (sw["sub_group_size"], sw["region_bytes"], sw["buffers"], sw["num_groups"]) == (22_369_280, 268_431_360, 4, 47)
-    assert plan.breakdown["pinned"]["io_buffers"] == 1 << 30
-    # disk: 12 B per element (no padding: every piece is a multiple of 4 KiB) in 2 slots
-    assert plan.breakdown["nvme"]["master"] == plan.breakdown["nvme"]["exp_avg"] == 2 * 4 * n
-    assert plan.per_rank["nvme"] == 2 * 12 * n
+    assert (sw["sub_group_size"], sw["region_bytes"], sw["buffers"], sw["num_groups"], sw["nstates"]) == \
+        (33_554_432, 268_435_456, 4, 32, 2)
+    assert plan.breakdown["pinned"]["io_buffers"] == 1 << 30   # the pipeline's pool pins with CUDA
+    # disk: 8 B per element (no padding: every piece is a multiple of 4 KiB) in 2 slots
+    assert plan.breakdown["nvme"]["exp_avg"] == plan.breakdown["nvme"]["exp_avg_sq"] == 2 * 4 * n
+    assert plan.breakdown["nvme"]["master"] == 0
+    assert plan.per_rank["nvme"] == 2 * 8 * n
+    # the fp32 master stays in host memory, pageable (bf16 params: no DMA reads it)
+    assert plan.breakdown["pageable"]["master"] == 4 * n and plan.per_rank["pageable"] == 4 * n
     # grads and the bf16 copy in pinned host buffers, as with offload="cpu"
     assert plan.breakdown["pinned"]["grad_buffers"] == plan.breakdown["pinned"]["lowp_buffers"] == 2 * n
-    assert plan.per_rank["pageable"] == 0
+    assert plan.per_rank["pinned"] == (1 << 30) + 4 * n
     assert plan.per_rank["device"] == 4 * n
-    # ... but the engine offers nvme for fp32 CPU params on one rank only, so far
-    assert plan.problems and "nvme" in plan.problems[0] and plan.fits_all is False
+    # the engine offers it now; its limits are notes, not problems
+    assert not plan.problems and plan.fits_all is True
+    assert any("resume=True" in t and "save_checkpoint" in t for t in plan.notes)
+    # one step reads and writes the moments once
+    assert plan.step["read_bytes"] == plan.step["write_bytes"] == 8 * n
+
+
+def test_flat_store_nvme_stage2_three_ranks_by_hand():
+    # bf16 device params, 3 ranks, stage 2: shard S = ceil(3,000,001 / 3) = 1,000,001
+    n, S = 3_000_001, 1_000_001
+    plan = estimate(n, world_size=3, stage=2, offload="nvme", max_host_bytes="64MiB")
+    #   sub-group = min(floor(2^26 / 32 / 1024) x 1024 = 2,097,152,
+    #                   max(roundup(ceil(S / 16), 1024) = 63,488, 262,144))  = 262,144
+    #   groups = ceil(1,000,001 / 262,144) = 4 (last: 213,569 elements = 854,276 B -> 856,064 B)
+    #   region = 2 x 4 x 262,144 = 2,097,152; buffers = min(32, 8, 4) = 4 -> 8 MiB mapped
+    #   one slot = 3 x 2,097,152 + 2 x 856,064 = 8,003,584 B
+    sw = plan.inputs["swap"]
+    assert (sw["sub_group_size"], sw["num_groups"], sw["buffers"]) == (262_144, 4, 4)
+    assert plan.per_rank["nvme"] == 2 * 8_003_584
+    b = plan.breakdown
+    # several ranks: master, fp32 grad shard and bf16 shard pageable; pipeline buffers pinned
+    assert (b["pageable"]["master"], b["pageable"]["grad_buffers"], b["pageable"]["lowp_buffers"]) == \
+        (4 * S, 4 * S, 2 * S)
+    assert plan.per_rank["pageable"] == 10 * S
+    assert plan.per_rank["pinned"] == 8 << 20
+    # collective buffers on the GPU: chunk = min(S, 2^22 // 3) = 1,000,001
+    assert b["device"]["comm_buffers"] == 3 * S * 4 + 3 * S * 2 + S * 4
+    assert not plan.problems
 
 
 def test_nvme_bound_too_small_is_a_problem_not_a_crash():
@@ -232,9 +267,10 @@ def test_step_time_nvme_is_max_of_io_and_kernel():
     assert math.isclose(plan.step["kernel_s"], 0.05)
     assert math.isclose(plan.step["io_s"], 800_006_144 / 2e9 + 800_006_144 / 4e9)
     assert math.isclose(plan.step_time_s, plan.step["io_s"])
-    # bf16 device params: the master is streamed too (12 bytes per element each way)
+    # bf16 device params (flat store): the moments only, the master stays on the host
+    # (8 bytes per element each way)
     plan = estimate(n, offload="nvme", kernel_gparams=2.0, disk_gbps=3.0)
-    assert math.isclose(plan.step["read_bytes"], 12 * n, rel_tol=1e-4)   # + last group's padding
+    assert math.isclose(plan.step["read_bytes"], 8 * n, rel_tol=1e-4)   # + last group's padding
     assert math.isclose(plan.step_time_s, 2 * plan.step["read_bytes"] / 3e9)
     # offload=cpu: the kernel alone
     plan = estimate(n, world_size=4, stage=2, offload="cpu", kernel_gparams=2.0)
@@ -248,7 +284,7 @@ def test_cheapest_fitting_order():
     # bf16 device params, 8 ranks of a node with 64 GiB (8 GiB each). cpu/stage 0 needs 16e9 B
     # of host per rank (> 8 GiB); stages 1 and 2 need 18 x 1.25e8 = 2.25e9 B and update an
     # eighth of the params each: same bytes, stage 2 preferred (less traffic). nvme is last
-    # (and not offered for device params yet).
+    # (it streams the moments from disk at every step).
     kw = dict(world_size=8, device_memory="14GiB", host_memory="64GiB", nvme_capacity="10TiB")
     best, tried = cheapest_fitting(n, **kw)
     assert (best.inputs["offload"], best.inputs["stage"]) == ("cpu", 2)
@@ -451,8 +487,8 @@ def test_cli_json_schema_is_stable():
     assert doc["rates"]["kernel"] == {"value": 2.0, "unit": "Gparam/s", "source": "--kernel-gparams"}
     assert doc["cheapest"] is None
     assert doc["per_rank"]["device"] == 4_000_000_000       # bytes, not GiB
-    # 12 B per param read and written at 2.5 GB/s (+ the last sub-group's padding)
-    assert math.isclose(doc["step"]["step_time_s"], 2 * 12e9 / 2.5e9, rel_tol=1e-5)
+    # the moments, 8 B per param, read and written at 2.5 GB/s (+ the last sub-group's padding)
+    assert math.isclose(doc["step"]["step_time_s"], 2 * 8e9 / 2.5e9, rel_tol=1e-5)
 
 
 def test_cli_host_memory_auto_reads_this_machine():
@@ -483,10 +519,12 @@ def test_cli_table_says_gib_and_explains(tmp_path):
     assert "6,738,415,616 params" in out
     assert "GiB (2^30 bytes)" in out
     assert "2Ψ + (2 + K)Ψ/N_d" in out and "K = 12" in out
-    # pinned host (CUDA assumed): 12 B of states + 2 B of grads + 2 B of bf16 staging per
-    # param: 16 x 6,738,415,616 = 107,814,649,856 B = 100.41 GiB
+    # pinned host (CUDA assumed): 2 B of grads + 2 B of bf16 staging per param:
+    # 4 x 6,738,415,616 = 26,953,662,464 B = 25.10 GiB; pageable: 12 B of fp32 master and
+    # moments per param = 80,860,987,392 B = 75.31 GiB
     total_line = next(l for l in out.splitlines() if l.strip().startswith("total"))
-    assert total_line.split()[2] == f"{16 * 6_738_415_616 / GiB:.2f}" == "100.41"
+    assert total_line.split()[2] == f"{4 * 6_738_415_616 / GiB:.2f}" == "25.10"
+    assert total_line.split()[3] == f"{12 * 6_738_415_616 / GiB:.2f}" == "75.31"
     assert "predicted optimizer step: 3743.6 ms" in out      # 6,738,415,616 / 1.8e9 s
 
 
@@ -643,3 +681,145 @@ def test_cli_swap_dir_probes_the_disk_and_takes_its_free_space(tmp_path):
     assert doc["step"]["step_time_s"] is not None
     assert doc["capacity"]["nvme"] > 0 and doc["fits"]["nvme"] is True
     assert list(tmp_path.iterdir()) == []              # the probe file is gone
+
+
+def _bf16_model_with_grads():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    model(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
+    return model                                       # 262,912 bf16 params on the CPU
+
+
+def _run_report(model, **kw):
+    opt = _make_optimizer(model.parameters(), **kw)
+    try:
+        opt.step()
+        return opt.memory_report()
+    finally:
+        opt.close()
+
+
+def _close_per_tier(got, want):
+    for tier in TIERS:
+        assert abs(got[tier] - want[tier]) <= 0.05 * want[tier], (tier, got, want)
+
+
+def test_plan_then_run_bf16_cpu_params_flat_store_nvme(tmp_path):
+    model = _bf16_model_with_grads()
+    n = count_params(model)
+    kw = dict(offload="nvme", swap_dir=str(tmp_path), max_host_bytes=4 << 20)
+    plan = estimate(model, **kw)
+    # By hand: the moments (2 states) of 262,912 elements within 4 MiB: sub-groups of
+    # floor(2^22 / 32 / 1024) x 1024 = 131,072 elements (3 groups, the last of 768), buffers
+    # of 2 x 4 x 131,072 = 1 MiB, min(4, 8, 3) = 3 of them mapped as 4 MiB (2 MiB pages).
+    # Disk: one slot = 2 x 1 MiB + 2 x 4,096 (768 x 4 B padded to a page) = 2,105,344 B, in
+    # 2 slots. Host: the fp32 master 4 B x Ψ (pageable: no CUDA) + the pipeline buffers.
+    assert plan.optimizer_bytes == {"device": 0, "pinned": 0, "pageable": 4 * n + (4 << 20),
+                                    "nvme": 2 * 2_105_344}
+    assert not plan.problems
+    report = _run_report(model, **kw)
+    assert report["store"] == "flat"
+    _close_per_tier(report["tiers"], plan.optimizer_bytes)
+
+
+@pytest.fixture
+def fake_three_ranks():
+    """This process as rank 0 of a world of 3 (torch's fake backend: collectives do nothing),
+    so that the flat store allocates what it allocates on 3 gloo ranks, without spawning."""
+    import torch.distributed as dist
+
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as exc:  # pragma: no cover - torch without its testing helpers
+        pytest.skip(f"torch's fake process group is unavailable: {exc}")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        yield 3
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("target", ["cpu", "nvme"])
+def test_plan_then_run_bf16_cpu_params_three_ranks(tmp_path, fake_three_ranks, target):
+    # stage 2 on 3 ranks: shard S = ceil(262,912 / 3) = 87,638. Host, all pageable: master
+    # (+ moments unless nvme) 4 B x S each, fp32 grad shard 4 S, bf16 shard 2 S, and the
+    # collective buffers of gloo: send 3 x S x 4, gather 3 x S x 2, rs_out S x 4 (allocated
+    # and counted by memory_report() although gloo reduce-scatters into the grad shard).
+    model = _bf16_model_with_grads()
+    S = 87_638
+    kw = dict(offload=target, stage=2)
+    if target == "nvme":
+        kw.update(swap_dir=str(tmp_path), max_host_bytes=8 << 20)
+    plan = estimate(model, world_size=fake_three_ranks, **kw)
+    comm = 3 * S * 4 + 3 * S * 2 + S * 4
+    states = 12 * S if target == "cpu" else 4 * S
+    io = 0 if target == "cpu" else plan.inputs["swap"]["host_bytes"]
+    assert plan.optimizer_bytes["pageable"] == states + 4 * S + 2 * S + comm + io
+    report = _run_report(model, **kw)
+    assert report["detail"]["shard_numel"] == S and report["detail"]["world"] == 3
+    _close_per_tier(report["tiers"], plan.optimizer_bytes)
+    # not just within 5 %: the plan models every buffer the flat store allocates
+    assert report["tiers"] == plan.optimizer_bytes
+
+
+def test_fp32_cpu_params_at_stage0_on_several_ranks_are_updated_in_place(fake_three_ranks):
+    # offload/optim/adam.py picks HostState for fp32 CPU params at stage 0 whatever the
+    # world size (stage 0 partitions nothing): no master, moments of all Ψ params.
+    model = _model_with_grads()
+    n = count_params(model)
+    plan = estimate(model, world_size=fake_three_ranks, stage=0, offload="cpu")
+    assert plan.inputs["separate_master"] is False
+    assert plan.optimizer_bytes == {"device": 0, "pinned": 0, "pageable": 8 * n, "nvme": 0}
+    report = _run_report(model, offload="cpu", stage=0)
+    assert report["store"] != "flat"
+    _close_per_tier(report["tiers"], plan.optimizer_bytes)
+
+
+# The pinned/pageable split, decided by buffer_tiers (offload/zero/flat_group.py pins only
+# what a DMA engine touches, and only when CUDA is present; the swap pipeline's own pool pins
+# whenever CUDA is present). Columns: in_place, device params, low precision, ranks.
+P, U, D = "pinned", "pageable", "device"
+_TIER_CASES = [
+    # fp32 CPU params, stage 0 (HostState / SwappedState): moments pageable, io pinned
+    ((True, False, False, 1), dict(exp_avg=U, exp_avg_sq=U, io_buffers=P)),
+    # bf16 device params, one rank: grad copies and bf16 staging pinned; master, moments not
+    ((False, True, True, 1), dict(master=U, exp_avg=U, exp_avg_sq=U, grad_buffers=P, lowp_buffers=P,
+                                  io_buffers=P, comm_buffers=D)),
+    # fp32 device params, one rank: the master itself is copied to the device: pinned
+    ((False, True, False, 1), dict(master=P, exp_avg=U, exp_avg_sq=U, grad_buffers=P, io_buffers=P)),
+    # fp32 device params, 4 ranks: the master still goes to the device (all-gather source);
+    # the fp32 grad shard is filled by the collective, on the host side: pageable
+    ((False, True, False, 4), dict(master=P, exp_avg=U, grad_buffers=U, lowp_buffers=U, comm_buffers=D)),
+    # bf16 device params, 4 ranks: nothing of the flat store pinned
+    ((False, True, True, 4), dict(master=U, exp_avg=U, grad_buffers=U, lowp_buffers=U, io_buffers=P)),
+    # bf16 CPU params: no DMA at all; only the swap pipeline's pool pins
+    ((False, False, True, 1), dict(master=U, exp_avg=U, grad_buffers=U, lowp_buffers=U, io_buffers=P,
+                                   comm_buffers=U)),
+]
+
+
+@pytest.mark.parametrize("args,expect", _TIER_CASES)
+def test_buffer_tiers_with_and_without_cuda(args, expect):
+    from offload.plan.estimate import OPTIMIZER_COMPONENTS, buffer_tiers
+
+    in_place, dev, lowp, ranks = args
+    with_cuda = buffer_tiers(in_place=in_place, device_params=dev, lowp=lowp, ranks=ranks, cuda=True)
+    assert set(with_cuda) == set(OPTIMIZER_COMPONENTS)
+    for comp, tier in expect.items():
+        assert with_cuda[comp] == tier, (comp, with_cuda)
+    # without CUDA nothing can be pinned: every pinned buffer becomes pageable, the rest stays
+    without = buffer_tiers(in_place=in_place, device_params=dev, lowp=lowp, ranks=ranks, cuda=False)
+    assert without == {c: (U if t == P else t) for c, t in with_cuda.items()}
+
+
+def test_pinned_split_in_the_plan_follows_buffer_tiers():
+    n = 1_000_000
+    # fp32 device params, one rank, CUDA: master 4n and fp32 grad copies 4n pinned
+    plan = estimate(n, offload="cpu", param_dtype="fp32")
+    assert plan.optimizer_bytes == {"device": 0, "pinned": 8 * n, "pageable": 8 * n, "nvme": 0}
+    # bf16: master no longer pinned; grad copies and staging 2n each
+    plan = estimate(n, offload="cpu", param_dtype="bf16")
+    assert plan.optimizer_bytes == {"device": 0, "pinned": 4 * n, "pageable": 12 * n, "nvme": 0}
+    # planning a CPU-only host: the same bytes, all pageable
+    plan = estimate(n, offload="cpu", param_dtype="bf16", cuda=False)
+    assert plan.optimizer_bytes == {"device": 0, "pinned": 0, "pageable": 16 * n, "nvme": 0}

@@ -13,15 +13,18 @@ exp_avg_sq: K = 12) and divides them per stage over the N_d data-parallel ranks:
 This module keeps that arithmetic (``zero_paper_bytes``) and then places each piece on the
 tier where *this* engine keeps it, adding the buffers the engine itself allocates:
 
-- fp32 CPU params on one rank (stage 0) are their own master: the kernel updates them in
-  place, so there is no third copy (K drops to 8) and exp_avg + exp_avg_sq (8 B/param) are
-  ordinary host tensors (``offload="none"`` and ``"cpu"``) or swap files (``"nvme"``, with the
+- fp32 CPU params at stage 0 are their own master: the kernel updates them in place, so
+  there is no third copy (K drops to 8) and exp_avg + exp_avg_sq (8 B/param) are ordinary
+  host tensors (``offload="none"`` and ``"cpu"``) or swap files (``"nvme"``, with the
   pipeline's buffers bounded by ``max_host_bytes``, 1 GiB by default);
-- everything else (fp16/bf16 params, device params, several ranks) goes to the flat store: a
-  flat fp32 master + moments, 12 B per element of this rank's shard, in pool buffers that are
-  pinned when CUDA is present, also with ``offload="none"`` (the engine keeps the states of
-  device params on the host); plus host buffers for the grads and the low-precision copy of
-  the updated params, and per-bucket buffers for the collectives when N_d > 1;
+- everything else (fp16/bf16 params, device params, stage >= 1) goes to the flat store: a
+  flat fp32 master + moments, 12 B per element of this rank's shard, in host pool buffers,
+  also with ``offload="none"`` (the engine keeps the states of device params on the host);
+  with ``offload="nvme"`` the moments (8 B) go to swap files and the master stays on the
+  host. Plus host buffers for the grads and the low-precision copy of the updated params,
+  and per-bucket buffers for the collectives when N_d > 1;
+- only buffers a DMA engine touches are pinned, and only when CUDA is present (see
+  ``buffer_tiers``): the moments and the shards of several ranks stay pageable;
 - the model's params and grads stay whole on every rank: ``p.grad`` keeps torch's meaning
   and is not freed after the reduce-scatter, so stage 2 saves host memory, not device memory.
 
@@ -47,6 +50,7 @@ __all__ = [
     "Plan",
     "SWAP_SLOTS",
     "swap_model",
+    "buffer_tiers",
     "TIERS",
     "COMPONENTS",
     "estimate",
@@ -64,7 +68,7 @@ COMPONENTS = (
     "grad_buffers",  # host buffers the grads are copied into (device params)
     "lowp_buffers",  # host buffers holding the fp16/bf16 copy of updated params (device params)
     "io_buffers",    # swap pipeline buffers (offload="nvme")
-    "comm_buffers",  # per-bucket send/gather buffers of the collectives (stage >= 1, N_d > 1)
+    "comm_buffers",  # per-bucket send/gather/reduce-scatter-out buffers of the collectives (stage >= 1, N_d > 1)
 )
 # Pieces the optimizer allocates itself (what ``memory_report()`` can see); params and grads
 # belong to the user's model.
@@ -103,6 +107,36 @@ def swap_model(numel: int, nstates: int, max_host_bytes: Optional[int], sub_grou
         "disk_bytes": SWAP_SLOTS * layout.file_bytes,
         "nstates": nstates,
     }
+
+
+def buffer_tiers(*, in_place: bool, device_params: bool, lowp: bool, ranks: int, cuda: bool) -> Dict[str, str]:
+    """The tier of each buffer the optimizer allocates itself (``OPTIMIZER_COMPONENTS``).
+
+    ``in_place``: fp32 CPU params at stage 0 (HostState / SwappedState); otherwise the flat
+    store. ``device_params``: the params live on the accelerator. ``lowp``: fp16/bf16 params.
+    ``ranks``: the ranks the states are partitioned over (1 at stage 0). ``cuda``: CUDA is
+    present, so the memory layer can pin (``BufferPool(pin=None)``).
+
+    The rules are the engine's (offload/zero/flat_group.py, ``FlatGroup.__init__``): the flat
+    store pins only what a DMA engine reads or writes, i.e. for params on the device the
+    host grad copies (one rank), the staging of the low-precision update (one rank) and the
+    fp32 master when it is itself copied to fp32 device params; the moments, the master of
+    fp16/bf16 params and the shards of several ranks (fp32 grad sum, low-precision shard) are
+    pageable. The swap pipeline's buffers come from a pool of its own that pins whenever CUDA
+    is present (offload/swap/pipeline.py). The collective buffers live on the collective's
+    device: the GPU for device params (NCCL), else host memory (gloo, plain torch tensors).
+    """
+    dma = "pinned" if (cuda and device_params) else "pageable"
+    tiers = {c: "pageable" for c in OPTIMIZER_COMPONENTS}
+    tiers["io_buffers"] = "pinned" if cuda else "pageable"
+    if in_place:
+        return tiers  # HostState's moments are ordinary tensors; no flat buffers
+    if not lowp:
+        tiers["master"] = dma
+    if ranks == 1:
+        tiers["grad_buffers"] = tiers["lowp_buffers"] = dma
+    tiers["comm_buffers"] = "device" if device_params else "pageable"
+    return tiers
 
 
 # --------------------------------------------------------------------------- the paper
@@ -310,16 +344,22 @@ def estimate(
     problems: List[str] = []
     B: Dict[str, Dict[str, int]] = {t: {c: 0 for c in COMPONENTS} for t in TIERS}
     user_tier = "pageable" if on_cpu else "device"
-    host_buf_tier = "pinned" if cuda else "pageable"   # BufferPool pins only when CUDA is there
+    lowp = pdt != torch.float32
 
-    # [Note: which store] offload/optim/adam.py picks the state store: fp32 CPU params on one
-    # rank at stage 0 are updated in place (HostState: moments in opt.state; SwappedState for
-    # nvme); everything else goes to the flat store (FlatState: a flat fp32 master + moments
-    # in pool buffers, sharded over the ranks when stage >= 1).
-    in_place = world_size == 1 and stage == 0 and pdt == torch.float32 and on_cpu
+    # [Note: which store] offload/optim/adam.py (``_make_store``) picks the state store:
+    # fp32 CPU params at stage 0 (any number of ranks: stage 0 partitions nothing) are
+    # updated in place (HostState: moments in opt.state; SwappedState: moments in swap files
+    # for offload="nvme"); everything else goes to the flat store (FlatState: a flat fp32
+    # master + moments in pool buffers, sharded over the ranks when stage >= 1). With
+    # offload="nvme" the flat store keeps its master in host memory and hands the moments to
+    # a SwappedState that runs over views of the master shard (offload/optim/flat_state.py,
+    # [Note: nvme]): 2 streamed states of this rank's shard. That combination has no
+    # resume=True and no save_checkpoint/load_checkpoint (NotImplementedError).
+    in_place = stage == 0 and pdt == torch.float32 and on_cpu
     ranks = world_size if stage >= 1 else 1            # stage 0 with N ranks: plain DP
     shard = -(-n // ranks) if n else 0                 # flat buffers padded to the world size
     separate_master = not in_place
+    tier = buffer_tiers(in_place=in_place, device_params=not on_cpu, lowp=lowp, ranks=ranks, cuda=bool(cuda))
     if stage >= 1 and world_size == 1:
         notes.append("world_size 1: stages 1 and 2 partition nothing (same bytes as stage 0)")
 
@@ -333,13 +373,15 @@ def estimate(
 
     state_elems = {"master": shard if separate_master else 0, "exp_avg": shard, "exp_avg_sq": shard}
     swap: Optional[Dict[str, Any]] = None
+    if separate_master:
+        # The flat store's fp32 master is a host buffer whatever the offload target.
+        B[tier["master"]]["master"] = 4 * shard
     if offload == "nvme":
-        if not in_place:
-            problems.append(
-                "offload='nvme' is implemented for fp32 CPU params on one rank only (the flat store "
-                "for fp16/bf16 or device params and for stage >= 1 keeps its states in host memory); "
-                "the NVMe figures show what it would take")
-        streamed = [c for c, e in state_elems.items() if e]
+        # Swapped: the moments only (the in-place store's params are their own master; the
+        # flat store keeps its master on the host). On rank 0 the swapped elements are the
+        # whole shard (the padding of the flat buffer falls in the last rank's shard, whose
+        # swap files can be a few pages smaller).
+        streamed = ["exp_avg", "exp_avg_sq"]
         if shard:
             try:
                 swap = swap_model(shard, len(streamed), mhb, sub_group_size)
@@ -349,41 +391,46 @@ def estimate(
             # the swap files hold the states one after the other per sub-group: equal shares
             for c in streamed:
                 B["nvme"][c] = swap["disk_bytes"] // len(streamed)
-            B[host_buf_tier]["io_buffers"] = swap["host_bytes"]
-    elif in_place:
-        # HostState: exp_avg and exp_avg_sq in opt.state, ordinary tensors (pageable).
-        B["pageable"]["exp_avg"] = B["pageable"]["exp_avg_sq"] = 4 * n
+            B[tier["io_buffers"]]["io_buffers"] = swap["host_bytes"]
+        if separate_master:
+            notes.append("offload='nvme' with the flat store: exp_avg and exp_avg_sq in swap files, the fp32 "
+                         "master (4 B x shard) in host memory; resume=True and save_checkpoint/load_checkpoint "
+                         "are not implemented for it (NotImplementedError): checkpoint with state_dict()")
     else:
-        for c, e in state_elems.items():
-            B[host_buf_tier][c] = 4 * e
-        if offload == "none" and not on_cpu:
+        # HostState: moments in opt.state, ordinary tensors; flat store: pool buffers.
+        for c in ("exp_avg", "exp_avg_sq"):
+            B[tier[c]][c] = 4 * state_elems[c]
+        if separate_master and offload == "none" and not on_cpu:
             notes.append("offload='none' with device params: this engine keeps the fp32 states of device "
                          "params on the host anyway (same bytes as offload='cpu'); the ZeRO paper's "
                          "baseline keeps them on the device")
 
     if not in_place:
-        lowp = pdt != torch.float32
         if ranks == 1:
             # One rank: device grads are copied into a host buffer of their own dtype as they
             # are produced (CPU grads are read in place); bf16/fp16 updates are staged in a
             # host buffer on their way to the device (CPU low-precision params are written
             # directly; fp32 device params are sent from the master itself).
             if not on_cpu:
-                B[host_buf_tier]["grad_buffers"] = n * gb
+                B[tier["grad_buffers"]]["grad_buffers"] = n * gb
                 if lowp and lowp_buffers == "shard":
-                    B[host_buf_tier]["lowp_buffers"] = shard * pb
+                    B[tier["lowp_buffers"]]["lowp_buffers"] = shard * pb
         else:
             # Several ranks: the fp32 sum of this rank's shard of the grads, the low-precision
-            # shard that is all-gathered, and per-bucket send/gather buffers on the collective's
-            # device (NCCL: the GPU; gloo: the CPU).
+            # shard that is all-gathered, and per-bucket buffers on the collective's device
+            # (NCCL: the GPU; gloo: the CPU): send (ranks x chunk fp32), gather (ranks x chunk
+            # of the param dtype) and the reduce-scatter output (chunk fp32), which FlatGroup
+            # allocates (and its memory_report counts) even where gloo reduces straight into
+            # the grad shard.
             from offload.optim.flat_state import FlatState
 
-            B[host_buf_tier]["grad_buffers"] = 4 * shard
+            B[tier["grad_buffers"]]["grad_buffers"] = 4 * shard
             if lowp:
-                B[host_buf_tier]["lowp_buffers"] = shard * pb
+                B[tier["lowp_buffers"]]["lowp_buffers"] = shard * pb
             chunk = max(1, min(shard, FlatState.bucket_numel // ranks)) if shard else 0
-            comm_tier = "pageable" if on_cpu else "device"
-            B[comm_tier]["comm_buffers"] = ranks * chunk * 4 + ranks * chunk * pb + chunk * 4
+            B[tier["comm_buffers"]]["comm_buffers"] = ranks * chunk * 4 + ranks * chunk * pb + chunk * 4
+            notes.append(f"FlatState.reduce_in_backward (off by default) would add {FlatState.inflight} more send "
+                         "buffers (and reduce-scatter outputs on a GPU) per flat group; not counted")
     if on_cpu and pdt != torch.float32:
         notes.append("low-precision CPU params: the kernel writes the rounded copy into the param itself")
 
@@ -406,11 +453,12 @@ def estimate(
     step: Dict[str, Any] = {"kernel_gparams": kg, "disk_read_gbps": rg, "disk_write_gbps": wg}
     step["kernel_s"] = (shard / (kg * 1e9)) if kg else None
     if offload == "nvme":
-        # every sub-group is read from one slot and written to the other once per step
-        streamed = swap["file_bytes"] if swap else sum(4 * e for e in state_elems.values())
-        step["read_bytes"] = streamed
-        step["write_bytes"] = streamed
-        step["io_s"] = (streamed / (rg * 1e9) + streamed / (wg * 1e9)) if (rg and wg) else None
+        # every sub-group of the moments is read from one slot and written to the other once
+        # per step (the flat store's master stays in host memory)
+        io_bytes = swap["file_bytes"] if swap else 8 * shard
+        step["read_bytes"] = io_bytes
+        step["write_bytes"] = io_bytes
+        step["io_s"] = (io_bytes / (rg * 1e9) + io_bytes / (wg * 1e9)) if (rg and wg) else None
     else:
         step["read_bytes"] = step["write_bytes"] = 0
         step["io_s"] = 0.0
