@@ -2,12 +2,13 @@
 
 This is the store behind ``offload.Adam``/``AdamW`` whenever params are not fp32 CPU tensors
 updated in place (see [Note: store interface] in ``host_state.py``): fp16/bf16 params on the
-CPU, params on CUDA, and any params once ``torch.distributed`` has more than one rank.
+CPU, params on CUDA, and any params partitioned at stage 1 or 2.
 
 Params are grouped by (device, dtype) into *flat groups* (see [Note: flat layout] in
 ``offload/zero/partition.py``). For each, this rank keeps its shard of a flat fp32 master,
-``exp_avg`` and ``exp_avg_sq`` in host buffers from the memory layer (pinned when CUDA is
-present; with ``offload="nvme"`` the moments go to swap files, see [Note: nvme]). One step
+``exp_avg`` and ``exp_avg_sq`` in host buffers from the memory layer (with CUDA, only the
+buffers DMA touches are pinned; with ``offload="nvme"`` the moments go to swap files, see
+[Note: nvme]). One step
 runs the fused kernel per (param ∩ shard) piece (cut into sub-groups for CUDA params or when
 ``sub_group_size`` is given); the kernel upcasts the grad and writes the fp16/bf16 copy of
 the updated master in the same pass.

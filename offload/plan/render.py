@@ -110,12 +110,14 @@ def explain_text(plan: "Plan") -> str:
         "(p.grad keeps torch's meaning; the engine reads it at step time and does not free it)",
     ]
     if not i["separate_master"]:
-        lines.append("  fp32 CPU params on one rank are their own master, updated in place (K = 8): "
-                     "exp_avg + exp_avg_sq = 8 B x Ψ")
+        lines.append("  fp32 CPU params at stage 0 (any number of ranks) are their own master, updated in "
+                     "place (K = 8): exp_avg + exp_avg_sq = 8 B x Ψ")
     else:
-        lines.append("  flat fp32 master + exp_avg + exp_avg_sq = 12 B x shard in host buffers "
-                     f"({'pinned' if i['cuda'] else 'pageable: no CUDA, nothing to pin for'}), also with "
-                     "offload='none' (this engine keeps the states of device params on the host)")
+        lines.append("  flat fp32 master (4 B x shard) in host buffers, also with offload='none' (this engine "
+                     "keeps the states of device params on the host); exp_avg + exp_avg_sq (8 B x shard) in "
+                     "pageable host buffers, or in swap files with offload='nvme'. Pinned, with CUDA only: "
+                     "what DMA touches (the host grad copies and staging buffers, and the master of fp32 "
+                     "device params)")
     off = i["offload"]
     if off == "nvme":
         sw = i.get("swap")
