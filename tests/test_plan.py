@@ -148,16 +148,17 @@ def test_device_bf16_offload_nvme():
     sw = plan.inputs["swap"]
     assert (sw["sub_group_size"], sw["region_bytes"], sw["buffers"], sw["num_groups"], sw["nstates"]) == \
         (33_554_432, 268_435_456, 4, 32, 2)
-    assert plan.breakdown["pinned"]["io_buffers"] == 1 << 30   # the pipeline's pool pins with CUDA
+    assert plan.breakdown["pageable"]["io_buffers"] == 1 << 30   # pipeline buffers are never pinned
     # disk: 8 B per element (no padding: every piece is a multiple of 4 KiB) in 2 slots
     assert plan.breakdown["nvme"]["exp_avg"] == plan.breakdown["nvme"]["exp_avg_sq"] == 2 * 4 * n
     assert plan.breakdown["nvme"]["master"] == 0
     assert plan.per_rank["nvme"] == 2 * 8 * n
     # the fp32 master stays in host memory, pageable (bf16 params: no DMA reads it)
-    assert plan.breakdown["pageable"]["master"] == 4 * n and plan.per_rank["pageable"] == 4 * n
+    assert plan.breakdown["pageable"]["master"] == 4 * n
+    assert plan.per_rank["pageable"] == 4 * n + (1 << 30)   # + the pipeline buffers
     # grads and the bf16 copy in pinned host buffers, as with offload="cpu"
     assert plan.breakdown["pinned"]["grad_buffers"] == plan.breakdown["pinned"]["lowp_buffers"] == 2 * n
-    assert plan.per_rank["pinned"] == (1 << 30) + 4 * n
+    assert plan.per_rank["pinned"] == 4 * n
     assert plan.per_rank["device"] == 4 * n
     # the engine offers it now; its limits are notes, not problems
     assert not plan.problems and plan.fits_all is True
@@ -179,11 +180,11 @@ def test_flat_store_nvme_stage2_three_ranks_by_hand():
     assert (sw["sub_group_size"], sw["num_groups"], sw["buffers"]) == (262_144, 4, 4)
     assert plan.per_rank["nvme"] == 2 * 8_003_584
     b = plan.breakdown
-    # several ranks: master, fp32 grad shard and bf16 shard pageable; pipeline buffers pinned
+    # several ranks: master, fp32 grad shard, bf16 shard and pipeline buffers all pageable
     assert (b["pageable"]["master"], b["pageable"]["grad_buffers"], b["pageable"]["lowp_buffers"]) == \
         (4 * S, 4 * S, 2 * S)
-    assert plan.per_rank["pageable"] == 10 * S
-    assert plan.per_rank["pinned"] == 8 << 20
+    assert plan.per_rank["pageable"] == 10 * S + (8 << 20)
+    assert plan.per_rank["pinned"] == 0
     # collective buffers on the GPU: chunk = min(S, 2^22 // 3) = 1,000,001
     assert b["device"]["comm_buffers"] == 3 * S * 4 + 3 * S * 2 + S * 4
     assert not plan.problems
@@ -231,9 +232,10 @@ def test_cpu_fp32_params_nvme_small_and_large():
     # padded to 24,973,312 (6,097 pages). One slot = 15 x 50,003,968 + 2 x 24,973,312 = 800,006,144 B.
     assert plan.per_rank["nvme"] == 2 * 800_006_144
     assert plan.step["read_bytes"] == plan.step["write_bytes"] == 800_006_144
-    # with CUDA present the pipeline buffers are pinned
+    # even with CUDA present the pipeline buffers stay pageable (disk <-> CPU kernel only)
     plan = estimate(n, offload="nvme", param_dtype="fp32", param_device="cpu", cuda=True)
-    assert plan.breakdown["pinned"]["io_buffers"] == 2 << 20
+    assert plan.breakdown["pageable"]["io_buffers"] == 2 << 20
+    assert plan.per_rank["pinned"] == 0
 
 
 def test_shard_rounds_up_for_uneven_world_sizes():
@@ -776,24 +778,24 @@ def test_fp32_cpu_params_at_stage0_on_several_ranks_are_updated_in_place(fake_th
 
 
 # The pinned/pageable split, decided by buffer_tiers (offload/zero/flat_group.py pins only
-# what a DMA engine touches, and only when CUDA is present; the swap pipeline's own pool pins
-# whenever CUDA is present). Columns: in_place, device params, low precision, ranks.
+# what a DMA engine touches, and only when CUDA is present; the swap pipeline's own pool
+# never pins). Columns: in_place, device params, low precision, ranks.
 P, U, D = "pinned", "pageable", "device"
 _TIER_CASES = [
-    # fp32 CPU params, stage 0 (HostState / SwappedState): moments pageable, io pinned
-    ((True, False, False, 1), dict(exp_avg=U, exp_avg_sq=U, io_buffers=P)),
+    # fp32 CPU params, stage 0 (HostState / SwappedState): moments and io buffers pageable
+    ((True, False, False, 1), dict(exp_avg=U, exp_avg_sq=U, io_buffers=U)),
     # bf16 device params, one rank: grad copies and bf16 staging pinned; master, moments not
     ((False, True, True, 1), dict(master=U, exp_avg=U, exp_avg_sq=U, grad_buffers=P, lowp_buffers=P,
-                                  io_buffers=P, comm_buffers=D)),
+                                  io_buffers=U, comm_buffers=D)),
     # fp32 device params, one rank: the master itself is copied to the device: pinned
-    ((False, True, False, 1), dict(master=P, exp_avg=U, exp_avg_sq=U, grad_buffers=P, io_buffers=P)),
+    ((False, True, False, 1), dict(master=P, exp_avg=U, exp_avg_sq=U, grad_buffers=P, io_buffers=U)),
     # fp32 device params, 4 ranks: the master still goes to the device (all-gather source);
     # the fp32 grad shard is filled by the collective, on the host side: pageable
     ((False, True, False, 4), dict(master=P, exp_avg=U, grad_buffers=U, lowp_buffers=U, comm_buffers=D)),
     # bf16 device params, 4 ranks: nothing of the flat store pinned
-    ((False, True, True, 4), dict(master=U, exp_avg=U, grad_buffers=U, lowp_buffers=U, io_buffers=P)),
-    # bf16 CPU params: no DMA at all; only the swap pipeline's pool pins
-    ((False, False, True, 1), dict(master=U, exp_avg=U, grad_buffers=U, lowp_buffers=U, io_buffers=P,
+    ((False, True, True, 4), dict(master=U, exp_avg=U, grad_buffers=U, lowp_buffers=U, io_buffers=U)),
+    # bf16 CPU params: no DMA at all, nothing pinned
+    ((False, False, True, 1), dict(master=U, exp_avg=U, grad_buffers=U, lowp_buffers=U, io_buffers=U,
                                    comm_buffers=U)),
 ]
 

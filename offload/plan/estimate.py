@@ -122,13 +122,12 @@ def buffer_tiers(*, in_place: bool, device_params: bool, lowp: bool, ranks: int,
     host grad copies (one rank), the staging of the low-precision update (one rank) and the
     fp32 master when it is itself copied to fp32 device params; the moments, the master of
     fp16/bf16 params and the shards of several ranks (fp32 grad sum, low-precision shard) are
-    pageable. The swap pipeline's buffers come from a pool of its own that pins whenever CUDA
-    is present (offload/swap/pipeline.py). The collective buffers live on the collective's
+    pageable. The swap pipeline's buffers (a pool of their own, offload/swap/pipeline.py) are
+    never pinned: they only travel between the disk and the CPU kernel. The collective buffers live on the collective's
     device: the GPU for device params (NCCL), else host memory (gloo, plain torch tensors).
     """
     dma = "pinned" if (cuda and device_params) else "pageable"
     tiers = {c: "pageable" for c in OPTIMIZER_COMPONENTS}
-    tiers["io_buffers"] = "pinned" if cuda else "pageable"
     if in_place:
         return tiers  # HostState's moments are ordinary tensors; no flat buffers
     if not lowp:

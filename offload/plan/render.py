@@ -125,7 +125,7 @@ def explain_text(plan: "Plan") -> str:
                      "sub-group, in 2 slots written alternately (a crash leaves one complete step)")
         if sw:
             bound = "default 1 GiB" if i["max_host_bytes"] is None else f"{i['max_host_bytes']:,} B"
-            pin = "pinned" if i["cuda"] else "pageable: no CUDA, nothing to pin for"
+            pin = "pageable (they only travel between the disk and the CPU kernel: never pinned)"
             lines.append(
                 f"    sub-groups of {sw['sub_group_size']:,} elements x {sw['nstates']} states "
                 f"({sw['num_groups']} groups); host: {sw['buffers']} pipeline buffers of {sw['region_bytes']:,} B "

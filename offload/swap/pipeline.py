@@ -139,8 +139,10 @@ class SwapPipeline:
 
             # One region holding exactly our buffers (rounded to 2 MiB for huge pages): the
             # pool's default 64 MiB regions would map and prefault more than max_host_bytes.
+            # Never pinned: these buffers only travel between the disk and the CPU kernel, so
+            # page-locking them would cost locked memory (and `ulimit -l`) for no DMA.
             total = pipeline_host_bytes(buffers, self.layout.region_bytes)
-            pool = BufferPool(region_bytes=total, max_bytes=total, name=f"swap:{store.path}")
+            pool = BufferPool(pin=False, region_bytes=total, max_bytes=total, name=f"swap:{store.path}")
         self.pool = pool
         self.buffers: List[Any] = []
         try:
