@@ -224,6 +224,13 @@ class _AdamBase(Optimizer):
         if found_inf is not None and float(found_inf) > 0:
             log.info("step skipped: GradScaler found inf/nan in the gradients")
             return None
+        # Grads that must move first (copies to host buffers, the reduction across ranks)
+        # are timed as grad_transfer, not as the clip that needs them.
+        prepare = getattr(self._store, "prepare_grads", None)
+        if prepare is not None:
+            t = time.perf_counter()
+            prepare()
+            self._t_prepare = time.perf_counter() - t
         if self.max_grad_norm is None:
             return inv_scale
         norm_fn = getattr(self._store, "global_grad_sumsq", None)
@@ -256,13 +263,15 @@ class _AdamBase(Optimizer):
                 loss = closure()
         t0 = time.perf_counter()
         work = self._grads_with_params()
+        self._t_prepare = 0.0
         t_clip = time.perf_counter()
         multiplier = self._grad_multiplier(work)
-        t_clip = time.perf_counter() - t_clip
+        t_clip = time.perf_counter() - t_clip - self._t_prepare
         self.last_step_skipped = multiplier is None
         if multiplier is None:
             self.skipped_steps += 1
-            self._stats.record({"unscale_clip": t_clip}, time.perf_counter() - t0, skipped=True)
+            self._stats.record({"unscale_clip": t_clip, "grad_transfer": self._t_prepare},
+                               time.perf_counter() - t0, skipped=True)
             return loss
         batches: List[StepBatch] = []
         for group, items in work:
@@ -280,6 +289,7 @@ class _AdamBase(Optimizer):
             batches.append((hyper, triples))
         phases = dict(self._store.step(batches))
         phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip
+        phases["grad_transfer"] = phases.get("grad_transfer", 0.0) + self._t_prepare
         self._stats.record(phases, time.perf_counter() - t0)
         return loss
 

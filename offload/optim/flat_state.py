@@ -280,6 +280,14 @@ class FlatState:
                 fg.reduce_grads(self.group, self.stage, only_slice)
         self._reduced = True
 
+    def prepare_grads(self) -> None:
+        """Make this step's grads ready where the kernel reads them (the optimizer times this
+        as grad_transfer): the cross-rank reduction, or the pending host copies."""
+        if self.world > 1:
+            self._reduce()
+        else:
+            self._wait_grad_copies()
+
     def global_grad_sumsq(self, work) -> Tuple[float, bool]:
         kernel = get_backend(self._backend)
         if self.world > 1:
