@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "kernel.h"
+#include "unit_dispatch.h"
 #include "offload_native.h"
 
 namespace {
@@ -98,26 +99,7 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
     }
 }
 
-template <int G, int L>
-void adam_flags(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
-    if (c.use_l2) {
-        if (c.lerp_from_end) adam_loop<G, L, true, true>(c, b, begin, end);
-        else adam_loop<G, L, true, false>(c, b, begin, end);
-    } else {
-        if (c.lerp_from_end) adam_loop<G, L, false, true>(c, b, begin, end);
-        else adam_loop<G, L, false, false>(c, b, begin, end);
-    }
-}
-
-template <int G>
-int adam_lowp(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
-    switch (b.lowp_dtype) {
-        case -1: adam_flags<G, -1>(c, b, begin, end); return 0;
-        case OFFLOAD_F16: adam_flags<G, OFFLOAD_F16>(c, b, begin, end); return 0;
-        case OFFLOAD_BF16: adam_flags<G, OFFLOAD_BF16>(c, b, begin, end); return 0;
-        default: return -EINVAL;
-    }
-}
+OFFLOAD_UNIT_DISPATCH_TEMPLATES
 
 template <int G, bool MASKED>
 inline void sumsq_vec(const void *g, int64_t i, __mmask16 k, __m512d &a0, __m512d &a1) {
@@ -146,24 +128,4 @@ double sumsq_loop(const void *g, int64_t begin, int64_t end) {
 
 }  // namespace
 
-namespace offload {
-
-int adam_range_avx512(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
-    switch (b.grad_dtype) {
-        case OFFLOAD_F32: return adam_lowp<OFFLOAD_F32>(c, b, begin, end);
-        case OFFLOAD_F16: return adam_lowp<OFFLOAD_F16>(c, b, begin, end);
-        case OFFLOAD_BF16: return adam_lowp<OFFLOAD_BF16>(c, b, begin, end);
-        default: return -EINVAL;
-    }
-}
-
-int sumsq_range_avx512(const void *grad, int dtype, int64_t begin, int64_t end, double *out) {
-    switch (dtype) {
-        case OFFLOAD_F32: *out = sumsq_loop<OFFLOAD_F32>(grad, begin, end); return 0;
-        case OFFLOAD_F16: *out = sumsq_loop<OFFLOAD_F16>(grad, begin, end); return 0;
-        case OFFLOAD_BF16: *out = sumsq_loop<OFFLOAD_BF16>(grad, begin, end); return 0;
-        default: return -EINVAL;
-    }
-}
-
-}  // namespace offload
+OFFLOAD_UNIT_ENTRY_POINTS(avx512)
