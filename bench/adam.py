@@ -29,7 +29,6 @@ import io
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -38,6 +37,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from offload.cli.info import cpu_model  # noqa: E402
 from offload.kernels import get_backend  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -51,15 +51,6 @@ def parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * mult)
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def load_deepspeed():

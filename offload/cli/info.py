@@ -13,7 +13,7 @@ import resource
 import sys
 from typing import Any, Dict
 
-__all__ = ["add_parser", "run", "collect"]
+__all__ = ["add_parser", "run", "collect", "cpu_model"]
 
 
 def add_parser(sub, name: str) -> None:
@@ -22,7 +22,8 @@ def add_parser(sub, name: str) -> None:
     p.set_defaults(run=run)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (benchmarks print it too)."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
@@ -75,7 +76,7 @@ def collect() -> Dict[str, Any]:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "isa_supported": list(supported_isas()),
         "isa_selected": isa,
