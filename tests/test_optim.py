@@ -305,3 +305,10 @@ def test_two_optimizers_loaded_from_one_state_dict_keep_their_own_steps():
     assert float(a.state[next(a_model.parameters())]["step"]) == 5.0
     assert float(b.state[next(b_model.parameters())]["step"]) == 2.0
     assert float(sd["state"][0]["step"]) == 2.0
+
+
+def test_add_param_group_of_another_kind_after_construction_is_a_clear_error():
+    opt = offload.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(5))], "lr": 0.1})  # fp32: fine
+    with pytest.raises(ValueError, match=r"parameter 2 has dtype torch.bfloat16.*when the optimizer is built"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))]})

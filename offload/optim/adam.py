@@ -154,12 +154,8 @@ class _AdamBase(Optimizer):
             from offload.optim.swapped_state import SwappedState
 
             return SwappedState.for_optimizer(self)
-        try:
-            from offload.optim.flat_state import FlatState
-        except ImportError as exc:  # pragma: no cover - until the flat store lands
-            bad = next((p for p in params if not (p.device.type == "cpu" and p.dtype == torch.float32)), None)
-            what = f"a {bad.dtype} param on {bad.device}" if bad is not None else f"stage={stage}"
-            raise NotImplementedError(f"offload.Adam/AdamW: {what} is not supported yet ({exc})") from None
+        from offload.optim.flat_state import FlatState
+
         return FlatState.for_optimizer(self, stage=stage, process_group=process_group)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

@@ -41,13 +41,13 @@ class HostState:
     def check_param(index: int, p: torch.Tensor) -> None:
         if p.device.type != "cpu":
             raise ValueError(
-                f"parameter {index} is on {p.device}; this store updates CPU params in place "
-                "(device params need offload='cpu' or 'nvme' with a flat fp32 master)"
+                f"parameter {index} is on {p.device}; this optimizer updates fp32 CPU params in "
+                "place: pass device params when the optimizer is built (they get a flat fp32 master)"
             )
         if p.dtype != torch.float32:
             raise ValueError(
-                f"parameter {index} has dtype {p.dtype}; params updated in place must be "
-                "torch.float32 (fp16/bf16 params need a flat fp32 master)"
+                f"parameter {index} has dtype {p.dtype}; this optimizer updates fp32 CPU params in "
+                "place: pass fp16/bf16 params when the optimizer is built (they get a flat fp32 master)"
             )
 
     def _moments(self, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
