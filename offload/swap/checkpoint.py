@@ -94,42 +94,78 @@ def _remove_quiet(path: str) -> None:
         pass
 
 
+class _NewGeneration:
+    """The bookkeeping both writers share: the next generation's file names, the space check,
+    the commit (rename, fsync, manifest) and the clean-up either way.
+
+    Made before any byte is written; ``tmps[k]`` is where state ``k`` goes. After ``commit``
+    the manifest names the new files and ``drop_old`` removes the previous generation; on a
+    failure ``abort`` removes what this save wrote, unless the manifest already points at it.
+    """
+
+    _LEFTOVER = re.compile(r"^\.?[A-Za-z0-9_]+\.\d+\.bin(\.tmp)?$")
+
+    def __init__(self, directory: str, names: List[str], per_file: int) -> None:
+        self.directory = directory = os.path.abspath(directory)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        old = read_manifest(directory) if os.path.lexists(os.path.join(directory, CKPT_MANIFEST)) else None
+        self.gen = int(old["gen"]) + 1 if old else 1
+        self.keep = set(old["files"].values()) if old else set()
+        for name in os.listdir(directory):  # leftovers of a save that died half-way
+            if self._LEFTOVER.match(name) and name not in self.keep:
+                _remove_quiet(os.path.join(directory, name))
+        self.names, self.per_file = list(names), per_file
+        self.need = per_file * len(self.names)
+        free = fsutil.free_bytes(directory)
+        if free < self.need:
+            raise OSError(errno.ENOSPC, f"checkpoint needs {self.need} bytes ({self.need / 2**30:.2f} GiB) in this "
+                          f"directory, {free} free; the previous checkpoint is untouched", directory)
+        self.finals = {k: f"{k}.{self.gen}.bin" for k in self.names}
+        self.tmps = {k: os.path.join(directory, f".{self.finals[k]}.tmp") for k in self.names}
+
+    def preallocate(self, f: Any) -> None:
+        try:
+            f.preallocate(self.per_file)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(exc.errno, f"checkpoint needs {self.need} bytes in this directory and the file "
+                              "system ran out; the previous checkpoint is untouched", self.directory) from exc
+            raise
+
+    def commit(self, *, dtype: str, numel: int, crcs: Dict[str, int], meta: Dict[str, Any]) -> None:
+        for k in self.names:
+            os.rename(self.tmps[k], os.path.join(self.directory, self.finals[k]))
+        fsutil.fsync_dir(self.directory)
+        fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, {
+            "format": CKPT_FORMAT, "version": CKPT_VERSION, "dtype": dtype, "numel": numel,
+            "states": self.names, "gen": self.gen, "files": self.finals, "file_bytes": self.per_file,
+            "crc32": dict(crcs), "meta": meta})
+
+    def abort(self) -> None:
+        pointed = _current_gen(self.directory) == self.gen  # the failure came after the manifest's rename
+        for k in self.names:
+            _remove_quiet(self.tmps[k])
+            if not pointed:
+                _remove_quiet(os.path.join(self.directory, self.finals[k]))
+
+    def drop_old(self) -> str:
+        for name in self.keep:
+            _remove_quiet(os.path.join(self.directory, name))
+        return self.directory
+
+
 def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, Any]) -> str:
     """Stream the committed states of ``store`` into checkpoint ``directory`` (created 0700 if
     missing). ``meta``: opaque JSON (the optimizer's steps, shapes, fingerprint)."""
     layout, names = store.layout, store.state_names
-    directory = os.path.abspath(directory)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    old: Optional[Dict[str, Any]] = None
-    if os.path.lexists(os.path.join(directory, CKPT_MANIFEST)):
-        old = read_manifest(directory)
-    gen = int(old["gen"]) + 1 if old else 1
-    keep = set(old["files"].values()) if old else set()
-    pattern = re.compile(r"^\.?[A-Za-z0-9_]+\.\d+\.bin(\.tmp)?$")
-    for name in os.listdir(directory):  # leftovers of a save that died half-way
-        if pattern.match(name) and name not in keep:
-            _remove_quiet(os.path.join(directory, name))
-    per_file = round_up(layout.numel * layout.itemsize, ALIGN)
-    need = per_file * len(names)
-    free = fsutil.free_bytes(directory)
-    if free < need:
-        raise OSError(errno.ENOSPC, f"checkpoint needs {need} bytes ({need / 2**30:.2f} GiB) in this directory, "
-                      f"{free} free; the previous checkpoint is untouched", directory)
-    finals = {k: f"{k}.{gen}.bin" for k in names}
-    tmps = [os.path.join(directory, f".{finals[k]}.tmp") for k in names]
+    new = _NewGeneration(directory, names, round_up(layout.numel * layout.itemsize, ALIGN))
     files: List[Any] = []
     crcs = [0] * len(names)
     try:
-        for tmp in tmps:
-            f = open_file(tmp, write=True, create=True, exclusive=True, mode=0o600, nofollow=True)
+        for k in names:
+            f = open_file(new.tmps[k], write=True, create=True, exclusive=True, mode=0o600, nofollow=True)
             files.append(f)
-            try:
-                f.preallocate(per_file)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise OSError(exc.errno, f"checkpoint needs {need} bytes in this directory and the file system "
-                                  "ran out; the previous checkpoint is untouched", directory) from exc
-                raise
+            new.preallocate(f)
 
         def process(g: int, buf: Any) -> None:
             if store.verify:
@@ -158,28 +194,16 @@ def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, A
         for f in files:
             f.fsync()
             f.close()
-        for k, tmp in zip(names, tmps):
-            os.rename(tmp, os.path.join(directory, finals[k]))
-        fsutil.fsync_dir(directory)
-        manifest = {"format": CKPT_FORMAT, "version": CKPT_VERSION, "dtype": layout.dtype_name,
-                    "numel": layout.numel, "states": names, "gen": gen, "files": finals,
-                    "file_bytes": per_file, "crc32": dict(zip(names, crcs)), "meta": meta}
-        fsutil.write_json_atomic(directory, CKPT_MANIFEST, manifest)
+        new.commit(dtype=layout.dtype_name, numel=layout.numel, crcs=dict(zip(names, crcs)), meta=meta)
     except BaseException:
         for f in files:
             try:
                 f.close()
             except OSError:
                 pass
-        pointed = _current_gen(directory) == gen  # only if the failure came after the manifest's rename
-        for k, tmp in zip(names, tmps):
-            _remove_quiet(tmp)
-            if not pointed:
-                _remove_quiet(os.path.join(directory, finals[k]))
+        new.abort()
         raise
-    for name in keep:
-        _remove_quiet(os.path.join(directory, name))
-    return directory
+    return new.drop_old()
 
 
 def load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[str, Any], Dict[int, Any]]:
@@ -287,26 +311,13 @@ def save_tensors(directory: str, states: Dict[str, List[Any]], meta: Dict[str, A
     if not names or len(set(numels.values())) != 1:
         raise ValueError(f"every state needs the same number of elements, got {numels}")
     numel = numels[names[0]]
-    directory = os.path.abspath(directory)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    old = read_manifest(directory) if os.path.lexists(os.path.join(directory, CKPT_MANIFEST)) else None
-    gen = int(old["gen"]) + 1 if old else 1
-    keep = set(old["files"].values()) if old else set()
-    per_file = round_up(numel * 4, ALIGN)
-    need = per_file * len(names)
-    free = fsutil.free_bytes(directory)
-    if free < need:
-        raise OSError(errno.ENOSPC, f"checkpoint needs {need} bytes in this directory, {free} free; "
-                      "the previous checkpoint is untouched", directory)
-    finals = {k: f"{k}.{gen}.bin" for k in names}
+    new = _NewGeneration(directory, names, round_up(numel * 4, ALIGN))
     crcs: Dict[str, int] = {}
     try:
-        with _Staging(directory, stage_bytes, io_engine) as st:
+        with _Staging(new.directory, stage_bytes, io_engine) as st:
             for k in names:
-                tmp = os.path.join(directory, f".{finals[k]}.tmp")
-                _remove_quiet(tmp)
-                with open_file(tmp, write=True, create=True, exclusive=True, mode=0o600) as f:
-                    f.preallocate(per_file)
+                with open_file(new.tmps[k], write=True, create=True, exclusive=True, mode=0o600) as f:
+                    new.preallocate(f)
                     crc, fill, offset = 0, 0, 0
                     for piece in _flat_pieces(states[k], writable=False):
                         pos = 0
@@ -325,22 +336,11 @@ def save_tensors(directory: str, states: Dict[str, List[Any]], meta: Dict[str, A
                         st.engine.write(f, offset, st.view[:padded])
                     f.fsync()
                 crcs[k] = crc
-        for k in names:
-            os.rename(os.path.join(directory, f".{finals[k]}.tmp"), os.path.join(directory, finals[k]))
-        fsutil.fsync_dir(directory)
-        fsutil.write_json_atomic(directory, CKPT_MANIFEST, {
-            "format": CKPT_FORMAT, "version": CKPT_VERSION, "dtype": "float32", "numel": numel, "states": names,
-            "gen": gen, "files": finals, "file_bytes": per_file, "crc32": crcs, "meta": meta})
+        new.commit(dtype="float32", numel=numel, crcs=crcs, meta=meta)
     except BaseException:
-        pointed = _current_gen(directory) == gen  # only if the failure came after the manifest's rename
-        for k in names:
-            _remove_quiet(os.path.join(directory, f".{finals[k]}.tmp"))
-            if not pointed:
-                _remove_quiet(os.path.join(directory, finals[k]))
+        new.abort()
         raise
-    for name in keep:
-        _remove_quiet(os.path.join(directory, name))
-    return directory
+    return new.drop_old()
 
 
 def load_tensors(directory: str, states: Dict[str, List[Any]], *, io_engine: Any = None,
