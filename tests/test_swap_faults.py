@@ -11,18 +11,10 @@ import subprocess
 import pytest
 import torch
 
-from offload.optim.swapped_state import SwappedState
 from offload.swap import SwapStepError
-from test_swap_util import FaultyEngine, Reference, batches_for, run_python, threads_engine
-
-SIZES = [1, 7, 4097, 3000, 1, 2500, 1030]
-SPLIT = 3
+from test_swap_util import SIZES, SPLIT, FaultyEngine, Reference, batches_for, swapped_state, run_python, threads_engine
 
 
-def _state(tmp_path, params, **kw):
-    kw.setdefault("max_host_bytes", 1 << 20)
-    kw.setdefault("sub_group_size", 1024)
-    return SwappedState(params, swap_dir=str(tmp_path), **kw)
 
 
 def _moments(st, params):
@@ -40,7 +32,7 @@ def test_io_error_aborts_step_without_applying_it(tmp_path, op, mode, fail_at):
     faulty = FaultyEngine(inner, op=op, fail_at=0, mode=mode)
     params = [torch.randn(n) for n in SIZES]
     ref = Reference(params)
-    st = _state(tmp_path, params, io_engine=faulty)
+    st = swapped_state(tmp_path, params, io_engine=faulty)
     steps = [0] * len(params)
     for s in range(2):
         st.step(batches_for(params, steps, s, SPLIT))
@@ -78,7 +70,7 @@ def test_io_error_aborts_step_without_applying_it(tmp_path, op, mode, fail_at):
 
 def test_flipped_bit_is_detected_with_verify(tmp_path):
     params = [torch.randn(n) for n in SIZES]
-    st = _state(tmp_path, params, verify=True)
+    st = swapped_state(tmp_path, params, verify=True)
     steps = [0] * len(params)
     for s in range(2):
         st.step(batches_for(params, steps, s, SPLIT))
@@ -122,14 +114,14 @@ def test_enospc_names_directory_and_bytes(tmp_path):
         free = st0.f_bavail * st0.f_frsize
         # too big for two slots
         with pytest.raises(OSError) as e:
-            _state(swap, [torch.randn(free // 8)], sub_group_size=None, max_host_bytes=1 << 20)
+            swapped_state(swap, [torch.randn(free // 8)], sub_group_size=None, max_host_bytes=1 << 20)
         assert e.value.errno == 28 and e.value.filename == str(swap / "offload-run.rank0")
         assert "bytes" in str(e.value) and str(2 * 2 * 4 * (-(-(free // 8) // 1024) * 1024)) in str(e.value)
         assert os.listdir(swap) == []
         # room for both slots and one checkpoint, not two
         n = free // 28 // 1024 * 1024
         params = [torch.randn(n)]
-        st = _state(swap, params, sub_group_size=None, max_host_bytes=1 << 20)
+        st = swapped_state(swap, params, sub_group_size=None, max_host_bytes=1 << 20)
         steps = [0]
         st.step(batches_for(params, steps, 0, 1))
         st.save_checkpoint(str(ckpt))
@@ -208,7 +200,7 @@ def _resume_and_compare(swap, out, k, seed, total):
     torch.manual_seed(seed)
     ref = Reference([torch.randn(n) for n in SIZES])
     params = torch.load(out / f"params_{k}.pt")
-    st = _state(swap, params, resume=True)
+    st = swapped_state(swap, params, resume=True)
     steps = [st.step_of(p) for p in params]
     for s in range(k):
         ref.step(s, SPLIT)
@@ -239,7 +231,7 @@ def test_kill_9_at_a_random_moment(tmp_path):
     if not (out / f"params_{k}.pt").exists():  # killed between the commit and the user's save
         params = torch.load(out / f"params_{k - 1}.pt")
         with pytest.raises(ValueError, match=f"not those of step {k}"):
-            _state(swap, params, resume=True)
+            swapped_state(swap, params, resume=True)
         return
     _resume_and_compare(swap, out, k, seed=seed, total=k + 2)
 
@@ -251,7 +243,7 @@ def test_failed_commit_keeps_previous_step(tmp_path, monkeypatch):
     from offload.swap import fsutil
 
     params = [torch.randn(n) for n in SIZES]
-    st = _state(tmp_path, params)
+    st = swapped_state(tmp_path, params)
     steps = [0] * len(params)
     st.step(batches_for(params, steps, 0, SPLIT))
     before = _moments(st, params)

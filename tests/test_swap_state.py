@@ -7,19 +7,10 @@ import os
 import pytest
 import torch
 
-from offload.optim.swapped_state import SwappedState
 from offload.swap import pipeline_host_bytes
-from test_swap_util import Reference, batches_for
-
-# sizes that break SIMD tails and sub-group boundaries; one-element params; 2 param groups
-SIZES = [1, 7, 4097, 3000, 1, 2500, 1030]
-SPLIT = 3
+from test_swap_util import SIZES, SPLIT, Reference, batches_for, swapped_state
 
 
-def _state(tmp_path, params, **kw):
-    kw.setdefault("max_host_bytes", 1 << 20)
-    kw.setdefault("sub_group_size", 1024)
-    return SwappedState(params, swap_dir=str(tmp_path), **kw)
 
 
 def _run(st, params, steps, first, last):
@@ -39,7 +30,7 @@ def _assert_same(st, params, ref):
 def test_equals_in_ram_reference(tmp_path, sub_group_size, verify):
     params = [torch.randn(n) for n in SIZES]
     ref = Reference(params)
-    st = _state(tmp_path, params, sub_group_size=sub_group_size, verify=verify)
+    st = swapped_state(tmp_path, params, sub_group_size=sub_group_size, verify=verify)
     steps = [0] * len(params)
     for step in range(6):
         st.step(batches_for(params, steps, step, SPLIT))
@@ -58,7 +49,7 @@ def test_equals_in_ram_reference(tmp_path, sub_group_size, verify):
 
 def test_params_not_in_a_step_keep_their_state(tmp_path):
     params = [torch.randn(n) for n in (3000, 5)]
-    st = _state(tmp_path, params)
+    st = swapped_state(tmp_path, params)
     st.step([(dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True),
               [(params[1], torch.ones(5), 1)])])
     m, v = st.read_state(params[0])
@@ -72,7 +63,7 @@ def test_params_not_in_a_step_keep_their_state(tmp_path):
 def test_export_import_round_trip(tmp_path):
     params = [torch.randn(n) for n in SIZES]
     ref = Reference(params)
-    st = _state(tmp_path / "a", params) if (tmp_path / "a").mkdir() is None else None
+    st = swapped_state(tmp_path / "a", params) if (tmp_path / "a").mkdir() is None else None
     steps = [0] * len(params)
     _run(st, params, steps, 0, 3)
     for s in range(3):
@@ -80,7 +71,7 @@ def test_export_import_round_trip(tmp_path):
     exported = [st.export_state(p) for p in params]
     st.close()
     (tmp_path / "b").mkdir()
-    st2 = _state(tmp_path / "b", params, sub_group_size=2048)
+    st2 = swapped_state(tmp_path / "b", params, sub_group_size=2048)
     for p, e, n in zip(params, exported, steps):
         st2.import_state(p, dict(e, step=torch.tensor(float(n))))
     _run(st2, params, steps, 3, 5)
@@ -95,7 +86,7 @@ def test_checkpoint_round_trip_other_layout(tmp_path):
     swap.mkdir()
     params = [torch.randn(n) for n in SIZES]
     ref = Reference(params)
-    st = _state(swap, params, verify=True)
+    st = swapped_state(swap, params, verify=True)
     steps = [0] * len(params)
     _run(st, params, steps, 0, 3)
     for s in range(3):
@@ -105,7 +96,7 @@ def test_checkpoint_round_trip_other_layout(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["exp_avg.2.bin", "exp_avg_sq.2.bin", "offload-ckpt.json"]
     _run(st, params, steps, 3, 4)  # moves on; the checkpoint must not
     st.close()
-    st2 = _state(swap, params, sub_group_size=5 * 1024, max_host_bytes=4 << 20)
+    st2 = swapped_state(swap, params, sub_group_size=5 * 1024, max_host_bytes=4 << 20)
     st2.load_checkpoint(str(ckpt))
     steps2 = [st2.step_of(p) for p in params]
     assert steps2 == ref.steps
@@ -123,7 +114,7 @@ def test_checkpoint_corruption_is_detected(tmp_path):
     swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
     swap.mkdir()
     params = [torch.randn(n) for n in SIZES]
-    st = _state(swap, params)
+    st = swapped_state(swap, params)
     steps = [0] * len(params)
     _run(st, params, steps, 0, 2)
     st.save_checkpoint(str(ckpt))
@@ -143,7 +134,7 @@ def test_checkpoint_corruption_is_detected(tmp_path):
 def test_resume_in_process(tmp_path):
     params = [torch.randn(n) for n in SIZES]
     ref = Reference(params)
-    st = _state(tmp_path, params)
+    st = swapped_state(tmp_path, params)
     steps = [0] * len(params)
     _run(st, params, steps, 0, 3)
     for s in range(3):
@@ -153,11 +144,11 @@ def test_resume_in_process(tmp_path):
     st.store.close(remove=False)  # as if the process had died after step 3
     # params of another step are refused
     with pytest.raises(ValueError, match="not those of step 3"):
-        _state(tmp_path, [torch.randn(n) for n in SIZES], resume=True)
+        swapped_state(tmp_path, [torch.randn(n) for n in SIZES], resume=True)
     # a different sub-group layout is refused too
     with pytest.raises(ValueError, match="another run or layout"):
-        _state(tmp_path, saved, resume=True, sub_group_size=2048)
-    st2 = _state(tmp_path, saved, resume=True)
+        swapped_state(tmp_path, saved, resume=True, sub_group_size=2048)
+    st2 = swapped_state(tmp_path, saved, resume=True)
     steps2 = [st2.step_of(p) for p in saved]
     assert steps2 == steps
     _run(st2, saved, steps2, 3, 5)
@@ -170,13 +161,13 @@ def test_resume_in_process(tmp_path):
 
 def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="fp32 contiguous CPU"):
-        _state(tmp_path, [torch.randn(10, dtype=torch.float64)])
+        swapped_state(tmp_path, [torch.randn(10, dtype=torch.float64)])
     with pytest.raises(ValueError, match="fp32 contiguous CPU"):
-        _state(tmp_path, [torch.randn(10, 10).t()])
+        swapped_state(tmp_path, [torch.randn(10, 10).t()])
     with pytest.raises(ValueError, match="cannot hold 3 pipeline buffers"):
-        _state(tmp_path, [torch.randn(100_000)], max_host_bytes=20_000, sub_group_size=None)
+        swapped_state(tmp_path, [torch.randn(100_000)], max_host_bytes=20_000, sub_group_size=None)
     params = [torch.randn(10)]
-    st = _state(tmp_path, params)
+    st = swapped_state(tmp_path, params)
     with pytest.raises(ValueError, match="not one of this optimizer's params"):
         st.read_state(torch.randn(10))
     with pytest.raises(ValueError, match="unknown keys"):
@@ -199,7 +190,7 @@ def test_checkpoint_moves_between_host_tensors_and_swap(tmp_path):
     # host -> swap, through a staging buffer smaller than one state (several chunks)
     save_tensors(str(a), {"exp_avg": ref.m, "exp_avg_sq": ref.v},
                  {"steps": ref.steps, "shapes": [list(p.shape) for p in params]}, stage_bytes=8192)
-    st = _state(swap, [p.clone() for p in ref.params])
+    st = swapped_state(swap, [p.clone() for p in ref.params])
     st.load_checkpoint(str(a))
     for i, p in enumerate(st.params):
         m, v = st.read_state(p)
@@ -216,7 +207,7 @@ def test_checkpoint_moves_between_host_tensors_and_swap(tmp_path):
 
 def test_two_optimizers_of_one_process_share_a_swap_dir(tmp_path):
     a, b = [torch.randn(10)], [torch.randn(20)]
-    s1, s2 = _state(tmp_path, a), _state(tmp_path, b)
+    s1, s2 = swapped_state(tmp_path, a), swapped_state(tmp_path, b)
     assert [os.path.basename(s.swap_path) for s in (s1, s2)] == ["offload-run.rank0", "offload-run-2.rank0"]
     s1.close()
     s2.close()
@@ -227,7 +218,7 @@ def test_dropped_without_close_still_cleans_up(tmp_path):
     import gc
 
     params = [torch.randn(3000)]
-    st = _state(tmp_path, params)
+    st = swapped_state(tmp_path, params)
     st.step([(dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True),
               [(params[0], torch.ones(3000), 1)])])
     assert os.listdir(tmp_path) == ["offload-run.rank0"]

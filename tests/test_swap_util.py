@@ -141,6 +141,21 @@ def threads_engine() -> Any:
     return open_engine("threads", queue_depth=8, block_size=1 << 20)
 
 
+# Sizes that break SIMD tails and sub-group boundaries, one-element params, split into 2
+# param groups at SPLIT: the layout the SwappedState tests share.
+SIZES = [1, 7, 4097, 3000, 1, 2500, 1030]
+SPLIT = 3
+
+
+def swapped_state(tmp_path: Any, params: Sequence[torch.Tensor], **kw: Any) -> Any:
+    """A SwappedState over ``params`` in ``tmp_path`` with small sub-groups (1024) and buffers."""
+    from offload.optim.swapped_state import SwappedState
+
+    kw.setdefault("max_host_bytes", 1 << 20)
+    kw.setdefault("sub_group_size", 1024)
+    return SwappedState(params, swap_dir=str(tmp_path), **kw)
+
+
 def make_params(sizes: Sequence[int], seed: int = 0) -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(n, generator=g) for n in sizes]
