@@ -68,6 +68,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from offload.swap import SwapLayout, SwapPipeline, SwapStepError, SwapStore, plan_sub_groups
+from offload.swap.cache import GroupCache
 from offload.swap.checkpoint import load_store, save_store
 
 __all__ = ["SwappedState", "STATE_NAMES"]
@@ -141,8 +142,6 @@ class SwappedState:
         self._samples = self._sample_indices()
         self._broken: Optional[str] = None
         self._opt: Any = None  # weakref to the optimizer when built by for_optimizer()
-        self._cache_g: Optional[int] = None
-        self._dirty = False
         self._meta_dirty = False
         self.last_stats: Dict[str, float] = {}
         self.store = self._open_store(swap_dir, run_name, rank, verify, resume, io_engine)
@@ -152,6 +151,7 @@ class SwappedState:
             else:
                 self.store.commit({}, self._extra(self._steps), advance=False)
             self.pipeline = SwapPipeline(self.store, buffers=nbuf, pool=pool)
+            self._cache = GroupCache(self.pipeline)
         except BaseException:
             self.store.close(remove=not resume)
             raise
@@ -292,7 +292,7 @@ class SwappedState:
         if not work:
             return {}
         self.flush()
-        self._cache_g = None  # the pipeline reuses the cache buffer
+        self._cache.invalidate()  # the pipeline reuses the cache buffer
         groups = sorted({g for i in work for g in self.layout.groups_overlapping(
             self._offsets[i], self._offsets[i] + self.params[i].numel())})
         kernel, threads = self._kernel, self._num_threads
@@ -341,25 +341,6 @@ class SwappedState:
         self._broken = None
 
     # ------------------------------------------------------------------ one param's states
-    def _load_group(self, g: int) -> Any:
-        """Sub-group ``g``'s committed states in the cache buffer (the pipeline's first)."""
-        buf = self.pipeline.buffers[0]
-        if self._cache_g == g:
-            return buf
-        self.flush()
-        self._cache_g = None
-        reqs = self.store.read_requests(g, buf)
-        if reqs:
-            from offload.swap.pipeline import _check_counts
-
-            eng = self.store.engine
-            _check_counts(eng.wait(eng.submit(reqs)), reqs, "read")
-            self.store.check(g, buf)
-        else:
-            self.pipeline._zero(g, buf)
-        self._cache_g = g
-        return buf
-
     def read_state(self, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         i = self._param_index(p)
         n, off = p.numel(), self._offsets[i]
@@ -367,7 +348,7 @@ class SwappedState:
         for g in self.layout.groups_overlapping(off, off + n):
             s, e = self.layout.group_range(g)
             a, b = max(s, off), min(e, off + n)
-            tensors = self.pipeline.tensors(g, self._load_group(g))
+            tensors = self._cache.load(g, self._extra_now)
             for k in range(2):
                 out[k][a - off:b - off].copy_(tensors[k][a - s:b - s])
         return out[0].view(p.shape), out[1].view(p.shape)
@@ -385,10 +366,10 @@ class SwappedState:
         for g in self.layout.groups_overlapping(off, off + n):
             s, e = self.layout.group_range(g)
             a, b = max(s, off), min(e, off + n)
-            tensors = self.pipeline.tensors(g, self._load_group(g))
+            tensors = self._cache.load(g, self._extra_now)
             for k in range(2):
                 tensors[k][a - s:b - s].copy_(src[k][a - off:b - off])
-            self._dirty = True
+            self._cache.mark_dirty()
         if step is not None:
             self._steps[i] = int(step)
             self._meta_dirty = True
@@ -408,20 +389,14 @@ class SwappedState:
             step = int(step.item())
         self.write_state(p, state["exp_avg"], state["exp_avg_sq"], None if step is None else int(step))
 
+    def _extra_now(self) -> Dict[str, Any]:
+        self._meta_dirty = False  # committed with the data
+        return self._extra(self._steps)
+
     def flush(self) -> None:
         """Write the cached sub-group changed by write_state() into its free slot and commit
         (the manifest flips only that sub-group; the step count does not advance)."""
-        if self._dirty and self._cache_g is not None:
-            from offload.swap.pipeline import _check_counts
-
-            g, buf = self._cache_g, self.pipeline.buffers[0]
-            sums = self.store.checksum(g, buf) if self.store.verify else None
-            reqs = self.store.write_requests(g, buf)
-            eng = self.store.engine
-            _check_counts(eng.wait(eng.submit(reqs)), reqs, "write")
-            self.store.commit({g: sums}, self._extra(self._steps), advance=False)
-            self._dirty = self._meta_dirty = False
-        elif self._meta_dirty:
+        if not self._cache.flush(self._extra_now) and self._meta_dirty:
             self.store.commit({}, self._extra(self._steps), advance=False)
             self._meta_dirty = False
 
@@ -430,7 +405,7 @@ class SwappedState:
         """Stream the moments (and per-param steps, shapes) to ``directory``; see
         offload.swap.checkpoint. Peak extra host memory: the pipeline buffers."""
         self.flush()
-        self._cache_g = None
+        self._cache.invalidate()
         meta = {"steps": list(self._steps), "shapes": [list(p.shape) for p in self.params],
                 "fingerprint": self.fingerprint(), "swap_step": self.store.step}
         return save_store(self.store, self.pipeline.buffers, directory, meta)
@@ -439,7 +414,7 @@ class SwappedState:
         """Replace the moments and steps with those of checkpoint ``directory`` (same param
         shapes; any sub_group_size). The params themselves are the caller's."""
         self.flush()
-        self._cache_g = None
+        self._cache.invalidate()
         meta, written = load_store(self.store, self.pipeline.buffers, directory)
         shapes = [list(p.shape) for p in self.params]
         if meta.get("shapes") != shapes:
@@ -458,7 +433,8 @@ class SwappedState:
     def close(self) -> None:
         """Release buffers and remove the swap directory (use save_checkpoint() first to keep
         the states)."""
-        self._cache_g = None
+        self._cache.dirty = False  # the directory goes with close(): nothing to flush
+        self._cache.group = None
         self._finalizer()
 
     def __enter__(self) -> "SwappedState":
