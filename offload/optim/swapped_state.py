@@ -60,7 +60,6 @@ step j.
 """
 from __future__ import annotations
 
-import os
 import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -70,6 +69,7 @@ import torch
 from offload.swap import SwapLayout, SwapPipeline, SwapStepError, SwapStore, plan_sub_groups
 from offload.swap.cache import GroupCache
 from offload.swap.checkpoint import load_store, save_store
+from offload.swap.store import open_run_store
 
 __all__ = ["SwappedState", "STATE_NAMES"]
 
@@ -144,7 +144,8 @@ class SwappedState:
         self._opt: Any = None  # weakref to the optimizer when built by for_optimizer()
         self._meta_dirty = False
         self.last_stats: Dict[str, float] = {}
-        self.store = self._open_store(swap_dir, run_name, rank, verify, resume, io_engine)
+        self.store = open_run_store(swap_dir, self.layout, STATE_NAMES, run_name=run_name, rank=rank, verify=verify,
+                                    resume=resume, io_engine=io_engine)
         try:
             if resume:
                 self._check_resume()
@@ -182,23 +183,6 @@ class SwappedState:
                 opt.state[p]["step"] = torch.tensor(float(n), dtype=torch.float32)
             elif "step" in opt.state.get(p, {}):
                 del opt.state[p]["step"]
-
-    def _open_store(self, swap_dir: str, run_name: str, rank: int, verify: bool, resume: bool,
-                    io_engine: Any) -> SwapStore:
-        """A second optimizer of this same process on the same swap_dir gets ``<run>-2``, a
-        third ``<run>-3``...: names follow creation order, so a resumed process that builds its
-        optimizers in the same order finds its own directories again (never named by id())."""
-        from offload.swap.fsutil import DirectoryBusy
-
-        for k in range(1, 65):
-            name = run_name if k == 1 else f"{run_name}-{k}"
-            try:
-                return SwapStore(swap_dir, self.layout, state_names=STATE_NAMES, run_name=name, rank=rank,
-                                 verify=verify, resume=resume, io_engine=io_engine)
-            except DirectoryBusy as exc:
-                if exc.pid != os.getpid():
-                    raise
-        raise RuntimeError(f"64 swap stores of this process already use {swap_dir}")
 
     # ------------------------------------------------------------------ bookkeeping
     @property
