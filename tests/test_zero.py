@@ -184,13 +184,14 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
             "skipped": opt.skipped_steps, "report": report}
 
 
-def job_bf16_locked(group, stage, steps):
+def job_bf16_locked(group, stage, steps, swap_dir=None):
     """bf16 params; a reference AdamW on fp32 masters fed the exact averaged grads each step."""
     model = _model(torch.bfloat16)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in params]
     ref = torch.optim.AdamW(masters, foreach=False, **HP)
-    opt = offload.AdamW(params, stage=stage, process_group=group, **HP)
+    nvme = dict(offload="nvme", swap_dir=swap_dir, sub_group_size=1024) if swap_dir else {}
+    opt = offload.AdamW(params, stage=stage, process_group=group, **HP, **nvme)
     world = dist.get_world_size(group)
     worst = 0.0
     for step in range(steps):
@@ -382,8 +383,10 @@ def test_overflow_on_one_rank_skips_on_all(pool):
     assert all(r["skipped"] and r["unchanged"] for r in res)
 
 
-def test_bf16_params_partitioned_match_fp32_master_reference(pool):
-    res = pool.run("job_bf16_locked", 3, stage=2, steps=8)
+@pytest.mark.parametrize("nvme", [False, True], ids=["host", "nvme"])
+def test_bf16_params_partitioned_match_fp32_master_reference(pool, tmp_path, nvme):
+    # nvme: each rank's shard of master and moments in its own swap directory.
+    res = pool.run("job_bf16_locked", 3, stage=2, steps=8, swap_dir=str(tmp_path) if nvme else None)
     assert res[0]["sd_keys"] == ["exp_avg", "exp_avg_sq", "master", "step"]
 
 
@@ -432,6 +435,22 @@ def test_save_checkpoint_2_ranks_load_checkpoint_3_ranks(pool, tmp_path):
                      start_model=_model(seed=7).state_dict())
     for r in third:
         _assert_params(r["params"], ref)
+
+
+def test_nvme_checkpoint_of_2_ranks_loads_on_3_ranks_and_on_2(pool, tmp_path):
+    # Saved from swap files; loaded into swap files of 3 ranks (resharded while streaming)
+    # and of 2 ranks (the same shards), each time into a fresh model.
+    for d in ("a", "b", "c"):
+        (tmp_path / d).mkdir()
+    ckpt = str(tmp_path / "ckpt")
+    pool.run("job_train", 2, stage=2, steps=5, save_dir=ckpt, swap_dir=str(tmp_path / "a"))
+    ref, _ = _reference(10)
+    for world, swap in ((3, "b"), (2, "c")):
+        res = pool.run("job_train", world, stage=2, steps=5, load_dir=ckpt, first_step=5,
+                       start_model=_model(seed=7).state_dict(), swap_dir=str(tmp_path / swap))
+        for r in res:
+            _assert_params(r["params"], ref)
+        assert os.listdir(tmp_path / swap) == []
 
 
 def test_ddp_wrapped_model_with_grads_already_averaged(pool):

@@ -9,9 +9,10 @@ does the same for the same reason). Same arguments, defaults, validation message
 Where the states live is a *store* (see [Note: store interface] in ``host_state.py``):
 
 - ``HostState``: fp32 CPU params updated in place, moments in ``self.state[p]``;
-- ``SwappedState``: moments (and a master when needed) in NVMe swap files;
-- ``FlatState``: device or fp16/bf16 params with a flat fp32 master on the host,
-  optionally partitioned across data-parallel ranks.
+- ``SwappedState``: fp32 CPU params updated in place, moments in NVMe swap files;
+- ``FlatState``: device or fp16/bf16 params with a flat fp32 master on the host (master
+  and moments in swap files with ``offload="nvme"``: ``SwappedShards``), optionally
+  partitioned across data-parallel ranks.
 """
 from __future__ import annotations
 
@@ -270,11 +271,13 @@ class _AdamBase(Optimizer):
                                time.perf_counter() - t0, skipped=True)
             return loss
         batches: List[StepBatch] = []
+        before: List[Tuple[Dict[str, Any], Any]] = []
         for group, items in work:
             hyper = self._hyper(group, multiplier)
             triples = []
             for p, g in items:
                 st = self.state[p]
+                before.append((st, st.get("step")))
                 if "step" not in st:
                     st["step"] = torch.tensor(0.0, dtype=torch.float32)
                 # A new tensor, not `+= 1`: torch's load_state_dict shares the step tensors
@@ -283,7 +286,18 @@ class _AdamBase(Optimizer):
                 st["step"] = st["step"] + 1
                 triples.append((p, g, int(st["step"].item())))
             batches.append((hyper, triples))
-        phases = dict(self._store.step(batches))
+        try:
+            phases = dict(self._store.step(batches))
+        except BaseException:
+            # A failed swap step leaves the swap files at the previous step: the step counts
+            # must say the same, or a retry would use the bias correction of a step that
+            # never happened.
+            for st, step in before:
+                if step is None:
+                    st.pop("step", None)
+                else:
+                    st["step"] = step
+            raise
         phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip
         phases["grad_transfer"] = phases.get("grad_transfer", 0.0) + self._t_prepare
         self._stats.record(phases, time.perf_counter() - t0)
@@ -316,6 +330,9 @@ class _AdamBase(Optimizer):
             moments = {k: st.pop(k) for k in ("exp_avg", "exp_avg_sq") if k in st}
             if moments:
                 self._store.import_state(p, moments)
+        flush = getattr(self._store, "flush", None)
+        if flush is not None:  # swap stores: the loaded states and steps are on disk from here on
+            flush()
 
     # ---------------------------------------------------------------- reports
     def memory_report(self) -> Dict[str, Any]:

@@ -7,8 +7,8 @@ CPU, params on CUDA, and any params partitioned at stage 1 or 2.
 Params are grouped by (device, dtype) into *flat groups* (see [Note: flat layout] in
 ``offload/zero/partition.py``). For each, this rank keeps its shard of a flat fp32 master,
 ``exp_avg`` and ``exp_avg_sq`` in host buffers from the memory layer (with CUDA, only the
-buffers DMA touches are pinned; with ``offload="nvme"`` the moments go to swap files, see
-[Note: nvme]). One step
+buffers DMA touches are pinned; with ``offload="nvme"`` master and moments go to swap files,
+see [Note: nvme]). One step
 runs the fused kernel per (param ∩ shard) piece (cut into sub-groups for CUDA params or when
 ``sub_group_size`` is given); the kernel upcasts the grad and writes the fp16/bf16 copy of
 the updated master in the same pass.
@@ -77,7 +77,7 @@ from offload.kernels import get_backend
 from offload.memory import BufferPool
 from offload.zero import SideStream, comm, split_ranges
 from offload.zero.backward_reduce import BackwardReducer
-from offload.zero.checkpoint import load_shards, save_shards
+from offload.zero.checkpoint import fill_store_from_shards, load_shards, save_shards, save_shards_from_store
 from offload.zero.flat_group import LOWP, FlatGroup
 
 __all__ = ["FlatState"]
@@ -109,11 +109,6 @@ class FlatState:
 
     @classmethod
     def for_optimizer(cls, opt, *, stage: int, process_group: Any = None) -> "FlatState":
-        if opt.config.offload == "nvme":
-            if opt.config.resume:
-                raise NotImplementedError(
-                    "resume=True with offload='nvme' is implemented for fp32 CPU params at stage 0 only; "
-                    "for bf16/fp16 or partitioned params use state_dict()/load_state_dict()")
         return cls(opt, stage=stage, process_group=process_group)
 
     def __init__(self, opt, *, stage: int, process_group: Any = None) -> None:
@@ -143,7 +138,6 @@ class FlatState:
         self._closed = False
         self._nvme = opt.config.offload == "nvme"
         self._swap = None
-        self._swap_views: Dict[Tuple[int, int], torch.Tensor] = {}
         for group in opt.param_groups:
             self.add_param_group(group)
         if self._nvme:
@@ -406,42 +400,103 @@ class FlatState:
             p.detach().copy_(pflat.view_as(p))
         return t_kernel, t_h2d
 
-    # [Note: nvme] With offload="nvme" the moments (8 B/param of this rank's shard) live in
-    # swap files, streamed by the swap engineer's SwappedState (read g+1 / compute g / write
-    # g-1): its "params" are views of our fp32 master shard, one per (param ∩ shard) piece,
-    # which it updates in place. The master (4 B/param of the shard) stays in host memory, so
-    # after the swapped step one more pass writes the bf16/fp16 copy (or, partitioned, the
-    # shard that is all-gathered, or the staging buffer copied to the device). That last pass
-    # and the host-to-device copies follow the whole swapped step instead of overlapping its
-    # sub-groups (that would take a hook in the swap pipeline's compute callback).
+    # [Note: nvme] With offload="nvme" this rank's shards of the fp32 master, exp_avg and
+    # exp_avg_sq all live in swap files (SwappedShards in swapped_shards.py: the groups'
+    # shards end to end, streamed read g+1 / compute g / write g-1). Host memory keeps the
+    # pipeline buffers, the grads and the low-precision copies. Each (param ∩ shard) piece is
+    # one work item whose output is where the updated values go (see _piece_output): the
+    # kernel writes the bf16/fp16 copy straight into the param (CPU), into the staging buffer
+    # (CUDA, copied to the device after the swapped step) or into the shard that is
+    # all-gathered; fp32 params get the master copied into them. fp32 CPU params of a
+    # partitioned group thus keep their master in the swap files too (4 B/param more disk
+    # traffic than updating them in place; the in-place path is the stage-0 SwappedState).
     def _open_swap(self, opt) -> None:
-        from offload.optim.swapped_state import SwappedState
+        from offload.optim.swapped_shards import SwappedShards
 
-        for fg in self._groups:
+        sizes = [fg.layout.shard for fg in self._groups]
+        if not sum(sizes):
+            return  # no element at all
+        cfg = opt.config
+        me = weakref.ref(self)
+        identity = {"kind": "flat", "world": self.world, "rank": self.rank,
+                    "groups": [list(fg.layout.numels) for fg in self._groups]}
+        self._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
+                                   extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
+                                   max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
+                                   verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io, backend=self._backend,
+                                   num_threads=self._threads, rank=self.rank, run_name="flat")
+        if cfg.resume:
+            # The master of the last finished step is the truth: steps and params follow it.
+            self._set_steps(self._swap.resumed_extra.get("steps") or [])
+            self._params_from_swap()
+        else:
+            self._swap.initialise(lambda k, lo, hi, out: self._groups[k].shard_values(lo, hi, out))
+
+    def _piece_output(self, fg: FlatGroup, i: int, pc, start: int):
+        """(out, mode, post) for piece ``pc`` of param ``i``: where the updated master goes
+        (see [Note: outputs] in swapped_shards.py) and what runs after the swapped step."""
+        s = slice(pc.lo - start, pc.hi - start)
+        p = fg.params[i]
+        if self.world > 1 and fg.lowp:
+            return fg.lowp_shard[s], "lowp", None  # all-gathered afterwards
+        flat = p.detach().view(-1) if p.is_contiguous() else None
+        dst = None if flat is None else flat[pc.param_offset:pc.param_offset + pc.numel]
+        if fg.stage is not None:  # one rank, device bf16/fp16: via the pinned staging
+            stage = fg.stage[s]
+            return stage, "lowp", lambda: self._send(p, pc, stage)
+        if dst is not None:
+            return dst, ("lowp" if fg.lowp else "copy"), None
+        tmp = torch.empty(pc.numel, dtype=p.dtype)  # non-contiguous CPU param: via a copy
+
+        def put_back() -> None:
+            whole = p.detach().reshape(-1).clone()
+            whole[pc.param_offset:pc.param_offset + pc.numel].copy_(tmp)
+            p.detach().copy_(whole.view_as(p))
+        return tmp, ("lowp" if fg.lowp else "copy"), put_back
+
+    def _send(self, p: torch.Tensor, pc, src: torch.Tensor) -> None:
+        """Staged values -> the device param; on the copy stream while the CPU goes on."""
+        dst = p.detach().view(-1)[pc.param_offset:pc.param_offset + pc.numel]
+        _, copy_stream = self._streams.get(p.device, (None, None))
+        if copy_stream is not None and self.overlap:
+            with copy_stream.context():
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)
+
+    def _all_outputs(self):
+        outs, posts = [], []
+        for k, fg in enumerate(self._groups):
             start = fg.layout.shard_range()[0]
             for i in range(len(fg.params)):
                 pc = fg.layout.owned(i)
                 if pc is not None:
-                    self._swap_views[(id(fg), i)] = fg.master[pc.lo - start:pc.hi - start]
-        if not self._swap_views:
-            return  # this rank owns no element (more ranks than elements)
-        cfg = opt.config
-        self._swap = SwappedState(list(self._swap_views.values()), swap_dir=cfg.swap_dir,
-                                  max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
-                                  verify=cfg.verify, io_engine=cfg.io, backend=self._backend,
-                                  num_threads=self._threads, run_name="flat")
+                    out, mode, post = self._piece_output(fg, i, pc, start)
+                    outs.append((k, pc.lo - start, pc.hi - start, out, mode))
+                    if post is not None:
+                        posts.append(post)
+        return outs, posts
 
-    def _swap_read(self, fg: FlatGroup, i: int) -> Dict[str, torch.Tensor]:
-        m, v = self._swap.read_state(self._swap_views[(id(fg), i)])
-        return {"exp_avg": m.reshape(-1), "exp_avg_sq": v.reshape(-1)}
+    def _params_from_swap(self) -> None:
+        """Every param <- its master in the swap files (resume, load_checkpoint)."""
+        if self._swap is not None:
+            outs, posts = self._all_outputs()
+            self._swap.emit_all(outs)
+            for post in posts:
+                post()
+        if self.world > 1:
+            for fg in self._groups:
+                fg.all_gather_params(self.group)
+        for _, copy_stream in self._streams.values():
+            copy_stream.current_waits()
 
     def _step_swapped(self, batches, t_grads: float) -> Dict[str, float]:
-        todo, sw_batches = [], []
-        for hyper, items in batches:
+        index = {id(fg): k for k, fg in enumerate(self._groups)}
+        items, posts = [], []
+        for hyper, batch in batches:
             if self.world > 1:
                 hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * self._factor)
-            sw_items = []
-            for p, g, step in items:
+            for p, g, step in batch:
                 fg, i = self._where[p]
                 pc = fg.layout.owned(i)
                 if pc is None:
@@ -454,33 +509,15 @@ class FlatState:
                     grad = self._host_grad(fg, i, g)[ps]
                 else:
                     grad = _flat_cpu(g)[ps]
-                sw_items.append((self._swap_views[(id(fg), i)], grad, step))
-                todo.append((fg, i, pc, start))
-            sw_batches.append((hyper, sw_items))
-        phases = dict(self._swap.step(sw_batches)) if todo else {}
+                out, mode, post = self._piece_output(fg, i, pc, start)
+                items.append((index[id(fg)], pc.lo - start, pc.hi - start, grad, hyper.kernel_kwargs(step), out, mode))
+                if post is not None:
+                    posts.append(post)
+        phases = dict(self._swap.step(items)) if items else {}
         t = time.perf_counter()
-        for fg, i, pc, start in todo:  # the low-precision copy, or the fp32 param itself
-            s = slice(pc.lo - start, pc.hi - start)
-            if self.world > 1:
-                if fg.lowp:
-                    fg.lowp_shard[s].copy_(fg.master[s])
-                continue
-            p = fg.params[i]
-            flat = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).clone()
-            dst = flat[pc.param_offset:pc.param_offset + pc.numel]
-            src = fg.master[s]
-            if fg.stage is not None:  # device bf16/fp16: round into the pinned staging first
-                fg.stage[s].copy_(src)  # RNE, as the kernel
-                src = fg.stage[s]
-            _, copy_stream = self._streams.get(p.device, (None, None))
-            if copy_stream is not None and self.overlap:
-                with copy_stream.context():  # H2D while the CPU rounds the next piece
-                    dst.copy_(src, non_blocking=True)
-            else:
-                dst.copy_(src)  # CPU params: the rounded copy (RNE) straight into the param
-            if not p.is_contiguous():
-                p.detach().copy_(flat.view_as(p))
-        phases["kernel"] = phases.get("kernel", 0.0) + time.perf_counter() - t
+        for post in posts:  # staging -> device (async on the copy stream), or non-contiguous params
+            post()
+        phases["h2d"] = time.perf_counter() - t
         t = time.perf_counter()
         if self.world > 1:
             for fg in self._groups:
@@ -523,10 +560,12 @@ class FlatState:
                 continue
             part = torch.empty(len(keys), b - a, dtype=torch.float32, device=self._comm_dev)
             if r == self.rank:
-                swapped = self._swap_read(fg, i) if fg.swapped and set(keys) - {"master"} else {}
+                if fg.swapped:
+                    vals = self._swap.read(self._groups.index(fg), a - r * S, b - r * S, keys)
+                else:
+                    vals = {key: getattr(fg, key)[a - r * S:b - r * S] for key in keys}
                 for k, key in enumerate(keys):
-                    src = swapped[key] if key in swapped else getattr(fg, key)[a - r * S:b - r * S]
-                    part[k].copy_(src)
+                    part[k].copy_(vals[key])
             comm.broadcast(part, r, self.group)
             if keep:
                 full[:, a - off:b - off].copy_(part)
@@ -547,9 +586,9 @@ class FlatState:
         s = slice(piece.lo - start, piece.hi - start)
         ps = slice(piece.param_offset, piece.param_offset + piece.numel)
         if fg.swapped:
-            if "exp_avg" in full and "exp_avg_sq" in full:
-                self._swap.write_state(self._swap_views[(id(fg), i)], full["exp_avg"].detach().reshape(-1)[ps],
-                                       full["exp_avg_sq"].detach().reshape(-1)[ps])
+            vals = {key: full[key].detach().reshape(-1)[ps].float() for key in ("exp_avg", "exp_avg_sq") if key in full}
+            if vals:
+                self._swap.write(self._groups.index(fg), s.start, s.stop, vals)
             return
         for key in ("exp_avg", "exp_avg_sq"):
             if key in full:
@@ -569,7 +608,7 @@ class FlatState:
 
     def _post_load(self, opt) -> None:
         """Masters from the checkpoint where it has them, else from the params' values."""
-        for fg in self._groups:
+        for k, fg in enumerate(self._groups):
             fg.refresh_master()
             start, end = fg.layout.shard_range()
             for pc in fg.layout.pieces(start, end):
@@ -578,10 +617,21 @@ class FlatState:
                 if st is not None:
                     st.pop("master", None)  # torch cast it to the param dtype; we keep fp32
                 m = self._stash.get(p, {}).get("master")
+                s = slice(pc.lo - start, pc.hi - start)
                 if m is not None:
-                    fg.master[pc.lo - start:pc.hi - start].copy_(
-                        m.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel])
-            fg.refresh_lowp_shard()
+                    m = m.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel].float()
+                elif fg.swapped:
+                    m = p.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel].float()
+                if m is None:
+                    continue
+                if fg.swapped:
+                    self._swap.write(k, s.start, s.stop, {"master": m})
+                    if fg.lowp_shard is not None:
+                        fg.lowp_shard[s].copy_(m)
+                else:
+                    fg.master[s].copy_(m)
+            if not fg.swapped:
+                fg.refresh_lowp_shard()
         for p in self._order:
             st = opt.state.get(p)
             if st is not None:
@@ -592,24 +642,39 @@ class FlatState:
         opt = self._opt()
         return [int(opt.state[p]["step"].item()) if "step" in opt.state.get(p, {}) else 0 for p in self._order]
 
+    def _set_steps(self, steps: List[int]) -> None:
+        opt = self._opt()
+        if len(steps) != len(self._order):
+            raise ValueError(f"{len(steps)} step counts for {len(self._order)} params")
+        for p, step in zip(self._order, steps):
+            if step:
+                opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
+            elif p in opt.state:  # (opt.state is a defaultdict: do not create entries)
+                opt.state[p].pop("step", None)
+                if not opt.state[p]:
+                    del opt.state[p]
+
     def save_checkpoint(self, directory: str) -> None:
-        """Per-rank shards + meta (see [Note: flat checkpoints] in offload/zero/checkpoint.py)."""
-        if self._nvme:
-            raise NotImplementedError("save_checkpoint of the flat store with offload='nvme': use state_dict()")
-        save_shards(directory, self._groups, world=self.world, rank=self.rank,
-                    meta={"steps": self._ckpt_steps()}, process_group=self.group)
+        """Per-rank shards + meta (see [Note: flat checkpoints] in offload/zero/checkpoint.py);
+        with offload="nvme" streamed from the swap files in buffer-sized pieces."""
+        meta = {"steps": self._ckpt_steps()}
+        if self._swap is not None:
+            layouts = [fg.layout for fg in self._groups]
+            self._swap.save(lambda store, bufs: save_shards_from_store(
+                directory, store, bufs, layouts=layouts, meta=meta, process_group=self.group))
+            return
+        save_shards(directory, self._groups, world=self.world, rank=self.rank, meta=meta, process_group=self.group)
 
     def load_checkpoint(self, directory: str) -> None:
         """Masters, moments and steps from a checkpoint of any world size; params follow."""
-        if self._nvme:
-            raise NotImplementedError("load_checkpoint of the flat store with offload='nvme': use load_state_dict()")
+        if self._swap is not None:
+            layouts = [fg.layout for fg in self._groups]
+            self._swap.load_checkpoint(lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs),
+                                       lambda meta: self._set_steps(meta.get("steps") or [0] * len(self._order)))
+            self._params_from_swap()
+            return
         meta = load_shards(directory, self._groups)
-        opt = self._opt()
-        for p, step in zip(self._order, meta.get("steps", [])):
-            if step:
-                opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
-            else:
-                opt.state[p].pop("step", None)
+        self._set_steps(meta.get("steps") or [0] * len(self._order))
         for fg in self._groups:
             fg.write_params(self.group)
 
@@ -653,7 +718,6 @@ class FlatState:
         if self._swap is not None:
             self._swap.close()
             self._swap = None
-        self._swap_views = {}
         for fg in self._groups:
             fg.close()
         self._groups = []

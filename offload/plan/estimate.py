@@ -20,8 +20,7 @@ tier where *this* engine keeps it, adding the buffers the engine itself allocate
 - everything else (fp16/bf16 params, device params, stage >= 1) goes to the flat store: a
   flat fp32 master + moments, 12 B per element of this rank's shard, in host pool buffers,
   also with ``offload="none"`` (the engine keeps the states of device params on the host);
-  with ``offload="nvme"`` the moments (8 B) go to swap files and the master stays on the
-  host. Plus host buffers for the grads and the low-precision copy of the updated params,
+  with ``offload="nvme"`` all three (12 B) go to swap files. Plus host buffers for the grads and the low-precision copy of the updated params,
   and per-bucket buffers for the collectives when N_d > 1;
 - only buffers a DMA engine touches are pinned, and only when CUDA is present (see
   ``buffer_tiers``): the moments and the shards of several ranks stay pageable;
@@ -350,10 +349,8 @@ def estimate(
     # updated in place (HostState: moments in opt.state; SwappedState: moments in swap files
     # for offload="nvme"); everything else goes to the flat store (FlatState: a flat fp32
     # master + moments in pool buffers, sharded over the ranks when stage >= 1). With
-    # offload="nvme" the flat store keeps its master in host memory and hands the moments to
-    # a SwappedState that runs over views of the master shard (offload/optim/flat_state.py,
-    # [Note: nvme]): 2 streamed states of this rank's shard. That combination has no
-    # resume=True and no save_checkpoint/load_checkpoint (NotImplementedError).
+    # offload="nvme" the flat store streams master, exp_avg and exp_avg_sq of this rank's
+    # shard through one swap store (SwappedShards, offload/optim/flat_state.py [Note: nvme]).
     in_place = stage == 0 and pdt == torch.float32 and on_cpu
     ranks = world_size if stage >= 1 else 1            # stage 0 with N ranks: plain DP
     shard = -(-n // ranks) if n else 0                 # flat buffers padded to the world size
@@ -372,15 +369,14 @@ def estimate(
 
     state_elems = {"master": shard if separate_master else 0, "exp_avg": shard, "exp_avg_sq": shard}
     swap: Optional[Dict[str, Any]] = None
-    if separate_master:
-        # The flat store's fp32 master is a host buffer whatever the offload target.
+    if separate_master and offload != "nvme":
+        # The flat store's fp32 master is a host buffer unless it is swapped.
         B[tier["master"]]["master"] = 4 * shard
     if offload == "nvme":
-        # Swapped: the moments only (the in-place store's params are their own master; the
-        # flat store keeps its master on the host). On rank 0 the swapped elements are the
-        # whole shard (the padding of the flat buffer falls in the last rank's shard, whose
-        # swap files can be a few pages smaller).
-        streamed = ["exp_avg", "exp_avg_sq"]
+        # Swapped: the moments, and the master unless the params are their own master (the
+        # in-place store). The swapped elements are the whole shard on every rank (the flat
+        # buffer is padded to the world size).
+        streamed = (["master"] if separate_master else []) + ["exp_avg", "exp_avg_sq"]
         if shard:
             try:
                 swap = swap_model(shard, len(streamed), mhb, sub_group_size)
@@ -392,9 +388,8 @@ def estimate(
                 B["nvme"][c] = swap["disk_bytes"] // len(streamed)
             B[tier["io_buffers"]]["io_buffers"] = swap["host_bytes"]
         if separate_master:
-            notes.append("offload='nvme' with the flat store: exp_avg and exp_avg_sq in swap files, the fp32 "
-                         "master (4 B x shard) in host memory; resume=True and save_checkpoint/load_checkpoint "
-                         "are not implemented for it (NotImplementedError): checkpoint with state_dict()")
+            notes.append("offload='nvme' with the flat store: the fp32 master, exp_avg and exp_avg_sq of this "
+                         "rank's shard in swap files; host memory holds the pipeline buffers")
     else:
         # HostState: moments in opt.state, ordinary tensors; flat store: pool buffers.
         for c in ("exp_avg", "exp_avg_sq"):
@@ -452,9 +447,9 @@ def estimate(
     step: Dict[str, Any] = {"kernel_gparams": kg, "disk_read_gbps": rg, "disk_write_gbps": wg}
     step["kernel_s"] = (shard / (kg * 1e9)) if kg else None
     if offload == "nvme":
-        # every sub-group of the moments is read from one slot and written to the other once
-        # per step (the flat store's master stays in host memory)
-        io_bytes = swap["file_bytes"] if swap else 8 * shard
+        # every sub-group of the swapped states is read from one slot and written to the
+        # other once per step
+        io_bytes = swap["file_bytes"] if swap else 4 * (3 if separate_master else 2) * shard
         step["read_bytes"] = io_bytes
         step["write_bytes"] = io_bytes
         step["io_s"] = (io_bytes / (rg * 1e9) + io_bytes / (wg * 1e9)) if (rg and wg) else None

@@ -113,11 +113,10 @@ def explain_text(plan: "Plan") -> str:
         lines.append("  fp32 CPU params at stage 0 (any number of ranks) are their own master, updated in "
                      "place (K = 8): exp_avg + exp_avg_sq = 8 B x Ψ")
     else:
-        lines.append("  flat fp32 master (4 B x shard) in host buffers, also with offload='none' (this engine "
-                     "keeps the states of device params on the host); exp_avg + exp_avg_sq (8 B x shard) in "
-                     "pageable host buffers, or in swap files with offload='nvme'. Pinned, with CUDA only: "
-                     "what DMA touches (the host grad copies and staging buffers, and the master of fp32 "
-                     "device params)")
+        lines.append("  flat fp32 master (4 B x shard) and exp_avg + exp_avg_sq (8 B x shard) in host buffers, "
+                     "also with offload='none' (this engine keeps the states of device params on the host), or "
+                     "all three in swap files with offload='nvme'. Pinned, with CUDA only: what DMA touches "
+                     "(the host grad copies and staging buffers, and the master of fp32 device params)")
     off = i["offload"]
     if off == "nvme":
         sw = i.get("swap")

@@ -7,19 +7,28 @@ numels of each flat group and whatever the caller adds (the optimizer: every par
 ``load_shards(DIR)`` on M ranks reads the N shards back through the same ``FlatLayout``
 arithmetic and keeps, on each rank, the intersection with its new shard: N -> M with no
 gather and no full copy in memory (one old shard at a time).
+
+With ``offload="nvme"`` the states are a swap store whose element space is exactly a rank's
+file (the shards of the groups end to end): ``save_shards_from_store`` streams it out with
+the swap layer's ``save_store``, and ``fill_store_from_shards`` streams a checkpoint back
+into the store's free slots, sub-group by sub-group, reading from each old rank's files the
+runs that land in it (N -> M without ever holding a shard in memory).
 """
 from __future__ import annotations
 
+import errno
 import os
-from typing import Any, Dict, List
+import zlib
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from offload.swap.checkpoint import load_tensors, read_manifest, save_tensors
+from offload.io import open_file
+from offload.swap.checkpoint import _stream, load_store, load_tensors, read_manifest, save_store, save_tensors
 from offload.zero.flat_group import FlatGroup
 from offload.zero.partition import FlatLayout
 
-__all__ = ["save_shards", "load_shards", "STATES"]
+__all__ = ["save_shards", "load_shards", "save_shards_from_store", "fill_store_from_shards", "STATES"]
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -33,14 +42,20 @@ def save_shards(directory: str, groups: List[FlatGroup], *, world: int, rank: in
         torch.distributed.barrier(group=process_group)  # every shard is on disk before anyone returns
 
 
-def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
-    """Fill the groups' shards from checkpoint ``directory``; returns rank 0's meta."""
+def _flat_meta(directory: str, mine: List[List[int]]) -> Tuple[Dict[str, Any], int]:
+    """Rank 0's meta and the world size of checkpoint ``directory``, checked against ``mine``."""
     first = read_manifest(os.path.join(directory, "rank0")).get("meta", {})
     old_world = int(first.get("world", 0))
-    mine = [list(fg.layout.numels) for fg in groups]
     if first.get("kind") != "flat" or first.get("groups") != mine or old_world < 1:
         raise ValueError(f"{directory}: not a flat-store checkpoint of these params "
                          f"(its groups {first.get('groups')}, ours {mine})")
+    return first, old_world
+
+
+def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
+    """Fill the groups' shards from checkpoint ``directory``; returns rank 0's meta."""
+    mine = [list(fg.layout.numels) for fg in groups]
+    first, old_world = _flat_meta(directory, mine)
     for r in range(old_world):
         olds = [FlatLayout(n, old_world, r) for n in mine]
         scratch = {k: [torch.empty(lay.shard) for lay in olds if lay.shard] for k in STATES}
@@ -59,3 +74,106 @@ def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
                 for k in STATES:
                     getattr(fg, k)[a - n0:b - n0].copy_(src[k][a - o0:b - o0])
     return first
+
+
+def save_shards_from_store(directory: str, store: Any, buffers: List[Any], *, layouts: Sequence[FlatLayout],
+                           meta: Dict[str, Any], process_group: Any = None) -> None:
+    """``save_shards`` for a swap store holding this rank's shards of ``layouts`` end to end
+    (master, exp_avg, exp_avg_sq): streamed through ``buffers``, never a shard in memory."""
+    world, rank = layouts[0].world, layouts[0].rank
+    full_meta = dict(meta, kind="flat", world=world, rank=rank, groups=[list(lay.numels) for lay in layouts])
+    save_store(store, buffers, os.path.join(directory, f"rank{rank}"), full_meta)
+    if world > 1:
+        torch.distributed.barrier(group=process_group)
+
+
+def _check_crcs(path: str, m: Dict[str, Any], engine: Any, stage: Any) -> None:
+    """Stream each data file of checkpoint manifest ``m`` once and compare its crc32."""
+    view = stage.memoryview
+    for name in m["states"]:
+        fpath = os.path.join(path, m["files"][name])
+        used, crc, offset = m["numel"] * 4, 0, 0
+        with open_file(fpath, write=False, direct=False) as f:
+            while offset < used:
+                n = min(len(view), used - offset)
+                got = engine.read(f, offset, view[:n])
+                if got != n:
+                    raise OSError(errno.EIO, f"short read: {got} of {n} bytes at {offset}", fpath)
+                crc = zlib.crc32(view[:n], crc)
+                offset += n
+        if crc != int(m["crc32"][name]):
+            raise OSError(errno.EIO, f"checkpoint data of {name} fails its crc32 ({crc:08x}, manifest "
+                          f"{int(m['crc32'][name]):08x}); nothing was loaded", fpath)
+
+
+def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store: Any,
+                           buffers: List[Any]) -> Tuple[Dict[str, Any], Dict[int, Any]]:
+    """Stream a flat checkpoint of any world size into the free slots of ``store`` (this
+    rank's shards of ``layouts`` end to end). Returns (meta, written) for ``store.commit``;
+    nothing is committed here, so a bad checkpoint leaves the store as it was."""
+    mine = [list(lay.numels) for lay in layouts]
+    first, old_world = _flat_meta(directory, mine)
+    world, rank = layouts[0].world, layouts[0].rank
+    if old_world == world:  # the same shards: the rank's files are the store, as they are
+        meta, written = load_store(store, buffers, os.path.join(directory, f"rank{rank}"))
+        if meta.get("rank") != rank or meta.get("world") != world:
+            raise ValueError(f"{directory}/rank{rank}: meta says rank {meta.get('rank')} of {meta.get('world')}")
+        return first, written
+    names = list(store.state_names)
+    olds = [[FlatLayout(n, old_world, r) for n in mine] for r in range(old_world)]
+    old_base = [0]
+    for lay in olds[0]:
+        old_base.append(old_base[-1] + lay.shard)
+    new_base = [0]
+    for lay in layouts:
+        new_base.append(new_base[-1] + lay.shard)
+    # Which old ranks hold a part of this rank's shards.
+    need = sorted({r for k, lay in enumerate(layouts) if lay.shard
+                   for r in range(old_world)
+                   if max(lay.shard_range()[0], olds[r][k].shard_range()[0]) <
+                   min(lay.shard_range()[1], olds[r][k].shard_range()[1])})
+    files: Dict[Tuple[int, str], Any] = {}
+    engine, layout = store.engine, store.layout
+    try:
+        for r in need:
+            path = os.path.join(directory, f"rank{r}")
+            m = read_manifest(path)
+            meta = m.get("meta") or {}
+            if meta.get("rank") != r or meta.get("world") != old_world or sorted(m["states"]) != sorted(names):
+                raise ValueError(f"{path}: meta says rank {meta.get('rank')} of {meta.get('world')}, "
+                                 f"states {m['states']}")
+            _check_crcs(path, m, engine, buffers[0])
+            for name in names:
+                files[(r, name)] = open_file(os.path.join(path, m["files"][name]), write=False, direct=False)
+        written: Dict[int, Any] = {}
+
+        def process(g: int, buf: Any) -> None:
+            s, e = layout.group_range(g)
+            stride = layout.state_bytes(g)
+            view = buf.memoryview
+            view[:layout.group_bytes(g)] = bytes(layout.group_bytes(g))  # padding stays zero
+            for k, lay in enumerate(layouts):
+                a, b = max(s, new_base[k]), min(e, new_base[k] + lay.shard)
+                if a >= b:
+                    continue
+                pos0 = lay.shard_range()[0] + a - new_base[k]  # flat position in group k
+                for r in need:
+                    o0, o1 = olds[r][k].shard_range()
+                    x, y = max(pos0, o0), min(pos0 + b - a, o1, lay.total)
+                    if x >= y:
+                        continue
+                    file_off = (old_base[k] + x - o0) * 4
+                    at = (a - s + x - pos0) * 4
+                    for j, name in enumerate(names):
+                        dst = view[j * stride + at:j * stride + at + (y - x) * 4]
+                        got = engine.read(files[(r, name)], file_off, dst)
+                        if got != len(dst):
+                            raise OSError(errno.EIO, f"short read: {got} of {len(dst)} bytes at {file_off}",
+                                          files[(r, name)].path)
+            written[g] = store.checksum(g, buf) if store.verify else None
+
+        _stream(engine, buffers, list(range(layout.num_groups)), lambda g, buf: [], process, store.write_requests)
+    finally:
+        for f in files.values():
+            f.close()
+    return first, written

@@ -39,8 +39,9 @@ class FlatGroup:
         cuda = self.device.type == "cuda"
         self._bufs = []
         S = self.layout.shard
-        self.master = self._tensor(torch.float32, S, pinned=cuda and not self.lowp)
-        self.swapped = swapped  # moments in NVMe swap files (see [Note: nvme]), not here
+        # swapped: master and moments live in NVMe swap files (offload/optim/swapped_shards.py)
+        self.swapped = swapped
+        self.master = None if swapped else self._tensor(torch.float32, S, pinned=cuda and not self.lowp)
         self.exp_avg = None if swapped else self._tensor(torch.float32, S).zero_()
         self.exp_avg_sq = None if swapped else self._tensor(torch.float32, S).zero_()
         self.refresh_master()
@@ -85,18 +86,29 @@ class FlatGroup:
 
     def refresh_master(self) -> None:
         """master <- the params' current values (at start, and after a load without masters)."""
-        start, end = self.layout.shard_range()
-        self.master.zero_()
-        for pc in self.layout.pieces(start, end):
+        if self.master is not None:
+            self.master.zero_()
+            self.shard_values(0, self.layout.shard, self.master)
+
+    def shard_values(self, a: int, b: int, out: torch.Tensor) -> None:
+        """out <- the params' current values at shard-local [a, b) (upcast; padding untouched)."""
+        start = self.layout.shard_range()[0]
+        for pc in self.layout.pieces(start + a, start + b):
             src = self.params[pc.index].detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
-            self.master[pc.lo - start:pc.hi - start].copy_(src)
+            out[pc.lo - start - a:pc.hi - start - a].copy_(src)
 
     def refresh_lowp_shard(self) -> None:
-        if self.lowp_shard is not None:
+        """lowp_shard <- the master (rounded), or the params' values when the master is swapped."""
+        if self.lowp_shard is None:
+            return
+        if self.master is not None:
             self.lowp_shard.copy_(self.master)
+        else:
+            self.lowp_shard.zero_()
+            self.shard_values(0, self.layout.shard, self.lowp_shard)
 
     def nbytes(self) -> Dict[str, int]:
-        out = {"states": (1 if self.swapped else 3) * self.master.numel() * 4}
+        out = {"states": 0 if self.swapped else 3 * self.layout.shard * 4}
         out["grads"] = 0
         for t in (self.host_grad, self.gshard):
             if t is not None:
@@ -206,7 +218,12 @@ class FlatGroup:
         for a, b in split_ranges(0, S, self.chunk):
             n = b - a
             out = self.gather[:W * n]
-            comm.all_gather(out, src[a:b].to(out.device), group)
+            if src is None:  # fp32 params with the master swapped: this rank's piece of each param
+                part = torch.zeros(n, dtype=self.dtype, device=self.device)
+                self.shard_values(a, b, part)
+            else:
+                part = src[a:b]
+            comm.all_gather(out, part.to(out.device), group)
             for r in range(W):
                 lo = r * S + a
                 for pc in self.layout.pieces(lo, lo + n):

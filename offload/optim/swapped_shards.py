@@ -1,0 +1,278 @@
+"""The flat store's fp32 master, exp_avg and exp_avg_sq in NVMe swap files (``offload="nvme"``).
+
+The flat store (``flat_state.py``) keeps, per flat group, this rank's shard of a flat fp32
+master and two moments. With ``offload="nvme"`` all three go to one swap store: its element
+space is the shards of the groups laid end to end (group ``k`` at ``base[k]``), the same
+order as a rank's checkpoint files (``offload/zero/checkpoint.py``), so a checkpoint is the
+store streamed out as it is. Host memory holds only the pipeline buffers (bounded by
+``max_host_bytes``) plus what the params need anyway (grads, the low-precision copy on its
+way out).
+
+[Note: outputs] The master is ours, not the user's: after the kernel updates a sub-group of
+it, the new values must reach the param. Each work item names an ``out`` tensor and how to
+fill it: ``"lowp"``, the kernel writes the fp16/bf16 copy (RNE) in the same pass (the param
+itself, a staging buffer, or the shard that is all-gathered); ``"copy"``, the fp32 master is
+copied out after the kernel (fp32 device params, fp32 params of a partitioned group). The
+swap files therefore always hold the truth: after a failed step the outputs of the
+sub-groups already computed are rewritten from the previous step's master (no partial step
+is left in the params), and ``resume=True`` rewrites the params from the master of the last
+finished step.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from offload.swap import SwapLayout, SwapPipeline, SwapStepError, plan_sub_groups
+from offload.swap.cache import GroupCache
+from offload.swap.store import open_run_store
+
+__all__ = ["SwappedShards", "SHARD_STATES", "WorkItem"]
+
+SHARD_STATES = ("master", "exp_avg", "exp_avg_sq")
+
+# (shard k, local lo, local hi, grad (1-D, hi - lo elements), kernel kwargs, out or None, "lowp" | "copy")
+WorkItem = Tuple[int, int, int, torch.Tensor, Dict[str, Any], Optional[torch.Tensor], str]
+# (shard k, local lo, local hi, out, mode): where the master of a range goes
+Output = Tuple[int, int, int, torch.Tensor, str]
+
+
+def _close_quietly(pipeline: Optional[SwapPipeline], store: Any) -> None:
+    try:
+        if pipeline is not None:
+            pipeline.close()
+    finally:
+        store.close()
+
+
+def _emit(master: torch.Tensor, out: torch.Tensor, mode: str) -> None:
+    """out <- master, rounded to out's dtype (RNE, as the kernel's own copy)."""
+    if mode not in ("lowp", "copy"):
+        raise ValueError(f"output mode must be 'lowp' or 'copy', got {mode!r}")
+    out.copy_(master)
+
+
+class SwappedShards:
+    """fp32 master + moments of shards of sizes ``sizes`` in one swap store.
+
+    ``identity``: JSON facts that must match on resume (the flat groups' numels, world,
+    rank). ``extra``: called at each commit, JSON to store with the step (the per-param
+    step counts). ``resume``: reopen the directory of an earlier run (see the module note)."""
+
+    kind = "nvme"
+
+    def __init__(self, sizes: Sequence[int], *, swap_dir: str, identity: Dict[str, Any],
+                 extra: Callable[[], Dict[str, Any]], max_host_bytes: Optional[int] = None,
+                 sub_group_size: Optional[int] = None, verify: bool = False, resume: bool = False,
+                 io_engine: Any = None, backend: Optional[str] = None, num_threads: Optional[int] = None,
+                 rank: int = 0, run_name: str = "flat") -> None:
+        from offload.kernels import get_backend
+
+        self._kernel = get_backend(backend)
+        self._threads = num_threads
+        self.sizes = [int(n) for n in sizes]
+        self.base: List[int] = []
+        total = 0
+        for n in self.sizes:
+            self.base.append(total)
+            total += n
+        if total == 0:
+            raise ValueError("SwappedShards needs at least one element")
+        self.numel = total
+        self.identity = dict(identity)
+        self._extra_fn = extra
+        sg, nbuf = plan_sub_groups(total, len(SHARD_STATES), max_host_bytes, sub_group_size)
+        self.layout = SwapLayout(total, sg, len(SHARD_STATES))
+        self.pipeline: Optional[SwapPipeline] = None
+        self.store = open_run_store(swap_dir, self.layout, SHARD_STATES, run_name=run_name, rank=rank,
+                                    verify=verify, resume=resume, io_engine=io_engine)
+        try:
+            if resume:
+                found = {k: self.store.extra.get(k) for k in self.identity}
+                if found != self.identity:
+                    raise ValueError(f"{self.store.path}: the swap directory holds the states of other params or "
+                                     f"ranks ({found}, this optimizer {self.identity})")
+            self.pipeline = SwapPipeline(self.store, buffers=nbuf)
+            self._cache = GroupCache(self.pipeline)
+        except BaseException:
+            if self.pipeline is not None:
+                self.pipeline.close()
+            self.store.close(remove=not resume)  # a directory we were asked to resume stays
+            raise
+        self.last_stats: Dict[str, float] = {}
+        self._finalizer = weakref.finalize(self, _close_quietly, self.pipeline, self.store)
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def swap_path(self) -> str:
+        return self.store.path
+
+    @property
+    def sub_group_size(self) -> int:
+        return self.layout.sub_group_size
+
+    @property
+    def resumed_extra(self) -> Dict[str, Any]:
+        """The manifest's metadata of the last committed step (the per-param steps)."""
+        return dict(self.store.extra)
+
+    def _meta(self) -> Dict[str, Any]:
+        return dict(self._extra_fn(), **self.identity)
+
+    def _spans(self, k: int, lo: int, hi: int):
+        """(sub-group g, its [s, e), the overlap [a, b)) in swap space for shard ``k``'s [lo, hi)."""
+        if not 0 <= lo <= hi <= self.sizes[k]:
+            raise ValueError(f"range [{lo}, {hi}) outside shard {k} of {self.sizes[k]} elements")
+        a0, b0 = self.base[k] + lo, self.base[k] + hi
+        for g in self.layout.groups_overlapping(a0, b0):
+            s, e = self.layout.group_range(g)
+            yield g, s, e, max(s, a0), min(e, b0)
+
+    # ------------------------------------------------------------------ whole store
+    def initialise(self, outputs_source: Callable[[int, int, int, torch.Tensor], None]) -> None:
+        """Write step 0: master from ``outputs_source(k, lo, hi, out)`` (fills ``out`` with the
+        fp32 values of shard ``k``'s [lo, hi)), zero moments; one streamed pass, one commit."""
+        from offload.swap.checkpoint import _stream
+
+        written: Dict[int, Any] = {}
+
+        def process(g: int, buf: Any) -> None:
+            s, e = self.layout.group_range(g)
+            master, m, v = self.pipeline.tensors(g, buf)
+            master.zero_()
+            m.zero_()
+            v.zero_()
+            for k in range(len(self.sizes)):
+                a, b = max(s, self.base[k]), min(e, self.base[k] + self.sizes[k])
+                if a < b:
+                    outputs_source(k, a - self.base[k], b - self.base[k], master[a - s:b - s])
+            written[g] = self.store.checksum(g, buf) if self.store.verify else None
+
+        self._cache.invalidate()
+        _stream(self.store.engine, self.pipeline.buffers, list(range(self.layout.num_groups)),
+                lambda g, buf: [], process, self.store.write_requests)
+        self.store.commit(written, self._meta(), advance=False)
+
+    def emit_all(self, outputs: Sequence[Output]) -> None:
+        """Write the committed master of each output range into its ``out`` (resume, and the
+        params after a failed step)."""
+        by_group: Dict[int, List[Tuple[int, int, int, torch.Tensor, str, int]]] = {}
+        for k, lo, hi, out, mode in outputs:
+            for g, s, e, a, b in self._spans(k, lo, hi):
+                by_group.setdefault(g, []).append((s, a, b, out, mode, self.base[k] + lo))
+        for g in sorted(by_group):
+            master = self._cache.load(g, self._meta)[0]
+            for s, a, b, out, mode, start in by_group[g]:
+                _emit(master[a - s:b - s], out[a - start:b - start], mode)
+
+    # ------------------------------------------------------------------ ranges
+    def read(self, k: int, lo: int, hi: int, names: Sequence[str] = SHARD_STATES) -> Dict[str, torch.Tensor]:
+        """New fp32 tensors with the committed ``names`` of shard ``k``'s [lo, hi)."""
+        idx = [SHARD_STATES.index(n) for n in names]
+        out = {n: torch.empty(hi - lo, dtype=torch.float32) for n in names}
+        start = self.base[k] + lo
+        for g, s, e, a, b in self._spans(k, lo, hi):
+            tensors = self._cache.load(g, self._meta)
+            for n, j in zip(names, idx):
+                out[n][a - start:b - start].copy_(tensors[j][a - s:b - s])
+        return out
+
+    def write(self, k: int, lo: int, hi: int, values: Dict[str, torch.Tensor]) -> None:
+        """Set ``values`` (state name -> hi - lo elements) of shard ``k``'s [lo, hi); kept in the
+        cache until :meth:`flush` (or the next step, or another sub-group) commits them."""
+        for n, t in values.items():
+            if n not in SHARD_STATES:
+                raise ValueError(f"unknown state {n!r}; expected one of {SHARD_STATES}")
+            if t.numel() != hi - lo:
+                raise ValueError(f"{n}: {t.numel()} elements for a range of {hi - lo}")
+        start = self.base[k] + lo
+        for g, s, e, a, b in self._spans(k, lo, hi):
+            tensors = self._cache.load(g, self._meta)
+            for n, t in values.items():
+                tensors[SHARD_STATES.index(n)][a - s:b - s].copy_(t.detach().reshape(-1)[a - start:b - start])
+            self._cache.mark_dirty()
+
+    def flush(self) -> None:
+        if not self._cache.flush(self._meta):
+            self.store.commit({}, self._meta(), advance=False)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, items: Sequence[WorkItem]) -> Dict[str, float]:
+        """One Adam step over ``items`` (see ``WorkItem``), streamed read g+1 / compute g /
+        write g-1; the outputs are filled per sub-group. On an I/O failure the swap files
+        stay at the previous step, the outputs already filled are rewritten from it, and a
+        ``SwapStepError`` says so."""
+        if not items:
+            return {}
+        self._cache.flush(self._meta)
+        self._cache.invalidate()  # the pipeline reuses the cache buffer
+        by_group: Dict[int, List[Tuple[int, int, int, WorkItem]]] = {}
+        for it in items:
+            k, lo, hi, grad, _, out, _ = it
+            if grad.numel() != hi - lo or (out is not None and out.numel() != hi - lo):
+                raise ValueError(f"shard {k} [{lo}, {hi}): grad of {grad.numel()} and out of "
+                                 f"{None if out is None else out.numel()} elements")
+            for g, s, e, a, b in self._spans(k, lo, hi):
+                by_group.setdefault(g, []).append((a, b, self.base[k] + lo, it))
+        kernel, threads = self._kernel, self._threads
+
+        def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
+            master, m, v = tensors
+            for a, b, start, (_, _, _, grad, kw, out, mode) in by_group[g]:
+                x, y = slice(a - s, b - s), slice(a - start, b - start)
+                lowp = out[y] if (out is not None and mode == "lowp") else None
+                kernel.adam_step(master[x], grad[y], m[x], v[x], param_lowp=lowp, num_threads=threads, **kw)
+                if out is not None and mode == "copy":
+                    out[y].copy_(master[x])
+
+        try:
+            with torch.no_grad():
+                stats = self.pipeline.run(sorted(by_group), compute, extra=self._meta)
+        except SwapStepError as exc:
+            done = set(exc.computed)
+            outs = [(k, lo, hi, out, mode) for k, lo, hi, _, _, out, mode in items if out is not None
+                    and any(g in done for g, *_ in self._spans(k, lo, hi))]
+            try:
+                self.emit_all(outs)
+                what = "the params of the sub-groups already computed were restored from that step"
+            except Exception as again:  # the disk is failing: say so rather than hide it
+                what = f"restoring the params from that step failed too ({again}): reload them from a checkpoint"
+            raise SwapStepError(exc.errno, f"{exc.strerror}; {what}", exc.filename, exc.computed) from exc
+        self.last_stats = stats
+        return {"kernel": stats["kernel_s"], "swap_read": stats["swap_read_s"],
+                "swap_write": max(0.0, stats["io_busy_s"] - stats["swap_read_s"]),
+                "wait_read": stats["wait_read_s"], "wait_write": stats["wait_write_s"],
+                "verify": stats["verify_s"], "commit": stats["commit_s"]}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, save_fn: Callable[[Any, List[Any]], Any]) -> Any:
+        """Commit pending changes, then let ``save_fn(store, buffers)`` stream the committed
+        states out (``offload.zero.checkpoint.save_shards_from_store``)."""
+        self.flush()
+        self._cache.invalidate()
+        return save_fn(self.store, self.pipeline.buffers)
+
+    def load_checkpoint(self, fill: Callable[[Any, List[Any]], Tuple[Dict[str, Any], Dict[int, Any]]],
+                        apply_meta: Callable[[Dict[str, Any]], None]) -> None:
+        """Replace every state with what ``fill(store, buffers)`` streams into the free slots
+        (it returns (meta, written), as ``offload.swap.checkpoint.load_store``), let
+        ``apply_meta(meta)`` update what ``extra()`` reports, then commit both at once: a
+        failure before the commit leaves the store as it was."""
+        self.flush()
+        self._cache.invalidate()
+        meta, written = fill(self.store, self.pipeline.buffers)
+        apply_meta(meta)
+        self.store.commit(written, self._meta(), advance=False)
+
+    # ------------------------------------------------------------------ reporting, closing
+    def memory_report(self) -> Dict[str, int]:
+        pinned, pageable = self.pipeline.host_bytes_by_kind()
+        return {"device": 0, "pinned": pinned, "pageable": pageable, "nvme": self.store.disk_bytes()}
+
+    def close(self) -> None:
+        """Release the buffers and remove the swap directory."""
+        self._cache.dirty = False  # the directory goes: nothing to flush
+        self._cache.group = None
+        self._finalizer()
