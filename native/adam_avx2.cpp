@@ -101,34 +101,103 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
 
 OFFLOAD_UNIT_DISPATCH_TEMPLATES
 
+// ---- sum of squares: fp32 blocks folded into double, see [Note: sumsq in fp32 blocks] in
+// unit_dispatch.h; the same lanes, blocks and folds as adam_avx512.cpp. A step squares 16
+// elements into two fp32 accumulators. Which element lands in which lane does not matter to
+// a sum of squares, so bf16 needs no widening: one 256-bit load holds 16 of them, the even
+// ones in the low halves of its 32-bit words (shifted up) and the odd ones in the high
+// halves (masked). The tail (< 16 elements) is staged through a zeroed buffer.
 template <int G>
-inline void sumsq_vec(const void *g, int64_t i, __m256d &a0, __m256d &a1) {
-    __m256 x = load_grad<G>(g, i);
-    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-    __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-    a0 = _mm256_fmadd_pd(lo, lo, a0);
-    a1 = _mm256_fmadd_pd(hi, hi, a1);
+inline void sumsq_step(const void *g, int64_t i, __m256 &a, __m256 &b) {
+    if (G == OFFLOAD_BF16) {
+        __m256i w = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(g) + i));
+        __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536)));
+        a = _mm256_fmadd_ps(even, even, a);
+        b = _mm256_fmadd_ps(odd, odd, b);
+    } else {
+        __m256 x = load_grad<G>(g, i), y = load_grad<G>(g, i + 8);
+        a = _mm256_fmadd_ps(x, x, a);
+        b = _mm256_fmadd_ps(y, y, b);
+    }
 }
 
+// [begin, end), end - begin < 16, through one zero-padded step.
 template <int G>
-double sumsq_loop(const void *g, int64_t begin, int64_t end) {
-    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = begin;
-    for (; i + 16 <= end; i += 16) {
-        sumsq_vec<G>(g, i, a0, a1);
-        sumsq_vec<G>(g, i + 8, a2, a3);
-    }
-    for (; i + 8 <= end; i += 8) sumsq_vec<G>(g, i, a0, a1);
-    if (i < end) {
-        alignas(32) float buf[8] = {0};
-        size_t gsz = G == OFFLOAD_F32 ? 4 : 2;
-        memcpy(buf, static_cast<const char *>(g) + i * gsz, (end - i) * gsz);
-        sumsq_vec<G>(buf, 0, a2, a3);
-    }
-    __m256d s = _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3));
+inline void sumsq_tail(const void *g, int64_t begin, int64_t end, __m256 &a, __m256 &b) {
+    alignas(32) float buf[16] = {0};
+    size_t gsz = G == OFFLOAD_F32 ? 4 : 2;
+    memcpy(buf, static_cast<const char *>(g) + begin * gsz, (end - begin) * gsz);
+    sumsq_step<G>(buf, 0, a, b);
+}
+
+inline double hsum(__m256d s) {
     alignas(32) double lanes[4];
     _mm256_store_pd(lanes, s);
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
+
+// The exact path: every element converted to double before its FMA. Only for blocks the
+// fp32 path cannot take (see the note); kept out of line so the hot loop stays small.
+template <int G>
+__attribute__((noinline)) double sumsq_f64(const void *g, int64_t begin, int64_t end) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0;
+    for (int64_t i = begin; i < end; i += 8) {
+        __m256 x;
+        if (end - i >= 8) {
+            x = load_grad<G>(g, i);
+        } else {
+            alignas(32) float buf[8] = {0};
+            size_t gsz = G == OFFLOAD_F32 ? 4 : 2;
+            memcpy(buf, static_cast<const char *>(g) + i * gsz, (end - i) * gsz);
+            x = load_grad<G>(buf, 0);
+        }
+        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+        __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+        a0 = _mm256_fmadd_pd(lo, lo, a0);
+        a1 = _mm256_fmadd_pd(hi, hi, a1);
+    }
+    return hsum(_mm256_add_pd(a0, a1));
+}
+
+constexpr int64_t kSumsqBlock = 4 * 8 * kSumsqLaneSteps;  // 1024 elements
+
+template <int G>
+double sumsq_loop(const void *g, int64_t begin, int64_t end) {
+    const __m256 inf = _mm256_set1_ps(__builtin_inff()), tiny = _mm256_set1_ps(kSumsqTiny);
+    __m256d d0 = _mm256_setzero_pd(), d1 = d0;
+    double redone = 0.0;  // blocks recomputed in double, in block order
+    for (int64_t s = begin; s < end; s += kSumsqBlock) {
+        int64_t e = end - s > kSumsqBlock ? s + kSumsqBlock : end;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t i = s;
+        for (; i + 32 <= e; i += 32) {
+            sumsq_step<G>(g, i, a0, a1);
+            sumsq_step<G>(g, i + 16, a2, a3);
+        }
+        // < 32 left: at most one step per accumulator pair, so no lane exceeds
+        // kSumsqLaneSteps FMAs (a tail only occurs in a block of < 32 full iterations)
+        if (i + 16 <= e) {
+            sumsq_step<G>(g, i, a0, a1);
+            i += 16;
+            if (i < e) sumsq_tail<G>(g, i, e, a2, a3);
+        } else if (i < e) {
+            sumsq_tail<G>(g, i, e, a0, a1);
+        }
+        __m256 t = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        // t >= 0 lane-wise or NaN: all lanes < inf means the block's fp32 sum is finite
+        bool finite = _mm256_movemask_ps(_mm256_cmp_ps(t, inf, _CMP_LT_OQ)) == 0xFF;
+        bool tiny_sum =
+            G != OFFLOAD_F16 && _mm256_movemask_ps(_mm256_cmp_ps(t, tiny, _CMP_GE_OQ)) == 0;
+        if (__builtin_expect(finite && !tiny_sum, 1)) {
+            d0 = _mm256_add_pd(d0, _mm256_cvtps_pd(_mm256_castps256_ps128(t)));
+            d1 = _mm256_add_pd(d1, _mm256_cvtps_pd(_mm256_extractf128_ps(t, 1)));
+        } else if (!sumsq_all_zero<G>(g, s, e)) {
+            redone += sumsq_f64<G>(g, s, e);
+        }
+    }
+    return hsum(_mm256_add_pd(d0, d1)) + redone;
 }
 
 }  // namespace

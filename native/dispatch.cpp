@@ -223,7 +223,9 @@ int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_
     *out_nonfinite = 0;
     if (n == 0) return 0;
     if (!grad) return -EINVAL;
-    std::vector<double> partial;  // one per block, summed in block order: reproducible
+    // one per block, summed in block order: reproducible, as every unit's rounding depends
+    // only on the block's own elements (the SIMD units' fp32 sub-blocks start at `begin`)
+    std::vector<double> partial;
     try {
         partial.assign(num_blocks(n), 0.0);
     } catch (...) {
@@ -243,7 +245,9 @@ int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_
     for (double s : partial) total += s;
     *out_sumsq = total;
     // A double sum of squares of finite fp32/fp16/bf16 values cannot overflow
-    // (n * 2^256 << 2^1024), so the sum is non-finite exactly when an element is.
+    // (n * 2^256 << 2^1024), so the sum is non-finite exactly when an element is. The SIMD
+    // units sum short blocks in fp32 but redo in double any block whose fp32 sum is not
+    // finite ([Note: sumsq in fp32 blocks] in unit_dispatch.h), which keeps this true.
     *out_nonfinite = std::isfinite(total) ? 0 : 1;
     return 0;
 }
