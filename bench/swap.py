@@ -1,13 +1,17 @@
 """The NVMe-swapped AdamW step against its ideal, max(I/O alone, kernel alone), in one run.
 
     .venv/bin/python bench/swap.py                       # N = 200M fp32 params, 512 MiB bound
+    .venv/bin/python bench/swap.py --dtype bf16          # bf16 params: master swapped too
     .venv/bin/python bench/swap.py --numel 20_000_000 --max-host-bytes 64MiB --reps 3
 
 What is measured, interleaved rep by rep (medians reported; see MEASURED.md's pitfall):
-- step:        SwappedState.step() on every param: read moments, AdamW kernel, write back,
-               fdatasync, manifest. fp32 params are their own master (updated in place,
-               never swapped), so the swap files hold exp_avg + exp_avg_sq = 8 B/param
+- step:        --dtype fp32: SwappedState.step() on every param: read moments, AdamW kernel,
+               write back, fdatasync, manifest. fp32 params are their own master (updated in
+               place, never swapped), so the swap files hold exp_avg + exp_avg_sq = 8 B/param
                (1.6 GB at N = 200M; twice that on disk: two slots).
+               --dtype bf16: offload.AdamW(...).step() on bf16 CPU params (the flat store):
+               master, exp_avg and exp_avg_sq swapped (12 B/param), the kernel reads the bf16
+               grads and writes the bf16 params in the same pass.
 - I/O alone:   the same pipeline with a no-op compute (same reads, writes, fdatasync, manifest).
 - kernel alone: the same kernel calls on the same slices, moments in one pipeline buffer, no I/O.
 - overlap efficiency = max(I/O alone, kernel alone) / step  (1.0 = perfect overlap).
@@ -31,6 +35,7 @@ import torch  # noqa: E402
 
 from offload.config import parse_bytes  # noqa: E402
 from offload.kernels import get_backend  # noqa: E402
+import offload  # noqa: E402
 from offload.optim.swapped_state import SwappedState  # noqa: E402
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
@@ -62,6 +67,99 @@ class RssPeak:
         self._stop.set()
         self._t.join()
         self.peak = max(self.peak, rss_bytes())
+
+
+class Fp32InPlace:
+    """fp32 params updated in place, moments swapped (SwappedState, 8 B/param)."""
+
+    swapped_bytes_per_param = 8
+    host_bytes_per_param = 8  # fp32 params + grads
+
+    def __init__(self, sizes, args, bound: int) -> None:
+        self.params = [torch.empty(n).normal_() for n in sizes]
+        self.grads = [torch.empty(n).normal_() for n in sizes]
+        self.st = SwappedState(self.params, swap_dir=args.swap_dir, max_host_bytes=bound,
+                               sub_group_size=args.sub_group_size, io_engine=args.engine, num_threads=args.threads,
+                               verify=args.verify)
+        self.steps = [0] * len(sizes)
+        self.sizes, self.threads = sizes, args.threads
+        self.layout, self.pipeline, self.store = self.st.layout, self.st.pipeline, self.st.store
+
+    def step(self) -> dict:
+        for i in range(len(self.steps)):
+            self.steps[i] += 1
+        return self.st.step([(HYPER, [(p, g, s) for p, g, s in zip(self.params, self.grads, self.steps)])])
+
+    @property
+    def last_stats(self) -> dict:
+        return self.st.last_stats
+
+    def kernel_alone(self, kernel) -> float:
+        lay, pipe, st = self.layout, self.pipeline, self.st
+        buf = pipe.buffers[0]
+        t0 = time.perf_counter()
+        for g in range(lay.num_groups):
+            s, e = lay.group_range(g)
+            m, v = pipe.tensors(g, buf)
+            for i in st._group_params[g]:
+                off = st._offsets[i]
+                a, b = max(s, off), min(e, off + self.sizes[i])
+                kernel.adam_step(self.params[i].view(-1)[a - off:b - off], self.grads[i].view(-1)[a - off:b - off],
+                                 m[a - s:b - s], v[a - s:b - s], step=self.steps[0], num_threads=self.threads,
+                                 **HYPER)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.st.close()
+
+
+class Bf16Flat:
+    """bf16 CPU params through offload.AdamW's flat store: fp32 master and moments swapped
+    (SwappedShards, 12 B/param), bf16 grads read in place, bf16 params written by the kernel."""
+
+    swapped_bytes_per_param = 12
+    host_bytes_per_param = 4  # bf16 params + grads
+
+    def __init__(self, sizes, args, bound: int) -> None:
+        # made in bf16 directly: an fp32 temporary would leave freed pages in the RSS figure
+        self.params = [torch.nn.Parameter(torch.empty(n, dtype=torch.bfloat16).normal_()) for n in sizes]
+        self.grads = [torch.empty(n, dtype=torch.bfloat16).normal_() for n in sizes]
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        self.opt = offload.AdamW(self.params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                                 eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], offload="nvme",
+                                 swap_dir=args.swap_dir, max_host_bytes=bound, sub_group_size=args.sub_group_size,
+                                 io_engine=args.engine, num_threads=args.threads, verify=args.verify)
+        self.sw = self.opt._store._swap
+        self.layout, self.pipeline, self.store = self.sw.layout, self.sw.pipeline, self.sw.store
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.sizes, self.threads = sizes, args.threads
+
+    def step(self) -> dict:
+        return self.opt.step()
+
+    @property
+    def last_stats(self) -> dict:
+        return self.sw.last_stats
+
+    def kernel_alone(self, kernel) -> float:
+        lay, pipe = self.layout, self.pipeline
+        buf = pipe.buffers[0]
+        step = int(max(float(st["step"]) for st in self.opt.state.values()))
+        t0 = time.perf_counter()
+        for g in range(lay.num_groups):
+            s, e = lay.group_range(g)
+            master, m, v = pipe.tensors(g, buf)
+            for i, off in enumerate(self.offsets):
+                a, b = max(s, off), min(e, off + self.sizes[i])
+                if a < b:
+                    kernel.adam_step(master[a - s:b - s], self.grads[i][a - off:b - off], m[a - s:b - s],
+                                     v[a - s:b - s], param_lowp=self.params[i].detach()[a - off:b - off],
+                                     step=step, num_threads=self.threads, **HYPER)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.opt.close()
 
 
 class DeepSpeedPeer:
@@ -130,6 +228,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=lambda s: int(s.replace("_", "")), default=200_000_000)
     ap.add_argument("--params", type=int, default=4, help="split numel into this many params")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="fp32: params are their own master (moments swapped); bf16: master swapped too")
     ap.add_argument("--max-host-bytes", default="512MiB")
     ap.add_argument("--sub-group-size", type=lambda s: int(s.replace("_", "")), default=None)
     ap.add_argument("--swap-dir", default="/var/tmp/offload-bench-swap",
@@ -147,48 +247,25 @@ def main() -> int:
     bound = parse_bytes(args.max_host_bytes)
     sizes = [args.numel // args.params + (1 if i < args.numel % args.params else 0) for i in range(args.params)]
     rss0 = rss_bytes()
-    params = [torch.empty(n).normal_() for n in sizes]
-    grads = [torch.empty(n).normal_() for n in sizes]
-    st = SwappedState(params, swap_dir=args.swap_dir, max_host_bytes=bound, sub_group_size=args.sub_group_size,
-                      io_engine=args.engine, num_threads=args.threads, verify=args.verify)
+    subject = (Fp32InPlace if args.dtype == "fp32" else Bf16Flat)(sizes, args, bound)
     kernel = get_backend()
-    state_bytes = 2 * 4 * args.numel
+    state_bytes = subject.swapped_bytes_per_param * args.numel
+    lay, pipe = subject.layout, subject.pipeline
     try:
-        steps = [0] * len(params)
-
-        def do_step() -> dict:
-            for i in range(len(steps)):
-                steps[i] += 1
-            return st.step([(HYPER, [(p, g, s) for p, g, s in zip(params, grads, steps)])])
-
-        lay, pipe = st.layout, st.pipeline
         groups = list(range(lay.num_groups))
 
         def io_alone() -> dict:
             return pipe.run(groups, lambda g, s, e, t: None)
 
-        def kernel_alone() -> float:
-            buf = pipe.buffers[0]
-            t0 = time.perf_counter()
-            for g in groups:
-                s, e = lay.group_range(g)
-                m, v = pipe.tensors(g, buf)
-                for i in st._group_params[g]:
-                    off = st._offsets[i]
-                    a, b = max(s, off), min(e, off + sizes[i])
-                    kernel.adam_step(params[i].view(-1)[a - off:b - off], grads[i].view(-1)[a - off:b - off],
-                                     m[a - s:b - s], v[a - s:b - s], step=steps[0], num_threads=args.threads,
-                                     **HYPER)
-            return time.perf_counter() - t0
-
         peer = None
         if args.deepspeed:
             ds_buffers = bound // (lay.sub_group_size * 4)
-            peer = DeepSpeedPeer(args.swap_dir, grads, lay.sub_group_size, ds_buffers, args.threads)
+            peer = DeepSpeedPeer(args.swap_dir, [g.float() for g in subject.grads], lay.sub_group_size, ds_buffers,
+                                 args.threads)
             for _ in range(2):
                 peer.step()
-        for _ in range(2):  # first step writes only (states start at zero); second reads too
-            do_step()
+        for _ in range(2):  # warm-up steps
+            subject.step()
         rows = {"step": [], "io": [], "kernel": []}
         if peer is not None:
             rows["deepspeed"] = []
@@ -196,29 +273,30 @@ def main() -> int:
         for _ in range(args.reps):
             with RssPeak() as rp:
                 t0 = time.perf_counter()
-                do_step()
+                subject.step()
                 rows["step"].append(time.perf_counter() - t0)
-            stats = dict(st.last_stats)
+            stats = dict(subject.last_stats)
             peak = max(peak, rp.peak)
             details.append(stats)
             t0 = time.perf_counter()
             io_alone()
             rows["io"].append(time.perf_counter() - t0)
-            rows["kernel"].append(kernel_alone())
+            rows["kernel"].append(subject.kernel_alone(kernel))
             if peer is not None:
                 t0 = time.perf_counter()
                 peer.step()
                 rows["deepspeed"].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in rows.items()}
         ideal = max(med["io"], med["kernel"])
-        budget = bound + 2 * 4 * args.numel  # max_host_bytes + params + grads
+        budget = bound + subject.host_bytes_per_param * args.numel  # max_host_bytes + params + grads
         phases = {k: statistics.median(d[k] for d in details) for k in (
             "swap_read_s", "swap_write_s", "kernel_s", "wait_read_s", "wait_write_s", "verify_s", "commit_s")}
         result = {
-            "bench": "swap", "numel": args.numel, "params": args.params, "states_in_swap_bytes": state_bytes,
-            "swap_files_bytes": st.memory_report()["nvme"], "max_host_bytes": bound,
-            "sub_group_size": lay.sub_group_size, "sub_groups": lay.num_groups, "buffers": st.num_buffers,
-            "host_buffer_bytes": st.host_bytes, "engine": st.store.engine.name, "direct": st.store.files[0].direct,
+            "bench": "swap", "dtype": args.dtype, "numel": args.numel, "params": args.params,
+            "states_in_swap_bytes": state_bytes, "swap_files_bytes": subject.store.disk_bytes(), "max_host_bytes": bound,
+            "sub_group_size": lay.sub_group_size, "sub_groups": lay.num_groups, "buffers": len(pipe.buffers),
+            "host_buffer_bytes": pipe.host_bytes, "engine": subject.store.engine.name,
+            "direct": subject.store.files[0].direct,
             "backend": kernel.name, "kernel_threads": args.threads, "reps": args.reps, "verify": args.verify,
             "step_s": med["step"], "io_alone_s": med["io"], "kernel_alone_s": med["kernel"],
             "overlap_efficiency": ideal / med["step"], "step_over_ideal": med["step"] / ideal,
@@ -236,11 +314,12 @@ def main() -> int:
                            "deepspeed_buffers": ds_buffers, "deepspeed_bytes_moved": 2 * 12 * args.numel,
                            "step_speedup_vs_deepspeed": med["deepspeed"] / med["step"]})
     finally:
-        st.close()
+        subject.close()
         if args.deepspeed and "peer" in locals() and peer is not None:
             peer.close()
     gib = 2 ** 30
-    print(f"NVMe-swapped AdamW, N={args.numel:,} fp32 params ({len(params)} tensors), moments in swap "
+    what = "moments" if args.dtype == "fp32" else "master + moments"
+    print(f"NVMe-swapped AdamW, N={args.numel:,} {args.dtype} params ({len(sizes)} tensors), {what} in swap "
           f"{state_bytes / 1e9:.2f} GB ({result['swap_files_bytes'] / gib:.2f} GiB of files, two slots)")
     print(f"bound {bound / gib:.2f} GiB -> {result['sub_groups']} sub-groups of {result['sub_group_size']:,}, "
           f"{result['buffers']} buffers ({result['host_buffer_bytes'] / gib:.2f} GiB); engine {result['engine']}, "
@@ -261,7 +340,7 @@ def main() -> int:
     if peer is not None:
         print(f"{'DeepSpeed / ours, step time':<28}{result['step_speedup_vs_deepspeed']:>10.2f}  (DeepSpeed {args.threads} "
               f"OMP thread(s), {ds_buffers} buffers of one sub-group, same bound; it moves 12 B/param each way, "
-              f"we move 8: its fp32 master is swapped too)")
+              f"we move {subject.swapped_bytes_per_param})")
     print(json.dumps(result))
     return 0
 
