@@ -108,14 +108,18 @@ def test_cuda_fp16_grad_scaler_overflow_skips_and_unscales_in_kernel():
         torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_cuda_bf16_params_with_moments_on_nvme(tmp_path):
-    model = _model(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_params_with_master_and_moments_on_nvme(tmp_path, dtype):
+    # bf16: the kernel writes the pinned staging, copied on the copy stream; fp32: the master
+    # is copied from the pipeline buffer to the device param sub-group by sub-group.
+    model = _model(dtype)
     params = list(model.parameters())
     masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
     ref = torch.optim.AdamW(masters, foreach=False, **HP)
-    opt = offload.AdamW(params, offload="nvme", swap_dir=str(tmp_path), sub_group_size=4096, **HP)
+    (tmp_path / "a").mkdir()
+    opt = offload.AdamW(params, offload="nvme", swap_dir=str(tmp_path / "a"), sub_group_size=4096, **HP)
     for _ in range(4):
-        model(torch.randn(32, 257, device="cuda", dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        model(torch.randn(32, 257, device="cuda", dtype=dtype)).float().pow(2).mean().backward()
         for p, m in zip(params, masters):
             m.grad = None if p.grad is None else p.grad.float().cpu()
         ref.step()
@@ -125,6 +129,19 @@ def test_cuda_bf16_params_with_moments_on_nvme(tmp_path):
         for p, m in zip(params, masters):
             ours = opt._store.master(p)
             torch.testing.assert_close(ours, m.detach(), rtol=1e-5, atol=1e-6)
-            assert torch.equal(p.detach().cpu(), ours.to(torch.bfloat16))
-    assert opt.memory_report()["tiers"]["nvme"] > 0
+            assert torch.equal(p.detach().cpu(), ours.to(dtype))
+    assert opt.memory_report()["tiers"]["nvme"] > 0 and opt.memory_report()["detail"]["state_bytes"] == 0
+    # A streamed checkpoint restores masters, moments and the device params of a fresh model.
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    twin = _model(dtype)
+    with torch.no_grad():
+        for q in twin.parameters():
+            q.add_(1.0)
+    (tmp_path / "b").mkdir()
+    opt2 = offload.AdamW(twin.parameters(), offload="nvme", swap_dir=str(tmp_path / "b"), **HP)
+    opt2.load_checkpoint(str(tmp_path / "ck"))
+    for p, q in zip(params, twin.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(opt._store.master(p), opt2._store.master(q))
     opt.close()
+    opt2.close()

@@ -223,3 +223,23 @@ def test_resume_checks_the_params_and_their_layout(tmp_path):
     train(ref, opt_ref, 0, 2)
     assert_same(ref, opt_ref, ours, opt)
     opt.close()
+
+
+def test_flipped_bit_in_a_swapped_master_is_detected_and_nothing_applied(tmp_path):
+    model = _model()
+    opt = _nvme(model, tmp_path, sub_group_size=1024, verify=True)
+    train(model, opt, 0, 2)
+    sw = opt._store._swap
+    path = sw.store.read_slot_file(1)
+    off = sw.layout.group_offset(1) + 100  # the master of sub-group 1, block 0
+    fd = os.open(path, os.O_RDWR)
+    b = os.pread(fd, 1, off)
+    os.pwrite(fd, bytes([b[0] ^ 0x04]), off)
+    os.close(fd)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(_batch(2), use_side=True).float().pow(2).mean().backward()
+    with pytest.raises(SwapStepError, match="checksum mismatch in block 0 .* of master of sub-group 1") as e:
+        opt.step()
+    assert e.value.filename == path
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    opt.close()
