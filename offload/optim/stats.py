@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional
 
-__all__ = ["StepStats", "process_rss_bytes", "ideal_step_seconds"]
+__all__ = ["StepStats", "process_rss_bytes", "ideal_step_seconds", "swap_phases"]
 
 PHASES = ("grad_transfer", "unscale_clip", "kernel", "swap_read", "swap_write", "h2d", "allgather")
 
@@ -23,6 +23,16 @@ def process_rss_bytes() -> int:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def swap_phases(stats: Dict[str, float]) -> Dict[str, float]:
+    """A swap pipeline's ``last_stats`` in this module's phase names. The ideal step adds
+    swap_read and swap_write, so swap_write is the disk's busy time beyond the reads
+    (swap_read + swap_write = time with some I/O in flight)."""
+    return {"kernel": stats["kernel_s"], "swap_read": stats["swap_read_s"],
+            "swap_write": max(0.0, stats["io_busy_s"] - stats["swap_read_s"]),
+            "wait_read": stats["wait_read_s"], "wait_write": stats["wait_write_s"],
+            "verify": stats["verify_s"], "commit": stats["commit_s"]}
 
 
 def ideal_step_seconds(phases: Dict[str, float]) -> float:

@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from offload.optim.stats import swap_phases
+from offload.optim.swapped_state import _close_quietly
 from offload.swap import SwapLayout, SwapPipeline, SwapStepError, plan_sub_groups
 from offload.swap.cache import GroupCache
 from offload.swap.store import open_run_store
@@ -37,14 +39,6 @@ SHARD_STATES = ("master", "exp_avg", "exp_avg_sq")
 WorkItem = Tuple[int, int, int, torch.Tensor, Dict[str, Any], Optional[torch.Tensor], str]
 # (shard k, local lo, local hi, out, mode): where the master of a range goes
 Output = Tuple[int, int, int, torch.Tensor, str]
-
-
-def _close_quietly(pipeline: Optional[SwapPipeline], store: Any) -> None:
-    try:
-        if pipeline is not None:
-            pipeline.close()
-    finally:
-        store.close()
 
 
 def _emit(master: torch.Tensor, out: torch.Tensor, mode: str) -> None:
@@ -108,10 +102,6 @@ class SwappedShards:
     @property
     def swap_path(self) -> str:
         return self.store.path
-
-    @property
-    def sub_group_size(self) -> int:
-        return self.layout.sub_group_size
 
     @property
     def resumed_extra(self) -> Dict[str, Any]:
@@ -241,10 +231,7 @@ class SwappedShards:
                 what = f"restoring the params from that step failed too ({again}): reload them from a checkpoint"
             raise SwapStepError(exc.errno, f"{exc.strerror}; {what}", exc.filename, exc.computed) from exc
         self.last_stats = stats
-        return {"kernel": stats["kernel_s"], "swap_read": stats["swap_read_s"],
-                "swap_write": max(0.0, stats["io_busy_s"] - stats["swap_read_s"]),
-                "wait_read": stats["wait_read_s"], "wait_write": stats["wait_write_s"],
-                "verify": stats["verify_s"], "commit": stats["commit_s"]}
+        return swap_phases(stats)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, save_fn: Callable[[Any, List[Any]], Any]) -> Any:

@@ -66,6 +66,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from offload.optim.stats import swap_phases
 from offload.swap import SwapLayout, SwapPipeline, SwapStepError, SwapStore, plan_sub_groups
 from offload.swap.cache import GroupCache
 from offload.swap.checkpoint import load_store, save_store
@@ -309,12 +310,7 @@ class SwappedState:
             raise SwapStepError(exc.errno, self._broken, exc.filename, exc.computed) from exc
         self._steps = steps
         self.last_stats = stats
-        # the optimizer's phase names (offload/optim/stats.py): its ideal step adds swap_read
-        # and swap_write, so they split the disk's busy time instead of overlapping
-        return {"kernel": stats["kernel_s"], "swap_read": stats["swap_read_s"],
-                "swap_write": max(0.0, stats["io_busy_s"] - stats["swap_read_s"]),
-                "wait_read": stats["wait_read_s"], "wait_write": stats["wait_write_s"],
-                "verify": stats["verify_s"], "commit": stats["commit_s"]}
+        return swap_phases(stats)
 
     def clear_failure(self) -> None:
         """After a failed step: accept the params again once they are back at the step the
