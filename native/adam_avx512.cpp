@@ -102,8 +102,8 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
 OFFLOAD_UNIT_DISPATCH_TEMPLATES
 
 // ---- sum of squares: fp32 blocks folded into double, see [Note: sumsq in fp32 blocks] in
-// unit_dispatch.h. 256-bit vectors on purpose: measured here (EPYC, 100M elements), a
-// 512-bit fp32 load+FMA stream ran ~10% below the same loop on 256-bit vectors, and bf16
+// unit_dispatch.h. 256-bit vectors on purpose: measured here (EPYC, 100M elements, one
+// stream), a 512-bit fp32 load+FMA loop ran ~10% below the same loop on 256 bits, and bf16
 // gained nothing from 512 bits; the memory bus is the limit either way. AVX-512 still
 // gives the masked tail loads (VL + BW); the lanes, blocks and folds are adam_avx2.cpp's.
 // A step squares 16 elements into two fp32 accumulators; bf16 is split into even and odd
@@ -154,37 +154,68 @@ __attribute__((noinline)) double sumsq_f64(const void *g, int64_t begin, int64_t
     return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
 }
 
-constexpr int64_t kSumsqBlock = 4 * 8 * kSumsqLaneSteps;  // 1024 elements
+// Squares of kSumsqStreams sub-blocks of kSumsqSub elements, at s + k * stride, read side
+// by side (see the note: several streams in flight read faster than one), in fp32.
+template <int G>
+inline __m256 sumsq_group(const void *g, int64_t s, int64_t stride) {
+    static_assert(kSumsqStreams == 4, "the sum below joins 8 accumulators");
+    __m256 a[2 * kSumsqStreams];
+    for (int k = 0; k < 2 * kSumsqStreams; ++k) a[k] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kSumsqSub; i += 16)
+        for (int k = 0; k < kSumsqStreams; ++k)
+            sumsq_step<G, false>(g, s + k * stride + i, 0xFFFF, a[2 * k], a[2 * k + 1]);
+    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
+                         _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7])));
+}
+
+// Squares of [s, e), e - s <= kSumsqSub, in fp32: the part the streams leave over.
+template <int G>
+inline __m256 sumsq_part(const void *g, int64_t s, int64_t e) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    int64_t i = s;
+    for (; i + 16 <= e; i += 16) sumsq_step<G, false>(g, i, 0xFFFF, a0, a1);
+    if (i < e) sumsq_step<G, true>(g, i, tail_mask(e - i), a0, a1);
+    return _mm256_add_ps(a0, a1);
+}
+
+// Adds a block's fp32 sum t into the double accumulators; false (nothing added) when the
+// block must be redone in double: t not finite, or (fp32/bf16) below kSumsqTiny.
+template <int G>
+inline bool sumsq_fold(__m256 t, __m256d &d0, __m256d &d1) {
+    const __m256 inf = _mm256_set1_ps(__builtin_inff()), tiny = _mm256_set1_ps(kSumsqTiny);
+    // t >= 0 lane-wise or NaN: all lanes < inf means the block's fp32 sum is finite
+    bool finite = _mm256_cmp_ps_mask(t, inf, _CMP_LT_OQ) == 0xFF;
+    bool tiny_sum = G != OFFLOAD_F16 && _mm256_cmp_ps_mask(t, tiny, _CMP_GE_OQ) == 0;
+    if (__builtin_expect(!finite || tiny_sum, 0)) return false;
+    d0 = _mm256_add_pd(d0, _mm256_cvtps_pd(_mm256_castps256_ps128(t)));
+    d1 = _mm256_add_pd(d1, _mm256_cvtps_pd(_mm256_extractf128_ps(t, 1)));
+    return true;
+}
+
+template <int G>
+inline double sumsq_redo(const void *g, int64_t s, int64_t e) {
+    return sumsq_all_zero<G>(g, s, e) ? 0.0 : sumsq_f64<G>(g, s, e);
+}
 
 template <int G>
 double sumsq_loop(const void *g, int64_t begin, int64_t end) {
-    const __m256 inf = _mm256_set1_ps(__builtin_inff()), tiny = _mm256_set1_ps(kSumsqTiny);
     __m256d d0 = _mm256_setzero_pd(), d1 = d0;
     double redone = 0.0;  // blocks recomputed in double, in block order
-    for (int64_t s = begin; s < end; s += kSumsqBlock) {
-        int64_t e = end - s > kSumsqBlock ? s + kSumsqBlock : end;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        int64_t i = s;
-        for (; i + 32 <= e; i += 32) {
-            sumsq_step<G, false>(g, i, 0xFFFF, a0, a1);
-            sumsq_step<G, false>(g, i + 16, 0xFFFF, a2, a3);
-        }
-        // < 32 left: at most one step per accumulator pair, so no lane exceeds
-        // kSumsqLaneSteps FMAs (a tail only occurs in a block of < 32 full iterations)
-        if (i < e) sumsq_step<G, true>(g, i, tail_mask(e - i), a0, a1);
-        if (i + 16 < e) sumsq_step<G, true>(g, i + 16, tail_mask(e - i - 16), a2, a3);
-        __m256 t = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-        // t >= 0 lane-wise or NaN: all lanes < inf means the block's fp32 sum is finite
-        bool finite = _mm256_cmp_ps_mask(t, inf, _CMP_LT_OQ) == 0xFF;
-        bool tiny_sum = G != OFFLOAD_F16 && _mm256_cmp_ps_mask(t, tiny, _CMP_GE_OQ) == 0;
-        if (__builtin_expect(finite && !tiny_sum, 1)) {
-            d0 = _mm256_add_pd(d0, _mm256_cvtps_pd(_mm256_castps256_ps128(t)));
-            d1 = _mm256_add_pd(d1, _mm256_cvtps_pd(_mm256_extractf128_ps(t, 1)));
-        } else if (!sumsq_all_zero<G>(g, s, e)) {
-            redone += sumsq_f64<G>(g, s, e);
+    // kSumsqStreams equal runs of whole sub-blocks (16384 elements each for a full
+    // dispatch block), then single sub-blocks for what is left
+    const int64_t stride = (end - begin) / (kSumsqStreams * kSumsqSub) * kSumsqSub;
+    for (int64_t j = 0; j < stride; j += kSumsqSub) {
+        if (sumsq_fold<G>(sumsq_group<G>(g, begin + j, stride), d0, d1)) continue;
+        for (int k = 0; k < kSumsqStreams; ++k) {
+            int64_t s = begin + k * stride + j;
+            redone += sumsq_redo<G>(g, s, s + kSumsqSub);
         }
     }
-    // the same fold as adam_avx2.cpp's hsum
+    for (int64_t s = begin + kSumsqStreams * stride; s < end; s += kSumsqSub) {
+        int64_t e = end - s > kSumsqSub ? s + kSumsqSub : end;
+        if (!sumsq_fold<G>(sumsq_part<G>(g, s, e), d0, d1)) redone += sumsq_redo<G>(g, s, e);
+    }
+    // the same final fold as adam_avx2.cpp's hsum
     alignas(32) double lanes[4];
     _mm256_store_pd(lanes, _mm256_add_pd(d0, d1));
     return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + redone;

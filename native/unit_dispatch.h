@@ -17,20 +17,27 @@
 // double only once per short block; the scalar unit, the reference, stays all-double.
 // Widening every element to double made the pass compute-bound for 16-bit grads: one core
 // read bf16 at ~18 GB/s that way against ~25 GB/s for a plain fp32 stream (measured here).
-// - Blocks: 4 accumulators of 8 fp32 lanes, kSumsqLaneSteps FMAs per lane, i.e. 1024
-//   elements, counted from the start of the range the unit is given. dispatch.cpp hands out
-//   fixed kBlock-element ranges whatever the thread count, so the blocks, and every
-//   rounding, are the same for any thread count. Both units use the same lanes, blocks and
-//   folds: they return the same bits (unless a block is recomputed in double, below).
-// - Bound: each square meets at most kSumsqLaneSteps FMA roundings in its lane plus 2 adds
-//   joining the 4 accumulators, all on nonnegative terms, so a block's fp32 sum is within
-//   gamma_34 = 34 * 2^-24 / (1 - 34 * 2^-24) ~= 2.03e-6 relative of its exact value (bf16
-//   and fp16 squares are exact in fp32; an fp32 square is rounded inside its FMA, counted
-//   above). Blocks are summed in double (exact conversion, then ~2^-53 per add), so the
-//   whole sum is within ~2.03e-6 relative in the worst case (a constant input, whose
-//   roundings all lean one way, comes close); random data's roundings mostly cancel
-//   (~1e-8 to 1e-7 seen). torch's own vector_norm of fp32/bf16 accumulates in fp32 over far
-//   longer runs (~2e-5 relative drift at 2**20 elements).
+// - Streams: a single sequential read stream per core stayed below what the core can read
+//   here (fp32 at ~22 GB/s per core against ~26 GB/s for bf16; the Adam kernel reads 4
+//   streams at once). So the range a unit is given is cut into kSumsqStreams equal runs of
+//   whole sub-blocks, read side by side: 100M fp32 ~12% faster (1 and 2 threads), bf16
+//   unchanged (already at the per-core limit). What is left (< kSumsqStreams sub-blocks)
+//   is read one sub-block at a time.
+// - Blocks: a sub-block is kSumsqSub = 2 accumulators x 8 fp32 lanes x kSumsqLaneSteps
+//   = 512 elements; a block is the kSumsqStreams sub-blocks read together (or one left-over
+//   sub-block). All cuts depend only on the range, and dispatch.cpp hands out fixed
+//   kBlock-element ranges whatever the thread count, so every rounding is the same for any
+//   thread count. Both units use the same cuts, lanes and folds: they return the same bits
+//   (unless a block is recomputed in double, below).
+// - Bound: each square meets at most kSumsqLaneSteps FMA roundings in its lane plus 3 adds
+//   joining the 8 accumulators of a block, all on nonnegative terms, so a block's fp32 sum
+//   is within gamma_35 = 35 * 2^-24 / (1 - 35 * 2^-24) ~= 2.09e-6 relative of its exact
+//   value (bf16 and fp16 squares are exact in fp32; an fp32 square is rounded inside its
+//   FMA, counted above). Blocks are summed in double (exact conversion, then ~2^-53 per
+//   add), so the whole sum is within ~2.09e-6 relative in the worst case (a constant
+//   input, whose roundings all lean one way, comes close); random data's roundings mostly
+//   cancel (~1e-8 to 1e-7 seen). torch's own vector_norm of fp32/bf16 accumulates in fp32
+//   over far longer runs (~2e-5 relative drift at 2**20 elements).
 // - A block whose fp32 sum is not finite (an inf/NaN element, or squares of huge finite
 //   values such as 1e20 overflowing fp32) is recomputed in double: the result is then
 //   non-finite exactly when an element is (what dispatch.cpp reports), as before.
@@ -39,9 +46,11 @@
 //   A sum >= 2^-100 bounds that loss to < 2^-40 relative; below it the block is redone
 //   exactly. fp16 squares are >= 2^-48, never subnormal in fp32: no such recompute. A block
 //   of zeros (padding, untouched rows) also sums below 2^-100; it is only scanned for a
-//   nonzero bit (from L1, a fraction of the fp32 pass), so such buffers stay fast.
+//   nonzero bit (from L1/L2, a fraction of the fp32 pass), so such buffers stay fast.
 namespace offload {
 constexpr int64_t kSumsqLaneSteps = 32;
+constexpr int kSumsqStreams = 4;  // sumsq_group joins 2 * kSumsqStreams accumulators
+constexpr int64_t kSumsqSub = 2 * 8 * kSumsqLaneSteps;
 constexpr float kSumsqTiny = 0x1p-100f;
 }  // namespace offload
 
