@@ -154,72 +154,21 @@ __attribute__((noinline)) double sumsq_f64(const void *g, int64_t begin, int64_t
     return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
 }
 
-// Squares of kSumsqStreams sub-blocks of kSumsqSub elements, at s + k * stride, read side
-// by side (see the note: several streams in flight read faster than one), in fp32.
+// The shared driver's primitives (see sumsq_blocks.h).
 template <int G>
-inline __m256 sumsq_group(const void *g, int64_t s, int64_t stride) {
-    static_assert(kSumsqStreams == 4, "the sum below joins 8 accumulators");
-    __m256 a[2 * kSumsqStreams];
-    for (int k = 0; k < 2 * kSumsqStreams; ++k) a[k] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < kSumsqSub; i += 16)
-        for (int k = 0; k < kSumsqStreams; ++k)
-            sumsq_step<G, false>(g, s + k * stride + i, 0xFFFF, a[2 * k], a[2 * k + 1]);
-    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
-                         _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7])));
-}
-
-// Squares of [s, e), e - s <= kSumsqSub, in fp32: the part the streams leave over.
-template <int G>
-inline __m256 sumsq_part(const void *g, int64_t s, int64_t e) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-    int64_t i = s;
-    for (; i + 16 <= e; i += 16) sumsq_step<G, false>(g, i, 0xFFFF, a0, a1);
-    if (i < e) sumsq_step<G, true>(g, i, tail_mask(e - i), a0, a1);
-    return _mm256_add_ps(a0, a1);
-}
-
-// Adds a block's fp32 sum t into the double accumulators; false (nothing added) when the
-// block must be redone in double: t not finite, or (fp32/bf16) below kSumsqTiny.
-template <int G>
-inline bool sumsq_fold(__m256 t, __m256d &d0, __m256d &d1) {
-    const __m256 inf = _mm256_set1_ps(__builtin_inff()), tiny = _mm256_set1_ps(kSumsqTiny);
-    // t >= 0 lane-wise or NaN: all lanes < inf means the block's fp32 sum is finite
-    bool finite = _mm256_cmp_ps_mask(t, inf, _CMP_LT_OQ) == 0xFF;
-    bool tiny_sum = G != OFFLOAD_F16 && _mm256_cmp_ps_mask(t, tiny, _CMP_GE_OQ) == 0;
-    if (__builtin_expect(!finite || tiny_sum, 0)) return false;
-    d0 = _mm256_add_pd(d0, _mm256_cvtps_pd(_mm256_castps256_ps128(t)));
-    d1 = _mm256_add_pd(d1, _mm256_cvtps_pd(_mm256_extractf128_ps(t, 1)));
-    return true;
+inline void sumsq_full(const void *g, int64_t i, __m256 &a, __m256 &b) {
+    sumsq_step<G, false>(g, i, 0xFFFF, a, b);
 }
 
 template <int G>
-inline double sumsq_redo(const void *g, int64_t s, int64_t e) {
-    return sumsq_all_zero<G>(g, s, e) ? 0.0 : sumsq_f64<G>(g, s, e);
+inline void sumsq_tail(const void *g, int64_t i, int64_t end, __m256 &a, __m256 &b) {
+    sumsq_step<G, true>(g, i, tail_mask(end - i), a, b);
 }
 
-template <int G>
-double sumsq_loop(const void *g, int64_t begin, int64_t end) {
-    __m256d d0 = _mm256_setzero_pd(), d1 = d0;
-    double redone = 0.0;  // blocks recomputed in double, in block order
-    // kSumsqStreams equal runs of whole sub-blocks (16384 elements each for a full
-    // dispatch block), then single sub-blocks for what is left
-    const int64_t stride = (end - begin) / (kSumsqStreams * kSumsqSub) * kSumsqSub;
-    for (int64_t j = 0; j < stride; j += kSumsqSub) {
-        if (sumsq_fold<G>(sumsq_group<G>(g, begin + j, stride), d0, d1)) continue;
-        for (int k = 0; k < kSumsqStreams; ++k) {
-            int64_t s = begin + k * stride + j;
-            redone += sumsq_redo<G>(g, s, s + kSumsqSub);
-        }
-    }
-    for (int64_t s = begin + kSumsqStreams * stride; s < end; s += kSumsqSub) {
-        int64_t e = end - s > kSumsqSub ? s + kSumsqSub : end;
-        if (!sumsq_fold<G>(sumsq_part<G>(g, s, e), d0, d1)) redone += sumsq_redo<G>(g, s, e);
-    }
-    // the same final fold as adam_avx2.cpp's hsum
-    alignas(32) double lanes[4];
-    _mm256_store_pd(lanes, _mm256_add_pd(d0, d1));
-    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + redone;
-}
+inline bool lanes_all_below(__m256 t, __m256 limit) { return _mm256_cmp_ps_mask(t, limit, _CMP_LT_OQ) == 0xFF; }
+inline bool lanes_none_at_least(__m256 t, __m256 limit) { return _mm256_cmp_ps_mask(t, limit, _CMP_GE_OQ) == 0; }
+
+#include "sumsq_blocks.h"
 
 }  // namespace
 
