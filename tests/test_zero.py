@@ -137,7 +137,8 @@ def _local(step, micro, group):
 
 def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, bucket=None,
               start_sd=None, start_model=None, first_step=0, save_dir=None, load_dir=None, swap_dir=None,
-              dtype=torch.float32, rank0_only=False, reduce_in_backward=False, unscale=False, sched=False):
+              dtype=torch.float32, rank0_only=False, reduce_in_backward=False, unscale=False, sched=False,
+              resume=False, leave_swap=False):
     from offload.optim.flat_state import FlatState
 
     if bucket is not None:
@@ -146,7 +147,7 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
     model = _model(dtype)
     if start_model is not None:
         model.load_state_dict(start_model)
-    nvme = dict(offload="nvme", swap_dir=swap_dir, sub_group_size=1024) if swap_dir else {}
+    nvme = dict(offload="nvme", swap_dir=swap_dir, sub_group_size=1024, resume=resume) if swap_dir else {}
     opt = offload.AdamW(model.parameters(), stage=stage, max_grad_norm=max_grad_norm, process_group=group,
                         **HP, **nvme)
     if start_sd is not None:
@@ -176,6 +177,12 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
             scheduler.step()
     if save_dir is not None:
         opt.save_checkpoint(save_dir)
+    if leave_swap:  # what a killed process leaves: the swap directory, its lock free
+        sw = opt._store._swap
+        sw._finalizer.detach()
+        sw.pipeline.close()
+        sw.store.close(remove=False)
+        return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
     opt.state_dict_rank0_only = rank0_only
     sd = opt.state_dict()
     report = opt.memory_report()
@@ -451,6 +458,19 @@ def test_nvme_checkpoint_of_2_ranks_loads_on_3_ranks_and_on_2(pool, tmp_path):
         for r in res:
             _assert_params(r["params"], ref)
         assert os.listdir(tmp_path / swap) == []
+
+
+def test_nvme_resume_on_3_ranks(pool, tmp_path):
+    # Each rank reopens its own swap directory: steps from the manifest, params rebuilt from
+    # the swapped masters (this rank's pieces) and all-gathered; a fresh model to start from.
+    pool.run("job_train", 3, stage=2, steps=4, swap_dir=str(tmp_path), leave_swap=True)
+    assert sorted(os.listdir(tmp_path)) == [f"offload-flat.rank{r}" for r in range(3)]
+    res = pool.run("job_train", 3, stage=2, steps=4, first_step=4, swap_dir=str(tmp_path), resume=True,
+                   start_model=_model(seed=7).state_dict())
+    ref, _ = _reference(8)
+    for r in res:
+        _assert_params(r["params"], ref)
+    assert os.listdir(tmp_path) == []
 
 
 def test_ddp_wrapped_model_with_grads_already_averaged(pool):
