@@ -157,6 +157,7 @@ from offload.swap.pipeline import SwapPipeline
 from test_flat_swap import HP, _model, train
 
 swap, mode = sys.argv[1], sys.argv[2]
+torch.set_num_threads(int(sys.argv[3]))  # the parent's: the same forward/backward sums
 model = _model()
 opt = offload.AdamW(model.parameters(), offload="nvme", swap_dir=swap, sub_group_size=1024, **HP)
 state = {"step": 0}
@@ -185,7 +186,7 @@ for s in range(100):
 def test_kill_9_mid_step_then_resume_is_bit_exact(tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
-    p = run_python(_CHILD, str(swap), "kill")
+    p = run_python(_CHILD, str(swap), "kill", str(torch.get_num_threads()))
     assert p.stdout.readline().strip() == "ready", p.stderr.read()
     assert p.stdout.readline().strip() == "mid", p.stderr.read()
     p.send_signal(signal.SIGKILL)
@@ -205,7 +206,7 @@ def test_kill_9_mid_step_then_resume_is_bit_exact(tmp_path):
 
 
 def test_resume_checks_the_params_and_their_layout(tmp_path):
-    p = run_python(_CHILD, str(tmp_path), "exit")
+    p = run_python(_CHILD, str(tmp_path), "exit", str(torch.get_num_threads()))
     assert p.wait() == 0, p.stderr.read()
     other = nn.Linear(4, 4).bfloat16()
     with pytest.raises(ValueError, match="another run or layout: numel"):

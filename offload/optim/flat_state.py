@@ -69,6 +69,7 @@ import dataclasses
 import logging
 import time
 import weakref
+from collections import deque
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -324,10 +325,10 @@ class FlatState:
             copy_stream.wait_current()
         if self._nvme:
             return self._step_swapped(batches, t_grads)
+        if self.world > 1:
+            return self._step_partitioned(kernel, batches, t_grads)
         t_kernel = t_h2d = 0.0
         for hyper, items in batches:
-            if self.world > 1:
-                hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * self._factor)
             kw_base = None
             for p, g, step in items:
                 fg, i = self._where[p]
@@ -336,38 +337,77 @@ class FlatState:
                 tk, th = self._step_param(kernel, fg, i, g, kw_base[1])
                 t_kernel += tk
                 t_h2d += th
-        t_ag = time.perf_counter()
-        if self.world > 1:
-            for fg in self._groups:
-                fg.all_gather_params(self.group)
-        t_ag = time.perf_counter() - t_ag
         for _, copy_stream in self._streams.values():
             copy_stream.current_waits()  # the next forward reads the params copied above
-        return {"grad_transfer": t_grads, "kernel": t_kernel, "h2d": t_h2d, "allgather": t_ag}
+        return {"grad_transfer": t_grads, "kernel": t_kernel, "h2d": t_h2d, "allgather": 0.0}
+
+    # [Note: all-gather overlap] Several ranks: the shard is stepped bucket by bucket (the
+    # buckets of the grad reduction) and each bucket's all-gather starts as soon as its
+    # kernel is done, so it travels while the CPU computes the next bucket; two are in
+    # flight at once (gather slots 0 and 1, see FlatGroup.all_gather_bucket_async). Every
+    # rank gathers every bucket in the same order (a collective), whether or not its own
+    # part of the bucket had grads. With NCCL the gather runs on NCCL's stream; with gloo on
+    # gloo's thread.
+    def _step_partitioned(self, kernel, batches, t_grads: float) -> Dict[str, float]:
+        kws: Dict[Tuple[int, int], dict] = {}
+        for hyper, items in batches:
+            hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * self._factor)
+            by_step: Dict[int, dict] = {}
+            for p, _, step in items:
+                fg, i = self._where[p]
+                if step not in by_step:
+                    by_step[step] = hyper.kernel_kwargs(step)
+                kws[(id(fg), i)] = by_step[step]
+        t_kernel = t_ag = 0.0
+        for fg in self._groups:
+            start = fg.layout.shard_range()[0]
+            pending = deque()
+            for k, (a, b) in enumerate(fg.bucket_ranges()):
+                t = time.perf_counter()
+                for pc in fg.layout.pieces(start + a, start + b):
+                    kw = kws.get((id(fg), pc.index))
+                    if kw is None:
+                        continue  # no grad on any rank this step: not stepped (as torch)
+                    s = slice(pc.lo - start, pc.hi - start)
+                    kernel.adam_step(fg.master[s], fg.gshard[s], fg.exp_avg[s], fg.exp_avg_sq[s],
+                                     param_lowp=fg.lowp_shard[s] if fg.lowp else None,
+                                     num_threads=self._threads, **kw)
+                t1 = time.perf_counter()
+                t_kernel += t1 - t
+                if len(pending) == 2:
+                    work, finish = pending.popleft()
+                    work.wait()
+                    finish()
+                pending.append(fg.all_gather_bucket_async(a, b, k % 2, self.group))
+                t_ag += time.perf_counter() - t1
+            t = time.perf_counter()
+            while pending:
+                work, finish = pending.popleft()
+                work.wait()
+                finish()
+            t_ag += time.perf_counter() - t
+        return {"grad_transfer": t_grads, "kernel": t_kernel, "h2d": 0.0, "allgather": t_ag}
 
     def _step_param(self, kernel, fg: FlatGroup, i: int, g: torch.Tensor, kw: dict) -> Tuple[float, float]:
+        """One rank: step param ``i`` (cut into sub-groups for CUDA params) and send it."""
         piece = fg.layout.owned(i)
         if piece is None:
             return 0.0, 0.0
         start = fg.layout.shard_range()[0]
         off = fg.layout.offsets[i]
         p = fg.params[i]
-        if self.world > 1:
-            grad, gbase = fg.gshard, -start  # indexed by flat position + gbase
-        elif fg.host_grad is not None:
+        if fg.host_grad is not None:
             grad, gbase = self._host_grad(fg, i, g), -off
         else:
             grad, gbase = _flat_cpu(g), -off
         pflat = fg.flat_param(i)
         copy_back = False
-        if self.world == 1 and pflat is None:  # non-contiguous CPU param: update a copy
+        if pflat is None:  # non-contiguous CPU param: update a copy
             pflat, copy_back = p.detach().reshape(-1).clone(), True
         # Where the kernel writes the low-precision copy of the updated master, and what
-        # (with one rank) goes to the param after the kernel.
+        # goes to the param after the kernel.
         lowp, lbase, send = None, 0, None
-        if self.world > 1:
-            lowp, lbase = (fg.lowp_shard, -start) if fg.lowp else (None, 0)
-        elif fg.stage is not None:
+        if fg.stage is not None:
             lowp, lbase, send = fg.stage, -start, fg.stage  # CUDA bf16/fp16: via pinned staging
         elif fg.lowp:
             lowp, lbase = pflat, -off  # CPU bf16/fp16: straight into the param

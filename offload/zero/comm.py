@@ -131,6 +131,17 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
     _AG(out, inp, group=group)
 
 
+def all_gather_async(out: torch.Tensor, inp: torch.Tensor, group: Any = None):
+    """``all_gather`` started asynchronously; returns a handle with ``wait()``."""
+    world, _ = world_and_rank(group)
+    if out.numel() != world * inp.numel():
+        raise ValueError(f"all_gather: output has {out.numel()} elements, expected {world} x {inp.numel()}")
+    if world == 1:
+        all_gather(out, inp, group)
+        return _Done()
+    return _AG(out, inp, group=group, async_op=True)
+
+
 def broadcast(t: torch.Tensor, src_group_rank: int, group: Any = None) -> None:
     """Broadcast ``t`` from the rank ``src_group_rank`` *of group* to all its ranks."""
     if world_and_rank(group)[0] == 1:

@@ -211,30 +211,49 @@ class FlatGroup:
                 self.gshard[a:b].copy_(out)
         return work, finish
 
+    def _gather_source(self, a: int, b: int) -> torch.Tensor:
+        """This rank's updated values of shard-local [a, b) in the param dtype."""
+        src = self.lowp_shard if self.lowp else self.master
+        if src is not None:
+            return src[a:b]
+        # fp32 params with the master swapped: this rank's piece of each param holds them
+        part = torch.zeros(b - a, dtype=self.dtype, device=self.device)
+        self.shard_values(a, b, part)
+        return part
+
+    def _scatter_gathered(self, out: torch.Tensor, a: int, n: int) -> None:
+        """Every rank's [a, a + n) of its shard, gathered in ``out`` -> the params."""
+        S = self.layout.shard
+        for r in range(self.world):
+            lo = r * S + a
+            for pc in self.layout.pieces(lo, lo + n):
+                p = self.params[pc.index].detach()
+                chunk = out[r * n + pc.lo - lo:r * n + pc.hi - lo]
+                if p.is_contiguous():
+                    p.view(-1)[pc.param_offset:pc.param_offset + pc.numel].copy_(chunk)
+                else:
+                    flat = p.reshape(-1).clone()
+                    flat[pc.param_offset:pc.param_offset + pc.numel].copy_(chunk)
+                    p.copy_(flat.view_as(p))
+
     def all_gather_params(self, group: Any) -> None:
         """Every rank's updated shard -> every rank's params, bucket by bucket."""
-        src = self.lowp_shard if self.lowp else self.master
-        S, W = self.layout.shard, self.world
-        for a, b in split_ranges(0, S, self.chunk):
-            n = b - a
-            out = self.gather[:W * n]
-            if src is None:  # fp32 params with the master swapped: this rank's piece of each param
-                part = torch.zeros(n, dtype=self.dtype, device=self.device)
-                self.shard_values(a, b, part)
-            else:
-                part = src[a:b]
-            comm.all_gather(out, part.to(out.device), group)
-            for r in range(W):
-                lo = r * S + a
-                for pc in self.layout.pieces(lo, lo + n):
-                    p = self.params[pc.index].detach()
-                    chunk = out[r * n + pc.lo - lo:r * n + pc.hi - lo]
-                    if p.is_contiguous():
-                        p.view(-1)[pc.param_offset:pc.param_offset + pc.numel].copy_(chunk)
-                    else:
-                        flat = p.reshape(-1).clone()
-                        flat[pc.param_offset:pc.param_offset + pc.numel].copy_(chunk)
-                        p.copy_(flat.view_as(p))
+        W = self.world
+        for a, b in self.bucket_ranges():
+            out = self.gather[:W * (b - a)]
+            comm.all_gather(out, self._gather_source(a, b).to(out.device), group)
+            self._scatter_gathered(out, a, b - a)
+
+    def all_gather_bucket_async(self, a: int, b: int, slot: int, group: Any):
+        """Start the all-gather of shard-local bucket [a, b) into gather slot 0 or 1; returns
+        (handle, finish): ``handle.wait()`` then ``finish()`` writes the params. Slot 1 is
+        the grad send buffer seen in the param dtype: free once the grads are reduced, so
+        two buckets in flight cost no memory of their own."""
+        n, W = b - a, self.world
+        buf = self.gather if slot == 0 else self.send.view(self.dtype)
+        out = buf[:W * n]
+        work = comm.all_gather_async(out, self._gather_source(a, b).to(out.device), group)
+        return work, lambda: self._scatter_gathered(out, a, n)
 
     def write_params(self, group: Any) -> None:
         """The params <- their masters (rounded to the param dtype), on every rank."""
