@@ -5,7 +5,7 @@ blocks, queue depth 32; uring vs threads vs aiofiles vs fio io_uring/libaio with
 huge-page buffers), contenders interleaved loop by loop, and prints the table and a final JSON
 line with the ratios. Any ``offload bench-io`` option can be added to override the defaults::
 
-    python bench/io.py --dir /path/on/the/disk [--size 4GiB --loops 3 ...]
+    python bench/io.py --dir /path/on/the/disk [--size 4GiB --loops 5 ...]
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def deepspeed_contender():
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bench_io.add_arguments(p)
-    p.set_defaults(size=4 << 30, fio=True, loops=3)
+    p.set_defaults(size=4 << 30, fio=True, loops=5)  # 3 loops: single runs spread 0.89-1.12x (RESULTS.md)
     args = p.parse_args(argv)
     ds = deepspeed_contender()
     rows, ctx = bench_io.sweep(args, extra={"deepspeed": ds} if ds else None)
