@@ -3,6 +3,7 @@ with its optimizer states in NVMe swap files.
 
     .venv/bin/python bench/e2e.py                       # ~1B params, 3 steps, 2 GiB of host buffers
     .venv/bin/python bench/e2e.py --params 200M --steps 4 --ram-budget 12GiB
+    .venv/bin/python bench/e2e.py --dtype bfloat16      # bf16 params: fp32 masters swapped too
 
 The model is the demo's TinyGPT (offload.demo) scaled with ``--params``; the loop is the
 demo's (forward, backward, ``opt.step()``). Each contender runs in its own process so that
@@ -14,7 +15,9 @@ its peak RSS is its own:
 - ``torch.optim.AdamW(fused=True)`` (torch's fastest CPU path; its default for CPU tensors
   is the much slower single-tensor loop) with everything in RAM, run only when the planner
   (``offload.plan.estimate``) says it fits in ``--ram-budget``; otherwise "does not fit"
-  with the planner's bytes.
+  with the planner's bytes. With ``--dtype bfloat16`` the in-RAM contender is not run (torch's
+  AdamW on bf16 params keeps no fp32 master: another algorithm); the planner's figure for the
+  same states in RAM (``offload="cpu"``) is printed instead.
 
 Prints a table and, last, one JSON line.
 """
@@ -42,7 +45,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     cfg = DemoConfig(params=args.params, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                      offload="nvme", swap_parent=args.swap_dir, max_host_bytes=args.max_host_bytes,
-                     lr=args.lr, warmup=1, seed=0, torch_impl="fused")
+                     lr=args.lr, warmup=1, seed=0, torch_impl="fused", dtype=args.dtype)
     t0 = time.perf_counter()
 
     def progress(rec):
@@ -74,7 +77,8 @@ def _worker(args: argparse.Namespace) -> None:
 def _spawn(kind: str, args: argparse.Namespace, timeout: float) -> Dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--params", str(args.params),
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-           "--max-host-bytes", str(args.max_host_bytes), "--swap-dir", args.swap_dir, "--lr", repr(args.lr)]
+           "--max-host-bytes", str(args.max_host_bytes), "--swap-dir", args.swap_dir, "--lr", repr(args.lr),
+           "--dtype", args.dtype]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -85,7 +89,7 @@ def _spawn(kind: str, args: argparse.Namespace, timeout: float) -> Dict[str, Any
 def _plan(n: int, offload: str, args: argparse.Namespace):
     from offload.plan import estimate
 
-    return estimate(n, offload=offload, param_dtype=torch.float32, param_device="cpu",
+    return estimate(n, offload=offload, param_dtype=getattr(torch, args.dtype), param_device="cpu",
                     host_memory=args.ram_budget,
                     max_host_bytes=args.max_host_bytes if offload == "nvme" else None)
 
@@ -110,6 +114,8 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--ram-budget", type=parse_bytes, default=parse_bytes("12GiB"),
                     help="host memory the in-RAM AdamW may use (default 12 GiB of this 24 GiB machine)")
     ap.add_argument("--swap-dir", default=None)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="params dtype (bfloat16: the optimizer's fp32 masters go to the swap files too)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
     ap.add_argument("--worker", choices=("offload", "torch"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -119,24 +125,27 @@ def main(argv: Optional[list] = None) -> int:
         return 0
 
     n = config_for_params(args.params, block_size=args.seq_len).num_params
-    plan_ram, plan_nvme = _plan(n, "none", args), _plan(n, "nvme", args)
+    plan_ram = _plan(n, "none" if args.dtype == "float32" else "cpu", args)
+    plan_nvme = _plan(n, "nvme", args)
     print(f"e2e: TinyGPT {n:,} params, batch {args.batch_size} x {args.seq_len} tokens, {args.steps} steps, "
           f"{torch.get_num_threads()} torch threads, swap under {args.swap_dir}, "
           f"max_host_bytes {fmt_bytes(args.max_host_bytes)}, RAM budget {fmt_bytes(args.ram_budget)}")
-    print(f"planner, in-RAM AdamW: host {fmt_bytes(plan_ram.host_bytes)} (params, grads, exp_avg, exp_avg_sq) -> "
+    print(f"planner, in-RAM AdamW: host {fmt_bytes(plan_ram.host_bytes)} (params, grads, "
+          f"{'exp_avg, exp_avg_sq' if args.dtype == 'float32' else 'fp32 master, exp_avg, exp_avg_sq'}) -> "
           f"{'fits' if plan_ram.fits['host'] else 'DOES NOT FIT'} in {fmt_bytes(args.ram_budget)}")
     print(f"planner, nvme offload: host {fmt_bytes(plan_nvme.host_bytes)} (params, grads, I/O buffers), "
           f"nvme {fmt_bytes(plan_nvme.per_rank['nvme'])}")
 
     ours = _spawn("offload", args, args.timeout)
-    ref = _spawn("torch", args, args.timeout) if plan_ram.fits["host"] else None
+    ref = _spawn("torch", args, args.timeout) if plan_ram.fits["host"] and args.dtype == "float32" else None
+    no_ref = "does not fit" if not plan_ram.fits["host"] else "not run (bf16)"
 
     stats = (ours.get("step_stats") or {}).get("mean") or {}
     tiers = (ours.get("memory_report") or {}).get("tiers") or {}
     rows = [
         ("params", f"{n:,}", ""),
         ("iteration (fwd+bwd+step), median of steps 2..", f"{ours['iter_s_median']:.2f} s",
-         f"{ref['iter_s_median']:.2f} s" if ref else "does not fit"),
+         f"{ref['iter_s_median']:.2f} s" if ref else no_ref),
         ("opt.step, median of steps 2..", f"{ours['opt_step_s_median']:.2f} s",
          f"{ref['opt_step_s_median']:.2f} s" if ref else "-"),
         ("peak RSS", fmt_bytes(ours['peak_rss']),
@@ -156,7 +165,7 @@ def main(argv: Optional[list] = None) -> int:
     if ours["leftover_files"]:
         print(f"  WARNING: files left in the swap directory: {ours['leftover_files']}")
     result = {
-        "bench": "e2e", "params": n, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "bench": "e2e", "dtype": args.dtype, "params": n, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "max_host_bytes": args.max_host_bytes, "ram_budget": args.ram_budget,
         "offload": {k: ours[k] for k in ("iter_s_median", "opt_step_s_median", "peak_rss", "swap_bytes_on_disk",
                                          "losses", "wall_s")},

@@ -52,6 +52,9 @@ class DemoConfig:
     """``"nvme"`` (states in swap files), ``"cpu"`` (host memory) or ``"none"``."""
     device: str = "cpu"
     """Where the model runs: ``"cpu"`` or ``"cuda"``."""
+    dtype: str = "float32"
+    """The params' dtype: ``"float32"`` (on the CPU they are their own fp32 master) or
+    ``"bfloat16"`` (the optimizer keeps fp32 masters: in swap files with ``offload="nvme"``)."""
     swap_parent: Optional[str] = None
     """Directory in which the run's temporary swap directory is made (None: see
     ``default_swap_parent``)."""
@@ -80,6 +83,8 @@ class DemoConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
     @property
     def model_config(self) -> GPTConfig:
@@ -245,7 +250,7 @@ def run(cfg: DemoConfig, optimizer: str = "offload", *, steps: Optional[int] = N
     device = torch.device(cfg.device)
     mcfg = cfg.model_config
     torch.manual_seed(cfg.seed)
-    model = TinyGPT(mcfg).to(device)
+    model = TinyGPT(mcfg).to(device=device, dtype=getattr(torch, cfg.dtype))
     data = Batches(batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed)
 
     use_swap = optimizer == "offload" and cfg.offload == "nvme"
