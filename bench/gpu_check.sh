@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for the offload library, in under 8 minutes on one CUDA GPU (made for an H200):
 #   1. versions (python, torch, CUDA, GPU, kernel backend);
-#   2. the CUDA-marked tests (tests/test_cuda.py: streams, hooks, copies, vs torch.optim.AdamW);
+#   2. the CUDA-marked tests (tests/test_cuda.py: streams, hooks, copies, vs torch.optim.AdamW,
+#      swapped masters; tests/test_memory.py: cudaHostRegister'd pool buffers);
 #   3. a short benchmark: bf16 params whose fp32 Adam states exceed a device-memory budget,
 #      offload="cpu", step time with overlapping side streams vs synchronous copies, and the
 #      profiler's stream timeline summary (bench/offload_step.py --gpu).
@@ -55,7 +56,7 @@ print("kernel backend", get_backend().name, backend_status())
 EOF
 
 say "CUDA-marked tests"
-PYTHONPATH=. timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py || fails=$((fails + 1))
+PYTHONPATH=. timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests || fails=$((fails + 1))
 
 say "GPU benchmark: offload='cpu', overlap vs synchronous copies"
 PYTHONPATH=. timeout 180 "$PY" bench/offload_step.py --gpu "$@" || fails=$((fails + 1))

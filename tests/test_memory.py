@@ -211,6 +211,7 @@ def test_pin_true_without_cuda_is_an_error():
         BufferPool(pin=True)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_buffers_copy_asynchronously():
     with BufferPool(pin=True, region_bytes=2 << 20) as p:
