@@ -242,8 +242,6 @@ def test_state_dict_moves_between_nvme_cpu_and_torch(tmp_path):
         o.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: load_state_dict keeps the old moments of params that have no "
-                                       "state in the loaded dict (torch starts them from zero)")
 def test_load_state_dict_without_state_for_a_param_starts_it_fresh(tmp_path):
     # Roll back to a state_dict taken before `side` ever had a grad: as torch, `side` must
     # then have no state at all (step 0, zero moments), not the moments of the abandoned run.
@@ -327,8 +325,6 @@ def test_bad_checkpoints_are_refused_and_nothing_is_loaded(tmp_path):
     opt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: load_checkpoint with offload='nvme' and only 0-element params "
-                                       "raises TypeError (FlatGroup.write_params reads master=None)")
 def test_checkpoint_of_params_without_elements(tmp_path):
     ps = [nn.Parameter(torch.zeros(0, dtype=torch.bfloat16)), nn.Parameter(torch.zeros(3, 0, dtype=torch.bfloat16))]
     opt = offload.AdamW(ps, offload="nvme", swap_dir=str(tmp_path / "swap"), **HP)
@@ -374,8 +370,6 @@ def test_verify_and_resume_continue_bit_exact(tmp_path):
     assert os.listdir(tmp_path / "swap") == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a resume that fails while restoring the params (checksum "
-                                       "mismatch) deletes the swap directory it was asked to resume")
 def test_failed_resume_keeps_the_swap_directory(tmp_path):
     d = _crashed_run(tmp_path / "swap")
     man = json.load(open(d / "manifest.json"))
@@ -558,8 +552,6 @@ def test_close_second_optimizer_on_one_dir_and_garbage_collection(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: with the grad-hook path (CUDA params) the param hooks keep the "
-                                       "store alive: del opt + gc leaves the swap files until the model dies")
 def test_garbage_collection_with_grad_hooks_removes_the_files(tmp_path, monkeypatch):
     monkeypatch.setattr(FlatState, "copy_cpu_grads", True)  # the CUDA params' path, on the CPU
     m = _model()
@@ -570,8 +562,6 @@ def test_garbage_collection_with_grad_hooks_removes_the_files(tmp_path, monkeypa
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: add_param_group refused with offload='nvme' still appends the "
-                                       "group to opt.param_groups (next step: KeyError)")
 def test_refused_add_param_group_leaves_the_optimizer_as_it_was(tmp_path):
     m = _model()
     opt = _nvme(m, tmp_path, sub_group_size=1024)
@@ -584,8 +574,6 @@ def test_refused_add_param_group_leaves_the_optimizer_as_it_was(tmp_path):
     opt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: step()/state_dict() after close() fail with KeyError/AttributeError "
-                                       "instead of a clear error")
 def test_use_after_close_is_a_clear_error(tmp_path):
     m = _model()
     opt = _nvme(m, tmp_path, sub_group_size=1024)

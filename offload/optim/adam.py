@@ -109,6 +109,7 @@ class _AdamBase(Optimizer):
             decoupled_weight_decay=decoupled_weight_decay,
         )
         self._store = None
+        self._closed = False
         super().__init__(params, defaults)
 
         self.config = OffloadConfig(
@@ -163,7 +164,14 @@ class _AdamBase(Optimizer):
         super().add_param_group(param_group)
         if self._store is None:
             return
-        group = self.param_groups[-1]
+        try:
+            self._check_open()
+            self._store_add_group(self.param_groups[-1])
+        except BaseException:
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise
+
+    def _store_add_group(self, group: Dict[str, Any]) -> None:
         add = getattr(self._store, "add_param_group", None)
         if add is not None:
             add(group)
@@ -176,6 +184,11 @@ class _AdamBase(Optimizer):
         base = len(self._all_params()) - len(group["params"])
         for i, p in enumerate(group["params"]):
             check(base + i, p)
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"{type(self).__name__} is closed: close() released its states and swap files; "
+                               "build a new optimizer (and load_checkpoint() to continue)")
 
     # ---------------------------------------------------------------- the step
     def _hyper(self, group: Dict[str, Any], grad_scale: float) -> AdamHyper:
@@ -254,6 +267,7 @@ class _AdamBase(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -305,6 +319,7 @@ class _AdamBase(Optimizer):
 
     # ---------------------------------------------------------------- state_dict
     def state_dict(self) -> Dict[str, Any]:
+        self._check_open()
         sd = super().state_dict()
         if isinstance(self._store, HostState):
             return sd
@@ -320,16 +335,19 @@ class _AdamBase(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._check_open()
         super().load_state_dict(state_dict)
         if isinstance(self._store, HostState):
             return
         for p in self._all_params():
-            st = self.state.get(p)
-            if not st:
-                continue
+            st = self.state.get(p) or {}
             moments = {k: st.pop(k) for k in ("exp_avg", "exp_avg_sq") if k in st}
             if moments:
                 self._store.import_state(p, moments)
+            else:
+                # As torch: a param without state in the loaded dict starts afresh (zero
+                # moments, step 0), not with the moments this optimizer held before.
+                self._store.reset_state(p)
         flush = getattr(self._store, "flush", None)
         if flush is not None:  # swap stores: the loaded states and steps are on disk from here on
             flush()
@@ -351,6 +369,7 @@ class _AdamBase(Optimizer):
         return self._stats.summary()
 
     def save_checkpoint(self, directory: str) -> None:
+        self._check_open()
         save = getattr(self._store, "save_checkpoint", None)
         if save is None:
             raise NotImplementedError(
@@ -359,6 +378,7 @@ class _AdamBase(Optimizer):
         save(directory)
 
     def load_checkpoint(self, directory: str) -> None:
+        self._check_open()
         load = getattr(self._store, "load_checkpoint", None)
         if load is None:
             raise NotImplementedError(
@@ -367,9 +387,11 @@ class _AdamBase(Optimizer):
         load(directory)
 
     def close(self) -> None:
-        """Release host buffers and remove swap files (also done at interpreter exit)."""
+        """Release host buffers and remove swap files (also done at interpreter exit).
+        Idempotent; the optimizer cannot step afterwards."""
         if self._store is not None:
             self._store.close()
+        self._closed = True
 
     def __enter__(self):
         return self

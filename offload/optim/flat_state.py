@@ -144,10 +144,12 @@ class FlatState:
         if self._nvme:
             self._open_swap(opt)
         self._rib: Optional[BackwardReducer] = None
+        me = weakref.ref(self)  # hooks live on the params, which outlive us: never a strong ref
         if self.reduce_in_backward and self.world > 1 and self._groups:
             self._rib = BackwardReducer(self._groups, group=self.group, stage=self.stage, comm_dev=self._comm_dev,
                                         inflight=self.inflight,
-                                        disabled=lambda: bool(getattr(self._opt(), "grads_already_averaged", False)))
+                                        disabled=lambda: me() is None or bool(
+                                            getattr(me()._opt(), "grads_already_averaged", False)))
             self._hooks.extend(self._rib.register())
         self._hooks.append(opt.register_step_pre_hook(self._pre_step))
         self._hooks.append(opt.register_load_state_dict_pre_hook(self._pre_load))
@@ -179,7 +181,7 @@ class FlatState:
             for i, p in enumerate(members):
                 self._where[p] = (fg, i)
                 if hook_path and p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
             if device.type == "cuda" and device not in self._streams:
                 # grad: D2H grad copies, overlapping the rest of backward. copy: H2D param
                 # copies, overlapping the CPU kernel of the next sub-group. [Note: streams of
@@ -467,8 +469,13 @@ class FlatState:
                                    num_threads=self._threads, rank=self.rank, run_name="flat")
         if cfg.resume:
             # The master of the last finished step is the truth: steps and params follow it.
-            self._set_steps(self._swap.resumed_extra.get("steps") or [])
-            self._params_from_swap()
+            try:
+                self._set_steps(self._swap.resumed_extra.get("steps") or [])
+                self._params_from_swap()
+            except BaseException:
+                self._swap.close(remove=False)  # keep what we were asked to resume
+                self._swap = None
+                raise
         else:
             self._swap.initialise(lambda k, lo, hi, out: self._groups[k].shard_values(lo, hi, out))
 
@@ -634,6 +641,21 @@ class FlatState:
             if key in full:
                 getattr(fg, key)[s].copy_(full[key].detach().reshape(-1)[ps])
 
+    def reset_state(self, p: torch.Tensor) -> None:
+        """Zero moments for ``p`` (loading a state_dict without state for it; as torch)."""
+        fg, i = self._where[p]
+        piece = fg.layout.owned(i)
+        if piece is None:
+            return
+        start = fg.layout.shard_range()[0]
+        lo, hi = piece.lo - start, piece.hi - start
+        if fg.swapped:
+            z = torch.zeros(hi - lo, dtype=torch.float32)
+            self._swap.write(self._groups.index(fg), lo, hi, {"exp_avg": z, "exp_avg_sq": z})
+        else:
+            fg.exp_avg[lo:hi].zero_()
+            fg.exp_avg_sq[lo:hi].zero_()
+
     def _pre_load(self, opt, state_dict):
         self._stash = {}
         order = [p for g in opt.param_groups for p in g["params"]]
@@ -715,6 +737,8 @@ class FlatState:
             return
         meta = load_shards(directory, self._groups)
         self._set_steps(meta.get("steps") or [0] * len(self._order))
+        if self._nvme:
+            return  # offload="nvme" without a swap store: the params have no element at all
         for fg in self._groups:
             fg.write_params(self.group)
 
@@ -767,6 +791,18 @@ class FlatState:
                 pool.close()
         except BufferError as exc:  # a caller still holds a view; the OS reclaims it at exit
             log.warning("flat store: %s", exc)
+
+
+def _weak_hook(store: "FlatState"):
+    """A grad hook that reaches the store through a weak reference: a param (which outlives
+    the optimizer) must not keep the store, its buffers and its swap files alive."""
+    ref = weakref.ref(store)
+
+    def hook(p: torch.Tensor) -> None:
+        s = ref()
+        if s is not None:
+            s._grad_ready(p)
+    return hook
 
 
 def _flat_cpu(g: torch.Tensor) -> torch.Tensor:

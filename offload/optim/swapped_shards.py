@@ -185,8 +185,11 @@ class SwappedShards:
             self._cache.mark_dirty()
 
     def flush(self) -> None:
+        """Commit pending writes, and the metadata when it changed (steps after a load)."""
         if not self._cache.flush(self._meta):
-            self.store.commit({}, self._meta(), advance=False)
+            meta = self._meta()
+            if meta != self.store.extra:
+                self.store.commit({}, meta, advance=False)
 
     # ------------------------------------------------------------------ the step
     def step(self, items: Sequence[WorkItem]) -> Dict[str, float]:
@@ -258,8 +261,16 @@ class SwappedShards:
         pinned, pageable = self.pipeline.host_bytes_by_kind()
         return {"device": 0, "pinned": pinned, "pageable": pageable, "nvme": self.store.disk_bytes()}
 
-    def close(self) -> None:
-        """Release the buffers and remove the swap directory."""
-        self._cache.dirty = False  # the directory goes: nothing to flush
+    def close(self, *, remove: bool = True) -> None:
+        """Release the buffers and remove the swap directory (``remove=False``: keep it,
+        unlocked, e.g. after a resume that failed: it still holds the last finished step)."""
+        self._cache.dirty = False  # nothing to flush: the directory goes, or stays as committed
         self._cache.group = None
-        self._finalizer()
+        if remove:
+            self._finalizer()
+            return
+        if self._finalizer.detach() is not None:
+            try:
+                self.pipeline.close()
+            finally:
+                self.store.close(remove=False)

@@ -373,6 +373,13 @@ class SwappedState:
         self._meta_dirty = False  # committed with the data
         return self._extra(self._steps)
 
+    def reset_state(self, p: torch.Tensor) -> None:
+        """Zero moments and step 0 for ``p`` (loading a state_dict without state for it)."""
+        if self.step_of(p) == 0:
+            return  # never stepped: its moments are zeros already
+        z = torch.zeros(p.numel(), dtype=torch.float32)
+        self.write_state(p, z, z, step=0)
+
     def flush(self) -> None:
         """Write the cached sub-group changed by write_state() into its free slot and commit
         (the manifest flips only that sub-group; the step count does not advance)."""

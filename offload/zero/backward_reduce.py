@@ -54,11 +54,17 @@ class BackwardReducer:
     def register(self) -> list:
         """Hook every param that takes grads; returns the hook handles."""
         handles = []
+        me = weakref.ref(self)  # the params outlive us: their hooks must not keep us alive
+
+        def hook(p: torch.Tensor, key: Tuple[int, int]) -> None:
+            reducer = me()
+            if reducer is not None:
+                reducer._hook(key)
         for gi, fg in enumerate(self.groups):
             for i, p in enumerate(fg.params):
                 if p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(
-                        lambda p, key=(gi, i): self._hook(key)))
+                        lambda p, key=(gi, i): hook(p, key)))
         return handles
 
     def forget(self) -> None:
