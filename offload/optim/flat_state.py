@@ -416,8 +416,6 @@ class FlatState:
         else:
             send = fg.master  # fp32 params: the master itself is copied
         t_kernel = t_h2d = 0.0
-        _, copy_stream = self._streams.get(p.device, (None, None))
-        async_copy = copy_stream is not None and self.overlap
         sub = self._sub if (p.device.type == "cuda" or self._sub_user) else piece.numel
         for a, b in split_ranges(piece.lo, piece.hi, sub):
             s = slice(a - start, b - start)
@@ -431,12 +429,7 @@ class FlatState:
                 # Send this sub-group to the param; on CUDA the copy stream does it while
                 # the CPU computes the next sub-group.
                 t = time.perf_counter()
-                dst = pflat[a - off:b - off]
-                if async_copy:
-                    with copy_stream.context():
-                        dst.copy_(send[s], non_blocking=True)
-                else:
-                    dst.copy_(send[s])
+                self._to_param(pflat[a - off:b - off], send[s])
                 t_h2d += time.perf_counter() - t
         if copy_back:
             p.detach().copy_(pflat.view_as(p))
@@ -490,7 +483,8 @@ class FlatState:
         dst = None if flat is None else flat[pc.param_offset:pc.param_offset + pc.numel]
         if fg.stage is not None:  # one rank, device bf16/fp16: via the pinned staging
             stage = fg.stage[s]
-            return stage, "lowp", lambda: self._send(p, pc, stage)
+            return stage, "lowp", lambda: self._to_param(
+                p.detach().view(-1)[pc.param_offset:pc.param_offset + pc.numel], stage)
         if dst is not None:
             return dst, ("lowp" if fg.lowp else "copy"), None
         tmp = torch.empty(pc.numel, dtype=p.dtype)  # non-contiguous CPU param: via a copy
@@ -501,10 +495,10 @@ class FlatState:
             p.detach().copy_(whole.view_as(p))
         return tmp, ("lowp" if fg.lowp else "copy"), put_back
 
-    def _send(self, p: torch.Tensor, pc, src: torch.Tensor) -> None:
-        """Staged values -> the device param; on the copy stream while the CPU goes on."""
-        dst = p.detach().view(-1)[pc.param_offset:pc.param_offset + pc.numel]
-        _, copy_stream = self._streams.get(p.device, (None, None))
+    def _to_param(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Updated values -> (a range of) a param; for a CUDA param on its device's copy
+        stream, so the CPU goes on with the next sub-group meanwhile."""
+        _, copy_stream = self._streams.get(dst.device, (None, None))
         if copy_stream is not None and self.overlap:
             with copy_stream.context():
                 dst.copy_(src, non_blocking=True)
@@ -643,6 +637,8 @@ class FlatState:
 
     def reset_state(self, p: torch.Tensor) -> None:
         """Zero moments for ``p`` (loading a state_dict without state for it; as torch)."""
+        if p not in getattr(self, "_stepped", ()):
+            return  # never stepped: its moments are zeros already (no swap read-modify-write)
         fg, i = self._where[p]
         piece = fg.layout.owned(i)
         if piece is None:
@@ -657,6 +653,9 @@ class FlatState:
             fg.exp_avg_sq[lo:hi].zero_()
 
     def _pre_load(self, opt, state_dict):
+        # Params that have moments now (before torch replaces opt.state): only those need
+        # reset_state() when the loaded dict has no state for them; the others hold zeros.
+        self._stepped = {p for p in self._order if self._has_state(p)}
         self._stash = {}
         order = [p for g in opt.param_groups for p in g["params"]]
         index = dict(enumerate(order))

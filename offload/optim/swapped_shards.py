@@ -41,13 +41,6 @@ WorkItem = Tuple[int, int, int, torch.Tensor, Dict[str, Any], Optional[torch.Ten
 Output = Tuple[int, int, int, torch.Tensor, str]
 
 
-def _emit(master: torch.Tensor, out: torch.Tensor, mode: str) -> None:
-    """out <- master, rounded to out's dtype (RNE, as the kernel's own copy)."""
-    if mode not in ("lowp", "copy"):
-        raise ValueError(f"output mode must be 'lowp' or 'copy', got {mode!r}")
-    out.copy_(master)
-
-
 class SwappedShards:
     """fp32 master + moments of shards of sizes ``sizes`` in one swap store.
 
@@ -154,8 +147,9 @@ class SwappedShards:
                 by_group.setdefault(g, []).append((s, a, b, out, mode, self.base[k] + lo))
         for g in sorted(by_group):
             master = self._cache.load(g, self._meta)[0]
-            for s, a, b, out, mode, start in by_group[g]:
-                _emit(master[a - s:b - s], out[a - start:b - start], mode)
+            for s, a, b, out, _, start in by_group[g]:
+                # either mode: the master rounded to out's dtype (RNE, as the kernel's own copy)
+                out[a - start:b - start].copy_(master[a - s:b - s])
 
     # ------------------------------------------------------------------ ranges
     def read(self, k: int, lo: int, hi: int, names: Sequence[str] = SHARD_STATES) -> Dict[str, torch.Tensor]:
