@@ -36,12 +36,16 @@ inline __m128i to_bf16(__m256 x) {
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
-template <int L>
+// STREAM: a non-temporal store, at 16-byte aligned addresses only (see adam_loop and
+// [Note: streamed lowp copy] in dispatch.cpp).
+template <int L, bool STREAM>
 inline void store_lowp(void *dst, int64_t i, __m256 x) {
     if (L < 0) return;
     __m128i h = (L == OFFLOAD_F16) ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                                    : to_bf16(x);
-    _mm_storeu_si128(reinterpret_cast<__m128i *>(static_cast<uint16_t *>(dst) + i), h);
+    __m128i *out = reinterpret_cast<__m128i *>(static_cast<uint16_t *>(dst) + i);
+    if (STREAM) _mm_stream_si128(out, h);
+    else _mm_storeu_si128(out, h);
 }
 
 struct VConsts {
@@ -55,7 +59,7 @@ struct VConsts {
 };
 
 // One vector of 8 at index i of the (possibly staged) buffers in b.
-template <int G, int L, bool L2, bool FROM_END>
+template <int G, int L, bool L2, bool FROM_END, bool STREAM = false>
 inline void adam_vec(const VConsts &c, const AdamBuffers &b, int64_t i) {
     __m256 g = _mm256_mul_ps(load_grad<G>(b.grad, i), c.gs);
     __m256 p = _mm256_loadu_ps(b.param + i);
@@ -71,19 +75,16 @@ inline void adam_vec(const VConsts &c, const AdamBuffers &b, int64_t i) {
     _mm256_storeu_ps(b.param + i, p);
     _mm256_storeu_ps(b.exp_avg + i, m);
     _mm256_storeu_ps(b.exp_avg_sq + i, v);
-    store_lowp<L>(b.lowp, i, p);
+    store_lowp<L, STREAM>(b.lowp, i, p);
 }
 
 inline size_t elem_size(int dtype) { return dtype == OFFLOAD_F32 ? 4 : 2; }
 
+// Elements [i, end), fewer than 8: staged through zero-padded copies and run as one full
+// vector, then the live part copied back.
 template <int G, int L, bool L2, bool FROM_END>
-void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
-    const VConsts vc(c);
-    int64_t i = begin;
-    for (; i + 8 <= end; i += 8) adam_vec<G, L, L2, FROM_END>(vc, b, i);
+void adam_partial(const VConsts &vc, const AdamBuffers &b, int64_t i, int64_t end) {
     int64_t left = end - i;
-    if (left <= 0) return;
-    // Tail: copy in, run one full vector on zero-padded copies, copy the live part back.
     alignas(32) float p[8] = {0}, m[8] = {0}, v[8] = {0}, g[8] = {0};
     alignas(32) uint16_t lowp[8] = {0};
     memcpy(p, b.param + i, left * 4);
@@ -91,12 +92,36 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
     memcpy(v, b.exp_avg_sq + i, left * 4);
     size_t gsz = elem_size(b.grad_dtype);
     memcpy(g, static_cast<const char *>(b.grad) + i * gsz, left * gsz);
-    AdamBuffers t{p, g, m, v, lowp, b.grad_dtype, b.lowp_dtype};
+    AdamBuffers t{p, g, m, v, lowp, b.grad_dtype, b.lowp_dtype, 0};
     adam_vec<G, L, L2, FROM_END>(vc, t, 0);
     memcpy(b.param + i, p, left * 4);
     memcpy(b.exp_avg + i, m, left * 4);
     memcpy(b.exp_avg_sq + i, v, left * 4);
     if (L >= 0) memcpy(static_cast<uint16_t *>(b.lowp) + i, lowp, left * 2);
+}
+
+template <int G, int L, bool L2, bool FROM_END>
+void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
+    const VConsts vc(c);
+    int64_t i = begin;
+    if constexpr (L >= 0) {
+        const uintptr_t addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t *>(b.lowp) + i);
+        if (b.stream_lowp && (addr & 1) == 0) {
+            // Peel up to the first 16-byte boundary of the copy, then stream.
+            int64_t peel = static_cast<int64_t>(((16 - (addr & 15)) & 15) / 2);
+            if (peel > end - i) peel = end - i;
+            if (peel > 0) {
+                adam_partial<G, L, L2, FROM_END>(vc, b, i, i + peel);
+                i += peel;
+            }
+            for (; i + 8 <= end; i += 8) adam_vec<G, L, L2, FROM_END, true>(vc, b, i);
+            if (i < end) adam_partial<G, L, L2, FROM_END>(vc, b, i, end);
+            _mm_sfence();  // streamed stores are weakly ordered: visible before we return
+            return;
+        }
+    }
+    for (; i + 8 <= end; i += 8) adam_vec<G, L, L2, FROM_END>(vc, b, i);
+    if (i < end) adam_partial<G, L, L2, FROM_END>(vc, b, i, end);
 }
 
 OFFLOAD_UNIT_DISPATCH_TEMPLATES

@@ -49,13 +49,16 @@ inline __m256i to_bf16(__m512 x) {
     return _mm512_cvtepi32_epi16(t);
 }
 
-template <int L, bool MASKED>
+// STREAM: a non-temporal store, for full vectors at 32-byte aligned addresses only (see
+// adam_loop and [Note: streamed lowp copy] in dispatch.cpp).
+template <int L, bool MASKED, bool STREAM>
 inline void store_lowp(void *dst, int64_t i, __m512 x, __mmask16 k) {
     if (L < 0) return;
     __m256i h = (L == OFFLOAD_F16) ? _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
                                    : to_bf16(x);
     uint16_t *out = static_cast<uint16_t *>(dst) + i;
     if (MASKED) _mm256_mask_storeu_epi16(out, k, h);
+    else if (STREAM) _mm256_stream_si256(reinterpret_cast<__m256i *>(out), h);
     else _mm256_storeu_si256(reinterpret_cast<__m256i *>(out), h);
 }
 
@@ -69,7 +72,7 @@ struct VConsts {
           nss(_mm512_set1_ps(c.neg_step_size)) {}
 };
 
-template <int G, int L, bool L2, bool FROM_END, bool MASKED>
+template <int G, int L, bool L2, bool FROM_END, bool MASKED, bool STREAM = false>
 inline void adam_vec(const VConsts &c, const AdamBuffers &b, int64_t i, __mmask16 k) {
     __m512 g = _mm512_mul_ps(load_grad<G, MASKED>(b.grad, i, k), c.gs);
     __m512 p = load<MASKED>(b.param + i, k);
@@ -85,18 +88,33 @@ inline void adam_vec(const VConsts &c, const AdamBuffers &b, int64_t i, __mmask1
     store<MASKED>(b.param + i, p, k);
     store<MASKED>(b.exp_avg + i, m, k);
     store<MASKED>(b.exp_avg_sq + i, v, k);
-    store_lowp<L, MASKED>(b.lowp, i, p, k);
+    store_lowp<L, MASKED, STREAM>(b.lowp, i, p, k);
 }
+
+inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
 template <int G, int L, bool L2, bool FROM_END>
 void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
     const VConsts vc(c);
     int64_t i = begin;
-    for (; i + 16 <= end; i += 16) adam_vec<G, L, L2, FROM_END, false>(vc, b, i, 0xFFFF);
-    if (i < end) {
-        __mmask16 k = static_cast<__mmask16>((1u << (end - i)) - 1u);
-        adam_vec<G, L, L2, FROM_END, true>(vc, b, i, k);
+    if constexpr (L >= 0) {
+        const uintptr_t addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t *>(b.lowp) + i);
+        if (b.stream_lowp && (addr & 1) == 0) {
+            // Peel (masked) up to the first 32-byte boundary of the copy, then stream.
+            int64_t peel = static_cast<int64_t>(((32 - (addr & 31)) & 31) / 2);
+            if (peel > end - i) peel = end - i;
+            if (peel > 0) {
+                adam_vec<G, L, L2, FROM_END, true>(vc, b, i, first_lanes(peel));
+                i += peel;
+            }
+            for (; i + 16 <= end; i += 16) adam_vec<G, L, L2, FROM_END, false, true>(vc, b, i, 0xFFFF);
+            if (i < end) adam_vec<G, L, L2, FROM_END, true>(vc, b, i, first_lanes(end - i));
+            _mm_sfence();  // streamed stores are weakly ordered: visible before we return
+            return;
+        }
     }
+    for (; i + 16 <= end; i += 16) adam_vec<G, L, L2, FROM_END, false>(vc, b, i, 0xFFFF);
+    if (i < end) adam_vec<G, L, L2, FROM_END, true>(vc, b, i, first_lanes(end - i));
 }
 
 OFFLOAD_UNIT_DISPATCH_TEMPLATES

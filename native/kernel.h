@@ -34,6 +34,9 @@ struct AdamBuffers {
     void *lowp;
     int grad_dtype;
     int lowp_dtype;  // -1: no lowp copy
+    // Nonzero: write the lowp copy with non-temporal stores (see [Note: streamed lowp copy]
+    // in dispatch.cpp). A hint only: the scalar unit ignores it, and the values are the same.
+    int stream_lowp;
 };
 
 // Update elements [begin, end). Returns 0 or -EINVAL for an unknown dtype.

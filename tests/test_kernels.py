@@ -281,6 +281,46 @@ def test_lowp_copy_after_steps(backend, dtype, grad_dtype):
     _close((p, m, v), ref)
 
 
+# Native SIMD units write copies of >= 2**20 elements with non-temporal stores, peeling to
+# the first aligned address ([Note: streamed lowp copy] in native/dispatch.cpp). The copy
+# starts at every alignment class here, with neighbours that must stay untouched, and the
+# update itself must be the one without a copy, bit for bit.
+STREAMED = 2**20 + 19
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("offset", [0, 1, 7, 9, 15])
+def test_streamed_lowp_copy_at_any_alignment(backend, dtype, offset):
+    p = _special_floats(STREAMED)
+    g, m, v = torch.zeros(STREAMED), torch.zeros(STREAMED), torch.zeros(STREAMED)
+    sentinel = torch.full((STREAMED + 32,), 0x1234, dtype=torch.int16)
+    buf = sentinel.clone().view(dtype)
+    lowp = buf[offset:offset + STREAMED]
+    backend.adam_step(p, g, m, v, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                      step=1, decoupled=True, param_lowp=lowp, num_threads=2)
+    _bits_equal(lowp, p.to(dtype))
+    raw = buf.view(torch.int16)
+    assert torch.equal(raw[:offset], sentinel[:offset])
+    assert torch.equal(raw[offset + STREAMED:], sentinel[offset + STREAMED:])
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["g32", "gbf16"])
+def test_streamed_lowp_copy_leaves_the_update_unchanged(backend, grad_dtype):
+    n = STREAMED
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    with_copy = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+    without = [p0.clone(), torch.zeros(n), torch.zeros(n)]
+    lowp = torch.empty(n + 3, dtype=torch.bfloat16)[3:]  # misaligned on purpose
+    for s, g in enumerate(_grads(n, 3, 7, grad_dtype), start=1):
+        backend.adam_step(*with_copy[:1], g, *with_copy[1:], weight_decay=0.1, step=s, decoupled=True,
+                          param_lowp=lowp, num_threads=2, **HP)
+        backend.adam_step(*without[:1], g, *without[1:], weight_decay=0.1, step=s, decoupled=True,
+                          num_threads=2, **HP)
+        _bits_equal(lowp, with_copy[0].to(torch.bfloat16))
+    for a, b in zip(with_copy, without):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 # ---------------------------------------------------------------- sum of squares
 
 
