@@ -61,6 +61,25 @@ def test_sweep_json_plot_and_tune(bench_dir, tmp_path, capsys, monkeypatch):
                                                                           cfg.queue_depth, True)
 
 
+@pytest.mark.skipif("uring" not in AVAILABLE, reason="uring engine unavailable here")
+def test_fixed_buffers_both_measures_uring_both_ways(bench_dir, tmp_path):
+    out_json, out_tune = tmp_path / "rows.json", tmp_path / "tune.json"
+    rc = main(["bench-io", "--dir", str(bench_dir), "--size", "4MiB", "--engine", "uring", "--block-size", "256K",
+               "--queue-depth", "4", "--fixed-buffers", "both", "--json", str(out_json), "--tune", str(out_tune)])
+    assert rc == 0
+    rows = json.loads(out_json.read_text())
+    assert sorted((r["engine"], r["rw"]) for r in rows) == [("uring", "read"), ("uring", "write"),
+                                                           ("uring-unreg", "read"), ("uring-unreg", "write")]
+    probe = open_engine("uring")
+    try:
+        can = probe.register_buffers([bytearray(4096)]) is not None
+    finally:
+        probe.close()
+    for r in rows:
+        assert ("registered buffers" in r["note"]) == (can and r["engine"] == "uring")
+    assert load_tuning(out_tune).engine == "uring"  # never the comparison row
+
+
 def test_best_config_prefers_balanced_read_write():
     rows = [
         dict(tool="offload", engine="uring", rw="read", block_size=1 << 20, queue_depth=32, direct=True, gbps=3.0),

@@ -80,6 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fio", action="store_true", help="run fio with the same parameters and print ratios")
     p.add_argument("--tune", metavar="FILE", help="write the best configuration for the swap layer")
     p.add_argument("--keep", action="store_true", help="keep the test file")
+    p.add_argument("--fixed-buffers", choices=("auto", "off", "both"), default="auto",
+                   help="register the I/O buffers with engines that can use them (uring, Linux 6.15+): "
+                        "auto (default), off, or both (uring measured both ways; the row without is "
+                        "'uring-unreg')")
 
 
 def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
@@ -217,6 +221,31 @@ def _drop_cache(f) -> None:
     os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+UNREGISTERED = "uring-unreg"  # --fixed-buffers both: the uring engine without registered buffers
+
+
+def _measure_engine(name: str, args, f, rw: str, size: int, bs: int, qd: int, bufs, progress):
+    """One pass of one of our engines; registers ``bufs`` with it unless told not to."""
+    import dataclasses
+
+    from offload.io import open_engine
+    from offload.io.measure import measure
+
+    engine = "uring" if name == UNREGISTERED else name
+    register = name != UNREGISTERED and getattr(args, "fixed_buffers", "auto") != "off"
+    with open_engine(engine, queue_depth=qd, block_size=bs, direct=args.direct) as eng:
+        handle = eng.register_buffers(bufs) if register else None
+        try:
+            m, lat = measure(eng, f, rw=rw, nbytes=size, buffers=bufs, progress=progress.advance)
+        finally:
+            eng.unregister_buffers(handle)
+        fixed = eng.stats().get("fixed_pieces", 0)
+    m = dataclasses.replace(m, engine=name)
+    if fixed:
+        m = dataclasses.replace(m, note=(m.note + "; " if m.note else "") + "registered buffers")
+    return m, lat
+
+
 def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tuple[List[dict], dict]:
     """Run everything ``args`` asks for; returns (rows as dicts, context).
 
@@ -226,9 +255,9 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
     extra = extra or {}
     import torch
 
-    from offload.io import open_engine, probe_direct
+    from offload.io import probe_direct
     from offload.io.fio import FIO_HINT, fio_path, run_fio
-    from offload.io.measure import measure, merge, window_buffers
+    from offload.io.measure import merge, window_buffers
     from offload.memory import BufferPool
 
     directory = os.path.abspath(args.dir)
@@ -266,7 +295,10 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
                 try:
                     for rw in args.rw:
                         parts: Dict[tuple, list] = {}
-                        contenders = [("offload", name, None) for name in args.engine] + \
+                        engines = list(args.engine)
+                        if getattr(args, "fixed_buffers", "auto") == "both" and "uring" in engines:
+                            engines.insert(engines.index("uring") + 1, UNREGISTERED)
+                        contenders = [("offload", name, None) for name in engines] + \
                                      [("fio", ioengine, hp) for hp, ioengine in fio_variants] + \
                                      [("extra", label, None) for label in extra]
                         for loop in range(args.loops):
@@ -278,10 +310,8 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
                                     _drop_cache(f)
                                 if tool == "offload":
                                     progress.step(f"{name} {rw} bs={_human(bs)} qd={qd} loop {loop + 1}/{args.loops}")
-                                    with open_engine(name, queue_depth=qd, block_size=bs, direct=args.direct) as eng:
-                                        parts.setdefault((tool, name, hp), []).append(
-                                            measure(eng, f, rw=rw, nbytes=size, buffers=bufs,
-                                                    progress=progress.advance))
+                                    parts.setdefault((tool, name, hp), []).append(
+                                        _measure_engine(name, args, f, rw, size, bs, qd, bufs, progress))
                                 elif tool == "extra":
                                     progress.step(f"{name} {rw} bs={_human(bs)} qd={qd} loop {loop + 1}/{args.loops}")
                                     m = extra[name](path, rw=rw, size=size, block_size=bs, queue_depth=qd,
@@ -347,7 +377,9 @@ def best_config(rows: Sequence[dict]):
 
     by: Dict[tuple, Dict[str, float]] = {}
     for r in rows:
-        if r["tool"] == "offload":
+        # uring-unreg is uring measured without registered buffers, which the engine uses
+        # whenever it can: a comparison row, not a configuration
+        if r["tool"] == "offload" and r["engine"] != UNREGISTERED:
             by.setdefault((r["engine"], r["block_size"], r["queue_depth"], r["direct"]), {})[r["rw"]] = r["gbps"]
     if not by:
         raise ValueError("no offload rows to tune from")

@@ -245,6 +245,18 @@ class Engine:
         kwargs.setdefault("direct", self.direct)
         return open_file(path, **kwargs)
 
+    def register_buffers(self, buffers: Sequence[Any]) -> Optional[int]:
+        """Pin long-lived ``buffers`` with the engine, if it can use that; returns a handle or None.
+
+        Only ``uring`` does (registered buffers, see its [Note: fixed buffers]); others return
+        None and need nothing. Pass the handle to :meth:`unregister_buffers` before the memory
+        is unmapped.
+        """
+        return None
+
+    def unregister_buffers(self, handle: Optional[int]) -> None:
+        """Undo :meth:`register_buffers` (None is accepted and ignored)."""
+
     def stats(self) -> Dict[str, int]:
         """Counters since the engine opened: requests, pieces, bytes, resubmits, max in flight."""
         with self._stats_lock:

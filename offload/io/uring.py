@@ -28,11 +28,27 @@ through ctypes for each request; the piece keeps its real view alive until compl
 layout (``_len`` then ``_iovec`` pointer after the object header) is verified when the engine
 starts; if it ever differs we fall back to a ctypes array per request (leaks ~200 bytes per
 request, logged). A negative ``res`` raises ``OSError`` when read from the CQE: we read
-``user_data`` first. Registered (fixed) buffers need the ``bytearray`` API, so they are not
-used; registered files would save an fdget per request, which is noise at 128 KiB+.
+``user_data`` first. Registered files would save an fdget per request, which is noise at
+128 KiB+, so they are not used.
+
+[Note: fixed buffers] ``register_buffers`` page-pins a caller's long-lived buffers (the swap
+pipeline's, bench-io's) once, so a request into them skips pinning and unpinning its pages
+(``get_user_pages``) on every submission. The binding's fixed-buffer calls take only a
+``bytearray``, so the table is managed with the raw ``io_uring_register`` syscall: a sparse
+table (``IORING_REGISTER_BUFFERS2``, kernel 5.19+) whose slots are filled and cleared with
+``IORING_REGISTER_BUFFERS_UPDATE``, which is safe with requests in flight (the kernel keeps
+a removed buffer until its last request completes). A piece whose memory lies inside a
+registered slot goes out as ``IORING_OP_READV_FIXED`` / ``WRITEV_FIXED`` (kernel 6.15+,
+probed) through the same rewritable ``Iovec``; anything else, or a kernel without those
+opcodes, goes out as before. The kernel takes at most 1 GiB per slot, so larger buffers
+take several. Pinned pages count against ``RLIMIT_MEMLOCK`` for users without
+CAP_IPC_LOCK: a refused registration is logged once and the engine simply does not use
+fixed buffers. Callers unregister before they unmap (``BufferPool.close``), else the pinned
+pages stay allocated until the engine closes.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import logging
@@ -42,9 +58,9 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
-from .engine import Engine, _Piece
+from .engine import Engine, _Piece, _address, as_bytes_view
 
 __all__ = ["UringEngine", "uring_unavailable_reason"]
 
@@ -58,6 +74,103 @@ class _CIovec(ctypes.Structure):
 
 
 _HEADER = object.__basicsize__  # PyObject header: refcount and type pointer
+
+# io_uring_register(2): the syscall number is the same on every architecture (io_uring came
+# after the syscall tables were unified); opcodes and structs from <linux/io_uring.h>.
+_SYS_IO_URING_REGISTER = 427
+_IORING_REGISTER_BUFFERS2 = 15
+_IORING_REGISTER_BUFFERS_UPDATE = 16
+_IORING_RSRC_REGISTER_SPARSE = 1
+_IORING_OP_READV_FIXED = 60  # enum io_uring_op (the binding does not export the opcodes)
+_IORING_OP_WRITEV_FIXED = 61
+_FIXED_SLOTS = 256  # table size (a sparse table pins nothing): bench-io registers 2 x QD buffers
+_FIXED_MAX_BYTES = 1 << 30  # the kernel's limit for one registered buffer
+
+
+class _RsrcRegister(ctypes.Structure):
+    _fields_ = [("nr", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("resv2", ctypes.c_uint64),
+                ("data", ctypes.c_uint64), ("tags", ctypes.c_uint64)]
+
+
+class _RsrcUpdate2(ctypes.Structure):
+    _fields_ = [("offset", ctypes.c_uint32), ("resv", ctypes.c_uint32), ("data", ctypes.c_uint64),
+                ("tags", ctypes.c_uint64), ("nr", ctypes.c_uint32), ("resv2", ctypes.c_uint32)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _ring_register(ring_fd: int, opcode: int, arg: Any, nr_args: int) -> int:
+    """``io_uring_register(ring_fd, opcode, arg, nr_args)``; raises OSError on failure."""
+    rc = _libc.syscall(ctypes.c_long(_SYS_IO_URING_REGISTER), ctypes.c_int(ring_fd), ctypes.c_uint(opcode),
+                       ctypes.c_void_p(ctypes.addressof(arg)), ctypes.c_uint(nr_args))
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return rc
+
+
+class _FixedTable:
+    """The ring's sparse table of registered buffers and an address -> slot lookup.
+
+    All methods run under the engine's lock. See [Note: fixed buffers].
+    """
+
+    def __init__(self, ring_fd: int) -> None:
+        self._fd = ring_fd
+        self._ready = False
+        self._free = list(range(_FIXED_SLOTS - 1, -1, -1))
+        self._starts: List[int] = []  # sorted slot start addresses
+        self._spans: List[Tuple[int, int, int]] = []  # (start, end, slot), same order
+
+    def _set(self, slot: int, addr: int, nbytes: int) -> None:
+        iov = _CIovec(addr, nbytes)
+        up = _RsrcUpdate2(offset=slot, data=ctypes.addressof(iov), nr=1)
+        _ring_register(self._fd, _IORING_REGISTER_BUFFERS_UPDATE, up, ctypes.sizeof(up))
+
+    def add(self, spans: Sequence[Tuple[int, int]]) -> List[int]:
+        """Register ``(addr, nbytes)`` spans (each <= 1 GiB); all or none. Returns the slots."""
+        if not self._ready:
+            reg = _RsrcRegister(nr=_FIXED_SLOTS, flags=_IORING_RSRC_REGISTER_SPARSE)
+            _ring_register(self._fd, _IORING_REGISTER_BUFFERS2, reg, ctypes.sizeof(reg))
+            self._ready = True
+        if len(spans) > len(self._free):
+            raise OSError(errno.ENOSPC, f"the ring's table of {_FIXED_SLOTS} registered buffers is full")
+        taken: List[int] = []
+        try:
+            for addr, nbytes in spans:
+                slot = self._free.pop()
+                taken.append(slot)
+                self._set(slot, addr, nbytes)
+                i = bisect.bisect(self._starts, addr)
+                self._starts.insert(i, addr)
+                self._spans.insert(i, (addr, addr + nbytes, slot))
+        except BaseException:
+            self.remove(taken)
+            raise
+        return taken
+
+    def remove(self, slots: Sequence[int]) -> None:
+        drop = set(slots)
+        for slot in drop:
+            try:
+                self._set(slot, 0, 0)
+            except OSError as exc:  # the slot stays pinned until the ring goes; say so
+                log.warning("uring: clearing registered buffer %d failed: %s", slot, exc)
+            self._free.append(slot)
+        keep = [(a, e, s) for a, e, s in self._spans if s not in drop]
+        self._spans = keep
+        self._starts = [a for a, _, _ in keep]
+
+    def lookup(self, addr: int, nbytes: int) -> int:
+        """The slot holding all of ``[addr, addr + nbytes)``, or -1."""
+        i = bisect.bisect(self._starts, addr) - 1
+        if i >= 0:
+            start, end, slot = self._spans[i]
+            if addr + nbytes <= end:
+                return slot
+        return -1
 
 
 class _IovecSlots:
@@ -188,6 +301,12 @@ class UringEngine(Engine):
                           "io_uring") from None
         self._cqe = L.Cqe()
         self._slots = _IovecSlots(L, queue_depth)
+        self._fixed: Optional[_FixedTable] = None  # see [Note: fixed buffers]
+        self._fixed_reason: Optional[str] = None  # why fixed buffers are off, once known
+        self._logged_reason: Optional[str] = None
+        self._handles: Dict[int, List[int]] = {}
+        self._next_handle = 1
+        self._fixed_pieces = 0  # pieces sent through a registered buffer (stats)
         self._lock = threading.Lock()
         self._pending: Deque[_Piece] = deque()
         self._inflight: Dict[int, _Piece] = {}
@@ -228,9 +347,17 @@ class UringEngine(Engine):
             if sqe is None:
                 self._pending.appendleft(piece)
                 break
-            slot = self._slots.take(piece.addr + piece.done, piece.nbytes - piece.done)
+            addr, nbytes = piece.addr + piece.done, piece.nbytes - piece.done
+            slot = self._slots.take(addr, nbytes)
             piece.keep = slot
-            if piece.write:
+            buf_index = self._fixed.lookup(addr, nbytes) if self._fixed is not None else -1
+            if buf_index >= 0:
+                self._fixed_pieces += 1
+                if piece.write:
+                    L.io_uring_prep_writev_fixed(sqe, fd, slot[0], buf_index, piece.offset + piece.done)
+                else:
+                    L.io_uring_prep_readv_fixed(sqe, fd, slot[0], buf_index, piece.offset + piece.done)
+            elif piece.write:
                 L.io_uring_prep_writev(sqe, fd, slot[0], piece.offset + piece.done)
             else:
                 L.io_uring_prep_readv(sqe, fd, slot[0], piece.offset + piece.done)
@@ -258,6 +385,87 @@ class UringEngine(Engine):
                 if self._inflight:
                     return
                 time.sleep(0.001)
+
+    # -- registered buffers -----------------------------------------------------------------
+
+    def _fixed_supported(self) -> Optional[str]:
+        """None when this kernel has READV_FIXED and WRITEV_FIXED, else why not."""
+        L = self._L
+        op_r, op_w = _IORING_OP_READV_FIXED, _IORING_OP_WRITEV_FIXED
+        if not (hasattr(L, "io_uring_prep_readv_fixed") and hasattr(L, "io_uring_prep_writev_fixed")):
+            return "python-liburing lacks io_uring_prep_readv_fixed / writev_fixed"
+        probe = L.io_uring_get_probe_ring(self._ring)
+        if probe is None:
+            return "the kernel's io_uring probe failed"
+        try:
+            if not (L.io_uring_opcode_supported(probe, op_r) and L.io_uring_opcode_supported(probe, op_w)):
+                return "the kernel lacks IORING_OP_READV_FIXED / WRITEV_FIXED (Linux 6.15+)"
+        finally:
+            L.io_uring_free_probe(probe)
+        return None
+
+    def register_buffers(self, buffers: Sequence[Any]) -> Optional[int]:
+        """Page-pin ``buffers`` in the ring so requests into them skip per-request pinning.
+
+        Returns a handle for :meth:`unregister_buffers`, or None when fixed buffers are not
+        available here (the reason is logged once and kept in :attr:`fixed_buffers_reason`);
+        I/O works either way.
+        """
+        spans: List[Tuple[int, int]] = []
+        for buf in buffers:
+            with as_bytes_view(buf, writable=False) as mv:  # released at once: no export left on the pool
+                addr, left = _address(mv), len(mv)
+            while left > 0:
+                n = min(left, _FIXED_MAX_BYTES)
+                spans.append((addr, n))
+                addr += n
+                left -= n
+        if not spans:
+            return None
+        with self._lock:
+            if self._broken is not None or self._stop:
+                raise RuntimeError("register_buffers on a closed or broken uring engine")
+            if self._fixed_reason is None and self._fixed is None:
+                self._fixed_reason = self._fixed_supported()
+                if self._fixed_reason is None:
+                    self._fixed = _FixedTable(self._ring.ring_fd)
+            if self._fixed is None:
+                reason = self._fixed_reason
+            else:
+                try:
+                    slots = self._fixed.add(spans)
+                except OSError as exc:
+                    reason = f"io_uring_register failed: {exc.strerror}" + (
+                        " (pinned pages count against RLIMIT_MEMLOCK; raise `ulimit -l`)"
+                        if exc.errno == errno.ENOMEM else "")
+                else:
+                    handle = self._next_handle
+                    self._next_handle += 1
+                    self._handles[handle] = slots
+                    return handle
+        if reason != self._logged_reason:  # once per distinct reason, not per call
+            self._logged_reason = reason
+            log.info("uring: registered buffers not used: %s", reason)
+        return None
+
+    @property
+    def fixed_buffers_reason(self) -> Optional[str]:
+        """Why registered buffers are not used (None: in use, or not asked for yet)."""
+        return self._fixed_reason if self._fixed is None else None
+
+    def unregister_buffers(self, handle: Optional[int]) -> None:
+        """Release what :meth:`register_buffers` pinned; requests in flight finish first."""
+        if handle is None:
+            return
+        with self._lock:
+            slots = self._handles.pop(handle, None)
+            if slots and self._fixed is not None and not self._stop:
+                self._fixed.remove(slots)
+
+    def stats(self) -> Dict[str, int]:
+        out = super().stats()
+        out["fixed_pieces"] = self._fixed_pieces
+        return out
 
     # -- completion -------------------------------------------------------------------------
 

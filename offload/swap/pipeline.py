@@ -145,9 +145,17 @@ class SwapPipeline:
             pool = BufferPool(pin=False, region_bytes=total, max_bytes=total, name=f"swap:{store.path}")
         self.pool = pool
         self.buffers: List[Any] = []
+        self._registered = None  # (engine, handle) when the engine registered our buffers
         try:
             for _ in range(buffers):
                 self.buffers.append(pool.acquire(self.layout.region_bytes))
+            # Every swap transfer goes through these buffers for the store's life: let the
+            # engine pin them once (uring's registered buffers) instead of per request. An
+            # engine or kernel that cannot (or RLIMIT_MEMLOCK) returns None; nothing changes.
+            register = getattr(store.engine, "register_buffers", None)  # duck-typed engines lack it
+            handle = register(self.buffers) if register is not None else None
+            if handle is not None:
+                self._registered = (store.engine, handle)
         except BaseException:
             self.close()
             raise
@@ -363,6 +371,10 @@ class SwapPipeline:
         for ex in self._helpers:
             ex.shutdown(wait=True)
         self._helpers = []
+        if self._registered is not None:  # before the memory can be unmapped
+            engine, handle = self._registered
+            self._registered = None
+            engine.unregister_buffers(handle)
         for buf in self.buffers:
             self.pool.release(buf)
         self.buffers = []
