@@ -244,3 +244,18 @@ def test_flipped_bit_in_a_swapped_master_is_detected_and_nothing_applied(tmp_pat
     assert e.value.filename == path
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     opt.close()
+
+
+def test_shards_vote_every_step_even_with_nothing_to_step(tmp_path):
+    # Several ranks: a rank whose shard got no grads this step still takes part in the vote
+    # ([Note: ranks vote before commit]), else the others would wait for it forever.
+    from offload.optim.swapped_shards import SwappedShards
+
+    votes, peers = [], [[], [1]]
+    sh = SwappedShards([4096], swap_dir=str(tmp_path), identity={}, extra=dict,
+                       vote=lambda ok: votes.append(ok) or peers.pop(0))
+    assert sh.step([]) == {} and votes == [True]
+    with pytest.raises(SwapStepError, match="applied on no rank: the swap step of rank 1 failed"):
+        sh.step([])
+    assert votes == [True, True]
+    sh.close()

@@ -139,3 +139,61 @@ def test_subset_of_groups_keeps_others(tmp_path):
     pipe.close()
     store.close()
     inner.close()
+
+
+# [Note: ranks vote before commit]: several ranks exchange one flag after their writes are
+# durable and commit only if no rank failed; every rank votes exactly once per step.
+def _voting_store(tmp_path, engine=None):
+    layout = SwapLayout(3 * 1024, 1024, 2)
+    store = SwapStore(str(tmp_path), layout, state_names=["a", "b"], io_engine=engine or threads_engine())
+    return store, SwapPipeline(store, buffers=3)
+
+
+def _bump(g, s, e, tensors):
+    for t in tensors:
+        t += 1.0
+
+
+def test_vote_all_ok_commits(tmp_path):
+    store, pipe = _voting_store(tmp_path)
+    votes = []
+    pipe.run(range(3), _bump, vote=lambda ok: votes.append(ok) or [])
+    assert votes == [True] and store.step == 1
+    pipe.close()
+    store.close()
+
+
+def test_vote_with_a_failed_peer_commits_nothing(tmp_path):
+    from offload.swap import SwapStepError
+
+    store, pipe = _voting_store(tmp_path)
+    pipe.run(range(3), _bump)
+    slots, manifest = list(store.slots), (tmp_path.glob("offload-*/manifest.json"))
+    before = [p.read_bytes() for p in manifest]
+    votes = []
+    with pytest.raises(SwapStepError, match="applied on no rank: the swap step of rank 2 failed; "
+                                            "the swap files still hold step 1") as e:
+        pipe.run(range(3), _bump, vote=lambda ok: votes.append(ok) or [2])
+    assert e.value.computed == [0, 1, 2] and votes == [True]
+    assert store.step == 1 and store.slots == slots
+    assert [p.read_bytes() for p in tmp_path.glob("offload-*/manifest.json")] == before
+    # the states are still those of step 1
+    out = []
+    pipe.run(range(3), lambda g, s, e, ts: out.append(float(ts[0][0])), commit=False)
+    assert out == [1.0, 1.0, 1.0]
+    pipe.close()
+    store.close()
+
+
+def test_local_failure_votes_false_once(tmp_path):
+    from offload.swap import SwapStepError
+    from test_swap_util import FaultyEngine
+
+    faulty = FaultyEngine(threads_engine(), op="write", fail_at=2)
+    store, pipe = _voting_store(tmp_path, faulty)
+    votes = []
+    with pytest.raises(SwapStepError, match="injected write error"):
+        pipe.run(range(3), _bump, vote=lambda ok: votes.append(ok) or [0])
+    assert votes == [False] and store.step == 0
+    pipe.close()
+    store.close()

@@ -191,6 +191,46 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
             "skipped": opt.skipped_steps, "report": report}
 
 
+def _step_counts(opt, model):
+    return [float(opt.state[p]["step"]) if "step" in opt.state[p] else None for p in model.parameters()]
+
+
+def job_swap_failure(group, swap_dir, fail_rank, steps):
+    """nvme, stage 2: at step 2 one rank's swap write fails (its first sub-group write).
+    Every rank must raise (none may wait in the all-gather), keep its params and step counts,
+    and retrying the step on every rank must give the uninterrupted run."""
+    from offload.swap import SwapStepError
+    from test_swap_util import FaultyEngine
+
+    model = _model()
+    opt = offload.AdamW(model.parameters(), stage=2, process_group=group, offload="nvme", swap_dir=swap_dir,
+                        sub_group_size=1024, **HP)
+    rank = dist.get_rank(group)
+    store = opt._store._swap.store
+    faulty = FaultyEngine(store.engine, op="write", fail_at=0)
+    store.engine = faulty
+    out = {}
+    for step in range(steps):
+        x, y = _local(step, 0, group)
+        _loss(model, x, y).backward()
+        if step == 2:
+            before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            counts = _step_counts(opt, model)
+            faulty.arm(1 if rank == fail_rank else 0)
+            try:
+                opt.step()
+            except SwapStepError as exc:
+                out["error"] = str(exc)
+            faulty.arm(0)
+            out["unchanged"] = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+            out["counts_kept"] = counts == _step_counts(opt, model)
+        opt.step()  # at step 2: the retry, with the same grads
+        opt.zero_grad()
+    opt.close()
+    out["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
 def job_bf16_locked(group, stage, steps, swap_dir=None):
     """bf16 params; a reference AdamW on fp32 masters fed the exact averaged grads each step."""
     model = _model(torch.bfloat16)
@@ -469,6 +509,22 @@ def test_nvme_resume_on_3_ranks(pool, tmp_path):
                    start_model=_model(seed=7).state_dict())
     ref, _ = _reference(8)
     for r in res:
+        _assert_params(r["params"], ref)
+    assert os.listdir(tmp_path) == []
+
+
+def test_swap_failure_on_one_rank_applies_the_step_on_no_rank(pool, tmp_path):
+    # [Note: ranks vote before commit]: rank 1's disk fails mid-step; ranks 0 and 2 must not
+    # hang in the all-gather nor commit a step rank 1 lost. All three raise, keep the params
+    # and step counts, and the retried step continues the uninterrupted run.
+    res = pool.run("job_swap_failure", 3, swap_dir=str(tmp_path), fail_rank=1, steps=5)
+    ref, _ = _reference(5)
+    assert "restored from that step" in res[1]["error"] and "injected write error" in res[1]["error"]
+    for r in (0, 2):
+        assert "applied on no rank" in res[r]["error"] and "rank 1 failed" in res[r]["error"]
+        assert "restored from that step" in res[r]["error"]
+    for r in res:
+        assert r["unchanged"] and r["counts_kept"]
         _assert_params(r["params"], ref)
     assert os.listdir(tmp_path) == []
 

@@ -66,6 +66,7 @@ every rank (torch's meaning, see above); freeing it after the reduction is not d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import weakref
@@ -459,7 +460,8 @@ class FlatState:
                                    extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
                                    max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
                                    verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io, backend=self._backend,
-                                   num_threads=self._threads, rank=self.rank, run_name="flat")
+                                   num_threads=self._threads, rank=self.rank, run_name="flat",
+                                   vote=functools.partial(comm.failed_ranks, group=self.group) if self.world > 1 else None)
         if cfg.resume:
             # The master of the last finished step is the truth: steps and params follow it.
             try:
@@ -554,7 +556,8 @@ class FlatState:
                 items.append((index[id(fg)], pc.lo - start, pc.hi - start, grad, hyper.kernel_kwargs(step), out, mode))
                 if post is not None:
                     posts.append(post)
-        phases = dict(self._swap.step(items)) if items else {}
+        # Several ranks: every rank steps (and votes) even with nothing of its own to step.
+        phases = dict(self._swap.step(items)) if (items or self.world > 1) else {}
         t = time.perf_counter()
         for post in posts:  # staging -> device (async on the copy stream), or non-contiguous params
             post()

@@ -20,6 +20,7 @@ finished step.
 """
 from __future__ import annotations
 
+import errno
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -28,6 +29,7 @@ import torch
 from offload.optim.stats import swap_phases
 from offload.optim.swapped_state import _close_quietly
 from offload.swap import SwapLayout, SwapPipeline, SwapStepError, plan_sub_groups
+from offload.swap.pipeline import Vote, vote_failed
 from offload.swap.cache import GroupCache
 from offload.swap.store import open_run_store
 
@@ -54,11 +56,12 @@ class SwappedShards:
                  extra: Callable[[], Dict[str, Any]], max_host_bytes: Optional[int] = None,
                  sub_group_size: Optional[int] = None, verify: bool = False, resume: bool = False,
                  io_engine: Any = None, backend: Optional[str] = None, num_threads: Optional[int] = None,
-                 rank: int = 0, run_name: str = "flat") -> None:
+                 rank: int = 0, run_name: str = "flat", vote: Optional[Vote] = None) -> None:
         from offload.kernels import get_backend
 
         self._kernel = get_backend(backend)
         self._threads = num_threads
+        self._vote = vote  # several ranks: see [Note: ranks vote before commit] in swap/pipeline.py
         self.sizes = [int(n) for n in sizes]
         self.base: List[int] = []
         total = 0
@@ -190,9 +193,30 @@ class SwappedShards:
         """One Adam step over ``items`` (see ``WorkItem``), streamed read g+1 / compute g /
         write g-1; the outputs are filled per sub-group. On an I/O failure the swap files
         stay at the previous step, the outputs already filled are rewritten from it, and a
-        ``SwapStepError`` says so."""
+        ``SwapStepError`` says so. With several ranks (``vote``) every rank must call this every
+        step, with or without items, and all of them apply the step or none does."""
+        vote = self._vote
         if not items:
+            failed = vote(True) if vote is not None else []
+            if failed:
+                raise SwapStepError(errno.ECANCELED, f"swap step {self.store.step + 1} was applied on no rank: the "
+                                    f"swap step of rank {', '.join(map(str, failed))} failed", self.store.path, [])
             return {}
+        voted = False
+
+        def vote_once(ok: bool) -> List[int]:
+            nonlocal voted
+            voted = True
+            return vote(ok)
+
+        try:
+            return self._step(items, vote_once if vote is not None else None)
+        except BaseException:
+            if vote is not None and not voted:  # failed before the pipeline could vote
+                vote_failed(vote, self.store.path)
+            raise
+
+    def _step(self, items: Sequence[WorkItem], vote: Optional[Vote]) -> Dict[str, float]:
         self._cache.flush(self._meta)
         self._cache.invalidate()  # the pipeline reuses the cache buffer
         by_group: Dict[int, List[Tuple[int, int, int, WorkItem]]] = {}
@@ -216,7 +240,7 @@ class SwappedShards:
 
         try:
             with torch.no_grad():
-                stats = self.pipeline.run(sorted(by_group), compute, extra=self._meta)
+                stats = self.pipeline.run(sorted(by_group), compute, extra=self._meta, vote=vote)
         except SwapStepError as exc:
             done = set(exc.computed)
             outs = [(k, lo, hi, out, mode) for k, lo, hi, _, _, out, mode in items if out is not None

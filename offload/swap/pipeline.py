@@ -47,6 +47,29 @@ _MIN_AUTO_GROUP = 1 << 18  # 1 MiB per fp32 state: keeps requests large
 Compute = Callable[[int, int, int, List[torch.Tensor]], None]
 
 
+# [Note: ranks vote before commit] With several data-parallel ranks, each rank's swap step
+# covers only its shard, and the params are all-gathered after it: a rank whose step failed
+# (disk full, EIO) and raised would leave the others waiting in that all-gather, and ranks
+# that committed a step the failed rank did not would disagree from then on. So a
+# multi-rank step is prepare / vote / commit: every rank writes its new states into the
+# other slots and makes them durable (``store.sync``), then all ranks exchange one flag
+# (``vote(ok) -> failed ranks``, a collective each rank calls exactly once per step, on
+# success and on failure alike), and only if no rank failed does each commit its manifest.
+# Otherwise every rank keeps the previous step (its manifest was never flipped), restores
+# the params it already wrote, and raises, naming the ranks that failed. What remains
+# unguarded is the manifest write itself (a rename and an fsync of the directory) failing
+# on one rank after the vote.
+Vote = Callable[[bool], List[int]]
+
+
+def vote_failed(vote: Vote, path: str) -> None:
+    """Tell the other ranks this rank's step failed; the local error stays the one raised."""
+    try:
+        vote(False)
+    except Exception as exc:  # the process group itself is broken: nothing more to do here
+        log.warning("could not tell the other ranks that the swap step of %s failed: %s", path, exc)
+
+
 class SwapStepError(OSError):
     """An I/O failure aborted a step. The swap files and manifest are still at the previous
     step; ``computed`` lists the sub-groups whose compute callback already ran."""
@@ -187,7 +210,7 @@ class SwapPipeline:
     # ------------------------------------------------------------------ the step
     def run(self, groups: Iterable[int], compute: Compute, *,
             extra: Union[None, Dict[str, Any], Callable[[], Dict[str, Any]]] = None,
-            commit: bool = True) -> Dict[str, float]:
+            commit: bool = True, vote: Optional[Vote] = None) -> Dict[str, float]:
         """Read, ``compute`` and write back each sub-group in ``groups`` (ascending), then
         commit the step to the store (unless ``commit=False``) with ``extra`` (a dict, or a
         callable evaluated once every write is done) as the manifest's opaque metadata.
@@ -196,7 +219,8 @@ class SwapPipeline:
         complete), ``io_busy_s`` (the same for any I/O), ``kernel_s`` (inside ``compute``),
         ``wait_read_s`` / ``wait_write_s`` (this thread blocked on the engine),
         ``verify_s`` (checksums), ``commit_s`` (fdatasync + manifest), ``step_s``; and
-        ``read_bytes``, ``write_bytes``, ``groups``."""
+        ``read_bytes``, ``write_bytes``, ``groups``. ``vote``: several ranks, see [Note: ranks
+        vote before commit]; it is called exactly once, whatever happens."""
         store, engine = self.store, self.store.engine
         if store.closed:
             raise RuntimeError(f"swap store {store.path} is closed")
@@ -312,15 +336,30 @@ class SwapPipeline:
                 finish_write(block=True)
         except BaseException as exc:
             self._drain(reads, writes)
+            if vote is not None:
+                vote_failed(vote, store.path)
             if isinstance(exc, OSError) and not isinstance(exc, SwapStepError):
                 msg = (f"swap step {store.step + 1} aborted at sub-group {len(computed)} of {len(order)}: "
                        f"{exc.strerror or exc}; the swap files still hold step {store.step}")
                 raise SwapStepError(exc.errno or errno.EIO, msg, exc.filename or store.path, computed) from exc
             raise
         tc = time.perf_counter()
+        if vote is not None:
+            try:
+                store.sync()
+            except OSError as exc:
+                vote_failed(vote, store.path)
+                msg = (f"swap step {store.step + 1} could not be made durable: {exc.strerror or exc}; "
+                       f"the swap files still hold step {store.step}")
+                raise SwapStepError(exc.errno or errno.EIO, msg, exc.filename or store.path, computed) from exc
+            failed = vote(True)
+            if failed:
+                msg = (f"swap step {store.step + 1} was applied on no rank: the swap step of rank "
+                       f"{', '.join(map(str, failed))} failed; the swap files still hold step {store.step}")
+                raise SwapStepError(errno.ECANCELED, msg, store.path, computed)
         if commit:
             try:
-                store.commit(written, extra() if callable(extra) else extra)
+                store.commit(written, extra() if callable(extra) else extra, synced=vote is not None)
             except OSError as exc:
                 msg = (f"swap step {store.step + 1} could not be committed: {exc.strerror or exc}; "
                        f"the swap files still hold step {store.step}")

@@ -271,15 +271,21 @@ class SwapStore:
                                   f"crc32 {x:08x}, manifest {y:08x}", self.read_slot_file(g))
 
     # ------------------------------------------------------------------ commit
-    def commit(self, written: Dict[int, Optional[List[List[int]]]], extra: Optional[Dict[str, Any]] = None,
-               *, advance: bool = True) -> None:
-        """Make the writes of ``written`` (g -> checksums or None) the new consistent state:
-        fdatasync both slot files, flip the slots of those groups, advance ``step`` (when
-        ``advance``) and replace the manifest atomically. The caller must have waited for
-        every write to complete."""
+    def sync(self) -> None:
+        """fdatasync both slot files: every completed write is durable (the first half of commit)."""
         self._check_open()
         for f in self.files:
             f.fsync()
+
+    def commit(self, written: Dict[int, Optional[List[List[int]]]], extra: Optional[Dict[str, Any]] = None,
+               *, advance: bool = True, synced: bool = False) -> None:
+        """Make the writes of ``written`` (g -> checksums or None) the new consistent state:
+        fdatasync both slot files, flip the slots of those groups, advance ``step`` (when
+        ``advance``) and replace the manifest atomically. The caller must have waited for
+        every write to complete. ``synced``: the caller ran :meth:`sync` after the last write."""
+        self._check_open()
+        if not synced:
+            self.sync()
         slots, valid, checksums, step = list(self.slots), list(self.valid), dict(self.checksums), self.step
         for g, sums in written.items():
             self.slots[g] = 1 - self.slots[g]

@@ -13,12 +13,12 @@ by taking this rank's slice: the same result, twice the bytes on the wire.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_and_rank", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
+__all__ = ["world_and_rank", "failed_ranks", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
            "comm_device", "reduce_scatter_supported", "reduce_scatter_async", "all_reduce_async"]
 
 log = logging.getLogger("offload.zero")
@@ -117,6 +117,18 @@ def all_reduce(t: torch.Tensor, group: Any = None, op: Optional[Any] = None) -> 
     if world_and_rank(group)[0] == 1:
         return
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=group)
+
+
+def failed_ranks(ok: bool, group: Any = None) -> List[int]:
+    """Every rank says whether its part succeeded; the ranks of ``group`` that did not, on
+    every rank. A collective: each rank must call it, in the same order as its others."""
+    world, rank = world_and_rank(group)
+    if world == 1:
+        return [] if ok else [0]
+    flags = torch.zeros(world, dtype=torch.int32, device=comm_device(group))
+    flags[rank] = 0 if ok else 1
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+    return [r for r, bad in enumerate(flags.tolist()) if bad]
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
