@@ -231,6 +231,47 @@ def job_swap_failure(group, swap_dir, fail_rank, steps):
     return out
 
 
+def job_checkpoint_failure(group, ckpt, fail_rank, swap_dir=None):
+    """save_checkpoint, then load_checkpoint, each failing on one rank only (a full disk, an
+    unreadable file): every rank must raise, none may wait for the failed one."""
+    import errno as errno_
+
+    import offload.optim.flat_state as fs
+    import offload.zero.checkpoint as zc
+
+    model = _model()
+    nvme = dict(offload="nvme", swap_dir=swap_dir, sub_group_size=1024) if swap_dir else {}
+    opt = offload.AdamW(model.parameters(), stage=2, process_group=group, **HP, **nvme)
+    x, y = _local(0, 0, group)
+    _loss(model, x, y).backward()
+    opt.step()
+    rank = dist.get_rank(group)
+    errors = {}
+
+    def disk_full(*a, **k):
+        raise OSError(errno_.ENOSPC, "No space left on device (injected)", ckpt)
+
+    for what, module, name in (("save", zc, "save_store" if swap_dir else "save_tensors"),
+                               ("load", fs, "fill_store_from_shards" if swap_dir else "load_shards")):
+        real = getattr(module, name)
+        if rank == fail_rank:
+            setattr(module, name, disk_full)
+        try:
+            if what == "save":
+                opt.save_checkpoint(ckpt)
+            else:
+                opt.load_checkpoint(ckpt)
+        except (OSError, RuntimeError) as exc:
+            errors[what] = f"{type(exc).__name__}: {exc}"
+        finally:
+            setattr(module, name, real)
+        if what == "save":
+            opt.save_checkpoint(ckpt)  # with nothing failing it works again: the load has files
+    opt.load_checkpoint(ckpt)
+    opt.close()
+    return errors
+
+
 def job_bf16_locked(group, stage, steps, swap_dir=None):
     """bf16 params; a reference AdamW on fp32 masters fed the exact averaged grads each step."""
     model = _model(torch.bfloat16)
@@ -527,6 +568,19 @@ def test_swap_failure_on_one_rank_applies_the_step_on_no_rank(pool, tmp_path):
         assert r["unchanged"] and r["counts_kept"]
         _assert_params(r["params"], ref)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("nvme", [False, True], ids=["host", "nvme"])
+def test_checkpoint_failure_on_one_rank_raises_on_every_rank(pool, tmp_path, nvme):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    res = pool.run("job_checkpoint_failure", 3, ckpt=str(tmp_path / "ckpt"), fail_rank=2,
+                   swap_dir=str(swap) if nvme else None)
+    for what in ("save", "load"):
+        assert res[2][what].startswith("OSError") and "injected" in res[2][what]
+        for r in (0, 1):
+            assert res[r][what].startswith("RuntimeError") and "failed on rank 2" in res[r][what]
+    assert "loaded again" in res[0]["load"]
 
 
 def test_ddp_wrapped_model_with_grads_already_averaged(pool):

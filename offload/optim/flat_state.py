@@ -731,14 +731,30 @@ class FlatState:
 
     def load_checkpoint(self, directory: str) -> None:
         """Masters, moments and steps from a checkpoint of any world size; params follow."""
+        # Each rank loads its part, then all agree before the params are all-gathered: a rank
+        # that failed (an unreadable file, a full swap disk) makes every rank raise instead of
+        # leaving the others in the all-gather. The optimizer is then half loaded: load again.
+        what = f"load_checkpoint({directory!r}) (the optimizer state is incomplete until it is loaded again)"
+
+        def agreed(fn) -> None:
+            if self.world > 1:
+                comm.on_every_rank(fn, what, self.group)
+            else:
+                fn()
+
         if self._swap is not None:
             layouts = [fg.layout for fg in self._groups]
-            self._swap.load_checkpoint(lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs),
-                                       lambda meta: self._set_steps(meta.get("steps") or [0] * len(self._order)))
+            agreed(lambda: self._swap.load_checkpoint(
+                lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs),
+                lambda meta: self._set_steps(meta.get("steps") or [0] * len(self._order))))
             self._params_from_swap()
             return
-        meta = load_shards(directory, self._groups)
-        self._set_steps(meta.get("steps") or [0] * len(self._order))
+
+        def load() -> None:
+            meta = load_shards(directory, self._groups)
+            self._set_steps(meta.get("steps") or [0] * len(self._order))
+
+        agreed(load)
         if self._nvme:
             return  # offload="nvme" without a swap store: the params have no element at all
         for fg in self._groups:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import errno
 import os
 import zlib
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
 from offload.io import open_file
 from offload.swap.checkpoint import _stream, load_store, load_tensors, read_manifest, save_store, save_tensors
+from offload.zero.comm import on_every_rank
 from offload.zero.flat_group import FlatGroup
 from offload.zero.partition import FlatLayout
 
@@ -37,9 +38,17 @@ def save_shards(directory: str, groups: List[FlatGroup], *, world: int, rank: in
                 process_group: Any = None) -> None:
     states = {k: [getattr(fg, k) for fg in groups if fg.layout.shard] for k in STATES}
     full_meta = dict(meta, kind="flat", world=world, rank=rank, groups=[list(fg.layout.numels) for fg in groups])
-    save_tensors(os.path.join(directory, f"rank{rank}"), states, full_meta)
+    _save_on_every_rank(lambda: save_tensors(os.path.join(directory, f"rank{rank}"), states, full_meta),
+                        directory, world, process_group)
+
+
+def _save_on_every_rank(save: Callable[[], Any], directory: str, world: int, process_group: Any) -> None:
+    # every shard is on disk before any rank returns, and a rank that could not write its
+    # shard (a full disk) makes every rank raise rather than leave them waiting for it
     if world > 1:
-        torch.distributed.barrier(group=process_group)  # every shard is on disk before anyone returns
+        on_every_rank(save, f"save_checkpoint({directory!r})", process_group)
+    else:
+        save()
 
 
 def _flat_meta(directory: str, mine: List[List[int]]) -> Tuple[Dict[str, Any], int]:
@@ -82,9 +91,8 @@ def save_shards_from_store(directory: str, store: Any, buffers: List[Any], *, la
     (master, exp_avg, exp_avg_sq): streamed through ``buffers``, never a shard in memory."""
     world, rank = layouts[0].world, layouts[0].rank
     full_meta = dict(meta, kind="flat", world=world, rank=rank, groups=[list(lay.numels) for lay in layouts])
-    save_store(store, buffers, os.path.join(directory, f"rank{rank}"), full_meta)
-    if world > 1:
-        torch.distributed.barrier(group=process_group)
+    _save_on_every_rank(lambda: save_store(store, buffers, os.path.join(directory, f"rank{rank}"), full_meta),
+                        directory, world, process_group)
 
 
 def _check_crcs(path: str, m: Dict[str, Any], engine: Any, stage: Any) -> None:

@@ -13,15 +13,17 @@ by taking this rank's slice: the same result, twice the bytes on the wire.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_and_rank", "failed_ranks", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
+__all__ = ["world_and_rank", "failed_ranks", "on_every_rank", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
            "comm_device", "reduce_scatter_supported", "reduce_scatter_async", "all_reduce_async"]
 
 log = logging.getLogger("offload.zero")
+
+T = TypeVar("T")
 
 _RS = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
 _AG = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
@@ -129,6 +131,25 @@ def failed_ranks(ok: bool, group: Any = None) -> List[int]:
     flags[rank] = 0 if ok else 1
     dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
     return [r for r, bad in enumerate(flags.tolist()) if bad]
+
+
+def on_every_rank(fn: Callable[[], T], what: str, group: Any = None) -> T:
+    """Run ``fn`` on this rank, then agree with the others (a collective, and a barrier):
+    if it failed on any rank, raise on every rank - the local error where it happened, a
+    RuntimeError naming the failed ranks elsewhere - so no rank goes on to a collective the
+    failed one will never join."""
+    try:
+        out = fn()
+    except BaseException:
+        try:
+            failed_ranks(False, group)
+        except Exception as exc:  # the group itself is broken: the local error says enough
+            log.warning("could not tell the other ranks that %s failed: %s", what, exc)
+        raise
+    failed = failed_ranks(True, group)
+    if failed:
+        raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (see its error there)")
+    return out
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
