@@ -272,6 +272,15 @@ def job_checkpoint_failure(group, ckpt, fail_rank, swap_dir=None):
     return errors
 
 
+def job_error_of(group, job, **kwargs):
+    """Run ``job`` and return its error as text (every rank reports, none is left queued)."""
+    try:
+        globals()[job](group=group, **kwargs)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def job_bf16_locked(group, stage, steps, swap_dir=None):
     """bf16 params; a reference AdamW on fp32 masters fed the exact averaged grads each step."""
     model = _model(torch.bfloat16)
@@ -581,6 +590,24 @@ def test_checkpoint_failure_on_one_rank_raises_on_every_rank(pool, tmp_path, nvm
         for r in (0, 1):
             assert res[r][what].startswith("RuntimeError") and "failed on rank 2" in res[r][what]
     assert "loaded again" in res[0]["load"]
+
+
+def test_resume_failing_on_one_rank_raises_on_every_rank(pool, tmp_path):
+    # Rank 1's swap directory is gone: it cannot resume, and the others must not wait for it in
+    # the params' all-gather; the directories that were there are kept for another try.
+    import shutil
+
+    pool.run("job_train", 3, stage=2, steps=2, swap_dir=str(tmp_path), leave_swap=True)
+    shutil.rmtree(tmp_path / "offload-flat.rank1")
+    res = pool.run("job_error_of", 3, job="job_train", stage=2, steps=1, first_step=2, swap_dir=str(tmp_path),
+                   resume=True)
+    assert res[1].startswith("FileNotFoundError") and "no swap directory to resume from" in res[1]
+    for r in (0, 2):
+        assert res[r].startswith("RuntimeError") and "opening the swap files" in res[r]
+        assert "failed on rank 1" in res[r]
+    assert sorted(os.listdir(tmp_path)) == ["offload-flat.rank0", "offload-flat.rank2"]
+    # the pool still answers: no rank was left inside a collective
+    assert len(pool.run("job_train", 3, stage=1, steps=1)) == 3
 
 
 def test_ddp_wrapped_model_with_grads_already_averaged(pool):

@@ -66,6 +66,7 @@ every rank (torch's meaning, see above); freeing it after the reduction is not d
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import logging
 import time
@@ -77,6 +78,7 @@ import torch
 
 from offload.kernels import get_backend
 from offload.memory import BufferPool
+from offload.swap import SwapStepError
 from offload.zero import SideStream, comm, split_ranges
 from offload.zero.backward_reduce import BackwardReducer
 from offload.zero.checkpoint import fill_store_from_shards, load_shards, save_shards, save_shards_from_store
@@ -447,32 +449,44 @@ class FlatState:
     # partitioned group thus keep their master in the swap files too (4 B/param more disk
     # traffic than updating them in place; the in-place path is the stage-0 SwappedState).
     def _open_swap(self, opt) -> None:
-        from offload.optim.swapped_shards import SwappedShards
-
-        sizes = [fg.layout.shard for fg in self._groups]
-        if not sum(sizes):
-            return  # no element at all
         cfg = opt.config
-        me = weakref.ref(self)
-        identity = {"kind": "flat", "world": self.world, "rank": self.rank,
-                    "groups": [list(fg.layout.numels) for fg in self._groups]}
-        self._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
-                                   extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
-                                   max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
-                                   verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io, backend=self._backend,
-                                   num_threads=self._threads, rank=self.rank, run_name="flat",
-                                   vote=functools.partial(comm.failed_ranks, group=self.group) if self.world > 1 else None)
-        if cfg.resume:
-            # The master of the last finished step is the truth: steps and params follow it.
-            try:
+
+        def open_local() -> None:
+            from offload.optim.swapped_shards import SwappedShards
+
+            sizes = [fg.layout.shard for fg in self._groups]
+            if not sum(sizes):
+                return  # no element at all on this rank
+            me = weakref.ref(self)
+            identity = {"kind": "flat", "world": self.world, "rank": self.rank,
+                        "groups": [list(fg.layout.numels) for fg in self._groups]}
+            vote = functools.partial(comm.failed_ranks, group=self.group) if self.world > 1 else None
+            self._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
+                                       extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
+                                       max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
+                                       verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
+                                       backend=self._backend, num_threads=self._threads, rank=self.rank,
+                                       run_name="flat", vote=vote)
+            if cfg.resume:
+                # The master of the last finished step is the truth: steps and params follow it.
                 self._set_steps(self._swap.resumed_extra.get("steps") or [])
-                self._params_from_swap()
-            except BaseException:
-                self._swap.close(remove=False)  # keep what we were asked to resume
+            else:
+                self._swap.initialise(lambda k, lo, hi, out: self._groups[k].shard_values(lo, hi, out))
+
+        try:
+            # Several ranks agree before anything collective follows: a rank that cannot open
+            # or resume its swap files (a full disk, a missing directory) makes every rank raise.
+            if self.world > 1:
+                comm.on_every_rank(open_local, f"opening the swap files in {cfg.swap_dir!r}", self.group)
+            else:
+                open_local()
+            if cfg.resume:
+                self._params_from_swap()  # every rank: an all-gather when partitioned
+        except BaseException:
+            if self._swap is not None:
+                self._swap.close(remove=not cfg.resume)  # keep what we were asked to resume
                 self._swap = None
-                raise
-        else:
-            self._swap.initialise(lambda k, lo, hi, out: self._groups[k].shard_values(lo, hi, out))
+            raise
 
     def _piece_output(self, fg: FlatGroup, i: int, pc, start: int):
         """(out, mode, post) for piece ``pc`` of param ``i``: where the updated master goes
@@ -556,8 +570,16 @@ class FlatState:
                 items.append((index[id(fg)], pc.lo - start, pc.hi - start, grad, hyper.kernel_kwargs(step), out, mode))
                 if post is not None:
                     posts.append(post)
-        # Several ranks: every rank steps (and votes) even with nothing of its own to step.
-        phases = dict(self._swap.step(items)) if (items or self.world > 1) else {}
+        # Several ranks: every rank steps and votes (see [Note: ranks vote before commit] in
+        # swap/pipeline.py), even with nothing of its own to step or no element at all.
+        phases: Dict[str, float] = {}
+        if self._swap is not None and (items or self.world > 1):
+            phases = dict(self._swap.step(items))
+        elif self.world > 1:
+            failed = comm.failed_ranks(True, self.group)
+            if failed:
+                raise SwapStepError(errno.ECANCELED, f"the swap step was applied on no rank: the swap step of rank "
+                                    f"{', '.join(map(str, failed))} failed", None, [])
         t = time.perf_counter()
         for post in posts:  # staging -> device (async on the copy stream), or non-contiguous params
             post()
