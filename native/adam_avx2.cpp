@@ -100,29 +100,21 @@ void adam_partial(const VConsts &vc, const AdamBuffers &b, int64_t i, int64_t en
     if (L >= 0) memcpy(static_cast<uint16_t *>(b.lowp) + i, lowp, left * 2);
 }
 
-template <int G, int L, bool L2, bool FROM_END>
-void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
-    const VConsts vc(c);
-    int64_t i = begin;
-    if constexpr (L >= 0) {
-        const uintptr_t addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t *>(b.lowp) + i);
-        if (b.stream_lowp && (addr & 1) == 0) {
-            // Peel up to the first 16-byte boundary of the copy, then stream.
-            int64_t peel = static_cast<int64_t>(((16 - (addr & 15)) & 15) / 2);
-            if (peel > end - i) peel = end - i;
-            if (peel > 0) {
-                adam_partial<G, L, L2, FROM_END>(vc, b, i, i + peel);
-                i += peel;
-            }
-            for (; i + 8 <= end; i += 8) adam_vec<G, L, L2, FROM_END, true>(vc, b, i);
-            if (i < end) adam_partial<G, L, L2, FROM_END>(vc, b, i, end);
-            _mm_sfence();  // streamed stores are weakly ordered: visible before we return
-            return;
-        }
-    }
-    for (; i + 8 <= end; i += 8) adam_vec<G, L, L2, FROM_END>(vc, b, i);
-    if (i < end) adam_partial<G, L, L2, FROM_END>(vc, b, i, end);
+// The shared loop's primitives (see adam_loop.h).
+constexpr int64_t kLanes = 8;
+constexpr uintptr_t kStreamAlign = 16;  // _mm_stream_si128: 8 fp16/bf16
+
+template <int G, int L, bool L2, bool FROM_END, bool STREAM>
+inline void adam_full(const VConsts &vc, const AdamBuffers &b, int64_t i) {
+    adam_vec<G, L, L2, FROM_END, STREAM>(vc, b, i);
 }
+
+template <int G, int L, bool L2, bool FROM_END>
+inline void adam_part(const VConsts &vc, const AdamBuffers &b, int64_t i, int64_t end) {
+    adam_partial<G, L, L2, FROM_END>(vc, b, i, end);
+}
+
+#include "adam_loop.h"
 
 OFFLOAD_UNIT_DISPATCH_TEMPLATES
 

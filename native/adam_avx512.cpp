@@ -91,31 +91,21 @@ inline void adam_vec(const VConsts &c, const AdamBuffers &b, int64_t i, __mmask1
     store_lowp<L, MASKED, STREAM>(b.lowp, i, p, k);
 }
 
-inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+// The shared loop's primitives (see adam_loop.h); the part left over is one masked vector.
+constexpr int64_t kLanes = 16;
+constexpr uintptr_t kStreamAlign = 32;  // _mm256_stream_si256: 16 fp16/bf16
+
+template <int G, int L, bool L2, bool FROM_END, bool STREAM>
+inline void adam_full(const VConsts &vc, const AdamBuffers &b, int64_t i) {
+    adam_vec<G, L, L2, FROM_END, false, STREAM>(vc, b, i, 0xFFFF);
+}
 
 template <int G, int L, bool L2, bool FROM_END>
-void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
-    const VConsts vc(c);
-    int64_t i = begin;
-    if constexpr (L >= 0) {
-        const uintptr_t addr = reinterpret_cast<uintptr_t>(static_cast<uint16_t *>(b.lowp) + i);
-        if (b.stream_lowp && (addr & 1) == 0) {
-            // Peel (masked) up to the first 32-byte boundary of the copy, then stream.
-            int64_t peel = static_cast<int64_t>(((32 - (addr & 31)) & 31) / 2);
-            if (peel > end - i) peel = end - i;
-            if (peel > 0) {
-                adam_vec<G, L, L2, FROM_END, true>(vc, b, i, first_lanes(peel));
-                i += peel;
-            }
-            for (; i + 16 <= end; i += 16) adam_vec<G, L, L2, FROM_END, false, true>(vc, b, i, 0xFFFF);
-            if (i < end) adam_vec<G, L, L2, FROM_END, true>(vc, b, i, first_lanes(end - i));
-            _mm_sfence();  // streamed stores are weakly ordered: visible before we return
-            return;
-        }
-    }
-    for (; i + 16 <= end; i += 16) adam_vec<G, L, L2, FROM_END, false>(vc, b, i, 0xFFFF);
-    if (i < end) adam_vec<G, L, L2, FROM_END, true>(vc, b, i, first_lanes(end - i));
+inline void adam_part(const VConsts &vc, const AdamBuffers &b, int64_t i, int64_t end) {
+    adam_vec<G, L, L2, FROM_END, true>(vc, b, i, static_cast<__mmask16>((1u << (end - i)) - 1u));
 }
+
+#include "adam_loop.h"
 
 OFFLOAD_UNIT_DISPATCH_TEMPLATES
 

@@ -8,10 +8,7 @@ import gc
 import json
 import logging
 import os
-import pathlib
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 
@@ -46,22 +43,6 @@ def engine(request):
     eng = open_engine(request.param, queue_depth=8, block_size=64 << 10)
     yield eng
     eng.close()
-
-
-@pytest.fixture
-def workdir(tmp_path):
-    """A directory that accepts O_DIRECT: tmp_path, else one under /var/tmp (tmp_path may be
-    a tmpfs that refuses it on kernels before 6.6)."""
-    ok, why = probe_direct(tmp_path)
-    if ok:
-        yield tmp_path
-        return
-    if os.path.isdir("/var/tmp") and probe_direct("/var/tmp")[0]:
-        d = tempfile.mkdtemp(prefix="offload-test-io-", dir="/var/tmp")
-        yield pathlib.Path(d)
-        shutil.rmtree(d, ignore_errors=True)
-        return
-    pytest.skip(f"{tmp_path} refuses O_DIRECT ({why}) and so does /var/tmp; these tests exercise the direct path")
 
 
 def _mount(tmp_path_factory, name, args):

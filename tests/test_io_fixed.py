@@ -5,33 +5,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import pathlib
-import shutil
-import tempfile
 
 import pytest
 import torch
 
-from offload.io import IORequest, engine_unavailable_reason, open_engine, open_file, probe_direct
+from offload.io import engine_unavailable_reason, open_engine, open_file
 from offload.io import uring as uring_mod
 from offload.memory import BufferPool
 
 pytestmark = pytest.mark.skipif(engine_unavailable_reason("uring") is not None,
                                 reason=f"uring engine unavailable here: {engine_unavailable_reason('uring')}")
-
-
-@pytest.fixture
-def workdir(tmp_path):
-    """A directory that accepts O_DIRECT (tmp_path, else one under /var/tmp)."""
-    if probe_direct(tmp_path)[0]:
-        yield tmp_path
-        return
-    if os.path.isdir("/var/tmp") and probe_direct("/var/tmp")[0]:
-        d = tempfile.mkdtemp(prefix="offload-test-fixed-", dir="/var/tmp")
-        yield pathlib.Path(d)
-        shutil.rmtree(d, ignore_errors=True)
-        return
-    pytest.skip("no directory here accepts O_DIRECT")
 
 
 @pytest.fixture
