@@ -171,3 +171,12 @@ def test_swap_pipeline_registers_its_buffers_and_releases_them(workdir):
     assert eng_.stats()["fixed_pieces"] > 0 and eng_._handles
     opt.close()
     assert not eng_._handles  # unregistered before the pipeline's pool was unmapped
+
+
+def test_offload_info_says_whether_buffers_can_be_registered(monkeypatch):
+    from offload.io import engine_status
+
+    st = engine_status()["uring registered buffers"]
+    assert st.startswith("yes (they count against RLIMIT_MEMLOCK") or st.startswith("no: "), st
+    monkeypatch.setattr(uring_mod.UringEngine, "_fixed_supported", lambda self: "the kernel lacks it (test)")
+    assert engine_status()["uring registered buffers"] == "no: the kernel lacks it (test)"

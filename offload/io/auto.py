@@ -146,4 +146,25 @@ def engine_status() -> Dict[str, str]:
         out["auto picks"] = "uring (threads with buffered I/O where a directory refuses O_DIRECT)"
     else:
         out["auto picks"] = "threads (io_uring unavailable)"
+    if _uring_reason() is None:
+        out["uring registered buffers"] = _fixed_buffers_status()
     return out
+
+
+def _fixed_buffers_status() -> str:
+    """Whether the uring engine can register buffers here (probed with a 4 KiB one)."""
+    import resource
+
+    from .uring import UringEngine
+
+    eng = UringEngine(queue_depth=2)
+    try:
+        handle = eng.register_buffers([bytearray(4096)])
+        if handle is None:
+            return f"no: {eng.fixed_buffers_reason}"
+        eng.unregister_buffers(handle)
+    finally:
+        eng.close()
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
+    return f"yes (they count against RLIMIT_MEMLOCK, here {limit}, unless the process has CAP_IPC_LOCK)"
