@@ -223,6 +223,8 @@ class SwapPipeline:
         vote before commit]; it is called exactly once, whatever happens."""
         store, engine = self.store, self.store.engine
         if store.closed:
+            if vote is not None:
+                vote_failed(vote, store.path)
             raise RuntimeError(f"swap store {store.path} is closed")
         order = list(groups)
         verify = store.verify
