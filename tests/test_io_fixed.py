@@ -169,6 +169,9 @@ def test_swap_pipeline_registers_its_buffers_and_releases_them(workdir):
     if eng_.fixed_buffers_reason is not None:
         pytest.skip(f"registered buffers unavailable here: {eng_.fixed_buffers_reason}")
     assert eng_.stats()["fixed_pieces"] > 0 and eng_._handles
+    # the report says how much the ring keeps page-locked (the pipeline's buffers)
+    locked = opt.memory_report()["detail"]["io_locked_bytes"]
+    assert locked == sum(b.capacity for b in opt._store.pipeline.buffers) > 0
     opt.close()
     assert not eng_._handles  # unregistered before the pipeline's pool was unmapped
 

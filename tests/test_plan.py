@@ -626,10 +626,14 @@ def _plan_and_run(tmp_path, target):
         warm_kw.update(swap_dir=str(tmp_path / "warm"), max_host_bytes=1 << 20)
     warm = _make_optimizer([w], **warm_kw)
     warm.step()
-    # Earlier tests in this process freed memory that glibc keeps mapped and would hand out
-    # again without a page fault (RSS would not grow): give it back first.
+    # Earlier tests in this process left garbage (optimizers in reference cycles, whose
+    # finalizers unmap their buffers when the collector runs, maybe in the middle of the
+    # measurement below) and freed memory that glibc keeps mapped and would hand out again
+    # without a page fault (RSS would not grow): collect, then give it back first.
     import ctypes
+    import gc
 
+    gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     rss0 = process_rss_bytes()
     opt = _make_optimizer(model.parameters(), **kw)

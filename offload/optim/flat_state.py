@@ -796,13 +796,14 @@ class FlatState:
                 host["grads"] += nb["comm"]
         total = sum(host.values())
         pinned = sum(buf.nbytes for fg in self._groups for pool, buf in fg._bufs if pool.pin)
-        nvme = 0
+        nvme = io_locked = 0
         if self._swap is not None:
             sw = self._swap.memory_report()
             pinned += sw["pinned"]
             total += sw["pinned"] + sw["pageable"]
-            nvme = sw["nvme"]
+            nvme, io_locked = sw["nvme"], sw["io_locked_bytes"]
         return {"device": device, "pinned": pinned, "pageable": total - pinned, "nvme": nvme,
+                "io_locked_bytes": io_locked,
                 "state_bytes": host["states"], "grad_bytes": host["grads"], "lowp_bytes": host["lowp"],
                 "world": self.world, "rank": self.rank, "stage": self.stage,
                 "shard_numel": sum(fg.layout.shard for fg in self._groups)}

@@ -277,7 +277,8 @@ class SwappedShards:
     # ------------------------------------------------------------------ reporting, closing
     def memory_report(self) -> Dict[str, int]:
         pinned, pageable = self.pipeline.host_bytes_by_kind()
-        return {"device": 0, "pinned": pinned, "pageable": pageable, "nvme": self.store.disk_bytes()}
+        return {"device": 0, "pinned": pinned, "pageable": pageable, "nvme": self.store.disk_bytes(),
+                "io_locked_bytes": self.pipeline.io_locked_bytes}
 
     def close(self, *, remove: bool = True) -> None:
         """Release the buffers and remove the swap directory (``remove=False``: keep it,

@@ -415,7 +415,8 @@ class SwappedState:
     # ------------------------------------------------------------------ reporting, closing
     def memory_report(self) -> Dict[str, int]:
         pinned, pageable = self.pipeline.host_bytes_by_kind()
-        return {"device": 0, "pinned": pinned, "pageable": pageable, "nvme": self.store.disk_bytes()}
+        return {"device": 0, "pinned": pinned, "pageable": pageable, "nvme": self.store.disk_bytes(),
+                "io_locked_bytes": self.pipeline.io_locked_bytes}
 
     def close(self) -> None:
         """Release buffers and remove the swap directory (use save_checkpoint() first to keep

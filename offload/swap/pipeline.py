@@ -189,6 +189,12 @@ class SwapPipeline:
         """Host memory the pipeline holds: what its own pool mapped, else its buffers."""
         return sum(self.host_bytes_by_kind())
 
+    @property
+    def io_locked_bytes(self) -> int:
+        """Bytes of our buffers the engine keeps page-locked (registered buffers): they
+        count against RLIMIT_MEMLOCK and cannot be swapped out, pinned or not for CUDA."""
+        return sum(b.capacity for b in self.buffers) if self._registered is not None else 0
+
     def host_bytes_by_kind(self) -> Tuple[int, int]:
         """(pinned, pageable) bytes held for the pipeline's buffers."""
         if self._owns_pool and self.buffers:
