@@ -251,11 +251,11 @@ def test_shards_vote_every_step_even_with_nothing_to_step(tmp_path):
     # ([Note: ranks vote before commit]), else the others would wait for it forever.
     from offload.optim.swapped_shards import SwappedShards
 
-    votes, peers = [], [[], [1]]
+    votes, peers = [], [[], [], [1]]
     sh = SwappedShards([4096], swap_dir=str(tmp_path), identity={}, extra=dict,
                        vote=lambda ok: votes.append(ok) or peers.pop(0))
-    assert sh.step([]) == {} and votes == [True]
+    assert sh.step([]) == {} and votes == [True, True]  # both votes, as a rank with items
     with pytest.raises(SwapStepError, match="applied on no rank: the swap step of rank 1 failed"):
         sh.step([])
-    assert votes == [True, True]
+    assert votes == [True, True, True]  # the first vote failed: no second
     sh.close()

@@ -158,7 +158,7 @@ def test_vote_all_ok_commits(tmp_path):
     store, pipe = _voting_store(tmp_path)
     votes = []
     pipe.run(range(3), _bump, vote=lambda ok: votes.append(ok) or [])
-    assert votes == [True] and store.step == 1
+    assert votes == [True, True] and store.step == 1  # before the commit, and after it
     pipe.close()
     store.close()
 
@@ -195,5 +195,41 @@ def test_local_failure_votes_false_once(tmp_path):
     with pytest.raises(SwapStepError, match="injected write error"):
         pipe.run(range(3), _bump, vote=lambda ok: votes.append(ok) or [0])
     assert votes == [False] and store.step == 0
+    pipe.close()
+    store.close()
+
+
+def test_commit_failing_here_votes_false_in_the_second_vote(tmp_path, monkeypatch):
+    from offload.swap import SwapStepError
+
+    store, pipe = _voting_store(tmp_path)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(store, "_write_manifest", full)
+    votes = []
+    with pytest.raises(SwapStepError, match="could not be committed: No space left"):
+        pipe.run(range(3), _bump, vote=lambda ok: votes.append(ok) or ([] if ok else [0]))
+    assert votes == [True, False] and store.step == 0
+    pipe.close()
+    store.close()
+
+
+def test_a_peer_that_could_not_commit_makes_this_rank_undo_its_commit(tmp_path):
+    from offload.swap import SwapStepError
+
+    store, pipe = _voting_store(tmp_path)
+    pipe.run(range(3), _bump)
+    manifest = next(tmp_path.glob("offload-*/manifest.json"))
+    before, slots = manifest.read_bytes(), list(store.slots)
+    answers = [[], [1]]  # all prepared; then rank 1 could not commit
+    with pytest.raises(SwapStepError, match="swap step 2 was applied on no rank: rank 1 could not commit it; "
+                                            "this rank's commit was undone: the swap files still hold step 1"):
+        pipe.run(range(3), _bump, vote=lambda ok: answers.pop(0))
+    assert store.step == 1 and store.slots == slots and manifest.read_bytes() == before
+    out = []
+    pipe.run(range(3), lambda g, s, e, ts: out.append(float(ts[0][0])), commit=False)
+    assert out == [1.0, 1.0, 1.0]  # step 1's states, read from the slots the manifest names
     pipe.close()
     store.close()

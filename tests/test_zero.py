@@ -195,8 +195,10 @@ def _step_counts(opt, model):
     return [float(opt.state[p]["step"]) if "step" in opt.state[p] else None for p in model.parameters()]
 
 
-def job_swap_failure(group, swap_dir, fail_rank, steps):
-    """nvme, stage 2: at step 2 one rank's swap write fails (its first sub-group write).
+def job_swap_failure(group, swap_dir, fail_rank, steps, where="write"):
+    """nvme, stage 2: at step 2 one rank's swap step fails: its first sub-group write
+    (``where="write"``), or its manifest write after every rank voted to commit
+    (``"manifest"``, a full disk: the slot files are preallocated, the manifest is not).
     Every rank must raise (none may wait in the all-gather), keep its params and step counts,
     and retrying the step on every rank must give the uninterrupted run."""
     from offload.swap import SwapStepError
@@ -216,12 +218,20 @@ def job_swap_failure(group, swap_dir, fail_rank, steps):
         if step == 2:
             before = {k: v.detach().clone() for k, v in model.state_dict().items()}
             counts = _step_counts(opt, model)
-            faulty.arm(1 if rank == fail_rank else 0)
+            real_manifest = store._write_manifest
+            if rank == fail_rank and where == "write":
+                faulty.arm(1)
+            elif rank == fail_rank:
+                def full():
+                    raise OSError(28, "No space left on device (injected)", store.path)
+
+                store._write_manifest = full
             try:
                 opt.step()
             except SwapStepError as exc:
                 out["error"] = str(exc)
             faulty.arm(0)
+            store._write_manifest = real_manifest
             out["unchanged"] = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
             out["counts_kept"] = counts == _step_counts(opt, model)
         opt.step()  # at step 2: the retry, with the same grads
@@ -575,6 +585,21 @@ def test_swap_failure_on_one_rank_applies_the_step_on_no_rank(pool, tmp_path):
         assert "restored from that step" in res[r]["error"]
     for r in res:
         assert r["unchanged"] and r["counts_kept"]
+        _assert_params(r["params"], ref)
+    assert os.listdir(tmp_path) == []
+
+
+def test_manifest_failure_on_one_rank_after_the_vote_is_undone_everywhere(pool, tmp_path):
+    # Every rank voted to commit; rank 1's manifest write then fails (a full disk): ranks 0
+    # and 2 undo their commit, all raise with the params and step counts of step 2, and the
+    # retried step continues the uninterrupted run.
+    res = pool.run("job_swap_failure", 3, swap_dir=str(tmp_path), fail_rank=1, steps=5, where="manifest")
+    ref, _ = _reference(5)
+    assert "could not be committed: No space left on device (injected)" in res[1]["error"]
+    for r in (0, 2):
+        assert "rank 1 could not commit it; this rank's commit was undone" in res[r]["error"]
+    for r in res:
+        assert r["unchanged"] and r["counts_kept"] and "restored from that step" in r["error"]
         _assert_params(r["params"], ref)
     assert os.listdir(tmp_path) == []
 

@@ -79,6 +79,7 @@ import torch
 from offload.kernels import get_backend
 from offload.memory import BufferPool
 from offload.swap import SwapStepError
+from offload.swap.pipeline import idle_votes
 from offload.zero import SideStream, comm, split_ranges
 from offload.zero.backward_reduce import BackwardReducer
 from offload.zero.checkpoint import fill_store_from_shards, load_shards, save_shards, save_shards_from_store
@@ -576,7 +577,7 @@ class FlatState:
         if self._swap is not None and (items or self.world > 1):
             phases = dict(self._swap.step(items))
         elif self.world > 1:
-            failed = comm.failed_ranks(True, self.group)
+            failed = idle_votes(functools.partial(comm.failed_ranks, group=self.group))
             if failed:
                 raise SwapStepError(errno.ECANCELED, f"the swap step was applied on no rank: the swap step of rank "
                                     f"{', '.join(map(str, failed))} failed", None, [])

@@ -29,7 +29,7 @@ import torch
 from offload.optim.stats import swap_phases
 from offload.optim.swapped_state import _close_quietly
 from offload.swap import SwapLayout, SwapPipeline, SwapStepError, plan_sub_groups
-from offload.swap.pipeline import Vote, vote_failed
+from offload.swap.pipeline import Vote, idle_votes, vote_failed
 from offload.swap.cache import GroupCache
 from offload.swap.store import open_run_store
 
@@ -197,7 +197,7 @@ class SwappedShards:
         step, with or without items, and all of them apply the step or none does."""
         vote = self._vote
         if not items:
-            failed = vote(True) if vote is not None else []
+            failed = idle_votes(vote) if vote is not None else []
             if failed:
                 raise SwapStepError(errno.ECANCELED, f"swap step {self.store.step + 1} was applied on no rank: the "
                                     f"swap step of rank {', '.join(map(str, failed))} failed", self.store.path, [])

@@ -56,10 +56,20 @@ Compute = Callable[[int, int, int, List[torch.Tensor]], None]
 # (``vote(ok) -> failed ranks``, a collective each rank calls exactly once per step, on
 # success and on failure alike), and only if no rank failed does each commit its manifest.
 # Otherwise every rank keeps the previous step (its manifest was never flipped), restores
-# the params it already wrote, and raises, naming the ranks that failed. What remains
-# unguarded is the manifest write itself (a rename and an fsync of the directory) failing
-# on one rank after the vote.
+# the params it already wrote, and raises, naming the ranks that failed. The manifest write
+# itself can still fail on one rank after that vote - on a full disk it is the likeliest
+# failure, as the slot files are preallocated and the manifest is a new file - so a second
+# vote follows the commit: if a rank could not commit, the others undo theirs
+# (``store.undo_commit``: the previous step's data is still in the other slots). Every rank
+# votes the same number of times: once when the first vote fails, twice otherwise, and a
+# rank with nothing to step does the same (``idle_votes``).
 Vote = Callable[[bool], List[int]]
+
+
+def idle_votes(vote: Vote) -> List[int]:
+    """A rank with nothing to step takes part in both votes; returns the failed ranks."""
+    failed = vote(True)
+    return failed if failed else vote(True)
 
 
 def vote_failed(vote: Vote, path: str) -> None:
@@ -368,10 +378,27 @@ class SwapPipeline:
         if commit:
             try:
                 store.commit(written, extra() if callable(extra) else extra, synced=vote is not None)
-            except OSError as exc:
+            except BaseException as exc:
+                if vote is not None:
+                    vote_failed(vote, store.path)  # the second vote: the others undo theirs
+                if not isinstance(exc, OSError):
+                    raise
                 msg = (f"swap step {store.step + 1} could not be committed: {exc.strerror or exc}; "
                        f"the swap files still hold step {store.step}")
                 raise SwapStepError(exc.errno or errno.EIO, msg, exc.filename or store.path, computed) from exc
+            if vote is not None:
+                failed = vote(True)
+                if failed:
+                    step = store.step
+                    try:
+                        store.undo_commit()
+                        held = f"this rank's commit was undone: the swap files still hold step {store.step}"
+                    except OSError as exc:
+                        held = (f"undoing this rank's commit failed too ({exc.strerror or exc}): its swap files "
+                                f"hold step {step}, the other rank's the step before")
+                    msg = (f"swap step {step} was applied on no rank: rank {', '.join(map(str, failed))} could not "
+                           f"commit it; {held}")
+                    raise SwapStepError(errno.ECANCELED, msg, store.path, computed)
         commit_s = time.perf_counter() - tc
         self.last_stats = {
             "swap_read_s": read_span.total(), "swap_write_s": write_span.total(), "io_busy_s": io_span.total(),

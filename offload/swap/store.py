@@ -304,6 +304,24 @@ class SwapStore:
         except BaseException:
             self.slots, self.valid, self.checksums, self.step, self.extra = slots, valid, checksums, step, old_extra
             raise
+        self._before_commit = (slots, valid, checksums, step, old_extra)
+
+    def undo_commit(self) -> None:
+        """Go back to the state before the last :meth:`commit` (its data is still in the
+        other slots: nothing has written there since) and rewrite the manifest. For several
+        ranks, when another rank could not commit the same step."""
+        self._check_open()
+        before = getattr(self, "_before_commit", None)
+        if before is None:
+            raise RuntimeError(f"{self.path}: no commit to undo")
+        now = (self.slots, self.valid, self.checksums, self.step, self.extra)
+        self.slots, self.valid, self.checksums, self.step, self.extra = before
+        try:
+            self._write_manifest()
+        except BaseException:
+            self.slots, self.valid, self.checksums, self.step, self.extra = now
+            raise
+        self._before_commit = None
 
     # ------------------------------------------------------------------ closing
     def disk_bytes(self) -> int:
