@@ -78,7 +78,10 @@ class _Core(Engine):
             try:
                 fd = piece.fd()
                 call = self._pwritev if piece.write else self._preadv
-                n = await call(fd, [piece.remaining], off, executor=self._executor)
+                # Released explicitly: the executor's worker drops its arguments only after
+                # the result reaches the loop, which may be after the caller closed its pool.
+                with piece.remaining as view:
+                    n = await call(fd, [view], off, executor=self._executor)
             except OSError as exc:
                 if exc.errno == errno.EINTR:
                     continue

@@ -302,7 +302,11 @@ class Engine:
                 self._stats["bytes_written" if piece.write else "bytes_read"] += piece.done
             if piece.t_issue:
                 t.latencies_ns.append(now - piece.t_issue)
+            # Drop our views of the caller's buffer before the ticket completes: the thread
+            # that finished this piece may hold the piece a moment longer, and a caller that
+            # closes its pool right after wait() must find no export left.
             piece.keep = None
+            piece.view = None
             t._pending -= 1
             finished = t._pending == 0
         if finished:
