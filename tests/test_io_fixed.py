@@ -183,3 +183,36 @@ def test_offload_info_says_whether_buffers_can_be_registered(monkeypatch):
     assert st.startswith("yes (they count against RLIMIT_MEMLOCK") or st.startswith("no: "), st
     monkeypatch.setattr(uring_mod.UringEngine, "_fixed_supported", lambda self: "the kernel lacks it (test)")
     assert engine_status()["uring registered buffers"] == "no: the kernel lacks it (test)"
+
+
+def _vm_flags(addr):
+    """The VmFlags of the mapping holding ``addr`` (/proc/self/smaps)."""
+    lo = hi = None
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and len(head.split("-")) == 2 and all(c in "0123456789abcdef-" for c in head):
+                a, b = (int(x, 16) for x in head.split("-"))
+                lo, hi = a, b
+            elif line.startswith("VmFlags:") and lo is not None and lo <= addr < hi:
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_registered_buffers_are_left_out_of_fork(eng, pool):
+    # Pinned pages cannot be shared copy-on-write: fork() would copy them all into the child
+    # (a DataLoader worker). While registered, the buffer is MADV_DONTFORK ("dc").
+    buf = pool.acquire(1 << 20)
+    addr = buf.data_ptr
+    assert "dc" not in _vm_flags(addr)
+    h = _fixed_available(eng, buf)
+    assert "dc" in _vm_flags(addr)
+    eng.unregister_buffers(h)
+    assert "dc" not in _vm_flags(addr)
+    # a buffer that is not whole pages (a bytearray on the heap) is registered but never
+    # marked: its pages hold other objects the child needs
+    small = bytearray(5000)
+    h = eng.register_buffers([small])
+    assert h is not None and eng._dontfork[h] == []
+    eng.unregister_buffers(h)
+    pool.release(buf)
