@@ -66,7 +66,6 @@ every rank (torch's meaning, see above); freeing it after the reduction is not d
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
 import logging
 import time
@@ -78,7 +77,6 @@ import torch
 
 from offload.kernels import get_backend
 from offload.memory import BufferPool
-from offload.swap import SwapStepError
 from offload.swap.pipeline import idle_votes
 from offload.zero import SideStream, comm, split_ranges
 from offload.zero.backward_reduce import BackwardReducer
@@ -451,6 +449,9 @@ class FlatState:
     # traffic than updating them in place; the in-place path is the stage-0 SwappedState).
     def _open_swap(self, opt) -> None:
         cfg = opt.config
+        # Several ranks: the swap steps' vote (see [Note: ranks vote before commit] in
+        # swap/pipeline.py), also cast by a rank that holds no element at all.
+        self._swap_vote = functools.partial(comm.failed_ranks, group=self.group) if self.world > 1 else None
 
         def open_local() -> None:
             from offload.optim.swapped_shards import SwappedShards
@@ -461,13 +462,12 @@ class FlatState:
             me = weakref.ref(self)
             identity = {"kind": "flat", "world": self.world, "rank": self.rank,
                         "groups": [list(fg.layout.numels) for fg in self._groups]}
-            vote = functools.partial(comm.failed_ranks, group=self.group) if self.world > 1 else None
             self._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
                                        extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
                                        max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
                                        verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
                                        backend=self._backend, num_threads=self._threads, rank=self.rank,
-                                       run_name="flat", vote=vote)
+                                       run_name="flat", vote=self._swap_vote)
             if cfg.resume:
                 # The master of the last finished step is the truth: steps and params follow it.
                 self._set_steps(self._swap.resumed_extra.get("steps") or [])
@@ -477,10 +477,7 @@ class FlatState:
         try:
             # Several ranks agree before anything collective follows: a rank that cannot open
             # or resume its swap files (a full disk, a missing directory) makes every rank raise.
-            if self.world > 1:
-                comm.on_every_rank(open_local, f"opening the swap files in {cfg.swap_dir!r}", self.group)
-            else:
-                open_local()
+            comm.on_every_rank(open_local, f"opening the swap files in {cfg.swap_dir!r}", self.group, self.world)
             if cfg.resume:
                 self._params_from_swap()  # every rank: an all-gather when partitioned
         except BaseException:
@@ -576,11 +573,8 @@ class FlatState:
         phases: Dict[str, float] = {}
         if self._swap is not None and (items or self.world > 1):
             phases = dict(self._swap.step(items))
-        elif self.world > 1:
-            failed = idle_votes(functools.partial(comm.failed_ranks, group=self.group))
-            if failed:
-                raise SwapStepError(errno.ECANCELED, f"the swap step was applied on no rank: the swap step of rank "
-                                    f"{', '.join(map(str, failed))} failed", None, [])
+        elif self._swap_vote is not None:
+            idle_votes(self._swap_vote)
         t = time.perf_counter()
         for post in posts:  # staging -> device (async on the copy stream), or non-contiguous params
             post()
@@ -759,17 +753,11 @@ class FlatState:
         # leaving the others in the all-gather. The optimizer is then half loaded: load again.
         what = f"load_checkpoint({directory!r}) (the optimizer state is incomplete until it is loaded again)"
 
-        def agreed(fn) -> None:
-            if self.world > 1:
-                comm.on_every_rank(fn, what, self.group)
-            else:
-                fn()
-
         if self._swap is not None:
             layouts = [fg.layout for fg in self._groups]
-            agreed(lambda: self._swap.load_checkpoint(
+            comm.on_every_rank(lambda: self._swap.load_checkpoint(
                 lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs),
-                lambda meta: self._set_steps(meta.get("steps") or [0] * len(self._order))))
+                lambda meta: self._set_steps(meta.get("steps") or [0] * len(self._order))), what, self.group, self.world)
             self._params_from_swap()
             return
 
@@ -777,7 +765,7 @@ class FlatState:
             meta = load_shards(directory, self._groups)
             self._set_steps(meta.get("steps") or [0] * len(self._order))
 
-        agreed(load)
+        comm.on_every_rank(load, what, self.group, self.world)
         if self._nvme:
             return  # offload="nvme" without a swap store: the params have no element at all
         for fg in self._groups:

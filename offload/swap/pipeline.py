@@ -66,12 +66,6 @@ Compute = Callable[[int, int, int, List[torch.Tensor]], None]
 Vote = Callable[[bool], List[int]]
 
 
-def idle_votes(vote: Vote) -> List[int]:
-    """A rank with nothing to step takes part in both votes; returns the failed ranks."""
-    failed = vote(True)
-    return failed if failed else vote(True)
-
-
 def vote_failed(vote: Vote, path: str) -> None:
     """Tell the other ranks this rank's step failed; the local error stays the one raised."""
     try:
@@ -87,6 +81,23 @@ class SwapStepError(OSError):
     def __init__(self, err: int, msg: str, path: Optional[str], computed: List[int]) -> None:
         super().__init__(err, msg, path)
         self.computed = computed
+
+
+def peers_failed(failed: List[int], step: Optional[int], path: Optional[str], computed: List[int],
+                 held: str = "") -> SwapStepError:
+    """The error of a rank whose own step was fine when the vote says ``failed`` ranks' were not."""
+    what = f"swap step {step}" if step is not None else "the swap step"
+    msg = f"{what} was applied on no rank: the swap step of rank {', '.join(map(str, failed))} failed"
+    return SwapStepError(errno.ECANCELED, msg + (f"; {held}" if held else ""), path, computed)
+
+
+def idle_votes(vote: Vote, step: Optional[int] = None, path: Optional[str] = None) -> None:
+    """A rank with nothing to step takes part in both votes, and raises as the others do."""
+    failed = vote(True)
+    if not failed:
+        failed = vote(True)
+    if failed:
+        raise peers_failed(failed, step, path, [])
 
 
 def plan_sub_groups(numel: int, nstates: int, max_host_bytes: Optional[int],
@@ -372,9 +383,8 @@ class SwapPipeline:
                 raise SwapStepError(exc.errno or errno.EIO, msg, exc.filename or store.path, computed) from exc
             failed = vote(True)
             if failed:
-                msg = (f"swap step {store.step + 1} was applied on no rank: the swap step of rank "
-                       f"{', '.join(map(str, failed))} failed; the swap files still hold step {store.step}")
-                raise SwapStepError(errno.ECANCELED, msg, store.path, computed)
+                raise peers_failed(failed, store.step + 1, store.path, computed,
+                                   f"the swap files still hold step {store.step}")
         if commit:
             try:
                 store.commit(written, extra() if callable(extra) else extra, synced=vote is not None)

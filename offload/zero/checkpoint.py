@@ -45,10 +45,7 @@ def save_shards(directory: str, groups: List[FlatGroup], *, world: int, rank: in
 def _save_on_every_rank(save: Callable[[], Any], directory: str, world: int, process_group: Any) -> None:
     # every shard is on disk before any rank returns, and a rank that could not write its
     # shard (a full disk) makes every rank raise rather than leave them waiting for it
-    if world > 1:
-        on_every_rank(save, f"save_checkpoint({directory!r})", process_group)
-    else:
-        save()
+    on_every_rank(save, f"save_checkpoint({directory!r})", process_group, world)
 
 
 def _flat_meta(directory: str, mine: List[List[int]]) -> Tuple[Dict[str, Any], int]:

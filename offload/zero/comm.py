@@ -133,11 +133,14 @@ def failed_ranks(ok: bool, group: Any = None) -> List[int]:
     return [r for r, bad in enumerate(flags.tolist()) if bad]
 
 
-def on_every_rank(fn: Callable[[], T], what: str, group: Any = None) -> T:
+def on_every_rank(fn: Callable[[], T], what: str, group: Any = None, world: Optional[int] = None) -> T:
     """Run ``fn`` on this rank, then agree with the others (a collective, and a barrier):
     if it failed on any rank, raise on every rank - the local error where it happened, a
     RuntimeError naming the failed ranks elsewhere - so no rank goes on to a collective the
-    failed one will never join."""
+    failed one will never join. ``world``: the caller's own world size when it differs from
+    the group's (an unpartitioned optimizer in a distributed job); 1 just runs ``fn``."""
+    if world == 1:
+        return fn()
     try:
         out = fn()
     except BaseException:
