@@ -68,3 +68,23 @@ def test_checkpoint_of_other_shapes_is_refused_and_state_kept(tmp_path):
     after = opt2.state_dict()
     for i in before["state"]:
         assert torch.equal(before["state"][i]["exp_avg"], after["state"][i]["exp_avg"])
+
+
+def test_a_checkpoint_of_the_other_kind_is_named_in_the_error(tmp_path):
+    # The flat store (stage=2 here) saves per-rank shards, the stage-0 host store one
+    # directory: loading one into the other says what the directory holds.
+    model = _model()
+    flat = offload.AdamW(model.parameters(), lr=1e-2, stage=2)
+    _train(model, flat, 1, seed=1)
+    flat.save_checkpoint(str(tmp_path / "flat"))
+    plain = _opt(model, "cpu", tmp_path / "swap")
+    _train(model, plain, 1, seed=1)
+    plain.save_checkpoint(str(tmp_path / "plain"))
+    with pytest.raises(FileNotFoundError, match=r"per-rank shards \(rank0/ \.\.\.\) of a flat-store optimizer"):
+        plain.load_checkpoint(str(tmp_path / "flat"))
+    with pytest.raises(FileNotFoundError, match="holds the checkpoint of an optimizer without the flat store"):
+        flat.load_checkpoint(str(tmp_path / "plain"))
+    flat.load_checkpoint(str(tmp_path / "flat"))  # each still loads its own
+    plain.load_checkpoint(str(tmp_path / "plain"))
+    flat.close()
+    plain.close()

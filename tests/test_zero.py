@@ -282,6 +282,51 @@ def job_checkpoint_failure(group, ckpt, fail_rank, swap_dir=None):
     return errors
 
 
+def _corrupt(ckpt_rank_dir, state="exp_avg_sq", at=4 * 5 + 1):
+    """Flip one bit of a saved state's data (its crc32 in the manifest no longer matches)."""
+    import json
+
+    man = json.load(open(os.path.join(ckpt_rank_dir, "offload-ckpt.json")))
+    path = os.path.join(ckpt_rank_dir, man["files"][state])
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def job_load_corrupt(group, ckpt, steps, swap_dir=None):
+    """Save after step 1; the last rank's saved exp_avg_sq is corrupted; after step 2 every
+    rank tries to load that checkpoint: all must raise with their optimizer untouched (params,
+    step counts, moments: training on must give the uninterrupted run)."""
+    model = _model()
+    nvme = dict(offload="nvme", swap_dir=swap_dir, sub_group_size=1024) if swap_dir else {}
+    opt = offload.AdamW(model.parameters(), stage=2, process_group=group, **HP, **nvme)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = {}
+    for step in range(steps):
+        x, y = _local(step, 0, group)
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            opt.save_checkpoint(ckpt)
+            if rank == world - 1:
+                _corrupt(os.path.join(ckpt, f"rank{rank}"))
+        if step == 2:
+            before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            counts = _step_counts(opt, model)
+            try:
+                opt.load_checkpoint(ckpt)
+            except (OSError, RuntimeError) as exc:
+                out["error"] = f"{type(exc).__name__}: {exc}"
+            out["unchanged"] = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+            out["counts_kept"] = counts == _step_counts(opt, model)
+    opt.close()
+    out["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
 def job_error_of(group, job, **kwargs):
     """Run ``job`` and return its error as text (every rank reports, none is left queued)."""
     try:
@@ -462,6 +507,50 @@ def _assert_params(got, ref_model):
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
+def test_all_or_none_votes_and_undoes():
+    from offload.zero.comm import all_or_none
+
+    def run(answers, prepare_fails=False, commit_fails=False):
+        votes, done = [], []
+
+        def vote(ok):
+            votes.append(ok)
+            return answers[len(votes) - 1]
+
+        def prepare():
+            if prepare_fails:
+                raise OSError(5, "bad file")
+            return "p"
+
+        def commit(p):
+            if commit_fails:
+                raise OSError(28, "full")
+            done.append(p)
+
+        def undo():
+            done.append("undo")
+            return "undone here"
+
+        try:
+            all_or_none(prepare, commit, undo, "loading X", vote)
+            err = None
+        except (OSError, RuntimeError) as exc:
+            err = f"{type(exc).__name__}: {exc}"
+        return votes, done, err
+
+    assert run([[], []]) == ([True, True], ["p"], None)
+    votes, done, err = run([[0]], prepare_fails=True)
+    assert votes == [False] and done == [] and "bad file" in err
+    votes, done, err = run([[1]])
+    assert votes == [True] and done == [] and "loading X failed on rank 1" in err and "applied on no rank" in err
+    votes, done, err = run([[], [0]], commit_fails=True)
+    assert votes == [True, False] and done == [] and "full" in err
+    votes, done, err = run([[], [2]])
+    assert votes == [True, True] and done == ["p", "undo"] and err.endswith("as it committed; undone here")
+    out = []
+    assert all_or_none(lambda: 3, out.append, lambda: "", "x", None) == 3 and out == [3]
+
+
 # ---------------------------------------------------------------------- distributed tests
 @pytest.mark.parametrize("world,stage", [(2, 1), (3, 2)])  # stage 2 on 2 ranks: the tests below
 def test_partitioned_fp32_matches_torch_adamw_on_global_batch(pool, world, stage):
@@ -614,7 +703,39 @@ def test_checkpoint_failure_on_one_rank_raises_on_every_rank(pool, tmp_path, nvm
         assert res[2][what].startswith("OSError") and "injected" in res[2][what]
         for r in (0, 1):
             assert res[r][what].startswith("RuntimeError") and "failed on rank 2" in res[r][what]
-    assert "loaded again" in res[0]["load"]
+    # The injected failure replaces the whole load: in host memory after the ranks agreed the
+    # files are sound (the states may be half overwritten), with nvme before the commit.
+    assert ("applied on no rank" if nvme else "loaded again") in res[0]["load"]
+
+
+@pytest.mark.parametrize("nvme", [False, True], ids=["host", "nvme"])
+def test_load_of_a_corrupt_checkpoint_changes_nothing_on_any_rank(pool, tmp_path, nvme):
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    ckpt = tmp_path / "ckpt"
+    res = pool.run("job_load_corrupt", 3, ckpt=str(ckpt), steps=4, swap_dir=str(swap) if nvme else None)
+    assert res[2]["error"].startswith("OSError") and "fails its crc32" in res[2]["error"]
+    for r in (0, 1):
+        assert res[r]["error"].startswith("RuntimeError") and "failed on rank 2" in res[r]["error"]
+    ref, _ = _reference(4)
+    for r in res:
+        assert r["unchanged"] and r["counts_kept"]
+        _assert_params(r["params"], ref)
+    # One process loading the same 3-rank checkpoint: ranks 0 and 1 are sound, rank 2 is
+    # not, and it must not be left with their part loaded and the rest old.
+    model = _model()
+    kw = dict(offload="nvme", swap_dir=str(swap), sub_group_size=1024) if nvme else {}
+    opt = offload.AdamW(model.parameters(), stage=2, **HP, **kw)  # the flat store, on one rank
+    for step in range(4):
+        x, y = _batch(step, 0)
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            with pytest.raises(OSError, match="fails its crc32"):
+                opt.load_checkpoint(str(ckpt))
+    opt.close()
+    _assert_params(model.state_dict(), ref)
 
 
 def test_resume_failing_on_one_rank_raises_on_every_rank(pool, tmp_path):

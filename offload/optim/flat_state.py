@@ -80,7 +80,7 @@ from offload.memory import BufferPool
 from offload.swap.pipeline import idle_votes
 from offload.zero import SideStream, comm, split_ranges
 from offload.zero.backward_reduce import BackwardReducer
-from offload.zero.checkpoint import fill_store_from_shards, load_shards, save_shards, save_shards_from_store
+from offload.zero.checkpoint import check_shards, fill_store_from_shards, load_shards, save_shards, save_shards_from_store
 from offload.zero.flat_group import LOWP, FlatGroup
 
 __all__ = ["FlatState"]
@@ -747,27 +747,48 @@ class FlatState:
         save_shards(directory, self._groups, world=self.world, rank=self.rank, meta=meta, process_group=self.group)
 
     def load_checkpoint(self, directory: str) -> None:
-        """Masters, moments and steps from a checkpoint of any world size; params follow."""
-        # Each rank loads its part, then all agree before the params are all-gathered: a rank
-        # that failed (an unreadable file, a full swap disk) makes every rank raise instead of
-        # leaving the others in the all-gather. The optimizer is then half loaded: load again.
-        what = f"load_checkpoint({directory!r}) (the optimizer state is incomplete until it is loaded again)"
+        """Masters, moments and steps from a checkpoint of any world size; params follow.
 
+        All or nothing, on every rank: a rank that cannot load (a missing or corrupt file, a
+        full swap disk) makes every rank raise with its optimizer as it was, instead of
+        leaving the others in the params' all-gather or half loaded. With offload="nvme" the
+        checkpoint streams into the free swap slots, and the ranks vote before and after the
+        commit as for a step ([Note: ranks vote before commit] in swap/pipeline.py). In host
+        memory, every file this rank needs is read through and its crc32 checked first, the
+        ranks agree, and only then are the states overwritten; only an I/O error in that
+        second read (or a file changed between the two) can still leave them half loaded, and
+        the error says so."""
+        steps_before = self._ckpt_steps()
+        layouts = [fg.layout for fg in self._groups]
         if self._swap is not None:
-            layouts = [fg.layout for fg in self._groups]
-            comm.on_every_rank(lambda: self._swap.load_checkpoint(
-                lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs),
-                lambda meta: self._set_steps(meta.get("steps") or [0] * len(self._order))), what, self.group, self.world)
+            try:
+                self._swap.load_checkpoint(
+                    lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs),
+                    lambda meta: self._set_steps(meta.get("steps") or [0] * len(self._order)), vote=self._swap_vote)
+            except BaseException:
+                self._set_steps(steps_before)
+                raise
             self._params_from_swap()
             return
+        what = f"load_checkpoint({directory!r})"
+        if self._nvme:  # offload="nvme", no element on this rank: only the steps, voted as the others
+            def undo() -> str:
+                self._set_steps(steps_before)
+                return "nothing was loaded on any rank"
+
+            comm.all_or_none(lambda: check_shards(directory, layouts),
+                             lambda meta: self._set_steps(meta.get("steps") or [0] * len(self._order)),
+                             undo, what, self._swap_vote)
+            return
+        comm.on_every_rank(lambda: check_shards(directory, layouts), what + " (nothing was loaded on any rank)",
+                           self.group, self.world)
 
         def load() -> None:
             meta = load_shards(directory, self._groups)
             self._set_steps(meta.get("steps") or [0] * len(self._order))
 
-        comm.on_every_rank(load, what, self.group, self.world)
-        if self._nvme:
-            return  # offload="nvme" without a swap store: the params have no element at all
+        comm.on_every_rank(load, what + " (the optimizer state is incomplete until it is loaded again)", self.group,
+                           self.world)
         for fg in self._groups:
             fg.write_params(self.group)
 

@@ -260,16 +260,36 @@ class SwappedShards:
         return save_fn(self.store, self.pipeline.buffers)
 
     def load_checkpoint(self, fill: Callable[[Any, List[Any]], Tuple[Dict[str, Any], Dict[int, Any]]],
-                        apply_meta: Callable[[Dict[str, Any]], None]) -> None:
+                        apply_meta: Callable[[Dict[str, Any]], None], vote: Optional[Vote] = None) -> None:
         """Replace every state with what ``fill(store, buffers)`` streams into the free slots
         (it returns (meta, written), as ``offload.swap.checkpoint.load_store``), let
         ``apply_meta(meta)`` update what ``extra()`` reports, then commit both at once: a
-        failure before the commit leaves the store as it was."""
-        self.flush()
-        self._cache.invalidate()
-        meta, written = fill(self.store, self.pipeline.buffers)
-        apply_meta(meta)
-        self.store.commit(written, self._meta(), advance=False)
+        failure before the commit leaves the store as it was. ``vote``: several ranks load
+        or none does (``offload.zero.comm.all_or_none``); the caller undoes ``apply_meta``
+        when this raises."""
+        from offload.zero.comm import all_or_none
+
+        def prepare() -> Tuple[Dict[str, Any], Dict[int, Any]]:
+            self.flush()
+            self._cache.invalidate()
+            out = fill(self.store, self.pipeline.buffers)
+            if vote is not None:
+                self.store.sync()  # durable before the vote, as a step's writes
+            return out
+
+        def commit(prepared: Tuple[Dict[str, Any], Dict[int, Any]]) -> None:
+            apply_meta(prepared[0])
+            self.store.commit(prepared[1], self._meta(), advance=False, synced=vote is not None)
+
+        def undo() -> str:
+            try:
+                self.store.undo_commit()
+            except OSError as exc:
+                return (f"undoing this rank's commit failed too ({exc.strerror or exc}): its swap files hold the "
+                        "checkpoint, the other ranks' their state before: load it again")
+            return f"this rank's commit was undone: the swap files still hold step {self.store.step}"
+
+        all_or_none(prepare, commit, undo, "load_checkpoint", vote)
 
     # ------------------------------------------------------------------ reporting, closing
     def memory_report(self) -> Dict[str, int]:

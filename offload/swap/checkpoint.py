@@ -27,7 +27,7 @@ from offload.swap import fsutil
 from offload.swap.layout import ALIGN, round_up
 
 __all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "save_store", "load_store", "save_tensors", "load_tensors",
-           "read_manifest"]
+           "read_manifest", "verify_checkpoint"]
 
 CKPT_FORMAT = "offload-ckpt"
 CKPT_VERSION = 1
@@ -72,12 +72,25 @@ def read_manifest(directory: str) -> Dict[str, Any]:
     try:
         m = fsutil.read_json(path)
     except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no offload checkpoint here (manifest missing)", path) from None
+        raise FileNotFoundError(errno.ENOENT, "no offload checkpoint here (manifest missing)" + _other_kind(directory),
+                                path) from None
     if not isinstance(m, dict) or m.get("format") != CKPT_FORMAT:
         raise ValueError(f"{path}: not an offload checkpoint manifest")
     if m.get("version") != CKPT_VERSION:
         raise ValueError(f"{path}: checkpoint format version {m.get('version')!r}, this offload reads {CKPT_VERSION}")
     return m
+
+
+def _other_kind(directory: str) -> str:
+    """Why a load found no manifest, when the directory holds the other kind of checkpoint."""
+    hint = ("; load it with an optimizer of the same kind: the flat store (stage=1 or 2, or fp16/bf16 or "
+            "CUDA params) saves per-rank shards, the others one directory")
+    if os.path.exists(os.path.join(directory, "rank0", CKPT_MANIFEST)):
+        return "; it holds per-rank shards (rank0/ ...) of a flat-store optimizer" + hint
+    parent = os.path.dirname(os.path.abspath(directory))
+    if os.path.basename(os.path.abspath(directory)) == "rank0" and os.path.exists(os.path.join(parent, CKPT_MANIFEST)):
+        return f"; {parent} holds the checkpoint of an optimizer without the flat store" + hint
+    return ""
 
 
 def _current_gen(directory: str) -> Optional[int]:
@@ -298,6 +311,46 @@ class _Staging:
             pass
         if self._owned:
             self.engine.close()
+
+
+def verify_checkpoint(directory: str, states: List[str], numel: int, *, io_engine: Any = None,
+                      stage: Optional[memoryview] = None, stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
+    """Read checkpoint ``directory`` through once, touching nothing else: its manifest must
+    hold ``states`` of ``numel`` fp32 elements each, and every data file its size and crc32.
+    Returns the manifest. For a load that must not stop half-way: check every file first
+    (several of them, on several ranks), then load. ``stage``: a buffer to stream through
+    (else one of ``stage_bytes`` is made), with ``io_engine``."""
+    directory = os.path.abspath(directory)
+    m = read_manifest(directory)
+    if sorted(m.get("states", [])) != sorted(states) or m.get("numel") != numel or m.get("dtype") != "float32":
+        raise ValueError(f"{directory}: checkpoint holds {m.get('numel')!r} {m.get('dtype')} elements of states "
+                         f"{m.get('states')}, expected {numel} float32 of {sorted(states)}")
+
+    def check(engine: Any, view: memoryview) -> None:
+        used = numel * 4
+        for name in m["states"]:
+            path = os.path.join(directory, m["files"][name])
+            crc, offset = 0, 0
+            with open_file(path, write=False, direct=False, nofollow=True) as f:
+                if f.size < used:
+                    raise ValueError(f"{path}: {f.size} bytes, the manifest says {numel} elements")
+                while offset < used:
+                    n = min(len(view), used - offset)
+                    got = engine.read(f, offset, view[:n])
+                    if got != n:
+                        raise OSError(errno.EIO, f"short read: {got} of {n} bytes at {offset}", path)
+                    crc = zlib.crc32(view[:n], crc)
+                    offset += n
+            if crc != int(m["crc32"][name]):
+                raise OSError(errno.EIO, f"checkpoint data of {name} fails its crc32 ({crc:08x}, manifest "
+                              f"{int(m['crc32'][name]):08x}); nothing was loaded", path)
+
+    if stage is not None and io_engine is not None:
+        check(io_engine, stage)
+    else:
+        with _Staging(directory, stage_bytes, io_engine) as st:
+            check(st.engine, st.view)
+    return m
 
 
 def save_tensors(directory: str, states: Dict[str, List[Any]], meta: Dict[str, Any], *,

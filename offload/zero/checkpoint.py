@@ -6,7 +6,10 @@ format, ``offload.swap.checkpoint.save_tensors``) and a meta block with the worl
 numels of each flat group and whatever the caller adds (the optimizer: every param's step).
 ``load_shards(DIR)`` on M ranks reads the N shards back through the same ``FlatLayout``
 arithmetic and keeps, on each rank, the intersection with its new shard: N -> M with no
-gather and no full copy in memory (one old shard at a time).
+gather and no full copy in memory (one old shard at a time), reading only the old ranks whose
+shards overlap the new one. ``check_shards`` first reads those files through and checks their
+crc32, so a load can refuse a bad checkpoint before it overwrites anything (the optimizer
+agrees on that across ranks, then loads: see FlatState.load_checkpoint).
 
 With ``offload="nvme"`` the states are a swap store whose element space is exactly a rank's
 file (the shards of the groups end to end): ``save_shards_from_store`` streams it out with
@@ -18,18 +21,18 @@ from __future__ import annotations
 
 import errno
 import os
-import zlib
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
 from offload.io import open_file
-from offload.swap.checkpoint import _stream, load_store, load_tensors, read_manifest, save_store, save_tensors
+from offload.swap.checkpoint import (_stream, load_store, load_tensors, read_manifest, save_store, save_tensors,
+                                     verify_checkpoint)
 from offload.zero.comm import on_every_rank
 from offload.zero.flat_group import FlatGroup
 from offload.zero.partition import FlatLayout
 
-__all__ = ["save_shards", "load_shards", "save_shards_from_store", "fill_store_from_shards", "STATES"]
+__all__ = ["save_shards", "check_shards", "load_shards", "save_shards_from_store", "fill_store_from_shards", "STATES"]
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -58,18 +61,53 @@ def _flat_meta(directory: str, mine: List[List[int]]) -> Tuple[Dict[str, Any], i
     return first, old_world
 
 
+def _old_layouts(mine: List[List[int]], old_world: int) -> List[List[FlatLayout]]:
+    return [[FlatLayout(n, old_world, r) for n in mine] for r in range(old_world)]
+
+
+def _needed(layouts: Sequence[FlatLayout], olds: List[List[FlatLayout]]) -> List[int]:
+    """The old ranks whose shards overlap this rank's new ones (the only files it reads)."""
+    def overlap(new: FlatLayout, old: FlatLayout) -> bool:
+        return max(new.shard_range()[0], old.shard_range()[0]) < min(new.shard_range()[1], old.shard_range()[1])
+
+    return sorted({r for r, old in enumerate(olds) for lay, o in zip(layouts, old) if lay.shard and overlap(lay, o)})
+
+
+def _check_rank_meta(path: str, m: Dict[str, Any], r: int, old_world: int) -> None:
+    meta = m.get("meta") or {}
+    if meta.get("rank") != r or meta.get("world") != old_world:
+        raise ValueError(f"{path}: meta says rank {meta.get('rank')} of {meta.get('world')}, expected {r} of {old_world}")
+
+
+def check_shards(directory: str, layouts: Sequence[FlatLayout], *, engine: Any = None,
+                 stage: Any = None) -> Dict[str, Any]:
+    """Read through every file of checkpoint ``directory`` that this rank's shards of
+    ``layouts`` need (manifests, sizes, crc32), changing nothing; returns rank 0's meta.
+    The first half of a load that must not stop half-way (see FlatState.load_checkpoint)."""
+    mine = [list(lay.numels) for lay in layouts]
+    first, old_world = _flat_meta(directory, mine)
+    olds = _old_layouts(mine, old_world)
+    for r in _needed(layouts, olds):
+        path = os.path.join(directory, f"rank{r}")
+        m = verify_checkpoint(path, list(STATES), sum(lay.shard for lay in olds[r]), io_engine=engine, stage=stage)
+        _check_rank_meta(path, m, r, old_world)
+    return first
+
+
 def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
-    """Fill the groups' shards from checkpoint ``directory``; returns rank 0's meta."""
+    """Fill the groups' shards from checkpoint ``directory``; returns rank 0's meta. Copies as
+    it reads, one old shard at a time: run :func:`check_shards` first, or a bad file met
+    half-way leaves the groups part old, part new."""
     mine = [list(fg.layout.numels) for fg in groups]
     first, old_world = _flat_meta(directory, mine)
-    for r in range(old_world):
-        olds = [FlatLayout(n, old_world, r) for n in mine]
-        scratch = {k: [torch.empty(lay.shard) for lay in olds if lay.shard] for k in STATES}
+    olds = _old_layouts(mine, old_world)
+    for r in _needed([fg.layout for fg in groups], olds):
+        scratch = {k: [torch.empty(lay.shard) for lay in olds[r] if lay.shard] for k in STATES}
         meta = load_tensors(os.path.join(directory, f"rank{r}"), scratch)
         if meta.get("rank") != r or meta.get("world") != old_world:
             raise ValueError(f"{directory}/rank{r}: meta says rank {meta.get('rank')} of {meta.get('world')}")
         it = {k: iter(v) for k, v in scratch.items()}
-        for fg, lay in zip(groups, olds):
+        for fg, lay in zip(groups, olds[r]):
             if not lay.shard:
                 continue
             src = {k: next(it[k]) for k in STATES}
@@ -92,25 +130,6 @@ def save_shards_from_store(directory: str, store: Any, buffers: List[Any], *, la
                         directory, world, process_group)
 
 
-def _check_crcs(path: str, m: Dict[str, Any], engine: Any, stage: Any) -> None:
-    """Stream each data file of checkpoint manifest ``m`` once and compare its crc32."""
-    view = stage.memoryview
-    for name in m["states"]:
-        fpath = os.path.join(path, m["files"][name])
-        used, crc, offset = m["numel"] * 4, 0, 0
-        with open_file(fpath, write=False, direct=False) as f:
-            while offset < used:
-                n = min(len(view), used - offset)
-                got = engine.read(f, offset, view[:n])
-                if got != n:
-                    raise OSError(errno.EIO, f"short read: {got} of {n} bytes at {offset}", fpath)
-                crc = zlib.crc32(view[:n], crc)
-                offset += n
-        if crc != int(m["crc32"][name]):
-            raise OSError(errno.EIO, f"checkpoint data of {name} fails its crc32 ({crc:08x}, manifest "
-                          f"{int(m['crc32'][name]):08x}); nothing was loaded", fpath)
-
-
 def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store: Any,
                            buffers: List[Any]) -> Tuple[Dict[str, Any], Dict[int, Any]]:
     """Stream a flat checkpoint of any world size into the free slots of ``store`` (this
@@ -125,29 +144,23 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
             raise ValueError(f"{directory}/rank{rank}: meta says rank {meta.get('rank')} of {meta.get('world')}")
         return first, written
     names = list(store.state_names)
-    olds = [[FlatLayout(n, old_world, r) for n in mine] for r in range(old_world)]
+    olds = _old_layouts(mine, old_world)
     old_base = [0]
     for lay in olds[0]:
         old_base.append(old_base[-1] + lay.shard)
     new_base = [0]
     for lay in layouts:
         new_base.append(new_base[-1] + lay.shard)
-    # Which old ranks hold a part of this rank's shards.
-    need = sorted({r for k, lay in enumerate(layouts) if lay.shard
-                   for r in range(old_world)
-                   if max(lay.shard_range()[0], olds[r][k].shard_range()[0]) <
-                   min(lay.shard_range()[1], olds[r][k].shard_range()[1])})
+    need = _needed(layouts, olds)
     files: Dict[Tuple[int, str], Any] = {}
     engine, layout = store.engine, store.layout
     try:
         for r in need:
             path = os.path.join(directory, f"rank{r}")
-            m = read_manifest(path)
-            meta = m.get("meta") or {}
-            if meta.get("rank") != r or meta.get("world") != old_world or sorted(m["states"]) != sorted(names):
-                raise ValueError(f"{path}: meta says rank {meta.get('rank')} of {meta.get('world')}, "
-                                 f"states {m['states']}")
-            _check_crcs(path, m, engine, buffers[0])
+            if sorted(names) != sorted(STATES):
+                raise ValueError(f"{path}: this store holds states {names}, a flat checkpoint {list(STATES)}")
+            m = verify_checkpoint(path, names, old_base[-1], io_engine=engine, stage=buffers[0].memoryview)
+            _check_rank_meta(path, m, r, old_world)
             for name in names:
                 files[(r, name)] = open_file(os.path.join(path, m["files"][name]), write=False, direct=False)
         written: Dict[int, Any] = {}

@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["world_and_rank", "failed_ranks", "on_every_rank", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
+__all__ = ["world_and_rank", "failed_ranks", "on_every_rank", "all_or_none", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
            "comm_device", "reduce_scatter_supported", "reduce_scatter_async", "all_reduce_async"]
 
 log = logging.getLogger("offload.zero")
@@ -153,6 +153,46 @@ def on_every_rank(fn: Callable[[], T], what: str, group: Any = None, world: Opti
     if failed:
         raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (see its error there)")
     return out
+
+
+def _tell_failed(vote: Callable[[bool], List[int]], what: str) -> None:
+    try:
+        vote(False)
+    except Exception as exc:  # the group itself is broken: the local error says enough
+        log.warning("could not tell the other ranks that %s failed: %s", what, exc)
+
+
+def all_or_none(prepare: Callable[[], T], commit: Callable[[T], None], undo: Callable[[], str], what: str,
+                vote: Optional[Callable[[bool], List[int]]]) -> T:
+    """``prepare()`` (nothing visible yet), agree, ``commit(prepared)``, agree again; a rank
+    whose commit went through while another's failed calls ``undo()`` (which returns what
+    it now holds, for the error). So every rank applies the change or none does, as a swap
+    step (see [Note: ranks vote before commit] in offload/swap/pipeline.py). ``vote``: as
+    ``failed_ranks`` bound to a group, or None for one rank. Every rank votes once when the
+    first vote fails, twice otherwise."""
+    try:
+        prepared = prepare()
+    except BaseException:
+        if vote is not None:
+            _tell_failed(vote, what)
+        raise
+    if vote is not None:
+        failed = vote(True)
+        if failed:
+            raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (see its error there); "
+                               "it was applied on no rank")
+    try:
+        commit(prepared)
+    except BaseException:
+        if vote is not None:
+            _tell_failed(vote, what)  # the second vote: the others undo theirs
+        raise
+    if vote is not None:
+        failed = vote(True)
+        if failed:
+            raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (see its error there) as it "
+                               f"committed; {undo()}")
+    return prepared
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
