@@ -9,9 +9,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-from typing import Optional, Tuple
-
-import torch
+from typing import Tuple
 
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_adam_args, check_tensor, check_threads
 from ._threads import resolve_threads
