@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for the offload library, in under 8 minutes on one CUDA GPU (made for an H200):
+# GPU check for the offload library, in under 6 minutes on one CUDA GPU (made for an H200):
 #   1. versions (python, torch, CUDA, GPU, kernel backend);
 #   2. the CUDA-marked tests (tests/test_cuda.py: streams, hooks, copies, vs torch.optim.AdamW,
 #      swapped masters; tests/test_memory.py: cudaHostRegister'd pool buffers);
@@ -7,17 +7,26 @@
 #      offload="cpu", step time with overlapping side streams vs synchronous copies, and the
 #      profiler's stream timeline summary (bench/offload_step.py --gpu).
 # Usage: bash bench/gpu_check.sh [extra args for bench/offload_step.py --gpu]
-# Environment: it reuses .venv if its torch sees CUDA (else .venv-gpu, else python3); only when
-# none does it pip-installs torch into .venv-gpu (which needs network access).
-# Every stage runs under its own timeout (30 + 90 + 150 + 180 s at most: < 8 min when torch
-# with CUDA is already there) and the script goes on after a failure, so one run
-# prints everything there is to see; the exit status is the number of failed stages.
+# Environment: it reuses .venv if its torch sees CUDA (else .venv-gpu, else python3). Only when
+# none does, and only with OFFLOAD_GPU_CHECK_PIP=1, it pip-installs torch into .venv-gpu (an
+# offline device machine has torch in python3 and no network: it would only burn time).
+# The native kernels: carry offload/kernels/liboffload_native.so (git-ignored) or the script
+# builds them (needs g++; numba or torch serve if that fails).
+# Every stage runs under its own timeout (20 + 60 + 120 + 150 s at most, ~2-3 min when all
+# goes well) and the script goes on after a failure, so one run prints everything there is to
+# see; the exit status is the number of failed stages. With $OUT set (the device tool's
+# output folder), everything printed is also written to $OUT/gpu_check.log.
 set -u
 cd "$(dirname "$0")/.."
+if [ -n "${OUT:-}" ] && [ -d "${OUT}" ] && [ -z "${GPU_CHECK_TEED:-}" ]; then
+  # Re-run under tee so a run killed at its limit still leaves its log behind.
+  GPU_CHECK_TEED=1 bash "$0" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+  exit "${PIPESTATUS[0]}"
+fi
 fails=0
 say() { printf '\n== %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
 
-has_cuda_torch() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
+has_cuda_torch() { timeout 60 "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
 
 PY=""
 for cand in .venv/bin/python .venv-gpu/bin/python python3; do
@@ -26,6 +35,9 @@ done
 if [ -z "$PY" ]; then
   # A CPU-only torch (the .venv of a CPU machine) is left alone: the CUDA build goes into its
   # own venv; PyPI's default torch wheel for Linux x86-64 is the CUDA one.
+  if [ "${OFFLOAD_GPU_CHECK_PIP:-0}" != 1 ]; then
+    echo "no python with CUDA torch found (set OFFLOAD_GPU_CHECK_PIP=1 to pip install one)"; exit 98
+  fi
   say "no python with CUDA torch found: pip install torch into .venv-gpu"
   [ -x .venv-gpu/bin/python ] || python3 -m venv --system-site-packages .venv-gpu \
     || { echo "cannot create .venv-gpu"; exit 99; }
@@ -33,19 +45,19 @@ if [ -z "$PY" ]; then
   timeout 150 "$PY" -m pip install -q torch numpy pytest || echo "pip install torch failed (no network?)"
   has_cuda_torch "$PY" || { echo "torch still has no CUDA here; nothing more to check"; exit 98; }
 fi
-"$PY" -c 'import torch; print("using", __import__("sys").executable, "torch", torch.__version__)'
+timeout 60 "$PY" -c 'import torch; print("using", __import__("sys").executable, "torch", torch.__version__)'
 # Python deps of the package itself, only where missing (offline machines keep what they have).
-"$PY" -c 'import numpy, pytest' >/dev/null 2>&1 || timeout 60 "$PY" -m pip install -q numpy pytest \
+timeout 60 "$PY" -c 'import numpy, pytest' >/dev/null 2>&1 || timeout 60 "$PY" -m pip install -q numpy pytest \
   || echo "pip install numpy pytest failed"
 if [ ! -f offload/kernels/liboffload_native.so ]; then
   say "building the native kernels (pip install -e .)"
-  timeout 90 "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
+  timeout 60 "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
     || echo "native build failed: the numba or torch backend will run (slower CPU step)"
 fi
 
 say "versions"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi unavailable"
-PYTHONPATH=. timeout 30 "$PY" - <<'EOF' || fails=$((fails + 1))
+PYTHONPATH=. timeout 20 "$PY" - <<'EOF' || fails=$((fails + 1))
 import os, platform, sys, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "cudnn", torch.backends.cudnn.version())
@@ -56,10 +68,10 @@ print("kernel backend", get_backend().name, backend_status())
 EOF
 
 say "CUDA-marked tests"
-PYTHONPATH=. timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests || fails=$((fails + 1))
+PYTHONPATH=. timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests || fails=$((fails + 1))
 
 say "GPU benchmark: offload='cpu', overlap vs synchronous copies"
-PYTHONPATH=. timeout 180 "$PY" bench/offload_step.py --gpu "$@" || fails=$((fails + 1))
+PYTHONPATH=. timeout 150 "$PY" bench/offload_step.py --gpu "$@" || fails=$((fails + 1))
 
 say "done: $fails failed stage(s)"
 exit "$fails"

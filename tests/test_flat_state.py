@@ -288,3 +288,44 @@ def test_param_groups_with_own_hyperparameters_and_add_param_group():
         ref.zero_grad()
     for p, m in zip(params, masters):
         torch.testing.assert_close(ours._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+
+
+class _CountingStream:
+    """A side stream that only counts: stands for a CUDA stream with copies still queued."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def synchronize(self):
+        self.log.append(self.name)
+
+    def wait_current(self):
+        pass
+
+    def current_waits(self):
+        pass
+
+
+def test_host_writes_outside_step_wait_for_the_side_streams(tmp_path):
+    # step() returns with param copies still queued on the copy stream, reading the pinned
+    # master / staging buffers; a load rewrites those buffers on the host, so it must wait
+    # for them first (and so must the collection of an optimizer dropped without close()).
+    import gc
+
+    model = _model(torch.bfloat16, seed=3)
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    log = []
+    opt._store._streams[torch.device("cuda", 7)] = (_CountingStream(log, "grad"), _CountingStream(log, "copy"))
+    model(torch.randn(5, 17).bfloat16(), True).float().sum().backward()
+    opt.step()
+    opt.save_checkpoint(str(tmp_path))
+    sd = opt.state_dict()
+    for load, arg in ((opt.load_state_dict, sd), (opt.load_checkpoint, str(tmp_path))):
+        log.clear()
+        load(arg)
+        assert log[:2] == ["grad", "copy"], log
+    del load
+    log.clear()
+    del opt
+    gc.collect()
+    assert log == ["grad", "copy"]

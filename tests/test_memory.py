@@ -167,7 +167,7 @@ def test_huge_pages_are_obtained():
 
 def test_close_unmaps_and_refuses_while_views_live():
     acct = Accounting()
-    p = BufferPool(region_bytes=2 << 20, accounting=acct)
+    p = BufferPool(pin=False, region_bytes=2 << 20, accounting=acct)  # pageable on a GPU machine too
     buf = p.acquire(8192)
     addr = buf.data_ptr
     assert acct.snapshot()["current"]["pageable_host"] == 2 << 20
@@ -242,3 +242,76 @@ def test_accounting_counts_per_tier_and_peak():
     acct.reset_peak()
     assert acct.snapshot()["peak"]["nvme"] == 50
     assert isinstance(default_accounting(), Accounting)
+
+
+class _FakeCudart:
+    """torch.cuda.cudart() stand-in: records (un)registrations, answers ``err`` to registering."""
+
+    def __init__(self, err: int) -> None:
+        self.err, self.calls = err, []
+
+    def cudaHostRegister(self, addr, size, flags):
+        self.calls.append(("register", addr, size))
+        return self.err
+
+    def cudaHostUnregister(self, addr):
+        self.calls.append(("unregister", addr))
+        return 0
+
+
+def _vm_flags(addr: int):
+    from test_io_fixed import _vm_flags as flags
+
+    return flags(addr)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    import offload.memory.pool as pool_mod
+    import offload.memory.region as region_mod
+
+    def install(err: int) -> _FakeCudart:
+        fake = _FakeCudart(err)
+        monkeypatch.setattr(pool_mod, "cuda_pin_available", lambda: True)
+        monkeypatch.setattr(region_mod, "_cudart", lambda: fake)
+        return fake
+
+    return install
+
+
+def test_pinned_regions_are_left_out_of_fork_and_unregistered_before_unmap(fake_cuda):
+    # Pinned pages cannot be shared copy-on-write: fork() would copy every one into each
+    # DataLoader worker. A pinned region is MADV_DONTFORK ("dc" in VmFlags) for its life.
+    fake = fake_cuda(0)
+    p = BufferPool(region_bytes=2 << 20)
+    b = p.acquire(4096)
+    addr = b.data_ptr
+    assert b.pinned and "dc" in _vm_flags(addr)
+    assert p.stats()["pinned_bytes"] == 2 << 20
+    p.release(b)
+    p.close()
+    assert [c[0] for c in fake.calls] == ["register", "unregister"] and fake.calls[0][1] == fake.calls[1][1]
+    assert not _mapped(addr)
+
+
+def test_a_refused_pin_warns_and_stays_unpinned_unless_pinning_was_required(fake_cuda, caplog):
+    # A sandboxed runtime or exhausted pinnable memory: cudaHostRegister fails (2: out of
+    # memory). pin=None goes on with pageable buffers (copies stay correct, only synchronous);
+    # pin=True was a demand, and says why it cannot be met.
+    fake = fake_cuda(2)
+    with caplog.at_level("WARNING", logger="offload.memory.pool"):
+        p = BufferPool(region_bytes=2 << 20, name="auto")
+        a = p.acquire(4096)
+        b = p.acquire(4 << 20)  # a second region: not tried again
+    assert not a.pinned and not b.pinned and p.pin is False and "dc" not in _vm_flags(a.data_ptr)
+    assert [c[0] for c in fake.calls] == ["register"]
+    assert "cudaHostRegister(2097152 bytes) failed with CUDA error 2" in caplog.text and "stay unpinned" in caplog.text
+    a.tensor(torch.float32).fill_(1.0)  # the memory works
+    p.release(a)
+    p.release(b)
+    p.close()
+    strict = BufferPool(pin=True, region_bytes=2 << 20)
+    with pytest.raises(RuntimeError, match="failed with CUDA error 2"):
+        strict.acquire(4096)
+    assert strict.stats()["reserved_bytes"] == 0
+    strict.close()

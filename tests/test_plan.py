@@ -716,7 +716,6 @@ def _close_per_tier(got, want):
 
 def test_plan_then_run_bf16_cpu_params_flat_store_nvme(tmp_path):
     model = _bf16_model_with_grads()
-    n = count_params(model)
     kw = dict(offload="nvme", swap_dir=str(tmp_path), max_host_bytes=4 << 20)
     plan = estimate(model, **kw)
     # By hand: master and moments (3 states) of 262,912 elements within 4 MiB: sub-groups of

@@ -282,7 +282,7 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
     progress = Progress(total)
     path = os.path.join(directory, DATA_NAME)
     rows: List[dict] = []
-    pool = BufferPool(region_bytes=64 << 20)
+    pool = BufferPool(pin=False, region_bytes=64 << 20)  # disk I/O only (and registered with io_uring)
     f = None
     try:
         f = _create_data_file(path, size, args.direct, pool, progress)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import threading
 from typing import Any, Dict, List, Optional
 
@@ -21,6 +22,8 @@ from .accounting import Accounting, default_accounting
 from .region import HUGE_PAGE, PAGE, Region, anon_huge_bytes, cuda_pin_available
 
 __all__ = ["BufferPool", "HostBuffer"]
+
+log = logging.getLogger(__name__)
 
 _pool_ids = itertools.count()
 
@@ -142,6 +145,10 @@ class BufferPool:
                  max_bytes: Optional[int] = None, alignment: int = PAGE, huge: bool = True,
                  prefault: bool = True, accounting: Optional[Accounting] = None,
                  name: Optional[str] = None) -> None:
+        # pin=None: pin when CUDA is there, and when the driver refuses (a sandboxed runtime,
+        # pinnable memory exhausted) warn once and go on unpinned: copies from pageable
+        # memory are correct, only synchronous. pin=True: a refusal raises.
+        self._pin_optional = pin is None
         if pin is None:
             pin = cuda_pin_available()
         elif pin and not cuda_pin_available():
@@ -230,7 +237,15 @@ class BufferPool:
         if self.max_bytes is not None and self._reserved() + size > self.max_bytes:
             raise MemoryError(f"BufferPool {self.name}: mapping {size} more bytes would exceed "
                               f"max_bytes={self.max_bytes} ({self._reserved()} mapped, {self._in_use} in use)")
-        region = Region(size, huge=self._huge, prefault=self._prefault, pin=self.pin)
+        try:
+            region = Region(size, huge=self._huge, prefault=self._prefault, pin=self.pin)
+        except RuntimeError as exc:
+            if not (self.pin and self._pin_optional):
+                raise
+            log.warning("BufferPool %s: %s; its buffers stay unpinned (host-device copies are then synchronous)",
+                        self.name, exc)
+            self.pin = False
+            region = Region(size, huge=self._huge, prefault=self._prefault, pin=False)
         self._regions.append(region)
         self._free_off[id(region)] = [0]
         self._free_len[id(region)] = [region.size]

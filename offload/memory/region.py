@@ -86,7 +86,14 @@ class Region:
         if prefault:
             ctypes.memset(self.address, 0, self.size)
         if pin:
-            self._pin()
+            try:
+                self._pin()
+            except BaseException:
+                self._view.release()
+                self._view = None
+                m.close()
+                self._mmap = None
+                raise
 
     @staticmethod
     def _address(m: mmap.mmap) -> int:
@@ -102,6 +109,16 @@ class Region:
         if int(getattr(err, "value", err)) != 0:
             raise RuntimeError(f"cudaHostRegister({self.size} bytes) failed with CUDA error {err}")
         self.pinned = True
+        # Pinned pages cannot be shared copy-on-write: fork() would copy the whole region into
+        # every child (each DataLoader worker) at once, as it did for the io_uring registered
+        # buffers (see [Note: fixed buffers] in offload/io/uring.py). No child uses our
+        # buffers, so they are left out of it. (A pinned pool is never also registered with
+        # io_uring, whose unregister would turn this off again.)
+        if hasattr(mmap, "MADV_DONTFORK"):
+            try:
+                self._mmap.madvise(mmap.MADV_DONTFORK, self.skip, self.size)
+            except OSError as exc:
+                log.debug("madvise(MADV_DONTFORK) refused: %s", exc)
 
     @property
     def closed(self) -> bool:

@@ -135,6 +135,7 @@ class FlatState:
         self._order: List[torch.Tensor] = []  # every param, in param_groups order
         self._hooks = []
         self._streams: Dict[torch.device, Tuple[SideStream, SideStream]] = {}
+        weakref.finalize(self, _drain_at_collection, self._streams).atexit = False
         self._mask: Optional[Dict[torch.Tensor, bool]] = None
         self._reduced = False
         self._stash: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
@@ -222,6 +223,12 @@ class FlatState:
     def _wait_grad_copies(self) -> None:
         for grad_stream, _ in self._streams.values():
             grad_stream.synchronize()
+
+    def _drain(self) -> None:
+        """Wait for every side-stream copy. step() returns with param copies still queued
+        that read the pinned master / staging buffers: any host write to those outside
+        step() (a load) must come after them, or the device gets the new bytes half-way."""
+        _drain_streams(self._streams)
 
     def _pre_step(self, opt, args, kwargs) -> None:
         """Step pre-hook: a new step; make the skip decision of GradScaler global."""
@@ -673,6 +680,7 @@ class FlatState:
             fg.exp_avg_sq[lo:hi].zero_()
 
     def _pre_load(self, opt, state_dict):
+        self._drain()  # what follows (here, _post_load, import/reset_state) rewrites host buffers
         # Params that have moments now (before torch replaces opt.state): only those need
         # reset_state() when the loaded dict has no state for them; the others hold zeros.
         self._stepped = {p for p in self._order if self._has_state(p)}
@@ -758,6 +766,7 @@ class FlatState:
         ranks agree, and only then are the states overwritten; only an I/O error in that
         second read (or a file changed between the two) can still leave them half loaded, and
         the error says so."""
+        self._drain()
         steps_before = self._ckpt_steps()
         layouts = [fg.layout for fg in self._groups]
         if self._swap is not None:
@@ -827,9 +836,7 @@ class FlatState:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self._wait_grad_copies()
-        for _, copy_stream in self._streams.values():
-            copy_stream.synchronize()
+        self._drain()
         if self._swap is not None:
             self._swap.close()
             self._swap = None
@@ -842,6 +849,22 @@ class FlatState:
                 pool.close()
         except BufferError as exc:  # a caller still holds a view; the OS reclaims it at exit
             log.warning("flat store: %s", exc)
+
+
+def _drain_streams(streams: Dict[torch.device, Tuple[SideStream, SideStream]]) -> None:
+    for grad_stream, copy_stream in streams.values():
+        grad_stream.synchronize()
+        copy_stream.synchronize()
+
+
+def _drain_at_collection(streams: Dict[torch.device, Tuple[SideStream, SideStream]]) -> None:
+    # An optimizer dropped without close(): its pools unpin and unmap their buffers when they
+    # are collected, right after this runs (weakref callbacks come first), and a copy still
+    # queued on a side stream must not find its memory gone.
+    try:
+        _drain_streams(streams)
+    except Exception as exc:  # CUDA already torn down: nothing is queued any more
+        log.debug("flat store: draining side streams at collection: %s", exc)
 
 
 def _weak_hook(store: "FlatState"):

@@ -208,7 +208,7 @@ class DiskProbe:
         self.nbytes = max(chunk, nbytes // chunk * chunk)
         self.chunk = chunk
         self.path = os.path.join(directory, f".offload-plan-probe-{os.getpid()}-{id(self):x}")
-        self._pool = BufferPool()
+        self._pool = BufferPool(pin=False)  # disk I/O only: pinning would buy nothing
         self._eng = self._file = None
         self._bufs = []
         try:

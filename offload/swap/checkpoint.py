@@ -294,7 +294,7 @@ class _Staging:
 
         self.nbytes = max(ALIGN, stage_bytes // ALIGN * ALIGN)
         self.engine, self._owned = resolve_engine(io_engine, directory)
-        self.pool = BufferPool(region_bytes=self.nbytes, name=f"ckpt:{directory}")
+        self.pool = BufferPool(pin=False, region_bytes=self.nbytes, name=f"ckpt:{directory}")  # never meets a GPU
         self.buf = self.pool.acquire(self.nbytes)
         self.view = self.buf.memoryview
         self.floats = self.buf.tensor(torch.float32)
