@@ -1,9 +1,13 @@
 """The CUDA path of the flat store: grads D2H on a side stream, params H2D on a copy stream.
 
-Skipped without CUDA (run by bench/gpu_check.sh). Following torchao's trick, the model is a
-stack of layers with low arithmetic density (thin linears, elementwise ops), so the device
-finishes its work quickly and any missing wait between streams shows up as a stale value:
-the test reads params and losses right after ``step()`` on the compute stream, with no
+Every test runs twice: on a CUDA device (``[cuda]``, marked ``cuda``, skipped without one;
+bench/gpu_check.sh runs them), and on the CPU with the streams emulated (``[emulated]``,
+tests/stream_emulation.py: async copies are queued and run only when a GPU would have to
+have run them, and a host write to the source of a queued copy is a failure), so CI checks
+the path's stream logic too. Following torchao's trick, the model is a stack of layers with
+low arithmetic density (thin linears, elementwise ops), so the device finishes its work
+quickly and any missing wait between streams shows up as a stale value: the test reads
+params and losses right after ``step()`` on the compute stream, with no
 ``torch.cuda.synchronize()`` in between.
 """
 from __future__ import annotations
@@ -14,14 +18,32 @@ import torch.nn as nn
 
 import offload
 from offload.optim.flat_state import FlatState
+from stream_emulation import Emulation
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda,
+                                    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+_EMU = []  # the emulation of the running test, if it runs emulated
+
+
+@pytest.fixture(params=[_CUDA, "emulated"])
+def dev(request, monkeypatch):
+    """The device the params live on: "cuda", or "cpu" with the CUDA path emulated."""
+    if request.param == "cuda":
+        yield "cuda"
+        return
+    _EMU.append(Emulation().install(monkeypatch))
+    try:
+        yield "cpu"
+    finally:
+        _EMU.pop()
+
 
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.05)
 
 
-def _model(dtype):
+def _model(dtype, dev):
     torch.manual_seed(0)
     layers = []
     for _ in range(6):
@@ -29,14 +51,14 @@ def _model(dtype):
     layers.append(nn.Linear(257, 3))
     m = nn.Sequential(*layers)
     m[2].requires_grad_(False)  # a frozen layer
-    return m.to("cuda", dtype)
+    return m.to(dev, dtype)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_params_match_adamw_on_host_master(monkeypatch, dtype, overlap):
+def test_cuda_params_match_adamw_on_host_master(monkeypatch, dev, dtype, overlap):
     monkeypatch.setattr(FlatState, "overlap", overlap)
-    model = _model(dtype)
+    model = _model(dtype, dev)
     params = list(model.parameters())
     masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
     ref = torch.optim.AdamW(masters, foreach=False, **HP)
@@ -44,7 +66,7 @@ def test_cuda_params_match_adamw_on_host_master(monkeypatch, dtype, overlap):
     assert isinstance(opt._store, FlatState)
     for step in range(10):
         for micro in range(2):  # gradient accumulation: the hook fires twice per param
-            x = torch.randn(64, 257, device="cuda", dtype=dtype)
+            x = torch.randn(64, 257, device=dev, dtype=dtype)
             model(x).float().pow(2).mean().backward()
         for p, m in zip(params, masters):
             m.grad = None if p.grad is None else p.grad.float().cpu()
@@ -60,14 +82,14 @@ def test_cuda_params_match_adamw_on_host_master(monkeypatch, dtype, overlap):
     opt.close()
 
 
-def test_cuda_grad_changed_after_backward_is_seen(monkeypatch):
-    model = _model(torch.bfloat16)
+def test_cuda_grad_changed_after_backward_is_seen(monkeypatch, dev):
+    model = _model(torch.bfloat16, dev)
     params = list(model.parameters())
     masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
     ref = torch.optim.AdamW(masters, foreach=False, **HP)
     opt = offload.AdamW(params, offload="cpu", **HP)
     for _ in range(3):
-        model(torch.randn(8, 257, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+        model(torch.randn(8, 257, device=dev, dtype=torch.bfloat16)).float().sum().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # in place, after the hook's copy
         for p, m in zip(params, masters):
             m.grad = None if p.grad is None else p.grad.float().cpu()
@@ -79,15 +101,15 @@ def test_cuda_grad_changed_after_backward_is_seen(monkeypatch):
     assert opt.memory_report()["tiers"]["pinned"] > 0
 
 
-def test_cuda_fp16_grad_scaler_overflow_skips_and_unscales_in_kernel():
-    model = _model(torch.float16)
+def test_cuda_fp16_grad_scaler_overflow_skips_and_unscales_in_kernel(dev):
+    model = _model(torch.float16, dev)
     params = list(model.parameters())
     masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
     ref = torch.optim.AdamW(masters, foreach=False, **HP)
     opt = offload.AdamW(params, offload="cpu", **HP)
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)
+    scaler = torch.amp.GradScaler(dev, init_scale=2.0 ** 12)
     for step in range(5):
-        loss = model(torch.randn(16, 257, device="cuda", dtype=torch.float16)).float().pow(2).mean()
+        loss = model(torch.randn(16, 257, device=dev, dtype=torch.float16)).float().pow(2).mean()
         if step == 2:
             loss = loss * float("inf")
         scaler.scale(loss).backward()
@@ -109,17 +131,17 @@ def test_cuda_fp16_grad_scaler_overflow_skips_and_unscales_in_kernel():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_params_with_master_and_moments_on_nvme(tmp_path, dtype):
+def test_cuda_params_with_master_and_moments_on_nvme(tmp_path, dev, dtype):
     # bf16: the kernel writes the pinned staging, copied on the copy stream; fp32: the master
     # is copied from the pipeline buffer to the device param sub-group by sub-group.
-    model = _model(dtype)
+    model = _model(dtype, dev)
     params = list(model.parameters())
     masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
     ref = torch.optim.AdamW(masters, foreach=False, **HP)
     (tmp_path / "a").mkdir()
     opt = offload.AdamW(params, offload="nvme", swap_dir=str(tmp_path / "a"), sub_group_size=4096, **HP)
     for _ in range(4):
-        model(torch.randn(32, 257, device="cuda", dtype=dtype)).float().pow(2).mean().backward()
+        model(torch.randn(32, 257, device=dev, dtype=dtype)).float().pow(2).mean().backward()
         for p, m in zip(params, masters):
             m.grad = None if p.grad is None else p.grad.float().cpu()
         ref.step()
@@ -133,7 +155,7 @@ def test_cuda_params_with_master_and_moments_on_nvme(tmp_path, dtype):
     assert opt.memory_report()["tiers"]["nvme"] > 0 and opt.memory_report()["detail"]["state_bytes"] == 0
     # A streamed checkpoint restores masters, moments and the device params of a fresh model.
     opt.save_checkpoint(str(tmp_path / "ck"))
-    twin = _model(dtype)
+    twin = _model(dtype, dev)
     with torch.no_grad():
         for q in twin.parameters():
             q.add_(1.0)
@@ -145,3 +167,36 @@ def test_cuda_params_with_master_and_moments_on_nvme(tmp_path, dtype):
         assert torch.equal(opt._store.master(p), opt2._store.master(q))
     opt.close()
     opt2.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_loads_right_after_step_wait_for_the_param_copies(tmp_path, dev, dtype):
+    # step() returns with the param copies still queued; they read the pinned master (fp32)
+    # or staging (bf16). Loading a state dict without masters right away (resetting the
+    # optimizer) rewrites the master from the params: it must wait for those copies, or the
+    # params get the zeroed master. Emulated lazily: each copy runs as late as a GPU may.
+    model = _model(dtype, dev)
+    params = list(model.parameters())
+    if _EMU:
+        _EMU[0].lazy = True
+        _EMU[0].on_device(params)
+    opt = offload.AdamW(params, offload="cpu", **HP)
+    fresh = offload.AdamW(_model(dtype, dev).parameters(), offload="cpu", **HP).state_dict()
+    opt.save_checkpoint(str(tmp_path / "step0"))
+    model(torch.randn(16, 257, device=dev, dtype=dtype)).float().pow(2).mean().backward()
+    opt.step()
+    stepped = [opt._store.master(p).clone() for p in params]
+    opt.load_state_dict(fresh)  # right after the step: masters from the params' values
+    for p, m in zip(params, stepped):
+        assert torch.equal(p.detach().cpu(), m.to(dtype))
+        torch.testing.assert_close(opt._store.master(p), m.to(dtype).float(), rtol=0, atol=0)
+    assert not opt.state_dict()["state"]
+    opt.zero_grad()
+    model(torch.randn(16, 257, device=dev, dtype=dtype)).float().pow(2).mean().backward()
+    opt.step()
+    opt.load_checkpoint(str(tmp_path / "step0"))  # right after a step again
+    start = _model(dtype, dev)
+    for p, q in zip(params, start.parameters()):
+        assert torch.equal(p.detach().cpu(), q.detach().cpu())
+        torch.testing.assert_close(opt._store.master(p), q.detach().float().cpu(), rtol=0, atol=0)
+    opt.close()

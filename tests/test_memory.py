@@ -279,9 +279,11 @@ def fake_cuda(monkeypatch):
     return install
 
 
-def test_pinned_regions_are_left_out_of_fork_and_unregistered_before_unmap(fake_cuda):
+def test_pinned_regions_are_left_out_of_fork_and_unregistered_before_unmap(fake_cuda, monkeypatch):
     # Pinned pages cannot be shared copy-on-write: fork() would copy every one into each
     # DataLoader worker. A pinned region is MADV_DONTFORK ("dc" in VmFlags) for its life.
+    import offload.memory.region as region_mod
+
     fake = fake_cuda(0)
     p = BufferPool(region_bytes=2 << 20)
     b = p.acquire(4096)
@@ -289,6 +291,11 @@ def test_pinned_regions_are_left_out_of_fork_and_unregistered_before_unmap(fake_
     assert b.pinned and "dc" in _vm_flags(addr)
     assert p.stats()["pinned_bytes"] == 2 << 20
     p.release(b)
+
+    def no_lookup():  # a finalizer looking torch.cuda up again could re-enter its lazy init
+        raise AssertionError("the runtime that pinned the region must unpin it")
+
+    monkeypatch.setattr(region_mod, "_cudart", no_lookup)
     p.close()
     assert [c[0] for c in fake.calls] == ["register", "unregister"] and fake.calls[0][1] == fake.calls[1][1]
     assert not _mapped(addr)

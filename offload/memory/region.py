@@ -19,7 +19,7 @@ import ctypes
 import logging
 import mmap
 import re
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["HUGE_PAGE", "PAGE", "Region", "anon_huge_bytes", "cuda_pin_available"]
 
@@ -103,11 +103,15 @@ class Region:
         finally:
             del c
 
-    def _pin(self) -> None:
+    def _pin(self, rt: Any = None) -> None:
         # cudaHostRegisterDefault = 0; the error code is an enum whose int is 0 on success.
-        err = _cudart().cudaHostRegister(self.address, self.size, 0)
+        # The runtime is kept for the unregister: looking it up again from a finalizer could
+        # re-enter torch.cuda's lazy initialisation (under its lock) if that is under way.
+        rt = rt or _cudart()
+        err = rt.cudaHostRegister(self.address, self.size, 0)
         if int(getattr(err, "value", err)) != 0:
             raise RuntimeError(f"cudaHostRegister({self.size} bytes) failed with CUDA error {err}")
+        self._rt = rt
         self.pinned = True
         # Pinned pages cannot be shared copy-on-write: fork() would copy the whole region into
         # every child (each DataLoader worker) at once, as it did for the io_uring registered
@@ -142,7 +146,7 @@ class Region:
         # (views alive), register it again so the region stays as it was.
         was_pinned = self.pinned
         if was_pinned:
-            err = _cudart().cudaHostUnregister(self.address)
+            err = self._rt.cudaHostUnregister(self.address)
             if int(getattr(err, "value", err)) != 0:
                 log.warning("cudaHostUnregister failed with CUDA error %s", err)
             self.pinned = False
@@ -151,7 +155,7 @@ class Region:
         except BufferError:
             self._view = memoryview(self._mmap)[self.skip:self.skip + self.size]
             if was_pinned:
-                self._pin()
+                self._pin(self._rt)
             raise
         self._mmap = None
 

@@ -71,7 +71,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -99,6 +99,10 @@ class FlatState:
     stage_cpu_params = False
     """Send CPU bf16/fp16 params through the staging buffer and a copy, as CUDA params go
     (tests: the CUDA path's indexing runs on the CPU too)."""
+    side_streams: Optional[Callable[[torch.device], Tuple[Any, Any]]] = None
+    """Tests: makes the (grad, copy) pair of stream-like objects for CPU params (an emulation
+    of CUDA streams that defers async copies: tests/stream_emulation.py), so the CUDA path's
+    stream logic runs in CI. CUDA params always get real ``SideStream`` pairs."""
     reduce_in_backward = False
     """Several ranks: start each bucket's reduction from the grad hooks, during backward (see
     [Note: reduce in backward] in offload/zero/backward_reduce.py); read when the optimizer
@@ -185,11 +189,20 @@ class FlatState:
                 self._where[p] = (fg, i)
                 if hook_path and p.requires_grad:
                     self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
-            if device.type == "cuda" and device not in self._streams:
-                # grad: D2H grad copies, overlapping the rest of backward. copy: H2D param
-                # copies, overlapping the CPU kernel of the next sub-group. [Note: streams of
-                # the flat store] in offload/zero/streams.py.
-                self._streams[device] = (SideStream(device), SideStream(device))
+            if device not in self._streams:
+                pair = self._make_side_streams(device)
+                if pair is not None:
+                    self._streams[device] = pair
+
+    def _make_side_streams(self, device: torch.device) -> Optional[Tuple[Any, Any]]:
+        # grad: D2H grad copies, overlapping the rest of backward. copy: H2D param copies,
+        # overlapping the CPU kernel of the next sub-group. [Note: streams of the flat
+        # store] in offload/zero/streams.py.
+        if device.type == "cuda":
+            return SideStream(device), SideStream(device)
+        if self.side_streams is not None:
+            return self.side_streams(device)
+        return None
 
     # ------------------------------------------------------------------ grads in
     def _grad_ready(self, p: torch.Tensor) -> None:
@@ -200,12 +213,12 @@ class FlatState:
         fg, i = self._where[p]
         lo, hi = fg.layout.slot(i)
         dst = fg.host_grad[lo:hi]
-        if g.device.type == "cuda" and self.overlap:
+        if self.overlap and g.device in self._streams:
             grad_stream, _ = self._streams[g.device]
             grad_stream.wait_current()  # the grad was produced on the compute stream
             with grad_stream.context():
                 dst.copy_(g.detach().reshape(-1), non_blocking=True)
-            g.record_stream(grad_stream.stream)  # keep g's memory until the copy has read it
+            grad_stream.keep_alive(g)  # keep g's memory until the copy has read it
         else:
             dst.copy_(g.detach().reshape(-1))
         fg.grad_tag[i] = (weakref.ref(g), g._version)
@@ -425,7 +438,7 @@ class FlatState:
         else:
             send = fg.master  # fp32 params: the master itself is copied
         t_kernel = t_h2d = 0.0
-        sub = self._sub if (p.device.type == "cuda" or self._sub_user) else piece.numel
+        sub = self._sub if (p.device in self._streams or self._sub_user) else piece.numel
         for a, b in split_ranges(piece.lo, piece.hi, sub):
             s = slice(a - start, b - start)
             t = time.perf_counter()

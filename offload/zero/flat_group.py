@@ -36,7 +36,7 @@ class FlatGroup:
         # (pageable, pinned): only what a DMA engine reads or writes is pinned (grad copies,
         # staging, an fp32 master that is copied to the device); moments never leave the host.
         self._pools = pools
-        cuda = self.device.type == "cuda"
+        cuda = self.device.type == "cuda" or stage_cpu  # stage_cpu: CPU params sent as CUDA ones (tests)
         self._bufs = []
         S = self.layout.shard
         # swapped: master and moments live in NVMe swap files (offload/optim/swapped_shards.py)

@@ -52,6 +52,12 @@ class SideStream:
         ev.record(self.stream)
         return ev
 
+    def keep_alive(self, t: torch.Tensor) -> None:
+        """``t`` (made on the compute stream) is read by work queued here: the caching
+        allocator must not hand its memory out before that work is done."""
+        if self.stream is not None:
+            t.record_stream(self.stream)
+
     def synchronize(self) -> None:
         """Block the host until this stream's queued work is done."""
         if self.stream is not None:
