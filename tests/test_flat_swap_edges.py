@@ -383,7 +383,7 @@ def test_failed_resume_keeps_the_swap_directory(tmp_path):
         _nvme(_model(seed=6), tmp_path / "swap", sub_group_size=1024, verify=True, resume=True)
     del e
     gc.collect()
-    assert sorted(os.listdir(d)) == ["lock", "manifest.json", "slot0.bin", "slot1.bin"]
+    assert sorted(os.listdir(d)) == ["lock", "manifest.json", "reserve.bin", "slot0.bin", "slot1.bin"]
 
 
 # ---------------------------------------------------------------------- swap directories
@@ -491,7 +491,10 @@ def _fill(directory):
         os.close(fd)
 
 
-def test_enospc_in_a_step_names_the_directory_and_changes_nothing(tmp_path):
+def test_a_full_disk_keeps_training_and_refuses_checkpoints(tmp_path, caplog):
+    # The swap files are preallocated; each commit's manifest finds room in reserve.bin (one
+    # warning), so steps go on on a full disk. A checkpoint there needs new space: refused,
+    # the swap intact. Once space is freed the reserve is whole again.
     img = tmp_path / "img"
     with open(img, "wb") as f:
         f.truncate(16 << 20)
@@ -504,24 +507,24 @@ def test_enospc_in_a_step_names_the_directory_and_changes_nothing(tmp_path):
         opt_ref = offload.AdamW(ref.parameters(), offload="cpu", **HP)
         opt = _nvme(m, mnt / "swap", sub_group_size=1024)
         path = opt._store._swap.swap_path
-        train(ref, opt_ref, 0, 4)
+        reserve = os.path.join(path, "reserve.bin")
+        train(ref, opt_ref, 0, 7)
         train(m, opt, 0, 2)
+        assert os.path.getsize(reserve) >= 1 << 20
         _fill(mnt)
+        with caplog.at_level("WARNING", logger="offload.swap.store"):
+            train(m, opt, 2, 5)
+        assert caplog.text.count("the file system is full: the manifest of step 3 went into the room kept in "
+                                 "reserve.bin") == 1
+        assert json.load(open(os.path.join(path, "manifest.json")))["step"] == 5
         snap = _snapshot(list(m.parameters()), opt)
-        m(_batch(2), use_side=True).float().pow(2).mean().backward()
         with pytest.raises(OSError) as e:
-            opt.step()
-        assert isinstance(e.value, SwapStepError) and e.value.errno == errno.ENOSPC
-        assert e.value.filename.startswith(path) and "still hold step 2" in str(e.value)
-        _assert_snapshot(list(m.parameters()), opt, snap)
-        with pytest.raises(OSError) as e:  # a checkpoint on the full disk: refused, swap intact
             opt.save_checkpoint(str(mnt / "ck"))
         assert e.value.errno == errno.ENOSPC and e.value.filename.startswith(str(mnt))
         _assert_snapshot(list(m.parameters()), opt, snap)
         os.unlink(mnt / "filler")
-        opt.step()  # the same grads again
-        opt.zero_grad()
-        train(m, opt, 3, 4)
+        train(m, opt, 5, 7)
+        assert os.path.getsize(reserve) >= 1 << 20 and os.stat(reserve).st_blocks * 512 >= 1 << 20
         assert_same(ref, opt_ref, m, opt)
         opt.close()
         assert os.listdir(mnt / "swap") == []
@@ -529,6 +532,39 @@ def test_enospc_in_a_step_names_the_directory_and_changes_nothing(tmp_path):
         if "opt" in locals():
             opt.close()
         subprocess.run(["umount", str(mnt)])
+
+
+def test_enospc_without_a_reserve_names_the_directory_and_changes_nothing(tmp_path, monkeypatch):
+    # No reserve (another process took the room before this store could keep it): the
+    # manifest write fails, the step is undone and can be retried.
+    import offload.swap.store as store_mod
+
+    ref, m = _model(), _model()
+    opt_ref = offload.AdamW(ref.parameters(), offload="cpu", **HP)
+    opt = _nvme(m, tmp_path / "swap", sub_group_size=1024)
+    path = opt._store._swap.swap_path
+    train(ref, opt_ref, 0, 4)
+    train(m, opt, 0, 2)
+    os.unlink(os.path.join(path, "reserve.bin"))
+    real = store_mod.fsutil.write_json_atomic
+
+    def full(directory, name, obj):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", os.path.join(directory, name))
+
+    monkeypatch.setattr(store_mod.fsutil, "write_json_atomic", full)
+    snap = _snapshot(list(m.parameters()), opt)
+    m(_batch(2), use_side=True).float().pow(2).mean().backward()
+    with pytest.raises(OSError) as e:
+        opt.step()
+    assert isinstance(e.value, SwapStepError) and e.value.errno == errno.ENOSPC
+    assert e.value.filename.startswith(path) and "still hold step 2" in str(e.value)
+    _assert_snapshot(list(m.parameters()), opt, snap)
+    monkeypatch.setattr(store_mod.fsutil, "write_json_atomic", real)
+    opt.step()  # the same grads again
+    opt.zero_grad()
+    train(m, opt, 3, 4)
+    assert_same(ref, opt_ref, m, opt)
+    opt.close()
 
 
 # ---------------------------------------------------------------------- clean-up

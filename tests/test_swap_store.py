@@ -27,7 +27,7 @@ def test_private_dir_files_and_manifest_then_nothing_left(tmp_path):
     assert os.path.basename(d) == "offload-run.rank0"
     assert stat.S_IMODE(os.lstat(d).st_mode) == 0o700
     names = sorted(os.listdir(d))
-    assert names == ["lock", "manifest.json", "slot0.bin", "slot1.bin"]
+    assert names == ["lock", "manifest.json", "reserve.bin", "slot0.bin", "slot1.bin"]
     for n in names:
         assert stat.S_IMODE(os.lstat(os.path.join(d, n)).st_mode) == 0o600, n
     for n in ("slot0.bin", "slot1.bin"):

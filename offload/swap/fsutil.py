@@ -147,9 +147,10 @@ def try_lock(directory: str) -> Tuple[Optional[int], Optional[int]]:
     return fd, None
 
 
-def write_json_atomic(directory: str, name: str, obj: Any) -> None:
+def write_json_atomic(directory: str, name: str, obj: Any) -> int:
     """Write ``directory/name`` so that a reader sees the old or the new content, never a mix:
-    a temporary file (O_EXCL, O_NOFOLLOW, 0600), fsync, rename over, fsync of the directory."""
+    a temporary file (O_EXCL, O_NOFOLLOW, 0600), fsync, rename over, fsync of the directory.
+    Returns the bytes written."""
     data = (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode()
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
@@ -171,6 +172,7 @@ def write_json_atomic(directory: str, name: str, obj: Any) -> None:
     os.close(fd)
     os.rename(tmp, final)
     fsync_dir(directory)
+    return len(data)
 
 
 def read_json(path: str) -> Any:

@@ -7,12 +7,23 @@ Directory ``SWAP_DIR/offload-<run>.rank<r>/`` (mode 0700)::
     slot0.bin       preallocated region file (0600, O_EXCL|O_NOFOLLOW)
     slot1.bin       the second slot
     manifest.json   written atomically (tmp + fsync + rename + fsync dir)
+    reserve.bin     preallocated room for the manifest on a full disk (see the note below)
 
 [Note: two slots] Each sub-group lives in one slot at a time (``manifest.slots[g]``). A step
 reads ``g`` from its slot and writes the updated states into the *other* slot; only after all
 writes of the step are durable (``fdatasync`` of both files) does the manifest flip the slots
 and advance ``step``. A ``kill -9`` at any moment therefore leaves the manifest describing
 the last finished step, whose data nobody has overwritten since.
+
+[Note: manifest reserve] The slot files are preallocated, so a full disk cannot stop a step's
+data writes; the manifest, though, is a new file at each commit (tmp + rename). On a full
+disk that commit failed, and on several ranks the undo of the others' commits (a manifest
+write too) could fail the same way. So each store keeps ``reserve.bin``, a preallocated file
+of at least twice the largest manifest it wrote (1 MiB at least): a manifest write that hits
+ENOSPC or EDQUOT deletes it, syncs the directory (ext4 reuses freed blocks only once the
+unlink is committed) and writes again, with a warning; the next commits take back what room
+there is (the old manifest's, at least), so on a full disk training goes on: the data needs
+no new space. ``disk_bytes`` does not count it (metadata, as the manifest and the lock).
 
 Nothing here knows optimizer math; ``extra`` is an opaque JSON dict the user of the store
 commits together with each step (the optimizer keeps per-param step counts and a parameter
@@ -40,6 +51,8 @@ log = logging.getLogger(__name__)
 FORMAT = "offload-swap"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+RESERVE = "reserve.bin"
+_RESERVE_MIN = 1 << 20
 SLOT_FILES = ("slot0.bin", "slot1.bin")
 VERIFY_BLOCK = 1 << 20
 DIR_PREFIX = "offload-"
@@ -104,6 +117,8 @@ class SwapStore:
         self._close_lock = threading.Lock()
         self._token: Optional[int] = None
         self.pending_error: Optional[BaseException] = None
+        self._reserve_bytes = 0  # what reserve.bin is known to hold ([Note: manifest reserve])
+        self._reserve_warned = False
         try:
             self._open(resume, io_engine, direct)
         except BaseException:
@@ -220,7 +235,48 @@ class SwapStore:
             "checksums": {str(k): v for k, v in self.checksums.items()} if self.verify else None,
             "extra": self.extra,
         }
-        fsutil.write_json_atomic(self.path, MANIFEST, m)
+        try:
+            n = fsutil.write_json_atomic(self.path, MANIFEST, m)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._drop_reserve():
+                raise
+            if not self._reserve_warned:  # once until the reserve is whole again
+                self._reserve_warned = True
+                log.warning("%s: the file system is full: the manifest of step %d went into the room kept in %s "
+                            "(training goes on: the swap files need no new space; checkpoints elsewhere on "
+                            "this disk will fail until space is freed)", self.path, self.step, RESERVE)
+            n = fsutil.write_json_atomic(self.path, MANIFEST, m)
+        self._keep_reserve(n)
+
+    def _keep_reserve(self, manifest_bytes: int) -> None:
+        want = max(_RESERVE_MIN, -(-2 * manifest_bytes // _RESERVE_MIN) * _RESERVE_MIN)
+        if self._reserve_bytes >= want:
+            return
+        try:
+            fd = os.open(os.path.join(self.path, RESERVE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+            try:
+                os.posix_fallocate(fd, 0, want)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            # Whatever it could allocate stays: the next full-disk commit can still use it.
+            if not self._reserve_warned:
+                self._reserve_warned = True
+                log.warning("%s: no room to keep %d bytes in reserve for the manifest (%s)", self.path, want,
+                            exc.strerror or exc)
+            return
+        self._reserve_bytes = want
+        self._reserve_warned = False
+
+    def _drop_reserve(self) -> bool:
+        try:
+            os.unlink(os.path.join(self.path, RESERVE))
+        except FileNotFoundError:
+            return False
+        self._reserve_bytes = 0
+        fsutil.fsync_dir(self.path)
+        return True
 
     # ------------------------------------------------------------------ requests
     def _check_open(self) -> None:
