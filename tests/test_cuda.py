@@ -200,3 +200,44 @@ def test_cuda_loads_right_after_step_wait_for_the_param_copies(tmp_path, dev, dt
         assert torch.equal(p.detach().cpu(), q.detach().cpu())
         torch.testing.assert_close(opt._store.master(p), q.detach().float().cpu(), rtol=0, atol=0)
     opt.close()
+
+
+def test_cuda_clipping_takes_the_grad_norm_on_the_device(monkeypatch, dev):
+    # With max_grad_norm the hook takes each grad's sum of squares on the device, so the step
+    # makes no pass over the copied grads on the host; a grad changed after its hook (here
+    # scaled in place) is measured on the host instead. Clipped as torch clips.
+    from offload.kernels import get_backend
+
+    model = _model(torch.bfloat16, dev)
+    params = list(model.parameters())
+    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
+    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    opt = offload.AdamW(params, offload="cpu", max_grad_norm=0.05, **HP)
+    backend = type(get_backend(opt.backend))
+    host_passes = []
+    real = backend.grad_sumsq
+
+    def spy(self, grad, **kw):
+        host_passes.append(grad.numel())
+        return real(self, grad, **kw)
+
+    monkeypatch.setattr(backend, "grad_sumsq", spy)
+    for step in range(4):
+        for micro in range(2):  # the hook fires twice per param: the last sum counts
+            model(torch.randn(16, 257, device=dev, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        if step == 2:
+            with torch.no_grad():
+                params[0].grad.mul_(3.0)
+        for p, m in zip(params, masters):
+            m.grad = None if p.grad is None else p.grad.float().cpu()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], 0.05))
+        ref.step()
+        host_passes.clear()
+        opt.step()
+        assert host_passes == ([params[0].numel()] if step == 2 else []), host_passes
+        assert opt.last_grad_norm == pytest.approx(ref_norm, rel=1e-5) and ref_norm > 0.05  # it clips
+        opt.zero_grad()
+        ref.zero_grad()
+        for p, m in zip(params, masters):
+            torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+    opt.close()

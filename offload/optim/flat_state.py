@@ -68,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 import weakref
 from collections import deque
@@ -221,16 +222,27 @@ class FlatState:
             grad_stream.keep_alive(g)  # keep g's memory until the copy has read it
         else:
             dst.copy_(g.detach().reshape(-1))
-        fg.grad_tag[i] = (weakref.ref(g), g._version)
+        sumsq = None
+        if g.device in self._streams and getattr(self._opt(), "max_grad_norm", None) is not None:
+            # [Note: device grad norm] With clipping, the grad's sum of squares is taken here,
+            # on the device (a reduction at its memory bandwidth, on the stream that made the
+            # grad), so the step needs no pass of the host over the copied grads. It belongs
+            # to this version of this grad: a later change (another micro-batch re-fires the
+            # hook; an in-place op moves the version) falls back to the host's pass.
+            sumsq = torch.linalg.vector_norm(g.detach(), dtype=torch.float32).square()
+        fg.grad_tag[i] = (weakref.ref(g), g._version, sumsq)
+
+    @staticmethod
+    def _tag_current(tag: Any, g: torch.Tensor) -> bool:
+        return tag is not None and tag[0]() is g and tag[1] == g._version
 
     def _host_grad(self, fg: FlatGroup, i: int, g: torch.Tensor) -> torch.Tensor:
         """The host copy of p.grad (the hook's, or a fresh one when it is stale)."""
         lo, hi = fg.layout.slot(i)
         dst = fg.host_grad[lo:hi]
-        tag = fg.grad_tag[i]
-        if tag is None or tag[0]() is not g or tag[1] != g._version:
+        if not self._tag_current(fg.grad_tag[i], g):
             dst.copy_(g.detach().reshape(-1))
-            fg.grad_tag[i] = (weakref.ref(g), g._version)
+            fg.grad_tag[i] = (weakref.ref(g), g._version, None)
         return dst
 
     def _wait_grad_copies(self) -> None:
@@ -323,14 +335,23 @@ class FlatState:
             return s * self._factor * self._factor, bad > 0
         self._wait_grad_copies()
         total, nonfinite = 0.0, False
+        on_device: Dict[torch.device, List[torch.Tensor]] = {}
         for _, items in work:
             for p, g in items:
                 fg, i = self._where[p]
+                tag = fg.grad_tag[i] if fg.host_grad is not None else None
+                if self._tag_current(tag, g) and tag[2] is not None:  # [Note: device grad norm]
+                    on_device.setdefault(tag[2].device, []).append(tag[2])
+                    continue
                 src = self._host_grad(fg, i, g) if fg.host_grad is not None else _flat_cpu(g)
                 if src.numel():
                     s, bad = kernel.grad_sumsq(src, num_threads=self._threads)
                     total += s
                     nonfinite |= bad
+        for parts in on_device.values():
+            s = float(torch.stack(parts).double().sum())  # one synchronisation per device
+            nonfinite |= not math.isfinite(s)
+            total += s
         return total, nonfinite
 
     # ------------------------------------------------------------------ the step

@@ -67,8 +67,9 @@ class FlatGroup:
             self.slots: List[torch.Tensor] = []  # send buffers of buckets in flight (reduce in backward)
             self.slot_out: List[torch.Tensor] = []
             self.comm_dev = comm_dev
-        # Hook path bookkeeping: per param, (weakref to the grad copied, its _version).
-        self.grad_tag: List[Optional[Tuple[Any, int]]] = [None] * len(params)
+        # Hook path bookkeeping: per param, (weakref to the grad copied, its _version, its sum
+        # of squares taken on the device or None).
+        self.grad_tag: List[Optional[Tuple[Any, int, Any]]] = [None] * len(params)
 
     def _tensor(self, dtype: torch.dtype, numel: int, pinned: bool = False) -> torch.Tensor:
         if numel == 0:
