@@ -54,14 +54,19 @@ def _model(dtype, dev):
     return m.to(dev, dtype)
 
 
+def _with_reference(dtype, dev):
+    """The model, its params, fp32 masters on the host and torch's AdamW over those."""
+    model = _model(dtype, dev)
+    params = list(model.parameters())
+    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
+    return model, params, masters, torch.optim.AdamW(masters, foreach=False, **HP)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_params_match_adamw_on_host_master(monkeypatch, dev, dtype, overlap):
     monkeypatch.setattr(FlatState, "overlap", overlap)
-    model = _model(dtype, dev)
-    params = list(model.parameters())
-    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
-    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    model, params, masters, ref = _with_reference(dtype, dev)
     opt = offload.AdamW(params, offload="cpu", **HP)
     assert isinstance(opt._store, FlatState)
     for step in range(10):
@@ -83,10 +88,7 @@ def test_cuda_params_match_adamw_on_host_master(monkeypatch, dev, dtype, overlap
 
 
 def test_cuda_grad_changed_after_backward_is_seen(monkeypatch, dev):
-    model = _model(torch.bfloat16, dev)
-    params = list(model.parameters())
-    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
-    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    model, params, masters, ref = _with_reference(torch.bfloat16, dev)
     opt = offload.AdamW(params, offload="cpu", **HP)
     for _ in range(3):
         model(torch.randn(8, 257, device=dev, dtype=torch.bfloat16)).float().sum().backward()
@@ -102,10 +104,7 @@ def test_cuda_grad_changed_after_backward_is_seen(monkeypatch, dev):
 
 
 def test_cuda_fp16_grad_scaler_overflow_skips_and_unscales_in_kernel(dev):
-    model = _model(torch.float16, dev)
-    params = list(model.parameters())
-    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
-    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    model, params, masters, ref = _with_reference(torch.float16, dev)
     opt = offload.AdamW(params, offload="cpu", **HP)
     scaler = torch.amp.GradScaler(dev, init_scale=2.0 ** 12)
     for step in range(5):
@@ -134,10 +133,7 @@ def test_cuda_fp16_grad_scaler_overflow_skips_and_unscales_in_kernel(dev):
 def test_cuda_params_with_master_and_moments_on_nvme(tmp_path, dev, dtype):
     # bf16: the kernel writes the pinned staging, copied on the copy stream; fp32: the master
     # is copied from the pipeline buffer to the device param sub-group by sub-group.
-    model = _model(dtype, dev)
-    params = list(model.parameters())
-    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
-    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    model, params, masters, ref = _with_reference(dtype, dev)
     (tmp_path / "a").mkdir()
     opt = offload.AdamW(params, offload="nvme", swap_dir=str(tmp_path / "a"), sub_group_size=4096, **HP)
     for _ in range(4):
@@ -208,10 +204,7 @@ def test_cuda_clipping_takes_the_grad_norm_on_the_device(monkeypatch, dev):
     # scaled in place) is measured on the host instead. Clipped as torch clips.
     from offload.kernels import get_backend
 
-    model = _model(torch.bfloat16, dev)
-    params = list(model.parameters())
-    masters = [p.detach().float().cpu().clone().requires_grad_(p.requires_grad) for p in params]
-    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    model, params, masters, ref = _with_reference(torch.bfloat16, dev)
     opt = offload.AdamW(params, offload="cpu", max_grad_norm=0.05, **HP)
     backend = type(get_backend(opt.backend))
     host_passes = []
