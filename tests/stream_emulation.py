@@ -24,6 +24,7 @@ them, for the failure message.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Any, List, Tuple
 
 import torch
@@ -109,6 +110,7 @@ class Emulation:
         self.tls = threading.local()
         self.streams: List[EmulatedStream] = []
         self.torn: List[str] = []
+        self.queued: Counter = Counter()  # async copies issued, per stream ("grad", "copy")
         self.device_storages: set = set()
 
     def on_device(self, tensors) -> None:
@@ -124,6 +126,7 @@ class Emulation:
         stream = getattr(self.tls, "stream", None)
         if stream is not None and non_blocking and isinstance(src, torch.Tensor):
             stream.queue.append((dst, src, src.detach().clone()))
+            self.queued[stream.name] += 1
             return dst
         if self.lazy and (self._is_device(dst) or self._is_device(src)):
             for s in self.streams:  # a compute-stream copy runs after what it was made to wait for

@@ -234,3 +234,36 @@ def test_cuda_clipping_takes_the_grad_norm_on_the_device(monkeypatch, dev):
         for p, m in zip(params, masters):
             torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
     opt.close()
+
+
+def test_cuda_no_sync_copies_the_accumulated_grads_once(dev):
+    # Accumulating over 3 micro-batches: inside opt.no_sync() the hooks copy nothing; the last
+    # backward copies each accumulated grad once. A step taken with the grads still unsent
+    # (inside the block) copies them then.
+    model, params, masters, ref = _with_reference(torch.bfloat16, dev)
+    opt = offload.AdamW(params, offload="cpu", **HP)
+    trainable = sum(p.requires_grad for p in params)
+
+    def backward():
+        model(torch.randn(16, 257, device=dev, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+
+    for step in range(4):
+        copies = _EMU[0].queued["grad"] if _EMU else 0
+        with opt.no_sync():
+            backward()
+            backward()
+            if step == 3:
+                backward()  # the step below finds the grads never sent
+        if step < 3:
+            backward()
+            if _EMU:
+                assert _EMU[0].queued["grad"] - copies == trainable
+        for p, m in zip(params, masters):
+            m.grad = None if p.grad is None else p.grad.float().cpu()
+        ref.step()
+        opt.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        for p, m in zip(params, masters):
+            torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+    opt.close()

@@ -138,7 +138,7 @@ def _local(step, micro, group):
 def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at=None, bucket=None,
               start_sd=None, start_model=None, first_step=0, save_dir=None, load_dir=None, swap_dir=None,
               dtype=torch.float32, rank0_only=False, reduce_in_backward=False, unscale=False, sched=False,
-              resume=False, leave_swap=False):
+              resume=False, leave_swap=False, no_sync=False):
     from offload.optim.flat_state import FlatState
 
     if bucket is not None:
@@ -164,7 +164,11 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
                 if step == overflow_at:
                     loss = loss * float("inf")
                 loss = scaler.scale(loss)
-            loss.backward()
+            if no_sync and micro < accumulate - 1:
+                with opt.no_sync():  # the grads are sent once, after the last micro-batch
+                    loss.backward()
+            else:
+                loss.backward()
         if scaler is not None:
             if unscale:
                 scaler.unscale_(opt)  # in place, after the grads were sent: must be sent again
@@ -187,8 +191,10 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
     sd = opt.state_dict()
     report = opt.memory_report()
     opt.close()
+    rib = opt._store._rib if hasattr(opt._store, "_rib") else None
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sd": sd,
-            "skipped": opt.skipped_steps, "report": report}
+            "skipped": opt.skipped_steps, "report": report,
+            "launches": None if rib is None else (rib._seq, len(rib._order))}
 
 
 def _step_counts(opt, model):
@@ -802,6 +808,19 @@ def test_reduce_in_backward_with_accumulation_matches_torch(pool, stage):
     ref, _ = _reference(6, accumulate=2, max_grad_norm=1.0, sched=True)
     for r in res:
         _assert_params(r["params"], ref)
+
+
+@pytest.mark.parametrize("no_sync", [False, True], ids=["every-micro-batch", "no_sync"])
+def test_no_sync_reduces_the_accumulated_grads_once(pool, no_sync):
+    # As DDP's no_sync(): the micro-batches inside start no reduction; the last one sends the
+    # accumulated grads. Without it every backward reduces every bucket (twice per step here).
+    res = pool.run("job_train", 2, stage=2, steps=4, accumulate=2, max_grad_norm=1.0, bucket=1000,
+                   reduce_in_backward=True, no_sync=no_sync)
+    ref, _ = _reference(4, accumulate=2, max_grad_norm=1.0)
+    for r in res:
+        _assert_params(r["params"], ref)
+        launches, buckets = r["launches"]
+        assert buckets > 1 and launches == 4 * buckets * (1 if no_sync else 2)
 
 
 def test_reduce_in_backward_resends_grads_changed_after_backward(pool):

@@ -16,6 +16,7 @@ Where the states live is a *store* (see [Note: store interface] in ``host_state.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -133,6 +134,7 @@ class _AdamBase(Optimizer):
         self.skipped_steps = 0
         self.last_grad_norm: Optional[float] = None
         self._stats = StepStats()
+        self._no_sync = False
         self._store = self._make_store(stage, process_group)
 
     # ---------------------------------------------------------------- store selection
@@ -351,6 +353,23 @@ class _AdamBase(Optimizer):
         flush = getattr(self._store, "flush", None)
         if flush is not None:  # swap stores: the loaded states and steps are on disk from here on
             flush()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """For gradient accumulation, as DDP's and FSDP's ``no_sync()``: the backward passes
+        inside leave their grads where autograd accumulates them. The grad hooks then copy
+        nothing to the host (CUDA params) and start no reduction (several ranks with
+        ``reduce_in_backward``); the first backward after the block sends the accumulated
+        grads once, instead of once per micro-batch. Several ranks must use it alike (the
+        same backward passes inside and outside on every rank), as with DDP. A ``step()``
+        whose grads were never sent still works: it sends them then, synchronously.
+        Nothing changes for fp32 CPU params at stage 0, whose grads are used in place."""
+        before = self._no_sync
+        self._no_sync = True
+        try:
+            yield self
+        finally:
+            self._no_sync = before
 
     # ---------------------------------------------------------------- reports
     def memory_report(self) -> Dict[str, Any]:

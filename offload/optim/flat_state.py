@@ -157,7 +157,8 @@ class FlatState:
             self._rib = BackwardReducer(self._groups, group=self.group, stage=self.stage, comm_dev=self._comm_dev,
                                         inflight=self.inflight,
                                         disabled=lambda: me() is None or bool(
-                                            getattr(me()._opt(), "grads_already_averaged", False)))
+                                            getattr(me()._opt(), "grads_already_averaged", False)
+                                            or getattr(me()._opt(), "_no_sync", False)))
             self._hooks.extend(self._rib.register())
         self._hooks.append(opt.register_step_pre_hook(self._pre_step))
         self._hooks.append(opt.register_load_state_dict_pre_hook(self._pre_load))
@@ -209,8 +210,8 @@ class FlatState:
     def _grad_ready(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: copy the accumulated grad to the host buffer now."""
         g = p.grad
-        if g is None or self._closed:
-            return
+        if g is None or self._closed or getattr(self._opt(), "_no_sync", False):
+            return  # inside opt.no_sync(): the grad stays on the device, accumulating
         fg, i = self._where[p]
         lo, hi = fg.layout.slot(i)
         dst = fg.host_grad[lo:hi]
