@@ -12,15 +12,18 @@
 # offline device machine has torch in python3 and no network: it would only burn time).
 # The native kernels: carry offload/kernels/liboffload_native.so (git-ignored) or the script
 # builds them (needs g++; numba or torch serve if that fails).
-# Every stage runs under its own timeout (20 + 60 + 120 + 150 s at most, ~2-3 min when all
+# Every stage runs under its own timeout (20 + 60 + 120 + 150 s at most, plus up to 3 x 60 s
+# of probes for a python with CUDA torch and 60 s for the native build; ~2-3 min when all
 # goes well) and the script goes on after a failure, so one run prints everything there is to
 # see; the exit status is the number of failed stages. With $OUT set (the device tool's
 # output folder), everything printed is also written to $OUT/gpu_check.log.
 set -u
-cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1  # a stage killed at its timeout still leaves what it printed
+self="$(readlink -f "$0")"
+cd "$(dirname "$self")/.."
 if [ -n "${OUT:-}" ] && [ -d "${OUT}" ] && [ -z "${GPU_CHECK_TEED:-}" ]; then
   # Re-run under tee so a run killed at its limit still leaves its log behind.
-  GPU_CHECK_TEED=1 bash "$0" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+  GPU_CHECK_TEED=1 bash "$self" "$@" 2>&1 | tee "$OUT/gpu_check.log"
   exit "${PIPESTATUS[0]}"
 fi
 fails=0

@@ -165,8 +165,8 @@ def gpu_main(args) -> int:
           f"({'exceeds' if state_bytes > budget else 'DOES NOT exceed'} it)")
     threads = args.threads or os.cpu_count()
     t0 = time.perf_counter()
-    opt = offload.AdamW(model.parameters(), offload="cpu", num_threads=threads, max_grad_norm=args.max_grad_norm,
-                        **HP)
+    opt = offload.AdamW(model.parameters(), offload="cpu", num_threads=threads,
+                        max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None, **HP)
     print(f"optimizer set up in {time.perf_counter() - t0:.1f} s (host buffers allocated and pinned); "
           f"kernel backend {get_backend().name}, {threads} threads")
     x = torch.randn(args.batch, args.width, device=dev, dtype=torch.bfloat16)
@@ -254,7 +254,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--device-budget", default="4GiB")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
-                    help="--gpu: clip (the grad norms are then taken on the device by the hooks)")
+                    help="--gpu: clip (the grad norms are then taken on the device by the hooks); 0: no clipping")
     args = ap.parse_args()
     if args.gpu:
         if not torch.cuda.is_available():

@@ -4,22 +4,29 @@ The params stay on the CPU. ``Emulation.install`` makes the flat store take the 
 for them: the grad hook copies into a host buffer (``copy_cpu_grads``), bf16/fp16 params are
 sent through the staging buffer and fp32 params from their master (``stage_cpu_params``, the
 flat store for fp32 too), the host buffers come from the "pinned" pool (a fake cudart), and
-each device gets a (grad, copy) pair of ``EmulatedStream`` (``FlatState.side_streams``).
+each device gets a (grad, copy) pair of ``EmulatedStream`` (``FlatState.side_streams``). The
+params of every optimizer made meanwhile stand for device memory.
 
 An async copy issued on an emulated stream (``dst.copy_(src, non_blocking=True)`` inside its
-``context()``) does not happen when it is issued: it is queued, as on a GPU, and runs
+``context()``) does not happen when it is issued: it is queued, as on a GPU, and runs only
+when a GPU would have had to run it:
 
-- when the host synchronises that stream (``synchronize()``), always;
-- when the compute stream is made to wait for it (``current_waits()``), unless ``lazy``;
-- with ``lazy``: before the next copy on the compute stream (a plain ``copy_`` from or to a
-  tensor given to ``on_device``; any plain copy if none was), the latest a GPU may run it.
+- when the host synchronises its stream (``synchronize()``);
+- when a compute-stream op touches device memory (any torch op on a param, seen through a
+  ``TorchFunctionMode``: a forward, a read of the params) after the compute stream was made
+  to wait for that stream (``current_waits()``): then the copies queued before that wait run.
 
-So a host read of a queued copy's destination sees stale bytes, and a host write to a queued
-copy's source - on a GPU the copy would read some old and some new bytes - makes the copy
-write NaN where the source changed (each source is snapshotted when its copy is queued): a
-torn copy that is used shows in the tests' numerics, one that is overwritten before anyone
-reads it (the hook copying an accumulated grad again) harmlessly does not. ``torn`` lists
-them, for the failure message.
+So a host read of a queued copy's destination sees stale bytes; a compute-stream op that was
+not made to wait sees stale params; and a host write to a queued copy's source - on a GPU
+the copy would read some old and some new bytes - makes the copy write NaN where the source
+changed (each source is snapshotted when its copy is queued): a torn copy that is used shows
+in the tests' numerics, one that is overwritten before anyone reads it (the hook copying an
+accumulated grad again) harmlessly does not. ``torn`` lists them, for failure messages.
+
+What it cannot show: the host running ahead of the device. Compute-stream ops run here when
+the host issues them, so a host write racing device work that a GPU would still have queued
+(the step's kernel against the last step's copies, which the step prevents by synchronising
+the copy stream first) goes unseen; nor does it check ``wait_current`` or ``keep_alive``.
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ from collections import Counter
 from typing import Any, List, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 _REAL_COPY = torch.Tensor.copy_
 
@@ -36,12 +45,15 @@ class EmulatedStream:
     def __init__(self, emu: "Emulation", device: torch.device, name: str) -> None:
         self.emu, self.device, self.name = emu, device, name
         self.queue: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.waited = 0  # queue[:waited] must run before the compute stream's next device op
         self.stream = self
         self.kept: List[torch.Tensor] = []
 
-    def run_queued(self) -> None:
-        queue, self.queue = self.queue, []
-        for dst, src, snap in queue:
+    def run_queued(self, upto: int = -1) -> None:
+        n = len(self.queue) if upto < 0 else upto
+        todo, self.queue = self.queue[:n], self.queue[n:]
+        self.waited = max(0, self.waited - n)
+        for dst, src, snap in todo:
             changed = _changed(snap, src)
             if changed is None:
                 _REAL_COPY(dst, src)
@@ -51,17 +63,17 @@ class EmulatedStream:
             torn = src.detach().clone()
             torn.view(-1)[changed.view(-1)] = float("nan")
             _REAL_COPY(dst, torn)
-        self.kept.clear()
+        if not self.queue:
+            self.kept.clear()
 
     # the SideStream interface (offload/zero/streams.py)
     active = True
 
     def wait_current(self) -> None:
-        pass  # the CPU "compute stream" has finished everything the host has issued
+        pass  # the compute stream's ops ran when the host issued them (see the module's doc)
 
     def current_waits(self) -> None:
-        if not self.emu.lazy:
-            self.run_queued()
+        self.waited = len(self.queue)
 
     def keep_alive(self, t: torch.Tensor) -> None:
         self.kept.append(t)
@@ -96,6 +108,31 @@ class _On:
         return False
 
 
+# Ops that read no data of their tensors (shapes, aliases): no device work, no wait. An alias
+# counts when an op reads through it.
+_METADATA = {"view_as", "view", "reshape", "flatten", "detach", "size", "dim", "numel", "nelement", "stride",
+             "storage_offset", "is_contiguous", "is_floating_point", "data_ptr", "untyped_storage",
+             "element_size", "type", "__get__", "__len__", "__hash__", "__repr__", "__format__"}
+
+
+class _ComputeStream(TorchFunctionMode):
+    """Runs the copies the compute stream waits for before its next op on device memory."""
+
+    def __init__(self, emu: "Emulation") -> None:
+        super().__init__()
+        self.emu = emu
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        emu = self.emu
+        if (getattr(emu.tls, "stream", None) is None and any(s.waited for s in emu.streams)
+                and getattr(func, "__name__", "") not in _METADATA):
+            if any(isinstance(t, torch.Tensor) and emu.is_device(t) for t in tree_leaves((args, kwargs))):
+                for s in emu.streams:
+                    s.run_queued(s.waited)
+        return func(*args, **kwargs)
+
+
 class _FakeCudart:
     def cudaHostRegister(self, addr, size, flags):
         return 0
@@ -105,22 +142,23 @@ class _FakeCudart:
 
 
 class Emulation:
-    def __init__(self, lazy: bool = False) -> None:
-        self.lazy = lazy
+    def __init__(self) -> None:
         self.tls = threading.local()
         self.streams: List[EmulatedStream] = []
         self.torn: List[str] = []
         self.queued: Counter = Counter()  # async copies issued, per stream ("grad", "copy")
         self.device_storages: set = set()
+        self._device_refs: List[torch.Tensor] = []
 
     def on_device(self, tensors) -> None:
-        """These tensors stand for device memory (lazy: only copies touching them are
-        compute-stream work; a host read of a pinned buffer waits for nothing on a GPU)."""
-        self.device_storages.update(t.untyped_storage().data_ptr() for t in tensors)
+        """These tensors stand for device memory (kept alive: a freed one's address could be
+        handed to a host tensor next)."""
+        for t in tensors:
+            self._device_refs.append(t)
+            self.device_storages.add(t.untyped_storage().data_ptr())
 
-    def _is_device(self, t: Any) -> bool:
-        return not self.device_storages or (isinstance(t, torch.Tensor) and
-                                            t.untyped_storage().data_ptr() in self.device_storages)
+    def is_device(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.device_storages
 
     def _copy(self, dst: torch.Tensor, src: Any, non_blocking: bool = False) -> torch.Tensor:
         stream = getattr(self.tls, "stream", None)
@@ -128,20 +166,12 @@ class Emulation:
             stream.queue.append((dst, src, src.detach().clone()))
             self.queued[stream.name] += 1
             return dst
-        if self.lazy and (self._is_device(dst) or self._is_device(src)):
-            for s in self.streams:  # a compute-stream copy runs after what it was made to wait for
-                s.run_queued()
         return _REAL_COPY(dst, src, non_blocking)
 
     def _pair(self, device: torch.device) -> Tuple[EmulatedStream, EmulatedStream]:
         pair = (EmulatedStream(self, device, "grad"), EmulatedStream(self, device, "copy"))
         self.streams.extend(pair)
         return pair
-
-    def drain(self) -> None:
-        """What torch.cuda.synchronize() is to a test: every queued copy has run."""
-        for s in self.streams:
-            s.run_queued()
 
     def install(self, monkeypatch) -> "Emulation":
         import offload.memory.pool as pool_mod
@@ -159,7 +189,18 @@ class Emulation:
 
         def flat_store_always(opt, stage, process_group):  # fp32 "device" params take it too
             opt.stage = 0 if stage is None else stage
+            self.on_device(p for g in opt.param_groups for p in g["params"])
             return FlatState.for_optimizer(opt, stage=opt.stage, process_group=process_group)
 
         monkeypatch.setattr(adam._AdamBase, "_make_store", flat_store_always)
         return self
+
+    def __enter__(self) -> "Emulation":
+        self._mode = _ComputeStream(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        for s in self.streams:  # nothing left queued for a later test to run
+            s.queue.clear()

@@ -3,7 +3,7 @@
 Every test runs twice: on a CUDA device (``[cuda]``, marked ``cuda``, skipped without one;
 bench/gpu_check.sh runs them), and on the CPU with the streams emulated (``[emulated]``,
 tests/stream_emulation.py: async copies are queued and run only when a GPU would have to
-have run them, and a host write to the source of a queued copy is a failure), so CI checks
+have run them, and a copy whose source the host changed first writes NaN), so CI checks
 the path's stream logic too. Following torchao's trick, the model is a stack of layers with
 low arithmetic density (thin linears, elementwise ops), so the device finishes its work
 quickly and any missing wait between streams shows up as a stale value: the test reads
@@ -33,11 +33,12 @@ def dev(request, monkeypatch):
     if request.param == "cuda":
         yield "cuda"
         return
-    _EMU.append(Emulation().install(monkeypatch))
-    try:
-        yield "cpu"
-    finally:
-        _EMU.pop()
+    with Emulation().install(monkeypatch) as emu:
+        _EMU.append(emu)
+        try:
+            yield "cpu"
+        finally:
+            _EMU.pop()
 
 
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.05)
@@ -170,12 +171,9 @@ def test_cuda_loads_right_after_step_wait_for_the_param_copies(tmp_path, dev, dt
     # step() returns with the param copies still queued; they read the pinned master (fp32)
     # or staging (bf16). Loading a state dict without masters right away (resetting the
     # optimizer) rewrites the master from the params: it must wait for those copies, or the
-    # params get the zeroed master. Emulated lazily: each copy runs as late as a GPU may.
+    # params get the zeroed master.
     model = _model(dtype, dev)
     params = list(model.parameters())
-    if _EMU:
-        _EMU[0].lazy = True
-        _EMU[0].on_device(params)
     opt = offload.AdamW(params, offload="cpu", **HP)
     fresh = offload.AdamW(_model(dtype, dev).parameters(), offload="cpu", **HP).state_dict()
     opt.save_checkpoint(str(tmp_path / "step0"))

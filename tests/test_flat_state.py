@@ -306,16 +306,23 @@ class _CountingStream:
         pass
 
 
-def test_host_writes_outside_step_wait_for_the_side_streams(tmp_path):
+def test_host_writes_outside_step_wait_for_the_side_streams(tmp_path, monkeypatch):
     # step() returns with param copies still queued on the copy stream, reading the pinned
     # master / staging buffers; a load rewrites those buffers on the host, so it must wait
     # for them first (and so must the collection of an optimizer dropped without close()).
     import gc
 
+    import offload.optim.flat_state as fs
+    from offload.zero.flat_group import FlatGroup
+
     model = _model(torch.bfloat16, seed=3)
     opt = offload.AdamW(model.parameters(), lr=1e-2)
     log = []
     opt._store._streams[torch.device("cuda", 7)] = (_CountingStream(log, "grad"), _CountingStream(log, "copy"))
+    # The first host writes of each load: they must come after both drains.
+    real_refresh, real_load = FlatGroup.refresh_master, fs.load_shards
+    monkeypatch.setattr(FlatGroup, "refresh_master", lambda fg: (log.append("write"), real_refresh(fg))[1])
+    monkeypatch.setattr(fs, "load_shards", lambda *a: (log.append("write"), real_load(*a))[1])
     model(torch.randn(5, 17).bfloat16(), True).float().sum().backward()
     opt.step()
     opt.save_checkpoint(str(tmp_path))
@@ -323,7 +330,7 @@ def test_host_writes_outside_step_wait_for_the_side_streams(tmp_path):
     for load, arg in ((opt.load_state_dict, sd), (opt.load_checkpoint, str(tmp_path))):
         log.clear()
         load(arg)
-        assert log[:2] == ["grad", "copy"], log
+        assert log[:3] == ["grad", "copy", "write"], log
     del load
     log.clear()
     del opt

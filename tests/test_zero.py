@@ -744,6 +744,30 @@ def test_load_of_a_corrupt_checkpoint_changes_nothing_on_any_rank(pool, tmp_path
     _assert_params(model.state_dict(), ref)
 
 
+def test_load_of_a_cut_short_checkpoint_changes_nothing(pool, tmp_path):
+    # Old rank 1's data file cut after its last element but before the end of its padding:
+    # the check must refuse what the load would refuse, before rank 0's part is copied in.
+    import json
+
+    pool.run("job_train", 2, stage=2, steps=2, save_dir=str(tmp_path / "ck"))
+    man = json.load(open(tmp_path / "ck" / "rank1" / "offload-ckpt.json"))
+    assert man["file_bytes"] > man["numel"] * 4  # padding to cut into
+    os.truncate(tmp_path / "ck" / "rank1" / man["files"]["exp_avg_sq"], man["numel"] * 4)
+    model = _model()
+    opt = offload.AdamW(model.parameters(), stage=2, **HP)
+    x, y = _batch(0, 0)
+    _loss(model, x, y).backward()
+    opt.step()
+    before = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="bytes, the manifest says"):
+        opt.load_checkpoint(str(tmp_path / "ck"))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(before[i][k], after[i][k]) for i in before for k in before[i])
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+    opt.close()
+
+
 def test_resume_failing_on_one_rank_raises_on_every_rank(pool, tmp_path):
     # Rank 1's swap directory is gone: it cannot resume, and the others must not wait for it in
     # the params' all-gather; the directories that were there are kept for another try.

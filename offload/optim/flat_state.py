@@ -230,7 +230,7 @@ class FlatState:
             # grad), so the step needs no pass of the host over the copied grads. It belongs
             # to this version of this grad: a later change (another micro-batch re-fires the
             # hook; an in-place op moves the version) falls back to the host's pass.
-            sumsq = torch.linalg.vector_norm(g.detach(), dtype=torch.float32).square()
+            sumsq = torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square()  # no fp32 overflow
         fg.grad_tag[i] = (weakref.ref(g), g._version, sumsq)
 
     @staticmethod
@@ -810,7 +810,10 @@ class FlatState:
                     lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs),
                     lambda meta: self._set_steps(meta.get("steps") or [0] * len(self._order)), vote=self._swap_vote)
             except BaseException:
-                self._set_steps(steps_before)
+                # The steps the swap files hold: the old ones, unless undoing a commit failed
+                # (then the checkpoint's; the error says to load again).
+                held = self._swap.store.extra.get("steps")
+                self._set_steps(held if held is not None else steps_before)
                 raise
             self._params_from_swap()
             return
@@ -827,12 +830,16 @@ class FlatState:
         comm.on_every_rank(lambda: check_shards(directory, layouts), what + " (nothing was loaded on any rank)",
                            self.group, self.world)
 
+        half = "the optimizer state is incomplete until it is loaded again"
+
         def load() -> None:
-            meta = load_shards(directory, self._groups)
+            try:
+                meta = load_shards(directory, self._groups)
+            except Exception as exc:  # after the check passed: a read error, or files changed since
+                raise _with_hint(exc, half) from exc
             self._set_steps(meta.get("steps") or [0] * len(self._order))
 
-        comm.on_every_rank(load, what + " (the optimizer state is incomplete until it is loaded again)", self.group,
-                           self.world)
+        comm.on_every_rank(load, f"{what} ({half})", self.group, self.world)
         for fg in self._groups:
             fg.write_params(self.group)
 
@@ -849,7 +856,7 @@ class FlatState:
             else:
                 host["grads"] += nb["comm"]
         total = sum(host.values())
-        pinned = sum(buf.nbytes for fg in self._groups for pool, buf in fg._bufs if pool.pin)
+        pinned = sum(buf.nbytes for fg in self._groups for _, buf in fg._bufs if buf.pinned)
         nvme = io_locked = 0
         if self._swap is not None:
             sw = self._swap.memory_report()
@@ -884,6 +891,15 @@ class FlatState:
                 pool.close()
         except BufferError as exc:  # a caller still holds a view; the OS reclaims it at exit
             log.warning("flat store: %s", exc)
+
+
+def _with_hint(exc: Exception, hint: str) -> Exception:
+    """``exc`` again, of its own type where that is simple, with ``hint`` added to its text."""
+    if isinstance(exc, OSError):
+        return type(exc)(exc.errno, f"{exc.strerror or exc}; {hint}", exc.filename)
+    if type(exc) in (ValueError, RuntimeError, KeyError, TypeError):
+        return type(exc)(f"{exc}; {hint}")
+    return RuntimeError(f"{type(exc).__name__}: {exc}; {hint}")
 
 
 def _drain_streams(streams: Dict[torch.device, Tuple[SideStream, SideStream]]) -> None:

@@ -23,7 +23,8 @@ of at least twice the largest manifest it wrote (1 MiB at least): a manifest wri
 ENOSPC or EDQUOT deletes it, syncs the directory (ext4 reuses freed blocks only once the
 unlink is committed) and writes again, with a warning; the next commits take back what room
 there is (the old manifest's, at least), so on a full disk training goes on: the data needs
-no new space. ``disk_bytes`` does not count it (metadata, as the manifest and the lock).
+no new space (except on a copy-on-write file system, btrfs or ZFS, where overwriting the
+preallocated slots allocates: there a full disk still fails the step, undone as any I/O error). ``disk_bytes`` does not count it (metadata, as the manifest and the lock).
 
 Nothing here knows optimizer math; ``extra`` is an opaque JSON dict the user of the store
 commits together with each step (the optimizer keeps per-param step counts and a parameter
@@ -118,7 +119,7 @@ class SwapStore:
         self._token: Optional[int] = None
         self.pending_error: Optional[BaseException] = None
         self._reserve_bytes = 0  # what reserve.bin is known to hold ([Note: manifest reserve])
-        self._reserve_warned = False
+        self._reserve_warned = self._full_warned = False
         try:
             self._open(resume, io_engine, direct)
         except BaseException:
@@ -156,6 +157,7 @@ class SwapStore:
             self._created = True
         if resume:
             self._load_manifest(manifest_path)
+            self._keep_reserve(os.path.getsize(manifest_path))  # a directory of an older offload has none
         self.engine, self._owns_engine = resolve_engine(io_engine, self.path)
         if direct is None and getattr(io_engine, "direct", None) is not None and hasattr(io_engine, "engine"):
             direct = io_engine.direct  # an IOConfig that says how to open files
@@ -240,12 +242,13 @@ class SwapStore:
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._drop_reserve():
                 raise
-            if not self._reserve_warned:  # once until the reserve is whole again
-                self._reserve_warned = True
-                log.warning("%s: the file system is full: the manifest of step %d went into the room kept in %s "
-                            "(training goes on: the swap files need no new space; checkpoints elsewhere on "
-                            "this disk will fail until space is freed)", self.path, self.step, RESERVE)
             n = fsutil.write_json_atomic(self.path, MANIFEST, m)
+            if not self._full_warned:  # once until the reserve is whole again
+                self._full_warned = True
+                log.warning("%s: the file system is full: the manifest of step %d went into the room kept in %s "
+                            "(training goes on: the preallocated swap files need no new space, except on a "
+                            "copy-on-write file system; checkpoints on this disk fail until space is freed)",
+                            self.path, self.step, RESERVE)
         self._keep_reserve(n)
 
     def _keep_reserve(self, manifest_bytes: int) -> None:
@@ -267,7 +270,7 @@ class SwapStore:
                             exc.strerror or exc)
             return
         self._reserve_bytes = want
-        self._reserve_warned = False
+        self._reserve_warned = self._full_warned = False
 
     def _drop_reserve(self) -> bool:
         try:
