@@ -63,6 +63,18 @@ def _with_reference(dtype, dev):
     return model, params, masters, torch.optim.AdamW(masters, foreach=False, **HP)
 
 
+def _step_both(opt, ref, params, masters):
+    """The grads to torch's AdamW on the fp32 masters; both step; the masters must agree."""
+    for p, m in zip(params, masters):
+        m.grad = None if p.grad is None else p.grad.float().cpu()
+    ref.step()
+    opt.step()
+    opt.zero_grad()
+    ref.zero_grad()
+    for p, m in zip(params, masters):
+        torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_params_match_adamw_on_host_master(monkeypatch, dev, dtype, overlap):
@@ -139,16 +151,9 @@ def test_cuda_params_with_master_and_moments_on_nvme(tmp_path, dev, dtype):
     opt = offload.AdamW(params, offload="nvme", swap_dir=str(tmp_path / "a"), sub_group_size=4096, **HP)
     for _ in range(4):
         model(torch.randn(32, 257, device=dev, dtype=dtype)).float().pow(2).mean().backward()
-        for p, m in zip(params, masters):
-            m.grad = None if p.grad is None else p.grad.float().cpu()
-        ref.step()
-        opt.step()
-        opt.zero_grad()
-        ref.zero_grad()
-        for p, m in zip(params, masters):
-            ours = opt._store.master(p)
-            torch.testing.assert_close(ours, m.detach(), rtol=1e-5, atol=1e-6)
-            assert torch.equal(p.detach().cpu(), ours.to(dtype))
+        _step_both(opt, ref, params, masters)
+        for p in params:
+            assert torch.equal(p.detach().cpu(), opt._store.master(p).to(dtype))
     assert opt.memory_report()["tiers"]["nvme"] > 0 and opt.memory_report()["detail"]["state_bytes"] == 0
     # A streamed checkpoint restores masters, moments and the device params of a fresh model.
     opt.save_checkpoint(str(tmp_path / "ck"))
@@ -256,12 +261,5 @@ def test_cuda_no_sync_copies_the_accumulated_grads_once(dev):
             backward()
             if _EMU:
                 assert _EMU[0].queued["grad"] - copies == trainable
-        for p, m in zip(params, masters):
-            m.grad = None if p.grad is None else p.grad.float().cpu()
-        ref.step()
-        opt.step()
-        opt.zero_grad()
-        ref.zero_grad()
-        for p, m in zip(params, masters):
-            torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+        _step_both(opt, ref, params, masters)
     opt.close()
