@@ -333,6 +333,30 @@ def job_load_corrupt(group, ckpt, steps, swap_dir=None):
     return out
 
 
+def job_emit_failure(group, ckpt, swap_dir, fail_rank):
+    """nvme: the load commits everywhere, then rebuilding the params from the swap files fails
+    on one rank: every rank must raise, none may wait for it in the params' all-gather."""
+    model = _model()
+    opt = offload.AdamW(model.parameters(), stage=2, process_group=group, offload="nvme", swap_dir=swap_dir,
+                        sub_group_size=1024, **HP)
+    x, y = _local(0, 0, group)
+    _loss(model, x, y).backward()
+    opt.step()
+    opt.save_checkpoint(ckpt)
+    if dist.get_rank(group) == fail_rank:
+        def broken(outs):
+            raise OSError(5, "Input/output error (injected)", swap_dir)
+
+        opt._store._swap.emit_all = broken
+    try:
+        opt.load_checkpoint(ckpt)
+        error = None
+    except (OSError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    opt.close()
+    return error
+
+
 def job_error_of(group, job, **kwargs):
     """Run ``job`` and return its error as text (every rank reports, none is left queued)."""
     try:
@@ -766,6 +790,14 @@ def test_load_of_a_cut_short_checkpoint_changes_nothing(pool, tmp_path):
     assert all(torch.equal(before[i][k], after[i][k]) for i in before for k in before[i])
     assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
     opt.close()
+
+
+def test_params_not_rebuilt_on_one_rank_raises_on_every_rank(pool, tmp_path):
+    res = pool.run("job_emit_failure", 3, ckpt=str(tmp_path / "ck"), swap_dir=str(tmp_path), fail_rank=1)
+    assert res[1].startswith("OSError") and "injected" in res[1]
+    for r in (0, 2):
+        assert res[r].startswith("RuntimeError") and "rebuilding the params from the swap files failed on rank 1" in res[r]
+    assert len(pool.run("job_train", 3, stage=1, steps=1)) == 3  # no rank was left in a collective
 
 
 def test_resume_failing_on_one_rank_raises_on_every_rank(pool, tmp_path):

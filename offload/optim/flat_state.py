@@ -576,11 +576,15 @@ class FlatState:
 
     def _params_from_swap(self) -> None:
         """Every param <- its master in the swap files (resume, load_checkpoint)."""
-        if self._swap is not None:
-            outs, posts = self._all_outputs()
-            self._swap.emit_all(outs)
-            for post in posts:
-                post()
+        def emit() -> None:
+            if self._swap is not None:
+                outs, posts = self._all_outputs()
+                self._swap.emit_all(outs)
+                for post in posts:
+                    post()
+
+        # A rank whose swap reads fail must not leave the others in the all-gather below.
+        comm.on_every_rank(emit, "rebuilding the params from the swap files", self.group, self.world)
         if self.world > 1:
             for fg in self._groups:
                 fg.all_gather_params(self.group)
