@@ -440,12 +440,15 @@ def test_waiting_releases_the_gil(engine, pool, workdir):
 
         # Idle rate before and after, the lower one counts: the machine's load may change in
         # between, and a waiter holding the GIL would leave the counter at 3-5 %, far below.
+        # On 2 cores the engine's own threads (the uring reaper takes the GIL for each
+        # completion) and the kernel's I/O work share them with the counter: 50 % was seen
+        # to fail at 49.6 % in a clean-clone CI run, so the bar is 25 %, still 5x a holder.
         idle = _count_for(lambda: time.sleep(0.3))
         busy = _count_for(io_for_a_while)
         idle = min(idle, _count_for(lambda: time.sleep(0.3)))
     pool.release(buf)
     assert sum(waited) > 0.2  # the main thread really spent its time waiting
-    assert busy > 0.5 * idle, f"counting thread ran at {busy / idle:.0%} of its speed while {engine.name} waited"
+    assert busy > 0.25 * idle, f"counting thread ran at {busy / idle:.0%} of its speed while {engine.name} waited"
 
 
 # -- choosing an engine -----------------------------------------------------------------------
