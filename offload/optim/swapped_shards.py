@@ -210,7 +210,7 @@ class SwappedShards:
             return self._step(items, vote_once if vote is not None else None)
         except BaseException:
             if vote is not None and not voted:  # failed before the pipeline could vote
-                vote_failed(vote, self.store.path)
+                vote_failed(vote, f"the swap step of {self.store.path}")
             raise
 
     def _step(self, items: Sequence[WorkItem], vote: Optional[Vote]) -> Dict[str, float]:

@@ -66,12 +66,13 @@ Compute = Callable[[int, int, int, List[torch.Tensor]], None]
 Vote = Callable[[bool], List[int]]
 
 
-def vote_failed(vote: Vote, path: str) -> None:
-    """Tell the other ranks this rank's step failed; the local error stays the one raised."""
+def vote_failed(vote: Vote, what: str) -> None:
+    """Tell the other ranks that ``what`` failed here (a swap directory: its step); the local
+    error stays the one raised."""
     try:
         vote(False)
     except Exception as exc:  # the process group itself is broken: nothing more to do here
-        log.warning("could not tell the other ranks that the swap step of %s failed: %s", path, exc)
+        log.warning("could not tell the other ranks that %s failed: %s", what, exc)
 
 
 class SwapStepError(OSError):
@@ -251,7 +252,7 @@ class SwapPipeline:
         store, engine = self.store, self.store.engine
         if store.closed:
             if vote is not None:
-                vote_failed(vote, store.path)
+                vote_failed(vote, f"the swap step of {store.path}")
             raise RuntimeError(f"swap store {store.path} is closed")
         order = list(groups)
         verify = store.verify
@@ -366,7 +367,7 @@ class SwapPipeline:
         except BaseException as exc:
             self._drain(reads, writes)
             if vote is not None:
-                vote_failed(vote, store.path)
+                vote_failed(vote, f"the swap step of {store.path}")
             if isinstance(exc, OSError) and not isinstance(exc, SwapStepError):
                 msg = (f"swap step {store.step + 1} aborted at sub-group {len(computed)} of {len(order)}: "
                        f"{exc.strerror or exc}; the swap files still hold step {store.step}")
@@ -377,7 +378,7 @@ class SwapPipeline:
             try:
                 store.sync()
             except OSError as exc:
-                vote_failed(vote, store.path)
+                vote_failed(vote, f"the swap step of {store.path}")
                 msg = (f"swap step {store.step + 1} could not be made durable: {exc.strerror or exc}; "
                        f"the swap files still hold step {store.step}")
                 raise SwapStepError(exc.errno or errno.EIO, msg, exc.filename or store.path, computed) from exc
@@ -390,7 +391,7 @@ class SwapPipeline:
                 store.commit(written, extra() if callable(extra) else extra, synced=vote is not None)
             except BaseException as exc:
                 if vote is not None:
-                    vote_failed(vote, store.path)  # the second vote: the others undo theirs
+                    vote_failed(vote, f"the swap step of {store.path}")  # the second vote: the others undo theirs
                 if not isinstance(exc, OSError):
                     raise
                 msg = (f"swap step {store.step + 1} could not be committed: {exc.strerror or exc}; "

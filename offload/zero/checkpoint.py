@@ -73,8 +73,7 @@ def _needed(layouts: Sequence[FlatLayout], olds: List[List[FlatLayout]]) -> List
     return sorted({r for r, old in enumerate(olds) for lay, o in zip(layouts, old) if lay.shard and overlap(lay, o)})
 
 
-def _check_rank_meta(path: str, m: Dict[str, Any], r: int, old_world: int) -> None:
-    meta = m.get("meta") or {}
+def _check_rank_meta(path: str, meta: Dict[str, Any], r: int, old_world: int) -> None:
     if meta.get("rank") != r or meta.get("world") != old_world:
         raise ValueError(f"{path}: meta says rank {meta.get('rank')} of {meta.get('world')}, expected {r} of {old_world}")
 
@@ -90,7 +89,7 @@ def check_shards(directory: str, layouts: Sequence[FlatLayout], *, engine: Any =
     for r in _needed(layouts, olds):
         path = os.path.join(directory, f"rank{r}")
         m = verify_checkpoint(path, list(STATES), sum(lay.shard for lay in olds[r]), io_engine=engine, stage=stage)
-        _check_rank_meta(path, m, r, old_world)
+        _check_rank_meta(path, m.get("meta") or {}, r, old_world)
     return first
 
 
@@ -103,9 +102,8 @@ def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
     olds = _old_layouts(mine, old_world)
     for r in _needed([fg.layout for fg in groups], olds):
         scratch = {k: [torch.empty(lay.shard) for lay in olds[r] if lay.shard] for k in STATES}
-        meta = load_tensors(os.path.join(directory, f"rank{r}"), scratch)
-        if meta.get("rank") != r or meta.get("world") != old_world:
-            raise ValueError(f"{directory}/rank{r}: meta says rank {meta.get('rank')} of {meta.get('world')}")
+        path = os.path.join(directory, f"rank{r}")
+        _check_rank_meta(path, load_tensors(path, scratch), r, old_world)
         it = {k: iter(v) for k, v in scratch.items()}
         for fg, lay in zip(groups, olds[r]):
             if not lay.shard:
@@ -140,8 +138,7 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
     world, rank = layouts[0].world, layouts[0].rank
     if old_world == world:  # the same shards: the rank's files are the store, as they are
         meta, written = load_store(store, buffers, os.path.join(directory, f"rank{rank}"))
-        if meta.get("rank") != rank or meta.get("world") != world:
-            raise ValueError(f"{directory}/rank{rank}: meta says rank {meta.get('rank')} of {meta.get('world')}")
+        _check_rank_meta(os.path.join(directory, f"rank{rank}"), meta, rank, world)
         return first, written
     names = list(store.state_names)
     olds = _old_layouts(mine, old_world)
@@ -157,10 +154,8 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
     try:
         for r in need:
             path = os.path.join(directory, f"rank{r}")
-            if sorted(names) != sorted(STATES):
-                raise ValueError(f"{path}: this store holds states {names}, a flat checkpoint {list(STATES)}")
             m = verify_checkpoint(path, names, old_base[-1], io_engine=engine, stage=buffers[0].memoryview)
-            _check_rank_meta(path, m, r, old_world)
+            _check_rank_meta(path, m.get("meta") or {}, r, old_world)
             for name in names:
                 files[(r, name)] = open_file(os.path.join(path, m["files"][name]), write=False, direct=False)
         written: Dict[int, Any] = {}

@@ -18,6 +18,8 @@ from typing import Any, Callable, List, Optional, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
+from offload.swap.pipeline import Vote, vote_failed
+
 __all__ = ["world_and_rank", "failed_ranks", "on_every_rank", "all_or_none", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
            "comm_device", "reduce_scatter_supported", "reduce_scatter_async", "all_reduce_async"]
 
@@ -144,10 +146,7 @@ def on_every_rank(fn: Callable[[], T], what: str, group: Any = None, world: Opti
     try:
         out = fn()
     except BaseException:
-        try:
-            failed_ranks(False, group)
-        except Exception as exc:  # the group itself is broken: the local error says enough
-            log.warning("could not tell the other ranks that %s failed: %s", what, exc)
+        vote_failed(lambda ok: failed_ranks(ok, group), what)
         raise
     failed = failed_ranks(True, group)
     if failed:
@@ -155,15 +154,8 @@ def on_every_rank(fn: Callable[[], T], what: str, group: Any = None, world: Opti
     return out
 
 
-def _tell_failed(vote: Callable[[bool], List[int]], what: str) -> None:
-    try:
-        vote(False)
-    except Exception as exc:  # the group itself is broken: the local error says enough
-        log.warning("could not tell the other ranks that %s failed: %s", what, exc)
-
-
 def all_or_none(prepare: Callable[[], T], commit: Callable[[T], None], undo: Callable[[], str], what: str,
-                vote: Optional[Callable[[bool], List[int]]]) -> T:
+                vote: Optional[Vote]) -> T:
     """``prepare()`` (nothing visible yet), agree, ``commit(prepared)``, agree again; a rank
     whose commit went through while another's failed calls ``undo()`` (which returns what
     it now holds, for the error). So every rank applies the change or none does, as a swap
@@ -174,7 +166,7 @@ def all_or_none(prepare: Callable[[], T], commit: Callable[[T], None], undo: Cal
         prepared = prepare()
     except BaseException:
         if vote is not None:
-            _tell_failed(vote, what)
+            vote_failed(vote, what)
         raise
     if vote is not None:
         failed = vote(True)
@@ -185,7 +177,7 @@ def all_or_none(prepare: Callable[[], T], commit: Callable[[T], None], undo: Cal
         commit(prepared)
     except BaseException:
         if vote is not None:
-            _tell_failed(vote, what)  # the second vote: the others undo theirs
+            vote_failed(vote, what)  # the second vote: the others undo theirs
         raise
     if vote is not None:
         failed = vote(True)

@@ -36,21 +36,21 @@ class FlatGroup:
         # (pageable, pinned): only what a DMA engine reads or writes is pinned (grad copies,
         # staging, an fp32 master that is copied to the device); moments never leave the host.
         self._pools = pools
-        cuda = self.device.type == "cuda" or stage_cpu  # stage_cpu: CPU params sent as CUDA ones (tests)
+        dma = self.device.type == "cuda" or stage_cpu  # stage_cpu: CPU params sent as CUDA ones (tests)
         self._bufs = []
         S = self.layout.shard
         # swapped: master and moments live in NVMe swap files (offload/optim/swapped_shards.py)
         self.swapped = swapped
-        self.master = None if swapped else self._tensor(torch.float32, S, pinned=cuda and not self.lowp)
+        self.master = None if swapped else self._tensor(torch.float32, S, pinned=dma and not self.lowp)
         self.exp_avg = None if swapped else self._tensor(torch.float32, S).zero_()
         self.exp_avg_sq = None if swapped else self._tensor(torch.float32, S).zero_()
         self.refresh_master()
         # Destination of grad copies (one rank, hook path): the whole flat range, own dtype.
-        self.host_grad = self._tensor(self.dtype, self.layout.total, pinned=cuda) if need_host_grad else None
+        self.host_grad = self._tensor(self.dtype, self.layout.total, pinned=dma) if need_host_grad else None
         # Staging of updated low-precision params on their way to the device (one rank, CUDA).
         self.stage = None
-        if world == 1 and (cuda or stage_cpu) and self.lowp:
-            self.stage = self._tensor(self.dtype, S, pinned=cuda)
+        if world == 1 and dma and self.lowp:
+            self.stage = self._tensor(self.dtype, S, pinned=dma)
         self.gshard = self.lowp_shard = None
         self.send = self.gather = self.rs_out = None
         if world > 1:
