@@ -7,6 +7,7 @@ config file never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -42,6 +43,8 @@ def parse_bytes(value: "int | str") -> int:
         number = float(num)
     except ValueError:
         raise ValueError(f"invalid byte size: {value!r}") from None
+    if not math.isfinite(number):  # "1e400" parses as inf: int() of it would be an OverflowError
+        raise ValueError(f"invalid byte size: {value!r} (not a finite number)")
     if number < 0:
         raise ValueError(f"byte size must be >= 0, got {value!r}")
     return int(number * _UNITS[unit])

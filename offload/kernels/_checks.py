@@ -6,19 +6,21 @@ and the offending value.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
-__all__ = ["GRAD_DTYPES", "LOWP_DTYPES", "check_adam_args", "check_tensor", "check_threads"]
+__all__ = ["GRAD_DTYPES", "LOWP_DTYPES", "check_adam_args", "check_grad_scale", "check_tensor", "check_threads"]
 
 # dtype -> code understood by native/ and the numba backend (keep in sync with offload_native.h)
 GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 LOWP_DTYPES = {torch.float16: 1, torch.bfloat16: 2}
 
 
-def check_tensor(name: str, t: object, dtypes) -> torch.Tensor:
-    """A contiguous CPU tensor whose dtype is in ``dtypes`` (any shape; read as flat)."""
+def check_tensor(name: str, t: object, dtypes, *, contiguous: bool = True) -> torch.Tensor:
+    """A contiguous CPU tensor whose dtype is in ``dtypes`` (any shape; read as flat).
+    ``contiguous=False`` for callers that pass strided tensors through a contiguous copy."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -28,7 +30,7 @@ def check_tensor(name: str, t: object, dtypes) -> torch.Tensor:
         raise ValueError(f"{name} must be on the CPU, got device {t.device}")
     if t.layout != torch.strided:
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")
     return t
 
@@ -40,14 +42,24 @@ def check_threads(num_threads: Optional[int]) -> None:
         raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
 
 
-def check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads) -> int:
+def check_grad_scale(grad_scale: object) -> None:
+    """The grad multiplier (1/loss-scale times the clip coefficient): finite and >= 0, or
+    every updated element would be NaN or move against its gradient."""
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)):
+        raise TypeError(f"grad_scale must be a float, got {type(grad_scale).__name__} {grad_scale!r}")
+    if not (math.isfinite(grad_scale) and grad_scale >= 0):
+        raise ValueError(f"grad_scale must be a finite number >= 0, got {grad_scale!r}")
+
+
+def check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads, *,
+                    contiguous: bool = True) -> int:
     """Validate one adam_step call; returns the element count."""
-    check_tensor("param", param, (torch.float32,))
-    check_tensor("grad", grad, GRAD_DTYPES)
-    check_tensor("exp_avg", exp_avg, (torch.float32,))
-    check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,))
+    check_tensor("param", param, (torch.float32,), contiguous=contiguous)
+    check_tensor("grad", grad, GRAD_DTYPES, contiguous=contiguous)
+    check_tensor("exp_avg", exp_avg, (torch.float32,), contiguous=contiguous)
+    check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), contiguous=contiguous)
     if param_lowp is not None:
-        check_tensor("param_lowp", param_lowp, LOWP_DTYPES)
+        check_tensor("param_lowp", param_lowp, LOWP_DTYPES, contiguous=contiguous)
     n = param.numel()
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
                     ("param_lowp", param_lowp)):

@@ -24,11 +24,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import _get_scalar_dtype
 
-from offload.config import IOConfig, OffloadConfig, parse_bytes
 from offload.kernels import get_backend
 from offload.optim.functional import AdamHyper
+from offload.optim.guards import register_guards
 from offload.optim.host_state import HostState, StepBatch
+from offload.optim.options import check_extras, check_hyper, check_param_dtype, make_config
 from offload.optim.stats import StepStats, process_rss_bytes
 
 __all__ = ["Adam", "AdamW"]
@@ -74,37 +76,21 @@ class _AdamBase(Optimizer):
         stage: Optional[int] = None,
         process_group: Any = None,
     ) -> None:
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if amsgrad:
-            raise NotImplementedError(
-                "offload.Adam/AdamW: amsgrad=True is not implemented (the fused kernels keep "
-                "two moments); use torch.optim.AdamW(amsgrad=True) or amsgrad=False"
-            )
-        if capturable:
-            raise NotImplementedError("offload.Adam/AdamW: capturable=True (CUDA graphs) is not supported")
-        if differentiable:
-            raise NotImplementedError("offload.Adam/AdamW: differentiable=True is not supported")
-        if foreach and fused:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be a finite number > 0)")
-        if num_threads is not None and num_threads < 1:
-            raise ValueError(f"Invalid num_threads: {num_threads}")
+        # Everything is checked before `params` is touched, as torch does.
+        betas = check_hyper(lr, betas, eps, weight_decay, amsgrad, foreach=foreach, capturable=capturable,
+                            differentiable=differentiable, fused=fused)
+        check_extras(max_grad_norm=max_grad_norm, num_threads=num_threads, stage=stage,
+                     bias_correction=bias_correction)
+        config = make_config(offload=offload, swap_dir=swap_dir, max_host_bytes=max_host_bytes,
+                             sub_group_size=sub_group_size, verify=verify, resume=resume, io_engine=io_engine)
+        get_backend(backend)  # a forced backend that cannot load fails here, with its reason
+        if params is None:
+            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                            "but got None")
         # `foreach` and `fused` are accepted for signature compatibility: every step here is
         # one fused pass per tensor whatever they say, which honours both requests.
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
@@ -112,21 +98,11 @@ class _AdamBase(Optimizer):
         self._store = None
         self._closed = False
         super().__init__(params, defaults)
-
-        self.config = OffloadConfig(
-            offload=offload,
-            swap_dir=swap_dir,
-            max_host_bytes=None if max_host_bytes is None else parse_bytes(max_host_bytes),
-            sub_group_size=sub_group_size,
-            verify=verify,
-            resume=resume,
-            io=IOConfig(engine=io_engine or "auto"),
-        )
-        self.bias_correction = bool(bias_correction)
+        self.config = config
+        self.bias_correction = bias_correction
         self.max_grad_norm = max_grad_norm
         self.backend = backend
         self.num_threads = num_threads
-        get_backend(backend)  # a forced backend that cannot load fails here, with its reason
         # GradScaler hands us the scale and found_inf instead of unscaling the grads itself,
         # so the unscale happens inside the kernel pass (torch/amp/grad_scaler.py).
         self._step_supports_amp_scaling = True
@@ -136,6 +112,8 @@ class _AdamBase(Optimizer):
         self._stats = StepStats()
         self._no_sync = False
         self._store = self._make_store(stage, process_group)
+        self._registered = self._all_params()
+        register_guards(self)
 
     # ---------------------------------------------------------------- store selection
     def _all_params(self) -> List[torch.Tensor]:
@@ -146,13 +124,21 @@ class _AdamBase(Optimizer):
         world = 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             world = torch.distributed.get_world_size(process_group)
+        # A stage chosen for one process may be wrong later: the step pre-hook of
+        # offload.optim.guards checks that the job did not gain ranks since.
+        self._stage_auto_single = stage is None and world == 1
+        self._process_group = process_group
         if stage is None:
             stage = 2 if world > 1 else 0
-        if stage not in (0, 1, 2):
-            raise ValueError(f"Invalid stage: {stage} (0, 1 or 2; stage 3 is not implemented yet)")
         self.stage = stage
         host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
         if stage == 0 and host_ok and self.config.offload in ("none", "cpu"):
+            if self.config.sub_group_size is not None:
+                raise ValueError(
+                    f"sub_group_size={self.config.sub_group_size} would be ignored: fp32 CPU params with "
+                    f"offload={self.config.offload!r} are updated in place, each in one pass (sub-groups "
+                    "cut the flat master of device or fp16/bf16 params, and the swap files of "
+                    "offload='nvme'); drop it")
             return HostState(self, backend=self.backend, num_threads=self.num_threads)
         if stage == 0 and host_ok and self.config.offload == "nvme":
             from offload.optim.swapped_state import SwappedState
@@ -164,11 +150,15 @@ class _AdamBase(Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        if self._store is None:
-            return
         try:
+            base = len(self._all_params()) - len(self.param_groups[-1]["params"])
+            for i, p in enumerate(self.param_groups[-1]["params"]):
+                check_param_dtype(base + i, p)
+            if self._store is None:
+                return
             self._check_open()
             self._store_add_group(self.param_groups[-1])
+            self._registered = self._all_params()
         except BaseException:
             self.param_groups.pop()  # refused: the optimizer stays as it was
             raise
@@ -191,6 +181,34 @@ class _AdamBase(Optimizer):
         if getattr(self, "_closed", False):
             raise RuntimeError(f"{type(self).__name__} is closed: close() released its states and swap files; "
                                "build a new optimizer (and load_checkpoint() to continue)")
+
+    # ---------------------------------------------------------------- pickling, old formats
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickle, ``copy.deepcopy`` and ``torch.save(opt)`` take everything for the host store
+        (fp32 CPU params, moments in ``self.state``); the other stores hold their states in
+        flat buffers, swap files and locks that a copy cannot share or own, so they refuse."""
+        if not isinstance(self._store, HostState):
+            kind = getattr(self._store, "kind", type(self._store).__name__)
+            raise TypeError(
+                f"cannot pickle or copy {type(self).__name__} with offload={self.config.offload!r} "
+                f"({kind} store: its states live in flat host buffers or swap files, not in the object): "
+                "save opt.state_dict() or opt.save_checkpoint(DIR) instead, and load it into a new optimizer")
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # Also called by torch's load_state_dict with {"state", "param_groups"}: as torch's
+        # Adam.__setstate__, fill the flags older checkpoints lack and turn a float step
+        # (torch < 1.12) into a tensor of torch's dtype.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, default in (("amsgrad", False), ("maximize", False), ("foreach", None),
+                                 ("capturable", False), ("differentiable", False),
+                                 ("decoupled_weight_decay", False), ("fused", None)):
+                group.setdefault(key, default)
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "step" in st and not torch.is_tensor(st["step"]):
+                    st["step"] = torch.tensor(float(st["step"]), dtype=_get_scalar_dtype())
 
     # ---------------------------------------------------------------- the step
     def _hyper(self, group: Dict[str, Any], grad_scale: float) -> AdamHyper:
@@ -267,6 +285,10 @@ class _AdamBase(Optimizer):
         clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
         return inv_scale * clip
 
+    # Eager under torch.compile: a step of swap I/O, locks and timers gains nothing from
+    # tracing (graph breaks at each) and the store's attributes set inside it are invisible to
+    # the traced frame.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
         self._check_open()
@@ -295,7 +317,7 @@ class _AdamBase(Optimizer):
                 st = self.state[p]
                 before.append((st, st.get("step")))
                 if "step" not in st:
-                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    st["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
                 # A new tensor, not `+= 1`: torch's load_state_dict shares the step tensors
                 # with the dict it loaded, and an in-place increment would couple two
                 # optimizers loaded from one dict.

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from offload.kernels import get_backend
+from offload.kernels._checks import check_adam_args, check_grad_scale
 
 __all__ = ["AdamHyper", "adam_step"]
 
@@ -64,7 +65,10 @@ def adam_step(
             f"adam_step: list lengths differ: params {n}, grads {len(grads)}, exp_avgs "
             f"{len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}, steps {len(steps)}"
         )
+    if params_lowp is not None and len(params_lowp) != n:
+        raise ValueError(f"adam_step: list lengths differ: params {n}, params_lowp {len(params_lowp)}")
     kernel = get_backend(backend)
+    _check_all(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, params_lowp, num_threads)
     for i in range(n):
         p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
         if p.numel() == 0:
@@ -82,6 +86,18 @@ def adam_step(
                 orig.copy_(tmp.view_as(orig))
         if lowp is not None and not _shares_storage(lowp, flat_lowp):
             lowp.copy_(flat_lowp.view_as(lowp))
+
+
+def _check_all(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, params_lowp, num_threads) -> None:
+    """Every tensor and the scale, before the first is updated: a bad second tensor must not
+    leave the first one stepped (the kernels check again, per call, at the pointer level)."""
+    check_grad_scale(hyper.grad_scale)
+    for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+        lowp = params_lowp[i] if params_lowp is not None else None
+        try:
+            check_adam_args(p, g, m, v, lowp, step, num_threads, contiguous=False)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"adam_step: tensor {i}: {exc}") from None
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

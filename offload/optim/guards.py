@@ -1,0 +1,57 @@
+"""Step pre-hooks that refuse a step the optimizer's layout no longer fits.
+
+Both conditions arise after construction, outside the optimizer's view: the job gains ranks
+(``torch.distributed`` initialised after the optimizer was built, as HF ``TrainingArguments``
+does), or the user assigns new tensors to ``opt.param_groups[i]["params"]``. Either would
+otherwise step silently with the wrong layout (every rank keeping all the states) or fail deep
+inside a store with a bare ``KeyError``. They are hooks, registered in ``__init__``, so the
+step itself stays as it is; module-level functions, so that an optimizer that can be pickled
+still can.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["register_guards"]
+
+
+def register_guards(opt: torch.optim.Optimizer) -> None:
+    opt.register_step_pre_hook(check_world)
+    opt.register_step_pre_hook(check_params)
+
+
+@torch.compiler.disable
+def check_world(opt: Any, args: Any, kwargs: Any) -> None:
+    """An optimizer that chose stage 0 because it was alone must not step with several ranks."""
+    if not getattr(opt, "_stage_auto_single", False):
+        return
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size(opt._process_group)
+    if world > 1:
+        raise RuntimeError(
+            f"{type(opt).__name__} was built before torch.distributed was initialised, so it chose "
+            f"stage 0 (every rank keeps all the fp32 states), but this job now has {world} ranks: build "
+            "the optimizer after init_process_group() (it then partitions the states, stage 2), or pass "
+            "stage=0 to keep the full states on every rank on purpose")
+
+
+@torch.compiler.disable
+def check_params(opt: Any, args: Any, kwargs: Any) -> None:
+    """The params in ``param_groups`` must be those the store laid out its states for."""
+    from offload.optim.host_state import HostState
+
+    if isinstance(opt._store, HostState):
+        return  # states keyed by the param itself, in opt.state, as torch's: any fp32 CPU param works
+    registered = opt._registered
+    current = opt._all_params()
+    same = len(current) == len(registered) and all(a is b for a, b in zip(current, registered))
+    if not same:
+        raise RuntimeError(
+            f"{type(opt).__name__}: opt.param_groups no longer holds the params this optimizer was built "
+            f"with ({len(registered)} registered, {len(current)} now; the {getattr(opt._store, 'kind', 'store')} "
+            "store laid out its fp32 states for those): add new params with add_param_group(), or build a "
+            "new optimizer for the new params")

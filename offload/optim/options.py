@@ -1,0 +1,192 @@
+"""Checks of the optimizer's constructor arguments, before anything is built.
+
+torch's own arguments (``lr``, ``betas``, ``eps``, ...) are checked as ``torch.optim.Adam``
+checks them, with its messages and exception types, so code written against torch fails the
+same way here; where torch lets a raw Python error through (``betas=(0.9,)``, ``lr="0.1"``) a
+clear ``ValueError``/``TypeError`` naming the argument is raised instead, of the same type
+where torch's is a TypeError. The offload options are checked for type and for whether they
+do anything with the chosen ``offload`` target: an option that would be silently ignored
+(``resume=True`` without swap files) is refused, since the user who passed it believes it
+took effect.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional, Tuple
+
+import torch
+
+from offload.config import IOConfig, OffloadConfig, parse_bytes
+
+__all__ = ["check_hyper", "check_extras", "make_config", "check_param_dtype", "io_config"]
+
+# Options that act only on swap files; with offload="none" or "cpu" they would do nothing.
+NVME_ONLY = ("swap_dir", "max_host_bytes", "verify", "resume", "io_engine")
+
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_scalar(name: str, x: Any, *, tensor_ok: bool) -> None:
+    if _is_number(x) or (tensor_ok and isinstance(x, torch.Tensor)):
+        return
+    kind = "a float or a 1-element Tensor" if tensor_ok else "a float"
+    raise TypeError(f"{name} must be {kind}, got {type(x).__name__} {x!r}")
+
+
+def _check_lr(lr: Any, foreach: Optional[bool], capturable: bool) -> None:
+    _check_scalar("lr", lr, tensor_ok=True)
+    if isinstance(lr, torch.Tensor):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def _check_betas(betas: Any, foreach: Optional[bool], capturable: bool) -> Tuple[Any, Any]:
+    if isinstance(betas, (str, bytes, torch.Tensor)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        _check_scalar(f"betas[{i}]", b, tensor_ok=True)
+        if isinstance(b, torch.Tensor) and b.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    if not (all(isinstance(b, float) for b in betas) or all(isinstance(b, torch.Tensor) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor) and foreach and not capturable:
+            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+    # As torch's _to_scalar: a 1-element Tensor of any shape becomes 0-dim.
+    return tuple(b.squeeze() if isinstance(b, torch.Tensor) and b.dim() else b for b in betas)
+
+
+def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: bool, *, foreach: Optional[bool],
+                capturable: bool, differentiable: bool, fused: Optional[bool]) -> Tuple[Any, Any]:
+    """torch.optim.Adam's checks, in its order; returns ``betas`` as torch stores them."""
+    _check_lr(lr, foreach, capturable)
+    _check_scalar("eps", eps, tensor_ok=False)
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    betas = _check_betas(betas, foreach, capturable)
+    _check_scalar("weight_decay", weight_decay, tensor_ok=False)
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if amsgrad:
+        raise NotImplementedError(
+            "offload.Adam/AdamW: amsgrad=True is not implemented (the fused kernels keep "
+            "two moments); use torch.optim.AdamW(amsgrad=True) or amsgrad=False"
+        )
+    if capturable:
+        raise NotImplementedError("offload.Adam/AdamW: capturable=True (CUDA graphs) is not supported")
+    if differentiable:
+        raise NotImplementedError("offload.Adam/AdamW: differentiable=True is not supported")
+    if foreach and fused:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    return betas
+
+
+def _check_bool(name: str, value: Any) -> None:
+    # A string such as "no" or "false" is truthy: taking it as True would do the opposite of
+    # what the user wrote.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def check_extras(*, max_grad_norm: Any, num_threads: Any, stage: Any, bias_correction: Any) -> None:
+    """The offload-specific numbers: type and range, so nothing fails later inside a step."""
+    if max_grad_norm is not None:
+        if not _is_number(max_grad_norm):
+            raise TypeError(f"max_grad_norm must be a float or None, got {type(max_grad_norm).__name__} "
+                            f"{max_grad_norm!r}")
+        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be a finite number > 0)")
+    if num_threads is not None:
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int):
+            raise TypeError(f"num_threads must be an int >= 1 or None, got {type(num_threads).__name__} "
+                            f"{num_threads!r}")
+        if num_threads < 1:
+            raise ValueError(f"Invalid num_threads: {num_threads}")
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2)):
+        raise ValueError(f"Invalid stage: {stage!r} (0, 1 or 2; stage 3 is not implemented yet)")
+    _check_bool("bias_correction", bias_correction)
+
+
+def io_config(io_engine: Any) -> IOConfig:
+    """``io_engine``: None or an engine name, an ``IOConfig`` (``load_tuning(path)``), or the
+    path of a tuning file written by ``offload bench-io --tune``."""
+    if io_engine is None:
+        return IOConfig()
+    if isinstance(io_engine, IOConfig):
+        return io_engine
+    if isinstance(io_engine, (str, bytes, os.PathLike)):
+        text = os.fsdecode(io_engine)
+        if text in ("auto", "uring", "threads", "aiofiles"):
+            return IOConfig(engine=text)
+        if os.path.sep in text or text.endswith(".json") or os.path.exists(text):
+            from offload.io.tuning import load_tuning
+
+            return load_tuning(text)
+        raise ValueError(f"unknown io engine {text!r}; expected auto, uring, threads, aiofiles, an IOConfig "
+                         "or the path of a tuning file (offload bench-io --tune)")
+    raise TypeError(f"io_engine must be None, an engine name, an IOConfig or a tuning file's path, got "
+                    f"{type(io_engine).__name__} {io_engine!r}")
+
+
+def _bytes_option(value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"max_host_bytes: {exc}") from None
+
+
+def _swap_dir(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, (str, bytes, os.PathLike)):
+        raise TypeError(f"swap_dir must be a path (str, bytes or os.PathLike), got {type(value).__name__} {value!r}")
+    return os.fsdecode(value)
+
+
+def _refuse_unused(offload: str, given: dict) -> None:
+    unused = [name for name in NVME_ONLY if given[name] is not None and given[name] is not False]
+    if offload != "nvme" and unused:
+        raise ValueError(
+            f"{', '.join(unused)} act(s) only on swap files and need offload='nvme'; with "
+            f"offload={offload!r} {'it' if len(unused) == 1 else 'they'} would be ignored: drop "
+            f"{'it' if len(unused) == 1 else 'them'} or pass offload='nvme'")
+
+
+def make_config(*, offload: Any, swap_dir: Any, max_host_bytes: Any, sub_group_size: Any, verify: Any,
+                resume: Any, io_engine: Any) -> OffloadConfig:
+    """The ``OffloadConfig`` of the constructor's offload options, refusing any that would do nothing."""
+    if not isinstance(offload, str):
+        raise TypeError(f"offload must be 'none', 'cpu' or 'nvme', got {type(offload).__name__} {offload!r}")
+    _check_bool("verify", verify)
+    _check_bool("resume", resume)
+    if sub_group_size is not None and (isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int)):
+        raise TypeError(f"sub_group_size must be an int > 0 or None, got {type(sub_group_size).__name__} "
+                        f"{sub_group_size!r}")
+    if offload in ("none", "cpu"):
+        _refuse_unused(offload, dict(swap_dir=swap_dir, max_host_bytes=max_host_bytes, verify=verify,
+                                     resume=resume, io_engine=io_engine))
+    return OffloadConfig(offload=offload, swap_dir=_swap_dir(swap_dir), max_host_bytes=_bytes_option(max_host_bytes),
+                         sub_group_size=sub_group_size, verify=verify, resume=resume, io=io_config(io_engine))
+
+
+def check_param_dtype(index: int, p: torch.Tensor) -> None:
+    """float64 and complex params: the kernels keep fp32 masters, which would silently lose
+    precision (float64) or the imaginary part (complex)."""
+    if isinstance(p, torch.Tensor) and p.dtype not in PARAM_DTYPES:
+        raise NotImplementedError(
+            f"offload.Adam/AdamW: parameter {index} has dtype {p.dtype}; the kernels update an fp32 "
+            "master of fp32, fp16 or bf16 params: use torch.optim.AdamW (or torch.optim.Adam) for "
+            f"{p.dtype} params")
