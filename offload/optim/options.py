@@ -12,6 +12,7 @@ took effect.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Any, Optional, Tuple
 
@@ -28,7 +29,8 @@ PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    # numbers.Real: numpy scalars from config files compare as torch's checks need.
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_scalar(name: str, x: Any, *, tensor_ok: bool) -> None:
