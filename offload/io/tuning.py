@@ -15,7 +15,8 @@ to a default -- DeepSpeed's tuner once emitted a key its loader ignored)::
     }
 
 ``load_tuning(path)`` returns the ``IOConfig``; ``open_engine(load_tuning(path))`` opens the
-tuned engine.
+tuned engine; ``offload.AdamW(..., offload="nvme", io_engine=path)`` (or the ``IOConfig``)
+gives it to the swap pipeline (``offload.optim.options.io_config``).
 """
 from __future__ import annotations
 

@@ -446,7 +446,9 @@ class Adam(_AdamBase):
 
     Same arguments and defaults as ``torch.optim.Adam`` (``decoupled_weight_decay=True``
     makes it AdamW), plus: ``offload`` ("none", "cpu", "nvme"), ``swap_dir``,
-    ``max_host_bytes``, ``sub_group_size``, ``verify``, ``resume``, ``io_engine``,
+    ``max_host_bytes``, ``sub_group_size``, ``verify``, ``resume``, ``io_engine`` (a name, an
+    ``IOConfig`` or a tuning file of ``offload bench-io --tune``; the swap options need
+    ``offload="nvme"``),
     ``backend`` ("native", "numba", "torch"; default ``$OFFLOAD_BACKEND`` or auto),
     ``num_threads``, ``max_grad_norm`` (global-norm clipping inside the step),
     ``bias_correction``, ``stage`` and ``process_group`` (ZeRO partitioning).
