@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import offload
+from offload.swap.checkpoint import CheckpointBusy
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
@@ -53,8 +56,9 @@ def test_checkpoints_of_the_previous_release_still_load(tmp_path, fixture, kind)
     shutil.copytree(os.path.join(FIXTURES, fixture), src)
     want = torch.load(src / "expected.pt")
     model = _model()
-    opt = _opt(model, kind, tmp_path)
+    opt = _opt(model, kind, tmp_path, lr=5e-3)
     opt.load_checkpoint(str(src))
+    assert opt.param_groups[0]["lr"] == 5e-3  # it saved no param_groups: the constructor's stay
     sd = opt.state_dict()["state"]
     assert sorted(sd) == sorted(want["state"])
     for i, st in want["state"].items():
@@ -64,4 +68,149 @@ def test_checkpoints_of_the_previous_release_still_load(tmp_path, fixture, kind)
     if kind.startswith("flat"):  # the masters travel in the shards: the params follow them
         for p, w in zip(model.parameters(), want["params"]):
             assert torch.equal(p.detach(), w)
+    opt.close()
+
+
+# ------------------------------------------------------------------ the user's files in DIR
+USER_FILES = ["model.1.bin", "pytorch_model.3.bin", "embeddings.0.bin", "rng_state.7.bin", "exp_avg.1.bin",
+              ".optimizer.2.bin.tmp", "master.4.bin"]
+
+
+def _plant(directory):
+    os.makedirs(directory, exist_ok=True)
+    for name in USER_FILES:
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(name.encode() * 3)
+
+
+def _planted_intact(directory):
+    for name in USER_FILES:
+        with open(os.path.join(directory, name), "rb") as f:
+            assert f.read() == name.encode() * 3, name
+    return True
+
+
+def _ours(directory):
+    return sorted(n for n in os.listdir(directory) if n not in USER_FILES)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme", "flat", "flat-nvme"])
+def test_save_leaves_the_users_own_files_alone(tmp_path, kind):
+    # An HF checkpoint-N/ holds the model's *.bin: names like a leftover of ours are not ours.
+    ck = tmp_path / "ck"
+    where = ck / "rank0" if kind.startswith("flat") else ck
+    _plant(ck)
+    _plant(where)
+    model = _model()
+    opt = _opt(model, kind, tmp_path)
+    for _ in range(3):  # each save replaces the previous generation
+        _train(model, opt, 1)
+        opt.save_checkpoint(str(ck))
+    assert _planted_intact(ck) and _planted_intact(where)
+    assert _ours(where) == ["offload-ckpt.exp_avg.3.bin", "offload-ckpt.exp_avg_sq.3.bin", "offload-ckpt.json",
+                            "offload-ckpt.lock"] + (["offload-ckpt.master.3.bin"] if kind.startswith("flat") else [])
+    opt.load_checkpoint(str(ck))
+    assert float(opt.state[next(model.parameters())]["step"]) == 3
+    opt.close()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_what_a_killed_save_left_is_removed_by_its_record_and_nothing_else(tmp_path, kind, monkeypatch):
+    from offload.swap import ckpt_dir
+
+    ck = tmp_path / "ck"
+    _plant(ck)
+    model = _model()
+    opt = _opt(model, kind, tmp_path)
+    _train(model, opt, 1)
+    opt.save_checkpoint(str(ck))
+    _train(model, opt, 1)
+    with monkeypatch.context() as m:  # a kill -9 after the data files, before the manifest
+        m.setattr(ckpt_dir.NewGeneration, "commit", lambda self, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+        m.setattr(ckpt_dir.NewGeneration, "abort", lambda self: self.release())
+        with pytest.raises(KeyboardInterrupt):
+            opt.save_checkpoint(str(ck))
+    assert "offload-ckpt.exp_avg.2.bin" in os.listdir(ck)  # left behind, named in the pending record
+    fresh = _opt(_model(), kind, tmp_path)
+    fresh.load_checkpoint(str(ck))  # the previous checkpoint is what DIR holds
+    assert float(fresh.state[next(iter(fresh.state))]["step"]) == 1
+    opt.save_checkpoint(str(ck))
+    assert _planted_intact(ck)
+    assert _ours(ck) == ["offload-ckpt.exp_avg.2.bin", "offload-ckpt.exp_avg_sq.2.bin", "offload-ckpt.json",
+                         "offload-ckpt.lock"]
+    opt.close()
+    fresh.close()
+
+
+def test_a_file_of_ours_by_name_but_not_by_record_is_refused_not_overwritten(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "offload-ckpt.exp_avg.1.bin").write_bytes(b"mine")
+    model = _model()
+    opt = _opt(model, "cpu", tmp_path)
+    _train(model, opt, 1)
+    with pytest.raises(FileExistsError, match="in the way of the checkpoint"):
+        opt.save_checkpoint(str(ck))
+    assert (ck / "offload-ckpt.exp_avg.1.bin").read_bytes() == b"mine"
+    assert sorted(os.listdir(ck)) == ["offload-ckpt.exp_avg.1.bin", "offload-ckpt.lock"]
+
+
+# ------------------------------------------------------------------ two processes, one DIR
+_HOLDER = r"""
+import sys, torch, offload
+import offload.swap.checkpoint as ck
+
+class Pause:
+    first = True
+    def __getattr__(self, name):
+        import zlib
+        return getattr(zlib, name)
+    def crc32(self, *a):
+        import zlib
+        if Pause.first:
+            Pause.first = False
+            print("inside", flush=True)
+            sys.stdin.readline()
+        return zlib.crc32(*a)
+
+ck.zlib = Pause()
+torch.manual_seed(0)
+p = torch.nn.Parameter(torch.randn(10))
+opt = offload.AdamW([p], lr=1e-2, offload="cpu")
+p.grad = torch.ones(10)
+opt.step()
+opt.save_checkpoint(sys.argv[1])
+print("saved", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_a_save_meets_another_process_saving_into_the_directory(tmp_path, kind):
+    ck = tmp_path / "ck"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(ck)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        assert child.stdout.readline().strip() == "inside"  # its save is half-way
+        p = torch.nn.Parameter(torch.randn(10))
+        swap = tmp_path / "swap"
+        swap.mkdir()
+        kw = dict(offload="nvme", swap_dir=str(swap), max_host_bytes="8MiB") if kind == "nvme" else dict(offload="cpu")
+        opt = offload.AdamW([p], lr=1e-2, **kw)
+        p.grad = torch.ones(10)
+        opt.step()
+        for call in (opt.save_checkpoint, opt.load_checkpoint):
+            with pytest.raises(CheckpointBusy, match=rf"in use by process {child.pid} \(a save\)") as info:
+                call(str(ck))
+            assert info.value.pid == child.pid and info.value.filename == str(ck)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "saved"
+        assert child.wait(timeout=60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+    opt.load_checkpoint(str(ck))  # the other's checkpoint, whole
+    assert float(opt.state[p]["step"]) == 1
+    opt.save_checkpoint(str(ck))  # and the lock is free again
     opt.close()

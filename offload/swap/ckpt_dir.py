@@ -77,7 +77,7 @@ class DirLock:
     def __init__(self, directory: str, *, exclusive: bool) -> None:
         self.path = os.path.join(directory, CKPT_LOCK)
         self.fd = -1
-        if not exclusive and not os.path.lexists(os.path.join(directory, CKPT_MANIFEST)):
+        if not exclusive and not any(os.path.lexists(os.path.join(directory, n)) for n in (CKPT_MANIFEST, CKPT_LOCK)):
             return  # no checkpoint here: the load's own error says so, without a lock file left behind
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
