@@ -214,3 +214,88 @@ def test_a_save_meets_another_process_saving_into_the_directory(tmp_path, kind):
     assert float(opt.state[p]["step"]) == 1
     opt.save_checkpoint(str(ck))  # and the lock is free again
     opt.close()
+
+
+# ------------------------------------------------------------------ param_groups
+def _two_groups(model):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme", "flat", "flat-nvme"])
+def test_load_checkpoint_restores_param_groups_as_load_state_dict(tmp_path, kind):
+    # A Trainer resume: the scheduler's state comes back through its own state_dict, the
+    # groups' lr, betas, ... through the optimizer's checkpoint; the run continues as if
+    # never interrupted (same kernel on both sides: bit for bit).
+    def build(model, lr):
+        swap = tmp_path / f"swap{len(os.listdir(tmp_path))}"
+        swap.mkdir()
+        kw = {"cpu": dict(offload="cpu"), "nvme": dict(offload="nvme", swap_dir=str(swap), max_host_bytes="8MiB"),
+              "flat": dict(stage=2), "flat-nvme": dict(stage=2, offload="nvme", swap_dir=str(swap))}[kind]
+        opt = offload.AdamW(_two_groups(model), lr=lr, betas=(0.8, 0.9), **kw)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    model = _model()
+    opt, sched = build(model, 6e-3)
+    for _ in range(3):
+        _train(model, opt, 1)
+        sched.step()
+    opt.param_groups[1]["betas"] = (0.7, 0.95)  # a user's change, kept as load_state_dict would
+    opt.param_groups[0]["eps"] = 1e-6
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    sched_state = sched.state_dict()
+
+    resumed = _model()
+    resumed.load_state_dict(model.state_dict())
+    opt2, sched2 = build(resumed, 1e-4)
+    opt2.load_checkpoint(str(tmp_path / "ck"))
+    sched2.load_state_dict(sched_state)
+    for g, h in zip(opt.param_groups, opt2.param_groups):
+        assert {k: v for k, v in g.items() if k != "params"} == {k: v for k, v in h.items() if k != "params"}
+    assert opt2.param_groups[1]["betas"] == (0.7, 0.95) and isinstance(opt2.param_groups[1]["betas"], tuple)
+    assert opt2.param_groups[0]["lr"] == 6e-3 / 4
+    for _ in range(2):
+        _train(model, opt, 1, seed=2)
+        sched.step()
+        _train(resumed, opt2, 1, seed=2)
+        sched2.step()
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    opt.close()
+    opt2.close()
+
+
+def test_a_tensor_lr_comes_back_a_tensor_of_its_value(tmp_path):
+    model = _model()
+    opt = offload.AdamW(model.parameters(), lr=torch.tensor(5e-3, dtype=torch.float64), offload="cpu")
+    _train(model, opt, 1)
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    opt2 = offload.AdamW(_model().parameters(), lr=torch.tensor(1e-2), offload="cpu")
+    opt2.load_checkpoint(str(tmp_path / "ck"))
+    lr = opt2.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float64 and lr.dim() == 0 and float(lr) == 5e-3
+
+
+@pytest.mark.parametrize("kind", ["cpu", "flat"])
+def test_a_checkpoint_of_other_param_groups_is_refused_before_anything_loads(tmp_path, kind):
+    model = _model()
+    opt = offload.AdamW(_two_groups(model), lr=1e-2, **({"stage": 2} if kind == "flat" else {}))
+    _train(model, opt, 2)
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    other = _model()
+    opt2 = offload.AdamW(other.parameters(), lr=1e-3, **({"stage": 2} if kind == "flat" else {}))
+    _train(other, opt2, 1)
+    before = {i: {k: v.clone() for k, v in s.items()} for i, s in opt2.state_dict()["state"].items()}
+    with pytest.raises(ValueError, match="the checkpoint has 2 param groups, this optimizer 1; nothing was loaded"):
+        opt2.load_checkpoint(str(tmp_path / "ck"))
+    after = opt2.state_dict()["state"]
+    assert all(torch.equal(before[i][k], after[i][k]) for i in before for k in before[i])
+    assert opt2.param_groups[0]["lr"] == 1e-3
+    params = list(other.parameters())  # same count, split otherwise
+    opt3 = offload.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3,
+                         **({"stage": 2} if kind == "flat" else {}))
+    with pytest.raises(ValueError, match="param group 0 has 2 params in the checkpoint, 1 in this optimizer"):
+        opt3.load_checkpoint(str(tmp_path / "ck"))
+    for o in (opt, opt2, opt3):
+        o.close()
