@@ -299,3 +299,83 @@ def test_a_checkpoint_of_other_param_groups_is_refused_before_anything_loads(tmp
         opt3.load_checkpoint(str(tmp_path / "ck"))
     for o in (opt, opt2, opt3):
         o.close()
+
+
+# ------------------------------------------------------------------ several ranks, one DIR
+def _rank_job(rank, world, port, ck, swap, out):
+    import torch.distributed as dist
+
+    from offload.swap import fsutil
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model = _model()
+        kw = dict(offload="nvme", swap_dir=os.path.join(swap, str(rank))) if swap else {}
+        if swap:
+            os.makedirs(kw["swap_dir"])
+        opt = offload.AdamW(_two_groups(model), lr=6e-3, stage=2, **kw)
+        _plant(os.path.join(ck, f"rank{rank}"))
+        _train(model, opt, 2, seed=rank)
+        opt.param_groups[0]["lr"] = 3e-3
+        opt.save_checkpoint(ck)  # generation 1, at step 2
+        shutil.copytree(os.path.join(ck, f"rank{rank}"), os.path.join(out, f"gen1-rank{rank}"))
+        _train(model, opt, 1, seed=rank)
+        real = fsutil.write_json_atomic
+
+        def full(directory, name, obj):
+            if name == "offload-ckpt.json":
+                raise OSError(28, "injected ENOSPC")
+            return real(directory, name, obj)
+
+        if rank == 1:  # its manifest cannot be written: rank 0's commit must be undone
+            fsutil.write_json_atomic = full
+        try:
+            opt.save_checkpoint(ck)
+            err = ""
+        except (OSError, RuntimeError) as exc:
+            err = f"{type(exc).__name__}: {exc}"
+        finally:
+            fsutil.write_json_atomic = real
+        opt3 = offload.AdamW(_two_groups(_model()), lr=1e-4, stage=2)
+        opt3.load_checkpoint(ck)  # both ranks still hold the previous save
+        after_fail = sorted({float(s["step"]) for s in opt3.state.values()})
+        opt3.close()
+        opt.save_checkpoint(ck)  # generation 2, at step 3
+        opt2 = offload.AdamW(_two_groups(_model()), lr=1e-4, stage=2)
+        opt2.load_checkpoint(ck)
+        torch.save({"err": err, "after_fail": after_fail, "lr": opt2.param_groups[0]["lr"], "intact": _planted_intact(os.path.join(ck, f"rank{rank}")),
+                    "steps": sorted({float(s["step"]) for s in opt2.state.values()})}, os.path.join(out, f"{rank}.pt"))
+        opt.close()
+        opt2.close()
+    finally:
+        dist.barrier()
+
+
+@pytest.mark.parametrize("nvme", [False, True], ids=["host", "nvme"])
+def test_two_ranks_save_into_one_directory_all_or_none(tmp_path, nvme):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    swap = str(tmp_path / "swap") if nvme else ""
+    mp.start_processes(_rank_job, args=(2, port, str(ck), swap, str(out)), nprocs=2, start_method="spawn")
+    res = [torch.load(out / f"{r}.pt") for r in range(2)]
+    assert res[1]["err"].startswith("OSError") and "injected ENOSPC" in res[1]["err"]
+    assert "failed on rank 1" in res[0]["err"] and "it put its previous checkpoint back" in res[0]["err"]
+    for r in res:  # the per-rank locks let both ranks save; the user's files are intact
+        assert r["after_fail"] == [2.0]
+        assert r["intact"] and r["lr"] == 3e-3 and r["steps"] == [3.0]
+    # A rank killed between the ranks' commits: rank 1's shard of the previous save with
+    # rank 0's of this one. The load refuses the mix instead of loading it.
+    shutil.rmtree(ck / "rank1")
+    shutil.copytree(out / "gen1-rank1", ck / "rank1")
+    opt = offload.AdamW(_two_groups(_model()), lr=1e-4, stage=2)
+    with pytest.raises(ValueError, match="written by another save than rank 0's"):
+        opt.load_checkpoint(str(ck))
+    opt.close()
