@@ -344,7 +344,8 @@ def _rank_job(rank, world, port, ck, swap, out):
         opt.save_checkpoint(ck)  # generation 2, at step 3
         opt2 = offload.AdamW(_two_groups(_model()), lr=1e-4, stage=2)
         opt2.load_checkpoint(ck)
-        torch.save({"err": err, "after_fail": after_fail, "lr": opt2.param_groups[0]["lr"], "intact": _planted_intact(os.path.join(ck, f"rank{rank}")),
+        torch.save({"err": err, "after_fail": after_fail, "lr": opt2.param_groups[0]["lr"],
+                    "intact": _planted_intact(os.path.join(ck, f"rank{rank}")),
                     "steps": sorted({float(s["step"]) for s in opt2.state.values()})}, os.path.join(out, f"{rank}.pt"))
         opt.close()
         opt2.close()

@@ -787,9 +787,9 @@ class FlatState:
         with offload="nvme" streamed from the swap files; all ranks or none ([Note: shards saved all or none])."""
         meta = dict(extra or {}, steps=self._ckpt_steps())
         if self._swap is not None:
-            swap = self._swap  # its pending changes are committed first, inside the voted half
-            save_shards_from_store(directory, swap.store, swap.pipeline.buffers, layouts=[fg.layout for fg in self._groups],
-                                   meta=meta, process_group=self.group, before=lambda: swap.save(lambda s, b: None))
+            swap, layouts = self._swap, [fg.layout for fg in self._groups]  # flushed in the voted half
+            save_shards_from_store(directory, swap.store, swap.pipeline.buffers, layouts=layouts, meta=meta,
+                                   process_group=self.group, before=lambda: swap.save(lambda s, b: None))
             return
         save_shards(directory, self._groups, world=self.world, rank=self.rank, meta=meta, process_group=self.group)
 

@@ -36,8 +36,8 @@ from offload.zero.comm import all_or_none, broadcast, comm_device, failed_ranks
 from offload.zero.flat_group import FlatGroup
 from offload.zero.partition import FlatLayout
 
-__all__ = ["save_shards", "check_shards", "load_shards", "save_shards_from_store", "fill_store_from_shards", "reading_shards",
-           "STATES"]
+__all__ = ["save_shards", "check_shards", "load_shards", "save_shards_from_store", "fill_store_from_shards",
+           "reading_shards", "STATES"]
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 
