@@ -380,3 +380,24 @@ def test_two_ranks_save_into_one_directory_all_or_none(tmp_path, nvme):
     with pytest.raises(ValueError, match="written by another save than rank 0's"):
         opt.load_checkpoint(str(ck))
     opt.close()
+
+
+@pytest.mark.parametrize("fixture,kind", [("ckpt_v1_single", "nvme"), ("ckpt_v1_shards", "flat")])
+def test_a_save_over_the_previous_releases_checkpoint_replaces_its_files_only(tmp_path, fixture, kind):
+    # Its manifest names its files (exp_avg.1.bin ...): they go with the new save, and what
+    # the manifest does not name (expected.pt here) stays.
+    ck = tmp_path / "ck"
+    shutil.copytree(os.path.join(FIXTURES, fixture), ck)
+    where = ck / "rank0" if kind == "flat" else ck
+    model = _model()
+    opt = _opt(model, kind, tmp_path)
+    opt.load_checkpoint(str(ck))
+    _train(model, opt, 1)
+    opt.save_checkpoint(str(ck))
+    names = ["offload-ckpt.exp_avg.2.bin", "offload-ckpt.exp_avg_sq.2.bin", "offload-ckpt.json", "offload-ckpt.lock"]
+    assert sorted(os.listdir(where)) == sorted(names + (["offload-ckpt.master.2.bin"] if kind == "flat" else
+                                                        ["expected.pt"]))
+    assert os.path.exists(ck / "expected.pt")
+    opt.load_checkpoint(str(ck))
+    assert float(opt.state[next(model.parameters())]["step"]) == 4
+    opt.close()
