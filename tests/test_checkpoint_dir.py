@@ -142,17 +142,18 @@ def test_what_a_killed_save_left_is_removed_by_its_record_and_nothing_else(tmp_p
     fresh.close()
 
 
-def test_a_file_of_ours_by_name_but_not_by_record_is_refused_not_overwritten(tmp_path):
+@pytest.mark.parametrize("name", ["offload-ckpt.exp_avg.1.bin", ".offload-ckpt.exp_avg_sq.1.bin.tmp"])
+def test_a_file_of_ours_by_name_but_not_by_record_is_refused_not_overwritten(tmp_path, name):
     ck = tmp_path / "ck"
     ck.mkdir()
-    (ck / "offload-ckpt.exp_avg.1.bin").write_bytes(b"mine")
+    (ck / name).write_bytes(b"mine")
     model = _model()
     opt = _opt(model, "cpu", tmp_path)
     _train(model, opt, 1)
     with pytest.raises(FileExistsError, match="in the way of the checkpoint"):
         opt.save_checkpoint(str(ck))
-    assert (ck / "offload-ckpt.exp_avg.1.bin").read_bytes() == b"mine"
-    assert sorted(os.listdir(ck)) == ["offload-ckpt.exp_avg.1.bin", "offload-ckpt.lock"]
+    assert (ck / name).read_bytes() == b"mine"
+    assert sorted(os.listdir(ck)) == sorted([name, "offload-ckpt.lock"])
 
 
 # ------------------------------------------------------------------ two processes, one DIR

@@ -157,7 +157,7 @@ class NewGeneration:
                           f"directory, {free} free; the previous checkpoint is untouched", self.directory)
         self.finals = {k: f"{PREFIX}{k}.{self.gen}.bin" for k in self.names}
         self.tmps = {k: os.path.join(self.directory, f".{self.finals[k]}.tmp") for k in self.names}
-        for name in self.finals.values():
+        for name in list(self.finals.values()) + [os.path.basename(t) for t in self.tmps.values()]:
             if os.path.lexists(os.path.join(self.directory, name)):
                 raise FileExistsError(errno.EEXIST, "a file of this name is in the way of the checkpoint and is not "
                                       "ours (no record of ours names it): move it away", self._path(name))
