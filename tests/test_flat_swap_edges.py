@@ -280,7 +280,7 @@ def test_checkpoint_saved_twice_into_one_directory_then_rewound(tmp_path):
     opt.save_checkpoint(str(ck))  # replaces the first
     man = json.load(open(ck / "rank0" / "offload-ckpt.json"))
     assert man["gen"] == 2 and man["meta"]["steps"][0] == 4
-    assert sorted(os.listdir(ck / "rank0")) == sorted(["offload-ckpt.json"] + list(man["files"].values()))
+    assert sorted(os.listdir(ck / "rank0")) == sorted(["offload-ckpt.json", "offload-ckpt.lock"] + list(man["files"].values()))
     train(m, opt, 4, 5)
     opt.load_checkpoint(str(ck))  # back to step 4, after one more step
     assert max(float(st["step"]) for st in opt.state.values()) == 4

@@ -93,7 +93,8 @@ def test_checkpoint_round_trip_other_layout(tmp_path):
         ref.step(s, SPLIT)
     st.save_checkpoint(str(ckpt))
     st.save_checkpoint(str(ckpt))  # a second save replaces the first (new generation)
-    assert sorted(os.listdir(ckpt)) == ["exp_avg.2.bin", "exp_avg_sq.2.bin", "offload-ckpt.json"]
+    assert sorted(os.listdir(ckpt)) == ["offload-ckpt.exp_avg.2.bin", "offload-ckpt.exp_avg_sq.2.bin", "offload-ckpt.json",
+                                    "offload-ckpt.lock"]
     _run(st, params, steps, 3, 4)  # moves on; the checkpoint must not
     st.close()
     st2 = swapped_state(swap, params, sub_group_size=5 * 1024, max_host_bytes=4 << 20)
@@ -119,7 +120,7 @@ def test_checkpoint_corruption_is_detected(tmp_path):
     _run(st, params, steps, 0, 2)
     st.save_checkpoint(str(ckpt))
     before = [st.read_state(p) for p in params]
-    with open(ckpt / "exp_avg_sq.1.bin", "r+b") as f:
+    with open(ckpt / "offload-ckpt.exp_avg_sq.1.bin", "r+b") as f:
         f.seek(4 * 5000)
         b = f.read(1)
         f.seek(4 * 5000)

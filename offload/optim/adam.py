@@ -410,22 +410,37 @@ class _AdamBase(Optimizer):
         return self._stats.summary()
 
     def save_checkpoint(self, directory: str) -> None:
+        """Stream the states to ``directory`` (only files named ``offload-ckpt*`` and, for the
+        flat store, ``rank<r>/`` are ours there) with the param_groups' hyperparameters."""
+        from offload.swap.ckpt_groups import encode_groups
+
         self._check_open()
         save = getattr(self._store, "save_checkpoint", None)
         if save is None:
             raise NotImplementedError(
                 f"save_checkpoint is not available for this store ({type(self._store).__name__}); use torch.save(opt.state_dict())"
             )
-        save(directory)
+        save(directory, {"param_groups": encode_groups(self.param_groups)})
 
     def load_checkpoint(self, directory: str) -> None:
+        """States, steps and (as load_state_dict) the param_groups' hyperparameters; a
+        checkpoint of other groups is refused before anything is loaded."""
+        from offload.swap.ckpt_groups import apply_groups, checkpoint_groups
+        from offload.zero.checkpoint import reading_shards
+
         self._check_open()
         load = getattr(self._store, "load_checkpoint", None)
         if load is None:
             raise NotImplementedError(
                 f"load_checkpoint is not available for this store ({type(self._store).__name__}); use opt.load_state_dict(torch.load(...))"
             )
-        load(directory)
+        shards = getattr(self._store, "kind", "") == "flat"
+        groups = checkpoint_groups(directory, self.param_groups, shards=shards)
+        # per-rank shards: every rank directory's lock for the whole load (check, then copy)
+        with (reading_shards(directory) if shards else contextlib.nullcontext()):
+            load(directory)
+        if groups is not None:
+            apply_groups(self.param_groups, groups)
 
     def close(self) -> None:
         """Release host buffers and remove swap files (also done at interpreter exit).

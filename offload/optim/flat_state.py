@@ -782,14 +782,14 @@ class FlatState:
                 if not opt.state[p]:
                     del opt.state[p]
 
-    def save_checkpoint(self, directory: str) -> None:
+    def save_checkpoint(self, directory: str, extra: Optional[Dict[str, Any]] = None) -> None:
         """Per-rank shards + meta (see [Note: flat checkpoints] in offload/zero/checkpoint.py);
-        with offload="nvme" streamed from the swap files in buffer-sized pieces."""
-        meta = {"steps": self._ckpt_steps()}
+        with offload="nvme" streamed from the swap files; all ranks or none ([Note: shards saved all or none])."""
+        meta = dict(extra or {}, steps=self._ckpt_steps())
         if self._swap is not None:
-            layouts = [fg.layout for fg in self._groups]
-            self._swap.save(lambda store, bufs: save_shards_from_store(
-                directory, store, bufs, layouts=layouts, meta=meta, process_group=self.group))
+            swap, layouts = self._swap, [fg.layout for fg in self._groups]  # flushed in the voted half
+            save_shards_from_store(directory, swap.store, swap.pipeline.buffers, layouts=layouts, meta=meta,
+                                   process_group=self.group, before=lambda: swap.save(lambda s, b: None))
             return
         save_shards(directory, self._groups, world=self.world, rank=self.rank, meta=meta, process_group=self.group)
 

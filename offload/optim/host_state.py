@@ -98,12 +98,12 @@ class HostState:
                 states[key].append(t)
         return params, states
 
-    def save_checkpoint(self, directory: str) -> str:
+    def save_checkpoint(self, directory: str, extra: Optional[Dict[str, object]] = None) -> str:
         from offload.swap.checkpoint import save_tensors
 
         params, states = self._checkpoint_tensors()
         steps = [int(self._opt.state[p]["step"]) if "step" in self._opt.state.get(p, {}) else 0 for p in params]
-        meta = {"steps": steps, "shapes": [list(p.shape) for p in params]}
+        meta = dict(extra or {}, steps=steps, shapes=[list(p.shape) for p in params])
         return save_tensors(directory, states, meta)
 
     def load_checkpoint(self, directory: str) -> None:

@@ -388,13 +388,13 @@ class SwappedState:
             self._meta_dirty = False
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory: str) -> str:
-        """Stream the moments (and per-param steps, shapes) to ``directory``; see
+    def save_checkpoint(self, directory: str, extra: Optional[Dict[str, Any]] = None) -> str:
+        """Stream the moments (and per-param steps, shapes, ``extra``) to ``directory``; see
         offload.swap.checkpoint. Peak extra host memory: the pipeline buffers."""
         self.flush()
         self._cache.invalidate()
-        meta = {"steps": list(self._steps), "shapes": [list(p.shape) for p in self.params],
-                "fingerprint": self.fingerprint(), "swap_step": self.store.step}
+        meta = dict(extra or {}, steps=list(self._steps), shapes=[list(p.shape) for p in self.params],
+                    fingerprint=self.fingerprint(), swap_step=self.store.step)
         return save_store(self.store, self.pipeline.buffers, directory, meta)
 
     def load_checkpoint(self, directory: str) -> None:

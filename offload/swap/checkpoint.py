@@ -1,37 +1,69 @@
 """Checkpoints of a swap store, streamed in buffer-sized pieces (never the whole state in RAM).
 
-A checkpoint is a directory::
+A checkpoint is a directory (which may hold other files: only ours are touched, see
+offload/swap/ckpt_dir.py)::
 
-    offload-ckpt.json        manifest (format, version, dtype, numel, states, files, crc32, meta)
-    exp_avg.<gen>.bin        one flat fp32 array per state, in index order, padded to 4096
-    exp_avg_sq.<gen>.bin
+    offload-ckpt.json                 manifest (format, version, dtype, numel, states, files, crc32, meta)
+    offload-ckpt.exp_avg.<gen>.bin    one flat fp32 array per state, in index order, padded to 4096
+    offload-ckpt.exp_avg_sq.<gen>.bin
+    offload-ckpt.lock                 flock'ed by a save (exclusive) or a load (shared)
 
-The data files hold the plain flat arrays, independent of the sub-group layout, so a
-checkpoint loads with any ``sub_group_size`` (and the optimizer can write the same format
-from host-resident states). Saving writes new files under temporary names, fsyncs them,
-renames them to a new generation ``<gen>``, then replaces the manifest atomically; the old
-generation is deleted only after that, so a crash or ENOSPC mid-save leaves the previous
-checkpoint loadable.
+(The previous release named the data files ``exp_avg.<gen>.bin``; the manifest names them,
+so its checkpoints load as they are.) The data files hold the plain flat arrays, independent
+of the sub-group layout, so a checkpoint loads with any ``sub_group_size`` (and the optimizer
+can write the same format from host-resident states). Saving writes new files under
+temporary names, fsyncs them, renames them to a new generation ``<gen>``, then replaces the
+manifest atomically; the old generation is deleted only after that, so a crash or ENOSPC
+mid-save leaves the previous checkpoint loadable.
 """
 from __future__ import annotations
 
 import errno
 import os
-import re
 import zlib
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from offload.io import IORequest, open_file
-from offload.swap import fsutil
+from offload.swap.ckpt_dir import (CKPT_FORMAT, CKPT_MANIFEST, CKPT_VERSION, CheckpointBusy, DirLock, NewGeneration,
+                                   read_manifest)
 from offload.swap.layout import ALIGN, round_up
 
-__all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "save_store", "load_store", "save_tensors", "load_tensors",
-           "read_manifest", "verify_checkpoint"]
+__all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "CheckpointBusy", "save_store", "load_store",
+           "save_tensors", "load_tensors", "read_manifest", "verify_checkpoint", "Agree"]
 
-CKPT_FORMAT = "offload-ckpt"
-CKPT_VERSION = 1
-CKPT_MANIFEST = "offload-ckpt.json"
+# agree(prepare, commit, undo): run a save's two halves; several ranks pass
+# offload.zero.comm.all_or_none, so that every rank commits its shard or none does
+Agree = Callable[[Callable[[], Any], Callable[[Any], None], Callable[[], str]], Any]
+
+
+def _alone(prepare: Callable[[], Any], commit: Callable[[Any], None], undo: Callable[[], str]) -> Any:
+    out = prepare()
+    commit(out)
+    return out
+
+
+def _save(new: NewGeneration, write: Callable[[], Dict[str, int]], fields: Dict[str, Any],
+          agree: Optional[Agree]) -> str:
+    """The frame of a save: ``write()`` fills ``new.tmps`` (returns the crc32s), then the
+    files get their final names and the manifest is replaced; any failure, here or (through
+    ``agree``) on another rank, leaves the previous checkpoint in place."""
+    def prepare() -> Dict[str, int]:
+        new.open()
+        crcs = write()
+        new.publish()
+        return crcs
+
+    def undo() -> str:
+        new.abort()
+        return "it put its previous checkpoint back"
+
+    try:
+        (agree or _alone)(prepare, lambda crcs: new.commit(crcs=crcs, **fields), undo)
+    except BaseException:
+        new.abort()
+        raise
+    return new.finish()
 
 
 def _stream(engine: Any, buffers: List[Any], groups: List[int],
@@ -67,111 +99,18 @@ def _stream(engine: Any, buffers: List[Any], groups: List[int],
                 pass
 
 
-def read_manifest(directory: str) -> Dict[str, Any]:
-    path = os.path.join(directory, CKPT_MANIFEST)
-    try:
-        m = fsutil.read_json(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no offload checkpoint here (manifest missing)" + _other_kind(directory),
-                                path) from None
-    if not isinstance(m, dict) or m.get("format") != CKPT_FORMAT:
-        raise ValueError(f"{path}: not an offload checkpoint manifest")
-    if m.get("version") != CKPT_VERSION:
-        raise ValueError(f"{path}: checkpoint format version {m.get('version')!r}, this offload reads {CKPT_VERSION}")
-    return m
-
-
-def _other_kind(directory: str) -> str:
-    """Why a load found no manifest, when the directory holds the other kind of checkpoint."""
-    hint = ("; load it with an optimizer of the same kind: the flat store (stage=1 or 2, or fp16/bf16 or "
-            "CUDA params) saves per-rank shards, the others one directory")
-    if os.path.exists(os.path.join(directory, "rank0", CKPT_MANIFEST)):
-        return "; it holds per-rank shards (rank0/ ...) of a flat-store optimizer" + hint
-    parent = os.path.dirname(os.path.abspath(directory))
-    if os.path.basename(os.path.abspath(directory)) == "rank0" and os.path.exists(os.path.join(parent, CKPT_MANIFEST)):
-        return f"; {parent} holds the checkpoint of an optimizer without the flat store" + hint
-    return ""
-
-
-def _current_gen(directory: str) -> Optional[int]:
-    try:
-        return int(read_manifest(directory)["gen"])
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def _remove_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-class _NewGeneration:
-    """The bookkeeping both writers share: the next generation's file names, the space check,
-    the commit (rename, fsync, manifest) and the clean-up either way.
-
-    Made before any byte is written; ``tmps[k]`` is where state ``k`` goes. After ``commit``
-    the manifest names the new files and ``drop_old`` removes the previous generation; on a
-    failure ``abort`` removes what this save wrote, unless the manifest already points at it.
-    """
-
-    _LEFTOVER = re.compile(r"^\.?[A-Za-z0-9_]+\.\d+\.bin(\.tmp)?$")
-
-    def __init__(self, directory: str, names: List[str], per_file: int) -> None:
-        self.directory = directory = os.path.abspath(directory)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        old = read_manifest(directory) if os.path.lexists(os.path.join(directory, CKPT_MANIFEST)) else None
-        self.gen = int(old["gen"]) + 1 if old else 1
-        self.keep = set(old["files"].values()) if old else set()
-        for name in os.listdir(directory):  # leftovers of a save that died half-way
-            if self._LEFTOVER.match(name) and name not in self.keep:
-                _remove_quiet(os.path.join(directory, name))
-        self.names, self.per_file = list(names), per_file
-        self.need = per_file * len(self.names)
-        free = fsutil.free_bytes(directory)
-        if free < self.need:
-            raise OSError(errno.ENOSPC, f"checkpoint needs {self.need} bytes ({self.need / 2**30:.2f} GiB) in this "
-                          f"directory, {free} free; the previous checkpoint is untouched", directory)
-        self.finals = {k: f"{k}.{self.gen}.bin" for k in self.names}
-        self.tmps = {k: os.path.join(directory, f".{self.finals[k]}.tmp") for k in self.names}
-
-    def preallocate(self, f: Any) -> None:
-        try:
-            f.preallocate(self.per_file)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise OSError(exc.errno, f"checkpoint needs {self.need} bytes in this directory and the file "
-                              "system ran out; the previous checkpoint is untouched", self.directory) from exc
-            raise
-
-    def commit(self, *, dtype: str, numel: int, crcs: Dict[str, int], meta: Dict[str, Any]) -> None:
-        for k in self.names:
-            os.rename(self.tmps[k], os.path.join(self.directory, self.finals[k]))
-        fsutil.fsync_dir(self.directory)
-        fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, {
-            "format": CKPT_FORMAT, "version": CKPT_VERSION, "dtype": dtype, "numel": numel,
-            "states": self.names, "gen": self.gen, "files": self.finals, "file_bytes": self.per_file,
-            "crc32": dict(crcs), "meta": meta})
-
-    def abort(self) -> None:
-        pointed = _current_gen(self.directory) == self.gen  # the failure came after the manifest's rename
-        for k in self.names:
-            _remove_quiet(self.tmps[k])
-            if not pointed:
-                _remove_quiet(os.path.join(self.directory, self.finals[k]))
-
-    def drop_old(self) -> str:
-        for name in self.keep:
-            _remove_quiet(os.path.join(self.directory, name))
-        return self.directory
-
-
-def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, Any]) -> str:
+def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, Any], *,
+               agree: Optional[Agree] = None) -> str:
     """Stream the committed states of ``store`` into checkpoint ``directory`` (created 0700 if
     missing). ``meta``: opaque JSON (the optimizer's steps, shapes, fingerprint)."""
     layout, names = store.layout, store.state_names
-    new = _NewGeneration(directory, names, round_up(layout.numel * layout.itemsize, ALIGN))
+    new = NewGeneration(directory, names, round_up(layout.numel * layout.itemsize, ALIGN))
+    fields = dict(dtype=layout.dtype_name, numel=layout.numel, meta=meta)
+    return _save(new, lambda: _write_store(store, buffers, new), fields, agree)
+
+
+def _write_store(store: Any, buffers: List[Any], new: NewGeneration) -> Dict[str, int]:
+    layout, names = store.layout, store.state_names
     files: List[Any] = []
     crcs = [0] * len(names)
     try:
@@ -206,20 +145,22 @@ def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, A
         _stream(store.engine, buffers, list(range(layout.num_groups)), reads, process, writes)
         for f in files:
             f.fsync()
-            f.close()
-        new.commit(dtype=layout.dtype_name, numel=layout.numel, crcs=dict(zip(names, crcs)), meta=meta)
-    except BaseException:
+    finally:
         for f in files:
             try:
                 f.close()
             except OSError:
                 pass
-        new.abort()
-        raise
-    return new.drop_old()
+    return dict(zip(names, crcs))
 
 
 def load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[str, Any], Dict[int, Any]]:
+    """See :func:`_load_store`; under the directory's shared lock (no save meanwhile)."""
+    with DirLock(os.path.abspath(directory), exclusive=False):
+        return _load_store(store, buffers, directory)
+
+
+def _load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[str, Any], Dict[int, Any]]:
     """Stream checkpoint ``directory`` into the free slots of ``store``; returns (meta,
     written) where ``written`` is what :meth:`SwapStore.commit` needs to make it current.
     Nothing is committed here: on a crc mismatch or an I/O error the store is unchanged."""
@@ -315,6 +256,13 @@ class _Staging:
 
 def verify_checkpoint(directory: str, states: List[str], numel: int, *, io_engine: Any = None,
                       stage: Optional[memoryview] = None, stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
+    """See :func:`_verify`; under the directory's shared lock."""
+    with DirLock(os.path.abspath(directory), exclusive=False):
+        return _verify(directory, states, numel, io_engine=io_engine, stage=stage, stage_bytes=stage_bytes)
+
+
+def _verify(directory: str, states: List[str], numel: int, *, io_engine: Any = None,
+            stage: Optional[memoryview] = None, stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
     """Read checkpoint ``directory`` through once, touching nothing else: its manifest must
     hold ``states`` of ``numel`` fp32 elements each, and every data file its size and crc32.
     Returns the manifest. For a load that must not stop half-way: check every file first
@@ -354,7 +302,7 @@ def verify_checkpoint(directory: str, states: List[str], numel: int, *, io_engin
 
 
 def save_tensors(directory: str, states: Dict[str, List[Any]], meta: Dict[str, Any], *,
-                 io_engine: Any = None, stage_bytes: int = _STAGE_BYTES) -> str:
+                 io_engine: Any = None, stage_bytes: int = _STAGE_BYTES, agree: Optional[Agree] = None) -> str:
     """Write ``states`` (name -> fp32 CPU tensors, concatenated in order) as a checkpoint in
     ``directory``: the files and manifest of :func:`save_store`, streamed through one staging
     buffer of ``stage_bytes``; the previous checkpoint there is replaced only once this one is
@@ -364,40 +312,47 @@ def save_tensors(directory: str, states: Dict[str, List[Any]], meta: Dict[str, A
     if not names or len(set(numels.values())) != 1:
         raise ValueError(f"every state needs the same number of elements, got {numels}")
     numel = numels[names[0]]
-    new = _NewGeneration(directory, names, round_up(numel * 4, ALIGN))
-    crcs: Dict[str, int] = {}
-    try:
+    new = NewGeneration(directory, names, round_up(numel * 4, ALIGN))
+
+    def write() -> Dict[str, int]:
         with _Staging(new.directory, stage_bytes, io_engine) as st:
-            for k in names:
-                with open_file(new.tmps[k], write=True, create=True, exclusive=True, mode=0o600) as f:
-                    new.preallocate(f)
-                    crc, fill, offset = 0, 0, 0
-                    for piece in _flat_pieces(states[k], writable=False):
-                        pos = 0
-                        while pos < piece.numel():
-                            n = min(piece.numel() - pos, st.floats.numel() - fill)
-                            st.floats[fill:fill + n].copy_(piece[pos:pos + n])
-                            fill, pos = fill + n, pos + n
-                            if fill == st.floats.numel():
-                                crc = zlib.crc32(st.view, crc)
-                                st.engine.write(f, offset, st.view)
-                                offset, fill = offset + st.nbytes, 0
-                    if fill:
-                        used, padded = fill * 4, round_up(fill * 4, ALIGN)
-                        crc = zlib.crc32(st.view[:used], crc)
-                        st.view[used:padded] = bytes(padded - used)
-                        st.engine.write(f, offset, st.view[:padded])
-                    f.fsync()
-                crcs[k] = crc
-        new.commit(dtype="float32", numel=numel, crcs=crcs, meta=meta)
-    except BaseException:
-        new.abort()
-        raise
-    return new.drop_old()
+            return {k: _write_tensors(st, new, k, states[k]) for k in names}
+
+    return _save(new, write, dict(dtype="float32", numel=numel, meta=meta), agree)
+
+
+def _write_tensors(st: "_Staging", new: NewGeneration, k: str, tensors: List[Any]) -> int:
+    with open_file(new.tmps[k], write=True, create=True, exclusive=True, mode=0o600) as f:
+        new.preallocate(f)
+        crc, fill, offset = 0, 0, 0
+        for piece in _flat_pieces(tensors, writable=False):
+            pos = 0
+            while pos < piece.numel():
+                n = min(piece.numel() - pos, st.floats.numel() - fill)
+                st.floats[fill:fill + n].copy_(piece[pos:pos + n])
+                fill, pos = fill + n, pos + n
+                if fill == st.floats.numel():
+                    crc = zlib.crc32(st.view, crc)
+                    st.engine.write(f, offset, st.view)
+                    offset, fill = offset + st.nbytes, 0
+        if fill:
+            used, padded = fill * 4, round_up(fill * 4, ALIGN)
+            crc = zlib.crc32(st.view[:used], crc)
+            st.view[used:padded] = bytes(padded - used)
+            st.engine.write(f, offset, st.view[:padded])
+        f.fsync()
+    return crc
 
 
 def load_tensors(directory: str, states: Dict[str, List[Any]], *, io_engine: Any = None,
                  stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
+    """See :func:`_load_tensors`; under the directory's shared lock."""
+    with DirLock(os.path.abspath(directory), exclusive=False):
+        return _load_tensors(directory, states, io_engine=io_engine, stage_bytes=stage_bytes)
+
+
+def _load_tensors(directory: str, states: Dict[str, List[Any]], *, io_engine: Any = None,
+                  stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
     """Fill ``states`` (name -> contiguous fp32 CPU tensors, concatenated in order) from
     checkpoint ``directory``; returns its ``meta``. The tensors are filled as the data streams
     in and the crc32 is compared at the end of each file: after an error, treat them as

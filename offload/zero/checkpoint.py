@@ -19,20 +19,25 @@ runs that land in it (N -> M without ever holding a shard in memory).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import os
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from offload.io import open_file
 from offload.swap.checkpoint import (_stream, load_store, load_tensors, read_manifest, save_store, save_tensors,
                                      verify_checkpoint)
-from offload.zero.comm import on_every_rank
+from offload.swap.ckpt_dir import DirLock
+from offload.swap.pipeline import vote_failed
+from offload.zero.comm import all_or_none, broadcast, comm_device, failed_ranks
 from offload.zero.flat_group import FlatGroup
 from offload.zero.partition import FlatLayout
 
-__all__ = ["save_shards", "check_shards", "load_shards", "save_shards_from_store", "fill_store_from_shards", "STATES"]
+__all__ = ["save_shards", "check_shards", "load_shards", "save_shards_from_store", "fill_store_from_shards",
+           "reading_shards", "STATES"]
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -41,14 +46,54 @@ def save_shards(directory: str, groups: List[FlatGroup], *, world: int, rank: in
                 process_group: Any = None) -> None:
     states = {k: [getattr(fg, k) for fg in groups if fg.layout.shard] for k in STATES}
     full_meta = dict(meta, kind="flat", world=world, rank=rank, groups=[list(fg.layout.numels) for fg in groups])
-    _save_on_every_rank(lambda: save_tensors(os.path.join(directory, f"rank{rank}"), states, full_meta),
-                        directory, world, process_group)
+    _save_on_every_rank(lambda agree: save_tensors(_rank_dir(directory, rank), states, full_meta, agree=agree),
+                        full_meta, directory, world, process_group)
 
 
-def _save_on_every_rank(save: Callable[[], Any], directory: str, world: int, process_group: Any) -> None:
-    # every shard is on disk before any rank returns, and a rank that could not write its
-    # shard (a full disk) makes every rank raise rather than leave them waiting for it
-    on_every_rank(save, f"save_checkpoint({directory!r})", process_group, world)
+def _rank_dir(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank{rank}")
+
+
+def _save_on_every_rank(save: Callable[[Any], Any], meta: Dict[str, Any], directory: str, world: int,
+                        process_group: Any, before: Optional[Callable[[], Any]] = None) -> None:
+    """[Note: shards saved all or none] Every rank writes its shard's files, the ranks agree,
+    every rank replaces its manifest, they agree again (a rank whose commit went through
+    while another's failed puts its previous manifest back): the ranks' shards stay those of
+    one save. ``save_id`` (rank 0's, broadcast) in every shard's meta catches what no vote
+    can, a rank killed between the commits; the load refuses shards of two saves. The last
+    vote is a barrier: no rank returns (and loads) while another still holds its lock.
+    ``before``: run first, inside the first half (a rank failing there is voted on too)."""
+    what = f"save_checkpoint({directory!r})"
+    vote = None if world == 1 else functools.partial(failed_ranks, group=process_group)
+    meta["save_id"] = _save_id(vote is not None, process_group)
+
+    entered = []
+
+    def agree(prepare: Callable[[], Any], commit: Callable[[Any], None], undo: Callable[[], str]) -> Any:
+        entered.append(True)
+        return all_or_none(lambda: (before and before(), prepare())[1], commit, undo, what, vote)
+
+    try:
+        save(agree)
+    except BaseException:
+        if vote is not None:
+            if not entered:  # failed before its first vote: cast it, as all_or_none would have
+                vote_failed(vote, what)
+            try:
+                vote(True)
+            except Exception:  # the process group itself is broken: the error raised says enough
+                pass
+        raise
+    if vote is not None:
+        vote(True)
+
+
+def _save_id(shared: bool, group: Any) -> int:
+    t = torch.tensor([int.from_bytes(os.urandom(6), "little")], dtype=torch.int64)
+    if shared:
+        t = t.to(comm_device(group))
+        broadcast(t, 0, group)
+    return int(t.item())
 
 
 def _flat_meta(directory: str, mine: List[List[int]]) -> Tuple[Dict[str, Any], int]:
@@ -73,9 +118,13 @@ def _needed(layouts: Sequence[FlatLayout], olds: List[List[FlatLayout]]) -> List
     return sorted({r for r, old in enumerate(olds) for lay, o in zip(layouts, old) if lay.shard and overlap(lay, o)})
 
 
-def _check_rank_meta(path: str, meta: Dict[str, Any], r: int, old_world: int) -> None:
+def _check_rank_meta(path: str, meta: Dict[str, Any], r: int, old_world: int, first: Dict[str, Any]) -> None:
     if meta.get("rank") != r or meta.get("world") != old_world:
         raise ValueError(f"{path}: meta says rank {meta.get('rank')} of {meta.get('world')}, expected {r} of {old_world}")
+    if meta.get("save_id") != first.get("save_id"):  # (None in both for the previous release's shards)
+        raise ValueError(f"{path}: this shard was written by another save than rank 0's (save id "
+                         f"{meta.get('save_id')}, rank 0's {first.get('save_id')}): a save was interrupted on some "
+                         "ranks and the directory holds no complete checkpoint; load an older one or save again")
 
 
 def check_shards(directory: str, layouts: Sequence[FlatLayout], *, engine: Any = None,
@@ -89,7 +138,7 @@ def check_shards(directory: str, layouts: Sequence[FlatLayout], *, engine: Any =
     for r in _needed(layouts, olds):
         path = os.path.join(directory, f"rank{r}")
         m = verify_checkpoint(path, list(STATES), sum(lay.shard for lay in olds[r]), io_engine=engine, stage=stage)
-        _check_rank_meta(path, m.get("meta") or {}, r, old_world)
+        _check_rank_meta(path, m.get("meta") or {}, r, old_world, first)
     return first
 
 
@@ -103,7 +152,7 @@ def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
     for r in _needed([fg.layout for fg in groups], olds):
         scratch = {k: [torch.empty(lay.shard) for lay in olds[r] if lay.shard] for k in STATES}
         path = os.path.join(directory, f"rank{r}")
-        _check_rank_meta(path, load_tensors(path, scratch), r, old_world)
+        _check_rank_meta(path, load_tensors(path, scratch), r, old_world, first)
         it = {k: iter(v) for k, v in scratch.items()}
         for fg, lay in zip(groups, olds[r]):
             if not lay.shard:
@@ -119,13 +168,30 @@ def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
 
 
 def save_shards_from_store(directory: str, store: Any, buffers: List[Any], *, layouts: Sequence[FlatLayout],
-                           meta: Dict[str, Any], process_group: Any = None) -> None:
+                           meta: Dict[str, Any], process_group: Any = None,
+                           before: Optional[Callable[[], Any]] = None) -> None:
     """``save_shards`` for a swap store holding this rank's shards of ``layouts`` end to end
-    (master, exp_avg, exp_avg_sq): streamed through ``buffers``, never a shard in memory."""
+    (master, exp_avg, exp_avg_sq): streamed through ``buffers``, never a shard in memory.
+    ``before``: what must come first (committing the store's pending changes)."""
     world, rank = layouts[0].world, layouts[0].rank
     full_meta = dict(meta, kind="flat", world=world, rank=rank, groups=[list(lay.numels) for lay in layouts])
-    _save_on_every_rank(lambda: save_store(store, buffers, os.path.join(directory, f"rank{rank}"), full_meta),
-                        directory, world, process_group)
+    _save_on_every_rank(lambda agree: save_store(store, buffers, _rank_dir(directory, rank), full_meta, agree=agree),
+                        full_meta, directory, world, process_group, before)
+
+
+@contextlib.contextmanager
+def reading_shards(directory: str) -> Iterator[None]:
+    """The shared lock of every rank directory of checkpoint ``directory`` for the whole of
+    a load (its check and its copy), so no save slips in between ([Note: checkpoint lock])."""
+    try:
+        world = int(read_manifest(_rank_dir(directory, 0)).get("meta", {}).get("world", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        world = 1  # the load's own reading says what is wrong
+    with contextlib.ExitStack() as stack:
+        for r in range(max(1, world)):
+            if os.path.isdir(_rank_dir(directory, r)):
+                stack.enter_context(DirLock(_rank_dir(directory, r), exclusive=False))
+        yield
 
 
 def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store: Any,
@@ -138,7 +204,7 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
     world, rank = layouts[0].world, layouts[0].rank
     if old_world == world:  # the same shards: the rank's files are the store, as they are
         meta, written = load_store(store, buffers, os.path.join(directory, f"rank{rank}"))
-        _check_rank_meta(os.path.join(directory, f"rank{rank}"), meta, rank, world)
+        _check_rank_meta(os.path.join(directory, f"rank{rank}"), meta, rank, world, first)
         return first, written
     names = list(store.state_names)
     olds = _old_layouts(mine, old_world)
@@ -155,7 +221,7 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
         for r in need:
             path = os.path.join(directory, f"rank{r}")
             m = verify_checkpoint(path, names, old_base[-1], io_engine=engine, stage=buffers[0].memoryview)
-            _check_rank_meta(path, m.get("meta") or {}, r, old_world)
+            _check_rank_meta(path, m.get("meta") or {}, r, old_world, first)
             for name in names:
                 files[(r, name)] = open_file(os.path.join(path, m["files"][name]), write=False, direct=False)
         written: Dict[int, Any] = {}
