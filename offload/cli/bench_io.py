@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ._args import byte_size, integer
+
 log = logging.getLogger(__name__)
 
 DATA_NAME = "offload-bench-io.dat"
@@ -31,15 +33,15 @@ def _list(parse):
             raise argparse.ArgumentTypeError("empty list")
         try:
             return [parse(x.strip()) for x in items]
-        except ValueError as exc:
+        except (ValueError, argparse.ArgumentTypeError) as exc:
             raise argparse.ArgumentTypeError(str(exc))
     return f
 
 
-def _bytes(x: str) -> int:
-    from offload.config import parse_bytes
-
-    return parse_bytes(x)
+# io_uring refuses rings of more entries (IORING_MAX_ENTRIES), and the sweep keeps 2 x QD
+# buffers of each block size: a larger depth is a typo, not a measurement.
+_MAX_QD = 32768
+_queue_depth = integer(1, _MAX_QD, " (io_uring's largest ring)")
 
 
 def _rw(x: str) -> str:
@@ -56,25 +58,18 @@ def _engine(x: str) -> str:
     return x
 
 
-def _pos_int(x: str) -> int:
-    v = int(x)
-    if v < 1:
-        raise ValueError(f"must be >= 1, got {v}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", required=True, help="directory to measure (the test file is created there)")
-    p.add_argument("--size", type=_bytes, default=1 << 30, help="test file size, e.g. 4GiB (default 1GiB)")
+    p.add_argument("--size", type=byte_size(minimum=1), default=1 << 30, help="test file size, e.g. 4GiB (default 1GiB)")
     p.add_argument("--rw", type=_list(_rw), default=["read", "write"], help="read,write (default both)")
-    p.add_argument("--block-size", type=_list(_bytes), default=[1 << 20], help="e.g. 128K,1M,8M (default 1M)")
-    p.add_argument("--queue-depth", type=_list(_pos_int), default=[32], help="e.g. 1,8,32 (default 32)")
+    p.add_argument("--block-size", type=_list(byte_size(minimum=1)), default=[1 << 20], help="e.g. 128K,1M,8M (default 1M)")
+    p.add_argument("--queue-depth", type=_list(_queue_depth), default=[32], help="e.g. 1,8,32 (default 32)")
     p.add_argument("--engine", type=_list(_engine), default=["uring", "threads", "aiofiles"],
                    help="uring,threads,aiofiles (default all)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--direct", dest="direct", action="store_true", default=True, help="O_DIRECT (default)")
     g.add_argument("--buffered", dest="direct", action="store_false", help="through the page cache")
-    p.add_argument("--loops", type=_pos_int, default=1, help="passes over the file per row, interleaved (default 1)")
+    p.add_argument("--loops", type=integer(1), default=1, help="passes over the file per row, interleaved (default 1)")
     p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     p.add_argument("--plot", metavar="FILE.png", help="plot throughput vs block size and queue depth")
     p.add_argument("--fio", action="store_true", help="run fio with the same parameters and print ratios")

@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from ._args import byte_size, count
+
 __all__ = ["add_parser", "run"]
 
 # A tiny model gains nothing from a second torch thread, and on a busy 2-core machine two
@@ -24,18 +26,6 @@ __all__ = ["add_parser", "run"]
 # spike later can amplify that to 1e-5 and beyond. The first steps are the test.
 DEFAULT_COMPARE = 10
 QUICK = dict(params=500_000, steps=6, batch_size=4, seq_len=64, threads=1)
-
-
-def _count(text: str) -> int:
-    from offload.plan import parse_count
-
-    return parse_count(text)
-
-
-def _bytes(text: str) -> int:
-    from offload.config import parse_bytes
-
-    return parse_bytes(text)
 
 
 def add_parser(sub, name: str) -> None:
@@ -48,7 +38,7 @@ def add_parser(sub, name: str) -> None:
                     "Exit status 1 if they differ by more than --rtol.",
     )
     p.add_argument("--steps", type=int, default=None, help="training steps (default 30; --quick: 6)")
-    p.add_argument("--params", type=_count, default=None, metavar="N",
+    p.add_argument("--params", type=count(), default=None, metavar="N",
                    help="model size, e.g. 5M, 50M, 1e8 (default 10M; --quick: 500K)")
     p.add_argument("--offload", choices=("nvme", "cpu"), default="nvme",
                    help="where the optimizer states live (default nvme)")
@@ -56,7 +46,7 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--swap-dir", default=None, metavar="DIR",
                    help="directory in which a temporary swap directory is made and removed "
                         "(default /var/tmp unless it is tmpfs, else the current directory)")
-    p.add_argument("--max-host-bytes", type=_bytes, default=None, metavar="BYTES",
+    p.add_argument("--max-host-bytes", type=byte_size(), default=None, metavar="BYTES",
                    help="bound on the optimizer's host buffers, e.g. 64MiB "
                         "(default a quarter of the optimizer states)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
