@@ -1,10 +1,9 @@
 """Text forms of a plan: the per-rank table (GiB, binary) and the ``--explain`` derivation."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import Any, List, Optional
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .estimate import Plan
+from .placement import COMPONENTS, TIERS
 
 __all__ = ["plan_table", "explain_text", "gib", "fmt_bytes"]
 
@@ -31,9 +30,9 @@ def _fit_word(v: Optional[bool]) -> str:
     return "unknown (capacity not given)" if v is None else ("yes" if v else "NO")
 
 
-def plan_table(plan: "Plan") -> str:
-    from .estimate import COMPONENTS, TIERS
-
+def plan_table(plan: Any) -> str:
+    """The per-rank table of an ``offload.plan.Plan`` (typed ``Any``: ``result`` imports this
+    module, and nothing may import in a cycle)."""
     i = plan.inputs
     lines: List[str] = []
     lines.append(
@@ -91,7 +90,7 @@ def plan_table(plan: "Plan") -> str:
     return "\n".join(lines)
 
 
-def explain_text(plan: "Plan") -> str:
+def explain_text(plan: Any) -> str:
     """The formulas behind the numbers, with this plan's values substituted."""
     i = plan.inputs
     n, N, st, k = i["num_params"], i["world_size"], i["stage"], i["k"]
