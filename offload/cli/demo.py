@@ -19,11 +19,12 @@ from ._args import byte_size, count
 
 __all__ = ["add_parser", "run"]
 
-# A tiny model gains nothing from a second torch thread, and on a busy 2-core machine two
-# threads that wait for each other make a 0.1 s step take 2 s: --quick uses one.
+# A tiny model gains nothing from a second torch thread, and on a busy machine threads
+# that wait for each other make each step many times slower: --quick uses one.
 # Training is chaotic: two optimizers that differ by rounding (ours vs torch's, or torch's
-# fused vs single-tensor paths) give losses equal to ~1e-7 for the first steps, and a loss
-# spike later can amplify that to 1e-5 and beyond. The first steps are the test.
+# fused vs single-tensor paths) give nearly equal losses for the first steps, and a loss
+# spike later amplifies the difference by orders of magnitude. The first steps are the test.
+# (The figures: bench/RESULTS.md, "Figures that were in code comments".)
 DEFAULT_COMPARE = 10
 QUICK = dict(params=500_000, steps=6, batch_size=4, seq_len=64, threads=1)
 
