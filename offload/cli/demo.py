@@ -213,9 +213,6 @@ def run(args) -> int:
 def _run(args, cfg) -> int:
     import torch
 
-    from offload.demo.train import compare_losses, default_swap_parent, filesystem_type, run as train
-    from offload.plan import StepLogger, format_memory_report, format_step_stats
-
     compare_steps = min(cfg.steps, DEFAULT_COMPARE) if args.compare_steps is None else args.compare_steps
     show = not args.no_progress
     m = cfg.model_config
@@ -223,21 +220,59 @@ def _run(args, cfg) -> int:
     print(f"offload demo: TinyGPT, {n:,} params ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, "
           f"tied byte-level head), batch {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.steps} steps on {cfg.device}, "
           f"{torch.get_num_threads()} torch threads")
-    from offload.demo.train import default_max_host_bytes, state_bytes, swapped_bytes
+    budget = _print_budget(cfg, n)
 
-    states = state_bytes(n)
-    budget = None
-    if cfg.offload == "nvme":
-        parent = cfg.swap_parent or default_swap_parent()
-        budget = cfg.max_host_bytes if cfg.max_host_bytes is not None else default_max_host_bytes(n)
-        swapped = swapped_bytes(n)
-        print(f"optimizer: offload.AdamW(offload=\"nvme\"), swap files in a temporary directory under {parent} "
-              f"({filesystem_type(parent) or 'unknown fs'})")
-        print(f"host budget: max_host_bytes = {_fmt_bytes(budget)}, "
-              f"{'smaller' if budget < swapped else 'NOT smaller'} than the swapped states "
-              f"(exp_avg + exp_avg_sq = {_fmt_bytes(swapped)}; the fp32 params are their own master)")
-    else:
-        print(f"optimizer: offload.AdamW(offload=\"{cfg.offload}\"), fp32 states in host memory ({_fmt_bytes(states)})")
+    t0 = time.perf_counter()
+    ours = _train_logged(args, cfg, show)
+    elapsed = time.perf_counter() - t0
+    print(f"\ntrained {cfg.steps} steps in {elapsed:.1f} s: loss {ours.losses[0]:.3f} -> {ours.losses[-1]:.3f}, "
+          f"{ours.tokens_per_s:,.0f} tokens/s (steps 2..{cfg.steps})")
+    from offload.demo.train import state_bytes
+
+    summary: Dict[str, Any] = {
+        "params": n, "steps": cfg.steps, "offload": cfg.offload, "device": cfg.device,
+        "losses": ours.losses, "tokens_per_s": ours.tokens_per_s, "seconds": elapsed,
+        "max_host_bytes": budget, "state_bytes": state_bytes(n),
+    }
+    ok = _report_memory(ours, cfg, n, budget, summary)
+    ok &= _report_swap_dir(ours, summary)
+    ref = None
+    if compare_steps:
+        ref = _compare(args, cfg, ours, compare_steps, show, summary)
+        ok &= summary["compare_passed"]
+    if args.plot:
+        print(f"plot: {_plot(args.plot, ours, ref, budget)}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=1, default=str)
+    print("demo: " + ("OK" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def _print_budget(cfg, n: int) -> Optional[int]:
+    """Say where the optimizer states go; returns the host budget (nvme) or None."""
+    from offload.demo.train import default_max_host_bytes, default_swap_parent, filesystem_type, state_bytes, \
+        swapped_bytes
+
+    if cfg.offload != "nvme":
+        print(f"optimizer: offload.AdamW(offload=\"{cfg.offload}\"), fp32 states in host memory "
+              f"({_fmt_bytes(state_bytes(n))})")
+        return None
+    parent = cfg.swap_parent or default_swap_parent()
+    budget = cfg.max_host_bytes if cfg.max_host_bytes is not None else default_max_host_bytes(n)
+    swapped = swapped_bytes(n)
+    print(f"optimizer: offload.AdamW(offload=\"nvme\"), swap files in a temporary directory under {parent} "
+          f"({filesystem_type(parent) or 'unknown fs'})")
+    print(f"host budget: max_host_bytes = {_fmt_bytes(budget)}, "
+          f"{'smaller' if budget < swapped else 'NOT smaller'} than the swapped states "
+          f"(exp_avg + exp_avg_sq = {_fmt_bytes(swapped)}; the fp32 params are their own master)")
+    return budget
+
+
+def _train_logged(args, cfg, show: bool):
+    """Train with offload.AdamW behind a progress bar; write the step log if asked."""
+    from offload.demo.train import run as train
+    from offload.plan import StepLogger
 
     logger = StepLogger(args.step_log) if args.step_log else None
     bar = Progress(cfg.steps, "train", show)
@@ -246,9 +281,7 @@ def _run(args, cfg) -> int:
         bar.update(rec.step, f"loss {rec.loss:6.3f} {rec.tokens_per_s:8,.0f} tok/s "
                              f"step {rec.seconds:5.2f}s (opt {rec.opt_seconds:5.2f}s)")
 
-    t0 = time.perf_counter()
     ours = train(cfg, "offload", on_step=on_step)
-    elapsed = time.perf_counter() - t0
     if logger is not None:
         for rec in ours.records:
             phases = {k: v for k, v in rec.phases.items() if k not in ("step", "overlap_efficiency")}
@@ -256,65 +289,68 @@ def _run(args, cfg) -> int:
                        overlap_efficiency=rec.phases.get("overlap_efficiency"), bytes=rec.tiers, rss=rec.rss,
                        loss=rec.loss, tokens_per_s=rec.tokens_per_s, iteration_s=rec.seconds)
         logger.close()
+    return ours
 
-    print(f"\ntrained {cfg.steps} steps in {elapsed:.1f} s: loss {ours.losses[0]:.3f} -> {ours.losses[-1]:.3f}, "
-          f"{ours.tokens_per_s:,.0f} tokens/s (steps 2..{cfg.steps})")
-    ok = True
-    summary: Dict[str, Any] = {
-        "params": n, "steps": cfg.steps, "offload": cfg.offload, "device": cfg.device,
-        "losses": ours.losses, "tokens_per_s": ours.tokens_per_s, "seconds": elapsed,
-        "max_host_bytes": budget, "state_bytes": states,
-    }
-    if ours.memory_report is not None:
-        print()
-        print(format_memory_report(ours.memory_report))
-        tiers = ours.memory_report["tiers"]
-        host = tiers["pinned"] + tiers["pageable"]
-        summary["memory_report"] = ours.memory_report
-        if cfg.device == "cpu":
-            planned = _planned_bytes(n, cfg.offload, budget)
-            summary["planned_bytes"] = planned
-            print("  planner (`offload plan`) for this configuration: "
-                  + ", ".join(f"{t} {_fmt_bytes(planned[t])}" for t in ("pinned", "pageable", "nvme")))
-        if budget is not None:
-            within = host <= budget
-            ok &= within
-            print(f"  host buffers {_fmt_bytes(host)} {'<=' if within else '>'} max_host_bytes "
-                  f"{_fmt_bytes(budget)}: {'OK' if within else 'OVER BUDGET'}; "
-                  f"states on disk {_fmt_bytes(tiers['nvme'])} (allocated in the swap files: "
-                  f"{_fmt_bytes(ours.swap_bytes_on_disk)})")
+
+def _report_memory(ours, cfg, n: int, budget: Optional[int], summary: Dict[str, Any]) -> bool:
+    """The optimizer's memory report, the planner's figure next to it, the budget check."""
+    from offload.plan import format_memory_report
+
+    if ours.memory_report is None:
+        return True
+    print()
+    print(format_memory_report(ours.memory_report))
+    tiers = ours.memory_report["tiers"]
+    host = tiers["pinned"] + tiers["pageable"]
+    summary["memory_report"] = ours.memory_report
+    if cfg.device == "cpu":
+        planned = _planned_bytes(n, cfg.offload, budget)
+        summary["planned_bytes"] = planned
+        print("  planner (`offload plan`) for this configuration: "
+              + ", ".join(f"{t} {_fmt_bytes(planned[t])}" for t in ("pinned", "pageable", "nvme")))
+    if budget is None:
+        return True
+    within = host <= budget
+    print(f"  host buffers {_fmt_bytes(host)} {'<=' if within else '>'} max_host_bytes "
+          f"{_fmt_bytes(budget)}: {'OK' if within else 'OVER BUDGET'}; "
+          f"states on disk {_fmt_bytes(tiers['nvme'])} (allocated in the swap files: "
+          f"{_fmt_bytes(ours.swap_bytes_on_disk)})")
+    return within
+
+
+def _report_swap_dir(ours, summary: Dict[str, Any]) -> bool:
+    """The step-time breakdown, and whether the swap directory was removed without leftovers."""
+    from offload.plan import format_step_stats
+
     if ours.step_stats is not None:
         print()
         print(format_step_stats(ours.step_stats))
         summary["step_stats"] = ours.step_stats
-    if ours.swap_dir is not None:
-        cleaned = not ours.leftover_files
-        ok &= cleaned
-        summary["swap_dir"] = ours.swap_dir
-        summary["swap_cleaned"] = cleaned
-        print(f"swap directory {ours.swap_dir}: "
-              + ("removed, nothing left behind" if cleaned else f"files left behind: {ours.leftover_files}"))
+    if ours.swap_dir is None:
+        return True
+    cleaned = not ours.leftover_files
+    summary["swap_dir"] = ours.swap_dir
+    summary["swap_cleaned"] = cleaned
+    print(f"swap directory {ours.swap_dir}: "
+          + ("removed, nothing left behind" if cleaned else f"files left behind: {ours.leftover_files}"))
+    return cleaned
 
-    ref = None
-    if compare_steps:
-        print(f"\nrerunning the first {compare_steps} steps with torch.optim.AdamW(foreach=False), same seed and batches")
-        bar = Progress(compare_steps, "torch", show)
-        ref = train(cfg, "torch", steps=compare_steps,
-                    on_step=lambda r: bar.update(r.step, f"loss {r.loss:6.3f} {r.tokens_per_s:8,.0f} tok/s"))
-        worst, passed = compare_losses(ours.losses, ref.losses, rtol=args.rtol)
-        print("\n".join(_comparison_rows(ours.losses, ref.losses)))
-        print(f"max relative difference over {compare_steps} steps: {worst:.2e} (rtol {args.rtol:g}): "
-              f"{'PASS' if passed else 'FAIL'}")
-        print(f"throughput: offload.AdamW(offload=\"{cfg.offload}\") {ours.tokens_per_s:,.0f} tokens/s, "
-              f"torch.optim.AdamW in RAM {ref.tokens_per_s:,.0f} tokens/s "
-              f"({ours.tokens_per_s / max(ref.tokens_per_s, 1e-12):.2f}x)")
-        summary.update(torch_losses=ref.losses, max_rel_diff=worst, compare_passed=passed,
-                       torch_tokens_per_s=ref.tokens_per_s)
-        ok &= passed
-    if args.plot:
-        print(f"plot: {_plot(args.plot, ours, ref, budget)}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=1, default=str)
-    print("demo: " + ("OK" if ok else "FAILED"))
-    return 0 if ok else 1
+
+def _compare(args, cfg, ours, compare_steps: int, show: bool, summary: Dict[str, Any]):
+    """Rerun the first steps with torch.optim.AdamW and compare the losses; returns its run."""
+    from offload.demo.train import compare_losses, run as train
+
+    print(f"\nrerunning the first {compare_steps} steps with torch.optim.AdamW(foreach=False), same seed and batches")
+    bar = Progress(compare_steps, "torch", show)
+    ref = train(cfg, "torch", steps=compare_steps,
+                on_step=lambda r: bar.update(r.step, f"loss {r.loss:6.3f} {r.tokens_per_s:8,.0f} tok/s"))
+    worst, passed = compare_losses(ours.losses, ref.losses, rtol=args.rtol)
+    print("\n".join(_comparison_rows(ours.losses, ref.losses)))
+    print(f"max relative difference over {compare_steps} steps: {worst:.2e} (rtol {args.rtol:g}): "
+          f"{'PASS' if passed else 'FAIL'}")
+    print(f"throughput: offload.AdamW(offload=\"{cfg.offload}\") {ours.tokens_per_s:,.0f} tokens/s, "
+          f"torch.optim.AdamW in RAM {ref.tokens_per_s:,.0f} tokens/s "
+          f"({ours.tokens_per_s / max(ref.tokens_per_s, 1e-12):.2f}x)")
+    summary.update(torch_losses=ref.losses, max_rel_diff=worst, compare_passed=passed,
+                   torch_tokens_per_s=ref.tokens_per_s)
+    return ref
