@@ -17,6 +17,9 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ._args import byte_size, integer
+from .bench_io_output import _human, format_table, plot  # noqa: F401  (bench/io.py uses them here)
+
 log = logging.getLogger(__name__)
 
 DATA_NAME = "offload-bench-io.dat"
@@ -31,15 +34,15 @@ def _list(parse):
             raise argparse.ArgumentTypeError("empty list")
         try:
             return [parse(x.strip()) for x in items]
-        except ValueError as exc:
+        except (ValueError, argparse.ArgumentTypeError) as exc:
             raise argparse.ArgumentTypeError(str(exc))
     return f
 
 
-def _bytes(x: str) -> int:
-    from offload.config import parse_bytes
-
-    return parse_bytes(x)
+# io_uring refuses rings of more entries (IORING_MAX_ENTRIES), and the sweep keeps 2 x QD
+# buffers of each block size: a larger depth is a typo, not a measurement.
+_MAX_QD = 32768
+_queue_depth = integer(1, _MAX_QD, " (io_uring's largest ring)")
 
 
 def _rw(x: str) -> str:
@@ -56,25 +59,18 @@ def _engine(x: str) -> str:
     return x
 
 
-def _pos_int(x: str) -> int:
-    v = int(x)
-    if v < 1:
-        raise ValueError(f"must be >= 1, got {v}")
-    return v
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", required=True, help="directory to measure (the test file is created there)")
-    p.add_argument("--size", type=_bytes, default=1 << 30, help="test file size, e.g. 4GiB (default 1GiB)")
+    p.add_argument("--size", type=byte_size(minimum=1), default=1 << 30, help="test file size, e.g. 4GiB (default 1GiB)")
     p.add_argument("--rw", type=_list(_rw), default=["read", "write"], help="read,write (default both)")
-    p.add_argument("--block-size", type=_list(_bytes), default=[1 << 20], help="e.g. 128K,1M,8M (default 1M)")
-    p.add_argument("--queue-depth", type=_list(_pos_int), default=[32], help="e.g. 1,8,32 (default 32)")
+    p.add_argument("--block-size", type=_list(byte_size(minimum=1)), default=[1 << 20], help="e.g. 128K,1M,8M (default 1M)")
+    p.add_argument("--queue-depth", type=_list(_queue_depth), default=[32], help="e.g. 1,8,32 (default 32)")
     p.add_argument("--engine", type=_list(_engine), default=["uring", "threads", "aiofiles"],
                    help="uring,threads,aiofiles (default all)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--direct", dest="direct", action="store_true", default=True, help="O_DIRECT (default)")
     g.add_argument("--buffered", dest="direct", action="store_false", help="through the page cache")
-    p.add_argument("--loops", type=_pos_int, default=1, help="passes over the file per row, interleaved (default 1)")
+    p.add_argument("--loops", type=integer(1), default=1, help="passes over the file per row, interleaved (default 1)")
     p.add_argument("--json", metavar="FILE", help="write the rows as a JSON list")
     p.add_argument("--plot", metavar="FILE.png", help="plot throughput vs block size and queue depth")
     p.add_argument("--fio", action="store_true", help="run fio with the same parameters and print ratios")
@@ -149,13 +145,6 @@ class Progress:
 
 
 # -- the run ----------------------------------------------------------------------------------
-
-def _human(n: int) -> str:
-    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
 
 def _create_data_file(path: str, size: int, direct: bool, pool, progress: Progress):
     """A fresh file of random bytes (not zeros: compressing or deduplicating devices would lie)."""
@@ -246,6 +235,88 @@ def _measure_engine(name: str, args, f, rw: str, size: int, bs: int, qd: int, bu
     return m, lat
 
 
+def _checked_dir(args) -> str:
+    """The directory to measure, after the checks that need no test file."""
+    from offload.io import probe_direct
+
+    directory = os.path.abspath(args.dir)
+    if not os.path.isdir(directory):
+        raise OSError(2, "not a directory", directory)
+    ok, why = probe_direct(directory)
+    if args.direct and not ok:
+        raise OSError(22, f"{why}; measure with --buffered instead", directory)
+    for bs in args.block_size:
+        if bs < 4096 or bs % 4096:
+            raise ValueError(f"--block-size must be a multiple of 4096, got {bs}")
+        if args.size % bs:
+            raise ValueError(f"--size {args.size} is not a multiple of --block-size {bs}")
+    return directory
+
+
+def _fio_variants(args) -> List[Tuple[bool, str]]:
+    """(huge pages, ioengine) of the fio runs asked for; none without fio on PATH."""
+    from offload.io.fio import FIO_HINT, fio_path
+
+    if not args.fio:
+        return []
+    if fio_path() is None:
+        print(f"offload bench-io: --fio: {FIO_HINT}; continuing without fio", file=sys.stderr)
+        return []
+    return [(False, "io_uring"), (True, "io_uring"), (True, "libaio")]
+
+
+def _contenders(args, fio_variants, extra) -> List[tuple]:
+    engines = list(args.engine)
+    if getattr(args, "fixed_buffers", "auto") == "both" and "uring" in engines:
+        engines.insert(engines.index("uring") + 1, UNREGISTERED)
+    return [("offload", name, None) for name in engines] + \
+           [("fio", ioengine, hp) for hp, ioengine in fio_variants] + \
+           [("extra", label, None) for label in extra]
+
+
+def _measure_one(args, contender, f, path: str, rw: str, bs: int, qd: int, bufs, extra, progress, label: str):
+    """One pass of one contender: (Measurement, latencies)."""
+    from offload.io.fio import run_fio
+
+    tool, name, hp = contender
+    if tool == "offload":
+        progress.step(f"{name} {label}")
+        return _measure_engine(name, args, f, rw, args.size, bs, qd, bufs, progress)
+    if tool == "extra":
+        progress.step(f"{name} {label}")
+        m = extra[name](path, rw=rw, size=args.size, block_size=bs, queue_depth=qd, direct=args.direct)
+    else:
+        progress.step(f"fio {name}{' +THP' if hp else ''} {label}")
+        m = run_fio(path, rw=rw, size=args.size, block_size=bs, queue_depth=qd, direct=args.direct, hugepages=hp,
+                    ioengine=name)
+    progress.advance(args.size)
+    return m, []
+
+
+def _sweep_rw(args, contenders, f, path: str, rw: str, bs: int, qd: int, bufs, extra, progress) -> List[dict]:
+    """Every contender, ``--loops`` times, for one direction, block size and queue depth."""
+    from offload.io.measure import merge
+
+    parts: Dict[tuple, list] = {}
+    for loop in range(args.loops):
+        # Rotate the order each loop so no contender is always first (the first after a
+        # write pays for the device flushing it).
+        k = loop % len(contenders)
+        label = f"{rw} bs={_human(bs)} qd={qd} loop {loop + 1}/{args.loops}"
+        for contender in contenders[k:] + contenders[:k]:
+            if rw == "read" and not args.direct:
+                _drop_cache(f)
+            parts.setdefault(contender, []).append(
+                _measure_one(args, contender, f, path, rw, bs, qd, bufs, extra, progress, label))
+    rows = []
+    for ps in parts.values():
+        row = merge(ps).as_dict()
+        # In the order the loops ran, so ratios can be taken loop by loop.
+        row["loop_gbps"] = [m.gbps for m, _ in ps]
+        rows.append(row)
+    return rows
+
+
 def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tuple[List[dict], dict]:
     """Run everything ``args`` asks for; returns (rows as dicts, context).
 
@@ -255,28 +326,13 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
     extra = extra or {}
     import torch
 
-    from offload.io import probe_direct
-    from offload.io.fio import FIO_HINT, fio_path, run_fio
-    from offload.io.measure import merge, window_buffers
+    from offload.io.measure import window_buffers
     from offload.memory import BufferPool
 
-    directory = os.path.abspath(args.dir)
-    if not os.path.isdir(directory):
-        raise OSError(2, "not a directory", directory)
-    ok, why = probe_direct(directory)
-    if args.direct and not ok:
-        raise OSError(22, f"{why}; measure with --buffered instead", directory)
+    directory = _checked_dir(args)
     size = args.size
-    for bs in args.block_size:
-        if bs < 4096 or bs % 4096:
-            raise ValueError(f"--block-size must be a multiple of 4096, got {bs}")
-        if size % bs:
-            raise ValueError(f"--size {size} is not a multiple of --block-size {bs}")
-    use_fio = bool(args.fio)
-    if use_fio and fio_path() is None:
-        print(f"offload bench-io: --fio: {FIO_HINT}; continuing without fio", file=sys.stderr)
-        use_fio = False
-    fio_variants = [(False, "io_uring"), (True, "io_uring"), (True, "libaio")] if use_fio else []
+    fio_variants = _fio_variants(args)
+    contenders = _contenders(args, fio_variants, extra)
     nconf = len(args.block_size) * len(args.queue_depth) * len(args.rw)
     total = 2 * size + nconf * args.loops * size * (len(args.engine) + len(fio_variants) + len(extra))
     progress = Progress(total)
@@ -294,42 +350,7 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
                     b.tensor(torch.int64).random_()
                 try:
                     for rw in args.rw:
-                        parts: Dict[tuple, list] = {}
-                        engines = list(args.engine)
-                        if getattr(args, "fixed_buffers", "auto") == "both" and "uring" in engines:
-                            engines.insert(engines.index("uring") + 1, UNREGISTERED)
-                        contenders = [("offload", name, None) for name in engines] + \
-                                     [("fio", ioengine, hp) for hp, ioengine in fio_variants] + \
-                                     [("extra", label, None) for label in extra]
-                        for loop in range(args.loops):
-                            # Rotate the order each loop so no contender is always first (the first
-                            # after a write pays for the device flushing it).
-                            k = loop % len(contenders)
-                            for tool, name, hp in contenders[k:] + contenders[:k]:
-                                if rw == "read" and not args.direct:
-                                    _drop_cache(f)
-                                if tool == "offload":
-                                    progress.step(f"{name} {rw} bs={_human(bs)} qd={qd} loop {loop + 1}/{args.loops}")
-                                    parts.setdefault((tool, name, hp), []).append(
-                                        _measure_engine(name, args, f, rw, size, bs, qd, bufs, progress))
-                                elif tool == "extra":
-                                    progress.step(f"{name} {rw} bs={_human(bs)} qd={qd} loop {loop + 1}/{args.loops}")
-                                    m = extra[name](path, rw=rw, size=size, block_size=bs, queue_depth=qd,
-                                                    direct=args.direct)
-                                    parts.setdefault((tool, name, hp), []).append((m, []))
-                                    progress.advance(size)
-                                else:
-                                    progress.step(f"fio {name}{' +THP' if hp else ''} {rw} bs={_human(bs)} qd={qd} "
-                                                  f"loop {loop + 1}/{args.loops}")
-                                    m = run_fio(path, rw=rw, size=size, block_size=bs, queue_depth=qd,
-                                                direct=args.direct, hugepages=hp, ioengine=name)
-                                    parts.setdefault((tool, name, hp), []).append((m, []))
-                                    progress.advance(size)
-                        for key, ps in parts.items():
-                            row = merge(ps).as_dict()
-                            # In the order the loops ran, so ratios can be taken loop by loop.
-                            row["loop_gbps"] = [m.gbps for m, _ in ps]
-                            rows.append(row)
+                        rows += _sweep_rw(args, contenders, f, path, rw, bs, qd, bufs, extra, progress)
                 finally:
                     for b in bufs:
                         pool.release(b)
@@ -342,7 +363,7 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
         pool.close()
     _annotate(rows)
     context = {"dir": directory, "size": size, "direct": args.direct, "kept": path if args.keep else None,
-               "fio": use_fio}
+               "fio": bool(fio_variants)}
     return rows, context
 
 
@@ -392,63 +413,6 @@ def best_config(rows: Sequence[dict]):
     key = max(full, key=lambda k: score(full[k]))
     eng, bs, qd, direct = key
     return IOConfig(engine=eng, queue_depth=qd, block_size=bs, direct=direct), full[key]
-
-
-def format_table(rows: Sequence[dict]) -> str:
-    head = (f"{'tool':<9} {'engine':<12} {'rw':<5} {'bs':>5} {'qd':>3} {'dir':>3} {'GB/s':>6} {'GiB/s':>6} "
-            f"{'IOPS':>8} {'p50 us':>9} {'p99 us':>9} {'p99.9 us':>9} {'usr%':>5} {'sys%':>5} {'vs fio':>6}  note")
-    lines = [head, "-" * len(head)]
-    for r in sorted(rows, key=lambda r: (r["rw"], r["block_size"], r["queue_depth"], r["tool"] != "offload",
-                                         -r["gbps"])):
-        eng = r["engine"] + ("+THP" if r.get("hugepages") else "")
-        ratio = f"{r['vs_fio']:.2f}" if r.get("vs_fio") else ""
-        lines.append(
-            f"{r['tool']:<9} {eng:<12} {r['rw']:<5} {_human(r['block_size']):>5} {r['queue_depth']:>3} "
-            f"{'y' if r['direct'] else 'n':>3} {r['gbps']:6.2f} {r['gibps']:6.2f} {r['iops']:8.0f} "
-            f"{r['lat_p50_us']:9.0f} {r['lat_p99_us']:9.0f} {r['lat_p999_us']:9.0f} {r['cpu_usr_pct']:5.0f} "
-            f"{r['cpu_sys_pct']:5.0f} {ratio:>6}  {r.get('note', '')}")
-    lines.append("GB/s = 10^9 bytes/s, GiB/s = 2^30 bytes/s; latency per request from submission to completion; "
-                 "usr%/sys% = CPU time of the whole process (fio: of fio) in % of one CPU; "
-                 "vs fio = offload GB/s / best fio GB/s of the same rw, bs, qd.")
-    return "\n".join(lines)
-
-
-def plot(rows: Sequence[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RuntimeError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
-    rws = sorted({r["rw"] for r in rows})
-    # One colour per contender, one line style per queue depth: lines stay readable with
-    # a dozen series.
-    contenders = sorted({(r["tool"], r["engine"], bool(r.get("hugepages"))) for r in rows})
-    colours = {c: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(contenders)}
-    qds = sorted({r["queue_depth"] for r in rows})
-    styles = {qd: ["-", "--", ":", "-."][i % 4] for i, qd in enumerate(reversed(qds))}
-    fig, axes = plt.subplots(1, len(rws), figsize=(6 * len(rws), 4.5), squeeze=False)
-    for ax, rw in zip(axes[0], rws):
-        series: Dict[tuple, list] = {}
-        for r in rows:
-            if r["rw"] == rw:
-                series.setdefault(((r["tool"], r["engine"], bool(r.get("hugepages"))), r["queue_depth"]),
-                                  []).append((r["block_size"], r["gbps"]))
-        for (c, qd), pts in sorted(series.items()):
-            pts.sort()
-            label = f"{c[0]} {c[1]}{'+THP' if c[2] else ''} qd={qd}"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[c], linestyle=styles[qd],
-                    label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("block size (bytes)")
-        ax.set_ylabel("GB/s (10^9 B/s)")
-        ax.set_title(f"{rw}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run(args) -> int:

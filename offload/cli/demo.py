@@ -15,27 +15,18 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from ._args import byte_size, count
+
 __all__ = ["add_parser", "run"]
 
-# A tiny model gains nothing from a second torch thread, and on a busy 2-core machine two
-# threads that wait for each other make a 0.1 s step take 2 s: --quick uses one.
+# A tiny model gains nothing from a second torch thread, and on a busy machine threads
+# that wait for each other make each step many times slower: --quick uses one.
 # Training is chaotic: two optimizers that differ by rounding (ours vs torch's, or torch's
-# fused vs single-tensor paths) give losses equal to ~1e-7 for the first steps, and a loss
-# spike later can amplify that to 1e-5 and beyond. The first steps are the test.
+# fused vs single-tensor paths) give nearly equal losses for the first steps, and a loss
+# spike later amplifies the difference by orders of magnitude. The first steps are the test.
+# (The figures: bench/RESULTS.md, "Figures that were in code comments".)
 DEFAULT_COMPARE = 10
 QUICK = dict(params=500_000, steps=6, batch_size=4, seq_len=64, threads=1)
-
-
-def _count(text: str) -> int:
-    from offload.plan import parse_count
-
-    return parse_count(text)
-
-
-def _bytes(text: str) -> int:
-    from offload.config import parse_bytes
-
-    return parse_bytes(text)
 
 
 def add_parser(sub, name: str) -> None:
@@ -48,7 +39,7 @@ def add_parser(sub, name: str) -> None:
                     "Exit status 1 if they differ by more than --rtol.",
     )
     p.add_argument("--steps", type=int, default=None, help="training steps (default 30; --quick: 6)")
-    p.add_argument("--params", type=_count, default=None, metavar="N",
+    p.add_argument("--params", type=count(), default=None, metavar="N",
                    help="model size, e.g. 5M, 50M, 1e8 (default 10M; --quick: 500K)")
     p.add_argument("--offload", choices=("nvme", "cpu"), default="nvme",
                    help="where the optimizer states live (default nvme)")
@@ -56,7 +47,7 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--swap-dir", default=None, metavar="DIR",
                    help="directory in which a temporary swap directory is made and removed "
                         "(default /var/tmp unless it is tmpfs, else the current directory)")
-    p.add_argument("--max-host-bytes", type=_bytes, default=None, metavar="BYTES",
+    p.add_argument("--max-host-bytes", type=byte_size(), default=None, metavar="BYTES",
                    help="bound on the optimizer's host buffers, e.g. 64MiB "
                         "(default a quarter of the optimizer states)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
@@ -222,9 +213,6 @@ def run(args) -> int:
 def _run(args, cfg) -> int:
     import torch
 
-    from offload.demo.train import compare_losses, default_swap_parent, filesystem_type, run as train
-    from offload.plan import StepLogger, format_memory_report, format_step_stats
-
     compare_steps = min(cfg.steps, DEFAULT_COMPARE) if args.compare_steps is None else args.compare_steps
     show = not args.no_progress
     m = cfg.model_config
@@ -232,21 +220,59 @@ def _run(args, cfg) -> int:
     print(f"offload demo: TinyGPT, {n:,} params ({m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, "
           f"tied byte-level head), batch {cfg.batch_size} x {cfg.seq_len} tokens, {cfg.steps} steps on {cfg.device}, "
           f"{torch.get_num_threads()} torch threads")
-    from offload.demo.train import default_max_host_bytes, state_bytes, swapped_bytes
+    budget = _print_budget(cfg, n)
 
-    states = state_bytes(n)
-    budget = None
-    if cfg.offload == "nvme":
-        parent = cfg.swap_parent or default_swap_parent()
-        budget = cfg.max_host_bytes if cfg.max_host_bytes is not None else default_max_host_bytes(n)
-        swapped = swapped_bytes(n)
-        print(f"optimizer: offload.AdamW(offload=\"nvme\"), swap files in a temporary directory under {parent} "
-              f"({filesystem_type(parent) or 'unknown fs'})")
-        print(f"host budget: max_host_bytes = {_fmt_bytes(budget)}, "
-              f"{'smaller' if budget < swapped else 'NOT smaller'} than the swapped states "
-              f"(exp_avg + exp_avg_sq = {_fmt_bytes(swapped)}; the fp32 params are their own master)")
-    else:
-        print(f"optimizer: offload.AdamW(offload=\"{cfg.offload}\"), fp32 states in host memory ({_fmt_bytes(states)})")
+    t0 = time.perf_counter()
+    ours = _train_logged(args, cfg, show)
+    elapsed = time.perf_counter() - t0
+    print(f"\ntrained {cfg.steps} steps in {elapsed:.1f} s: loss {ours.losses[0]:.3f} -> {ours.losses[-1]:.3f}, "
+          f"{ours.tokens_per_s:,.0f} tokens/s (steps 2..{cfg.steps})")
+    from offload.demo.train import state_bytes
+
+    summary: Dict[str, Any] = {
+        "params": n, "steps": cfg.steps, "offload": cfg.offload, "device": cfg.device,
+        "losses": ours.losses, "tokens_per_s": ours.tokens_per_s, "seconds": elapsed,
+        "max_host_bytes": budget, "state_bytes": state_bytes(n),
+    }
+    ok = _report_memory(ours, cfg, n, budget, summary)
+    ok &= _report_swap_dir(ours, summary)
+    ref = None
+    if compare_steps:
+        ref = _compare(args, cfg, ours, compare_steps, show, summary)
+        ok &= summary["compare_passed"]
+    if args.plot:
+        print(f"plot: {_plot(args.plot, ours, ref, budget)}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=1, default=str)
+    print("demo: " + ("OK" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def _print_budget(cfg, n: int) -> Optional[int]:
+    """Say where the optimizer states go; returns the host budget (nvme) or None."""
+    from offload.demo.train import default_max_host_bytes, default_swap_parent, filesystem_type, state_bytes, \
+        swapped_bytes
+
+    if cfg.offload != "nvme":
+        print(f"optimizer: offload.AdamW(offload=\"{cfg.offload}\"), fp32 states in host memory "
+              f"({_fmt_bytes(state_bytes(n))})")
+        return None
+    parent = cfg.swap_parent or default_swap_parent()
+    budget = cfg.max_host_bytes if cfg.max_host_bytes is not None else default_max_host_bytes(n)
+    swapped = swapped_bytes(n)
+    print(f"optimizer: offload.AdamW(offload=\"nvme\"), swap files in a temporary directory under {parent} "
+          f"({filesystem_type(parent) or 'unknown fs'})")
+    print(f"host budget: max_host_bytes = {_fmt_bytes(budget)}, "
+          f"{'smaller' if budget < swapped else 'NOT smaller'} than the swapped states "
+          f"(exp_avg + exp_avg_sq = {_fmt_bytes(swapped)}; the fp32 params are their own master)")
+    return budget
+
+
+def _train_logged(args, cfg, show: bool):
+    """Train with offload.AdamW behind a progress bar; write the step log if asked."""
+    from offload.demo.train import run as train
+    from offload.plan import StepLogger
 
     logger = StepLogger(args.step_log) if args.step_log else None
     bar = Progress(cfg.steps, "train", show)
@@ -255,9 +281,7 @@ def _run(args, cfg) -> int:
         bar.update(rec.step, f"loss {rec.loss:6.3f} {rec.tokens_per_s:8,.0f} tok/s "
                              f"step {rec.seconds:5.2f}s (opt {rec.opt_seconds:5.2f}s)")
 
-    t0 = time.perf_counter()
     ours = train(cfg, "offload", on_step=on_step)
-    elapsed = time.perf_counter() - t0
     if logger is not None:
         for rec in ours.records:
             phases = {k: v for k, v in rec.phases.items() if k not in ("step", "overlap_efficiency")}
@@ -265,65 +289,68 @@ def _run(args, cfg) -> int:
                        overlap_efficiency=rec.phases.get("overlap_efficiency"), bytes=rec.tiers, rss=rec.rss,
                        loss=rec.loss, tokens_per_s=rec.tokens_per_s, iteration_s=rec.seconds)
         logger.close()
+    return ours
 
-    print(f"\ntrained {cfg.steps} steps in {elapsed:.1f} s: loss {ours.losses[0]:.3f} -> {ours.losses[-1]:.3f}, "
-          f"{ours.tokens_per_s:,.0f} tokens/s (steps 2..{cfg.steps})")
-    ok = True
-    summary: Dict[str, Any] = {
-        "params": n, "steps": cfg.steps, "offload": cfg.offload, "device": cfg.device,
-        "losses": ours.losses, "tokens_per_s": ours.tokens_per_s, "seconds": elapsed,
-        "max_host_bytes": budget, "state_bytes": states,
-    }
-    if ours.memory_report is not None:
-        print()
-        print(format_memory_report(ours.memory_report))
-        tiers = ours.memory_report["tiers"]
-        host = tiers["pinned"] + tiers["pageable"]
-        summary["memory_report"] = ours.memory_report
-        if cfg.device == "cpu":
-            planned = _planned_bytes(n, cfg.offload, budget)
-            summary["planned_bytes"] = planned
-            print("  planner (`offload plan`) for this configuration: "
-                  + ", ".join(f"{t} {_fmt_bytes(planned[t])}" for t in ("pinned", "pageable", "nvme")))
-        if budget is not None:
-            within = host <= budget
-            ok &= within
-            print(f"  host buffers {_fmt_bytes(host)} {'<=' if within else '>'} max_host_bytes "
-                  f"{_fmt_bytes(budget)}: {'OK' if within else 'OVER BUDGET'}; "
-                  f"states on disk {_fmt_bytes(tiers['nvme'])} (allocated in the swap files: "
-                  f"{_fmt_bytes(ours.swap_bytes_on_disk)})")
+
+def _report_memory(ours, cfg, n: int, budget: Optional[int], summary: Dict[str, Any]) -> bool:
+    """The optimizer's memory report, the planner's figure next to it, the budget check."""
+    from offload.plan import format_memory_report
+
+    if ours.memory_report is None:
+        return True
+    print()
+    print(format_memory_report(ours.memory_report))
+    tiers = ours.memory_report["tiers"]
+    host = tiers["pinned"] + tiers["pageable"]
+    summary["memory_report"] = ours.memory_report
+    if cfg.device == "cpu":
+        planned = _planned_bytes(n, cfg.offload, budget)
+        summary["planned_bytes"] = planned
+        print("  planner (`offload plan`) for this configuration: "
+              + ", ".join(f"{t} {_fmt_bytes(planned[t])}" for t in ("pinned", "pageable", "nvme")))
+    if budget is None:
+        return True
+    within = host <= budget
+    print(f"  host buffers {_fmt_bytes(host)} {'<=' if within else '>'} max_host_bytes "
+          f"{_fmt_bytes(budget)}: {'OK' if within else 'OVER BUDGET'}; "
+          f"states on disk {_fmt_bytes(tiers['nvme'])} (allocated in the swap files: "
+          f"{_fmt_bytes(ours.swap_bytes_on_disk)})")
+    return within
+
+
+def _report_swap_dir(ours, summary: Dict[str, Any]) -> bool:
+    """The step-time breakdown, and whether the swap directory was removed without leftovers."""
+    from offload.plan import format_step_stats
+
     if ours.step_stats is not None:
         print()
         print(format_step_stats(ours.step_stats))
         summary["step_stats"] = ours.step_stats
-    if ours.swap_dir is not None:
-        cleaned = not ours.leftover_files
-        ok &= cleaned
-        summary["swap_dir"] = ours.swap_dir
-        summary["swap_cleaned"] = cleaned
-        print(f"swap directory {ours.swap_dir}: "
-              + ("removed, nothing left behind" if cleaned else f"files left behind: {ours.leftover_files}"))
+    if ours.swap_dir is None:
+        return True
+    cleaned = not ours.leftover_files
+    summary["swap_dir"] = ours.swap_dir
+    summary["swap_cleaned"] = cleaned
+    print(f"swap directory {ours.swap_dir}: "
+          + ("removed, nothing left behind" if cleaned else f"files left behind: {ours.leftover_files}"))
+    return cleaned
 
-    ref = None
-    if compare_steps:
-        print(f"\nrerunning the first {compare_steps} steps with torch.optim.AdamW(foreach=False), same seed and batches")
-        bar = Progress(compare_steps, "torch", show)
-        ref = train(cfg, "torch", steps=compare_steps,
-                    on_step=lambda r: bar.update(r.step, f"loss {r.loss:6.3f} {r.tokens_per_s:8,.0f} tok/s"))
-        worst, passed = compare_losses(ours.losses, ref.losses, rtol=args.rtol)
-        print("\n".join(_comparison_rows(ours.losses, ref.losses)))
-        print(f"max relative difference over {compare_steps} steps: {worst:.2e} (rtol {args.rtol:g}): "
-              f"{'PASS' if passed else 'FAIL'}")
-        print(f"throughput: offload.AdamW(offload=\"{cfg.offload}\") {ours.tokens_per_s:,.0f} tokens/s, "
-              f"torch.optim.AdamW in RAM {ref.tokens_per_s:,.0f} tokens/s "
-              f"({ours.tokens_per_s / max(ref.tokens_per_s, 1e-12):.2f}x)")
-        summary.update(torch_losses=ref.losses, max_rel_diff=worst, compare_passed=passed,
-                       torch_tokens_per_s=ref.tokens_per_s)
-        ok &= passed
-    if args.plot:
-        print(f"plot: {_plot(args.plot, ours, ref, budget)}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=1, default=str)
-    print("demo: " + ("OK" if ok else "FAILED"))
-    return 0 if ok else 1
+
+def _compare(args, cfg, ours, compare_steps: int, show: bool, summary: Dict[str, Any]):
+    """Rerun the first steps with torch.optim.AdamW and compare the losses; returns its run."""
+    from offload.demo.train import compare_losses, run as train
+
+    print(f"\nrerunning the first {compare_steps} steps with torch.optim.AdamW(foreach=False), same seed and batches")
+    bar = Progress(compare_steps, "torch", show)
+    ref = train(cfg, "torch", steps=compare_steps,
+                on_step=lambda r: bar.update(r.step, f"loss {r.loss:6.3f} {r.tokens_per_s:8,.0f} tok/s"))
+    worst, passed = compare_losses(ours.losses, ref.losses, rtol=args.rtol)
+    print("\n".join(_comparison_rows(ours.losses, ref.losses)))
+    print(f"max relative difference over {compare_steps} steps: {worst:.2e} (rtol {args.rtol:g}): "
+          f"{'PASS' if passed else 'FAIL'}")
+    print(f"throughput: offload.AdamW(offload=\"{cfg.offload}\") {ours.tokens_per_s:,.0f} tokens/s, "
+          f"torch.optim.AdamW in RAM {ref.tokens_per_s:,.0f} tokens/s "
+          f"({ours.tokens_per_s / max(ref.tokens_per_s, 1e-12):.2f}x)")
+    summary.update(torch_losses=ref.losses, max_rel_diff=worst, compare_passed=passed,
+                   torch_tokens_per_s=ref.tokens_per_s)
+    return ref

@@ -12,6 +12,8 @@ import json
 import logging
 from typing import Any, Dict, Optional
 
+from ._args import byte_size, count, integer, rate
+
 __all__ = ["add_parser", "run"]
 
 log = logging.getLogger("offload.plan")
@@ -25,28 +27,28 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
                     "training a model with offload.AdamW, and predict its optimizer step.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", help="parameter count, e.g. 125M, 7.5B, 1e9 (decimal units)")
+    src.add_argument("--params", type=count(), help="parameter count, e.g. 125M, 7.5B, 1e9 (decimal units)")
     src.add_argument("--model-config", metavar="CONFIG_JSON",
                      help="Hugging Face config.json (or its directory), read locally")
-    p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks N_d (default 1)")
-    p.add_argument("--stage", type=int, default=0, help="ZeRO stage 0, 1, 2 (3: not yet) (default 0)")
+    p.add_argument("--world-size", type=integer(1), default=1, help="data-parallel ranks N_d (default 1)")
+    p.add_argument("--stage", type=integer(0, 3), default=0, help="ZeRO stage 0, 1, 2 (3: not yet) (default 0)")
     p.add_argument("--offload", default="none", help="none, cpu or nvme (default none)")
     p.add_argument("--param-dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     p.add_argument("--grad-dtype", default=None, help="default: the param dtype")
     p.add_argument("--optimizer", default="adamw", help="adam or adamw (default adamw)")
     p.add_argument("--param-device", default="cuda", help="where the params live: cuda or cpu (default cuda)")
-    p.add_argument("--device-memory", help="memory per accelerator, e.g. 80GiB, or 'auto' (this machine's GPU 0)")
-    p.add_argument("--host-memory", help="host memory per node, e.g. 512GiB, or 'auto' (this machine's MemTotal)")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a node (default min(N_d, 8))")
-    p.add_argument("--max-host-bytes", help="bound on the swap pipeline's host buffers (default 1GiB)")
-    p.add_argument("--sub-group-size", type=int, default=None, help="elements per swapped sub-group")
+    p.add_argument("--device-memory", type=byte_size(auto=True), help="memory per accelerator, e.g. 80GiB, or 'auto' (this machine's GPU 0)")
+    p.add_argument("--host-memory", type=byte_size(auto=True), help="host memory per node, e.g. 512GiB, or 'auto' (this machine's MemTotal)")
+    p.add_argument("--ranks-per-node", type=integer(1), default=None, help="ranks sharing a node (default min(N_d, 8))")
+    p.add_argument("--max-host-bytes", type=byte_size(minimum=1), help="bound on the swap pipeline's host buffers (default 1GiB)")
+    p.add_argument("--sub-group-size", type=integer(1), default=None, help="elements per swapped sub-group")
     p.add_argument("--swap-dir", help="swap directory: its free space is the NVMe capacity, and the disk probe runs there")
-    p.add_argument("--nvme-capacity", help="NVMe bytes available per node (default: free space of --swap-dir)")
-    p.add_argument("--disk-gbps", type=float, help="disk rate in GB/s (10^9 B/s) for reads and writes")
-    p.add_argument("--disk-read-gbps", type=float, help="disk read rate in GB/s")
-    p.add_argument("--disk-write-gbps", type=float, help="disk write rate in GB/s")
+    p.add_argument("--nvme-capacity", type=byte_size(), help="NVMe bytes available per node (default: free space of --swap-dir)")
+    p.add_argument("--disk-gbps", type=rate(), help="disk rate in GB/s (10^9 B/s) for reads and writes")
+    p.add_argument("--disk-read-gbps", type=rate(), help="disk read rate in GB/s")
+    p.add_argument("--disk-write-gbps", type=rate(), help="disk write rate in GB/s")
     p.add_argument("--io-tune", metavar="FILE", help="file written by `offload bench-io --tune` (disk rates)")
-    p.add_argument("--kernel-gparams", type=float, help="CPU Adam rate in 10^9 params/s")
+    p.add_argument("--kernel-gparams", type=rate(), help="CPU Adam rate in 10^9 params/s")
     p.add_argument("--adam-bench", metavar="FILE", help="bench/adam.py output (kernel rate)")
     p.add_argument("--no-probe", action="store_true", help="never run the short kernel/disk probes")
     p.add_argument("--cheapest", action="store_true",
@@ -91,7 +93,7 @@ def _rates(args: argparse.Namespace, need_kernel: bool, need_disk: bool) -> Dict
     return out
 
 
-def _auto_memory(flag: str, value: Optional[str]) -> Optional[str]:
+def _auto_memory(flag: str, value: "int | str | None") -> "int | str | None":
     """``auto``: this machine's capacity (GPU 0's memory, or MemTotal from /proc/meminfo)."""
     if value is None or str(value).lower() != "auto":
         return value

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+import sys
+import warnings
+from typing import Any, Dict, List
 
 __all__ = ["add_parser", "run"]
 
@@ -22,10 +24,25 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> int:
-    from offload.plan.report import format_log_summary, read_step_log, summarize_step_log
+def _read(path: str) -> List[Dict[str, Any]]:
+    """The log's rows; the lines it leaves out are said on stderr, one warning each."""
+    from offload.plan.report import StepLogWarning, read_step_log
 
-    rows = read_step_log(args.file)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", StepLogWarning)
+        rows = read_step_log(path)
+    for w in caught:
+        if issubclass(w.category, StepLogWarning):
+            print(f"offload report: warning: {w.message}", file=sys.stderr)
+        else:  # not ours: hand it back to the warnings machinery unchanged
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from offload.plan.report import format_log_summary, summarize_step_log
+
+    rows = _read(args.file)
     summary = summarize_step_log(rows)
     if args.plot:
         from offload.plan.plot import plot_step_log

@@ -38,12 +38,22 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from .inputs import dtype_name, nonneg_bytes, parse_dtype, positive_rate, resolve_params
+from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, tests import it here)
+    COMPONENTS,
+    OPTIMIZER_COMPONENTS,
+    SWAP_SLOTS,
+    TIERS,
+    buffer_tiers,
+    swap_model,
+    zero_paper_bytes,
+)
+from .result import Plan
 
 __all__ = [
     "Plan",
@@ -57,187 +67,303 @@ __all__ = [
     "zero_paper_bytes",
 ]
 
-TIERS = ("device", "pinned", "pageable", "nvme")
-COMPONENTS = (
-    "params",        # the model's own parameters (user tensors)
-    "grads",         # the model's own .grad tensors
-    "master",        # fp32 master copy, when the param is not itself the fp32 master
-    "exp_avg",
-    "exp_avg_sq",
-    "grad_buffers",  # host buffers the grads are copied into (device params)
-    "lowp_buffers",  # host buffers holding the fp16/bf16 copy of updated params (device params)
-    "io_buffers",    # swap pipeline buffers (offload="nvme")
-    "comm_buffers",  # per-bucket send/gather/reduce-scatter-out buffers of the collectives (stage >= 1, N_d > 1)
-)
-# Pieces the optimizer allocates itself (what ``memory_report()`` can see); params and grads
-# belong to the user's model.
-OPTIMIZER_COMPONENTS = COMPONENTS[2:]
-
 GiB = 1 << 30
 _OFFLOADS = ("none", "cpu", "nvme")
 _OPTIMIZERS = {"adam": 12, "adamw": 12}    # K of the ZeRO paper: master + two moments, fp32
 
+Bytes = Dict[str, Dict[str, int]]  # tier -> component -> bytes per rank
 
-SWAP_SLOTS = 2
-"""Each sub-group has two slots on disk, written alternately, so that a crash leaves one
-complete step (offload/swap/store.py, [Note: two slots])."""
-
-
-def swap_model(numel: int, nstates: int, max_host_bytes: Optional[int], sub_group_size: Optional[int]) -> Dict[str, Any]:
-    """What the swap layer will allocate for ``nstates`` fp32 states of ``numel`` elements.
-
-    Asks the swap layer itself (``plan_sub_groups`` and ``SwapLayout``) rather than copying
-    its rules, so the plan follows the engine when the engine changes. Raises ``ValueError``
-    (the engine's own message) when ``max_host_bytes`` cannot hold the pipeline.
-    """
-    from offload.swap import SwapLayout, pipeline_host_bytes, plan_sub_groups
-
-    sg, nbuf = plan_sub_groups(numel, nstates, max_host_bytes, sub_group_size)
-    layout = SwapLayout(numel, sg, nstates)
-    # The pipeline maps one pool region for its buffers, rounded up to 2 MiB (huge pages).
-    return {
-        "sub_group_size": layout.sub_group_size,
-        "num_groups": layout.num_groups,
-        "buffers": nbuf,
-        "region_bytes": layout.region_bytes,
-        "host_bytes": pipeline_host_bytes(nbuf, layout.region_bytes),
-        "file_bytes": layout.file_bytes,
-        "slots": SWAP_SLOTS,
-        "disk_bytes": SWAP_SLOTS * layout.file_bytes,
-        "nstates": nstates,
-    }
-
-
-def buffer_tiers(*, in_place: bool, device_params: bool, lowp: bool, ranks: int, cuda: bool) -> Dict[str, str]:
-    """The tier of each buffer the optimizer allocates itself (``OPTIMIZER_COMPONENTS``).
-
-    ``in_place``: fp32 CPU params at stage 0 (HostState / SwappedState); otherwise the flat
-    store. ``device_params``: the params live on the accelerator. ``lowp``: fp16/bf16 params.
-    ``ranks``: the ranks the states are partitioned over (1 at stage 0). ``cuda``: CUDA is
-    present, so the memory layer can pin (``BufferPool(pin=None)``).
-
-    The rules are the engine's (offload/zero/flat_group.py, ``FlatGroup.__init__``): the flat
-    store pins only what a DMA engine reads or writes, i.e. for params on the device the
-    host grad copies (one rank), the staging of the low-precision update (one rank) and the
-    fp32 master when it is itself copied to fp32 device params; the moments, the master of
-    fp16/bf16 params and the shards of several ranks (fp32 grad sum, low-precision shard) are
-    pageable. The swap pipeline's buffers (a pool of their own, offload/swap/pipeline.py) are
-    never pinned: they only travel between the disk and the CPU kernel. The collective buffers live on the collective's
-    device: the GPU for device params (NCCL), else host memory (gloo, plain torch tensors).
-    """
-    dma = "pinned" if (cuda and device_params) else "pageable"
-    tiers = {c: "pageable" for c in OPTIMIZER_COMPONENTS}
-    if in_place:
-        return tiers  # HostState's moments are ordinary tensors; no flat buffers
-    if not lowp:
-        tiers["master"] = dma
-    if ranks == 1:
-        tiers["grad_buffers"] = tiers["lowp_buffers"] = dma
-    tiers["comm_buffers"] = "device" if device_params else "pageable"
-    return tiers
-
-
-# --------------------------------------------------------------------------- the paper
-
-def zero_paper_bytes(num_params: int, world_size: int, stage: int, k: int = 12) -> float:
-    """Model-state bytes per rank as in the ZeRO paper (fp16 params and grads, K=12)."""
-    psi, n = float(num_params), float(world_size)
-    if stage == 0:
-        return (2 + 2 + k) * psi
-    if stage == 1:
-        return (2 + 2) * psi + k * psi / n
-    if stage == 2:
-        return 2 * psi + (2 + k) * psi / n
-    if stage == 3:
-        return (2 + 2 + k) * psi / n
-    raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-
-
-# --------------------------------------------------------------------------- the plan
 
 @dataclass
-class Plan:
-    """Bytes per rank and tier, what fits, and the predicted optimizer step."""
+class _Setup:
+    """The checked inputs of one ``estimate`` call and what follows from them."""
 
-    inputs: Dict[str, Any]
-    """Normalised inputs (dtype names as strings, sizes in bytes)."""
-    breakdown: Dict[str, Dict[str, int]]
-    """tier -> component -> bytes per rank (components in ``COMPONENTS``)."""
-    capacity: Dict[str, Optional[int]]
-    """``device``, ``host`` (per rank share of the node's memory) and ``nvme`` (free space)."""
-    step: Dict[str, Any]
-    """Predicted optimizer step: ``kernel_s``, ``io_s``, ``read_bytes``, ``write_bytes``,
-    ``step_time_s`` (``None`` where a rate is unknown), and the rates used."""
-    supported: bool = True
-    """False for stage 3, which this engine does not offer yet."""
-    notes: List[str] = field(default_factory=list)
-    problems: List[str] = field(default_factory=list)
-    """Reasons the engine would refuse this configuration (it then does not fit)."""
-
-    # derived views -------------------------------------------------------------------------
-    @property
-    def per_rank(self) -> Dict[str, int]:
-        """tier -> bytes per rank."""
-        return {t: sum(self.breakdown[t].values()) for t in TIERS}
-
-    @property
-    def optimizer_bytes(self) -> Dict[str, int]:
-        """tier -> bytes the optimizer allocates itself (no user params or grads)."""
-        return {t: sum(v for c, v in self.breakdown[t].items() if c in OPTIMIZER_COMPONENTS) for t in TIERS}
+    n: int
+    source: str
+    world_size: int
+    stage: int
+    offload: str
+    optimizer: str
+    k: int
+    pdt: torch.dtype
+    gdt: torch.dtype
+    pdev: str
+    cuda: bool
+    dev_mem: Optional[int]
+    host_mem: Optional[int]
+    mhb: Optional[int]
+    sub_group_size: Optional[int]
+    ranks_per_node: int
+    nvme_cap: Optional[int]
+    swap_dir: Optional[str]
+    rates: Tuple[Optional[float], Optional[float], Optional[float]]  # kernel, disk read, disk write
+    lowp_buffers: str
 
     @property
-    def host_bytes(self) -> int:
-        return self.per_rank["pinned"] + self.per_rank["pageable"]
+    def on_cpu(self) -> bool:
+        return self.pdev == "cpu"
 
     @property
-    def fits(self) -> Dict[str, Optional[bool]]:
-        """``device``/``host``/``nvme`` -> True, False or None (capacity not given)."""
-        need = {"device": self.per_rank["device"], "host": self.host_bytes, "nvme": self.per_rank["nvme"]}
-        out: Dict[str, Optional[bool]] = {}
-        for k, n in need.items():
-            cap = self.capacity.get(k)
-            out[k] = None if cap is None else n <= cap
-        return out
+    def lowp(self) -> bool:
+        return self.pdt != torch.float32
 
     @property
-    def fits_all(self) -> bool:
-        """Supported and no tier known to overflow (an unknown capacity counts as fitting)."""
-        return self.supported and not self.problems and all(v is not False for v in self.fits.values())
+    def pb(self) -> int:
+        return torch.tensor([], dtype=self.pdt).element_size()
 
     @property
-    def step_time_s(self) -> Optional[float]:
-        return self.step.get("step_time_s")
+    def gb(self) -> int:
+        return torch.tensor([], dtype=self.gdt).element_size()
 
     @property
-    def zero_paper_bytes(self) -> float:
-        i = self.inputs
-        return zero_paper_bytes(i["num_params"], i["world_size"], i["stage"], i["k"])
+    def in_place(self) -> bool:
+        # [Note: which store] offload/optim/adam.py (``_make_store``) picks the state store:
+        # fp32 CPU params at stage 0 (any number of ranks: stage 0 partitions nothing) are
+        # updated in place (HostState: moments in opt.state; SwappedState: moments in swap
+        # files for offload="nvme"); everything else goes to the flat store (FlatState: a flat
+        # fp32 master + moments in pool buffers, sharded over the ranks when stage >= 1). With
+        # offload="nvme" the flat store streams master, exp_avg and exp_avg_sq of this rank's
+        # shard through one swap store (SwappedShards, offload/optim/flat_state.py [Note: nvme]).
+        return self.stage == 0 and self.pdt == torch.float32 and self.on_cpu
 
-    def to_dict(self) -> Dict[str, Any]:
-        """The stable JSON form (``offload plan --json``); keys pinned by a test."""
-        return {
-            "schema": "offload.plan/1",
-            "inputs": dict(self.inputs),
-            "supported": self.supported,
-            "per_rank": self.per_rank,
-            "breakdown": {t: dict(self.breakdown[t]) for t in TIERS},
-            "optimizer_bytes": self.optimizer_bytes,
-            "capacity": dict(self.capacity),
-            "fits": self.fits,
-            "fits_all": self.fits_all,
-            "step": dict(self.step),
-            "zero_paper_bytes": int(round(self.zero_paper_bytes)),
-            "notes": list(self.notes),
-            "problems": list(self.problems),
-        }
+    @property
+    def separate_master(self) -> bool:
+        return not self.in_place
 
-    def explain(self) -> str:
-        from .render import explain_text
-        return explain_text(self)
+    @property
+    def ranks(self) -> int:
+        return self.world_size if self.stage >= 1 else 1   # stage 0 with N ranks: plain DP
 
-    def table(self) -> str:
-        from .render import plan_table
-        return plan_table(self)
+    @property
+    def shard(self) -> int:
+        return -(-self.n // self.ranks) if self.n else 0   # flat buffers padded to the world size
+
+    @property
+    def tier(self) -> Dict[str, str]:
+        return buffer_tiers(in_place=self.in_place, device_params=not self.on_cpu, lowp=self.lowp,
+                            ranks=self.ranks, cuda=self.cuda)
+
+
+def _check_choices(world_size: Any, stage: Any, offload: Any, lowp_buffers: Any, optimizer: Any) -> str:
+    """The options that take one of a few values; returns the optimizer's name."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if offload not in _OFFLOADS:
+        raise ValueError(f"unknown offload target {offload!r}; expected 'none', 'cpu' or 'nvme'")
+    if lowp_buffers not in ("shard", "none"):
+        raise ValueError(f"lowp_buffers must be 'shard' or 'none', got {lowp_buffers!r}")
+    opt = str(optimizer).lower()
+    if opt not in _OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adam' or 'adamw'")
+    return opt
+
+
+def _param_defaults(module: Optional[torch.nn.Module], param_dtype: Any, param_device: Any) -> Tuple[Any, Any]:
+    """A module's dtype and device, where the caller gave none."""
+    first = next((p for p in module.parameters()), None) if module is not None else None
+    if first is None:
+        return param_dtype, param_device
+    if param_dtype is None and first.is_floating_point():
+        param_dtype = first.dtype
+    if param_device is None and first.device.type != "meta":
+        # a model built on the meta device (to count a big model without memory) says
+        # nothing about where it will train: keep the default
+        param_device = first.device.type
+    return param_dtype, param_device
+
+
+def _device_name(param_device: Any) -> str:
+    pdev = str(param_device or "cuda").lower().split(":")[0]
+    if pdev == "gpu":
+        pdev = "cuda"
+    if pdev not in ("cpu", "cuda"):
+        raise ValueError(f"param_device must be 'cpu' or 'cuda', got {param_device!r}")
+    return pdev
+
+
+def _sizes(device_memory: Any, host_memory: Any, max_host_bytes: Any, sub_group_size: Any,
+           ranks_per_node: Any, world_size: int, nvme_capacity: Any, swap_dir: Any) -> Dict[str, Any]:
+    """The byte sizes and counts, checked; NVMe capacity from ``swap_dir`` unless given."""
+    out: Dict[str, Any] = {"dev_mem": nonneg_bytes("device_memory", device_memory),
+                           "host_mem": nonneg_bytes("host_memory", host_memory)}
+    mhb = out["mhb"] = nonneg_bytes("max_host_bytes", max_host_bytes)
+    if mhb is not None and mhb == 0:
+        raise ValueError(f"max_host_bytes must be > 0, got {max_host_bytes!r}")
+    if sub_group_size is not None and (isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int)
+                                       or sub_group_size <= 0):
+        raise ValueError(f"sub_group_size must be a positive integer, got {sub_group_size!r}")
+    if ranks_per_node is None:
+        ranks_per_node = min(world_size, 8)
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
+    out["ranks_per_node"] = ranks_per_node
+    nvme_cap = nonneg_bytes("nvme_capacity", nvme_capacity)
+    if nvme_cap is None and swap_dir is not None:
+        try:
+            nvme_cap = shutil.disk_usage(os.fspath(swap_dir)).free
+        except FileNotFoundError:
+            raise FileNotFoundError(2, "swap directory does not exist", os.fspath(swap_dir)) from None
+    out["nvme_cap"] = nvme_cap
+    return out
+
+
+def _rates(kernel_gparams: Any, disk_gbps: Any, disk_read_gbps: Any,
+           disk_write_gbps: Any) -> Tuple[Optional[float], Optional[float], Optional[float]]:
+    kg = positive_rate("kernel_gparams", kernel_gparams)
+    dg = positive_rate("disk_gbps", disk_gbps)
+    rg = positive_rate("disk_read_gbps", disk_read_gbps) or dg
+    wg = positive_rate("disk_write_gbps", disk_write_gbps) or dg
+    return kg, rg, wg
+
+
+def _place_model(s: _Setup, B: Bytes, notes: List[str]) -> None:
+    """The model's own params and grads: full on every rank (p.grad keeps torch's meaning;
+    the engine reads it and does not free it, so stage 2 does not shrink it)."""
+    if s.stage >= 1 and s.world_size == 1:
+        notes.append("world_size 1: stages 1 and 2 partition nothing (same bytes as stage 0)")
+    user_tier = "pageable" if s.on_cpu else "device"
+    B[user_tier]["params"] = s.n * s.pb
+    B[user_tier]["grads"] = s.n * s.gb
+    if s.stage == 2 and not s.on_cpu:
+        notes.append("stage 2: the ZeRO paper counts 2Ψ/N_d of grads on the device; this engine keeps "
+                     "p.grad whole (reduce-scatter at step time), so the device holds 2Ψ of grads")
+
+
+def _place_swapped(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) -> Optional[Dict[str, Any]]:
+    """offload="nvme": the moments, and the master unless the params are their own master
+    (the in-place store), in swap files; the swapped elements are the whole shard on every
+    rank (the flat buffer is padded to the world size)."""
+    streamed = (["master"] if s.separate_master else []) + ["exp_avg", "exp_avg_sq"]
+    swap = None
+    if s.shard:
+        try:
+            swap = swap_model(s.shard, len(streamed), s.mhb, s.sub_group_size)
+        except ValueError as exc:
+            problems.append(f"the swap pipeline refuses this configuration: {exc}")
+    if swap is not None:
+        # the swap files hold the states one after the other per sub-group: equal shares
+        for c in streamed:
+            B["nvme"][c] = swap["disk_bytes"] // len(streamed)
+        B[s.tier["io_buffers"]]["io_buffers"] = swap["host_bytes"]
+    if s.separate_master:
+        notes.append("offload='nvme' with the flat store: the fp32 master, exp_avg and exp_avg_sq of this "
+                     "rank's shard in swap files; host memory holds the pipeline buffers")
+    return swap
+
+
+def _place_states(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) -> Optional[Dict[str, Any]]:
+    """The fp32 master (flat store only) and the moments; returns the swap model for nvme."""
+    tier = s.tier
+    if s.separate_master and s.offload != "nvme":
+        # The flat store's fp32 master is a host buffer unless it is swapped.
+        B[tier["master"]]["master"] = 4 * s.shard
+    if s.offload == "nvme":
+        return _place_swapped(s, B, notes, problems)
+    # HostState: moments in opt.state, ordinary tensors; flat store: pool buffers.
+    for c in ("exp_avg", "exp_avg_sq"):
+        B[tier[c]][c] = 4 * s.shard
+    if s.separate_master and s.offload == "none" and not s.on_cpu:
+        notes.append("offload='none' with device params: this engine keeps the fp32 states of device "
+                     "params on the host anyway (same bytes as offload='cpu'); the ZeRO paper's "
+                     "baseline keeps them on the device")
+    return None
+
+
+def _place_buffers(s: _Setup, B: Bytes, notes: List[str]) -> None:
+    """The flat store's grad, low-precision and collective buffers."""
+    tier, shard, pb = s.tier, s.shard, s.pb
+    if s.in_place:
+        pass
+    elif s.ranks == 1:
+        # One rank: device grads are copied into a host buffer of their own dtype as they
+        # are produced (CPU grads are read in place); bf16/fp16 updates are staged in a
+        # host buffer on their way to the device (CPU low-precision params are written
+        # directly; fp32 device params are sent from the master itself).
+        if not s.on_cpu:
+            B[tier["grad_buffers"]]["grad_buffers"] = s.n * s.gb
+            if s.lowp and s.lowp_buffers == "shard":
+                B[tier["lowp_buffers"]]["lowp_buffers"] = shard * pb
+    else:
+        # Several ranks: the fp32 sum of this rank's shard of the grads, the low-precision
+        # shard that is all-gathered, and per-bucket buffers on the collective's device
+        # (NCCL: the GPU; gloo: the CPU): send (ranks x chunk fp32), gather (ranks x chunk
+        # of the param dtype) and the reduce-scatter output (chunk fp32), which FlatGroup
+        # allocates (and its memory_report counts) even where gloo reduces straight into
+        # the grad shard.
+        from offload.optim.flat_state import FlatState
+
+        B[tier["grad_buffers"]]["grad_buffers"] = 4 * shard
+        if s.lowp:
+            B[tier["lowp_buffers"]]["lowp_buffers"] = shard * pb
+        chunk = max(1, min(shard, FlatState.bucket_numel // s.ranks)) if shard else 0
+        B[tier["comm_buffers"]]["comm_buffers"] = s.ranks * chunk * 4 + s.ranks * chunk * pb + chunk * 4
+        notes.append(f"FlatState.reduce_in_backward (off by default) would add {FlatState.inflight} more send "
+                     "buffers (and reduce-scatter outputs on a GPU) per flat group; not counted")
+    if s.on_cpu and s.lowp:
+        notes.append("low-precision CPU params: the kernel writes the rounded copy into the param itself")
+
+
+def _capacity(s: _Setup, notes: List[str]) -> Dict[str, Optional[int]]:
+    """Each rank's share: host memory and the disk are shared by the ranks of a node."""
+    if s.stage == 3:
+        notes.append(
+            "stage 3 (parameter partitioning) is not yet offered by this engine; the ZeRO "
+            f"paper's figure would be {zero_paper_bytes(s.n, s.world_size, 3, s.k) / 1e9:.2f} GB per rank"
+        )
+    host_cap = None if s.host_mem is None else s.host_mem // s.ranks_per_node
+    nvme_share = None if s.nvme_cap is None else s.nvme_cap // s.ranks_per_node
+    if s.on_cpu and s.dev_mem is not None:
+        notes.append("params live on the CPU: device_memory is not used")
+    return {"device": None if s.on_cpu else s.dev_mem, "host": host_cap, "nvme": nvme_share}
+
+
+def _predict_step(s: _Setup, swap: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The ideal max(I/O, kernel) of the pipelined step."""
+    kg, rg, wg = s.rates
+    step: Dict[str, Any] = {"kernel_gparams": kg, "disk_read_gbps": rg, "disk_write_gbps": wg}
+    step["kernel_s"] = (s.shard / (kg * 1e9)) if kg else None
+    if s.offload == "nvme":
+        # every sub-group of the swapped states is read from one slot and written to the
+        # other once per step
+        io_bytes = swap["file_bytes"] if swap else 4 * (3 if s.separate_master else 2) * s.shard
+        step["read_bytes"] = io_bytes
+        step["write_bytes"] = io_bytes
+        step["io_s"] = (io_bytes / (rg * 1e9) + io_bytes / (wg * 1e9)) if (rg and wg) else None
+    else:
+        step["read_bytes"] = step["write_bytes"] = 0
+        step["io_s"] = 0.0
+    if step["kernel_s"] is None or step["io_s"] is None:
+        step["step_time_s"] = None
+    else:
+        step["step_time_s"] = max(step["kernel_s"], step["io_s"])
+    return step
+
+
+def _inputs(s: _Setup, swap: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``Plan.inputs``: the normalised inputs (keys pinned by the JSON schema test)."""
+    return {
+        "source": s.source,
+        "num_params": s.n,
+        "world_size": s.world_size,
+        "stage": s.stage,
+        "offload": s.offload,
+        "optimizer": s.optimizer,
+        "k": s.k,
+        "param_dtype": dtype_name(s.pdt),
+        "grad_dtype": dtype_name(s.gdt),
+        "param_device": s.pdev,
+        "cuda": s.cuda,
+        "ranks_per_node": s.ranks_per_node,
+        "max_host_bytes": s.mhb,
+        "sub_group_size": s.sub_group_size,
+        "swap_dir": s.swap_dir,
+        "shard_numel": s.shard,
+        "separate_master": s.separate_master,
+        "lowp_buffers": s.lowp_buffers,
+        "swap": swap,
+    }
 
 
 def estimate(
@@ -281,209 +407,43 @@ def estimate(
     ``lowp_buffers``: ``"shard"`` (one host buffer for the rank's whole shard of fp16/bf16
     params, the default) or ``"none"``.
     """
-    n, source_desc, module = resolve_params(num_params)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if offload not in _OFFLOADS:
-        raise ValueError(f"unknown offload target {offload!r}; expected 'none', 'cpu' or 'nvme'")
-    if lowp_buffers not in ("shard", "none"):
-        raise ValueError(f"lowp_buffers must be 'shard' or 'none', got {lowp_buffers!r}")
-    opt = str(optimizer).lower()
-    if opt not in _OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adam' or 'adamw'")
-    k = _OPTIMIZERS[opt]
-
-    if module is not None:
-        first = next((p for p in module.parameters()), None)
-        if param_dtype is None and first is not None and first.is_floating_point():
-            param_dtype = first.dtype
-        if param_device is None and first is not None and first.device.type != "meta":
-            # a model built on the meta device (to count a big model without memory) says
-            # nothing about where it will train: keep the default
-            param_device = first.device.type
-    pdt = parse_dtype(param_dtype if param_dtype is not None else torch.bfloat16)
-    gdt = parse_dtype(grad_dtype) if grad_dtype is not None else pdt
-    pdev = str(param_device or "cuda").lower().split(":")[0]
-    if pdev == "gpu":
-        pdev = "cuda"
-    if pdev not in ("cpu", "cuda"):
-        raise ValueError(f"param_device must be 'cpu' or 'cuda', got {param_device!r}")
-    on_cpu = pdev == "cpu"
-    if cuda is None:
-        cuda = not on_cpu
-    pb = torch.tensor([], dtype=pdt).element_size()
-    gb = torch.tensor([], dtype=gdt).element_size()
-
-    dev_mem = nonneg_bytes("device_memory", device_memory)
-    host_mem = nonneg_bytes("host_memory", host_memory)
-    mhb = nonneg_bytes("max_host_bytes", max_host_bytes)
-    if mhb is not None and mhb == 0:
-        raise ValueError(f"max_host_bytes must be > 0, got {max_host_bytes!r}")
-    if sub_group_size is not None and (isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int) or sub_group_size <= 0):
-        raise ValueError(f"sub_group_size must be a positive integer, got {sub_group_size!r}")
-    if ranks_per_node is None:
-        ranks_per_node = min(world_size, 8)
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
-    nvme_cap = nonneg_bytes("nvme_capacity", nvme_capacity)
-    if nvme_cap is None and swap_dir is not None:
-        try:
-            nvme_cap = shutil.disk_usage(os.fspath(swap_dir)).free
-        except FileNotFoundError:
-            raise FileNotFoundError(2, "swap directory does not exist", os.fspath(swap_dir)) from None
-    kg = positive_rate("kernel_gparams", kernel_gparams)
-    dg = positive_rate("disk_gbps", disk_gbps)
-    rg = positive_rate("disk_read_gbps", disk_read_gbps) or dg
-    wg = positive_rate("disk_write_gbps", disk_write_gbps) or dg
-
+    s = _setup(num_params, world_size=world_size, stage=stage, offload=offload, param_dtype=param_dtype,
+               grad_dtype=grad_dtype, optimizer=optimizer, param_device=param_device, cuda=cuda,
+               device_memory=device_memory, host_memory=host_memory, ranks_per_node=ranks_per_node,
+               max_host_bytes=max_host_bytes, sub_group_size=sub_group_size, swap_dir=swap_dir,
+               nvme_capacity=nvme_capacity, disk_gbps=disk_gbps, disk_read_gbps=disk_read_gbps,
+               disk_write_gbps=disk_write_gbps, kernel_gparams=kernel_gparams, lowp_buffers=lowp_buffers)
     notes: List[str] = []
     problems: List[str] = []
-    B: Dict[str, Dict[str, int]] = {t: {c: 0 for c in COMPONENTS} for t in TIERS}
-    user_tier = "pageable" if on_cpu else "device"
-    lowp = pdt != torch.float32
+    B: Bytes = {t: {c: 0 for c in COMPONENTS} for t in TIERS}
+    _place_model(s, B, notes)
+    swap = _place_states(s, B, notes, problems)
+    _place_buffers(s, B, notes)
+    capacity = _capacity(s, notes)
+    return Plan(inputs=_inputs(s, swap), breakdown=B, capacity=capacity, step=_predict_step(s, swap),
+                supported=s.stage != 3, notes=notes, problems=problems)
 
-    # [Note: which store] offload/optim/adam.py (``_make_store``) picks the state store:
-    # fp32 CPU params at stage 0 (any number of ranks: stage 0 partitions nothing) are
-    # updated in place (HostState: moments in opt.state; SwappedState: moments in swap files
-    # for offload="nvme"); everything else goes to the flat store (FlatState: a flat fp32
-    # master + moments in pool buffers, sharded over the ranks when stage >= 1). With
-    # offload="nvme" the flat store streams master, exp_avg and exp_avg_sq of this rank's
-    # shard through one swap store (SwappedShards, offload/optim/flat_state.py [Note: nvme]).
-    in_place = stage == 0 and pdt == torch.float32 and on_cpu
-    ranks = world_size if stage >= 1 else 1            # stage 0 with N ranks: plain DP
-    shard = -(-n // ranks) if n else 0                 # flat buffers padded to the world size
-    separate_master = not in_place
-    tier = buffer_tiers(in_place=in_place, device_params=not on_cpu, lowp=lowp, ranks=ranks, cuda=bool(cuda))
-    if stage >= 1 and world_size == 1:
-        notes.append("world_size 1: stages 1 and 2 partition nothing (same bytes as stage 0)")
 
-    # The model's own params and grads: full on every rank (p.grad keeps torch's meaning;
-    # the engine reads it and does not free it, so stage 2 does not shrink it).
-    B[user_tier]["params"] = n * pb
-    B[user_tier]["grads"] = n * gb
-    if stage == 2 and not on_cpu:
-        notes.append("stage 2: the ZeRO paper counts 2Ψ/N_d of grads on the device; this engine keeps "
-                     "p.grad whole (reduce-scatter at step time), so the device holds 2Ψ of grads")
-
-    state_elems = {"master": shard if separate_master else 0, "exp_avg": shard, "exp_avg_sq": shard}
-    swap: Optional[Dict[str, Any]] = None
-    if separate_master and offload != "nvme":
-        # The flat store's fp32 master is a host buffer unless it is swapped.
-        B[tier["master"]]["master"] = 4 * shard
-    if offload == "nvme":
-        # Swapped: the moments, and the master unless the params are their own master (the
-        # in-place store). The swapped elements are the whole shard on every rank (the flat
-        # buffer is padded to the world size).
-        streamed = (["master"] if separate_master else []) + ["exp_avg", "exp_avg_sq"]
-        if shard:
-            try:
-                swap = swap_model(shard, len(streamed), mhb, sub_group_size)
-            except ValueError as exc:
-                problems.append(f"the swap pipeline refuses this configuration: {exc}")
-        if swap is not None:
-            # the swap files hold the states one after the other per sub-group: equal shares
-            for c in streamed:
-                B["nvme"][c] = swap["disk_bytes"] // len(streamed)
-            B[tier["io_buffers"]]["io_buffers"] = swap["host_bytes"]
-        if separate_master:
-            notes.append("offload='nvme' with the flat store: the fp32 master, exp_avg and exp_avg_sq of this "
-                         "rank's shard in swap files; host memory holds the pipeline buffers")
-    else:
-        # HostState: moments in opt.state, ordinary tensors; flat store: pool buffers.
-        for c in ("exp_avg", "exp_avg_sq"):
-            B[tier[c]][c] = 4 * state_elems[c]
-        if separate_master and offload == "none" and not on_cpu:
-            notes.append("offload='none' with device params: this engine keeps the fp32 states of device "
-                         "params on the host anyway (same bytes as offload='cpu'); the ZeRO paper's "
-                         "baseline keeps them on the device")
-
-    if not in_place:
-        if ranks == 1:
-            # One rank: device grads are copied into a host buffer of their own dtype as they
-            # are produced (CPU grads are read in place); bf16/fp16 updates are staged in a
-            # host buffer on their way to the device (CPU low-precision params are written
-            # directly; fp32 device params are sent from the master itself).
-            if not on_cpu:
-                B[tier["grad_buffers"]]["grad_buffers"] = n * gb
-                if lowp and lowp_buffers == "shard":
-                    B[tier["lowp_buffers"]]["lowp_buffers"] = shard * pb
-        else:
-            # Several ranks: the fp32 sum of this rank's shard of the grads, the low-precision
-            # shard that is all-gathered, and per-bucket buffers on the collective's device
-            # (NCCL: the GPU; gloo: the CPU): send (ranks x chunk fp32), gather (ranks x chunk
-            # of the param dtype) and the reduce-scatter output (chunk fp32), which FlatGroup
-            # allocates (and its memory_report counts) even where gloo reduces straight into
-            # the grad shard.
-            from offload.optim.flat_state import FlatState
-
-            B[tier["grad_buffers"]]["grad_buffers"] = 4 * shard
-            if lowp:
-                B[tier["lowp_buffers"]]["lowp_buffers"] = shard * pb
-            chunk = max(1, min(shard, FlatState.bucket_numel // ranks)) if shard else 0
-            B[tier["comm_buffers"]]["comm_buffers"] = ranks * chunk * 4 + ranks * chunk * pb + chunk * 4
-            notes.append(f"FlatState.reduce_in_backward (off by default) would add {FlatState.inflight} more send "
-                         "buffers (and reduce-scatter outputs on a GPU) per flat group; not counted")
-    if on_cpu and pdt != torch.float32:
-        notes.append("low-precision CPU params: the kernel writes the rounded copy into the param itself")
-
-    supported = True
-    if stage == 3:
-        supported = False
-        notes.append(
-            "stage 3 (parameter partitioning) is not yet offered by this engine; the ZeRO "
-            f"paper's figure would be {zero_paper_bytes(n, world_size, 3, k) / 1e9:.2f} GB per rank"
-        )
-
-    # Host memory is shared by the ranks of a node: each rank's share.
-    host_cap = None if host_mem is None else host_mem // ranks_per_node
-    nvme_share = None if nvme_cap is None else nvme_cap // ranks_per_node
-    capacity = {"device": None if on_cpu else dev_mem, "host": host_cap, "nvme": nvme_share}
-    if on_cpu and dev_mem is not None:
-        notes.append("params live on the CPU: device_memory is not used")
-
-    # Predicted optimizer step: the ideal max(I/O, kernel) of the pipelined step.
-    step: Dict[str, Any] = {"kernel_gparams": kg, "disk_read_gbps": rg, "disk_write_gbps": wg}
-    step["kernel_s"] = (shard / (kg * 1e9)) if kg else None
-    if offload == "nvme":
-        # every sub-group of the swapped states is read from one slot and written to the
-        # other once per step
-        io_bytes = swap["file_bytes"] if swap else 4 * (3 if separate_master else 2) * shard
-        step["read_bytes"] = io_bytes
-        step["write_bytes"] = io_bytes
-        step["io_s"] = (io_bytes / (rg * 1e9) + io_bytes / (wg * 1e9)) if (rg and wg) else None
-    else:
-        step["read_bytes"] = step["write_bytes"] = 0
-        step["io_s"] = 0.0
-    if step["kernel_s"] is None or step["io_s"] is None:
-        step["step_time_s"] = None
-    else:
-        step["step_time_s"] = max(step["kernel_s"], step["io_s"])
-
-    inputs = {
-        "source": source_desc,
-        "num_params": n,
-        "world_size": world_size,
-        "stage": stage,
-        "offload": offload,
-        "optimizer": opt,
-        "k": k,
-        "param_dtype": dtype_name(pdt),
-        "grad_dtype": dtype_name(gdt),
-        "param_device": pdev,
-        "cuda": bool(cuda),
-        "ranks_per_node": ranks_per_node,
-        "max_host_bytes": mhb,
-        "sub_group_size": sub_group_size,
-        "swap_dir": os.fspath(swap_dir) if swap_dir is not None else None,
-        "shard_numel": shard,
-        "separate_master": separate_master,
-        "lowp_buffers": lowp_buffers,
-        "swap": swap,
-    }
-    return Plan(inputs=inputs, breakdown=B, capacity=capacity, step=step, supported=supported, notes=notes,
-                problems=problems)
+def _setup(num_params: Any, *, world_size: Any, stage: Any, offload: Any, param_dtype: Any, grad_dtype: Any,
+           optimizer: Any, param_device: Any, cuda: Optional[bool], device_memory: Any, host_memory: Any,
+           ranks_per_node: Any, max_host_bytes: Any, sub_group_size: Any, swap_dir: Any, nvme_capacity: Any,
+           disk_gbps: Any, disk_read_gbps: Any, disk_write_gbps: Any, kernel_gparams: Any,
+           lowp_buffers: str) -> _Setup:
+    """Check ``estimate``'s arguments in the order they are documented (the first bad one is
+    the one reported)."""
+    n, source_desc, module = resolve_params(num_params)
+    opt = _check_choices(world_size, stage, offload, lowp_buffers, optimizer)
+    param_dtype, param_device = _param_defaults(module, param_dtype, param_device)
+    pdt = parse_dtype(param_dtype if param_dtype is not None else torch.bfloat16)
+    gdt = parse_dtype(grad_dtype) if grad_dtype is not None else pdt
+    pdev = _device_name(param_device)
+    sizes = _sizes(device_memory, host_memory, max_host_bytes, sub_group_size, ranks_per_node, world_size,
+                   nvme_capacity, swap_dir)
+    rates = _rates(kernel_gparams, disk_gbps, disk_read_gbps, disk_write_gbps)
+    return _Setup(n=n, source=source_desc, world_size=world_size, stage=stage, offload=offload, optimizer=opt,
+                  k=_OPTIMIZERS[opt], pdt=pdt, gdt=gdt, pdev=pdev, cuda=bool(pdev != "cpu" if cuda is None else cuda),
+                  sub_group_size=sub_group_size, swap_dir=os.fspath(swap_dir) if swap_dir is not None else None,
+                  rates=rates, lowp_buffers=lowp_buffers, **sizes)
 
 
 def cheapest_fitting(

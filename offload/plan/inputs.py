@@ -40,7 +40,10 @@ def parse_count(value: Union[int, str]) -> int:
         if str(value).strip().startswith("-"):
             raise ValueError(f"parameter count must be >= 0, got {value!r}")
         raise ValueError(f"invalid parameter count: {value!r} (examples: 125M, 7.5B, 1e9)")
-    return int(round(float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]))
+    n = float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]
+    if not math.isfinite(n):  # "1e400": float() gives inf, which int() cannot hold
+        raise ValueError(f"parameter count {value!r} is too large")
+    return int(round(n))
 
 
 _DTYPES = {

@@ -1,10 +1,9 @@
 """Text forms of a plan: the per-rank table (GiB, binary) and the ``--explain`` derivation."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import Any, List, Optional
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .estimate import Plan
+from .placement import COMPONENTS, TIERS
 
 __all__ = ["plan_table", "explain_text", "gib", "fmt_bytes"]
 
@@ -31,9 +30,36 @@ def _fit_word(v: Optional[bool]) -> str:
     return "unknown (capacity not given)" if v is None else ("yes" if v else "NO")
 
 
-def plan_table(plan: "Plan") -> str:
-    from .estimate import COMPONENTS, TIERS
+def _byte_rows(plan: Any) -> List[str]:
+    """The table proper: a row per component, a column per tier, and with swap files a
+    column that splits the NVMe bytes into one slot x the slots kept (so 8 B/param of an
+    fp32 state on NVMe explains itself)."""
+    slots = (plan.inputs.get("swap") or {}).get("slots")
+    comps = [c for c in COMPONENTS if any(plan.breakdown[t][c] for t in TIERS)]
+    head = f"  {'':<14}" + "".join(f"{t:>11}" for t in TIERS)
+    b = plan.breakdown
 
+    def slot_cell(nvme: int) -> str:
+        return f"{gib(nvme // slots)} x {slots}" if slots and nvme else ""
+
+    out = [head + (f"{'nvme = slot x slots':>22}" if slots else "")]
+    for c in comps:
+        out.append((f"  {c:<14}" + "".join(f"{gib(b[t][c]):>11}" for t in TIERS)
+                    + (f"{slot_cell(b['nvme'][c]):>22}" if slots else "")).rstrip())
+    totals = plan.per_rank
+    out.append((f"  {'total':<14}" + "".join(f"{gib(totals[t]):>11}" for t in TIERS)
+                + (f"{slot_cell(totals['nvme']):>22}" if slots else "")).rstrip())
+    if slots:
+        out.append(f"  nvme: each swapped fp32 state is kept in {slots} slots (4 B per element each, plus padding "
+                   "to 4 KiB per sub-group),")
+        out.append("  written alternately so that a crash leaves one complete step: a step reads one slot and "
+                   "writes the other")
+    return out
+
+
+def plan_table(plan: Any) -> str:
+    """The per-rank table of an ``offload.plan.Plan`` (typed ``Any``: ``result`` imports this
+    module, and nothing may import in a cycle)."""
     i = plan.inputs
     lines: List[str] = []
     lines.append(
@@ -44,13 +70,8 @@ def plan_table(plan: "Plan") -> str:
     if not plan.supported:
         lines.append("stage 3: not yet (parameter partitioning/offload does not exist in this engine)")
     lines.append("bytes per rank, in GiB (2^30 bytes):")
-    comps = [c for c in COMPONENTS if any(plan.breakdown[t][c] for t in TIERS)]
-    head = f"  {'':<14}" + "".join(f"{t:>11}" for t in TIERS)
-    lines.append(head)
-    for c in comps:
-        lines.append(f"  {c:<14}" + "".join(f"{gib(plan.breakdown[t][c]):>11}" for t in TIERS))
+    lines.extend(_byte_rows(plan))
     totals = plan.per_rank
-    lines.append(f"  {'total':<14}" + "".join(f"{gib(totals[t]):>11}" for t in TIERS))
     cap = plan.capacity
     fits = plan.fits
     if i["param_device"] == "cpu":
@@ -91,7 +112,7 @@ def plan_table(plan: "Plan") -> str:
     return "\n".join(lines)
 
 
-def explain_text(plan: "Plan") -> str:
+def explain_text(plan: Any) -> str:
     """The formulas behind the numbers, with this plan's values substituted."""
     i = plan.inputs
     n, N, st, k = i["num_params"], i["world_size"], i["stage"], i["k"]

@@ -22,6 +22,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from typing import Any, Dict, IO, List, Mapping, Optional
 
 from offload.optim.stats import PHASES, process_rss_bytes
@@ -35,6 +36,7 @@ __all__ = [
     "format_step_stats",
     "format_log_summary",
     "STEPLOG_SCHEMA",
+    "StepLogWarning",
     "PHASES",
 ]
 
@@ -164,27 +166,86 @@ def attach(opt: Any, *, every: int = 1, path: "Optional[str | os.PathLike[str]]"
     return _Handle()
 
 
+class StepLogWarning(UserWarning):
+    """A line of a step log that ``read_step_log`` left out (it says which and why)."""
+
+
+def _number(v: Any, *, nonneg: bool = True) -> bool:
+    """A finite JSON number (never a bool), >= 0 unless told otherwise."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    return v >= 0 or not nonneg
+
+
+def _row_problem(row: Mapping[str, Any]) -> Optional[str]:
+    """Why a parsed row cannot be summarised (a known field of the wrong type), or None."""
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"'step' must be an integer >= 0, got {step!r}"
+    for key, nonneg in (("step_s", True), ("overlap_efficiency", False), ("rss", True)):
+        v = row.get(key)
+        if v is not None and not _number(v, nonneg=nonneg):
+            return f"{key!r} must be a finite number{' >= 0' if nonneg else ''} or null, got {v!r}"
+    phases = row.get("phases")
+    if phases is not None and not isinstance(phases, dict):
+        return f"'phases' must be an object of seconds per phase, got {phases!r}"
+    bad = next((k for k, v in (phases or {}).items() if not _number(v)), None)
+    if bad is not None:
+        return f"phase {bad!r} must be a finite number of seconds >= 0, got {phases[bad]!r}"
+    tiers = row.get("bytes")
+    if tiers is not None and not isinstance(tiers, dict):
+        return f"'bytes' must be an object of bytes per tier, got {tiers!r}"
+    bad = next((k for k, v in (tiers or {}).items() if _TIER_ALIASES.get(k, k) in _TIERS and not _number(v)), None)
+    if bad is not None:
+        return f"bytes of tier {bad!r} must be a number >= 0, got {tiers[bad]!r}"
+    return None
+
+
+def _parse_line(path: str, lineno: int, raw: str) -> Optional[Dict[str, Any]]:
+    """One line as a row; None (with a warning) for a row to leave out; ValueError for a
+    line that is not a step log's."""
+    line = raw.strip()
+    if not line:
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        if not raw.endswith("\n"):
+            # The logger writes a row and its newline in one write, so only a kill in the
+            # middle of that write leaves a last line without one: the run's last row.
+            warnings.warn(f"{path}:{lineno}: last line cut short ({exc.msg}), probably by a kill while it "
+                          f"was written; summarising the {lineno - 1} lines before it", StepLogWarning,
+                          stacklevel=3)
+            return None
+        raise ValueError(f"{path}:{lineno}: not a JSON line ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{lineno}: expected an object with a 'step' key")
+    problem = _row_problem(row)
+    if problem is not None:
+        warnings.warn(f"{path}:{lineno}: row left out: {problem}", StepLogWarning, stacklevel=3)
+        return None
+    row["phases"] = {str(k): float(v) for k, v in (row.get("phases") or {}).items()}
+    row["bytes"] = _tiers(row.get("bytes"))
+    return row
+
+
 def read_step_log(path: "str | os.PathLike[str]") -> List[Dict[str, Any]]:
-    """The rows of a step log; a malformed line is a ``ValueError`` naming file and line."""
+    """The rows of a step log.
+
+    A line that is not a JSON object is a ``ValueError`` naming file and line. Two kinds of
+    line are left out with a ``StepLogWarning`` naming the line instead, so that what the log
+    does hold can still be read: a row whose known fields have the wrong type (``"phases":
+    5``, ``"bytes": "lots"``), and a last line cut short by a kill (no newline at its end).
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "step log not found", path)
     rows = []
     with open(path, "r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not a JSON line ({exc.msg})") from None
-            if not isinstance(row, dict) or "step" not in row:
-                raise ValueError(f"{path}:{lineno}: expected an object with a 'step' key")
-            row["phases"] = {str(k): float(v) for k, v in (row.get("phases") or {}).items()
-                             if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            row["bytes"] = _tiers(row.get("bytes"))
-            rows.append(row)
+        for lineno, raw in enumerate(f, 1):
+            row = _parse_line(path, lineno, raw)
+            if row is not None:
+                rows.append(row)
     return rows
 
 

@@ -1,0 +1,70 @@
+"""What ``offload bench-io`` prints and draws: the table of rows and the throughput plot."""
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+__all__ = ["format_table", "plot"]
+
+
+def _human(n: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    head = (f"{'tool':<9} {'engine':<12} {'rw':<5} {'bs':>5} {'qd':>3} {'dir':>3} {'GB/s':>6} {'GiB/s':>6} "
+            f"{'IOPS':>8} {'p50 us':>9} {'p99 us':>9} {'p99.9 us':>9} {'usr%':>5} {'sys%':>5} {'vs fio':>6}  note")
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["rw"], r["block_size"], r["queue_depth"], r["tool"] != "offload",
+                                         -r["gbps"])):
+        eng = r["engine"] + ("+THP" if r.get("hugepages") else "")
+        ratio = f"{r['vs_fio']:.2f}" if r.get("vs_fio") else ""
+        lines.append(
+            f"{r['tool']:<9} {eng:<12} {r['rw']:<5} {_human(r['block_size']):>5} {r['queue_depth']:>3} "
+            f"{'y' if r['direct'] else 'n':>3} {r['gbps']:6.2f} {r['gibps']:6.2f} {r['iops']:8.0f} "
+            f"{r['lat_p50_us']:9.0f} {r['lat_p99_us']:9.0f} {r['lat_p999_us']:9.0f} {r['cpu_usr_pct']:5.0f} "
+            f"{r['cpu_sys_pct']:5.0f} {ratio:>6}  {r.get('note', '')}")
+    lines.append("GB/s = 10^9 bytes/s, GiB/s = 2^30 bytes/s; latency per request from submission to completion; "
+                 "usr%/sys% = CPU time of the whole process (fio: of fio) in % of one CPU; "
+                 "vs fio = offload GB/s / best fio GB/s of the same rw, bs, qd.")
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
+    rws = sorted({r["rw"] for r in rows})
+    # One colour per contender, one line style per queue depth: lines stay readable with
+    # a dozen series.
+    contenders = sorted({(r["tool"], r["engine"], bool(r.get("hugepages"))) for r in rows})
+    colours = {c: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(contenders)}
+    qds = sorted({r["queue_depth"] for r in rows})
+    styles = {qd: ["-", "--", ":", "-."][i % 4] for i, qd in enumerate(reversed(qds))}
+    fig, axes = plt.subplots(1, len(rws), figsize=(6 * len(rws), 4.5), squeeze=False)
+    for ax, rw in zip(axes[0], rws):
+        series: Dict[tuple, list] = {}
+        for r in rows:
+            if r["rw"] == rw:
+                series.setdefault(((r["tool"], r["engine"], bool(r.get("hugepages"))), r["queue_depth"]),
+                                  []).append((r["block_size"], r["gbps"]))
+        for (c, qd), pts in sorted(series.items()):
+            pts.sort()
+            label = f"{c[0]} {c[1]}{'+THP' if c[2] else ''} qd={qd}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colours[c], linestyle=styles[qd],
+                    label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (bytes)")
+        ax.set_ylabel("GB/s (10^9 B/s)")
+        ax.set_title(f"{rw}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

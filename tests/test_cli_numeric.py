@@ -1,0 +1,124 @@
+"""Every numeric option of `offload plan`, `offload bench-io` and `offload demo` refuses a
+bad value as a usage error: exit status 2 and a message naming the option, never a
+traceback (`--params 1e400` was an OverflowError)."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+
+def _cli(*argv: str):
+    from offload.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(argv))
+        except SystemExit as exc:  # argparse's usage errors
+            rc = exc.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+PLAN = ("plan", "--no-probe")
+PLAN_BAD = [
+    ("--params", "1e400", "too large"),
+    ("--params", "nan", "invalid parameter count"),
+    ("--params", "inf", "invalid parameter count"),
+    ("--params", "-1", ">= 0"),
+    ("--params", "abc", "invalid parameter count"),
+    ("--world-size", "0", ">= 1"),
+    ("--world-size", "-1", ">= 1"),
+    ("--world-size", "1e400", "whole number"),
+    ("--world-size", "2.5", "whole number"),
+    ("--stage", "4", "<= 3"),
+    ("--stage", "-1", ">= 0"),
+    ("--ranks-per-node", "0", ">= 1"),
+    ("--sub-group-size", "nan", "whole number"),
+    ("--sub-group-size", "-3", ">= 1"),
+    ("--device-memory", "1e400GiB", "too large"),
+    ("--device-memory", "-1", ">= 0"),
+    ("--host-memory", "abc", "invalid byte size"),
+    ("--host-memory", "nan", "invalid byte size"),
+    ("--max-host-bytes", "1e400GiB", "too large"),
+    ("--max-host-bytes", "0", "> 0"),
+    ("--max-host-bytes", "-1", ">= 0"),
+    ("--nvme-capacity", "1e400", "too large"),
+    ("--nvme-capacity", "inf", "invalid byte size"),
+    ("--disk-gbps", "nan", "finite number > 0"),
+    ("--disk-gbps", "inf", "finite number > 0"),
+    ("--disk-read-gbps", "-1", "finite number > 0"),
+    ("--disk-write-gbps", "0", "finite number > 0"),
+    ("--kernel-gparams", "1e400", "finite number > 0"),
+    ("--kernel-gparams", "abc", "expected a number"),
+]
+
+
+@pytest.mark.parametrize("option,value,fragment", PLAN_BAD)
+def test_plan_numeric_options_are_usage_errors(option, value, fragment):
+    args = list(PLAN) + ([] if option == "--params" else ["--params", "1B"]) + [f"{option}={value}"]
+    rc, out, err = _cli(*args)
+    assert rc == 2, (rc, out, err)
+    assert f"argument {option}: " in err and fragment in err, err
+    assert "Traceback" not in err and not out
+
+
+BENCH_BAD = [
+    ("--size", "1e400GiB", "too large"),
+    ("--size", "-1", ">= 0"),
+    ("--size", "abc", "invalid byte size"),
+    ("--size", "0", "> 0"),
+    ("--block-size", "1e400", "too large"),
+    ("--block-size", "1M,-1", ">= 0"),
+    ("--block-size", "0", "> 0"),
+    ("--queue-depth", "0", ">= 1"),
+    ("--queue-depth", "8,1e400", "whole number"),
+    ("--queue-depth", "99999999999", "io_uring's largest ring"),
+    ("--loops", "0", ">= 1"),
+    ("--loops", "abc", "whole number"),
+]
+
+
+@pytest.mark.parametrize("option,value,fragment", BENCH_BAD)
+def test_bench_io_numeric_options_are_usage_errors(tmp_path, option, value, fragment):
+    rc, out, err = _cli("bench-io", "--dir", str(tmp_path), f"{option}={value}")
+    assert rc == 2, (rc, out, err)
+    assert f"argument {option}: " in err and fragment in err, err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # refused before the test file was made
+
+
+@pytest.mark.parametrize("option,value,fragment", [
+    ("--params", "1e400", "too large"),
+    ("--params", "-5", ">= 0"),
+    ("--max-host-bytes", "1e400GiB", "too large"),
+])
+def test_demo_numeric_options_are_usage_errors(option, value, fragment):
+    rc, out, err = _cli("demo", f"{option}={value}")
+    assert rc == 2 and f"argument {option}: " in err and fragment in err, err
+
+
+def test_good_values_still_reach_the_plan():
+    import json
+
+    rc, out, err = _cli("plan", "--params", "1.5B", "--world-size", "4", "--stage", "2", "--ranks-per-node", "2",
+                        "--host-memory", "256GiB", "--device-memory", "80GiB", "--max-host-bytes", "2GiB",
+                        "--nvme-capacity", "1e12", "--offload", "nvme", "--kernel-gparams", "2.5",
+                        "--disk-read-gbps", "3", "--disk-write-gbps", "1.5", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    i = doc["inputs"]
+    assert (i["num_params"], i["world_size"], i["stage"], i["ranks_per_node"], i["max_host_bytes"]) == \
+        (1_500_000_000, 4, 2, 2, 2 << 30)
+    assert doc["capacity"] == {"device": 80 << 30, "host": (256 << 30) // 2, "nvme": 10 ** 12 // 2}
+    assert doc["step"]["kernel_gparams"] == 2.5 and doc["step"]["disk_write_gbps"] == 1.5
+
+
+def test_parse_count_refuses_a_count_too_large_to_hold():
+    from offload.plan import parse_count
+
+    with pytest.raises(ValueError, match="too large"):
+        parse_count("1e400")
+    with pytest.raises(ValueError, match="too large"):
+        parse_count("1e308B")
