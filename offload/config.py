@@ -44,7 +44,7 @@ def parse_bytes(value: "int | str") -> int:
     except ValueError:
         raise ValueError(f"invalid byte size: {value!r}") from None
     if not math.isfinite(number):  # "1e400" parses as inf: int() of it would be an OverflowError
-        raise ValueError(f"invalid byte size: {value!r} (not a finite number)")
+        raise ValueError(f"invalid byte size: {value!r} (not a finite number: too large, nan or inf)")
     if number < 0:
         raise ValueError(f"byte size must be >= 0, got {value!r}")
     return int(number * _UNITS[unit])

@@ -72,7 +72,7 @@ def _assert_same(a, b, atol=1e-6):
     (dict(offload="nvme", swap_dir=5), TypeError, "swap_dir must be a path"),
     (dict(offload="nvme", swap_dir="/var/tmp", sub_group_size=2.5), TypeError, "sub_group_size must be an int"),
     (dict(offload="nvme", swap_dir="/var/tmp", max_host_bytes="1e400"), ValueError,
-     r"max_host_bytes: invalid byte size: '1e400' \(not a finite number\)"),
+     r"max_host_bytes: invalid byte size: '1e400' \(not a finite number: too large, nan or inf\)"),
     (dict(offload="nvme", swap_dir="/var/tmp", io_engine="fast"), ValueError, "unknown io engine 'fast'"),
     (dict(offload="nvme", swap_dir="/var/tmp", io_engine=3), TypeError, "io_engine must be"),
 ])
