@@ -60,6 +60,7 @@ step j.
 """
 from __future__ import annotations
 
+import os
 import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -93,7 +94,11 @@ def _kernel_kwargs(hyper: Any, step: int) -> Dict[str, Any]:
 
 
 def _close_quietly(pipeline: SwapPipeline, store: SwapStore) -> None:
-    """Close (also from the garbage collector): buffers first, then files and directory."""
+    """Close (also from the garbage collector): buffers first, then files and directory.
+    Nothing in a forked child: the buffers' io_uring registration is the parent's too."""
+    if getattr(store, "owner_pid", None) not in (None, os.getpid()):
+        store.close()  # marks it closed; touches nothing
+        return
     try:
         pipeline.close()
     finally:

@@ -111,6 +111,8 @@ class SwapStore:
         self.parent = fsutil.check_parent_dir(swap_dir)
         self.path = os.path.join(self.parent, private_dir_name(run_name, self.rank))
         self._lock: Optional[fsutil.Lock] = None
+        self.owner_pid = os.getpid()  # only this process may remove the directory ([Note: fork] in cleanup)
+        self._dir_id: Optional[tuple] = None  # (st_dev, st_ino) of the directory we locked
         self.files: List[Any] = []
         self.engine = None
         self._owns_engine = False
@@ -155,6 +157,8 @@ class SwapStore:
             fsutil.make_private_dir(self.path)
             self._lock = fsutil.Lock(self.path)
             self._created = True
+        st = os.lstat(self.path)
+        self._dir_id = (st.st_dev, st.st_ino)
         if resume:
             self._load_manifest(manifest_path)
             self._keep_reserve(os.path.getsize(manifest_path))  # a directory of an older offload has none
@@ -407,11 +411,16 @@ class SwapStore:
 
     def close(self, *, remove: bool = True) -> None:
         """Close files and engine; with ``remove`` (the default) delete the directory. With
-        ``remove=False`` the directory stays (resumable) and its lock is released."""
+        ``remove=False`` the directory stays (resumable) and its lock is released. The
+        directory also stays after this process received SIGTERM (see cleanup's notes), and
+        nothing at all is done in a forked child: the store is its parent's. A directory
+        that vanished or was replaced since we locked it is left alone (with a warning)."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        if os.getpid() != self.owner_pid:
+            return  # a forked child: files, lock, engine and accounting are the parent's
         if self._token is not None:
             cleanup.unregister(self._token)
             from offload.memory import default_accounting
@@ -427,9 +436,20 @@ class SwapStore:
             self.engine.close()
         self.engine = None
         if self._lock is not None:
-            if remove:
-                fsutil.remove_private_dir(self.path, lock=self._lock)
+            if remove and cleanup.terminating():
+                log.warning("%s: kept after SIGTERM (step %d, resumable with resume=True; `offload clean %s` "
+                            "removes it)", self.path, self.step, self.parent)
+            elif remove:
+                self._remove_dir()
             self._lock.release()
+
+    def _remove_dir(self) -> None:
+        try:
+            fsutil.remove_private_dir(self.path, lock=self._lock, expect=self._dir_id)
+        except FileNotFoundError:
+            log.warning("%s: swap directory already removed by someone else", self.path)
+        except fsutil.NotOurs as exc:
+            log.warning("%s: %s", self.path, exc.strerror)
 
     @property
     def closed(self) -> bool:
