@@ -68,10 +68,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from offload.optim.stats import swap_phases
-from offload.swap import SwapLayout, SwapPipeline, SwapStepError, SwapStore, plan_sub_groups
+from offload.swap import SwapPipeline, SwapStepError, SwapStore
 from offload.swap.cache import GroupCache
+from offload.swap.manifest_check import check_steps
 from offload.swap.checkpoint import load_store, save_store
-from offload.swap.store import open_run_store
+from offload.swap.runs import make_identity, open_store
 
 __all__ = ["SwappedState", "STATE_NAMES"]
 
@@ -135,23 +136,23 @@ class SwappedState:
             self._index[id(p)] = i
             self._offsets.append(total)
             total += p.numel()
-        if total == 0:
-            raise ValueError("all params are empty")
         self.numel = total
-        sg, nbuf = plan_sub_groups(total, len(STATE_NAMES), max_host_bytes, sub_group_size)
-        self.layout = SwapLayout(total, sg, len(STATE_NAMES))
         if rank is None:
             rank = torch.distributed.get_rank() if (torch.distributed.is_available()
                                                     and torch.distributed.is_initialized()) else 0
         self._steps = [0] * len(self.params)
-        self._group_params = self._params_per_group()
-        self._samples = self._sample_indices()
         self._broken: Optional[str] = None
         self._opt: Any = None  # weakref to the optimizer when built by for_optimizer()
         self._meta_dirty = False
         self.last_stats: Dict[str, float] = {}
-        self.store = open_run_store(swap_dir, self.layout, STATE_NAMES, run_name=run_name, rank=rank, verify=verify,
-                                    resume=resume, io_engine=io_engine)
+        # Params of 0 elements only (torch accepts them): a one-page store that no param
+        # touches still records the step counts, so resume and checkpoints work the same.
+        self.store, nbuf = open_store(swap_dir, max(total, 1), STATE_NAMES, identity=self._identity(),
+                                      max_host_bytes=max_host_bytes, sub_group_size=sub_group_size,
+                                      run_name=run_name, rank=rank, verify=verify, resume=resume, io_engine=io_engine)
+        self.layout = self.store.layout  # on resume: the manifest's sub_group_size ([Note: layout on resume])
+        self._group_params = self._params_per_group()
+        self._samples = self._sample_indices()
         try:
             if resume:
                 self._check_resume()
@@ -242,8 +243,15 @@ class SwappedState:
         return {"steps": list(steps), "fingerprint": self.fingerprint(),
                 "shapes": [list(p.shape) for p in self.params]}
 
+    def _identity(self) -> Dict[str, str]:
+        """The params' identity in the manifest ([Note: identity] in offload/swap/runs.py)."""
+        facts = {"kind": "fp32-in-place", "shapes": [list(p.shape) for p in self.params],
+                 "dtypes": [str(p.dtype) for p in self.params]}
+        return make_identity(facts, f"{len(self.params)} fp32 params, {self.numel} elements")
+
     def _check_resume(self) -> None:
         extra = self.store.extra
+        check_steps(extra, os.path.join(self.store.path, "manifest.json"), len(self.params))
         shapes = [list(p.shape) for p in self.params]
         if extra.get("shapes") != shapes:
             raise ValueError(f"{self.store.path}: the swap directory holds states of other params "

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from offload.io import IORequest, open_engine, open_file
 from offload.swap import cleanup, fsutil
 from offload.swap.layout import SwapLayout
+from offload.swap.manifest_check import check_manifest
 
 __all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir_name", "resolve_engine", "open_run_store"]
 
@@ -100,7 +101,8 @@ class SwapStore:
 
     def __init__(self, swap_dir: str, layout: SwapLayout, *, state_names: Sequence[str],
                  run_name: str = "run", rank: int = 0, verify: bool = False, resume: bool = False,
-                 io_engine: Any = None, direct: Optional[bool] = None) -> None:
+                 io_engine: Any = None, direct: Optional[bool] = None,
+                 identity: Optional[Dict[str, Any]] = None) -> None:
         if len(state_names) != layout.nstates:
             raise ValueError(f"{len(state_names)} state names for a layout of {layout.nstates} states")
         self.layout = layout
@@ -108,6 +110,7 @@ class SwapStore:
         self.verify = bool(verify)
         self.run_name = run_name
         self.rank = int(rank)
+        self.identity = identity  # {"digest", "summary"} of the params (offload.swap.runs), or None
         self.parent = fsutil.check_parent_dir(swap_dir)
         self.path = os.path.join(self.parent, private_dir_name(run_name, self.rank))
         self._lock: Optional[fsutil.Lock] = None
@@ -196,7 +199,9 @@ class SwapStore:
                                       f"({2 * need} needed for both slots)", self.path) from exc
                     raise
             elif f.size < need:
-                raise ValueError(f"{full}: swap file has {f.size} bytes, the manifest's layout needs {need}")
+                raise ValueError(f"{full}: swap file truncated to {f.size} of {need} bytes: the states of step "
+                                 f"{self.step} it held are lost, nothing to resume; load a checkpoint into a new run, "
+                                 f"or `offload clean {self.parent}` and start again")
         if direct is None and not all(f.direct for f in self.files):
             warnings.warn(f"swap directory {self.path} does not support O_DIRECT (tmpfs?): using buffered I/O "
                           "with fdatasync at the end of each step; the page cache will hold a copy of the states",
@@ -212,6 +217,11 @@ class SwapStore:
         if m.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path}: swap format version {m.get('version')!r}, this offload reads {FORMAT_VERSION}; "
                              "clean the directory (`offload clean`) and start again")
+        check_manifest(m, path, nstates=self.layout.nstates, verify_block=VERIFY_BLOCK)
+        found = m.get("identity")
+        if self.identity is not None and found is not None and found["digest"] != self.identity["digest"]:
+            raise ValueError(f"{path}: swap directory holds the states of other params ({found.get('summary')}; "
+                             f"this optimizer has {self.identity['summary']})")
         expect = {"run": self.run_name, "rank": self.rank, "dtype": self.layout.dtype_name,
                   "numel": self.layout.numel, "states": self.state_names,
                   "sub_group_size": self.layout.sub_group_size, "ranges": self.layout.ranges()}
@@ -224,11 +234,13 @@ class SwapStore:
                                  f"expected {want!r}")
         if bool(m.get("verify")) != self.verify and self.verify:
             log.warning("%s was written without checksums; verify=True starts checking after the next write", path)
-        self.step = int(m["step"])
-        self.slots = [int(s) for s in m["slots"]]
-        self.valid = [bool(v) for v in m["valid"]]
+        self.step = m["step"]
+        self.slots = list(m["slots"])
+        self.valid = list(m["valid"])
         self.checksums = {int(k): v for k, v in (m.get("checksums") or {}).items()}
-        self.extra = dict(m.get("extra") or {})
+        self.extra = dict(m["extra"])
+        if self.identity is None:
+            self.identity = found  # keep it in the next manifests
 
     def _write_manifest(self) -> None:
         m = {
@@ -241,6 +253,8 @@ class SwapStore:
             "checksums": {str(k): v for k, v in self.checksums.items()} if self.verify else None,
             "extra": self.extra,
         }
+        if self.identity is not None:
+            m["identity"] = self.identity
         try:
             n = fsutil.write_json_atomic(self.path, MANIFEST, m)
         except OSError as exc:
@@ -307,6 +321,20 @@ class SwapStore:
         """Requests that write ``buf`` into the slot of ``g`` that the manifest does *not* use."""
         self._check_open()
         return self._requests("write", 1 - self.slots[g], g, buf)
+
+    def held(self) -> str:
+        """What the swap files hold, for an error after a failed step: the last finished step,
+        or, when a slot file lost bytes since it was made (truncated), that its data is gone."""
+        for f in self.files:
+            try:
+                size = f.size
+            except OSError as exc:
+                return f"the swap file {f.path} cannot be examined ({exc.strerror or exc})"
+            if size < self.layout.file_bytes:
+                return (f"the swap file {f.path} was truncated to {size} of {self.layout.file_bytes} bytes: the "
+                        f"states of step {self.step} in it are lost; load a checkpoint (load_checkpoint()) or "
+                        f"remove the directory (close(), or `offload clean {self.parent}`) and start again")
+        return f"the swap files still hold step {self.step}"
 
     def read_slot_file(self, g: int) -> str:
         return self.files[self.slots[g]].path
@@ -463,7 +491,7 @@ class SwapStore:
 
 
 def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[str], *, run_name: str, rank: int,
-                   verify: bool, resume: bool, io_engine: Any) -> SwapStore:
+                   verify: bool, resume: bool, io_engine: Any, identity: Optional[Dict[str, Any]] = None) -> SwapStore:
     """The store of one optimizer: ``<run_name>``, or for a second store of this same process
     on the same ``swap_dir`` ``<run_name>-2``, a third ``<run_name>-3``...: names follow
     creation order, so a resumed process that builds its optimizers in the same order finds
@@ -472,7 +500,7 @@ def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[str]
         name = run_name if k == 1 else f"{run_name}-{k}"
         try:
             return SwapStore(swap_dir, layout, state_names=state_names, run_name=name, rank=rank,
-                             verify=verify, resume=resume, io_engine=io_engine)
+                             verify=verify, resume=resume, io_engine=io_engine, identity=identity)
         except fsutil.DirectoryBusy as exc:
             if exc.pid != os.getpid():
                 raise
