@@ -121,12 +121,15 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
     """Remove the swap directories under ``swap_dir`` whose lock is free (left by killed
     processes). Returns ``{"removed": [(path, bytes)], "held": [(path, pid)], "skipped":
     [(path, why)]}``. Only directories named like ours (``offload-<run>.rank<r>``) that pass
-    the private-directory checks (real directory, ours, mode 0700) are touched."""
+    the private-directory checks (real directory, ours, mode 0700) and hold only regular
+    files are touched: a directory with anything else in it is skipped whole."""
     import errno as _errno
     import re
 
     from offload.swap import fsutil
 
+    if not isinstance(swap_dir, (str, os.PathLike)) or not os.fspath(swap_dir):
+        raise ValueError(f"swap_dir must name a directory, got {swap_dir!r}")
     swap_dir = os.path.abspath(swap_dir)
     if not os.path.isdir(swap_dir):
         raise NotADirectoryError(_errno.ENOTDIR, "not a directory", swap_dir)
@@ -147,10 +150,7 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
             continue
         # fd None and pid None: no lock file at all (a creation that died before locking)
         try:
-            if dry_run:
-                nbytes = sum(os.lstat(os.path.join(path, n)).st_blocks * 512 for n in os.listdir(path))
-            else:
-                nbytes = fsutil.remove_private_dir(path)
+            nbytes = _only_files(path) if dry_run else fsutil.remove_private_dir(path)
             out["removed"].append((path, nbytes))
         except OSError as exc:
             out["skipped"].append((path, f"{exc.strerror or exc}: {exc.filename or ''}"))
@@ -158,3 +158,19 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
             if fd is not None:
                 os.close(fd)
     return out
+
+
+def _only_files(path: str) -> int:
+    """Bytes of the regular files in ``path``; OSError naming any other entry (what
+    remove_private_dir would refuse before removing anything)."""
+    import errno as _errno
+    import stat
+
+    total = 0
+    for name in os.listdir(path):
+        st = os.lstat(os.path.join(path, name))
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(_errno.EEXIST, "unexpected non-file entry in a swap directory; removed nothing",
+                          os.path.join(path, name))
+        total += st.st_blocks * 512
+    return total
