@@ -101,8 +101,10 @@ class SwappedShards:
         self._finalizer = weakref.finalize(self, _close_quietly, self.pipeline, self.store)
 
     def _check_resume(self) -> None:
-        found = {k: self.store.extra.get(k) for k in self.identity}
-        if found != self.identity:
+        # "shapes" is newer than the other facts: a directory written without it is checked without it
+        want = {k: v for k, v in self.identity.items() if k != "shapes" or k in self.store.extra}
+        found = {k: self.store.extra.get(k) for k in want}
+        if found != want:
             raise ValueError(f"{self.store.path}: the swap directory holds the states of other params or "
                              f"ranks ({found}, this optimizer {self.identity})")
         groups = self.identity.get("groups")
