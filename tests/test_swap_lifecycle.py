@@ -24,12 +24,15 @@ _FORK = """
 import multiprocessing as mp, os, sys, torch
 import offload
 torch.manual_seed(0)
-p = torch.randn(5000, requires_grad=True)
+dtype = getattr(torch, sys.argv[2])
+p = torch.randn(5000).to(dtype).requires_grad_(True)
 q = p.detach().clone().requires_grad_(True)
 opt = offload.AdamW([p], lr=1e-2, offload="nvme", swap_dir=sys.argv[1])
-ref = torch.optim.AdamW([q], lr=1e-2, foreach=False)
+# fp32: torch's AdamW; bf16 (the flat store): the same optimizer with its states in RAM
+ref = (torch.optim.AdamW([q], lr=1e-2, foreach=False) if dtype == torch.float32
+       else offload.AdamW([q], lr=1e-2, offload="cpu"))
 def step(k):
-    g = torch.randn(5000, generator=torch.Generator().manual_seed(k))
+    g = torch.randn(5000, generator=torch.Generator().manual_seed(k)).to(dtype)
     p.grad, q.grad = g.clone(), g.clone()
     opt.step(); ref.step()
 step(1)
@@ -44,20 +47,21 @@ pool.terminate()  # SIGTERM to the workers
 pool.join()
 step(3)
 names = os.listdir(sys.argv[1])
-print("ok", len(names), float((p.detach() - q.detach()).abs().max()), flush=True)
+print("ok", len(names), float((p.detach().float() - q.detach().float()).abs().max()), flush=True)
 opt.close()
 print("closed", os.listdir(sys.argv[1]), flush=True)
 """
 
 
-def test_forked_children_leave_the_parents_swap_dir_alone(tmp_path):
-    proc = run_python(_FORK, str(tmp_path))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_forked_children_leave_the_parents_swap_dir_alone(tmp_path, dtype):
+    proc = run_python(_FORK, str(tmp_path), dtype)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     lines = out.split("\n")
     ok = lines[0].split()
     assert ok[0] == "ok" and ok[1] == "1", out + err
-    assert float(ok[2]) <= 1e-6, out
+    assert float(ok[2]) <= (1e-6 if dtype == "float32" else 0.0), out
     assert lines[1] == "closed []", out + err
 
 
