@@ -26,9 +26,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from offload.swap import fsutil
 from offload.swap.layout import ELEMS_PER_PAGE, SwapLayout, round_up
 from offload.swap.pipeline import MIN_BUFFERS, plan_sub_groups
-from offload.swap.store import MANIFEST, SwapStore, open_run_store, private_dir_name
+from offload.swap.store import MANIFEST, SwapStore, private_dir_name
 
-__all__ = ["make_identity", "open_store"]
+__all__ = ["make_identity", "open_store", "open_run_store"]
 
 _MAX_STORES = 64
 
@@ -112,3 +112,20 @@ def _resume_plan(manifest: Dict[str, Any], numel: int, nstates: int, max_host_by
                          f"to resume, written with sub_group_size={kept}: pass max_host_bytes >= {need} to "
                          "resume it; to change the layout, save_checkpoint() and load_checkpoint() into a new "
                          "run") from None
+
+
+def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[str], *, run_name: str, rank: int,
+                   verify: bool, resume: bool, io_engine: Any, identity: Optional[Dict[str, Any]] = None) -> SwapStore:
+    """A new store (or with ``resume``, the directory of the same name): ``<run_name>``, or
+    for a second store of this same process on the same ``swap_dir`` ``<run_name>-2``, a
+    third ``<run_name>-3``...: names follow creation order (never id()). :func:`open_store`
+    resumes by identity instead ([Note: identity])."""
+    for k in range(1, _MAX_STORES + 1):
+        name = run_name if k == 1 else f"{run_name}-{k}"
+        try:
+            return SwapStore(swap_dir, layout, state_names=state_names, run_name=name, rank=rank,
+                             verify=verify, resume=resume, io_engine=io_engine, identity=identity)
+        except fsutil.DirectoryBusy as exc:
+            if exc.pid != os.getpid():
+                raise
+    raise RuntimeError(f"{_MAX_STORES} swap stores of this process already use {swap_dir}")

@@ -46,7 +46,7 @@ from offload.swap import cleanup, fsutil
 from offload.swap.layout import SwapLayout
 from offload.swap.manifest_check import check_manifest
 
-__all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir_name", "resolve_engine", "open_run_store"]
+__all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir_name", "resolve_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -488,20 +488,3 @@ class SwapStore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[str], *, run_name: str, rank: int,
-                   verify: bool, resume: bool, io_engine: Any, identity: Optional[Dict[str, Any]] = None) -> SwapStore:
-    """The store of one optimizer: ``<run_name>``, or for a second store of this same process
-    on the same ``swap_dir`` ``<run_name>-2``, a third ``<run_name>-3``...: names follow
-    creation order, so a resumed process that builds its optimizers in the same order finds
-    its own directories again (never named by id())."""
-    for k in range(1, 65):
-        name = run_name if k == 1 else f"{run_name}-{k}"
-        try:
-            return SwapStore(swap_dir, layout, state_names=state_names, run_name=name, rank=rank,
-                             verify=verify, resume=resume, io_engine=io_engine, identity=identity)
-        except fsutil.DirectoryBusy as exc:
-            if exc.pid != os.getpid():
-                raise
-    raise RuntimeError(f"64 swap stores of this process already use {swap_dir}")
