@@ -170,14 +170,14 @@ def test_clean_keeps_live_and_foreign(tmp_path, capsys):
         holder.kill()
 
 
-def test_atexit_and_sigterm_remove_files(tmp_path):
+def test_atexit_removes_files_sigterm_keeps_them(tmp_path):
     p = _start_holder(tmp_path, run="exits", mode="exit")
     assert p.wait(timeout=30) == 0
     assert not os.path.exists(tmp_path / "offload-exits.rank0")
     p = _start_holder(tmp_path, run="term")
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == -signal.SIGTERM  # default action still happens (chained)
-    assert not os.path.exists(tmp_path / "offload-term.rank0")
+    assert os.path.exists(tmp_path / "offload-term.rank0")  # kept for resume=True
 
 
 _CHAIN = """
@@ -209,8 +209,8 @@ def test_sigterm_chains_to_previous_handler(tmp_path):
     # the previous handler returned: the process goes on, and so do its swap files
     assert p.stdout.readline().strip() == "alive True", p.stderr.read()
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=30) == 7  # it exited (SystemExit): atexit removed the files
-    assert marker.read_text() == "called twice" and os.listdir(swap) == []
+    assert p.wait(timeout=30) == 7  # it exited (SystemExit) after SIGTERM: the files stay for resume
+    assert marker.read_text() == "called twice" and os.listdir(swap) == ["offload-run.rank0"]
 
 
 def test_resume_checks_version_and_layout(tmp_path):

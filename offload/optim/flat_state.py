@@ -496,14 +496,13 @@ class FlatState:
         self._swap_vote = functools.partial(comm.failed_ranks, group=self.group) if self.world > 1 else None
 
         def open_local() -> None:
-            from offload.optim.swapped_shards import SwappedShards
+            from offload.optim.swapped_shards import SwappedShards, flat_identity
 
             sizes = [fg.layout.shard for fg in self._groups]
             if not sum(sizes):
                 return  # no element at all on this rank
             me = weakref.ref(self)
-            identity = {"kind": "flat", "world": self.world, "rank": self.rank,
-                        "groups": [list(fg.layout.numels) for fg in self._groups]}
+            identity = flat_identity(self.world, self.rank, self._groups)
             self._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
                                        extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
                                        max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,

@@ -20,6 +20,7 @@ finished step.
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -27,12 +28,13 @@ import torch
 
 from offload.optim.stats import swap_phases
 from offload.optim.swapped_state import _close_quietly
-from offload.swap import SwapLayout, SwapPipeline, SwapStepError, plan_sub_groups
+from offload.swap import SwapPipeline, SwapStepError
 from offload.swap.pipeline import Vote, idle_votes, vote_failed
 from offload.swap.cache import GroupCache
-from offload.swap.store import open_run_store
+from offload.swap.manifest_check import check_steps
+from offload.swap.runs import make_identity, open_store
 
-__all__ = ["SwappedShards", "SHARD_STATES", "WorkItem"]
+__all__ = ["SwappedShards", "SHARD_STATES", "WorkItem", "flat_identity"]
 
 SHARD_STATES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -40,6 +42,13 @@ SHARD_STATES = ("master", "exp_avg", "exp_avg_sq")
 WorkItem = Tuple[int, int, int, torch.Tensor, Dict[str, Any], Optional[torch.Tensor], str]
 # (shard k, local lo, local hi, out, mode): where the master of a range goes
 Output = Tuple[int, int, int, torch.Tensor, str]
+
+
+def flat_identity(world: int, rank: int, groups: Sequence[Any]) -> Dict[str, Any]:
+    """What must match on resume for the flat groups ``groups`` (FlatGroup): world, rank and
+    each param's numel, shape and dtype ([Note: identity] in offload/swap/runs.py)."""
+    return {"kind": "flat", "world": world, "rank": rank, "groups": [list(fg.layout.numels) for fg in groups],
+            "shapes": [[[*p.shape, str(p.dtype)] for p in fg.params] for fg in groups]}
 
 
 class SwappedShards:
@@ -72,17 +81,15 @@ class SwappedShards:
         self.numel = total
         self.identity = dict(identity)
         self._extra_fn = extra
-        sg, nbuf = plan_sub_groups(total, len(SHARD_STATES), max_host_bytes, sub_group_size)
-        self.layout = SwapLayout(total, sg, len(SHARD_STATES))
         self.pipeline: Optional[SwapPipeline] = None
-        self.store = open_run_store(swap_dir, self.layout, SHARD_STATES, run_name=run_name, rank=rank,
-                                    verify=verify, resume=resume, io_engine=io_engine)
+        summary = f"{total} elements in {len(self.sizes)} flat groups of rank {rank}"
+        self.store, nbuf = open_store(swap_dir, total, SHARD_STATES, identity=make_identity(self.identity, summary),
+                                      max_host_bytes=max_host_bytes, sub_group_size=sub_group_size,
+                                      run_name=run_name, rank=rank, verify=verify, resume=resume, io_engine=io_engine)
+        self.layout = self.store.layout  # on resume: the manifest's sub_group_size ([Note: layout on resume])
         try:
             if resume:
-                found = {k: self.store.extra.get(k) for k in self.identity}
-                if found != self.identity:
-                    raise ValueError(f"{self.store.path}: the swap directory holds the states of other params or "
-                                     f"ranks ({found}, this optimizer {self.identity})")
+                self._check_resume()
             self.pipeline = SwapPipeline(self.store, buffers=nbuf)
             self._cache = GroupCache(self.pipeline)
         except BaseException:
@@ -92,6 +99,17 @@ class SwappedShards:
             raise
         self.last_stats: Dict[str, float] = {}
         self._finalizer = weakref.finalize(self, _close_quietly, self.pipeline, self.store)
+
+    def _check_resume(self) -> None:
+        # "shapes" is newer than the other facts: a directory written without it is checked without it
+        want = {k: v for k, v in self.identity.items() if k != "shapes" or k in self.store.extra}
+        found = {k: self.store.extra.get(k) for k in want}
+        if found != want:
+            raise ValueError(f"{self.store.path}: the swap directory holds the states of other params or "
+                             f"ranks ({found}, this optimizer {self.identity})")
+        groups = self.identity.get("groups")
+        nparams = sum(len(g) for g in groups) if isinstance(groups, list) else None
+        check_steps(self.store.extra, os.path.join(self.store.path, "manifest.json"), nparams)
 
     # ------------------------------------------------------------------ bookkeeping
     @property

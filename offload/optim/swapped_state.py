@@ -5,13 +5,15 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
     st = SwappedState(params, *, swap_dir, max_host_bytes=None, sub_group_size=None,
                       verify=False, resume=False, io_engine=None, backend=None,
                       num_threads=None, run_name="run", rank=None, pool=None)
-        params: the fp32, contiguous CPU params (all groups, in a fixed order). They are their
-            own fp32 master and are updated in place; only exp_avg and exp_avg_sq are swapped.
+        params: the fp32, contiguous CPU params (all groups, in a fixed order, each once; params
+            of 0 elements are fine, even all of them). They are their own fp32 master and are
+            updated in place; only exp_avg and exp_avg_sq are swapped.
         max_host_bytes: bound on the pipeline buffers (None: 1 GiB); ValueError when it
             cannot hold 3 buffers of one sub-group. sub_group_size: elements per sub-group
             (rounded up to 1024; None: derived from the bound).
         resume: continue from the last consistent step in swap_dir (FileNotFoundError if
-            none; ValueError if the params are not those of that step).
+            none; ValueError if the params are not those of that step), in the directory whose
+            params match and with its sub_group_size (see offload/swap/runs.py).
         io_engine: None/"auto"/"uring"/"threads"/"aiofiles", an IOConfig, or an engine object.
         rank: None -> torch.distributed rank when initialised, else 0. The directory is
             SWAP_DIR/offload-<run_name>.rank<rank>; further stores of the same process on the
@@ -48,7 +50,8 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
     st.memory_report() -> {"device", "pinned", "pageable", "nvme"} bytes
     st.last_stats                                     timings of the last step
     st.close()                                        removes the swap directory (also done when st
-                                                     is garbage-collected, at exit and on SIGTERM)
+                                                     is garbage-collected and at exit; not after
+                                                     SIGTERM, nor in a forked child: see swap/cleanup.py)
     st.swap_path, st.sub_group_size, st.num_buffers, st.host_bytes
 
 [Note: fingerprint] The fp32 params are the user's tensors, not ours: after a crash they come
@@ -60,6 +63,7 @@ step j.
 """
 from __future__ import annotations
 
+import os
 import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -67,10 +71,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from offload.optim.stats import swap_phases
-from offload.swap import SwapLayout, SwapPipeline, SwapStepError, SwapStore, plan_sub_groups
+from offload.swap import SwapPipeline, SwapStepError, SwapStore
 from offload.swap.cache import GroupCache
+from offload.swap.manifest_check import check_steps
 from offload.swap.checkpoint import load_store, save_store
-from offload.swap.store import open_run_store
+from offload.swap.runs import make_identity, open_store
 
 __all__ = ["SwappedState", "STATE_NAMES"]
 
@@ -93,7 +98,11 @@ def _kernel_kwargs(hyper: Any, step: int) -> Dict[str, Any]:
 
 
 def _close_quietly(pipeline: SwapPipeline, store: SwapStore) -> None:
-    """Close (also from the garbage collector): buffers first, then files and directory."""
+    """Close (also from the garbage collector): buffers first, then files and directory.
+    Nothing in a forked child: the buffers' io_uring registration is the parent's too."""
+    if getattr(store, "owner_pid", None) not in (None, os.getpid()):
+        store.close()  # marks it closed; touches nothing
+        return
     try:
         pipeline.close()
     finally:
@@ -122,31 +131,38 @@ class SwappedState:
         for i, p in enumerate(self.params):
             if not isinstance(p, torch.Tensor):
                 raise ValueError(f"param {i} is a {type(p).__name__}, not a tensor")
-            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
-                raise ValueError(f"param {i}: offload='nvme' updates fp32 contiguous CPU params in place; got "
-                                 f"{p.dtype} on {p.device}{'' if p.is_contiguous() else ', non-contiguous'}")
+            if p.device.type != "cpu" or p.dtype != torch.float32:
+                raise ValueError(f"param {i}: offload='nvme' updates fp32 CPU params in place; got {p.dtype} "
+                                 f"on {p.device}")
+            if not p.is_contiguous():
+                raise ValueError(f"param {i}: offload='nvme' updates fp32 CPU params in place and needs them "
+                                 f"contiguous (this one has shape {tuple(p.shape)}, strides {p.stride()}); make "
+                                 "it contiguous before building the optimizer (p.data = p.data.contiguous()) or "
+                                 "use offload='cpu'")
             if id(p) in self._index:
-                raise ValueError(f"param {i} appears twice")
+                raise ValueError(f"param {i} is param {self._index[id(p)]} again (torch warns about duplicate "
+                                 "params and updates them twice per step); offload='nvme' with fp32 CPU params "
+                                 "needs each param once: remove the duplicate")
             self._index[id(p)] = i
             self._offsets.append(total)
             total += p.numel()
-        if total == 0:
-            raise ValueError("all params are empty")
         self.numel = total
-        sg, nbuf = plan_sub_groups(total, len(STATE_NAMES), max_host_bytes, sub_group_size)
-        self.layout = SwapLayout(total, sg, len(STATE_NAMES))
         if rank is None:
             rank = torch.distributed.get_rank() if (torch.distributed.is_available()
                                                     and torch.distributed.is_initialized()) else 0
         self._steps = [0] * len(self.params)
-        self._group_params = self._params_per_group()
-        self._samples = self._sample_indices()
         self._broken: Optional[str] = None
         self._opt: Any = None  # weakref to the optimizer when built by for_optimizer()
         self._meta_dirty = False
         self.last_stats: Dict[str, float] = {}
-        self.store = open_run_store(swap_dir, self.layout, STATE_NAMES, run_name=run_name, rank=rank, verify=verify,
-                                    resume=resume, io_engine=io_engine)
+        # Params of 0 elements only (torch accepts them): a one-page store that no param
+        # touches still records the step counts, so resume and checkpoints work the same.
+        self.store, nbuf = open_store(swap_dir, max(total, 1), STATE_NAMES, identity=self._identity(),
+                                      max_host_bytes=max_host_bytes, sub_group_size=sub_group_size,
+                                      run_name=run_name, rank=rank, verify=verify, resume=resume, io_engine=io_engine)
+        self.layout = self.store.layout  # on resume: the manifest's sub_group_size ([Note: layout on resume])
+        self._group_params = self._params_per_group()
+        self._samples = self._sample_indices()
         try:
             if resume:
                 self._check_resume()
@@ -237,8 +253,22 @@ class SwappedState:
         return {"steps": list(steps), "fingerprint": self.fingerprint(),
                 "shapes": [list(p.shape) for p in self.params]}
 
+    def add_param_group(self, group: Dict[str, Any]) -> None:
+        """Refused: the swap files are laid out for the params given at construction."""
+        raise NotImplementedError(
+            "add_param_group after construction is not supported with offload='nvme' (the swap files are laid out "
+            "for the params given at construction): pass every param group to the constructor (a group can start "
+            "with lr=0), or use offload='cpu'")
+
+    def _identity(self) -> Dict[str, str]:
+        """The params' identity in the manifest ([Note: identity] in offload/swap/runs.py)."""
+        facts = {"kind": "fp32-in-place", "shapes": [list(p.shape) for p in self.params],
+                 "dtypes": [str(p.dtype) for p in self.params]}
+        return make_identity(facts, f"{len(self.params)} fp32 params, {self.numel} elements")
+
     def _check_resume(self) -> None:
         extra = self.store.extra
+        check_steps(extra, os.path.join(self.store.path, "manifest.json"), len(self.params))
         shapes = [list(p.shape) for p in self.params]
         if extra.get("shapes") != shapes:
             raise ValueError(f"{self.store.path}: the swap directory holds states of other params "

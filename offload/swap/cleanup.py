@@ -1,12 +1,22 @@
-"""Remove swap files on close, on normal interpreter exit and on SIGTERM.
+"""Remove swap files on close and on normal interpreter exit; keep them after SIGTERM.
 
 A swap directory holds as many bytes as the optimizer states, so a forgotten one costs real
-disk. Open stores register here; ``atexit`` closes them, and a SIGTERM handler chains to
-whatever handler was there before: with the default action it closes them and terminates
-the process, as the sender expects; a Python handler (a framework's graceful shutdown) runs
-untouched and the files go at exit. ``kill -9`` cannot be caught: such a directory keeps its
-files but its ``flock`` dies with the process, which is how ``offload clean`` and
-``resume=True`` recognise it.
+disk. Open stores register here and ``atexit`` closes them (removing their directories).
+
+[Note: SIGTERM keeps the swap files] Schedulers (SLURM, Kubernetes) preempt a job with
+SIGTERM, then SIGKILL; the swap directory then holds the last finished step, exactly what
+``resume=True`` needs. So a SIGTERM handler only records that the process is being
+terminated and chains to whatever handler was there before (the default action still kills
+the process with SIGTERM; a Python handler, a framework's graceful shutdown, runs untouched).
+From then on no store of this process removes its directory, at exit or in close(): it is
+left unlocked and resumable, and ``offload clean`` removes it. ``kill -9`` cannot be caught
+either: its directory keeps its files and its ``flock`` dies with the process, which is how
+``offload clean`` and ``resume=True`` recognise it.
+
+[Note: fork] A forked child inherits the registry, the atexit hook and the SIGTERM handler,
+but not the stores: they belong to the parent. The registry is emptied in the child
+(``os.register_at_fork``), and each store also records the pid that created it and does
+nothing to its files, lock, buffers or io_uring when closed in another process.
 """
 from __future__ import annotations
 
@@ -17,7 +27,7 @@ import signal
 import threading
 from typing import Any, Dict, List
 
-__all__ = ["register", "unregister", "close_all"]
+__all__ = ["register", "unregister", "close_all", "terminating"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +38,24 @@ _lock = threading.Lock()
 _counter = 0
 _installed = False
 _previous_handler: Any = None
+_terminating = False
+
+
+def terminating() -> bool:
+    """True once this process received SIGTERM: swap directories are then kept (see the note)."""
+    return _terminating
+
+
+def _forget_in_child() -> None:
+    """After fork, in the child: the registered stores are the parent's (see [Note: fork])."""
+    global _lock, _terminating
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    _open.clear()
+    _terminating = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def register(store: Any) -> int:
@@ -59,17 +87,16 @@ def close_all() -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM: do what the handler we replaced would have done, cleaning up when that ends
-    the process. A Python handler (a framework's graceful shutdown) runs first and untouched:
-    if it exits (SystemExit), ``atexit`` cleans up; if it returns, the process goes on and so
-    must its swap files. SIG_IGN: nothing. SIG_DFL: clean up, then die of SIGTERM."""
+    """SIGTERM: keep the swap directories from now on (see [Note: SIGTERM keeps the swap
+    files]), then do what the handler we replaced would have done: a Python handler runs
+    untouched, SIG_IGN does nothing, SIG_DFL (or one set from C) dies of SIGTERM."""
+    global _terminating
     previous = _previous_handler
+    if previous != signal.SIG_IGN:
+        _terminating = True
     if callable(previous):
         previous(signum, frame)
-    elif previous == signal.SIG_IGN:
-        return
-    else:  # SIG_DFL or unknown (set from C): terminate as the default action would
-        close_all()
+    elif previous != signal.SIG_IGN:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -94,12 +121,15 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
     """Remove the swap directories under ``swap_dir`` whose lock is free (left by killed
     processes). Returns ``{"removed": [(path, bytes)], "held": [(path, pid)], "skipped":
     [(path, why)]}``. Only directories named like ours (``offload-<run>.rank<r>``) that pass
-    the private-directory checks (real directory, ours, mode 0700) are touched."""
+    the private-directory checks (real directory, ours, mode 0700) and hold only regular
+    files are touched: a directory with anything else in it is skipped whole."""
     import errno as _errno
     import re
 
     from offload.swap import fsutil
 
+    if not isinstance(swap_dir, (str, os.PathLike)) or not os.fspath(swap_dir):
+        raise ValueError(f"swap_dir must name a directory, got {swap_dir!r}")
     swap_dir = os.path.abspath(swap_dir)
     if not os.path.isdir(swap_dir):
         raise NotADirectoryError(_errno.ENOTDIR, "not a directory", swap_dir)
@@ -120,10 +150,7 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
             continue
         # fd None and pid None: no lock file at all (a creation that died before locking)
         try:
-            if dry_run:
-                nbytes = sum(os.lstat(os.path.join(path, n)).st_blocks * 512 for n in os.listdir(path))
-            else:
-                nbytes = fsutil.remove_private_dir(path)
+            nbytes = _only_files(path) if dry_run else fsutil.remove_private_dir(path)
             out["removed"].append((path, nbytes))
         except OSError as exc:
             out["skipped"].append((path, f"{exc.strerror or exc}: {exc.filename or ''}"))
@@ -131,3 +158,19 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
             if fd is not None:
                 os.close(fd)
     return out
+
+
+def _only_files(path: str) -> int:
+    """Bytes of the regular files in ``path``; OSError naming any other entry (what
+    remove_private_dir would refuse before removing anything)."""
+    import errno as _errno
+    import stat
+
+    total = 0
+    for name in os.listdir(path):
+        st = os.lstat(os.path.join(path, name))
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(_errno.EEXIST, "unexpected non-file entry in a swap directory; removed nothing",
+                          os.path.join(path, name))
+        total += st.st_blocks * 512
+    return total

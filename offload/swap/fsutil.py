@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
-    "write_json_atomic", "read_json", "fsync_dir", "remove_private_dir", "free_bytes", "DirectoryBusy",
+    "write_json_atomic", "read_json", "fsync_dir", "remove_private_dir", "free_bytes", "DirectoryBusy", "NotOurs",
 ]
 
 LOCK_NAME = "lock"
@@ -200,21 +200,54 @@ def free_bytes(path: str) -> float:
     return st.f_bavail * st.f_frsize
 
 
-def remove_private_dir(path: str, *, lock: Optional[Lock] = None) -> int:
+class NotOurs(OSError):
+    """The path no longer names the directory we locked (removed, and maybe made again by
+    another process): nothing of it may be removed."""
+
+
+def remove_private_dir(path: str, *, lock: Optional[Lock] = None, expect: Optional[Tuple[int, int]] = None) -> int:
     """Remove the regular files of private directory ``path``, then the directory; returns the
     bytes freed. Only regular files directly inside are removed (the directory is 0700 and
-    holds nothing else); the lock file goes last so the directory stays claimed meanwhile."""
-    check_private_dir(path)
-    freed = 0
-    names = sorted(os.listdir(path), key=lambda n: n == LOCK_NAME)
-    for name in names:
-        full = os.path.join(path, name)
-        st = os.lstat(full)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EEXIST, "unexpected non-file entry in a swap directory; not removing it", full)
-        freed += st.st_blocks * 512
-        os.unlink(full)
+    holds nothing else): any other entry is reported before anything is removed, so a
+    refused directory is left whole. The lock file goes last so the directory stays claimed
+    meanwhile. ``expect``: the (st_dev, st_ino) the directory had when ``lock`` was taken;
+    with ``lock`` too, its lock file must still be the one ``lock`` holds (else NotOurs)."""
+    st = check_private_dir(path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if expect is not None:
+            _check_ours(path, fd, lock, expect)
+        entries = []
+        for name in sorted(os.listdir(fd), key=lambda n: n == LOCK_NAME):
+            est = os.lstat(name, dir_fd=fd)
+            if not stat.S_ISREG(est.st_mode):
+                raise OSError(errno.EEXIST, "unexpected non-file entry in a swap directory; removed nothing",
+                              os.path.join(path, name))
+            entries.append((name, est.st_blocks * 512))
+        for name, _ in entries:
+            os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
     if lock is not None:
         lock.release()
+    now = os.lstat(path)
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        raise NotOurs(errno.ESTALE, "swap directory was replaced while it was being removed; left it", path)
     os.rmdir(path)
-    return freed
+    return sum(n for _, n in entries)
+
+
+def _check_ours(path: str, fd: int, lock: Optional[Lock], expect: Tuple[int, int]) -> None:
+    st = os.fstat(fd)
+    mine = (st.st_dev, st.st_ino) == tuple(expect)
+    if mine and lock is not None and lock.fd >= 0:
+        try:
+            lst = os.lstat(LOCK_NAME, dir_fd=fd)
+        except FileNotFoundError:
+            mine = False
+        else:
+            held = os.fstat(lock.fd)
+            mine = (lst.st_dev, lst.st_ino) == (held.st_dev, held.st_ino)
+    if not mine:
+        raise NotOurs(errno.ESTALE, "the path no longer names the swap directory this process locked "
+                      "(it was removed, and maybe made again by another process); not removing it", path)

@@ -370,7 +370,7 @@ class SwapPipeline:
                 vote_failed(vote, f"the swap step of {store.path}")
             if isinstance(exc, OSError) and not isinstance(exc, SwapStepError):
                 msg = (f"swap step {store.step + 1} aborted at sub-group {len(computed)} of {len(order)}: "
-                       f"{exc.strerror or exc}; the swap files still hold step {store.step}")
+                       f"{exc.strerror or exc}; {store.held()}")
                 raise SwapStepError(exc.errno or errno.EIO, msg, exc.filename or store.path, computed) from exc
             raise
         tc = time.perf_counter()

@@ -44,8 +44,9 @@ from typing import Any, Dict, List, Optional, Sequence
 from offload.io import IORequest, open_engine, open_file
 from offload.swap import cleanup, fsutil
 from offload.swap.layout import SwapLayout
+from offload.swap.manifest_check import check_manifest
 
-__all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir_name", "resolve_engine", "open_run_store"]
+__all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir_name", "resolve_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ class SwapStore:
 
     def __init__(self, swap_dir: str, layout: SwapLayout, *, state_names: Sequence[str],
                  run_name: str = "run", rank: int = 0, verify: bool = False, resume: bool = False,
-                 io_engine: Any = None, direct: Optional[bool] = None) -> None:
+                 io_engine: Any = None, direct: Optional[bool] = None,
+                 identity: Optional[Dict[str, Any]] = None) -> None:
         if len(state_names) != layout.nstates:
             raise ValueError(f"{len(state_names)} state names for a layout of {layout.nstates} states")
         self.layout = layout
@@ -108,9 +110,12 @@ class SwapStore:
         self.verify = bool(verify)
         self.run_name = run_name
         self.rank = int(rank)
+        self.identity = identity  # {"digest", "summary"} of the params (offload.swap.runs), or None
         self.parent = fsutil.check_parent_dir(swap_dir)
         self.path = os.path.join(self.parent, private_dir_name(run_name, self.rank))
         self._lock: Optional[fsutil.Lock] = None
+        self.owner_pid = os.getpid()  # only this process may remove the directory ([Note: fork] in cleanup)
+        self._dir_id: Optional[tuple] = None  # (st_dev, st_ino) of the directory we locked
         self.files: List[Any] = []
         self.engine = None
         self._owns_engine = False
@@ -155,6 +160,8 @@ class SwapStore:
             fsutil.make_private_dir(self.path)
             self._lock = fsutil.Lock(self.path)
             self._created = True
+        st = os.lstat(self.path)
+        self._dir_id = (st.st_dev, st.st_ino)
         if resume:
             self._load_manifest(manifest_path)
             self._keep_reserve(os.path.getsize(manifest_path))  # a directory of an older offload has none
@@ -192,7 +199,9 @@ class SwapStore:
                                       f"({2 * need} needed for both slots)", self.path) from exc
                     raise
             elif f.size < need:
-                raise ValueError(f"{full}: swap file has {f.size} bytes, the manifest's layout needs {need}")
+                raise ValueError(f"{full}: swap file truncated to {f.size} of {need} bytes: the states of step "
+                                 f"{self.step} it held are lost, nothing to resume; load a checkpoint into a new run, "
+                                 f"or `offload clean {self.parent}` and start again")
         if direct is None and not all(f.direct for f in self.files):
             warnings.warn(f"swap directory {self.path} does not support O_DIRECT (tmpfs?): using buffered I/O "
                           "with fdatasync at the end of each step; the page cache will hold a copy of the states",
@@ -208,6 +217,11 @@ class SwapStore:
         if m.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path}: swap format version {m.get('version')!r}, this offload reads {FORMAT_VERSION}; "
                              "clean the directory (`offload clean`) and start again")
+        check_manifest(m, path, nstates=self.layout.nstates, verify_block=VERIFY_BLOCK)
+        found = m.get("identity")
+        if self.identity is not None and found is not None and found["digest"] != self.identity["digest"]:
+            raise ValueError(f"{path}: swap directory holds the states of other params ({found.get('summary')}; "
+                             f"this optimizer has {self.identity['summary']})")
         expect = {"run": self.run_name, "rank": self.rank, "dtype": self.layout.dtype_name,
                   "numel": self.layout.numel, "states": self.state_names,
                   "sub_group_size": self.layout.sub_group_size, "ranges": self.layout.ranges()}
@@ -220,11 +234,13 @@ class SwapStore:
                                  f"expected {want!r}")
         if bool(m.get("verify")) != self.verify and self.verify:
             log.warning("%s was written without checksums; verify=True starts checking after the next write", path)
-        self.step = int(m["step"])
-        self.slots = [int(s) for s in m["slots"]]
-        self.valid = [bool(v) for v in m["valid"]]
+        self.step = m["step"]
+        self.slots = list(m["slots"])
+        self.valid = list(m["valid"])
         self.checksums = {int(k): v for k, v in (m.get("checksums") or {}).items()}
-        self.extra = dict(m.get("extra") or {})
+        self.extra = dict(m["extra"])
+        if self.identity is None:
+            self.identity = found  # keep it in the next manifests
 
     def _write_manifest(self) -> None:
         m = {
@@ -237,6 +253,8 @@ class SwapStore:
             "checksums": {str(k): v for k, v in self.checksums.items()} if self.verify else None,
             "extra": self.extra,
         }
+        if self.identity is not None:
+            m["identity"] = self.identity
         try:
             n = fsutil.write_json_atomic(self.path, MANIFEST, m)
         except OSError as exc:
@@ -303,6 +321,20 @@ class SwapStore:
         """Requests that write ``buf`` into the slot of ``g`` that the manifest does *not* use."""
         self._check_open()
         return self._requests("write", 1 - self.slots[g], g, buf)
+
+    def held(self) -> str:
+        """What the swap files hold, for an error after a failed step: the last finished step,
+        or, when a slot file lost bytes since it was made (truncated), that its data is gone."""
+        for f in self.files:
+            try:
+                size = f.size
+            except OSError as exc:
+                return f"the swap file {f.path} cannot be examined ({exc.strerror or exc})"
+            if size < self.layout.file_bytes:
+                return (f"the swap file {f.path} was truncated to {size} of {self.layout.file_bytes} bytes: the "
+                        f"states of step {self.step} in it are lost; load a checkpoint (load_checkpoint()) or "
+                        f"remove the directory (close(), or `offload clean {self.parent}`) and start again")
+        return f"the swap files still hold step {self.step}"
 
     def read_slot_file(self, g: int) -> str:
         return self.files[self.slots[g]].path
@@ -407,11 +439,16 @@ class SwapStore:
 
     def close(self, *, remove: bool = True) -> None:
         """Close files and engine; with ``remove`` (the default) delete the directory. With
-        ``remove=False`` the directory stays (resumable) and its lock is released."""
+        ``remove=False`` the directory stays (resumable) and its lock is released. The
+        directory also stays after this process received SIGTERM (see cleanup's notes), and
+        nothing at all is done in a forked child: the store is its parent's. A directory
+        that vanished or was replaced since we locked it is left alone (with a warning)."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
+        if os.getpid() != self.owner_pid:
+            return  # a forked child: files, lock, engine and accounting are the parent's
         if self._token is not None:
             cleanup.unregister(self._token)
             from offload.memory import default_accounting
@@ -427,9 +464,20 @@ class SwapStore:
             self.engine.close()
         self.engine = None
         if self._lock is not None:
-            if remove:
-                fsutil.remove_private_dir(self.path, lock=self._lock)
+            if remove and cleanup.terminating():
+                log.warning("%s: kept after SIGTERM (step %d, resumable with resume=True; `offload clean %s` "
+                            "removes it)", self.path, self.step, self.parent)
+            elif remove:
+                self._remove_dir()
             self._lock.release()
+
+    def _remove_dir(self) -> None:
+        try:
+            fsutil.remove_private_dir(self.path, lock=self._lock, expect=self._dir_id)
+        except FileNotFoundError:
+            log.warning("%s: swap directory already removed by someone else", self.path)
+        except fsutil.NotOurs as exc:
+            log.warning("%s: %s", self.path, exc.strerror)
 
     @property
     def closed(self) -> bool:
@@ -440,20 +488,3 @@ class SwapStore:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[str], *, run_name: str, rank: int,
-                   verify: bool, resume: bool, io_engine: Any) -> SwapStore:
-    """The store of one optimizer: ``<run_name>``, or for a second store of this same process
-    on the same ``swap_dir`` ``<run_name>-2``, a third ``<run_name>-3``...: names follow
-    creation order, so a resumed process that builds its optimizers in the same order finds
-    its own directories again (never named by id())."""
-    for k in range(1, 65):
-        name = run_name if k == 1 else f"{run_name}-{k}"
-        try:
-            return SwapStore(swap_dir, layout, state_names=state_names, run_name=name, rank=rank,
-                             verify=verify, resume=resume, io_engine=io_engine)
-        except fsutil.DirectoryBusy as exc:
-            if exc.pid != os.getpid():
-                raise
-    raise RuntimeError(f"64 swap stores of this process already use {swap_dir}")

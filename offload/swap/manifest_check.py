@@ -1,0 +1,99 @@
+"""Check the structure of a swap manifest before anything trusts it (``resume=True``).
+
+A manifest is valid JSON written atomically by us, but the file is on a disk anyone with our
+uid can edit, and an older or damaged one may lack fields. Every field that a resumed store
+or step uses is checked here, and an error names the file and the field, instead of a
+KeyError at resume or an IndexError deep inside a later step.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["check_manifest", "check_steps"]
+
+_UINT32 = 1 << 32
+
+
+def _bad(path: str, field: str, what: str) -> ValueError:
+    return ValueError(f"{path}: damaged swap manifest: {field} {what}; remove the directory "
+                      "(`offload clean`) and start again, or load a checkpoint")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _need(m: Dict[str, Any], path: str, field: str, kind: Any, what: str) -> Any:
+    if field not in m:
+        raise _bad(path, field, "is missing")
+    v = m[field]
+    ok = _is_int(v) if kind is int else isinstance(v, kind)
+    if not ok:
+        raise _bad(path, field, f"must be {what}, got {v!r:.80}")
+    return v
+
+
+def check_manifest(m: Any, path: str, *, nstates: int, verify_block: int) -> None:
+    """Raise ValueError naming ``path`` and the field when ``m`` is not a well-formed manifest."""
+    if not isinstance(m, dict):
+        raise ValueError(f"{path}: not an offload swap manifest (a JSON {type(m).__name__}, not an object)")
+    for field, kind, what in (("run", str, "a string"), ("rank", int, "an integer"), ("dtype", str, "a string"),
+                              ("numel", int, "an integer"), ("sub_group_size", int, "an integer"),
+                              ("step", int, "an integer"), ("states", list, "a list"),
+                              ("ranges", list, "a list"), ("slots", list, "a list"), ("valid", list, "a list"),
+                              ("extra", dict, "an object")):
+        _need(m, path, field, kind, what)
+    if m["step"] < 0:
+        raise _bad(path, "step", f"must be >= 0, got {m['step']}")
+    groups = len(m["ranges"])
+    for i, r in enumerate(m["ranges"]):
+        if not (isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) and 0 <= r[0] < r[1]):
+            raise _bad(path, f"ranges[{i}]", f"must be [start, end) with 0 <= start < end, got {r!r:.80}")
+    _check_list(m["slots"], groups, path, "slots", lambda s: _is_int(s) and s in (0, 1), "0 or 1")
+    _check_list(m["valid"], groups, path, "valid", lambda v: isinstance(v, bool), "true or false")
+    if "verify" in m and not isinstance(m["verify"], bool):
+        raise _bad(path, "verify", f"must be true or false, got {m['verify']!r:.80}")
+    _check_checksums(m.get("checksums"), m["ranges"], path, nstates, verify_block)
+    ident = m.get("identity")
+    if ident is not None and not (isinstance(ident, dict) and isinstance(ident.get("digest"), str)):
+        raise _bad(path, "identity", f"must be an object with a digest, got {ident!r:.80}")
+
+
+def _check_list(xs: List[Any], n: int, path: str, field: str, ok: Any, what: str) -> None:
+    if len(xs) != n:
+        raise _bad(path, field, f"has {len(xs)} entries for {n} sub-groups")
+    for i, x in enumerate(xs):
+        if not ok(x):
+            raise _bad(path, f"{field}[{i}]", f"must be {what}, got {x!r:.80}")
+
+
+def _check_checksums(sums: Any, ranges: Sequence[List[int]], path: str, nstates: int, block: int) -> None:
+    if sums is None:
+        return
+    if not isinstance(sums, dict):
+        raise _bad(path, "checksums", f"must be an object or null, got {type(sums).__name__}")
+    for key, per_state in sums.items():
+        field = f"checksums[{key!r}]"
+        if not (key.isdigit() and int(key) < len(ranges)):
+            raise _bad(path, field, f"names no sub-group (0..{len(ranges) - 1})")
+        s, e = ranges[int(key)]
+        blocks = -(-(e - s) * 4 // block)
+        if not (isinstance(per_state, list) and len(per_state) == nstates):
+            raise _bad(path, field, f"must hold {nstates} lists of block checksums")
+        for k, sums_k in enumerate(per_state):
+            if not (isinstance(sums_k, list) and len(sums_k) == blocks
+                    and all(_is_int(c) and 0 <= c < _UINT32 for c in sums_k)):
+                raise _bad(path, f"{field}[{k}]", f"must be {blocks} crc32 values")
+
+
+def check_steps(extra: Dict[str, Any], path: str, nparams: Optional[int]) -> List[int]:
+    """The per-param step counts the optimizer committed in ``extra``."""
+    steps = extra.get("steps")
+    if not isinstance(steps, list):
+        raise _bad(path, "extra.steps", "is missing" if steps is None else f"must be a list, got {steps!r:.80}")
+    if nparams is not None and len(steps) != nparams:
+        raise _bad(path, "extra.steps", f"has {len(steps)} step counts for {nparams} params")
+    for i, s in enumerate(steps):
+        if not (_is_int(s) and s >= 0):
+            raise _bad(path, f"extra.steps[{i}]", f"must be an integer >= 0, got {s!r:.80}")
+    return list(steps)

@@ -1,0 +1,131 @@
+"""Which swap directory is whose: a store is identified by its params, and resumes with its layout.
+
+[Note: identity] One process may hold several swap stores on one ``swap_dir`` (two models,
+two optimizers): their directories are named ``<run>``, ``<run>-2``, ... in creation order.
+A resumed process that builds its optimizers in another order would take the other model's
+directory, and when the two have the same number of elements nothing else would notice. So
+each manifest records an identity of its params (a digest of their shapes, dtypes and
+numels, and a short summary for messages), and ``resume=True`` opens the directory whose
+identity matches, whatever its name; directories of older manifests, which have none, are
+tried in creation order after those. Several stores with the same identity (two identical
+models) are still told apart by creation order only.
+
+[Note: layout on resume] The sub-group size fixes where each sub-group sits in the slot
+files, so a resumed store must use the one in the manifest, whatever ``max_host_bytes`` now
+is (the budget only sets the buffers). A ``sub_group_size`` given explicitly must agree
+with it; a budget too small for three buffers of it is refused, naming the bound to pass.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from offload.swap import fsutil
+from offload.swap.layout import ELEMS_PER_PAGE, SwapLayout, round_up
+from offload.swap.pipeline import MIN_BUFFERS, plan_sub_groups
+from offload.swap.store import MANIFEST, SwapStore, private_dir_name
+
+__all__ = ["make_identity", "open_store", "open_run_store"]
+
+_MAX_STORES = 64
+
+
+def make_identity(facts: Dict[str, Any], summary: str) -> Dict[str, str]:
+    """``{"digest", "summary"}`` for JSON ``facts`` (shapes, dtypes, numels ...)."""
+    text = json.dumps(facts, sort_keys=True, separators=(",", ":"))
+    return {"digest": hashlib.sha256(text.encode()).hexdigest()[:32], "summary": summary}
+
+
+def open_store(swap_dir: str, numel: int, state_names: Sequence[str], *, identity: Dict[str, str],
+               max_host_bytes: Optional[int], sub_group_size: Optional[int], run_name: str, rank: int,
+               verify: bool, resume: bool, io_engine: Any) -> Tuple[SwapStore, int]:
+    """(store, pipeline buffers) for ``numel`` elements of ``state_names``: a new directory,
+    or with ``resume`` the one whose identity matches (see the module notes)."""
+    nstates = len(state_names)
+    if not resume:
+        sg, nbuf = plan_sub_groups(numel, nstates, max_host_bytes, sub_group_size)
+        store = open_run_store(swap_dir, SwapLayout(numel, sg, nstates), state_names, run_name=run_name, rank=rank,
+                               verify=verify, resume=False, io_engine=io_engine, identity=identity)
+        return store, nbuf
+    parent = fsutil.check_parent_dir(swap_dir)
+    refused: List[str] = []
+    for name, manifest in _candidates(parent, run_name, rank, identity, refused):
+        sg, nbuf = _resume_plan(manifest, numel, nstates, max_host_bytes, sub_group_size)
+        try:
+            store = SwapStore(parent, SwapLayout(numel, sg, nstates), state_names=state_names, run_name=name,
+                              rank=rank, verify=verify, resume=True, io_engine=io_engine, identity=identity)
+        except fsutil.DirectoryBusy as exc:
+            if exc.pid != os.getpid():
+                raise
+            continue  # another optimizer of this process resumed it
+        return store, nbuf
+    first = os.path.join(parent, private_dir_name(run_name, rank))
+    if refused:
+        raise ValueError(f"{parent}: resume=True but no swap directory of run {run_name!r}, rank {rank} holds the "
+                         f"states of these params ({identity['summary']}): {'; '.join(refused)}")
+    raise FileNotFoundError(errno.ENOENT, "resume=True but there is no swap directory to resume from", first)
+
+
+def _candidates(parent: str, run_name: str, rank: int, identity: Dict[str, str], refused: List[str]):
+    """(run name, manifest or {}) of the directories to try, matching identities first."""
+    matching, unknown = [], []
+    for k in range(1, _MAX_STORES + 1):
+        name = run_name if k == 1 else f"{run_name}-{k}"
+        path = os.path.join(parent, private_dir_name(name, rank))
+        if not os.path.lexists(path):
+            continue
+        try:
+            m = fsutil.read_json(os.path.join(path, MANIFEST))
+        except (OSError, ValueError):
+            m = None  # the store says precisely what is wrong, if nothing else matches
+        found = m.get("identity") if isinstance(m, dict) else None
+        if not isinstance(found, dict):
+            unknown.append((name, m if isinstance(m, dict) else {}))
+        elif found.get("digest") == identity["digest"]:
+            matching.append((name, m))
+        else:
+            refused.append(f"{path} holds the states of other params ({found.get('summary')})")
+    return matching + unknown
+
+
+def _resume_plan(manifest: Dict[str, Any], numel: int, nstates: int, max_host_bytes: Optional[int],
+                 sub_group_size: Optional[int]) -> Tuple[int, int]:
+    """(sub_group_size, buffers) to resume the directory of ``manifest`` (see [Note: layout on resume])."""
+    kept = manifest.get("sub_group_size")
+    if not (isinstance(kept, int) and not isinstance(kept, bool) and kept > 0 and kept % ELEMS_PER_PAGE == 0):
+        return plan_sub_groups(numel, nstates, max_host_bytes, sub_group_size)  # the store names the bad field
+    if sub_group_size is not None:
+        asked = min(round_up(int(sub_group_size), ELEMS_PER_PAGE), round_up(numel, ELEMS_PER_PAGE))
+        if asked != kept:
+            raise ValueError(f"sub_group_size={sub_group_size} but the swap directory was written with "
+                             f"sub_group_size={kept}: pass sub_group_size={kept} (or None) to resume; to change "
+                             "it, save_checkpoint() and load_checkpoint() into a new run")
+    try:
+        return plan_sub_groups(numel, nstates, max_host_bytes, kept)
+    except ValueError:
+        groups = -(-numel // kept)
+        need = min(MIN_BUFFERS, groups) * nstates * round_up(kept * 4, 4096)
+        raise ValueError(f"max_host_bytes={max_host_bytes} cannot hold the pipeline buffers of the swap directory "
+                         f"to resume, written with sub_group_size={kept}: pass max_host_bytes >= {need} to "
+                         "resume it; to change the layout, save_checkpoint() and load_checkpoint() into a new "
+                         "run") from None
+
+
+def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[str], *, run_name: str, rank: int,
+                   verify: bool, resume: bool, io_engine: Any, identity: Optional[Dict[str, Any]] = None) -> SwapStore:
+    """A new store (or with ``resume``, the directory of the same name): ``<run_name>``, or
+    for a second store of this same process on the same ``swap_dir`` ``<run_name>-2``, a
+    third ``<run_name>-3``...: names follow creation order (never id()). :func:`open_store`
+    resumes by identity instead ([Note: identity])."""
+    for k in range(1, _MAX_STORES + 1):
+        name = run_name if k == 1 else f"{run_name}-{k}"
+        try:
+            return SwapStore(swap_dir, layout, state_names=state_names, run_name=name, rank=rank,
+                             verify=verify, resume=resume, io_engine=io_engine, identity=identity)
+        except fsutil.DirectoryBusy as exc:
+            if exc.pid != os.getpid():
+                raise
+    raise RuntimeError(f"{_MAX_STORES} swap stores of this process already use {swap_dir}")

@@ -1,0 +1,160 @@
+"""Who may remove a swap directory: forked children, a directory replaced under us, SIGTERM."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from offload.swap import SwapLayout, SwapStore
+from test_swap_util import run_python
+
+NAMES = ["exp_avg", "exp_avg_sq"]
+
+
+def _store(d, **kw):
+    return SwapStore(str(d), SwapLayout(5000, 2048, 2), state_names=NAMES, **kw)
+
+
+# The parent steps an fp32 nvme AdamW and torch's AdamW on the same grads, forks (os.fork +
+# sys.exit in the child, then a fork Pool terminated), and steps both again.
+_FORK = """
+import multiprocessing as mp, os, sys, torch
+import offload
+torch.manual_seed(0)
+dtype = getattr(torch, sys.argv[2])
+p = torch.randn(5000).to(dtype).requires_grad_(True)
+q = p.detach().clone().requires_grad_(True)
+opt = offload.AdamW([p], lr=1e-2, offload="nvme", swap_dir=sys.argv[1])
+# fp32: torch's AdamW; bf16 (the flat store): the same optimizer with its states in RAM
+ref = (torch.optim.AdamW([q], lr=1e-2, foreach=False) if dtype == torch.float32
+       else offload.AdamW([q], lr=1e-2, offload="cpu"))
+def step(k):
+    g = torch.randn(5000, generator=torch.Generator().manual_seed(k)).to(dtype)
+    p.grad, q.grad = g.clone(), g.clone()
+    opt.step(); ref.step()
+step(1)
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # runs the inherited atexit hooks in the child
+os.waitpid(pid, 0)
+step(2)
+pool = mp.get_context("fork").Pool(2)
+pool.map(abs, [1, 2])
+pool.terminate()  # SIGTERM to the workers
+pool.join()
+step(3)
+names = os.listdir(sys.argv[1])
+print("ok", len(names), float((p.detach().float() - q.detach().float()).abs().max()), flush=True)
+opt.close()
+print("closed", os.listdir(sys.argv[1]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_forked_children_leave_the_parents_swap_dir_alone(tmp_path, dtype):
+    proc = run_python(_FORK, str(tmp_path), dtype)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    lines = out.split("\n")
+    ok = lines[0].split()
+    assert ok[0] == "ok" and ok[1] == "1", out + err
+    assert float(ok[2]) <= (1e-6 if dtype == "float32" else 0.0), out
+    assert lines[1] == "closed []", out + err
+
+
+def _fork_holder(swap_dir):
+    """A child that opens its own store on ``swap_dir`` and waits (leaves by SIGKILL)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            _store(swap_dir)
+            os.write(w, b"ready")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 5) == b"ready"
+    os.close(r)
+    return pid
+
+
+def test_close_leaves_a_directory_made_again_by_another_process(tmp_path):
+    mine = _store(tmp_path)
+    path = mine.path
+    shutil.rmtree(path)  # e.g. a cron job cleaning /var/tmp
+    other = _fork_holder(tmp_path)  # makes and locks its own offload-run.rank0
+    try:
+        before = sorted(os.listdir(path))
+        mine.close()  # must not raise, must not touch the other's directory
+        assert sorted(os.listdir(path)) == before and "lock" in before
+    finally:
+        os.kill(other, signal.SIGKILL)
+        os.waitpid(other, 0)
+    shutil.rmtree(path)
+
+
+def test_close_after_the_directory_vanished_does_not_raise(tmp_path):
+    st = _store(tmp_path)
+    shutil.rmtree(st.path)
+    st.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_same_inode_but_not_our_lock_is_left(tmp_path):
+    """The directory is ours but its lock file was replaced (removed and made again): the
+    lock is no longer ours, so the directory is not removed."""
+    st = _store(tmp_path)
+    lock = os.path.join(st.path, "lock")
+    os.unlink(lock)
+    open(lock, "w").write("1\n")
+    st.close()
+    assert os.path.exists(lock)
+    shutil.rmtree(st.path)
+
+
+_TERM = """
+import sys, time
+from offload.swap import SwapLayout, SwapStore
+st = SwapStore(sys.argv[1], SwapLayout(5000, 2048, 2), state_names=["exp_avg", "exp_avg_sq"])
+st.commit({0: None})
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigterm_keeps_the_swap_dir_for_resume(tmp_path):
+    proc = run_python(_TERM, str(tmp_path))
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM  # the default action still happens
+    st = _store(tmp_path, resume=True)  # a preempted job resumes from the last finished step
+    assert st.step == 1 and st.valid == [True, False, False]
+    st.close()
+    assert os.listdir(tmp_path) == []
+
+
+_TERM_HANDLER = """
+import signal, sys, time
+def graceful(s, f):  # a framework's handler that exits
+    sys.exit(3)
+signal.signal(signal.SIGTERM, graceful)
+from offload.swap import SwapLayout, SwapStore
+st = SwapStore(sys.argv[1], SwapLayout(5000, 2048, 2), state_names=["exp_avg", "exp_avg_sq"])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigterm_through_a_python_handler_keeps_the_swap_dir(tmp_path):
+    proc = run_python(_TERM_HANDLER, str(tmp_path))
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 3
+    assert "kept after SIGTERM" in proc.stderr.read()
+    assert os.listdir(tmp_path) == ["offload-run.rank0"]
+    _store(tmp_path, resume=True).close()
