@@ -29,6 +29,8 @@ from offload.config import IOConfig, OffloadConfig, parse_bytes
 from offload.kernels import get_backend
 from offload.optim.functional import AdamHyper
 from offload.optim.host_state import HostState, StepBatch
+from offload.optim.state_io import load_state_dict_into, state_dict_of
+from offload.optim.step_guard import check_work, defer_sigint, failure_text, is_consistent, snapshot
 from offload.optim.stats import StepStats, process_rss_bytes
 
 __all__ = ["Adam", "AdamW"]
@@ -151,6 +153,7 @@ class _AdamBase(Optimizer):
         if stage not in (0, 1, 2):
             raise ValueError(f"Invalid stage: {stage} (0, 1 or 2; stage 3 is not implemented yet)")
         self.stage = stage
+        self._param_sigs = snapshot(params)  # what the states are laid out for (step_guard.check_work)
         host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
         if stage == 0 and host_ok and self.config.offload in ("none", "cpu"):
             return HostState(self, backend=self.backend, num_threads=self.num_threads)
@@ -172,6 +175,7 @@ class _AdamBase(Optimizer):
         except BaseException:
             self.param_groups.pop()  # refused: the optimizer stays as it was
             raise
+        self._param_sigs = snapshot(self._all_params())
 
     def _store_add_group(self, group: Dict[str, Any]) -> None:
         add = getattr(self._store, "add_param_group", None)
@@ -270,12 +274,15 @@ class _AdamBase(Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
         self._check_open()
+        self._check_not_failed()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
         work = self._grads_with_params()
+        # Everything is checked before anything changes (see [Note: failed steps] in step_guard.py).
+        check_work(work, self._param_sigs, store_grads=hasattr(self._store, "grads"))
         self._t_prepare = 0.0
         t_clip = time.perf_counter()
         multiplier = self._grad_multiplier(work)
@@ -286,6 +293,16 @@ class _AdamBase(Optimizer):
             self._stats.record({"unscale_clip": t_clip, "grad_transfer": self._t_prepare},
                                time.perf_counter() - t0, skipped=True)
             return loss
+        with defer_sigint():  # a Ctrl-C lands after the step, never in the middle of it
+            phases = self._store_step(work, multiplier)
+            phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip
+            phases["grad_transfer"] = phases.get("grad_transfer", 0.0) + self._t_prepare
+            self._stats.record(phases, time.perf_counter() - t0)
+        return loss
+
+    def _store_step(self, work, multiplier: float) -> Dict[str, float]:
+        """Count the step and let the store apply it; any failure restores the counts and,
+        unless the store put everything back, enters the failed state."""
         batches: List[StepBatch] = []
         before: List[Tuple[Dict[str, Any], Any]] = []
         for group, items in work:
@@ -294,65 +311,68 @@ class _AdamBase(Optimizer):
             for p, g in items:
                 st = self.state[p]
                 before.append((st, st.get("step")))
-                if "step" not in st:
-                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
                 # A new tensor, not `+= 1`: torch's load_state_dict shares the step tensors
                 # with the dict it loaded, and an in-place increment would couple two
                 # optimizers loaded from one dict.
-                st["step"] = st["step"] + 1
+                st["step"] = (st["step"] if "step" in st else torch.tensor(0.0, dtype=torch.float32)) + 1
                 triples.append((p, g, int(st["step"].item())))
             batches.append((hyper, triples))
         try:
-            phases = dict(self._store.step(batches))
-        except BaseException:
-            # A failed swap step leaves the swap files at the previous step: the step counts
-            # must say the same, or a retry would use the bias correction of a step that
+            return dict(self._store.step(batches))
+        except BaseException as exc:
+            # The states (swap files, or what the store put back) are at the previous step:
+            # so are the counts, or a retry would use the bias correction of a step that
             # never happened.
             for st, step in before:
                 if step is None:
                     st.pop("step", None)
                 else:
                     st["step"] = step
+            if not is_consistent(exc):
+                self._failure = getattr(self._store, "_broken", None) or failure_text(exc, self._store.kind)
             raise
-        phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip
-        phases["grad_transfer"] = phases.get("grad_transfer", 0.0) + self._t_prepare
-        self._stats.record(phases, time.perf_counter() - t0)
-        return loss
+
+    def _check_not_failed(self) -> None:
+        failure = getattr(self, "_failure", None)
+        if failure:
+            raise RuntimeError(f"the previous step failed and left the optimizer in the failed state: {failure}")
+
+    def clear_failure(self, accept_params: bool = False) -> None:
+        """Leave the failed state a failed step put the optimizer in (see the README,
+        "When a step fails"). With ``offload="nvme"`` and fp32 CPU params, first restore the
+        params of the step the swap files hold: they are checked against the manifest's
+        fingerprint (ValueError when they differ). ``accept_params=True`` goes on from the
+        params and states as they are instead (the elements already updated by the failed
+        step then get that step's update once more when it is retried). A no-op when no
+        step failed."""
+        self._check_open()
+        if not getattr(self, "_failure", None):
+            return
+        clear = getattr(self._store, "clear_failure", None)
+        if clear is not None:
+            clear(accept_params=accept_params)
+        elif not accept_params:
+            raise ValueError("this store cannot check which states the failed step changed: load your checkpoint "
+                             "(load_state_dict / load_checkpoint), or clear_failure(accept_params=True) to go on "
+                             "from the states as they are")
+        self._failure = None
 
     # ---------------------------------------------------------------- state_dict
     def state_dict(self) -> Dict[str, Any]:
+        """torch's layout, the moments (and bf16/fp16 params' fp32 masters) included, read
+        from wherever the store keeps them. It changes nothing in the optimizer: the entries
+        are new dicts (torch's own are the very dicts of ``opt.state``), and the post hooks
+        run on the full dict, after the merge."""
         self._check_open()
-        sd = super().state_dict()
-        if isinstance(self._store, HostState):
-            return sd
-        # Other stores keep the moments outside self.state: put them in torch's layout.
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                exported = self._store.export_state(p)
-                if exported:
-                    entry = sd["state"].setdefault(index, {})
-                    entry.update(exported)
-                index += 1
-        return sd
+        return state_dict_of(self, super().state_dict)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """As torch's, all or nothing: the whole dict is checked first (a bad entry changes
+        nothing), and with ``offload="nvme"`` the loaded states go to the free swap slots and
+        are committed once. Ends a failed state (see ``clear_failure``)."""
         self._check_open()
-        super().load_state_dict(state_dict)
-        if isinstance(self._store, HostState):
-            return
-        for p in self._all_params():
-            st = self.state.get(p) or {}
-            moments = {k: st.pop(k) for k in ("exp_avg", "exp_avg_sq") if k in st}
-            if moments:
-                self._store.import_state(p, moments)
-            else:
-                # As torch: a param without state in the loaded dict starts afresh (zero
-                # moments, step 0), not with the moments this optimizer held before.
-                self._store.reset_state(p)
-        flush = getattr(self._store, "flush", None)
-        if flush is not None:  # swap stores: the loaded states and steps are on disk from here on
-            flush()
+        load_state_dict_into(self, state_dict, super().load_state_dict)
+        self._failure = None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -405,11 +425,16 @@ class _AdamBase(Optimizer):
             )
         load(directory)
 
-    def close(self) -> None:
+    def close(self, keep_swap: bool = False) -> None:
         """Release host buffers and remove swap files (also done at interpreter exit).
-        Idempotent; the optimizer cannot step afterwards."""
-        if self._store is not None:
-            self._store.close()
+        Idempotent; the optimizer cannot step afterwards. ``keep_swap=True`` (``offload=
+        "nvme"``) keeps the swap directory, unlocked and at its last committed step, for a
+        new optimizer with ``resume=True`` (in this process or another)."""
+        if keep_swap and self.config.offload != "nvme":
+            raise ValueError(f"close(keep_swap=True) needs offload='nvme' (offload={self.config.offload!r} keeps "
+                             "no swap files)")
+        if self._store is not None and not self._closed:
+            self._store.close(keep_swap=keep_swap) if keep_swap else self._store.close()
         self._closed = True
 
     def __enter__(self):
