@@ -56,15 +56,11 @@ def _check_param(p: torch.Tensor, sigs: Dict[int, Tuple[int, ParamSig]]) -> int:
     return i
 
 
-def _check_grad(i: int, p: torch.Tensor, g: Any, store_grad: bool) -> None:
+def _check_grad(i: int, p: torch.Tensor, g: Any) -> None:
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"param {i}: grad is a {type(g).__name__}, not a tensor")
     if g.is_sparse or g.layout != torch.strided:
         raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
-    if store_grad:  # the store's own host copy of the grad: its dtype and device are the store's
-        if g.numel() != p.numel():
-            raise ValueError(f"param {i}: grad of {g.numel()} elements for a param of {p.numel()}")
-        return
     if g.dtype != p.dtype or tuple(g.shape) != tuple(p.shape) or g.device != p.device:
         raise TypeError(f"param {i}: grad is {_describe((tuple(g.shape), g.dtype, g.device))}, the param "
                         f"{_describe((tuple(p.shape), p.dtype, p.device))}; a grad must match its param's "
@@ -72,13 +68,15 @@ def _check_grad(i: int, p: torch.Tensor, g: Any, store_grad: bool) -> None:
 
 
 def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
-               sigs: Dict[int, Tuple[int, ParamSig]], store_grads: bool) -> None:
+               sigs: Dict[int, Tuple[int, ParamSig]]) -> None:
     """Raise before the step changes anything if a param is no longer what it was registered
-    as, or a grad does not fit its param. ``store_grads``: the grads come from the store."""
+    as, or its grad does not fit it (a store's own stand-in for a grad held on another rank,
+    which is not ``p.grad``, is the store's to check)."""
     for _, items in work:
         for p, g in items:
-            _check_param(p, sigs)
-            _check_grad(sigs[id(p)][0], p, g, store_grads)
+            i = _check_param(p, sigs)
+            if g is p.grad:
+                _check_grad(i, p, g)
 
 
 @contextlib.contextmanager
@@ -116,20 +114,21 @@ def is_consistent(exc: BaseException) -> bool:
     return bool(getattr(exc, _CONSISTENT, False))
 
 
-def failure_text(exc: BaseException, store_kind: str) -> str:
-    """Why steps are refused after ``exc`` ended a step, and the public ways on."""
+def failure_text(exc: BaseException, store_kind: str, held: Optional[str] = None) -> str:
+    """Why steps are refused after ``exc`` ended a step (``held``: what holds which step, when
+    the store knows better), and the public ways on."""
     what = getattr(exc, "strerror", None) if isinstance(exc, OSError) else None
     what = f"{type(exc).__name__}: {what or exc}" if str(exc) or what else type(exc).__name__
     if store_kind == "nvme":
-        held = ("the swap files and step counts hold the previous step; the fp32 params of the sub-groups "
-                "already computed were updated in place")
+        held = held or ("the swap files and step counts hold the previous step; the fp32 params of the "
+                        "sub-groups already computed were updated in place")
         ways = ("restore them (your own checkpoint of that step) and call opt.clear_failure(), which checks "
                 "them against the swap manifest; or opt.clear_failure(accept_params=True) to go on from the "
                 "params as they are (those elements then get this step's update twice); or opt.load_checkpoint(); "
                 "or opt.close(keep_swap=True) and a new optimizer with resume=True and the restored params")
     else:
-        held = ("the step counts hold the previous step, but some params and their moments were already "
-                "updated in place")
+        held = held or ("the step counts hold the previous step, but some params and their moments may "
+                        "already have been updated in place")
         ways = ("opt.load_state_dict() / opt.load_checkpoint() with your checkpoint (and your params of that "
                 "step), or opt.clear_failure(accept_params=True) to go on from the states as they are")
     return f"a step failed ({what}): {held}. Further steps are refused until you {ways}"

@@ -321,9 +321,9 @@ class SwappedState:
         offload/optim/step_guard.py)."""
         if not touched:
             return mark_consistent(exc)
-        self._broken = (f"the in-place fp32 params {touched} of the sub-groups already computed hold step-"
-                        f"{self.store.step + 1} values, their moments in {self.store.path} step {self.store.step}; "
-                        + failure_text(exc, "nvme").split(". ", 1)[1])
+        held = (f"the in-place fp32 params {touched} of the sub-groups already computed hold step-"
+                f"{self.store.step + 1} values, their moments and step counts step {self.store.step}")
+        self._broken = failure_text(exc, "nvme", held)
         if isinstance(exc, SwapStepError):
             # exc.strerror, not str(exc): OSError's str already adds "[Errno n]" and the path
             return SwapStepError(exc.errno, f"{exc.strerror}. {self._broken}", exc.filename, exc.computed)
