@@ -114,9 +114,9 @@ def is_consistent(exc: BaseException) -> bool:
     return bool(getattr(exc, _CONSISTENT, False))
 
 
-def failure_text(exc: BaseException, store_kind: str, held: Optional[str] = None) -> str:
+def failure_text(exc: BaseException, store_kind: str, held: Optional[str] = None, cause: bool = True) -> str:
     """Why steps are refused after ``exc`` ended a step (``held``: what holds which step, when
-    the store knows better), and the public ways on."""
+    the store knows better; ``cause=False``: without ``exc``'s own text), and the public ways on."""
     what = getattr(exc, "strerror", None) if isinstance(exc, OSError) else None
     what = f"{type(exc).__name__}: {what or exc}" if str(exc) or what else type(exc).__name__
     if store_kind == "nvme":
@@ -124,11 +124,12 @@ def failure_text(exc: BaseException, store_kind: str, held: Optional[str] = None
                         "sub-groups already computed were updated in place")
         ways = ("restore them (your own checkpoint of that step) and call opt.clear_failure(), which checks "
                 "them against the swap manifest; or opt.clear_failure(accept_params=True) to go on from the "
-                "params as they are (those elements then get this step's update twice); or opt.load_checkpoint(); "
+                "params as they are (the elements already updated get this step's update once more when it is retried); or opt.load_checkpoint(); "
                 "or opt.close(keep_swap=True) and a new optimizer with resume=True and the restored params")
     else:
         held = held or ("the step counts hold the previous step, but some params and their moments may "
                         "already have been updated in place")
         ways = ("opt.load_state_dict() / opt.load_checkpoint() with your checkpoint (and your params of that "
                 "step), or opt.clear_failure(accept_params=True) to go on from the states as they are")
-    return f"a step failed ({what}): {held}. Further steps are refused until you {ways}"
+    text = f"{held}. Further steps are refused until you {ways}"
+    return f"a step failed ({what}): {text}" if cause else text

@@ -326,7 +326,8 @@ class SwappedState:
         self._broken = failure_text(exc, "nvme", held)
         if isinstance(exc, SwapStepError):
             # exc.strerror, not str(exc): OSError's str already adds "[Errno n]" and the path
-            return SwapStepError(exc.errno, f"{exc.strerror}. {self._broken}", exc.filename, exc.computed)
+            msg = f"{exc.strerror}; {failure_text(exc, 'nvme', held, cause=False)}"
+            return SwapStepError(exc.errno, msg, exc.filename, exc.computed)
         return exc
 
     def clear_failure(self, accept_params: bool = False) -> None:
