@@ -65,8 +65,9 @@ def test_state_dict_does_not_change_the_optimizer(tmp_path, kind):
     assert all("exp_avg" in sd["state"][k] and "exp_avg_sq" in sd["state"][k] for k in range(len(params)))
     for p in params:
         assert {k: id(v) for k, v in opt.state[p].items()} == before[id(p)][1]  # no key added, none replaced
-    if kind != "none":  # the moments are the store's: no copy of them stays in opt.state
-        assert all("exp_avg" not in opt.state[p] and "master" not in opt.state[p] for p in params)
+    if kind != "none":  # no copy of the store's states stays in opt.state (nvme: read on access)
+        assert all("master" not in opt.state[p] for p in params)
+        assert all("exp_avg" not in opt.state[p] for p in params) == kind.endswith("nvme")
     if kind != "none":  # (torch's, like the host store's, shares opt.state's live tensors)
         # the dict does not change with the next step (no shared stale copy either way)
         frozen = copy.deepcopy(sd)
@@ -178,5 +179,56 @@ def test_load_state_dict_keeps_nothing_it_loaded(tmp_path, kind):
     gc.collect()
     assert [r for r in refs if r() is not None] == []
     _train(opt, params, 2, 3)
+    opt.close()
+    src.close()
+
+
+# ---------------------------------------------------------------------- item 6: opt.state[p] moments
+def _torch_moments(kind, seed, steps):
+    dtype = torch.bfloat16 if kind.startswith("bf16") else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(*s, generator=g).to(dtype).float()) for s in SIZES]
+    opt = torch.optim.AdamW(params, **HP, foreach=False)
+    for s in range(steps):
+        gg = torch.Generator().manual_seed(100 + s)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gg).to(dtype).float()
+        opt.step()
+    return opt, params
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_opt_state_holds_the_moments(tmp_path, kind):
+    params, opt = _opt(kind, tmp_path)
+    ref, ref_params = _torch_moments(kind, 0, 3)
+    _train(opt, params, 0, 2)
+    held = {key: opt.state[params[2]][key] for key in ("exp_avg", "exp_avg_sq")}
+    _train(opt, params, 2, 3)
+    sd = opt.state_dict()
+    for k, (p, q) in enumerate(zip(params, ref_params)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = opt.state[p][key]
+            assert got.shape == p.shape and got.dtype == torch.float32
+            assert torch.equal(got, sd["state"][k][key]), (k, key)  # the current moments, never a stale copy
+            torch.testing.assert_close(got, ref.state[q][key], rtol=1e-5, atol=1e-6)
+            assert torch.equal(opt.state[p].get(key), got)
+    live = kind in ("none", "bf16")  # in RAM: views of the states themselves; nvme: read on each access
+    assert torch.equal(held["exp_avg"], opt.state[params[2]]["exp_avg"]) == live
+    if kind.endswith("nvme"):
+        assert "exp_avg" not in opt.state[params[0]] and "exp_avg" not in dict(opt.state[params[0]])
+    copy.deepcopy(opt.state)  # plain dicts when copied or pickled: no store inside
+    torch.save(dict(opt.state), io.BytesIO())
+    opt.close()
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvme", "bf16-nvme"])
+def test_opt_state_moments_after_load_state_dict(tmp_path, kind):
+    src_params, src = _opt(kind, tmp_path, seed=1)
+    _train(src, src_params, 0, 2)
+    sd = copy.deepcopy(src.state_dict())
+    params, opt = _opt(kind, tmp_path)
+    opt.load_state_dict(sd)
+    for k, p in enumerate(params):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], sd["state"][k]["exp_avg_sq"].float())
     opt.close()
     src.close()

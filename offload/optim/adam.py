@@ -30,6 +30,7 @@ from offload.kernels import get_backend
 from offload.optim.functional import AdamHyper
 from offload.optim.host_state import HostState, StepBatch
 from offload.optim.state_io import load_state_dict_into, state_dict_of
+from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
 from offload.optim.step_guard import check_work, defer_sigint, failure_text, is_consistent, snapshot
 from offload.optim.stats import StepStats, process_rss_bytes
 
@@ -295,6 +296,7 @@ class _AdamBase(Optimizer):
             return loss
         with defer_sigint():  # a Ctrl-C lands after the step, never in the middle of it
             phases = self._store_step(work, multiplier)
+            attach_state_views(self)  # opt.state[p]["exp_avg"] of params that stepped first now
             phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip
             phases["grad_transfer"] = phases.get("grad_transfer", 0.0) + self._t_prepare
             self._stats.record(phases, time.perf_counter() - t0)
@@ -424,6 +426,8 @@ class _AdamBase(Optimizer):
                 f"load_checkpoint is not available for this store ({type(self._store).__name__}); use opt.load_state_dict(torch.load(...))"
             )
         load(directory)
+        self._failure = None  # every state was replaced (step_guard [Note: failed steps])
+        attach_state_views(self)
 
     def close(self, keep_swap: bool = False) -> None:
         """Release host buffers and remove swap files (also done at interpreter exit).
@@ -434,6 +438,7 @@ class _AdamBase(Optimizer):
             raise ValueError(f"close(keep_swap=True) needs offload='nvme' (offload={self.config.offload!r} keeps "
                              "no swap files)")
         if self._store is not None and not self._closed:
+            detach_state_views(self)  # before the buffers they view are freed
             self._store.close(keep_swap=keep_swap) if keep_swap else self._store.close()
         self._closed = True
 

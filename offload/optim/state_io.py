@@ -20,6 +20,8 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from offload.optim.state_view import attach
+
 __all__ = ["state_dict_of", "load_state_dict_into", "check_loadable"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -35,8 +37,9 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
         opt._optimizer_state_dict_post_hooks = hooks
     export = getattr(opt._store, "export_state", None)
     if getattr(opt._store, "kind", None) != "host":
-        # New entry dicts: the ones torch returns are opt.state's own.
-        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}
+        # New entry dicts (the ones torch returns are opt.state's own), without the views
+        # into the store's buffers that state_view.attach put there: full tensors instead.
+        sd["state"] = {k: {key: t for key, t in v.items() if key not in MOMENTS} for k, v in sd["state"].items()}
         params = [p for g in opt.param_groups for p in g["params"]]
         for index, p in enumerate(params):
             exported = export(p)
@@ -127,6 +130,7 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
             store._stash = {}
     if hasattr(store, "clear_failure"):
         store._broken = None  # every state was replaced: see step_guard [Note: failed steps]
+    attach(opt)
 
 
 def _import_all(opt: Any, store: Any) -> None:
