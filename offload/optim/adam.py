@@ -31,7 +31,7 @@ from offload.optim.functional import AdamHyper
 from offload.optim.host_state import HostState, StepBatch
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
-from offload.optim.step_guard import check_work, defer_sigint, failure_text, is_consistent, snapshot
+from offload.optim.step_guard import check_work, clear_failure, defer_sigint, snapshot, store_step
 from offload.optim.stats import StepStats, process_rss_bytes
 
 __all__ = ["Adam", "AdamW"]
@@ -303,36 +303,7 @@ class _AdamBase(Optimizer):
         return loss
 
     def _store_step(self, work, multiplier: float) -> Dict[str, float]:
-        """Count the step and let the store apply it; any failure restores the counts and,
-        unless the store put everything back, enters the failed state."""
-        batches: List[StepBatch] = []
-        before: List[Tuple[Dict[str, Any], Any]] = []
-        for group, items in work:
-            hyper = self._hyper(group, multiplier)
-            triples = []
-            for p, g in items:
-                st = self.state[p]
-                before.append((st, st.get("step")))
-                # A new tensor, not `+= 1`: torch's load_state_dict shares the step tensors
-                # with the dict it loaded, and an in-place increment would couple two
-                # optimizers loaded from one dict.
-                st["step"] = (st["step"] if "step" in st else torch.tensor(0.0, dtype=torch.float32)) + 1
-                triples.append((p, g, int(st["step"].item())))
-            batches.append((hyper, triples))
-        try:
-            return dict(self._store.step(batches))
-        except BaseException as exc:
-            # The states (swap files, or what the store put back) are at the previous step:
-            # so are the counts, or a retry would use the bias correction of a step that
-            # never happened.
-            for st, step in before:
-                if step is None:
-                    st.pop("step", None)
-                else:
-                    st["step"] = step
-            if not is_consistent(exc):
-                self._failure = getattr(self._store, "_broken", None) or failure_text(exc, self._store.kind)
-            raise
+        return store_step(self, [(self._hyper(group, multiplier), items) for group, items in work])
 
     def _check_not_failed(self) -> None:
         failure = getattr(self, "_failure", None)
@@ -348,16 +319,7 @@ class _AdamBase(Optimizer):
         step then get that step's update once more when it is retried). A no-op when no
         step failed."""
         self._check_open()
-        if not getattr(self, "_failure", None):
-            return
-        clear = getattr(self._store, "clear_failure", None)
-        if clear is not None:
-            clear(accept_params=accept_params)
-        elif not accept_params:
-            raise ValueError("this store cannot check which states the failed step changed: load your checkpoint "
-                             "(load_state_dict / load_checkpoint), or clear_failure(accept_params=True) to go on "
-                             "from the states as they are")
-        self._failure = None
+        clear_failure(self, accept_params)
 
     # ---------------------------------------------------------------- state_dict
     def state_dict(self) -> Dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "mark_consistent", "is_consistent",
-           "failure_text"]
+           "failure_text", "store_step", "clear_failure"]
 
 # What a param was when the optimizer was built: its states are laid out for exactly this.
 ParamSig = Tuple[Tuple[int, ...], torch.dtype, torch.device]
@@ -133,3 +133,49 @@ def failure_text(exc: BaseException, store_kind: str, held: Optional[str] = None
                 "step), or opt.clear_failure(accept_params=True) to go on from the states as they are")
     text = f"{held}. Further steps are refused until you {ways}"
     return f"a step failed ({what}): {text}" if cause else text
+
+
+def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor]]]]) -> Dict[str, float]:
+    """Count the step in ``opt.state`` and let the store apply it (``work``: per group, its
+    AdamHyper and (param, grad) pairs). Any failure restores the counts and, unless the store
+    put everything back, enters the failed state."""
+    batches: List[Any] = []
+    before: List[Tuple[Dict[str, Any], Any]] = []
+    for hyper, items in work:
+        triples = []
+        for p, g in items:
+            st = opt.state[p]
+            before.append((st, st.get("step")))
+            # A new tensor, not `+= 1`: torch's load_state_dict shares the step tensors with
+            # the dict it loaded, and an in-place increment would couple two optimizers
+            # loaded from one dict.
+            st["step"] = (st["step"] if "step" in st else torch.tensor(0.0, dtype=torch.float32)) + 1
+            triples.append((p, g, int(st["step"].item())))
+        batches.append((hyper, triples))
+    try:
+        return dict(opt._store.step(batches))
+    except BaseException as exc:
+        # The states (swap files, or what the store put back) are at the previous step: so
+        # are the counts, or a retry would use the bias correction of a step that never happened.
+        for st, step in before:
+            if step is None:
+                st.pop("step", None)
+            else:
+                st["step"] = step
+        if not is_consistent(exc):
+            opt._failure = getattr(opt._store, "_broken", None) or failure_text(exc, opt._store.kind)
+        raise
+
+
+def clear_failure(opt: Any, accept_params: bool) -> None:
+    """``opt.clear_failure()``: see its docstring and [Note: failed steps]."""
+    if not getattr(opt, "_failure", None):
+        return
+    clear = getattr(opt._store, "clear_failure", None)
+    if clear is not None:
+        clear(accept_params=accept_params)
+    elif not accept_params:
+        raise ValueError("this store cannot check which states the failed step changed: load your checkpoint "
+                         "(load_state_dict / load_checkpoint), or clear_failure(accept_params=True) to go on "
+                         "from the states as they are")
+    opt._failure = None
