@@ -232,3 +232,52 @@ def test_opt_state_moments_after_load_state_dict(tmp_path, kind):
         assert torch.equal(opt.state[p]["exp_avg_sq"], sd["state"][k]["exp_avg_sq"].float())
     opt.close()
     src.close()
+
+
+_KILLED_LOAD = r"""
+import os, signal, sys, torch, torch.nn as nn, offload
+swap, out = sys.argv[1], sys.argv[2]
+g = torch.Generator().manual_seed(0)
+params = [nn.Parameter(torch.randn(n, generator=g)) for n in (3000, 7, 2500)]
+opt = offload.AdamW(params, lr=1e-2, offload="nvme", swap_dir=swap, sub_group_size=1024, max_host_bytes=1 << 20)
+for s in range(2):
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+torch.save({"params": [p.detach().clone() for p in params], "sd": opt.state_dict()}, os.path.join(out, "before.pt"))
+sd = opt.state_dict()
+for st in sd["state"].values():
+    st["exp_avg"] = st["exp_avg"] + 1.0
+    st["exp_avg_sq"] = st["exp_avg_sq"] + 1.0
+    st["step"] = torch.tensor(7.0)
+store = opt._store.store
+inner, count = store.engine, [0]
+class Killer:
+    def __getattr__(self, name):
+        return getattr(inner, name)
+    def submit(self, reqs):
+        reqs = list(reqs)
+        if reqs and reqs[0].op == "write":
+            count[0] += 1
+            if count[0] == 3:  # two sub-groups of the load are written: die before the third
+                os.kill(os.getpid(), signal.SIGKILL)
+        return inner.submit(reqs)
+store.engine = Killer()
+opt.load_state_dict(sd)
+print("not killed")
+"""
+
+
+def test_kill_during_nvme_load_state_dict_resumes_at_the_states_before(tmp_path):
+    from test_swap_util import run_python
+
+    (tmp_path / "swap").mkdir()
+    p = run_python(_KILLED_LOAD, str(tmp_path / "swap"), str(tmp_path))
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == -9, (out, err)
+    before = torch.load(tmp_path / "before.pt", weights_only=True)
+    params = [nn.Parameter(t) for t in before["params"]]
+    opt = offload.AdamW(params, lr=1e-2, offload="nvme", swap_dir=str(tmp_path / "swap"), sub_group_size=1024,
+                        max_host_bytes=1 << 20, resume=True)
+    _same_state(opt.state_dict(), before["sd"])  # every moment and step from before the load, none from it
+    opt.close()

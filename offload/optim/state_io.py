@@ -39,7 +39,9 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
     if getattr(opt._store, "kind", None) != "host":
         # New entry dicts (the ones torch returns are opt.state's own), without the views
         # into the store's buffers that state_view.attach put there: full tensors instead.
-        sd["state"] = {k: {key: t for key, t in v.items() if key not in MOMENTS} for k, v in sd["state"].items()}
+        # (An entry that held nothing else, e.g. after load_checkpoint set its step to 0, goes.)
+        sd["state"] = {k: {key: t for key, t in v.items() if key not in MOMENTS}
+                       for k, v in sd["state"].items() if set(v) - set(MOMENTS) or not v}
         params = [p for g in opt.param_groups for p in g["params"]]
         for index, p in enumerate(params):
             exported = export(p)
