@@ -154,7 +154,6 @@ class _AdamBase(Optimizer):
         if stage not in (0, 1, 2):
             raise ValueError(f"Invalid stage: {stage} (0, 1 or 2; stage 3 is not implemented yet)")
         self.stage = stage
-        self._param_sigs = snapshot(params)  # what the states are laid out for (step_guard.check_work)
         host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
         if stage == 0 and host_ok and self.config.offload in ("none", "cpu"):
             return HostState(self, backend=self.backend, num_threads=self.num_threads)
@@ -168,6 +167,9 @@ class _AdamBase(Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        # What the states are laid out for (step_guard.check_work), also while torch's
+        # __init__ adds the first groups.
+        self._param_sigs = snapshot(self._all_params())
         if self._store is None:
             return
         try:
@@ -175,8 +177,8 @@ class _AdamBase(Optimizer):
             self._store_add_group(self.param_groups[-1])
         except BaseException:
             self.param_groups.pop()  # refused: the optimizer stays as it was
+            self._param_sigs = snapshot(self._all_params())
             raise
-        self._param_sigs = snapshot(self._all_params())
 
     def _store_add_group(self, group: Dict[str, Any]) -> None:
         add = getattr(self._store, "add_param_group", None)
