@@ -29,8 +29,11 @@ from torch.optim.optimizer import _get_scalar_dtype
 from offload.kernels import get_backend
 from offload.optim.functional import AdamHyper
 from offload.optim.guards import register_guards
-from offload.optim.host_state import HostState, StepBatch
+from offload.optim.host_state import HostState
 from offload.optim.options import check_extras, check_hyper, check_param_dtype, make_config
+from offload.optim.state_io import load_state_dict_into, state_dict_of
+from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
+from offload.optim.step_guard import check_work, clear_failure, defer_sigint, snapshot, store_step
 from offload.optim.stats import StepStats, process_rss_bytes
 
 __all__ = ["Adam", "AdamW"]
@@ -154,6 +157,9 @@ class _AdamBase(Optimizer):
             base = len(self._all_params()) - len(self.param_groups[-1]["params"])
             for i, p in enumerate(self.param_groups[-1]["params"]):
                 check_param_dtype(base + i, p)
+            # What the states are laid out for (step_guard.check_work), also while torch's
+            # __init__ adds the first groups.
+            self._param_sigs = snapshot(self._all_params())
             if self._store is None:
                 return
             self._check_open()
@@ -161,6 +167,7 @@ class _AdamBase(Optimizer):
             self._registered = self._all_params()
         except BaseException:
             self.param_groups.pop()  # refused: the optimizer stays as it was
+            self._param_sigs = snapshot(self._all_params())
             raise
 
     def _store_add_group(self, group: Dict[str, Any]) -> None:
@@ -292,12 +299,15 @@ class _AdamBase(Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
         self._check_open()
+        self._check_not_failed()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
         work = self._grads_with_params()
+        # Everything is checked before anything changes (see [Note: failed steps] in step_guard.py).
+        check_work(work, self._param_sigs)
         self._t_prepare = 0.0
         t_clip = time.perf_counter()
         multiplier = self._grad_multiplier(work)
@@ -308,73 +318,49 @@ class _AdamBase(Optimizer):
             self._stats.record({"unscale_clip": t_clip, "grad_transfer": self._t_prepare},
                                time.perf_counter() - t0, skipped=True)
             return loss
-        batches: List[StepBatch] = []
-        before: List[Tuple[Dict[str, Any], Any]] = []
-        for group, items in work:
-            hyper = self._hyper(group, multiplier)
-            triples = []
-            for p, g in items:
-                st = self.state[p]
-                before.append((st, st.get("step")))
-                if "step" not in st:
-                    st["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-                # A new tensor, not `+= 1`: torch's load_state_dict shares the step tensors
-                # with the dict it loaded, and an in-place increment would couple two
-                # optimizers loaded from one dict.
-                st["step"] = st["step"] + 1
-                triples.append((p, g, int(st["step"].item())))
-            batches.append((hyper, triples))
-        try:
-            phases = dict(self._store.step(batches))
-        except BaseException:
-            # A failed swap step leaves the swap files at the previous step: the step counts
-            # must say the same, or a retry would use the bias correction of a step that
-            # never happened.
-            for st, step in before:
-                if step is None:
-                    st.pop("step", None)
-                else:
-                    st["step"] = step
-            raise
-        phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip
-        phases["grad_transfer"] = phases.get("grad_transfer", 0.0) + self._t_prepare
-        self._stats.record(phases, time.perf_counter() - t0)
+        with defer_sigint():  # a Ctrl-C lands after the step, never in the middle of it
+            phases = self._store_step(work, multiplier)
+            attach_state_views(self)  # opt.state[p]["exp_avg"] of params that stepped first now
+            phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip
+            phases["grad_transfer"] = phases.get("grad_transfer", 0.0) + self._t_prepare
+            self._stats.record(phases, time.perf_counter() - t0)
         return loss
+
+    def _store_step(self, work, multiplier: float) -> Dict[str, float]:
+        return store_step(self, [(self._hyper(group, multiplier), items) for group, items in work])
+
+    def _check_not_failed(self) -> None:
+        failure = getattr(self, "_failure", None)
+        if failure:
+            raise RuntimeError(f"the previous step failed and left the optimizer in the failed state: {failure}")
+
+    def clear_failure(self, accept_params: bool = False) -> None:
+        """Leave the failed state a failed step put the optimizer in (see the README,
+        "When a step fails"). With ``offload="nvme"`` and fp32 CPU params, first restore the
+        params of the step the swap files hold: they are checked against the manifest's
+        fingerprint (ValueError when they differ). ``accept_params=True`` goes on from the
+        params and states as they are instead (the elements already updated by the failed
+        step then get that step's update once more when it is retried). A no-op when no
+        step failed."""
+        self._check_open()
+        clear_failure(self, accept_params)
 
     # ---------------------------------------------------------------- state_dict
     def state_dict(self) -> Dict[str, Any]:
+        """torch's layout, the moments (and bf16/fp16 params' fp32 masters) included, read
+        from wherever the store keeps them. It changes nothing in the optimizer: the entries
+        are new dicts (torch's own are the very dicts of ``opt.state``), and the post hooks
+        run on the full dict, after the merge."""
         self._check_open()
-        sd = super().state_dict()
-        if isinstance(self._store, HostState):
-            return sd
-        # Other stores keep the moments outside self.state: put them in torch's layout.
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                exported = self._store.export_state(p)
-                if exported:
-                    entry = sd["state"].setdefault(index, {})
-                    entry.update(exported)
-                index += 1
-        return sd
+        return state_dict_of(self, super().state_dict)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """As torch's, all or nothing: the whole dict is checked first (a bad entry changes
+        nothing), and with ``offload="nvme"`` the loaded states go to the free swap slots and
+        are committed once. Ends a failed state (see ``clear_failure``)."""
         self._check_open()
-        super().load_state_dict(state_dict)
-        if isinstance(self._store, HostState):
-            return
-        for p in self._all_params():
-            st = self.state.get(p) or {}
-            moments = {k: st.pop(k) for k in ("exp_avg", "exp_avg_sq") if k in st}
-            if moments:
-                self._store.import_state(p, moments)
-            else:
-                # As torch: a param without state in the loaded dict starts afresh (zero
-                # moments, step 0), not with the moments this optimizer held before.
-                self._store.reset_state(p)
-        flush = getattr(self._store, "flush", None)
-        if flush is not None:  # swap stores: the loaded states and steps are on disk from here on
-            flush()
+        load_state_dict_into(self, state_dict, super().load_state_dict)
+        self._failure = None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -441,12 +427,20 @@ class _AdamBase(Optimizer):
             load(directory)
         if groups is not None:
             apply_groups(self.param_groups, groups)
+        self._failure = None  # every state was replaced (step_guard [Note: failed steps])
+        attach_state_views(self)
 
-    def close(self) -> None:
+    def close(self, keep_swap: bool = False) -> None:
         """Release host buffers and remove swap files (also done at interpreter exit).
-        Idempotent; the optimizer cannot step afterwards."""
-        if self._store is not None:
-            self._store.close()
+        Idempotent; the optimizer cannot step afterwards. ``keep_swap=True`` (``offload=
+        "nvme"``) keeps the swap directory, unlocked and at its last committed step, for a
+        new optimizer with ``resume=True`` (in this process or another)."""
+        if keep_swap and self.config.offload != "nvme":
+            raise ValueError(f"close(keep_swap=True) needs offload='nvme' (offload={self.config.offload!r} keeps "
+                             "no swap files)")
+        if self._store is not None and not self._closed:
+            detach_state_views(self)  # before the buffers they view are freed
+            self._store.close(keep_swap=keep_swap) if keep_swap else self._store.close()
         self._closed = True
 
     def __enter__(self):

@@ -872,7 +872,7 @@ class FlatState:
                 "world": self.world, "rank": self.rank, "stage": self.stage,
                 "shard_numel": sum(fg.layout.shard for fg in self._groups)}
 
-    def close(self) -> None:
+    def close(self, keep_swap: bool = False) -> None:
         if self._closed:
             return
         self._closed = True
@@ -883,7 +883,7 @@ class FlatState:
         self._hooks = []
         self._drain()
         if self._swap is not None:
-            self._swap.close()
+            self._swap.close(remove=not keep_swap)  # keep_swap: for resume=True
             self._swap = None
         for fg in self._groups:
             fg.close()

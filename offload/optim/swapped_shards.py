@@ -21,12 +21,14 @@ finished step.
 from __future__ import annotations
 
 import os
+import contextlib
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from offload.optim.stats import swap_phases
+from offload.optim.step_guard import mark_consistent
 from offload.optim.swapped_state import _close_quietly
 from offload.swap import SwapPipeline, SwapStepError
 from offload.swap.pipeline import Vote, idle_votes, vote_failed
@@ -198,6 +200,20 @@ class SwappedShards:
                 tensors[SHARD_STATES.index(n)][a - s:b - s].copy_(t.detach().reshape(-1)[a - start:b - start])
             self._cache.mark_dirty()
 
+    @contextlib.contextmanager
+    def atomic_writes(self) -> Iterator[None]:
+        """The write()s inside go to the free slots and are committed once at the end, with
+        the metadata of that moment: a kill or an error at any point leaves every state as
+        before (a whole load_state_dict)."""
+        self.flush()
+        self._cache.begin_batch()
+        try:
+            yield
+            self._cache.commit_batch(self._meta())
+        except BaseException:
+            self._cache.abort_batch()
+            raise
+
     def flush(self) -> None:
         """Commit pending writes, and the metadata when it changed (steps after a load)."""
         if not self._cache.flush(self._meta):
@@ -260,12 +276,15 @@ class SwappedShards:
             done = set(exc.computed)
             outs = [(k, lo, hi, out, mode) for k, lo, hi, _, _, out, mode in items if out is not None
                     and any(g in done for g, *_ in self._spans(k, lo, hi))]
+            restored = False
             try:
                 self.emit_all(outs)
                 what = "the params of the sub-groups already computed were restored from that step"
+                restored = True
             except Exception as again:  # the disk is failing: say so rather than hide it
                 what = f"restoring the params from that step failed too ({again}): reload them from a checkpoint"
-            raise SwapStepError(exc.errno, f"{exc.strerror}; {what}", exc.filename, exc.computed) from exc
+            err = SwapStepError(exc.errno, f"{exc.strerror}; {what}", exc.filename, exc.computed)
+            raise (mark_consistent(err) if restored else err) from exc
         self.last_stats = stats
         return swap_phases(stats)
 

@@ -27,11 +27,11 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
         busy time beyond reads, so that swap_read + swap_write = time with I/O in flight),
         wait_read, wait_write, verify, commit}; st.last_stats has the pipeline's full dict
         (swap_read_s, swap_write_s, io_busy_s, kernel_s, wait_read_s, wait_write_s, verify_s,
-        commit_s, step_s, read_bytes, write_bytes, groups). On an I/O failure it raises
-        SwapStepError (an OSError): the swap state stays at the previous step; params of the
-        sub-groups already computed were updated in place (listed in the message) and further
-        steps are refused until the params are restored (then clear_failure(), which checks
-        them) or load_checkpoint().
+        commit_s, step_s, read_bytes, write_bytes, groups). Any failure (an I/O error raises
+        SwapStepError, an OSError) leaves the swap state at the previous step; if params of
+        sub-groups already computed were updated in place (listed in the message) further
+        steps are refused until clear_failure() (params restored and checked, or
+        accept_params=True) or load_checkpoint().
     st.read_state(p) -> (exp_avg, exp_avg_sq)        new tensors shaped like p
     st.write_state(p, exp_avg, exp_avg_sq, step=None)
     st.export_state(p) -> {"exp_avg", "exp_avg_sq"} ({} before p's first step)
@@ -41,7 +41,8 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
                                                      opt.num_threads; keeps opt.state[p]["step"] in
                                                      step with resume/load_checkpoint
     st.flush()                                       commit pending write_state() changes
-    st.clear_failure()                               after a failed step and restored params
+    st.clear_failure(accept_params=False)            after a failed step and restored params
+    with st.atomic_writes(): ...                     write_state()s committed at once at the end
     st.save_checkpoint(dir) / st.load_checkpoint(dir) streamed, see offload.swap.checkpoint; the
         same format is written from / read into host tensors by offload.swap.checkpoint
         save_tensors(dir, {"exp_avg": [...], "exp_avg_sq": [...]}, meta) / load_tensors(dir, ...)
@@ -49,9 +50,10 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
         save a checkpoint that offload="nvme" loads, and back
     st.memory_report() -> {"device", "pinned", "pageable", "nvme"} bytes
     st.last_stats                                     timings of the last step
-    st.close()                                        removes the swap directory (also done when st
+    st.close(keep_swap=False)                         removes the swap directory (also done when st
                                                      is garbage-collected and at exit; not after
-                                                     SIGTERM, nor in a forked child: see swap/cleanup.py)
+                                                     SIGTERM, nor in a forked child: see swap/cleanup.py);
+                                                     keep_swap=True keeps it, unlocked, for resume=True
     st.swap_path, st.sub_group_size, st.num_buffers, st.host_bytes
 
 [Note: fingerprint] The fp32 params are the user's tensors, not ours: after a crash they come
@@ -63,14 +65,16 @@ step j.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from offload.optim.stats import swap_phases
+from offload.optim.step_guard import failure_text, mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
 from offload.swap.cache import GroupCache
 from offload.swap.manifest_check import check_steps
@@ -313,8 +317,11 @@ class SwappedState:
         kernel, threads = self._kernel, self._num_threads
         params, offsets, group_params = self.params, self._offsets, self._group_params
 
+        done: List[int] = []
+
         def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
             m_all, v_all = tensors
+            done.append(g)  # before the kernel: an exception inside it may have changed params
             for i in group_params[g]:
                 w = work.get(i)
                 if w is None:
@@ -331,23 +338,39 @@ class SwappedState:
         try:
             with torch.no_grad():
                 stats = self.pipeline.run(groups, compute, extra=lambda: self._extra(steps))
-        except SwapStepError as exc:
-            touched = sorted({i for g in exc.computed for i in group_params[g] if i in work})
-            self._broken = (f"{exc}. The in-place fp32 params {touched} of the sub-groups already computed "
-                            f"{exc.computed} hold step-{self.store.step + 1} values: restore them (your own "
-                            "checkpoint) and call load_checkpoint(), or resume=True with the params of step "
-                            f"{self.store.step}")
-            raise SwapStepError(exc.errno, self._broken, exc.filename, exc.computed) from exc
+        except BaseException as exc:
+            raise self._failed(exc, sorted({i for g in done for i in group_params[g] if i in work}))
         self._steps = steps
         self.last_stats = stats
         return swap_phases(stats)
 
-    def clear_failure(self) -> None:
+    def _failed(self, exc: BaseException, touched: List[int]) -> BaseException:
+        """The exception a failed step raises. The swap files hold the previous step (a
+        step commits last); params untouched: nothing to undo and the step can be retried;
+        else the store is broken until clear_failure() (see [Note: failed steps] in
+        offload/optim/step_guard.py)."""
+        if not touched:
+            return mark_consistent(exc)
+        held = (f"the in-place fp32 params {touched} of the sub-groups already computed hold step-"
+                f"{self.store.step + 1} values, their moments and step counts step {self.store.step}")
+        self._broken = failure_text(exc, "nvme", held)
+        if isinstance(exc, SwapStepError):
+            # exc.strerror, not str(exc): OSError's str already adds "[Errno n]" and the path
+            msg = f"{exc.strerror}; {failure_text(exc, 'nvme', held, cause=False)}"
+            return SwapStepError(exc.errno, msg, exc.filename, exc.computed)
+        return exc
+
+    def clear_failure(self, accept_params: bool = False) -> None:
         """After a failed step: accept the params again once they are back at the step the
-        swap files hold (checked with the fingerprint), so training can go on."""
-        if self._broken and self.store.extra.get("fingerprint") != self.fingerprint():
+        swap files hold (checked with the fingerprint), so training can go on;
+        ``accept_params=True``: go on from the params as they are (recorded as that step's)."""
+        if not self._broken:
+            return
+        if accept_params:
+            self.store.commit({}, self._extra(self._steps), advance=False)
+        elif self.store.extra.get("fingerprint") != self.fingerprint():
             raise ValueError(f"the params are not those of step {self.store.step} held in {self.store.path}; "
-                             "restore them first (or load_checkpoint())")
+                             "restore them first (or load_checkpoint(), or clear_failure(accept_params=True))")
         self._broken = None
 
     # ------------------------------------------------------------------ one param's states
@@ -410,6 +433,22 @@ class SwappedState:
         z = torch.zeros(p.numel(), dtype=torch.float32)
         self.write_state(p, z, z, step=0)
 
+    @contextlib.contextmanager
+    def atomic_writes(self) -> Iterator[None]:
+        """The write_state()s inside go to the free slots and are committed once at the end,
+        with the steps: a kill or an error at any point leaves every state as before."""
+        self.flush()
+        steps = list(self._steps)
+        self._cache.begin_batch()
+        try:
+            yield
+            self._cache.commit_batch(self._extra(self._steps))
+        except BaseException:
+            self._cache.abort_batch()
+            self._steps = steps
+            raise
+        self._meta_dirty = False
+
     def flush(self) -> None:
         """Write the cached sub-group changed by write_state() into its free slot and commit
         (the manifest flips only that sub-group; the step count does not advance)."""
@@ -448,12 +487,21 @@ class SwappedState:
         return {"device": 0, "pinned": pinned, "pageable": pageable, "nvme": self.store.disk_bytes(),
                 "io_locked_bytes": self.pipeline.io_locked_bytes}
 
-    def close(self) -> None:
+    def close(self, keep_swap: bool = False) -> None:
         """Release buffers and remove the swap directory (use save_checkpoint() first to keep
-        the states)."""
-        self._cache.dirty = False  # the directory goes with close(): nothing to flush
+        the states). ``keep_swap=True``: keep it, unlocked, at its last committed step (pending
+        write_state() changes committed first), for a new store with ``resume=True``."""
+        if keep_swap and not self._broken and not self.store.closed:
+            self.flush()
+        self._cache.dirty = False  # the directory goes with close(), or stays as committed
         self._cache.group = None
-        self._finalizer()
+        if not keep_swap:
+            self._finalizer()
+        elif self._finalizer.detach() is not None:
+            try:
+                self.pipeline.close()
+            finally:
+                self.store.close(remove=False)
 
     def __enter__(self) -> "SwappedState":
         return self

@@ -1,0 +1,154 @@
+"""``state_dict()`` and ``load_state_dict()`` of ``offload.Adam/AdamW`` over any store.
+
+``state_dict`` reads the states from the store into a new dict in torch's layout and
+changes nothing in the optimizer (torch's ``Optimizer.state_dict`` hands out the very dicts
+of ``opt.state``: merging into them would leave stale copies of the moments in RAM).
+
+``load_state_dict`` is all or nothing: the whole dict is checked first (``check_loadable``:
+group and param counts, every entry's moments, master and step against its param), so a bad
+dict raises with the optimizer unchanged; a swap store then writes every loaded state into
+its free slots and commits once (``atomic_writes``), so a kill -9 in the middle leaves the
+swap directory at the states before the load, never a mix of two.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import OrderedDict
+from itertools import chain
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from offload.optim.state_view import attach
+
+__all__ = ["state_dict_of", "load_state_dict_into", "check_loadable"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
+    """``base()`` is torch's ``Optimizer.state_dict``; its post hooks run here, on the full dict."""
+    hooks = opt._optimizer_state_dict_post_hooks
+    opt._optimizer_state_dict_post_hooks = OrderedDict()
+    try:
+        sd = base()
+    finally:
+        opt._optimizer_state_dict_post_hooks = hooks
+    export = getattr(opt._store, "export_state", None)
+    if getattr(opt._store, "kind", None) != "host":
+        # New entry dicts (the ones torch returns are opt.state's own), without the views
+        # into the store's buffers that state_view.attach put there: full tensors instead.
+        # (An entry that held nothing else, e.g. after load_checkpoint set its step to 0, goes.)
+        sd["state"] = {k: {key: t for key, t in v.items() if key not in MOMENTS}
+                       for k, v in sd["state"].items() if set(v) - set(MOMENTS) or not v}
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for index, p in enumerate(params):
+            exported = export(p)
+            if exported:
+                sd["state"].setdefault(index, {}).update(exported)
+    for hook in list(hooks.values()):
+        out = hook(opt, sd)
+        if out is not None:
+            sd = out
+    return sd
+
+
+def _id_map(opt: Any, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
+    """Saved param ids -> this optimizer's params, as torch's load_state_dict pairs them."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) \
+            or not isinstance(state_dict.get("state"), dict):
+        raise ValueError("load_state_dict: expected a dict with 'state' (a dict) and 'param_groups' (a list)")
+    groups, saved = opt.param_groups, state_dict["param_groups"]
+    if len(groups) != len(saved):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    for g, s in zip(groups, saved):
+        if not isinstance(s, dict) or not isinstance(s.get("params"), (list, tuple)) \
+                or len(g["params"]) != len(s["params"]):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+    return dict(zip(chain.from_iterable(s["params"] for s in saved),
+                    chain.from_iterable(g["params"] for g in groups)))
+
+
+def _check_step(k: Any, step: Any) -> None:
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"load_state_dict: state[{k}]['step'] has {step.numel()} elements, expected 1")
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step) \
+            or step < 0 or step != int(step):
+        raise ValueError(f"load_state_dict: state[{k}]['step'] is {step!r}, expected a whole number >= 0")
+
+
+def _check_entry(k: Any, p: torch.Tensor, st: Any) -> None:
+    if not isinstance(st, dict):
+        raise ValueError(f"load_state_dict: state[{k}] is a {type(st).__name__}, expected a dict")
+    present = [key for key in MOMENTS if key in st]
+    if len(present) == 1:
+        raise ValueError(f"load_state_dict: state[{k}] has {present[0]!r} without its other moment")
+    if present and "step" not in st:
+        raise ValueError(f"load_state_dict: state[{k}] has moments but no 'step'")
+    if "step" in st:
+        _check_step(k, st["step"])
+    for key in present + (["master"] if "master" in st else []):
+        t = st[key]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.is_sparse:
+            raise ValueError(f"load_state_dict: state[{k}][{key!r}] is not a dense floating-point tensor")
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"load_state_dict: state[{k}][{key!r}] has shape {list(t.shape)}, its param "
+                             f"{list(p.shape)}")
+
+
+def check_loadable(opt: Any, state_dict: Dict[str, Any]) -> None:
+    """Raise (ValueError) before anything is loaded if any part of ``state_dict`` cannot be."""
+    id_map = _id_map(opt, state_dict)
+    for k, st in state_dict["state"].items():
+        p = id_map.get(k)
+        if p is not None:
+            _check_entry(k, p, st)
+
+
+def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[Dict[str, Any]], None]) -> None:
+    """``base`` is torch's ``Optimizer.load_state_dict``: it replaces ``opt.state`` and
+    ``opt.param_groups``, which are put back if the load fails after the checks."""
+    check_loadable(opt, state_dict)
+    store = opt._store
+    swap = store if hasattr(store, "atomic_writes") else getattr(store, "_swap", None)
+    batch = swap.atomic_writes() if swap is not None else contextlib.nullcontext()
+    old_state, old_groups = opt.state, opt.param_groups
+    try:
+        with batch:
+            base(state_dict)
+            if getattr(store, "kind", None) != "host":
+                _import_all(opt, store)
+    except BaseException:
+        opt.state, opt.param_groups = old_state, old_groups
+        _sync_steps(store)
+        raise
+    finally:
+        # the flat store's pre-load hook keeps the loaded fp32 tensors for import_state: drop them
+        if hasattr(store, "_stash"):
+            store._stash = {}
+    if hasattr(store, "clear_failure"):
+        store._broken = None  # every state was replaced: see step_guard [Note: failed steps]
+    attach(opt)
+
+
+def _import_all(opt: Any, store: Any) -> None:
+    params: List[torch.Tensor] = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        st = opt.state.get(p) or {}
+        moments = {k: st.pop(k) for k in MOMENTS if k in st}
+        if moments:
+            store.import_state(p, moments)
+        else:
+            # As torch: a param without state in the loaded dict starts afresh (zero
+            # moments, step 0), not with the moments this optimizer held before.
+            store.reset_state(p)
+
+
+def _sync_steps(store: Any) -> None:
+    sync = getattr(store, "_sync_opt_steps", None)
+    if sync is not None:  # SwappedState: its counts went back with the batch
+        sync()

@@ -1,0 +1,107 @@
+"""``opt.state[p]["exp_avg"]`` / ``["exp_avg_sq"]`` in every store, as torch's tests and
+users' monitoring code read them.
+
+- fp32 CPU params in RAM (``HostState``): the moments are there already, in torch's layout.
+- Flat store in RAM: views into the flat fp32 host buffers, shaped like ``p`` on one rank;
+  partitioned, this rank's slice only (1-D; absent on a rank that holds none of ``p``).
+  They are the live states: the next step changes them.
+- In swap files (``offload="nvme"``): read from the swap files on each access (a new tensor,
+  up to ``p``'s size in RAM and one swap read each time; never a stale copy kept in RAM).
+  These keys are not stored in the dict: ``"exp_avg" in opt.state[p]`` is False and
+  ``keys()`` does not list them; ``opt.state[p]["exp_avg"]`` and ``.get("exp_avg")`` work.
+  Partitioned: this rank's slice, as above.
+
+``state_dict()`` never returns these views: it reads full tensors from the store.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["SwappedEntry", "attach", "detach"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class SwappedEntry(dict):
+    """``opt.state[p]`` of a param whose moments live in swap files: those keys are read on access."""
+
+    def __init__(self, entry: dict, reader: Callable[[str], Optional[torch.Tensor]]) -> None:
+        super().__init__(entry)
+        self._reader = reader
+
+    def __missing__(self, key: Any) -> torch.Tensor:
+        value = self._reader(key) if key in MOMENTS else None
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __reduce__(self):  # pickled and deep-copied as the plain dict it holds (no store inside)
+        return (dict, (dict(self),))
+
+
+def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[torch.Tensor]]:
+    ref, pref = weakref.ref(store), weakref.ref(p)
+
+    def read(key: str) -> Optional[torch.Tensor]:
+        st, param = ref(), pref()
+        if st is None or param is None or getattr(st, "_closed", False):
+            return None
+        if hasattr(st, "read_state"):  # SwappedState: fp32 CPU params, whole
+            return st.read_state(param)[MOMENTS.index(key)]
+        fg, i = st._where[param]
+        piece = fg.layout.owned(i)
+        if piece is None or st._swap is None:
+            return None
+        start = fg.layout.shard_range()[0]
+        vals = st._swap.read(st._groups.index(fg), piece.lo - start, piece.hi - start, (key,))[key]
+        return vals.view(param.shape) if piece.numel == param.numel() else vals
+
+    return read
+
+
+def _flat_views(store: Any, p: torch.Tensor, st: dict) -> None:
+    fg, i = store._where[p]
+    piece = fg.layout.owned(i)
+    if piece is None:
+        return
+    start = fg.layout.shard_range()[0]
+    for key in MOMENTS:
+        view = getattr(fg, key)[piece.lo - start:piece.hi - start]
+        st[key] = view.view(p.shape) if piece.numel == p.numel() else view
+
+
+def attach(opt: Any) -> None:
+    """Put the moments (views, or readers) into ``opt.state[p]`` of every param that has
+    stepped (has a ``"step"``)."""
+    store = opt._store
+    kind = getattr(store, "kind", None)
+    if kind == "host" or store is None:
+        return
+    for p in [p for g in opt.param_groups for p in g["params"]]:
+        st = opt.state.get(p)
+        if not st or "step" not in st:
+            continue
+        if kind == "nvme" or getattr(store, "_nvme", False):
+            if not isinstance(st, SwappedEntry):
+                opt.state[p] = SwappedEntry(st, _swapped_reader(store, p))
+        elif "exp_avg" not in st and p in getattr(store, "_where", {}):
+            _flat_views(store, p, st)
+
+
+def detach(opt: Any) -> None:
+    """Drop the views into the store's buffers (before they are freed)."""
+    if getattr(opt._store, "kind", None) == "host":
+        return
+    for st in opt.state.values():
+        for key in MOMENTS:
+            if isinstance(st, dict) and key in st:
+                del st[key]

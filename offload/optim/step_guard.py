@@ -1,0 +1,182 @@
+"""What makes a step all-or-nothing, or else a stated failure: checks before any change,
+Ctrl-C held until the step is whole, and the failed state that refuses further steps.
+
+[Note: failed steps] A step first checks every param and grad against what the optimizer
+was built with (``check_work``): nothing has changed when that raises, and it is not a
+failure. Past that point the step changes states in place, sub-group by sub-group. A
+Ctrl-C in the main thread is held until the step is done (a second one interrupts at once).
+Any exception that still escapes the store's step is a *failed step*, unless the store
+says it put everything back (an I/O error of a store whose fp32 master is its own:
+``mark_consistent``). After a failed step the step counts are those of the previous step,
+``opt.step()`` refuses with the failure's text, and training goes on only through a public
+call: ``opt.clear_failure()`` (params checked against the swap manifest's fingerprint, or
+``accept_params=True``), ``load_state_dict()`` / ``load_checkpoint()`` (every state
+replaced), or ``close(keep_swap=True)`` and a new optimizer with ``resume=True``.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch.optim.optimizer import _get_scalar_dtype
+
+__all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "mark_consistent", "is_consistent",
+           "failure_text", "store_step", "clear_failure"]
+
+# What a param was when the optimizer was built: its states are laid out for exactly this.
+ParamSig = Tuple[Tuple[int, ...], torch.dtype, torch.device]
+
+_CONSISTENT = "_offload_step_consistent"
+
+
+def snapshot(params: Sequence[torch.Tensor]) -> Dict[int, Tuple[int, ParamSig]]:
+    """id(param) -> (index, (shape, dtype, device)) of the params as registered."""
+    return {id(p): (i, (tuple(p.shape), p.dtype, p.device)) for i, p in enumerate(params)}
+
+
+def _describe(sig: ParamSig) -> str:
+    shape, dtype, device = sig
+    return f"{str(dtype).replace('torch.', '')} {list(shape)} on {device}"
+
+
+def _check_param(p: torch.Tensor, sigs: Dict[int, Tuple[int, ParamSig]]) -> int:
+    entry = sigs.get(id(p))
+    if entry is None:
+        raise ValueError(f"a tensor of shape {list(p.shape)} in param_groups is not one this optimizer was "
+                         "built with (assigning new tensors to param_groups[...]['params'] is not supported: "
+                         "use add_param_group, or build a new optimizer)")
+    i, sig = entry
+    now = (tuple(p.shape), p.dtype, p.device)
+    if now != sig:
+        raise ValueError(f"param {i} was registered as {_describe(sig)} and is now {_describe(now)}: the "
+                         "optimizer's states are laid out for the registered params; build a new optimizer "
+                         "after changing a param's dtype, size or device")
+    return i
+
+
+def _check_grad(i: int, p: torch.Tensor, g: Any) -> None:
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"param {i}: grad is a {type(g).__name__}, not a tensor")
+    if g.is_sparse or g.layout != torch.strided:
+        raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+    if g.dtype != p.dtype or tuple(g.shape) != tuple(p.shape) or g.device != p.device:
+        raise TypeError(f"param {i}: grad is {_describe((tuple(g.shape), g.dtype, g.device))}, the param "
+                        f"{_describe((tuple(p.shape), p.dtype, p.device))}; a grad must match its param's "
+                        "dtype, shape and device")
+
+
+def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
+               sigs: Dict[int, Tuple[int, ParamSig]]) -> None:
+    """Raise before the step changes anything if a param is no longer what it was registered
+    as, or its grad does not fit it (a store's own stand-in for a grad held on another rank,
+    which is not ``p.grad``, is the store's to check)."""
+    for _, items in work:
+        for p, g in items:
+            i = _check_param(p, sigs)
+            if g is p.grad:
+                _check_grad(i, p, g)
+
+
+@contextlib.contextmanager
+def defer_sigint() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT with Python's default handler, main thread only) until the
+    block ends, then raise KeyboardInterrupt; a second Ctrl-C raises at once."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pending: List[Any] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
+
+
+def mark_consistent(exc: BaseException) -> BaseException:
+    """Say that the store put every state and param back at the previous step before raising
+    ``exc``: the same step can be retried and the optimizer does not enter the failed state."""
+    setattr(exc, _CONSISTENT, True)
+    return exc
+
+
+def is_consistent(exc: BaseException) -> bool:
+    return bool(getattr(exc, _CONSISTENT, False))
+
+
+def failure_text(exc: BaseException, store_kind: str, held: Optional[str] = None, cause: bool = True) -> str:
+    """Why steps are refused after ``exc`` ended a step (``held``: what holds which step, when
+    the store knows better; ``cause=False``: without ``exc``'s own text), and the public ways on."""
+    what = getattr(exc, "strerror", None) if isinstance(exc, OSError) else None
+    what = f"{type(exc).__name__}: {what or exc}" if str(exc) or what else type(exc).__name__
+    if store_kind == "nvme":
+        held = held or ("the swap files and step counts hold the previous step; the fp32 params of the "
+                        "sub-groups already computed were updated in place")
+        ways = ("restore them (your own checkpoint of that step) and call opt.clear_failure(), which checks "
+                "them against the swap manifest; or opt.clear_failure(accept_params=True) to go on from the "
+                "params as they are (the elements already updated get this step's update once more when it is retried); or opt.load_checkpoint(); "
+                "or opt.close(keep_swap=True) and a new optimizer with resume=True and the restored params")
+    else:
+        held = held or ("the step counts hold the previous step, but some params and their moments may "
+                        "already have been updated in place")
+        ways = ("opt.load_state_dict() / opt.load_checkpoint() with your checkpoint (and your params of that "
+                "step), or opt.clear_failure(accept_params=True) to go on from the states as they are")
+    text = f"{held}. Further steps are refused until you {ways}"
+    return f"a step failed ({what}): {text}" if cause else text
+
+
+def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor]]]]) -> Dict[str, float]:
+    """Count the step in ``opt.state`` and let the store apply it (``work``: per group, its
+    AdamHyper and (param, grad) pairs). Any failure restores the counts and, unless the store
+    put everything back, enters the failed state."""
+    batches: List[Any] = []
+    before: List[Tuple[Dict[str, Any], Any]] = []
+    for hyper, items in work:
+        triples = []
+        for p, g in items:
+            st = opt.state[p]
+            before.append((st, st.get("step")))
+            # A new tensor, not `+= 1`: torch's load_state_dict shares the step tensors with
+            # the dict it loaded, and an in-place increment would couple two optimizers
+            # loaded from one dict.
+            st["step"] = (st["step"] if "step" in st else torch.tensor(0.0, dtype=_get_scalar_dtype())) + 1
+            triples.append((p, g, int(st["step"].item())))
+        batches.append((hyper, triples))
+    try:
+        return dict(opt._store.step(batches))
+    except BaseException as exc:
+        # The states (swap files, or what the store put back) are at the previous step: so
+        # are the counts, or a retry would use the bias correction of a step that never happened.
+        for st, step in before:
+            if step is None:
+                st.pop("step", None)
+            else:
+                st["step"] = step
+        if not is_consistent(exc):
+            opt._failure = getattr(opt._store, "_broken", None) or failure_text(exc, opt._store.kind)
+        raise
+
+
+def clear_failure(opt: Any, accept_params: bool) -> None:
+    """``opt.clear_failure()``: see its docstring and [Note: failed steps]."""
+    if not getattr(opt, "_failure", None):
+        return
+    clear = getattr(opt._store, "clear_failure", None)
+    if clear is not None:
+        clear(accept_params=accept_params)
+    elif not accept_params:
+        raise ValueError("this store cannot check which states the failed step changed: load your checkpoint "
+                         "(load_state_dict / load_checkpoint), or clear_failure(accept_params=True) to go on "
+                         "from the states as they are")
+    opt._failure = None
