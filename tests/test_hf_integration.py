@@ -162,6 +162,31 @@ def test_trainer_run_logs_grad_norm_each_step(tmp_path):
     assert len(norms) == 3 and all(n > 0 for n in norms)
 
 
+def test_attach_puts_the_callback_before_the_loggers(tmp_path):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    seen = []
+
+    class Logger(TrainerCallback):  # stands for a report_to logger: added before user callbacks
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(dict(logs))
+
+    model = Net()
+    opt = offload.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[], optimizers=(opt, None), callbacks=[Logger()])
+    cb = hf.OffloadCallback.attach(trainer)
+    assert trainer.callback_handler.callbacks[0] is cb
+    cb.on_train_begin(args, trainer.state, trainer.control, model=model, optimizer=opt)
+    x, y = _batches(1)[0]
+    model(x, y)["loss"].backward()
+    opt.step()
+    trainer.state.global_step = 1
+    trainer.log({"loss": 1.0})
+    assert seen[-1]["grad_norm"] == opt.last_grad_norm
+    opt.close()
+
+
 def test_trainer_ddp_sets_grads_already_averaged():
     from transformers.training_args import ParallelMode
 

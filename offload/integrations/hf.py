@@ -145,6 +145,16 @@ def _make_callback_class() -> type:
             self._opt: Any = None
             self._sync: Optional[AccumulationSync] = None
 
+        @classmethod
+        def attach(cls, trainer: Any, **kwargs: Any) -> "OffloadCallback":
+            """Add a new callback *first* among the trainer's: ``callbacks=[...]`` puts it after
+            the default ones, and the printers and ``report_to`` loggers read a log before a
+            later ``on_log`` adds ``grad_norm`` to it (``trainer.state.log_history`` gets it
+            either way)."""
+            callback = cls(**kwargs)
+            trainer.callback_handler.callbacks.insert(0, callback)
+            return callback
+
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
             self._opt = offload_optimizer(self.optimizer if self.optimizer is not None else optimizer)
             if self._opt is None:
