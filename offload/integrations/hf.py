@@ -15,13 +15,17 @@ backward of each accumulation window copies the accumulated grads once.
   them instead of reducing them a second time;
 - puts ``opt.last_grad_norm`` (the norm ``max_grad_norm=`` clipped with) into the training
   logs as ``grad_norm`` where the Trainer logged none (it computes its own only when
-  ``TrainingArguments.max_grad_norm > 0`` or, from transformers 5, always).
+  ``TrainingArguments.max_grad_norm > 0`` or, from transformers 5, always);
+- with ``checkpoint=True`` and ``TrainingArguments(save_only_model=True)``, saves the
+  optimizer into each ``checkpoint-N/`` as a streamed checkpoint and loads it on resume
+  (:mod:`offload.integrations.hf_checkpoint`).
 
 transformers and accelerate are imported only when used: this module imports without them.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 import weakref
 from typing import Any, Optional
@@ -140,8 +144,10 @@ def _make_callback_class() -> type:
         ``Trainer(..., optimizers=(opt, sched), callbacks=[OffloadCallback()])``; the
         optimizer is the Trainer's (or pass ``optimizer=``)."""
 
-        def __init__(self, optimizer: Any = None, *, accumulation: bool = True, log_grad_norm: bool = True):
+        def __init__(self, optimizer: Any = None, *, accumulation: bool = True, log_grad_norm: bool = True,
+                     checkpoint: bool = False, resume_from: Optional[str] = None):
             self.optimizer, self.accumulation, self.log_grad_norm = optimizer, accumulation, log_grad_norm
+            self.checkpoint, self.resume_from = checkpoint, resume_from
             self._opt: Any = None
             self._sync: Optional[AccumulationSync] = None
 
@@ -165,6 +171,26 @@ def _make_callback_class() -> type:
                 self._opt.grads_already_averaged = True
             if self.accumulation and args.gradient_accumulation_steps > 1 and model is not None:
                 self._sync = AccumulationSync(self._opt, model)
+            if self.checkpoint:
+                self._resume(args, state, kwargs.get("lr_scheduler"))
+
+        def _resume(self, args, state, scheduler) -> None:
+            from offload.integrations.hf_checkpoint import load_trainer_checkpoint
+
+            if not args.save_only_model:
+                raise ValueError("OffloadCallback(checkpoint=True) needs TrainingArguments(save_only_model=True): "
+                                 "without it the Trainer also saves torch.save(optimizer.state_dict()), which "
+                                 "pulls every optimizer state into RAM at each save")
+            if state.global_step > 0:  # resumed: the Trainer loaded the model and its state
+                where = self.resume_from or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+                load_trainer_checkpoint(where, self._opt, scheduler)
+
+        def on_save(self, args, state, control, lr_scheduler=None, **kwargs):
+            if self.checkpoint and self._opt is not None:
+                from offload.integrations.hf_checkpoint import save_trainer_checkpoint
+
+                ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+                save_trainer_checkpoint(ckpt, self._opt, lr_scheduler, args)
 
         def on_train_end(self, args, state, control, **kwargs):
             if self._sync is not None:
