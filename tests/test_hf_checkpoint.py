@@ -87,3 +87,78 @@ def test_resume_without_streamed_checkpoint_says_where(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         _train(tmp_path / "out", {"offload": "cpu"}, resume=str(ckpt))
     assert info.value.filename == os.path.join(str(ckpt), STATES_DIR)
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _accelerate_run(tmp_path, swap, save_at=None, load_from=None, steps=6):
+    """Steps 1..steps of an accumulation-2 loop; saves after step `save_at`, or starts from
+    `load_from` (the first `save_at`-step run's state) and does the remaining steps."""
+    from accelerate import Accelerator
+    from torch.optim.lr_scheduler import LambdaLR
+
+    _reset_accelerate()
+    acc = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    model = Net()
+    (tmp_path / swap).mkdir()
+    opt = offload.AdamW(model.parameters(), lr=1e-2, offload="nvme", swap_dir=str(tmp_path / swap))
+    sched = LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    model, sched = acc.prepare(model, sched)  # the optimizer stays out of prepare
+    hf.streamed_accelerate_checkpoints(acc, opt)
+    sync = hf.follow_accumulation(opt, model)
+    first = 0
+    if load_from is not None:
+        acc.load_state(load_from)
+        first = save_at
+    batches = [(d["x"].view(1, -1).repeat(2, 1) + i, d["labels"].view(1).repeat(2)) for i, d in enumerate(_data())]
+    for step in range(first, steps):
+        for micro in range(2):
+            x, y = batches[2 * step + micro]
+            with acc.accumulate(model):
+                acc.backward(model(x, y)["loss"])
+                if acc.sync_gradients:
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+        if save_at is not None and load_from is None and step + 1 == save_at:
+            acc.save_state(str(tmp_path / "state"))
+    sync.remove()
+    out = [p.detach().clone() for p in model.parameters()], opt.state_dict()["state"], opt.param_groups[0]["lr"]
+    opt.close()
+    _reset_accelerate()
+    return out
+
+
+def test_accelerate_save_and_load_state_stream_the_optimizer(tmp_path):
+    full, full_state, full_lr = _accelerate_run(tmp_path, "swap_a", save_at=3)
+    saved = tmp_path / "state"
+    assert (saved / STATES_DIR).is_dir()
+    assert not list(saved.glob("optimizer*"))  # accelerate saved no torch.save(state_dict())
+    resumed, state, lr = _accelerate_run(tmp_path, "swap_b", save_at=3, load_from=str(saved))
+    assert lr == full_lr
+    for a, b in zip(resumed, full):
+        assert torch.equal(a, b)
+    for i, st in full_state.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(state[i][key], st[key]), (i, key)
+
+
+def test_accelerate_refuses_a_prepared_optimizer():
+    from accelerate import Accelerator
+
+    _reset_accelerate()
+    acc = Accelerator(cpu=True)
+    model = Net()
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    prepared = acc.prepare(opt)
+    with pytest.raises(TypeError, match="keep it out of accelerator.prepare"):
+        hf.streamed_accelerate_checkpoints(acc, prepared)
+    with pytest.raises(ValueError, match="went through accelerator.prepare"):
+        hf.streamed_accelerate_checkpoints(acc, opt)
+    opt.close()
+    _reset_accelerate()

@@ -32,7 +32,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["OffloadCallback", "follow_accumulation", "AccumulationSync", "offload_optimizer"]
+__all__ = ["OffloadCallback", "follow_accumulation", "AccumulationSync", "offload_optimizer",
+           "streamed_accelerate_checkpoints"]
 
 
 def offload_optimizer(optimizer: Any) -> Any:
@@ -211,6 +212,13 @@ def _make_callback_class() -> type:
 
 
 _CLASSES: dict = {}
+
+
+def streamed_accelerate_checkpoints(accelerator: Any, optimizer: Any) -> tuple:
+    """See :func:`offload.integrations.hf_checkpoint.streamed_accelerate_checkpoints`."""
+    from offload.integrations.hf_checkpoint import streamed_accelerate_checkpoints as hooks
+
+    return hooks(accelerator, optimizer)
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,9 @@ the model and ``trainer_state.json``; ``OffloadCallback(checkpoint=True)`` then 
 ``trainer.train(resume_from_checkpoint=...)`` loads the model and the trainer state; the
 callback's ``on_train_begin`` then loads the rest from the checkpoint of the resumed step.
 No name here contains "optimizer": the Trainer takes any such folder for an optimizer file.
+
+For accelerate, :func:`streamed_accelerate_checkpoints` does the same through
+``register_save_state_pre_hook`` / ``register_load_state_pre_hook``.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import Any, Dict, List
 
 import torch
 
-__all__ = ["STATES_DIR", "save_trainer_checkpoint", "load_trainer_checkpoint"]
+__all__ = ["STATES_DIR", "save_trainer_checkpoint", "load_trainer_checkpoint", "streamed_accelerate_checkpoints"]
 
 STATES_DIR = "offload_states"
 GROUPS_FILE = "offload_param_groups.json"
@@ -104,9 +107,9 @@ def load_trainer_checkpoint(ckpt_dir: str, opt: Any, scheduler: Any) -> None:
     """Load what :func:`save_trainer_checkpoint` wrote (the RNG is the Trainer's to load)."""
     states = os.path.join(ckpt_dir, STATES_DIR)
     if not os.path.isdir(states):
-        raise FileNotFoundError(errno.ENOENT, "no streamed optimizer checkpoint here (was it saved with "
-                                "OffloadCallback(checkpoint=True)? pass resume_from= if the checkpoint is "
-                                "elsewhere)", states)
+        raise FileNotFoundError(errno.ENOENT, "no streamed optimizer checkpoint here (saved with "
+                                "OffloadCallback(checkpoint=True) or streamed_accelerate_checkpoints? with the "
+                                "Trainer, pass resume_from= if the checkpoint is elsewhere)", states)
     opt.load_checkpoint(states)
     groups = os.path.join(ckpt_dir, GROUPS_FILE)
     with open(groups, encoding="utf-8") as f:
@@ -114,3 +117,36 @@ def load_trainer_checkpoint(ckpt_dir: str, opt: Any, scheduler: Any) -> None:
     sched = os.path.join(ckpt_dir, SCHEDULER_FILE)
     if scheduler is not None and os.path.exists(sched):
         scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+def streamed_accelerate_checkpoints(accelerator: Any, optimizer: Any) -> tuple:
+    """Make ``accelerator.save_state(DIR)`` / ``load_state(DIR)`` save and load ``optimizer``
+    (an offload optimizer) as a streamed checkpoint in ``DIR/offload_states``, through
+    accelerate's public save/load state pre-hooks. Returns the two hook handles.
+
+    The optimizer must not go through ``accelerator.prepare``: accelerate would then also
+    ``torch.save(optimizer.state_dict())``, every state in RAM. Step it yourself where
+    accelerate would: ``if accelerator.sync_gradients: opt.step(); opt.zero_grad()``. The
+    scheduler, the RNG and the model go through ``prepare`` / ``save_state`` as usual."""
+    from offload.integrations.hf import offload_optimizer
+
+    opt = offload_optimizer(optimizer)
+    if opt is None or opt is not optimizer:
+        raise TypeError("streamed_accelerate_checkpoints needs the offload.Adam/AdamW itself, not "
+                        f"{type(optimizer).__name__}: keep it out of accelerator.prepare")
+    # A read of accelerate's list of prepared optimizers: the one place that says whether
+    # save_state would torch.save this optimizer as well.
+    if any(offload_optimizer(o) is opt for o in getattr(accelerator, "_optimizers", [])):
+        raise ValueError("the optimizer went through accelerator.prepare, so save_state would also "
+                         "torch.save its state_dict (every state in RAM): build it again and keep it out of "
+                         "prepare; step it when accelerator.sync_gradients")
+
+    def save(models: Any, weights: Any, output_dir: str) -> None:
+        opt.save_checkpoint(os.path.join(output_dir, STATES_DIR))
+        if accelerator.is_main_process:
+            _write_json(os.path.join(output_dir, GROUPS_FILE), _hypers(opt))
+
+    def load(models: Any, input_dir: str) -> None:
+        load_trainer_checkpoint(input_dir, opt, None)
+
+    return accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)
