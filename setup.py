@@ -12,6 +12,7 @@ for, while the numba backend serves.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -20,6 +21,11 @@ import tempfile
 
 from setuptools import Distribution, setup
 from setuptools.command.build_ext import build_ext
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NATIVE = os.path.join(HERE, "native")
@@ -100,6 +106,33 @@ class BuildNative(build_ext):
         return []
 
 
+def glibc_floor(lib_path: str) -> "tuple[int, int]":
+    """The newest ``GLIBC_x.y`` symbol version ``lib_path`` needs: the version names it
+    binds to are plain strings in its ``.dynstr`` (what ``objdump -T`` lists)."""
+    with open(lib_path, "rb") as fh:
+        found = {(int(a), int(b)) for a, b in re.findall(rb"GLIBC_(\d+)\.(\d+)", fh.read())}
+    return max(found, default=(2, 17))
+
+
+class BdistWheel(bdist_wheel):
+    """Tag the wheel ``py3-none-<platform>``: the library is loaded with ctypes and uses no
+    Python ABI, so one wheel serves every CPython 3. The platform is PEP 600's
+    ``manylinux_X_Y`` with X.Y the newest glibc symbol version the built library needs (its
+    other needs, libstdc++, libgcc_s and libm, are in every manylinux policy); a wheel built
+    without a compiler carries no library and is ``py3-none-any``."""
+
+    def get_tag(self) -> "tuple[str, str, str]":
+        build_lib = self.get_finalized_command("build").build_lib
+        lib = os.path.join(build_lib, "offload", "kernels", LIB_NAME)
+        if not os.path.exists(lib):
+            return "py3", "none", "any"
+        plat = self.plat_name or ""
+        if not plat.startswith("linux-"):
+            return "py3", "none", plat.replace("-", "_").replace(".", "_")
+        major, minor = glibc_floor(lib)
+        return "py3", "none", f"manylinux_{major}_{minor}_{plat[len('linux-'):]}"
+
+
 class BinaryDistribution(Distribution):
     """The wheel carries a shared object, so it is platform-specific and build_ext runs."""
 
@@ -107,4 +140,4 @@ class BinaryDistribution(Distribution):
         return True
 
 
-setup(cmdclass={"build_ext": BuildNative}, distclass=BinaryDistribution)
+setup(cmdclass={"build_ext": BuildNative, "bdist_wheel": BdistWheel}, distclass=BinaryDistribution)

@@ -1,0 +1,387 @@
+"""``from_deepspeed_config(config, params)``: the optimizer a ZeRO-Offload JSON describes.
+
+A user coming from DeepSpeed has a config such as::
+
+    {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}},
+     "aio": {"block_size": 1048576, "queue_depth": 16},
+     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+     "gradient_clipping": 1.0, "bf16": {"enabled": true}}
+
+Every key is either mapped to an option of :class:`offload.Adam` / :class:`offload.AdamW`
+(see :data:`MAPPED`), ignored because it configures something that is not the optimizer
+(:data:`IGNORED`, each with the reason), or refused with a ``ValueError`` that names its key
+path. DeepSpeed itself accepts combinations that fail later (deepspeedai/DeepSpeed#4998); here
+they fail at once. ``"auto"`` values are the HF Trainer's to resolve: they are refused unless
+the option they map to is passed as a keyword override.
+
+The optimizer semantics follow DeepSpeed's ``_configure_basic_optimizer``: ``type: "Adam"``
+is AdamW unless ``adam_w_mode`` is false (DeepSpeed's default is true); ``weight_decay``
+defaults to 0 as in DeepSpeedCPUAdam and FusedAdam, and to torch's default with
+``torch_adam: true``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from offload.config import IOConfig
+
+__all__ = ["from_deepspeed_config", "deepspeed_kwargs", "MAPPED", "IGNORED"]
+
+MAPPED: Dict[str, str] = {
+    "zero_optimization.stage": "stage= (0, 1, 2; 3 is refused)",
+    "zero_optimization.sub_group_size": "sub_group_size=",
+    "zero_optimization.offload_optimizer.device": "offload= (none, cpu, nvme)",
+    "zero_optimization.offload_optimizer.nvme_path": "swap_dir=",
+    "zero_optimization.offload_optimizer.buffer_count":
+        "max_host_bytes = buffer_count x sub_group_size x 4 B (DeepSpeed's pool), with sub_group_size",
+    "zero_optimization.offload_optimizer.ratio": "1.0 only (no partial offload)",
+    "aio.block_size": "io_engine=IOConfig(block_size=)",
+    "aio.queue_depth": "io_engine=IOConfig(queue_depth=)",
+    "aio.use_gds": "false only (no GPUDirect Storage)",
+    "optimizer.type": "Adam or AdamW (case-insensitive)",
+    "optimizer.params.lr": "lr=",
+    "optimizer.params.betas": "betas=",
+    "optimizer.params.eps": "eps=",
+    "optimizer.params.weight_decay": "weight_decay= (default 0, as DeepSpeedCPUAdam)",
+    "optimizer.params.bias_correction": "bias_correction=",
+    "optimizer.params.adam_w_mode": "AdamW when true (the default), Adam when false",
+    "optimizer.params.torch_adam": "torch's defaults for weight_decay (the kernel is ours either way)",
+    "optimizer.params.amsgrad": "false only",
+    "gradient_clipping": "max_grad_norm= (0: no clipping)",
+    "bf16.enabled": "checked: every floating param must be bfloat16",
+    "fp16.enabled": "checked: every floating param must be float16 (scale with torch.amp.GradScaler)",
+}
+"""DeepSpeed key path -> what it becomes here."""
+
+_NOT_OPTIMIZER = "not an optimizer setting (the training loop's or the launcher's)"
+_DS_COMM = "tunes DeepSpeed's own buckets and streams; offload's stage 1/2 has its own"
+_NO_EFFECT = "no counterpart: offload always does this its own way"
+_LOSS_SCALE = "DeepSpeed's loss scaler: use torch.amp.GradScaler with the optimizer"
+
+IGNORED: Dict[str, str] = {
+    **{k: _NOT_OPTIMIZER for k in (
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+        "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "prescale_gradients",
+        "gradient_predivide_factor", "communication_data_type", "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer", "activation_checkpointing", "flops_profiler", "tensorboard", "wandb",
+        "csv_monitor", "comet", "comms_logger", "checkpoint", "data_types", "seed", "sparse_gradients")},
+    "scheduler": "the LR schedule: build it on the returned optimizer (torch.optim.lr_scheduler, "
+                 "transformers.get_scheduler)",
+    **{f"zero_optimization.{k}": _DS_COMM for k in (
+        "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+        "allgather_partitions", "allgather_bucket_size", "round_robin_gradients",
+        "use_multi_rank_bucket_allreduce", "load_from_fp32_weights", "elastic_checkpoint",
+        "ignore_unused_parameters", "legacy_stage1", "memory_efficient_linear", "log_trace_cache_warnings")},
+    "zero_optimization.stage3_*": "read by DeepSpeed's stage 3 only (stage 3 is refused here)",
+    **{f"zero_optimization.offload_optimizer.{k}": _NO_EFFECT for k in (
+        "pin_memory", "pipeline_read", "pipeline_write", "fast_init")},
+    **{f"aio.{k}": _NO_EFFECT for k in ("intra_op_parallelism", "thread_count", "single_submit",
+                                         "overlap_events")},
+    **{f"fp16.{k}": _LOSS_SCALE for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
+                                          "hysteresis", "consecutive_hysteresis", "min_loss_scale")},
+    "fp16.auto_cast": "false only: cast the model yourself",
+    "bf16.immediate_grad_update": _NO_EFFECT,
+}
+"""DeepSpeed key path -> why it is accepted and has no effect here."""
+
+_REFUSED: Dict[str, str] = {
+    "zero_optimization.offload_param": "parameter offload is ZeRO stage 3, which offload does not implement "
+                                        "yet; keep the params on the device",
+    "zero_optimization.cpu_offload": "the deprecated spelling: use offload_optimizer: {\"device\": \"cpu\"}",
+    "zero_optimization.cpu_offload_param": "parameter offload (stage 3) is not implemented",
+    "zero_optimization.zero_quantized_weights": "quantized ZeRO++ communication is not implemented",
+    "zero_optimization.zero_quantized_gradients": "quantized ZeRO++ communication is not implemented",
+    "zero_optimization.zero_hpz_partition_size": "hierarchical partitioning (ZeRO++) is not implemented",
+    "zero_optimization.mics_shard_size": "MiCS sharding is not implemented",
+    "amp": "apex AMP: use torch.amp with bf16 or GradScaler with fp16",
+}
+
+_SECTIONS = ("zero_optimization", "aio", "optimizer", "gradient_clipping", "bf16", "fp16")
+
+
+class _Reader:
+    """Reads one section of the config by key path; knows which option each key maps to so
+    that an ``"auto"`` value passes only when that option is overridden."""
+
+    def __init__(self, section: Any, path: str, overrides: Mapping[str, Any]) -> None:
+        if section is None:
+            section = {}
+        if not isinstance(section, Mapping):
+            raise ValueError(f"{path}: expected a JSON object, got {type(section).__name__} {section!r}")
+        self.data, self.path, self.overrides = section, path, overrides
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def check_keys(self, known: Tuple[str, ...]) -> None:
+        for name, value in self.data.items():
+            path = self.key(name)
+            if name in known or path in IGNORED or (path.startswith("zero_optimization.stage3_")):
+                continue
+            if path in _REFUSED and _enabled(value):
+                raise ValueError(f"{path}: {_REFUSED[path]}")
+            if path in _REFUSED:
+                continue  # present but off ({"device": "none"}, false, 0): as if absent
+            raise ValueError(f"{path}: unknown key (offload maps: {', '.join(sorted(known))}; "
+                             "see offload.integrations.deepspeed.MAPPED and IGNORED)")
+
+    def get(self, name: str, kind: str, default: Any = None, option: Optional[str] = None) -> Any:
+        if name not in self.data:
+            return default
+        value = self.data[name]
+        if value == "auto":
+            if option is not None and option in self.overrides:
+                return default
+            hint = f"pass {option}=... to from_deepspeed_config, or " if option else ""
+            raise ValueError(f"{self.key(name)}: \"auto\" is resolved by the HF Trainer's DeepSpeed "
+                             f"integration, not here: {hint}write the value into the config")
+        return _typed(value, kind, self.key(name))
+
+
+def _enabled(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        device = value.get("device", "none")
+        return device not in (None, "none")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return bool(value)
+    return value > 1  # zero_hpz_partition_size 1 and mics_shard_size -1 (DeepSpeed's defaults) are off
+
+
+def _typed(value: Any, kind: str, path: str) -> Any:
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if kind == "int":
+        ok = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not ok:
+            raise ValueError(f"{path}: expected an integer, got {value!r}")
+        return int(value)
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ValueError(f"{path}: expected a string, got {value!r}")
+        return value
+    if kind == "pair":
+        if (not isinstance(value, (list, tuple)) or len(value) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+            raise ValueError(f"{path}: expected two numbers [beta1, beta2], got {value!r}")
+        return (float(value[0]), float(value[1]))
+    raise AssertionError(kind)  # a bug in this module, not in the config
+
+
+def _load(config: Any) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    if isinstance(config, (str, bytes, os.PathLike)):
+        path = os.fsdecode(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot read the DeepSpeed config: {e.strerror}", path) from e
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from e
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{path}: expected a JSON object at the top, got {type(data).__name__}")
+        return data
+    raise TypeError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
+
+
+def _zero(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    z = _Reader(cfg.get("zero_optimization"), "zero_optimization", overrides)
+    z.check_keys(("stage", "sub_group_size", "offload_optimizer"))
+    out: Dict[str, Any] = {}
+    stage = z.get("stage", "int", 0, "stage")
+    if stage == 3:
+        raise ValueError("zero_optimization.stage: 3 (parameter partitioning) is not implemented; "
+                         "use stage 1 or 2 (the optimizer states and grads are partitioned across ranks)")
+    if stage not in (0, 1, 2):
+        raise ValueError(f"zero_optimization.stage: expected 0, 1, 2 (or 3), got {stage}")
+    out["stage"] = stage
+    sub_group = z.get("sub_group_size", "int", None, "sub_group_size")
+    if sub_group is not None:
+        if sub_group <= 0:
+            raise ValueError(f"zero_optimization.sub_group_size: must be > 0, got {sub_group}")
+        out["sub_group_size"] = sub_group
+    out.update(_offload_optimizer(z, stage, sub_group, overrides))
+    return out
+
+
+def _offload_optimizer(z: _Reader, stage: int, sub_group: Optional[int],
+                       overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    o = _Reader(z.data.get("offload_optimizer"), "zero_optimization.offload_optimizer", overrides)
+    o.check_keys(("device", "nvme_path", "buffer_count", "ratio"))
+    device = o.get("device", "str", "none", "offload")
+    if device not in ("none", "cpu", "nvme"):
+        raise ValueError(f"zero_optimization.offload_optimizer.device: expected none, cpu or nvme, got {device!r}")
+    if device != "none" and stage == 0:
+        raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage 1 or 2 "
+                         "(DeepSpeed offloads only under ZeRO); set the stage")
+    ratio = o.get("ratio", "float", 1.0)
+    if ratio != 1.0:
+        raise ValueError(f"zero_optimization.offload_optimizer.ratio: {ratio}: partial offload is not "
+                         "implemented; offload keeps all the optimizer states off the device (1.0)")
+    out: Dict[str, Any] = {"offload": device}
+    path = o.get("nvme_path", "str", None, "swap_dir")
+    if device == "nvme":
+        if path is None and "swap_dir" not in overrides:
+            raise ValueError("zero_optimization.offload_optimizer.nvme_path: required with device \"nvme\" "
+                             "(a directory on a local NVMe disk)")
+        if path is not None:
+            out["swap_dir"] = path
+    elif path is not None:
+        raise ValueError(f"zero_optimization.offload_optimizer.nvme_path: only read with device \"nvme\", "
+                         f"but device is {device!r}; remove it or set device to \"nvme\"")
+    count = o.get("buffer_count", "int", None, "max_host_bytes")
+    if count is not None and count < 1:
+        raise ValueError(f"zero_optimization.offload_optimizer.buffer_count: must be >= 1, got {count}")
+    if device == "nvme" and count is not None and sub_group is not None:
+        out["max_host_bytes"] = count * sub_group * 4
+    return out
+
+
+def _aio(cfg: Mapping[str, Any], offload: str, overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    if "aio" not in cfg:
+        return {}
+    a = _Reader(cfg.get("aio"), "aio", overrides)
+    a.check_keys(("block_size", "queue_depth", "use_gds"))
+    if a.get("use_gds", "bool", False):
+        raise ValueError("aio.use_gds: GPUDirect Storage is not implemented; the states go through host buffers")
+    base = IOConfig()
+    block = a.get("block_size", "int", base.block_size, "io_engine")
+    depth = a.get("queue_depth", "int", base.queue_depth, "io_engine")
+    if offload != "nvme":
+        return {}  # as DeepSpeed: aio is read only when something is swapped to NVMe
+    try:
+        io = IOConfig(block_size=block, queue_depth=depth)
+    except ValueError as e:
+        raise ValueError(f"aio: {e}") from None
+    return {} if io == base else {"io_engine": io}
+
+
+def _optimizer(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Tuple[type, Dict[str, Any]]:
+    import offload
+
+    if cfg.get("optimizer") is None:
+        raise ValueError("optimizer: missing; from_deepspeed_config builds the optimizer from "
+                         "optimizer.type (Adam or AdamW) and optimizer.params")
+    section = _Reader(cfg["optimizer"], "optimizer", overrides)
+    section.check_keys(("type", "params"))
+    kind = section.get("type", "str", None)
+    if kind is None or kind.lower() not in ("adam", "adamw"):
+        raise ValueError(f"optimizer.type: {kind!r} is not supported; offload implements Adam and AdamW")
+    p = _Reader(section.data.get("params"), "optimizer.params", overrides)
+    if "max_grad_norm" in p.data:
+        raise ValueError("optimizer.params.max_grad_norm: not an optimizer parameter in DeepSpeed; "
+                         "use the top-level gradient_clipping")
+    p.check_keys(("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam",
+                  "amsgrad"))
+    if p.get("amsgrad", "bool", False):
+        raise ValueError("optimizer.params.amsgrad: true is not implemented (the fused kernels keep two moments)")
+    w_mode = p.get("adam_w_mode", "bool", True)  # read (and checked) even where the type decides
+    adamw = kind.lower() == "adamw" or w_mode
+    torch_adam = p.get("torch_adam", "bool", False)
+    out: Dict[str, Any] = {}
+    for name, kind_ in (("lr", "float"), ("betas", "pair"), ("eps", "float"), ("bias_correction", "bool")):
+        value = p.get(name, kind_, None, name)
+        if value is not None:
+            out[name] = value
+    # DeepSpeedCPUAdam and FusedAdam default to no weight decay; torch's AdamW to 0.01.
+    wd_default = (0.01 if adamw else 0.0) if torch_adam else 0.0
+    out["weight_decay"] = p.get("weight_decay", "float", wd_default, "weight_decay")
+    return (offload.AdamW if adamw else offload.Adam), out
+
+
+def _clipping(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    top = _Reader(cfg, "", overrides)
+    clip = top.get("gradient_clipping", "float", 0.0, "max_grad_norm")
+    if clip < 0:
+        raise ValueError(f"gradient_clipping: must be >= 0 (0: no clipping), got {clip}")
+    return {"max_grad_norm": clip} if clip > 0 else {}
+
+
+def _precision(cfg: Mapping[str, Any]) -> torch.dtype:
+    enabled = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        r = _Reader(cfg.get(name), name, {})
+        r.check_keys(("enabled",))
+        if r.get("auto_cast", "bool", False):
+            raise ValueError("fp16.auto_cast: true is not supported; cast the model to float16 yourself")
+        if r.get("enabled", "bool", False):
+            enabled[name] = dtype
+    if len(enabled) > 1:
+        raise ValueError("bf16.enabled and fp16.enabled: both true; enable one of them")
+    return next(iter(enabled.values()), torch.float32)
+
+
+def _check_top(cfg: Mapping[str, Any]) -> None:
+    for name, value in cfg.items():
+        if name in _SECTIONS or name in IGNORED:
+            continue
+        if name in _REFUSED:
+            if _enabled(value.get("enabled", False) if isinstance(value, Mapping) else value):
+                raise ValueError(f"{name}: {_REFUSED[name]}")
+            continue
+        raise ValueError(f"{name}: unknown top-level key (see offload.integrations.deepspeed.MAPPED and IGNORED)")
+
+
+def _translate(config: Any, overrides: Mapping[str, Any]) -> Tuple[type, Dict[str, Any], torch.dtype]:
+    cfg = _load(config)
+    _check_top(cfg)
+    kwargs = _zero(cfg, overrides)
+    kwargs.update(_aio(cfg, kwargs["offload"], overrides))
+    cls, opt_kwargs = _optimizer(cfg, overrides)
+    kwargs.update(opt_kwargs)
+    kwargs.update(_clipping(cfg, overrides))
+    dtype = _precision(cfg)
+    kwargs.update(overrides)
+    return cls, kwargs, dtype
+
+
+def deepspeed_kwargs(config: Any, **overrides: Any) -> Tuple[type, Dict[str, Any]]:
+    """``(offload.Adam or offload.AdamW, kwargs)`` for a DeepSpeed config (a dict or a JSON
+    path), without building anything: ``cls(params, **kwargs)`` is the optimizer.
+    ``overrides`` are offload options that win over the config (and resolve its ``"auto"``
+    values), e.g. ``lr=``, ``swap_dir=``, ``resume=True``."""
+    cls, kwargs, _ = _translate(config, overrides)
+    return cls, kwargs
+
+
+def _check_dtypes(params: list, dtype: torch.dtype) -> None:
+    flat = [p for item in params for p in (item["params"] if isinstance(item, Mapping) else [item])]
+    for i, p in enumerate(flat):
+        if isinstance(p, torch.Tensor) and p.is_floating_point() and p.dtype != dtype:
+            want = {torch.bfloat16: "bf16.enabled is true", torch.float16: "fp16.enabled is true"}.get(
+                dtype, "neither bf16.enabled nor fp16.enabled is true")
+            raise ValueError(
+                f"param {i} is {p.dtype} but {want}: DeepSpeed casts the model itself, offload does not; "
+                f"cast the model (model.to({dtype})) before building the optimizer, or change the config")
+
+
+def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
+    """The :class:`offload.AdamW` (or ``Adam``) that DeepSpeed config ``config`` (a dict or
+    the path of its JSON file) describes, over ``params`` (tensors or param groups).
+
+    See the module's docstring and :data:`MAPPED` / :data:`IGNORED` for what each key becomes;
+    any other key, an unsupported value or an inconsistent combination is a ``ValueError``
+    naming the key path. ``overrides`` are offload options that win over the config."""
+    cls, kwargs, dtype = _translate(config, overrides)
+    params = list(params)
+    _check_dtypes(params, dtype)
+    try:
+        return cls(params, **kwargs)
+    except ValueError as e:
+        if "max_host_bytes" in str(e) and "max_host_bytes" not in overrides and "max_host_bytes" in kwargs:
+            raise ValueError(
+                f"zero_optimization.sub_group_size x offload_optimizer.buffer_count x 4 B = "
+                f"{kwargs['max_host_bytes']} host bytes (DeepSpeed's buffer pool) is too small here: {e}; "
+                "lower sub_group_size, raise buffer_count, or pass max_host_bytes=...") from e
+        raise

@@ -1,0 +1,242 @@
+"""offload.from_deepspeed_config: DeepSpeed ZeRO-Offload JSON -> offload.Adam/AdamW."""
+import copy
+import errno
+import json
+
+import pytest
+import torch
+
+import offload
+from offload.config import IOConfig
+from offload.integrations.deepspeed import IGNORED, MAPPED, deepspeed_kwargs, from_deepspeed_config
+
+
+def _cfg(**zero):
+    return {"zero_optimization": {"stage": 2, **zero},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+
+
+# The ZeRO-2 offload template of the HF docs, "auto" values written out as numbers.
+HF_ZERO2 = {
+    "fp16": {"enabled": False, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": False},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.98], "eps": 1e-7,
+                                              "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5,
+                                                 "warmup_num_steps": 10}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True,
+                          "round_robin_gradients": True},
+    "gradient_accumulation_steps": 4, "gradient_clipping": 1.0, "steps_per_print": 2000,
+    "train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "wall_clock_breakdown": False,
+}
+
+
+def test_hf_template_maps_every_key():
+    cls, kw = deepspeed_kwargs(HF_ZERO2)
+    assert cls is offload.AdamW
+    assert kw == {"stage": 2, "offload": "cpu", "lr": 3e-5, "betas": (0.9, 0.98), "eps": 1e-7,
+                  "weight_decay": 0.01, "max_grad_norm": 1.0}
+
+
+def test_nvme_aio_and_sub_groups(tmp_path):
+    cfg = _cfg(sub_group_size=1e6, offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path),
+                                                      "buffer_count": 5, "pipeline_read": True,
+                                                      "pipeline_write": True, "fast_init": False})
+    cfg["aio"] = {"block_size": 262144, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                  "overlap_events": True, "use_gds": False}
+    _, kw = deepspeed_kwargs(cfg)
+    assert kw["offload"] == "nvme" and kw["swap_dir"] == str(tmp_path)
+    assert kw["sub_group_size"] == 1_000_000 and isinstance(kw["sub_group_size"], int)
+    assert kw["max_host_bytes"] == 5 * 1_000_000 * 4  # DeepSpeed's pool: buffer_count x sub_group_size fp32
+    assert kw["io_engine"] == IOConfig(block_size=262144, queue_depth=8)
+
+
+def test_aio_defaults_and_cpu_offload_pass_no_io_engine():
+    cfg = _cfg(offload_optimizer={"device": "cpu"})
+    cfg["aio"] = {"block_size": 1 << 20, "queue_depth": 8}
+    assert "io_engine" not in deepspeed_kwargs(cfg)[1]  # aio is read only for nvme, as in DeepSpeed
+
+
+def test_io_config_reaches_the_optimizer(tmp_path):
+    cfg = _cfg(offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)})
+    cfg["aio"] = {"block_size": 262144, "queue_depth": 4}
+    try:
+        opt = from_deepspeed_config(cfg, torch.nn.Linear(8, 8).parameters())
+    except ValueError as e:
+        if "unknown io engine IOConfig" in str(e):
+            pytest.skip("this offload.AdamW takes io_engine as a name only (issue 13 makes it take an IOConfig)")
+        raise
+    with opt:
+        assert opt.config.io == IOConfig(block_size=262144, queue_depth=4)
+
+
+@pytest.mark.parametrize("optimizer,cls,wd", [
+    ({"type": "AdamW", "params": {}}, offload.AdamW, 0.0),
+    ({"type": "adam", "params": {}}, offload.AdamW, 0.0),                     # DeepSpeed: adam_w_mode defaults to true
+    ({"type": "Adam", "params": {"adam_w_mode": False}}, offload.Adam, 0.0),
+    ({"type": "AdamW", "params": {"adam_w_mode": False}}, offload.AdamW, 0.0),  # AdamW wins, as in DeepSpeed
+    ({"type": "AdamW", "params": {"torch_adam": True}}, offload.AdamW, 0.01),  # torch.optim.AdamW's default
+    ({"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": False}}, offload.Adam, 0.0),
+])
+def test_optimizer_type_as_deepspeed(optimizer, cls, wd):
+    got_cls, kw = deepspeed_kwargs({"optimizer": optimizer})
+    assert got_cls is cls and kw["weight_decay"] == wd and kw["stage"] == 0 and kw["offload"] == "none"
+
+
+def _torch_run(model, opt_fn, clip, steps=6):
+    torch.manual_seed(1)
+    opt = opt_fn(model.parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_steps_match_torch(device, tmp_path):
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 3))
+    ref = copy.deepcopy(ours)
+    off = {"device": device, **({"nvme_path": str(tmp_path)} if device == "nvme" else {})}
+    cfg = {"zero_optimization": {"stage": 1, "offload_optimizer": off}, "gradient_clipping": 0.05,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.8, 0.99], "eps": 1e-6,
+                                                    "weight_decay": 0.1}}}
+    opt = _torch_run(ours, lambda p: from_deepspeed_config(cfg, p), clip=None)
+    _torch_run(ref, lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
+                                                foreach=False), clip=0.05)
+    assert opt.last_grad_norm is not None  # the clip happened inside the step
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    opt.close()
+
+
+def test_bf16_enabled_with_bf16_params():
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    cfg = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with from_deepspeed_config(cfg, model.parameters()) as opt:
+        model(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
+        opt.step()
+
+
+def test_path_and_overrides(tmp_path):
+    path = tmp_path / "ds.json"
+    cfg = _cfg(offload_optimizer={"device": "cpu"})
+    cfg["optimizer"]["params"]["lr"] = "auto"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"optimizer\.params\.lr: \"auto\" .*pass lr="):
+        from_deepspeed_config(path, torch.nn.Linear(2, 2).parameters())
+    cls, kw = deepspeed_kwargs(str(path), lr=5e-4, max_grad_norm=2.0)
+    assert kw["lr"] == 5e-4 and kw["max_grad_norm"] == 2.0
+    opt = from_deepspeed_config(path, torch.nn.Linear(2, 2).parameters(), lr=5e-4)
+    assert opt.param_groups[0]["lr"] == 5e-4
+    opt.close()
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(OSError) as info:
+        from_deepspeed_config(tmp_path / "missing.json", [])
+    assert info.value.errno == errno.ENOENT and info.value.filename == str(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"zero_optimization\": ")
+    with pytest.raises(ValueError, match="bad.json: not valid JSON"):
+        from_deepspeed_config(bad, [])
+    with pytest.raises(TypeError, match="dict or a path"):
+        from_deepspeed_config(42, [])
+
+
+def _opt(**params):
+    return {"type": "AdamW", "params": {"lr": 1e-3, **params}}
+
+
+REFUSED = [
+    ({"optimizer": _opt(), "train_batch_sise": 8}, r"^train_batch_sise: unknown top-level key"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "overlap_com": True}},
+     r"^zero_optimization\.overlap_com: unknown key"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 3}}, r"^zero_optimization\.stage: 3"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     r"^zero_optimization\.offload_param: parameter offload"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "cpu_offload": True}},
+     r"^zero_optimization\.cpu_offload: the deprecated"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+     r"^zero_optimization\.offload_optimizer\.nvme_path: required"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                                  "nvme_path": "/x"}}},
+     r"^zero_optimization\.offload_optimizer\.nvme_path: only read with device \"nvme\""),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     r"^zero_optimization\.offload_optimizer needs zero_optimization\.stage 1 or 2"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
+     r"^zero_optimization\.offload_optimizer\.device: expected none, cpu or nvme"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                                  "ratio": 0.3}}},
+     r"^zero_optimization\.offload_optimizer\.ratio: 0\.3: partial offload"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": "auto"}}, r"^zero_optimization\.stage: \"auto\""),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": True}}, r"^zero_optimization\.stage: expected an integer"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "sub_group_size": 0}},
+     r"^zero_optimization\.sub_group_size: must be > 0"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
+      "nvme_path": "/x"}}, "aio": {"use_gds": True}}, r"^aio\.use_gds: GPUDirect"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
+      "nvme_path": "/x"}}, "aio": {"block_size": 1000}}, r"^aio: block_size must be a positive multiple of 4096"),
+    ({"optimizer": _opt(), "aio": {"queue_dept": 8}}, r"^aio\.queue_dept: unknown key"),
+    ({"optimizer": {"type": "Lamb", "params": {}}}, r"^optimizer\.type: 'Lamb' is not supported"),
+    ({"optimizer": {"params": {}}}, r"^optimizer\.type: None is not supported"),
+    ({}, r"^optimizer: missing"),
+    ({"optimizer": _opt(amsgrad=True)}, r"^optimizer\.params\.amsgrad: true is not implemented"),
+    ({"optimizer": _opt(max_grad_norm=1.0)}, r"^optimizer\.params\.max_grad_norm: .*gradient_clipping"),
+    ({"optimizer": _opt(momentum=0.9)}, r"^optimizer\.params\.momentum: unknown key"),
+    ({"optimizer": _opt(betas=[0.9])}, r"^optimizer\.params\.betas: expected two numbers"),
+    ({"optimizer": _opt(lr="0.001")}, r"^optimizer\.params\.lr: expected a number"),
+    ({"optimizer": _opt(adam_w_mode=1)}, r"^optimizer\.params\.adam_w_mode: expected true or false"),
+    ({"optimizer": _opt(), "gradient_clipping": "auto"}, r"^gradient_clipping: \"auto\" .*pass max_grad_norm="),
+    ({"optimizer": _opt(), "gradient_clipping": -1}, r"^gradient_clipping: must be >= 0"),
+    ({"optimizer": _opt(), "bf16": {"enabled": True}, "fp16": {"enabled": True}}, r"^bf16\.enabled and fp16\.enabled"),
+    ({"optimizer": _opt(), "bf16": {"enabled": "auto"}}, r"^bf16\.enabled: \"auto\""),
+    ({"optimizer": _opt(), "fp16": {"enabled": False, "auto_cast": True}}, r"^fp16\.auto_cast: true"),
+    ({"optimizer": _opt(), "fp16": {"enabled": False, "loss_scael": 0}}, r"^fp16\.loss_scael: unknown key"),
+    ({"optimizer": _opt(), "amp": {"enabled": True}}, r"^amp: apex AMP"),
+    ({"optimizer": _opt(), "zero_optimization": []}, r"^zero_optimization: expected a JSON object"),
+]
+
+
+@pytest.mark.parametrize("cfg,match", REFUSED, ids=[m.split(":")[0].strip("^\\") for _, m in REFUSED])
+def test_refused_with_the_key_path(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        from_deepspeed_config(cfg, torch.nn.Linear(2, 2).parameters())
+
+
+@pytest.mark.parametrize("section,dtype,match", [
+    ({"bf16": {"enabled": True}}, torch.float32, r"param 0 is torch\.float32 but bf16\.enabled is true"),
+    ({"fp16": {"enabled": True}}, torch.bfloat16, r"param 0 is torch\.bfloat16 but fp16\.enabled is true"),
+    ({}, torch.float16, r"param 0 is torch\.float16 but neither bf16\.enabled nor fp16\.enabled"),
+])
+def test_precision_must_match_the_params(section, dtype, match):
+    model = torch.nn.Linear(2, 2).to(dtype)
+    with pytest.raises(ValueError, match=match):
+        from_deepspeed_config({"optimizer": _opt(), **section}, [{"params": list(model.parameters())}])
+
+
+def test_off_switches_are_accepted():
+    cfg = {"optimizer": _opt(), "amp": {"enabled": False},
+           "zero_optimization": {"stage": 1, "offload_param": {"device": "none"}, "cpu_offload": False,
+                                 "zero_hpz_partition_size": 1, "mics_shard_size": -1,
+                                 "stage3_max_live_parameters": 1e9}}
+    assert deepspeed_kwargs(cfg)[1]["offload"] == "none"
+
+
+def test_too_small_pool_names_the_deepspeed_keys(tmp_path):
+    cfg = _cfg(sub_group_size=4096, offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path),
+                                                       "buffer_count": 1})
+    with pytest.raises(ValueError, match=r"zero_optimization\.sub_group_size x offload_optimizer\.buffer_count"):
+        from_deepspeed_config(cfg, torch.nn.Linear(128, 128).parameters())
+
+
+def test_tables_name_keys_once():
+    assert not set(MAPPED) & set(IGNORED)
+    assert all(reason for reason in IGNORED.values())
