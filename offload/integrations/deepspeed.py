@@ -268,7 +268,7 @@ def _aio(cfg: Mapping[str, Any], offload: str, overrides: Mapping[str, Any]) -> 
 
 
 def _optimizer(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Tuple[type, Dict[str, Any]]:
-    import offload
+    from offload.optim import Adam, AdamW
 
     if cfg.get("optimizer") is None:
         raise ValueError("optimizer: missing; from_deepspeed_config builds the optimizer from "
@@ -297,7 +297,7 @@ def _optimizer(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Tuple[ty
     # DeepSpeedCPUAdam and FusedAdam default to no weight decay; torch's AdamW to 0.01.
     wd_default = (0.01 if adamw else 0.0) if torch_adam else 0.0
     out["weight_decay"] = p.get("weight_decay", "float", wd_default, "weight_decay")
-    return (offload.AdamW if adamw else offload.Adam), out
+    return (AdamW if adamw else Adam), out
 
 
 def _clipping(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Dict[str, Any]:

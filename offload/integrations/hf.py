@@ -32,19 +32,10 @@ from typing import Any, Optional
 
 import torch
 
+from offload.integrations.unwrap import offload_optimizer
+
 __all__ = ["OffloadCallback", "follow_accumulation", "AccumulationSync", "offload_optimizer",
            "streamed_accelerate_checkpoints"]
-
-
-def offload_optimizer(optimizer: Any) -> Any:
-    """The offload optimizer inside ``optimizer`` (accelerate's ``AcceleratedOptimizer``
-    wraps it as ``.optimizer``), or None when there is none."""
-    from offload.optim.adam import _AdamBase
-
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, _AdamBase) and seen < 8:
-        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
-    return optimizer if isinstance(optimizer, _AdamBase) else None
 
 
 def _sync_gradients() -> bool:

@@ -128,7 +128,7 @@ def streamed_accelerate_checkpoints(accelerator: Any, optimizer: Any) -> tuple:
     ``torch.save(optimizer.state_dict())``, every state in RAM. Step it yourself where
     accelerate would: ``if accelerator.sync_gradients: opt.step(); opt.zero_grad()``. The
     scheduler, the RNG and the model go through ``prepare`` / ``save_state`` as usual."""
-    from offload.integrations.hf import offload_optimizer
+    from offload.integrations.unwrap import offload_optimizer
 
     opt = offload_optimizer(optimizer)
     if opt is None or opt is not optimizer:

@@ -216,6 +216,8 @@ class _AdamBase(Optimizer):
                 st = self.state.get(p)
                 if st and "step" in st and not torch.is_tensor(st["step"]):
                     st["step"] = torch.tensor(float(st["step"]), dtype=_get_scalar_dtype())
+        if "_store" in state:  # an unpickled or deep-copied optimizer: its params are new tensors
+            self._param_sigs = snapshot(self._all_params())
 
     # ---------------------------------------------------------------- the step
     def _hyper(self, group: Dict[str, Any], grad_scale: float) -> AdamHyper:
@@ -307,7 +309,7 @@ class _AdamBase(Optimizer):
         t0 = time.perf_counter()
         work = self._grads_with_params()
         # Everything is checked before anything changes (see [Note: failed steps] in step_guard.py).
-        check_work(work, self._param_sigs)
+        check_work(work, self._param_sigs, allow_new=isinstance(self._store, HostState))
         self._t_prepare = 0.0
         t_clip = time.perf_counter()
         multiplier = self._grad_multiplier(work)
