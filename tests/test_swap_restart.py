@@ -310,3 +310,65 @@ def test_trainer_restart_after_kill_with_the_same_swap_dir(workdir, dtype_name):
     for a, b in zip(resumed[1], full[1]):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert os.listdir(swap) == []
+
+
+# ---------------------------------------------------------------- several ranks
+def _ranks_job(rank, world, port, swap, out):
+    """On each of ``world`` gloo ranks (ZeRO-2, bf16 params): a run that dies at step 2,
+    then resume="auto" (refused), then resume="discard" against a fresh run."""
+    import json
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = {}
+    try:
+        params = make_params("bfloat16")
+        opt = make_opt(params, swap, stage=2)
+        train(params, opt, 1, 2)
+        opt.close(keep_swap=True)  # as a dead job leaves it
+        try:
+            make_opt(make_params("bfloat16"), swap, stage=2, resume="auto")
+            res["auto"] = "no error"
+        except Exception as exc:
+            res["auto"] = f"{type(exc).__name__}: {exc}"
+        params, ref = make_params("bfloat16"), make_params("bfloat16")
+        opt = make_opt(params, swap, stage=2, resume="discard")
+        os.makedirs(os.path.join(swap, f"ref{rank}"), exist_ok=True)
+        ref_opt = make_opt(ref, os.path.join(swap, f"ref{rank}"), stage=2)
+        train(params, opt, 1, 3)
+        train(ref, ref_opt, 1, 3)
+        res["same"] = all(torch.equal(a, b) for a, b in zip(params, ref))
+        res["steps"] = [int(s["step"]) for s in opt.state_dict()["state"].values()]
+        opt.close()
+        ref_opt.close()
+    except Exception as exc:
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        dist.destroy_process_group()
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(res, f)
+
+
+def test_two_ranks_discard_and_auto_is_refused(workdir, tmp_path):
+    """resume="auto" is refused on every rank (they could disagree); "discard" works on each."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    swap, out = workdir / "swap", tmp_path / "results"
+    swap.mkdir()
+    out.mkdir()
+    mp.spawn(_ranks_job, args=(2, port, str(swap), str(out)), nprocs=2, join=True)
+    for rank in range(2):
+        res = json.load(open(out / f"rank{rank}.json"))
+        assert "error" not in res, res
+        assert res["auto"].startswith("ValueError: resume='auto' decides on each rank alone") or \
+            res["auto"].startswith("RuntimeError: opening the swap files"), res  # raised on every rank
+        assert res["same"] and res["steps"] == [3] * len(SIZES), res
+    assert sorted(os.listdir(swap)) == ["ref0", "ref1"] and not os.listdir(swap / "ref0")
