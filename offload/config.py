@@ -103,6 +103,8 @@ class OffloadConfig:
             raise ValueError("offload='nvme' needs swap_dir=DIR (a directory on a local disk)")
         if self.max_host_bytes is not None and self.max_host_bytes <= 0:
             raise ValueError(f"max_host_bytes must be > 0, got {self.max_host_bytes}")
+        if not (isinstance(self.resume, bool) or (isinstance(self.resume, str) and self.resume in ("auto", "discard"))):
+            raise ValueError(f"resume must be True, False, 'auto' or 'discard', got {self.resume!r}")
         if self.sub_group_size is not None and self.sub_group_size <= 0:
             raise ValueError(f"sub_group_size must be > 0, got {self.sub_group_size}")
         if self.swap_dir is not None:

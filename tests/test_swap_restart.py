@@ -168,6 +168,24 @@ def test_auto_refuses_what_other_params_left_and_discard_removes_it(workdir):
     assert os.listdir(workdir) == []
 
 
+def test_auto_with_several_optimizers_finds_each_its_own(workdir):
+    """Two optimizers left their directories; restarted in the other order with a third,
+    new one: each of the two resumes its own states, the third starts afresh."""
+    a, b = [torch.nn.Parameter(torch.randn(3000))], [torch.nn.Parameter(torch.randn(2000))]
+    oa, ob = make_opt(a, workdir), make_opt(b, workdir)
+    train(a, oa, 1, 2)
+    train(b, ob, 1, 3)
+    oa.close(keep_swap=True)
+    ob.close(keep_swap=True)
+    ob, oa = make_opt(b, workdir, resume="auto"), make_opt(a, workdir, resume="auto")
+    oc = make_opt([torch.nn.Parameter(torch.randn(1000))], workdir, resume="auto")
+    assert [int(s["step"]) for o in (oa, ob) for s in o.state_dict()["state"].values()] == [2, 3]
+    assert oc.state_dict()["state"] == {} and len(os.listdir(workdir)) == 3
+    for o in (oa, ob, oc):
+        o.close()
+    assert os.listdir(workdir) == []
+
+
 HOLDER = """
 import sys, torch, offload
 from test_swap_restart import make_params, make_opt, train
@@ -372,3 +390,13 @@ def test_two_ranks_discard_and_auto_is_refused(workdir, tmp_path):
             res["auto"].startswith("RuntimeError: opening the swap files"), res  # raised on every rank
         assert res["same"] and res["steps"] == [3] * len(SIZES), res
     assert sorted(os.listdir(swap)) == ["ref0", "ref1"] and not os.listdir(swap / "ref0")
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_offload_config_checks_resume_too(value):
+    """A config built from a file (from_dict) does not pass through the constructor's checks."""
+    from offload.config import OffloadConfig, from_dict
+
+    with pytest.raises(ValueError, match=r"resume must be True, False, 'auto' or 'discard', got"):
+        from_dict(OffloadConfig, dict(offload="nvme", swap_dir="/var/tmp", resume=value))
+    assert from_dict(OffloadConfig, dict(offload="nvme", swap_dir="/var/tmp", resume="discard")).resume == "discard"

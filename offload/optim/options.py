@@ -20,7 +20,7 @@ import torch
 
 from offload.config import IOConfig, OffloadConfig, parse_bytes
 
-__all__ = ["check_hyper", "check_extras", "make_config", "check_param_dtype", "io_config", "RESUME_MODES"]
+__all__ = ["check_hyper", "check_extras", "make_config", "check_param_dtype", "io_config"]
 
 # Options that act only on swap files; with offload="none" or "cpu" they would do nothing.
 NVME_ONLY = ("swap_dir", "max_host_bytes", "verify", "resume", "io_engine")
@@ -156,9 +156,6 @@ def _swap_dir(value: Any) -> Optional[str]:
     if not isinstance(value, (str, bytes, os.PathLike)):
         raise TypeError(f"swap_dir must be a path (str, bytes or os.PathLike), got {type(value).__name__} {value!r}")
     return os.fsdecode(value)
-
-
-RESUME_MODES = (False, True, "auto", "discard")
 
 
 def _check_resume(value: Any) -> None:
