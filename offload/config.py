@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 __all__ = ["IOConfig", "OffloadConfig", "parse_bytes", "from_dict"]
 
@@ -89,8 +89,11 @@ class OffloadConfig:
     ``max_host_bytes``)."""
     verify: bool = False
     """Keep per-block checksums of swap files and check them on every read."""
-    resume: bool = False
-    """Continue from the consistent step left in ``swap_dir`` by an earlier run."""
+    resume: Union[bool, str] = False
+    """Continue from the consistent step left in ``swap_dir`` by an earlier run (True);
+    ``"auto"``: resume when what is left matches these params, start afresh when nothing is
+    left; ``"discard"``: remove what a dead earlier run left and start afresh (see
+    [Note: restarts] in offload/swap/runs.py)."""
     io: IOConfig = field(default_factory=IOConfig)
 
     def __post_init__(self) -> None:
@@ -100,6 +103,8 @@ class OffloadConfig:
             raise ValueError("offload='nvme' needs swap_dir=DIR (a directory on a local disk)")
         if self.max_host_bytes is not None and self.max_host_bytes <= 0:
             raise ValueError(f"max_host_bytes must be > 0, got {self.max_host_bytes}")
+        if not (isinstance(self.resume, bool) or (isinstance(self.resume, str) and self.resume in ("auto", "discard"))):
+            raise ValueError(f"resume must be True, False, 'auto' or 'discard', got {self.resume!r}")
         if self.sub_group_size is not None and self.sub_group_size <= 0:
             raise ValueError(f"sub_group_size must be > 0, got {self.sub_group_size}")
         if self.swap_dir is not None:

@@ -18,7 +18,8 @@ backward of each accumulation window copies the accumulated grads once.
   ``TrainingArguments.max_grad_norm > 0`` or, from transformers 5, always);
 - with ``checkpoint=True`` and ``TrainingArguments(save_only_model=True)``, saves the
   optimizer into each ``checkpoint-N/`` as a streamed checkpoint and loads it on resume
-  (:mod:`offload.integrations.hf_checkpoint`).
+  (:mod:`offload.integrations.hf_checkpoint`; a restart with the crashed job's ``swap_dir``
+  builds the optimizer with ``resume="discard"``, since that load replaces every state).
 
 transformers and accelerate are imported only when used: this module imports without them.
 """

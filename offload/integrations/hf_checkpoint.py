@@ -18,6 +18,13 @@ No name here contains "optimizer": the Trainer takes any such folder for an opti
 
 For accelerate, :func:`streamed_accelerate_checkpoints` does the same through
 ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``.
+
+A restart after a crash with the same ``swap_dir``: build the optimizer with
+``resume="discard"``. The dead job left its swap directory at a later step than the
+checkpoint (refused by the default ``resume=False``; ``resume=True`` would mix them, and
+refuses fp32 params whose fingerprint is the checkpoint's); the load here replaces every
+state anyway, so the left directory is removed and the optimizer starts afresh. A directory a
+live process holds is never removed ([Note: restarts] in offload/swap/runs.py).
 """
 from __future__ import annotations
 
@@ -127,7 +134,9 @@ def streamed_accelerate_checkpoints(accelerator: Any, optimizer: Any) -> tuple:
     The optimizer must not go through ``accelerator.prepare``: accelerate would then also
     ``torch.save(optimizer.state_dict())``, every state in RAM. Step it yourself where
     accelerate would: ``if accelerator.sync_gradients: opt.step(); opt.zero_grad()``. The
-    scheduler, the RNG and the model go through ``prepare`` / ``save_state`` as usual."""
+    scheduler, the RNG and the model go through ``prepare`` / ``save_state`` as usual. A job
+    restarted with a crashed one's ``swap_dir`` builds the optimizer with ``resume="discard"``
+    (see the module notes): ``load_state`` replaces every state."""
     from offload.integrations.unwrap import offload_optimizer
 
     opt = offload_optimizer(optimizer)

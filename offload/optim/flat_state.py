@@ -509,7 +509,7 @@ class FlatState:
                                        verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
                                        backend=self._backend, num_threads=self._threads, rank=self.rank,
                                        run_name="flat", vote=self._swap_vote)
-            if cfg.resume:
+            if self._swap.resumed:  # resume="auto" chose, "discard" never resumes ([Note: restarts] in swap/runs)
                 # The master of the last finished step is the truth: steps and params follow it.
                 self._set_steps(self._swap.resumed_extra.get("steps") or [])
             else:
@@ -519,11 +519,11 @@ class FlatState:
             # Several ranks agree before anything collective follows: a rank that cannot open
             # or resume its swap files (a full disk, a missing directory) makes every rank raise.
             comm.on_every_rank(open_local, f"opening the swap files in {cfg.swap_dir!r}", self.group, self.world)
-            if cfg.resume:
+            if cfg.resume is True or (self._swap is not None and self._swap.resumed):  # "auto": one rank only
                 self._params_from_swap()  # every rank: an all-gather when partitioned
         except BaseException:
             if self._swap is not None:
-                self._swap.close(remove=not cfg.resume)  # keep what we were asked to resume
+                self._swap.close(remove=not self._swap.resumed)  # keep what we were asked to resume
                 self._swap = None
             raise
 

@@ -158,6 +158,17 @@ def _swap_dir(value: Any) -> Optional[str]:
     return os.fsdecode(value)
 
 
+def _check_resume(value: Any) -> None:
+    """``resume``: a bool as before, or one of the restart modes of offload/swap/runs.py
+    ([Note: restarts]). Any other string is refused: "yes" or "false" taken as True would do
+    what the user did not write."""
+    if isinstance(value, bool) or (isinstance(value, str) and value in ("auto", "discard")):
+        return
+    if isinstance(value, str):
+        raise ValueError(f"Invalid resume: {value!r} (True, False, 'auto' or 'discard')")
+    raise TypeError(f"resume must be True or False (or 'auto' / 'discard'), got {type(value).__name__} {value!r}")
+
+
 def _refuse_unused(offload: str, given: dict) -> None:
     unused = [name for name in NVME_ONLY if given[name] is not None and given[name] is not False]
     if offload != "nvme" and unused:
@@ -173,7 +184,7 @@ def make_config(*, offload: Any, swap_dir: Any, max_host_bytes: Any, sub_group_s
     if not isinstance(offload, str):
         raise TypeError(f"offload must be 'none', 'cpu' or 'nvme', got {type(offload).__name__} {offload!r}")
     _check_bool("verify", verify)
-    _check_bool("resume", resume)
+    _check_resume(resume)
     if sub_group_size is not None and (isinstance(sub_group_size, bool) or not isinstance(sub_group_size, int)):
         raise TypeError(f"sub_group_size must be an int > 0 or None, got {type(sub_group_size).__name__} "
                         f"{sub_group_size!r}")

@@ -89,6 +89,7 @@ class SwappedShards:
                                       max_host_bytes=max_host_bytes, sub_group_size=sub_group_size,
                                       run_name=run_name, rank=rank, verify=verify, resume=resume, io_engine=io_engine)
         self.layout = self.store.layout  # on resume: the manifest's sub_group_size ([Note: layout on resume])
+        self.resumed = resume = self.store.resumed  # resume="auto" decided ([Note: restarts] in swap/runs.py)
         try:
             if resume:
                 self._check_resume()

@@ -168,14 +168,14 @@ class SwappedState:
         self._group_params = self._params_per_group()
         self._samples = self._sample_indices()
         try:
-            if resume:
+            if self.store.resumed:  # resume="auto" chose; "discard" never resumes ([Note: restarts] in swap/runs)
                 self._check_resume()
             else:
                 self.store.commit({}, self._extra(self._steps), advance=False)
             self.pipeline = SwapPipeline(self.store, buffers=nbuf, pool=pool)
             self._cache = GroupCache(self.pipeline)
         except BaseException:
-            self.store.close(remove=not resume)
+            self.store.close(remove=not self.store.resumed)
             raise
         # an optimizer dropped without close() still frees its buffers and swap files
         self._finalizer = weakref.finalize(self, _close_quietly, self.pipeline, self.store)
@@ -279,8 +279,8 @@ class SwappedState:
                              f"({len(extra.get('shapes') or [])} params of other shapes)")
         if extra.get("fingerprint") != self.fingerprint():
             raise ValueError(f"{self.store.path}: the params given are not those of step {self.store.step} "
-                             f"recorded in the swap directory (fingerprint {self.fingerprint()} != "
-                             f"{extra.get('fingerprint')}); load the params saved right after that step")
+                             f"in the swap directory (fingerprint {self.fingerprint()} != {extra.get('fingerprint')}):"
+                             " load the params saved right after it, or start afresh with resume='discard'")
         self._steps = [int(s) for s in extra["steps"]]
 
     def _param_index(self, p: torch.Tensor) -> int:

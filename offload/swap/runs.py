@@ -14,6 +14,24 @@ models) are still told apart by creation order only.
 files, so a resumed store must use the one in the manifest, whatever ``max_host_bytes`` now
 is (the budget only sets the buffers). A ``sub_group_size`` given explicitly must agree
 with it; a budget too small for three buffers of it is refused, naming the bound to pass.
+
+[Note: restarts] A job restarted with the same ``swap_dir`` finds the directory its dead
+predecessor left (its flock is free; a live process's is held). ``resume=False`` refuses it,
+since its states may be the only copy; ``resume=True`` continues from it and fails when it is
+missing. Two more modes:
+
+- ``"auto"``: resume a left directory whose identity matches these params (for fp32
+  in-place params, whose values are the user's, the manifest's fingerprint must match them
+  too, checked by the state); start afresh when nothing was left; refuse, naming what
+  differs, when what was left belongs to other params. One process only: ranks deciding
+  each for itself could disagree, one resuming and another starting afresh.
+- ``"discard"``: remove the directory a dead run left where this store goes, and start
+  afresh. The recipe for a restart from a checkpoint that restores the optimizer (the
+  Trainer's and accelerate's, through offload.integrations.hf): the checkpoint is older
+  than the swap files, so they must not be resumed (fp32 params of the checkpoint do not
+  match the swap's fingerprint), and the checkpoint's load replaces every state anyway.
+
+Neither mode touches a directory whose lock is held: that raises ``DirectoryBusy``.
 """
 from __future__ import annotations
 
@@ -21,7 +39,9 @@ import errno
 import hashlib
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
 
 from offload.swap import fsutil
 from offload.swap.layout import ELEMS_PER_PAGE, SwapLayout, round_up
@@ -41,14 +61,19 @@ def make_identity(facts: Dict[str, Any], summary: str) -> Dict[str, str]:
 
 def open_store(swap_dir: str, numel: int, state_names: Sequence[str], *, identity: Dict[str, str],
                max_host_bytes: Optional[int], sub_group_size: Optional[int], run_name: str, rank: int,
-               verify: bool, resume: bool, io_engine: Any) -> Tuple[SwapStore, int]:
+               verify: bool, resume: Union[bool, str], io_engine: Any) -> Tuple[SwapStore, int]:
     """(store, pipeline buffers) for ``numel`` elements of ``state_names``: a new directory,
-    or with ``resume`` the one whose identity matches (see the module notes)."""
+    or with ``resume`` the one whose identity matches (see the module notes); ``store.resumed``
+    says which ``resume="auto"`` chose."""
     nstates = len(state_names)
-    if not resume:
+    discard = resume == "discard"
+    if resume == "auto":
+        resume = _auto_resume(swap_dir, run_name, rank, identity)
+    if discard or not resume:
         sg, nbuf = plan_sub_groups(numel, nstates, max_host_bytes, sub_group_size)
         store = open_run_store(swap_dir, SwapLayout(numel, sg, nstates), state_names, run_name=run_name, rank=rank,
-                               verify=verify, resume=False, io_engine=io_engine, identity=identity)
+                               verify=verify, resume=False, io_engine=io_engine, identity=identity,
+                               discard_stale=discard)
         return store, nbuf
     parent = fsutil.check_parent_dir(swap_dir)
     refused: List[str] = []
@@ -67,6 +92,50 @@ def open_store(swap_dir: str, numel: int, state_names: Sequence[str], *, identit
         raise ValueError(f"{parent}: resume=True but no swap directory of run {run_name!r}, rank {rank} holds the "
                          f"states of these params ({identity['summary']}): {'; '.join(refused)}")
     raise FileNotFoundError(errno.ENOENT, "resume=True but there is no swap directory to resume from", first)
+
+
+def _auto_resume(swap_dir: str, run_name: str, rank: int, identity: Dict[str, str]) -> bool:
+    """``resume="auto"``: whether a directory left by a dead run holds these params' states
+    (True), nothing was left (False), or only other params' states were (ValueError)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        raise ValueError("resume='auto' decides on each rank alone, so ranks could disagree (one resuming, "
+                         "another starting afresh): with several ranks pass resume=True, or resume='discard' "
+                         "when a checkpoint restores the optimizer")
+    parent = fsutil.check_parent_dir(swap_dir)
+    other: List[str] = []
+    for path in _left_dirs(parent, run_name, rank):
+        try:
+            m = fsutil.read_json(os.path.join(path, MANIFEST))
+        except FileNotFoundError:
+            continue  # a creation that died half-way: nothing to resume
+        except (OSError, ValueError):
+            return True  # resume=True names what is wrong with it
+        found = m.get("identity") if isinstance(m, dict) else None
+        if not isinstance(found, dict) or found.get("digest") == identity["digest"]:
+            return True  # a match, or a manifest of an older offload (without identity): resume=True checks it
+        other.append(f"{path} holds step {m.get('step', '?')} of other params ({found.get('summary')})")
+    if other:
+        raise ValueError(f"{parent}: resume='auto' found no swap directory of these params ({identity['summary']}) "
+                         f"but {'; '.join(other)}: pass resume='discard' to remove it and start afresh, or "
+                         "another swap_dir or run name")
+    return False
+
+
+def _left_dirs(parent: str, run_name: str, rank: int) -> List[str]:
+    """The directories of ``run_name`` and ``rank`` whose lock is free: left by a dead process."""
+    out = []
+    for k in range(1, _MAX_STORES + 1):
+        path = os.path.join(parent, private_dir_name(run_name if k == 1 else f"{run_name}-{k}", rank))
+        if not os.path.lexists(path):
+            continue
+        fd, holder = fsutil.try_lock(path)
+        if fd is not None:
+            os.close(fd)  # free: nobody uses it; the store takes the lock again
+            out.append(path)
+        elif holder is None:
+            out.append(path)  # no lock file: a creation that died before taking it
+    return out
 
 
 def _candidates(parent: str, run_name: str, rank: int, identity: Dict[str, str], refused: List[str]):
@@ -115,7 +184,8 @@ def _resume_plan(manifest: Dict[str, Any], numel: int, nstates: int, max_host_by
 
 
 def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[str], *, run_name: str, rank: int,
-                   verify: bool, resume: bool, io_engine: Any, identity: Optional[Dict[str, Any]] = None) -> SwapStore:
+                   verify: bool, resume: bool, io_engine: Any, identity: Optional[Dict[str, Any]] = None,
+                   discard_stale: bool = False) -> SwapStore:
     """A new store (or with ``resume``, the directory of the same name): ``<run_name>``, or
     for a second store of this same process on the same ``swap_dir`` ``<run_name>-2``, a
     third ``<run_name>-3``...: names follow creation order (never id()). :func:`open_store`
@@ -124,7 +194,8 @@ def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[str]
         name = run_name if k == 1 else f"{run_name}-{k}"
         try:
             return SwapStore(swap_dir, layout, state_names=state_names, run_name=name, rank=rank,
-                             verify=verify, resume=resume, io_engine=io_engine, identity=identity)
+                             verify=verify, resume=resume, io_engine=io_engine, identity=identity,
+                             discard_stale=discard_stale)
         except fsutil.DirectoryBusy as exc:
             if exc.pid != os.getpid():
                 raise

@@ -94,15 +94,14 @@ def block_checksums(view: memoryview, nbytes: int) -> List[int]:
 class SwapStore:
     """Own the private directory, its lock, slot files and manifest.
 
-    ``resume=False`` creates the directory (refusing one left by an earlier run: pass
-    ``resume=True`` to continue from it or run ``offload clean``); ``resume=True`` opens it and
-    checks that its manifest describes the same layout.
-    """
+    ``resume=False`` creates the directory (one left by a dead run is refused, or removed with
+    ``discard_stale``; one a live process locks is never touched); ``resume=True`` opens it and
+    checks that its manifest describes the same layout."""
 
     def __init__(self, swap_dir: str, layout: SwapLayout, *, state_names: Sequence[str],
                  run_name: str = "run", rank: int = 0, verify: bool = False, resume: bool = False,
                  io_engine: Any = None, direct: Optional[bool] = None,
-                 identity: Optional[Dict[str, Any]] = None) -> None:
+                 identity: Optional[Dict[str, Any]] = None, discard_stale: bool = False) -> None:
         if len(state_names) != layout.nstates:
             raise ValueError(f"{len(state_names)} state names for a layout of {layout.nstates} states")
         self.layout = layout
@@ -111,6 +110,8 @@ class SwapStore:
         self.run_name = run_name
         self.rank = int(rank)
         self.identity = identity  # {"digest", "summary"} of the params (offload.swap.runs), or None
+        self.resumed = bool(resume)  # whether the states come from an earlier run (resume="auto" decides late)
+        self._discard_stale = bool(discard_stale) and not resume
         self.parent = fsutil.check_parent_dir(swap_dir)
         self.path = os.path.join(self.parent, private_dir_name(run_name, self.rank))
         self._lock: Optional[fsutil.Lock] = None
@@ -146,20 +147,7 @@ class SwapStore:
         self._created = created
         manifest_path = os.path.join(self.path, MANIFEST)
         if not created and not resume:
-            if os.path.lexists(manifest_path):
-                try:
-                    step = fsutil.read_json(manifest_path).get("step", "?")
-                except (OSError, ValueError):
-                    step = "?"
-                raise FileExistsError(
-                    errno.EEXIST,
-                    f"swap directory holds step {step} left by an earlier run whose process is gone; "
-                    f"pass resume=True to continue from it or run `offload clean {self.parent}`", self.path)
-            # no manifest: a creation that died half-way; nothing to keep
-            fsutil.remove_private_dir(self.path, lock=self._lock)
-            fsutil.make_private_dir(self.path)
-            self._lock = fsutil.Lock(self.path)
-            self._created = True
+            self._replace_left_over(manifest_path)
         st = os.lstat(self.path)
         self._dir_id = (st.st_dev, st.st_ino)
         if resume:
@@ -178,6 +166,27 @@ class SwapStore:
             self.checksums: Dict[int, List[List[int]]] = {}
             self.extra: Dict[str, Any] = {}
             self._write_manifest()
+
+    def _replace_left_over(self, manifest_path: str) -> None:
+        """A directory left by a dead process (we hold its lock): refused if it holds a step
+        (unless ``discard_stale``), else removed (half-made, or stale) and made again."""
+        if os.path.lexists(manifest_path):
+            try:
+                step = fsutil.read_json(manifest_path).get("step", "?")
+            except (OSError, ValueError, AttributeError):
+                step = "?"
+            if not self._discard_stale:
+                raise FileExistsError(
+                    errno.EEXIST, f"swap directory holds step {step} left by an earlier run whose process is gone; "
+                    "pass resume=True to continue from it, resume='discard' to remove it and start afresh (a "
+                    f"restart whose checkpoint restores the optimizer), or run `offload clean {self.parent}`",
+                    self.path)
+            log.warning("%s: removed the swap directory (step %s) left by an earlier run whose process is gone "
+                        "(resume='discard'); starting afresh", self.path, step)
+        fsutil.remove_private_dir(self.path, lock=self._lock)
+        fsutil.make_private_dir(self.path)
+        self._lock = fsutil.Lock(self.path)
+        self._created = True
 
     def _open_slot_files(self, *, create: bool, direct: Optional[bool]) -> None:
         need = self.layout.file_bytes
