@@ -80,17 +80,26 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: bool,
     _check_scalar("weight_decay", weight_decay, tensor_ok=False)
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    # torch's own refusals of flag combinations come first, with its type and message
+    # (RuntimeError), so code that handles torch's errors sees the same here.
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if foreach and fused:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     if amsgrad:
         raise NotImplementedError(
             "offload.Adam/AdamW: amsgrad=True is not implemented (the fused kernels keep "
             "two moments); use torch.optim.AdamW(amsgrad=True) or amsgrad=False"
         )
     if capturable:
-        raise NotImplementedError("offload.Adam/AdamW: capturable=True (CUDA graphs) is not supported")
+        raise NotImplementedError(
+            "offload.Adam/AdamW: capturable=True (CUDA graphs) is not supported: the step runs on the "
+            "host with swap I/O, which a graph cannot capture; use torch.optim.AdamW(capturable=True) "
+            "or capturable=False")
     if differentiable:
-        raise NotImplementedError("offload.Adam/AdamW: differentiable=True is not supported")
-    if foreach and fused:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+        raise NotImplementedError(
+            "offload.Adam/AdamW: differentiable=True is not supported: the kernels update the states in "
+            "place outside autograd; use torch.optim.AdamW(differentiable=True) or differentiable=False")
     return betas
 
 
