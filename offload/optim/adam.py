@@ -206,7 +206,13 @@ class _AdamBase(Optimizer):
         # Also called by torch's load_state_dict with {"state", "param_groups"}: as torch's
         # Adam.__setstate__, fill the flags older checkpoints lack and turn a float step
         # (torch < 1.12) into a tensor of torch's dtype.
+        sigs = state.get("_param_sigs")  # present only in a pickle's full __dict__
         super().__setstate__(state)
+        if sigs is not None:
+            # A copy holds new param objects: the registered signatures are keyed by id(p),
+            # so re-key them by position (keeping what was registered, not what is now).
+            by_index = {i: sig for i, sig in sigs.values()}
+            self._param_sigs = {id(p): (i, by_index[i]) for i, p in enumerate(self._all_params())}
         for group in self.param_groups:
             for key, default in (("amsgrad", False), ("maximize", False), ("foreach", None),
                                  ("capturable", False), ("differentiable", False),
