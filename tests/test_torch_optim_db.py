@@ -26,6 +26,7 @@ import warnings
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import offload
 
@@ -357,3 +358,207 @@ def test_offloaded_round_trip_through_torch(name, offload_to, tmp_path):
         _check_state(new, ref, new_params, ref_params)
     finally:
         new.close()
+
+
+# ---------------------------------------------------------------- more of torch's test_optim.py
+def _store_kwargs(store, tmp_path):
+    """(param dtype, constructor extras) of a store: host (fp32 in place), flat (bf16), nvme (fp32)."""
+    if store == "nvme":
+        return torch.float32, {"offload": "nvme", "swap_dir": str(tmp_path)}
+    return (torch.bfloat16 if store == "flat" else torch.float32), {}
+
+
+STORES = ["host", "flat", "nvme"]
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("name", NAMES)
+def test_can_load_older_state_dict(name, store, tmp_path):
+    """test_can_load_older_state_dict and test_load_nontensor_step: a dict of an older torch
+    (flags added since missing, float steps) loads, and training goes on as from the full dict."""
+    dtype, extra = _store_kwargs(store, tmp_path)
+    params = _params(dtype)
+    with OURS[name](_groups(params, {}), lr=0.01, **extra) as opt:
+        _train(opt, params, 0, 2)
+        sd = copy.deepcopy(opt.state_dict())
+        old = copy.deepcopy(sd)
+        for group in old["param_groups"]:
+            for flag in INFOS[name].not_og_supported_flags + ("decoupled_weight_decay",):
+                group.pop(flag, None)
+        for st in old["state"].values():
+            st["step"] = float(st["step"])
+        after = []
+        for loaded in (sd, old):
+            opt.load_state_dict(loaded)
+            for p, saved in zip(params, _params(dtype)):
+                p.data.copy_(saved)  # the same params for both runs
+            _train(opt, params, 2, 4)
+            after.append(([p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())))
+        (p_full, sd_full), (p_old, sd_old) = after
+        assert all(torch.equal(a, b) for a, b in zip(p_full, p_old))
+        for group in sd_old["param_groups"]:
+            assert group["decoupled_weight_decay"] is (name == "AdamW")
+            assert group["maximize"] is False and group["capturable"] is False and group["differentiable"] is False
+        for i, st in sd_old["state"].items():
+            assert torch.is_tensor(st["step"]) and st["step"].dtype == torch.float32
+            assert all(torch.equal(st[k], sd_full["state"][i][k]) for k in st), i
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("name", NAMES)
+def test_save_load_equality_with_weights_only(name, store, tmp_path):
+    """torch.save(opt.state_dict()) loads with torch.load(weights_only=True) into the same
+    structure (only tensors and plain Python values inside)."""
+    dtype, extra = _store_kwargs(store, tmp_path)
+    params = _params(dtype)
+    with OURS[name](_groups(params, {"lr": torch.tensor(0.01)}), lr=torch.tensor(0.01), **extra) as opt:
+        _train(opt, params, 0, 2)
+        sd = opt.state_dict()
+        path = tmp_path / "sd.pt"
+        torch.save(sd, path)
+        loaded = torch.load(path, weights_only=True)
+        assert len(loaded["param_groups"]) == len(sd["param_groups"])
+        for a, b in zip(loaded["param_groups"], sd["param_groups"]):
+            assert set(a) == set(b) and all(_same(a[k], b[k]) for k in a), (a, b)
+        assert sorted(loaded["state"]) == sorted(sd["state"])
+        for i, st in sd["state"].items():
+            assert set(loaded["state"][i]) == set(st)
+            assert all(torch.equal(loaded["state"][i][k], v) for k, v in st.items())
+        opt.load_state_dict(loaded)
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("name", NAMES)
+def test_named_params(name, store, tmp_path):
+    """test_state_dict_with_named_params: (name, param) pairs give "param_names" in the groups,
+    as torch's; the steps are torch's."""
+    dtype, extra = _store_kwargs(store, tmp_path)
+    params, ref_params = _params(dtype), [p.detach().float().clone().requires_grad_() for p in _params(dtype)]
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    ref_named = [(f"p{i}", p) for i, p in enumerate(ref_params)]
+    with OURS[name](named, lr=0.01, **extra) as opt:
+        ref = TORCH[name](ref_named, lr=0.01, foreach=False)
+        for step in range(2):
+            grads = [None if g is None else g.to(dtype).float() for g in _grads(ref_params, step)]
+            _step(opt, params, grads, dtype)
+            _step(ref, ref_params, grads)
+        assert opt.state_dict()["param_groups"][0]["param_names"] == [n for n, _ in named]
+        _check_groups(opt, ref)
+        _check_state(opt, ref, params, ref_params, master=dtype != torch.float32)
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("name", NAMES)
+def test_step_is_noop_without_grads_or_with_zero_grads(name, store, tmp_path):
+    """test_step_is_noop_when_params_have_no_grad and test_step_is_noop_for_zero_grads."""
+    dtype, extra = _store_kwargs(store, tmp_path)
+    params = _params(dtype)
+    before = [p.detach().clone() for p in params]
+    with OURS[name](params, lr=0.01, weight_decay=0.0, **extra) as opt:
+        opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(params, before))
+        assert not opt.state_dict()["state"]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(params, before))
+        assert all(int(st["step"]) == 1 for st in opt.state_dict()["state"].values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_hooks_and_repr(name):
+    """test_step_all_hooks and test_optimizer_can_be_printed: the global and per-optimizer
+    step pre and post hooks run around our step, in torch's order."""
+    params = _params()
+    opt = OURS[name](params, lr=0.01)
+    seen = []
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: seen.append("global pre")),
+               register_optimizer_step_post_hook(lambda o, a, k: seen.append("global post")),
+               opt.register_step_pre_hook(lambda o, a, k: seen.append("pre")),
+               opt.register_step_post_hook(lambda o, a, k: seen.append("post"))]
+    try:
+        _train(opt, params, 0, 1)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == ["global pre", "pre", "post", "global post"]
+    assert repr(opt).startswith(f"{name} (") and "lr: 0.01" in repr(opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float64])
+@pytest.mark.parametrize("name", NAMES)
+def test_complex_and_float64_params_refused(name, dtype):
+    """test_complex and float64 configurations: refused on purpose (the kernels keep fp32
+    masters), with NotImplementedError naming torch's optimizer."""
+    with pytest.raises(NotImplementedError, match=f"{dtype}.*torch.optim"):
+        OURS[name]([torch.zeros(3, dtype=dtype, requires_grad=True)])
+
+
+def _sched_step(scheduler) -> None:
+    # ReduceLROnPlateau needs a metric: a constant one, so it cuts the lr once its patience is out.
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(1.0)
+    else:
+        scheduler.step()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scheduler_inputs(name):
+    """The LR schedulers optim_db lists for Adam/AdamW (scheduler_inputs) drive ours as
+    torch's: the same lr in every group at every step, the same params and states after 14."""
+    for schedulers in INFOS[name].scheduler_inputs:
+        params, ref_params = _params(), _params()
+        ours = OURS[name](_groups(params, {}), lr=0.01)
+        ref = TORCH[name](_groups(ref_params, {}), lr=0.01, foreach=False)
+        pairs = [(make(ours), make(ref)) for make in schedulers]
+        lrs = {float(ours.param_groups[0]["lr"])}
+        for step in range(14):
+            _train(ours, params, step, step + 1)
+            _train(ref, ref_params, step, step + 1)
+            for a, b in pairs:
+                _sched_step(a)
+                _sched_step(b)
+            assert [g["lr"] for g in ours.param_groups] == [g["lr"] for g in ref.param_groups], step
+            lrs.add(float(ours.param_groups[0]["lr"]))
+        assert len(lrs) > 1  # the schedulers did act
+        _check_state(ours, ref, params, ref_params)
+
+
+@pytest.mark.parametrize("size", [22, 55, 128, 1024, 1048576 + 3])
+def test_deepspeed_cpu_adam_expectations(size):
+    """DeepSpeed's tests/unit/ops/adam/test_cpu_adam.py with offload.AdamW in place of
+    DeepSpeedCPUAdam: one fp32 CPU param of each size, 10 steps against torch.optim.AdamW on
+    cloned grads, params and optimizer.state[param]["exp_avg"/"exp_avg_sq"] compared."""
+    gen = torch.Generator().manual_seed(size)
+    param = torch.nn.Parameter(torch.randn(size, generator=gen))
+    ref_param = torch.nn.Parameter(param.detach().clone())
+    opt, ref = offload.AdamW([param]), torch.optim.AdamW([ref_param], foreach=False)
+    for _ in range(10):
+        param.grad = torch.randn(size, generator=gen)
+        ref_param.grad = param.grad.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(param, ref_param, rtol=RTOL, atol=ATOL)
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(opt.state[param][key], ref.state[ref_param][key], rtol=RTOL, atol=ATOL)
+
+
+def test_torchao_cpu_offload_expectations():
+    """torchao's CPUOffloadOptimizer builds ``optimizer_class([p], fused=True, **kwargs)`` for
+    each param and steps them one by one: with offload.AdamW as that class, the training is
+    torch.optim.AdamW's over all params."""
+    params, ref_params = _params(), _params()
+    per_param = [offload.AdamW([p], lr=0.01, weight_decay=0.1, fused=True) for p in params]
+    ref = torch.optim.AdamW(ref_params, lr=0.01, weight_decay=0.1, foreach=False)
+    for step in range(3):
+        grads = _grads(params, step)
+        for p, g in zip(params, grads):
+            p.grad = g
+        for opt in per_param:
+            opt.step()
+        _step(ref, ref_params, grads)
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, rtol=RTOL, atol=ATOL)
+    for opt, p, r in zip(per_param, params, ref_params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key], ref.state[r][key], rtol=RTOL, atol=ATOL)
