@@ -562,3 +562,36 @@ def test_torchao_cpu_offload_expectations():
     for opt, p, r in zip(per_param, params, ref_params):
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opt.state[p][key], ref.state[r][key], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("name", NAMES)
+def test_loading_dicts_of_refused_configurations(name, store, tmp_path):
+    """A dict of torch's amsgrad=True optimizer (a third moment, max_exp_avg_sq) is refused
+    before anything is loaded; one of a capturable or differentiable run holds the usual
+    states: it loads with those flags cleared (and a warning), and trains on as torch."""
+    dtype, extra = _store_kwargs(store, tmp_path)
+    params, ref_params = _params(dtype), [p.detach().float().clone().requires_grad_() for p in _params(dtype)]
+    with OURS[name](params, lr=0.01, **extra) as opt:
+        ref = TORCH[name](ref_params, lr=0.01, foreach=False)
+        ams_params = [p.detach().clone().requires_grad_() for p in ref_params]
+        ams = TORCH[name](ams_params, lr=0.01, amsgrad=True)
+        _train(ams, ams_params, 0, 1)
+        before = copy.deepcopy(opt.state_dict())
+        with pytest.raises(NotImplementedError, match=r"param_groups\[0\] has amsgrad=True.*torch.optim.AdamW"):
+            opt.load_state_dict(ams.state_dict())
+        assert opt.param_groups[0]["amsgrad"] is False and _same(opt.state_dict(), before)
+        _train(ref, ref_params, 0, 1)
+        sd = copy.deepcopy(ref.state_dict())
+        sd["param_groups"][0].update(capturable=True, differentiable=True)
+        for p, r in zip(params, ref_params):
+            p.data.copy_(r)
+        with pytest.warns(UserWarning, match=r"param_groups\[0\] had capturable=True, differentiable=True"):
+            opt.load_state_dict(sd)
+        assert opt.param_groups[0]["capturable"] is False and opt.param_groups[0]["differentiable"] is False
+        if store == "flat":
+            return  # a torch dict has no fp32 master of bf16 params: the rounded param is the master
+        for step in range(1, 3):
+            _step(opt, params, _grads(ref_params, step))
+            _step(ref, ref_params, _grads(ref_params, step))
+        _check_state(opt, ref, params, ref_params)

@@ -30,7 +30,8 @@ from offload.kernels import get_backend
 from offload.optim.functional import AdamHyper
 from offload.optim.guards import register_guards
 from offload.optim.host_state import HostState
-from offload.optim.options import check_extras, check_hyper, check_param_dtype, make_config
+from offload.optim.options import (check_extras, check_hyper, check_loaded_groups, check_param_dtype,
+                                   clear_execution_flags, make_config)
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
 from offload.optim.step_guard import check_work, clear_failure, defer_sigint, snapshot, store_step
@@ -365,8 +366,10 @@ class _AdamBase(Optimizer):
         nothing), and with ``offload="nvme"`` the loaded states go to the free swap slots and
         are committed once. Ends a failed state (see ``clear_failure``)."""
         self._check_open()
+        check_loaded_groups(state_dict)
         load_state_dict_into(self, state_dict, super().load_state_dict)
         self._failure = None
+        clear_execution_flags(type(self).__name__, self.param_groups)
 
     @contextlib.contextmanager
     def no_sync(self):
