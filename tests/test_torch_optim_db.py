@@ -169,10 +169,10 @@ def _params(dtype=torch.float32, seed=0):
 
 
 def _groups(params, kwargs):
-    """Two groups, the second with its own lr and weight_decay (supports_param_groups)."""
+    """Two groups, the second with its own lr, weight_decay, betas and eps (supports_param_groups)."""
     lr = kwargs.get("lr", 1e-3)
     return [{"params": params[:2]},
-            {"params": params[2:], "lr": lr * 2, "weight_decay": 0.05}]
+            {"params": params[2:], "lr": lr * 2, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}]
 
 
 def _grads(params, step, seed=1):
@@ -307,7 +307,8 @@ def test_state_dict_layout_is_torchs(name):
 
 
 # ---------------------------------------------------------------- other stores
-STORE_CONFIGS = [("default", {}), ("maximize", {"lr": 0.01, "weight_decay": 0.1, "maximize": True})]
+STORE_CONFIGS = [("default", {}), ("maximize", {"lr": 0.01, "weight_decay": 0.1, "maximize": True}),
+                 ("Tensor lr, Tensor betas", {"lr": torch.tensor(0.01), "betas": (torch.tensor([0.9]), torch.tensor(0.99))})]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -595,3 +596,32 @@ def test_loading_dicts_of_refused_configurations(name, store, tmp_path):
             _step(opt, params, _grads(ref_params, step))
             _step(ref, ref_params, _grads(ref_params, step))
         _check_state(opt, ref, params, ref_params)
+
+
+@pytest.mark.parametrize("store", STORES + ["nvme-bf16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_add_param_group(name, store, tmp_path):
+    """add_param_group after some steps trains the new group as torch does (host and flat
+    stores); with offload="nvme" it is refused (the swap files are laid out at construction)
+    with NotImplementedError that says so, and the optimizer stays as it was."""
+    dtype, extra = _store_kwargs(store.replace("-bf16", ""), tmp_path)
+    dtype = torch.bfloat16 if store.endswith("bf16") else dtype
+    params = _params(dtype)
+    ref_params = [p.detach().float().clone().requires_grad_() for p in params]
+    with OURS[name](params[:2], lr=0.01, **extra) as opt:
+        ref = TORCH[name](ref_params[:2], lr=0.01, foreach=False)
+        new_group = {"params": params[2:], "lr": 0.02, "weight_decay": 0.0}
+        if store.startswith("nvme"):
+            with pytest.raises(NotImplementedError, match="add_param_group .*not supported with offload='nvme'"):
+                opt.add_param_group(new_group)
+            assert len(opt.param_groups) == 1
+            params, ref_params = params[:2], ref_params[:2]
+        else:
+            opt.add_param_group(new_group)
+            ref.add_param_group({**new_group, "params": ref_params[2:]})
+        for step in range(3):
+            grads = [None if g is None else g.to(dtype).float() for g in _grads(ref_params, step)]
+            _step(opt, params, grads, dtype)
+            _step(ref, ref_params, grads)
+        _check_groups(opt, ref)
+        _check_state(opt, ref, params, ref_params, master=dtype != torch.float32)
