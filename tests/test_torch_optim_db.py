@@ -628,3 +628,34 @@ def test_add_param_group(name, store, tmp_path):
             _step(ref, ref_params, grads)
         _check_groups(opt, ref)
         _check_state(opt, ref, params, ref_params, master=dtype != torch.float32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_params_replaced_in_param_groups_with_the_host_store(name):
+    """As torch, whose states are keyed by the param: new fp32 CPU tensors assigned to
+    param_groups[0]["params"] step as torch's; ones the store cannot update in place are
+    refused by a clear ValueError before anything changes."""
+    opt = OURS[name](_params(), lr=0.01)
+    ref = TORCH[name](_params(), lr=0.01, foreach=False)
+    _train(opt, opt.param_groups[0]["params"], 0, 1)
+    _train(ref, ref.param_groups[0]["params"], 0, 1)
+    new, ref_params = _params(seed=3), _params(seed=3)
+    opt.param_groups[0]["params"] = new
+    ref.param_groups[0]["params"] = ref_params
+    for step in range(2):
+        _step(opt, new, _grads(new, step))
+        _step(ref, ref_params, _grads(ref_params, step))
+    # (state_dict() raises KeyError in both: opt.state still holds the replaced params' states)
+    for i, (p, r) in enumerate(zip(new, ref_params)):
+        torch.testing.assert_close(p, r, rtol=RTOL, atol=ATOL)
+        assert torch.equal(opt.state[p]["step"], ref.state[r]["step"]), i
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key], ref.state[r][key], rtol=RTOL, atol=ATOL)
+    low = [p.detach().bfloat16().requires_grad_() for p in new]
+    opt.param_groups[0]["params"] = low
+    for p in low:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in low]
+    with pytest.raises(ValueError, match="parameter 0 has dtype torch.bfloat16; this optimizer updates fp32 CPU params"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(low, before))

@@ -28,7 +28,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels import get_backend
 from offload.optim.functional import AdamHyper
-from offload.optim.guards import register_guards
+from offload.optim.guards import register_guards, step_sigs
 from offload.optim.host_state import HostState
 from offload.optim.options import (check_extras, check_hyper, check_loaded_groups, check_param_dtype,
                                    clear_execution_flags, make_config)
@@ -314,7 +314,7 @@ class _AdamBase(Optimizer):
         t0 = time.perf_counter()
         work = self._grads_with_params()
         # Everything is checked before anything changes (see [Note: failed steps] in step_guard.py).
-        check_work(work, self._param_sigs)
+        check_work(work, step_sigs(self))
         self._t_prepare = 0.0
         t_clip = time.perf_counter()
         multiplier = self._grad_multiplier(work)
