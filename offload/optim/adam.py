@@ -28,9 +28,10 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels import get_backend
 from offload.optim.functional import AdamHyper
-from offload.optim.guards import register_guards
+from offload.optim.guards import register_guards, step_sigs
 from offload.optim.host_state import HostState
-from offload.optim.options import check_extras, check_hyper, check_param_dtype, make_config
+from offload.optim.options import (check_extras, check_hyper, check_loaded_groups, check_param_dtype,
+                                   clear_execution_flags, make_config)
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
 from offload.optim.step_guard import check_work, clear_failure, defer_sigint, snapshot, store_step
@@ -206,7 +207,13 @@ class _AdamBase(Optimizer):
         # Also called by torch's load_state_dict with {"state", "param_groups"}: as torch's
         # Adam.__setstate__, fill the flags older checkpoints lack and turn a float step
         # (torch < 1.12) into a tensor of torch's dtype.
+        sigs = state.get("_param_sigs")  # present only in a pickle's full __dict__
         super().__setstate__(state)
+        if sigs is not None:
+            # A copy holds new param objects: the registered signatures are keyed by id(p),
+            # so re-key them by position (keeping what was registered, not what is now).
+            by_index = {i: sig for i, sig in sigs.values()}
+            self._param_sigs = {id(p): (i, by_index[i]) for i, p in enumerate(self._all_params())}
         for group in self.param_groups:
             for key, default in (("amsgrad", False), ("maximize", False), ("foreach", None),
                                  ("capturable", False), ("differentiable", False),
@@ -216,8 +223,6 @@ class _AdamBase(Optimizer):
                 st = self.state.get(p)
                 if st and "step" in st and not torch.is_tensor(st["step"]):
                     st["step"] = torch.tensor(float(st["step"]), dtype=_get_scalar_dtype())
-        if "_store" in state:  # an unpickled or deep-copied optimizer: its params are new tensors
-            self._param_sigs = snapshot(self._all_params())
 
     # ---------------------------------------------------------------- the step
     def _hyper(self, group: Dict[str, Any], grad_scale: float) -> AdamHyper:
@@ -309,7 +314,7 @@ class _AdamBase(Optimizer):
         t0 = time.perf_counter()
         work = self._grads_with_params()
         # Everything is checked before anything changes (see [Note: failed steps] in step_guard.py).
-        check_work(work, self._param_sigs, allow_new=isinstance(self._store, HostState))
+        check_work(work, step_sigs(self))
         self._t_prepare = 0.0
         t_clip = time.perf_counter()
         multiplier = self._grad_multiplier(work)
@@ -361,8 +366,10 @@ class _AdamBase(Optimizer):
         nothing), and with ``offload="nvme"`` the loaded states go to the free swap slots and
         are committed once. Ends a failed state (see ``clear_failure``)."""
         self._check_open()
+        check_loaded_groups(state_dict)
         load_state_dict_into(self, state_dict, super().load_state_dict)
         self._failure = None
+        clear_execution_flags(type(self).__name__, self.param_groups)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -167,7 +167,7 @@ class FlatState:
     # ------------------------------------------------------------------ construction
     def add_param_group(self, group: Dict[str, Any]) -> None:
         if self._swap is not None:
-            raise NotImplementedError("add_param_group after construction with offload='nvme'")
+            raise NotImplementedError("add_param_group is not supported with offload='nvme': give the constructor every group")
         params = [p for p in group["params"] if p not in self._where]
         for p in params:
             if p.dtype not in (torch.float32,) + LOWP:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["register_guards"]
+__all__ = ["register_guards", "step_sigs"]
 
 
 def register_guards(opt: torch.optim.Optimizer) -> None:
@@ -55,3 +55,21 @@ def check_params(opt: Any, args: Any, kwargs: Any) -> None:
             f"with ({len(registered)} registered, {len(current)} now; the {getattr(opt._store, 'kind', 'store')} "
             "store laid out its fp32 states for those): add new params with add_param_group(), or build a "
             "new optimizer for the new params")
+
+
+def step_sigs(opt: Any) -> Any:
+    """What ``step_guard.check_work`` checks the params against. The host store keys its
+    states by the param itself (as torch), so a param put into ``param_groups`` after
+    construction is taken as it is at its first step (``check_params`` lets it through), once
+    the store accepts it (fp32, CPU); registered params are still held to what they were.
+    The ids cannot be those of dead params: ``opt._registered`` holds every registered one."""
+    from offload.optim.host_state import HostState
+
+    if not isinstance(opt._store, HostState):
+        return opt._param_sigs
+    sigs = dict(opt._param_sigs)
+    for i, p in enumerate(opt._all_params()):
+        if id(p) not in sigs:
+            opt._store.check_param(i, p)
+            sigs[id(p)] = (i, (tuple(p.shape), p.dtype, p.device))
+    return sigs

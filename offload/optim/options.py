@@ -14,13 +14,15 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import warnings
 from typing import Any, Optional, Tuple
 
 import torch
 
 from offload.config import IOConfig, OffloadConfig, parse_bytes
 
-__all__ = ["check_hyper", "check_extras", "make_config", "check_param_dtype", "io_config"]
+__all__ = ["check_hyper", "check_extras", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
+           "clear_execution_flags"]
 
 # Options that act only on swap files; with offload="none" or "cpu" they would do nothing.
 NVME_ONLY = ("swap_dir", "max_host_bytes", "verify", "resume", "io_engine")
@@ -80,17 +82,26 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: bool,
     _check_scalar("weight_decay", weight_decay, tensor_ok=False)
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    # torch's own refusals of flag combinations come first, with its type and message
+    # (RuntimeError), so code that handles torch's errors sees the same here.
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if foreach and fused:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     if amsgrad:
         raise NotImplementedError(
             "offload.Adam/AdamW: amsgrad=True is not implemented (the fused kernels keep "
             "two moments); use torch.optim.AdamW(amsgrad=True) or amsgrad=False"
         )
     if capturable:
-        raise NotImplementedError("offload.Adam/AdamW: capturable=True (CUDA graphs) is not supported")
+        raise NotImplementedError(
+            "offload.Adam/AdamW: capturable=True (CUDA graphs) is not supported: the step runs on the "
+            "host with swap I/O, which a graph cannot capture; use torch.optim.AdamW(capturable=True) "
+            "or capturable=False")
     if differentiable:
-        raise NotImplementedError("offload.Adam/AdamW: differentiable=True is not supported")
-    if foreach and fused:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+        raise NotImplementedError(
+            "offload.Adam/AdamW: differentiable=True is not supported: the kernels update the states in "
+            "place outside autograd; use torch.optim.AdamW(differentiable=True) or differentiable=False")
     return betas
 
 
@@ -203,3 +214,32 @@ def check_param_dtype(index: int, p: torch.Tensor) -> None:
             f"offload.Adam/AdamW: parameter {index} has dtype {p.dtype}; the kernels update an fp32 "
             "master of fp32, fp16 or bf16 params: use torch.optim.AdamW (or torch.optim.Adam) for "
             f"{p.dtype} params")
+
+
+# Flags of a loaded torch param group that say how torch ran its step, not what it computes:
+# the states they come with are the usual ones, so such a dict loads and the flags are cleared.
+EXECUTION_FLAGS = ("capturable", "differentiable")
+
+
+def check_loaded_groups(state_dict: Any) -> None:
+    """A state dict of ``torch.optim.Adam/AdamW(amsgrad=True)`` holds ``max_exp_avg_sq``, a
+    third moment the kernels do not keep: refused before anything is loaded, so the
+    optimizer stays as it was (not loaded, then unable to step)."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    for i, group in enumerate(groups if isinstance(groups, list) else []):
+        if isinstance(group, dict) and group.get("amsgrad"):
+            raise NotImplementedError(
+                f"offload.Adam/AdamW: the state dict's param_groups[{i}] has amsgrad=True (states with "
+                "max_exp_avg_sq), which is not implemented; load it into torch.optim.AdamW(amsgrad=True)")
+
+
+def clear_execution_flags(cls_name: str, param_groups: Any) -> None:
+    """After a load: the step here is neither capturable nor differentiable, and the loaded
+    param_groups say so rather than what the dict said (with a warning)."""
+    for i, group in enumerate(param_groups):
+        on = [flag for flag in EXECUTION_FLAGS if group.get(flag)]
+        if on:
+            warnings.warn(f"{cls_name}.load_state_dict: param_groups[{i}] had {', '.join(f + '=True' for f in on)}, "
+                          "which this optimizer does not support; set to False (the loaded states are the same)",
+                          UserWarning, stacklevel=3)
+            group.update({flag: False for flag in on})

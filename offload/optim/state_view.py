@@ -55,6 +55,8 @@ def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[tor
         st, param = ref(), pref()
         if st is None or param is None or getattr(st, "_closed", False):
             return None
+        if param.numel() == 0:  # no bytes in the swap files; torch's state holds empty moments
+            return torch.zeros(param.shape, dtype=torch.float32)
         if hasattr(st, "read_state"):  # SwappedState: fp32 CPU params, whole
             return st.read_state(param)[MOMENTS.index(key)]
         fg, i = st._where[param]
@@ -69,6 +71,10 @@ def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[tor
 
 
 def _flat_views(store: Any, p: torch.Tensor, st: dict) -> None:
+    if p.numel() == 0:  # no bytes in the flat buffers; torch's state holds empty moments
+        for key in MOMENTS:
+            st[key] = torch.zeros(p.shape, dtype=torch.float32)
+        return
     fg, i = store._where[p]
     piece = fg.layout.owned(i)
     if piece is None:
@@ -93,7 +99,7 @@ def attach(opt: Any) -> None:
         if kind == "nvme" or getattr(store, "_nvme", False):
             if not isinstance(st, SwappedEntry):
                 opt.state[p] = SwappedEntry(st, _swapped_reader(store, p))
-        elif "exp_avg" not in st and p in getattr(store, "_where", {}):
+        elif "exp_avg" not in st and (p in getattr(store, "_where", {}) or p.numel() == 0):
             _flat_views(store, p, st)
 
 

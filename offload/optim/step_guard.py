@@ -69,17 +69,13 @@ def _check_grad(i: int, p: torch.Tensor, g: Any) -> None:
 
 
 def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
-               sigs: Dict[int, Tuple[int, ParamSig]], allow_new: bool = False) -> None:
+               sigs: Dict[int, Tuple[int, ParamSig]]) -> None:
     """Raise before the step changes anything if a param is no longer what it was registered
     as, or its grad does not fit it (a store's own stand-in for a grad held on another rank,
     which is not ``p.grad``, is the store's to check)."""
-    n = 0
     for _, items in work:
         for p, g in items:
-            # allow_new: a store keyed by the params themselves (the host store, as torch's
-            # opt.state) takes a new param put into param_groups; registered ones are checked.
-            i = n if (allow_new and id(p) not in sigs) else _check_param(p, sigs)
-            n += 1
+            i = _check_param(p, sigs)
             if g is p.grad:
                 _check_grad(i, p, g)
 
