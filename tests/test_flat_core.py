@@ -107,7 +107,8 @@ def test_overlap_is_read_at_each_copy(monkeypatch, flip):
     # bench/offload_step.py flips FlatState.overlap between the steps of one optimizer:
     # the grad hook and the param sink must follow it, not a value taken at construction.
     pairs = []
-    monkeypatch.setattr(FlatState, "side_streams", staticmethod(lambda dev: pairs.append((_Stream(), _Stream())) or pairs[-1]))
+    monkeypatch.setattr(FlatState, "side_streams",
+                        staticmethod(lambda dev: pairs.append((_Stream(), _Stream())) or pairs[-1]))
     monkeypatch.setattr(FlatState, "copy_cpu_grads", True)
     monkeypatch.setattr(FlatState, "stage_cpu_params", True)
     monkeypatch.setattr(FlatState, "overlap", True)

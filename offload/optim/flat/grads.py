@@ -67,8 +67,9 @@ class GradSource:
     ELSEWHERE = torch.zeros(0)
     """Stands for a grad that exists on another rank only (this rank contributes zeros)."""
 
-    def __init__(self, *, opt: Callable[[], Any], groups: List[FlatGroup], where: Dict[torch.Tensor, Tuple[FlatGroup, int]],
-                 order: List[torch.Tensor], streams: Dict[torch.device, Tuple[Any, Any]], zero_stage: int, world: int, group: Any,
+    def __init__(self, *, opt: Callable[[], Any], groups: List[FlatGroup],
+                 where: Dict[torch.Tensor, Tuple[FlatGroup, int]], order: List[torch.Tensor],
+                 streams: Dict[torch.device, Tuple[Any, Any]], zero_stage: int, world: int, group: Any,
                  comm_dev: torch.device, backend: Optional[str], threads: Optional[int],
                  overlap: Callable[[], bool]) -> None:
         self._opt = opt
