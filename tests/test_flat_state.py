@@ -312,7 +312,7 @@ def test_host_writes_outside_step_wait_for_the_side_streams(tmp_path, monkeypatc
     # for them first (and so must the collection of an optimizer dropped without close()).
     import gc
 
-    import offload.optim.flat_state as fs
+    import offload.optim.flat.checkpoints as fs
     from offload.zero.flat_group import FlatGroup
 
     model = _model(torch.bfloat16, seed=3)

@@ -233,7 +233,8 @@ def _patch_kernel(monkeypatch, opt, kernel_factory):
 
     real = kernels.get_backend
     wrapped = kernel_factory(real(None))
-    for mod in ("offload.optim.functional", "offload.optim.flat_state", "offload.optim.swapped_shards"):
+    for mod in ("offload.optim.functional", "offload.optim.flat.store", "offload.optim.flat.grads",
+                "offload.optim.swapped_shards"):
         m = __import__(mod, fromlist=["x"])
         if hasattr(m, "get_backend"):
             monkeypatch.setattr(m, "get_backend", lambda name=None: wrapped)

@@ -294,7 +294,7 @@ def job_checkpoint_failure(group, ckpt, fail_rank, swap_dir=None):
     unreadable file): every rank must raise, none may wait for the failed one."""
     import errno as errno_
 
-    import offload.optim.flat_state as fs
+    import offload.optim.flat.checkpoints as fs
     import offload.zero.checkpoint as zc
 
     model = _model()

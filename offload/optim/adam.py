@@ -6,7 +6,8 @@ does the same for the same reason). Same arguments, defaults, validation message
 ``state_dict`` layout as torch's; the extras choose where the fp32 states live
 (``offload=``) and which kernel runs (``backend=``).
 
-Where the states live is a *store* (see [Note: store interface] in ``host_state.py``):
+Where the states live is a *store*; what the optimizer asks of one is written down in
+``offload/optim/protocol.py``:
 
 - ``HostState``: fp32 CPU params updated in place, moments in ``self.state[p]``;
 - ``SwappedState``: fp32 CPU params updated in place, moments in NVMe swap files;
@@ -32,6 +33,7 @@ from offload.optim.guards import register_guards, step_sigs
 from offload.optim.host_state import HostState
 from offload.optim.options import (check_extras, check_hyper, check_loaded_groups, check_param_dtype,
                                    clear_execution_flags, make_config)
+from offload.optim.protocol import optional
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
 from offload.optim.step_guard import check_work, clear_failure, defer_sigint, snapshot, store_step
@@ -172,11 +174,11 @@ class _AdamBase(Optimizer):
             raise
 
     def _store_add_group(self, group: Dict[str, Any]) -> None:
-        add = getattr(self._store, "add_param_group", None)
+        add = optional(self._store, "add_param_group")
         if add is not None:
             add(group)
             return
-        check = getattr(self._store, "check_param", None)
+        check = optional(self._store, "check_param")
         if check is None:
             raise NotImplementedError(
                 f"add_param_group after construction is not supported with offload={self.config.offload!r}"
@@ -240,7 +242,10 @@ class _AdamBase(Optimizer):
         )
 
     def _grads_with_params(self) -> List[Tuple[Dict[str, Any], List[Tuple[torch.Tensor, torch.Tensor]]]]:
-        grads_fn = getattr(self._store, "grads", None)
+        agree = optional(self._store, "agree_on_grads")
+        if agree is not None:
+            agree()  # several ranks: a collective, before any grads() (never one inside it)
+        grads_fn = optional(self._store, "grads")
         out = []
         for group in self.param_groups:
             if group.get("amsgrad"):
@@ -270,14 +275,14 @@ class _AdamBase(Optimizer):
             return None
         # Grads that must move first (copies to host buffers, the reduction across ranks)
         # are timed as grad_transfer, not as the clip that needs them.
-        prepare = getattr(self._store, "prepare_grads", None)
+        prepare = optional(self._store, "prepare_grads")
         if prepare is not None:
             t = time.perf_counter()
             prepare()
             self._t_prepare = time.perf_counter() - t
         if self.max_grad_norm is None:
             return inv_scale
-        norm_fn = getattr(self._store, "global_grad_sumsq", None)
+        norm_fn = optional(self._store, "global_grad_sumsq")
         if norm_fn is not None:
             sumsq, nonfinite = norm_fn(work)
         else:
@@ -410,7 +415,7 @@ class _AdamBase(Optimizer):
         from offload.swap.ckpt_groups import encode_groups
 
         self._check_open()
-        save = getattr(self._store, "save_checkpoint", None)
+        save = optional(self._store, "save_checkpoint")
         if save is None:
             raise NotImplementedError(
                 f"save_checkpoint is not available for this store ({type(self._store).__name__}); use torch.save(opt.state_dict())"
@@ -424,7 +429,7 @@ class _AdamBase(Optimizer):
         from offload.zero.checkpoint import reading_shards
 
         self._check_open()
-        load = getattr(self._store, "load_checkpoint", None)
+        load = optional(self._store, "load_checkpoint")
         if load is None:
             raise NotImplementedError(
                 f"load_checkpoint is not available for this store ({type(self._store).__name__}); use opt.load_state_dict(torch.load(...))"

@@ -6,9 +6,8 @@ live in ``optimizer.state[p]`` exactly as ``torch.optim.AdamW`` keeps them, so
 ``state_dict()`` needs no translation.
 
 [Note: store interface] Every state store (this one, ``SwappedState`` for NVMe, the flat
-store for device params) offers ``step(batches) -> timings``, ``export_state(p)``,
-``import_state(p, state)``, ``memory_report()`` and ``close()``; the optimizer class
-drives them the same way.
+store for device params) offers the methods of ``offload/optim/protocol.py``; the optimizer
+class drives them the same way.
 """
 from __future__ import annotations
 
@@ -82,6 +81,10 @@ class HostState:
 
     def import_state(self, p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
         # torch's load_state_dict already placed the tensors in opt.state[p].
+        pass
+
+    def reset_state(self, p: torch.Tensor) -> None:
+        # torch's load_state_dict replaced opt.state: a param without an entry has no moments.
         pass
 
     # A checkpoint in the swap layer's format (offload.swap.checkpoint), so that one saved with

@@ -1,6 +1,6 @@
 """The flat store's fp32 master, exp_avg and exp_avg_sq in NVMe swap files (``offload="nvme"``).
 
-The flat store (``flat_state.py``) keeps, per flat group, this rank's shard of a flat fp32
+The flat store (``flat/store.py``) keeps, per flat group, this rank's shard of a flat fp32
 master and two moments. With ``offload="nvme"`` all three go to one swap store: its element
 space is the shards of the groups laid end to end (group ``k`` at ``base[k]``), the same
 order as a rank's checkpoint files (``offload/zero/checkpoint.py``), so a checkpoint is the

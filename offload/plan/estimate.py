@@ -123,7 +123,7 @@ class _Setup:
         # files for offload="nvme"); everything else goes to the flat store (FlatState: a flat
         # fp32 master + moments in pool buffers, sharded over the ranks when stage >= 1). With
         # offload="nvme" the flat store streams master, exp_avg and exp_avg_sq of this rank's
-        # shard through one swap store (SwappedShards, offload/optim/flat_state.py [Note: nvme]).
+        # shard through one swap store (SwappedShards, offload/optim/flat/swapped.py [Note: nvme]).
         return self.stage == 0 and self.pdt == torch.float32 and self.on_cpu
 
     @property

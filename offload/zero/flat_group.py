@@ -4,7 +4,7 @@ See [Note: flat layout] in ``partition.py`` for the arithmetic. A ``FlatGroup`` 
 host buffers of its shard (from the memory layer's pools: pageable, or pinned where a DMA
 engine reads or writes them) and does the group's side of the collectives: bucketed
 reduction of the grads into the shard and the all-gather of the updated params. It knows
-no optimizer math; the optimizer's flat store (``offload/optim/flat_state.py``) drives it.
+no optimizer math; the optimizer's flat store (``offload/optim/flat/``) drives it.
 """
 from __future__ import annotations
 

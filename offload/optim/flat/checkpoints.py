@@ -1,0 +1,105 @@
+"""The flat store's checkpoints: per-rank shards + meta ([Note: flat checkpoints] in
+offload/zero/checkpoint.py), streamed from / into the swap files with offload="nvme",
+and the per-param step counts they carry."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+
+from offload.zero import comm
+from offload.zero.checkpoint import check_shards, fill_store_from_shards, load_shards, save_shards, save_shards_from_store
+
+if TYPE_CHECKING:
+    from offload.optim.flat.store import FlatState
+
+__all__ = ["ckpt_steps", "set_steps", "save_checkpoint", "load_checkpoint"]
+
+
+def ckpt_steps(st: "FlatState") -> List[int]:
+    opt = st._opt()
+    return [int(opt.state[p]["step"].item()) if "step" in opt.state.get(p, {}) else 0 for p in st._order]
+
+
+def set_steps(st: "FlatState", steps: List[int]) -> None:
+    opt = st._opt()
+    if len(steps) != len(st._order):
+        raise ValueError(f"{len(steps)} step counts for {len(st._order)} params")
+    for p, step in zip(st._order, steps):
+        if step:
+            opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
+        elif p in opt.state:  # (opt.state is a defaultdict: do not create entries)
+            opt.state[p].pop("step", None)
+            if not opt.state[p]:
+                del opt.state[p]
+
+
+def save_checkpoint(st: "FlatState", directory: str, extra: Optional[Dict[str, Any]] = None) -> None:
+    """Per-rank shards + meta; with offload="nvme" streamed from the swap files; all ranks
+    or none ([Note: shards saved all or none])."""
+    meta = dict(extra or {}, steps=ckpt_steps(st))
+    if st._swap is not None:
+        swap, layouts = st._swap, [fg.layout for fg in st._groups]  # flushed in the voted half
+        save_shards_from_store(directory, swap.store, swap.pipeline.buffers, layouts=layouts, meta=meta,
+                               process_group=st.group, before=lambda: swap.save(lambda s, b: None))
+        return
+    save_shards(directory, st._groups, world=st.world, rank=st.rank, meta=meta, process_group=st.group)
+
+
+def load_checkpoint(st: "FlatState", directory: str) -> None:
+    """See ``FlatState.load_checkpoint``."""
+    st._drain()
+    steps_before = ckpt_steps(st)
+    layouts = [fg.layout for fg in st._groups]
+
+    def loaded_steps(meta: Dict[str, Any]) -> None:
+        set_steps(st, meta.get("steps") or [0] * len(st._order))
+
+    if st._swap is not None:
+        try:
+            st._swap.load_checkpoint(lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs),
+                                     loaded_steps, vote=st._swap_vote)
+        except BaseException:
+            # The steps the swap files hold: the old ones, unless undoing a commit failed
+            # (then the checkpoint's; the error says to load again).
+            held = st._swap.store.extra.get("steps")
+            set_steps(st, held if held is not None else steps_before)
+            raise
+        st._params_from_swap()
+        return
+    what = f"load_checkpoint({directory!r})"
+    if st._nvme:  # offload="nvme", no element on this rank: only the steps, voted as the others
+        def undo() -> str:
+            set_steps(st, steps_before)
+            return "nothing was loaded on any rank"
+
+        comm.all_or_none(lambda: check_shards(directory, layouts), loaded_steps, undo, what, st._swap_vote)
+        return
+    _load_host(st, directory, layouts, what, loaded_steps)
+
+
+def _load_host(st: "FlatState", directory: str, layouts, what: str, loaded_steps) -> None:
+    """Host buffers: every file checked on every rank first, then read into the buffers."""
+    comm.on_every_rank(lambda: check_shards(directory, layouts), what + " (nothing was loaded on any rank)",
+                       st.group, st.world)
+    half = "the optimizer state is incomplete until it is loaded again"
+
+    def load() -> None:
+        try:
+            meta = load_shards(directory, st._groups)
+        except Exception as exc:  # after the check passed: a read error, or files changed since
+            raise _with_hint(exc, half) from exc
+        loaded_steps(meta)
+
+    comm.on_every_rank(load, f"{what} ({half})", st.group, st.world)
+    for fg in st._groups:
+        fg.write_params(st.group)
+
+
+def _with_hint(exc: Exception, hint: str) -> Exception:
+    """``exc`` again, of its own type where that is simple, with ``hint`` added to its text."""
+    if isinstance(exc, OSError):
+        return type(exc)(exc.errno, f"{exc.strerror or exc}; {hint}", exc.filename)
+    if type(exc) in (ValueError, RuntimeError, KeyError, TypeError):
+        return type(exc)(f"{exc}; {hint}")
+    return RuntimeError(f"{type(exc).__name__}: {exc}; {hint}")

@@ -1,0 +1,244 @@
+"""Where the flat store's grads come from (see [Note: what p.grad holds]).
+
+[Note: what p.grad holds] ``p.grad`` keeps exactly torch's meaning: the local gradient,
+accumulated by autograd over backward passes, cleared by ``zero_grad`` (either way). The
+store never replaces or frees it; it *reads* it:
+
+- CPU params, one rank: the kernel reads ``p.grad`` where it lies (it already is a host
+  buffer in its own dtype; copying it first would only add a pass over memory).
+- CUDA params, one rank: a post-accumulate-grad hook copies ``p.grad`` (own dtype, half the
+  bytes of fp32 for fp16/bf16) into a pinned host flat buffer on a side stream as soon as
+  autograd has accumulated it. The copy is tagged with (a weak reference to the grad, its
+  version counter); at step time a tag that no longer matches ``p.grad`` (a later in-place
+  change such as ``clip_grad_norm_`` or ``zero_()``, or a grad assigned by hand) is copied
+  again, synchronously, so the step always sees what torch would. ``GradScaler.unscale_()``
+  changes grads in place *without* bumping their version counters; the step pre-hook sees
+  that it ran (``found_inf`` set, ``grad_scale`` None) and drops every tag. ``copy_cpu_grads = True``
+  runs this path for CPU params too (the tests use it; there is no GPU in CI).
+- Several ranks: at step time the grads are averaged across ranks, bucket by bucket
+  (``FlatGroup.reduce_grads`` in ``offload/zero/flat_group.py``), or during backward with
+  ``reduce_in_backward`` ([Note: reduce in backward] in offload/zero/backward_reduce.py).
+  Each rank ends with the fp32 *sum* for its shard; the 1/N of the average is folded into
+  the kernel's ``grad_scale`` (``GradSource.factor``).
+
+[Note: DDP] The optimizer averages grads itself; the model needs no DDP wrapper. If the
+model *is* wrapped in DDP, its grads are already averaged: set
+``opt.grads_already_averaged = True`` (read at every step) and the store only slices them,
+saving the second reduction. Averaging already-averaged grads again would give the same
+values up to rounding, at the price of a redundant all-reduce.
+
+[Note: a grad on some ranks only] torch skips a param without grad (no step, no weight
+decay). Across ranks, a param counts as having a grad when any rank has one (missing grads
+count as zeros in the average, as in DDP); ``grads(p)`` answers accordingly so that every
+rank increments the same step counters. The answer comes from one small all-reduce per
+step, made by ``agree()`` (the optimizer calls it before asking for grads; ``grads(p)``
+itself is never a collective).
+
+[Note: GradScaler across ranks] GradScaler looks for inf/nan in each rank's *local* grads
+(with DDP they are already averaged, so all ranks agree). Here a step pre-hook all-reduces
+``found_inf`` so that all ranks skip a step together and the shards stay consistent. The
+scaler's own ``update()`` still sees only the local answer: after an overflow on some ranks
+only, their loss scales differ, and the summed grads then mix scales. With fp16 and several
+ranks, either wrap the model in DDP (grads averaged before the scaler looks; set
+``grads_already_averaged``) or expect the loss scales of the ranks to drift apart after a
+rank-local overflow. bf16 needs no scaler.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from offload.kernels import get_backend
+from offload.zero import comm
+from offload.zero.flat_group import FlatGroup
+
+__all__ = ["GradSource", "flat_cpu"]
+
+
+class GradSource:
+    """The grads a step reads: p.grad, the hook's host copy, or this rank's reduced shard.
+
+    ``groups``, ``where``, ``order`` and ``streams`` are the store's own containers (shared,
+    not copied: a group added later is seen here); ``opt`` is a weak reference."""
+
+    ELSEWHERE = torch.zeros(0)
+    """Stands for a grad that exists on another rank only (this rank contributes zeros)."""
+
+    def __init__(self, *, opt: Callable[[], Any], groups: List[FlatGroup],
+                 where: Dict[torch.Tensor, Tuple[FlatGroup, int]], order: List[torch.Tensor],
+                 streams: Dict[torch.device, Tuple[Any, Any]], zero_stage: int, world: int, group: Any,
+                 comm_dev: torch.device, backend: Optional[str], threads: Optional[int],
+                 overlap: Callable[[], bool]) -> None:
+        self._opt = opt
+        self._groups, self._where, self._order, self._streams = groups, where, order, streams
+        self.zero_stage, self.world, self.group, self._comm_dev = zero_stage, world, group, comm_dev
+        self._backend, self._threads, self._overlap = backend, threads, overlap
+        self.reducer = None  # a BackwardReducer when reducing during backward (set by the store)
+        self.closed = False
+        self._mask: Optional[Dict[torch.Tensor, bool]] = None
+        self._reduced = False
+        self.factor = 1.0
+        """What the kernel's grad_scale is multiplied by: 1/N for a sum over N ranks."""
+
+    # ------------------------------------------------------------------ the grad hook
+    def grad_ready(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: copy the accumulated grad to the host buffer now."""
+        g = p.grad
+        if g is None or self.closed or getattr(self._opt(), "_no_sync", False):
+            return  # inside opt.no_sync(): the grad stays on the device, accumulating
+        fg, i = self._where[p]
+        lo, hi = fg.layout.slot(i)
+        dst = fg.host_grad[lo:hi]
+        if self._overlap() and g.device in self._streams:
+            grad_stream, _ = self._streams[g.device]
+            grad_stream.wait_current()  # the grad was produced on the compute stream
+            with grad_stream.context():
+                dst.copy_(g.detach().reshape(-1), non_blocking=True)
+            grad_stream.keep_alive(g)  # keep g's memory until the copy has read it
+        else:
+            dst.copy_(g.detach().reshape(-1))
+        sumsq = None
+        if g.device in self._streams and getattr(self._opt(), "max_grad_norm", None) is not None:
+            # [Note: device grad norm] With clipping, the grad's sum of squares is taken here,
+            # on the device (a reduction at its memory bandwidth, on the stream that made the
+            # grad), so the step needs no pass of the host over the copied grads. It belongs
+            # to this version of this grad: a later change (another micro-batch re-fires the
+            # hook; an in-place op moves the version) falls back to the host's pass.
+            sumsq = torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square()  # no fp32 overflow
+        fg.grad_tag[i] = (weakref.ref(g), g._version, sumsq)
+
+    @staticmethod
+    def tag_current(tag: Any, g: torch.Tensor) -> bool:
+        return tag is not None and tag[0]() is g and tag[1] == g._version
+
+    def host_grad(self, fg: FlatGroup, i: int, g: torch.Tensor) -> torch.Tensor:
+        """The host copy of p.grad (the hook's, or a fresh one when it is stale)."""
+        lo, hi = fg.layout.slot(i)
+        dst = fg.host_grad[lo:hi]
+        if not self.tag_current(fg.grad_tag[i], g):
+            dst.copy_(g.detach().reshape(-1))
+            fg.grad_tag[i] = (weakref.ref(g), g._version, None)
+        return dst
+
+    def local(self, fg: FlatGroup, i: int, g: torch.Tensor) -> torch.Tensor:
+        """One rank: param ``i``'s whole grad as a flat CPU tensor the kernel reads."""
+        return self.host_grad(fg, i, g) if fg.host_grad is not None else flat_cpu(g)
+
+    def wait_copies(self) -> None:
+        for grad_stream, _ in self._streams.values():
+            grad_stream.synchronize()
+
+    # ------------------------------------------------------------------ a step
+    def begin_step(self, opt: Any) -> None:
+        """Step pre-hook: a new step; make the skip decision of GradScaler global."""
+        self._mask = None
+        self._reduced = False
+        found_inf = getattr(opt, "found_inf", None)
+        if found_inf is not None and getattr(opt, "grad_scale", None) is None:
+            # GradScaler.unscale_() ran: it divides the grads in place with an op that does
+            # not bump their version counters, so copies made before it look current.
+            # Forget them all: grads are copied / reduced again at this step.
+            for fg in self._groups:
+                fg.grad_tag = [None] * len(fg.params)
+            if self.reducer is not None:
+                self.reducer.forget()
+        if self.world > 1 and isinstance(found_inf, torch.Tensor):
+            # GradScaler checks each rank's local grads; a step must be skipped on all
+            # ranks or on none, or the shards diverge. (The loss scale itself is still
+            # updated from the local check: see [Note: GradScaler across ranks].)
+            flag = found_inf.detach().to(self._comm_dev, torch.float32).reshape(1).clone()
+            comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MAX)
+            opt.found_inf = flag.to(found_inf.device).reshape(found_inf.shape)
+
+    def agree(self) -> None:
+        """Several ranks: one all-reduce settles which params have a grad on any rank this
+        step ([Note: a grad on some ranks only]). A collective: every rank calls it, once a
+        step, before ``grads``; later calls in the same step do nothing."""
+        if self.world == 1 or self._mask is not None:
+            return
+        have = torch.tensor([p.grad is not None for p in self._order], dtype=torch.int32, device=self._comm_dev)
+        comm.all_reduce(have, self.group, op=torch.distributed.ReduceOp.MAX)
+        self._mask = {p: bool(h) for p, h in zip(self._order, have.tolist())}
+
+    def grads(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.world == 1:
+            return p.grad
+        if self._mask is None:
+            raise RuntimeError("the flat store's grads(p) needs agree_on_grads() first on several ranks: which "
+                               "params have a grad is settled by a collective, once a step, on every rank")
+        if p.grad is not None:
+            return p.grad
+        return self.ELSEWHERE if self._mask[p] else None
+
+    def _reduce(self) -> None:
+        """Average grads across ranks into each group's fp32 shard buffer (see the notes)."""
+        if self._reduced:
+            return
+        self.agree()  # every rank agrees on which params have a grad this step
+        only_slice = bool(getattr(self._opt(), "grads_already_averaged", False))
+        # The shard buffers hold the sum over ranks (folded into the kernel as 1/N) or,
+        # after DDP, the average already.
+        self.factor = 1.0 if only_slice else 1.0 / self.world
+        if self.reducer is not None and not only_slice:
+            self.reducer.finish()  # started during backward: [Note: reduce in backward]
+        else:
+            for fg in self._groups:
+                fg.reduce_grads(self.group, self.zero_stage, only_slice)
+        self._reduced = True
+
+    def prepare(self) -> None:
+        """Make this step's grads ready where the kernel reads them: the cross-rank
+        reduction, or the pending host copies."""
+        if self.world > 1:
+            self._reduce()
+        else:
+            self.wait_copies()
+
+    def global_sumsq(self, work) -> Tuple[float, bool]:
+        """The grads' sum of squares over every rank (unscaled), and whether one is not finite."""
+        kernel = get_backend(self._backend)
+        if self.world > 1:
+            self._reduce()
+            acc = torch.zeros(2, dtype=torch.float64)
+            for fg in self._groups:
+                if fg.gshard.numel():
+                    s, bad = kernel.grad_sumsq(fg.gshard, num_threads=self._threads)
+                    acc[0] += s
+                    acc[1] += float(bad)
+            acc = acc.to(self._comm_dev)
+            comm.all_reduce(acc, self.group)
+            s, bad = acc.tolist()
+            return s * self.factor * self.factor, bad > 0
+        self.wait_copies()
+        return self._local_sumsq(kernel, work)
+
+    def _local_sumsq(self, kernel, work) -> Tuple[float, bool]:
+        total, nonfinite = 0.0, False
+        on_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for _, items in work:
+            for p, g in items:
+                fg, i = self._where[p]
+                tag = fg.grad_tag[i] if fg.host_grad is not None else None
+                if self.tag_current(tag, g) and tag[2] is not None:  # [Note: device grad norm]
+                    on_device.setdefault(tag[2].device, []).append(tag[2])
+                    continue
+                src = self.local(fg, i, g)
+                if src.numel():
+                    s, bad = kernel.grad_sumsq(src, num_threads=self._threads)
+                    total += s
+                    nonfinite |= bad
+        for parts in on_device.values():
+            s = float(torch.stack(parts).double().sum())  # one synchronisation per device
+            nonfinite |= not math.isfinite(s)
+            total += s
+        return total, nonfinite
+
+
+def flat_cpu(g: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous CPU view (or copy) of a grad."""
+    if g.device.type != "cpu":
+        g = g.detach().to("cpu")
+    return g.detach().reshape(-1) if g.is_contiguous() else g.detach().contiguous().view(-1)

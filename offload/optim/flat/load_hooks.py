@@ -1,0 +1,154 @@
+"""The flat store's state_dict side: full tensors out (``export_state``), loaded tensors in
+(``import_state``, ``reset_state``) and the load_state_dict pre / post hooks around torch's
+load, which keep the loaded fp32 tensors (torch casts them to the param dtype) and set the
+masters.
+
+[Note: state_dict on several ranks] ``state_dict()`` is a collective: call it on every
+rank. It returns torch's AdamW layout with full tensors (plus ``master``, the fp32 master,
+for fp16/bf16 params), so a checkpoint from N ranks loads on M ranks, in one process, and
+into ``torch.optim.AdamW``. With ``opt.state_dict_rank0_only = True`` only rank 0 keeps the
+full tensors.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict
+
+import torch
+
+from offload.zero import comm
+
+if TYPE_CHECKING:
+    from offload.optim.flat.store import FlatState
+
+__all__ = ["has_state", "export_state", "gather_full", "import_state", "reset_state", "pre_load", "post_load"]
+
+
+def has_state(st: "FlatState", p: torch.Tensor) -> bool:
+    opt = st._opt()
+    return opt is not None and "step" in opt.state.get(p, {})
+
+
+def export_state(st: "FlatState", p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    if not has_state(st, p):
+        return {}
+    fg, _ = st._where[p]
+    keys = ("exp_avg", "exp_avg_sq") + (("master",) if fg.lowp else ())
+    # opt.state_dict_rank0_only = True: every rank takes part in the gather, only rank 0
+    # keeps the full tensors (the others' state_dict() then holds only the steps).
+    keep = st.rank == 0 or not getattr(st._opt(), "state_dict_rank0_only", False)
+    out = gather_full(st, p, keys, keep=keep)
+    return out if keep else {}
+
+
+def gather_full(st: "FlatState", p: torch.Tensor, keys, keep: bool = True) -> Dict[str, torch.Tensor]:
+    """Full-shaped fp32 copies of this param's states; collective when partitioned."""
+    fg, i = st._where[p]
+    off, n = fg.layout.offsets[i], fg.layout.numels[i]
+    full = torch.empty(len(keys), n if keep else 0, dtype=torch.float32)
+    S = fg.layout.shard
+    for r in range(st.world):
+        a, b = max(off, r * S), min(off + n, (r + 1) * S)
+        if a >= b:
+            continue
+        part = torch.empty(len(keys), b - a, dtype=torch.float32, device=st._comm_dev)
+        if r == st.rank:
+            if fg.swapped:
+                vals = st._swap.read(st._groups.index(fg), a - r * S, b - r * S, keys)
+            else:
+                vals = {key: getattr(fg, key)[a - r * S:b - r * S] for key in keys}
+            for k, key in enumerate(keys):
+                part[k].copy_(vals[key])
+        comm.broadcast(part, r, st.group)
+        if keep:
+            full[:, a - off:b - off].copy_(part)
+    if not keep:
+        return {}
+    return {key: full[k].view_as(p).clone() for k, key in enumerate(keys)}
+
+
+def import_state(st: "FlatState", p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
+    # torch's load_state_dict casts floating state to the param's dtype; the pre-load
+    # hook kept the original (fp32) tensors, which we prefer.
+    full = dict(state)
+    full.update(st._stash.get(p, {}))
+    fg, i = st._where[p]
+    piece = fg.layout.owned(i)
+    if piece is None:
+        return
+    start = fg.layout.shard_range()[0]
+    s = slice(piece.lo - start, piece.hi - start)
+    ps = slice(piece.param_offset, piece.param_offset + piece.numel)
+    if fg.swapped:
+        vals = {key: full[key].detach().reshape(-1)[ps].float() for key in ("exp_avg", "exp_avg_sq") if key in full}
+        if vals:
+            st._swap.write(st._groups.index(fg), s.start, s.stop, vals)
+        return
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in full:
+            getattr(fg, key)[s].copy_(full[key].detach().reshape(-1)[ps])
+
+
+def reset_state(st: "FlatState", p: torch.Tensor) -> None:
+    """Zero moments for ``p`` (loading a state_dict without state for it; as torch)."""
+    if p not in st._stepped:
+        return  # never stepped: its moments are zeros already (no swap read-modify-write)
+    fg, i = st._where[p]
+    piece = fg.layout.owned(i)
+    if piece is None:
+        return
+    start = fg.layout.shard_range()[0]
+    lo, hi = piece.lo - start, piece.hi - start
+    if fg.swapped:
+        z = torch.zeros(hi - lo, dtype=torch.float32)
+        st._swap.write(st._groups.index(fg), lo, hi, {"exp_avg": z, "exp_avg_sq": z})
+    else:
+        fg.exp_avg[lo:hi].zero_()
+        fg.exp_avg_sq[lo:hi].zero_()
+
+
+def pre_load(st: "FlatState", opt: Any, state_dict: Dict[str, Any]) -> None:
+    st._drain()  # what follows (here, post_load, import/reset_state) rewrites host buffers
+    # Params that have moments now (before torch replaces opt.state): only those need
+    # reset_state() when the loaded dict has no state for them; the others hold zeros.
+    st._stepped = {p for p in st._order if has_state(st, p)}
+    st._stash = {}
+    order = [p for g in opt.param_groups for p in g["params"]]
+    index = dict(enumerate(order))
+    for k, entry in state_dict.get("state", {}).items():
+        p = index.get(k)
+        if p is None or p not in st._where:
+            continue
+        st._stash[p] = {key: entry[key] for key in ("exp_avg", "exp_avg_sq", "master")
+                        if isinstance(entry.get(key), torch.Tensor)}
+
+
+def post_load(st: "FlatState", opt: Any) -> None:
+    """Masters from the checkpoint where it has them, else from the params' values."""
+    for k, fg in enumerate(st._groups):
+        fg.refresh_master()
+        start, end = fg.layout.shard_range()
+        for pc in fg.layout.pieces(start, end):
+            p = fg.params[pc.index]
+            entry = opt.state.get(p)
+            if entry is not None:
+                entry.pop("master", None)  # torch cast it to the param dtype; we keep fp32
+            m = st._stash.get(p, {}).get("master")
+            s = slice(pc.lo - start, pc.hi - start)
+            if m is not None:
+                m = m.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel].float()
+            elif fg.swapped:
+                m = p.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel].float()
+            if m is None:
+                continue
+            if fg.swapped:
+                st._swap.write(k, s.start, s.stop, {"master": m})
+                if fg.lowp_shard is not None:
+                    fg.lowp_shard[s].copy_(m)
+            else:
+                fg.master[s].copy_(m)
+        if not fg.swapped:
+            fg.refresh_lowp_shard()
+    for p in st._order:
+        entry = opt.state.get(p)
+        if entry is not None:
+            entry.pop("master", None)

@@ -1,0 +1,332 @@
+"""Flat fp32 states on the host for device or fp16/bf16 params, optionally partitioned (ZeRO 1/2).
+
+This is the store behind ``offload.Adam``/``AdamW`` whenever params are not fp32 CPU tensors
+updated in place (see ``offload/optim/protocol.py``): fp16/bf16 params on the CPU, params on
+CUDA, and any params partitioned at stage 1 or 2.
+
+Params are grouped by (device, dtype) into *flat groups* (see [Note: flat layout] in
+``offload/zero/partition.py``). For each, this rank keeps its shard of a flat fp32 master,
+``exp_avg`` and ``exp_avg_sq`` in host buffers from the memory layer (with CUDA, only the
+buffers DMA touches are pinned; with ``offload="nvme"`` master and moments go to swap files,
+[Note: nvme] in ``swapped.py``). One step runs the fused kernel per (param ∩ shard) piece
+(cut into sub-groups for CUDA params or when ``sub_group_size`` is given); the kernel
+upcasts the grad and writes the fp16/bf16 copy of the updated master in the same pass.
+
+``FlatState`` composes collaborators with one job each (``offload/optim/flat/``): the grads
+come from a ``GradSource`` (``grads.py``), the updated params go through a ``ParamSink``
+(``sinks.py``), the states are host buffers (``steps.py``) or swap files (``swapped.py``),
+and the state_dict and checkpoint sides are ``load_hooks.py`` and ``checkpoints.py``.
+
+Stage 1 vs 2: both keep 1/N of the fp32 states and of the host grad buffer per rank; they
+differ in the collective (all-reduce vs reduce-scatter). ``p.grad`` itself stays full on
+every rank ([Note: what p.grad holds] in ``grads.py``); freeing it after the reduction is
+not done.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from offload.kernels import get_backend
+from offload.memory import BufferPool
+from offload.optim.flat import checkpoints, load_hooks, swapped
+from offload.optim.flat.grads import GradSource
+from offload.optim.flat.sinks import ParamSink, drain_at_collection, drain_streams
+from offload.optim.flat.steps import step_local, step_partitioned
+from offload.zero import SideStream, comm
+from offload.zero.backward_reduce import BackwardReducer
+from offload.zero.flat_group import LOWP, FlatGroup
+
+__all__ = ["FlatState"]
+
+log = logging.getLogger("offload.optim")
+
+
+class FlatState:
+    """Flat fp32 master and moments on the host, sharded over data-parallel ranks."""
+
+    kind = "flat"
+    copy_cpu_grads = False
+    """Run the hook + host-grad-buffer path for CPU params too (tests; CUDA always uses it)."""
+    overlap = True
+    """False: host-to-device copies on the compute stream, synchronous (for comparisons)."""
+    stage_cpu_params = False
+    """Send CPU bf16/fp16 params through the staging buffer and a copy, as CUDA params go
+    (tests: the CUDA path's indexing runs on the CPU too)."""
+    side_streams: Optional[Callable[[torch.device], Tuple[Any, Any]]] = None
+    """Tests: makes the (grad, copy) pair of stream-like objects for CPU params (an emulation
+    of CUDA streams that defers async copies: tests/stream_emulation.py), so the CUDA path's
+    stream logic runs in CI. CUDA params always get real ``SideStream`` pairs."""
+    reduce_in_backward = False
+    """Several ranks: start each bucket's reduction from the grad hooks, during backward (see
+    [Note: reduce in backward] in offload/zero/backward_reduce.py); read when the optimizer
+    is built. Off by default."""
+    inflight = 2
+    """Buckets in flight at once when reducing in backward (send buffers kept)."""
+    bucket_numel = 1 << 22
+    """Elements of each rank's shard moved per collective (bounds the send buffers)."""
+    default_sub_group = 1 << 22
+    """Elements per kernel call / host-to-device copy when ``sub_group_size`` is not given."""
+
+    @classmethod
+    def for_optimizer(cls, opt, *, stage: int, process_group: Any = None) -> "FlatState":
+        return cls(opt, stage=stage, process_group=process_group)
+
+    def __init__(self, opt, *, stage: int, process_group: Any = None) -> None:
+        self._opt = weakref.ref(opt)
+        self.stage = stage
+        self.group = process_group
+        world, rank = comm.world_and_rank(process_group) if stage > 0 else (1, 0)
+        self.world, self.rank = world, rank
+        self._backend = opt.backend
+        self._threads = opt.num_threads
+        # Sub-groups pace the host-to-device pipeline; for CPU params they would only add
+        # kernel calls (measured: 25 calls of 4M cost 30 % more than one of 100M), so CPU
+        # params are cut only when the user asked for a sub_group_size.
+        self._sub_user = opt.config.sub_group_size
+        self._sub = opt.config.sub_group_size or self.default_sub_group
+        self._comm_dev = comm.comm_device(process_group) if world > 1 else torch.device("cpu")
+        self._pools = (BufferPool(pin=False, name=f"flat-state:{id(self):x}"),
+                       BufferPool(name=f"flat-state-pinned:{id(self):x}"))  # pinned when CUDA is present
+        self._groups: List[FlatGroup] = []
+        self._where: Dict[torch.Tensor, Tuple[FlatGroup, int]] = {}
+        self._order: List[torch.Tensor] = []  # every param, in param_groups order
+        self._hooks = []
+        self._streams: Dict[torch.device, Tuple[SideStream, SideStream]] = {}
+        weakref.finalize(self, drain_at_collection, self._streams).atexit = False
+        me = weakref.ref(self)
+
+        def overlap() -> bool:  # read at each copy: bench/offload_step.py flips it between steps
+            return me().overlap
+        self._grads = GradSource(opt=self._opt, groups=self._groups, where=self._where, order=self._order,
+                                 streams=self._streams, zero_stage=stage, world=world, group=process_group,
+                                 comm_dev=self._comm_dev, backend=self._backend, threads=self._threads,
+                                 overlap=overlap)
+        self._sink = ParamSink(self._streams, world=world, overlap=overlap)
+        self._stash: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
+        self._stepped: frozenset = frozenset()  # params with moments when a load began (reset_state)
+        self._closed = False
+        self._nvme = opt.config.offload == "nvme"
+        self._swap = None
+        self._swap_vote = None
+        for group in opt.param_groups:
+            self.add_param_group(group)
+        if self._nvme:
+            swapped.open_swap(self, opt)
+        self._rib: Optional[BackwardReducer] = None
+        if self.reduce_in_backward and self.world > 1 and self._groups:
+            self._rib = self._grads.reducer = self._backward_reducer()
+            self._hooks.extend(self._rib.register())
+        self._hooks.append(opt.register_step_pre_hook(self._pre_step))
+        self._hooks.append(opt.register_load_state_dict_pre_hook(self._pre_load))
+        self._hooks.append(opt.register_load_state_dict_post_hook(self._post_load))
+
+    def _backward_reducer(self) -> BackwardReducer:
+        me = weakref.ref(self)  # hooks live on the params, which outlive us: never a strong ref
+
+        def disabled() -> bool:
+            s = me()
+            return s is None or bool(getattr(s._opt(), "grads_already_averaged", False)
+                                     or getattr(s._opt(), "_no_sync", False))
+        return BackwardReducer(self._groups, group=self.group, stage=self.stage, comm_dev=self._comm_dev,
+                               inflight=self.inflight, disabled=disabled)
+
+    # ------------------------------------------------------------------ construction
+    def add_param_group(self, group: Dict[str, Any]) -> None:
+        if self._swap is not None:
+            raise NotImplementedError("add_param_group is not supported with offload='nvme': give the constructor every group")
+        params = [p for p in group["params"] if p not in self._where]
+        for p in params:
+            _check_param(p)
+        self._order.extend(params)
+        keys: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+        for p in params:
+            keys.setdefault((p.device, p.dtype), []).append(p)
+        for (device, _), members in keys.items():
+            hook_path = self.world == 1 and (device.type == "cuda" or self.copy_cpu_grads)
+            fg = FlatGroup(members, world=self.world, rank=self.rank, pools=self._pools,
+                           comm_dev=self._comm_dev, bucket_numel=self.bucket_numel,
+                           need_host_grad=hook_path, stage_cpu=self.stage_cpu_params, swapped=self._nvme)
+            self._groups.append(fg)
+            for i, p in enumerate(members):
+                self._where[p] = (fg, i)
+                if hook_path and p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(_weak_hook(self._grads)))
+            if device not in self._streams:
+                pair = self._make_side_streams(device)
+                if pair is not None:
+                    self._streams[device] = pair
+
+    def _make_side_streams(self, device: torch.device) -> Optional[Tuple[Any, Any]]:
+        # grad: D2H grad copies, overlapping the rest of backward. copy: H2D param copies,
+        # overlapping the CPU kernel of the next sub-group. [Note: streams of the flat
+        # store] in offload/zero/streams.py.
+        if device.type == "cuda":
+            return SideStream(device), SideStream(device)
+        if self.side_streams is not None:
+            return self.side_streams(device)
+        return None
+
+    # ------------------------------------------------------------------ grads in (GradSource)
+    def _drain(self) -> None:
+        """Wait for every side-stream copy. step() returns with param copies still queued
+        that read the pinned master / staging buffers: any host write to those outside
+        step() (a load) must come after them, or the device gets the new bytes half-way."""
+        drain_streams(self._streams)
+
+    def _pre_step(self, opt, args, kwargs) -> None:
+        self._grads.begin_step(opt)
+
+    def agree_on_grads(self) -> None:
+        """Several ranks: settle which params have a grad this step (a collective, on every rank)."""
+        self._grads.agree()
+
+    def grads(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._grads.grads(p)
+
+    def prepare_grads(self) -> None:
+        """Make this step's grads ready where the kernel reads them (the optimizer times this
+        as grad_transfer): the cross-rank reduction, or the pending host copies."""
+        self._grads.prepare()
+
+    def global_grad_sumsq(self, work) -> Tuple[float, bool]:
+        return self._grads.global_sumsq(work)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, batches) -> Dict[str, float]:
+        t0 = time.perf_counter()
+        self._grads.prepare()
+        t_grads = time.perf_counter() - t0
+        kernel = get_backend(self._backend)
+        self._sink.begin()
+        if self._nvme:
+            return swapped.step_swapped(self, batches, t_grads)
+        if self.world > 1:
+            return step_partitioned(self, kernel, batches, t_grads)
+        return step_local(self, kernel, batches, t_grads)
+
+    def _params_from_swap(self) -> None:
+        swapped.params_from_swap(self)
+
+    # ------------------------------------------------------------------ state_dict (load_hooks)
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """The full fp32 master of ``p`` (gathered across ranks: call on every rank)."""
+        return load_hooks.gather_full(self, p, ("master",))["master"]
+
+    def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return load_hooks.export_state(self, p)
+
+    def import_state(self, p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
+        load_hooks.import_state(self, p, state)
+
+    def reset_state(self, p: torch.Tensor) -> None:
+        """Zero moments for ``p`` (loading a state_dict without state for it; as torch)."""
+        load_hooks.reset_state(self, p)
+
+    def _pre_load(self, opt, state_dict):
+        load_hooks.pre_load(self, opt, state_dict)
+        return None
+
+    def _post_load(self, opt) -> None:
+        load_hooks.post_load(self, opt)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_steps(self) -> List[int]:
+        return checkpoints.ckpt_steps(self)
+
+    def _set_steps(self, steps: List[int]) -> None:
+        checkpoints.set_steps(self, steps)
+
+    def save_checkpoint(self, directory: str, extra: Optional[Dict[str, Any]] = None) -> None:
+        """Per-rank shards + meta (see [Note: flat checkpoints] in offload/zero/checkpoint.py);
+        with offload="nvme" streamed from the swap files; all ranks or none ([Note: shards saved all or none])."""
+        checkpoints.save_checkpoint(self, directory, extra)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Masters, moments and steps from a checkpoint of any world size; params follow.
+
+        All or nothing, on every rank: a rank that cannot load (a missing or corrupt file, a
+        full swap disk) makes every rank raise with its optimizer as it was, instead of
+        leaving the others in the params' all-gather or half loaded. With offload="nvme" the
+        checkpoint streams into the free swap slots, and the ranks vote before and after the
+        commit as for a step ([Note: ranks vote before commit] in swap/pipeline.py). In host
+        memory, every file this rank needs is read through and its crc32 checked first, the
+        ranks agree, and only then are the states overwritten; only an I/O error in that
+        second read (or a file changed between the two) can still leave them half loaded, and
+        the error says so."""
+        checkpoints.load_checkpoint(self, directory)
+
+    # ------------------------------------------------------------------ reports
+    def memory_report(self) -> Dict[str, int]:
+        host = {"states": 0, "grads": 0, "lowp": 0}
+        device = 0
+        for fg in self._groups:
+            nb = fg.nbytes()
+            for k in host:
+                host[k] += nb[k]
+            if self._comm_dev.type == "cuda":
+                device += nb["comm"]
+            else:
+                host["grads"] += nb["comm"]
+        total = sum(host.values())
+        pinned = sum(buf.nbytes for fg in self._groups for _, buf in fg._bufs if buf.pinned)
+        nvme = io_locked = 0
+        if self._swap is not None:
+            sw = self._swap.memory_report()
+            pinned += sw["pinned"]
+            total += sw["pinned"] + sw["pageable"]
+            nvme, io_locked = sw["nvme"], sw["io_locked_bytes"]
+        return {"device": device, "pinned": pinned, "pageable": total - pinned, "nvme": nvme,
+                "io_locked_bytes": io_locked,
+                "state_bytes": host["states"], "grad_bytes": host["grads"], "lowp_bytes": host["lowp"],
+                "world": self.world, "rank": self.rank, "stage": self.stage,
+                "shard_numel": sum(fg.layout.shard for fg in self._groups)}
+
+    def close(self, keep_swap: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = self._grads.closed = True
+        if getattr(self, "_rib", None) is not None:
+            self._rib.close()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._drain()
+        if self._swap is not None:
+            self._swap.close(remove=not keep_swap)  # keep_swap: for resume=True
+            self._swap = None
+        for fg in self._groups:
+            fg.close()
+        self._groups = []
+        self._stash = {}
+        try:
+            for pool in self._pools:
+                pool.close()
+        except BufferError as exc:  # a caller still holds a view; the OS reclaims it at exit
+            log.warning("flat store: %s", exc)
+
+
+def _check_param(p: torch.Tensor) -> None:
+    if p.dtype not in (torch.float32,) + LOWP:
+        raise ValueError(f"parameter of dtype {p.dtype}: only float32, float16 and bfloat16 are supported")
+    if p.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"parameter on {p.device}: only CPU and CUDA params are supported")
+    if p.device.type == "cuda" and not p.is_contiguous():
+        raise ValueError(f"CUDA parameter of shape {tuple(p.shape)} is not contiguous; "
+                         "the flat store copies updated values into it as one range")
+
+
+def _weak_hook(grads: GradSource):
+    """A grad hook that reaches the grad source through a weak reference: a param (which
+    outlives the optimizer) must not keep the store, its buffers and its swap files alive."""
+    ref = weakref.ref(grads)
+
+    def hook(p: torch.Tensor) -> None:
+        s = ref()
+        if s is not None:
+            s.grad_ready(p)
+    return hook

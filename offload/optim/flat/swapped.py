@@ -1,0 +1,133 @@
+"""The flat store's nvme backing: opening / resuming the swap files, the params rebuilt from
+them, and the swapped step.
+
+[Note: nvme] With offload="nvme" this rank's shards of the fp32 master, exp_avg and
+exp_avg_sq all live in swap files (SwappedShards in swapped_shards.py: the groups'
+shards end to end, streamed read g+1 / compute g / write g-1). Host memory keeps the
+pipeline buffers, the grads and the low-precision copies. Each (param ∩ shard) piece is
+one work item whose output is where the updated values go (``ParamSink.piece_output``): the
+kernel writes the bf16/fp16 copy straight into the param (CPU), into the staging buffer
+(CUDA, copied to the device after the swapped step) or into the shard that is
+all-gathered; fp32 params get the master copied into them. fp32 CPU params of a
+partitioned group thus keep their master in the swap files too (4 B/param more disk
+traffic than updating them in place; the in-place path is the stage-0 SwappedState).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Dict
+
+from offload.swap.pipeline import idle_votes
+from offload.zero import comm
+
+if TYPE_CHECKING:
+    from offload.optim.flat.store import FlatState
+
+__all__ = ["open_swap", "params_from_swap", "step_swapped"]
+
+
+def open_swap(st: "FlatState", opt: Any) -> None:
+    """Open (or resume) this rank's swap files; every rank raises when one cannot."""
+    cfg = opt.config
+    # Several ranks: the swap steps' vote (see [Note: ranks vote before commit] in
+    # swap/pipeline.py), also cast by a rank that holds no element at all.
+    st._swap_vote = functools.partial(comm.failed_ranks, group=st.group) if st.world > 1 else None
+
+    def open_local() -> None:
+        from offload.optim.swapped_shards import SwappedShards, flat_identity
+
+        sizes = [fg.layout.shard for fg in st._groups]
+        if not sum(sizes):
+            return  # no element at all on this rank
+        me = weakref.ref(st)
+        identity = flat_identity(st.world, st.rank, st._groups)
+        st._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
+                                 extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
+                                 max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
+                                 verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
+                                 backend=st._backend, num_threads=st._threads, rank=st.rank,
+                                 run_name="flat", vote=st._swap_vote)
+        if st._swap.resumed:  # resume="auto" chose, "discard" never resumes ([Note: restarts] in swap/runs)
+            # The master of the last finished step is the truth: steps and params follow it.
+            st._set_steps(st._swap.resumed_extra.get("steps") or [])
+        else:
+            st._swap.initialise(lambda k, lo, hi, out: st._groups[k].shard_values(lo, hi, out))
+
+    try:
+        # Several ranks agree before anything collective follows: a rank that cannot open
+        # or resume its swap files (a full disk, a missing directory) makes every rank raise.
+        comm.on_every_rank(open_local, f"opening the swap files in {cfg.swap_dir!r}", st.group, st.world)
+        if cfg.resume is True or (st._swap is not None and st._swap.resumed):  # "auto": one rank only
+            params_from_swap(st)  # every rank: an all-gather when partitioned
+    except BaseException:
+        if st._swap is not None:
+            st._swap.close(remove=not st._swap.resumed)  # keep what we were asked to resume
+            st._swap = None
+        raise
+
+
+def params_from_swap(st: "FlatState") -> None:
+    """Every param <- its master in the swap files (resume, load_checkpoint)."""
+    def emit() -> None:
+        if st._swap is not None:
+            outs, posts = st._sink.all_outputs(st._groups)
+            st._swap.emit_all(outs)
+            for post in posts:
+                post()
+
+    # A rank whose swap reads fail must not leave the others in the all-gather below.
+    comm.on_every_rank(emit, "rebuilding the params from the swap files", st.group, st.world)
+    if st.world > 1:
+        for fg in st._groups:
+            fg.all_gather_params(st.group)
+    st._sink.end()
+
+
+def _work_items(st: "FlatState", batches):
+    """The swap layer's work items, one per (param ∩ shard) piece, and what runs after."""
+    index = {id(fg): k for k, fg in enumerate(st._groups)}
+    items, posts = [], []
+    for hyper, batch in batches:
+        if st.world > 1:
+            hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * st._grads.factor)
+        for p, g, step in batch:
+            fg, i = st._where[p]
+            pc = fg.layout.owned(i)
+            if pc is None:
+                continue
+            start = fg.layout.shard_range()[0]
+            if st.world > 1:
+                grad = fg.gshard[pc.lo - start:pc.hi - start]
+            else:
+                grad = st._grads.local(fg, i, g)[pc.param_offset:pc.param_offset + pc.numel]
+            out, mode, post = st._sink.piece_output(fg, i, pc, start)
+            items.append((index[id(fg)], pc.lo - start, pc.hi - start, grad, hyper.kernel_kwargs(step), out, mode))
+            if post is not None:
+                posts.append(post)
+    return items, posts
+
+
+def step_swapped(st: "FlatState", batches, t_grads: float) -> Dict[str, float]:
+    items, posts = _work_items(st, batches)
+    # Several ranks: every rank steps and votes (see [Note: ranks vote before commit] in
+    # swap/pipeline.py), even with nothing of its own to step or no element at all.
+    phases: Dict[str, float] = {}
+    if st._swap is not None and (items or st.world > 1):
+        phases = dict(st._swap.step(items))
+    elif st._swap_vote is not None:
+        idle_votes(st._swap_vote)
+    t = time.perf_counter()
+    for post in posts:  # staging -> device (async on the copy stream), or non-contiguous params
+        post()
+    phases["h2d"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if st.world > 1:
+        for fg in st._groups:
+            fg.all_gather_params(st.group)
+    phases["allgather"] = time.perf_counter() - t
+    phases["grad_transfer"] = t_grads
+    st._sink.end()  # the next forward reads the params copied above
+    return phases

@@ -1,0 +1,67 @@
+"""What the optimizer asks of a state store: the store protocol, in one place.
+
+A *store* keeps the optimizer states (and, for low-precision or device params, the fp32
+master) somewhere and runs the update there. Three exist: ``HostState`` (fp32 CPU params,
+moments in ``opt.state``), ``SwappedState`` (the same with moments and master in swap
+files) and ``FlatState`` (flat fp32 shards for device / fp16 / bf16 / partitioned params).
+``offload.optim.adam._AdamBase`` drives all three through the methods below and nothing
+else; ``Store`` lists what every store has, ``OPTIONAL`` what only some have, and
+``optional(store, name)`` is the one way to ask for the latter.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, runtime_checkable
+
+import torch
+
+__all__ = ["Store", "OPTIONAL", "optional"]
+
+
+@runtime_checkable
+class Store(Protocol):
+    """The methods every store has, each with its contract."""
+
+    kind: str
+    """"host", "nvme" or "flat": shown in memory_report() and in error messages."""
+
+    def step(self, batches: List[Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor, int]]]]) -> Dict[str, float]:
+        """Update every (param, grad, step) of every (hyper, items) batch; seconds per phase."""
+
+    def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Full-shaped copies of ``p``'s states for state_dict() ({} when it has none; collective when partitioned)."""
+
+    def import_state(self, p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
+        """Take ``p``'s states from a loaded state_dict entry."""
+
+    def reset_state(self, p: torch.Tensor) -> None:
+        """Zero ``p``'s moments (a loaded state_dict has no entry for it, as torch)."""
+
+    def memory_report(self) -> Dict[str, Any]:
+        """Bytes held per tier ("device", "pinned", "pageable", "nvme") and store details."""
+
+    def close(self, keep_swap: bool = False) -> None:
+        """Release buffers (and swap files unless ``keep_swap``); idempotent."""
+
+
+OPTIONAL: Dict[str, str] = {
+    "add_param_group": "(group) -> None: take a param group added after construction",
+    "check_param": "(index, p) -> None: raise ValueError when the store cannot hold p (no add_param_group)",
+    "agree_on_grads": "() -> None: settle, across ranks, which params have a grad this step (a collective); "
+                      "called before grads()",
+    "grads": "(p) -> grad or None: the grad the step uses for p (p.grad when absent); never a collective",
+    "prepare_grads": "() -> None: move this step's grads to where the kernel reads them (timed as grad_transfer)",
+    "global_grad_sumsq": "(work) -> (sum of squares, nonfinite): the grad norm over every rank, for clipping",
+    "save_checkpoint": "(directory, extra) -> None: stream the states to a checkpoint directory",
+    "load_checkpoint": "(directory) -> None: load states and steps from a checkpoint directory, all or nothing",
+    "clear_failure": "(accept_params) -> None: leave the failed state a failed step left the store in",
+}
+"""The methods only some stores have, and the contract of each (the optimizer falls back
+to torch's behaviour, or refuses with a clear error, where a store lacks one)."""
+
+
+def optional(store: Any, name: str) -> Optional[Callable[..., Any]]:
+    """The store's method ``name`` (one of ``OPTIONAL``), or None when it has none."""
+    if name not in OPTIONAL:
+        raise AttributeError(f"{name!r} is not an optional method of the store protocol "
+                             f"(offload/optim/protocol.py): one of {sorted(OPTIONAL)}")
+    return getattr(store, name, None)
