@@ -22,7 +22,6 @@ import copy
 import sys
 import types
 import unittest
-import warnings
 
 import pytest
 import torch

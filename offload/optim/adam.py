@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -28,6 +27,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels import get_backend
+from offload.optim.clip import grad_multiplier
 from offload.optim.functional import AdamHyper
 from offload.optim.guards import register_guards, step_sigs
 from offload.optim.host_state import HostState
@@ -265,44 +265,7 @@ class _AdamBase(Optimizer):
 
     def _grad_multiplier(self, work) -> Optional[float]:
         """1/loss-scale times the clip coefficient, or None when the step must be skipped."""
-        inv_scale = 1.0
-        scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call only
-        if scale is not None:
-            inv_scale = 1.0 / float(scale)
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and float(found_inf) > 0:
-            log.info("step skipped: GradScaler found inf/nan in the gradients")
-            return None
-        # Grads that must move first (copies to host buffers, the reduction across ranks)
-        # are timed as grad_transfer, not as the clip that needs them.
-        prepare = optional(self._store, "prepare_grads")
-        if prepare is not None:
-            t = time.perf_counter()
-            prepare()
-            self._t_prepare = time.perf_counter() - t
-        if self.max_grad_norm is None:
-            return inv_scale
-        norm_fn = optional(self._store, "global_grad_sumsq")
-        if norm_fn is not None:
-            sumsq, nonfinite = norm_fn(work)
-        else:
-            kernel = get_backend(self.backend)
-            sumsq, nonfinite = 0.0, False
-            for _, items in work:
-                for _, g in items:
-                    if g.numel():
-                        s, bad = kernel.grad_sumsq(g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1), num_threads=self.num_threads)
-                        sumsq += s
-                        nonfinite |= bad
-        if nonfinite:
-            log.warning("step skipped: non-finite gradient norm")
-            self.last_grad_norm = float("nan")
-            return None
-        norm = math.sqrt(sumsq) * inv_scale
-        self.last_grad_norm = norm
-        # Same coefficient as torch.nn.utils.clip_grad_norm_.
-        clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
-        return inv_scale * clip
+        return grad_multiplier(self, work)
 
     # Eager under torch.compile: a step of swap I/O, locks and timers gains nothing from
     # tracing (graph breaks at each) and the store's attributes set inside it are invisible to
