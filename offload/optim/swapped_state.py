@@ -56,23 +56,18 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
                                                      keep_swap=True keeps it, unlocked, for resume=True
     st.swap_path, st.sub_group_size, st.num_buffers, st.host_bytes
 
-[Note: fingerprint] The fp32 params are the user's tensors, not ours: after a crash they come
-back from the user's own checkpoint. The manifest records, with each step, a crc32 of the
-param shapes and of a sample of elements (a few per sub-group and per param, so every
-sub-group a step touches changes it); ``resume=True`` with params from another step (or a
-half-applied step) is refused instead of silently mixing moments of step k with params of
-step j.
+[Note: fingerprint] in ``offload/optim/fingerprint.py``.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import weakref
-import zlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from offload.optim.fingerprint import fingerprint, sample_indices
 from offload.optim.stats import swap_phases
 from offload.optim.step_guard import failure_text, mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
@@ -86,7 +81,6 @@ __all__ = ["SwappedState", "STATE_NAMES"]
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 _HYPER_KEYS = {"lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "bias_correction", "maximize",
                "grad_scale"}
-_SAMPLES_PER_GROUP = 8
 
 
 def _kernel_kwargs(hyper: Any, step: int) -> Dict[str, Any]:
@@ -231,27 +225,10 @@ class SwappedState:
         return out
 
     def _sample_indices(self) -> List[torch.Tensor]:
-        """Per param, the local indices whose values enter the fingerprint: its first and last
-        element and a few spread over each sub-group it overlaps."""
-        out = []
-        for i, p in enumerate(self.params):
-            n, off = p.numel(), self._offsets[i]
-            idx = {0, n - 1} if n else set()
-            for g in self.layout.groups_overlapping(off, off + n):
-                s, e = self.layout.group_range(g)
-                a, b = max(s, off) - off, min(e, off + n) - off
-                k = min(_SAMPLES_PER_GROUP, b - a)
-                idx.update(a + (b - a - 1) * j // max(1, k - 1) for j in range(k))
-            out.append(torch.tensor(sorted(idx), dtype=torch.int64))
-        return out
+        return sample_indices(self.params, self._offsets, self.layout)
 
     def fingerprint(self) -> str:
-        crc = zlib.crc32(repr([tuple(p.shape) for p in self.params]).encode())
-        with torch.no_grad():
-            for p, idx in zip(self.params, self._samples):
-                if idx.numel():
-                    crc = zlib.crc32(p.detach().view(-1)[idx].numpy().tobytes(), crc)
-        return f"{crc:08x}"
+        return fingerprint(self.params, self._samples)
 
     def _extra(self, steps: List[int]) -> Dict[str, Any]:
         return {"steps": list(steps), "fingerprint": self.fingerprint(),
