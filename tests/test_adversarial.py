@@ -1,0 +1,40 @@
+"""Defects found by the adversarial sweep of issue #13 on the merged tree, one test each."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import offload
+from offload.swap import fsutil
+from offload.swap.cleanup import clean_dir
+
+
+def _nvme_opt(d, dtype):
+    p = torch.nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(dtype))
+    p.grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    opt = offload.AdamW([p], lr=1e-2, offload="nvme", swap_dir=str(d), max_host_bytes="1MiB")
+    opt.step()
+    return opt
+
+
+def test_close_keeps_a_directory_with_a_foreign_entry_and_releases_its_lock(tmp_path, caplog):
+    # Something (a user, another tool) made a subdirectory inside our private swap directory.
+    # close() used to raise FileExistsError before releasing the lock, so the closed store kept
+    # the directory locked for the rest of the process ("in use by live process" for
+    # `offload clean`) and the garbage collector printed an "Exception ignored" traceback.
+    for dtype in (torch.float32, torch.bfloat16):
+        d = tmp_path / str(dtype)
+        d.mkdir()
+        opt = _nvme_opt(d, dtype)
+        (path,) = [os.path.join(d, n) for n in os.listdir(d)]
+        os.mkdir(os.path.join(path, "sub"))
+        with caplog.at_level("WARNING", logger="offload.swap.store"):
+            opt.close()  # no exception: the directory is kept whole, with a warning naming the entry
+        assert "unexpected non-file entry" in caplog.text and os.path.join(path, "sub") in caplog.text
+        assert sorted(os.listdir(path)) == ["lock", "manifest.json", "reserve.bin", "slot0.bin", "slot1.bin", "sub"]
+        fd, holder = fsutil.try_lock(path)
+        assert fd is not None and holder is None, f"lock still held by pid {holder}"
+        os.close(fd)
+        os.rmdir(os.path.join(path, "sub"))
+        assert clean_dir(str(d))["removed"] and os.listdir(d) == []
