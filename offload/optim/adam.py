@@ -33,7 +33,7 @@ from offload.optim.host_state import HostState
 from offload.optim.options import check_extras, check_hyper, check_param_dtype, make_config
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
-from offload.optim.step_guard import check_work, clear_failure, defer_sigint, snapshot, store_step
+from offload.optim.step_guard import check_work, clear_failure, defer_sigint, rekey, snapshot, store_step
 from offload.optim.stats import StepStats, process_rss_bytes
 
 __all__ = ["Adam", "AdamW"]
@@ -207,6 +207,8 @@ class _AdamBase(Optimizer):
         # Adam.__setstate__, fill the flags older checkpoints lack and turn a float step
         # (torch < 1.12) into a tensor of torch's dtype.
         super().__setstate__(state)
+        if "_param_sigs" in state:  # unpickled or deep-copied: new param objects, the checks key them by id
+            self._param_sigs = rekey(state["_param_sigs"], self._all_params())
         for group in self.param_groups:
             for key, default in (("amsgrad", False), ("maximize", False), ("foreach", None),
                                  ("capturable", False), ("differentiable", False),

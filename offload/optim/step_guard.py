@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-__all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "mark_consistent", "is_consistent",
+__all__ = ["ParamSig", "snapshot", "rekey", "check_work", "defer_sigint", "mark_consistent", "is_consistent",
            "failure_text", "store_step", "clear_failure"]
 
 # What a param was when the optimizer was built: its states are laid out for exactly this.
@@ -35,6 +35,13 @@ _CONSISTENT = "_offload_step_consistent"
 def snapshot(params: Sequence[torch.Tensor]) -> Dict[int, Tuple[int, ParamSig]]:
     """id(param) -> (index, (shape, dtype, device)) of the params as registered."""
     return {id(p): (i, (tuple(p.shape), p.dtype, p.device)) for i, p in enumerate(params)}
+
+
+def rekey(sigs: Dict[int, Tuple[int, ParamSig]], params: Sequence[torch.Tensor]) -> Dict[int, Tuple[int, ParamSig]]:
+    """``sigs`` keyed by the ids of ``params``, the same params in the same order as new objects
+    (a pickled or deep-copied optimizer's): the signatures stay those registered."""
+    by_index = dict(sigs.values())
+    return {id(p): (i, by_index[i]) for i, p in enumerate(params)}
 
 
 def _describe(sig: ParamSig) -> str:
