@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import offload
@@ -38,3 +39,29 @@ def test_close_keeps_a_directory_with_a_foreign_entry_and_releases_its_lock(tmp_
         os.close(fd)
         os.rmdir(os.path.join(path, "sub"))
         assert clean_dir(str(d))["removed"] and os.listdir(d) == []
+
+
+def test_host_store_steps_replaced_fp32_params_and_refuses_others():
+    # The merged tree refused any tensor assigned to param_groups after construction in every
+    # store (step_guard), though the host store keys its states by the param as torch does and
+    # the README and test_optim_api promise it steps (that test failed). What it cannot step is
+    # refused before anything changes.
+    opt = offload.AdamW([torch.nn.Parameter(torch.zeros(8))], lr=0.1)
+    ref_p = torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(3)))
+    new = torch.nn.Parameter(ref_p.detach().clone())
+    ref = torch.optim.AdamW([ref_p], lr=0.1)
+    opt.param_groups[0]["params"] = [new]
+    for s in range(3):
+        g = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 + s))
+        new.grad, ref_p.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(new.detach(), ref_p.detach(), rtol=0, atol=1e-6)
+    bad = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    bad.grad = torch.ones(4, dtype=torch.bfloat16)
+    opt.param_groups[0]["params"] = [new, bad]
+    new.grad = torch.ones(4, 4)
+    before = new.detach().clone()
+    with pytest.raises(ValueError, match=r"assigned to param_groups after construction is bfloat16 \[4\] on cpu"):
+        opt.step()
+    assert torch.equal(new.detach(), before)

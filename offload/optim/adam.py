@@ -309,7 +309,7 @@ class _AdamBase(Optimizer):
         t0 = time.perf_counter()
         work = self._grads_with_params()
         # Everything is checked before anything changes (see [Note: failed steps] in step_guard.py).
-        check_work(work, self._param_sigs)
+        check_work(work, self._param_sigs, new_ok=isinstance(self._store, HostState))
         self._t_prepare = 0.0
         t_clip = time.perf_counter()
         multiplier = self._grad_multiplier(work)

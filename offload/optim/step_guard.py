@@ -49,8 +49,16 @@ def _describe(sig: ParamSig) -> str:
     return f"{str(dtype).replace('torch.', '')} {list(shape)} on {device}"
 
 
-def _check_param(p: torch.Tensor, sigs: Dict[int, Tuple[int, ParamSig]]) -> int:
+def _check_param(p: torch.Tensor, sigs: Dict[int, Tuple[int, ParamSig]], new_ok: bool) -> Any:
     entry = sigs.get(id(p))
+    if entry is None and new_ok:
+        # The host store keys its states by the param itself, as torch does (guards.check_params):
+        # a tensor assigned to param_groups after construction steps if it is an fp32 CPU param.
+        if p.dtype != torch.float32 or p.device.type != "cpu":
+            now = _describe((tuple(p.shape), p.dtype, p.device))
+            raise ValueError(f"a tensor assigned to param_groups after construction is {now}; only fp32 CPU "
+                             "params can be added that way here: build a new optimizer for it")
+        return "(assigned after construction)"
     if entry is None:
         raise ValueError(f"a tensor of shape {list(p.shape)} in param_groups is not one this optimizer was "
                          "built with (assigning new tensors to param_groups[...]['params'] is not supported: "
@@ -76,13 +84,13 @@ def _check_grad(i: int, p: torch.Tensor, g: Any) -> None:
 
 
 def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
-               sigs: Dict[int, Tuple[int, ParamSig]]) -> None:
+               sigs: Dict[int, Tuple[int, ParamSig]], *, new_ok: bool = False) -> None:
     """Raise before the step changes anything if a param is no longer what it was registered
     as, or its grad does not fit it (a store's own stand-in for a grad held on another rank,
     which is not ``p.grad``, is the store's to check)."""
     for _, items in work:
         for p, g in items:
-            i = _check_param(p, sigs)
+            i = _check_param(p, sigs, new_ok)
             if g is p.grad:
                 _check_grad(i, p, g)
 
