@@ -65,3 +65,28 @@ def test_host_store_steps_replaced_fp32_params_and_refuses_others():
     with pytest.raises(ValueError, match=r"assigned to param_groups after construction is bfloat16 \[4\] on cpu"):
         opt.step()
     assert torch.equal(new.detach(), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resume_of_a_directory_killed_before_its_first_commit_says_so(tmp_path, dtype):
+    # A store's first manifest has an empty "extra"; the optimizer's commit of step 0 fills it
+    # (for bf16 params after writing every master: seconds for a large model). A kill -9 in
+    # between left a directory that resume=True called "the states of other params or ranks
+    # ({'kind': None, ...})". Emulated by emptying "extra" of a directory kept at step 0.
+    import json
+
+    p = torch.nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(dtype))
+    opt = offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path), max_host_bytes="1MiB")
+    opt.close(keep_swap=True)
+    (path,) = [os.path.join(tmp_path, n) for n in os.listdir(tmp_path)]
+    man = os.path.join(path, "manifest.json")
+    m = json.load(open(man))
+    assert m["step"] == 0
+    m["extra"] = {}
+    with open(man, "w") as f:
+        json.dump(m, f)
+    with pytest.raises(ValueError, match="never committed") as e:
+        offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path), max_host_bytes="1MiB", resume=True)
+    assert man in str(e.value) and f"offload clean {tmp_path}" in str(e.value)
+    assert os.path.exists(man)  # a refused resume deletes nothing
+    assert clean_dir(str(tmp_path))["removed"]
