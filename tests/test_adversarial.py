@@ -90,3 +90,58 @@ def test_resume_of_a_directory_killed_before_its_first_commit_says_so(tmp_path, 
     assert man in str(e.value) and f"offload clean {tmp_path}" in str(e.value)
     assert os.path.exists(man)  # a refused resume deletes nothing
     assert clean_dir(str(tmp_path))["removed"]
+
+
+def test_flat_nvme_failed_step_names_the_resume_that_restores_it(tmp_path, monkeypatch):
+    # bf16 params with offload="nvme" (flat store over swap files): a non-I/O exception in the
+    # middle of a step (a second Ctrl-C, a MemoryError) left the in-RAM stores' text, "some params
+    # and their moments may already have been updated in place", without the way that restores
+    # the step exactly: close(keep_swap=True) and resume=True, which rewrites the params from
+    # the swapped masters. Checked bit for bit against the host store.
+    from offload.swap.pipeline import SwapPipeline
+
+    def mk(**kw):
+        p = torch.nn.Parameter(torch.randn(256, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+        return p, offload.AdamW([p], lr=1e-2, **kw)
+
+    def grad(p, s):
+        p.grad = torch.randn(256, 64, generator=torch.Generator().manual_seed(10 + s)).to(torch.bfloat16)
+
+    nv = dict(offload="nvme", swap_dir=str(tmp_path), max_host_bytes="1MiB", sub_group_size=4096)
+    p, opt = mk(**nv)
+    r, ref = mk(offload="cpu")
+    for q, o in ((p, opt), (r, ref)):
+        grad(q, 0)
+        o.step()
+    after1 = p.detach().clone()
+    run = SwapPipeline.run
+
+    def failing_run(self, groups, compute, **kw):
+        calls = []
+
+        def once(*a, **k):
+            if calls:
+                raise MemoryError("emulated")
+            calls.append(1)
+            return compute(*a, **k)
+        return run(self, groups, once, **kw)
+
+    monkeypatch.setattr(SwapPipeline, "run", failing_run)
+    grad(p, 1)
+    with pytest.raises(MemoryError):
+        opt.step()
+    monkeypatch.setattr(SwapPipeline, "run", run)
+    assert not torch.equal(p.detach(), after1)  # the first sub-group's params were updated
+    with pytest.raises(RuntimeError, match=r"close\(keep_swap=True\) and a new optimizer with resume=True") as e:
+        opt.step()
+    assert "swap files hold a whole step" in str(e.value)
+    opt.close(keep_swap=True)
+    opt = offload.AdamW([p], lr=1e-2, resume=True, **nv)
+    assert torch.equal(p.detach(), after1)
+    for s in (1, 2):
+        for q, o in ((p, opt), (r, ref)):
+            grad(q, s)
+            o.step()
+        assert torch.equal(p.detach(), r.detach())
+    opt.close()
+    assert os.listdir(tmp_path) == []
