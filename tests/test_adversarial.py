@@ -145,3 +145,25 @@ def test_flat_nvme_failed_step_names_the_resume_that_restores_it(tmp_path, monke
         assert torch.equal(p.detach(), r.detach())
     opt.close()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resume_of_a_directory_this_process_still_holds_says_so(tmp_path, dtype):
+    # A notebook cell re-run with resume=True while the first optimizer is still alive: the
+    # error said "there is no swap directory to resume from", naming the directory that is
+    # right there (held by this process). Another model's directory beside it must not turn
+    # this into "holds the states of other params" either.
+    a = torch.nn.Parameter(torch.randn(64, 32).to(dtype))
+    b = torch.nn.Parameter(torch.randn(16, 8).to(dtype))
+    oa = offload.AdamW([a], offload="nvme", swap_dir=str(tmp_path))
+    ob = offload.AdamW([b], offload="nvme", swap_dir=str(tmp_path))
+    with pytest.raises(BlockingIOError, match="in use by another optimizer of this process: close it first") as e:
+        offload.AdamW([a], offload="nvme", swap_dir=str(tmp_path), resume=True)
+    held = oa._store.swap_path if dtype == torch.float32 else oa._store._swap.swap_path
+    assert e.value.filename == held
+    assert len(os.listdir(tmp_path)) == 2
+    oa.close(keep_swap=True)
+    oa = offload.AdamW([a], offload="nvme", swap_dir=str(tmp_path), resume=True)
+    oa.close()
+    ob.close()
+    assert os.listdir(tmp_path) == []
