@@ -167,3 +167,34 @@ def test_resume_of_a_directory_this_process_still_holds_says_so(tmp_path, dtype)
     oa.close()
     ob.close()
     assert os.listdir(tmp_path) == []
+
+
+_FORK_SIGTERM = """
+import os, signal, sys, torch, offload
+p = torch.nn.Parameter(torch.randn(256))
+opt = offload.AdamW([p], offload="nvme", swap_dir=sys.argv[1])
+ours = signal.getsignal(signal.SIGTERM)
+assert callable(ours), ours  # the handler that keeps swap directories on SIGTERM
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), signal.getsignal(signal.SIGTERM) is ours, flush=True)
+opt.close()
+"""
+
+
+def test_a_forked_child_gets_back_the_default_sigterm_action(tmp_path):
+    # Pool.terminate() (SIGTERM to fork workers) hung now and then: the workers inherited our
+    # Python-level SIGTERM handler, and a SIGTERM landing just before a worker blocks in the
+    # queue's lock is only handled at its next bytecode, never. tests/test_swap_lifecycle.py's
+    # fork test timed out that way under load. The child has no store: it gets SIG_DFL back.
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _FORK_SIGTERM, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr
+    assert "child 0 True" in r.stdout, r.stdout
+    assert os.listdir(tmp_path) == []
