@@ -127,6 +127,15 @@ def failure_text(exc: BaseException, store_kind: str, held: Optional[str] = None
                 "them against the swap manifest; or opt.clear_failure(accept_params=True) to go on from the "
                 "params as they are (the elements already updated get this step's update once more when it is retried); or opt.load_checkpoint(); "
                 "or opt.close(keep_swap=True) and a new optimizer with resume=True and the restored params")
+    elif store_kind == "flat-nvme":
+        # The swap commit is atomic: the swap files hold the previous step, or (interrupted after
+        # the commit) this one, and a resume rebuilds the params from their masters either way.
+        held = held or ("the swap files hold a whole step (masters and moments), but some params may "
+                        "already have been updated")
+        ways = ("opt.close(keep_swap=True) and a new optimizer with resume=True over the same params (it "
+                "rewrites them from the swapped masters), or opt.load_state_dict() / opt.load_checkpoint() "
+                "with your checkpoint, or opt.clear_failure(accept_params=True) to go on from the states as "
+                "they are")
     else:
         held = held or ("the step counts hold the previous step, but some params and their moments may "
                         "already have been updated in place")
@@ -164,7 +173,8 @@ def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torc
             else:
                 st["step"] = step
         if not is_consistent(exc):
-            opt._failure = getattr(opt._store, "_broken", None) or failure_text(exc, opt._store.kind)
+            kind = "flat-nvme" if getattr(opt._store, "_swap", None) is not None else opt._store.kind
+            opt._failure = getattr(opt._store, "_broken", None) or failure_text(exc, kind)
         raise
 
 

@@ -33,7 +33,7 @@ from offload.optim.swapped_state import _close_quietly
 from offload.swap import SwapPipeline, SwapStepError
 from offload.swap.pipeline import Vote, idle_votes, vote_failed
 from offload.swap.cache import GroupCache
-from offload.swap.manifest_check import check_steps
+from offload.swap.manifest_check import check_committed, check_steps
 from offload.swap.runs import make_identity, open_store
 
 __all__ = ["SwappedShards", "SHARD_STATES", "WorkItem", "flat_identity"]
@@ -105,6 +105,7 @@ class SwappedShards:
 
     def _check_resume(self) -> None:
         # "shapes" is newer than the other facts: a directory written without it is checked without it
+        check_committed(self.store.extra, os.path.join(self.store.path, "manifest.json"))
         want = {k: v for k, v in self.identity.items() if k != "shapes" or k in self.store.extra}
         found = {k: self.store.extra.get(k) for k in want}
         if found != want:

@@ -48,10 +48,20 @@ def terminating() -> bool:
 
 def _forget_in_child() -> None:
     """After fork, in the child: the registered stores are the parent's (see [Note: fork])."""
-    global _lock, _terminating
+    global _lock, _terminating, _installed
     _lock = threading.Lock()  # another thread may have held it at the fork
     _open.clear()
     _terminating = False
+    # The child has no store for our SIGTERM handler to keep, and a Python-level handler makes
+    # SIGTERM racy for a child blocked in a lock (a signal landing just before the wait is seen
+    # only at the next bytecode): multiprocessing's Pool.terminate() then hung on a worker that
+    # never died. The child gets back the handler we replaced (a store it opens reinstalls ours).
+    if _installed and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if _previous_handler is None else _previous_handler)
+        except (ValueError, OSError):  # not the main thread after all: leave it
+            return
+        _installed = False
 
 
 if hasattr(os, "register_at_fork"):

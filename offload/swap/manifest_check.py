@@ -7,9 +7,10 @@ KeyError at resume or an IndexError deep inside a later step.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["check_manifest", "check_steps"]
+__all__ = ["check_manifest", "check_steps", "check_committed"]
 
 _UINT32 = 1 << 32
 
@@ -88,6 +89,7 @@ def _check_checksums(sums: Any, ranges: Sequence[List[int]], path: str, nstates:
 
 def check_steps(extra: Dict[str, Any], path: str, nparams: Optional[int]) -> List[int]:
     """The per-param step counts the optimizer committed in ``extra``."""
+    check_committed(extra, path)
     steps = extra.get("steps")
     if not isinstance(steps, list):
         raise _bad(path, "extra.steps", "is missing" if steps is None else f"must be a list, got {steps!r:.80}")
@@ -97,3 +99,14 @@ def check_steps(extra: Dict[str, Any], path: str, nparams: Optional[int]) -> Lis
         if not (_is_int(s) and s >= 0):
             raise _bad(path, f"extra.steps[{i}]", f"must be an integer >= 0, got {s!r:.80}")
     return list(steps)
+
+
+def check_committed(extra: Dict[str, Any], path: str) -> None:
+    """A store writes its first manifest with an empty ``extra`` and the optimizer's commit of
+    step 0 fills it: a process killed in between (the masters' first write can take seconds)
+    leaves a directory with nothing to resume, which is not "the states of other params"."""
+    if not extra:
+        raise ValueError(f"{path}: the swap directory was never committed (its process ended while creating "
+                         "it, before its first states were written): nothing to resume; remove it (`offload "
+                         f"clean {os.path.dirname(os.path.dirname(path))}`) and build the optimizer without "
+                         "resume=True")

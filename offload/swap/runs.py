@@ -77,6 +77,7 @@ def open_store(swap_dir: str, numel: int, state_names: Sequence[str], *, identit
         return store, nbuf
     parent = fsutil.check_parent_dir(swap_dir)
     refused: List[str] = []
+    ours: List[str] = []  # directories another optimizer of this process holds
     for name, manifest in _candidates(parent, run_name, rank, identity, refused):
         sg, nbuf = _resume_plan(manifest, numel, nstates, max_host_bytes, sub_group_size)
         try:
@@ -85,9 +86,14 @@ def open_store(swap_dir: str, numel: int, state_names: Sequence[str], *, identit
         except fsutil.DirectoryBusy as exc:
             if exc.pid != os.getpid():
                 raise
+            ours.append(exc.filename)
             continue  # another optimizer of this process resumed it
         return store, nbuf
     first = os.path.join(parent, private_dir_name(run_name, rank))
+    if ours:  # matched these params (a live directory always has its identity)
+        raise fsutil.DirectoryBusy(errno.EBUSY, "resume=True but the swap directory holding these params is in "
+                                   "use by another optimizer of this process: close it first (its close("
+                                   "keep_swap=True) keeps the directory for the resume)", ours[0], os.getpid())
     if refused:
         raise ValueError(f"{parent}: resume=True but no swap directory of run {run_name!r}, rank {rank} holds the "
                          f"states of these params ({identity['summary']}): {'; '.join(refused)}")

@@ -473,12 +473,14 @@ class SwapStore:
             self.engine.close()
         self.engine = None
         if self._lock is not None:
-            if remove and cleanup.terminating():
-                log.warning("%s: kept after SIGTERM (step %d, resumable with resume=True; `offload clean %s` "
-                            "removes it)", self.path, self.step, self.parent)
-            elif remove:
-                self._remove_dir()
-            self._lock.release()
+            try:
+                if remove and cleanup.terminating():
+                    log.warning("%s: kept after SIGTERM (step %d, resumable with resume=True; `offload clean %s` "
+                                "removes it)", self.path, self.step, self.parent)
+                elif remove:
+                    self._remove_dir()
+            finally:
+                self._lock.release()  # a directory we could not remove must not stay locked by a closed store
 
     def _remove_dir(self) -> None:
         try:
@@ -487,6 +489,12 @@ class SwapStore:
             log.warning("%s: swap directory already removed by someone else", self.path)
         except fsutil.NotOurs as exc:
             log.warning("%s: %s", self.path, exc.strerror)
+        except OSError as exc:
+            if exc.errno != errno.EEXIST:
+                raise
+            # someone put a foreign entry into our private directory: keep it whole, as `offload clean` does
+            log.warning("%s: kept (%s: %s); remove that entry, then `offload clean %s`",
+                        self.path, exc.strerror, exc.filename, self.parent)
 
     @property
     def closed(self) -> bool:
