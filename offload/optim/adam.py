@@ -29,7 +29,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from offload.kernels import get_backend
 from offload.optim.clip import grad_multiplier
 from offload.optim.functional import AdamHyper
-from offload.optim.guards import register_guards, step_sigs
+from offload.optim.guards import eager, register_guards, step_sigs
 from offload.optim.host_state import HostState
 from offload.optim.options import (check_extras, check_hyper, check_loaded_groups, check_param_dtype,
                                    clear_execution_flags, make_config)
@@ -270,7 +270,7 @@ class _AdamBase(Optimizer):
     # Eager under torch.compile: a step of swap I/O, locks and timers gains nothing from
     # tracing (graph breaks at each) and the store's attributes set inside it are invisible to
     # the traced frame.
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
         self._check_open()
