@@ -20,7 +20,7 @@ from offload.config import IOConfig
 from .engine import Engine
 from .files import probe_direct
 
-__all__ = ["ENGINES", "ENV_VAR", "open_engine", "engine_unavailable_reason", "engine_status"]
+__all__ = ["ENGINES", "ENV_VAR", "open_engine", "resolve_engine", "engine_unavailable_reason", "engine_status"]
 
 log = logging.getLogger(__name__)
 
@@ -168,3 +168,17 @@ def _fixed_buffers_status() -> str:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / 2**20:.0f} MiB"
     return f"yes (they count against RLIMIT_MEMLOCK, here {limit}, unless the process has CAP_IPC_LOCK)"
+
+
+def resolve_engine(io_engine: Any, directory: str):
+    """(engine, owned): ``None``/str/``IOConfig`` open one (owned); an object with ``submit``
+    and ``wait`` is used as is (tests inject slow or faulty wrappers this way)."""
+    if io_engine is not None and hasattr(io_engine, "submit") and hasattr(io_engine, "wait"):
+        return io_engine, False
+    if io_engine is None or isinstance(io_engine, str):
+        cfg = IOConfig(engine=io_engine or "auto")
+    elif isinstance(io_engine, IOConfig):
+        cfg = io_engine
+    else:
+        raise ValueError(f"io_engine must be None, an engine name, an IOConfig or an engine object, got {io_engine!r}")
+    return open_engine(cfg, directory=directory), True

@@ -231,7 +231,7 @@ class _Staging:
         import torch
 
         from offload.memory import BufferPool
-        from offload.swap.store import resolve_engine
+        from offload.io.auto import resolve_engine
 
         self.nbytes = max(ALIGN, stage_bytes // ALIGN * ALIGN)
         self.engine, self._owned = resolve_engine(io_engine, directory)

@@ -41,7 +41,8 @@ import warnings
 import zlib
 from typing import Any, Dict, List, Optional, Sequence
 
-from offload.io import IORequest, open_engine, open_file
+from offload.io import IORequest, open_file
+from offload.io.auto import resolve_engine
 from offload.swap import cleanup, fsutil
 from offload.swap.layout import SwapLayout
 from offload.swap.manifest_check import check_manifest
@@ -67,22 +68,6 @@ def private_dir_name(run_name: str, rank: int) -> str:
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     return f"{DIR_PREFIX}{run_name}.rank{rank}"
-
-
-def resolve_engine(io_engine: Any, directory: str):
-    """(engine, owned): ``None``/str/``IOConfig`` open one (owned); an object with ``submit``
-    and ``wait`` is used as is (tests inject slow or faulty wrappers this way)."""
-    if io_engine is not None and hasattr(io_engine, "submit") and hasattr(io_engine, "wait"):
-        return io_engine, False
-    from offload.config import IOConfig
-
-    if io_engine is None or isinstance(io_engine, str):
-        cfg = IOConfig(engine=io_engine or "auto")
-    elif isinstance(io_engine, IOConfig):
-        cfg = io_engine
-    else:
-        raise ValueError(f"io_engine must be None, an engine name, an IOConfig or an engine object, got {io_engine!r}")
-    return open_engine(cfg, directory=directory), True
 
 
 def block_checksums(view: memoryview, nbytes: int) -> List[int]:
