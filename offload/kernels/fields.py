@@ -1,0 +1,125 @@
+"""Typed optimizer state fields: what a state is called, its element type, and its bytes.
+
+Every layer that sizes, lays out, streams or saves an optimizer state takes its size from a
+``StateField`` instead of writing ``* 4`` and ``"float32"``: the kernels (which states a rule
+updates), the swap layout and pipeline (bytes per sub-group), the checkpoints (what a file
+holds), the flat layouts and the planner (bytes per tier). A compressed state (bf16, or int8
+in blocks with a per-block scale) is then one more field description, not an edit in each.
+
+A ``Rule`` is an optimizer's update as the layers below the optimizer see it: its name and
+the fields it keeps per element. ``MASTER`` is the fp32 copy of a low-precision param, which
+the flat stores keep beside the rule's fields.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence, Tuple
+
+import torch
+
+__all__ = ["StateField", "Rule", "MASTER", "ADAM", "RULES", "field_names", "bytes_per_element",
+           "fields_bytes", "dtype_from_name", "dtype_name"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int8": torch.int8, "uint8": torch.uint8}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` in files and manifests ("float32", "bfloat16", ...)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown state dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of ``dtype`` as files and manifests write it ("float32", ...)."""
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"no state field can have dtype {dtype}; expected one of {sorted(_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class StateField:
+    """One per-element optimizer state: ``exp_avg`` in fp32, say."""
+
+    name: str
+    """The key in torch's state_dict layout (``exp_avg``), in swap manifests and checkpoints."""
+    dtype: torch.dtype = torch.float32
+    """The element type the state is stored in."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.isidentifier():
+            raise ValueError(f"a state field needs an identifier for a name, got {self.name!r}")
+        dtype_name(self.dtype)  # refuses a dtype no file format here can name
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    def nbytes(self, numel: int) -> int:
+        """Bytes that ``numel`` elements of this state take (unpadded)."""
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        return int(numel) * self.itemsize
+
+    def describe(self) -> dict:
+        """What a manifest records of the field (``from_description`` reads it back)."""
+        return {"name": self.name, "dtype": self.dtype_name}
+
+    @classmethod
+    def from_description(cls, d: dict) -> "StateField":
+        return cls(str(d["name"]), dtype_from_name(str(d.get("dtype", "float32"))))
+
+
+def field_names(fields: Iterable[StateField]) -> Tuple[str, ...]:
+    return tuple(f.name for f in fields)
+
+
+def bytes_per_element(fields: Iterable[StateField]) -> int:
+    """Bytes one element costs across ``fields`` (unpadded)."""
+    return sum(f.itemsize for f in fields)
+
+
+def fields_bytes(fields: Sequence[StateField], numel: int) -> int:
+    """Bytes ``numel`` elements take across ``fields`` (unpadded)."""
+    return sum(f.nbytes(numel) for f in fields)
+
+
+MASTER_NAME = "master"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """An optimizer's update as seen below the optimizer: a name and its state fields."""
+
+    name: str
+    fields: Tuple[StateField, ...]
+
+    def __post_init__(self) -> None:
+        names = field_names(self.fields)
+        if len(set(names)) != len(names):
+            raise ValueError(f"rule {self.name!r}: duplicate state field names {names}")
+        if MASTER_NAME in names:
+            raise ValueError(f"rule {self.name!r}: {MASTER_NAME!r} is the flat stores' fp32 master, not a rule state")
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return field_names(self.fields)
+
+    def with_master(self) -> Tuple[StateField, ...]:
+        """``MASTER`` followed by the rule's fields: what a flat store of low-precision or
+        device params keeps per element."""
+        return (MASTER,) + self.fields
+
+
+MASTER = StateField(MASTER_NAME, torch.float32)
+ADAM = Rule("adam", (StateField("exp_avg", torch.float32), StateField("exp_avg_sq", torch.float32)))
+RULES = {ADAM.name: ADAM}
+
