@@ -67,6 +67,8 @@ class StepLogger:
         parent = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(errno.ENOENT, "directory for the step log does not exist", parent)
+        if append:
+            _drop_cut_row(self.path)
         self._fh: Optional[IO[str]] = open(self.path, "a" if append else "w", encoding="utf-8")
 
     def log(self, step: int, *, phases: Optional[Mapping[str, float]] = None, step_s: Optional[float] = None,
@@ -201,6 +203,47 @@ def _row_problem(row: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
+def _drop_cut_row(path: str) -> None:
+    """Before appending: a kill in the middle of a row's write leaves the file without a
+    final newline; the next row would then be glued to that fragment in the middle of the
+    file. Cut the fragment off (it never was a whole row) and say so."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+            return
+        keep, pos = 0, size
+        while pos > 0:  # the last newline, read backwards in blocks
+            start = max(0, pos - 65536)
+            at = os.pread(fd, pos - start, start).rfind(b"\n")
+            if at >= 0:
+                keep = start + at + 1
+                break
+            pos = start
+        os.ftruncate(fd, keep)
+    finally:
+        os.close(fd)
+    warnings.warn(f"{path}: dropped a last row cut short ({size - keep} bytes, probably by a kill while it was "
+                  "written) before appending", StepLogWarning, stacklevel=3)
+
+
+def _row_after_fragment(line: str) -> Optional[Dict[str, Any]]:
+    """The whole row that ends ``line`` after a cut fragment, or None. Rows are written with
+    sorted keys, so each one starts with ``{"bytes":``."""
+    at = line.find('{"bytes":', 1)
+    while at > 0:
+        try:
+            row = json.loads(line[at:])
+        except json.JSONDecodeError:
+            at = line.find('{"bytes":', at + 1)
+            continue
+        return row if isinstance(row, dict) else None
+    return None
+
+
 def _parse_line(path: str, lineno: int, raw: str) -> Optional[Dict[str, Any]]:
     """One line as a row; None (with a warning) for a row to leave out; ValueError for a
     line that is not a step log's."""
@@ -217,7 +260,15 @@ def _parse_line(path: str, lineno: int, raw: str) -> Optional[Dict[str, Any]]:
                           f"was written; summarising the {lineno - 1} lines before it", StepLogWarning,
                           stacklevel=3)
             return None
-        raise ValueError(f"{path}:{lineno}: not a JSON line ({exc.msg})") from None
+        glued = _row_after_fragment(line)
+        if glued is not None:
+            # An older release appended a resumed run's first row right after a row a kill
+            # had cut short (it did not drop the fragment first): keep the whole row.
+            warnings.warn(f"{path}:{lineno}: a row cut short by a kill is glued to the next one; the "
+                          "fragment is left out", StepLogWarning, stacklevel=3)
+            row = glued
+        else:
+                raise ValueError(f"{path}:{lineno}: not a JSON line ({exc.msg})") from None
     if not isinstance(row, dict):
         raise ValueError(f"{path}:{lineno}: expected an object with a 'step' key")
     problem = _row_problem(row)
