@@ -171,7 +171,8 @@ def explain_text(plan: Any) -> str:
     lines.append(
         "Step time (ideal of the pipelined step) = max(kernel, I/O): kernel = shard / (Gparam/s x 10^9); "
         "I/O (nvme) = bytes read / read GB/s + bytes written / write GB/s, every streamed state read and "
-        "written once per step. This is the ideal of a perfect pipeline: the nvme step measured 7-27 % above "
-        "it on the 2-core development VM (bench/RESULTS.md, planner accuracy)."
+        "written once per step. This is the ideal of a perfect pipeline, a lower bound: how far "
+        "a real step lands above it on a given machine is measured by bench/plan_accuracy.py (figures in "
+        "bench/RESULTS.md)."
     )
     return "\n".join(lines)
