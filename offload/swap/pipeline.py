@@ -33,6 +33,10 @@ _MIN_AUTO_GROUP = 1 << 18  # 1 MiB per fp32 state: keeps requests large
 Compute = Callable[[int, int, int, List[torch.Tensor]], None]
 
 
+# [Note: ranks vote before commit] is in agreement.py (the votes), [Note: pipeline] and [Note:
+# no read races a write] in session.py (the streaming), [Note: durability] in step.py.
+
+
 def idle_votes(vote: Optional[Vote], step: Optional[int] = None, path: Optional[str] = None) -> None:
     """A rank with nothing to step takes part in both votes, and raises as the others do."""
     agreement.idle_votes(vote, lambda failed: peers_failed(failed, step, path, []), "the swap step")

@@ -191,9 +191,9 @@ def _resume_plan(manifest: Dict[str, Any], numel: int, fields: Sequence[StateFie
                          "run") from None
 
 
-def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[Union[str, StateField]], *, run_name: str, rank: int,
-                   verify: bool, resume: bool, io_engine: Any, identity: Optional[Dict[str, Any]] = None,
-                   discard_stale: bool = False) -> SwapStore:
+def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[Union[str, StateField]], *,
+                   run_name: str, rank: int, verify: bool, resume: bool, io_engine: Any,
+                   identity: Optional[Dict[str, Any]] = None, discard_stale: bool = False) -> SwapStore:
     """A new store (or with ``resume``, the directory of the same name): ``<run_name>``, or
     for a second store of this same process on the same ``swap_dir`` ``<run_name>-2``, a
     third ``<run_name>-3``...: names follow creation order (never id()). :func:`open_store`

@@ -8,6 +8,10 @@ failure drains the I/O, casts this rank's failed vote, and turns an ``OSError`` 
 ``SwapStepError``) and ``commit()`` (make the writes durable, vote, flip the manifest, vote
 again, undo on a peer's failure: [Note: ranks vote before commit] in agreement.py).
 
+Within a step the reads of ``g`` come from its committed slot and the writes go to the other
+one ([Note: no read races a write] in session.py), and the step returns only after every
+write has completed and the files were ``fdatasync``-ed, so the next step's reads see the data.
+
 [Note: durability] A write is complete when the engine says so: with O_DIRECT the data is in
 the device (possibly in its volatile cache), buffered it is in the page cache. Either survives
 a ``kill -9``; to also survive a power cut the step ends with ``fdatasync`` of the slot files

@@ -6,7 +6,7 @@ names), (2) fall back where a backend lacks one, and (3) do nothing for a world 
 the optimizer runs the same code with and without ``torch.distributed``.
 
 [Note: gloo reduce-scatter] Older gloo builds raise on ``reduce_scatter``; torch 2.13's gloo
-has it (checked on this machine for fp32, bf16 and fp16). When a backend refuses it we fall
+has it for fp32, bf16 and fp16. When a backend refuses it we fall
 back, once and for the rest of the process, to ``all_reduce`` of the whole bucket followed
 by taking this rank's slice: the same result, twice the bytes on the wire.
 """
