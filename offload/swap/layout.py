@@ -23,7 +23,7 @@ from typing import List, Sequence, Tuple, Union
 from offload.kernels.fields import StateField
 
 ALIGN = 4096
-ELEMS_PER_PAGE = ALIGN // 4  # fp32 elements per 4 KiB: the unit of sub_group_size for fp32 states
+ELEMS_PER_PAGE = ALIGN // StateField("state").itemsize  # fp32 elements per 4 KiB (the unit for fp32 states)
 
 States = Union[int, Sequence[Union[str, StateField]]]
 """What a layout (or a store, a plan) is told of its states: typed fields, names (each a

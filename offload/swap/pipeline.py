@@ -17,7 +17,6 @@ from offload.kernels.fields import StateField, bytes_per_element
 from offload.swap.agreement import Vote, vote_failed
 from offload.swap import agreement
 from offload.swap.layout import ALIGN, SwapLayout, as_fields, elems_per_page, round_up
-from offload.swap.session import check_counts as _check_counts  # noqa: F401  (the name before the session)
 from offload.swap.step import Extra, StepSession, SwapStepError, peers_failed
 
 __all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "pipeline_host_bytes", "MIN_BUFFERS", "MAX_BUFFERS"]
@@ -160,8 +159,6 @@ class SwapPipeline:
         """Fill ``g``'s states in ``buf`` with zeros (a sub-group never written)."""
         for t in self.tensors(g, buf):
             t.zero_()
-
-    _zero = zero  # the name the group cache used before the session
 
     def verify_helpers(self) -> Tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         """(read, write) helper threads for checksums, made at the first verified step.
