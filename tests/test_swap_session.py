@@ -254,3 +254,25 @@ def test_session_refuses_a_read_of_a_range_being_written():
     assert [("read", 1)] not in eng.submitted
     session.abort()
     assert len(session.free) == 3  # every buffer back after the abort
+
+
+def test_group_cache_reads_and_writes_a_bf16_state_in_place(tmp_path):
+    """The random-access cache (one-group sessions) sees the same typed views as a step."""
+    from offload.swap.cache import GroupCache
+
+    vals = _values(2)
+    store, pipe = _open(tmp_path, "d")
+    try:
+        _fill(pipe, vals)
+        cache = GroupCache(pipe)
+        master, m, v = cache.load(1)
+        assert m.dtype == torch.bfloat16 and m.numel() == 2048
+        _bits_equal([master, m, v], [x[2048:4096] for x in vals])
+        m.fill_(3.0)
+        cache.mark_dirty()
+        assert cache.flush(lambda: {"steps": [1]}) and store.step == 1  # flipped one sub-group, no new step
+        vals[1][2048:4096] = 3.0
+        _bits_equal(_read(pipe), vals)
+    finally:
+        pipe.close()
+        store.close()
