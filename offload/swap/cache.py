@@ -12,6 +12,9 @@ Between ``begin_batch()`` and ``commit_batch()`` the changed sub-groups are writ
 free slots but not committed; ``commit_batch`` flips them all in one manifest write (a whole
 ``load_state_dict``: a kill at any point leaves either every old state or every new one), and
 ``abort_batch`` forgets them (the manifest never named those slots).
+
+Each read and write-back is a one-group :class:`~offload.swap.session.SwapSession` on the
+cache buffer: the same route, checks, checksums and typed views as a step's.
 """
 from __future__ import annotations
 
