@@ -12,6 +12,9 @@ Between ``begin_batch()`` and ``commit_batch()`` the changed sub-groups are writ
 free slots but not committed; ``commit_batch`` flips them all in one manifest write (a whole
 ``load_state_dict``: a kill at any point leaves either every old state or every new one), and
 ``abort_batch`` forgets them (the manifest never named those slots).
+
+Each read and write-back is a one-group :class:`~offload.swap.session.SwapSession` on the
+cache buffer: the same route, checks, checksums and typed views as a step's.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from offload.swap.pipeline import SwapPipeline, _check_counts
+from offload.swap.pipeline import SwapPipeline
+from offload.swap.session import SwapSession
 
 __all__ = ["GroupCache"]
 
@@ -39,6 +43,15 @@ class GroupCache:
     def _buf(self) -> Any:
         return self.pipeline.buffers[0]
 
+    def _session(self, g: int, reads: Any = None, check: Any = None, fill: bool = True) -> SwapSession:
+        """A one-group session on the cache buffer: reads from ``g``'s committed slot (or
+        ``reads``; zeros when never written), writes into its free slot, checksums with
+        ``verify``."""
+        st = self.store
+        return SwapSession(st.engine, [self._buf], [g], reads=reads or st.read_requests, writes=st.write_requests,
+                           fill=self.pipeline.zero if fill else None, check=check or (st.check if st.verify else None),
+                           checksum=st.checksum if st.verify else None)
+
     def load(self, g: int, extra: Optional[Callable[[], Dict[str, Any]]] = None) -> List[torch.Tensor]:
         """The state tensors of sub-group ``g`` (views into the cache buffer). A different
         dirty sub-group is flushed first, committing ``extra()`` with it."""
@@ -48,15 +61,8 @@ class GroupCache:
         self.group = None
         if self.pending is not None and g in self.pending:
             self._read_pending(g)
-            self.group = g
-            return self.pipeline.tensors(g, self._buf)
-        reqs = self.store.read_requests(g, self._buf)
-        if reqs:
-            eng = self.store.engine
-            _check_counts(eng.wait(eng.submit(reqs)), reqs, "read")
-            self.store.check(g, self._buf)
         else:
-            self.pipeline._zero(g, self._buf)  # never written: zeros
+            self._session(g).acquire(g)  # the committed states, checked; zeros if never written
         self.group = g
         return self.pipeline.tensors(g, self._buf)
 
@@ -69,11 +75,12 @@ class GroupCache:
         """Write the changed sub-group into its free slot and commit; True when it did."""
         if not self.dirty or self.group is None:
             return False
-        g, buf = self.group, self._buf
-        sums = self.store.checksum(g, buf) if self.store.verify else None
-        reqs = self.store.write_requests(g, buf)
-        eng = self.store.engine
-        _check_counts(eng.wait(eng.submit(reqs)), reqs, "write")
+        g = self.group
+        session = self._session(g, reads=lambda g, buf: [], fill=False)  # the buffer already holds g's new states
+        session.acquire(g)
+        session.finish(g)
+        session.drain()
+        sums = session.written[g]
         self.dirty = False
         if self.pending is not None:
             self.pending[g] = sums
@@ -83,13 +90,16 @@ class GroupCache:
 
     def _read_pending(self, g: int) -> None:
         """Read back what this batch already wrote for ``g`` (in its free slot)."""
-        reqs = self.store._requests("read", 1 - self.store.slots[g], g, self._buf)
-        eng = self.store.engine
-        _check_counts(eng.wait(eng.submit(reqs)), reqs, "read")
+        st = self.store
+        free = st.files[1 - st.slots[g]]
         want = self.pending[g]
-        if want is not None and self.store.checksum(g, self._buf) != want:
-            raise OSError(errno.EIO, f"sub-group {g} read back differs from what was just written to its free slot",
-                          self.store.files[1 - self.store.slots[g]].path)
+
+        def check(g: int, buf: Any) -> None:
+            if want is not None and st.checksum(g, buf) != want:
+                raise OSError(errno.EIO, f"sub-group {g} read back differs from what was just written to its "
+                              "free slot", free.path)
+
+        self._session(g, reads=st.read_back_requests, check=check).acquire(g)
 
     def begin_batch(self) -> None:
         """Collect the following changes for one ``commit_batch`` (see the module docstring)."""

@@ -3,8 +3,8 @@
 A checkpoint is a directory (which may hold other files: only ours are touched, see
 offload/swap/ckpt_dir.py)::
 
-    offload-ckpt.json                 manifest (format, version, dtype, numel, states, files, crc32, meta)
-    offload-ckpt.exp_avg.<gen>.bin    one flat fp32 array per state, in index order, padded to 4096
+    offload-ckpt.json                 manifest (format, version, dtype(s), numel, states, files, crc32, meta)
+    offload-ckpt.exp_avg.<gen>.bin    one flat array per state (its dtype), in index order, padded to 4096
     offload-ckpt.exp_avg_sq.<gen>.bin
     offload-ckpt.lock                 flock'ed by a save (exclusive) or a load (shared)
 
@@ -21,16 +21,17 @@ from __future__ import annotations
 import errno
 import os
 import zlib
-from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from offload.io import IORequest, open_file
+from offload.kernels.fields import StateField
 from offload.swap.ckpt_dir import (CKPT_FORMAT, CKPT_MANIFEST, CKPT_VERSION, CheckpointBusy, DirLock, NewGeneration,
-                                   read_manifest)
-from offload.swap.layout import ALIGN, round_up
+                                   manifest_dtypes, manifest_file_bytes, read_manifest)
+from offload.swap.layout import ALIGN, as_fields, round_up
+from offload.swap.session import Requests, SwapSession
 
 __all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "CheckpointBusy", "save_store", "load_store",
-           "save_tensors", "load_tensors", "read_manifest", "verify_checkpoint", "Agree"]
+           "save_tensors", "load_tensors", "read_manifest", "verify_checkpoint", "Agree", "stream_groups"]
 
 # agree(prepare, commit, undo): run a save's two halves; several ranks pass
 # offload.zero.comm.all_or_none, so that every rank commits its shard or none does
@@ -43,7 +44,7 @@ def _alone(prepare: Callable[[], Any], commit: Callable[[Any], None], undo: Call
     return out
 
 
-def _save(new: NewGeneration, write: Callable[[], Dict[str, int]], fields: Dict[str, Any],
+def _save(new: NewGeneration, write: Callable[[], Dict[str, int]], manifest: Dict[str, Any],
           agree: Optional[Agree]) -> str:
     """The frame of a save: ``write()`` fills ``new.tmps`` (returns the crc32s), then the
     files get their final names and the manifest is replaced; any failure, here or (through
@@ -59,44 +60,35 @@ def _save(new: NewGeneration, write: Callable[[], Dict[str, int]], fields: Dict[
         return "it put its previous checkpoint back"
 
     try:
-        (agree or _alone)(prepare, lambda crcs: new.commit(crcs=crcs, **fields), undo)
+        (agree or _alone)(prepare, lambda crcs: new.commit(crcs=crcs, **manifest), undo)
     except BaseException:
         new.abort()
         raise
     return new.finish()
 
 
-def _stream(engine: Any, buffers: List[Any], groups: List[int],
-            reads: Callable[[int, Any], List[Any]], process: Callable[[int, Any], None],
-            writes: Callable[[int, Any], List[Any]]) -> None:
-    """For each group: read into a free buffer (synchronously), ``process``, then submit its
-    writes and go on; a buffer is reused only after its writes completed."""
-    from offload.swap.pipeline import _check_counts
-
-    free = list(buffers)
-    pending: Deque[Tuple[Any, Any, List[Any]]] = deque()
+def stream_groups(engine: Any, buffers: List[Any], groups: List[int], reads: Requests,
+                  process: Callable[[int, Any], None], writes: Requests) -> None:
+    """For each group in order: read it into a free buffer (``reads``; read ahead while
+    buffers are free), ``process`` it, then submit its ``writes`` and go on; a buffer is
+    reused only after its writes completed. A client of the swap session (session.py)."""
+    session = SwapSession(engine, buffers, groups, reads=reads, writes=writes)
     try:
-        for g in groups:
-            if not free:
-                buf, ticket, reqs = pending.popleft()
-                _check_counts(engine.wait(ticket), reqs, "write")
-                free.append(buf)
-            buf = free.pop()
-            rq = reads(g, buf)
-            if rq:
-                _check_counts(engine.wait(engine.submit(rq)), rq, "read")
-            process(g, buf)
-            wq = writes(g, buf)
-            pending.append((buf, engine.submit(wq), wq))
-        while pending:
-            buf, ticket, reqs = pending.popleft()
-            _check_counts(engine.wait(ticket), reqs, "write")
-    finally:
-        for _, ticket, _ in pending:  # after an error: let in-flight writes finish
-            try:
-                engine.wait(ticket)
-            except Exception:
-                pass
+        for g in session.groups:
+            process(g, session.acquire(g))
+            session.finish(g)
+        session.drain()
+    except BaseException:
+        session.abort()  # let what is in flight finish before anyone reuses the buffers
+        raise
+
+
+_stream = stream_groups  # its name before the session: optim/swapped_shards.py and zero/checkpoint.py use it
+
+
+def _state_files(layout: Any, names: List[str]) -> Dict[str, int]:
+    """Bytes of each state's checkpoint file: its flat array, padded to 4096."""
+    return {k: round_up(f.nbytes(layout.numel), ALIGN) for k, f in zip(names, layout.fields)}
 
 
 def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, Any], *,
@@ -104,9 +96,27 @@ def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, A
     """Stream the committed states of ``store`` into checkpoint ``directory`` (created 0700 if
     missing). ``meta``: opaque JSON (the optimizer's steps, shapes, fingerprint)."""
     layout, names = store.layout, store.state_names
-    new = NewGeneration(directory, names, round_up(layout.numel * layout.itemsize, ALIGN))
-    fields = dict(dtype=layout.dtype_name, numel=layout.numel, meta=meta)
-    return _save(new, lambda: _write_store(store, buffers, new), fields, agree)
+    new = NewGeneration(directory, names, _state_files(layout, names))
+    manifest = dict(dtypes=dict(zip(names, layout.dtype_names)), numel=layout.numel, meta=meta)
+    return _save(new, lambda: _write_store(store, buffers, new), manifest, agree)
+
+
+def _flat_requests(op: str, layout: Any, files: List[Any], g: int, buf: Any) -> List[Any]:
+    """One request per state between ``g``'s part of the buffer and its place in the flat file."""
+    s, _ = layout.group_range(g)
+    view = buf.memoryview
+    return [IORequest(op=op, file=files[k], offset=s * layout.fields[k].itemsize, buf=view[off:off + padded])
+            for k, (off, _, padded) in enumerate(layout.state_spans(g))]
+
+
+def _crc_states(layout: Any, g: int, buf: Any, crcs: List[int], pad: bool) -> None:
+    """Fold ``g``'s states into the running crc32s; ``pad``: zero the padding behind them
+    (deterministic bytes at the end of the files)."""
+    view = buf.memoryview
+    for k, (off, used, padded) in enumerate(layout.state_spans(g)):
+        crcs[k] = zlib.crc32(view[off:off + used], crcs[k])
+        if pad and used < padded:
+            view[off + used:off + padded] = bytes(padded - used)
 
 
 def _write_store(store: Any, buffers: List[Any], new: NewGeneration) -> Dict[str, int]:
@@ -117,18 +127,12 @@ def _write_store(store: Any, buffers: List[Any], new: NewGeneration) -> Dict[str
         for k in names:
             f = open_file(new.tmps[k], write=True, create=True, exclusive=True, mode=0o600, nofollow=True)
             files.append(f)
-            new.preallocate(f)
+            new.preallocate(f, k)
 
         def process(g: int, buf: Any) -> None:
             if store.verify:
                 store.check(g, buf)
-            s, e = layout.group_range(g)
-            stride, used = layout.state_bytes(g), (e - s) * layout.itemsize
-            view = buf.memoryview
-            for k in range(len(names)):
-                crcs[k] = zlib.crc32(view[k * stride:k * stride + used], crcs[k])
-                if used < stride:  # deterministic padding at the end of the file
-                    view[k * stride + used:(k + 1) * stride] = bytes(stride - used)
+            _crc_states(layout, g, buf, crcs, pad=True)
 
         def reads(g: int, buf: Any) -> List[Any]:
             rq = store.read_requests(g, buf)
@@ -136,13 +140,8 @@ def _write_store(store: Any, buffers: List[Any], new: NewGeneration) -> Dict[str
                 buf.memoryview[:layout.group_bytes(g)] = bytes(layout.group_bytes(g))
             return rq
 
-        def writes(g: int, buf: Any) -> List[Any]:
-            s, _ = layout.group_range(g)
-            stride = layout.state_bytes(g)
-            return [IORequest(op="write", file=files[k], offset=s * layout.itemsize,
-                              buf=buf.memoryview[k * stride:(k + 1) * stride]) for k in range(len(names))]
-
-        _stream(store.engine, buffers, list(range(layout.num_groups)), reads, process, writes)
+        stream_groups(store.engine, buffers, list(range(layout.num_groups)), reads, process,
+                      lambda g, buf: _flat_requests("write", layout, files, g, buf))
         for f in files:
             f.fsync()
     finally:
@@ -160,6 +159,17 @@ def load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[str
         return _load_store(store, buffers, directory)
 
 
+def _check_fits(m: Dict[str, Any], directory: str, layout: Any, names: List[str]) -> None:
+    """The checkpoint holds the states, element types and element count of ``layout``."""
+    for key, want in (("numel", layout.numel), ("states", names)):
+        if m.get(key) != want:
+            raise ValueError(f"{directory}: checkpoint {key} is {m.get(key)!r}, this optimizer has {want!r}")
+    want_types = dict(zip(names, layout.dtype_names))
+    if manifest_dtypes(m) != want_types:
+        raise ValueError(f"{directory}: checkpoint dtypes are {manifest_dtypes(m)!r}, this optimizer has "
+                         f"{want_types!r}")
+
+
 def _load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[str, Any], Dict[int, Any]]:
     """Stream checkpoint ``directory`` into the free slots of ``store``; returns (meta,
     written) where ``written`` is what :meth:`SwapStore.commit` needs to make it current.
@@ -167,10 +177,8 @@ def _load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[st
     layout, names = store.layout, store.state_names
     directory = os.path.abspath(directory)
     m = read_manifest(directory)
-    for key, want in (("dtype", layout.dtype_name), ("numel", layout.numel), ("states", names)):
-        if m.get(key) != want:
-            raise ValueError(f"{directory}: checkpoint {key} is {m.get(key)!r}, this optimizer has {want!r}")
-    per_file = round_up(layout.numel * layout.itemsize, ALIGN)
+    _check_fits(m, directory, layout, names)
+    per_file = _state_files(layout, names)
     files: List[Any] = []
     crcs = [0] * len(names)
     written: Dict[int, Any] = {}
@@ -178,24 +186,15 @@ def _load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[st
         for k in names:
             f = open_file(os.path.join(directory, m["files"][k]), write=False, nofollow=True)
             files.append(f)
-            if f.size < per_file:
-                raise ValueError(f"{f.path}: {f.size} bytes, a checkpoint of {layout.numel} elements has {per_file}")
-
-        def reads(g: int, buf: Any) -> List[Any]:
-            s, _ = layout.group_range(g)
-            stride = layout.state_bytes(g)
-            return [IORequest(op="read", file=files[k], offset=s * layout.itemsize,
-                              buf=buf.memoryview[k * stride:(k + 1) * stride]) for k in range(len(names))]
+            if f.size < per_file[k]:
+                raise ValueError(f"{f.path}: {f.size} bytes, a checkpoint of {layout.numel} elements has {per_file[k]}")
 
         def process(g: int, buf: Any) -> None:
-            s, e = layout.group_range(g)
-            stride, used = layout.state_bytes(g), (e - s) * layout.itemsize
-            view = buf.memoryview
-            for k in range(len(names)):
-                crcs[k] = zlib.crc32(view[k * stride:k * stride + used], crcs[k])
+            _crc_states(layout, g, buf, crcs, pad=False)
             written[g] = store.checksum(g, buf) if store.verify else None
 
-        _stream(store.engine, buffers, list(range(layout.num_groups)), reads, process, store.write_requests)
+        stream_groups(store.engine, buffers, list(range(layout.num_groups)),
+                      lambda g, buf: _flat_requests("read", layout, files, g, buf), process, store.write_requests)
     finally:
         for f in files:
             f.close()
@@ -214,22 +213,23 @@ def _load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[st
 _STAGE_BYTES = 32 << 20
 
 
-def _flat_pieces(tensors: List[Any], *, writable: bool):
-    import torch
-
+def _flat_pieces(tensors: List[Any], dtype: Any, *, writable: bool):
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or (writable and not t.is_contiguous()):
-            raise ValueError(f"checkpoint tensors must be fp32 CPU tensors{' (contiguous)' if writable else ''}, "
-                             f"got {t.dtype} on {t.device}")
+        if t.dtype != dtype or t.device.type != "cpu" or (writable and not t.is_contiguous()):
+            raise ValueError(f"checkpoint tensors of one state must be CPU tensors of one dtype ({dtype})"
+                             f"{' and contiguous' if writable else ''}, got {t.dtype} on {t.device}")
         yield t.detach().reshape(-1)
 
 
+def _state_dtype(name: str, tensors: List[Any]) -> StateField:
+    """The typed field of state ``name``: the dtype of its tensors (float32 when it has none)."""
+    return StateField(name, tensors[0].dtype) if tensors else StateField(name)
+
+
 class _Staging:
-    """One pool buffer (and its fp32 view) to stream through; an engine unless given."""
+    """One pool buffer to stream through (``typed(dtype)`` views it); an engine unless given."""
 
     def __init__(self, directory: str, stage_bytes: int, io_engine: Any) -> None:
-        import torch
-
         from offload.memory import BufferPool
         from offload.io.auto import resolve_engine
 
@@ -238,13 +238,15 @@ class _Staging:
         self.pool = BufferPool(pin=False, region_bytes=self.nbytes, name=f"ckpt:{directory}")  # never meets a GPU
         self.buf = self.pool.acquire(self.nbytes)
         self.view = self.buf.memoryview
-        self.floats = self.buf.tensor(torch.float32)
+
+    def typed(self, dtype: Any) -> Any:
+        return self.buf.tensor(dtype)
 
     def __enter__(self) -> "_Staging":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        del self.view, self.floats
+        del self.view
         self.pool.release(self.buf)
         try:
             self.pool.close()
@@ -254,44 +256,35 @@ class _Staging:
             self.engine.close()
 
 
-def verify_checkpoint(directory: str, states: List[str], numel: int, *, io_engine: Any = None,
-                      stage: Optional[memoryview] = None, stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
+def verify_checkpoint(directory: str, states: Sequence[Union[str, StateField]], numel: int, *,
+                      io_engine: Any = None, stage: Optional[memoryview] = None,
+                      stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
     """See :func:`_verify`; under the directory's shared lock."""
     with DirLock(os.path.abspath(directory), exclusive=False):
         return _verify(directory, states, numel, io_engine=io_engine, stage=stage, stage_bytes=stage_bytes)
 
 
-def _verify(directory: str, states: List[str], numel: int, *, io_engine: Any = None,
+def _verify(directory: str, states: Sequence[Union[str, StateField]], numel: int, *, io_engine: Any = None,
             stage: Optional[memoryview] = None, stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
     """Read checkpoint ``directory`` through once, touching nothing else: its manifest must
-    hold ``states`` of ``numel`` fp32 elements each, and every data file its size and crc32.
-    Returns the manifest. For a load that must not stop half-way: check every file first
-    (several of them, on several ranks), then load. ``stage``: a buffer to stream through
-    (else one of ``stage_bytes`` is made), with ``io_engine``."""
+    hold ``states`` (names of fp32 states, or typed fields) of ``numel`` elements each, and
+    every data file its size and crc32. Returns the manifest. For a load that must not stop
+    half-way: check every file first (several of them, on several ranks), then load.
+    ``stage``: a buffer to stream through (else one of ``stage_bytes`` is made), with ``io_engine``."""
     directory = os.path.abspath(directory)
     m = read_manifest(directory)
-    if sorted(m.get("states", [])) != sorted(states) or m.get("numel") != numel or m.get("dtype") != "float32":
-        raise ValueError(f"{directory}: checkpoint holds {m.get('numel')!r} {m.get('dtype')} elements of states "
-                         f"{m.get('states')}, expected {numel} float32 of {sorted(states)}")
+    want = {f.name: f for f in as_fields(list(states))}
+    types = manifest_dtypes(m)
+    if sorted(m.get("states", [])) != sorted(want) or m.get("numel") != numel \
+            or any(types.get(k) != f.dtype_name for k, f in want.items()):
+        raise ValueError(f"{directory}: checkpoint holds {m.get('numel')!r} elements of states {m.get('states')} "
+                         f"({m.get('dtype')}), expected {numel} of {sorted(want)} "
+                         f"({'/'.join(sorted({f.dtype_name for f in want.values()}))})")
 
     def check(engine: Any, view: memoryview) -> None:
-        used = numel * 4
         for name in m["states"]:
-            path = os.path.join(directory, m["files"][name])
-            crc, offset = 0, 0
-            with open_file(path, write=False, direct=False, nofollow=True) as f:
-                if f.size < int(m.get("file_bytes", used)):  # what load_tensors and load_store ask for
-                    raise ValueError(f"{path}: {f.size} bytes, the manifest says {m.get('file_bytes', used)}")
-                while offset < used:
-                    n = min(len(view), used - offset)
-                    got = engine.read(f, offset, view[:n])
-                    if got != n:
-                        raise OSError(errno.EIO, f"short read: {got} of {n} bytes at {offset}", path)
-                    crc = zlib.crc32(view[:n], crc)
-                    offset += n
-            if crc != int(m["crc32"][name]):
-                raise OSError(errno.EIO, f"checkpoint data of {name} fails its crc32 ({crc:08x}, manifest "
-                              f"{int(m['crc32'][name]):08x}); nothing was loaded", path)
+            _check_file(engine, view, os.path.join(directory, m["files"][name]), want[name].nbytes(numel),
+                        manifest_file_bytes(m, name) if "file_bytes" in m else None, int(m["crc32"][name]), name)
 
     if stage is not None and io_engine is not None:
         check(io_engine, stage)
@@ -301,42 +294,66 @@ def _verify(directory: str, states: List[str], numel: int, *, io_engine: Any = N
     return m
 
 
+def _check_file(engine: Any, view: memoryview, path: str, used: int, size: Optional[int], want: int,
+                name: str) -> None:
+    """The file at ``path`` has ``size`` bytes (``used`` when None) and its first ``used`` the crc32 ``want``."""
+    crc, offset = 0, 0
+    with open_file(path, write=False, direct=False, nofollow=True) as f:
+        need = used if size is None else size  # what load_tensors and load_store ask for
+        if f.size < need:
+            raise ValueError(f"{path}: {f.size} bytes, the manifest says {need}")
+        while offset < used:
+            n = min(len(view), used - offset)
+            got = engine.read(f, offset, view[:n])
+            if got != n:
+                raise OSError(errno.EIO, f"short read: {got} of {n} bytes at {offset}", path)
+            crc = zlib.crc32(view[:n], crc)
+            offset += n
+    if crc != want:
+        raise OSError(errno.EIO, f"checkpoint data of {name} fails its crc32 ({crc:08x}, manifest "
+                      f"{want:08x}); nothing was loaded", path)
+
+
 def save_tensors(directory: str, states: Dict[str, List[Any]], meta: Dict[str, Any], *,
                  io_engine: Any = None, stage_bytes: int = _STAGE_BYTES, agree: Optional[Agree] = None) -> str:
-    """Write ``states`` (name -> fp32 CPU tensors, concatenated in order) as a checkpoint in
-    ``directory``: the files and manifest of :func:`save_store`, streamed through one staging
-    buffer of ``stage_bytes``; the previous checkpoint there is replaced only once this one is
-    complete."""
+    """Write ``states`` (name -> CPU tensors of one dtype per state, fp32 for the optimizer's
+    states, concatenated in order) as a checkpoint in ``directory``: the files and manifest of
+    :func:`save_store`, streamed through one staging buffer of ``stage_bytes``; the previous
+    checkpoint there is replaced only once this one is complete."""
     names = list(states)
     numels = {k: sum(t.numel() for t in states[k]) for k in names}
     if not names or len(set(numels.values())) != 1:
         raise ValueError(f"every state needs the same number of elements, got {numels}")
     numel = numels[names[0]]
-    new = NewGeneration(directory, names, round_up(numel * 4, ALIGN))
+    fields = {k: _state_dtype(k, states[k]) for k in names}
+    new = NewGeneration(directory, names, {k: round_up(f.nbytes(numel), ALIGN) for k, f in fields.items()})
 
     def write() -> Dict[str, int]:
         with _Staging(new.directory, stage_bytes, io_engine) as st:
-            return {k: _write_tensors(st, new, k, states[k]) for k in names}
+            return {k: _write_tensors(st, new, fields[k], states[k]) for k in names}
 
-    return _save(new, write, dict(dtype="float32", numel=numel, meta=meta), agree)
+    manifest = dict(dtypes={k: f.dtype_name for k, f in fields.items()}, numel=numel, meta=meta)
+    return _save(new, write, manifest, agree)
 
 
-def _write_tensors(st: "_Staging", new: NewGeneration, k: str, tensors: List[Any]) -> int:
+def _write_tensors(st: "_Staging", new: NewGeneration, field: StateField, tensors: List[Any]) -> int:
+    k, size = field.name, field.itemsize
+    stage = st.typed(field.dtype)
     with open_file(new.tmps[k], write=True, create=True, exclusive=True, mode=0o600) as f:
-        new.preallocate(f)
+        new.preallocate(f, k)
         crc, fill, offset = 0, 0, 0
-        for piece in _flat_pieces(tensors, writable=False):
+        for piece in _flat_pieces(tensors, field.dtype, writable=False):
             pos = 0
             while pos < piece.numel():
-                n = min(piece.numel() - pos, st.floats.numel() - fill)
-                st.floats[fill:fill + n].copy_(piece[pos:pos + n])
+                n = min(piece.numel() - pos, stage.numel() - fill)
+                stage[fill:fill + n].copy_(piece[pos:pos + n])
                 fill, pos = fill + n, pos + n
-                if fill == st.floats.numel():
+                if fill == stage.numel():
                     crc = zlib.crc32(st.view, crc)
                     st.engine.write(f, offset, st.view)
                     offset, fill = offset + st.nbytes, 0
         if fill:
-            used, padded = fill * 4, round_up(fill * 4, ALIGN)
+            used, padded = fill * size, round_up(fill * size, ALIGN)
             crc = zlib.crc32(st.view[:used], crc)
             st.view[used:padded] = bytes(padded - used)
             st.engine.write(f, offset, st.view[:padded])
@@ -353,42 +370,52 @@ def load_tensors(directory: str, states: Dict[str, List[Any]], *, io_engine: Any
 
 def _load_tensors(directory: str, states: Dict[str, List[Any]], *, io_engine: Any = None,
                   stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
-    """Fill ``states`` (name -> contiguous fp32 CPU tensors, concatenated in order) from
-    checkpoint ``directory``; returns its ``meta``. The tensors are filled as the data streams
-    in and the crc32 is compared at the end of each file: after an error, treat them as
-    garbage (load into scratch tensors first where that matters)."""
+    """Fill ``states`` (name -> contiguous CPU tensors of the state's dtype in the checkpoint,
+    concatenated in order) from checkpoint ``directory``; returns its ``meta``. The tensors
+    are filled as the data streams in and the crc32 is compared at the end of each file:
+    after an error, treat them as garbage (load into scratch tensors first where that matters)."""
     directory = os.path.abspath(directory)
     m = read_manifest(directory)
     names = list(states)
     if sorted(names) != sorted(m["states"]):
         raise ValueError(f"{directory}: checkpoint holds states {m['states']}, asked for {names}")
+    types = manifest_dtypes(m)
     for k in names:
         n = sum(t.numel() for t in states[k])
         if n != m["numel"]:
             raise ValueError(f"{directory}: checkpoint has {m['numel']} elements per state, the tensors {n}")
+        if _state_dtype(k, states[k]).dtype_name != types.get(k):
+            raise ValueError(f"{directory}: checkpoint holds {k} as {types.get(k)}, the tensors are "
+                             f"{_state_dtype(k, states[k]).dtype_name}")
     with _Staging(directory, stage_bytes, io_engine) as st:
         for k in names:
-            path = os.path.join(directory, m["files"][k])
-            crc, avail, fill, offset = 0, 0, 0, 0
-            with open_file(path, write=False) as f:
-                if f.size < m["file_bytes"]:
-                    raise ValueError(f"{path}: {f.size} bytes, the manifest says {m['file_bytes']}")
-                for piece in _flat_pieces(states[k], writable=True):
-                    pos = 0
-                    while pos < piece.numel():
-                        if fill == avail:
-                            nbytes = min(st.nbytes, m["file_bytes"] - offset)
-                            got = st.engine.read(f, offset, st.view[:nbytes])
-                            if got != nbytes:
-                                raise OSError(errno.EIO, f"short read: {got} of {nbytes} bytes at {offset}", path)
-                            used = min(nbytes, m["numel"] * 4 - offset)
-                            crc = zlib.crc32(st.view[:used], crc)
-                            offset += nbytes
-                            avail, fill = used // 4, 0
-                        n = min(piece.numel() - pos, avail - fill)
-                        piece[pos:pos + n].copy_(st.floats[fill:fill + n])
-                        fill, pos = fill + n, pos + n
-            if crc != int(m["crc32"][k]):
-                raise OSError(errno.EIO, f"checkpoint data of {k} fails its crc32 ({crc:08x}, manifest "
-                              f"{int(m['crc32'][k]):08x})", path)
+            _read_tensors(st, os.path.join(directory, m["files"][k]), _state_dtype(k, states[k]), states[k],
+                          m["numel"], manifest_file_bytes(m, k), int(m["crc32"][k]))
     return m.get("meta") or {}
+
+
+def _read_tensors(st: "_Staging", path: str, field: StateField, tensors: List[Any], numel: int, file_bytes: int,
+                  want: int) -> None:
+    size, stage = field.itemsize, st.typed(field.dtype)
+    crc, avail, fill, offset = 0, 0, 0, 0
+    with open_file(path, write=False) as f:
+        if f.size < file_bytes:
+            raise ValueError(f"{path}: {f.size} bytes, the manifest says {file_bytes}")
+        for piece in _flat_pieces(tensors, field.dtype, writable=True):
+            pos = 0
+            while pos < piece.numel():
+                if fill == avail:
+                    nbytes = min(st.nbytes, file_bytes - offset)
+                    got = st.engine.read(f, offset, st.view[:nbytes])
+                    if got != nbytes:
+                        raise OSError(errno.EIO, f"short read: {got} of {nbytes} bytes at {offset}", path)
+                    used = min(nbytes, numel * size - offset)
+                    crc = zlib.crc32(st.view[:used], crc)
+                    offset += nbytes
+                    avail, fill = used // size, 0
+                n = min(piece.numel() - pos, avail - fill)
+                piece[pos:pos + n].copy_(stage[fill:fill + n])
+                fill, pos = fill + n, pos + n
+    if crc != want:
+        raise OSError(errno.EIO, f"checkpoint data of {field.name} fails its crc32 ({crc:08x}, manifest "
+                      f"{want:08x})", path)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from offload.swap import fsutil
 
 __all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "CKPT_LOCK", "CKPT_PENDING", "CheckpointBusy",
-           "DirLock", "NewGeneration", "read_manifest"]
+           "DirLock", "NewGeneration", "read_manifest", "manifest_dtypes", "manifest_file_bytes"]
 
 CKPT_FORMAT = "offload-ckpt"
 CKPT_VERSION = 1
@@ -30,6 +30,21 @@ CKPT_MANIFEST = "offload-ckpt.json"
 CKPT_LOCK = "offload-ckpt.lock"
 CKPT_PENDING = "offload-ckpt.pending.json"
 PREFIX = "offload-ckpt."
+
+
+def manifest_dtypes(m: Dict[str, Any]) -> Dict[str, str]:
+    """Each state's dtype name in manifest ``m`` (a manifest of the first release has one
+    ``dtype``, float32, for every state)."""
+    dtypes = m.get("dtypes")
+    if isinstance(dtypes, dict):
+        return {str(k): str(v) for k, v in dtypes.items()}
+    return {str(k): str(m.get("dtype")) for k in m.get("states") or []}
+
+
+def manifest_file_bytes(m: Dict[str, Any], name: str) -> int:
+    """Bytes the manifest says the file of state ``name`` has (one figure, or one per state)."""
+    fb = m.get("file_bytes")
+    return int(fb[name] if isinstance(fb, dict) else fb)
 
 
 def read_manifest(directory: str) -> Dict[str, Any]:
@@ -133,10 +148,12 @@ class NewGeneration:
     and releases the lock.
     """
 
-    def __init__(self, directory: str, names: List[str], per_file: int) -> None:
+    def __init__(self, directory: str, names: List[str], per_file: Union[int, Dict[str, int]]) -> None:
         self.directory = os.path.abspath(directory)
-        self.names, self.per_file = list(names), per_file
-        self.need = per_file * len(self.names)
+        self.names = list(names)
+        # bytes of each state's file (padded); one figure for all when every state has one dtype
+        self.per_file = per_file if isinstance(per_file, dict) else {k: int(per_file) for k in self.names}
+        self.need = sum(self.per_file.values())
         self.lock: Optional[DirLock] = None
         self.old: Optional[Dict[str, Any]] = None
         self.gen = 0
@@ -187,9 +204,9 @@ class NewGeneration:
             if isinstance(name, str) and os.path.basename(name) == name and name not in keep:
                 _remove_quiet(self._path(name))
 
-    def preallocate(self, f: Any) -> None:
+    def preallocate(self, f: Any, name: str) -> None:
         try:
-            f.preallocate(self.per_file)
+            f.preallocate(self.per_file[name])
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise OSError(exc.errno, f"checkpoint needs {self.need} bytes in this directory and the file "
@@ -201,10 +218,16 @@ class NewGeneration:
             os.rename(self.tmps[k], self._path(self.finals[k]))
         fsutil.fsync_dir(self.directory)
 
-    def commit(self, *, dtype: str, numel: int, crcs: Dict[str, int], meta: Dict[str, Any]) -> None:
+    def commit(self, *, dtypes: Dict[str, str], numel: int, crcs: Dict[str, int], meta: Dict[str, Any]) -> None:
+        """Replace the manifest. ``dtypes``: each state's element type; ``dtype`` and an int
+        ``file_bytes`` say it once when all states share it (as the first format did, so
+        that release still reads an fp32 checkpoint), else "mixed" and a map per state."""
+        one = len(set(dtypes.values())) == 1 and len(set(self.per_file.values())) == 1
         fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, {
-            "format": CKPT_FORMAT, "version": CKPT_VERSION, "dtype": dtype, "numel": numel,
-            "states": self.names, "gen": self.gen, "files": self.finals, "file_bytes": self.per_file,
+            "format": CKPT_FORMAT, "version": CKPT_VERSION,
+            "dtype": next(iter(dtypes.values())) if one else "mixed", "dtypes": dict(dtypes), "numel": numel,
+            "states": self.names, "gen": self.gen, "files": self.finals,
+            "file_bytes": next(iter(self.per_file.values())) if one else dict(self.per_file),
             "crc32": dict(crcs), "meta": meta})
 
     def _pointed(self) -> bool:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
+from offload.kernels.fields import StateField
+
 __all__ = ["check_manifest", "check_steps", "check_committed"]
 
 _UINT32 = 1 << 32
+_FP32 = StateField("state").itemsize  # a manifest written before typed fields holds fp32 states only
 
 
 def _bad(path: str, field: str, what: str) -> ValueError:
@@ -34,7 +37,8 @@ def _need(m: Dict[str, Any], path: str, field: str, kind: Any, what: str) -> Any
     return v
 
 
-def check_manifest(m: Any, path: str, *, nstates: int, verify_block: int) -> None:
+def check_manifest(m: Any, path: str, *, nstates: int, verify_block: int,
+                   itemsizes: Optional[Sequence[int]] = None) -> None:
     """Raise ValueError naming ``path`` and the field when ``m`` is not a well-formed manifest."""
     if not isinstance(m, dict):
         raise ValueError(f"{path}: not an offload swap manifest (a JSON {type(m).__name__}, not an object)")
@@ -54,7 +58,11 @@ def check_manifest(m: Any, path: str, *, nstates: int, verify_block: int) -> Non
     _check_list(m["valid"], groups, path, "valid", lambda v: isinstance(v, bool), "true or false")
     if "verify" in m and not isinstance(m["verify"], bool):
         raise _bad(path, "verify", f"must be true or false, got {m['verify']!r:.80}")
-    _check_checksums(m.get("checksums"), m["ranges"], path, nstates, verify_block)
+    dtypes = m.get("dtypes")
+    if dtypes is not None and not (isinstance(dtypes, list) and len(dtypes) == len(m["states"])
+                                   and all(isinstance(d, str) for d in dtypes)):
+        raise _bad(path, "dtypes", f"must be one dtype name per state, got {dtypes!r:.80}")
+    _check_checksums(m.get("checksums"), m["ranges"], path, list(itemsizes or [_FP32] * nstates), verify_block)
     ident = m.get("identity")
     if ident is not None and not (isinstance(ident, dict) and isinstance(ident.get("digest"), str)):
         raise _bad(path, "identity", f"must be an object with a digest, got {ident!r:.80}")
@@ -68,7 +76,8 @@ def _check_list(xs: List[Any], n: int, path: str, field: str, ok: Any, what: str
             raise _bad(path, f"{field}[{i}]", f"must be {what}, got {x!r:.80}")
 
 
-def _check_checksums(sums: Any, ranges: Sequence[List[int]], path: str, nstates: int, block: int) -> None:
+def _check_checksums(sums: Any, ranges: Sequence[List[int]], path: str, itemsizes: List[int], block: int) -> None:
+    nstates = len(itemsizes)
     if sums is None:
         return
     if not isinstance(sums, dict):
@@ -78,10 +87,10 @@ def _check_checksums(sums: Any, ranges: Sequence[List[int]], path: str, nstates:
         if not (key.isdigit() and int(key) < len(ranges)):
             raise _bad(path, field, f"names no sub-group (0..{len(ranges) - 1})")
         s, e = ranges[int(key)]
-        blocks = -(-(e - s) * 4 // block)
         if not (isinstance(per_state, list) and len(per_state) == nstates):
             raise _bad(path, field, f"must hold {nstates} lists of block checksums")
         for k, sums_k in enumerate(per_state):
+            blocks = -(-(e - s) * itemsizes[k] // block)
             if not (isinstance(sums_k, list) and len(sums_k) == blocks
                     and all(_is_int(c) and 0 <= c < _UINT32 for c in sums_k)):
                 raise _bad(path, f"{field}[{k}]", f"must be {blocks} crc32 values")

@@ -44,7 +44,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from offload.swap import fsutil
-from offload.swap.layout import ELEMS_PER_PAGE, SwapLayout, round_up
+from offload.kernels.fields import StateField
+from offload.swap.layout import ALIGN, SwapLayout, as_fields, elems_per_page, round_up
 from offload.swap.pipeline import MIN_BUFFERS, plan_sub_groups
 from offload.swap.store import MANIFEST, SwapStore, private_dir_name
 
@@ -59,19 +60,19 @@ def make_identity(facts: Dict[str, Any], summary: str) -> Dict[str, str]:
     return {"digest": hashlib.sha256(text.encode()).hexdigest()[:32], "summary": summary}
 
 
-def open_store(swap_dir: str, numel: int, state_names: Sequence[str], *, identity: Dict[str, str],
+def open_store(swap_dir: str, numel: int, state_names: Sequence[Union[str, StateField]], *, identity: Dict[str, str],
                max_host_bytes: Optional[int], sub_group_size: Optional[int], run_name: str, rank: int,
                verify: bool, resume: Union[bool, str], io_engine: Any) -> Tuple[SwapStore, int]:
     """(store, pipeline buffers) for ``numel`` elements of ``state_names``: a new directory,
     or with ``resume`` the one whose identity matches (see the module notes); ``store.resumed``
-    says which ``resume="auto"`` chose."""
-    nstates = len(state_names)
+    says which ``resume="auto"`` chose. ``state_names``: names (fp32 states) or typed fields."""
+    fields = as_fields(list(state_names))
     discard = resume == "discard"
     if resume == "auto":
         resume = _auto_resume(swap_dir, run_name, rank, identity)
     if discard or not resume:
-        sg, nbuf = plan_sub_groups(numel, nstates, max_host_bytes, sub_group_size)
-        store = open_run_store(swap_dir, SwapLayout(numel, sg, nstates), state_names, run_name=run_name, rank=rank,
+        sg, nbuf = plan_sub_groups(numel, fields, max_host_bytes, sub_group_size)
+        store = open_run_store(swap_dir, SwapLayout(numel, sg, fields), fields, run_name=run_name, rank=rank,
                                verify=verify, resume=False, io_engine=io_engine, identity=identity,
                                discard_stale=discard)
         return store, nbuf
@@ -79,9 +80,9 @@ def open_store(swap_dir: str, numel: int, state_names: Sequence[str], *, identit
     refused: List[str] = []
     ours: List[str] = []  # directories another optimizer of this process holds
     for name, manifest in _candidates(parent, run_name, rank, identity, refused):
-        sg, nbuf = _resume_plan(manifest, numel, nstates, max_host_bytes, sub_group_size)
+        sg, nbuf = _resume_plan(manifest, numel, fields, max_host_bytes, sub_group_size)
         try:
-            store = SwapStore(parent, SwapLayout(numel, sg, nstates), state_names=state_names, run_name=name,
+            store = SwapStore(parent, SwapLayout(numel, sg, fields), state_names=fields, run_name=name,
                               rank=rank, verify=verify, resume=True, io_engine=io_engine, identity=identity)
         except fsutil.DirectoryBusy as exc:
             if exc.pid != os.getpid():
@@ -166,32 +167,33 @@ def _candidates(parent: str, run_name: str, rank: int, identity: Dict[str, str],
     return matching + unknown
 
 
-def _resume_plan(manifest: Dict[str, Any], numel: int, nstates: int, max_host_bytes: Optional[int],
+def _resume_plan(manifest: Dict[str, Any], numel: int, fields: Sequence[StateField], max_host_bytes: Optional[int],
                  sub_group_size: Optional[int]) -> Tuple[int, int]:
     """(sub_group_size, buffers) to resume the directory of ``manifest`` (see [Note: layout on resume])."""
     kept = manifest.get("sub_group_size")
-    if not (isinstance(kept, int) and not isinstance(kept, bool) and kept > 0 and kept % ELEMS_PER_PAGE == 0):
-        return plan_sub_groups(numel, nstates, max_host_bytes, sub_group_size)  # the store names the bad field
+    page = elems_per_page(fields)
+    if not (isinstance(kept, int) and not isinstance(kept, bool) and kept > 0 and kept % page == 0):
+        return plan_sub_groups(numel, fields, max_host_bytes, sub_group_size)  # the store names the bad field
     if sub_group_size is not None:
-        asked = min(round_up(int(sub_group_size), ELEMS_PER_PAGE), round_up(numel, ELEMS_PER_PAGE))
+        asked = min(round_up(int(sub_group_size), page), round_up(numel, page))
         if asked != kept:
             raise ValueError(f"sub_group_size={sub_group_size} but the swap directory was written with "
                              f"sub_group_size={kept}: pass sub_group_size={kept} (or None) to resume; to change "
                              "it, save_checkpoint() and load_checkpoint() into a new run")
     try:
-        return plan_sub_groups(numel, nstates, max_host_bytes, kept)
+        return plan_sub_groups(numel, fields, max_host_bytes, kept)
     except ValueError:
         groups = -(-numel // kept)
-        need = min(MIN_BUFFERS, groups) * nstates * round_up(kept * 4, 4096)
+        need = min(MIN_BUFFERS, groups) * sum(round_up(f.nbytes(kept), ALIGN) for f in fields)
         raise ValueError(f"max_host_bytes={max_host_bytes} cannot hold the pipeline buffers of the swap directory "
                          f"to resume, written with sub_group_size={kept}: pass max_host_bytes >= {need} to "
                          "resume it; to change the layout, save_checkpoint() and load_checkpoint() into a new "
                          "run") from None
 
 
-def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[str], *, run_name: str, rank: int,
-                   verify: bool, resume: bool, io_engine: Any, identity: Optional[Dict[str, Any]] = None,
-                   discard_stale: bool = False) -> SwapStore:
+def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[Union[str, StateField]], *,
+                   run_name: str, rank: int, verify: bool, resume: bool, io_engine: Any,
+                   identity: Optional[Dict[str, Any]] = None, discard_stale: bool = False) -> SwapStore:
     """A new store (or with ``resume``, the directory of the same name): ``<run_name>``, or
     for a second store of this same process on the same ``swap_dir`` ``<run_name>-2``, a
     third ``<run_name>-3``...: names follow creation order (never id()). :func:`open_store`

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from offload.io import IORequest, open_file
 from offload.io.auto import resolve_engine
 from offload.swap import cleanup, fsutil
+from offload.kernels.fields import field_names
 from offload.swap.layout import SwapLayout
 from offload.swap.manifest_check import check_manifest
 
@@ -87,10 +88,9 @@ class SwapStore:
                  run_name: str = "run", rank: int = 0, verify: bool = False, resume: bool = False,
                  io_engine: Any = None, direct: Optional[bool] = None,
                  identity: Optional[Dict[str, Any]] = None, discard_stale: bool = False) -> None:
-        if len(state_names) != layout.nstates:
-            raise ValueError(f"{len(state_names)} state names for a layout of {layout.nstates} states")
         self.layout = layout
-        self.state_names = list(state_names)
+        self.fields = layout.named(state_names)  # names (fp32) or typed fields, one per state of the layout
+        self.state_names = list(field_names(self.fields))
         self.verify = bool(verify)
         self.run_name = run_name
         self.rank = int(rank)
@@ -211,12 +211,15 @@ class SwapStore:
         if m.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path}: swap format version {m.get('version')!r}, this offload reads {FORMAT_VERSION}; "
                              "clean the directory (`offload clean`) and start again")
-        check_manifest(m, path, nstates=self.layout.nstates, verify_block=VERIFY_BLOCK)
+        check_manifest(m, path, nstates=self.layout.nstates, verify_block=VERIFY_BLOCK,
+                       itemsizes=[f.itemsize for f in self.fields])
         found = m.get("identity")
         if self.identity is not None and found is not None and found["digest"] != self.identity["digest"]:
             raise ValueError(f"{path}: swap directory holds the states of other params ({found.get('summary')}; "
                              f"this optimizer has {self.identity['summary']})")
+        m.setdefault("dtypes", [m["dtype"]] * len(m["states"]))  # before typed fields: one dtype for all
         expect = {"run": self.run_name, "rank": self.rank, "dtype": self.layout.dtype_name,
+                  "dtypes": self.layout.dtype_names,
                   "numel": self.layout.numel, "states": self.state_names,
                   "sub_group_size": self.layout.sub_group_size, "ranges": self.layout.ranges()}
         for key, want in expect.items():
@@ -239,7 +242,8 @@ class SwapStore:
     def _write_manifest(self) -> None:
         m = {
             "format": FORMAT, "version": FORMAT_VERSION, "run": self.run_name, "rank": self.rank,
-            "pid": os.getpid(), "dtype": self.layout.dtype_name, "numel": self.layout.numel,
+            "pid": os.getpid(), "dtype": self.layout.dtype_name, "dtypes": self.layout.dtype_names,
+            "numel": self.layout.numel,
             "states": self.state_names, "sub_group_size": self.layout.sub_group_size,
             "ranges": self.layout.ranges(), "region_bytes": self.layout.region_bytes,
             "files": list(SLOT_FILES), "step": self.step, "slots": self.slots, "valid": self.valid,
@@ -316,6 +320,12 @@ class SwapStore:
         self._check_open()
         return self._requests("write", 1 - self.slots[g], g, buf)
 
+    def read_back_requests(self, g: int, buf: Any) -> List[Any]:
+        """Requests that read back what ``write_requests`` wrote (``g``'s free slot), before
+        any commit names it."""
+        self._check_open()
+        return self._requests("read", 1 - self.slots[g], g, buf)
+
     def held(self) -> str:
         """What the swap files hold, for an error after a failed step: the last finished step,
         or, when a slot file lost bytes since it was made (truncated), that its data is gone."""
@@ -337,9 +347,7 @@ class SwapStore:
     def checksum(self, g: int, buf: Any) -> List[List[int]]:
         """Per-state, per-block crc32 of the states of ``g`` held in ``buf``."""
         view = buf.memoryview if hasattr(buf, "memoryview") else buf
-        s, e = self.layout.group_range(g)
-        stride, used = self.layout.state_bytes(g), (e - s) * self.layout.itemsize
-        return [block_checksums(view[k * stride:k * stride + used], used) for k in range(self.layout.nstates)]
+        return [block_checksums(view[off:off + used], used) for off, used, _ in self.layout.state_spans(g)]
 
     def check(self, g: int, buf: Any) -> None:
         """With ``verify``: compare ``buf`` (just read) with the committed checksums of ``g``."""
@@ -350,7 +358,7 @@ class SwapStore:
         for k, (gk, wk) in enumerate(zip(got, want)):
             for b, (x, y) in enumerate(zip(gk, wk)):
                 if x != y:
-                    offset = self.layout.group_offset(g) + k * self.layout.state_bytes(g) + b * VERIFY_BLOCK
+                    offset = self.layout.group_offset(g) + self.layout.state_spans(g)[k][0] + b * VERIFY_BLOCK
                     raise OSError(errno.EIO, f"checksum mismatch in block {b} ({VERIFY_BLOCK} bytes at file offset "
                                   f"{offset}) of {self.state_names[k]} of sub-group {g} (step {self.step}): "
                                   f"crc32 {x:08x}, manifest {y:08x}", self.read_slot_file(g))

@@ -6,19 +6,21 @@ names), (2) fall back where a backend lacks one, and (3) do nothing for a world 
 the optimizer runs the same code with and without ``torch.distributed``.
 
 [Note: gloo reduce-scatter] Older gloo builds raise on ``reduce_scatter``; torch 2.13's gloo
-has it (checked on this machine for fp32, bf16 and fp16). When a backend refuses it we fall
+has it for fp32, bf16 and fp16. When a backend refuses it we fall
 back, once and for the rest of the process, to ``all_reduce`` of the whole bucket followed
 by taking this rank's slice: the same result, twice the bytes on the wire.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from offload.swap.pipeline import Vote, vote_failed
+from offload.swap import agreement
+from offload.swap.agreement import all_or_none
 
 __all__ = ["world_and_rank", "failed_ranks", "on_every_rank", "all_or_none", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
            "comm_device", "reduce_scatter_supported", "reduce_scatter_async", "all_reduce_async"]
@@ -136,55 +138,17 @@ def failed_ranks(ok: bool, group: Any = None) -> List[int]:
 
 
 def on_every_rank(fn: Callable[[], T], what: str, group: Any = None, world: Optional[int] = None) -> T:
-    """Run ``fn`` on this rank, then agree with the others (a collective, and a barrier):
-    if it failed on any rank, raise on every rank - the local error where it happened, a
-    RuntimeError naming the failed ranks elsewhere - so no rank goes on to a collective the
-    failed one will never join. ``world``: the caller's own world size when it differs from
-    the group's (an unpartitioned optimizer in a distributed job); 1 just runs ``fn``."""
+    """Run ``fn`` on this rank, then agree with the others of ``group`` (a collective, and a
+    barrier; see :func:`offload.swap.agreement.on_every_rank`). ``world``: the caller's own
+    world size when it differs from the group's (an unpartitioned optimizer in a distributed
+    job); 1 just runs ``fn``."""
     if world == 1:
         return fn()
-    try:
-        out = fn()
-    except BaseException:
-        vote_failed(lambda ok: failed_ranks(ok, group), what)
-        raise
-    failed = failed_ranks(True, group)
-    if failed:
-        raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (see its error there)")
-    return out
+    return agreement.on_every_rank(fn, what, functools.partial(failed_ranks, group=group))
 
 
-def all_or_none(prepare: Callable[[], T], commit: Callable[[T], None], undo: Callable[[], str], what: str,
-                vote: Optional[Vote]) -> T:
-    """``prepare()`` (nothing visible yet), agree, ``commit(prepared)``, agree again; a rank
-    whose commit went through while another's failed calls ``undo()`` (which returns what
-    it now holds, for the error). So every rank applies the change or none does, as a swap
-    step (see [Note: ranks vote before commit] in offload/swap/pipeline.py). ``vote``: as
-    ``failed_ranks`` bound to a group, or None for one rank. Every rank votes once when the
-    first vote fails, twice otherwise."""
-    try:
-        prepared = prepare()
-    except BaseException:
-        if vote is not None:
-            vote_failed(vote, what)
-        raise
-    if vote is not None:
-        failed = vote(True)
-        if failed:
-            raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (see its error there); "
-                               "it was applied on no rank")
-    try:
-        commit(prepared)
-    except BaseException:
-        if vote is not None:
-            vote_failed(vote, what)  # the second vote: the others undo theirs
-        raise
-    if vote is not None:
-        failed = vote(True)
-        if failed:
-            raise RuntimeError(f"{what} failed on rank {', '.join(map(str, failed))} (see its error there) as it "
-                               f"committed; {undo()}")
-    return prepared
+# all_or_none (imported above): the swap layer's prepare / vote / commit / undo state machine,
+# offload.swap.agreement, re-exported for the callers of this module.
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
