@@ -7,11 +7,14 @@ and the offending value.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Iterable, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["GRAD_DTYPES", "LOWP_DTYPES", "check_adam_args", "check_grad_scale", "check_tensor", "check_threads"]
+from .fields import ADAM, Rule, StateField
+
+__all__ = ["GRAD_DTYPES", "LOWP_DTYPES", "check_adam_args", "check_grad_scale", "check_states",
+           "check_step_args", "check_tensor", "check_threads"]
 
 # dtype -> code understood by native/ and the numba backend (keep in sync with offload_native.h)
 GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -54,15 +57,25 @@ def check_grad_scale(grad_scale: object) -> None:
 def check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads, *,
                     contiguous: bool = True) -> int:
     """Validate one adam_step call; returns the element count."""
+    m, v = ADAM.fields
+    return check_step_args(param, grad, ((m, exp_avg), (v, exp_avg_sq)), param_lowp, step,
+                           num_threads, contiguous=contiguous)
+
+
+def check_step_args(param, grad, states: Iterable[Tuple[StateField, torch.Tensor]], param_lowp,
+                    step, num_threads, *, contiguous: bool = True) -> int:
+    """Validate one step: ``states`` pairs each of the rule's fields with its tensor, which
+    must have the field's dtype and param's element count. Returns the element count."""
+    states = tuple(states)
     check_tensor("param", param, (torch.float32,), contiguous=contiguous)
     check_tensor("grad", grad, GRAD_DTYPES, contiguous=contiguous)
-    check_tensor("exp_avg", exp_avg, (torch.float32,), contiguous=contiguous)
-    check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), contiguous=contiguous)
+    for field, t in states:
+        check_tensor(field.name, t, (field.dtype,), contiguous=contiguous)
     if param_lowp is not None:
         check_tensor("param_lowp", param_lowp, LOWP_DTYPES, contiguous=contiguous)
     n = param.numel()
-    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
-                    ("param_lowp", param_lowp)):
+    sized = [("grad", grad)] + [(f.name, t) for f, t in states] + [("param_lowp", param_lowp)]
+    for name, t in sized:
         if t is not None and t.numel() != n:
             raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
     if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 1 \
@@ -70,3 +83,17 @@ def check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_thre
         raise ValueError(f"step must be an integer >= 1, got {step!r}")
     check_threads(num_threads)
     return n
+
+
+def check_states(rule: Rule, states: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """The tensors of ``states`` (keyed by field name) in the order of ``rule.fields``; the
+    keys must be exactly the rule's field names."""
+    if not isinstance(states, Mapping):
+        raise TypeError(f"states must be a mapping of state name to tensor, got {type(states).__name__}")
+    names = rule.names
+    if len(states) != len(names) or any(k not in states for k in names):
+        missing = [k for k in names if k not in states]
+        extra = sorted(str(k) for k in states if k not in names)
+        raise ValueError(f"rule {rule.name!r} keeps the states {list(names)}; "
+                         f"missing {missing}, unexpected {extra}")
+    return tuple(states[k] for k in names)

@@ -1,0 +1,95 @@
+"""Adam's per-step scalars, folded once for every backend that takes them as float32.
+
+torch's ``_single_tensor_adam`` forms its scalars in Python doubles (``1 - beta1``,
+``lr / bias_correction1``, ``sqrt(bias_correction2)``) and they are rounded to float32 where
+they meet a float32 tensor. ``fold_adam`` does exactly that, once: the native library reads
+the result from its step struct (``offload_adam_consts`` in native/offload_native.h) and the
+numba kernels take it as arguments, so the two cannot drift apart by a bit. The torch backend
+does not use it: it is the reference, and lets torch round its own scalars.
+"""
+from __future__ import annotations
+
+import math
+from array import array
+from typing import NamedTuple
+
+__all__ = ["AdamConsts", "fold_adam"]
+
+
+class AdamConsts(NamedTuple):
+    """One step's scalars; every float is a float32 value (as a Python float)."""
+
+    grad_scale: float
+    """Grad multiplier, negated when maximizing."""
+    l2: float
+    """Weight decay added to the grad (Adam), used when ``use_l2``."""
+    decay: float
+    """``1 - lr * weight_decay`` (AdamW), 1 otherwise."""
+    lerp_coeff: float
+    """torch.lerp's weight ``w = 1 - beta1``, or ``w - 1`` when ``lerp_from_end``."""
+    beta2: float
+    one_minus_beta2: float
+    bc2_sqrt: float
+    """``sqrt(1 - beta2**step)``; 1 without bias correction."""
+    eps: float
+    neg_step_size: float
+    """``-lr / (1 - beta1**step)``; ``-lr`` without bias correction."""
+    use_l2: bool
+    lerp_from_end: bool
+    """torch.lerp starts from the end (the grad) when ``|w| >= 0.5``, else from exp_avg."""
+
+
+def _pow(base: float, exponent: float) -> float:
+    """C's pow: Python's ``**`` raises where C returns an infinity (|beta| > 1, large steps)."""
+    try:
+        return base ** exponent
+    except OverflowError:
+        odd = exponent % 2 == 1
+        return -math.inf if base < 0 and odd else math.inf
+
+
+# The NaN an invalid operation makes: x86's "default NaN" has its sign bit set (what the C
+# kernel computed before the fold moved here; the library is x86-only), math.nan has not.
+_DEFAULT_NAN = -math.nan
+
+
+def _div(a: float, b: float) -> float:
+    """IEEE division (Python raises on a zero divisor: beta1 = 1 with bias correction)."""
+    if b != 0 or math.isnan(a):
+        return a / b if b != 0 else a
+    if a == 0:
+        return _DEFAULT_NAN
+    return math.copysign(math.inf, a) * math.copysign(1.0, b)
+
+
+def _sqrt(x: float) -> float:
+    """C's sqrt: Python raises for x < 0 (beta2 > 1 with bias correction)."""
+    return math.sqrt(x) if x >= 0 or math.isnan(x) else _DEFAULT_NAN
+
+
+def fold_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+              step: int, decoupled: bool, bias_correction: bool = True,
+              maximize: bool = False, grad_scale: float = 1.0) -> AdamConsts:
+    """Adam's (``decoupled``: AdamW's) scalars for ``step`` (1 on the first step).
+
+    Each value is the double torch computes, rounded once to float32 (C's double -> float
+    cast, which ``array("f")`` performs: round to nearest even, infinity past the range).
+    Python numbers, numpy scalars and one-element tensors are read with ``float()``."""
+    lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
+    weight_decay, grad_scale = float(weight_decay), float(grad_scale)
+    use_l2 = not decoupled and weight_decay != 0
+    decay = 1.0 - lr * weight_decay if decoupled and weight_decay != 0 else 1.0
+    if bias_correction:
+        bc1 = 1.0 - _pow(beta1, float(step))
+        bc2 = 1.0 - _pow(beta2, float(step))
+    else:
+        bc1 = bc2 = 1.0
+    f = array("f", (-grad_scale if maximize else grad_scale, weight_decay, decay, 1.0 - beta1,
+                    beta2, 1.0 - beta2, _sqrt(bc2), eps, -_div(lr, bc1))).tolist()
+    w = f[3]
+    from_end = not abs(w) < 0.5  # a NaN weight goes from the end, as in torch.lerp
+    if from_end:
+        # w - 1 in float32: exact in double for any float32 w below 2**52, so one rounding
+        # gives the float32 difference
+        f[3] = array("f", (w - 1.0,))[0]
+    return AdamConsts(*f, use_l2, from_end)
