@@ -7,7 +7,7 @@ and the offending value.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Optional, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,16 +57,18 @@ def check_grad_scale(grad_scale: object) -> None:
 def check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads, *,
                     contiguous: bool = True) -> int:
     """Validate one adam_step call; returns the element count."""
-    m, v = ADAM.fields
-    return check_step_args(param, grad, ((m, exp_avg), (v, exp_avg_sq)), param_lowp, step,
-                           num_threads, contiguous=contiguous)
+    return check_step_args(param, grad, ((_EXP_AVG, exp_avg), (_EXP_AVG_SQ, exp_avg_sq)),
+                           param_lowp, step, num_threads, contiguous=contiguous)
 
 
-def check_step_args(param, grad, states: Iterable[Tuple[StateField, torch.Tensor]], param_lowp,
+_EXP_AVG, _EXP_AVG_SQ = ADAM.fields
+
+
+def check_step_args(param, grad, states: Sequence[Tuple[StateField, torch.Tensor]], param_lowp,
                     step, num_threads, *, contiguous: bool = True) -> int:
     """Validate one step: ``states`` pairs each of the rule's fields with its tensor, which
-    must have the field's dtype and param's element count. Returns the element count."""
-    states = tuple(states)
+    must have the field's dtype and param's element count. Returns the element count.
+    (Called once per param per step, also for tiny params: kept free of temporaries.)"""
     check_tensor("param", param, (torch.float32,), contiguous=contiguous)
     check_tensor("grad", grad, GRAD_DTYPES, contiguous=contiguous)
     for field, t in states:
@@ -74,15 +76,22 @@ def check_step_args(param, grad, states: Iterable[Tuple[StateField, torch.Tensor
     if param_lowp is not None:
         check_tensor("param_lowp", param_lowp, LOWP_DTYPES, contiguous=contiguous)
     n = param.numel()
-    sized = [("grad", grad)] + [(f.name, t) for f, t in states] + [("param_lowp", param_lowp)]
-    for name, t in sized:
-        if t is not None and t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
+    if grad.numel() != n:
+        _numel_error("grad", grad, n)
+    for field, t in states:
+        if t.numel() != n:
+            _numel_error(field.name, t, n)
+    if param_lowp is not None and param_lowp.numel() != n:
+        _numel_error("param_lowp", param_lowp, n)
     if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 1 \
             or float(step) != int(step):
         raise ValueError(f"step must be an integer >= 1, got {step!r}")
     check_threads(num_threads)
     return n
+
+
+def _numel_error(name: str, t: torch.Tensor, n: int) -> None:
+    raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
 
 
 def check_states(rule: Rule, states: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:

@@ -65,7 +65,8 @@ class RuleStepFace:
         """One step of ``rule`` over ``param`` and ``states`` ({field name: tensor}), in place."""
         rule = resolve_rule(rule)
         ordered = check_states(rule, states)
-        n = check_step_args(param, grad, zip(rule.fields, ordered), param_lowp, step, num_threads)
+        n = check_step_args(param, grad, tuple(zip(rule.fields, ordered)), param_lowp, step,
+                            num_threads)
         args = _adam_hyper(step, hyper)
         if n:
             self._adam(param, grad, ordered, param_lowp, num_threads, args)

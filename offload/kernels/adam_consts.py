@@ -67,6 +67,9 @@ def _sqrt(x: float) -> float:
     return math.sqrt(x) if x >= 0 or math.isnan(x) else _DEFAULT_NAN
 
 
+_make = tuple.__new__  # builds the NamedTuple without its keyword handling: ~0.2 us a call
+
+
 def fold_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
               step: int, decoupled: bool, bias_correction: bool = True,
               maximize: bool = False, grad_scale: float = 1.0) -> AdamConsts:
@@ -92,4 +95,5 @@ def fold_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: f
         # w - 1 in float32: exact in double for any float32 w below 2**52, so one rounding
         # gives the float32 difference
         f[3] = array("f", (w - 1.0,))[0]
-    return AdamConsts(*f, use_l2, from_end)
+    f += (use_l2, from_end)
+    return _make(AdamConsts, f)
