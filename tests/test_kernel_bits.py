@@ -135,3 +135,23 @@ def test_simd_units_give_identical_adam_bits(monkeypatch, grad, cfg):
             b = _run(native, monkeypatch, "avx512", n, DTYPES[grad], lowp, CONFIGS[cfg])
             for name, x, y in zip(("param", "exp_avg", "exp_avg_sq", "lowp"), a, b):
                 assert torch.equal(x, y), (n, lowp, name)
+
+
+def test_fold_cache_returns_what_folding_returns():
+    from offload.kernels.adam_consts import FoldCache
+    cache = FoldCache()
+    base = (1e-3, 0.9, 0.999, 1e-8, 0.0, 5, False, True, False, 1.0)
+    assert cache(base) == fold_adam(*base)
+    assert cache(base) is cache(base)  # the second call is a hit
+    # -0.0 == 0.0 in Python, but its sign reaches the kernel (l2 = -0.0): a different key
+    neg = base[:4] + (-0.0,) + base[5:]
+    assert _bits(cache(neg).l2) == 0x80000000 and _bits(cache(base).l2) == 0
+    # a step past 2**53 folds as float(step) does: what the key holds
+    for step in (2**53, 2**53 + 1, 6, 5):
+        h = base[:5] + (step,) + base[6:]
+        assert cache(h) == fold_adam(*h)
+    # arguments that are not plain numbers skip the cache; fold_adam reads or refuses them
+    h = (torch.tensor(1e-3),) + base[1:]
+    assert cache(h) == fold_adam(*base)
+    with pytest.raises(ValueError, match="could not convert string to float: 'fast'"):
+        cache(("fast",) + base[1:])

@@ -10,10 +10,11 @@ does not use it: it is the reference, and lets torch round its own scalars.
 from __future__ import annotations
 
 import math
+import struct
 from array import array
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
-__all__ = ["AdamConsts", "fold_adam"]
+__all__ = ["AdamConsts", "FoldCache", "fold_adam"]
 
 
 class AdamConsts(NamedTuple):
@@ -97,3 +98,32 @@ def fold_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: f
         f[3] = array("f", (w - 1.0,))[0]
     f += (use_l2, from_end)
     return _make(AdamConsts, f)
+
+
+class FoldCache:
+    """``fold_adam`` remembering its last result (passed through ``convert``), keyed by the
+    exact bits of its arguments as doubles: every param of one group in one step has the same
+    hyperparameters and step, so a step folds once per group instead of once per param (a
+    fold costs more than the rest of a tiny param's Python path). The key holds what the fold
+    reads (``float()`` of each number, the truth of each flag), so a hit returns what folding
+    would; -0.0 and 0.0 are different keys. Safe to share between threads: the cache is one
+    tuple, read and replaced whole."""
+
+    _KEY = struct.Struct("=10d")
+
+    def __init__(self, convert: Callable[[AdamConsts], Any] = lambda c: c) -> None:
+        self._convert = convert
+        self._last: Tuple[Optional[bytes], Any] = (None, None)
+
+    def __call__(self, hyper: tuple) -> Any:
+        """``convert(fold_adam(*hyper))``."""
+        try:
+            key = self._KEY.pack(*hyper)
+        except (struct.error, TypeError, ValueError, OverflowError):
+            return self._convert(fold_adam(*hyper))  # not plain numbers: fold_adam says why
+        last = self._last
+        if last[0] == key:
+            return last[1]
+        value = self._convert(fold_adam(*hyper))
+        self._last = (key, value)
+        return value

@@ -17,7 +17,7 @@ from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
 from ._native_abi import ADAM_STEP, StepArgs
 from ._rule_step import RULE_CODES, RuleStepFace
 from ._threads import resolve_threads
-from .adam_consts import fold_adam
+from .adam_consts import FoldCache
 from .fields import ADAM
 
 __all__ = ["NativeBackend", "LIB_PATH", "ISA_CODES", "load_library"]
@@ -80,6 +80,7 @@ class NativeBackend(RuleStepFace):
         self.supported = [n for n, c in ISA_CODES.items() if self._lib.offload_isa_supported(c)]
         self.best = ISA_NAMES[self._lib.offload_isa_best()]
         self._isa_cache = None  # (raw $OFFLOAD_ISA, resolved name): re-resolved when it changes
+        self._fold = FoldCache()
 
     def describe(self) -> str:
         return f"ok, ISA {self.isa()} (supported: {', '.join(self.supported)})"
@@ -111,7 +112,7 @@ class NativeBackend(RuleStepFace):
             raise OSError(-rc, f"{what} failed: {os.strerror(-rc)}")
 
     def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        c = fold_adam(*hyper)
+        c = self._fold(hyper)
         m, v = states
         if param_lowp is None:
             lowp_ptr, lowp_code = 0, -1

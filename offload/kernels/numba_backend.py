@@ -31,7 +31,7 @@ from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
 from ._numba_bits import bf16_to_float, float_to_bf16, float_to_half, half_to_float
 from ._rule_step import RuleStepFace
 from ._threads import resolve_threads
-from .adam_consts import fold_adam
+from .adam_consts import AdamConsts, FoldCache
 
 __all__ = ["NumbaBackend"]
 
@@ -196,19 +196,26 @@ def _threads_for(n: int, num_threads) -> int:
     return max(1, min(threads, numba.config.NUMBA_NUM_THREADS, n // _MIN_PER_THREAD))
 
 
+def _kernel_scalars(c: AdamConsts) -> tuple:
+    """The kernels' trailing arguments; numpy float32 scalars, so numba compiles float32
+    arithmetic (native/adam_scalar.cpp's)."""
+    f32 = np.float32
+    return (f32(c.grad_scale), c.use_l2, f32(c.l2), f32(c.decay), f32(c.lerp_coeff),
+            c.lerp_from_end, f32(c.beta2), f32(c.one_minus_beta2), f32(c.bc2_sqrt), f32(c.eps),
+            f32(c.neg_step_size))
+
+
 class NumbaBackend(RuleStepFace):
     name = "numba"
 
     def describe(self) -> str:
         return f"ok, numba {numba.__version__}"
 
+    def __init__(self) -> None:
+        self._fold = FoldCache(_kernel_scalars)
+
     def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        c = fold_adam(*hyper)
-        f32 = np.float32
-        # float32 scalars, so numba compiles float32 arithmetic (native/adam_scalar.cpp's)
-        args = (f32(c.grad_scale), c.use_l2, f32(c.l2), f32(c.decay), f32(c.lerp_coeff),
-                c.lerp_from_end, f32(c.beta2), f32(c.one_minus_beta2), f32(c.bc2_sqrt),
-                f32(c.eps), f32(c.neg_step_size))
+        args = self._fold(hyper)
         exp_avg, exp_avg_sq = states
         n = param.numel()
         p = param.view(-1).numpy()
