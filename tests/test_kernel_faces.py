@@ -15,7 +15,7 @@ import torch
 
 import offload.kernels as K
 from offload.kernels import native_backend, registry
-from offload.kernels._native_abi import ADAM_STEP, MAX_STATES, StepArgs
+from offload.kernels._native_abi import ADAM_CONSTS, ADAM_STEP, MAX_STATES, StepArgs
 from offload.kernels.adam_consts import fold_adam
 from offload.kernels.fields import ADAM, Rule, StateField
 
@@ -155,7 +155,7 @@ def test_packer_writes_the_fields_of_the_ctypes_mirror():
     c = fold_adam(lr=1e-3, beta1=0.3, beta2=0.99, eps=1e-8, weight_decay=0.1, step=5,
                   decoupled=False, maximize=True, grad_scale=0.5)
     raw = ADAM_STEP.pack(0, 2, 12345, 0x1000, 0, 0x2000, 2, 0x3000, 1, 0x4000, 0, 0x5000, 0,
-                         *c, 1, 3)
+                         ADAM_CONSTS.pack(*c), 1, 3)
     assert len(raw) == ctypes.sizeof(StepArgs)
     a = StepArgs.from_buffer_copy(raw)
     assert (a.rule, a.num_states, a.n, a.isa, a.num_threads) == (0, 2, 12345, 1, 3)

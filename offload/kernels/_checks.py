@@ -57,28 +57,25 @@ def check_grad_scale(grad_scale: object) -> None:
 def check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads, *,
                     contiguous: bool = True) -> int:
     """Validate one adam_step call; returns the element count."""
-    return check_step_args(param, grad, ((_EXP_AVG, exp_avg), (_EXP_AVG_SQ, exp_avg_sq)),
-                           param_lowp, step, num_threads, contiguous=contiguous)
+    return check_step_args(param, grad, ADAM.fields, (exp_avg, exp_avg_sq), param_lowp, step,
+                           num_threads, contiguous=contiguous)
 
 
-_EXP_AVG, _EXP_AVG_SQ = ADAM.fields
-
-
-def check_step_args(param, grad, states: Sequence[Tuple[StateField, torch.Tensor]], param_lowp,
-                    step, num_threads, *, contiguous: bool = True) -> int:
-    """Validate one step: ``states`` pairs each of the rule's fields with its tensor, which
-    must have the field's dtype and param's element count. Returns the element count.
+def check_step_args(param, grad, fields: Sequence[StateField], states: Sequence[torch.Tensor],
+                    param_lowp, step, num_threads, *, contiguous: bool = True) -> int:
+    """Validate one step: ``states[i]`` is the tensor of ``fields[i]``, which must have the
+    field's dtype and param's element count. Returns the element count.
     (Called once per param per step, also for tiny params: kept free of temporaries.)"""
     check_tensor("param", param, (torch.float32,), contiguous=contiguous)
     check_tensor("grad", grad, GRAD_DTYPES, contiguous=contiguous)
-    for field, t in states:
+    for field, t in zip(fields, states):
         check_tensor(field.name, t, (field.dtype,), contiguous=contiguous)
     if param_lowp is not None:
         check_tensor("param_lowp", param_lowp, LOWP_DTYPES, contiguous=contiguous)
     n = param.numel()
     if grad.numel() != n:
         _numel_error("grad", grad, n)
-    for field, t in states:
+    for field, t in zip(fields, states):
         if t.numel() != n:
             _numel_error(field.name, t, n)
     if param_lowp is not None and param_lowp.numel() != n:
@@ -94,15 +91,25 @@ def _numel_error(name: str, t: torch.Tensor, n: int) -> None:
     raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
 
 
-def check_states(rule: Rule, states: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+def check_states(rule: Rule, states: Mapping[str, torch.Tensor],
+                 names: Optional[Tuple[str, ...]] = None) -> Tuple[torch.Tensor, ...]:
     """The tensors of ``states`` (keyed by field name) in the order of ``rule.fields``; the
-    keys must be exactly the rule's field names."""
+    keys must be exactly the rule's field names (``names``, when the caller has them)."""
+    names = rule.names if names is None else names
+    try:
+        ordered = tuple([states[k] for k in names])
+        if len(states) == len(names):  # all names found, none other: the names are unique
+            return ordered
+    except KeyError:
+        pass
+    except TypeError:
+        if not isinstance(states, Mapping):
+            raise TypeError(f"states must be a mapping of state name to tensor, "
+                            f"got {type(states).__name__}") from None
+        raise
     if not isinstance(states, Mapping):
         raise TypeError(f"states must be a mapping of state name to tensor, got {type(states).__name__}")
-    names = rule.names
-    if len(states) != len(names) or any(k not in states for k in names):
-        missing = [k for k in names if k not in states]
-        extra = sorted(str(k) for k in states if k not in names)
-        raise ValueError(f"rule {rule.name!r} keeps the states {list(names)}; "
-                         f"missing {missing}, unexpected {extra}")
-    return tuple(states[k] for k in names)
+    missing = [k for k in names if k not in states]
+    extra = sorted(str(k) for k in states if k not in names)
+    raise ValueError(f"rule {rule.name!r} keeps the states {list(names)}; "
+                     f"missing {missing}, unexpected {extra}")

@@ -15,7 +15,7 @@ from typing import List, Tuple
 
 from .adam_consts import AdamConsts
 
-__all__ = ["Array", "AdamConstsC", "RuleConsts", "StepArgs", "MAX_STATES", "ADAM_STEP"]
+__all__ = ["Array", "AdamConstsC", "RuleConsts", "StepArgs", "MAX_STATES", "ADAM_STEP", "ADAM_CONSTS"]
 
 MAX_STATES = 4  # OFFLOAD_MAX_STATES
 
@@ -49,27 +49,37 @@ def _scalars(cls, base: int) -> List[Tuple[int, str]]:
 
 
 def _packer(num_states: int, consts_cls) -> struct.Struct:
-    """A Struct writing rule, num_states, n, param, grad, lowp, ``num_states`` states,
-    the rule's constants, isa and num_threads, in that order, at StepArgs' offsets; the
-    bytes it skips (padding, unused states, reserved constants) are zero."""
+    """A Struct writing rule, num_states, n, param, grad, lowp, ``num_states`` states, the
+    rule's constants (as the bytes ``consts_packer(consts_cls)`` makes), isa and num_threads,
+    in that order, at StepArgs' offsets; the bytes it skips (padding, unused states, reserved
+    constants) are zero."""
     s = StepArgs
     items = [(s.rule.offset, "i"), (s.num_states.offset, "i"), (s.n.offset, "q")]
     for name in ("param", "grad", "lowp"):
         items += _scalars(Array, getattr(s, name).offset)
     for k in range(num_states):
         items += _scalars(Array, s.states.offset + k * ctypes.sizeof(Array))
-    items += _scalars(consts_cls, s.consts.offset)
+    items += [(s.consts.offset, f"{ctypes.sizeof(consts_cls)}s")]
     items += [(s.isa.offset, "i"), (s.num_threads.offset, "i")]
+    return _struct(items, ctypes.sizeof(s))
+
+
+def consts_packer(consts_cls) -> struct.Struct:
+    """A Struct writing every field of ctypes struct ``consts_cls`` at its offset."""
+    return _struct(_scalars(consts_cls, 0), ctypes.sizeof(consts_cls))
+
+
+def _struct(items: List[Tuple[int, str]], size: int) -> struct.Struct:
     fmt, pos = "=", 0
     for offset, code in items:
         if offset < pos:
             raise RuntimeError(f"StepArgs fields out of order at offset {offset}")
         fmt += (f"{offset - pos}x" if offset > pos else "") + code
         pos = offset + struct.calcsize("=" + code)
-    fmt += f"{ctypes.sizeof(s) - pos}x"
-    return struct.Struct(fmt)
+    return struct.Struct(fmt + f"{size - pos}x")
 
 
 ADAM_STEP = _packer(2, AdamConstsC)
 """pack(rule, 2, n, param ptr, dtype, grad ptr, dtype, lowp ptr, dtype, exp_avg ptr, dtype,
-exp_avg_sq ptr, dtype, *AdamConsts, isa, num_threads) -> the bytes of one StepArgs."""
+exp_avg_sq ptr, dtype, ADAM_CONSTS.pack(*AdamConsts), isa, num_threads) -> one StepArgs."""
+ADAM_CONSTS = consts_packer(AdamConstsC)

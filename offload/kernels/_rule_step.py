@@ -9,20 +9,29 @@ neither pays for the other's argument form on the per-param hot path.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Tuple, Union
+from typing import Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from ._checks import check_adam_args, check_states, check_step_args
-from .fields import ADAM, RULES, Rule
+from .fields import ADAM, RULES, Rule, StateField
 
 __all__ = ["RULE_CODES", "RuleStepFace", "resolve_rule"]
 
 # rule -> its code in the native face (OFFLOAD_RULE_* in native/offload_native.h)
 RULE_CODES = {ADAM: 0}
 
-_ADAM_REQUIRED = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled")
-_ADAM_DEFAULTS = (("bias_correction", True), ("maximize", False), ("grad_scale", 1.0))
+
+class _Kernel(NamedTuple):
+    """What a step needs of its rule, computed once (a Rule's names are rebuilt per access)."""
+
+    rule: Rule
+    names: Tuple[str, ...]
+    fields: Tuple[StateField, ...]
+
+
+_KERNELS = {r: _Kernel(r, r.names, r.fields) for r in RULE_CODES}
+_ADAM_KERNEL = _KERNELS[ADAM]
 
 
 def resolve_rule(rule: Union[Rule, str]) -> Rule:
@@ -40,17 +49,22 @@ def resolve_rule(rule: Union[Rule, str]) -> Rule:
     return rule
 
 
-def _adam_hyper(step: int, hyper: Mapping[str, object]) -> tuple:
-    """``hyper`` as fold_adam's positional arguments; TypeError names what is missing or extra."""
-    missing = [k for k in _ADAM_REQUIRED if k not in hyper]
-    known = _ADAM_REQUIRED + tuple(k for k, _ in _ADAM_DEFAULTS)
-    extra = sorted(k for k in hyper if k not in known)
-    if missing or extra:
-        raise TypeError(f"rule 'adam' takes the hyperparameters {list(known)}; "
-                        f"missing {missing}, unexpected {extra}")
-    head = tuple(hyper[k] for k in _ADAM_REQUIRED[:5])
-    tail = tuple(hyper.get(k, d) for k, d in _ADAM_DEFAULTS)
-    return head + (step, hyper["decoupled"]) + tail
+def _adam_args(step, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction=True,
+               maximize=False, grad_scale=1.0) -> tuple:
+    """Adam's hyperparameters (keywords) as fold_adam's positional arguments."""
+    return (lr, beta1, beta2, eps, weight_decay, step, decoupled, bias_correction, maximize,
+            grad_scale)
+
+
+_ADAM_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "bias_correction",
+               "maximize", "grad_scale")
+
+
+def _hyper_error(hyper: Mapping[str, object]) -> TypeError:
+    missing = [k for k in _ADAM_HYPER[:6] if k not in hyper]
+    extra = sorted(k for k in hyper if k not in _ADAM_HYPER)
+    return TypeError(f"rule 'adam' takes the hyperparameters {list(_ADAM_HYPER)}; "
+                     f"missing {missing}, unexpected {extra}")
 
 
 class RuleStepFace:
@@ -63,11 +77,13 @@ class RuleStepFace:
                   param_lowp: Optional[torch.Tensor] = None, num_threads: Optional[int] = None,
                   **hyper) -> None:
         """One step of ``rule`` over ``param`` and ``states`` ({field name: tensor}), in place."""
-        rule = resolve_rule(rule)
-        ordered = check_states(rule, states)
-        n = check_step_args(param, grad, tuple(zip(rule.fields, ordered)), param_lowp, step,
-                            num_threads)
-        args = _adam_hyper(step, hyper)
+        k = _ADAM_KERNEL if rule is ADAM else _KERNELS[resolve_rule(rule)]
+        ordered = check_states(k.rule, states, k.names)
+        n = check_step_args(param, grad, k.fields, ordered, param_lowp, step, num_threads)
+        try:
+            args = _adam_args(step, **hyper)
+        except TypeError:
+            raise _hyper_error(hyper) from None
         if n:
             self._adam(param, grad, ordered, param_lowp, num_threads, args)
 

@@ -69,6 +69,7 @@ def _sqrt(x: float) -> float:
 
 
 _make = tuple.__new__  # builds the NamedTuple without its keyword handling: ~0.2 us a call
+_F9 = struct.Struct("=9f")
 
 
 def fold_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -76,28 +77,45 @@ def fold_adam(lr: float, beta1: float, beta2: float, eps: float, weight_decay: f
               maximize: bool = False, grad_scale: float = 1.0) -> AdamConsts:
     """Adam's (``decoupled``: AdamW's) scalars for ``step`` (1 on the first step).
 
-    Each value is the double torch computes, rounded once to float32 (C's double -> float
-    cast, which ``array("f")`` performs: round to nearest even, infinity past the range).
-    Python numbers, numpy scalars and one-element tensors are read with ``float()``."""
+    Each value is the double torch computes, rounded once to float32 as C's double -> float
+    cast rounds (to nearest even; an infinity past float32's range, where torch's scalars
+    would be infinite too). Degenerate hyperparameters (beta1 = 1, beta2 > 1, overflowing
+    powers) fold as IEEE arithmetic does, not as Python's exceptions. Python numbers, numpy
+    scalars and one-element tensors are read with ``float()``."""
     lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
     weight_decay, grad_scale = float(weight_decay), float(grad_scale)
     use_l2 = not decoupled and weight_decay != 0
     decay = 1.0 - lr * weight_decay if decoupled and weight_decay != 0 else 1.0
-    if bias_correction:
-        bc1 = 1.0 - _pow(beta1, float(step))
-        bc2 = 1.0 - _pow(beta2, float(step))
-    else:
-        bc1 = bc2 = 1.0
-    f = array("f", (-grad_scale if maximize else grad_scale, weight_decay, decay, 1.0 - beta1,
-                    beta2, 1.0 - beta2, _sqrt(bc2), eps, -_div(lr, bc1))).tolist()
+    head = (-grad_scale if maximize else grad_scale, weight_decay, decay, 1.0 - beta1, beta2,
+            1.0 - beta2)
+    try:  # the common case in plain Python arithmetic; it raises where IEEE would not
+        if bias_correction:
+            bc1 = 1.0 - beta1 ** float(step)
+            bc2 = 1.0 - beta2 ** float(step)
+        else:
+            bc1 = bc2 = 1.0
+        f = _F9.unpack(_F9.pack(*head, math.sqrt(bc2), eps, -(lr / bc1)))
+    except (OverflowError, ZeroDivisionError, ValueError):
+        f = _fold_ieee(head, lr, beta1, beta2, eps, step, bias_correction)
     w = f[3]
     from_end = not abs(w) < 0.5  # a NaN weight goes from the end, as in torch.lerp
     if from_end:
         # w - 1 in float32: exact in double for any float32 w below 2**52, so one rounding
         # gives the float32 difference
-        f[3] = array("f", (w - 1.0,))[0]
-    f += (use_l2, from_end)
-    return _make(AdamConsts, f)
+        f = f[:3] + (array("f", (w - 1.0,))[0],) + f[4:]
+    return _make(AdamConsts, f + (use_l2, from_end))
+
+
+def _fold_ieee(head: tuple, lr: float, beta1: float, beta2: float, eps: float, step: int,
+               bias_correction: bool) -> tuple:
+    """fold_adam's float32 values where Python raises (``struct`` refuses a finite double
+    past float32's range; ``array("f")`` rounds it to infinity as C does)."""
+    if bias_correction:
+        bc1 = 1.0 - _pow(beta1, float(step))
+        bc2 = 1.0 - _pow(beta2, float(step))
+    else:
+        bc1 = bc2 = 1.0
+    return tuple(array("f", head + (_sqrt(bc2), eps, -_div(lr, bc1))).tolist())
 
 
 class FoldCache:

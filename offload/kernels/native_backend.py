@@ -14,7 +14,7 @@ from typing import Tuple
 import torch
 
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
-from ._native_abi import ADAM_STEP, StepArgs
+from ._native_abi import ADAM_CONSTS, ADAM_STEP, StepArgs
 from ._rule_step import RULE_CODES, RuleStepFace
 from ._threads import resolve_threads
 from .adam_consts import FoldCache
@@ -80,7 +80,7 @@ class NativeBackend(RuleStepFace):
         self.supported = [n for n, c in ISA_CODES.items() if self._lib.offload_isa_supported(c)]
         self.best = ISA_NAMES[self._lib.offload_isa_best()]
         self._isa_cache = None  # (raw $OFFLOAD_ISA, resolved name): re-resolved when it changes
-        self._fold = FoldCache()
+        self._fold = FoldCache(lambda c: ADAM_CONSTS.pack(*c))  # the struct's bytes
 
     def describe(self) -> str:
         return f"ok, ISA {self.isa()} (supported: {', '.join(self.supported)})"
@@ -112,7 +112,7 @@ class NativeBackend(RuleStepFace):
             raise OSError(-rc, f"{what} failed: {os.strerror(-rc)}")
 
     def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        c = self._fold(hyper)
+        consts = self._fold(hyper)
         m, v = states
         if param_lowp is None:
             lowp_ptr, lowp_code = 0, -1
@@ -121,7 +121,7 @@ class NativeBackend(RuleStepFace):
         args = ADAM_STEP.pack(
             _ADAM_CODE, 2, param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
             GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, m.data_ptr(), _F32, v.data_ptr(), _F32,
-            *c, ISA_CODES[self.isa()], resolve_threads(num_threads))
+            consts, ISA_CODES[self.isa()], resolve_threads(num_threads))
         rc = self._lib.offload_rule_step(args)
         if rc != 0:
             self._check(rc, "offload_rule_step")
