@@ -2,7 +2,9 @@
 
 ctypes releases the GIL for the duration of each call, so I/O threads keep running while a
 sub-group is updated. The library holds no state; this wrapper only validates arguments,
-resolves the ISA (``OFFLOAD_ISA``) and the thread count, and passes raw pointers.
+resolves the ISA (``OFFLOAD_ISA``) and the thread count, and hands one step struct (raw
+pointers, dtypes and the folded constants: ``_native_abi``) to ``offload_rule_step``. A
+library whose ABI version or struct size differs from this package's is refused at load.
 """
 from __future__ import annotations
 
