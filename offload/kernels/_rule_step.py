@@ -9,7 +9,7 @@ neither pays for the other's argument form on the per-param hot path.
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -18,19 +18,37 @@ from .fields import ADAM, RULES, Rule, StateField
 
 __all__ = ["RULE_CODES", "RuleStepFace", "resolve_rule"]
 
-# rule -> its code in the native face (OFFLOAD_RULE_* in native/offload_native.h)
+# rule -> its code in the native face (OFFLOAD_RULE_* in native/offload_native.h); a new
+# rule is one entry here and one in _KERNELS, plus its method on each backend
 RULE_CODES = {ADAM: 0}
 
 
+def _adam_args(step, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction=True,
+               maximize=False, grad_scale=1.0) -> tuple:
+    """Adam's hyperparameters (keywords) as fold_adam's positional arguments."""
+    return (lr, beta1, beta2, eps, weight_decay, step, decoupled, bias_correction, maximize,
+            grad_scale)
+
+
 class _Kernel(NamedTuple):
-    """What a step needs of its rule, computed once (a Rule's names are rebuilt per access)."""
+    """What a step of one rule needs, computed once (a Rule's names are rebuilt per access)."""
 
     rule: Rule
     names: Tuple[str, ...]
     fields: Tuple[StateField, ...]
+    args: Callable[..., tuple]
+    """``args(step, **hyper)``: the rule's hyperparameters as its backend method takes them
+    (Python's own argument binding: the cheapest check per call)."""
+    hyper: Tuple[str, ...]
+    required: int
+    """The first ``required`` names of ``hyper`` have no default."""
+    method: str
+    """The backend method: ``method(param, grad, states, param_lowp, num_threads, args)``."""
 
 
-_KERNELS = {r: _Kernel(r, r.names, r.fields) for r in RULE_CODES}
+_KERNELS = {ADAM: _Kernel(ADAM, ADAM.names, ADAM.fields, _adam_args,
+                          ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled",
+                           "bias_correction", "maximize", "grad_scale"), 6, "_adam")}
 _ADAM_KERNEL = _KERNELS[ADAM]
 
 
@@ -42,35 +60,24 @@ def resolve_rule(rule: Union[Rule, str]) -> Rule:
         rule = RULES[rule]
     if not isinstance(rule, Rule):
         raise TypeError(f"rule must be an offload.kernels.fields.Rule or its name, got {type(rule).__name__}")
-    if rule not in RULE_CODES:
-        known = ", ".join(f"{r.name} {[f.describe() for f in r.fields]}" for r in RULE_CODES)
+    if rule not in _KERNELS:
+        known = ", ".join(f"{r.name} {[f.describe() for f in r.fields]}" for r in _KERNELS)
         raise ValueError(f"no kernel for rule {rule.name!r} with fields "
                          f"{[f.describe() for f in rule.fields]}; the kernels implement: {known}")
     return rule
 
 
-def _adam_args(step, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction=True,
-               maximize=False, grad_scale=1.0) -> tuple:
-    """Adam's hyperparameters (keywords) as fold_adam's positional arguments."""
-    return (lr, beta1, beta2, eps, weight_decay, step, decoupled, bias_correction, maximize,
-            grad_scale)
-
-
-_ADAM_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "bias_correction",
-               "maximize", "grad_scale")
-
-
-def _hyper_error(hyper: Mapping[str, object]) -> TypeError:
-    missing = [k for k in _ADAM_HYPER[:6] if k not in hyper]
-    extra = sorted(k for k in hyper if k not in _ADAM_HYPER)
-    return TypeError(f"rule 'adam' takes the hyperparameters {list(_ADAM_HYPER)}; "
+def _hyper_error(k: _Kernel, hyper: Mapping[str, object]) -> TypeError:
+    missing = [name for name in k.hyper[:k.required] if name not in hyper]
+    extra = sorted(name for name in hyper if name not in k.hyper)
+    return TypeError(f"rule {k.rule.name!r} takes the hyperparameters {list(k.hyper)}; "
                      f"missing {missing}, unexpected {extra}")
 
 
 class RuleStepFace:
-    """Mixin: a backend defines ``_adam(param, grad, states, param_lowp, num_threads, hyper)``,
-    called with checked, non-empty tensors, ``states`` in field order and ``hyper`` in
-    ``fold_adam``'s argument order."""
+    """Mixin: a backend defines each rule's method, for Adam ``_adam(param, grad, states,
+    param_lowp, num_threads, hyper)``, called with checked, non-empty tensors, ``states`` in
+    field order and ``hyper`` in ``fold_adam``'s argument order."""
 
     def rule_step(self, rule: Union[Rule, str], param: torch.Tensor, grad: torch.Tensor,
                   states: Mapping[str, torch.Tensor], *, step: int,
@@ -81,11 +88,11 @@ class RuleStepFace:
         ordered = check_states(k.rule, states, k.names)
         n = check_step_args(param, grad, k.fields, ordered, param_lowp, step, num_threads)
         try:
-            args = _adam_args(step, **hyper)
+            args = k.args(step, **hyper)
         except TypeError:
-            raise _hyper_error(hyper) from None
+            raise _hyper_error(k, hyper) from None
         if n:
-            self._adam(param, grad, ordered, param_lowp, num_threads, args)
+            getattr(self, k.method)(param, grad, ordered, param_lowp, num_threads, args)
 
     def adam_step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                   exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float,
