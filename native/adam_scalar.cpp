@@ -19,7 +19,8 @@ inline float load_grad(const void *g, int64_t i) {
     return bf16_to_float(static_cast<const uint16_t *>(g)[i]);
 }
 
-// Statement order follows torch's _single_tensor_adam (see dispatch.cpp for the scalars).
+// Statement order follows torch's _single_tensor_adam (the scalars are folded by
+// offload/kernels/adam_consts.py).
 template <int G, int L, bool L2, bool FROM_END>
 void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
     float *__restrict p = b.param;

@@ -172,53 +172,42 @@ int parallel_blocks(int64_t n, int threads, Fn fn) noexcept {
     }
 }
 
-}  // namespace
-
-extern "C" {
-
-int offload_abi_version(void) { return 1; }
-
-int offload_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
-
-int offload_isa_best(void) { return isa_best(); }
-
-int offload_adam_step(float *param, const void *grad, int grad_dtype, float *exp_avg,
-                      float *exp_avg_sq, void *param_lowp, int lowp_dtype, int64_t n, double lr,
-                      double beta1, double beta2, double eps, double weight_decay, int64_t step,
-                      int decoupled, int bias_correction, int maximize, double grad_scale,
-                      int isa, int num_threads) {
-    if (n < 0 || step < 1 || num_threads < 1 || !valid_dtype(grad_dtype)) return -EINVAL;
-    if (param_lowp != nullptr && lowp_dtype != OFFLOAD_F16 && lowp_dtype != OFFLOAD_BF16)
-        return -EINVAL;
-    int run_isa = resolve_isa(isa);
-    if (run_isa < 0) return run_isa;
-    if (n == 0) return 0;
-    if (!param || !grad || !exp_avg || !exp_avg_sq) return -EINVAL;
-
-    // Scalars as torch's _single_tensor_adam forms them: Python doubles, rounded to float
-    // where they meet a float32 tensor. beta^step uses the same libm pow as Python's float **.
+// The kernel's copy of the folded constants (offload/kernels/adam_consts.py folds them).
+AdamConsts adam_consts(const offload_adam_consts &k) {
     AdamConsts c;
-    double gs = maximize ? -grad_scale : grad_scale;
-    c.grad_scale = static_cast<float>(gs);
-    c.use_l2 = !decoupled && weight_decay != 0.0;
-    c.l2 = static_cast<float>(weight_decay);
-    c.decay = (decoupled && weight_decay != 0.0) ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
-    float w = static_cast<float>(1.0 - beta1);  // torch.lerp weight
-    c.lerp_from_end = !(std::fabs(w) < 0.5f);
-    c.lerp_coeff = c.lerp_from_end ? w - 1.0f : w;
-    c.beta2 = static_cast<float>(beta2);
-    c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-    double bc1 = 1.0, bc2 = 1.0;
-    if (bias_correction) {
-        bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-        bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-    }
-    c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-    c.eps = static_cast<float>(eps);
-    c.neg_step_size = static_cast<float>(-(lr / bc1));
+    c.grad_scale = k.grad_scale;
+    c.l2 = k.l2;
+    c.decay = k.decay;
+    c.lerp_coeff = k.lerp_coeff;
+    c.beta2 = k.beta2;
+    c.one_minus_beta2 = k.one_minus_beta2;
+    c.bc2_sqrt = k.bc2_sqrt;
+    c.eps = k.eps;
+    c.neg_step_size = k.neg_step_size;
+    c.use_l2 = k.use_l2 != 0;
+    c.lerp_from_end = k.lerp_from_end != 0;
+    return c;
+}
 
-    AdamBuffers b{param, grad, exp_avg, exp_avg_sq, param_lowp, grad_dtype,
-                  param_lowp ? lowp_dtype : -1, param_lowp && n >= kStreamLowpMin};
+bool adam_args_valid(const offload_step_args &a) {
+    if (a.num_states != 2 || a.param.dtype != OFFLOAD_F32 || !valid_dtype(a.grad.dtype))
+        return false;
+    if (a.states[0].dtype != OFFLOAD_F32 || a.states[1].dtype != OFFLOAD_F32) return false;
+    return a.lowp.data == nullptr || a.lowp.dtype == OFFLOAD_F16 || a.lowp.dtype == OFFLOAD_BF16;
+}
+
+int adam_rule_step(const offload_step_args &a) {
+    if (!adam_args_valid(a)) return -EINVAL;
+    int run_isa = resolve_isa(a.isa);
+    if (run_isa < 0) return run_isa;
+    const int64_t n = a.n;
+    if (n == 0) return 0;
+    if (!a.param.data || !a.grad.data || !a.states[0].data || !a.states[1].data) return -EINVAL;
+    const AdamConsts c = adam_consts(a.consts.adam);
+    void *lowp = a.lowp.data;
+    AdamBuffers b{static_cast<float *>(a.param.data), a.grad.data,
+                  static_cast<float *>(a.states[0].data), static_cast<float *>(a.states[1].data),
+                  lowp, a.grad.dtype, lowp ? a.lowp.dtype : -1, lowp && n >= kStreamLowpMin};
     auto fn = [&c, &b, run_isa](int64_t begin, int64_t end, int64_t) -> int {
         switch (run_isa) {
             case OFFLOAD_ISA_AVX512: return adam_range_avx512(c, b, begin, end);
@@ -226,7 +215,27 @@ int offload_adam_step(float *param, const void *grad, int grad_dtype, float *exp
             default: return adam_range_scalar(c, b, begin, end);
         }
     };
-    return parallel_blocks(n, threads_for(n, num_threads), fn);
+    return parallel_blocks(n, threads_for(n, a.num_threads), fn);
+}
+
+}  // namespace
+
+extern "C" {
+
+int offload_abi_version(void) { return 2; }
+
+int64_t offload_step_args_size(void) { return static_cast<int64_t>(sizeof(offload_step_args)); }
+
+int offload_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
+
+int offload_isa_best(void) { return isa_best(); }
+
+int offload_rule_step(const offload_step_args *a) {
+    if (a == nullptr || a->n < 0 || a->num_threads < 1) return -EINVAL;
+    switch (a->rule) {
+        case OFFLOAD_RULE_ADAM: return adam_rule_step(*a);
+        default: return -EINVAL;
+    }
 }
 
 int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_sumsq,

@@ -11,7 +11,8 @@
 
 namespace offload {
 
-// Scalars of one step, already rounded to float the way torch rounds its Python scalars.
+// Scalars of one step, already rounded to float the way torch rounds its Python scalars
+// (folded once, in offload/kernels/adam_consts.py; dispatch.cpp copies them from the C face).
 struct AdamConsts {
     float grad_scale;    // grad multiplier, negated when maximize
     float l2;            // weight decay folded into the grad (Adam), used when use_l2

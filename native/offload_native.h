@@ -1,8 +1,8 @@
 /* offload native kernels: the C face loaded by offload/kernels/native_backend.py (ctypes).
  *
- * Plain functions over raw pointers and scalars. No hidden state: the step number and every
- * hyperparameter arrive as arguments. Every function returns 0 or a negative errno and never
- * throws. No libtorch, no Python C API.
+ * Plain functions over raw pointers, scalars and plain structs. No hidden state: every
+ * constant of a step arrives as an argument. Every function returns 0 or a negative errno
+ * and never throws. No libtorch, no Python C API.
  */
 #ifndef OFFLOAD_NATIVE_H
 #define OFFLOAD_NATIVE_H
@@ -27,19 +27,69 @@ OFFLOAD_API int offload_isa_best(void);
 /* ABI version of this face; the Python side refuses a library whose version differs. */
 OFFLOAD_API int offload_abi_version(void);
 
-/* One Adam / AdamW step over n elements, torch.optim.Adam(foreach=False) numerics.
- * param, exp_avg, exp_avg_sq: fp32, updated in place. grad: grad_dtype, read only.
- * param_lowp: NULL or lowp_dtype (F16/BF16), receives the round-to-nearest-even copy of the
- * updated param. g = float(grad) * grad_scale, negated if maximize; decoupled != 0 is AdamW
- * decay (p *= 1 - lr*wd), else L2 (g += wd*p). bias_correction == 0 uses bc1 = bc2 = 1.
- * num_threads >= 1: threads are spawned for this call only, when n is large enough.
- * Returns 0, -EINVAL (bad argument), -ENOTSUP (isa not supported by this CPU). */
-OFFLOAD_API int offload_adam_step(float *param, const void *grad, int grad_dtype,
-                                  float *exp_avg, float *exp_avg_sq, void *param_lowp,
-                                  int lowp_dtype, int64_t n, double lr, double beta1,
-                                  double beta2, double eps, double weight_decay, int64_t step,
-                                  int decoupled, int bias_correction, int maximize,
-                                  double grad_scale, int isa, int num_threads);
+/* Optimizer rules a step can apply; the codes of offload.kernels.fields.RULES. */
+enum { OFFLOAD_RULE_ADAM = 0 };
+/* The most per-element states a rule may keep (Adam keeps two). */
+#define OFFLOAD_MAX_STATES 4
+
+/* One typed array of the step's n elements: a raw pointer and its element type. */
+struct offload_array {
+    void *data;
+    int32_t dtype; /* OFFLOAD_F32, OFFLOAD_F16, OFFLOAD_BF16 */
+};
+
+/* Adam's scalars for one step, folded by the caller (offload/kernels/adam_consts.py) and
+ * already rounded to float the way torch rounds its Python scalars; the kernel only reads
+ * them. g = float(grad) * grad_scale (negated for maximize); g += l2 * p when use_l2;
+ * p *= decay; exp_avg = lerp(exp_avg, g, w) as torch.lerp computes it (lerp_coeff = w, or
+ * w - 1 from the end when lerp_from_end); exp_avg_sq = exp_avg_sq * beta2 +
+ * one_minus_beta2 * g * g; p += neg_step_size * exp_avg / (sqrt(exp_avg_sq) / bc2_sqrt + eps). */
+struct offload_adam_consts {
+    float grad_scale;
+    float l2;
+    float decay;
+    float lerp_coeff;
+    float beta2;
+    float one_minus_beta2;
+    float bc2_sqrt;
+    float eps;
+    float neg_step_size;
+    int32_t use_l2;        /* 0 or 1 */
+    int32_t lerp_from_end; /* 0 or 1 */
+};
+
+/* A rule's constants; the reserved bytes keep the size fixed as rules are added. */
+union offload_rule_consts {
+    struct offload_adam_consts adam;
+    double reserved[8];
+};
+
+/* Everything one step of one rule over n elements needs. offload_step_args_size() reports
+ * sizeof(struct offload_step_args) so a caller can refuse a library of another layout. */
+struct offload_step_args {
+    int32_t rule;                  /* OFFLOAD_RULE_* */
+    int32_t num_states;            /* entries of states[] the rule reads: 2 for Adam */
+    int64_t n;                     /* elements of every array below */
+    struct offload_array param;    /* F32, updated in place */
+    struct offload_array grad;     /* any dtype, read only */
+    struct offload_array lowp;     /* data NULL: none; else F16/BF16, receives the
+                                      round-to-nearest-even copy of the updated param */
+    struct offload_array states[OFFLOAD_MAX_STATES]; /* the rule's fields, in the order of
+                                      offload.kernels.fields (Adam: exp_avg, exp_avg_sq, F32),
+                                      updated in place */
+    union offload_rule_consts consts;
+    int32_t isa;                   /* OFFLOAD_ISA_* */
+    int32_t num_threads;           /* >= 1; threads are spawned for this call only, when n is
+                                      large enough */
+};
+
+/* sizeof(struct offload_step_args) as this library was compiled. */
+OFFLOAD_API int64_t offload_step_args_size(void);
+
+/* One step of rule a->rule (torch.optim.Adam(foreach=False) numerics for Adam / AdamW).
+ * Returns 0, -EINVAL (bad argument: unknown rule, state count, dtype, n < 0, NULL pointer),
+ * -ENOTSUP (isa not supported by this CPU). */
+OFFLOAD_API int offload_rule_step(const struct offload_step_args *a);
 
 /* Sum of squares of float(grad[0..n)) accumulated in double, and whether any element is
  * NaN or Inf, in one pass. */

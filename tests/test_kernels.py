@@ -637,24 +637,40 @@ def test_isa_info():
 
 @needs_native
 def test_c_face_returns_negative_errno():
+    from offload.kernels._native_abi import StepArgs
     lib = K.get_backend("native")._lib
     p, g, m, v = _args()
-    ptrs = [t.data_ptr() for t in (p, g, m, v)]
-    hp = (1e-3, 0.9, 0.999, 1e-8, 0.0)
 
-    def call(grad_dtype=0, lowp=None, lowp_dtype=-1, n=8, step=1, isa=-1, threads=1):
-        return lib.offload_adam_step(ptrs[0], ptrs[1], grad_dtype, ptrs[2], ptrs[3], lowp,
-                                     lowp_dtype, n, *hp, step, 1, 1, 0, 1.0, isa, threads)
+    def call(**fields):
+        """offload_rule_step on a valid Adam step of 8 elements with ``fields`` changed
+        ("grad.dtype": 7 sets a.grad.dtype)."""
+        a = StepArgs(rule=0, num_states=2, n=8, isa=-1, num_threads=1)
+        a.param.data, a.grad.data = p.data_ptr(), g.data_ptr()
+        a.states[0].data, a.states[1].data = m.data_ptr(), v.data_ptr()
+        a.consts.adam.bc2_sqrt = a.consts.adam.decay = 1.0
+        for path, value in fields.items():
+            *outer, last = path.split(".")
+            obj = a
+            for name in outer:
+                obj = obj[int(name)] if name.isdigit() else getattr(obj, name)
+            setattr(obj, last, value)
+        return lib.offload_rule_step(bytes(a))
 
     assert call() == 0
-    assert call(grad_dtype=7) == -errno.EINVAL
-    assert call(lowp=ptrs[0], lowp_dtype=0) == -errno.EINVAL
+    assert call(**{"grad.dtype": 7}) == -errno.EINVAL
+    assert call(**{"lowp.data": p.data_ptr(), "lowp.dtype": 0}) == -errno.EINVAL
+    assert call(**{"param.dtype": 2}) == -errno.EINVAL
+    assert call(**{"states.1.dtype": 2}) == -errno.EINVAL  # Adam's states are fp32
+    assert call(**{"states.0.data": None}) == -errno.EINVAL
+    assert call(**{"states.0.data": None, "n": 0}) == 0  # nothing to touch
+    assert call(num_states=3) == -errno.EINVAL
+    assert call(rule=1) == -errno.EINVAL
     assert call(n=-1) == -errno.EINVAL
-    assert call(step=0) == -errno.EINVAL
-    assert call(threads=0) == -errno.EINVAL
+    assert call(num_threads=0) == -errno.EINVAL
     assert call(isa=9) == -errno.EINVAL
+    assert lib.offload_rule_step(None) == -errno.EINVAL
     out, flag = ctypes.c_double(), ctypes.c_int()
-    assert lib.offload_grad_sumsq(ptrs[1], 5, 8, ctypes.byref(out), ctypes.byref(flag),
+    assert lib.offload_grad_sumsq(g.data_ptr(), 5, 8, ctypes.byref(out), ctypes.byref(flag),
                                   -1, 1) == -errno.EINVAL
     for isa in range(3):
         if not lib.offload_isa_supported(isa):

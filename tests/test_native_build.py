@@ -81,4 +81,4 @@ def test_library_exports_only_the_c_face():
                          check=True).stdout
     names = {line.split()[-1] for line in out.splitlines() if " T " in line}
     assert names == {"offload_abi_version", "offload_isa_supported", "offload_isa_best",
-                     "offload_adam_step", "offload_grad_sumsq"}
+                     "offload_step_args_size", "offload_rule_step", "offload_grad_sumsq"}

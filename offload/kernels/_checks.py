@@ -7,11 +7,14 @@ and the offending value.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Mapping, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["GRAD_DTYPES", "LOWP_DTYPES", "check_adam_args", "check_grad_scale", "check_tensor", "check_threads"]
+from .fields import ADAM, Rule, StateField
+
+__all__ = ["GRAD_DTYPES", "LOWP_DTYPES", "check_adam_args", "check_grad_scale", "check_states",
+           "check_step_args", "check_tensor", "check_threads"]
 
 # dtype -> code understood by native/ and the numba backend (keep in sync with offload_native.h)
 GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -54,19 +57,59 @@ def check_grad_scale(grad_scale: object) -> None:
 def check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads, *,
                     contiguous: bool = True) -> int:
     """Validate one adam_step call; returns the element count."""
+    return check_step_args(param, grad, ADAM.fields, (exp_avg, exp_avg_sq), param_lowp, step,
+                           num_threads, contiguous=contiguous)
+
+
+def check_step_args(param, grad, fields: Sequence[StateField], states: Sequence[torch.Tensor],
+                    param_lowp, step, num_threads, *, contiguous: bool = True) -> int:
+    """Validate one step: ``states[i]`` is the tensor of ``fields[i]``, which must have the
+    field's dtype and param's element count. Returns the element count.
+    (Called once per param per step, also for tiny params: kept free of temporaries.)"""
     check_tensor("param", param, (torch.float32,), contiguous=contiguous)
     check_tensor("grad", grad, GRAD_DTYPES, contiguous=contiguous)
-    check_tensor("exp_avg", exp_avg, (torch.float32,), contiguous=contiguous)
-    check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), contiguous=contiguous)
+    for field, t in zip(fields, states):
+        check_tensor(field.name, t, (field.dtype,), contiguous=contiguous)
     if param_lowp is not None:
         check_tensor("param_lowp", param_lowp, LOWP_DTYPES, contiguous=contiguous)
     n = param.numel()
-    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
-                    ("param_lowp", param_lowp)):
-        if t is not None and t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
+    if grad.numel() != n:
+        _numel_error("grad", grad, n)
+    for field, t in zip(fields, states):
+        if t.numel() != n:
+            _numel_error(field.name, t, n)
+    if param_lowp is not None and param_lowp.numel() != n:
+        _numel_error("param_lowp", param_lowp, n)
     if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 1 \
             or float(step) != int(step):
         raise ValueError(f"step must be an integer >= 1, got {step!r}")
     check_threads(num_threads)
     return n
+
+
+def _numel_error(name: str, t: torch.Tensor, n: int) -> None:
+    raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
+
+
+def check_states(rule: Rule, states: Mapping[str, torch.Tensor],
+                 names: Optional[Tuple[str, ...]] = None) -> Tuple[torch.Tensor, ...]:
+    """The tensors of ``states`` (keyed by field name) in the order of ``rule.fields``; the
+    keys must be exactly the rule's field names (``names``, when the caller has them)."""
+    names = rule.names if names is None else names
+    try:
+        ordered = tuple([states[k] for k in names])
+        if len(states) == len(names):  # all names found, none other: the names are unique
+            return ordered
+    except KeyError:
+        pass
+    except TypeError:
+        if not isinstance(states, Mapping):
+            raise TypeError(f"states must be a mapping of state name to tensor, "
+                            f"got {type(states).__name__}") from None
+        raise
+    if not isinstance(states, Mapping):
+        raise TypeError(f"states must be a mapping of state name to tensor, got {type(states).__name__}")
+    missing = [k for k in names if k not in states]
+    extra = sorted(str(k) for k in states if k not in names)
+    raise ValueError(f"rule {rule.name!r} keeps the states {list(names)}; "
+                     f"missing {missing}, unexpected {extra}")

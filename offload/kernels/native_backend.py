@@ -2,7 +2,9 @@
 
 ctypes releases the GIL for the duration of each call, so I/O threads keep running while a
 sub-group is updated. The library holds no state; this wrapper only validates arguments,
-resolves the ISA (``OFFLOAD_ISA``) and the thread count, and passes raw pointers.
+resolves the ISA (``OFFLOAD_ISA``) and the thread count, and hands one step struct (raw
+pointers, dtypes and the folded constants: ``_native_abi``) to ``offload_rule_step``. A
+library whose ABI version or struct size differs from this package's is refused at load.
 """
 from __future__ import annotations
 
@@ -11,18 +13,26 @@ import errno
 import os
 from typing import Tuple
 
-from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_adam_args, check_tensor, check_threads
+import torch
+
+from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
+from ._native_abi import ADAM_CONSTS, ADAM_STEP, StepArgs
+from ._rule_step import RULE_CODES, RuleStepFace
 from ._threads import resolve_threads
+from .adam_consts import FoldCache
+from .fields import ADAM
 
 __all__ = ["NativeBackend", "LIB_PATH", "ISA_CODES", "load_library"]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_PATH = os.path.join(HERE, "liboffload_native.so")
 ERROR_PATH = os.path.join(HERE, "native_build_error.txt")
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 ISA_NAMES = {v: k for k, v in ISA_CODES.items()}
+_ADAM_CODE = RULE_CODES[ADAM]
+_F32 = GRAD_DTYPES[torch.float32]
 
 _c_int, _c_i64, _c_dbl, _vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 
@@ -50,18 +60,21 @@ def load_library() -> ctypes.CDLL:
     lib.offload_isa_supported.argtypes = [_c_int]
     lib.offload_isa_best.restype = _c_int
     lib.offload_isa_best.argtypes = []
-    lib.offload_adam_step.restype = _c_int
-    lib.offload_adam_step.argtypes = [
-        _vp, _vp, _c_int, _vp, _vp, _vp, _c_int, _c_i64,  # buffers, n
-        _c_dbl, _c_dbl, _c_dbl, _c_dbl, _c_dbl, _c_i64,   # lr b1 b2 eps wd step
-        _c_int, _c_int, _c_int, _c_dbl, _c_int, _c_int]   # flags, grad_scale, isa, threads
+    lib.offload_step_args_size.restype = _c_i64
+    lib.offload_step_args_size.argtypes = []
+    if lib.offload_step_args_size() != ctypes.sizeof(StepArgs):
+        raise OSError(errno.ENOEXEC, f"{LIB_PATH}: its struct offload_step_args has "
+                      f"{lib.offload_step_args_size()} bytes, this package's mirror "
+                      f"{ctypes.sizeof(StepArgs)}; rebuild the library", LIB_PATH)
+    lib.offload_rule_step.restype = _c_int
+    lib.offload_rule_step.argtypes = [ctypes.c_char_p]  # the packed bytes of one StepArgs
     lib.offload_grad_sumsq.restype = _c_int
     lib.offload_grad_sumsq.argtypes = [_vp, _c_int, _c_i64, ctypes.POINTER(_c_dbl),
                                        ctypes.POINTER(_c_int), _c_int, _c_int]
     return lib
 
 
-class NativeBackend:
+class NativeBackend(RuleStepFace):
     name = "native"
 
     def __init__(self) -> None:
@@ -69,6 +82,7 @@ class NativeBackend:
         self.supported = [n for n, c in ISA_CODES.items() if self._lib.offload_isa_supported(c)]
         self.best = ISA_NAMES[self._lib.offload_isa_best()]
         self._isa_cache = None  # (raw $OFFLOAD_ISA, resolved name): re-resolved when it changes
+        self._fold = FoldCache(lambda c: ADAM_CONSTS.pack(*c))  # the struct's bytes
 
     def describe(self) -> str:
         return f"ok, ISA {self.isa()} (supported: {', '.join(self.supported)})"
@@ -99,22 +113,20 @@ class NativeBackend:
         if rc != 0:
             raise OSError(-rc, f"{what} failed: {os.strerror(-rc)}")
 
-    def adam_step(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
-                  weight_decay, step, decoupled, bias_correction=True, maximize=False,
-                  grad_scale=1.0, param_lowp=None, num_threads=None) -> None:
-        n = check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads)
-        if n == 0:
-            return
-        isa = ISA_CODES[self.isa()]
-        lowp_ptr = param_lowp.data_ptr() if param_lowp is not None else None
-        lowp_code = LOWP_DTYPES[param_lowp.dtype] if param_lowp is not None else -1
-        rc = self._lib.offload_adam_step(
-            param.data_ptr(), grad.data_ptr(), GRAD_DTYPES[grad.dtype], exp_avg.data_ptr(),
-            exp_avg_sq.data_ptr(), lowp_ptr, lowp_code, n, float(lr), float(beta1),
-            float(beta2), float(eps), float(weight_decay), int(step), bool(decoupled),
-            bool(bias_correction), bool(maximize), float(grad_scale), isa,
-            resolve_threads(num_threads))
-        self._check(rc, "offload_adam_step")
+    def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        consts = self._fold(hyper)
+        m, v = states
+        if param_lowp is None:
+            lowp_ptr, lowp_code = 0, -1
+        else:
+            lowp_ptr, lowp_code = param_lowp.data_ptr(), LOWP_DTYPES[param_lowp.dtype]
+        args = ADAM_STEP.pack(
+            _ADAM_CODE, 2, param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
+            GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, m.data_ptr(), _F32, v.data_ptr(), _F32,
+            consts, ISA_CODES[self.isa()], resolve_threads(num_threads))
+        rc = self._lib.offload_rule_step(args)
+        if rc != 0:
+            self._check(rc, "offload_rule_step")
 
     def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)

@@ -27,9 +27,11 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_adam_args, check_tensor, check_threads
+from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
 from ._numba_bits import bf16_to_float, float_to_bf16, float_to_half, half_to_float
+from ._rule_step import RuleStepFace
 from ._threads import resolve_threads
+from .adam_consts import AdamConsts, FoldCache
 
 __all__ = ["NumbaBackend"]
 
@@ -194,33 +196,28 @@ def _threads_for(n: int, num_threads) -> int:
     return max(1, min(threads, numba.config.NUMBA_NUM_THREADS, n // _MIN_PER_THREAD))
 
 
-class NumbaBackend:
+def _kernel_scalars(c: AdamConsts) -> tuple:
+    """The kernels' trailing arguments; numpy float32 scalars, so numba compiles float32
+    arithmetic (native/adam_scalar.cpp's)."""
+    f32 = np.float32
+    return (f32(c.grad_scale), c.use_l2, f32(c.l2), f32(c.decay), f32(c.lerp_coeff),
+            c.lerp_from_end, f32(c.beta2), f32(c.one_minus_beta2), f32(c.bc2_sqrt), f32(c.eps),
+            f32(c.neg_step_size))
+
+
+class NumbaBackend(RuleStepFace):
     name = "numba"
 
     def describe(self) -> str:
         return f"ok, numba {numba.__version__}"
 
-    def adam_step(self, param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
-                  weight_decay, step, decoupled, bias_correction=True, maximize=False,
-                  grad_scale=1.0, param_lowp=None, num_threads=None) -> None:
-        n = check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads)
-        if n == 0:
-            return
-        f32 = np.float32
-        # Scalars rounded to float32 as torch rounds its Python scalars (native/dispatch.cpp).
-        gs = f32(-grad_scale if maximize else grad_scale)
-        use_l2 = (not decoupled) and weight_decay != 0
-        decay = f32(1 - lr * weight_decay) if (decoupled and weight_decay != 0) else f32(1)
-        w = f32(1 - beta1)
-        from_end = not abs(w) < 0.5
-        coeff = f32(w - f32(1)) if from_end else w
-        if bias_correction:
-            bc1 = 1 - beta1 ** float(step)
-            bc2 = 1 - beta2 ** float(step)
-        else:
-            bc1 = bc2 = 1.0
-        args = (gs, use_l2, f32(weight_decay), decay, coeff, from_end, f32(beta2),
-                f32(1 - beta2), f32(math.sqrt(bc2)), f32(eps), f32(-(lr / bc1)))
+    def __init__(self) -> None:
+        self._fold = FoldCache(_kernel_scalars)
+
+    def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        args = self._fold(hyper)
+        exp_avg, exp_avg_sq = states
+        n = param.numel()
         p = param.view(-1).numpy()
         m = exp_avg.view(-1).numpy()
         v = exp_avg_sq.view(-1).numpy()

@@ -14,25 +14,23 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._checks import check_adam_args, check_tensor, check_threads, GRAD_DTYPES
+from ._checks import check_tensor, check_threads, GRAD_DTYPES
+from ._rule_step import RuleStepFace
 
 __all__ = ["TorchBackend"]
 
 _CHUNK = 1 << 20  # elements upcast to double at a time by grad_sumsq
 
 
-class TorchBackend:
+class TorchBackend(RuleStepFace):
     name = "torch"
 
-    def adam_step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                  exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float,
-                  eps: float, weight_decay: float, step: int, decoupled: bool,
-                  bias_correction: bool = True, maximize: bool = False,
-                  grad_scale: float = 1.0, param_lowp: Optional[torch.Tensor] = None,
-                  num_threads: Optional[int] = None) -> None:
-        n = check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads)
-        if n == 0:
-            return
+    def _adam(self, param: torch.Tensor, grad: torch.Tensor, states: Tuple[torch.Tensor, ...],
+              param_lowp: Optional[torch.Tensor], num_threads: Optional[int], hyper: tuple) -> None:
+        # the hyperparameters as given: torch rounds its own Python scalars (no fold_adam)
+        lr, beta1, beta2, eps, weight_decay, step, decoupled, bias_correction, maximize, \
+            grad_scale = hyper
+        exp_avg, exp_avg_sq = states
         p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
         g = grad.view(-1).float()
         if grad_scale != 1.0:

@@ -13,6 +13,7 @@ import torch
 
 from offload.kernels import get_backend
 from offload.kernels._checks import check_adam_args, check_grad_scale
+from offload.kernels.fields import ADAM
 
 __all__ = ["AdamHyper", "adam_step"]
 
@@ -76,9 +77,9 @@ def adam_step(
         lowp = params_lowp[i] if params_lowp is not None else None
         flat = [_flat(t) for t in (p, g, m, v)]
         flat_lowp = _flat(lowp) if lowp is not None else None
-        kernel.adam_step(
-            flat[0], flat[1], flat[2], flat[3], param_lowp=flat_lowp,
-            num_threads=num_threads, **hyper.kernel_kwargs(int(steps[i])),
+        kernel.rule_step(
+            ADAM, flat[0], flat[1], {"exp_avg": flat[2], "exp_avg_sq": flat[3]},
+            param_lowp=flat_lowp, num_threads=num_threads, **hyper.kernel_kwargs(int(steps[i])),
         )
         # A non-contiguous tensor was updated through a copy: write it back.
         for orig, tmp in ((p, flat[0]), (m, flat[2]), (v, flat[3])):

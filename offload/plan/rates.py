@@ -86,7 +86,7 @@ def _num(v: Any) -> Optional[float]:
 class KernelProbe:
     """``numel`` fp32 params with grads and moments, ready to time one Adam step at a time.
 
-    ``time_once()`` runs one ``offload.kernels`` ``adam_step`` (torch's fused AdamW when the
+    ``time_once()`` runs one ``offload.kernels`` Adam ``rule_step`` (torch's fused AdamW when the
     kernels package is missing or fails to load; ``source`` says which) and returns seconds.
     Reusable, so a benchmark can interleave probe steps with the steps it predicts.
     """
@@ -105,7 +105,9 @@ class KernelProbe:
         self._threads = num_threads
         try:
             from offload.kernels import get_backend
+            from offload.kernels.fields import ADAM
             self._b = get_backend(backend)
+            self._rule, self._states = ADAM, {"exp_avg": self._m, "exp_avg_sq": self._v}
             self.source = f"{self._b.name} adam_step"
         except ImportError as exc:
             self._b, self.source = None, f"torch AdamW(fused=True) (offload.kernels unavailable: {exc})"
@@ -123,7 +125,7 @@ class KernelProbe:
         self._step += 1
         t0 = time.perf_counter()
         if self._b is not None:
-            self._b.adam_step(self._p, self._g, self._m, self._v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+            self._b.rule_step(self._rule, self._p, self._g, self._states, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                               weight_decay=0.01, step=self._step, decoupled=True, num_threads=self._threads)
         else:
             self._opt.step()
@@ -134,7 +136,7 @@ def probe_kernel_rate(numel: int = 10_000_000, *, repeats: int = 5, num_threads:
                       backend: Optional[str] = None) -> Rate:
     """Gparam/s of one Adam step on ``numel`` fp32 params: median of ``repeats`` after a warm-up.
 
-    Times ``offload.kernels.get_backend().adam_step``; without the kernels package (or if it
+    Times ``offload.kernels.get_backend().rule_step(ADAM, ...)``; without the kernels package (or if it
     fails to load) torch's fused AdamW, and the source says so: the prediction then describes
     torch, not this engine.
     """

@@ -1,0 +1,86 @@
+"""The native library's step struct, mirrored in ctypes, and its fast packer.
+
+``StepArgs`` mirrors ``struct offload_step_args`` (native/offload_native.h) field for field;
+``native_backend`` refuses a library whose ``offload_step_args_size()`` differs from
+``ctypes.sizeof(StepArgs)``. Filling a ctypes Structure takes one Python attribute store per
+field and a temporary object per nested struct, a visible share of a tiny param's step (the
+host store steps every param, biases and norms included); so each call packs the bytes with
+one precompiled ``struct.Struct`` whose offsets are read from ``StepArgs`` itself
+(``_packer``): one layout, two views, and a test that they agree.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import List, Tuple
+
+from .adam_consts import AdamConsts
+
+__all__ = ["Array", "AdamConstsC", "RuleConsts", "StepArgs", "MAX_STATES", "ADAM_STEP", "ADAM_CONSTS"]
+
+MAX_STATES = 4  # OFFLOAD_MAX_STATES
+
+
+class Array(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32)]
+
+
+class AdamConstsC(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_float) for name in AdamConsts._fields[:9]]
+                + [(name, ctypes.c_int32) for name in AdamConsts._fields[9:]])
+
+
+class RuleConsts(ctypes.Union):
+    _fields_ = [("adam", AdamConstsC), ("reserved", ctypes.c_double * 8)]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [("rule", ctypes.c_int32), ("num_states", ctypes.c_int32), ("n", ctypes.c_int64),
+                ("param", Array), ("grad", Array), ("lowp", Array),
+                ("states", Array * MAX_STATES), ("consts", RuleConsts),
+                ("isa", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
+
+
+_CODES = {ctypes.c_int32: "i", ctypes.c_int64: "q", ctypes.c_void_p: "Q", ctypes.c_float: "f"}
+
+
+def _scalars(cls, base: int) -> List[Tuple[int, str]]:
+    """(offset, struct code) of each scalar field of ctypes struct ``cls`` placed at ``base``."""
+    return [(base + getattr(cls, name).offset, _CODES[ctype]) for name, ctype in cls._fields_]
+
+
+def _packer(num_states: int, consts_cls) -> struct.Struct:
+    """A Struct writing rule, num_states, n, param, grad, lowp, ``num_states`` states, the
+    rule's constants (as the bytes ``consts_packer(consts_cls)`` makes), isa and num_threads,
+    in that order, at StepArgs' offsets; the bytes it skips (padding, unused states, reserved
+    constants) are zero."""
+    s = StepArgs
+    items = [(s.rule.offset, "i"), (s.num_states.offset, "i"), (s.n.offset, "q")]
+    for name in ("param", "grad", "lowp"):
+        items += _scalars(Array, getattr(s, name).offset)
+    for k in range(num_states):
+        items += _scalars(Array, s.states.offset + k * ctypes.sizeof(Array))
+    items += [(s.consts.offset, f"{ctypes.sizeof(consts_cls)}s")]
+    items += [(s.isa.offset, "i"), (s.num_threads.offset, "i")]
+    return _struct(items, ctypes.sizeof(s))
+
+
+def consts_packer(consts_cls) -> struct.Struct:
+    """A Struct writing every field of ctypes struct ``consts_cls`` at its offset."""
+    return _struct(_scalars(consts_cls, 0), ctypes.sizeof(consts_cls))
+
+
+def _struct(items: List[Tuple[int, str]], size: int) -> struct.Struct:
+    fmt, pos = "=", 0
+    for offset, code in items:
+        if offset < pos:
+            raise RuntimeError(f"StepArgs fields out of order at offset {offset}")
+        fmt += (f"{offset - pos}x" if offset > pos else "") + code
+        pos = offset + struct.calcsize("=" + code)
+    return struct.Struct(fmt + f"{size - pos}x")
+
+
+ADAM_STEP = _packer(2, AdamConstsC)
+"""pack(rule, 2, n, param ptr, dtype, grad ptr, dtype, lowp ptr, dtype, exp_avg ptr, dtype,
+exp_avg_sq ptr, dtype, ADAM_CONSTS.pack(*AdamConsts), isa, num_threads) -> one StepArgs."""
+ADAM_CONSTS = consts_packer(AdamConstsC)

@@ -1,0 +1,112 @@
+"""The step face every backend shares: ``rule_step`` (states by name) and ``adam_step``.
+
+``rule_step(rule, param, grad, states, *, step, param_lowp=None, num_threads=None,
+**hyper)`` applies one optimizer rule (``offload.kernels.fields.RULES``; Adam today) to
+``param`` and the rule's states, given by field name; every tensor is checked against its
+field before any memory is touched. ``adam_step(param, grad, exp_avg, exp_avg_sq, ...)`` is
+the older face with the moments in field order; both end in the backend's ``_adam``, so
+neither pays for the other's argument form on the per-param hot path.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, NamedTuple, Optional, Tuple, Union
+
+import torch
+
+from ._checks import check_adam_args, check_states, check_step_args
+from .fields import ADAM, RULES, Rule, StateField
+
+__all__ = ["RULE_CODES", "RuleStepFace", "resolve_rule"]
+
+# rule -> its code in the native face (OFFLOAD_RULE_* in native/offload_native.h); a new
+# rule is one entry here and one in _KERNELS, plus its method on each backend
+RULE_CODES = {ADAM: 0}
+
+
+def _adam_args(step, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction=True,
+               maximize=False, grad_scale=1.0) -> tuple:
+    """Adam's hyperparameters (keywords) as fold_adam's positional arguments."""
+    return (lr, beta1, beta2, eps, weight_decay, step, decoupled, bias_correction, maximize,
+            grad_scale)
+
+
+class _Kernel(NamedTuple):
+    """What a step of one rule needs, computed once (a Rule's names are rebuilt per access)."""
+
+    rule: Rule
+    names: Tuple[str, ...]
+    fields: Tuple[StateField, ...]
+    args: Callable[..., tuple]
+    """``args(step, **hyper)``: the rule's hyperparameters as its backend method takes them
+    (Python's own argument binding: the cheapest check per call)."""
+    hyper: Tuple[str, ...]
+    required: int
+    """The first ``required`` names of ``hyper`` have no default."""
+    method: str
+    """The backend method: ``method(param, grad, states, param_lowp, num_threads, args)``."""
+
+
+_KERNELS = {ADAM: _Kernel(ADAM, ADAM.names, ADAM.fields, _adam_args,
+                          ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled",
+                           "bias_correction", "maximize", "grad_scale"), 6, "_adam")}
+_ADAM_KERNEL = _KERNELS[ADAM]
+
+
+def resolve_rule(rule: Union[Rule, str]) -> Rule:
+    """``rule`` (a ``Rule`` or its name) if the kernels implement it; else ValueError."""
+    if isinstance(rule, str):
+        if rule not in RULES:
+            raise ValueError(f"unknown optimizer rule {rule!r}; the kernels implement {sorted(RULES)}")
+        rule = RULES[rule]
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be an offload.kernels.fields.Rule or its name, got {type(rule).__name__}")
+    if rule not in _KERNELS:
+        known = ", ".join(f"{r.name} {[f.describe() for f in r.fields]}" for r in _KERNELS)
+        raise ValueError(f"no kernel for rule {rule.name!r} with fields "
+                         f"{[f.describe() for f in rule.fields]}; the kernels implement: {known}")
+    return rule
+
+
+def _hyper_error(k: _Kernel, hyper: Mapping[str, object]) -> TypeError:
+    missing = [name for name in k.hyper[:k.required] if name not in hyper]
+    extra = sorted(name for name in hyper if name not in k.hyper)
+    return TypeError(f"rule {k.rule.name!r} takes the hyperparameters {list(k.hyper)}; "
+                     f"missing {missing}, unexpected {extra}")
+
+
+class RuleStepFace:
+    """Mixin: a backend defines each rule's method, for Adam ``_adam(param, grad, states,
+    param_lowp, num_threads, hyper)``, called with checked, non-empty tensors, ``states`` in
+    field order and ``hyper`` in ``fold_adam``'s argument order."""
+
+    def rule_step(self, rule: Union[Rule, str], param: torch.Tensor, grad: torch.Tensor,
+                  states: Mapping[str, torch.Tensor], *, step: int,
+                  param_lowp: Optional[torch.Tensor] = None, num_threads: Optional[int] = None,
+                  **hyper) -> None:
+        """One step of ``rule`` over ``param`` and ``states`` ({field name: tensor}), in place."""
+        k = _ADAM_KERNEL if rule is ADAM else _KERNELS[resolve_rule(rule)]
+        ordered = check_states(k.rule, states, k.names)
+        n = check_step_args(param, grad, k.fields, ordered, param_lowp, step, num_threads)
+        try:
+            args = k.args(step, **hyper)
+        except TypeError:
+            raise _hyper_error(k, hyper) from None
+        if n:
+            getattr(self, k.method)(param, grad, ordered, param_lowp, num_threads, args)
+
+    def adam_step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                  exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float,
+                  eps: float, weight_decay: float, step: int, decoupled: bool,
+                  bias_correction: bool = True, maximize: bool = False,
+                  grad_scale: float = 1.0, param_lowp: Optional[torch.Tensor] = None,
+                  num_threads: Optional[int] = None) -> None:
+        """``rule_step(ADAM, param, grad, {"exp_avg": ..., "exp_avg_sq": ...}, ...)``."""
+        n = check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads)
+        if n:
+            self._adam(param, grad, (exp_avg, exp_avg_sq), param_lowp, num_threads,
+                       (lr, beta1, beta2, eps, weight_decay, step, decoupled, bias_correction,
+                        maximize, grad_scale))
+
+    def _adam(self, param: torch.Tensor, grad: torch.Tensor, states: Tuple[torch.Tensor, ...],
+              param_lowp: Optional[torch.Tensor], num_threads: Optional[int], hyper: tuple) -> None:
+        raise NotImplementedError
