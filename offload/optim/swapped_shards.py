@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 
 import torch
 
-from offload.kernels.fields import ADAM, MASTER, StateField, field_names
+from offload.kernels.fields import MASTER, StateField, field_names
 from offload.optim.stats import swap_phases
 from offload.optim.step_guard import mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
@@ -35,13 +35,9 @@ from offload.swap.pipeline import Vote, idle_votes, vote_failed
 from offload.swap.cache import GroupCache
 from offload.swap.manifest_check import check_committed, check_steps
 from offload.swap.runs import make_identity, open_store
+from offload.zero.checkpoint import IN_PLACE_FIELDS, SHARD_FIELDS
 
 __all__ = ["SwappedShards", "WorkItem", "Output", "flat_identity", "SHARD_FIELDS", "IN_PLACE_FIELDS"]
-
-SHARD_FIELDS: Tuple[StateField, ...] = ADAM.with_master()
-"""The flat store's fields: the fp32 master (of low-precision or device params) and Adam's."""
-IN_PLACE_FIELDS: Tuple[StateField, ...] = ADAM.fields
-"""fp32 CPU params are their own master, updated in place: only Adam's fields are swapped."""
 
 
 class WorkItem(NamedTuple):

@@ -46,11 +46,10 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
     st.flush()                                       commit pending write_state() changes
     st.clear_failure(accept_params=False)            after a failed step and restored params
     with st.atomic_writes(): ...                     write_state()s committed at once at the end
-    st.save_checkpoint(dir) / st.load_checkpoint(dir) streamed, see offload.swap.checkpoint; the
-        same format is written from / read into host tensors by offload.swap.checkpoint
-        save_tensors(dir, {"exp_avg": [...], "exp_avg_sq": [...]}, meta) / load_tensors(dir, ...)
-        (meta: {"steps": [int per param], "shapes": [[...] per param]}), so offload="cpu" can
-        save a checkpoint that offload="nvme" loads, and back
+    st.save_checkpoint(dir) / st.load_checkpoint(dir) streamed into / from dir/rank0/, the
+        one checkpoint format ([Note: one checkpoint format] in offload/zero/ckpt_states.py),
+        which offload="cpu" writes from / reads into host tensors too, so a checkpoint moves
+        between offload="cpu" and "nvme" both ways
     st.memory_report() -> {"device", "pinned", "pageable", "nvme"} bytes
     st.last_stats                                     timings of the last step
     st.close(keep_swap=False)                         removes the swap directory (also done when st
@@ -436,23 +435,26 @@ class SwappedState:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str, extra: Optional[Dict[str, Any]] = None) -> str:
-        """Stream the moments (and per-param steps, shapes, ``extra``) to ``directory``; see
-        offload.swap.checkpoint. Peak extra host memory: the pipeline buffers."""
-        from offload.swap.checkpoint import save_store
+        """Stream the moments (and per-param steps, shapes, ``extra``) to ``directory/rank0/``
+        ([Note: one checkpoint format] in offload/zero/ckpt_states.py). Peak extra host
+        memory: the pipeline buffers."""
+        from offload.zero.ckpt_states import save_store_states
 
         meta = dict(extra or {}, steps=self._counts(), shapes=[list(p.shape) for p in self.params],
                     fingerprint=self.fingerprint(), swap_step=self.store.step)
-        return self.core.save(lambda store, buffers: save_store(store, buffers, directory, meta))
+        numels = [p.numel() for p in self.params]
+        return self.core.save(lambda store, buffers: save_store_states(directory, numels, store, buffers, meta))
 
     def load_checkpoint(self, directory: str) -> None:
         """Replace the moments and steps with those of checkpoint ``directory`` (same param
-        shapes; any sub_group_size). The params themselves are the caller's."""
-        from offload.swap.checkpoint import load_store
+        shapes; any sub_group_size; the previous release's format too). The params
+        themselves are the caller's."""
+        from offload.zero.ckpt_states import fill_store_states
 
-        shapes = [list(p.shape) for p in self.params]
+        shapes, numels = [list(p.shape) for p in self.params], [p.numel() for p in self.params]
 
         def fill(store: Any, buffers: List[Any]) -> Tuple[Dict[str, Any], Dict[int, Any]]:
-            meta, written = load_store(store, buffers, directory)
+            meta, written = fill_store_states(directory, numels, store, buffers, self.core.fields)
             if meta.get("shapes") != shapes:
                 raise ValueError(f"{directory}: checkpoint of params with other shapes")
             return meta, written
