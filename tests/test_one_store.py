@@ -197,3 +197,20 @@ def test_a_cpu_checkpoint_loads_into_the_swapped_store_element_by_element(tmp_pa
         m, v = st.read_state(p)
         assert _same(m, ref.m[i]) and _same(v, ref.v[i]) and st.step_of(p) == ref.steps[i]
     st.close()
+
+
+@pytest.mark.parametrize("kind", ["nvme", "flat"])
+def test_load_checkpoint_leaves_a_state_dict_taken_before_alone(tmp_path, kind):
+    # state_dict() hands out the step tensors themselves: the counts a load sets are new
+    # tensors, not the old ones filled in place.
+    p = torch.nn.Parameter(torch.randn(30))
+    kw = dict(offload="nvme", swap_dir=str(tmp_path)) if kind == "nvme" else dict(stage=2)
+    opt = offload.AdamW([p], **HP, **kw)
+    p.grad = torch.ones(30)
+    opt.step()
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    opt.step()
+    sd = opt.state_dict()
+    opt.load_checkpoint(str(tmp_path / "ck"))
+    assert float(sd["state"][0]["step"]) == 2.0 and float(opt.state[p]["step"]) == 1.0
+    opt.close()

@@ -259,7 +259,11 @@ class SwappedState:
         return [pending[i] if i in pending else get(p) for i, p in enumerate(self.params)]
 
     def _set_counts(self, steps: Sequence[Any]) -> None:
+        """Counts from a manifest or a checkpoint: new step tensors, not the old ones filled
+        (``state_dict()`` hands out those very tensors, and torch's ``load_state_dict`` shares
+        them with the dict it loaded)."""
         for p, n in zip(self.params, steps):
+            self.ctx.steps.set(p, 0)
             self.ctx.steps.set(p, int(n))
 
     def _extra(self) -> Dict[str, Any]:
