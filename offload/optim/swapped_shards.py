@@ -1,4 +1,11 @@
-"""The flat store's fp32 master, exp_avg and exp_avg_sq in NVMe swap files (``offload="nvme"``).
+"""The swapped store: optimizer states in NVMe swap files (``offload="nvme"``), described by
+typed fields (``offload/kernels/fields.py``).
+
+It is the one swapped store ([Note: one swapped store] in swapped_state.py): the flat store
+swaps its shards' ``SHARD_FIELDS`` (fp32 master, exp_avg, exp_avg_sq) through it, and the
+in-place store of fp32 CPU params (``SwappedState``) is its one-shard case with
+``IN_PLACE_FIELDS`` (the moments only; each work item's output, mode ``"master"``, is the
+param itself, its own master).
 
 The flat store (``flat/store.py``) keeps, per flat group, this rank's shard of a flat fp32
 master and two moments. With ``offload="nvme"`` all three go to one swap store: its element
