@@ -214,3 +214,18 @@ def test_load_checkpoint_leaves_a_state_dict_taken_before_alone(tmp_path, kind):
     opt.load_checkpoint(str(tmp_path / "ck"))
     assert float(sd["state"][0]["step"]) == 2.0 and float(opt.state[p]["step"]) == 1.0
     opt.close()
+
+
+def test_a_dropped_in_place_store_frees_its_files_at_once(tmp_path):
+    # The face and its core hold no cycle: dropping the store (no close(), no gc pass)
+    # removes its swap directory, as before the stores became one.
+    import gc
+
+    gc.disable()
+    try:
+        st = swapped_state(tmp_path, [torch.randn(3000)])
+        assert os.listdir(tmp_path)
+        del st
+        assert os.listdir(tmp_path) == []
+    finally:
+        gc.enable()

@@ -160,7 +160,8 @@ class SwappedState:
                  "dtypes": [str(p.dtype) for p in self.params]}
         # Params of 0 elements only (torch accepts them): a one-page store that no param
         # touches still records the step counts, so resume and checkpoints work the same.
-        self.core = SwappedShards([max(total, 1)], swap_dir=swap_dir, identity=facts, extra=self._extra,
+        me = weakref.ref(self)  # the core's finalizer frees the files when we go: no cycle back to us
+        self.core = SwappedShards([max(total, 1)], swap_dir=swap_dir, identity=facts, extra=lambda: me()._extra(),
                                   fields=IN_PLACE_FIELDS, summary=f"{len(self.params)} fp32 params, {total} elements",
                                   check_resume=self._check_resume, max_host_bytes=max_host_bytes,
                                   sub_group_size=sub_group_size, verify=verify, resume=resume, io_engine=io_engine,
