@@ -88,8 +88,8 @@ class HostState:
         pass
 
     # The one checkpoint format ([Note: one checkpoint format] in offload/zero/ckpt_states.py),
-    # so that one saved with offload="cpu" loads with offload="nvme" and back. Moments of params that have not
-    # stepped yet are written as zeros with step 0, as SwappedState does.
+    # so that one saved with offload="cpu" loads with offload="nvme" and back. Moments of
+    # params that have not stepped yet are written as zeros with step 0, as SwappedState does.
     def _checkpoint_tensors(self) -> Tuple[List[torch.Tensor], Dict[str, List[torch.Tensor]]]:
         params = [p for g in self._opt.param_groups for p in g["params"]]
         states: Dict[str, List[torch.Tensor]] = {"exp_avg": [], "exp_avg_sq": []}

@@ -127,15 +127,15 @@ def _flat_meta(directory: str, mine: List[List[int]],
                          f"{_describe(checkpoint_fields(read_manifest(directory)))}; this optimizer keeps "
                          f"{_describe(fields)}: load it with an optimizer of the kind that saved it")
     manifest = read_manifest(where)
+    theirs = checkpoint_fields(manifest)
+    if theirs != tuple(fields):  # first: the other kind of store groups its params otherwise too
+        raise ValueError(f"{directory}: the checkpoint holds {_describe(theirs)}; this optimizer keeps "
+                         f"{_describe(fields)}: load it with an optimizer of the kind that saved it")
     first = manifest.get("meta", {})
     old_world = int(first.get("world", 0))
     if first.get("kind") != "flat" or first.get("groups") != mine or old_world < 1:
         raise ValueError(f"{directory}: not a flat-store checkpoint of these params (params of other shapes: its "
                          f"groups of numels {first.get('groups')}, ours {mine})")
-    theirs = checkpoint_fields(manifest)
-    if theirs != tuple(fields):
-        raise ValueError(f"{directory}: the checkpoint holds {_describe(theirs)}; this optimizer keeps "
-                         f"{_describe(fields)}: load it with an optimizer of the kind that saved it")
     return first, old_world
 
 
