@@ -97,8 +97,9 @@ def _ours(directory):
 @pytest.mark.parametrize("kind", ["cpu", "nvme", "flat", "flat-nvme"])
 def test_save_leaves_the_users_own_files_alone(tmp_path, kind):
     # An HF checkpoint-N/ holds the model's *.bin: names like a leftover of ours are not ours.
+    # Every store saves the one format: its files in rank<r>/ ([Note: one checkpoint format]).
     ck = tmp_path / "ck"
-    where = ck / "rank0" if kind.startswith("flat") else ck
+    where = ck / "rank0"
     _plant(ck)
     _plant(where)
     model = _model()
@@ -130,13 +131,13 @@ def test_what_a_killed_save_left_is_removed_by_its_record_and_nothing_else(tmp_p
         m.setattr(ckpt_dir.NewGeneration, "abort", lambda self: self.release())
         with pytest.raises(KeyboardInterrupt):
             opt.save_checkpoint(str(ck))
-    assert "offload-ckpt.exp_avg.2.bin" in os.listdir(ck)  # left behind, named in the pending record
+    assert "offload-ckpt.exp_avg.2.bin" in os.listdir(ck / "rank0")  # left behind, named in the pending record
     fresh = _opt(_model(), kind, tmp_path)
     fresh.load_checkpoint(str(ck))  # the previous checkpoint is what DIR holds
     assert float(fresh.state[next(iter(fresh.state))]["step"]) == 1
     opt.save_checkpoint(str(ck))
-    assert _planted_intact(ck)
-    assert _ours(ck) == ["offload-ckpt.exp_avg.2.bin", "offload-ckpt.exp_avg_sq.2.bin", "offload-ckpt.json",
+    assert _planted_intact(ck) and _ours(ck) == ["rank0"]
+    assert _ours(ck / "rank0") == ["offload-ckpt.exp_avg.2.bin", "offload-ckpt.exp_avg_sq.2.bin", "offload-ckpt.json",
                          "offload-ckpt.lock"]
     opt.close()
     fresh.close()
@@ -144,16 +145,16 @@ def test_what_a_killed_save_left_is_removed_by_its_record_and_nothing_else(tmp_p
 
 @pytest.mark.parametrize("name", ["offload-ckpt.exp_avg.1.bin", ".offload-ckpt.exp_avg_sq.1.bin.tmp"])
 def test_a_file_of_ours_by_name_but_not_by_record_is_refused_not_overwritten(tmp_path, name):
-    ck = tmp_path / "ck"
-    ck.mkdir()
-    (ck / name).write_bytes(b"mine")
+    where = tmp_path / "ck" / "rank0"
+    where.mkdir(parents=True)
+    (where / name).write_bytes(b"mine")
     model = _model()
     opt = _opt(model, "cpu", tmp_path)
     _train(model, opt, 1)
     with pytest.raises(FileExistsError, match="in the way of the checkpoint"):
-        opt.save_checkpoint(str(ck))
-    assert (ck / name).read_bytes() == b"mine"
-    assert sorted(os.listdir(ck)) == sorted([name, "offload-ckpt.lock"])
+        opt.save_checkpoint(str(tmp_path / "ck"))
+    assert (where / name).read_bytes() == b"mine"
+    assert sorted(os.listdir(where)) == sorted([name, "offload-ckpt.lock"])
 
 
 # ------------------------------------------------------------------ two processes, one DIR
@@ -203,7 +204,7 @@ def test_a_save_meets_another_process_saving_into_the_directory(tmp_path, kind):
         for call in (opt.save_checkpoint, opt.load_checkpoint):
             with pytest.raises(CheckpointBusy, match=rf"in use by process {child.pid} \(a save\)") as info:
                 call(str(ck))
-            assert info.value.pid == child.pid and info.value.filename == str(ck)
+            assert info.value.pid == child.pid and info.value.filename == str(ck / "rank0")
         child.stdin.write("go\n")
         child.stdin.flush()
         assert child.stdout.readline().strip() == "saved"
@@ -386,19 +387,22 @@ def test_two_ranks_save_into_one_directory_all_or_none(tmp_path, nvme):
 @pytest.mark.parametrize("fixture,kind", [("ckpt_v1_single", "nvme"), ("ckpt_v1_shards", "flat")])
 def test_a_save_over_the_previous_releases_checkpoint_replaces_its_files_only(tmp_path, fixture, kind):
     # Its manifest names its files (exp_avg.1.bin ...): they go with the new save, and what
-    # the manifest does not name (expected.pt here) stays.
+    # the manifest does not name (expected.pt here) stays. The single-directory format of
+    # stage 0 is retired by the first save in the one format, into rank0/ (a new directory:
+    # generation 1 there).
     ck = tmp_path / "ck"
     shutil.copytree(os.path.join(FIXTURES, fixture), ck)
-    where = ck / "rank0" if kind == "flat" else ck
     model = _model()
     opt = _opt(model, kind, tmp_path)
     opt.load_checkpoint(str(ck))
     _train(model, opt, 1)
     opt.save_checkpoint(str(ck))
-    names = ["offload-ckpt.exp_avg.2.bin", "offload-ckpt.exp_avg_sq.2.bin", "offload-ckpt.json", "offload-ckpt.lock"]
-    assert sorted(os.listdir(where)) == sorted(names + (["offload-ckpt.master.2.bin"] if kind == "flat" else
-                                                        ["expected.pt"]))
-    assert os.path.exists(ck / "expected.pt")
+    gen = 2 if kind == "flat" else 1
+    names = [f"offload-ckpt.exp_avg.{gen}.bin", f"offload-ckpt.exp_avg_sq.{gen}.bin", "offload-ckpt.json",
+             "offload-ckpt.lock"]
+    assert sorted(os.listdir(ck / "rank0")) == sorted(names + (["offload-ckpt.master.2.bin"] if kind == "flat" else []))
+    assert sorted(os.listdir(ck)) == ["expected.pt", "rank0"] if kind == "flat" else \
+        ["expected.pt", "offload-ckpt.lock", "rank0"]
     opt.load_checkpoint(str(ck))
     assert float(opt.state[next(model.parameters())]["step"]) == 4
     opt.close()

@@ -71,8 +71,9 @@ def test_checkpoint_of_other_shapes_is_refused_and_state_kept(tmp_path):
 
 
 def test_a_checkpoint_of_the_other_kind_is_named_in_the_error(tmp_path):
-    # The flat store (stage=2 here) saves per-rank shards, the stage-0 host store one
-    # directory: loading one into the other says what the directory holds.
+    # Every store saves the one format (rank<r>/ with typed fields): the flat store (stage=2
+    # here) keeps an fp32 master beside the moments, the stage-0 host store updates the
+    # params in place; loading one into the other names both sets of fields.
     model = _model()
     flat = offload.AdamW(model.parameters(), lr=1e-2, stage=2)
     _train(model, flat, 1, seed=1)
@@ -80,10 +81,10 @@ def test_a_checkpoint_of_the_other_kind_is_named_in_the_error(tmp_path):
     plain = _opt(model, "cpu", tmp_path / "swap")
     _train(model, plain, 1, seed=1)
     plain.save_checkpoint(str(tmp_path / "plain"))
-    with pytest.raises(FileNotFoundError, match=r"per-rank shards \(rank0/ \.\.\.\) of a flat-store optimizer"):
-        plain.load_checkpoint(str(tmp_path / "flat"))
-    with pytest.raises(FileNotFoundError, match="holds the checkpoint of an optimizer without the flat store"):
-        flat.load_checkpoint(str(tmp_path / "plain"))
+    for target, source in ((plain, "flat"), (flat, "plain")):
+        with pytest.raises(ValueError, match=r"the checkpoint holds (master \(float32\), )?exp_avg \(float32\), "
+                           r"exp_avg_sq \(float32\): .*this optimizer keeps"):
+            target.load_checkpoint(str(tmp_path / source))
     flat.load_checkpoint(str(tmp_path / "flat"))  # each still loads its own
     plain.load_checkpoint(str(tmp_path / "plain"))
     flat.close()

@@ -93,7 +93,7 @@ def test_checkpoint_round_trip_other_layout(tmp_path):
         ref.step(s, SPLIT)
     st.save_checkpoint(str(ckpt))
     st.save_checkpoint(str(ckpt))  # a second save replaces the first (new generation)
-    assert sorted(os.listdir(ckpt)) == ["offload-ckpt.exp_avg.2.bin", "offload-ckpt.exp_avg_sq.2.bin", "offload-ckpt.json",
+    assert sorted(os.listdir(ckpt / "rank0")) == ["offload-ckpt.exp_avg.2.bin", "offload-ckpt.exp_avg_sq.2.bin", "offload-ckpt.json",
                                     "offload-ckpt.lock"]
     _run(st, params, steps, 3, 4)  # moves on; the checkpoint must not
     st.close()
@@ -120,7 +120,7 @@ def test_checkpoint_corruption_is_detected(tmp_path):
     _run(st, params, steps, 0, 2)
     st.save_checkpoint(str(ckpt))
     before = [st.read_state(p) for p in params]
-    with open(ckpt / "offload-ckpt.exp_avg_sq.1.bin", "r+b") as f:
+    with open(ckpt / "rank0" / "offload-ckpt.exp_avg_sq.1.bin", "r+b") as f:
         f.seek(4 * 5000)
         b = f.read(1)
         f.seek(4 * 5000)
@@ -180,7 +180,8 @@ def test_bad_input(tmp_path):
 
 def test_checkpoint_moves_between_host_tensors_and_swap(tmp_path):
     """The checkpoint format written from / read into plain tensors (offload='cpu' moments)."""
-    from offload.swap.checkpoint import load_tensors, save_tensors
+    from offload.swap.checkpoint import save_tensors
+    from offload.zero.ckpt_states import load_states
 
     swap, a, b = tmp_path / "swap", tmp_path / "a", tmp_path / "b"
     swap.mkdir()
@@ -188,7 +189,8 @@ def test_checkpoint_moves_between_host_tensors_and_swap(tmp_path):
     ref = Reference(params)
     for s in range(3):
         ref.step(s, SPLIT)
-    # host -> swap, through a staging buffer smaller than one state (several chunks)
+    # host -> swap, through a staging buffer smaller than one state (several chunks), in the
+    # previous release's single-directory format (which still loads)
     save_tensors(str(a), {"exp_avg": ref.m, "exp_avg_sq": ref.v},
                  {"steps": ref.steps, "shapes": [list(p.shape) for p in params]}, stage_bytes=8192)
     st = swapped_state(swap, [p.clone() for p in ref.params])
@@ -200,7 +202,7 @@ def test_checkpoint_moves_between_host_tensors_and_swap(tmp_path):
     st.save_checkpoint(str(b))
     m2 = [torch.empty_like(p) for p in params]
     v2 = [torch.empty_like(p) for p in params]
-    meta = load_tensors(str(b), {"exp_avg": m2, "exp_avg_sq": v2}, stage_bytes=3 * 4096)
+    meta = load_states(str(b), [p.numel() for p in params], {"exp_avg": m2, "exp_avg_sq": v2})
     assert meta["steps"] == ref.steps
     assert all(torch.equal(x, y) for x, y in zip(m2 + v2, ref.m + ref.v))
     st.close()

@@ -87,9 +87,9 @@ class HostState:
         # torch's load_state_dict replaced opt.state: a param without an entry has no moments.
         pass
 
-    # A checkpoint in the swap layer's format (offload.swap.checkpoint), so that one saved with
-    # offload="cpu" loads with offload="nvme" and back. Moments of params that have not
-    # stepped yet are written as zeros with step 0, as SwappedState does.
+    # The one checkpoint format ([Note: one checkpoint format] in offload/zero/ckpt_states.py),
+    # so that one saved with offload="cpu" loads with offload="nvme" and back. Moments of
+    # params that have not stepped yet are written as zeros with step 0, as SwappedState does.
     def _checkpoint_tensors(self) -> Tuple[List[torch.Tensor], Dict[str, List[torch.Tensor]]]:
         params = [p for g in self._opt.param_groups for p in g["params"]]
         states: Dict[str, List[torch.Tensor]] = {"exp_avg": [], "exp_avg_sq": []}
@@ -102,20 +102,20 @@ class HostState:
         return params, states
 
     def save_checkpoint(self, directory: str, extra: Optional[Dict[str, object]] = None) -> str:
-        from offload.swap.checkpoint import save_tensors
+        from offload.zero.ckpt_states import save_states
 
         params, states = self._checkpoint_tensors()
         steps = [int(self._opt.state[p]["step"]) if "step" in self._opt.state.get(p, {}) else 0 for p in params]
         meta = dict(extra or {}, steps=steps, shapes=[list(p.shape) for p in params])
-        return save_tensors(directory, states, meta)
+        return save_states(directory, [p.numel() for p in params], states, meta)
 
     def load_checkpoint(self, directory: str) -> None:
-        from offload.swap.checkpoint import load_tensors
+        from offload.zero.ckpt_states import load_states
 
         params = [p for g in self._opt.param_groups for p in g["params"]]
         scratch = {k: [torch.empty(p.numel(), dtype=torch.float32) for p in params] for k in ("exp_avg", "exp_avg_sq")}
         # Loaded into scratch first: a failed load leaves the current state untouched.
-        meta = load_tensors(directory, scratch)
+        meta = load_states(directory, [p.numel() for p in params], scratch)
         if meta.get("shapes") != [list(p.shape) for p in params]:
             raise ValueError(f"{directory}: checkpoint of params with other shapes")
         for i, (p, step) in enumerate(zip(params, meta["steps"])):

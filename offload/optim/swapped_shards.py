@@ -1,4 +1,11 @@
-"""The flat store's fp32 master, exp_avg and exp_avg_sq in NVMe swap files (``offload="nvme"``).
+"""The swapped store: optimizer states in NVMe swap files (``offload="nvme"``), described by
+typed fields (``offload/kernels/fields.py``).
+
+It is the one swapped store ([Note: one swapped store] in swapped_state.py): the flat store
+swaps its shards' ``SHARD_FIELDS`` (fp32 master, exp_avg, exp_avg_sq) through it, and the
+in-place store of fp32 CPU params (``SwappedState``) is its one-shard case with
+``IN_PLACE_FIELDS`` (the moments only; each work item's output, mode ``"master"``, is the
+param itself, its own master).
 
 The flat store (``flat/store.py``) keeps, per flat group, this rank's shard of a flat fp32
 master and two moments. With ``offload="nvme"`` all three go to one swap store: its element
@@ -23,27 +30,61 @@ from __future__ import annotations
 import os
 import contextlib
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from offload.kernels.fields import MASTER, StateField, field_names
 from offload.optim.stats import swap_phases
 from offload.optim.step_guard import mark_consistent
-from offload.optim.swapped_state import _close_quietly
-from offload.swap import SwapPipeline, SwapStepError
+from offload.swap import SwapPipeline, SwapStepError, SwapStore
 from offload.swap.pipeline import Vote, idle_votes, vote_failed
 from offload.swap.cache import GroupCache
 from offload.swap.manifest_check import check_committed, check_steps
 from offload.swap.runs import make_identity, open_store
+from offload.zero.checkpoint import IN_PLACE_FIELDS, SHARD_FIELDS
 
-__all__ = ["SwappedShards", "SHARD_STATES", "WorkItem", "flat_identity"]
+__all__ = ["SwappedShards", "WorkItem", "Output", "flat_identity", "SHARD_FIELDS", "IN_PLACE_FIELDS"]
 
-SHARD_STATES = ("master", "exp_avg", "exp_avg_sq")
 
-# (shard k, local lo, local hi, grad (1-D, hi - lo elements), kernel kwargs, out or None, "lowp" | "copy")
-WorkItem = Tuple[int, int, int, torch.Tensor, Dict[str, Any], Optional[torch.Tensor], str]
-# (shard k, local lo, local hi, out, mode): where the master of a range goes
-Output = Tuple[int, int, int, torch.Tensor, str]
+class WorkItem(NamedTuple):
+    """One range of a shard to step (positional tuples of this order are accepted too)."""
+
+    shard: int
+    lo: int
+    hi: int
+    grad: torch.Tensor
+    """1-D, ``hi - lo`` elements."""
+    kwargs: Dict[str, Any]
+    """The kernel's hyperparameters for this range (``AdamHyper.kernel_kwargs(step)``)."""
+    out: Optional[torch.Tensor]
+    mode: str
+    """Where the updated values go ([Note: outputs]): ``"lowp"`` (the kernel writes ``out``,
+    fp16/bf16), ``"copy"`` (the master is copied into ``out`` after the kernel) or
+    ``"master"`` (``out`` IS the fp32 master: an fp32 CPU param updated in place, in a store
+    whose fields have no MASTER)."""
+
+
+class Output(NamedTuple):
+    """Where the master of a range goes (``emit_all``)."""
+
+    shard: int
+    lo: int
+    hi: int
+    out: torch.Tensor
+    mode: str
+
+
+def close_quietly(pipeline: SwapPipeline, store: SwapStore) -> None:
+    """Close (also from the garbage collector): buffers first, then files and directory.
+    Nothing in a forked child: the buffers' io_uring registration is the parent's too."""
+    if getattr(store, "owner_pid", None) not in (None, os.getpid()):
+        store.close()  # marks it closed; touches nothing
+        return
+    try:
+        pipeline.close()
+    finally:
+        store.close()
 
 
 def flat_identity(world: int, rank: int, groups: Sequence[Any]) -> Dict[str, Any]:
@@ -54,24 +95,33 @@ def flat_identity(world: int, rank: int, groups: Sequence[Any]) -> Dict[str, Any
 
 
 class SwappedShards:
-    """fp32 master + moments of shards of sizes ``sizes`` in one swap store.
+    """The swapped store: the ``fields`` of shards of sizes ``sizes`` in one swap store.
 
-    ``identity``: JSON facts that must match on resume (the flat groups' numels, world,
-    rank). ``extra``: called at each commit, JSON to store with the step (the per-param
-    step counts). ``resume``: reopen the directory of an earlier run (see the module note)."""
+    ``fields``: what is kept per element (``SHARD_FIELDS``: fp32 master + moments, the flat
+    store; ``IN_PLACE_FIELDS``: moments only, for fp32 CPU params that are their own master,
+    ``SwappedState``). ``identity``: JSON facts that must match on resume (the flat groups'
+    numels, world, rank; recorded with every commit). ``extra``: called at each commit, JSON
+    to store with the step (the per-param step counts). ``resume``: reopen the directory of
+    an earlier run (see the module note); ``check_resume(extra, store)`` replaces the check that the
+    manifest holds ``identity``. ``summary``: how messages name the params."""
 
     kind = "nvme"
 
     def __init__(self, sizes: Sequence[int], *, swap_dir: str, identity: Dict[str, Any],
                  extra: Callable[[], Dict[str, Any]], max_host_bytes: Optional[int] = None,
-                 sub_group_size: Optional[int] = None, verify: bool = False, resume: bool = False,
+                 sub_group_size: Optional[int] = None, verify: bool = False, resume: Any = False,
                  io_engine: Any = None, backend: Optional[str] = None, num_threads: Optional[int] = None,
-                 rank: int = 0, run_name: str = "flat", vote: Optional[Vote] = None) -> None:
+                 rank: int = 0, run_name: str = "flat", vote: Optional[Vote] = None,
+                 fields: Sequence[StateField] = SHARD_FIELDS, summary: Optional[str] = None,
+                 check_resume: Optional[Callable[[Dict[str, Any], SwapStore], None]] = None, pool: Any = None) -> None:
         from offload.kernels import get_backend
 
         self._kernel = get_backend(backend)
         self._threads = num_threads
         self._vote = vote  # several ranks: see [Note: ranks vote before commit] in swap/pipeline.py
+        self.fields = tuple(fields)
+        self.names = field_names(self.fields)
+        self.has_master = MASTER in self.fields
         self.sizes = [int(n) for n in sizes]
         self.base: List[int] = []
         total = 0
@@ -83,17 +133,19 @@ class SwappedShards:
         self.numel = total
         self.identity = dict(identity)
         self._extra_fn = extra
+        self.meta_dirty: Optional[bool] = None  # None: flush() compares the metadata with the manifest's
+        self.computed: List[int] = []  # the sub-groups whose kernel ran in the last step, in order
         self.pipeline: Optional[SwapPipeline] = None
-        summary = f"{total} elements in {len(self.sizes)} flat groups of rank {rank}"
-        self.store, nbuf = open_store(swap_dir, total, SHARD_STATES, identity=make_identity(self.identity, summary),
+        summary = summary or f"{total} elements in {len(self.sizes)} flat groups of rank {rank}"
+        self.store, nbuf = open_store(swap_dir, total, self.names, identity=make_identity(self.identity, summary),
                                       max_host_bytes=max_host_bytes, sub_group_size=sub_group_size,
                                       run_name=run_name, rank=rank, verify=verify, resume=resume, io_engine=io_engine)
         self.layout = self.store.layout  # on resume: the manifest's sub_group_size ([Note: layout on resume])
         self.resumed = resume = self.store.resumed  # resume="auto" decided ([Note: restarts] in swap/runs.py)
         try:
             if resume:
-                self._check_resume()
-            self.pipeline = SwapPipeline(self.store, buffers=nbuf)
+                (check_resume or self._check_resume)(self.store.extra, self.store)
+            self.pipeline = SwapPipeline(self.store, buffers=nbuf, pool=pool)
             self._cache = GroupCache(self.pipeline)
         except BaseException:
             if self.pipeline is not None:
@@ -101,19 +153,19 @@ class SwappedShards:
             self.store.close(remove=not resume)  # a directory we were asked to resume stays
             raise
         self.last_stats: Dict[str, float] = {}
-        self._finalizer = weakref.finalize(self, _close_quietly, self.pipeline, self.store)
+        self._finalizer = weakref.finalize(self, close_quietly, self.pipeline, self.store)
 
-    def _check_resume(self) -> None:
+    def _check_resume(self, extra: Dict[str, Any], store: SwapStore) -> None:
         # "shapes" is newer than the other facts: a directory written without it is checked without it
-        check_committed(self.store.extra, os.path.join(self.store.path, "manifest.json"))
-        want = {k: v for k, v in self.identity.items() if k != "shapes" or k in self.store.extra}
-        found = {k: self.store.extra.get(k) for k in want}
+        check_committed(extra, os.path.join(self.store.path, "manifest.json"))
+        want = {k: v for k, v in self.identity.items() if k != "shapes" or k in extra}
+        found = {k: extra.get(k) for k in want}
         if found != want:
             raise ValueError(f"{self.store.path}: the swap directory holds the states of other params or "
                              f"ranks ({found}, this optimizer {self.identity})")
         groups = self.identity.get("groups")
         nparams = sum(len(g) for g in groups) if isinstance(groups, list) else None
-        check_steps(self.store.extra, os.path.join(self.store.path, "manifest.json"), nparams)
+        check_steps(extra, os.path.join(self.store.path, "manifest.json"), nparams)
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -126,7 +178,17 @@ class SwappedShards:
         return dict(self.store.extra)
 
     def _meta(self) -> Dict[str, Any]:
+        """What a commit records with the data: ``extra()`` and the identity. Called for a
+        commit (or a comparison): with ``meta_dirty`` tracked, what it returns is committed."""
+        if self.meta_dirty:
+            self.meta_dirty = False
         return dict(self._extra_fn(), **self.identity)
+
+    def _field(self, name: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise ValueError(f"unknown state {name!r}; expected one of {self.names}") from None
 
     def _spans(self, k: int, lo: int, hi: int):
         """(sub-group g, its [s, e), the overlap [a, b)) in swap space for shard ``k``'s [lo, hi)."""
@@ -140,17 +202,23 @@ class SwappedShards:
     # ------------------------------------------------------------------ whole store
     def initialise(self, outputs_source: Callable[[int, int, int, torch.Tensor], None]) -> None:
         """Write step 0: master from ``outputs_source(k, lo, hi, out)`` (fills ``out`` with the
-        fp32 values of shard ``k``'s [lo, hi)), zero moments; one streamed pass, one commit."""
+        fp32 values of shard ``k``'s [lo, hi)), zero moments; one streamed pass, one commit.
+        Without a MASTER field (params updated in place) the moments are zeros already: only
+        the metadata is committed."""
         from offload.swap.checkpoint import _stream
 
+        if not self.has_master:
+            self.store.commit({}, self._meta(), advance=False)
+            return
         written: Dict[int, Any] = {}
+        j = self._field(MASTER.name)
 
         def process(g: int, buf: Any) -> None:
             s, e = self.layout.group_range(g)
-            master, m, v = self.pipeline.tensors(g, buf)
-            master.zero_()
-            m.zero_()
-            v.zero_()
+            tensors = self.pipeline.tensors(g, buf)
+            for t in tensors:
+                t.zero_()
+            master = tensors[j]
             for k in range(len(self.sizes)):
                 a, b = max(s, self.base[k]), min(e, self.base[k] + self.sizes[k])
                 if a < b:
@@ -164,22 +232,25 @@ class SwappedShards:
 
     def emit_all(self, outputs: Sequence[Output]) -> None:
         """Write the committed master of each output range into its ``out`` (resume, and the
-        params after a failed step)."""
+        params after a failed step). Needs a MASTER field."""
+        j = self._field(MASTER.name)
         by_group: Dict[int, List[Tuple[int, int, int, torch.Tensor, int]]] = {}
         for k, lo, hi, out, _ in outputs:
             for g, s, e, a, b in self._spans(k, lo, hi):
                 by_group.setdefault(g, []).append((s, a, b, out, self.base[k] + lo))
         for g in sorted(by_group):
-            master = self._cache.load(g, self._meta)[0]
+            master = self._cache.load(g, self._meta)[j]
             for s, a, b, out, start in by_group[g]:
                 # either mode: the master rounded to out's dtype (RNE, as the kernel's own copy)
                 out[a - start:b - start].copy_(master[a - s:b - s])
 
     # ------------------------------------------------------------------ ranges
-    def read(self, k: int, lo: int, hi: int, names: Sequence[str] = SHARD_STATES) -> Dict[str, torch.Tensor]:
-        """New fp32 tensors with the committed ``names`` of shard ``k``'s [lo, hi)."""
-        idx = [SHARD_STATES.index(n) for n in names]
-        out = {n: torch.empty(hi - lo, dtype=torch.float32) for n in names}
+    def read(self, k: int, lo: int, hi: int, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+        """New tensors (of each field's dtype) with the committed ``names`` (default: every
+        field) of shard ``k``'s [lo, hi)."""
+        names = self.names if names is None else tuple(names)
+        idx = [self._field(n) for n in names]
+        out = {n: torch.empty(hi - lo, dtype=self.fields[j].dtype) for n, j in zip(names, idx)}
         start = self.base[k] + lo
         for g, s, e, a, b in self._spans(k, lo, hi):
             tensors = self._cache.load(g, self._meta)
@@ -190,16 +261,15 @@ class SwappedShards:
     def write(self, k: int, lo: int, hi: int, values: Dict[str, torch.Tensor]) -> None:
         """Set ``values`` (state name -> hi - lo elements) of shard ``k``'s [lo, hi); kept in the
         cache until :meth:`flush` (or the next step, or another sub-group) commits them."""
+        idx = {n: self._field(n) for n in values}
         for n, t in values.items():
-            if n not in SHARD_STATES:
-                raise ValueError(f"unknown state {n!r}; expected one of {SHARD_STATES}")
             if t.numel() != hi - lo:
                 raise ValueError(f"{n}: {t.numel()} elements for a range of {hi - lo}")
         start = self.base[k] + lo
         for g, s, e, a, b in self._spans(k, lo, hi):
             tensors = self._cache.load(g, self._meta)
             for n, t in values.items():
-                tensors[SHARD_STATES.index(n)][a - s:b - s].copy_(t.detach().reshape(-1)[a - start:b - start])
+                tensors[idx[n]][a - s:b - s].copy_(t.detach().reshape(-1)[a - start:b - start])
             self._cache.mark_dirty()
 
     @contextlib.contextmanager
@@ -217,11 +287,15 @@ class SwappedShards:
             raise
 
     def flush(self) -> None:
-        """Commit pending writes, and the metadata when it changed (steps after a load)."""
+        """Commit pending writes, and the metadata when it changed (steps after a load):
+        compared with the manifest's, or, with ``meta_dirty`` tracked, when it is set."""
         if not self._cache.flush(self._meta):
-            meta = self._meta()
-            if meta != self.store.extra:
-                self.store.commit({}, meta, advance=False)
+            if self.meta_dirty is None:
+                meta = self._meta()
+                if meta != self.store.extra:
+                    self.store.commit({}, meta, advance=False)
+            elif self.meta_dirty:
+                self.store.commit({}, self._meta(), advance=False)
 
     # ------------------------------------------------------------------ the step
     def step(self, items: Sequence[WorkItem]) -> Dict[str, float]:
@@ -254,41 +328,60 @@ class SwappedShards:
         self._cache.invalidate()  # the pipeline reuses the cache buffer
         by_group: Dict[int, List[Tuple[int, int, int, WorkItem]]] = {}
         for it in items:
-            k, lo, hi, grad, _, out, _ = it
+            k, lo, hi, grad, _, out, mode = it
             if grad.numel() != hi - lo or (out is not None and out.numel() != hi - lo):
                 raise ValueError(f"shard {k} [{lo}, {hi}): grad of {grad.numel()} and out of "
                                  f"{None if out is None else out.numel()} elements")
+            if (mode == "master") == self.has_master or (mode == "master" and out is None):
+                raise ValueError(f"shard {k} [{lo}, {hi}): mode {mode!r} in a store of fields {self.names}: "
+                                 "'master' (out is the fp32 master) exactly when the fields have no master")
             for g, s, e, a, b in self._spans(k, lo, hi):
                 by_group.setdefault(g, []).append((a, b, self.base[k] + lo, it))
-        kernel, threads = self._kernel, self._threads
-
-        def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
-            master, m, v = tensors
-            for a, b, start, (_, _, _, grad, kw, out, mode) in by_group[g]:
-                x, y = slice(a - s, b - s), slice(a - start, b - start)
-                lowp = out[y] if (out is not None and mode == "lowp") else None
-                kernel.adam_step(master[x], grad[y], m[x], v[x], param_lowp=lowp, num_threads=threads, **kw)
-                if out is not None and mode == "copy":
-                    out[y].copy_(master[x])
-
+        self.computed = []
         try:
             with torch.no_grad():
-                stats = self.pipeline.run(sorted(by_group), compute, extra=self._meta, vote=vote)
+                stats = self.pipeline.run(sorted(by_group), self._compute(by_group), extra=self._meta, vote=vote)
         except SwapStepError as exc:
-            done = set(exc.computed)
-            outs = [(k, lo, hi, out, mode) for k, lo, hi, _, _, out, mode in items if out is not None
-                    and any(g in done for g, *_ in self._spans(k, lo, hi))]
-            restored = False
-            try:
-                self.emit_all(outs)
-                what = "the params of the sub-groups already computed were restored from that step"
-                restored = True
-            except Exception as again:  # the disk is failing: say so rather than hide it
-                what = f"restoring the params from that step failed too ({again}): reload them from a checkpoint"
-            err = SwapStepError(exc.errno, f"{exc.strerror}; {what}", exc.filename, exc.computed)
-            raise (mark_consistent(err) if restored else err) from exc
+            if not self.has_master:
+                raise  # the params are the master: nothing here to restore them from (SwappedState says so)
+            raise self._restored(exc, items) from exc
         self.last_stats = stats
         return swap_phases(stats)
+
+    def _compute(self, by_group: Dict[int, List[Tuple[int, int, int, WorkItem]]]):
+        """The pipeline's compute: the kernel over each range of sub-group ``g``."""
+        kernel, threads, computed = self._kernel, self._threads, self.computed
+        jm = self._field(MASTER.name) if self.has_master else -1
+        j1, j2 = self._field("exp_avg"), self._field("exp_avg_sq")
+
+        def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
+            computed.append(g)  # before the kernel: an exception inside it may have changed params
+            m, v = tensors[j1], tensors[j2]
+            for a, b, start, (_, _, _, grad, kw, out, mode) in by_group[g]:
+                x, y = slice(a - s, b - s), slice(a - start, b - start)
+                master = out[y] if mode == "master" else tensors[jm][x]
+                lowp = out[y] if (out is not None and mode == "lowp") else None
+                kernel.adam_step(master, grad[y], m[x], v[x], param_lowp=lowp, num_threads=threads, **kw)
+                if out is not None and mode == "copy":
+                    out[y].copy_(master)
+
+        return compute
+
+    def _restored(self, exc: SwapStepError, items: Sequence[WorkItem]) -> BaseException:
+        """After a failed step: the outputs of the sub-groups already computed rewritten from
+        the master the swap files still hold; the error to raise, saying so."""
+        done = set(exc.computed)
+        outs = [Output(k, lo, hi, out, mode) for k, lo, hi, _, _, out, mode in items if out is not None
+                and any(g in done for g, *_ in self._spans(k, lo, hi))]
+        restored = False
+        try:
+            self.emit_all(outs)
+            what = "the params of the sub-groups already computed were restored from that step"
+            restored = True
+        except Exception as again:  # the disk is failing: say so rather than hide it
+            what = f"restoring the params from that step failed too ({again}): reload them from a checkpoint"
+        err = SwapStepError(exc.errno, f"{exc.strerror}; {what}", exc.filename, exc.computed)
+        return mark_consistent(err) if restored else err
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, save_fn: Callable[[Any, List[Any]], Any]) -> Any:

@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional, Union
 from offload.swap import fsutil
 
 __all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "CKPT_LOCK", "CKPT_PENDING", "CheckpointBusy",
-           "DirLock", "NewGeneration", "read_manifest", "manifest_dtypes", "manifest_file_bytes"]
+           "DirLock", "NewGeneration", "read_manifest", "manifest_dtypes", "manifest_file_bytes",
+           "retire_single_directory"]
 
 CKPT_FORMAT = "offload-ckpt"
 CKPT_VERSION = 1
@@ -52,8 +53,7 @@ def read_manifest(directory: str) -> Dict[str, Any]:
     try:
         m = fsutil.read_json(path)
     except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, "no offload checkpoint here (manifest missing)" + _other_kind(directory),
-                                path) from None
+        raise FileNotFoundError(errno.ENOENT, "no offload checkpoint here (manifest missing)", path) from None
     if not isinstance(m, dict) or m.get("format") != CKPT_FORMAT:
         raise ValueError(f"{path}: not an offload checkpoint manifest")
     if m.get("version") != CKPT_VERSION:
@@ -62,18 +62,6 @@ def read_manifest(directory: str) -> Dict[str, Any]:
                                                        for v in m["files"].values()):
         raise ValueError(f"{path}: the manifest's 'files' is not a map of state to a file name in this directory")
     return m
-
-
-def _other_kind(directory: str) -> str:
-    """Why a load found no manifest, when the directory holds the other kind of checkpoint."""
-    hint = ("; load it with an optimizer of the same kind: the flat store (stage=1 or 2, or fp16/bf16 or "
-            "CUDA params) saves per-rank shards, the others one directory")
-    if os.path.exists(os.path.join(directory, "rank0", CKPT_MANIFEST)):
-        return "; it holds per-rank shards (rank0/ ...) of a flat-store optimizer" + hint
-    parent = os.path.dirname(os.path.abspath(directory))
-    if os.path.basename(os.path.abspath(directory)) == "rank0" and os.path.exists(os.path.join(parent, CKPT_MANIFEST)):
-        return f"; {parent} holds the checkpoint of an optimizer without the flat store" + hint
-    return ""
 
 
 class CheckpointBusy(BlockingIOError):
@@ -221,12 +209,14 @@ class NewGeneration:
     def commit(self, *, dtypes: Dict[str, str], numel: int, crcs: Dict[str, int], meta: Dict[str, Any]) -> None:
         """Replace the manifest. ``dtypes``: each state's element type; ``dtype`` and an int
         ``file_bytes`` say it once when all states share it (as the first format did, so
-        that release still reads an fp32 checkpoint), else "mixed" and a map per state."""
+        that release still reads an fp32 checkpoint), else "mixed" and a map per state;
+        ``fields`` lists each state's name and dtype (``StateField.describe``) in file order."""
         one = len(set(dtypes.values())) == 1 and len(set(self.per_file.values())) == 1
         fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, {
             "format": CKPT_FORMAT, "version": CKPT_VERSION,
             "dtype": next(iter(dtypes.values())) if one else "mixed", "dtypes": dict(dtypes), "numel": numel,
-            "states": self.names, "gen": self.gen, "files": self.finals,
+            "states": self.names,
+            "fields": [{"name": k, "dtype": dtypes[k]} for k in self.names], "gen": self.gen, "files": self.finals,
             "file_bytes": next(iter(self.per_file.values())) if one else dict(self.per_file),
             "crc32": dict(crcs), "meta": meta})
 
@@ -270,3 +260,25 @@ class NewGeneration:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+def retire_single_directory(directory: str) -> None:
+    """After a save into ``DIR/rank<r>/``: the previous release's single-directory checkpoint
+    in ``DIR`` (its manifest and the files it names; nothing else) goes, under the lock.
+    Its files first, its manifest last: a crash between leaves a manifest that no load reads
+    (``rank0/`` comes first) and the next save removes."""
+    directory = os.path.abspath(directory)
+    if not os.path.lexists(os.path.join(directory, CKPT_MANIFEST)):
+        return
+    try:
+        lock = DirLock(directory, exclusive=True)
+    except CheckpointBusy:
+        return  # a load reads it now: the next save retires it
+    with lock:
+        try:
+            old = read_manifest(directory)
+        except (OSError, ValueError):
+            return  # not ours to remove
+        if all([_remove_quiet(os.path.join(directory, name)) for name in old["files"].values()]):
+            _remove_quiet(os.path.join(directory, CKPT_MANIFEST))
+            fsutil.fsync_dir(directory)

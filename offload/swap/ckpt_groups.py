@@ -80,11 +80,14 @@ def _decode(v: Any, like: Any) -> Any:
 
 
 def checkpoint_groups(directory: str, param_groups: List[Dict[str, Any]], *,
-                      shards: bool) -> Optional[List[Dict[str, Any]]]:
-    """The hyperparameters of checkpoint ``directory`` (``rank0/`` of per-rank ``shards``),
-    decoded and checked against ``param_groups``; None when it has none (or no manifest:
-    the load that follows says what is missing). Raises ValueError on a mismatch."""
-    where = os.path.join(directory, "rank0") if shards else directory
+                      shards: bool = True) -> Optional[List[Dict[str, Any]]]:
+    """The hyperparameters of checkpoint ``directory`` (in ``rank0/``; or, for the previous
+    release's single-directory format, in ``directory``: ``shards`` is no longer needed to
+    tell), decoded and checked against ``param_groups``; None when it has none (or no
+    manifest: the load that follows says what is missing). Raises ValueError on a mismatch."""
+    where = os.path.join(directory, "rank0")
+    if not os.path.lexists(os.path.join(where, CKPT_MANIFEST)):
+        where = directory
     if not os.path.lexists(os.path.join(where, CKPT_MANIFEST)):
         return None
     saved = (read_manifest(where).get("meta") or {}).get("param_groups")

@@ -28,23 +28,44 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from offload.io import open_file
+from offload.kernels.fields import ADAM, StateField, field_names
 from offload.swap.checkpoint import (_stream, load_store, load_tensors, read_manifest, save_store, save_tensors,
                                      verify_checkpoint)
-from offload.swap.ckpt_dir import DirLock
+from offload.swap.ckpt_dir import CKPT_MANIFEST, DirLock
 from offload.swap.pipeline import vote_failed
 from offload.zero.comm import all_or_none, broadcast, comm_device, failed_ranks
 from offload.zero.flat_group import FlatGroup
 from offload.zero.partition import FlatLayout
 
 __all__ = ["save_shards", "check_shards", "load_shards", "save_shards_from_store", "fill_store_from_shards",
-           "reading_shards", "STATES"]
+           "reading_shards", "SHARD_FIELDS", "IN_PLACE_FIELDS", "checkpoint_fields"]
 
-STATES = ("master", "exp_avg", "exp_avg_sq")
+# The two kinds of checkpoint and swapped store (the one list of their state fields):
+SHARD_FIELDS: Tuple[StateField, ...] = ADAM.with_master()
+"""The flat store's: a flat group's ``fg.master``, ``fg.exp_avg``, ... (fp16/bf16 or device params)."""
+IN_PLACE_FIELDS: Tuple[StateField, ...] = ADAM.fields
+"""Stage 0's: fp32 CPU params are their own master, updated in place; only Adam's fields."""
+
+
+def checkpoint_fields(manifest: Dict[str, Any]) -> Tuple[StateField, ...]:
+    """The typed fields a checkpoint manifest holds: its ``fields`` (names and dtypes), or,
+    in a manifest of the previous release, its ``states`` all of its one ``dtype``."""
+    if isinstance(manifest.get("fields"), list):
+        return tuple(StateField.from_description(d) for d in manifest["fields"])
+    return tuple(StateField.from_description({"name": n, "dtype": manifest.get("dtype", "float32")})
+                 for n in manifest.get("states") or [])
+
+
+def _describe(fields: Sequence[StateField]) -> str:
+    names = ", ".join(f"{f.name} ({f.dtype_name})" for f in fields)
+    if any(f.name == "master" for f in fields):
+        return f"{names}: the flat store's (fp16/bf16 or device params, or stage 1/2)"
+    return f"{names}: fp32 CPU params updated in place (stage 0, offload='none', 'cpu' or 'nvme')"
 
 
 def save_shards(directory: str, groups: List[FlatGroup], *, world: int, rank: int, meta: Dict[str, Any],
                 process_group: Any = None) -> None:
-    states = {k: [getattr(fg, k) for fg in groups if fg.layout.shard] for k in STATES}
+    states = {f.name: [getattr(fg, f.name) for fg in groups if fg.layout.shard] for f in SHARD_FIELDS}
     full_meta = dict(meta, kind="flat", world=world, rank=rank, groups=[list(fg.layout.numels) for fg in groups])
     _save_on_every_rank(lambda agree: save_tensors(_rank_dir(directory, rank), states, full_meta, agree=agree),
                         full_meta, directory, world, process_group)
@@ -96,13 +117,25 @@ def _save_id(shared: bool, group: Any) -> int:
     return int(t.item())
 
 
-def _flat_meta(directory: str, mine: List[List[int]]) -> Tuple[Dict[str, Any], int]:
-    """Rank 0's meta and the world size of checkpoint ``directory``, checked against ``mine``."""
-    first = read_manifest(os.path.join(directory, "rank0")).get("meta", {})
+def _flat_meta(directory: str, mine: List[List[int]],
+               fields: Sequence[StateField] = SHARD_FIELDS) -> Tuple[Dict[str, Any], int]:
+    """Rank 0's meta and the world size of checkpoint ``directory``, checked against ``mine``
+    (the numels of each flat group) and the ``fields`` the loading store keeps."""
+    where = os.path.join(directory, "rank0")
+    if not os.path.lexists(os.path.join(where, CKPT_MANIFEST)) and os.path.lexists(os.path.join(directory, CKPT_MANIFEST)):
+        raise ValueError(f"{directory}: a checkpoint of the previous release's single-directory format, which holds "
+                         f"{_describe(checkpoint_fields(read_manifest(directory)))}; this optimizer keeps "
+                         f"{_describe(fields)}: load it with an optimizer of the kind that saved it")
+    manifest = read_manifest(where)
+    theirs = checkpoint_fields(manifest)
+    if theirs != tuple(fields):  # first: the other kind of store groups its params otherwise too
+        raise ValueError(f"{directory}: the checkpoint holds {_describe(theirs)}; this optimizer keeps "
+                         f"{_describe(fields)}: load it with an optimizer of the kind that saved it")
+    first = manifest.get("meta", {})
     old_world = int(first.get("world", 0))
     if first.get("kind") != "flat" or first.get("groups") != mine or old_world < 1:
-        raise ValueError(f"{directory}: not a flat-store checkpoint of these params "
-                         f"(its groups {first.get('groups')}, ours {mine})")
+        raise ValueError(f"{directory}: not a flat-store checkpoint of these params (params of other shapes: its "
+                         f"groups of numels {first.get('groups')}, ours {mine})")
     return first, old_world
 
 
@@ -128,16 +161,17 @@ def _check_rank_meta(path: str, meta: Dict[str, Any], r: int, old_world: int, fi
 
 
 def check_shards(directory: str, layouts: Sequence[FlatLayout], *, engine: Any = None,
-                 stage: Any = None) -> Dict[str, Any]:
+                 stage: Any = None, fields: Sequence[StateField] = SHARD_FIELDS) -> Dict[str, Any]:
     """Read through every file of checkpoint ``directory`` that this rank's shards of
     ``layouts`` need (manifests, sizes, crc32), changing nothing; returns rank 0's meta.
     The first half of a load that must not stop half-way (see FlatState.load_checkpoint)."""
     mine = [list(lay.numels) for lay in layouts]
-    first, old_world = _flat_meta(directory, mine)
+    first, old_world = _flat_meta(directory, mine, fields)
     olds = _old_layouts(mine, old_world)
     for r in _needed(layouts, olds):
         path = os.path.join(directory, f"rank{r}")
-        m = verify_checkpoint(path, list(STATES), sum(lay.shard for lay in olds[r]), io_engine=engine, stage=stage)
+        m = verify_checkpoint(path, list(field_names(fields)), sum(lay.shard for lay in olds[r]), io_engine=engine,
+                              stage=stage)
         _check_rank_meta(path, m.get("meta") or {}, r, old_world, first)
     return first
 
@@ -150,19 +184,20 @@ def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
     first, old_world = _flat_meta(directory, mine)
     olds = _old_layouts(mine, old_world)
     for r in _needed([fg.layout for fg in groups], olds):
-        scratch = {k: [torch.empty(lay.shard) for lay in olds[r] if lay.shard] for k in STATES}
+        scratch = {f.name: [torch.empty(lay.shard, dtype=f.dtype) for lay in olds[r] if lay.shard]
+                   for f in SHARD_FIELDS}
         path = os.path.join(directory, f"rank{r}")
         _check_rank_meta(path, load_tensors(path, scratch), r, old_world, first)
         it = {k: iter(v) for k, v in scratch.items()}
         for fg, lay in zip(groups, olds[r]):
             if not lay.shard:
                 continue
-            src = {k: next(it[k]) for k in STATES}
+            src = {k: next(it[k]) for k in scratch}
             o0, o1 = lay.shard_range()
             n0, n1 = fg.layout.shard_range()
             a, b = max(o0, n0), min(o1, n1, fg.layout.total)
             if a < b:
-                for k in STATES:
+                for k in scratch:
                     getattr(fg, k)[a - n0:b - n0].copy_(src[k][a - o0:b - o0])
     return first
 
@@ -194,19 +229,19 @@ def reading_shards(directory: str) -> Iterator[None]:
         yield
 
 
-def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store: Any,
-                           buffers: List[Any]) -> Tuple[Dict[str, Any], Dict[int, Any]]:
+def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store: Any, buffers: List[Any],
+                           fields: Sequence[StateField] = SHARD_FIELDS) -> Tuple[Dict[str, Any], Dict[int, Any]]:
     """Stream a flat checkpoint of any world size into the free slots of ``store`` (this
-    rank's shards of ``layouts`` end to end). Returns (meta, written) for ``store.commit``;
-    nothing is committed here, so a bad checkpoint leaves the store as it was."""
+    rank's shards of ``layouts`` end to end, holding ``fields``). Returns (meta, written) for
+    ``store.commit``; nothing is committed here, so a bad checkpoint leaves the store as it was."""
     mine = [list(lay.numels) for lay in layouts]
-    first, old_world = _flat_meta(directory, mine)
+    first, old_world = _flat_meta(directory, mine, fields)
     world, rank = layouts[0].world, layouts[0].rank
     if old_world == world:  # the same shards: the rank's files are the store, as they are
         meta, written = load_store(store, buffers, os.path.join(directory, f"rank{rank}"))
         _check_rank_meta(os.path.join(directory, f"rank{rank}"), meta, rank, world, first)
         return first, written
-    names = list(store.state_names)
+    names = list(field_names(fields))
     olds = _old_layouts(mine, old_world)
     old_base = [0]
     for lay in olds[0]:
@@ -241,10 +276,11 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
                     x, y = max(pos0, o0), min(pos0 + b - a, o1, lay.total)
                     if x >= y:
                         continue
-                    file_off = (old_base[k] + x - o0) * 4
-                    at = (a - s + x - pos0) * 4
-                    for j, name in enumerate(names):
-                        dst = view[j * stride + at:j * stride + at + (y - x) * 4]
+                    for j, f in enumerate(fields):
+                        file_off = f.nbytes(old_base[k] + x - o0)
+                        at = j * stride + f.nbytes(a - s + x - pos0)
+                        dst = view[at:at + f.nbytes(y - x)]
+                        name = f.name
                         got = engine.read(files[(r, name)], file_off, dst)
                         if got != len(dst):
                             raise OSError(errno.EIO, f"short read: {got} of {len(dst)} bytes at {file_off}",
