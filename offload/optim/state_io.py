@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from offload.optim.protocol import optional
 from offload.optim.state_view import attach
 
 __all__ = ["state_dict_of", "load_state_dict_into", "check_loadable"]
@@ -127,9 +128,10 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
         _sync_steps(store)
         raise
     finally:
-        # the flat store's pre-load hook keeps the loaded fp32 tensors for import_state: drop them
-        if hasattr(store, "_stash"):
-            store._stash = {}
+        # the flat store's before_load keeps the loaded fp32 tensors for import_state: drop them
+        end = optional(store, "end_load")
+        if end is not None:
+            end()
     if hasattr(store, "clear_failure"):
         store._broken = None  # every state was replaced: see step_guard [Note: failed steps]
     attach(opt)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
-import torch
-
 from offload.zero import comm
 from offload.zero.checkpoint import check_shards, fill_store_from_shards, load_shards, save_shards, save_shards_from_store
 
@@ -17,21 +15,11 @@ __all__ = ["ckpt_steps", "set_steps", "save_checkpoint", "load_checkpoint"]
 
 
 def ckpt_steps(st: "FlatState") -> List[int]:
-    opt = st._opt()
-    return [int(opt.state[p]["step"].item()) if "step" in opt.state.get(p, {}) else 0 for p in st._order]
+    return st._ctx.steps.all(st._order)  # the step context's counts (offload/optim/context.py)
 
 
 def set_steps(st: "FlatState", steps: List[int]) -> None:
-    opt = st._opt()
-    if len(steps) != len(st._order):
-        raise ValueError(f"{len(steps)} step counts for {len(st._order)} params")
-    for p, step in zip(st._order, steps):
-        if step:
-            opt.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
-        elif p in opt.state:  # (opt.state is a defaultdict: do not create entries)
-            opt.state[p].pop("step", None)
-            if not opt.state[p]:
-                del opt.state[p]
+    st._ctx.steps.set_all(st._order, steps)
 
 
 def save_checkpoint(st: "FlatState", directory: str, extra: Optional[Dict[str, Any]] = None) -> None:
