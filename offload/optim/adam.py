@@ -153,7 +153,10 @@ class _AdamBase(ContextAttributes, Optimizer):
         if stage == 0 and host_ok and self.config.offload == "nvme":
             from offload.optim.swapped_state import SwappedState
 
-            return SwappedState.for_optimizer(self)
+            cfg = self.config
+            return SwappedState(params, swap_dir=cfg.swap_dir, max_host_bytes=cfg.max_host_bytes,
+                                sub_group_size=cfg.sub_group_size, verify=cfg.verify, resume=cfg.resume,
+                                io_engine=cfg.io, backend=self.backend, num_threads=self.num_threads, ctx=self._ctx)
         return self._flat_store(stage, process_group)
 
     def _flat_store(self, stage: int, process_group: Any):
