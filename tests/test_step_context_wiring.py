@@ -81,7 +81,7 @@ def test_flags_set_on_the_optimizer_live_in_the_context():
             assert ctx.no_sync
         assert ctx.no_sync
     assert not ctx.no_sync
-    assert opt._store._ctx is ctx
+    assert opt._store.ctx is ctx
     opt.close()
 
 

@@ -37,7 +37,7 @@ class HostState:
         # context's TorchState always holds the current one (never a copy kept here).
         if ctx.torch_state is None:
             raise ValueError("HostState keeps the moments in torch's opt.state: its context needs a torch_state")
-        self._ctx = ctx
+        self.ctx = ctx
         self._torch = ctx.torch_state
         self._backend = backend
         self._num_threads = num_threads
@@ -111,7 +111,7 @@ class HostState:
         from offload.swap.checkpoint import save_tensors
 
         params, states = self._checkpoint_tensors()
-        steps = self._ctx.steps.all(params)
+        steps = self.ctx.steps.all(params)
         meta = dict(extra or {}, steps=steps, shapes=[list(p.shape) for p in params])
         return save_tensors(directory, states, meta)
 
@@ -129,7 +129,7 @@ class HostState:
             state.pop(p, None)  # a new entry, as torch's load_state_dict makes
             if int(step) == 0:
                 continue
-            self._ctx.steps.set(p, int(step))  # first: torch's key order (step, exp_avg, exp_avg_sq)
+            self.ctx.steps.set(p, int(step))  # first: torch's key order (step, exp_avg, exp_avg_sq)
             state[p]["exp_avg"] = scratch["exp_avg"][i].view(p.shape)
             state[p]["exp_avg_sq"] = scratch["exp_avg_sq"][i].view(p.shape)
 

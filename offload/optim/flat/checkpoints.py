@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from offload.optim.context import StepCounts
 from offload.zero import comm
 from offload.zero.checkpoint import check_shards, fill_store_from_shards, load_shards, save_shards, save_shards_from_store
 
@@ -14,12 +15,28 @@ if TYPE_CHECKING:
 __all__ = ["ckpt_steps", "set_steps", "save_checkpoint", "load_checkpoint"]
 
 
+def _counts(st: "FlatState") -> StepCounts:
+    """The step counts, through the store's StepContext when it has one (the optimizer's
+    ``opt.state[p]["step"]`` either way: StepCounts keeps them there)."""
+    ctx = getattr(st, "ctx", None)
+    if ctx is not None:
+        return ctx.steps
+    opt = st._opt  # a weak reference, until the store is given a StepContext
+    return StepCounts(lambda: opt().state)
+
+
 def ckpt_steps(st: "FlatState") -> List[int]:
-    return st._ctx.steps.all(st._order)  # the step context's counts (offload/optim/context.py)
+    counts = _counts(st)
+    return [counts.get(p) for p in st._order]
 
 
 def set_steps(st: "FlatState", steps: List[int]) -> None:
-    st._ctx.steps.set_all(st._order, steps)
+    if len(steps) != len(st._order):
+        raise ValueError(f"{len(steps)} step counts for {len(st._order)} params")
+    counts = _counts(st)
+    for p, step in zip(st._order, steps):
+        counts.set(p, 0)  # a new tensor, not the old one filled: that may be shared with a state_dict
+        counts.set(p, int(step))
 
 
 def save_checkpoint(st: "FlatState", directory: str, extra: Optional[Dict[str, Any]] = None) -> None:

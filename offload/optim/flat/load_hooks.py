@@ -24,7 +24,7 @@ __all__ = ["has_state", "export_state", "gather_full", "import_state", "reset_st
 
 
 def has_state(st: "FlatState", p: torch.Tensor) -> bool:
-    return st._ctx.steps.has(p)
+    return st.ctx.steps.has(p)
 
 
 def export_state(st: "FlatState", p: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -34,7 +34,7 @@ def export_state(st: "FlatState", p: torch.Tensor) -> Dict[str, torch.Tensor]:
     keys = ("exp_avg", "exp_avg_sq") + (("master",) if fg.lowp else ())
     # opt.state_dict_rank0_only = True: every rank takes part in the gather, only rank 0
     # keeps the full tensors (the others' state_dict() then holds only the steps).
-    keep = st.rank == 0 or not st._ctx.state_dict_rank0_only
+    keep = st.rank == 0 or not st.ctx.state_dict_rank0_only
     out = gather_full(st, p, keys, keep=keep)
     return out if keep else {}
 
@@ -124,7 +124,7 @@ def pre_load(st: "FlatState", order: List[torch.Tensor], state_dict: Dict[str, A
 def post_load(st: "FlatState") -> None:
     """Masters from the checkpoint where it has them, else from the params' values. torch
     cast a loaded ``master`` to the param dtype in opt.state: it goes (the fp32 one was kept)."""
-    state = st._ctx.torch_state.state if st._ctx.torch_state is not None else {}
+    state = st.ctx.torch_state.state if st.ctx.torch_state is not None else {}
     for k, fg in enumerate(st._groups):
         fg.refresh_master()
         start, end = fg.layout.shard_range()

@@ -81,7 +81,7 @@ class FlatState:
                  reduce_in_backward: Optional[bool] = None) -> None:
         """``param_groups``: torch's param groups (only their "params" are read); ``config``:
         the optimizer's OffloadConfig; ``ctx``: its step context."""
-        self._ctx = ctx
+        self.ctx = ctx
         self.stage = stage
         self.group = process_group
         world, rank = comm.world_and_rank(process_group) if stage > 0 else (1, 0)
@@ -131,7 +131,7 @@ class FlatState:
 
     def _backward_reducer(self) -> BackwardReducer:
         me = weakref.ref(self)  # hooks live on the params, which outlive us: never a strong ref
-        ctx = self._ctx
+        ctx = self.ctx
 
         def disabled() -> bool:
             return me() is None or ctx.grads_already_averaged or ctx.no_sync
