@@ -11,8 +11,8 @@ else; ``Store`` lists what every store has, ``OPTIONAL`` what only some have, an
 [Note: the step context] The other way, a store never reads an attribute of its optimizer
 and keeps no reference to it, strong or weak. It is built from explicit arguments (the
 param groups, the OffloadConfig, the backend, the thread count, the process group) and the
-optimizer's ``StepContext`` (``offload/optim/context.py``), which the optimizer owns
-(``opt._ctx``, built before the store) and keeps current: the flags users set on the
+optimizer's ``StepContext`` (``offload/optim/context.py``; the store keeps it as ``ctx``),
+which the optimizer owns (``opt._ctx``, built before the store) and keeps current: the flags users set on the
 optimizer (``no_sync()``, ``grads_already_averaged``, ``state_dict_rank0_only``,
 ``max_grad_norm`` are properties over it), GradScaler's ``grad_scale`` / ``found_inf``
 (put into it at the start of each ``step()``; a store that agrees ``found_inf`` across

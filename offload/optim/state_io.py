@@ -124,8 +124,7 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
             if getattr(store, "kind", None) != "host":
                 _import_all(opt, store)
     except BaseException:
-        opt.state, opt.param_groups = old_state, old_groups
-        _sync_steps(store)
+        opt.state, opt.param_groups = old_state, old_groups  # the step counts with them (ctx.steps)
         raise
     finally:
         # the flat store's before_load keeps the loaded fp32 tensors for import_state: drop them
@@ -149,8 +148,3 @@ def _import_all(opt: Any, store: Any) -> None:
             # moments, step 0), not with the moments this optimizer held before.
             store.reset_state(p)
 
-
-def _sync_steps(store: Any) -> None:
-    sync = getattr(store, "_sync_opt_steps", None)
-    if sync is not None:  # SwappedState: its counts went back with the batch
-        sync()
