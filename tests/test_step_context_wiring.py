@@ -163,3 +163,29 @@ def test_work_item_is_the_swap_layers_tuple():
     item = WorkItem(1, 4, 7, g, {"step": 1}, None, None, then=print)
     k, lo, hi, grad, kw, out, mode = item[:7]  # what swapped_shards.py unpacks
     assert (k, lo, hi, grad, kw, out, mode) == (1, 4, 7, g, {"step": 1}, None, None)
+
+
+def test_found_inf_a_store_agrees_on_goes_back_to_grad_scaler(monkeypatch):
+    """GradScaler sets grad_scale / found_inf on the optimizer; they reach the store through
+    the context, and a flag the store replaces (the ranks' agreed one) is handed back."""
+    params = _params(torch.bfloat16)
+    opt = offload.AdamW(params, **HP)
+    agreed = torch.ones(1)
+    seen = []
+
+    def begin_step():
+        seen.append((opt._ctx.grad_scale, opt._ctx.found_inf))
+        opt._ctx.found_inf = agreed  # as several ranks would: one rank overflowed
+    monkeypatch.setattr(opt._store, "begin_step", begin_step)
+    before = [p.detach().clone() for p in params]
+    _grads(params, 0)
+    opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.zeros(1)  # as GradScaler.step does
+    opt.step()
+    assert float(seen[0][0]) == 4.0 and float(seen[0][1]) == 0.0
+    assert opt.found_inf is agreed and opt.last_step_skipped
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, params))
+    del opt.grad_scale, opt.found_inf  # as GradScaler does after the step
+    monkeypatch.undo()
+    opt.step()  # no scaler now: the context forgot the last step's facts
+    assert opt._ctx.grad_scale is None and opt._ctx.found_inf is None and not opt.last_step_skipped
+    opt.close()

@@ -1,4 +1,4 @@
-"""Step pre-hooks that refuse a step the optimizer's layout no longer fits.
+"""Step pre-hooks that refuse a step the optimizer's layout no longer fits, and the load hooks that hand torch's load to the store.
 
 Both conditions arise after construction, outside the optimizer's view: the job gains ranks
 (``torch.distributed`` initialised after the optimizer was built, as HF ``TrainingArguments``
