@@ -1,4 +1,5 @@
-"""Step pre-hooks that refuse a step the optimizer's layout no longer fits, and the load hooks that hand torch's load to the store.
+"""Step pre-hooks that refuse a step the optimizer's layout no longer fits, and the load
+hooks that hand torch's load to the store (``register_store_hooks``).
 
 Both conditions arise after construction, outside the optimizer's view: the job gains ranks
 (``torch.distributed`` initialised after the optimizer was built, as HF ``TrainingArguments``

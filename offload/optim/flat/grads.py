@@ -13,8 +13,9 @@ store never replaces or frees it; it *reads* it:
   change such as ``clip_grad_norm_`` or ``zero_()``, or a grad assigned by hand) is copied
   again, synchronously, so the step always sees what torch would. ``GradScaler.unscale_()``
   changes grads in place *without* bumping their version counters; ``begin_step`` sees
-  that it ran (``found_inf`` set, ``grad_scale`` None in the step context) and drops every tag. ``copy_cpu_grads = True``
-  runs this path for CPU params too (the tests use it; there is no GPU in CI).
+  that it ran (``found_inf`` set, ``grad_scale`` None in the step context) and drops every
+  tag. ``copy_cpu_grads = True`` runs this path for CPU params too (the tests use it; there
+  is no GPU in CI).
 - Several ranks: at step time the grads are averaged across ranks, bucket by bucket
   (``FlatGroup.reduce_grads`` in ``offload/zero/flat_group.py``), or during backward with
   ``reduce_in_backward`` ([Note: reduce in backward] in offload/zero/backward_reduce.py).
@@ -23,9 +24,9 @@ store never replaces or frees it; it *reads* it:
 
 [Note: DDP] The optimizer averages grads itself; the model needs no DDP wrapper. If the
 model *is* wrapped in DDP, its grads are already averaged: set
-``opt.grads_already_averaged = True`` (the step context's flag, read at every step) and the store only slices them,
-saving the second reduction. Averaging already-averaged grads again would give the same
-values up to rounding, at the price of a redundant all-reduce.
+``opt.grads_already_averaged = True`` (the step context's flag, read at every step) and
+the store only slices them, saving the second reduction. Averaging already-averaged grads
+again would give the same values up to rounding, at the price of a redundant all-reduce.
 
 [Note: a grad on some ranks only] torch skips a param without grad (no step, no weight
 decay). Across ranks, a param counts as having a grad when any rank has one (missing grads
