@@ -189,3 +189,26 @@ def test_found_inf_a_store_agrees_on_goes_back_to_grad_scaler(monkeypatch):
     opt.step()  # no scaler now: the context forgot the last step's facts
     assert opt._ctx.grad_scale is None and opt._ctx.found_inf is None and not opt.last_step_skipped
     opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_params_through_the_one_loop_match_torch(dtype):
+    """A transposed param gets its update through a buffer put back after its last item."""
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(7, 300, generator=gen).to(dtype).t()),
+              torch.nn.Parameter(torch.randn(50, generator=gen).to(torch.bfloat16))]  # a bf16 group: the flat store
+    assert not params[0].is_contiguous()
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    torch_opt = torch.optim.AdamW(ref, **HP, foreach=False)
+    opt = offload.AdamW(params, **HP, sub_group_size=512)
+    for s in range(4):
+        _grads(params, s)
+        for p, q in zip(params, ref):
+            q.grad = p.grad.float()
+        opt.step()
+        torch_opt.step()
+    for p, q in zip(params, ref):
+        master = opt._store.master(p)
+        torch.testing.assert_close(master, q.detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(p.detach(), master.to(p.dtype))
+    opt.close()

@@ -83,6 +83,9 @@ class ParamSink:
         tmp = torch.empty(pc.numel, dtype=p.dtype)  # non-contiguous CPU param: via a copy
 
         def put_back() -> None:
+            if pc.numel == p.numel():  # the whole param (one rank): no read-modify-write
+                p.detach().copy_(tmp.view_as(p))
+                return
             whole = p.detach().reshape(-1).clone()
             whole[ps].copy_(tmp)
             p.detach().copy_(whole.view_as(p))
