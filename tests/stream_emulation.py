@@ -190,7 +190,7 @@ class Emulation:
         def flat_store_always(opt, stage, process_group):  # fp32 "device" params take it too
             opt.stage = 0 if stage is None else stage
             self.on_device(p for g in opt.param_groups for p in g["params"])
-            return FlatState.for_optimizer(opt, stage=opt.stage, process_group=process_group)
+            return opt._flat_store(opt.stage, process_group)
 
         monkeypatch.setattr(adam._AdamBase, "_make_store", flat_store_always)
         return self

@@ -358,7 +358,8 @@ def test_host_store_copies_keep_everything(how):
            "torch.save": _torch_save_load}[how](opt)
     dup_params = [p for g in dup.param_groups for p in g["params"]]
     assert all(a is not b and torch.equal(a, b) for a, b in zip(params, dup_params))
-    assert dup._store._opt is dup
+    # the copy's store works on the copy's torch state (through the copy's step context)
+    assert dup._store.ctx is dup._ctx and dup._ctx.torch_state.state is dup.state
     for s in range(2, 4):
         _step_both([(opt, params), (dup, dup_params)], s)
     for a, b in zip(params, dup_params):

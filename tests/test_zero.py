@@ -183,15 +183,20 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
               resume=False, leave_swap=False, no_sync=False):
     from offload.optim.flat_state import FlatState
 
-    if bucket is not None:
-        FlatState.bucket_numel = bucket
-    FlatState.reduce_in_backward = reduce_in_backward
     model = _model(dtype)
     if start_model is not None:
         model.load_state_dict(start_model)
     nvme = dict(offload="nvme", swap_dir=swap_dir, sub_group_size=1024, resume=resume) if swap_dir else {}
-    opt = offload.AdamW(model.parameters(), stage=stage, max_grad_norm=max_grad_norm, process_group=group,
-                        **HP, **nvme)
+    # Read when the store is built; put back after, for the next job of this worker process.
+    saved = FlatState.bucket_numel, FlatState.reduce_in_backward
+    try:
+        if bucket is not None:
+            FlatState.bucket_numel = bucket
+        FlatState.reduce_in_backward = reduce_in_backward
+        opt = offload.AdamW(model.parameters(), stage=stage, max_grad_norm=max_grad_norm, process_group=group,
+                            **HP, **nvme)
+    finally:
+        FlatState.bucket_numel, FlatState.reduce_in_backward = saved
     if start_sd is not None:
         opt.load_state_dict(start_sd)
     if load_dir is not None:
@@ -233,10 +238,10 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
     sd = opt.state_dict()
     report = opt.memory_report()
     opt.close()
-    rib = opt._store._rib if hasattr(opt._store, "_rib") else None
+    reducer = getattr(opt._store, "_backward_reduction", None)
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sd": sd,
             "skipped": opt.skipped_steps, "report": report,
-            "launches": None if rib is None else (rib._seq, len(rib._order))}
+            "launches": None if reducer is None else (reducer._seq, len(reducer._order))}
 
 
 def _step_counts(opt, model):

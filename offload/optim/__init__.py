@@ -1,4 +1,26 @@
-"""Optimizers: ``Adam``, ``AdamW`` and the functional ``adam_step`` they call."""
+"""Optimizers: ``Adam``, ``AdamW`` and the functional ``adam_step`` they call.
+
+[Note: how the core fits together] ``opt.step()`` (``adam.py``) walks one step through these
+seams:
+
+1. The step context (``context.py``): the optimizer owns it (``opt._ctx``) and puts into it
+   what a store may know: the flags users set (``no_sync()``, ``grads_already_averaged``,
+   ``state_dict_rank0_only``, ``max_grad_norm``), GradScaler's ``grad_scale`` / ``found_inf``
+   (at the start of each step; ``store.begin_step()`` may agree ``found_inf`` across ranks),
+   torch's current ``state`` / ``param_groups``, and the step counts (``ctx.steps``: torch's
+   ``opt.state[p]["step"]``, the one place they live).
+2. The store (``protocol.py`` lists its methods): ``HostState`` (fp32 CPU params, moments in
+   ``opt.state``), ``SwappedState`` (the same in swap files) or ``FlatState``
+   (``flat/``: device or fp16/bf16 or partitioned params). Built from explicit arguments and
+   the context; it never reads its optimizer.
+3. Grads and the multiplier: ``agree_on_grads`` / ``grads(p)``, then ``clip.grad_multiplier``
+   (1/loss-scale times the clip coefficient; ``prepare_grads`` moves the grads first).
+4. ``step_guard.store_step``: the counts advance in ``ctx.steps``, each work item carries
+   its param's count, and ``store.step`` runs the update; a failure puts the counts back.
+   In the flat store one loop runs it ([Note: one step loop] in ``flat/steps.py``): the grad
+   source gives each work item's grad, the state backing (host buffers or swap files)
+   computes it, the param sink sends the result (in place, staging + copy stream, all-gather).
+"""
 from offload.optim.adam import Adam, AdamW
 from offload.optim.functional import AdamHyper, adam_step
 

@@ -28,8 +28,10 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels import get_backend
 from offload.optim.clip import grad_multiplier
+from offload.optim.context import StepContext
+from offload.optim.context_attrs import ContextAttributes
 from offload.optim.functional import AdamHyper
-from offload.optim.guards import eager, register_guards, step_sigs
+from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
 from offload.optim.host_state import HostState
 from offload.optim.options import (check_extras, check_hyper, check_loaded_groups, check_param_dtype,
                                    clear_execution_flags, make_config)
@@ -52,7 +54,7 @@ def _to_float(x: Any, what: str) -> float:
     return float(x)
 
 
-class _AdamBase(Optimizer):
+class _AdamBase(ContextAttributes, Optimizer):
     def __init__(
         self,
         params,
@@ -103,10 +105,12 @@ class _AdamBase(Optimizer):
         )
         self._store = None
         self._closed = False
+        # What the store may know of this optimizer (offload/optim/context.py): built before
+        # torch's __init__ sets `state` and `param_groups`, which __setattr__ hands to it.
+        self._ctx = StepContext.fresh(max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
         self.config = config
         self.bias_correction = bias_correction
-        self.max_grad_norm = max_grad_norm
         self.backend = backend
         self.num_threads = num_threads
         # GradScaler hands us the scale and found_inf instead of unscaling the grads itself,
@@ -116,10 +120,10 @@ class _AdamBase(Optimizer):
         self.skipped_steps = 0
         self.last_grad_norm: Optional[float] = None
         self._stats = StepStats()
-        self._no_sync = False
         self._store = self._make_store(stage, process_group)
         self._registered = self._all_params()
         register_guards(self)
+        register_store_hooks(self)
 
     # ---------------------------------------------------------------- store selection
     def _all_params(self) -> List[torch.Tensor]:
@@ -145,14 +149,21 @@ class _AdamBase(Optimizer):
                     f"offload={self.config.offload!r} are updated in place, each in one pass (sub-groups "
                     "cut the flat master of device or fp16/bf16 params, and the swap files of "
                     "offload='nvme'); drop it")
-            return HostState(self, backend=self.backend, num_threads=self.num_threads)
+            return HostState(ctx=self._ctx, backend=self.backend, num_threads=self.num_threads)
         if stage == 0 and host_ok and self.config.offload == "nvme":
             from offload.optim.swapped_state import SwappedState
 
-            return SwappedState.for_optimizer(self)
-        from offload.optim.flat_state import FlatState
+            cfg = self.config
+            return SwappedState(params, swap_dir=cfg.swap_dir, max_host_bytes=cfg.max_host_bytes,
+                                sub_group_size=cfg.sub_group_size, verify=cfg.verify, resume=cfg.resume,
+                                io_engine=cfg.io, backend=self.backend, num_threads=self.num_threads, ctx=self._ctx)
+        return self._flat_store(stage, process_group)
 
-        return FlatState.for_optimizer(self, stage=stage, process_group=process_group)
+    def _flat_store(self, stage: int, process_group: Any):
+        from offload.optim.flat.store import FlatState
+
+        return FlatState(self.param_groups, config=self.config, ctx=self._ctx, backend=self.backend,
+                         num_threads=self.num_threads, stage=stage, process_group=process_group)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -210,7 +221,8 @@ class _AdamBase(Optimizer):
         # Adam.__setstate__, fill the flags older checkpoints lack and turn a float step
         # (torch < 1.12) into a tensor of torch's dtype.
         sigs = state.get("_param_sigs")  # present only in a pickle's full __dict__
-        super().__setstate__(state)
+        super().__setstate__(state)  # a __dict__.update: __setattr__ does not see it
+        self._ctx.rebind(state=self.state, param_groups=self.param_groups)
         if sigs is not None:
             # A copy holds new param objects: the registered signatures are keyed by id(p),
             # so re-key them by position (keeping what was registered, not what is now).
@@ -265,7 +277,11 @@ class _AdamBase(Optimizer):
 
     def _grad_multiplier(self, work) -> Optional[float]:
         """1/loss-scale times the clip coefficient, or None when the step must be skipped."""
-        return grad_multiplier(self, work)
+        multiplier, self._t_prepare, norm = grad_multiplier(self._ctx, self._store, work, backend=self.backend,
+                                                            num_threads=self.num_threads)
+        if norm is not None:
+            self.last_grad_norm = norm
+        return multiplier
 
     # Eager under torch.compile: a step of swap I/O, locks and timers gains nothing from
     # tracing (graph breaks at each) and the store's attributes set inside it are invisible to
@@ -275,6 +291,7 @@ class _AdamBase(Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None):
         self._check_open()
         self._check_not_failed()
+        self._begin_step()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -349,12 +366,12 @@ class _AdamBase(Optimizer):
         same backward passes inside and outside on every rank), as with DDP. A ``step()``
         whose grads were never sent still works: it sends them then, synchronously.
         Nothing changes for fp32 CPU params at stage 0, whose grads are used in place."""
-        before = self._no_sync
-        self._no_sync = True
+        before = self._ctx.no_sync
+        self._ctx.no_sync = True
         try:
             yield self
         finally:
-            self._no_sync = before
+            self._ctx.no_sync = before
 
     # ---------------------------------------------------------------- reports
     def memory_report(self) -> Dict[str, Any]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from offload.kernels import get_backend
+from offload.optim.context import StepContext
 from offload.optim.protocol import optional
 
 __all__ = ["grad_multiplier"]
@@ -15,43 +16,47 @@ __all__ = ["grad_multiplier"]
 log = logging.getLogger("offload.optim")
 
 
-def grad_multiplier(opt: Any, work: Any) -> Optional[float]:
-    """1/loss-scale times the clip coefficient, or None when the step must be skipped."""
+def grad_multiplier(ctx: StepContext, store: Any, work: Any, *, backend: Optional[str],
+                    num_threads: Optional[int]) -> Tuple[Optional[float], float, Optional[float]]:
+    """(multiplier, seconds spent preparing the grads, grad norm): the multiplier is
+    1/loss-scale times the clip coefficient, or None when the step must be skipped; the norm
+    is None when it was not computed (no clipping, or a skip before it)."""
     inv_scale = 1.0
-    scale = getattr(opt, "grad_scale", None)  # set by GradScaler.step for this call only
-    if scale is not None:
-        inv_scale = 1.0 / float(scale)
-    found_inf = getattr(opt, "found_inf", None)
-    if found_inf is not None and float(found_inf) > 0:
+    if ctx.grad_scale is not None:  # GradScaler's, for this step only
+        inv_scale = 1.0 / float(ctx.grad_scale)
+    if ctx.found_inf is not None and float(ctx.found_inf) > 0:
         log.info("step skipped: GradScaler found inf/nan in the gradients")
-        return None
+        return None, 0.0, None
     # Grads that must move first (copies to host buffers, the reduction across ranks)
     # are timed as grad_transfer, not as the clip that needs them.
-    prepare = optional(opt._store, "prepare_grads")
+    t_prepare = 0.0
+    prepare = optional(store, "prepare_grads")
     if prepare is not None:
         t = time.perf_counter()
         prepare()
-        opt._t_prepare = time.perf_counter() - t
-    if opt.max_grad_norm is None:
-        return inv_scale
-    norm_fn = optional(opt._store, "global_grad_sumsq")
-    if norm_fn is not None:
-        sumsq, nonfinite = norm_fn(work)
-    else:
-        kernel = get_backend(opt.backend)
-        sumsq, nonfinite = 0.0, False
-        for _, items in work:
-            for _, g in items:
-                if g.numel():
-                    s, bad = kernel.grad_sumsq(g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1), num_threads=opt.num_threads)
-                    sumsq += s
-                    nonfinite |= bad
+        t_prepare = time.perf_counter() - t
+    if ctx.max_grad_norm is None:
+        return inv_scale, t_prepare, None
+    norm_fn = optional(store, "global_grad_sumsq")
+    sumsq, nonfinite = norm_fn(work) if norm_fn is not None else _sumsq(work, backend, num_threads)
     if nonfinite:
         log.warning("step skipped: non-finite gradient norm")
-        opt.last_grad_norm = float("nan")
-        return None
+        return None, t_prepare, float("nan")
     norm = math.sqrt(sumsq) * inv_scale
-    opt.last_grad_norm = norm
     # Same coefficient as torch.nn.utils.clip_grad_norm_.
-    clip = min(1.0, opt.max_grad_norm / (norm + 1e-6))
-    return inv_scale * clip
+    clip = min(1.0, ctx.max_grad_norm / (norm + 1e-6))
+    return inv_scale * clip, t_prepare, norm
+
+
+def _sumsq(work: Any, backend: Optional[str], num_threads: Optional[int]) -> Tuple[float, bool]:
+    """The grads' sum of squares, one kernel pass each, and whether one is not finite."""
+    kernel = get_backend(backend)
+    sumsq, nonfinite = 0.0, False
+    for _, items in work:
+        for _, g in items:
+            if g.numel():
+                flat = g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1)
+                s, bad = kernel.grad_sumsq(flat, num_threads=num_threads)
+                sumsq += s
+                nonfinite |= bad
+    return sumsq, nonfinite

@@ -16,16 +16,41 @@ built:
 
 ``found_inf`` is written back by a store that agrees on it across ranks (every rank must
 skip the same steps); the optimizer then hands the agreed flag to GradScaler.
+
+Torch's own containers (``opt.state``, ``opt.param_groups``) are replaced by torch's
+``load_state_dict``; ``TorchState`` holds the current ones, and the optimizer rebinds it
+whenever torch replaces them (``_AdamBase.__setattr__`` / ``__setstate__``). Neither the
+context nor a store holds a reference, strong or weak, to the optimizer: dropping the
+optimizer frees its store at once, as before, and pickling the optimizer pickles these
+plain containers with it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
-__all__ = ["StepContext", "StepCounts"]
+__all__ = ["StepContext", "StepCounts", "TorchState"]
+
+
+class TorchState:
+    """The optimizer's torch containers as they are now: ``state`` (per-param dicts, where
+    the step counts and the host store's moments live) and ``param_groups``. Calling it
+    returns ``state`` (so it serves as ``StepCounts``'s ``state_of``)."""
+
+    def __init__(self, state: Optional[Dict[torch.Tensor, Dict[str, Any]]] = None,
+                 param_groups: Optional[List[Dict[str, Any]]] = None) -> None:
+        self.state = {} if state is None else state
+        self.param_groups = [] if param_groups is None else param_groups
+
+    def __call__(self) -> Dict[torch.Tensor, Dict[str, Any]]:
+        return self.state
+
+    def params(self) -> List[torch.Tensor]:
+        """Every param, in param_groups order."""
+        return [p for g in self.param_groups for p in g["params"]]
 
 
 class StepCounts:
@@ -47,13 +72,15 @@ class StepCounts:
 
     def set(self, p: torch.Tensor, n: int) -> None:
         """Set ``p``'s count; ``n == 0`` removes it (a param that never stepped has no entry,
-        as in torch)."""
+        as in torch). Always a new tensor, never an in-place change: torch's load_state_dict
+        shares the step tensors with the dict it loaded, and changing them in place would
+        couple two optimizers loaded from one dict."""
         state = self._state_of()
         if n > 0:
-            entry = state[p]  # torch's state is a defaultdict(dict)
-            step = entry.get("step")
-            if torch.is_tensor(step) and step.numel() == 1 and not step.requires_grad:
-                step.fill_(float(n))  # in place: a tensor the user holds follows
+            entry = state.setdefault(p, {})
+            old = entry.get("step")
+            if torch.is_tensor(old) and old.is_floating_point():  # keep a loaded step's dtype and device
+                entry["step"] = torch.tensor(float(n), dtype=old.dtype, device=old.device)
             else:
                 entry["step"] = torch.tensor(float(n), dtype=_get_scalar_dtype())
         elif p in state:  # do not create entries in the defaultdict
@@ -61,10 +88,35 @@ class StepCounts:
             if not state[p]:
                 del state[p]
 
-    def advance(self, params: Iterable[torch.Tensor]) -> None:
-        """One more step for each of ``params``."""
+    def all(self, params: Sequence[torch.Tensor]) -> List[int]:
+        """The counts of ``params``, in order (0 for one that never stepped)."""
+        return [self.get(p) for p in params]
+
+    def set_all(self, params: Sequence[torch.Tensor], counts: Sequence[int]) -> None:
+        """Set the counts of ``params`` (``counts`` in the same order; a length mismatch is a ValueError)."""
+        if len(counts) != len(params):
+            raise ValueError(f"{len(counts)} step counts for {len(params)} params")
+        for p, n in zip(params, counts):
+            self.set(p, int(n))
+
+    def advance(self, params: Iterable[torch.Tensor]) -> List[Tuple[torch.Tensor, Any]]:
+        """One more step for each of ``params``; returns what ``restore`` needs to undo it
+        (the step tensors as they were, the very objects)."""
+        state = self._state_of()
+        before: List[Tuple[torch.Tensor, Any]] = []
         for p in params:
+            before.append((p, state.get(p, {}).get("step")))
             self.set(p, self.get(p) + 1)
+        return before
+
+    def restore(self, before: List[Tuple[torch.Tensor, Any]]) -> None:
+        """Undo ``advance``: each param's step entry as it was."""
+        state = self._state_of()
+        for p, step in reversed(before):
+            if step is not None:
+                state.setdefault(p, {})["step"] = step
+            elif p in state:
+                state[p].pop("step", None)
 
 
 @dataclass
@@ -73,6 +125,10 @@ class StepContext:
 
     steps: StepCounts
     """The step counts (the one place they live)."""
+    torch_state: Optional[TorchState] = None
+    """torch's ``state`` and ``param_groups`` as they are now (the host store's moments live
+    in ``state``, as torch's; the flat store drops the fp16/bf16 cast of ``master`` from it
+    after a load)."""
     no_sync: bool = False
     """Inside ``opt.no_sync()``: backward leaves grads where autograd accumulates them."""
     grads_already_averaged: bool = False
@@ -85,3 +141,23 @@ class StepContext:
     """GradScaler's scale for this step (None when the grads are unscaled)."""
     found_inf: Optional[torch.Tensor] = None
     """GradScaler's found-inf flag for this step; a store may replace it by the ranks' agreed one."""
+
+    @classmethod
+    def fresh(cls, **flags: Any) -> "StepContext":
+        """A context over empty torch containers (the optimizer rebinds them as torch sets
+        them; a store built outside an optimizer, in a test or a bench, keeps its own)."""
+        held = TorchState()
+        return cls(steps=StepCounts(held), torch_state=held, **flags)
+
+    def rebind(self, *, state: Any = None, param_groups: Any = None) -> None:
+        """torch replaced its ``state`` or ``param_groups`` (load_state_dict, unpickling)."""
+        if self.torch_state is None:
+            return
+        if state is not None:
+            self.torch_state.state = state
+        if param_groups is not None:
+            self.torch_state.param_groups = param_groups
+
+    def begin_step(self, grad_scale: Any, found_inf: Any) -> None:
+        """This step's facts as GradScaler handed them over (None when it did not)."""
+        self.grad_scale, self.found_inf = grad_scale, found_inf

@@ -1,4 +1,5 @@
-"""Step pre-hooks that refuse a step the optimizer's layout no longer fits.
+"""Step pre-hooks that refuse a step the optimizer's layout no longer fits, and the load
+hooks that hand torch's load to the store (``register_store_hooks``).
 
 Both conditions arise after construction, outside the optimizer's view: the job gains ranks
 (``torch.distributed`` initialised after the optimizer was built, as HF ``TrainingArguments``
@@ -14,7 +15,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["eager", "register_guards", "step_sigs"]
+from offload.optim.protocol import optional
+
+__all__ = ["eager", "register_guards", "register_store_hooks", "step_sigs"]
 
 
 def eager(fn):
@@ -29,6 +32,27 @@ def eager(fn):
 def register_guards(opt: torch.optim.Optimizer) -> None:
     opt.register_step_pre_hook(check_world)
     opt.register_step_pre_hook(check_params)
+
+
+def register_store_hooks(opt: torch.optim.Optimizer) -> None:
+    """The optimizer's load_state_dict hooks that hand torch's load to the store (its
+    ``before_load`` / ``after_load``, when it has them): the optimizer registers them, so
+    the store never touches the optimizer. Registered right after the store is built,
+    before any hook of the user's, so they run first, as the store's own hooks did."""
+    opt.register_load_state_dict_pre_hook(before_load)
+    opt.register_load_state_dict_post_hook(after_load)
+
+
+def before_load(opt: Any, state_dict: Any) -> None:
+    hook = optional(opt._store, "before_load")
+    if hook is not None:
+        hook(state_dict, opt._all_params())
+
+
+def after_load(opt: Any) -> None:
+    hook = optional(opt._store, "after_load")
+    if hook is not None:
+        hook()
 
 
 @eager

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from offload.optim.context import StepContext
 from offload.optim.functional import AdamHyper, adam_step
 
 __all__ = ["HostState", "StepBatch"]
@@ -26,13 +27,18 @@ StepBatch = Tuple[AdamHyper, List[Tuple[torch.Tensor, torch.Tensor, int]]]
 
 
 class HostState:
-    """fp32 CPU params updated in place, moments in ``opt.state[p]``."""
+    """fp32 CPU params updated in place, moments in ``opt.state[p]`` (torch's, reached
+    through the step context's ``torch_state``)."""
 
     kind = "host"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, backend: Optional[str], num_threads: Optional[int]):
-        # Keep the optimizer, not its state dict: torch's load_state_dict replaces opt.state.
-        self._opt = optimizer
+    def __init__(self, *, ctx: StepContext, backend: Optional[str], num_threads: Optional[int]):
+        # The moments live in torch's opt.state, which torch's load_state_dict replaces: the
+        # context's TorchState always holds the current one (never a copy kept here).
+        if ctx.torch_state is None:
+            raise ValueError("HostState keeps the moments in torch's opt.state: its context needs a torch_state")
+        self.ctx = ctx
+        self._torch = ctx.torch_state
         self._backend = backend
         self._num_threads = num_threads
 
@@ -50,7 +56,7 @@ class HostState:
             )
 
     def _moments(self, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        st = self._opt.state[p]
+        st = self._torch.state[p]
         if "exp_avg" not in st:
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -76,7 +82,7 @@ class HostState:
         return {"kernel": time.perf_counter() - t0}
 
     def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
-        st = self._opt.state.get(p, {})
+        st = self._torch.state.get(p, {})
         return {k: st[k] for k in ("exp_avg", "exp_avg_sq") if k in st}
 
     def import_state(self, p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
@@ -91,10 +97,10 @@ class HostState:
     # so that one saved with offload="cpu" loads with offload="nvme" and back. Moments of
     # params that have not stepped yet are written as zeros with step 0, as SwappedState does.
     def _checkpoint_tensors(self) -> Tuple[List[torch.Tensor], Dict[str, List[torch.Tensor]]]:
-        params = [p for g in self._opt.param_groups for p in g["params"]]
+        params = self._torch.params()
         states: Dict[str, List[torch.Tensor]] = {"exp_avg": [], "exp_avg_sq": []}
         for p in params:
-            st = self._opt.state.get(p, {})
+            st = self._torch.state.get(p, {})
             for key in states:
                 t = st.get(key)
                 t = torch.zeros(p.numel(), dtype=torch.float32) if t is None else t.detach().reshape(-1).contiguous()
@@ -105,32 +111,31 @@ class HostState:
         from offload.zero.ckpt_states import save_states
 
         params, states = self._checkpoint_tensors()
-        steps = [int(self._opt.state[p]["step"]) if "step" in self._opt.state.get(p, {}) else 0 for p in params]
+        steps = self.ctx.steps.all(params)
         meta = dict(extra or {}, steps=steps, shapes=[list(p.shape) for p in params])
         return save_states(directory, [p.numel() for p in params], states, meta)
 
     def load_checkpoint(self, directory: str) -> None:
         from offload.zero.ckpt_states import load_states
 
-        params = [p for g in self._opt.param_groups for p in g["params"]]
+        params = self._torch.params()
         scratch = {k: [torch.empty(p.numel(), dtype=torch.float32) for p in params] for k in ("exp_avg", "exp_avg_sq")}
         # Loaded into scratch first: a failed load leaves the current state untouched.
         meta = load_states(directory, [p.numel() for p in params], scratch)
         if meta.get("shapes") != [list(p.shape) for p in params]:
             raise ValueError(f"{directory}: checkpoint of params with other shapes")
+        state = self._torch.state
         for i, (p, step) in enumerate(zip(params, meta["steps"])):
+            state.pop(p, None)  # a new entry, as torch's load_state_dict makes
             if int(step) == 0:
-                self._opt.state.pop(p, None)
                 continue
-            self._opt.state[p] = {
-                "step": torch.tensor(float(step), dtype=torch.float32),
-                "exp_avg": scratch["exp_avg"][i].view(p.shape),
-                "exp_avg_sq": scratch["exp_avg_sq"][i].view(p.shape),
-            }
+            self.ctx.steps.set(p, int(step))  # first: torch's key order (step, exp_avg, exp_avg_sq)
+            state[p]["exp_avg"] = scratch["exp_avg"][i].view(p.shape)
+            state[p]["exp_avg_sq"] = scratch["exp_avg_sq"][i].view(p.shape)
 
     def memory_report(self) -> Dict[str, int]:
         nbytes = 0
-        for st in self._opt.state.values():
+        for st in self._torch.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 t = st.get(key)
                 if isinstance(t, torch.Tensor):

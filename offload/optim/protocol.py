@@ -7,6 +7,21 @@ files) and ``FlatState`` (flat fp32 shards for device / fp16 / bf16 / partitione
 ``offload.optim.adam._AdamBase`` drives all three through the methods below and nothing
 else; ``Store`` lists what every store has, ``OPTIONAL`` what only some have, and
 ``optional(store, name)`` is the one way to ask for the latter.
+
+[Note: the step context] The other way, a store never reads an attribute of its optimizer
+and keeps no reference to it, strong or weak. It is built from explicit arguments (the
+param groups, the OffloadConfig, the backend, the thread count, the process group) and the
+optimizer's ``StepContext`` (``offload/optim/context.py``; the store keeps it as ``ctx``),
+which the optimizer owns (``opt._ctx``, built before the store) and keeps current: the flags users set on the
+optimizer (``no_sync()``, ``grads_already_averaged``, ``state_dict_rank0_only``,
+``max_grad_norm`` are properties over it), GradScaler's ``grad_scale`` / ``found_inf``
+(put into it at the start of each ``step()``; a store that agrees ``found_inf`` across
+ranks writes it back there and the optimizer hands it to GradScaler), the step counts
+(``ctx.steps``: torch's ``opt.state[p]["step"]``, the one place they live; the optimizer
+advances them before ``store.step`` and each work item carries its param's count) and
+torch's current containers (``ctx.torch_state``). Hooks on the optimizer that a store needs
+are the optimizer's (``offload/optim/guards.py``): they call the store's ``begin_step``,
+``before_load`` and ``after_load``.
 """
 from __future__ import annotations
 
@@ -54,6 +69,12 @@ OPTIONAL: Dict[str, str] = {
     "save_checkpoint": "(directory, extra) -> None: stream the states to a checkpoint directory",
     "load_checkpoint": "(directory) -> None: load states and steps from a checkpoint directory, all or nothing",
     "clear_failure": "(accept_params) -> None: leave the failed state a failed step left the store in",
+    "begin_step": "() -> None: a step begins (GradScaler's facts are in the context); may replace ctx.found_inf "
+                  "by the ranks' agreed flag (a collective, on every rank)",
+    "before_load": "(state_dict, params) -> None: torch's load_state_dict is about to replace opt.state "
+                   "(params: the optimizer's, in the dict's numbering)",
+    "after_load": "() -> None: torch's load_state_dict is done (before the user's post hooks)",
+    "end_load": "() -> None: load_state_dict is over, done or failed: drop what before_load kept",
 }
 """The methods only some stores have, and the contract of each (the optimizer falls back
 to torch's behaviour, or refuses with a clear error, where a store lacks one)."""

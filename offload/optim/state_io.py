@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from offload.optim.protocol import optional
 from offload.optim.state_view import attach
 
 __all__ = ["state_dict_of", "load_state_dict_into", "check_loadable"]
@@ -123,13 +124,13 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
             if getattr(store, "kind", None) != "host":
                 _import_all(opt, store)
     except BaseException:
-        opt.state, opt.param_groups = old_state, old_groups
-        _sync_steps(store)
+        opt.state, opt.param_groups = old_state, old_groups  # the step counts with them (ctx.steps)
         raise
     finally:
-        # the flat store's pre-load hook keeps the loaded fp32 tensors for import_state: drop them
-        if hasattr(store, "_stash"):
-            store._stash = {}
+        # the flat store's before_load keeps the loaded fp32 tensors for import_state: drop them
+        end = optional(store, "end_load")
+        if end is not None:
+            end()
     if hasattr(store, "clear_failure"):
         store._broken = None  # every state was replaced: see step_guard [Note: failed steps]
     attach(opt)
@@ -147,8 +148,3 @@ def _import_all(opt: Any, store: Any) -> None:
             # moments, step 0), not with the moments this optimizer held before.
             store.reset_state(p)
 
-
-def _sync_steps(store: Any) -> None:
-    sync = getattr(store, "_sync_opt_steps", None)
-    if sync is not None:  # SwappedState: its counts went back with the batch
-        sync()

@@ -21,7 +21,6 @@ import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.optim.optimizer import _get_scalar_dtype
 
 __all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "mark_consistent", "is_consistent",
            "failure_text", "store_step", "clear_failure"]
@@ -146,32 +145,22 @@ def failure_text(exc: BaseException, store_kind: str, held: Optional[str] = None
 
 
 def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor]]]]) -> Dict[str, float]:
-    """Count the step in ``opt.state`` and let the store apply it (``work``: per group, its
-    AdamHyper and (param, grad) pairs). Any failure restores the counts and, unless the store
-    put everything back, enters the failed state."""
+    """Count the step (``ctx.steps``, the one place the counts live) and let the store apply
+    it (``work``: per group, its AdamHyper and (param, grad) pairs); each work item carries
+    its param's new count. Any failure restores the counts and, unless the store put
+    everything back, enters the failed state."""
+    steps = opt._ctx.steps
     batches: List[Any] = []
-    before: List[Tuple[Dict[str, Any], Any]] = []
+    before: List[Tuple[torch.Tensor, Any]] = []
     for hyper, items in work:
-        triples = []
-        for p, g in items:
-            st = opt.state[p]
-            before.append((st, st.get("step")))
-            # A new tensor, not `+= 1`: torch's load_state_dict shares the step tensors with
-            # the dict it loaded, and an in-place increment would couple two optimizers
-            # loaded from one dict.
-            st["step"] = (st["step"] if "step" in st else torch.tensor(0.0, dtype=_get_scalar_dtype())) + 1
-            triples.append((p, g, int(st["step"].item())))
-        batches.append((hyper, triples))
+        before += steps.advance(p for p, _ in items)
+        batches.append((hyper, [(p, g, steps.get(p)) for p, g in items]))
     try:
         return dict(opt._store.step(batches))
     except BaseException as exc:
         # The states (swap files, or what the store put back) are at the previous step: so
         # are the counts, or a retry would use the bias correction of a step that never happened.
-        for st, step in before:
-            if step is None:
-                st.pop("step", None)
-            else:
-                st["step"] = step
+        steps.restore(before)
         if not is_consistent(exc):
             kind = "flat-nvme" if getattr(opt._store, "_swap", None) is not None else opt._store.kind
             opt._failure = getattr(opt._store, "_broken", None) or failure_text(exc, kind)

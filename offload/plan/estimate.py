@@ -43,6 +43,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from offload.kernels.fields import ADAM, MASTER, bytes_per_element, fields_bytes
+
 from .inputs import dtype_name, nonneg_bytes, parse_dtype, positive_rate, resolve_params
 from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, tests import it here)
     COMPONENTS,
@@ -69,7 +71,8 @@ __all__ = [
 
 GiB = 1 << 30
 _OFFLOADS = ("none", "cpu", "nvme")
-_OPTIMIZERS = {"adam": 12, "adamw": 12}    # K of the ZeRO paper: master + two moments, fp32
+# K of the ZeRO paper: the bytes per param of the fp32 master and the rule's states (12 for Adam)
+_OPTIMIZERS = {"adam": bytes_per_element(ADAM.with_master()), "adamw": bytes_per_element(ADAM.with_master())}
 
 Bytes = Dict[str, Dict[str, int]]  # tier -> component -> bytes per rank
 
@@ -231,11 +234,17 @@ def _place_model(s: _Setup, B: Bytes, notes: List[str]) -> None:
                      "p.grad whole (reduce-scatter at step time), so the device holds 2Ψ of grads")
 
 
+def _state_fields(s: _Setup):
+    """The typed states kept per element: the fp32 master unless the params are their own
+    master (the in-place store), then the rule's (Adam's moments)."""
+    return ADAM.with_master() if s.separate_master else ADAM.fields
+
+
 def _place_swapped(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) -> Optional[Dict[str, Any]]:
     """offload="nvme": the moments, and the master unless the params are their own master
     (the in-place store), in swap files; the swapped elements are the whole shard on every
     rank (the flat buffer is padded to the world size)."""
-    streamed = (["master"] if s.separate_master else []) + ["exp_avg", "exp_avg_sq"]
+    streamed = [f.name for f in _state_fields(s)]
     swap = None
     if s.shard:
         try:
@@ -258,12 +267,12 @@ def _place_states(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) ->
     tier = s.tier
     if s.separate_master and s.offload != "nvme":
         # The flat store's fp32 master is a host buffer unless it is swapped.
-        B[tier["master"]]["master"] = 4 * s.shard
+        B[tier[MASTER.name]][MASTER.name] = MASTER.nbytes(s.shard)
     if s.offload == "nvme":
         return _place_swapped(s, B, notes, problems)
     # HostState: moments in opt.state, ordinary tensors; flat store: pool buffers.
-    for c in ("exp_avg", "exp_avg_sq"):
-        B[tier[c]][c] = 4 * s.shard
+    for f in ADAM.fields:
+        B[tier[f.name]][f.name] = f.nbytes(s.shard)
     if s.separate_master and s.offload == "none" and not s.on_cpu:
         notes.append("offload='none' with device params: this engine keeps the fp32 states of device "
                      "params on the host anyway (same bytes as offload='cpu'); the ZeRO paper's "
@@ -327,7 +336,7 @@ def _predict_step(s: _Setup, swap: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if s.offload == "nvme":
         # every sub-group of the swapped states is read from one slot and written to the
         # other once per step
-        io_bytes = swap["file_bytes"] if swap else 4 * (3 if s.separate_master else 2) * s.shard
+        io_bytes = swap["file_bytes"] if swap else fields_bytes(_state_fields(s), s.shard)
         step["read_bytes"] = io_bytes
         step["write_bytes"] = io_bytes
         step["io_s"] = (io_bytes / (rg * 1e9) + io_bytes / (wg * 1e9)) if (rg and wg) else None

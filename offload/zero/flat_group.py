@@ -12,13 +12,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from offload.kernels.fields import ADAM, MASTER, fields_bytes
 from offload.memory import BufferPool
 from offload.zero import comm
 from offload.zero.partition import FlatLayout, split_ranges
 
-__all__ = ["FlatGroup", "LOWP"]
+__all__ = ["FlatGroup", "LOWP", "STATES"]
 
 LOWP = (torch.float16, torch.bfloat16)
+STATES = ADAM.with_master()
+"""What a flat group keeps per element of its shard: the fp32 master and Adam's moments."""
 
 
 class FlatGroup:
@@ -41,9 +44,10 @@ class FlatGroup:
         S = self.layout.shard
         # swapped: master and moments live in NVMe swap files (offload/optim/swapped_shards.py)
         self.swapped = swapped
-        self.master = None if swapped else self._tensor(torch.float32, S, pinned=dma and not self.lowp)
-        self.exp_avg = None if swapped else self._tensor(torch.float32, S).zero_()
-        self.exp_avg_sq = None if swapped else self._tensor(torch.float32, S).zero_()
+        m, v = ADAM.fields  # exp_avg, exp_avg_sq
+        self.master = None if swapped else self._tensor(MASTER.dtype, S, pinned=dma and not self.lowp)
+        self.exp_avg = None if swapped else self._tensor(m.dtype, S).zero_()
+        self.exp_avg_sq = None if swapped else self._tensor(v.dtype, S).zero_()
         self.refresh_master()
         # Destination of grad copies (one rank, hook path): the whole flat range, own dtype.
         self.host_grad = self._tensor(self.dtype, self.layout.total, pinned=dma) if need_host_grad else None
@@ -109,7 +113,7 @@ class FlatGroup:
             self.shard_values(0, self.layout.shard, self.lowp_shard)
 
     def nbytes(self) -> Dict[str, int]:
-        out = {"states": 0 if self.swapped else 3 * self.layout.shard * 4}
+        out = {"states": 0 if self.swapped else fields_bytes(STATES, self.layout.shard)}
         out["grads"] = 0
         for t in (self.host_grad, self.gshard):
             if t is not None:

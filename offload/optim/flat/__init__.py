@@ -3,8 +3,9 @@
 - ``grads.py``: where a step's grads come from (p.grad in place, the grad hook's host copy,
   the cross-rank reduction) and the has-grad agreement between ranks;
 - ``sinks.py``: where updated params go (in place, staging + copy stream, all-gather);
-- ``steps.py``: the host-buffer step loops (one rank; several ranks with the gather overlap);
-- ``swapped.py``: the nvme backing (open / resume, params from swap, the swapped step);
+- ``steps.py``: the one step loop ([Note: one step loop]): work items, and the host-buffer
+  state backing (``HostBacking``);
+- ``swapped.py``: the nvme backing (open / resume, params from swap, ``SwapBacking``);
 - ``load_hooks.py``: state_dict export / import and the load_state_dict hooks;
 - ``checkpoints.py``: save_checkpoint / load_checkpoint.
 
@@ -17,9 +18,15 @@ store through the protocol of ``offload/optim/protocol.py``:
    the reduction into each group's shard buffer (or the end of the one started during
    backward), or, on one rank, the wait for the grad hook's host copies.
 3. ``global_grad_sumsq(work)`` when clipping (``GradSource.global_sumsq``).
-4. ``step(batches)``: ``ParamSink.begin``, then one of three loops: ``steps.step_local``
-   (param by param, cut into sub-groups, each sent by ``ParamSink.to_param``),
-   ``steps.step_partitioned`` (bucket by bucket, each all-gathered by ``BucketGathers``)
-   or ``swapped.step_swapped`` (work items whose grad comes from the grad source and whose
-   output from ``ParamSink.piece_output``, run by the swap pipeline); ``ParamSink.end``.
+4. ``step(batches)``: ``ParamSink.begin``, then ``steps.run_step``: group by group,
+   segment by segment (the buckets gathered as soon as they are stepped, or the whole
+   shard), each piece with a grad becomes ``WorkItem``s whose grad slice comes from
+   ``GradSource.piece`` and whose output from ``ParamSink.piece_output``; the state
+   backing computes them (``HostBacking``: the kernel now, then the sends on the copy
+   stream; ``SwapBacking``: the swap pipeline streams them all, then the sends and the
+   all-gather); ``ParamSink.end``.
+
+The store never reads its optimizer: what it needs comes in the step context ([Note: the
+step context] in offload/optim/protocol.py); the optimizer calls ``begin_step`` (GradScaler's
+found_inf agreed across ranks), ``before_load`` / ``after_load`` from its own hooks.
 """

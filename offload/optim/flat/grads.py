@@ -12,9 +12,10 @@ store never replaces or frees it; it *reads* it:
   version counter); at step time a tag that no longer matches ``p.grad`` (a later in-place
   change such as ``clip_grad_norm_`` or ``zero_()``, or a grad assigned by hand) is copied
   again, synchronously, so the step always sees what torch would. ``GradScaler.unscale_()``
-  changes grads in place *without* bumping their version counters; the step pre-hook sees
-  that it ran (``found_inf`` set, ``grad_scale`` None) and drops every tag. ``copy_cpu_grads = True``
-  runs this path for CPU params too (the tests use it; there is no GPU in CI).
+  changes grads in place *without* bumping their version counters; ``begin_step`` sees
+  that it ran (``found_inf`` set, ``grad_scale`` None in the step context) and drops every
+  tag. ``copy_cpu_grads = True`` runs this path for CPU params too (the tests use it; there
+  is no GPU in CI).
 - Several ranks: at step time the grads are averaged across ranks, bucket by bucket
   (``FlatGroup.reduce_grads`` in ``offload/zero/flat_group.py``), or during backward with
   ``reduce_in_backward`` ([Note: reduce in backward] in offload/zero/backward_reduce.py).
@@ -23,9 +24,9 @@ store never replaces or frees it; it *reads* it:
 
 [Note: DDP] The optimizer averages grads itself; the model needs no DDP wrapper. If the
 model *is* wrapped in DDP, its grads are already averaged: set
-``opt.grads_already_averaged = True`` (read at every step) and the store only slices them,
-saving the second reduction. Averaging already-averaged grads again would give the same
-values up to rounding, at the price of a redundant all-reduce.
+``opt.grads_already_averaged = True`` (the step context's flag, read at every step) and
+the store only slices them, saving the second reduction. Averaging already-averaged grads
+again would give the same values up to rounding, at the price of a redundant all-reduce.
 
 [Note: a grad on some ranks only] torch skips a param without grad (no step, no weight
 decay). Across ranks, a param counts as having a grad when any rank has one (missing grads
@@ -35,8 +36,9 @@ step, made by ``agree()`` (the optimizer calls it before asking for grads; ``gra
 itself is never a collective).
 
 [Note: GradScaler across ranks] GradScaler looks for inf/nan in each rank's *local* grads
-(with DDP they are already averaged, so all ranks agree). Here a step pre-hook all-reduces
-``found_inf`` so that all ranks skip a step together and the shards stay consistent. The
+(with DDP they are already averaged, so all ranks agree). Here ``begin_step`` all-reduces
+``found_inf`` (the step context's; the optimizer hands the agreed one back to GradScaler)
+so that all ranks skip a step together and the shards stay consistent. The
 scaler's own ``update()`` still sees only the local answer: after an overflow on some ranks
 only, their loss scales differ, and the summed grads then mix scales. With fp16 and several
 ranks, either wrap the model in DDP (grads averaged before the scaler looks; set
@@ -52,6 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from offload.kernels import get_backend
+from offload.optim.context import StepContext
 from offload.zero import comm
 from offload.zero.flat_group import FlatGroup
 
@@ -62,17 +65,18 @@ class GradSource:
     """The grads a step reads: p.grad, the hook's host copy, or this rank's reduced shard.
 
     ``groups``, ``where``, ``order`` and ``streams`` are the store's own containers (shared,
-    not copied: a group added later is seen here); ``opt`` is a weak reference."""
+    not copied: a group added later is seen here); ``ctx`` is the optimizer's step context
+    (no_sync, grads_already_averaged, max_grad_norm, grad_scale and found_inf)."""
 
     ELSEWHERE = torch.zeros(0)
     """Stands for a grad that exists on another rank only (this rank contributes zeros)."""
 
-    def __init__(self, *, opt: Callable[[], Any], groups: List[FlatGroup],
+    def __init__(self, *, ctx: StepContext, groups: List[FlatGroup],
                  where: Dict[torch.Tensor, Tuple[FlatGroup, int]], order: List[torch.Tensor],
                  streams: Dict[torch.device, Tuple[Any, Any]], zero_stage: int, world: int, group: Any,
                  comm_dev: torch.device, backend: Optional[str], threads: Optional[int],
                  overlap: Callable[[], bool]) -> None:
-        self._opt = opt
+        self._ctx = ctx
         self._groups, self._where, self._order, self._streams = groups, where, order, streams
         self.zero_stage, self.world, self.group, self._comm_dev = zero_stage, world, group, comm_dev
         self._backend, self._threads, self._overlap = backend, threads, overlap
@@ -87,7 +91,7 @@ class GradSource:
     def grad_ready(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: copy the accumulated grad to the host buffer now."""
         g = p.grad
-        if g is None or self.closed or getattr(self._opt(), "_no_sync", False):
+        if g is None or self.closed or self._ctx.no_sync:
             return  # inside opt.no_sync(): the grad stays on the device, accumulating
         fg, i = self._where[p]
         lo, hi = fg.layout.slot(i)
@@ -101,7 +105,7 @@ class GradSource:
         else:
             dst.copy_(g.detach().reshape(-1))
         sumsq = None
-        if g.device in self._streams and getattr(self._opt(), "max_grad_norm", None) is not None:
+        if g.device in self._streams and self._ctx.max_grad_norm is not None:
             # [Note: device grad norm] With clipping, the grad's sum of squares is taken here,
             # on the device (a reduction at its memory bandwidth, on the stream that made the
             # grad), so the step needs no pass of the host over the copied grads. It belongs
@@ -127,17 +131,24 @@ class GradSource:
         """One rank: param ``i``'s whole grad as a flat CPU tensor the kernel reads."""
         return self.host_grad(fg, i, g) if fg.host_grad is not None else flat_cpu(g)
 
+    def piece(self, fg: FlatGroup, i: int, pc: Any, start: int, g: torch.Tensor) -> torch.Tensor:
+        """The grad of piece ``pc`` of param ``i`` (``g``: what ``grads(p)`` gave), 1-D:
+        this rank's reduced shard (several ranks), or the param's own grad (one rank)."""
+        if self.world > 1:
+            return fg.gshard[pc.lo - start:pc.hi - start]
+        return self.local(fg, i, g)[pc.param_offset:pc.param_offset + pc.numel]
+
     def wait_copies(self) -> None:
         for grad_stream, _ in self._streams.values():
             grad_stream.synchronize()
 
     # ------------------------------------------------------------------ a step
-    def begin_step(self, opt: Any) -> None:
-        """Step pre-hook: a new step; make the skip decision of GradScaler global."""
+    def begin_step(self) -> None:
+        """A new step (the context holds GradScaler's facts); make its skip decision global."""
         self._mask = None
         self._reduced = False
-        found_inf = getattr(opt, "found_inf", None)
-        if found_inf is not None and getattr(opt, "grad_scale", None) is None:
+        found_inf = self._ctx.found_inf
+        if found_inf is not None and self._ctx.grad_scale is None:
             # GradScaler.unscale_() ran: it divides the grads in place with an op that does
             # not bump their version counters, so copies made before it look current.
             # Forget them all: grads are copied / reduced again at this step.
@@ -151,7 +162,7 @@ class GradSource:
             # updated from the local check: see [Note: GradScaler across ranks].)
             flag = found_inf.detach().to(self._comm_dev, torch.float32).reshape(1).clone()
             comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MAX)
-            opt.found_inf = flag.to(found_inf.device).reshape(found_inf.shape)
+            self._ctx.found_inf = flag.to(found_inf.device).reshape(found_inf.shape)
 
     def agree(self) -> None:
         """Several ranks: one all-reduce settles which params have a grad on any rank this
@@ -178,7 +189,7 @@ class GradSource:
         if self._reduced:
             return
         self.agree()  # every rank agrees on which params have a grad this step
-        only_slice = bool(getattr(self._opt(), "grads_already_averaged", False))
+        only_slice = self._ctx.grads_already_averaged
         # The shard buffers hold the sum over ranks (folded into the kernel as 1/N) or,
         # after DDP, the average already.
         self.factor = 1.0 if only_slice else 1.0 / self.world

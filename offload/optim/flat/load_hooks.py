@@ -6,12 +6,12 @@ masters.
 [Note: state_dict on several ranks] ``state_dict()`` is a collective: call it on every
 rank. It returns torch's AdamW layout with full tensors (plus ``master``, the fp32 master,
 for fp16/bf16 params), so a checkpoint from N ranks loads on M ranks, in one process, and
-into ``torch.optim.AdamW``. With ``opt.state_dict_rank0_only = True`` only rank 0 keeps the
-full tensors.
+into ``torch.optim.AdamW``. With ``opt.state_dict_rank0_only = True`` (the step context's
+flag) only rank 0 keeps the full tensors.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch
 
@@ -24,8 +24,7 @@ __all__ = ["has_state", "export_state", "gather_full", "import_state", "reset_st
 
 
 def has_state(st: "FlatState", p: torch.Tensor) -> bool:
-    opt = st._opt()
-    return opt is not None and "step" in opt.state.get(p, {})
+    return st.ctx.steps.has(p)
 
 
 def export_state(st: "FlatState", p: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -35,7 +34,7 @@ def export_state(st: "FlatState", p: torch.Tensor) -> Dict[str, torch.Tensor]:
     keys = ("exp_avg", "exp_avg_sq") + (("master",) if fg.lowp else ())
     # opt.state_dict_rank0_only = True: every rank takes part in the gather, only rank 0
     # keeps the full tensors (the others' state_dict() then holds only the steps).
-    keep = st.rank == 0 or not getattr(st._opt(), "state_dict_rank0_only", False)
+    keep = st.rank == 0 or not st.ctx.state_dict_rank0_only
     out = gather_full(st, p, keys, keep=keep)
     return out if keep else {}
 
@@ -106,13 +105,13 @@ def reset_state(st: "FlatState", p: torch.Tensor) -> None:
         fg.exp_avg_sq[lo:hi].zero_()
 
 
-def pre_load(st: "FlatState", opt: Any, state_dict: Dict[str, Any]) -> None:
+def pre_load(st: "FlatState", order: List[torch.Tensor], state_dict: Dict[str, Any]) -> None:
+    """Before torch's load (``order``: the optimizer's params, as the dict numbers them)."""
     st._drain()  # what follows (here, post_load, import/reset_state) rewrites host buffers
     # Params that have moments now (before torch replaces opt.state): only those need
     # reset_state() when the loaded dict has no state for them; the others hold zeros.
     st._stepped = {p for p in st._order if has_state(st, p)}
     st._stash = {}
-    order = [p for g in opt.param_groups for p in g["params"]]
     index = dict(enumerate(order))
     for k, entry in state_dict.get("state", {}).items():
         p = index.get(k)
@@ -122,14 +121,16 @@ def pre_load(st: "FlatState", opt: Any, state_dict: Dict[str, Any]) -> None:
                         if isinstance(entry.get(key), torch.Tensor)}
 
 
-def post_load(st: "FlatState", opt: Any) -> None:
-    """Masters from the checkpoint where it has them, else from the params' values."""
+def post_load(st: "FlatState") -> None:
+    """Masters from the checkpoint where it has them, else from the params' values. torch
+    cast a loaded ``master`` to the param dtype in opt.state: it goes (the fp32 one was kept)."""
+    state = st.ctx.torch_state.state if st.ctx.torch_state is not None else {}
     for k, fg in enumerate(st._groups):
         fg.refresh_master()
         start, end = fg.layout.shard_range()
         for pc in fg.layout.pieces(start, end):
             p = fg.params[pc.index]
-            entry = opt.state.get(p)
+            entry = state.get(p)
             if entry is not None:
                 entry.pop("master", None)  # torch cast it to the param dtype; we keep fp32
             m = st._stash.get(p, {}).get("master")
@@ -149,6 +150,6 @@ def post_load(st: "FlatState", opt: Any) -> None:
         if not fg.swapped:
             fg.refresh_lowp_shard()
     for p in st._order:
-        entry = opt.state.get(p)
+        entry = state.get(p)
         if entry is not None:
             entry.pop("master", None)

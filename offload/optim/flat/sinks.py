@@ -6,13 +6,19 @@
   and the param's device copy stream takes it to the device while the CPU computes the
   next sub-group ([Note: streams of the flat store] in offload/zero/streams.py);
 - all-gather: several ranks, each updates its shard and the buckets are all-gathered, each
-  as soon as its kernel is done ([Note: all-gather overlap]).
+  as soon as its kernel is done ([Note: all-gather overlap]); with the states in swap files,
+  once the swap step is committed.
+
+The sink gives the step loop ([Note: one step loop] in steps.py) each piece's output
+(``piece_output``), what to send once an item is computed (``after``), the segments a
+group is stepped in (``segments``) and what happens at their ends (``segment_done``,
+``group_done``).
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -26,9 +32,14 @@ log = logging.getLogger("offload.optim")
 class ParamSink:
     """Sends updated values to the params; ``streams`` is the store's (grad, copy) pair per device."""
 
-    def __init__(self, streams: Dict[torch.device, Tuple[Any, Any]], *, world: int,
-                 overlap: Callable[[], bool]) -> None:
+    def __init__(self, streams: Dict[torch.device, Tuple[Any, Any]], *, world: int, group: Any = None,
+                 gather_per_bucket: bool = True, overlap: Callable[[], bool]) -> None:
         self._streams, self.world, self._overlap = streams, world, overlap  # FlatState.overlap, read at each copy
+        self._group = group
+        # Several ranks with the states in host buffers: each bucket is gathered as soon as it
+        # is stepped. In swap files: the whole shard once the swap step is committed.
+        self._per_bucket = world > 1 and gather_per_bucket
+        self._gathers: Optional[BucketGathers] = None
 
     def begin(self) -> None:
         """Before a step's copies: they overwrite params that kernels queued on the compute
@@ -52,28 +63,48 @@ class ParamSink:
         else:
             dst.copy_(src)
 
-    def piece_output(self, fg: FlatGroup, i: int, pc, start: int):
-        """(out, mode, post) for piece ``pc`` of param ``i``: where the updated master goes
-        (see [Note: outputs] in swapped_shards.py) and what runs after the swapped step."""
+    def piece_output(self, fg: FlatGroup, pc, start: int):
+        """(out, mode, send_to, finish) for piece ``pc``: where the updated values go (see
+        WorkItem in steps.py and [Note: outputs] in swapped_shards.py), the param range
+        ``out`` is sent to once computed (staging -> device), or what puts a non-contiguous
+        param back after the whole piece."""
         s = slice(pc.lo - start, pc.hi - start)
-        p = fg.params[i]
+        p = fg.params[pc.index]
         if self.world > 1 and fg.lowp:
-            return fg.lowp_shard[s], "lowp", None  # all-gathered afterwards
-        flat = p.detach().view(-1) if p.is_contiguous() else None
-        dst = None if flat is None else flat[pc.param_offset:pc.param_offset + pc.numel]
+            return fg.lowp_shard[s], "lowp", None, None  # all-gathered afterwards
+        if self.world > 1 and not fg.swapped:
+            return None, None, None, None  # fp32: the master itself is all-gathered
+        ps = slice(pc.param_offset, pc.param_offset + pc.numel)
+        mode = "lowp" if fg.lowp else "copy"
         if fg.stage is not None:  # one rank, device bf16/fp16: via the pinned staging
-            stage = fg.stage[s]
-            return stage, "lowp", lambda: self.to_param(
-                p.detach().view(-1)[pc.param_offset:pc.param_offset + pc.numel], stage)
-        if dst is not None:
-            return dst, ("lowp" if fg.lowp else "copy"), None
+            return fg.stage[s], "lowp", p.detach().view(-1)[ps], None
+        if p.is_contiguous():
+            return p.detach().view(-1)[ps], mode, None, None
         tmp = torch.empty(pc.numel, dtype=p.dtype)  # non-contiguous CPU param: via a copy
 
         def put_back() -> None:
+            if pc.numel == p.numel():  # the whole param (one rank): no read-modify-write
+                p.detach().copy_(tmp.view_as(p))
+                return
             whole = p.detach().reshape(-1).clone()
-            whole[pc.param_offset:pc.param_offset + pc.numel].copy_(tmp)
+            whole[ps].copy_(tmp)
             p.detach().copy_(whole.view_as(p))
-        return tmp, ("lowp" if fg.lowp else "copy"), put_back
+        return tmp, mode, None, put_back
+
+    def after(self, out: Optional[torch.Tensor], send_to: Optional[torch.Tensor], a: int, b: int,
+              finish: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+        """What runs once piece elements [a, b) are computed: ``out`` -> ``send_to`` (on the
+        copy stream), then ``finish`` (after a piece's last sub-group); None when nothing."""
+        if send_to is None:
+            return finish
+        dst, src = send_to[a:b], out[a:b]
+        if finish is None:
+            return lambda: self.to_param(dst, src)
+
+        def send_and_finish() -> None:
+            self.to_param(dst, src)
+            finish()
+        return send_and_finish
 
     def all_outputs(self, groups: List[FlatGroup]):
         """(outputs, posts) of every piece this rank owns, for the swap layer's emit_all."""
@@ -82,12 +113,44 @@ class ParamSink:
             start = fg.layout.shard_range()[0]
             for i in range(len(fg.params)):
                 pc = fg.layout.owned(i)
-                if pc is not None:
-                    out, mode, post = self.piece_output(fg, i, pc, start)
-                    outs.append((k, pc.lo - start, pc.hi - start, out, mode))
-                    if post is not None:
-                        posts.append(post)
+                if pc is None:
+                    continue
+                out, mode, send_to, finish = self.piece_output(fg, pc, start)
+                if out is None:
+                    continue
+                outs.append((k, pc.lo - start, pc.hi - start, out, mode))
+                post = self.after(out, send_to, 0, pc.numel, finish)
+                if post is not None:
+                    posts.append(post)
         return outs, posts
+
+    # ------------------------------------------------------------------ segments and gathers
+    def segments(self, fg: FlatGroup) -> List[Tuple[int, int]]:
+        """Shard-local ranges a group is stepped in: its buckets when each is gathered as
+        soon as it is stepped, else the whole shard."""
+        if self._per_bucket:
+            return fg.bucket_ranges()
+        return [(0, fg.layout.shard)] if fg.layout.shard else []
+
+    def segment_done(self, fg: FlatGroup, k: int, a: int, b: int) -> None:
+        """Segment ``k`` of ``fg`` is stepped: start its all-gather (a collective, on every rank)."""
+        if not self._per_bucket:
+            return
+        if self._gathers is None:
+            self._gathers = BucketGathers(fg, self._group)
+        self._gathers.start(k, a, b)
+
+    def group_done(self, fg: FlatGroup) -> None:
+        """Every segment of ``fg`` is stepped: wait for its gathers (they write the params)."""
+        if self._gathers is not None:
+            gathers, self._gathers = self._gathers, None
+            gathers.finish()
+
+    def gather_all(self, groups: List[FlatGroup]) -> None:
+        """Several ranks, not per bucket: every group's updated shard -> every rank's params."""
+        if self.world > 1:
+            for fg in groups:
+                fg.all_gather_params(self._group)
 
 
 # [Note: all-gather overlap] Several ranks: the shard is stepped bucket by bucket (the

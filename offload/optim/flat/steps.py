@@ -1,124 +1,146 @@
-"""The flat store's step loops over host buffers: one rank (each param stepped and sent in
-sub-groups) and several ranks (the shard stepped bucket by bucket, each bucket all-gathered
-as soon as it is done). The swapped step is in ``swapped.py``.
+"""The flat store's one step loop: work items, each computed by the state backing.
 
-Three loops remain (these two and the swapped one); replacing them by one loop over work
-items that asks the grad source for the grad slice and the sink for the output is the next
-step of issue #14.
+[Note: one step loop] A step walks this rank's shard group by group, and each group in
+*segments*: the buckets whose all-gather starts as soon as they are stepped (several ranks,
+host buffers: [Note: all-gather overlap] in sinks.py), else the whole shard. Each (param ∩
+segment) piece that has a grad this step becomes work items (``WorkItem``), cut into
+sub-groups where the host-to-device copies are paced by them:
+
+- the grad source gives the item's grad slice (``GradSource.piece``);
+- the param sink gives its output: where the kernel writes the low-precision copy of the
+  updated master (``mode="lowp"``), or where the master is copied (``"copy"``), and what
+  is sent to the param once the item is computed (``then``): ``ParamSink.piece_output``;
+- the state backing computes it: ``HostBacking`` (host buffers: the kernel now, then the
+  sends, each sub-group's copy to the device overlapping the next sub-group's kernel) or
+  ``SwapBacking`` (swap files, ``swapped.py``: the items are collected and the swap pipeline
+  streams them; the sends and the all-gather follow the commit).
+
+Stage 3 adds a grad source and a sink; a new state backing needs only ``compute`` and
+``finish``.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
-from offload.optim.flat.sinks import BucketGathers
 from offload.zero import split_ranges
 from offload.zero.flat_group import FlatGroup
 
 if TYPE_CHECKING:
     from offload.optim.flat.store import FlatState
 
-__all__ = ["step_local", "step_partitioned"]
+__all__ = ["WorkItem", "HostBacking", "run_step"]
 
 
-def step_local(st: "FlatState", kernel, batches, t_grads: float) -> Dict[str, float]:
-    """One rank, host buffers: every param with a grad, in order."""
-    t_kernel = t_h2d = 0.0
+class WorkItem(NamedTuple):
+    """One kernel call of a flat step. The first seven fields are the swap layer's work
+    item (``offload/optim/swapped_shards.py``), in its order: ``item[:7]`` is one."""
+
+    group: int
+    """Index of the flat group in the store."""
+    lo: int
+    """Start of the element range, in this rank's shard of that group."""
+    hi: int
+    """End of the range (exclusive)."""
+    grad: torch.Tensor
+    """The grad of those elements, 1-D (fp32 shard sum, or the param's own dtype)."""
+    kw: Dict[str, Any]
+    """The kernel's keywords: hyperparameters, step, grad scale (the 1/N of a sum folded in)."""
+    out: Optional[torch.Tensor]
+    """Where the updated values go (``hi - lo`` elements), or None (the master is the output)."""
+    mode: Optional[str]
+    """"lowp": the kernel writes the rounded copy into ``out``; "copy": the master is copied there."""
+    then: Optional[Callable[[], None]] = None
+    """What the sink does once the item is computed (staging -> device, a non-contiguous param put back)."""
+
+
+Todo = Dict[Tuple[int, int], Tuple[Dict[str, Any], torch.Tensor]]
+
+
+def _todo(st: "FlatState", batches) -> Todo:
+    """(id(group), param index) -> (kernel keywords, grad) of every param stepped now; the
+    1/N of a sum over N ranks folded into the grad scale."""
+    todo: Todo = {}
+    factor = st._grads.factor if st.world > 1 else 1.0
     for hyper, items in batches:
-        kw_base = None
-        for p, g, step in items:
-            fg, i = st._where[p]
-            if kw_base is None or kw_base[0] != step:
-                kw_base = (step, hyper.kernel_kwargs(step))
-            tk, th = _step_param(st, kernel, fg, i, g, kw_base[1])
-            t_kernel += tk
-            t_h2d += th
-    st._sink.end()
-    return {"grad_transfer": t_grads, "kernel": t_kernel, "h2d": t_h2d, "allgather": 0.0}
-
-
-def _kernel_kwargs(st: "FlatState", batches) -> Dict[Tuple[int, int], dict]:
-    """Several ranks: the kernel's keywords per (group, param index), the 1/N folded in."""
-    kws: Dict[Tuple[int, int], dict] = {}
-    for hyper, items in batches:
-        hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * st._grads.factor)
+        if factor != 1.0:
+            hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * factor)
         by_step: Dict[int, dict] = {}
-        for p, _, step in items:
+        for p, g, step in items:
             fg, i = st._where[p]
             if step not in by_step:
                 by_step[step] = hyper.kernel_kwargs(step)
-            kws[(id(fg), i)] = by_step[step]
-    return kws
+            todo[(id(fg), i)] = (by_step[step], g)
+    return todo
 
 
-def step_partitioned(st: "FlatState", kernel, batches, t_grads: float) -> Dict[str, float]:
-    """Several ranks, host buffers: [Note: all-gather overlap] in sinks.py."""
-    kws = _kernel_kwargs(st, batches)
-    t_kernel = t_ag = 0.0
-    for fg in st._groups:
+def _piece_items(st: "FlatState", k: int, fg: FlatGroup, pc, start: int, kw: dict, g: torch.Tensor,
+                 cut: bool) -> Iterator[WorkItem]:
+    """The items of one (param ∩ segment) piece: one, or one per sub-group when ``cut`` and
+    the param's copies are paced by sub-groups (device params, or a sub_group_size given)."""
+    lo = pc.lo - start
+    grad = st._grads.piece(fg, pc.index, pc, start, g)
+    out, mode, send_to, finish = st._sink.piece_output(fg, pc, start)
+    paced = cut and (fg.device in st._streams or st._sub_user)
+    subs = split_ranges(0, pc.numel, st._sub) if paced else [(0, pc.numel)]
+    for a, b in subs:
+        then = st._sink.after(out, send_to, a, b, finish if b == pc.numel else None)
+        yield WorkItem(k, lo + a, lo + b, grad[a:b], kw, None if out is None else out[a:b], mode, then)
+
+
+def run_step(st: "FlatState", backing: Any, batches, phases: Dict[str, float]) -> Dict[str, float]:
+    """[Note: one step loop]: every group, segment and piece with a grad, through ``backing``
+    (``compute(item)`` for each, ``finish()`` at the end); the sink's segment and group
+    ends start and finish the all-gathers. Seconds per phase added to ``phases``."""
+    todo = _todo(st, batches)
+    sink, cut = st._sink, backing.cuts
+    for k, fg in enumerate(st._groups):
         start = fg.layout.shard_range()[0]
-        gathers = BucketGathers(fg, st.group)
-        for k, (a, b) in enumerate(fg.bucket_ranges()):
-            t = time.perf_counter()
+        for n, (a, b) in enumerate(sink.segments(fg)):
             for pc in fg.layout.pieces(start + a, start + b):
-                kw = kws.get((id(fg), pc.index))
-                if kw is None:
+                job = todo.get((id(fg), pc.index))
+                if job is None:
                     continue  # no grad on any rank this step: not stepped (as torch)
-                s = slice(pc.lo - start, pc.hi - start)
-                kernel.adam_step(fg.master[s], fg.gshard[s], fg.exp_avg[s], fg.exp_avg_sq[s],
-                                 param_lowp=fg.lowp_shard[s] if fg.lowp else None,
-                                 num_threads=st._threads, **kw)
-            t1 = time.perf_counter()
-            t_kernel += t1 - t
-            gathers.start(k, a, b)
-            t_ag += time.perf_counter() - t1
-        t = time.perf_counter()
-        gathers.finish()
-        t_ag += time.perf_counter() - t
-    return {"grad_transfer": t_grads, "kernel": t_kernel, "h2d": 0.0, "allgather": t_ag}
-
-
-def _step_param(st: "FlatState", kernel, fg: FlatGroup, i: int, g: torch.Tensor, kw: dict) -> Tuple[float, float]:
-    """One rank: step param ``i`` (cut into sub-groups for CUDA params) and send it."""
-    piece = fg.layout.owned(i)
-    if piece is None:
-        return 0.0, 0.0
-    start = fg.layout.shard_range()[0]
-    off = fg.layout.offsets[i]
-    p = fg.params[i]
-    grad, gbase = st._grads.local(fg, i, g), -off
-    pflat = fg.flat_param(i)
-    copy_back = False
-    if pflat is None:  # non-contiguous CPU param: update a copy
-        pflat, copy_back = p.detach().reshape(-1).clone(), True
-    # Where the kernel writes the low-precision copy of the updated master, and what
-    # goes to the param after the kernel.
-    lowp, lbase, send = None, 0, None
-    if fg.stage is not None:
-        lowp, lbase, send = fg.stage, -start, fg.stage  # CUDA bf16/fp16: via pinned staging
-    elif fg.lowp:
-        lowp, lbase = pflat, -off  # CPU bf16/fp16: straight into the param
-    else:
-        send = fg.master  # fp32 params: the master itself is copied
-    t_kernel = t_h2d = 0.0
-    sub = st._sub if (p.device in st._streams or st._sub_user) else piece.numel
-    for a, b in split_ranges(piece.lo, piece.hi, sub):
-        s = slice(a - start, b - start)
-        t = time.perf_counter()
-        kernel.adam_step(
-            fg.master[s], grad[a + gbase:b + gbase], fg.exp_avg[s], fg.exp_avg_sq[s],
-            param_lowp=None if lowp is None else lowp[a + lbase:b + lbase],
-            num_threads=st._threads, **kw)
-        t_kernel += time.perf_counter() - t
-        if send is not None:
-            # Send this sub-group to the param; on CUDA the copy stream does it while
-            # the CPU computes the next sub-group.
+                for item in _piece_items(st, k, fg, pc, start, job[0], job[1], cut):
+                    backing.compute(item)
             t = time.perf_counter()
-            st._sink.to_param(pflat[a - off:b - off], send[s])
-            t_h2d += time.perf_counter() - t
-    if copy_back:
-        p.detach().copy_(pflat.view_as(p))
-    return t_kernel, t_h2d
+            sink.segment_done(fg, n, a, b)
+            phases["allgather"] += time.perf_counter() - t
+        t = time.perf_counter()
+        sink.group_done(fg)
+        phases["allgather"] += time.perf_counter() - t
+    backing.finish(phases)
+    sink.end()  # the next forward reads the params copied
+    return phases
+
+
+class HostBacking:
+    """The states in host buffers (``FlatGroup.master`` / ``exp_avg`` / ``exp_avg_sq``): an
+    item is computed at once, then sent (on a device's copy stream, overlapping the next)."""
+
+    cuts = True
+
+    def __init__(self, st: "FlatState", kernel: Any, phases: Dict[str, float]) -> None:
+        self._groups, self._sink, self._threads = st._groups, st._sink, st._threads
+        self._kernel, self._phases = kernel, phases
+
+    def compute(self, item: WorkItem) -> None:
+        fg = self._groups[item.group]
+        s = slice(item.lo, item.hi)
+        t = time.perf_counter()
+        self._kernel.adam_step(fg.master[s], item.grad, fg.exp_avg[s], fg.exp_avg_sq[s],
+                               param_lowp=item.out if item.mode == "lowp" else None,
+                               num_threads=self._threads, **item.kw)
+        t1 = time.perf_counter()
+        self._phases["kernel"] += t1 - t
+        if item.mode == "copy":
+            self._sink.to_param(item.out, fg.master[s])  # fp32 params: the master itself
+        if item.then is not None:
+            item.then()
+        self._phases["h2d"] += time.perf_counter() - t1
+
+    def finish(self, phases: Dict[str, float]) -> None:
+        pass

@@ -14,8 +14,11 @@ upcasts the grad and writes the fp16/bf16 copy of the updated master in the same
 
 ``FlatState`` composes collaborators with one job each (``offload/optim/flat/``): the grads
 come from a ``GradSource`` (``grads.py``), the updated params go through a ``ParamSink``
-(``sinks.py``), the states are host buffers (``steps.py``) or swap files (``swapped.py``),
-and the state_dict and checkpoint sides are ``load_hooks.py`` and ``checkpoints.py``.
+(``sinks.py``), the states are host buffers (``HostBacking``, ``steps.py``) or swap files
+(``SwapBacking``, ``swapped.py``), one step loop drives them ([Note: one step loop] in
+``steps.py``), and the state_dict and checkpoint sides are ``load_hooks.py`` and
+``checkpoints.py``. It is built from explicit arguments and reads what it needs of its
+optimizer from the step context (``offload/optim/context.py``), never the optimizer itself.
 
 Stage 1 vs 2: both keep 1/N of the fp32 states and of the host grad buffer per rank; they
 differ in the collective (all-reduce vs reduce-scatter). ``p.grad`` itself stays full on
@@ -33,10 +36,11 @@ import torch
 
 from offload.kernels import get_backend
 from offload.memory import BufferPool
+from offload.optim.context import StepContext
 from offload.optim.flat import checkpoints, load_hooks, swapped
 from offload.optim.flat.grads import GradSource
 from offload.optim.flat.sinks import ParamSink, drain_at_collection, drain_streams
-from offload.optim.flat.steps import step_local, step_partitioned
+from offload.optim.flat.steps import HostBacking, run_step
 from offload.zero import SideStream, comm
 from offload.zero.backward_reduce import BackwardReducer
 from offload.zero.flat_group import LOWP, FlatGroup
@@ -63,8 +67,8 @@ class FlatState:
     stream logic runs in CI. CUDA params always get real ``SideStream`` pairs."""
     reduce_in_backward = False
     """Several ranks: start each bucket's reduction from the grad hooks, during backward (see
-    [Note: reduce in backward] in offload/zero/backward_reduce.py); read when the optimizer
-    is built. Off by default."""
+    [Note: reduce in backward] in offload/zero/backward_reduce.py); the default of the
+    constructor's ``reduce_in_backward``, read when the store is built. Off by default."""
     inflight = 2
     """Buckets in flight at once when reducing in backward (send buffers kept)."""
     bucket_numel = 1 << 22
@@ -72,23 +76,23 @@ class FlatState:
     default_sub_group = 1 << 22
     """Elements per kernel call / host-to-device copy when ``sub_group_size`` is not given."""
 
-    @classmethod
-    def for_optimizer(cls, opt, *, stage: int, process_group: Any = None) -> "FlatState":
-        return cls(opt, stage=stage, process_group=process_group)
-
-    def __init__(self, opt, *, stage: int, process_group: Any = None) -> None:
-        self._opt = weakref.ref(opt)
+    def __init__(self, param_groups: List[Dict[str, Any]], *, config: Any, ctx: StepContext, stage: int,
+                 backend: Optional[str] = None, num_threads: Optional[int] = None, process_group: Any = None,
+                 reduce_in_backward: Optional[bool] = None) -> None:
+        """``param_groups``: torch's param groups (only their "params" are read); ``config``:
+        the optimizer's OffloadConfig; ``ctx``: its step context."""
+        self.ctx = ctx
         self.stage = stage
         self.group = process_group
         world, rank = comm.world_and_rank(process_group) if stage > 0 else (1, 0)
         self.world, self.rank = world, rank
-        self._backend = opt.backend
-        self._threads = opt.num_threads
+        self._backend = backend
+        self._threads = num_threads
         # Sub-groups pace the host-to-device pipeline; for CPU params they would only add
-        # kernel calls (measured: 25 calls of 4M cost 30 % more than one of 100M), so CPU
-        # params are cut only when the user asked for a sub_group_size.
-        self._sub_user = opt.config.sub_group_size
-        self._sub = opt.config.sub_group_size or self.default_sub_group
+        # kernel calls (each call has a fixed cost: bench/RESULTS.md), so CPU params are cut
+        # only when the user asked for a sub_group_size.
+        self._sub_user = config.sub_group_size
+        self._sub = config.sub_group_size or self.default_sub_group
         self._comm_dev = comm.comm_device(process_group) if world > 1 else torch.device("cpu")
         self._pools = (BufferPool(pin=False, name=f"flat-state:{id(self):x}"),
                        BufferPool(name=f"flat-state-pinned:{id(self):x}"))  # pinned when CUDA is present
@@ -102,36 +106,35 @@ class FlatState:
 
         def overlap() -> bool:  # read at each copy: bench/offload_step.py flips it between steps
             return me().overlap
-        self._grads = GradSource(opt=self._opt, groups=self._groups, where=self._where, order=self._order,
+        self._grads = GradSource(ctx=ctx, groups=self._groups, where=self._where, order=self._order,
                                  streams=self._streams, zero_stage=stage, world=world, group=process_group,
                                  comm_dev=self._comm_dev, backend=self._backend, threads=self._threads,
                                  overlap=overlap)
-        self._sink = ParamSink(self._streams, world=world, overlap=overlap)
+        self._nvme = config.offload == "nvme"
+        self._sink = ParamSink(self._streams, world=world, group=process_group, gather_per_bucket=not self._nvme,
+                               overlap=overlap)
         self._stash: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
         self._stepped: frozenset = frozenset()  # params with moments when a load began (reset_state)
         self._closed = False
-        self._nvme = opt.config.offload == "nvme"
         self._swap = None
         self._swap_vote = None
-        for group in opt.param_groups:
+        for group in param_groups:
             self.add_param_group(group)
         if self._nvme:
-            swapped.open_swap(self, opt)
-        self._rib: Optional[BackwardReducer] = None
-        if self.reduce_in_backward and self.world > 1 and self._groups:
-            self._rib = self._grads.reducer = self._backward_reducer()
-            self._hooks.extend(self._rib.register())
-        self._hooks.append(opt.register_step_pre_hook(self._pre_step))
-        self._hooks.append(opt.register_load_state_dict_pre_hook(self._pre_load))
-        self._hooks.append(opt.register_load_state_dict_post_hook(self._post_load))
+            swapped.open_swap(self, config)
+        if reduce_in_backward is None:
+            reduce_in_backward = self.reduce_in_backward
+        self._backward_reduction: Optional[BackwardReducer] = None
+        if reduce_in_backward and self.world > 1 and self._groups:
+            self._backward_reduction = self._grads.reducer = self._backward_reducer()
+            self._hooks.extend(self._backward_reduction.register())
 
     def _backward_reducer(self) -> BackwardReducer:
         me = weakref.ref(self)  # hooks live on the params, which outlive us: never a strong ref
+        ctx = self.ctx
 
         def disabled() -> bool:
-            s = me()
-            return s is None or bool(getattr(s._opt(), "grads_already_averaged", False)
-                                     or getattr(s._opt(), "_no_sync", False))
+            return me() is None or ctx.grads_already_averaged or ctx.no_sync
         return BackwardReducer(self._groups, group=self.group, stage=self.stage, comm_dev=self._comm_dev,
                                inflight=self.inflight, disabled=disabled)
 
@@ -178,8 +181,10 @@ class FlatState:
         step() (a load) must come after them, or the device gets the new bytes half-way."""
         drain_streams(self._streams)
 
-    def _pre_step(self, opt, args, kwargs) -> None:
-        self._grads.begin_step(opt)
+    def begin_step(self) -> None:
+        """A new step: the context holds GradScaler's facts; with several ranks its found_inf
+        is replaced by the ranks' agreed one (a collective, on every rank)."""
+        self._grads.begin_step()
 
     def agree_on_grads(self) -> None:
         """Several ranks: settle which params have a grad this step (a collective, on every rank)."""
@@ -198,16 +203,16 @@ class FlatState:
 
     # ------------------------------------------------------------------ the step
     def step(self, batches) -> Dict[str, float]:
+        """[Note: one step loop] in steps.py, over the host buffers or the swap files."""
         t0 = time.perf_counter()
         self._grads.prepare()
-        t_grads = time.perf_counter() - t0
-        kernel = get_backend(self._backend)
+        phases = {"grad_transfer": time.perf_counter() - t0, "kernel": 0.0, "h2d": 0.0, "allgather": 0.0}
         self._sink.begin()
         if self._nvme:
-            return swapped.step_swapped(self, batches, t_grads)
-        if self.world > 1:
-            return step_partitioned(self, kernel, batches, t_grads)
-        return step_local(self, kernel, batches, t_grads)
+            backing: Any = swapped.SwapBacking(self)
+        else:
+            backing = HostBacking(self, get_backend(self._backend), phases)
+        return run_step(self, backing, batches, phases)
 
     def _params_from_swap(self) -> None:
         swapped.params_from_swap(self)
@@ -227,12 +232,17 @@ class FlatState:
         """Zero moments for ``p`` (loading a state_dict without state for it; as torch)."""
         load_hooks.reset_state(self, p)
 
-    def _pre_load(self, opt, state_dict):
-        load_hooks.pre_load(self, opt, state_dict)
-        return None
+    def before_load(self, state_dict: Dict[str, Any], params: List[torch.Tensor]) -> None:
+        """torch's load_state_dict is about to replace opt.state (``params``: the optimizer's, in order)."""
+        load_hooks.pre_load(self, params, state_dict)
 
-    def _post_load(self, opt) -> None:
-        load_hooks.post_load(self, opt)
+    def after_load(self) -> None:
+        """torch's load_state_dict is done: masters from the loaded dict, or from the params."""
+        load_hooks.post_load(self)
+
+    def end_load(self) -> None:
+        """The load is over (done or failed): drop what ``before_load`` kept for import_state."""
+        self._stash = {}
 
     # ------------------------------------------------------------------ checkpoints
     def _ckpt_steps(self) -> List[int]:
@@ -290,8 +300,8 @@ class FlatState:
         if self._closed:
             return
         self._closed = self._grads.closed = True
-        if getattr(self, "_rib", None) is not None:
-            self._rib.close()
+        if getattr(self, "_backward_reduction", None) is not None:
+            self._backward_reduction.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []

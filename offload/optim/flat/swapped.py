@@ -1,11 +1,12 @@
 """The flat store's nvme backing: opening / resuming the swap files, the params rebuilt from
-them, and the swapped step.
+them, and the state backing of the step loop over them (``SwapBacking``).
 
 [Note: nvme] With offload="nvme" this rank's shards of the fp32 master, exp_avg and
 exp_avg_sq all live in swap files (SwappedShards in swapped_shards.py: the groups'
 shards end to end, streamed read g+1 / compute g / write g-1). Host memory keeps the
 pipeline buffers, the grads and the low-precision copies. Each (param ∩ shard) piece is
-one work item whose output is where the updated values go (``ParamSink.piece_output``): the
+one work item ([Note: one step loop] in steps.py) whose output is where the updated values
+go (``ParamSink.piece_output``): the
 kernel writes the bf16/fp16 copy straight into the param (CPU), into the staging buffer
 (CUDA, copied to the device after the swapped step) or into the shard that is
 all-gathered; fp32 params get the master copied into them. fp32 CPU params of a
@@ -14,24 +15,24 @@ traffic than updating them in place; the in-place path is the stage-0 SwappedSta
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 from offload.swap.pipeline import idle_votes
 from offload.zero import comm
 
 if TYPE_CHECKING:
+    from offload.optim.flat.steps import WorkItem
     from offload.optim.flat.store import FlatState
 
-__all__ = ["open_swap", "params_from_swap", "step_swapped"]
+__all__ = ["open_swap", "params_from_swap", "SwapBacking"]
 
 
-def open_swap(st: "FlatState", opt: Any) -> None:
-    """Open (or resume) this rank's swap files; every rank raises when one cannot."""
-    cfg = opt.config
+def open_swap(st: "FlatState", cfg: Any) -> None:
+    """Open (or resume) this rank's swap files (``cfg``: the optimizer's OffloadConfig);
+    every rank raises when one cannot."""
     # Several ranks: the swap steps' vote (see [Note: ranks vote before commit] in
     # swap/pipeline.py), also cast by a rank that holds no element at all.
     st._swap_vote = functools.partial(comm.failed_ranks, group=st.group) if st.world > 1 else None
@@ -86,48 +87,35 @@ def params_from_swap(st: "FlatState") -> None:
     st._sink.end()
 
 
-def _work_items(st: "FlatState", batches):
-    """The swap layer's work items, one per (param ∩ shard) piece, and what runs after."""
-    index = {id(fg): k for k, fg in enumerate(st._groups)}
-    items, posts = [], []
-    for hyper, batch in batches:
-        if st.world > 1:
-            hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * st._grads.factor)
-        for p, g, step in batch:
-            fg, i = st._where[p]
-            pc = fg.layout.owned(i)
-            if pc is None:
-                continue
-            start = fg.layout.shard_range()[0]
-            if st.world > 1:
-                grad = fg.gshard[pc.lo - start:pc.hi - start]
-            else:
-                grad = st._grads.local(fg, i, g)[pc.param_offset:pc.param_offset + pc.numel]
-            out, mode, post = st._sink.piece_output(fg, i, pc, start)
-            items.append((index[id(fg)], pc.lo - start, pc.hi - start, grad, hyper.kernel_kwargs(step), out, mode))
-            if post is not None:
-                posts.append(post)
-    return items, posts
+class SwapBacking:
+    """The states in swap files: the items of a step are collected, then the swap pipeline
+    streams them (read g+1 / compute g / write g-1) and commits; what the sink sends to the
+    params follows the commit, and with several ranks every group is all-gathered then."""
 
+    cuts = False  # the swap pipeline cuts its own sub-groups
 
-def step_swapped(st: "FlatState", batches, t_grads: float) -> Dict[str, float]:
-    items, posts = _work_items(st, batches)
-    # Several ranks: every rank steps and votes (see [Note: ranks vote before commit] in
-    # swap/pipeline.py), even with nothing of its own to step or no element at all.
-    phases: Dict[str, float] = {}
-    if st._swap is not None and (items or st.world > 1):
-        phases = dict(st._swap.step(items))
-    elif st._swap_vote is not None:
-        idle_votes(st._swap_vote)
-    t = time.perf_counter()
-    for post in posts:  # staging -> device (async on the copy stream), or non-contiguous params
-        post()
-    phases["h2d"] = time.perf_counter() - t
-    t = time.perf_counter()
-    if st.world > 1:
-        for fg in st._groups:
-            fg.all_gather_params(st.group)
-    phases["allgather"] = time.perf_counter() - t
-    phases["grad_transfer"] = t_grads
-    st._sink.end()  # the next forward reads the params copied above
-    return phases
+    def __init__(self, st: "FlatState") -> None:
+        self._st = st
+        self._items: List[Tuple[Any, ...]] = []
+        self._posts: List[Callable[[], None]] = []
+
+    def compute(self, item: "WorkItem") -> None:
+        self._items.append(tuple(item[:7]))  # the swap layer's work item
+        if item.then is not None:
+            self._posts.append(item.then)
+
+    def finish(self, phases: Dict[str, float]) -> None:
+        st, items = self._st, self._items
+        # Several ranks: every rank steps and votes (see [Note: ranks vote before commit] in
+        # swap/pipeline.py), even with nothing of its own to step or no element at all.
+        if st._swap is not None and (items or st.world > 1):
+            phases.update(st._swap.step(items))
+        elif st._swap_vote is not None:
+            idle_votes(st._swap_vote)
+        t = time.perf_counter()
+        for post in self._posts:  # staging -> device (async on the copy stream), or non-contiguous params
+            post()
+        phases["h2d"] += time.perf_counter() - t
+        t = time.perf_counter()
+        st._sink.gather_all(st._groups)
+        phases["allgather"] += time.perf_counter() - t
