@@ -205,7 +205,7 @@ class SwappedShards:
         fp32 values of shard ``k``'s [lo, hi)), zero moments; one streamed pass, one commit.
         Without a MASTER field (params updated in place) the moments are zeros already: only
         the metadata is committed."""
-        from offload.swap.checkpoint import _stream
+        from offload.swap.checkpoint import stream_groups
 
         if not self.has_master:
             self.store.commit({}, self._meta(), advance=False)
@@ -226,7 +226,7 @@ class SwappedShards:
             written[g] = self.store.checksum(g, buf) if self.store.verify else None
 
         self._cache.invalidate()
-        _stream(self.store.engine, self.pipeline.buffers, list(range(self.layout.num_groups)),
+        stream_groups(self.store.engine, self.pipeline.buffers, list(range(self.layout.num_groups)),
                 lambda g, buf: [], process, self.store.write_requests)
         self.store.commit(written, self._meta(), advance=False)
 

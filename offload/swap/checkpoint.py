@@ -83,7 +83,6 @@ def stream_groups(engine: Any, buffers: List[Any], groups: List[int], reads: Req
         raise
 
 
-_stream = stream_groups  # its name before the session: optim/swapped_shards.py and zero/checkpoint.py use it
 
 
 def _state_files(layout: Any, names: List[str]) -> Dict[str, int]:

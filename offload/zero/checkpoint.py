@@ -29,7 +29,7 @@ import torch
 
 from offload.io import open_file
 from offload.kernels.fields import ADAM, StateField, field_names
-from offload.swap.checkpoint import (_stream, load_store, load_tensors, read_manifest, save_store, save_tensors,
+from offload.swap.checkpoint import (stream_groups, load_store, load_tensors, read_manifest, save_store, save_tensors,
                                      verify_checkpoint)
 from offload.swap.ckpt_dir import CKPT_MANIFEST, DirLock
 from offload.swap.pipeline import vote_failed
@@ -287,7 +287,7 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
                                           files[(r, name)].path)
             written[g] = store.checksum(g, buf) if store.verify else None
 
-        _stream(engine, buffers, list(range(layout.num_groups)), lambda g, buf: [], process, store.write_requests)
+        stream_groups(engine, buffers, list(range(layout.num_groups)), lambda g, buf: [], process, store.write_requests)
     finally:
         for f in files.values():
             f.close()
