@@ -5,17 +5,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import textwrap
-import warnings
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# Known exceptions, issue #14: the core (offload/optim/) and the swap layer (offload/swap/)
-# are being reshaped in other branches (FlatState split into collaborators, the swap step as
-# a session). What lies there is reported as a warning, not a failure, until they land;
-# then this list shrinks to nothing.
-ALLOWED_DIRS = ("offload/optim/", "offload/swap/")
 
 
 def _checker():
@@ -25,32 +18,16 @@ def _checker():
     return mod
 
 
-def _allowed(path_or_module: str) -> bool:
-    rel = path_or_module.replace(".", "/") + "/" if "/" not in path_or_module else \
-        os.path.relpath(path_or_module, ROOT).replace(os.sep, "/")
-    return rel.startswith(ALLOWED_DIRS)
-
-
-def _split(found):
-    bad = [f for f in found if not _allowed(f[0])]
-    known = [f for f in found if _allowed(f[0])]
-    return bad, known
-
-
 def test_offload_has_no_long_file_long_function_or_import_cycle():
     cs = _checker()
     files = cs.module_files(os.path.join(ROOT, "offload"))
     assert "offload.plan.estimate" in files and len(files) > 50
-    long_files, known_files = _split(cs.long_files(files))
-    long_funcs, known_funcs = _split(cs.long_functions(files))
+    long_files = cs.long_files(files)
+    long_funcs = cs.long_functions(files)
     cycles = cs.import_cycles(cs.import_graph(files))
-    bad_cycles = [c for c in cycles if not all(_allowed(m) for m in c)]
-    known = known_files + known_funcs + [c for c in cycles if c not in bad_cycles]
-    if known:
-        warnings.warn("issue #14, still being reshaped: " + "; ".join(map(str, known)))
     assert not long_files, f"files over {cs.MAX_FILE_LINES} lines: {long_files}"
     assert not long_funcs, f"functions over {cs.MAX_FUNCTION_LINES} lines: {long_funcs}"
-    assert not bad_cycles, f"import cycles: {bad_cycles}"
+    assert not cycles, f"import cycles: {cycles}"
 
 
 def _write(root, rel, text):
