@@ -17,7 +17,10 @@ def test_step_counts_live_in_torch_state_layout():
     held = state[p]["step"]
     assert torch.is_tensor(held) and held.dtype == torch.float32 and held.shape == ()
     counts.set(p, 7)
-    assert float(held) == 7.0  # updated in place: a tensor the caller holds follows
+    assert counts.get(p) == 7
+    # a new tensor, never an in-place change: a state_dict taken (or loaded) earlier shares
+    # the old one and must not change under its holder
+    assert float(held) == 2.0 and state[p]["step"] is not held
     counts.set(q, 0)
     assert q not in state  # a count of 0 leaves no entry, as torch before the first step
     state[p]["exp_avg"] = torch.zeros(3)
