@@ -149,6 +149,11 @@ class NativeBackend(RuleStepFace):
             GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, *state, fold(hyper),
             ISA_CODES[self.isa()], resolve_threads(num_threads))
         rc = self._lib.offload_rule_step(args)
+        if rc == -errno.EINVAL:
+            # every argument was checked above: a library of the same ABI built before the
+            # rule existed (the union had room, so the struct and ABI did not change)
+            raise OSError(errno.EINVAL, f"{LIB_PATH} refused the {rule} step (Invalid "
+                          "argument): a library built before this rule? rebuild it", LIB_PATH)
         if rc != 0:
             self._check(rc, "offload_rule_step")
 
