@@ -265,3 +265,38 @@ def test_lion_sign_of_zero_is_zero(backend):
     ref, _ = _torch_lion(dict(lr=0.5, weight_decay=0.1), p, [g])
     assert torch.equal(ours, ref)
     assert torch.equal(ours[1::3], p[1::3] * (1 - 0.5 * 0.1))
+
+
+def test_numpy_and_tensor_hyperparameters_read_as_floats(backend):
+    # torch.optim takes a tensor lr; numpy scalars come from configs: both are numbers here
+    import numpy as np
+    n = 33
+    p0, grads = torch.randn(n), _grads(n, 3, 11)
+    plain = _run(backend, ADAGRAD, dict(lr=0.1, eps=1e-6), p0, grads)[0]
+    odd = _run(backend, ADAGRAD, dict(lr=torch.tensor(0.1), eps=np.float64(1e-6)), p0, grads)[0]
+    assert torch.equal(plain, odd)
+    with pytest.raises(TypeError, match="lr must be a float, got Tensor"):
+        backend.rule_step(LION, torch.randn(3), torch.randn(3), {"exp_avg": torch.zeros(3)},
+                          step=1, lr=torch.ones(2))
+
+
+def test_folds_round_once_to_float32():
+    from array import array
+
+    from offload.kernels.rule_consts import fold_adagrad, fold_lion, fold_sgd
+
+    def f32(x):
+        return array("f", [x])[0]
+
+    c = fold_adagrad(0.1, 0.01, 0.0, 1e-10, False, 1.0, 11)
+    assert c.neg_clr == f32(-(0.1 / (1 + 10 * 0.01))) and c.eps == f32(1e-10) and not c.use_wd
+    # Lion's lerps: w = 1 - beta; from the start below 0.5, else w - 1 from the end
+    c = fold_lion(1e-4, 0.9, 0.3, 0.1, True, 0.5)
+    assert (c.coeff1, c.from_end1) == (f32(1 - 0.9), False)
+    assert (c.coeff2, c.from_end2) == (f32(f32(1 - 0.3) - 1.0), True)
+    assert c.grad_scale == -0.5 and c.decay == f32(1 - 1e-4 * 0.1) and c.neg_lr == f32(-1e-4)
+    # SGD's buffer modes: none at momentum 0, torch's clone on step 1, then the update
+    assert [fold_sgd(0.1, m, 0.0, 0.0, False, False, 1.0, s).momentum_mode
+            for m, s in ((0.0, 1), (0.9, 1), (0.9, 2))] == [0, 1, 2]
+    # past float32's range: an infinity, as C's cast (not struct's OverflowError)
+    assert fold_sgd(0.1, 0.9, 0.0, 1e300, False, False, 1.0, 3).weight_decay == float("inf")
