@@ -214,21 +214,23 @@ class NumbaBackend(RuleStepFace):
 
     def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         # without a buffer the param stands in for it: mode 0 never writes it
-        self._one_state(nr.sgd_serial, nr.sgd_parallel, param, grad,
+        self._one_state(nr.sgd_serial, (nr.sgd_parallel, nr.sgd_parallel_lowp), param, grad,
                         states[0] if states else param, param_lowp, num_threads,
                         self._sgd_fold(hyper))
 
     def _adagrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        self._one_state(nr.adagrad_serial, nr.adagrad_parallel, param, grad, states[0],
-                        param_lowp, num_threads, self._adagrad_fold(hyper))
+        self._one_state(nr.adagrad_serial, (nr.adagrad_parallel, nr.adagrad_parallel_lowp),
+                        param, grad, states[0], param_lowp, num_threads,
+                        self._adagrad_fold(hyper))
 
     def _lion(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        self._one_state(nr.lion_serial, nr.lion_parallel, param, grad, states[0], param_lowp,
-                        num_threads, self._lion_fold(hyper))
+        self._one_state(nr.lion_serial, (nr.lion_parallel, nr.lion_parallel_lowp), param,
+                        grad, states[0], param_lowp, num_threads, self._lion_fold(hyper))
 
     def _one_state(self, serial, parallel, param, grad, state, param_lowp, num_threads,
                    scalars) -> None:
-        """SGD, Adagrad or Lion: the serial loop for small tensors, else the prange one."""
+        """SGD, Adagrad or Lion: the serial loop for small tensors, else the prange pair's
+        loop without or with the copy."""
         n = param.numel()
         if grad.dtype == torch.float32:
             g, code = grad.view(-1).numpy(), 0
@@ -243,7 +245,7 @@ class NumbaBackend(RuleStepFace):
         threads = _threads_for(n, num_threads)
         with _launch_lock:
             numba.set_num_threads(threads)
-            parallel(*args)
+            parallel[param_lowp is not None](*args)
 
     def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         args = self._fold(hyper)
