@@ -300,3 +300,21 @@ def test_folds_round_once_to_float32():
             for m, s in ((0.0, 1), (0.9, 1), (0.9, 2))] == [0, 1, 2]
     # past float32's range: an infinity, as C's cast (not struct's OverflowError)
     assert fold_sgd(0.1, 0.9, 0.0, 1e300, False, False, 1.0, 3).weight_decay == float("inf")
+
+
+@pytest.mark.parametrize("n", [17, 4097])
+@pytest.mark.parametrize("rule,hp", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[6], CONFIGS[7]],
+                         ids=["sgd", "sgd-nesterov", "adagrad", "lion", "lion-from-end"])
+def test_nonfinite_grads_propagate_like_torch(backend, rule, hp, n):
+    # NaN and infinities in the vector body and in the tail; Lion's sign of a NaN is 0, so
+    # its param keeps moving by its decay while its moment turns NaN, as in torch
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    grads = _grads(n, 4, n)
+    for k, bad in zip((0, n // 2, n - 1), (float("nan"), float("inf"), -float("inf"))):
+        grads[1][k] = bad
+    p, states, _ = _run(backend, rule, hp, p0, grads)
+    ref_p, ref_states = _reference(rule, hp, p0, grads)
+    assert torch.isclose(p, ref_p, rtol=RTOL, atol=ATOL, equal_nan=True).all()
+    for name, ref in ref_states.items():
+        assert torch.isclose(states[name], ref, rtol=RTOL, atol=ATOL, equal_nan=True).all()
+    assert not torch.isfinite(p).all() or rule is LION
