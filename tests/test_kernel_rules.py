@@ -318,3 +318,21 @@ def test_nonfinite_grads_propagate_like_torch(backend, rule, hp, n):
     for name, ref in ref_states.items():
         assert torch.isclose(states[name], ref, rtol=RTOL, atol=ATOL, equal_nan=True).all()
     assert not torch.isfinite(p).all() or rule is LION
+
+
+@pytest.mark.parametrize("offset", [0, 1, 7, 9, 15])
+@pytest.mark.parametrize("rule,hp", [CONFIGS[0], CONFIGS[5], CONFIGS[7]], ids=["sgd", "adagrad", "lion"])
+def test_streamed_lowp_copy_at_any_alignment(backend, rule, hp, offset):
+    # a copy of >= 2**20 elements is written with non-temporal stores after a peel to the
+    # first aligned address: every element right, nothing written outside the view
+    n = (1 << 20) + 37
+    sentinel = torch.full((n + 32,), 0x1234, dtype=torch.int16)
+    buf = sentinel.clone().view(torch.bfloat16)
+    lowp = buf[offset:offset + n]
+    p = torch.randn(n, generator=torch.Generator().manual_seed(offset))
+    backend.rule_step(rule, p, torch.randn(n), _fresh_states(rule, n), step=2,
+                      param_lowp=lowp, num_threads=2, **hp)
+    assert torch.equal(lowp.view(torch.int16), p.to(torch.bfloat16).view(torch.int16))
+    raw = buf.view(torch.int16)
+    assert torch.equal(raw[:offset], sentinel[:offset])
+    assert torch.equal(raw[offset + n:], sentinel[offset + n:])
