@@ -17,7 +17,8 @@ from typing import Iterable, Sequence, Tuple
 
 import torch
 
-__all__ = ["StateField", "Rule", "MASTER", "ADAM", "LION", "ADAGRAD", "SGD", "SGD_PLAIN", "RULES", "field_names", "bytes_per_element",
+__all__ = ["StateField", "Rule", "MASTER", "ADAM", "LION", "ADAGRAD", "SGD", "SGD_PLAIN",
+           "RULES", "field_names", "bytes_per_element",
            "fields_bytes", "dtype_from_name", "dtype_name"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
