@@ -99,11 +99,24 @@ def _assert_close(ours, ref, what):
                            f"{int(bad.nonzero()[0])}: {ours[bad][0].item()} vs {ref[bad][0].item()}")
 
 
+_inputs_cache = {}
+
+
+def _inputs(rule, hp, n, seed, grad_dtype):
+    """(p0, grads, reference result): the same for every backend, so built once per run."""
+    key = (rule.name, repr(sorted(hp.items())), n, seed, grad_dtype)
+    if key not in _inputs_cache:
+        if len(_inputs_cache) > 4:  # keep a few (the big ones hold ~100 MB each)
+            _inputs_cache.clear()
+        p0 = torch.randn(n, generator=torch.Generator().manual_seed(1000 + n))
+        grads = _grads(n, STEPS, seed + n, grad_dtype)
+        _inputs_cache[key] = (p0, grads, _reference(rule, hp, p0, grads))
+    return _inputs_cache[key]
+
+
 def _check(be, rule, hp, n, seed=0, grad_dtype=torch.float32, lowp_dtype=None):
-    p0 = torch.randn(n, generator=torch.Generator().manual_seed(1000 + n))
-    grads = _grads(n, STEPS, seed + n, grad_dtype)
+    p0, grads, (ref_p, ref_states) = _inputs(rule, hp, n, seed, grad_dtype)
     p, states, lowp = _run(be, rule, hp, p0, grads, lowp_dtype=lowp_dtype)
-    ref_p, ref_states = _reference(rule, hp, p0, grads)
     _assert_close(p, ref_p, f"{rule.name} param n={n}")
     for name, ref in ref_states.items():
         _assert_close(states[name], ref, f"{rule.name} {name} n={n}")
