@@ -1,7 +1,7 @@
 """The step face every backend shares: ``rule_step`` (states by name) and ``adam_step``.
 
 ``rule_step(rule, param, grad, states, *, step, param_lowp=None, num_threads=None,
-**hyper)`` applies one optimizer rule (``offload.kernels.fields.RULES``; Adam today) to
+**hyper)`` applies one optimizer rule (``offload.kernels.fields.RULES``: Adam, SGD, Adagrad, Lion) to
 ``param`` and the rule's states, given by field name; every tensor is checked against its
 field before any memory is touched. ``adam_step(param, grad, exp_avg, exp_avg_sq, ...)`` is
 the older face with the moments in field order; both end in the backend's ``_adam``, so
@@ -14,13 +14,14 @@ from typing import Callable, Mapping, NamedTuple, Optional, Tuple, Union
 import torch
 
 from ._checks import check_adam_args, check_states, check_step_args
-from .fields import ADAM, RULES, Rule, StateField
+from .fields import ADAGRAD, ADAM, LION, RULES, SGD, SGD_PLAIN, Rule, StateField
+from .rule_consts import adagrad_args, lion_args, sgd_args, sgd_plain_args
 
 __all__ = ["RULE_CODES", "RuleStepFace", "resolve_rule"]
 
 # rule -> its code in the native face (OFFLOAD_RULE_* in native/offload_native.h); a new
 # rule is one entry here and one in _KERNELS, plus its method on each backend
-RULE_CODES = {ADAM: 0}
+RULE_CODES = {ADAM: 0, SGD: 1, SGD_PLAIN: 1, ADAGRAD: 2, LION: 3}
 
 
 def _adam_args(step, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction=True,
@@ -48,7 +49,18 @@ class _Kernel(NamedTuple):
 
 _KERNELS = {ADAM: _Kernel(ADAM, ADAM.names, ADAM.fields, _adam_args,
                           ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled",
-                           "bias_correction", "maximize", "grad_scale"), 6, "_adam")}
+                           "bias_correction", "maximize", "grad_scale"), 6, "_adam"),
+            SGD: _Kernel(SGD, SGD.names, SGD.fields, sgd_args,
+                         ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
+                          "grad_scale"), 2, "_sgd"),
+            SGD_PLAIN: _Kernel(SGD_PLAIN, (), (), sgd_plain_args,
+                               ("lr", "weight_decay", "maximize", "grad_scale"), 1, "_sgd"),
+            ADAGRAD: _Kernel(ADAGRAD, ADAGRAD.names, ADAGRAD.fields, adagrad_args,
+                             ("lr", "lr_decay", "weight_decay", "eps", "maximize", "grad_scale"),
+                             1, "_adagrad"),
+            LION: _Kernel(LION, LION.names, LION.fields, lion_args,
+                          ("lr", "beta1", "beta2", "weight_decay", "maximize", "grad_scale"),
+                          1, "_lion")}
 _ADAM_KERNEL = _KERNELS[ADAM]
 
 
@@ -67,9 +79,13 @@ def resolve_rule(rule: Union[Rule, str]) -> Rule:
     return rule
 
 
-def _hyper_error(k: _Kernel, hyper: Mapping[str, object]) -> TypeError:
+def _hyper_error(k: _Kernel, hyper: Mapping[str, object]) -> Optional[TypeError]:
+    """The error for missing or unexpected names; None if the names were right (the
+    TypeError was a check of a value's type, already worded)."""
     missing = [name for name in k.hyper[:k.required] if name not in hyper]
     extra = sorted(name for name in hyper if name not in k.hyper)
+    if not missing and not extra:
+        return None
     return TypeError(f"rule {k.rule.name!r} takes the hyperparameters {list(k.hyper)}; "
                      f"missing {missing}, unexpected {extra}")
 
@@ -90,7 +106,10 @@ class RuleStepFace:
         try:
             args = k.args(step, **hyper)
         except TypeError:
-            raise _hyper_error(k, hyper) from None
+            err = _hyper_error(k, hyper)
+            if err is None:
+                raise
+            raise err from None
         if n:
             getattr(self, k.method)(param, grad, ordered, param_lowp, num_threads, args)
 
@@ -109,4 +128,15 @@ class RuleStepFace:
 
     def _adam(self, param: torch.Tensor, grad: torch.Tensor, states: Tuple[torch.Tensor, ...],
               param_lowp: Optional[torch.Tensor], num_threads: Optional[int], hyper: tuple) -> None:
+        raise NotImplementedError
+
+    # SGD (both rules: ``states`` is () without momentum), Adagrad and Lion: ``hyper`` is
+    # what rule_consts' sgd_args / adagrad_args / lion_args return
+    def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        raise NotImplementedError
+
+    def _adagrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        raise NotImplementedError
+
+    def _lion(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         raise NotImplementedError

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence, Tuple
 
 import torch
 
-__all__ = ["StateField", "Rule", "MASTER", "ADAM", "RULES", "field_names", "bytes_per_element",
+__all__ = ["StateField", "Rule", "MASTER", "ADAM", "LION", "ADAGRAD", "SGD", "SGD_PLAIN", "RULES", "field_names", "bytes_per_element",
            "fields_bytes", "dtype_from_name", "dtype_name"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -121,5 +121,12 @@ class Rule:
 
 MASTER = StateField(MASTER_NAME, torch.float32)
 ADAM = Rule("adam", (StateField("exp_avg", torch.float32), StateField("exp_avg_sq", torch.float32)))
-RULES = {ADAM.name: ADAM}
+LION = Rule("lion", (StateField("exp_avg", torch.float32),))
+ADAGRAD = Rule("adagrad", (StateField("sum", torch.float32),))
+SGD = Rule("sgd", (StateField("momentum_buffer", torch.float32),))
+"""SGD with a momentum buffer (torch's momentum != 0; with momentum 0 the buffer is left
+untouched, as torch leaves an existing one)."""
+SGD_PLAIN = Rule("sgd_plain", ())
+"""SGD without momentum: torch keeps no per-element state for it, so neither does this rule."""
+RULES = {r.name: r for r in (ADAM, LION, ADAGRAD, SGD, SGD_PLAIN)}
 

@@ -56,6 +56,47 @@ class TorchBackend(RuleStepFace):
         if param_lowp is not None:
             param_lowp.view(-1).copy_(p)
 
+    def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        """torch's _single_tensor_sgd; the first step's buffer is a copy of d_p."""
+        lr, momentum, dampening, weight_decay, nesterov, maximize, grad_scale, step = hyper
+        p = param.view(-1)
+        g = _scaled_grad(grad, grad_scale, maximize)
+        if weight_decay != 0:
+            g = g.add(p, alpha=weight_decay)
+        if momentum != 0:
+            buf = states[0].view(-1)
+            if step == 1:
+                buf.copy_(g)
+            else:
+                buf.mul_(momentum).add_(g, alpha=1 - dampening)
+            g = g.add(buf, alpha=momentum) if nesterov else buf
+        p.add_(g, alpha=-lr)
+        _copy_lowp(p, param_lowp)
+
+    def _adagrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        """torch's _single_tensor_adagrad (dense, real)."""
+        lr, lr_decay, weight_decay, eps, maximize, grad_scale, step = hyper
+        p, state_sum = param.view(-1), states[0].view(-1)
+        g = _scaled_grad(grad, grad_scale, maximize)
+        if weight_decay != 0:
+            g = g.add(p, alpha=weight_decay)
+        clr = lr / (1 + (float(step) - 1) * lr_decay)  # torch's step is a float tensor
+        state_sum.addcmul_(g, g, value=1)
+        std = state_sum.sqrt().add_(eps)
+        p.addcdiv_(g, std, value=-clr)
+        _copy_lowp(p, param_lowp)
+
+    def _lion(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        """lion-pytorch's update_fn (its lerp form)."""
+        lr, beta1, beta2, weight_decay, maximize, grad_scale = hyper
+        p, exp_avg = param.view(-1), states[0].view(-1)
+        g = _scaled_grad(grad, grad_scale, maximize)
+        p.mul_(1 - lr * weight_decay)
+        update = exp_avg.clone().lerp_(g, 1 - beta1).sign_()
+        p.add_(update, alpha=-lr)
+        exp_avg.lerp_(g, 1 - beta2)
+        _copy_lowp(p, param_lowp)
+
     def grad_sumsq(self, grad: torch.Tensor, *,
                    num_threads: Optional[int] = None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)
@@ -69,3 +110,17 @@ class TorchBackend(RuleStepFace):
             c = g[start:start + _CHUNK].double()
             total += float(torch.dot(c, c))
         return total, not math.isfinite(total)
+
+
+def _scaled_grad(grad: torch.Tensor, grad_scale: float, maximize: bool) -> torch.Tensor:
+    """float(grad) * grad_scale, negated when maximizing; a new tensor whenever it differs
+    from ``grad`` (the caller never writes into it)."""
+    g = grad.view(-1).float()
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    return -g if maximize else g
+
+
+def _copy_lowp(p: torch.Tensor, param_lowp: Optional[torch.Tensor]) -> None:
+    if param_lowp is not None:
+        param_lowp.view(-1).copy_(p)
