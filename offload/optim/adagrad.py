@@ -50,20 +50,15 @@ class Adagrad(RuleOptimizer):
                     weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                     maximize=bool(group.get("maximize", False)))
 
-    def state_fill(self, p: torch.Tensor, name: str) -> float:
-        for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                return float(group["initial_accumulator_value"])
+    def state_fill(self, name: str) -> float:
+        # torch fills every param's sum with the constructor's value, whatever a param
+        # group says (its group's "initial_accumulator_value" is only recorded)
         return float(self.defaults["initial_accumulator_value"])
 
     def _init_states(self) -> None:
         # torch's constructor: step 0 and the filled sum for every param, before any step
         for group in self.param_groups:
-            self._init_group_states(group)
-
-    def _init_group_states(self, group: Dict[str, Any]) -> None:
-        for p in group["params"]:
-            state = self.state[p]
-            state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-            state["sum"] = torch.full_like(p, float(group["initial_accumulator_value"]),
-                                           memory_format=torch.preserve_format)
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                state["sum"] = torch.full_like(p, self.state_fill("sum"), memory_format=torch.preserve_format)

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels import get_backend
-from offload.kernels.fields import Rule
+from offload.kernels.fields import Rule, StateField, field_names
 from offload.optim.clip import grad_multiplier
 from offload.optim.context import StepContext
 from offload.optim.context_attrs import ContextAttributes
@@ -87,7 +87,9 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         self.last_grad_norm: Optional[float] = None
         self._stats = StepStats()
         self._init_states()
+        self._store_rule: Optional[Rule] = None  # set for a flat or swapped store
         self._store = self._make_store(stage, process_group)
+        self._seed_store()
         self._registered = self._all_params()
         register_guards(self)
         register_store_hooks(self)
@@ -110,19 +112,44 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                 out.append(rule)
         return tuple(out)
 
-    def state_names(self) -> Tuple[str, ...]:
-        """The per-element state names of every rule here: what state_dict entries hold."""
-        names: List[str] = []
+    def state_fields(self) -> Tuple[StateField, ...]:
+        """The per-element state fields of every rule here: what state_dict entries and
+        checkpoints hold."""
+        fields: List[StateField] = []
         for rule in self.rules():
-            names += [n for n in rule.names if n not in names]
-        return tuple(names)
+            fields += [f for f in rule.fields if f not in fields]
+        return tuple(fields)
 
-    def state_fill(self, p: torch.Tensor, name: str) -> float:
-        """The value a new state ``name`` of ``p`` starts at (Adagrad's ``initial_accumulator_value``)."""
+    def state_names(self) -> Tuple[str, ...]:
+        return field_names(self.state_fields())
+
+    def store_rule(self) -> Rule:
+        """The one rule of a flat or swapped store (its buffers and files have one set of
+        fields); a subclass whose groups differ in rule says which one serves them all."""
+        rules = self.rules()
+        if len(rules) != 1:
+            raise ValueError(f"{type(self).__name__}: param groups of different rules "
+                             f"({[r.name for r in rules]}) need fp32 CPU params with offload='none' or 'cpu'")
+        return rules[0]
+
+    def state_fill(self, name: str) -> float:
+        """The value a new state ``name`` starts at (Adagrad's ``initial_accumulator_value``)."""
         return 0.0
 
     def _init_states(self) -> None:
         """States torch creates at construction (Adagrad's); none by default."""
+
+    def _seed_store(self) -> None:
+        """States ``_init_states`` put into ``opt.state`` go to a flat or swapped store
+        (Adagrad's filled ``sum``); the host store keeps them where they are."""
+        if getattr(self._store, "kind", None) == "host":
+            return
+        names = self.state_names()
+        for p in self._all_params():
+            st = self.state.get(p)
+            seed = {k: st.pop(k) for k in names if st and k in st}
+            if seed:
+                self._store.import_state(p, seed)
 
     # ---------------------------------------------------------------- store selection
     def _all_params(self) -> List[torch.Tensor]:
@@ -149,35 +176,29 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                     "cut the flat master of device or fp16/bf16 params, and the swap files of "
                     "offload='nvme'); drop it")
             return HostState(ctx=self._ctx, backend=self.backend, num_threads=self.num_threads,
-                             names=self.state_names(), fill=self.state_fill)
-        self._check_store_rules(stage, host_ok)
+                             fields=self.state_fields(), fill={k: self.state_fill(k) for k in self.state_names()})
+        # a flat or swapped store keeps one rule's fields for every group
+        self._set_store_rule()
         if stage == 0 and host_ok and self.config.offload == "nvme":
             from offload.optim.swapped_state import SwappedState
 
             cfg = self.config
             return SwappedState(params, swap_dir=cfg.swap_dir, max_host_bytes=cfg.max_host_bytes,
                                 sub_group_size=cfg.sub_group_size, verify=cfg.verify, resume=cfg.resume,
-                                io_engine=cfg.io, backend=self.backend, num_threads=self.num_threads, ctx=self._ctx)
+                                io_engine=cfg.io, backend=self.backend, num_threads=self.num_threads, ctx=self._ctx,
+                                rule=self._store_rule)
         return self._flat_store(stage, process_group)
 
-    # The stores that keep their states in flat buffers or swap files; each rule's states
-    # must fit in them (Adam's, until those stores take any rule's fields).
-    FLAT_RULE_NAMES: Tuple[str, ...] = ("adam",)
-
-    def _check_store_rules(self, stage: int, host_ok: bool) -> None:
-        kind = "swap files" if host_ok and stage == 0 else "the flat store (device, fp16/bf16 or partitioned params)"
-        for rule in self.rules():
-            if rule.name not in self.FLAT_RULE_NAMES:
-                raise ValueError(
-                    f"{type(self).__name__} with offload={self.config.offload!r}, stage={stage} needs {kind}, "
-                    f"which do not hold the states of rule {rule.name!r} yet; use fp32 CPU params with "
-                    "offload='none' or 'cpu' and stage=0")
+    def _set_store_rule(self) -> Rule:
+        self._store_rule = self.store_rule()
+        return self._store_rule
 
     def _flat_store(self, stage: int, process_group: Any):
         from offload.optim.flat.store import FlatState
 
         return FlatState(self.param_groups, config=self.config, ctx=self._ctx, backend=self.backend,
-                         num_threads=self.num_threads, stage=stage, process_group=process_group)
+                         num_threads=self.num_threads, stage=stage, process_group=process_group,
+                         rule=self._store_rule or self._set_store_rule())
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)

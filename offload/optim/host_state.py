@@ -13,11 +13,11 @@ class drives them the same way.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from offload.kernels.fields import ADAM
+from offload.kernels.fields import ADAM, StateField, field_names
 from offload.optim.context import StepContext
 from offload.optim.functional import rule_step
 
@@ -35,9 +35,10 @@ class HostState:
     kind = "host"
 
     def __init__(self, *, ctx: StepContext, backend: Optional[str], num_threads: Optional[int],
-                 names: Sequence[str] = ADAM.names, fill: Callable[[torch.Tensor, str], float] = lambda p, name: 0.0):
-        """``names``: every state name the optimizer's rules keep (what checkpoints and reports
-        cover); ``fill(p, name)``: the value a new state of ``p`` starts at."""
+                 fields: Sequence[StateField] = ADAM.fields, fill: Optional[Dict[str, float]] = None):
+        """``fields``: every state the optimizer's rules keep (what checkpoints and reports
+        cover); ``fill[name]``: the value a new state starts at (0 when absent; plain numbers, so the
+        store holds nothing of its optimizer)."""
         # The moments live in torch's opt.state, which torch's load_state_dict replaces: the
         # context's TorchState always holds the current one (never a copy kept here).
         if ctx.torch_state is None:
@@ -46,8 +47,9 @@ class HostState:
         self._torch = ctx.torch_state
         self._backend = backend
         self._num_threads = num_threads
-        self.names = tuple(names)
-        self._fill = fill
+        self.fields = tuple(fields)
+        self.names = field_names(self.fields)
+        self._fill = dict(fill or {})
 
     @staticmethod
     def check_param(index: int, p: torch.Tensor) -> None:
@@ -66,7 +68,7 @@ class HostState:
         st = self._torch.state[p]
         for name in names:
             if name not in st:
-                st[name] = torch.full_like(p, self._fill(p, name), memory_format=torch.preserve_format)
+                st[name] = torch.full_like(p, self._fill.get(name, 0.0), memory_format=torch.preserve_format)
         return [st[name] for name in names]
 
     def step(self, batches: List[StepBatch]) -> Dict[str, float]:
@@ -103,7 +105,7 @@ class HostState:
             st = self._torch.state.get(p, {})
             for key in states:
                 t = st.get(key)
-                t = (torch.full((p.numel(),), self._fill(p, key), dtype=torch.float32) if t is None
+                t = (torch.full((p.numel(),), self._fill.get(key, 0.0), dtype=torch.float32) if t is None
                      else t.detach().reshape(-1).contiguous())
                 states[key].append(t)
         return params, states
@@ -122,7 +124,7 @@ class HostState:
         params = self._torch.params()
         scratch = {k: [torch.empty(p.numel(), dtype=torch.float32) for p in params] for k in self.names}
         # Loaded into scratch first: a failed load leaves the current state untouched.
-        meta = load_states(directory, [p.numel() for p in params], scratch)
+        meta = load_states(directory, [p.numel() for p in params], scratch, self.fields)
         if meta.get("shapes") != [list(p.shape) for p in params]:
             raise ValueError(f"{directory}: checkpoint of params with other shapes")
         state = self._torch.state

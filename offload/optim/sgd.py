@@ -48,12 +48,19 @@ class SGD(RuleOptimizer):
         super().__init__(params, defaults, **offload_kwargs)
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
-        return SGD_RULE if group["momentum"] != 0 else SGD_PLAIN
+        # A flat or swapped store keeps one rule's fields: with any group with momentum, the
+        # buffer's, which a group without momentum leaves untouched (as torch leaves one)
+        if group["momentum"] != 0 or getattr(self, "_store_rule", None) is SGD_RULE:
+            return SGD_RULE
+        return SGD_PLAIN
+
+    def store_rule(self) -> Rule:
+        return SGD_RULE if any(g["momentum"] != 0 for g in self.param_groups) else SGD_PLAIN
 
     def group_hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
         out = dict(lr=to_float(group, "lr"), weight_decay=to_float(group, "weight_decay"),
                    maximize=bool(group.get("maximize", False)))
-        if group["momentum"] != 0:
+        if self.rule_of(group) is SGD_RULE:
             out.update(momentum=float(group["momentum"]), dampening=float(group["dampening"]),
                        nesterov=bool(group.get("nesterov", False)))
         return out
@@ -70,8 +77,10 @@ class SGD(RuleOptimizer):
     def state_dict(self) -> Dict[str, Any]:
         """torch's layout: ``{"momentum_buffer": tensor or None}`` per param that stepped."""
         sd = super().state_dict()
-        sd["state"] = {k: {key: v for key, v in st.items() if key != "step"} | {_BUF: st.get(_BUF)}
-                       for k, st in sd["state"].items()}
+        # a group without momentum has no buffer in torch (a flat store keeps zeros for it)
+        plain = {i for g in sd["param_groups"] if g["momentum"] == 0 for i in g["params"]}
+        sd["state"] = {k: {key: v for key, v in st.items() if key not in ("step", _BUF)}
+                       | {_BUF: None if k in plain else st.get(_BUF)} for k, st in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

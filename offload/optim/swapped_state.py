@@ -82,7 +82,7 @@ from offload.optim.context import StepContext, StepCounts
 from offload.optim.fingerprint import fingerprint, sample_indices
 from offload.optim.step_guard import failure_text, mark_consistent
 from offload.optim.swapped_shards import IN_PLACE_FIELDS, SwappedShards, WorkItem
-from offload.kernels.fields import field_names
+from offload.kernels.fields import ADAM, Rule, field_names
 from offload.swap import SwapStepError
 from offload.swap.manifest_check import check_steps
 
@@ -136,8 +136,13 @@ class SwappedState:
                  sub_group_size: Optional[int] = None, verify: bool = False, resume: Any = False,
                  io_engine: Any = None, backend: Optional[str] = None, num_threads: Optional[int] = None,
                  run_name: str = "run", rank: Optional[int] = None, pool: Any = None,
-                 ctx: Optional[StepContext] = None) -> None:
+                 ctx: Optional[StepContext] = None, rule: Rule = ADAM) -> None:
         self.params: List[torch.Tensor] = list(params)
+        self.rule = rule
+        self.names = rule.names  # the swapped states (the params are their own master)
+        if not self.names:
+            raise ValueError(f"rule {rule.name!r} keeps no state per element: offload='nvme' would swap "
+                             "nothing; use offload='none' or 'cpu'")
         if not self.params:
             raise ValueError("SwappedState needs at least one param")
         self._index = _check_params(self.params)
@@ -162,7 +167,7 @@ class SwappedState:
         # touches still records the step counts, so resume and checkpoints work the same.
         me = weakref.ref(self)  # the core's finalizer frees the files when we go: no cycle back to us
         self.core = SwappedShards([max(total, 1)], swap_dir=swap_dir, identity=facts, extra=lambda: me()._extra(),
-                                  fields=IN_PLACE_FIELDS, summary=f"{len(self.params)} fp32 params, {total} elements",
+                                  fields=rule.fields, rule=rule, summary=f"{len(self.params)} fp32 params, {total} elements",
                                   check_resume=self._check_resume, max_host_bytes=max_host_bytes,
                                   sub_group_size=sub_group_size, verify=verify, resume=resume, io_engine=io_engine,
                                   backend=backend, num_threads=num_threads, rank=rank, run_name=run_name, pool=pool)
@@ -308,6 +313,10 @@ class SwappedState:
         """One work item per param that has a grad: its whole range, its output the param."""
         work: Dict[int, WorkItem] = {}
         for hyper, items in batches:
+            if getattr(hyper, "rule", self.rule) is not self.rule:
+                raise ValueError(f"a step of rule {hyper.rule.name!r} in a swap store of rule {self.rule.name!r} "
+                                 f"(states {list(self.names)}); build a new optimizer after changing "
+                                 "what the groups need (e.g. SGD's momentum from or to 0)")
             for p, grad, step in items:
                 i = self._param_index(p)
                 if i in work:
@@ -376,18 +385,21 @@ class SwappedState:
         self._broken = None
 
     # ------------------------------------------------------------------ one param's states
-    def read_state(self, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def read_state(self, p: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``p``'s states in field order (Adam: exp_avg, exp_avg_sq), new tensors shaped like p."""
         i = self._param_index(p)
         off = self._offsets[i]
-        got = self.core.read(0, off, off + p.numel(), MOMENTS)
-        return got["exp_avg"].view(p.shape), got["exp_avg_sq"].view(p.shape)
+        got = self.core.read(0, off, off + p.numel(), self.names)
+        return tuple(got[k].view(p.shape) for k in self.names)
 
-    def write_state(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    step: Optional[int] = None) -> None:
+    def write_state(self, p: torch.Tensor, *states: torch.Tensor, step: Optional[int] = None) -> None:
+        """``p``'s states, in field order (Adam: exp_avg, exp_avg_sq)."""
         i = self._param_index(p)
         n, off = p.numel(), self._offsets[i]
+        if len(states) != len(self.names):
+            raise ValueError(f"param {i}: {len(states)} states given, the rule keeps {list(self.names)}")
         src = {}
-        for f, t in zip(self.core.fields, (exp_avg, exp_avg_sq)):
+        for f, t in zip(self.core.fields, states):
             if not isinstance(t, torch.Tensor) or t.numel() != n:
                 raise ValueError(f"param {i}: {f.name} must be a tensor of {n} elements, got "
                                  f"{getattr(t, 'shape', type(t).__name__)}")
@@ -400,8 +412,7 @@ class SwappedState:
     def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
         if self.step_of(p) == 0:
             return {}
-        m, v = self.read_state(p)
-        return {"exp_avg": m, "exp_avg_sq": v}
+        return dict(zip(self.names, self.read_state(p)))
 
     def import_state(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
         step = state.get("step")
@@ -409,14 +420,14 @@ class SwappedState:
             step = self.ctx.steps.get(p)
         if isinstance(step, torch.Tensor):
             step = int(step.item())
-        self.write_state(p, state["exp_avg"], state["exp_avg_sq"], None if step is None else int(step))
+        self.write_state(p, *[state[k] for k in self.names], step=None if step is None else int(step))
 
     def reset_state(self, p: torch.Tensor) -> None:
         """Zero moments and step 0 for ``p`` (loading a state_dict without state for it)."""
         if self.step_of(p) == 0:
             return  # never stepped: its moments are zeros already
         z = torch.zeros(p.numel(), dtype=torch.float32)
-        self.write_state(p, z, z, step=0)
+        self.write_state(p, *[z] * len(self.names), step=0)
 
     @contextlib.contextmanager
     def atomic_writes(self) -> Iterator[None]:
