@@ -118,6 +118,31 @@ inline void adam_part(const VConsts &vc, const AdamBuffers &b, int64_t i, int64_
 
 OFFLOAD_UNIT_DISPATCH_TEMPLATES
 
+// ---- SGD, Adagrad, Lion (rule_loop.h) over this unit's vectors.
+using VF = __m256;
+inline VF vset1(float x) { return _mm256_set1_ps(x); }
+inline VF vload(const float *p) { return _mm256_loadu_ps(p); }
+inline void vstore(float *p, VF x) { _mm256_storeu_ps(p, x); }
+inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VF vsub(VF a, VF b) { return _mm256_sub_ps(a, b); }
+inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF vdiv(VF a, VF b) { return _mm256_div_ps(a, b); }
+inline VF vsqrt(VF a) { return _mm256_sqrt_ps(a); }
+inline VF vfmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+// torch's vectorized sign: (0 < x) - (x < 0) as 1.0 / 0.0 selects; 0 for zeros and NaN
+inline VF vsign(VF x) {
+    const VF one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    return _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(zero, x, _CMP_LT_OQ), one),
+                         _mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_LT_OQ), one));
+}
+template <int G>
+inline VF vload_grad(const void *g, int64_t i) { return load_grad<G>(g, i); }
+template <int L, bool STREAM>
+inline void vstore_lowp(void *dst, int64_t i, VF x) { store_lowp<L, STREAM>(dst, i, x); }
+inline void vfence() { _mm_sfence(); }
+
+#include "rule_loop.h"
+
 // ---- sum of squares: fp32 blocks folded into double, see [Note: sumsq in fp32 blocks] in
 // unit_dispatch.h; the same lanes, blocks and folds as adam_avx512.cpp. A step squares 16
 // elements into two fp32 accumulators. Which element lands in which lane does not matter to
@@ -196,3 +221,4 @@ inline bool lanes_none_at_least(__m256 t, __m256 limit) {
 }  // namespace
 
 OFFLOAD_UNIT_ENTRY_POINTS(avx2)
+OFFLOAD_RULE_ENTRY_POINTS(avx2)

@@ -5,6 +5,7 @@
 // kept as divisions); exp_avg and exp_avg_sq then match torch bit for bit without L2 decay.
 #include <cerrno>
 #include <immintrin.h>
+#include <string.h>
 
 #include "kernel.h"
 #include "unit_dispatch.h"
@@ -109,6 +110,32 @@ inline void adam_part(const VConsts &vc, const AdamBuffers &b, int64_t i, int64_
 
 OFFLOAD_UNIT_DISPATCH_TEMPLATES
 
+// ---- SGD, Adagrad, Lion (rule_loop.h) over this unit's vectors; the part left over is
+// staged (rule_loop.h), not masked: the rules share one loop across the units.
+using VF = __m512;
+inline VF vset1(float x) { return _mm512_set1_ps(x); }
+inline VF vload(const float *p) { return _mm512_loadu_ps(p); }
+inline void vstore(float *p, VF x) { _mm512_storeu_ps(p, x); }
+inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+inline VF vsub(VF a, VF b) { return _mm512_sub_ps(a, b); }
+inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF vdiv(VF a, VF b) { return _mm512_div_ps(a, b); }
+inline VF vsqrt(VF a) { return _mm512_sqrt_ps(a); }
+inline VF vfmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+// torch's vectorized sign: (0 < x) - (x < 0) as 1.0 / 0.0 selects; 0 for zeros and NaN
+inline VF vsign(VF x) {
+    const VF one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    return _mm512_sub_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(zero, x, _CMP_LT_OQ), one),
+                         _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), one));
+}
+template <int G>
+inline VF vload_grad(const void *g, int64_t i) { return load_grad<G, false>(g, i, 0xFFFF); }
+template <int L, bool STREAM>
+inline void vstore_lowp(void *dst, int64_t i, VF x) { store_lowp<L, false, STREAM>(dst, i, x, 0xFFFF); }
+inline void vfence() { _mm_sfence(); }
+
+#include "rule_loop.h"
+
 // ---- sum of squares: fp32 blocks folded into double, see [Note: sumsq in fp32 blocks] in
 // unit_dispatch.h. 256-bit vectors on purpose: measured here (EPYC, 100M elements, one
 // stream), a 512-bit fp32 load+FMA loop ran ~10% below the same loop on 256 bits, and bf16
@@ -181,3 +208,4 @@ inline bool lanes_none_at_least(__m256 t, __m256 limit) { return _mm256_cmp_ps_m
 }  // namespace
 
 OFFLOAD_UNIT_ENTRY_POINTS(avx512)
+OFFLOAD_RULE_ENTRY_POINTS(avx512)

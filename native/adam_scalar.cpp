@@ -2,6 +2,7 @@
 // unit mirrors. Compiled with baseline flags only (the compiler may still use SSE2).
 #include <cerrno>
 #include <cmath>
+#include <cstring>
 
 #include "convert.h"
 #include "kernel.h"
@@ -48,6 +49,35 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
 
 OFFLOAD_UNIT_DISPATCH_TEMPLATES
 
+// ---- SGD, Adagrad, Lion (rule_loop.h) with one-lane "vectors": the portable reference.
+// vfmadd is std::fma, one rounding as in the SIMD units and torch's vectorized kernels,
+// unlike adam_loop above: Lion takes the sign of a lerp, so one rounding of difference
+// near zero moves a param by a whole lr. On a CPU without FMA glibc computes it exactly in
+// software (slower; this unit is the fallback of CPUs without AVX2).
+constexpr int64_t kLanes = 1;
+constexpr uintptr_t kStreamAlign = 0;  // no streamed stores here
+using VF = float;
+inline VF vset1(float x) { return x; }
+inline VF vload(const float *p) { return *p; }
+inline void vstore(float *p, VF x) { *p = x; }
+inline VF vadd(VF a, VF b) { return a + b; }
+inline VF vsub(VF a, VF b) { return a - b; }
+inline VF vmul(VF a, VF b) { return a * b; }
+inline VF vdiv(VF a, VF b) { return a / b; }
+inline VF vsqrt(VF a) { return std::sqrt(a); }
+inline VF vfmadd(VF a, VF b, VF c) { return std::fma(a, b, c); }
+inline VF vsign(VF x) { return static_cast<float>(0.0f < x) - static_cast<float>(x < 0.0f); }
+template <int G>
+inline VF vload_grad(const void *g, int64_t i) { return load_grad<G>(g, i); }
+template <int L, bool STREAM>
+inline void vstore_lowp(void *dst, int64_t i, VF x) {
+    if (L == OFFLOAD_F16) static_cast<uint16_t *>(dst)[i] = float_to_half(x);
+    if (L == OFFLOAD_BF16) static_cast<uint16_t *>(dst)[i] = float_to_bf16(x);
+}
+inline void vfence() {}
+
+#include "rule_loop.h"
+
 template <int G>
 double sumsq_loop(const void *g, int64_t begin, int64_t end) {
     double acc[4] = {0.0, 0.0, 0.0, 0.0};
@@ -67,3 +97,4 @@ double sumsq_loop(const void *g, int64_t begin, int64_t end) {
 }  // namespace
 
 OFFLOAD_UNIT_ENTRY_POINTS(scalar)
+OFFLOAD_RULE_ENTRY_POINTS(scalar)

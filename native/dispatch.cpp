@@ -218,6 +218,61 @@ int adam_rule_step(const offload_step_args &a) {
     return parallel_blocks(n, threads_for(n, a.num_threads), fn);
 }
 
+// ---- SGD, Adagrad, Lion: one state at most (rule_loop.h in each ISA unit).
+
+template <class C>
+using RuleRange = int (*)(const C &, const RuleBuffers &, int64_t, int64_t);
+
+template <class C>
+int run_rule(const C &c, const RuleBuffers &b, int64_t n, int run_isa, int num_threads,
+             RuleRange<C> avx512, RuleRange<C> avx2, RuleRange<C> scalar) {
+    RuleRange<C> f = run_isa == OFFLOAD_ISA_AVX512 ? avx512
+                   : run_isa == OFFLOAD_ISA_AVX2   ? avx2
+                                                   : scalar;
+    auto fn = [&c, &b, f](int64_t begin, int64_t end, int64_t) -> int { return f(c, b, begin, end); };
+    return parallel_blocks(n, threads_for(n, num_threads), fn);
+}
+
+// The states a rule reads: SGD's buffer only when its step uses momentum.
+bool one_state_args_valid(const offload_step_args &a) {
+    int want = 1;
+    if (a.rule == OFFLOAD_RULE_SGD) {
+        const int mode = a.consts.sgd.momentum_mode;
+        if (mode < 0 || mode > 2) return false;
+        // a step without momentum may still be handed the buffer (torch leaves it as is)
+        if (mode == 0 && a.num_states == 0) want = 0;
+    }
+    if (a.num_states != want || a.param.dtype != OFFLOAD_F32 || !valid_dtype(a.grad.dtype))
+        return false;
+    if (want == 1 && a.states[0].dtype != OFFLOAD_F32) return false;
+    return a.lowp.data == nullptr || a.lowp.dtype == OFFLOAD_F16 || a.lowp.dtype == OFFLOAD_BF16;
+}
+
+int one_state_rule_step(const offload_step_args &a) {
+    if (!one_state_args_valid(a)) return -EINVAL;
+    int run_isa = resolve_isa(a.isa);
+    if (run_isa < 0) return run_isa;
+    const int64_t n = a.n;
+    if (n == 0) return 0;
+    float *state = a.num_states ? static_cast<float *>(a.states[0].data) : nullptr;
+    if (!a.param.data || !a.grad.data || (a.num_states && !state)) return -EINVAL;
+    void *lowp = a.lowp.data;
+    const RuleBuffers b{static_cast<float *>(a.param.data), a.grad.data, state, lowp,
+                        a.grad.dtype, lowp ? a.lowp.dtype : -1, lowp && n >= kStreamLowpMin};
+    const int t = a.num_threads;
+    switch (a.rule) {
+        case OFFLOAD_RULE_SGD:
+            return run_rule(a.consts.sgd, b, n, run_isa, t, sgd_range_avx512, sgd_range_avx2,
+                            sgd_range_scalar);
+        case OFFLOAD_RULE_ADAGRAD:
+            return run_rule(a.consts.adagrad, b, n, run_isa, t, adagrad_range_avx512,
+                            adagrad_range_avx2, adagrad_range_scalar);
+        default:
+            return run_rule(a.consts.lion, b, n, run_isa, t, lion_range_avx512, lion_range_avx2,
+                            lion_range_scalar);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -234,6 +289,9 @@ int offload_rule_step(const offload_step_args *a) {
     if (a == nullptr || a->n < 0 || a->num_threads < 1) return -EINVAL;
     switch (a->rule) {
         case OFFLOAD_RULE_ADAM: return adam_rule_step(*a);
+        case OFFLOAD_RULE_SGD:
+        case OFFLOAD_RULE_ADAGRAD:
+        case OFFLOAD_RULE_LION: return one_state_rule_step(*a);
         default: return -EINVAL;
     }
 }

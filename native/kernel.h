@@ -9,6 +9,8 @@
 
 #include <stdint.h>
 
+#include "offload_native.h"
+
 namespace offload {
 
 // Scalars of one step, already rounded to float the way torch rounds its Python scalars
@@ -44,6 +46,29 @@ struct AdamBuffers {
 int adam_range_scalar(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end);
 int adam_range_avx2(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end);
 int adam_range_avx512(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end);
+
+// The arrays of a rule with at most one state (SGD, Adagrad, Lion; rule_loop.h).
+struct RuleBuffers {
+    float *param;
+    const void *grad;
+    float *state;  // the rule's one state; NULL for SGD without momentum
+    void *lowp;
+    int grad_dtype;
+    int lowp_dtype;   // -1: no lowp copy
+    int stream_lowp;  // as in AdamBuffers
+};
+
+// Update elements [begin, end) by the rule's step. Returns 0 or -EINVAL (unknown dtype or
+// mode).
+int sgd_range_scalar(const offload_sgd_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+int sgd_range_avx2(const offload_sgd_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+int sgd_range_avx512(const offload_sgd_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+int adagrad_range_scalar(const offload_adagrad_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+int adagrad_range_avx2(const offload_adagrad_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+int adagrad_range_avx512(const offload_adagrad_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+int lion_range_scalar(const offload_lion_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+int lion_range_avx2(const offload_lion_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+int lion_range_avx512(const offload_lion_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
 
 // Sum of squares of float(grad[begin..end)) in double.
 int sumsq_range_scalar(const void *grad, int dtype, int64_t begin, int64_t end, double *out);

@@ -28,7 +28,7 @@ OFFLOAD_API int offload_isa_best(void);
 OFFLOAD_API int offload_abi_version(void);
 
 /* Optimizer rules a step can apply; the codes of offload.kernels.fields.RULES. */
-enum { OFFLOAD_RULE_ADAM = 0 };
+enum { OFFLOAD_RULE_ADAM = 0, OFFLOAD_RULE_SGD = 1, OFFLOAD_RULE_ADAGRAD = 2, OFFLOAD_RULE_LION = 3 };
 /* The most per-element states a rule may keep (Adam keeps two). */
 #define OFFLOAD_MAX_STATES 4
 
@@ -58,9 +58,51 @@ struct offload_adam_consts {
     int32_t lerp_from_end; /* 0 or 1 */
 };
 
+/* SGD's scalars (offload/kernels/rule_consts.py fold_sgd), torch's _single_tensor_sgd:
+ * d_p = float(grad) * grad_scale (negated for maximize); d_p += weight_decay * p when use_wd;
+ * momentum_mode 0: no buffer (update = d_p); 1 (the first step): buf = d_p; 2: buf =
+ * buf * momentum + one_minus_dampening * d_p; update = d_p + momentum * buf when nesterov,
+ * else buf; p += neg_lr * update. The buffer is states[0] (needed unless mode is 0). */
+struct offload_sgd_consts {
+    float grad_scale;
+    float weight_decay;
+    float momentum;
+    float one_minus_dampening;
+    float neg_lr;
+    int32_t use_wd;        /* 0 or 1 */
+    int32_t momentum_mode; /* 0, 1 or 2 */
+    int32_t nesterov;      /* 0 or 1 */
+};
+
+/* Adagrad's scalars (fold_adagrad), torch's _single_tensor_adagrad: g as SGD's d_p;
+ * sum += g * g; p += neg_clr * g / (sqrt(sum) + eps). The sum is states[0]. */
+struct offload_adagrad_consts {
+    float grad_scale;
+    float weight_decay;
+    float eps;
+    float neg_clr;
+    int32_t use_wd;
+};
+
+/* Lion's scalars (fold_lion), lion-pytorch's update_fn in its lerp form: g as above;
+ * p *= decay; p += neg_lr * sign(lerp(exp_avg, g, w1)); exp_avg = lerp(exp_avg, g, w2);
+ * each lerp as in Adam (coeff = w, or w - 1 from the end). exp_avg is states[0]. */
+struct offload_lion_consts {
+    float grad_scale;
+    float decay;
+    float coeff1;
+    float coeff2;
+    float neg_lr;
+    int32_t from_end1; /* 0 or 1 */
+    int32_t from_end2; /* 0 or 1 */
+};
+
 /* A rule's constants; the reserved bytes keep the size fixed as rules are added. */
 union offload_rule_consts {
     struct offload_adam_consts adam;
+    struct offload_sgd_consts sgd;
+    struct offload_adagrad_consts adagrad;
+    struct offload_lion_consts lion;
     double reserved[8];
 };
 
@@ -68,7 +110,8 @@ union offload_rule_consts {
  * sizeof(struct offload_step_args) so a caller can refuse a library of another layout. */
 struct offload_step_args {
     int32_t rule;                  /* OFFLOAD_RULE_* */
-    int32_t num_states;            /* entries of states[] the rule reads: 2 for Adam */
+    int32_t num_states;            /* entries of states[] the rule reads: 2 for Adam, 1 for
+                                      Adagrad and Lion, 1 or 0 (no momentum) for SGD */
     int64_t n;                     /* elements of every array below */
     struct offload_array param;    /* F32, updated in place */
     struct offload_array grad;     /* any dtype, read only */
@@ -86,7 +129,8 @@ struct offload_step_args {
 /* sizeof(struct offload_step_args) as this library was compiled. */
 OFFLOAD_API int64_t offload_step_args_size(void);
 
-/* One step of rule a->rule (torch.optim.Adam(foreach=False) numerics for Adam / AdamW).
+/* One step of rule a->rule (torch.optim.Adam / SGD / Adagrad (foreach=False) numerics for
+ * Adam / AdamW, SGD, Adagrad; lion-pytorch's for Lion).
  * Returns 0, -EINVAL (bad argument: unknown rule, state count, dtype, n < 0, NULL pointer),
  * -ENOTSUP (isa not supported by this CPU). */
 OFFLOAD_API int offload_rule_step(const struct offload_step_args *a);

@@ -15,8 +15,10 @@ import struct
 from typing import List, Tuple
 
 from .adam_consts import AdamConsts
+from .rule_consts import AdagradConsts, LionConsts, SgdConsts
 
-__all__ = ["Array", "AdamConstsC", "RuleConsts", "StepArgs", "MAX_STATES", "ADAM_STEP", "ADAM_CONSTS"]
+__all__ = ["Array", "AdamConstsC", "RuleConsts", "StepArgs", "MAX_STATES", "ADAM_STEP", "ADAM_CONSTS",
+           "STEP_STATES", "SGD_CONSTS", "ADAGRAD_CONSTS", "LION_CONSTS"]
 
 MAX_STATES = 4  # OFFLOAD_MAX_STATES
 
@@ -30,8 +32,25 @@ class AdamConstsC(ctypes.Structure):
                 + [(name, ctypes.c_int32) for name in AdamConsts._fields[9:]])
 
 
+def _consts_struct(name: str, tup) -> type:
+    """A ctypes mirror of a rule's consts struct: its NamedTuple's floats, then its flags
+    (int32), in the NamedTuple's order (native/offload_native.h keeps the same order)."""
+    fields = [(f, ctypes.c_float if isinstance(d, float) else ctypes.c_int32)
+              for f, d in zip(tup._fields, _SAMPLES[tup])]
+    return type(name, (ctypes.Structure,), {"_fields_": fields})
+
+
+# one value of each field, to tell floats from flags
+_SAMPLES = {SgdConsts: (1.0,) * 5 + (0,) * 3, AdagradConsts: (1.0,) * 4 + (0,),
+            LionConsts: (1.0,) * 5 + (0,) * 2}
+SgdConstsC = _consts_struct("SgdConstsC", SgdConsts)
+AdagradConstsC = _consts_struct("AdagradConstsC", AdagradConsts)
+LionConstsC = _consts_struct("LionConstsC", LionConsts)
+
+
 class RuleConsts(ctypes.Union):
-    _fields_ = [("adam", AdamConstsC), ("reserved", ctypes.c_double * 8)]
+    _fields_ = [("adam", AdamConstsC), ("sgd", SgdConstsC), ("adagrad", AdagradConstsC),
+                ("lion", LionConstsC), ("reserved", ctypes.c_double * 8)]
 
 
 class StepArgs(ctypes.Structure):
@@ -84,3 +103,10 @@ ADAM_STEP = _packer(2, AdamConstsC)
 """pack(rule, 2, n, param ptr, dtype, grad ptr, dtype, lowp ptr, dtype, exp_avg ptr, dtype,
 exp_avg_sq ptr, dtype, ADAM_CONSTS.pack(*AdamConsts), isa, num_threads) -> one StepArgs."""
 ADAM_CONSTS = consts_packer(AdamConstsC)
+
+STEP_STATES = {k: _packer(k, RuleConsts) for k in (0, 1)}
+"""num_states -> the packer of a rule with that many states (SGD, Adagrad, Lion); its
+constants are the rule's packed consts bytes, zero-padded to the union's size."""
+SGD_CONSTS = consts_packer(SgdConstsC)
+ADAGRAD_CONSTS = consts_packer(AdagradConstsC)
+LION_CONSTS = consts_packer(LionConstsC)

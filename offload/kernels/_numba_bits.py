@@ -14,7 +14,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = ["f32_from_bits", "bits_from_f32", "half_to_float", "float_to_half",
-           "bf16_to_float", "float_to_bf16"]
+           "bf16_to_float", "float_to_bf16", "u16_to_float", "lowp_bits", "fma32"]
 
 
 @intrinsic
@@ -95,3 +95,33 @@ def float_to_bf16(x):
     u = np.int64(bits_from_f32(x))
     r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     return 0xFFFF if (u & 0x7FFFFFFF) > 0x7F800000 else r
+
+
+@njit(inline="always", nogil=True, cache=True)
+def u16_to_float(g, grad_code):
+    """A 16-bit grad element (fp16 when ``grad_code`` is 1, else bf16) as float32."""
+    return half_to_float(g) if grad_code == 1 else bf16_to_float(g)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def lowp_bits(p, lowp_code):
+    """Both conversions, then a select: an unconditional store keeps the loop vectorized."""
+    return float_to_half(p) if lowp_code == 1 else float_to_bf16(p)
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a * b + c`` in float32 with one rounding (llvm.fma: the FMA instruction, or an
+    exact libm call on a CPU without one), as the native units and torch's vectorized
+    kernels compute it; fastmath "contract" only permits that fusion."""
+    if not all(isinstance(x, types.Float) for x in (a, b, c)):
+        return None
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32] * 3))
+        vals = [context.cast(builder, v, t, types.float32)
+                for v, t in zip(args, signature.args)]
+        return builder.call(fn, vals)
+    return sig, codegen

@@ -16,11 +16,13 @@ from typing import Tuple
 import torch
 
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
-from ._native_abi import ADAM_CONSTS, ADAM_STEP, StepArgs
+from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, LION_CONSTS, SGD_CONSTS,
+                          STEP_STATES, StepArgs)
 from ._rule_step import RULE_CODES, RuleStepFace
 from ._threads import resolve_threads
 from .adam_consts import FoldCache
-from .fields import ADAM
+from .fields import ADAGRAD, ADAM, LION, SGD
+from .rule_consts import RuleFoldCache, fold_adagrad, fold_lion, fold_sgd
 
 __all__ = ["NativeBackend", "LIB_PATH", "ISA_CODES", "load_library"]
 
@@ -83,6 +85,11 @@ class NativeBackend(RuleStepFace):
         self.best = ISA_NAMES[self._lib.offload_isa_best()]
         self._isa_cache = None  # (raw $OFFLOAD_ISA, resolved name): re-resolved when it changes
         self._fold = FoldCache(lambda c: ADAM_CONSTS.pack(*c))  # the struct's bytes
+        self._folds = {  # method name -> (rule code, fold to the consts struct's bytes)
+            "sgd": (RULE_CODES[SGD], RuleFoldCache(fold_sgd, 8, lambda c: SGD_CONSTS.pack(*c))),
+            "adagrad": (RULE_CODES[ADAGRAD],
+                        RuleFoldCache(fold_adagrad, 7, lambda c: ADAGRAD_CONSTS.pack(*c))),
+            "lion": (RULE_CODES[LION], RuleFoldCache(fold_lion, 6, lambda c: LION_CONSTS.pack(*c)))}
 
     def describe(self) -> str:
         return f"ok, ISA {self.isa()} (supported: {', '.join(self.supported)})"
@@ -127,6 +134,37 @@ class NativeBackend(RuleStepFace):
         rc = self._lib.offload_rule_step(args)
         if rc != 0:
             self._check(rc, "offload_rule_step")
+
+    def _one_state(self, rule: str, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        """A step of a rule with at most one state (SGD's buffer, Adagrad's sum, Lion's
+        exp_avg), through the same struct as Adam's."""
+        code, fold = self._folds[rule]
+        if param_lowp is None:
+            lowp_ptr, lowp_code = 0, -1
+        else:
+            lowp_ptr, lowp_code = param_lowp.data_ptr(), LOWP_DTYPES[param_lowp.dtype]
+        state = tuple(x for s in states for x in (s.data_ptr(), _F32))
+        args = STEP_STATES[len(states)].pack(
+            code, len(states), param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
+            GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, *state, fold(hyper),
+            ISA_CODES[self.isa()], resolve_threads(num_threads))
+        rc = self._lib.offload_rule_step(args)
+        if rc == -errno.EINVAL:
+            # every argument was checked above: a library of the same ABI built before the
+            # rule existed (the union had room, so the struct and ABI did not change)
+            raise OSError(errno.EINVAL, f"{LIB_PATH} refused the {rule} step (Invalid "
+                          "argument): a library built before this rule? rebuild it", LIB_PATH)
+        if rc != 0:
+            self._check(rc, "offload_rule_step")
+
+    def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        self._one_state("sgd", param, grad, states, param_lowp, num_threads, hyper)
+
+    def _adagrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        self._one_state("adagrad", param, grad, states, param_lowp, num_threads, hyper)
+
+    def _lion(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        self._one_state("lion", param, grad, states, param_lowp, num_threads, hyper)
 
     def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)

@@ -28,10 +28,12 @@ import torch
 from numba import njit, prange
 
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
-from ._numba_bits import bf16_to_float, float_to_bf16, float_to_half, half_to_float
+from ._numba_bits import lowp_bits, u16_to_float
 from ._rule_step import RuleStepFace
 from ._threads import resolve_threads
 from .adam_consts import AdamConsts, FoldCache
+from . import numba_rules as nr
+from .rule_consts import RuleFoldCache, fold_adagrad, fold_lion, fold_sgd
 
 __all__ = ["NumbaBackend"]
 
@@ -58,15 +60,8 @@ def _update(g, p, m, v, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, eps, n
     return p, m, v
 
 
-@njit(inline="always", nogil=True, cache=True)
-def _lowp_bits(p, lowp_code):
-    """Both conversions, then a select: an unconditional store keeps the loop vectorized."""
-    return float_to_half(p) if lowp_code == 1 else float_to_bf16(p)
-
-
-@njit(inline="always", nogil=True, cache=True)
-def _u16_to_float(g, grad_code):
-    return half_to_float(g) if grad_code == 1 else bf16_to_float(g)
+_lowp_bits = lowp_bits
+_u16_to_float = u16_to_float
 
 
 # prange over elements, not over per-thread chunks: numba vectorizes the body of a prange
@@ -213,6 +208,42 @@ class NumbaBackend(RuleStepFace):
 
     def __init__(self) -> None:
         self._fold = FoldCache(_kernel_scalars)
+        self._sgd_fold = RuleFoldCache(fold_sgd, 8, nr.sgd_scalars)
+        self._adagrad_fold = RuleFoldCache(fold_adagrad, 7, nr.adagrad_scalars)
+        self._lion_fold = RuleFoldCache(fold_lion, 6, nr.lion_scalars)
+
+    def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        # without a buffer the param stands in for it: mode 0 never writes it
+        self._one_state(nr.sgd_serial, nr.sgd_parallel, param, grad,
+                        states[0] if states else param, param_lowp, num_threads,
+                        self._sgd_fold(hyper))
+
+    def _adagrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        self._one_state(nr.adagrad_serial, nr.adagrad_parallel, param, grad, states[0],
+                        param_lowp, num_threads, self._adagrad_fold(hyper))
+
+    def _lion(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        self._one_state(nr.lion_serial, nr.lion_parallel, param, grad, states[0], param_lowp,
+                        num_threads, self._lion_fold(hyper))
+
+    def _one_state(self, serial, parallel, param, grad, state, param_lowp, num_threads,
+                   scalars) -> None:
+        """SGD, Adagrad or Lion: the serial loop for small tensors, else the prange one."""
+        n = param.numel()
+        if grad.dtype == torch.float32:
+            g, code = grad.view(-1).numpy(), 0
+        else:
+            g, code = _u16(grad), GRAD_DTYPES[grad.dtype]
+        lowp = (_NO_LOWP, -1) if param_lowp is None else \
+            (_u16(param_lowp), LOWP_DTYPES[param_lowp.dtype])
+        args = (param.view(-1).numpy(), g, code, state.view(-1).numpy()) + lowp + scalars
+        if n <= _SERIAL_MAX:
+            serial(*args)
+            return
+        threads = _threads_for(n, num_threads)
+        with _launch_lock:
+            numba.set_num_threads(threads)
+            parallel(*args)
 
     def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         args = self._fold(hyper)

@@ -113,14 +113,22 @@ def fold_lion(lr, beta1, beta2, weight_decay, maximize, grad_scale) -> LionConst
 # ---- keyword binding and checks (torch.optim's messages) ----
 
 def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-    return float(value)
+    """``float(value)``: a Python or numpy number, or a one-element tensor (torch.optim
+    accepts a tensor lr), as fold_adam reads them; not a bool (a flag in the wrong place)
+    nor a string."""
+    if not isinstance(value, (bool, str, bytes)):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
 
 
-def _nonneg(name: str, value: Any, label: str) -> None:
-    if not 0.0 <= _real(name, value):  # NaN fails too
+def _nonneg(name: str, value: Any, label: str) -> float:
+    x = _real(name, value)
+    if not 0.0 <= x:  # NaN fails too
         raise ValueError(f"Invalid {label}: {value}")
+    return x
 
 
 def _flag(name: str, value: Any) -> None:
@@ -131,10 +139,10 @@ def _flag(name: str, value: Any) -> None:
 def sgd_args(step, *, lr, momentum, dampening=0.0, weight_decay=0.0, nesterov=False,
              maximize=False, grad_scale=1.0) -> tuple:
     """``fold_sgd``'s arguments; the checks of torch.optim.SGD."""
-    _nonneg("lr", lr, "learning rate")
-    _nonneg("momentum", momentum, "momentum value")
-    _real("dampening", dampening)
-    _nonneg("weight_decay", weight_decay, "weight_decay value")
+    lr = _nonneg("lr", lr, "learning rate")
+    momentum = _nonneg("momentum", momentum, "momentum value")
+    dampening = _real("dampening", dampening)
+    weight_decay = _nonneg("weight_decay", weight_decay, "weight_decay value")
     _flag("nesterov", nesterov)
     _flag("maximize", maximize)
     check_grad_scale(grad_scale)
@@ -152,10 +160,10 @@ def sgd_plain_args(step, *, lr, weight_decay=0.0, maximize=False, grad_scale=1.0
 def adagrad_args(step, *, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10, maximize=False,
                  grad_scale=1.0) -> tuple:
     """``fold_adagrad``'s arguments; the checks of torch.optim.Adagrad."""
-    _nonneg("lr", lr, "learning rate")
-    _nonneg("lr_decay", lr_decay, "lr_decay value")
-    _nonneg("weight_decay", weight_decay, "weight_decay value")
-    _nonneg("eps", eps, "epsilon value")
+    lr = _nonneg("lr", lr, "learning rate")
+    lr_decay = _nonneg("lr_decay", lr_decay, "lr_decay value")
+    weight_decay = _nonneg("weight_decay", weight_decay, "weight_decay value")
+    eps = _nonneg("eps", eps, "epsilon value")
     _flag("maximize", maximize)
     check_grad_scale(grad_scale)
     return (lr, lr_decay, weight_decay, eps, maximize, grad_scale, step)
@@ -165,11 +173,13 @@ def lion_args(step, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=Fal
               grad_scale=1.0) -> tuple:
     """``fold_lion``'s arguments (lion-pytorch's defaults; ``step`` is not used: Lion has
     no bias correction)."""
-    _nonneg("lr", lr, "learning rate")
-    for index, beta in enumerate((beta1, beta2)):
-        if not 0.0 <= _real(f"beta{index + 1}", beta) <= 1.0:
+    lr = _nonneg("lr", lr, "learning rate")
+    betas = tuple(_real(f"beta{k + 1}", b) for k, b in enumerate((beta1, beta2)))
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta <= 1.0:
             raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
-    _nonneg("weight_decay", weight_decay, "weight_decay value")
+    beta1, beta2 = betas
+    weight_decay = _nonneg("weight_decay", weight_decay, "weight_decay value")
     _flag("maximize", maximize)
     check_grad_scale(grad_scale)
     return (lr, beta1, beta2, weight_decay, maximize, grad_scale)

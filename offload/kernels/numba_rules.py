@@ -1,0 +1,157 @@
+"""numba kernels of SGD, Adagrad and Lion: the fallback twins of native/rule_loop.h.
+
+One element function per rule (the native bodies' statement order and float32 scalars from
+``rule_consts``; ``fma32`` where the native units use an FMA, so the two agree bit for bit),
+each run by a parallel (prange) and a serial loop, as the Adam kernels in numba_backend.
+The grad is float32 or 16-bit bits (``load_grad`` picks at compile time from the array's
+dtype); the low-precision copy is written when ``lowp_code`` > 0. SGD without a buffer gets
+the param as a stand-in state array that its mode 0 never writes.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ._numba_bits import fma32, lowp_bits, u16_to_float
+
+__all__ = ["load_grad", "sgd_parallel", "sgd_serial", "adagrad_parallel", "adagrad_serial",
+           "lion_parallel", "lion_serial", "sgd_scalars", "adagrad_scalars", "lion_scalars"]
+
+_FASTMATH = {"contract"}  # as numba_backend: no flag that assumes finite values
+
+
+def load_grad(g, i, grad_code):
+    """Element ``i`` of a grad array as float32 (numba only)."""
+    raise NotImplementedError
+
+
+@overload(load_grad, inline="always")
+def _load_grad(g, i, grad_code):
+    if g.dtype == types.float32:
+        return lambda g, i, grad_code: g[i]
+    return lambda g, i, grad_code: u16_to_float(g[i], grad_code)
+
+
+@njit(inline="always", nogil=True, cache=True, fastmath=_FASTMATH)
+def _sgd(g, p, buf, use_wd, wd, mom, omd, mode, nesterov, neg_lr):
+    """(p, buf) after one element of torch's _single_tensor_sgd."""
+    if use_wd:
+        g = fma32(p, wd, g)
+    update = g
+    if mode == 1:
+        buf = g  # the first step's buffer: d_p, no dampening
+    elif mode == 2:
+        buf = fma32(g, omd, buf * mom)
+    if mode != 0:
+        update = fma32(buf, mom, g) if nesterov else buf
+    return fma32(update, neg_lr, p), buf
+
+
+@njit(inline="always", nogil=True, cache=True, fastmath=_FASTMATH)
+def _adagrad(g, p, s, use_wd, wd, eps, neg_clr):
+    if use_wd:
+        g = fma32(p, wd, g)
+    s = fma32(g, g, s)
+    std = np.sqrt(s) + eps
+    return p + (neg_clr * g) / std, s
+
+
+@njit(inline="always", nogil=True, cache=True, fastmath=_FASTMATH)
+def _lion(g, p, m, decay, c1, c2, neg_lr, from_end1, from_end2):
+    p = p * decay
+    d = g - m
+    c = fma32(c1, d, g if from_end1 else m)
+    u = np.float32((c > 0) - (c < 0))  # torch's vectorized sign: 0 for zeros and NaN
+    p = fma32(u, neg_lr, p)
+    return p, fma32(c2, d, g if from_end2 else m)
+
+
+# The loops: one element function each, so the parallel and serial twins cannot differ.
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def sgd_parallel(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, mom, omd, mode,
+                 nesterov, neg_lr):
+    for i in prange(p.size):
+        pi, bi = _sgd(load_grad(g, i, grad_code) * gs, p[i], s[i], use_wd, wd, mom, omd,
+                      mode, nesterov, neg_lr)
+        p[i] = pi
+        if mode != 0:
+            s[i] = bi
+        if lowp_code > 0:
+            lowp[i] = lowp_bits(pi, lowp_code)
+
+
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def sgd_serial(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, mom, omd, mode,
+               nesterov, neg_lr):
+    for i in range(p.size):
+        pi, bi = _sgd(load_grad(g, i, grad_code) * gs, p[i], s[i], use_wd, wd, mom, omd,
+                      mode, nesterov, neg_lr)
+        p[i] = pi
+        if mode != 0:
+            s[i] = bi
+        if lowp_code > 0:
+            lowp[i] = lowp_bits(pi, lowp_code)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def adagrad_parallel(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, eps, neg_clr):
+    for i in prange(p.size):
+        pi, si = _adagrad(load_grad(g, i, grad_code) * gs, p[i], s[i], use_wd, wd, eps, neg_clr)
+        p[i] = pi
+        s[i] = si
+        if lowp_code > 0:
+            lowp[i] = lowp_bits(pi, lowp_code)
+
+
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def adagrad_serial(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, eps, neg_clr):
+    for i in range(p.size):
+        pi, si = _adagrad(load_grad(g, i, grad_code) * gs, p[i], s[i], use_wd, wd, eps, neg_clr)
+        p[i] = pi
+        s[i] = si
+        if lowp_code > 0:
+            lowp[i] = lowp_bits(pi, lowp_code)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def lion_parallel(p, g, grad_code, s, lowp, lowp_code, gs, decay, c1, c2, neg_lr, from_end1,
+                  from_end2):
+    for i in prange(p.size):
+        pi, mi = _lion(load_grad(g, i, grad_code) * gs, p[i], s[i], decay, c1, c2, neg_lr,
+                       from_end1, from_end2)
+        p[i] = pi
+        s[i] = mi
+        if lowp_code > 0:
+            lowp[i] = lowp_bits(pi, lowp_code)
+
+
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def lion_serial(p, g, grad_code, s, lowp, lowp_code, gs, decay, c1, c2, neg_lr, from_end1,
+                from_end2):
+    for i in range(p.size):
+        pi, mi = _lion(load_grad(g, i, grad_code) * gs, p[i], s[i], decay, c1, c2, neg_lr,
+                       from_end1, from_end2)
+        p[i] = pi
+        s[i] = mi
+        if lowp_code > 0:
+            lowp[i] = lowp_bits(pi, lowp_code)
+
+
+# The folded constants as the kernels' trailing arguments: numpy float32 scalars, so numba
+# compiles float32 arithmetic (the native units'), and plain ints / bools for the flags.
+_f32 = np.float32
+
+
+def sgd_scalars(c) -> tuple:
+    return (_f32(c.grad_scale), c.use_wd, _f32(c.weight_decay), _f32(c.momentum),
+            _f32(c.one_minus_dampening), c.momentum_mode, c.nesterov, _f32(c.neg_lr))
+
+
+def adagrad_scalars(c) -> tuple:
+    return (_f32(c.grad_scale), c.use_wd, _f32(c.weight_decay), _f32(c.eps), _f32(c.neg_clr))
+
+
+def lion_scalars(c) -> tuple:
+    return (_f32(c.grad_scale), _f32(c.decay), _f32(c.coeff1), _f32(c.coeff2), _f32(c.neg_lr),
+            c.from_end1, c.from_end2)
