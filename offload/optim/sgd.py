@@ -1,11 +1,11 @@
 """``offload.SGD``: drop-in for ``torch.optim.SGD`` over the offload stores.
 
 Rule ``SGD`` (state ``momentum_buffer``) for a group with momentum, ``SGD_PLAIN`` (no
-state) for one without. torch's SGD keeps no ``"step"``, and ``momentum_buffer`` is None
-without momentum; the kernels need to know a buffer's first step (it starts as ``d_p``,
+state) for one without. torch's SGD keeps no ``"step"``, and no state at all for a param
+without momentum (older torch: ``{"momentum_buffer": None}``); the kernels need to know a buffer's first step (it starts as ``d_p``,
 without dampening), so here the count lives in ``opt.state[p]["step"]`` as for every rule,
 and ``state_dict()`` / ``load_state_dict()`` translate to and from torch's layout: no
-``"step"``, ``{"momentum_buffer": None}`` for a param that stepped without momentum. A
+``"step"``, no entry for a param without momentum (a None buffer loads as none). A
 loaded buffer means at least one step was taken (count 1: the next step is not the first).
 """
 from __future__ import annotations
@@ -75,12 +75,17 @@ class SGD(RuleOptimizer):
         return (_BUF,)  # every group's, with or without momentum (momentum may change)
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch's layout: ``{"momentum_buffer": tensor or None}`` per param that stepped."""
+        """torch's layout: ``{"momentum_buffer": tensor}`` per param with momentum that stepped."""
         sd = super().state_dict()
-        # a group without momentum has no buffer in torch (a flat store keeps zeros for it)
+        # a param of a group without momentum has no state in torch (a flat store keeps an
+        # untouched buffer for it); the others have their buffer and no "step"
         plain = {i for g in sd["param_groups"] if g["momentum"] == 0 for i in g["params"]}
-        sd["state"] = {k: {key: v for key, v in st.items() if key not in ("step", _BUF)}
-                       | {_BUF: None if k in plain else st.get(_BUF)} for k, st in sd["state"].items()}
+        state = {}
+        for k, st in sd["state"].items():
+            entry = {key: v for key, v in st.items() if key != "step" and not (key == _BUF and k in plain)}
+            if entry:  # (a bf16 param keeps its fp32 "master", ours)
+                state[k] = entry
+        sd["state"] = state
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
