@@ -39,7 +39,7 @@ def _rank_job(rank, port, case, dtype, offload_kw, out):
                 p.grad = g.clone()
             opt.step()
         sd = opt.state_dict()  # collective: every rank
-        masters = [sd["state"][i].get("master") for i in range(len(params))]
+        masters = [sd["state"].get(i, {}).get("master") for i in range(len(params))]
         # plain lists: a tensor sent through the queue lives in shared memory this process
         # unmaps when it leaves (os._exit below)
         out.put((rank, True, ([p.float().tolist() for p in params],

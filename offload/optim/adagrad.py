@@ -27,6 +27,7 @@ class Adagrad(RuleOptimizer):
     """
 
     GROUP_DEFAULTS = (("foreach", None), ("maximize", False), ("differentiable", False), ("fused", None))
+    TORCH_NAME = "Adagrad"
     SPARSE_MESSAGE = "offload.Adagrad does not support sparse gradients; use torch.optim.Adagrad for them"
 
     def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,

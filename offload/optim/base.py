@@ -53,6 +53,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
     GROUP_DEFAULTS: Tuple[Tuple[str, Any], ...] = (("maximize", False), ("foreach", None),
                                                    ("differentiable", False))
     SPARSE_MESSAGE = "this optimizer does not support sparse gradients"
+    TORCH_NAME = "Adam/AdamW"
+    """How messages name the class (``offload.{TORCH_NAME}``) and torch's counterpart."""
 
     def __init__(self, params, defaults: Dict[str, Any], *, backend: Optional[str] = None,
                  offload: str = "none", swap_dir: Optional[str] = None,
@@ -205,7 +207,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         try:
             base = len(self._all_params()) - len(self.param_groups[-1]["params"])
             for i, p in enumerate(self.param_groups[-1]["params"]):
-                check_param_dtype(base + i, p)
+                check_param_dtype(base + i, p, self.TORCH_NAME)
             # What the states are laid out for (step_guard.check_work), also while torch's
             # __init__ adds the first groups.
             self._param_sigs = snapshot(self._all_params())

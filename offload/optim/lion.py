@@ -24,6 +24,7 @@ class Lion(RuleOptimizer):
     scaled by lr, as there), ``maximize``, and the options of :class:`offload.Adam`."""
 
     GROUP_DEFAULTS = (("maximize", False),)
+    TORCH_NAME = "Lion"
     SPARSE_MESSAGE = "offload.Lion does not support sparse gradients"
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,

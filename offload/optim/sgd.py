@@ -32,6 +32,7 @@ class SGD(RuleOptimizer):
 
     GROUP_DEFAULTS = (("nesterov", False), ("maximize", False), ("foreach", None),
                       ("differentiable", False), ("fused", False))
+    TORCH_NAME = "SGD"
     SPARSE_MESSAGE = "offload.SGD does not support sparse gradients; use torch.optim.SGD for them"
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,

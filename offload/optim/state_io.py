@@ -1,4 +1,5 @@
-"""``state_dict()`` and ``load_state_dict()`` of ``offload.Adam/AdamW`` over any store.
+"""``state_dict()`` and ``load_state_dict()`` of every offload optimizer over any store
+(the state names are its rules' fields: ``opt.state_names()``).
 
 ``state_dict`` reads the states from the store into a new dict in torch's layout and
 changes nothing in the optimizer (torch's ``Optimizer.state_dict`` hands out the very dicts

@@ -4,10 +4,11 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
 
     st = SwappedState(params, *, swap_dir, max_host_bytes=None, sub_group_size=None,
                       verify=False, resume=False, io_engine=None, backend=None,
-                      num_threads=None, run_name="run", rank=None, pool=None, ctx=None)
+                      num_threads=None, run_name="run", rank=None, pool=None, ctx=None, rule=ADAM)
         params: the fp32, contiguous CPU params (all groups, in a fixed order, each once; params
             of 0 elements are fine, even all of them). They are their own fp32 master and are
-            updated in place; only exp_avg and exp_avg_sq are swapped.
+            updated in place; only the rule's states are swapped (Adam: exp_avg, exp_avg_sq;
+            a rule without states is refused: nothing to swap).
         max_host_bytes: bound on the pipeline buffers (None: 1 GiB); ValueError when it
             cannot hold 3 buffers of one sub-group. sub_group_size: elements per sub-group
             (rounded up to 1024; None: derived from the bound).
@@ -35,10 +36,10 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
         sub-groups already computed were updated in place (listed in the message) further
         steps are refused until clear_failure() (params restored and checked, or
         accept_params=True) or load_checkpoint().
-    st.read_state(p) -> (exp_avg, exp_avg_sq)        new tensors shaped like p
+    st.read_state(p) -> (exp_avg, exp_avg_sq)        the rule's states (Adam's here), new tensors shaped like p
     st.write_state(p, exp_avg, exp_avg_sq, step=None)
     st.export_state(p) -> {"exp_avg", "exp_avg_sq"} ({} before p's first step)
-    st.import_state(p, {"exp_avg", "exp_avg_sq"[, "step"]})
+    st.import_state(p, {"exp_avg", "exp_avg_sq"[, "step"]})   (rule=: its fields, in order)
     st.step_of(p) -> int                             step count recorded for p (0: none yet)
     SwappedState.for_optimizer(opt, ctx=None)        built from opt.config (OffloadConfig), opt.backend,
                                                      opt.num_threads; counts in opt.state[p]["step"]
@@ -62,7 +63,7 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
 
 [Note: one swapped store] This is a face over ``SwappedShards`` (swapped_shards.py), the
 store the flat store swaps with too: the fp32 CPU params laid end to end are its one shard,
-its fields are Adam's only (``IN_PLACE_FIELDS``: the params are their own master), and each
+its fields are the rule's only (Adam's ``IN_PLACE_FIELDS`` by default: the params are their own master), and each
 param a step touches is one work item whose output, in mode ``"master"``, is the param
 itself. What is left here is what fp32 params the user owns need: the per-param checks and
 index, the fingerprint, and the failed state (a failed step may have changed params that
