@@ -81,3 +81,21 @@ def test_adagrad_state_exists_before_the_first_step_as_torch():
     a, b = ours.state_dict()["state"], theirs.state_dict()["state"]
     assert a.keys() == b.keys() and list(a[0]) == list(b[0])
     assert torch.equal(a[0]["sum"], b[0]["sum"]) and float(a[0]["step"]) == 0.0
+
+
+def test_flat_store_refuses_momentum_set_after_construction():
+    """bf16 params (the flat store) of an SGD without momentum keep no buffer: a momentum set
+    later is refused at the step, before anything changes, with the reason."""
+    p = torch.ones(5, dtype=torch.bfloat16)
+    opt = offload.SGD([p], lr=0.1, backend="torch")
+    p.grad = torch.ones(5, dtype=torch.bfloat16)
+    opt.step()
+    before = p.clone()
+    opt.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(ValueError, match="a group now needs rule 'sgd'.*the store keeps the states of rule 'sgd_plain'"):
+        opt.step()
+    assert torch.equal(p, before)
+    opt.param_groups[0]["momentum"] = 0.0  # refused before any change: not a failed step
+    opt.step()
+    assert not torch.equal(p, before)
+    opt.close()

@@ -285,6 +285,11 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         out = []
         for group in self.param_groups:
             self._check_group(group)
+            rule = self._store_rule and self.rule_of(group)
+            if rule and rule is not self._store_rule:  # before anything changes: not a failed step
+                raise ValueError(f"{type(self).__name__}: a group now needs rule {rule.name!r} {list(rule.names)}, "
+                                 f"but the store keeps the states of rule {self._store_rule.name!r} "
+                                 f"{list(self._store_rule.names)} for every group; build a new optimizer")
             items = []
             for p in group["params"]:
                 g = grads_fn(p) if grads_fn is not None else p.grad
