@@ -6,8 +6,8 @@ them with a SIMD CPU kernel.
 """
 from offload._version import __version__
 from offload.kernels import get_num_threads, set_num_threads
-from offload.optim import Adam, AdamW, adam_step
+from offload.optim import SGD, Adagrad, Adam, AdamW, Lion, adam_step
 from offload.integrations.deepspeed import from_deepspeed_config
 
-__all__ = ["Adam", "AdamW", "adam_step", "from_deepspeed_config", "set_num_threads", "get_num_threads",
+__all__ = ["Adam", "AdamW", "SGD", "Adagrad", "Lion", "adam_step", "from_deepspeed_config", "set_num_threads", "get_num_threads",
            "__version__"]

@@ -8,6 +8,7 @@ A user coming from DeepSpeed has a config such as::
      "gradient_clipping": 1.0, "bf16": {"enabled": true}}
 
 Every key is either mapped to an option of :class:`offload.Adam` / :class:`offload.AdamW`
+(or of :class:`offload.Adagrad`, :class:`offload.Lion`, :class:`offload.SGD` for those types)
 (see :data:`MAPPED`), ignored because it configures something that is not the optimizer
 (:data:`IGNORED`, each with the reason), or refused with a ``ValueError`` that names its key
 path. DeepSpeed itself accepts combinations that fail later (deepspeedai/DeepSpeed#4998); here
@@ -17,7 +18,9 @@ the option they map to is passed as a keyword override.
 The optimizer semantics follow DeepSpeed's ``_configure_basic_optimizer``: ``type: "Adam"``
 is AdamW unless ``adam_w_mode`` is false (DeepSpeed's default is true); ``weight_decay``
 defaults to 0 as in DeepSpeedCPUAdam and FusedAdam, and to torch's default with
-``torch_adam: true``.
+``torch_adam: true``. ``Adagrad`` and ``Lion`` take the defaults of DeepSpeedCPUAdagrad
+(torch's) and DeepSpeedCPULion / FusedLion (``lr=1e-3, betas=(0.9, 0.999)``, not
+lion-pytorch's); ``SGD``, which DeepSpeed builds as ``torch.optim.SGD``, torch's.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ MAPPED: Dict[str, str] = {
     "aio.block_size": "io_engine=IOConfig(block_size=)",
     "aio.queue_depth": "io_engine=IOConfig(queue_depth=)",
     "aio.use_gds": "false only (no GPUDirect Storage)",
-    "optimizer.type": "Adam or AdamW (case-insensitive)",
+    "optimizer.type": "Adam, AdamW, Adagrad, Lion or SGD (case-insensitive)",
     "optimizer.params.lr": "lr=",
     "optimizer.params.betas": "betas=",
     "optimizer.params.eps": "eps=",
@@ -51,6 +54,11 @@ MAPPED: Dict[str, str] = {
     "optimizer.params.adam_w_mode": "AdamW when true (the default), Adam when false",
     "optimizer.params.torch_adam": "torch's defaults for weight_decay (the kernel is ours either way)",
     "optimizer.params.amsgrad": "false only",
+    "optimizer.params.momentum": "SGD: momentum= (torch.optim.SGD's, as DeepSpeed builds it)",
+    "optimizer.params.dampening": "SGD: dampening=",
+    "optimizer.params.nesterov": "SGD: nesterov=",
+    "optimizer.params.lr_decay": "Adagrad: lr_decay= (torch.optim.Adagrad's)",
+    "optimizer.params.initial_accumulator_value": "Adagrad: initial_accumulator_value=",
     "gradient_clipping": "max_grad_norm= (0: no clipping)",
     "bf16.enabled": "checked: every floating param must be bfloat16",
     "fp16.enabled": "checked: every floating param must be float16 (scale with torch.amp.GradScaler)",
@@ -272,16 +280,19 @@ def _optimizer(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Tuple[ty
 
     if cfg.get("optimizer") is None:
         raise ValueError("optimizer: missing; from_deepspeed_config builds the optimizer from "
-                         "optimizer.type (Adam or AdamW) and optimizer.params")
+                         "optimizer.type (Adam, AdamW, Adagrad, Lion or SGD) and optimizer.params")
     section = _Reader(cfg["optimizer"], "optimizer", overrides)
     section.check_keys(("type", "params"))
     kind = section.get("type", "str", None)
-    if kind is None or kind.lower() not in ("adam", "adamw"):
-        raise ValueError(f"optimizer.type: {kind!r} is not supported; offload implements Adam and AdamW")
+    if kind is None or kind.lower() not in ("adam", "adamw") + tuple(_OTHERS):
+        raise ValueError(f"optimizer.type: {kind!r} is not supported; offload implements Adam, AdamW, "
+                         "Adagrad, Lion and SGD")
     p = _Reader(section.data.get("params"), "optimizer.params", overrides)
     if "max_grad_norm" in p.data:
         raise ValueError("optimizer.params.max_grad_norm: not an optimizer parameter in DeepSpeed; "
                          "use the top-level gradient_clipping")
+    if kind.lower() in _OTHERS:
+        return _other_optimizer(kind.lower(), p)
     p.check_keys(("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam",
                   "amsgrad"))
     if p.get("amsgrad", "bool", False):
@@ -298,6 +309,29 @@ def _optimizer(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Tuple[ty
     wd_default = (0.01 if adamw else 0.0) if torch_adam else 0.0
     out["weight_decay"] = p.get("weight_decay", "float", wd_default, "weight_decay")
     return (AdamW if adamw else Adam), out
+
+
+# type -> (class name in offload, its params: name -> (kind, default or None: the class's))
+_OTHERS: Dict[str, Tuple[str, Dict[str, Tuple[str, Any]]]] = {
+    "adagrad": ("Adagrad", {"lr": ("float", None), "eps": ("float", None), "weight_decay": ("float", None),
+                            "lr_decay": ("float", None), "initial_accumulator_value": ("float", None)}),
+    "lion": ("Lion", {"lr": ("float", 1e-3), "betas": ("pair", (0.9, 0.999)), "weight_decay": ("float", None)}),
+    "sgd": ("SGD", {"lr": ("float", None), "momentum": ("float", None), "dampening": ("float", None),
+                    "weight_decay": ("float", None), "nesterov": ("bool", None)}),
+}
+
+
+def _other_optimizer(kind: str, p: "_Reader") -> Tuple[type, Dict[str, Any]]:
+    import offload.optim as optim
+
+    name, known = _OTHERS[kind]
+    p.check_keys(tuple(known))
+    out: Dict[str, Any] = {}
+    for key, (kind_, default) in known.items():
+        value = p.get(key, kind_, default, key)
+        if value is not None:
+            out[key] = value
+    return getattr(optim, name), out
 
 
 def _clipping(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Dict[str, Any]:
@@ -347,7 +381,7 @@ def _translate(config: Any, overrides: Mapping[str, Any]) -> Tuple[type, Dict[st
 
 
 def deepspeed_kwargs(config: Any, **overrides: Any) -> Tuple[type, Dict[str, Any]]:
-    """``(offload.Adam or offload.AdamW, kwargs)`` for a DeepSpeed config (a dict or a JSON
+    """``(the offload optimizer class, kwargs)`` for a DeepSpeed config (a dict or a JSON
     path), without building anything: ``cls(params, **kwargs)`` is the optimizer.
     ``overrides`` are offload options that win over the config (and resolve its ``"auto"``
     values), e.g. ``lr=``, ``swap_dir=``, ``resume=True``."""

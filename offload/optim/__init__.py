@@ -1,8 +1,11 @@
-"""Optimizers: ``Adam``, ``AdamW`` and the functional ``adam_step`` they call.
+"""Optimizers: ``Adam``, ``AdamW``, ``SGD``, ``Adagrad``, ``Lion`` (each a kernel rule on the
+shared frame, ``base.RuleOptimizer``) and the functional ``adam_step`` / ``rule_step``.
 
-[Note: how the core fits together] ``opt.step()`` (``adam.py``) walks one step through these
+[Note: how the core fits together] ``opt.step()`` (``base.py``) walks one step through these
 seams:
 
+0. The optimizer class (``base.py``; ``adam.py``, ``sgd.py``, ...) gives its rule and the
+   kernel hyperparameters of each group; everything below is the same for every rule.
 1. The step context (``context.py``): the optimizer owns it (``opt._ctx``) and puts into it
    what a store may know: the flags users set (``no_sync()``, ``grads_already_averaged``,
    ``state_dict_rank0_only``, ``max_grad_norm``), GradScaler's ``grad_scale`` / ``found_inf``
@@ -22,6 +25,11 @@ seams:
    computes it, the param sink sends the result (in place, staging + copy stream, all-gather).
 """
 from offload.optim.adam import Adam, AdamW
-from offload.optim.functional import AdamHyper, adam_step
+from offload.optim.adagrad import Adagrad
+from offload.optim.base import RuleOptimizer
+from offload.optim.functional import AdamHyper, RuleHyper, adam_step, rule_step
+from offload.optim.lion import Lion
+from offload.optim.sgd import SGD
 
-__all__ = ["Adam", "AdamW", "AdamHyper", "adam_step"]
+__all__ = ["Adam", "AdamW", "SGD", "Adagrad", "Lion", "RuleOptimizer", "AdamHyper", "RuleHyper",
+           "adam_step", "rule_step"]

@@ -1,49 +1,22 @@
 """``offload.Adam`` and ``offload.AdamW``: drop-in for ``torch.optim.Adam`` / ``AdamW``.
 
-They subclass ``torch.optim.Optimizer`` so that LR schedulers, ``GradScaler`` and
-checkpoint code that expect a torch optimizer accept them (torchao's CPUOffloadOptimizer
-does the same for the same reason). Same arguments, defaults, validation messages and
-``state_dict`` layout as torch's; the extras choose where the fp32 states live
-(``offload=``) and which kernel runs (``backend=``).
-
-Where the states live is a *store*; what the optimizer asks of one is written down in
-``offload/optim/protocol.py``:
-
-- ``HostState``: fp32 CPU params updated in place, moments in ``self.state[p]``;
-- ``SwappedState``: fp32 CPU params updated in place, moments in NVMe swap files;
-- ``FlatState``: device or fp16/bf16 params with a flat fp32 master on the host (master
-  and moments in swap files with ``offload="nvme"``: ``SwappedShards``), optionally
-  partitioned across data-parallel ranks.
+Same arguments, defaults, validation messages and ``state_dict`` layout as torch's; the
+extras choose where the fp32 states live (``offload=``) and which kernel runs
+(``backend=``). Everything but Adam's own arguments and rule is the shared frame,
+``offload.optim.base.RuleOptimizer`` (stores, step, state_dict, checkpoints).
 """
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
-from torch.optim import Optimizer
-from torch.optim.optimizer import _get_scalar_dtype
 
-from offload.kernels import get_backend
-from offload.optim.clip import grad_multiplier
-from offload.optim.context import StepContext
-from offload.optim.context_attrs import ContextAttributes
+from offload.kernels.fields import ADAM, Rule
+from offload.optim.base import RuleOptimizer
 from offload.optim.functional import AdamHyper
-from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
-from offload.optim.host_state import HostState
-from offload.optim.options import (check_extras, check_hyper, check_loaded_groups, check_param_dtype,
-                                   clear_execution_flags, make_config)
-from offload.optim.protocol import optional
-from offload.optim.state_io import load_state_dict_into, state_dict_of
-from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
-from offload.optim.step_guard import check_work, clear_failure, defer_sigint, snapshot, store_step
-from offload.optim.stats import StepStats, process_rss_bytes
+from offload.optim.options import check_hyper
 
 __all__ = ["Adam", "AdamW"]
-
-log = logging.getLogger("offload.optim")
 
 
 def _to_float(x: Any, what: str) -> float:
@@ -54,47 +27,22 @@ def _to_float(x: Any, what: str) -> float:
     return float(x)
 
 
-class _AdamBase(ContextAttributes, Optimizer):
-    def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        betas: Tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        *,
-        foreach: Optional[bool] = None,
-        maximize: bool = False,
-        capturable: bool = False,
-        differentiable: bool = False,
-        fused: Optional[bool] = None,
-        decoupled_weight_decay: bool = False,
-        bias_correction: bool = True,
-        backend: Optional[str] = None,
-        offload: str = "none",
-        swap_dir: Optional[str] = None,
-        max_host_bytes: "Optional[int | str]" = None,
-        sub_group_size: Optional[int] = None,
-        verify: bool = False,
-        resume: bool = False,
-        io_engine: Optional[str] = None,
-        num_threads: Optional[int] = None,
-        max_grad_norm: Optional[float] = None,
-        stage: Optional[int] = None,
-        process_group: Any = None,
-    ) -> None:
+class _AdamBase(RuleOptimizer):
+    GROUP_DEFAULTS = (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
+                      ("differentiable", False), ("decoupled_weight_decay", False), ("fused", None))
+    SPARSE_MESSAGE = "Adam does not support sparse gradients, please consider SparseAdam instead"
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,
+                 foreach: Optional[bool] = None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused: Optional[bool] = None,
+                 decoupled_weight_decay: bool = False, bias_correction: bool = True,
+                 **offload_kwargs: Any) -> None:
         # Everything is checked before `params` is touched, as torch does.
         betas = check_hyper(lr, betas, eps, weight_decay, amsgrad, foreach=foreach, capturable=capturable,
                             differentiable=differentiable, fused=fused)
-        check_extras(max_grad_norm=max_grad_norm, num_threads=num_threads, stage=stage,
-                     bias_correction=bias_correction)
-        config = make_config(offload=offload, swap_dir=swap_dir, max_host_bytes=max_host_bytes,
-                             sub_group_size=sub_group_size, verify=verify, resume=resume, io_engine=io_engine)
-        get_backend(backend)  # a forced backend that cannot load fails here, with its reason
-        if params is None:
-            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
-                            "but got None")
+        # checked with the offload options (check_extras) before params are touched
+        self.bias_correction = bias_correction
         # `foreach` and `fused` are accepted for signature compatibility: every step here is
         # one fused pass per tensor whatever they say, which honours both requests.
         defaults = dict(
@@ -103,142 +51,11 @@ class _AdamBase(ContextAttributes, Optimizer):
             differentiable=differentiable, fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        self._store = None
-        self._closed = False
-        # What the store may know of this optimizer (offload/optim/context.py): built before
-        # torch's __init__ sets `state` and `param_groups`, which __setattr__ hands to it.
-        self._ctx = StepContext.fresh(max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults)
-        self.config = config
-        self.bias_correction = bias_correction
-        self.backend = backend
-        self.num_threads = num_threads
-        # GradScaler hands us the scale and found_inf instead of unscaling the grads itself,
-        # so the unscale happens inside the kernel pass (torch/amp/grad_scaler.py).
-        self._step_supports_amp_scaling = True
-        self.last_step_skipped = False
-        self.skipped_steps = 0
-        self.last_grad_norm: Optional[float] = None
-        self._stats = StepStats()
-        self._store = self._make_store(stage, process_group)
-        self._registered = self._all_params()
-        register_guards(self)
-        register_store_hooks(self)
+        super().__init__(params, defaults, **offload_kwargs)
 
-    # ---------------------------------------------------------------- store selection
-    def _all_params(self) -> List[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
+    def rule_of(self, group: Dict[str, Any]) -> Rule:
+        return ADAM
 
-    def _make_store(self, stage: Optional[int], process_group: Any):
-        params = self._all_params()
-        world = 1
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            world = torch.distributed.get_world_size(process_group)
-        # A stage chosen for one process may be wrong later: the step pre-hook of
-        # offload.optim.guards checks that the job did not gain ranks since.
-        self._stage_auto_single = stage is None and world == 1
-        self._process_group = process_group
-        if stage is None:
-            stage = 2 if world > 1 else 0
-        self.stage = stage
-        host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
-        if stage == 0 and host_ok and self.config.offload in ("none", "cpu"):
-            if self.config.sub_group_size is not None:
-                raise ValueError(
-                    f"sub_group_size={self.config.sub_group_size} would be ignored: fp32 CPU params with "
-                    f"offload={self.config.offload!r} are updated in place, each in one pass (sub-groups "
-                    "cut the flat master of device or fp16/bf16 params, and the swap files of "
-                    "offload='nvme'); drop it")
-            return HostState(ctx=self._ctx, backend=self.backend, num_threads=self.num_threads)
-        if stage == 0 and host_ok and self.config.offload == "nvme":
-            from offload.optim.swapped_state import SwappedState
-
-            cfg = self.config
-            return SwappedState(params, swap_dir=cfg.swap_dir, max_host_bytes=cfg.max_host_bytes,
-                                sub_group_size=cfg.sub_group_size, verify=cfg.verify, resume=cfg.resume,
-                                io_engine=cfg.io, backend=self.backend, num_threads=self.num_threads, ctx=self._ctx)
-        return self._flat_store(stage, process_group)
-
-    def _flat_store(self, stage: int, process_group: Any):
-        from offload.optim.flat.store import FlatState
-
-        return FlatState(self.param_groups, config=self.config, ctx=self._ctx, backend=self.backend,
-                         num_threads=self.num_threads, stage=stage, process_group=process_group)
-
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        try:
-            base = len(self._all_params()) - len(self.param_groups[-1]["params"])
-            for i, p in enumerate(self.param_groups[-1]["params"]):
-                check_param_dtype(base + i, p)
-            # What the states are laid out for (step_guard.check_work), also while torch's
-            # __init__ adds the first groups.
-            self._param_sigs = snapshot(self._all_params())
-            if self._store is None:
-                return
-            self._check_open()
-            self._store_add_group(self.param_groups[-1])
-            self._registered = self._all_params()
-        except BaseException:
-            self.param_groups.pop()  # refused: the optimizer stays as it was
-            self._param_sigs = snapshot(self._all_params())
-            raise
-
-    def _store_add_group(self, group: Dict[str, Any]) -> None:
-        add = optional(self._store, "add_param_group")
-        if add is not None:
-            add(group)
-            return
-        check = optional(self._store, "check_param")
-        if check is None:
-            raise NotImplementedError(
-                f"add_param_group after construction is not supported with offload={self.config.offload!r}"
-            )
-        base = len(self._all_params()) - len(group["params"])
-        for i, p in enumerate(group["params"]):
-            check(base + i, p)
-
-    def _check_open(self) -> None:
-        if getattr(self, "_closed", False):
-            raise RuntimeError(f"{type(self).__name__} is closed: close() released its states and swap files; "
-                               "build a new optimizer (and load_checkpoint() to continue)")
-
-    # ---------------------------------------------------------------- pickling, old formats
-    def __getstate__(self) -> Dict[str, Any]:
-        """Pickle, ``copy.deepcopy`` and ``torch.save(opt)`` take everything for the host store
-        (fp32 CPU params, moments in ``self.state``); the other stores hold their states in
-        flat buffers, swap files and locks that a copy cannot share or own, so they refuse."""
-        if not isinstance(self._store, HostState):
-            kind = getattr(self._store, "kind", type(self._store).__name__)
-            raise TypeError(
-                f"cannot pickle or copy {type(self).__name__} with offload={self.config.offload!r} "
-                f"({kind} store: its states live in flat host buffers or swap files, not in the object): "
-                "save opt.state_dict() or opt.save_checkpoint(DIR) instead, and load it into a new optimizer")
-        return dict(self.__dict__)
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        # Also called by torch's load_state_dict with {"state", "param_groups"}: as torch's
-        # Adam.__setstate__, fill the flags older checkpoints lack and turn a float step
-        # (torch < 1.12) into a tensor of torch's dtype.
-        sigs = state.get("_param_sigs")  # present only in a pickle's full __dict__
-        super().__setstate__(state)  # a __dict__.update: __setattr__ does not see it
-        self._ctx.rebind(state=self.state, param_groups=self.param_groups)
-        if sigs is not None:
-            # A copy holds new param objects: the registered signatures are keyed by id(p),
-            # so re-key them by position (keeping what was registered, not what is now).
-            by_index = {i: sig for i, sig in sigs.values()}
-            self._param_sigs = {id(p): (i, by_index[i]) for i, p in enumerate(self._all_params())}
-        for group in self.param_groups:
-            for key, default in (("amsgrad", False), ("maximize", False), ("foreach", None),
-                                 ("capturable", False), ("differentiable", False),
-                                 ("decoupled_weight_decay", False), ("fused", None)):
-                group.setdefault(key, default)
-            for p in group["params"]:
-                st = self.state.get(p)
-                if st and "step" in st and not torch.is_tensor(st["step"]):
-                    st["step"] = torch.tensor(float(st["step"]), dtype=_get_scalar_dtype())
-
-    # ---------------------------------------------------------------- the step
     def _hyper(self, group: Dict[str, Any], grad_scale: float) -> AdamHyper:
         beta1, beta2 = group["betas"]
         return AdamHyper(
@@ -253,195 +70,14 @@ class _AdamBase(ContextAttributes, Optimizer):
             grad_scale=grad_scale,
         )
 
-    def _grads_with_params(self) -> List[Tuple[Dict[str, Any], List[Tuple[torch.Tensor, torch.Tensor]]]]:
-        agree = optional(self._store, "agree_on_grads")
-        if agree is not None:
-            agree()  # several ranks: a collective, before any grads() (never one inside it)
-        grads_fn = optional(self._store, "grads")
-        out = []
-        for group in self.param_groups:
-            if group.get("amsgrad"):
-                raise NotImplementedError("offload.Adam/AdamW: amsgrad=True is not implemented")
-            items = []
-            for p in group["params"]:
-                g = grads_fn(p) if grads_fn is not None else p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise RuntimeError(
-                        "Adam does not support sparse gradients, please consider SparseAdam instead"
-                    )
-                items.append((p, g))
-            out.append((group, items))
-        return out
+    def group_hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        hyper = self._hyper(group, 1.0).kernel_kwargs(0)
+        del hyper["step"], hyper["grad_scale"]
+        return hyper
 
-    def _grad_multiplier(self, work) -> Optional[float]:
-        """1/loss-scale times the clip coefficient, or None when the step must be skipped."""
-        multiplier, self._t_prepare, norm = grad_multiplier(self._ctx, self._store, work, backend=self.backend,
-                                                            num_threads=self.num_threads)
-        if norm is not None:
-            self.last_grad_norm = norm
-        return multiplier
-
-    # Eager under torch.compile: a step of swap I/O, locks and timers gains nothing from
-    # tracing (graph breaks at each) and the store's attributes set inside it are invisible to
-    # the traced frame.
-    @eager
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None):
-        self._check_open()
-        self._check_not_failed()
-        self._begin_step()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        t0 = time.perf_counter()
-        work = self._grads_with_params()
-        # Everything is checked before anything changes (see [Note: failed steps] in step_guard.py).
-        check_work(work, step_sigs(self))
-        self._t_prepare = 0.0
-        t_clip = time.perf_counter()
-        multiplier = self._grad_multiplier(work)
-        t_clip = time.perf_counter() - t_clip - self._t_prepare
-        self.last_step_skipped = multiplier is None
-        if multiplier is None:
-            self.skipped_steps += 1
-            self._stats.record({"unscale_clip": t_clip, "grad_transfer": self._t_prepare},
-                               time.perf_counter() - t0, skipped=True)
-            return loss
-        with defer_sigint():  # a Ctrl-C lands after the step, never in the middle of it
-            phases = self._store_step(work, multiplier)
-            attach_state_views(self)  # opt.state[p]["exp_avg"] of params that stepped first now
-            phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip
-            phases["grad_transfer"] = phases.get("grad_transfer", 0.0) + self._t_prepare
-            self._stats.record(phases, time.perf_counter() - t0)
-        return loss
-
-    def _store_step(self, work, multiplier: float) -> Dict[str, float]:
-        return store_step(self, [(self._hyper(group, multiplier), items) for group, items in work])
-
-    def _check_not_failed(self) -> None:
-        failure = getattr(self, "_failure", None)
-        if failure:
-            raise RuntimeError(f"the previous step failed and left the optimizer in the failed state: {failure}")
-
-    def clear_failure(self, accept_params: bool = False) -> None:
-        """Leave the failed state a failed step put the optimizer in (see the README,
-        "When a step fails"). With ``offload="nvme"`` and fp32 CPU params, first restore the
-        params of the step the swap files hold: they are checked against the manifest's
-        fingerprint (ValueError when they differ). ``accept_params=True`` goes on from the
-        params and states as they are instead (the elements already updated by the failed
-        step then get that step's update once more when it is retried). A no-op when no
-        step failed."""
-        self._check_open()
-        clear_failure(self, accept_params)
-
-    # ---------------------------------------------------------------- state_dict
-    def state_dict(self) -> Dict[str, Any]:
-        """torch's layout, the moments (and bf16/fp16 params' fp32 masters) included, read
-        from wherever the store keeps them. It changes nothing in the optimizer: the entries
-        are new dicts (torch's own are the very dicts of ``opt.state``), and the post hooks
-        run on the full dict, after the merge."""
-        self._check_open()
-        return state_dict_of(self, super().state_dict)
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """As torch's, all or nothing: the whole dict is checked first (a bad entry changes
-        nothing), and with ``offload="nvme"`` the loaded states go to the free swap slots and
-        are committed once. Ends a failed state (see ``clear_failure``)."""
-        self._check_open()
-        check_loaded_groups(state_dict)
-        load_state_dict_into(self, state_dict, super().load_state_dict)
-        self._failure = None
-        clear_execution_flags(type(self).__name__, self.param_groups)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """For gradient accumulation, as DDP's and FSDP's ``no_sync()``: the backward passes
-        inside leave their grads where autograd accumulates them. The grad hooks then copy
-        nothing to the host (CUDA params) and start no reduction (several ranks with
-        ``reduce_in_backward``); the first backward after the block sends the accumulated
-        grads once, instead of once per micro-batch. Several ranks must use it alike (the
-        same backward passes inside and outside on every rank), as with DDP. A ``step()``
-        whose grads were never sent still works: it sends them then, synchronously.
-        Nothing changes for fp32 CPU params at stage 0, whose grads are used in place."""
-        before = self._ctx.no_sync
-        self._ctx.no_sync = True
-        try:
-            yield self
-        finally:
-            self._ctx.no_sync = before
-
-    # ---------------------------------------------------------------- reports
-    def memory_report(self) -> Dict[str, Any]:
-        """Bytes this optimizer holds per tier (its own accounting) and the process RSS."""
-        tiers = dict(self._store.memory_report())
-        return {
-            "offload": self.config.offload,
-            "store": getattr(self._store, "kind", type(self._store).__name__),
-            "tiers": {k: int(tiers.get(k, 0)) for k in ("device", "pinned", "pageable", "nvme")},
-            "detail": {k: v for k, v in tiers.items() if k not in ("device", "pinned", "pageable", "nvme")},
-            "rss": process_rss_bytes(),
-        }
-
-    def step_stats(self) -> Dict[str, Any]:
-        """The last step's time per phase, the running mean, and overlap efficiency."""
-        return self._stats.summary()
-
-    def save_checkpoint(self, directory: str) -> None:
-        """Stream the states to ``directory`` (only files named ``offload-ckpt*`` and, for the
-        flat store, ``rank<r>/`` are ours there) with the param_groups' hyperparameters."""
-        from offload.swap.ckpt_groups import encode_groups
-
-        self._check_open()
-        save = optional(self._store, "save_checkpoint")
-        if save is None:
-            raise NotImplementedError(
-                f"save_checkpoint is not available for this store ({type(self._store).__name__}); use torch.save(opt.state_dict())"
-            )
-        save(directory, {"param_groups": encode_groups(self.param_groups)})
-
-    def load_checkpoint(self, directory: str) -> None:
-        """States, steps and (as load_state_dict) the param_groups' hyperparameters; a
-        checkpoint of other groups is refused before anything is loaded."""
-        from offload.swap.ckpt_groups import apply_groups, checkpoint_groups
-        from offload.zero.checkpoint import reading_shards
-
-        self._check_open()
-        load = optional(self._store, "load_checkpoint")
-        if load is None:
-            raise NotImplementedError(
-                f"load_checkpoint is not available for this store ({type(self._store).__name__}); use opt.load_state_dict(torch.load(...))"
-            )
-        shards = getattr(self._store, "kind", "") == "flat"
-        groups = checkpoint_groups(directory, self.param_groups, shards=shards)
-        # per-rank shards: every rank directory's lock for the whole load (check, then copy)
-        with (reading_shards(directory) if shards else contextlib.nullcontext()):
-            load(directory)
-        if groups is not None:
-            apply_groups(self.param_groups, groups)
-        self._failure = None  # every state was replaced (step_guard [Note: failed steps])
-        attach_state_views(self)
-
-    def close(self, keep_swap: bool = False) -> None:
-        """Release host buffers and remove swap files (also done at interpreter exit).
-        Idempotent; the optimizer cannot step afterwards. ``keep_swap=True`` (``offload=
-        "nvme"``) keeps the swap directory, unlocked and at its last committed step, for a
-        new optimizer with ``resume=True`` (in this process or another)."""
-        if keep_swap and self.config.offload != "nvme":
-            raise ValueError(f"close(keep_swap=True) needs offload='nvme' (offload={self.config.offload!r} keeps "
-                             "no swap files)")
-        if self._store is not None and not self._closed:
-            detach_state_views(self)  # before the buffers they view are freed
-            self._store.close(keep_swap=keep_swap) if keep_swap else self._store.close()
-        self._closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        if group.get("amsgrad"):
+            raise NotImplementedError("offload.Adam/AdamW: amsgrad=True is not implemented")
 
 
 class Adam(_AdamBase):

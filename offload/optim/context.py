@@ -19,7 +19,7 @@ skip the same steps); the optimizer then hands the agreed flag to GradScaler.
 
 Torch's own containers (``opt.state``, ``opt.param_groups``) are replaced by torch's
 ``load_state_dict``; ``TorchState`` holds the current ones, and the optimizer rebinds it
-whenever torch replaces them (``_AdamBase.__setattr__`` / ``__setstate__``). Neither the
+whenever torch replaces them (``RuleOptimizer.__setattr__`` / ``__setstate__``). Neither the
 context nor a store holds a reference, strong or weak, to the optimizer: dropping the
 optimizer frees its store at once, as before, and pickling the optimizer pickles these
 plain containers with it.

@@ -1,4 +1,4 @@
-"""Functional Adam/AdamW over lists of tensors: the core the optimizer classes call.
+"""Functional steps over lists of tensors (``rule_step`` for any rule, ``adam_step``): the core the optimizer classes call.
 
 Mirrors ``torch.optim.adam.adam``: the class validates and keeps state, this function
 picks the implementation (``offload.kernels`` backend: native, numba or torch) and runs one
@@ -7,20 +7,37 @@ fused pass per tensor. Step numbers come in as arguments; nothing is cached betw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, ClassVar, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from offload.kernels import get_backend
-from offload.kernels._checks import check_adam_args, check_grad_scale
-from offload.kernels.fields import ADAM
+from offload.kernels._checks import check_grad_scale, check_states, check_step_args
+from offload.kernels.fields import ADAM, Rule
 
-__all__ = ["AdamHyper", "adam_step"]
+__all__ = ["AdamHyper", "RuleHyper", "adam_step", "rule_step"]
+
+
+@dataclass(frozen=True)
+class RuleHyper:
+    """One param group's step as the kernels take it: its rule and that rule's
+    hyperparameters (``values``: (name, value) pairs, without step and grad_scale)."""
+
+    rule: Rule
+    values: Tuple[Tuple[str, Any], ...]
+    grad_scale: float = 1.0
+    """Multiplier applied to every grad inside the pass (1/loss-scale times clip coefficient)."""
+
+    def kernel_kwargs(self, step: int) -> dict:
+        return dict(self.values, step=step, grad_scale=self.grad_scale)
 
 
 @dataclass(frozen=True)
 class AdamHyper:
-    """The hyperparameters of one param group for one step, as the kernels take them."""
+    """The hyperparameters of one Adam param group for one step, as the kernels take them
+    (a ``RuleHyper`` of ``ADAM`` with named fields)."""
+
+    rule: ClassVar[Rule] = ADAM
 
     lr: float
     beta1: float
@@ -54,51 +71,77 @@ def adam_step(
     backend: Optional[str] = None,
     num_threads: Optional[int] = None,
 ) -> None:
-    """One Adam/AdamW step on each ``(param, grad, exp_avg, exp_avg_sq, step)``, in place.
+    """One Adam/AdamW step on each ``(param, grad, exp_avg, exp_avg_sq, step)``, in place:
+    ``rule_step`` with the moments by name."""
+    if len(exp_avgs) != len(exp_avg_sqs):
+        raise ValueError(f"adam_step: list lengths differ: exp_avgs {len(exp_avgs)}, exp_avg_sqs "
+                         f"{len(exp_avg_sqs)}")
+    rule_step(params, grads, {"exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs}, steps, hyper,
+              params_lowp=params_lowp, backend=backend, num_threads=num_threads)
 
-    ``params`` and the moments are fp32 CPU tensors; ``grads`` fp32, fp16 or bf16 of the same
-    shapes. Non-contiguous tensors are updated through a contiguous copy (correct, slower).
+
+def rule_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    states: Mapping[str, Sequence[torch.Tensor]],
+    steps: Sequence[int],
+    hyper: Any,
+    *,
+    params_lowp: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    backend: Optional[str] = None,
+    num_threads: Optional[int] = None,
+) -> None:
+    """One step of ``hyper.rule`` (an ``AdamHyper`` or ``RuleHyper``) on each param, in place.
+
+    ``states``: {field name: one tensor per param}, the rule's fields exactly. ``params``
+    and the states are fp32 CPU tensors; ``grads`` fp32, fp16 or bf16 of the same shapes.
+    Non-contiguous tensors are updated through a contiguous copy (correct, slower).
     ``steps`` are the step numbers *after* incrementing (1 on the first step).
     """
-    n = len(params)
-    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(steps) == n):
-        raise ValueError(
-            f"adam_step: list lengths differ: params {n}, grads {len(grads)}, exp_avgs "
-            f"{len(exp_avgs)}, exp_avg_sqs {len(exp_avg_sqs)}, steps {len(steps)}"
-        )
+    rule, n = hyper.rule, len(params)
+    names = rule.names
+    check_states(rule, states, names)
+    lists = [states[k] for k in names]
+    if not (len(grads) == len(steps) == n and all(len(lst) == n for lst in lists)):
+        raise ValueError(f"{_who(rule)}: list lengths differ: params {n}, grads {len(grads)}, "
+                         + ", ".join(f"{k} {len(lst)}" for k, lst in zip(names, lists)) + f", steps {len(steps)}")
     if params_lowp is not None and len(params_lowp) != n:
-        raise ValueError(f"adam_step: list lengths differ: params {n}, params_lowp {len(params_lowp)}")
+        raise ValueError(f"{_who(rule)}: list lengths differ: params {n}, params_lowp {len(params_lowp)}")
     kernel = get_backend(backend)
-    _check_all(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, params_lowp, num_threads)
+    _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_threads)
     for i in range(n):
-        p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
+        p, g = params[i], grads[i]
         if p.numel() == 0:
             continue
         lowp = params_lowp[i] if params_lowp is not None else None
-        flat = [_flat(t) for t in (p, g, m, v)]
+        fp, fg = _flat(p), _flat(g)
+        fstates = [_flat(lst[i]) for lst in lists]
         flat_lowp = _flat(lowp) if lowp is not None else None
-        kernel.rule_step(
-            ADAM, flat[0], flat[1], {"exp_avg": flat[2], "exp_avg_sq": flat[3]},
-            param_lowp=flat_lowp, num_threads=num_threads, **hyper.kernel_kwargs(int(steps[i])),
-        )
+        kernel.rule_step(rule, fp, fg, dict(zip(names, fstates)), param_lowp=flat_lowp,
+                         num_threads=num_threads, **hyper.kernel_kwargs(int(steps[i])))
         # A non-contiguous tensor was updated through a copy: write it back.
-        for orig, tmp in ((p, flat[0]), (m, flat[2]), (v, flat[3])):
+        for orig, tmp in [(p, fp)] + [(lst[i], t) for lst, t in zip(lists, fstates)]:
             if not _shares_storage(orig, tmp):
                 orig.copy_(tmp.view_as(orig))
         if lowp is not None and not _shares_storage(lowp, flat_lowp):
             lowp.copy_(flat_lowp.view_as(lowp))
 
 
-def _check_all(params, grads, exp_avgs, exp_avg_sqs, steps, hyper, params_lowp, num_threads) -> None:
+def _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_threads) -> None:
     """Every tensor and the scale, before the first is updated: a bad second tensor must not
     leave the first one stepped (the kernels check again, per call, at the pointer level)."""
     check_grad_scale(hyper.grad_scale)
-    for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+    for i, (p, g, step) in enumerate(zip(params, grads, steps)):
         lowp = params_lowp[i] if params_lowp is not None else None
         try:
-            check_adam_args(p, g, m, v, lowp, step, num_threads, contiguous=False)
+            check_step_args(p, g, rule.fields, [lst[i] for lst in lists], lowp, step, num_threads,
+                            contiguous=False)
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"adam_step: tensor {i}: {exc}") from None
+            raise type(exc)(f"{_who(rule)}: tensor {i}: {exc}") from None
+
+
+def _who(rule: Rule) -> str:
+    return "adam_step" if rule is ADAM else f"rule_step({rule.name!r})"
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

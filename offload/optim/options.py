@@ -206,14 +206,14 @@ def make_config(*, offload: Any, swap_dir: Any, max_host_bytes: Any, sub_group_s
                          sub_group_size=sub_group_size, verify=verify, resume=resume, io=io_config(io_engine))
 
 
-def check_param_dtype(index: int, p: torch.Tensor) -> None:
+def check_param_dtype(index: int, p: torch.Tensor, cls_name: str = "Adam/AdamW") -> None:
     """float64 and complex params: the kernels keep fp32 masters, which would silently lose
-    precision (float64) or the imaginary part (complex)."""
+    precision (float64) or the imaginary part (complex). ``cls_name``: the optimizer's."""
     if isinstance(p, torch.Tensor) and p.dtype not in PARAM_DTYPES:
+        theirs = "torch.optim.AdamW (or torch.optim.Adam)" if cls_name == "Adam/AdamW" else f"torch.optim.{cls_name}"
         raise NotImplementedError(
-            f"offload.Adam/AdamW: parameter {index} has dtype {p.dtype}; the kernels update an fp32 "
-            "master of fp32, fp16 or bf16 params: use torch.optim.AdamW (or torch.optim.Adam) for "
-            f"{p.dtype} params")
+            f"offload.{cls_name}: parameter {index} has dtype {p.dtype}; the kernels update an fp32 "
+            f"master of fp32, fp16 or bf16 params: use {theirs} for {p.dtype} params")
 
 
 # Flags of a loaded torch param group that say how torch ran its step, not what it computes:

@@ -4,7 +4,7 @@ A *store* keeps the optimizer states (and, for low-precision or device params, t
 master) somewhere and runs the update there. Three exist: ``HostState`` (fp32 CPU params,
 moments in ``opt.state``), ``SwappedState`` (the same with moments and master in swap
 files) and ``FlatState`` (flat fp32 shards for device / fp16 / bf16 / partitioned params).
-``offload.optim.adam._AdamBase`` drives all three through the methods below and nothing
+``offload.optim.base.RuleOptimizer`` (Adam, AdamW, SGD, Adagrad, Lion) drives all three through the methods below and nothing
 else; ``Store`` lists what every store has, ``OPTIONAL`` what only some have, and
 ``optional(store, name)`` is the one way to ask for the latter.
 

@@ -1,4 +1,5 @@
-"""``state_dict()`` and ``load_state_dict()`` of ``offload.Adam/AdamW`` over any store.
+"""``state_dict()`` and ``load_state_dict()`` of every offload optimizer over any store
+(the state names are its rules' fields: ``opt.state_names()``).
 
 ``state_dict`` reads the states from the store into a new dict in torch's layout and
 changes nothing in the optimizer (torch's ``Optimizer.state_dict`` hands out the very dicts
@@ -26,6 +27,13 @@ from offload.optim.state_view import attach
 __all__ = ["state_dict_of", "load_state_dict_into", "check_loadable"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+"""Adam's states: the names of an optimizer without ``state_names()`` (a store's own tests)."""
+
+
+def names_of(opt: Any) -> tuple:
+    """The per-element state names of ``opt``'s rules (``RuleOptimizer.state_names``)."""
+    names = getattr(opt, "state_names", None)
+    return tuple(names()) if names is not None else MOMENTS
 
 
 def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
@@ -41,8 +49,9 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
         # New entry dicts (the ones torch returns are opt.state's own), without the views
         # into the store's buffers that state_view.attach put there: full tensors instead.
         # (An entry that held nothing else, e.g. after load_checkpoint set its step to 0, goes.)
-        sd["state"] = {k: {key: t for key, t in v.items() if key not in MOMENTS}
-                       for k, v in sd["state"].items() if set(v) - set(MOMENTS) or not v}
+        names = names_of(opt)
+        sd["state"] = {k: {key: t for key, t in v.items() if key not in names}
+                       for k, v in sd["state"].items() if set(v) - set(names) or not v}
         params = [p for g in opt.param_groups for p in g["params"]]
         for index, p in enumerate(params):
             exported = export(p)
@@ -82,12 +91,13 @@ def _check_step(k: Any, step: Any) -> None:
         raise ValueError(f"load_state_dict: state[{k}]['step'] is {step!r}, expected a whole number >= 0")
 
 
-def _check_entry(k: Any, p: torch.Tensor, st: Any) -> None:
+def _check_entry(k: Any, p: torch.Tensor, st: Any, names: tuple) -> None:
     if not isinstance(st, dict):
         raise ValueError(f"load_state_dict: state[{k}] is a {type(st).__name__}, expected a dict")
-    present = [key for key in MOMENTS if key in st]
-    if len(present) == 1:
-        raise ValueError(f"load_state_dict: state[{k}] has {present[0]!r} without its other moment")
+    present = [key for key in names if key in st]
+    if present and len(present) < len(names):
+        missing = [key for key in names if key not in st]
+        raise ValueError(f"load_state_dict: state[{k}] has {present[0]!r} without {missing[0]!r}")
     if present and "step" not in st:
         raise ValueError(f"load_state_dict: state[{k}] has moments but no 'step'")
     if "step" in st:
@@ -104,10 +114,11 @@ def _check_entry(k: Any, p: torch.Tensor, st: Any) -> None:
 def check_loadable(opt: Any, state_dict: Dict[str, Any]) -> None:
     """Raise (ValueError) before anything is loaded if any part of ``state_dict`` cannot be."""
     id_map = _id_map(opt, state_dict)
+    names = names_of(opt)
     for k, st in state_dict["state"].items():
         p = id_map.get(k)
         if p is not None:
-            _check_entry(k, p, st)
+            _check_entry(k, p, st, names)
 
 
 def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[Dict[str, Any]], None]) -> None:
@@ -140,7 +151,7 @@ def _import_all(opt: Any, store: Any) -> None:
     params: List[torch.Tensor] = [p for g in opt.param_groups for p in g["params"]]
     for p in params:
         st = opt.state.get(p) or {}
-        moments = {k: st.pop(k) for k in MOMENTS if k in st}
+        moments = {k: st.pop(k) for k in names_of(opt) if k in st}
         if moments:
             store.import_state(p, moments)
         else:

@@ -25,15 +25,23 @@ __all__ = ["SwappedEntry", "attach", "detach"]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def names_of(store: Any) -> tuple:
+    """The per-element states ``store`` keeps for its rule (Adam's moments for a store without one)."""
+    rule = getattr(store, "rule", None)
+    return rule.names if rule is not None else MOMENTS
+
+
 class SwappedEntry(dict):
     """``opt.state[p]`` of a param whose moments live in swap files: those keys are read on access."""
 
-    def __init__(self, entry: dict, reader: Callable[[str], Optional[torch.Tensor]]) -> None:
+    def __init__(self, entry: dict, reader: Callable[[str], Optional[torch.Tensor]],
+                 names: tuple = MOMENTS) -> None:
         super().__init__(entry)
         self._reader = reader
+        self._names = names
 
     def __missing__(self, key: Any) -> torch.Tensor:
-        value = self._reader(key) if key in MOMENTS else None
+        value = self._reader(key) if key in self._names else None
         if value is None:
             raise KeyError(key)
         return value
@@ -58,7 +66,7 @@ def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[tor
         if param.numel() == 0:  # no bytes in the swap files; torch's state holds empty moments
             return torch.zeros(param.shape, dtype=torch.float32)
         if hasattr(st, "read_state"):  # SwappedState: fp32 CPU params, whole
-            return st.read_state(param)[MOMENTS.index(key)]
+            return st.read_state(param)[st.names.index(key)]
         fg, i = st._where[param]
         piece = fg.layout.owned(i)
         if piece is None or st._swap is None:
@@ -72,7 +80,7 @@ def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[tor
 
 def _flat_views(store: Any, p: torch.Tensor, st: dict) -> None:
     if p.numel() == 0:  # no bytes in the flat buffers; torch's state holds empty moments
-        for key in MOMENTS:
+        for key in names_of(store):
             st[key] = torch.zeros(p.shape, dtype=torch.float32)
         return
     fg, i = store._where[p]
@@ -80,8 +88,8 @@ def _flat_views(store: Any, p: torch.Tensor, st: dict) -> None:
     if piece is None:
         return
     start = fg.layout.shard_range()[0]
-    for key in MOMENTS:
-        view = getattr(fg, key)[piece.lo - start:piece.hi - start]
+    for key in names_of(store):
+        view = fg.state(key)[piece.lo - start:piece.hi - start]
         st[key] = view.view(p.shape) if piece.numel == p.numel() else view
 
 
@@ -98,8 +106,8 @@ def attach(opt: Any) -> None:
             continue
         if kind == "nvme" or getattr(store, "_nvme", False):
             if not isinstance(st, SwappedEntry):
-                opt.state[p] = SwappedEntry(st, _swapped_reader(store, p))
-        elif "exp_avg" not in st and (p in getattr(store, "_where", {}) or p.numel() == 0):
+                opt.state[p] = SwappedEntry(st, _swapped_reader(store, p), names_of(store))
+        elif not any(k in st for k in names_of(store)) and (p in getattr(store, "_where", {}) or p.numel() == 0):
             _flat_views(store, p, st)
 
 
@@ -107,7 +115,8 @@ def detach(opt: Any) -> None:
     """Drop the views into the store's buffers (before they are freed)."""
     if getattr(opt._store, "kind", None) == "host":
         return
+    names = names_of(opt._store)
     for st in opt.state.values():
-        for key in MOMENTS:
+        for key in names:
             if isinstance(st, dict) and key in st:
                 del st[key]

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 
 import torch
 
-from offload.kernels.fields import MASTER, StateField, field_names
+from offload.kernels.fields import ADAM, MASTER, Rule, StateField, field_names
 from offload.optim.stats import swap_phases
 from offload.optim.step_guard import mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
@@ -113,7 +113,8 @@ class SwappedShards:
                  io_engine: Any = None, backend: Optional[str] = None, num_threads: Optional[int] = None,
                  rank: int = 0, run_name: str = "flat", vote: Optional[Vote] = None,
                  fields: Sequence[StateField] = SHARD_FIELDS, summary: Optional[str] = None,
-                 check_resume: Optional[Callable[[Dict[str, Any], SwapStore], None]] = None, pool: Any = None) -> None:
+                 check_resume: Optional[Callable[[Dict[str, Any], SwapStore], None]] = None, pool: Any = None,
+                 rule: Rule = ADAM) -> None:
         from offload.kernels import get_backend
 
         self._kernel = get_backend(backend)
@@ -122,6 +123,10 @@ class SwappedShards:
         self.fields = tuple(fields)
         self.names = field_names(self.fields)
         self.has_master = MASTER in self.fields
+        # the kernel rule every range steps: its states are ``fields`` without the master
+        if tuple(f for f in self.fields if f != MASTER) != rule.fields:
+            raise ValueError(f"fields {self.names} do not hold rule {rule.name!r}'s states {rule.names}")
+        self.rule = rule
         self.sizes = [int(n) for n in sizes]
         self.base: List[int] = []
         total = 0
@@ -352,16 +357,17 @@ class SwappedShards:
         """The pipeline's compute: the kernel over each range of sub-group ``g``."""
         kernel, threads, computed = self._kernel, self._threads, self.computed
         jm = self._field(MASTER.name) if self.has_master else -1
-        j1, j2 = self._field("exp_avg"), self._field("exp_avg_sq")
+        rule = self.rule
+        states = [(name, self._field(name)) for name in rule.names]
 
         def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
             computed.append(g)  # before the kernel: an exception inside it may have changed params
-            m, v = tensors[j1], tensors[j2]
             for a, b, start, (_, _, _, grad, kw, out, mode) in by_group[g]:
                 x, y = slice(a - s, b - s), slice(a - start, b - start)
                 master = out[y] if mode == "master" else tensors[jm][x]
                 lowp = out[y] if (out is not None and mode == "lowp") else None
-                kernel.adam_step(master, grad[y], m[x], v[x], param_lowp=lowp, num_threads=threads, **kw)
+                kernel.rule_step(rule, master, grad[y], {name: tensors[j][x] for name, j in states},
+                                 param_lowp=lowp, num_threads=threads, **kw)
                 if out is not None and mode == "copy":
                     out[y].copy_(master)
 

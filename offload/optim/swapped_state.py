@@ -4,10 +4,11 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
 
     st = SwappedState(params, *, swap_dir, max_host_bytes=None, sub_group_size=None,
                       verify=False, resume=False, io_engine=None, backend=None,
-                      num_threads=None, run_name="run", rank=None, pool=None, ctx=None)
+                      num_threads=None, run_name="run", rank=None, pool=None, ctx=None, rule=ADAM)
         params: the fp32, contiguous CPU params (all groups, in a fixed order, each once; params
             of 0 elements are fine, even all of them). They are their own fp32 master and are
-            updated in place; only exp_avg and exp_avg_sq are swapped.
+            updated in place; only the rule's states are swapped (Adam: exp_avg, exp_avg_sq;
+            a rule without states is refused: nothing to swap).
         max_host_bytes: bound on the pipeline buffers (None: 1 GiB); ValueError when it
             cannot hold 3 buffers of one sub-group. sub_group_size: elements per sub-group
             (rounded up to 1024; None: derived from the bound).
@@ -35,10 +36,10 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
         sub-groups already computed were updated in place (listed in the message) further
         steps are refused until clear_failure() (params restored and checked, or
         accept_params=True) or load_checkpoint().
-    st.read_state(p) -> (exp_avg, exp_avg_sq)        new tensors shaped like p
+    st.read_state(p) -> (exp_avg, exp_avg_sq)        the rule's states (Adam's here), new tensors shaped like p
     st.write_state(p, exp_avg, exp_avg_sq, step=None)
     st.export_state(p) -> {"exp_avg", "exp_avg_sq"} ({} before p's first step)
-    st.import_state(p, {"exp_avg", "exp_avg_sq"[, "step"]})
+    st.import_state(p, {"exp_avg", "exp_avg_sq"[, "step"]})   (rule=: its fields, in order)
     st.step_of(p) -> int                             step count recorded for p (0: none yet)
     SwappedState.for_optimizer(opt, ctx=None)        built from opt.config (OffloadConfig), opt.backend,
                                                      opt.num_threads; counts in opt.state[p]["step"]
@@ -62,7 +63,7 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
 
 [Note: one swapped store] This is a face over ``SwappedShards`` (swapped_shards.py), the
 store the flat store swaps with too: the fp32 CPU params laid end to end are its one shard,
-its fields are Adam's only (``IN_PLACE_FIELDS``: the params are their own master), and each
+its fields are the rule's only (Adam's ``IN_PLACE_FIELDS`` by default: the params are their own master), and each
 param a step touches is one work item whose output, in mode ``"master"``, is the param
 itself. What is left here is what fp32 params the user owns need: the per-param checks and
 index, the fingerprint, and the failed state (a failed step may have changed params that
@@ -82,7 +83,7 @@ from offload.optim.context import StepContext, StepCounts
 from offload.optim.fingerprint import fingerprint, sample_indices
 from offload.optim.step_guard import failure_text, mark_consistent
 from offload.optim.swapped_shards import IN_PLACE_FIELDS, SwappedShards, WorkItem
-from offload.kernels.fields import field_names
+from offload.kernels.fields import ADAM, Rule, field_names
 from offload.swap import SwapStepError
 from offload.swap.manifest_check import check_steps
 
@@ -136,8 +137,13 @@ class SwappedState:
                  sub_group_size: Optional[int] = None, verify: bool = False, resume: Any = False,
                  io_engine: Any = None, backend: Optional[str] = None, num_threads: Optional[int] = None,
                  run_name: str = "run", rank: Optional[int] = None, pool: Any = None,
-                 ctx: Optional[StepContext] = None) -> None:
+                 ctx: Optional[StepContext] = None, rule: Rule = ADAM) -> None:
         self.params: List[torch.Tensor] = list(params)
+        self.rule = rule
+        self.names = rule.names  # the swapped states (the params are their own master)
+        if not self.names:
+            raise ValueError(f"rule {rule.name!r} keeps no state per element: offload='nvme' would swap "
+                             "nothing; use offload='none' or 'cpu'")
         if not self.params:
             raise ValueError("SwappedState needs at least one param")
         self._index = _check_params(self.params)
@@ -162,7 +168,7 @@ class SwappedState:
         # touches still records the step counts, so resume and checkpoints work the same.
         me = weakref.ref(self)  # the core's finalizer frees the files when we go: no cycle back to us
         self.core = SwappedShards([max(total, 1)], swap_dir=swap_dir, identity=facts, extra=lambda: me()._extra(),
-                                  fields=IN_PLACE_FIELDS, summary=f"{len(self.params)} fp32 params, {total} elements",
+                                  fields=rule.fields, rule=rule, summary=f"{len(self.params)} fp32 params, {total} elements",
                                   check_resume=self._check_resume, max_host_bytes=max_host_bytes,
                                   sub_group_size=sub_group_size, verify=verify, resume=resume, io_engine=io_engine,
                                   backend=backend, num_threads=num_threads, rank=rank, run_name=run_name, pool=pool)
@@ -308,6 +314,10 @@ class SwappedState:
         """One work item per param that has a grad: its whole range, its output the param."""
         work: Dict[int, WorkItem] = {}
         for hyper, items in batches:
+            if getattr(hyper, "rule", self.rule) is not self.rule:
+                raise ValueError(f"a step of rule {hyper.rule.name!r} in a swap store of rule {self.rule.name!r} "
+                                 f"(states {list(self.names)}); build a new optimizer after changing "
+                                 "what the groups need (e.g. SGD's momentum from or to 0)")
             for p, grad, step in items:
                 i = self._param_index(p)
                 if i in work:
@@ -376,18 +386,21 @@ class SwappedState:
         self._broken = None
 
     # ------------------------------------------------------------------ one param's states
-    def read_state(self, p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def read_state(self, p: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``p``'s states in field order (Adam: exp_avg, exp_avg_sq), new tensors shaped like p."""
         i = self._param_index(p)
         off = self._offsets[i]
-        got = self.core.read(0, off, off + p.numel(), MOMENTS)
-        return got["exp_avg"].view(p.shape), got["exp_avg_sq"].view(p.shape)
+        got = self.core.read(0, off, off + p.numel(), self.names)
+        return tuple(got[k].view(p.shape) for k in self.names)
 
-    def write_state(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    step: Optional[int] = None) -> None:
+    def write_state(self, p: torch.Tensor, *states: torch.Tensor, step: Optional[int] = None) -> None:
+        """``p``'s states, in field order (Adam: exp_avg, exp_avg_sq)."""
         i = self._param_index(p)
         n, off = p.numel(), self._offsets[i]
+        if len(states) != len(self.names):
+            raise ValueError(f"param {i}: {len(states)} states given, the rule keeps {list(self.names)}")
         src = {}
-        for f, t in zip(self.core.fields, (exp_avg, exp_avg_sq)):
+        for f, t in zip(self.core.fields, states):
             if not isinstance(t, torch.Tensor) or t.numel() != n:
                 raise ValueError(f"param {i}: {f.name} must be a tensor of {n} elements, got "
                                  f"{getattr(t, 'shape', type(t).__name__)}")
@@ -400,8 +413,7 @@ class SwappedState:
     def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
         if self.step_of(p) == 0:
             return {}
-        m, v = self.read_state(p)
-        return {"exp_avg": m, "exp_avg_sq": v}
+        return dict(zip(self.names, self.read_state(p)))
 
     def import_state(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
         step = state.get("step")
@@ -409,14 +421,14 @@ class SwappedState:
             step = self.ctx.steps.get(p)
         if isinstance(step, torch.Tensor):
             step = int(step.item())
-        self.write_state(p, state["exp_avg"], state["exp_avg_sq"], None if step is None else int(step))
+        self.write_state(p, *[state[k] for k in self.names], step=None if step is None else int(step))
 
     def reset_state(self, p: torch.Tensor) -> None:
         """Zero moments and step 0 for ``p`` (loading a state_dict without state for it)."""
         if self.step_of(p) == 0:
             return  # never stepped: its moments are zeros already
         z = torch.zeros(p.numel(), dtype=torch.float32)
-        self.write_state(p, z, z, step=0)
+        self.write_state(p, *[z] * len(self.names), step=0)
 
     @contextlib.contextmanager
     def atomic_writes(self) -> Iterator[None]:

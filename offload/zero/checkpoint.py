@@ -65,10 +65,15 @@ def _describe(fields: Sequence[StateField]) -> str:
 
 def save_shards(directory: str, groups: List[FlatGroup], *, world: int, rank: int, meta: Dict[str, Any],
                 process_group: Any = None) -> None:
-    states = {f.name: [getattr(fg, f.name) for fg in groups if fg.layout.shard] for f in SHARD_FIELDS}
+    states = {f.name: [fg.state(f.name) for fg in groups if fg.layout.shard] for f in _fields_of(groups)}
     full_meta = dict(meta, kind="flat", world=world, rank=rank, groups=[list(fg.layout.numels) for fg in groups])
     _save_on_every_rank(lambda agree: save_tensors(_rank_dir(directory, rank), states, full_meta, agree=agree),
                         full_meta, directory, world, process_group)
+
+
+def _fields_of(groups: List[FlatGroup]) -> Tuple[StateField, ...]:
+    """What the flat groups keep per element (one rule for all: the store's)."""
+    return groups[0].fields if groups else SHARD_FIELDS
 
 
 def _rank_dir(directory: str, rank: int) -> str:
@@ -181,11 +186,12 @@ def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
     it reads, one old shard at a time: run :func:`check_shards` first, or a bad file met
     half-way leaves the groups part old, part new."""
     mine = [list(fg.layout.numels) for fg in groups]
-    first, old_world = _flat_meta(directory, mine)
+    fields = _fields_of(groups)
+    first, old_world = _flat_meta(directory, mine, fields)
     olds = _old_layouts(mine, old_world)
     for r in _needed([fg.layout for fg in groups], olds):
         scratch = {f.name: [torch.empty(lay.shard, dtype=f.dtype) for lay in olds[r] if lay.shard]
-                   for f in SHARD_FIELDS}
+                   for f in fields}
         path = os.path.join(directory, f"rank{r}")
         _check_rank_meta(path, load_tensors(path, scratch), r, old_world, first)
         it = {k: iter(v) for k, v in scratch.items()}

@@ -53,13 +53,14 @@ def save_store_states(directory: str, numels: Sequence[int], store: Any, buffers
     return os.path.abspath(directory)
 
 
-def load_states(directory: str, numels: Sequence[int], scratch: Dict[str, List[Any]]) -> Dict[str, Any]:
-    """Fill ``scratch`` (name -> one tensor per param) from checkpoint ``directory``; its meta.
+def load_states(directory: str, numels: Sequence[int], scratch: Dict[str, List[Any]],
+                fields: Sequence[StateField] = IN_PLACE_FIELDS) -> Dict[str, Any]:
+    """Fill ``scratch`` (name -> one tensor per param, ``fields``) from checkpoint ``directory``; its meta.
     Filled as the data streams in: load into scratch tensors, then keep them."""
     if _single(directory):
         return load_tensors(directory, scratch)
     with reading_shards(directory):  # no save between the meta's check and the data ([Note: checkpoint lock])
-        first, world = _flat_meta(directory, [[int(n) for n in numels]], IN_PLACE_FIELDS)
+        first, world = _flat_meta(directory, [[int(n) for n in numels]], fields)
         path = _rank_dir(directory, 0)
         if world != 1:
             raise ValueError(f"{directory}: a checkpoint of {world} ranks' shards; fp32 params updated in place "

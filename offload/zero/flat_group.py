@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from offload.kernels.fields import ADAM, MASTER, fields_bytes
+from offload.kernels.fields import ADAM, MASTER, Rule, StateField, fields_bytes
 from offload.memory import BufferPool
 from offload.zero import comm
 from offload.zero.partition import FlatLayout, split_ranges
@@ -21,7 +21,8 @@ __all__ = ["FlatGroup", "LOWP", "STATES"]
 
 LOWP = (torch.float16, torch.bfloat16)
 STATES = ADAM.with_master()
-"""What a flat group keeps per element of its shard: the fp32 master and Adam's moments."""
+"""What an Adam flat group keeps per element of its shard: the fp32 master and the moments
+(a group of another rule: ``rule.with_master()``, its ``fields``)."""
 
 
 class FlatGroup:
@@ -29,8 +30,10 @@ class FlatGroup:
 
     def __init__(self, params: List[torch.Tensor], *, world: int, rank: int, pools: Tuple[BufferPool, BufferPool],
                  comm_dev: torch.device, bucket_numel: int, need_host_grad: bool, stage_cpu: bool = False,
-                 swapped: bool = False) -> None:
+                 swapped: bool = False, rule: Rule = ADAM) -> None:
         self.params = params
+        self.rule = rule
+        self.fields: Tuple[StateField, ...] = rule.with_master()
         self.device = params[0].device
         self.dtype = params[0].dtype
         self.lowp = self.dtype in LOWP
@@ -44,10 +47,10 @@ class FlatGroup:
         S = self.layout.shard
         # swapped: master and moments live in NVMe swap files (offload/optim/swapped_shards.py)
         self.swapped = swapped
-        m, v = ADAM.fields  # exp_avg, exp_avg_sq
         self.master = None if swapped else self._tensor(MASTER.dtype, S, pinned=dma and not self.lowp)
-        self.exp_avg = None if swapped else self._tensor(m.dtype, S).zero_()
-        self.exp_avg_sq = None if swapped else self._tensor(v.dtype, S).zero_()
+        # the rule's states, each an attribute of its name (fg.exp_avg, fg.momentum_buffer, ...)
+        for f in rule.fields:
+            setattr(self, f.name, None if swapped else self._tensor(f.dtype, S).zero_())
         self.refresh_master()
         # Destination of grad copies (one rank, hook path): the whole flat range, own dtype.
         self.host_grad = self._tensor(self.dtype, self.layout.total, pinned=dma) if need_host_grad else None
@@ -85,6 +88,13 @@ class FlatGroup:
         return buf.tensor(dtype, numel)
 
     # -- views ------------------------------------------------------------------------------
+    def state(self, name: str) -> Optional[torch.Tensor]:
+        """The shard's buffer of field ``name`` (``master`` or one of the rule's; None when swapped)."""
+        if name != MASTER.name and name not in self.rule.names:
+            raise KeyError(f"a flat group of rule {self.rule.name!r} keeps {[f.name for f in self.fields]}, "
+                           f"not {name!r}")
+        return getattr(self, name)
+
     def flat_param(self, i: int) -> torch.Tensor:
         """The param's data as a 1-D view (params on CUDA must be contiguous: checked earlier)."""
         return self.params[i].detach().view(-1) if self.params[i].is_contiguous() else None
@@ -113,7 +123,7 @@ class FlatGroup:
             self.shard_values(0, self.layout.shard, self.lowp_shard)
 
     def nbytes(self) -> Dict[str, int]:
-        out = {"states": 0 if self.swapped else fields_bytes(STATES, self.layout.shard)}
+        out = {"states": 0 if self.swapped else fields_bytes(self.fields, self.layout.shard)}
         out["grads"] = 0
         for t in (self.host_grad, self.gshard):
             if t is not None:
@@ -125,8 +135,8 @@ class FlatGroup:
         return out
 
     def close(self) -> None:
-        for name in ("master", "exp_avg", "exp_avg_sq", "host_grad", "stage", "gshard", "lowp_shard",
-                     "send", "gather", "rs_out"):
+        for name in ("master",) + self.rule.names + ("host_grad", "stage", "gshard", "lowp_shard",
+                                                     "send", "gather", "rs_out"):
             setattr(self, name, None)
         self.slots, self.slot_out = [], []
         for pool, buf in self._bufs:

@@ -62,7 +62,9 @@ def load_checkpoint(st: "FlatState", directory: str) -> None:
 
     if st._swap is not None:
         try:
-            st._swap.load_checkpoint(lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs),
+            fields = st.rule.with_master()
+            st._swap.load_checkpoint(lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs,
+                                                                                fields),
                                      loaded_steps, vote=st._swap_vote)
         except BaseException:
             # The steps the swap files hold: the old ones, unless undoing a commit failed
@@ -78,14 +80,14 @@ def load_checkpoint(st: "FlatState", directory: str) -> None:
             set_steps(st, steps_before)
             return "nothing was loaded on any rank"
 
-        comm.all_or_none(lambda: check_shards(directory, layouts), loaded_steps, undo, what, st._swap_vote)
+        comm.all_or_none(lambda: check_shards(directory, layouts, fields=st.rule.with_master()), loaded_steps, undo, what, st._swap_vote)
         return
     _load_host(st, directory, layouts, what, loaded_steps)
 
 
 def _load_host(st: "FlatState", directory: str, layouts, what: str, loaded_steps) -> None:
     """Host buffers: every file checked on every rank first, then read into the buffers."""
-    comm.on_every_rank(lambda: check_shards(directory, layouts), what + " (nothing was loaded on any rank)",
+    comm.on_every_rank(lambda: check_shards(directory, layouts, fields=st.rule.with_master()), what + " (nothing was loaded on any rank)",
                        st.group, st.world)
     half = "the optimizer state is incomplete until it is loaded again"
 

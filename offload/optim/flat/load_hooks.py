@@ -31,7 +31,7 @@ def export_state(st: "FlatState", p: torch.Tensor) -> Dict[str, torch.Tensor]:
     if not has_state(st, p):
         return {}
     fg, _ = st._where[p]
-    keys = ("exp_avg", "exp_avg_sq") + (("master",) if fg.lowp else ())
+    keys = st.rule.names + (("master",) if fg.lowp else ())
     # opt.state_dict_rank0_only = True: every rank takes part in the gather, only rank 0
     # keeps the full tensors (the others' state_dict() then holds only the steps).
     keep = st.rank == 0 or not st.ctx.state_dict_rank0_only
@@ -78,17 +78,17 @@ def import_state(st: "FlatState", p: torch.Tensor, state: Dict[str, torch.Tensor
     s = slice(piece.lo - start, piece.hi - start)
     ps = slice(piece.param_offset, piece.param_offset + piece.numel)
     if fg.swapped:
-        vals = {key: full[key].detach().reshape(-1)[ps].float() for key in ("exp_avg", "exp_avg_sq") if key in full}
+        vals = {key: full[key].detach().reshape(-1)[ps].float() for key in st.rule.names if key in full}
         if vals:
             st._swap.write(st._groups.index(fg), s.start, s.stop, vals)
         return
-    for key in ("exp_avg", "exp_avg_sq"):
+    for key in st.rule.names:
         if key in full:
             getattr(fg, key)[s].copy_(full[key].detach().reshape(-1)[ps])
 
 
 def reset_state(st: "FlatState", p: torch.Tensor) -> None:
-    """Zero moments for ``p`` (loading a state_dict without state for it; as torch)."""
+    """Zero states for ``p`` (loading a state_dict without state for it; as torch)."""
     if p not in st._stepped:
         return  # never stepped: its moments are zeros already (no swap read-modify-write)
     fg, i = st._where[p]
@@ -99,10 +99,10 @@ def reset_state(st: "FlatState", p: torch.Tensor) -> None:
     lo, hi = piece.lo - start, piece.hi - start
     if fg.swapped:
         z = torch.zeros(hi - lo, dtype=torch.float32)
-        st._swap.write(st._groups.index(fg), lo, hi, {"exp_avg": z, "exp_avg_sq": z})
+        st._swap.write(st._groups.index(fg), lo, hi, {key: z for key in st.rule.names})
     else:
-        fg.exp_avg[lo:hi].zero_()
-        fg.exp_avg_sq[lo:hi].zero_()
+        for key in st.rule.names:
+            getattr(fg, key)[lo:hi].zero_()
 
 
 def pre_load(st: "FlatState", order: List[torch.Tensor], state_dict: Dict[str, Any]) -> None:
@@ -117,7 +117,7 @@ def pre_load(st: "FlatState", order: List[torch.Tensor], state_dict: Dict[str, A
         p = index.get(k)
         if p is None or p not in st._where:
             continue
-        st._stash[p] = {key: entry[key] for key in ("exp_avg", "exp_avg_sq", "master")
+        st._stash[p] = {key: entry[key] for key in st.rule.names + ("master",)
                         if isinstance(entry.get(key), torch.Tensor)}
 
 

@@ -66,6 +66,11 @@ def _todo(st: "FlatState", batches) -> Todo:
     todo: Todo = {}
     factor = st._grads.factor if st.world > 1 else 1.0
     for hyper, items in batches:
+        rule = getattr(hyper, "rule", st.rule)
+        if items and rule is not st.rule:
+            raise ValueError(f"a step of rule {rule.name!r} in a flat store of rule {st.rule.name!r} (states "
+                             f"{list(st.rule.names)}); build a new optimizer after changing what the groups "
+                             "need (e.g. SGD's momentum from or to 0)")
         if factor != 1.0:
             hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * factor)
         by_step: Dict[int, dict] = {}
@@ -118,7 +123,7 @@ def run_step(st: "FlatState", backing: Any, batches, phases: Dict[str, float]) -
 
 
 class HostBacking:
-    """The states in host buffers (``FlatGroup.master`` / ``exp_avg`` / ``exp_avg_sq``): an
+    """The states in host buffers (``FlatGroup.master`` and the rule's: ``exp_avg``, ...): an
     item is computed at once, then sent (on a device's copy stream, overlapping the next)."""
 
     cuts = True
@@ -131,7 +136,8 @@ class HostBacking:
         fg = self._groups[item.group]
         s = slice(item.lo, item.hi)
         t = time.perf_counter()
-        self._kernel.adam_step(fg.master[s], item.grad, fg.exp_avg[s], fg.exp_avg_sq[s],
+        rule = fg.rule
+        self._kernel.rule_step(rule, fg.master[s], item.grad, {k: getattr(fg, k)[s] for k in rule.names},
                                param_lowp=item.out if item.mode == "lowp" else None,
                                num_threads=self._threads, **item.kw)
         t1 = time.perf_counter()

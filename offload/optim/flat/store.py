@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from offload.kernels import get_backend
+from offload.kernels.fields import ADAM, Rule
 from offload.memory import BufferPool
 from offload.optim.context import StepContext
 from offload.optim.flat import checkpoints, load_hooks, swapped
@@ -78,10 +79,12 @@ class FlatState:
 
     def __init__(self, param_groups: List[Dict[str, Any]], *, config: Any, ctx: StepContext, stage: int,
                  backend: Optional[str] = None, num_threads: Optional[int] = None, process_group: Any = None,
-                 reduce_in_backward: Optional[bool] = None) -> None:
+                 reduce_in_backward: Optional[bool] = None, rule: Rule = ADAM) -> None:
         """``param_groups``: torch's param groups (only their "params" are read); ``config``:
-        the optimizer's OffloadConfig; ``ctx``: its step context."""
+        the optimizer's OffloadConfig; ``ctx``: its step context; ``rule``: the kernel rule
+        whose fields every flat group keeps beside the master."""
         self.ctx = ctx
+        self.rule = rule
         self.stage = stage
         self.group = process_group
         world, rank = comm.world_and_rank(process_group) if stage > 0 else (1, 0)
@@ -153,7 +156,8 @@ class FlatState:
             hook_path = self.world == 1 and (device.type == "cuda" or self.copy_cpu_grads)
             fg = FlatGroup(members, world=self.world, rank=self.rank, pools=self._pools,
                            comm_dev=self._comm_dev, bucket_numel=self.bucket_numel,
-                           need_host_grad=hook_path, stage_cpu=self.stage_cpu_params, swapped=self._nvme)
+                           need_host_grad=hook_path, stage_cpu=self.stage_cpu_params, swapped=self._nvme,
+                           rule=self.rule)
             self._groups.append(fg)
             for i, p in enumerate(members):
                 self._where[p] = (fg, i)

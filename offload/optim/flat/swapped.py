@@ -50,7 +50,8 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
                                  max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
                                  verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
                                  backend=st._backend, num_threads=st._threads, rank=st.rank,
-                                 run_name="flat", vote=st._swap_vote)
+                                 run_name="flat", vote=st._swap_vote, fields=st.rule.with_master(),
+                                 rule=st.rule)
         if st._swap.resumed:  # resume="auto" chose, "discard" never resumes ([Note: restarts] in swap/runs)
             # The master of the last finished step is the truth: steps and params follow it.
             st._set_steps(st._swap.resumed_extra.get("steps") or [])

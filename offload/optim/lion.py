@@ -1,0 +1,49 @@
+"""``offload.Lion``: lion-pytorch's ``Lion`` (Chen et al. 2023, "Symbolic Discovery of
+Optimization Algorithms") over the offload stores.
+
+The update, per element: ``p *= 1 - lr * weight_decay``; ``p -= lr * sign(lerp(exp_avg,
+g, 1 - beta1))``; ``exp_avg = lerp(exp_avg, g, 1 - beta2)``. One state, ``exp_avg`` (half
+of Adam's bytes). lion-pytorch refuses bad values with ``assert``; here they are
+ValueErrors in torch's words.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from offload.kernels.fields import LION, Rule
+from offload.optim.base import RuleOptimizer
+from offload.optim.options import _check_scalar
+from offload.optim.rule_options import check_lr, check_nonneg, to_float
+
+__all__ = ["Lion"]
+
+
+class Lion(RuleOptimizer):
+    """Lion with offloaded states and fused SIMD kernels: lion-pytorch's arguments and
+    defaults (``lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0``; weight decay decoupled and
+    scaled by lr, as there), ``maximize``, and the options of :class:`offload.Adam`."""
+
+    GROUP_DEFAULTS = (("maximize", False),)
+    TORCH_NAME = "Lion"
+    SPARSE_MESSAGE = "offload.Lion does not support sparse gradients"
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
+                 **offload_kwargs: Any) -> None:
+        check_lr(lr)
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, b in enumerate(betas):
+            _check_scalar(f"betas[{i}]", b, tensor_ok=False)
+            if not 0.0 <= b <= 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        check_nonneg("weight_decay", weight_decay, "weight_decay value")
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults, **offload_kwargs)
+
+    def rule_of(self, group: Dict[str, Any]) -> Rule:
+        return LION
+
+    def group_hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
+        beta1, beta2 = group["betas"]
+        return dict(lr=to_float(group, "lr"), beta1=float(beta1), beta2=float(beta2),
+                    weight_decay=float(group["weight_decay"]), maximize=bool(group.get("maximize", False)))

@@ -1,0 +1,48 @@
+"""The checks SGD, Adagrad and Lion share with torch: its order, its messages, its exception types.
+
+Each check runs before ``params`` is touched (as torch's constructors do); a value torch
+would take but the kernels cannot honour (``differentiable=True``) is refused with the
+reason, as ``options.check_hyper`` does for Adam.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from offload.optim.options import _check_lr, _check_scalar
+
+__all__ = ["check_nonneg", "check_lr", "check_flags", "to_float"]
+
+
+def check_lr(lr: Any) -> None:
+    """torch's ``Invalid learning rate`` check (a 1-element tensor is accepted, as torch)."""
+    _check_lr(lr, None, False)
+
+
+def check_nonneg(name: str, value: Any, label: str) -> None:
+    """``Invalid {label}: {value}`` (torch's words) for a negative or NaN ``value``."""
+    _check_scalar(name, value, tensor_ok=False)
+    if not 0.0 <= value:
+        raise ValueError(f"Invalid {label}: {value}")
+
+
+def check_flags(cls_name: str, *, foreach: Optional[bool], differentiable: bool, fused: Optional[bool]) -> None:
+    """torch's refusals of flag combinations (RuntimeError, its text), then ours."""
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if foreach and fused:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    if differentiable:
+        raise NotImplementedError(
+            f"offload.{cls_name}: differentiable=True is not supported: the kernels update the states in "
+            f"place outside autograd; use torch.optim.{cls_name}(differentiable=True) or differentiable=False")
+
+
+def to_float(group: Dict[str, Any], key: str) -> float:
+    x = group[key]
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"Tensor {key} must be 1-element")
+        return float(x.item())
+    return float(x)
