@@ -23,6 +23,19 @@ seams:
    In the flat store one loop runs it ([Note: one step loop] in ``flat/steps.py``): the grad
    source gives each work item's grad, the state backing (host buffers or swap files)
    computes it, the param sink sends the result (in place, staging + copy stream, all-gather).
+5. The states themselves are typed fields (``offload/kernels/fields.py``: a ``Rule`` is a name
+   and its ``StateField``s, each a name and a dtype; ``MASTER`` is the flat stores' fp32
+   copy). Buffers, swap layouts, checkpoint manifests, ``state_dict()`` entries and the
+   planner take their sizes and names from them; the kernel takes them by name
+   (``kernel.rule_step(rule, param, grad, {name: tensor}, ...)``) and gets one typed struct
+   whose constants were folded once, in Python (``kernels/adam_consts.py``, ``rule_consts.py``).
+6. States in swap files live in one store, ``swapped_shards.SwappedShards``, with the rule's
+   fields (fp32 params are their own master, updated in place) or those plus ``MASTER``;
+   ``SwappedState`` is its one-shard face for fp32 CPU params. Its step is a swap session
+   (``offload/swap/session.py``: prefetch a sub-group, compute it, write it back;
+   ``swap/step.py`` commits it with the ranks' agreement, ``swap/agreement.py``), as are the
+   checkpoint streaming and the group cache. Every store saves the one checkpoint format
+   (``rank<r>/`` with typed fields; ``offload/zero/checkpoint.py`` reshards N -> M).
 """
 from offload.optim.adam import Adam, AdamW
 from offload.optim.adagrad import Adagrad

@@ -328,7 +328,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         t0 = time.perf_counter()
         work = self._grads_with_params()
         # Everything is checked before anything changes (see [Note: failed steps] in step_guard.py).
-        check_work(work, step_sigs(self))
+        check_work(work, step_sigs(self), self.SPARSE_MESSAGE)
         self._t_prepare = 0.0
         t_clip = time.perf_counter()
         multiplier = self._grad_multiplier(work)

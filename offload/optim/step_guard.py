@@ -56,11 +56,11 @@ def _check_param(p: torch.Tensor, sigs: Dict[int, Tuple[int, ParamSig]]) -> int:
     return i
 
 
-def _check_grad(i: int, p: torch.Tensor, g: Any) -> None:
+def _check_grad(i: int, p: torch.Tensor, g: Any, sparse_message: str) -> None:
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"param {i}: grad is a {type(g).__name__}, not a tensor")
     if g.is_sparse or g.layout != torch.strided:
-        raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+        raise RuntimeError(sparse_message)
     if g.dtype != p.dtype or tuple(g.shape) != tuple(p.shape) or g.device != p.device:
         raise TypeError(f"param {i}: grad is {_describe((tuple(g.shape), g.dtype, g.device))}, the param "
                         f"{_describe((tuple(p.shape), p.dtype, p.device))}; a grad must match its param's "
@@ -68,7 +68,8 @@ def _check_grad(i: int, p: torch.Tensor, g: Any) -> None:
 
 
 def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
-               sigs: Dict[int, Tuple[int, ParamSig]]) -> None:
+               sigs: Dict[int, Tuple[int, ParamSig]],
+               sparse_message: str = "Adam does not support sparse gradients, please consider SparseAdam instead") -> None:
     """Raise before the step changes anything if a param is no longer what it was registered
     as, or its grad does not fit it (a store's own stand-in for a grad held on another rank,
     which is not ``p.grad``, is the store's to check)."""
@@ -76,7 +77,7 @@ def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
         for p, g in items:
             i = _check_param(p, sigs)
             if g is p.grad:
-                _check_grad(i, p, g)
+                _check_grad(i, p, g, sparse_message)
 
 
 @contextlib.contextmanager

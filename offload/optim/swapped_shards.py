@@ -48,7 +48,9 @@ __all__ = ["SwappedShards", "WorkItem", "Output", "flat_identity", "SHARD_FIELDS
 
 
 class WorkItem(NamedTuple):
-    """One range of a shard to step (positional tuples of this order are accepted too)."""
+    """One range of a shard to step: the one work item of every store's step (the flat
+    store's loop in ``flat/steps.py`` and the swapped stores); positional tuples of this
+    order are accepted too."""
 
     shard: int
     lo: int
@@ -63,6 +65,9 @@ class WorkItem(NamedTuple):
     fp16/bf16), ``"copy"`` (the master is copied into ``out`` after the kernel) or
     ``"master"`` (``out`` IS the fp32 master: an fp32 CPU param updated in place, in a store
     whose fields have no MASTER)."""
+    then: Optional[Callable[[], None]] = None
+    """What the flat store's param sink does once the range is computed (staging -> device, a
+    non-contiguous param put back); the swapped store leaves it to its caller."""
 
 
 class Output(NamedTuple):
@@ -333,7 +338,8 @@ class SwappedShards:
         self._cache.invalidate()  # the pipeline reuses the cache buffer
         by_group: Dict[int, List[Tuple[int, int, int, WorkItem]]] = {}
         for it in items:
-            k, lo, hi, grad, _, out, mode = it
+            it = it if isinstance(it, WorkItem) else WorkItem(*it)
+            k, lo, hi, grad, out, mode = it.shard, it.lo, it.hi, it.grad, it.out, it.mode
             if grad.numel() != hi - lo or (out is not None and out.numel() != hi - lo):
                 raise ValueError(f"shard {k} [{lo}, {hi}): grad of {grad.numel()} and out of "
                                  f"{None if out is None else out.numel()} elements")
@@ -362,7 +368,8 @@ class SwappedShards:
 
         def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
             computed.append(g)  # before the kernel: an exception inside it may have changed params
-            for a, b, start, (_, _, _, grad, kw, out, mode) in by_group[g]:
+            for a, b, start, it in by_group[g]:
+                grad, kw, out, mode = it.grad, it.kwargs, it.out, it.mode
                 x, y = slice(a - s, b - s), slice(a - start, b - start)
                 master = out[y] if mode == "master" else tensors[jm][x]
                 lowp = out[y] if (out is not None and mode == "lowp") else None

@@ -22,39 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Tuple
 
 import torch
 
 from offload.zero import split_ranges
+from offload.optim.swapped_shards import WorkItem
 from offload.zero.flat_group import FlatGroup
 
 if TYPE_CHECKING:
     from offload.optim.flat.store import FlatState
 
 __all__ = ["WorkItem", "HostBacking", "run_step"]
-
-
-class WorkItem(NamedTuple):
-    """One kernel call of a flat step. The first seven fields are the swap layer's work
-    item (``offload/optim/swapped_shards.py``), in its order: ``item[:7]`` is one."""
-
-    group: int
-    """Index of the flat group in the store."""
-    lo: int
-    """Start of the element range, in this rank's shard of that group."""
-    hi: int
-    """End of the range (exclusive)."""
-    grad: torch.Tensor
-    """The grad of those elements, 1-D (fp32 shard sum, or the param's own dtype)."""
-    kw: Dict[str, Any]
-    """The kernel's keywords: hyperparameters, step, grad scale (the 1/N of a sum folded in)."""
-    out: Optional[torch.Tensor]
-    """Where the updated values go (``hi - lo`` elements), or None (the master is the output)."""
-    mode: Optional[str]
-    """"lowp": the kernel writes the rounded copy into ``out``; "copy": the master is copied there."""
-    then: Optional[Callable[[], None]] = None
-    """What the sink does once the item is computed (staging -> device, a non-contiguous param put back)."""
 
 
 Todo = Dict[Tuple[int, int], Tuple[Dict[str, Any], torch.Tensor]]
@@ -133,13 +112,13 @@ class HostBacking:
         self._kernel, self._phases = kernel, phases
 
     def compute(self, item: WorkItem) -> None:
-        fg = self._groups[item.group]
+        fg = self._groups[item.shard]
         s = slice(item.lo, item.hi)
         t = time.perf_counter()
         rule = fg.rule
         self._kernel.rule_step(rule, fg.master[s], item.grad, {k: getattr(fg, k)[s] for k in rule.names},
                                param_lowp=item.out if item.mode == "lowp" else None,
-                               num_threads=self._threads, **item.kw)
+                               num_threads=self._threads, **item.kwargs)
         t1 = time.perf_counter()
         self._phases["kernel"] += t1 - t
         if item.mode == "copy":

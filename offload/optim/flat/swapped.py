@@ -24,7 +24,7 @@ from offload.swap.pipeline import idle_votes
 from offload.zero import comm
 
 if TYPE_CHECKING:
-    from offload.optim.flat.steps import WorkItem
+    from offload.optim.swapped_shards import WorkItem
     from offload.optim.flat.store import FlatState
 
 __all__ = ["open_swap", "params_from_swap", "SwapBacking"]
@@ -101,7 +101,7 @@ class SwapBacking:
         self._posts: List[Callable[[], None]] = []
 
     def compute(self, item: "WorkItem") -> None:
-        self._items.append(tuple(item[:7]))  # the swap layer's work item
+        self._items.append(item._replace(then=None))  # the sink runs `then` after the swap step
         if item.then is not None:
             self._posts.append(item.then)
 
