@@ -384,8 +384,9 @@ class SwappedShards:
         """After a failed step: the outputs of the sub-groups already computed rewritten from
         the master the swap files still hold; the error to raise, saying so."""
         done = set(exc.computed)
-        outs = [Output(k, lo, hi, out, mode) for k, lo, hi, _, _, out, mode in items if out is not None
-                and any(g in done for g, *_ in self._spans(k, lo, hi))]
+        items = [it if isinstance(it, WorkItem) else WorkItem(*it) for it in items]
+        outs = [Output(it.shard, it.lo, it.hi, it.out, it.mode) for it in items if it.out is not None
+                and any(g in done for g, *_ in self._spans(it.shard, it.lo, it.hi))]
         restored = False
         try:
             self.emit_all(outs)
