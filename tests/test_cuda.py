@@ -19,6 +19,7 @@ import torch.nn as nn
 import offload
 from offload.optim.flat_state import FlatState
 from stream_emulation import Emulation
+import _internals as internals
 
 _CUDA = pytest.param("cuda", marks=[pytest.mark.cuda,
                                     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])
@@ -72,7 +73,7 @@ def _step_both(opt, ref, params, masters):
     opt.zero_grad()
     ref.zero_grad()
     for p, m in zip(params, masters):
-        torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(internals.master(opt, p), m.detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -81,7 +82,7 @@ def test_cuda_params_match_adamw_on_host_master(monkeypatch, dev, dtype, overlap
     monkeypatch.setattr(FlatState, "overlap", overlap)
     model, params, masters, ref = _with_reference(dtype, dev)
     opt = offload.AdamW(params, offload="cpu", **HP)
-    assert isinstance(opt._store, FlatState)
+    assert isinstance(internals.store(opt), FlatState)
     for step in range(10):
         for micro in range(2):  # gradient accumulation: the hook fires twice per param
             x = torch.randn(64, 257, device=dev, dtype=dtype)
@@ -94,7 +95,7 @@ def test_cuda_params_match_adamw_on_host_master(monkeypatch, dev, dtype, overlap
         ref.zero_grad()
         # Read on the compute stream right away: must see the copied params.
         for p, m in zip(params, masters):
-            ours = opt._store.master(p)
+            ours = internals.master(opt, p)
             torch.testing.assert_close(ours, m.detach(), rtol=1e-5, atol=1e-6)
             assert torch.equal(p.detach().cpu(), ours.to(dtype)), "device param is not the copy of its master"
     opt.close()
@@ -112,7 +113,7 @@ def test_cuda_grad_changed_after_backward_is_seen(monkeypatch, dev):
         opt.step()
         opt.zero_grad()
     for p, m in zip(params, masters):
-        torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(internals.master(opt, p), m.detach(), rtol=1e-5, atol=1e-6)
     assert opt.memory_report()["tiers"]["pinned"] > 0
 
 
@@ -139,7 +140,7 @@ def test_cuda_fp16_grad_scaler_overflow_skips_and_unscales_in_kernel(dev):
         ref.zero_grad()
     assert opt.skipped_steps == 1
     for p, m in zip(params, masters):
-        torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(internals.master(opt, p), m.detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -153,7 +154,7 @@ def test_cuda_params_with_master_and_moments_on_nvme(tmp_path, dev, dtype):
         model(torch.randn(32, 257, device=dev, dtype=dtype)).float().pow(2).mean().backward()
         _step_both(opt, ref, params, masters)
         for p in params:
-            assert torch.equal(p.detach().cpu(), opt._store.master(p).to(dtype))
+            assert torch.equal(p.detach().cpu(), internals.master(opt, p).to(dtype))
     assert opt.memory_report()["tiers"]["nvme"] > 0 and opt.memory_report()["detail"]["state_bytes"] == 0
     # A streamed checkpoint restores masters, moments and the device params of a fresh model.
     opt.save_checkpoint(str(tmp_path / "ck"))
@@ -166,7 +167,7 @@ def test_cuda_params_with_master_and_moments_on_nvme(tmp_path, dev, dtype):
     opt2.load_checkpoint(str(tmp_path / "ck"))
     for p, q in zip(params, twin.parameters()):
         assert torch.equal(p, q)
-        assert torch.equal(opt._store.master(p), opt2._store.master(q))
+        assert torch.equal(internals.master(opt, p), internals.master(opt2, q))
     opt.close()
     opt2.close()
 
@@ -184,11 +185,11 @@ def test_cuda_loads_right_after_step_wait_for_the_param_copies(tmp_path, dev, dt
     opt.save_checkpoint(str(tmp_path / "step0"))
     model(torch.randn(16, 257, device=dev, dtype=dtype)).float().pow(2).mean().backward()
     opt.step()
-    stepped = [opt._store.master(p).clone() for p in params]
+    stepped = [internals.master(opt, p).clone() for p in params]
     opt.load_state_dict(fresh)  # right after the step: masters from the params' values
     for p, m in zip(params, stepped):
         assert torch.equal(p.detach().cpu(), m.to(dtype))
-        torch.testing.assert_close(opt._store.master(p), m.to(dtype).float(), rtol=0, atol=0)
+        torch.testing.assert_close(internals.master(opt, p), m.to(dtype).float(), rtol=0, atol=0)
     assert not opt.state_dict()["state"]
     opt.zero_grad()
     model(torch.randn(16, 257, device=dev, dtype=dtype)).float().pow(2).mean().backward()
@@ -197,7 +198,7 @@ def test_cuda_loads_right_after_step_wait_for_the_param_copies(tmp_path, dev, dt
     start = _model(dtype, dev)
     for p, q in zip(params, start.parameters()):
         assert torch.equal(p.detach().cpu(), q.detach().cpu())
-        torch.testing.assert_close(opt._store.master(p), q.detach().float().cpu(), rtol=0, atol=0)
+        torch.testing.assert_close(internals.master(opt, p), q.detach().float().cpu(), rtol=0, atol=0)
     opt.close()
 
 
@@ -235,7 +236,7 @@ def test_cuda_clipping_takes_the_grad_norm_on_the_device(monkeypatch, dev):
         opt.zero_grad()
         ref.zero_grad()
         for p, m in zip(params, masters):
-            torch.testing.assert_close(opt._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(internals.master(opt, p), m.detach(), rtol=1e-5, atol=1e-6)
     opt.close()
 
 

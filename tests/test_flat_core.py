@@ -14,6 +14,7 @@ from offload.optim.flat_state import FlatState
 from offload.optim.host_state import HostState
 from offload.optim.swapped_state import SwappedState
 from offload.zero import comm
+import _internals as internals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ("step", "export_state", "import_state", "reset_state", "memory_report", "close")
@@ -30,10 +31,10 @@ def test_the_protocol_lists_every_required_method_and_every_store_has_them():
 
 def test_optional_methods_are_asked_for_by_their_listed_name_only():
     opt = offload.AdamW([torch.nn.Parameter(torch.zeros(3))])
-    assert protocol.optional(opt._store, "grads") is None  # the host store reads p.grad itself
-    assert protocol.optional(opt._store, "check_param") == opt._store.check_param
+    assert protocol.optional(internals.store(opt), "grads") is None  # the host store reads p.grad itself
+    assert protocol.optional(internals.store(opt), "check_param") == internals.store(opt).check_param
     with pytest.raises(AttributeError, match=r"'grad' is not an optional method of the store protocol"):
-        protocol.optional(opt._store, "grad")
+        protocol.optional(internals.store(opt), "grad")
     # every name the optimizer frame asks for is in the list (a typo there would raise on
     # every step); the frame moved from adam.py to base.py (RuleOptimizer) with issue #15
     src = "".join(open(os.path.join(ROOT, "offload", "optim", name), encoding="utf-8").read()
@@ -56,7 +57,7 @@ def two_ranks(monkeypatch):
 def test_grads_is_never_a_collective_and_agree_is_one_per_step(two_ranks):
     a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(6))
     opt = offload.AdamW([a, b], stage=2)
-    store = opt._store
+    store = internals.store(opt)
     assert isinstance(store, FlatState) and store.world == 2
     a.grad = torch.full((4,), 2.0)
     with pytest.raises(RuntimeError, match=r"needs agree_on_grads\(\) first"):
@@ -125,7 +126,7 @@ def test_overlap_is_read_at_each_copy(monkeypatch, flip):
     topt.step()
     grad_stream, copy_stream = pairs[0]
     assert (grad_stream.entered, copy_stream.entered) == ((0, 0) if flip else (1, 1))
-    master = opt._store.master(p)
+    master = internals.master(opt, p)
     torch.testing.assert_close(master, ref.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(p.detach(), master.bfloat16(), rtol=0, atol=0)  # the copy went to the param
     opt.close()

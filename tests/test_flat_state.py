@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import offload
 from offload.optim.flat_state import FlatState
+import _internals as internals
 
 STEPS = 8
 
@@ -55,7 +56,7 @@ def _train(monkeypatch, *, dtype=torch.bfloat16, copy_grads=False, accumulate=2,
     kw = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
     ref = torch.optim.AdamW(masters, foreach=False, **kw)
     opt = offload.AdamW(params, max_grad_norm=max_grad_norm, sub_group_size=sub_group_size, **kw, **extra)
-    assert isinstance(opt._store, FlatState)
+    assert isinstance(internals.store(opt), FlatState)
     lam = lambda s: 1.0 / (1 + 0.3 * s)  # noqa: E731
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lam)
@@ -94,7 +95,7 @@ def _train(monkeypatch, *, dtype=torch.bfloat16, copy_grads=False, accumulate=2,
         opt.zero_grad(set_to_none=set_to_none)
         ref.zero_grad()
         for p, m in zip(params, masters):
-            ours = opt._store.master(p)
+            ours = internals.master(opt, p)
             torch.testing.assert_close(ours, m.detach(), rtol=1e-5, atol=1e-6)
             assert torch.equal(p.detach(), ours.to(dtype)), "param is not the RNE copy of its master"
     return model, opt, ref, masters
@@ -165,7 +166,7 @@ def test_state_dict_roundtrip_keeps_fp32_master_and_loads_into_torch(monkeypatch
     opt2 = offload.AdamW(twin.parameters(), lr=1.0)
     opt2.load_state_dict(copy.deepcopy(sd))  # torch shares step tensors with the source
     for p, q in zip(params, twin.parameters()):
-        torch.testing.assert_close(opt2._store.master(q), opt._store.master(p), rtol=0, atol=0)
+        torch.testing.assert_close(internals.master(opt2, q), internals.master(opt, p), rtol=0, atol=0)
     x = torch.randn(5, 17).bfloat16()
     for m, o in ((model, opt), (twin, opt2)):
         m(x, True).float().sum().backward()
@@ -189,7 +190,7 @@ def test_load_without_master_takes_params(monkeypatch):
             p.add_(1.0)  # the user loaded other weights
     opt.load_state_dict(sd)
     for p in model.parameters():
-        assert torch.equal(opt._store.master(p), p.detach().float())
+        assert torch.equal(internals.master(opt, p), p.detach().float())
 
 
 def test_rejects_unsupported_param_dtype():
@@ -221,7 +222,7 @@ def test_bf16_moments_on_nvme_match_adamw(monkeypatch, tmp_path):
         m(x, True).float().sum().backward()
         o.step()
     for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(opt._store.master(p), opt2._store.master(q))
+        assert torch.equal(internals.master(opt, p), internals.master(opt2, q))
     opt.close()
     opt2.close()
 
@@ -246,7 +247,7 @@ def test_sub_groups_split_large_params(monkeypatch):
             o.step()
             o.zero_grad()
     for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(a._store.master(p), b._store.master(q))
+        assert torch.equal(internals.master(a, p), internals.master(b, q))
         assert math.isfinite(float(p.float().sum()))
 
 
@@ -262,7 +263,7 @@ def test_save_and_load_checkpoint_one_rank(monkeypatch, tmp_path):
         m(x, True).float().sum().backward()
         o.step()
     for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(opt._store.master(p), opt2._store.master(q))
+        assert torch.equal(internals.master(opt, p), internals.master(opt2, q))
         assert torch.equal(p, q)
 
 
@@ -287,7 +288,7 @@ def test_param_groups_with_own_hyperparameters_and_add_param_group():
         ours.zero_grad()
         ref.zero_grad()
     for p, m in zip(params, masters):
-        torch.testing.assert_close(ours._store.master(p), m.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(internals.master(ours, p), m.detach(), rtol=1e-5, atol=1e-6)
 
 
 class _CountingStream:
@@ -318,7 +319,7 @@ def test_host_writes_outside_step_wait_for_the_side_streams(tmp_path, monkeypatc
     model = _model(torch.bfloat16, seed=3)
     opt = offload.AdamW(model.parameters(), lr=1e-2)
     log = []
-    opt._store._streams[torch.device("cuda", 7)] = (_CountingStream(log, "grad"), _CountingStream(log, "copy"))
+    internals.streams(opt)[torch.device("cuda", 7)] = (_CountingStream(log, "grad"), _CountingStream(log, "copy"))
     # The first host writes of each load: they must come after both drains.
     real_refresh, real_load = FlatGroup.refresh_master, fs.load_shards
     monkeypatch.setattr(FlatGroup, "refresh_master", lambda fg: (log.append("write"), real_refresh(fg))[1])

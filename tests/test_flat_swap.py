@@ -19,6 +19,7 @@ import offload
 from offload.swap import SwapStepError
 from test_flat_state import _model as _net
 from test_swap_util import FaultyEngine, run_python
+import _internals as internals
 
 HP = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
 
@@ -42,7 +43,7 @@ def train(model, opt, first: int, last: int, dtype=torch.bfloat16) -> None:
 def assert_same(a, opt_a, b, opt_b) -> None:
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
-        assert torch.equal(opt_a._store.master(p), opt_b._store.master(q))
+        assert torch.equal(internals.master(opt_a, p), internals.master(opt_b, q))
     sa, sb = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
     assert sorted(sa) == sorted(sb)
     for k in sa:
@@ -67,7 +68,7 @@ def test_nvme_equals_cpu_bit_for_bit(tmp_path, dtype, sub):
     assert_same(ref, opt_ref, ours, opt)
     rep = opt.memory_report()
     assert rep["detail"]["state_bytes"] == 0 and rep["tiers"]["nvme"] > 0
-    path = opt._store._swap.swap_path
+    path = internals.swap(opt).swap_path
     opt.close()
     opt_ref.close()
     assert not os.path.exists(path) and os.listdir(tmp_path) == []
@@ -127,13 +128,13 @@ def test_failed_write_restores_params_and_the_step_can_be_retried(tmp_path):
     ref, ours = _model(), _model()
     opt_ref = offload.AdamW(ref.parameters(), offload="cpu", **HP)
     opt = _nvme(ours, tmp_path, sub_group_size=1024)
-    store = opt._store._swap.store
+    store = internals.swap(opt).store
     faulty = FaultyEngine(store.engine, op="write", fail_at=0)
     store.engine = faulty
     train(ref, opt_ref, 0, 3)
     train(ours, opt, 0, 2)
     before = [p.detach().clone() for p in ours.parameters()]
-    masters = [opt._store.master(p) for p in ours.parameters()]
+    masters = [internals.master(opt, p) for p in ours.parameters()]
     steps = {k: float(v["step"]) for k, v in opt.state_dict()["state"].items()}
     ours(_batch(2), use_side=True).float().pow(2).mean().backward()
     faulty.arm(3)  # the third sub-group's write fails: two sub-groups were computed already
@@ -141,7 +142,7 @@ def test_failed_write_restores_params_and_the_step_can_be_retried(tmp_path):
         opt.step()
     assert "still hold step 2" in str(e.value)
     assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), before))
-    assert all(torch.equal(opt._store.master(p), m) for p, m in zip(ours.parameters(), masters))
+    assert all(torch.equal(internals.master(opt, p), m) for p, m in zip(ours.parameters(), masters))
     assert {k: float(v["step"]) for k, v in opt.state_dict()["state"].items()} == steps
     faulty.arm(0)
     opt.step()  # the same grads again
@@ -230,7 +231,7 @@ def test_flipped_bit_in_a_swapped_master_is_detected_and_nothing_applied(tmp_pat
     model = _model()
     opt = _nvme(model, tmp_path, sub_group_size=1024, verify=True)
     train(model, opt, 0, 2)
-    sw = opt._store._swap
+    sw = internals.swap(opt)
     path = sw.store.read_slot_file(1)
     off = sw.layout.group_offset(1) + 100  # the master of sub-group 1, block 0
     fd = os.open(path, os.O_RDWR)

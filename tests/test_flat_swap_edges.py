@@ -25,6 +25,7 @@ from offload.optim.flat_state import FlatState
 from offload.swap import SwapStepError
 from test_flat_swap import HP, _batch, _model, _nvme, assert_same, train
 from test_swap_util import run_python
+import _internals as internals
 
 # Sizes that break SIMD tails and sub-groups: empty params, one-element params, a param larger
 # than several sub-groups of 1024, non-contiguous ones (a transposed weight).
@@ -53,7 +54,7 @@ def _assert_same(pa, oa, pb, ob):
     """Params, fp32 masters, moments and steps equal bit for bit."""
     for i, (p, q) in enumerate(zip(pa, pb)):
         assert torch.equal(p, q), i
-        assert torch.equal(oa._store.master(p), ob._store.master(q)), i
+        assert torch.equal(internals.master(oa, p), internals.master(ob, q)), i
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
     assert sorted(sa) == sorted(sb)
     for k in sa:
@@ -63,13 +64,13 @@ def _assert_same(pa, oa, pb, ob):
 
 
 def _snapshot(params, opt):
-    return ([p.detach().clone() for p in params], [opt._store.master(p) for p in params], _steps(opt))
+    return ([p.detach().clone() for p in params], [internals.master(opt, p) for p in params], _steps(opt))
 
 
 def _assert_snapshot(params, opt, snap):
     ps, ms, steps = snap
     assert all(torch.equal(p, q) for p, q in zip(params, ps))
-    assert all(torch.equal(opt._store.master(p), m) for p, m in zip(params, ms))
+    assert all(torch.equal(internals.master(opt, p), m) for p, m in zip(params, ms))
     assert _steps(opt) == steps
 
 
@@ -78,7 +79,7 @@ def test_empty_one_element_and_multi_subgroup_params_equal_cpu(tmp_path):
     a, b = _params(), _params()
     oa = offload.AdamW(a, offload="cpu", sub_group_size=SUB, **HP)
     ob = offload.AdamW(b, offload="nvme", swap_dir=str(tmp_path), sub_group_size=SUB, **HP)
-    assert ob._store._swap.layout.num_groups == 7  # 7089 elements in sub-groups of 1024
+    assert internals.swap(ob).layout.num_groups == 7  # 7089 elements in sub-groups of 1024
     for s in range(4):
         without = (0, 6) if s % 2 else ()  # one-element and tail params skip some steps
         for ps, o in ((a, oa), (b, ob)):
@@ -168,7 +169,7 @@ def test_hook_and_staging_path_with_grads_changed_in_place(tmp_path, monkeypatch
     monkeypatch.setattr(FlatState, "copy_cpu_grads", True)
     monkeypatch.setattr(FlatState, "stage_cpu_params", True)
     opt = _nvme(m, tmp_path, sub_group_size=1024)
-    assert opt._store._groups[0].stage is not None and opt._store._groups[0].host_grad is not None
+    assert internals.flat_groups(opt)[0].stage is not None and internals.flat_groups(opt)[0].host_grad is not None
     for model, o in ((ref, opt_ref), (m, opt)):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
         for s in range(4):
@@ -211,7 +212,7 @@ def test_state_dict_moves_between_nvme_cpu_and_torch(tmp_path):
     train(src, opt_src, 0, 3)
     sd = opt_src.state_dict()
     # torch.optim.AdamW on fp32 copies of the masters takes it as it is.
-    masters = [nn.Parameter(opt_src._store.master(p)) for p in src.parameters()]
+    masters = [nn.Parameter(internals.master(opt_src, p)) for p in src.parameters()]
     ref = torch.optim.AdamW(masters, foreach=False, **HP)
     ref.load_state_dict(sd)
     for i, p in enumerate(masters):
@@ -363,7 +364,7 @@ def test_verify_and_resume_continue_bit_exact(tmp_path):
     train(ref, opt_ref, 0, 4)
     m = _model(seed=6)
     opt = _nvme(m, tmp_path / "swap", sub_group_size=1024, verify=True, resume=True)
-    assert opt._store._swap.store.verify and opt._store._swap.store.checksums
+    assert internals.swap(opt).store.verify and internals.swap(opt).store.checksums
     train(m, opt, 2, 4)
     assert_same(ref, opt_ref, m, opt)
     opt.close()
@@ -399,7 +400,7 @@ def test_max_host_bytes_at_the_minimum_equals_cpu(tmp_path):
     ref, m = _model(), _model()
     opt_ref = offload.AdamW(ref.parameters(), offload="cpu", **HP)
     opt = _nvme(m, tmp_path, sub_group_size=1024, max_host_bytes=36864)
-    assert len(opt._store._swap.pipeline.buffers) == 3
+    assert len(internals.swap(opt).pipeline.buffers) == 3
     train(ref, opt_ref, 0, 3)
     train(m, opt, 0, 3)
     assert_same(ref, opt_ref, m, opt)
@@ -466,7 +467,7 @@ def test_swap_dir_without_o_direct_warns_and_equals_cpu(tmp_path):
         opt_ref = offload.AdamW(ref.parameters(), offload="cpu", **HP)
         with pytest.warns(RuntimeWarning, match="does not support O_DIRECT"):
             opt = _nvme(m, mnt, sub_group_size=1024)
-        assert not any(f.direct for f in opt._store._swap.store.files)
+        assert not any(f.direct for f in internals.swap(opt).store.files)
         train(ref, opt_ref, 0, 3)
         train(m, opt, 0, 3)
         assert_same(ref, opt_ref, m, opt)
@@ -506,7 +507,7 @@ def test_a_full_disk_keeps_training_and_refuses_checkpoints(tmp_path, caplog):
         ref, m = _model(), _model()
         opt_ref = offload.AdamW(ref.parameters(), offload="cpu", **HP)
         opt = _nvme(m, mnt / "swap", sub_group_size=1024)
-        path = opt._store._swap.swap_path
+        path = internals.swap(opt).swap_path
         reserve = os.path.join(path, "reserve.bin")
         train(ref, opt_ref, 0, 7)
         train(m, opt, 0, 2)
@@ -548,7 +549,7 @@ def test_enospc_without_a_reserve_names_the_directory_and_changes_nothing(tmp_pa
     ref, m = _model(), _model()
     opt_ref = offload.AdamW(ref.parameters(), offload="cpu", **HP)
     opt = _nvme(m, tmp_path / "swap", sub_group_size=1024)
-    path = opt._store._swap.swap_path
+    path = internals.swap(opt).swap_path
     train(ref, opt_ref, 0, 4)
     train(m, opt, 0, 2)
     os.unlink(os.path.join(path, "reserve.bin"))
@@ -579,7 +580,7 @@ def test_close_second_optimizer_on_one_dir_and_garbage_collection(tmp_path):
     opt_ref = offload.AdamW(ref.parameters(), offload="cpu", **HP)
     opt_a = _nvme(a, tmp_path, sub_group_size=1024)
     opt_b = _nvme(b, tmp_path, sub_group_size=1024)
-    pa, pb = opt_a._store._swap.swap_path, opt_b._store._swap.swap_path
+    pa, pb = internals.swap(opt_a).swap_path, internals.swap(opt_b).swap_path
     assert sorted(os.listdir(tmp_path)) == ["offload-flat-2.rank0", "offload-flat.rank0"] and pa != pb
     train(ref, opt_ref, 0, 3)
     train(a, opt_a, 0, 3)

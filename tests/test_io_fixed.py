@@ -12,6 +12,7 @@ import torch
 from offload.io import engine_unavailable_reason, open_engine, open_file
 from offload.io import uring as uring_mod
 from offload.memory import BufferPool
+import _internals as internals
 
 pytestmark = pytest.mark.skipif(engine_unavailable_reason("uring") is not None,
                                 reason=f"uring engine unavailable here: {engine_unavailable_reason('uring')}")
@@ -164,14 +165,14 @@ def test_swap_pipeline_registers_its_buffers_and_releases_them(workdir):
         p.grad = torch.randn_like(p)
     opt = offload.AdamW(params, lr=1e-3, offload="nvme", swap_dir=str(workdir), io_engine="uring")
     opt.step()
-    eng_ = opt._store.store.engine  # SwappedState -> SwapStore -> its engine
+    eng_ = internals.swap(opt).store.engine  # SwappedState -> SwapStore -> its engine
     assert isinstance(eng_, uring_mod.UringEngine)
     if eng_.fixed_buffers_reason is not None:
         pytest.skip(f"registered buffers unavailable here: {eng_.fixed_buffers_reason}")
     assert eng_.stats()["fixed_pieces"] > 0 and eng_._handles
     # the report says how much the ring keeps page-locked (the pipeline's buffers)
     locked = opt.memory_report()["detail"]["io_locked_bytes"]
-    assert locked == sum(b.capacity for b in opt._store.pipeline.buffers) > 0
+    assert locked == sum(b.capacity for b in internals.swap(opt).pipeline.buffers) > 0
     opt.close()
     assert not eng_._handles  # unregistered before the pipeline's pool was unmapped
 

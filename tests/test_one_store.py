@@ -17,6 +17,7 @@ from offload.optim.context import StepContext, StepCounts
 from offload.optim.swapped_shards import SwappedShards, WorkItem
 
 from test_swap_util import SIZES, SPLIT, Reference, batches_for, swapped_state
+import _internals as internals
 
 HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
@@ -137,9 +138,9 @@ def test_the_optimizer_store_counts_in_opt_state_and_holds_no_optimizer(tmp_path
     p.grad = torch.ones(3000)
     opt.step()
     opt.step()
-    assert opt._store.step_of(p) == 2 == int(opt.state[p]["step"])
+    assert internals.store(opt).step_of(p) == 2 == int(opt.state[p]["step"])
     # the counts come through a StepContext: no optimizer (nor a weak reference to one) in the store
-    assert not any(v is opt or isinstance(v, weakref.ref) for v in vars(opt._store).values())
+    assert not any(v is opt or isinstance(v, weakref.ref) for v in vars(internals.store(opt)).values())
     opt.close()
 
 

@@ -21,6 +21,7 @@ import offload
 from offload.config import IOConfig, parse_bytes
 from offload.io.tuning import load_tuning, save_tuning
 from offload.optim.functional import AdamHyper, adam_step
+import _internals as internals
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = ("maximize", "foreach", "fused", "differentiable", "capturable", "decoupled_weight_decay")
@@ -301,7 +302,7 @@ def test_tuning_file_reaches_the_swap_pipeline(tmp_path, form):
     (tmp_path / "swap").mkdir()
     with offload.AdamW(params, lr=0.01, offload="nvme", swap_dir=str(tmp_path / "swap"),
                        io_engine=io_engine) as opt:
-        engine = opt._store.store.engine
+        engine = internals.swap(opt).store.engine
         assert (engine.name, engine.queue_depth, engine.block_size, engine.direct) == ("threads", 3, 8192, False)
         for s in range(2):
             _step_both([(opt, params), (ref, ref_params)], s)
@@ -359,7 +360,7 @@ def test_host_store_copies_keep_everything(how):
     dup_params = [p for g in dup.param_groups for p in g["params"]]
     assert all(a is not b and torch.equal(a, b) for a, b in zip(params, dup_params))
     # the copy's store works on the copy's torch state (through the copy's step context)
-    assert dup._store.ctx is dup._ctx and dup._ctx.torch_state.state is dup.state
+    assert internals.store(dup).ctx is dup._ctx and dup._ctx.torch_state.state is dup.state
     for s in range(2, 4):
         _step_both([(opt, params), (dup, dup_params)], s)
     for a, b in zip(params, dup_params):

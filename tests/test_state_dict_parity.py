@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import offload
 from test_swap_util import FaultyEngine
+import _internals as internals
 
 SIZES = [(3000,), (7,), (40, 60), (1,), (2500,)]
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
@@ -146,7 +147,7 @@ def test_nvme_load_state_dict_commits_once(tmp_path, kind):
     params, opt = _opt(kind, tmp_path)
     _train(opt, params, 0, 2)
     before = _state_copy(opt)
-    swap = opt._store if kind == "nvme" else opt._store._swap
+    swap = internals.store(opt) if kind == "nvme" else internals.swap(opt)
     manifest = os.path.join(swap.swap_path, "manifest.json")
     with open(manifest) as f:
         m0 = json.load(f)
@@ -234,8 +235,9 @@ def test_opt_state_moments_after_load_state_dict(tmp_path, kind):
     src.close()
 
 
-_KILLED_LOAD = r"""
+_KILLED_LOAD = f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n" + r"""
 import os, signal, sys, torch, torch.nn as nn, offload
+import _internals as internals
 swap, out = sys.argv[1], sys.argv[2]
 g = torch.Generator().manual_seed(0)
 params = [nn.Parameter(torch.randn(n, generator=g)) for n in (3000, 7, 2500)]
@@ -250,7 +252,7 @@ for st in sd["state"].values():
     st["exp_avg"] = st["exp_avg"] + 1.0
     st["exp_avg_sq"] = st["exp_avg_sq"] + 1.0
     st["step"] = torch.tensor(7.0)
-store = opt._store.store
+store = internals.swap(opt).store
 inner, count = store.engine, [0]
 class Killer:
     def __getattr__(self, name):

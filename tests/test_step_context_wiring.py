@@ -17,6 +17,7 @@ from offload.optim.flat.steps import WorkItem
 from offload.optim.flat.store import FlatState
 from offload.optim.functional import AdamHyper
 from offload.optim.options import make_config
+import _internals as internals
 
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 
@@ -63,7 +64,7 @@ def test_no_store_reaches_its_optimizer(tmp_path, store):
     with offload.AdamW(params, **HP, max_grad_norm=1.0, **kw) as opt:
         _grads(params, 0)
         opt.step()
-        assert not _reaches(opt._store, opt), f"the {store} store reaches its optimizer"
+        assert not _reaches(internals.store(opt), opt), f"the {store} store reaches its optimizer"
 
 
 def test_flags_set_on_the_optimizer_live_in_the_context():
@@ -81,7 +82,7 @@ def test_flags_set_on_the_optimizer_live_in_the_context():
             assert ctx.no_sync
         assert ctx.no_sync
     assert not ctx.no_sync
-    assert opt._store.ctx is ctx
+    assert internals.store(opt).ctx is ctx
     opt.close()
 
 
@@ -116,7 +117,7 @@ def test_a_failed_step_puts_back_the_very_step_tensors(monkeypatch):
     def broken(batches):
         assert [s for _, items in batches for _, _, s in items] == [2, 2, 2]  # each item carries its count
         raise RuntimeError("disk gone")
-    monkeypatch.setattr(opt._store, "step", broken)
+    monkeypatch.setattr(internals.store(opt), "step", broken)
     with pytest.raises(RuntimeError, match="disk gone"):
         opt.step()
     assert all(opt.state[p]["step"] is t for p, t in zip(params, before))
@@ -176,7 +177,7 @@ def test_found_inf_a_store_agrees_on_goes_back_to_grad_scaler(monkeypatch):
     def begin_step():
         seen.append((opt._ctx.grad_scale, opt._ctx.found_inf))
         opt._ctx.found_inf = agreed  # as several ranks would: one rank overflowed
-    monkeypatch.setattr(opt._store, "begin_step", begin_step)
+    monkeypatch.setattr(internals.store(opt), "begin_step", begin_step)
     before = [p.detach().clone() for p in params]
     _grads(params, 0)
     opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.zeros(1)  # as GradScaler.step does
@@ -208,7 +209,7 @@ def test_non_contiguous_params_through_the_one_loop_match_torch(dtype):
         opt.step()
         torch_opt.step()
     for p, q in zip(params, ref):
-        master = opt._store.master(p)
+        master = internals.master(opt, p)
         torch.testing.assert_close(master, q.detach(), rtol=1e-5, atol=1e-6)
         assert torch.equal(p.detach(), master.to(p.dtype))
     opt.close()

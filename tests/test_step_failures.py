@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import types
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn as nn
 import offload
 from offload.swap import SwapStepError
 from test_swap_util import FaultyEngine
+import _internals as internals
 
 SIZES = [(3000,), (7,), (40, 60), (1,), (2500,)]
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
@@ -62,7 +64,7 @@ def _close_to(params, ref):
 
 def _inject(opt, op, fail_at):
     """The fp32 nvme store's engine, failing the ``fail_at``-th batch of ``op`` once armed."""
-    store = opt._store.store
+    store = internals.swap(opt).store
     faulty = FaultyEngine(store.engine, op=op, fail_at=0)
     store.engine = faulty
     faulty.arm(fail_at)
@@ -92,7 +94,7 @@ def test_failed_nvme_step_is_stated_and_clear_failure_checks_the_params(tmp_path
     with pytest.raises(SwapStepError) as e:
         opt.step()
     msg = str(e.value)
-    assert msg.count("[Errno") == 1 and msg.count(opt._store.swap_path) <= 2, msg  # no "[Errno 5] [Errno 5]"
+    assert msg.count("[Errno") == 1 and msg.count(internals.swap_path(opt)) <= 2, msg  # no "[Errno 5] [Errno 5]"
     assert "clear_failure" in msg and "still hold step 2" in msg
     assert _steps(opt, params) == [2] * len(params)
     assert any(not torch.equal(p, q) for p, q in zip(params, saved))  # half-updated in place: stated
@@ -232,21 +234,16 @@ class _Kernel:
 
 
 def _patch_kernel(monkeypatch, opt, kernel_factory):
-    store = opt._store
-    if hasattr(store, "_kernel"):  # the fp32 nvme store keeps its kernel
-        store._kernel = kernel_factory(store._kernel)
-        return
-    import offload.kernels as kernels
+    """Wrap the kernel backend every store of ``opt`` steps with (the backend object is shared:
+    stores keep it, so patching its methods reaches them all); monkeypatch.undo() unwraps it."""
+    from offload.kernels import get_backend
 
-    real = kernels.get_backend
-    wrapped = kernel_factory(real(None))
-    for mod in ("offload.optim.functional", "offload.optim.flat.store", "offload.optim.flat.grads",
-                "offload.optim.swapped_shards"):
-        m = __import__(mod, fromlist=["x"])
-        if hasattr(m, "get_backend"):
-            monkeypatch.setattr(m, "get_backend", lambda name=None: wrapped)
-    if hasattr(store, "_swap") and store._swap is not None:
-        store._swap._kernel = wrapped
+    backend = get_backend(opt.backend)
+    inner = types.SimpleNamespace(adam_step=backend.adam_step, rule_step=backend.rule_step)
+    wrapped = kernel_factory(inner)
+    monkeypatch.setattr(backend, "adam_step", wrapped.adam_step)
+    monkeypatch.setattr(backend, "rule_step", wrapped.rule_step)
+    return wrapped
 
 
 @pytest.mark.parametrize("kind", ["none", "nvme", "bf16-nvme"])
@@ -263,16 +260,16 @@ def test_ctrl_c_lands_after_the_step_is_whole(tmp_path, monkeypatch, kind):
     monkeypatch.undo()
     _train(opt, params, ref, 3, 5)
     for p, q in zip(params, ref.params):  # bf16 params: their fp32 masters
-        got = p if p.dtype == torch.float32 else opt._store.master(p)
+        got = p if p.dtype == torch.float32 else internals.master(opt, p)
         torch.testing.assert_close(got.detach(), q.detach(), rtol=1e-5, atol=1e-6)
     opt.close()
 
 
-def test_second_ctrl_c_interrupts_at_once_and_is_a_failed_step(tmp_path):
+def test_second_ctrl_c_interrupts_at_once_and_is_a_failed_step(tmp_path, monkeypatch):
     params, opt = _opt("nvme", tmp_path)
     _train(opt, params, None, 0, 2)
     saved = [p.detach().clone() for p in params]
-    opt._store._kernel = _Kernel(opt._store._kernel, at=3, signals=2)
+    _patch_kernel(monkeypatch, opt, lambda k: _Kernel(k, at=3, signals=2))
     _grads(params, 2)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
@@ -283,7 +280,7 @@ def test_second_ctrl_c_interrupts_at_once_and_is_a_failed_step(tmp_path):
         for p, q in zip(params, saved):
             p.copy_(q)
     opt.clear_failure()
-    opt._store._kernel = opt._store._kernel.inner
+    monkeypatch.undo()
     _grads(params, 2)
     opt.step()
     opt.close()
@@ -298,8 +295,6 @@ def test_an_exception_in_the_middle_of_a_step_is_a_failed_step(tmp_path, monkeyp
     with pytest.raises(MemoryError):
         opt.step()
     monkeypatch.undo()
-    if kind == "nvme":
-        opt._store._kernel = opt._store._kernel.inner
     assert _steps(opt, params) == [2] * len(params)
     with pytest.raises(RuntimeError, match="failed state.*MemoryError"):
         opt.step()  # never a silent second application of the sub-groups already stepped

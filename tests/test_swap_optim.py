@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import offload
+import _internals as internals
 
 
 def _model(seed=0):
@@ -84,8 +85,8 @@ def test_checkpoint_and_resume_through_the_optimizer(tmp_path):
     o1.save_checkpoint(str(ckpt))
     params_at_3 = copy.deepcopy(m1.state_dict())
     # as if killed: leave the swap directory behind
-    o1._store.pipeline.close()
-    o1._store.store.close(remove=False)
+    internals.swap(o1).pipeline.close()
+    internals.swap(o1).store.close(remove=False)
     m2 = _model(seed=5)
     m2.load_state_dict(params_at_3)
     o2 = _nvme(m2, swap, resume=True)
@@ -112,8 +113,8 @@ def test_resume_with_params_of_another_step_is_refused(tmp_path):
     _train(m1, o1, 2)
     before = copy.deepcopy(m1.state_dict())
     _train(m1, o1, 1)
-    o1._store.pipeline.close()
-    o1._store.store.close(remove=False)
+    internals.swap(o1).pipeline.close()
+    internals.swap(o1).store.close(remove=False)
     m2 = _model()
     m2.load_state_dict(before)  # params of step 2, swap files of step 3
     with pytest.raises(ValueError, match="not those of step 3"):

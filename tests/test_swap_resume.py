@@ -12,6 +12,7 @@ import offload
 from offload.swap import SwapLayout, SwapStore
 from offload.swap.cleanup import clean_dir
 from test_swap_util import run_python
+import _internals as internals
 
 NAMES = ["exp_avg", "exp_avg_sq"]
 HP = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
@@ -68,7 +69,7 @@ def _fp32_left(tmp_path, steps=2):
     for k in range(steps):
         p.grad = torch.randn(3000, generator=torch.Generator().manual_seed(k))
         opt.step()
-    st = opt._store
+    st = internals.store(opt)
     st._finalizer.detach()
     st.pipeline.close()
     st.store.close(remove=False)  # as if killed after the last step
@@ -84,7 +85,7 @@ def test_damaged_step_counts_are_refused(tmp_path, steps, msg):
     opt = offload.AdamW([a, b], offload="nvme", swap_dir=str(tmp_path), **HP)
     a.grad, b.grad = torch.ones(3000), torch.ones(10)
     opt.step()
-    st = opt._store
+    st = internals.store(opt)
     st._finalizer.detach()
     st.pipeline.close()
     st.store.close(remove=False)
@@ -165,7 +166,7 @@ def test_resume_keeps_the_layout_whatever_the_budget(tmp_path, dtype):
     opt = offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path), max_host_bytes=48 << 10, **HP)
     p.grad = torch.ones_like(p)
     opt.step()
-    store = opt._store if dtype == torch.float32 else opt._store._swap
+    store = internals.store(opt) if dtype == torch.float32 else internals.swap(opt)
     assert store.layout.sub_group_size == 1024
     store._finalizer.detach()
     store.pipeline.close()
@@ -174,7 +175,7 @@ def test_resume_keeps_the_layout_whatever_the_budget(tmp_path, dtype):
     if dtype == torch.bfloat16:
         q = init.clone().requires_grad_(True)  # the flat store rewrites the params from the swap files
     opt2 = offload.AdamW([q], offload="nvme", swap_dir=str(tmp_path), resume=True, **HP)
-    store2 = opt2._store if dtype == torch.float32 else opt2._store._swap
+    store2 = internals.store(opt2) if dtype == torch.float32 else internals.swap(opt2)
     assert store2.layout.sub_group_size == 1024
     assert torch.equal(q.detach(), p.detach())
     assert int(opt2.state_dict()["state"][0]["step"]) == 1

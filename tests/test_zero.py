@@ -24,6 +24,7 @@ import torch.nn as nn
 
 import offload
 from offload.zero import FlatLayout, split_ranges
+import _internals as internals
 
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 STEPS = 20
@@ -66,7 +67,7 @@ def test_stage_without_process_group_is_one_rank():
     ps = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(4))]
     ref = [nn.Parameter(p.detach().clone()) for p in ps]
     opt, topt = offload.AdamW(ps, stage=2, **HP), torch.optim.AdamW(ref, foreach=False, **HP)
-    assert type(opt._store).__name__ == "FlatState"
+    assert type(internals.store(opt)).__name__ == "FlatState"
     for _ in range(3):
         for a, b in zip(ps, ref):
             g = torch.randn_like(a)
@@ -229,7 +230,7 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
     if save_dir is not None:
         opt.save_checkpoint(save_dir)
     if leave_swap:  # what a killed process leaves: the swap directory, its lock free
-        sw = opt._store._swap
+        sw = internals.swap(opt)
         sw._finalizer.detach()
         sw.pipeline.close()
         sw.store.close(remove=False)
@@ -238,7 +239,7 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
     sd = opt.state_dict()
     report = opt.memory_report()
     opt.close()
-    reducer = getattr(opt._store, "_backward_reduction", None)
+    reducer = getattr(internals.store(opt), "_backward_reduction", None)
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sd": sd,
             "skipped": opt.skipped_steps, "report": report,
             "launches": None if reducer is None else (reducer._seq, len(reducer._order))}
@@ -261,7 +262,7 @@ def job_swap_failure(group, swap_dir, fail_rank, steps, where="write"):
     opt = offload.AdamW(model.parameters(), stage=2, process_group=group, offload="nvme", swap_dir=swap_dir,
                         sub_group_size=1024, **HP)
     rank = dist.get_rank(group)
-    store = opt._store._swap.store
+    store = internals.swap(opt).store
     faulty = FaultyEngine(store.engine, op="write", fail_at=0)
     store.engine = faulty
     out = {}
@@ -394,7 +395,7 @@ def job_emit_failure(group, ckpt, swap_dir, fail_rank):
         def broken(outs):
             raise OSError(5, "Input/output error (injected)", swap_dir)
 
-        opt._store._swap.emit_all = broken
+        internals.swap(opt).emit_all = broken
     try:
         opt.load_checkpoint(ckpt)
         error = None
@@ -437,7 +438,7 @@ def job_bf16_locked(group, stage, steps, swap_dir=None):
         opt.zero_grad()
         ref.zero_grad()
         for p, m in zip(params, masters):
-            ours = opt._store.master(p)
+            ours = internals.master(opt, p)
             torch.testing.assert_close(ours, m.detach(), rtol=1e-5, atol=1e-6)
             if not torch.equal(p.detach(), ours.bfloat16()):
                 raise AssertionError("bf16 param is not the RNE copy of its master")

@@ -59,6 +59,8 @@ class Store(Protocol):
 
 
 OPTIONAL: Dict[str, str] = {
+    "master": "(p) -> tensor: p's full fp32 master, when the store keeps one apart from p (the flat store); "
+              "a collective when partitioned",
     "add_param_group": "(group) -> None: take a param group added after construction",
     "check_param": "(index, p) -> None: raise ValueError when the store cannot hold p (no add_param_group)",
     "agree_on_grads": "() -> None: settle, across ranks, which params have a grad this step (a collective); "
