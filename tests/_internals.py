@@ -57,3 +57,20 @@ def flat_groups(opt: Any) -> Any:
 def streams(opt: Any) -> Any:
     """The flat store's per-device (grad, copy) CUDA streams: a test plants counting streams."""
     return store(opt)._streams
+
+
+def leave_swap_as_killed(opt: Any) -> str:
+    """Leave ``opt``'s swap directory as a killed process would: its lock free, nothing flushed,
+    nothing removed (opt.close(keep_swap=True) flushes first, which a kill does not); the
+    optimizer is unusable afterwards. Returns the directory, for a resume=True optimizer."""
+    sw = swap(opt)
+    sw._finalizer.detach()
+    sw.pipeline.close()
+    sw.store.close(remove=False)
+    return sw.store.path
+
+
+def backward_reduction(opt: Any) -> Any:
+    """The flat store's in-backward gradient reducer, or None (its launch sequence and bucket
+    order are compared across ranks: they must agree or a collective hangs)."""
+    return getattr(store(opt), "_backward_reduction", None)

@@ -147,7 +147,7 @@ def test_nvme_load_state_dict_commits_once(tmp_path, kind):
     params, opt = _opt(kind, tmp_path)
     _train(opt, params, 0, 2)
     before = _state_copy(opt)
-    swap = internals.store(opt) if kind == "nvme" else internals.swap(opt)
+    swap = internals.swap(opt)
     manifest = os.path.join(swap.swap_path, "manifest.json")
     with open(manifest) as f:
         m0 = json.load(f)

@@ -85,8 +85,7 @@ def test_checkpoint_and_resume_through_the_optimizer(tmp_path):
     o1.save_checkpoint(str(ckpt))
     params_at_3 = copy.deepcopy(m1.state_dict())
     # as if killed: leave the swap directory behind
-    internals.swap(o1).pipeline.close()
-    internals.swap(o1).store.close(remove=False)
+    internals.leave_swap_as_killed(o1)
     m2 = _model(seed=5)
     m2.load_state_dict(params_at_3)
     o2 = _nvme(m2, swap, resume=True)
@@ -113,8 +112,7 @@ def test_resume_with_params_of_another_step_is_refused(tmp_path):
     _train(m1, o1, 2)
     before = copy.deepcopy(m1.state_dict())
     _train(m1, o1, 1)
-    internals.swap(o1).pipeline.close()
-    internals.swap(o1).store.close(remove=False)
+    internals.leave_swap_as_killed(o1)
     m2 = _model()
     m2.load_state_dict(before)  # params of step 2, swap files of step 3
     with pytest.raises(ValueError, match="not those of step 3"):

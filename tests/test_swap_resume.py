@@ -69,11 +69,8 @@ def _fp32_left(tmp_path, steps=2):
     for k in range(steps):
         p.grad = torch.randn(3000, generator=torch.Generator().manual_seed(k))
         opt.step()
-    st = internals.store(opt)
-    st._finalizer.detach()
-    st.pipeline.close()
-    st.store.close(remove=False)  # as if killed after the last step
-    return p.detach().clone(), os.path.join(st.store.path, "manifest.json")
+    swap_dir = internals.leave_swap_as_killed(opt)  # as if killed after the last step
+    return p.detach().clone(), os.path.join(swap_dir, "manifest.json")
 
 
 @pytest.mark.parametrize("steps, msg", [([1], "has 1 step counts for 2 params"),
@@ -85,11 +82,7 @@ def test_damaged_step_counts_are_refused(tmp_path, steps, msg):
     opt = offload.AdamW([a, b], offload="nvme", swap_dir=str(tmp_path), **HP)
     a.grad, b.grad = torch.ones(3000), torch.ones(10)
     opt.step()
-    st = internals.store(opt)
-    st._finalizer.detach()
-    st.pipeline.close()
-    st.store.close(remove=False)
-    path = os.path.join(st.store.path, "manifest.json")
+    path = os.path.join(internals.leave_swap_as_killed(opt), "manifest.json")
     _edit(path, lambda m: m["extra"].__setitem__("steps", steps) if steps else m["extra"].pop("steps"))
     with pytest.raises(ValueError, match=msg):
         offload.AdamW([a, b], offload="nvme", swap_dir=str(tmp_path), resume=True, **HP)
@@ -166,17 +159,13 @@ def test_resume_keeps_the_layout_whatever_the_budget(tmp_path, dtype):
     opt = offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path), max_host_bytes=48 << 10, **HP)
     p.grad = torch.ones_like(p)
     opt.step()
-    store = internals.store(opt) if dtype == torch.float32 else internals.swap(opt)
-    assert store.layout.sub_group_size == 1024
-    store._finalizer.detach()
-    store.pipeline.close()
-    store.store.close(remove=False)
+    assert internals.swap(opt).layout.sub_group_size == 1024
+    internals.leave_swap_as_killed(opt)
     q = p.detach().clone().requires_grad_(True)
     if dtype == torch.bfloat16:
         q = init.clone().requires_grad_(True)  # the flat store rewrites the params from the swap files
     opt2 = offload.AdamW([q], offload="nvme", swap_dir=str(tmp_path), resume=True, **HP)
-    store2 = internals.store(opt2) if dtype == torch.float32 else internals.swap(opt2)
-    assert store2.layout.sub_group_size == 1024
+    assert internals.swap(opt2).layout.sub_group_size == 1024
     assert torch.equal(q.detach(), p.detach())
     assert int(opt2.state_dict()["state"][0]["step"]) == 1
     nstates = 2 if dtype == torch.float32 else 3

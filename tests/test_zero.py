@@ -67,7 +67,7 @@ def test_stage_without_process_group_is_one_rank():
     ps = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(4))]
     ref = [nn.Parameter(p.detach().clone()) for p in ps]
     opt, topt = offload.AdamW(ps, stage=2, **HP), torch.optim.AdamW(ref, foreach=False, **HP)
-    assert type(internals.store(opt)).__name__ == "FlatState"
+    assert opt.memory_report()["store"] == "flat"
     for _ in range(3):
         for a, b in zip(ps, ref):
             g = torch.randn_like(a)
@@ -230,16 +230,13 @@ def job_train(group, stage, steps, accumulate=1, max_grad_norm=None, overflow_at
     if save_dir is not None:
         opt.save_checkpoint(save_dir)
     if leave_swap:  # what a killed process leaves: the swap directory, its lock free
-        sw = internals.swap(opt)
-        sw._finalizer.detach()
-        sw.pipeline.close()
-        sw.store.close(remove=False)
+        internals.leave_swap_as_killed(opt)
         return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
     opt.state_dict_rank0_only = rank0_only
     sd = opt.state_dict()
     report = opt.memory_report()
     opt.close()
-    reducer = getattr(internals.store(opt), "_backward_reduction", None)
+    reducer = internals.backward_reduction(opt)
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "sd": sd,
             "skipped": opt.skipped_steps, "report": report,
             "launches": None if reducer is None else (reducer._seq, len(reducer._order))}
