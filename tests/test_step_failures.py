@@ -62,11 +62,31 @@ def _close_to(params, ref):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
-def _inject(opt, op, fail_at):
-    """The fp32 nvme store's engine, failing the ``fail_at``-th batch of ``op`` once armed."""
-    store = internals.swap(opt).store
-    faulty = FaultyEngine(store.engine, op=op, fail_at=0)
-    store.engine = faulty
+@pytest.fixture
+def swap_engines(monkeypatch):
+    """Every io engine a swap store opens from now on, wrapped in a disarmed FaultyEngine: the
+    io seam (offload.swap.store.resolve_engine), patched before the optimizer is built."""
+    import offload.swap.store as swap_store
+
+    real, made = swap_store.resolve_engine, []
+
+    def wrap(io_engine, directory):
+        engine, owned = real(io_engine, directory)
+        faulty = FaultyEngine(engine, op="write", fail_at=0)
+        if owned:  # the store closes what it owns: the real engine, through its wrapper
+            faulty.close = engine.close
+        made.append(faulty)
+        return faulty, owned
+
+    monkeypatch.setattr(swap_store, "resolve_engine", wrap)
+    return made
+
+
+def _inject(engines, op, fail_at):
+    """The (one) optimizer's swap engine, failing the ``fail_at``-th batch of ``op`` from now."""
+    assert len(engines) == 1, f"{len(engines)} swap engines opened: which one fails is unclear"
+    faulty = engines[0]
+    faulty.op = op
     faulty.arm(fail_at)
     return faulty
 
@@ -84,12 +104,12 @@ def _steps(opt, params):
 
 
 # ---------------------------------------------------------------------- item 1: nvme I/O failure
-def test_failed_nvme_step_is_stated_and_clear_failure_checks_the_params(tmp_path):
+def test_failed_nvme_step_is_stated_and_clear_failure_checks_the_params(tmp_path, swap_engines):
     params, opt = _opt("nvme", tmp_path)
     ref = _Torch(params)
     _train(opt, params, ref, 0, 2)
     saved = [p.detach().clone() for p in params]
-    _inject(opt, "write", 2)
+    _inject(swap_engines, "write", 2)
     _grads(params, 2)
     with pytest.raises(SwapStepError) as e:
         opt.step()
@@ -112,10 +132,10 @@ def test_failed_nvme_step_is_stated_and_clear_failure_checks_the_params(tmp_path
     opt.close()
 
 
-def test_accept_params_goes_on_from_the_params_as_they_are(tmp_path):
+def test_accept_params_goes_on_from_the_params_as_they_are(tmp_path, swap_engines):
     params, opt = _opt("nvme", tmp_path)
     _train(opt, params, None, 0, 2)
-    _inject(opt, "read", 3)
+    _inject(swap_engines, "read", 3)
     _grads(params, 2)
     with pytest.raises(SwapStepError):
         opt.step()
@@ -130,12 +150,12 @@ def test_accept_params_goes_on_from_the_params_as_they_are(tmp_path):
     opt2.close()
 
 
-def test_close_keep_swap_then_resume_in_the_same_process(tmp_path):
+def test_close_keep_swap_then_resume_in_the_same_process(tmp_path, swap_engines):
     params, opt = _opt("nvme", tmp_path)
     ref = _Torch(params)
     _train(opt, params, ref, 0, 2)
     saved = [p.detach().clone() for p in params]
-    _inject(opt, "write", 3)
+    _inject(swap_engines, "write", 3)
     _grads(params, 2)
     with pytest.raises(SwapStepError):
         opt.step()
