@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import offload
-from test_swap_util import FaultyEngine
+from test_swap_util import faulty_swap_engines
 import _internals as internals
 
 SIZES = [(3000,), (7,), (40, 60), (1,), (2500,)]
@@ -140,20 +140,18 @@ def test_a_bad_entry_changes_nothing(tmp_path, kind, what):
 
 
 @pytest.mark.parametrize("kind", ["nvme", "bf16-nvme"])
-def test_nvme_load_state_dict_commits_once(tmp_path, kind):
+def test_nvme_load_state_dict_commits_once(tmp_path, kind, monkeypatch):
     src_params, src = _opt(kind, tmp_path, seed=1)
     _train(src, src_params, 0, 3)
     sd = src.state_dict()
+    engines = faulty_swap_engines(monkeypatch)
     params, opt = _opt(kind, tmp_path)
+    faulty, = engines  # opt's swap engine, disarmed until armed below
     _train(opt, params, 0, 2)
     before = _state_copy(opt)
-    swap = internals.swap(opt)
-    manifest = os.path.join(swap.swap_path, "manifest.json")
+    manifest = os.path.join(internals.swap_path(opt), "manifest.json")
     with open(manifest) as f:
         m0 = json.load(f)
-    store = swap.store
-    faulty = FaultyEngine(store.engine, op="write", fail_at=0)
-    store.engine = faulty
     faulty.arm(3)  # the third sub-group written: two are already in their free slots
     with pytest.raises(OSError, match="injected write error"):
         opt.load_state_dict(sd)

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import offload
 from offload.swap import SwapStepError
-from test_swap_util import FaultyEngine
+from test_swap_util import faulty_swap_engines
 import _internals as internals
 
 SIZES = [(3000,), (7,), (40, 60), (1,), (2500,)]
@@ -64,22 +64,7 @@ def _close_to(params, ref):
 
 @pytest.fixture
 def swap_engines(monkeypatch):
-    """Every io engine a swap store opens from now on, wrapped in a disarmed FaultyEngine: the
-    io seam (offload.swap.store.resolve_engine), patched before the optimizer is built."""
-    import offload.swap.store as swap_store
-
-    real, made = swap_store.resolve_engine, []
-
-    def wrap(io_engine, directory):
-        engine, owned = real(io_engine, directory)
-        faulty = FaultyEngine(engine, op="write", fail_at=0)
-        if owned:  # the store closes what it owns: the real engine, through its wrapper
-            faulty.close = engine.close
-        made.append(faulty)
-        return faulty, owned
-
-    monkeypatch.setattr(swap_store, "resolve_engine", wrap)
-    return made
+    return faulty_swap_engines(monkeypatch)
 
 
 def _inject(engines, op, fail_at):

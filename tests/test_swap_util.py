@@ -135,6 +135,26 @@ class FaultyEngine:
         pass
 
 
+def faulty_swap_engines(monkeypatch: Any) -> List[FaultyEngine]:
+    """Every io engine a swap store opens from now on, wrapped in a disarmed FaultyEngine (the
+    list, in opening order; ``.op`` and ``.arm(n)`` set what fails): the io seam
+    offload.swap.store.resolve_engine, patched before the optimizer is built."""
+    import offload.swap.store as swap_store
+
+    real, made = swap_store.resolve_engine, []
+
+    def wrap(io_engine: Any, directory: str) -> Tuple[Any, bool]:
+        engine, owned = real(io_engine, directory)
+        faulty = FaultyEngine(engine, op="write", fail_at=0)
+        if owned:  # the store closes what it owns: the real engine, through its wrapper
+            faulty.close = engine.close  # type: ignore[method-assign]
+        made.append(faulty)
+        return faulty, owned
+
+    monkeypatch.setattr(swap_store, "resolve_engine", wrap)
+    return made
+
+
 def threads_engine() -> Any:
     from offload.io import open_engine
 
