@@ -68,7 +68,10 @@ class Adagrad(RuleOptimizer):
             for p in group["params"]:
                 state = self.state[p]
                 state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-                state["sum"] = torch.full_like(p, self.state_fill("sum"), memory_format=torch.preserve_format)
+                # fp32 whatever p's dtype: the stores keep fp32 states, and a bf16 seed
+                # would round the fill (0.1 -> 0.10009765625) before the flat store copies it
+                state["sum"] = torch.full_like(p, self.state_fill("sum"), dtype=torch.float32,
+                                               memory_format=torch.preserve_format)
 
     def _host(self) -> bool:
         return getattr(self._store, "kind", "host") == "host"
