@@ -186,3 +186,46 @@ def test_adagrad_unstepped_param_keeps_torch_entry_after_steps_and_checkpoint(of
             opt.load_checkpoint(str(tmp_path / "ckpt"))
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("offl", ["cpu", "nvme"])
+def test_sgd_flat_store_without_any_momentum_refuses_momentum_later(offl, tmp_path):
+    """The README's limit: no group had momentum at construction, so the flat store keeps no
+    buffer; switching momentum on is refused at the step, before anything changes."""
+    p = torch.randn(7).bfloat16().requires_grad_()
+    before = p.detach().clone()
+    opt = offload.SGD([p], lr=0.1, momentum=0.0, dampening=0.5, **_kw(offl, tmp_path))
+    try:
+        opt.param_groups[0]["momentum"] = 0.9
+        p.grad = torch.ones_like(p)
+        with pytest.raises(ValueError, match=r"a group now needs rule 'sgd' \['momentum_buffer'\].*build a new optimizer"):
+            opt.step()
+        assert torch.equal(p.detach(), before) and opt.state_dict()["state"] == {}
+        opt.param_groups[0]["momentum"] = 0.0  # back as built: it steps again
+        opt.step()
+        assert not torch.equal(p.detach(), before)
+    finally:
+        opt.close()
+
+
+def test_sgd_started_buffers_follow_saved_param_ids():
+    """A dict whose param ids are not 0..n-1 (torch pairs them with ours in order)."""
+    ref_p = [torch.randn(5, requires_grad=True) for _ in range(2)]
+    ref = torch.optim.SGD([{"params": ref_p[:1]}, {"params": ref_p[1:], "momentum": 0.0}], lr=0.1,
+                          momentum=0.9, dampening=0.5)
+    for t in ref_p:
+        t.grad = torch.ones_like(t)
+    ref.step()
+    sd = copy.deepcopy(ref.state_dict())
+    sd["state"] = {10 + k: v for k, v in sd["state"].items()}
+    sd["param_groups"][0]["params"], sd["param_groups"][1]["params"] = [10], [11]
+    ours = [t.detach().bfloat16().requires_grad_() for t in ref_p]
+    opt = offload.SGD([{"params": ours[:1]}, {"params": ours[1:], "momentum": 0.0}], lr=0.1, momentum=0.9,
+                      dampening=0.5, offload="cpu")
+    try:
+        opt.load_state_dict(sd)
+        state = opt.state_dict()["state"]
+        assert "momentum_buffer" in state[0] and "momentum_buffer" not in state.get(1, {})
+        _close(state[0]["momentum_buffer"], ref.state_dict()["state"][0]["momentum_buffer"], "loaded buffer")
+    finally:
+        opt.close()

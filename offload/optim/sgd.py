@@ -140,8 +140,9 @@ class SGD(RuleOptimizer):
                 state[k] = st
             state_dict = dict(state_dict, state=state)
         super().load_state_dict(state_dict)
-        # torch maps the saved groups' params to ours in order
-        self._buf_started = {id(p) for i, p in enumerate(self._params_in_order()) if i in started}
+        # torch pairs the saved groups' param ids with ours, in order
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        self._buf_started = {id(p) for k, p in zip(saved, self._params_in_order()) if k in started}
 
     def load_checkpoint(self, directory: str) -> None:
         """As :meth:`RuleOptimizer.load_checkpoint`; a checkpoint keeps no "started" flag, so
