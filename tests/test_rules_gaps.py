@@ -229,3 +229,34 @@ def test_sgd_started_buffers_follow_saved_param_ids():
         _close(state[0]["momentum_buffer"], ref.state_dict()["state"][0]["momentum_buffer"], "loaded buffer")
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("offl,dtype", STORES, ids=IDS)
+def test_sgd_checkpoint_round_trip_keeps_unstarted_buffers_unstarted(offl, dtype, tmp_path):
+    """save_checkpoint / load_checkpoint mid-run (group 0 without momentum so far), then
+    momentum on: group 0's buffers start as d_p, as torch's (whose state never had them)."""
+    ours, ref = _params(dtype)
+    groups, hyper = _sgd_groups(ours, 0.0, 0.5)
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    opt = offload.SGD(groups, **hyper, **_kw(offl, swap))
+    tgroups, _ = _sgd_groups(ref, 0.0, 0.5)
+    topt = torch.optim.SGD(tgroups, **hyper, foreach=False)
+    gen = torch.Generator().manual_seed(4)
+    try:
+        for step in range(5):
+            if step == 2:
+                opt.save_checkpoint(str(tmp_path / "ckpt"))
+                opt.load_checkpoint(str(tmp_path / "ckpt"))
+                assert sorted(opt.state_dict()["state"]) == sorted(topt.state_dict()["state"]) \
+                    or dtype != torch.float32  # (bf16: every param has its "master")
+                opt.param_groups[0]["momentum"] = topt.param_groups[0]["momentum"] = 0.9
+            _grads(ours, ref, dtype, gen)
+            opt.step()
+            topt.step()
+        tsd = topt.state_dict()["state"]
+        for i, (p, t) in enumerate(zip(ours, ref)):
+            _close(_state_of(opt, i, "momentum_buffer"), tsd[i]["momentum_buffer"], f"buf {i}")
+            _close(_master(opt, p, i), t.detach(), f"param {i}")
+    finally:
+        opt.close()

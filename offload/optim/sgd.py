@@ -146,7 +146,12 @@ class SGD(RuleOptimizer):
 
     def load_checkpoint(self, directory: str) -> None:
         """As :meth:`RuleOptimizer.load_checkpoint`; a checkpoint keeps no "started" flag, so
-        a param of a group with momentum that stepped counts as started."""
+        a param of a group with momentum that stepped counts as started (a buffer of a group
+        whose momentum went to 0 since is then dropped, as if it never started)."""
         super().load_checkpoint(directory)
         self._buf_started = {id(p) for g in self.param_groups if g["momentum"] != 0
                              for p in g["params"] if self._ctx.steps.get(p) > 0}
+        if getattr(self._store, "kind", None) == "host":  # it loaded a buffer for every param that stepped
+            for p in self._params_in_order():
+                if id(p) not in self._buf_started and p in self.state:
+                    self.state[p].pop(_BUF, None)
