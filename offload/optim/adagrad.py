@@ -2,7 +2,11 @@
 
 As torch, the states exist from construction: ``"step"`` (0) and ``"sum"`` filled with
 ``initial_accumulator_value`` for every param, so ``state_dict()`` moves both ways with
-``torch.optim.Adagrad`` before and after the first step.
+``torch.optim.Adagrad`` before and after the first step. In every store: a param whose count
+is 0 keeps a ``"step"`` of 0 in ``opt.state[p]`` (the counts' own convention drops it: see
+``StepCounts.set``), put back after construction and every load, with ``opt.state[p]["sum"]``
+a view (or swap reader, ``state_view.py``) as after a step; a swap store that exports no
+states for a param that never stepped has them filled here, which is what its files hold.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from offload.kernels.fields import ADAGRAD, Rule
 from offload.optim.base import RuleOptimizer
 from offload.optim.rule_options import check_flags, check_lr, check_nonneg, to_float
+from offload.optim.state_view import attach as attach_state_views
 
 __all__ = ["Adagrad"]
 
@@ -42,6 +47,7 @@ class Adagrad(RuleOptimizer):
                         initial_accumulator_value=initial_accumulator_value, foreach=foreach,
                         maximize=maximize, differentiable=differentiable, fused=fused)
         super().__init__(params, defaults, **offload_kwargs)
+        self._torch_entries()
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
         return ADAGRAD
@@ -62,4 +68,42 @@ class Adagrad(RuleOptimizer):
             for p in group["params"]:
                 state = self.state[p]
                 state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-                state["sum"] = torch.full_like(p, self.state_fill("sum"), memory_format=torch.preserve_format)
+                # fp32 whatever p's dtype: the stores keep fp32 states, and a bf16 seed
+                # would round the fill (0.1 -> 0.10009765625) before the flat store copies it
+                state["sum"] = torch.full_like(p, self.state_fill("sum"), dtype=torch.float32,
+                                               memory_format=torch.preserve_format)
+
+    def _host(self) -> bool:
+        return getattr(self._store, "kind", "host") == "host"
+
+    def _torch_entries(self) -> None:
+        """torch's entries of a param that never stepped: ``"step"`` 0 and ``"sum"``."""
+        for p in self._all_params():
+            st = self.state[p]
+            if "step" not in st:
+                st["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+            if self._host() and "sum" not in st:  # (the host store would create it at the first step)
+                st["sum"] = torch.full_like(p, self.state_fill("sum"), memory_format=torch.preserve_format)
+        if not self._host():
+            attach_state_views(self)
+
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()
+        fill = self.state_fill("sum")
+        for i, p in enumerate(self._all_params()):
+            entry = sd["state"].setdefault(i, {})
+            if "sum" not in entry and self._ctx.steps.get(p) == 0:
+                # torch's key order: step, then sum, then ours ("master")
+                rest = {k: v for k, v in entry.items() if k != "step"}
+                entry.clear()
+                entry.update(step=torch.tensor(0.0, dtype=_get_scalar_dtype()),
+                             sum=torch.full(p.shape, fill, dtype=torch.float32), **rest)
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._torch_entries()
+
+    def load_checkpoint(self, directory: str) -> None:
+        super().load_checkpoint(directory)
+        self._torch_entries()

@@ -7,14 +7,26 @@ without dampening), so here the count lives in ``opt.state[p]["step"]`` as for e
 and ``state_dict()`` / ``load_state_dict()`` translate to and from torch's layout: no
 ``"step"``, no entry for a param without momentum (a None buffer loads as none). A
 loaded buffer means at least one step was taken (count 1: the next step is not the first).
+
+A buffer starts (torch: ``buf is None`` -> ``buf = clone(d_p)``) on a param's first step
+with momentum, whatever its count: a group whose momentum goes from 0 to 0.9 mid-run, or a
+flat store's buffer kept for a group without momentum. Such a param is stepped with
+dampening 0 over its still-zero buffer (``0 * m + d_p`` is ``d_p`` exactly), which leaves
+the counts alone (the swap stores commit them from each work item). Which buffers started:
+the host store's ``opt.state`` says (torch's own); the other stores keep a set, refilled by
+``load_state_dict`` (an entry with a buffer) and ``load_checkpoint`` (a param of a group
+with momentum that stepped).
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List, Set
+
+import torch
 
 from offload.kernels.fields import SGD as SGD_RULE, SGD_PLAIN, Rule
 from offload.optim.base import RuleOptimizer
 from offload.optim.rule_options import check_flags, check_lr, check_nonneg, to_float
+from offload.optim.step_guard import store_step
 
 __all__ = ["SGD"]
 
@@ -46,6 +58,7 @@ class SGD(RuleOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused)
+        self._buf_started: Set[int] = set()  # id(p) of the flat / swapped stores' started buffers
         super().__init__(params, defaults, **offload_kwargs)
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
@@ -75,15 +88,38 @@ class SGD(RuleOptimizer):
     def state_names(self):
         return (_BUF,)  # every group's, with or without momentum (momentum may change)
 
+    def _started(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s momentum buffer started (torch: is not None)."""
+        if getattr(self._store, "kind", None) == "host":
+            return _BUF in self.state.get(p, ())
+        return id(p) in self._buf_started
+
+    def _store_step(self, work, multiplier: float) -> Dict[str, float]:
+        batches = []
+        for group, items in work:
+            if group["momentum"] != 0 and group["dampening"] != 0:
+                fresh = [it for it in items if not self._started(it[0])]
+                if fresh:  # their buffers start as d_p, undamped (module docstring)
+                    batches.append((self._hyper(dict(group, dampening=0.0), multiplier), fresh))
+                    items = [it for it in items if self._started(it[0])]
+            batches.append((self._hyper(group, multiplier), items))
+        phases = store_step(self, batches)
+        self._buf_started.update(id(p) for group, items in work if group["momentum"] != 0 for p, _ in items)
+        return phases
+
+    def _params_in_order(self) -> List[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
     def state_dict(self) -> Dict[str, Any]:
-        """torch's layout: ``{"momentum_buffer": tensor}`` per param with momentum that stepped."""
+        """torch's layout: ``{"momentum_buffer": tensor}`` per param whose buffer started."""
         sd = super().state_dict()
-        # a param of a group without momentum has no state in torch (a flat store keeps an
-        # untouched buffer for it); the others have their buffer and no "step"
-        plain = {i for g in sd["param_groups"] if g["momentum"] == 0 for i in g["params"]}
+        # a param that never stepped with momentum has no buffer in torch (a flat store keeps
+        # an untouched one for it); the others have their buffer and no "step"
+        params = self._params_in_order()
         state = {}
         for k, st in sd["state"].items():
-            entry = {key: v for key, v in st.items() if key != "step" and not (key == _BUF and k in plain)}
+            unborn = isinstance(k, int) and k < len(params) and not self._started(params[k])
+            entry = {key: v for key, v in st.items() if key != "step" and not (key == _BUF and unborn)}
             if entry:  # (a bf16 param keeps its fp32 "master", ours)
                 state[k] = entry
         sd["state"] = state
@@ -92,12 +128,30 @@ class SGD(RuleOptimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """torch's layout (or ours): a ``None`` buffer is dropped, and an entry without a
         ``"step"`` counts one step taken (its buffer, if any, is not started afresh)."""
+        started = set()
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
             state = {}
             for k, st in state_dict["state"].items():
                 if isinstance(st, dict):
                     st = {key: v for key, v in st.items() if not (key == _BUF and v is None)}
                     st.setdefault("step", 1.0)
+                    if _BUF in st:
+                        started.add(k)
                 state[k] = st
             state_dict = dict(state_dict, state=state)
         super().load_state_dict(state_dict)
+        # torch pairs the saved groups' param ids with ours, in order
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        self._buf_started = {id(p) for k, p in zip(saved, self._params_in_order()) if k in started}
+
+    def load_checkpoint(self, directory: str) -> None:
+        """As :meth:`RuleOptimizer.load_checkpoint`; a checkpoint keeps no "started" flag, so
+        a param of a group with momentum that stepped counts as started (a buffer of a group
+        whose momentum went to 0 since is then dropped, as if it never started)."""
+        super().load_checkpoint(directory)
+        self._buf_started = {id(p) for g in self.param_groups if g["momentum"] != 0
+                             for p in g["params"] if self._ctx.steps.get(p) > 0}
+        if getattr(self._store, "kind", None) == "host":  # it loaded a buffer for every param that stepped
+            for p in self._params_in_order():
+                if id(p) not in self._buf_started and p in self.state:
+                    self.state[p].pop(_BUF, None)
