@@ -37,6 +37,8 @@ _NO_KERNEL = {
     "test_bench_io", "test_cli_numeric", "test_code_shape", "test_io", "test_io_fixed", "test_memory",
     "test_plan", "test_plan_slots", "test_readme", "test_report_cli", "test_report_robust",
     "test_swap_clean", "test_swap_pipeline", "test_swap_store", "test_wheel",
+    "test_agreement", "test_swap_session", "test_state_fields", "test_step_context", "test_report_append",
+    "test_kernel_bits",
 }
 
 

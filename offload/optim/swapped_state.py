@@ -218,14 +218,6 @@ class SwappedState:
         return self.core._finalizer
 
     @property
-    def _kernel(self) -> Any:
-        return self.core._kernel
-
-    @_kernel.setter
-    def _kernel(self, kernel: Any) -> None:
-        self.core._kernel = kernel
-
-    @property
     def last_stats(self) -> Dict[str, float]:
         return self.core.last_stats
 
