@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import os
 
 import pytest
 import torch
@@ -19,42 +18,13 @@ from offload.kernels._native_abi import ADAM_CONSTS, ADAM_STEP, MAX_STATES, Step
 from offload.kernels.adam_consts import fold_adam
 from offload.kernels.fields import ADAM, Rule, StateField
 
+from test_kernels import backend, _native_or_none  # noqa: F401  (the backend fixture, every backend and ISA)
+
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 
 def _native():
-    try:
-        return K.get_backend("native")
-    except RuntimeError:
-        return None
-
-
-def _impls():
-    forced = os.environ.get("OFFLOAD_BACKEND", "").strip().lower()
-    native = _native()
-    out = []
-    for isa in ("scalar", "avx2", "avx512"):
-        skip = (native is None or isa not in native.supported
-                or forced not in ("", "auto", "native"))
-        marks = [pytest.mark.skip(reason=f"native {isa} not run here")] if skip else []
-        out.append(pytest.param(("native", isa), id=f"native-{isa}", marks=marks))
-    numba_marks = [] if forced in ("", "auto", "numba") else [pytest.mark.skip(reason=forced)]
-    out.append(pytest.param(("numba", None), id="numba", marks=numba_marks))
-    out.append(pytest.param(("torch", None), id="torch"))
-    return out
-
-
-@pytest.fixture(params=_impls())
-def backend(request, monkeypatch):
-    name, isa = request.param
-    if isa is None:
-        monkeypatch.delenv("OFFLOAD_ISA", raising=False)
-    else:
-        monkeypatch.setenv("OFFLOAD_ISA", isa)
-    try:
-        return K.get_backend(name)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
+    return _native_or_none()
 
 
 def _tensors(n, seed, grad_dtype=torch.float32):
