@@ -63,6 +63,14 @@ def _sgd_groups(params, momentum0, dampening):
         dict(lr=0.05, dampening=dampening, weight_decay=0.01)
 
 
+def _assert_buffers_and_params_match(opt, topt, ours, ref):
+    """Every momentum buffer and param of ours equals torch's (the contract's tolerances)."""
+    tsd = topt.state_dict()["state"]
+    for i, (p, t) in enumerate(zip(ours, ref)):
+        _close(_state_of(opt, i, "momentum_buffer"), tsd[i]["momentum_buffer"], f"buf {i}")
+        _close(_master(opt, p, i), t.detach(), f"param {i}")
+
+
 @pytest.mark.parametrize("dampening", [0.0, 0.5])
 @pytest.mark.parametrize("offl,dtype", STORES, ids=IDS)
 def test_sgd_momentum_turned_on_mid_run_matches_torch(offl, dtype, dampening, tmp_path):
@@ -114,10 +122,7 @@ def test_sgd_started_buffers_follow_a_torch_state_dict(offl, dtype, tmp_path):
             _grads(ours, ref, dtype, gen)
             opt.step()
             topt.step()
-        tsd = topt.state_dict()["state"]
-        for i, (p, t) in enumerate(zip(ours, ref)):
-            _close(_state_of(opt, i, "momentum_buffer"), tsd[i]["momentum_buffer"], f"buf {i}")
-            _close(_master(opt, p, i), t.detach(), f"param {i}")
+        _assert_buffers_and_params_match(opt, topt, ours, ref)
     finally:
         opt.close()
 
@@ -254,9 +259,6 @@ def test_sgd_checkpoint_round_trip_keeps_unstarted_buffers_unstarted(offl, dtype
             _grads(ours, ref, dtype, gen)
             opt.step()
             topt.step()
-        tsd = topt.state_dict()["state"]
-        for i, (p, t) in enumerate(zip(ours, ref)):
-            _close(_state_of(opt, i, "momentum_buffer"), tsd[i]["momentum_buffer"], f"buf {i}")
-            _close(_master(opt, p, i), t.detach(), f"param {i}")
+        _assert_buffers_and_params_match(opt, topt, ours, ref)
     finally:
         opt.close()

@@ -111,7 +111,12 @@ def test_bf16_state_round_trips_through_pipeline_and_checkpoints_bit_for_bit(tmp
     with pytest.raises(ValueError, match="checkpoint holds exp_avg as bfloat16, the tensors are float32"):
         load_tensors(str(ckpt), {f.name: [torch.empty(NUMEL)] for f in MIXED})
     # into a store of another sub-group size, through its free slots, then committed
-    store, pipe = _open(swap, "b", sub_group_size=4096)
+    _load_into_a_store_and_compare(swap, "b", ckpt, vals, sub_group_size=4096)
+
+
+def _load_into_a_store_and_compare(swap, name, ckpt, vals, **kw):
+    """Load checkpoint ``ckpt`` into a new store's free slots, commit, compare bit for bit."""
+    store, pipe = _open(swap, name, **kw)
     try:
         meta, written = load_store(store, pipe.buffers, str(ckpt))
         store.commit(written, meta, advance=False)
@@ -127,14 +132,7 @@ def test_host_tensors_with_a_bf16_state_load_into_a_store(tmp_path):
     vals = _values(1)
     half = NUMEL // 2  # two tensors per state, concatenated
     save_tensors(str(ckpt), {f.name: [v[:half], v[half:]] for f, v in zip(MIXED, vals)}, {"steps": [2]})
-    store, pipe = _open(swap, "c")
-    try:
-        meta, written = load_store(store, pipe.buffers, str(ckpt))
-        store.commit(written, meta, advance=False)
-        _bits_equal(_read(pipe), vals)
-    finally:
-        pipe.close()
-        store.close()
+    _load_into_a_store_and_compare(swap, "c", ckpt, vals)
 
 
 def test_fp32_checkpoint_manifest_keeps_the_first_format(tmp_path):
