@@ -82,12 +82,7 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: bool,
     _check_scalar("weight_decay", weight_decay, tensor_ok=False)
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    # torch's own refusals of flag combinations come first, with its type and message
-    # (RuntimeError), so code that handles torch's errors sees the same here.
-    if fused and differentiable:
-        raise RuntimeError("`fused` does not support `differentiable`")
-    if foreach and fused:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    check_torch_flags(foreach=foreach, differentiable=differentiable, fused=fused)
     if amsgrad:
         raise NotImplementedError(
             "offload.Adam/AdamW: amsgrad=True is not implemented (the fused kernels keep "
@@ -99,10 +94,23 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: bool,
             "host with swap I/O, which a graph cannot capture; use torch.optim.AdamW(capturable=True) "
             "or capturable=False")
     if differentiable:
-        raise NotImplementedError(
-            "offload.Adam/AdamW: differentiable=True is not supported: the kernels update the states in "
-            "place outside autograd; use torch.optim.AdamW(differentiable=True) or differentiable=False")
+        refuse_differentiable("Adam/AdamW", "AdamW")
     return betas
+
+
+def check_torch_flags(*, foreach: Optional[bool], differentiable: bool, fused: Optional[bool]) -> None:
+    """torch's own refusals of flag combinations, with its type and message (RuntimeError), so
+    code that handles torch's errors sees the same here; they come before ours."""
+    if fused and differentiable:
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if foreach and fused:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+
+
+def refuse_differentiable(ours: str, torchs: str) -> None:
+    raise NotImplementedError(
+        f"offload.{ours}: differentiable=True is not supported: the kernels update the states in "
+        f"place outside autograd; use torch.optim.{torchs}(differentiable=True) or differentiable=False")
 
 
 def _check_bool(name: str, value: Any) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from offload.optim.options import _check_lr, _check_scalar
+from offload.optim.options import _check_lr, _check_scalar, check_torch_flags, refuse_differentiable
 
 __all__ = ["check_nonneg", "check_lr", "check_flags", "to_float"]
 
@@ -29,14 +29,9 @@ def check_nonneg(name: str, value: Any, label: str) -> None:
 
 def check_flags(cls_name: str, *, foreach: Optional[bool], differentiable: bool, fused: Optional[bool]) -> None:
     """torch's refusals of flag combinations (RuntimeError, its text), then ours."""
-    if fused and differentiable:
-        raise RuntimeError("`fused` does not support `differentiable`")
-    if foreach and fused:
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    check_torch_flags(foreach=foreach, differentiable=differentiable, fused=fused)
     if differentiable:
-        raise NotImplementedError(
-            f"offload.{cls_name}: differentiable=True is not supported: the kernels update the states in "
-            f"place outside autograd; use torch.optim.{cls_name}(differentiable=True) or differentiable=False")
+        refuse_differentiable(cls_name, cls_name)
 
 
 def to_float(group: Dict[str, Any], key: str) -> float:
