@@ -2,10 +2,12 @@
 
 A *store* keeps the optimizer states (and, for low-precision or device params, the fp32
 master) somewhere and runs the update there. Three exist: ``HostState`` (fp32 CPU params,
-moments in ``opt.state``), ``SwappedState`` (the same with moments and master in swap
-files) and ``FlatState`` (flat fp32 shards for device / fp16 / bf16 / partitioned params).
-``offload.optim.base.RuleOptimizer`` (Adam, AdamW, SGD, Adagrad, Lion) drives all three through the methods below and nothing
-else; ``Store`` lists what every store has, ``OPTIONAL`` what only some have, and
+the rule's states in ``opt.state``), ``SwappedState`` (fp32 CPU params updated in place,
+the rule's states in swap files: the one-shard face of ``SwappedShards``) and ``FlatState``
+(a flat fp32 master and the states for device / fp16 / bf16 / partitioned params, in host
+buffers or, with ``offload="nvme"``, in ``SwappedShards``).
+``offload.optim.base.RuleOptimizer`` (Adam, AdamW, SGD, Adagrad, Lion) drives all three
+through the methods below and nothing else; ``Store`` lists what every store has, ``OPTIONAL`` what only some have, and
 ``optional(store, name)`` is the one way to ask for the latter.
 
 [Note: the step context] The other way, a store never reads an attribute of its optimizer
