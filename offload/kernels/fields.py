@@ -13,12 +13,15 @@ the flat stores keep beside the rule's fields.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Iterable, Sequence, Tuple
 
 import torch
 
+from .quant import BLOCK, PACKED_BLOCK, packed_nbytes
+
 __all__ = ["StateField", "Rule", "MASTER", "ADAM", "LION", "ADAGRAD", "SGD", "SGD_PLAIN",
-           "RULES", "field_names", "bytes_per_element",
+           "RULES", "STATE_DTYPES", "NONNEGATIVE_STATES", "field_names", "bytes_per_element",
            "fields_bytes", "dtype_from_name", "dtype_name"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -48,35 +51,82 @@ class StateField:
     name: str
     """The key in torch's state_dict layout (``exp_avg``), in swap manifests and checkpoints."""
     dtype: torch.dtype = torch.float32
-    """The element type the state is stored in."""
+    """The element type the state is stored in; for a blocked field int8 (the signed map)
+    or uint8 (the unsigned map)."""
+    block: int = 0
+    """0: one element per value. ``quant.BLOCK`` (256): block-wise 8-bit, stored as packed
+    blocks of codes and a float32 absmax ([Note: block-wise 8-bit states] in quant.py)."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier():
             raise ValueError(f"a state field needs an identifier for a name, got {self.name!r}")
         dtype_name(self.dtype)  # refuses a dtype no file format here can name
+        if self.block not in (0, BLOCK):
+            raise ValueError(f"state field {self.name!r}: block must be 0 or {BLOCK}, got {self.block!r}")
+        if self.block and self.dtype not in (torch.int8, torch.uint8):
+            raise ValueError(f"state field {self.name!r}: a blocked field is int8 (signed map) "
+                             f"or uint8 (unsigned map), got {self.dtype}")
+
+    @property
+    def blocked(self) -> bool:
+        return self.block > 0
+
+    @property
+    def signed(self) -> bool:
+        """A blocked field's map: signed (int8) or unsigned (uint8)."""
+        return self.dtype == torch.int8
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of the tensor that holds the state: uint8 bytes for a blocked field."""
+        return torch.uint8 if self.block else self.dtype
+
+    def storage_numel(self, numel: int) -> int:
+        """Elements of ``storage_dtype`` that ``numel`` values take (packed blocks for a
+        blocked field)."""
+        if numel < 0:
+            raise ValueError(f"numel must be >= 0, got {numel}")
+        return packed_nbytes(numel) if self.block else int(numel)
+
+    def storage_offset(self, elem: int) -> int:
+        """Where value ``elem`` starts in the storage; a blocked field is cut at block
+        boundaries only (ValueError otherwise)."""
+        if self.block and elem % self.block:
+            raise ValueError(f"state field {self.name!r} is stored in blocks of {self.block}: "
+                             f"it can be cut at multiples of {self.block} only, not at {elem}")
+        return self.storage_numel(elem)
+
+    def align_elems(self, align: int) -> int:
+        """The fewest values whose bytes are a multiple of ``align`` bytes (where a range
+        of this field can start so that its bytes start ``align``-aligned)."""
+        unit, size = (self.block, PACKED_BLOCK) if self.block else (1, self.itemsize)
+        return unit * (align // math.gcd(align, size))
 
     @property
     def itemsize(self) -> int:
-        """Bytes per element."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        """Bytes per element (of the storage, for a blocked field: ``nbytes`` is the size of
+        n values)."""
+        return torch.empty((), dtype=self.storage_dtype).element_size()
 
     @property
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
 
     def nbytes(self, numel: int) -> int:
-        """Bytes that ``numel`` elements of this state take (unpadded)."""
-        if numel < 0:
-            raise ValueError(f"numel must be >= 0, got {numel}")
-        return int(numel) * self.itemsize
+        """Bytes that ``numel`` values of this state take (unpadded; packed blocks included)."""
+        return self.storage_numel(numel) * self.itemsize
 
     def describe(self) -> dict:
         """What a manifest records of the field (``from_description`` reads it back)."""
-        return {"name": self.name, "dtype": self.dtype_name}
+        d = {"name": self.name, "dtype": self.dtype_name}
+        if self.block:
+            d["block"] = self.block
+        return d
 
     @classmethod
     def from_description(cls, d: dict) -> "StateField":
-        return cls(str(d["name"]), dtype_from_name(str(d.get("dtype", "float32"))))
+        return cls(str(d["name"]), dtype_from_name(str(d.get("dtype", "float32"))),
+                   int(d.get("block", 0)))
 
 
 def field_names(fields: Iterable[StateField]) -> Tuple[str, ...]:
@@ -114,6 +164,31 @@ class Rule:
     def names(self) -> Tuple[str, ...]:
         return field_names(self.fields)
 
+    def with_state_dtype(self, state_dtype: str) -> "Rule":
+        """This rule with its states stored as ``state_dtype``: "float32" (itself),
+        "bfloat16", or "int8" (blocked; the unsigned map for states that are never negative,
+        ``NONNEGATIVE_STATES``)."""
+        if state_dtype == "float32":
+            return self
+        if state_dtype == "bfloat16":
+            return Rule(self.name, tuple(StateField(f.name, torch.bfloat16) for f in self.fields))
+        if state_dtype == "int8":
+            return Rule(self.name, tuple(
+                StateField(f.name, torch.uint8 if f.name in NONNEGATIVE_STATES else torch.int8, BLOCK)
+                for f in self.fields))
+        raise ValueError(f"state_dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
+
+    @property
+    def state_dtype(self) -> str:
+        """"float32", "bfloat16" or "int8": how this rule's states are stored."""
+        kinds = {"int8" if f.block else f.dtype_name for f in self.fields}
+        return kinds.pop() if len(kinds) == 1 else ("float32" if not kinds else "mixed")
+
+    @property
+    def base(self) -> "Rule":
+        """The rule with float32 states (the kernels' identity of the rule)."""
+        return RULES[self.name]
+
     def with_master(self) -> Tuple[StateField, ...]:
         """``MASTER`` followed by the rule's fields: what a flat store of low-precision or
         device params keeps per element."""
@@ -130,4 +205,8 @@ untouched, as torch leaves an existing one)."""
 SGD_PLAIN = Rule("sgd_plain", ())
 """SGD without momentum: torch keeps no per-element state for it, so neither does this rule."""
 RULES = {r.name: r for r in (ADAM, LION, ADAGRAD, SGD, SGD_PLAIN)}
+STATE_DTYPES = ("float32", "bfloat16", "int8")
+"""What ``state_dtype=`` takes."""
+NONNEGATIVE_STATES = frozenset({"exp_avg_sq", "sum"})
+"""States that are never negative: the int8 form uses the unsigned map for them."""
 

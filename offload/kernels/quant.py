@@ -1,0 +1,177 @@
+"""Compressed optimizer states: the scheme, written once in plain torch (the reference).
+
+Every backend (native SIMD units, numba, the torch reference) encodes and decodes exactly as
+the functions here do; the tests hold each of them to these functions bit for bit.
+
+[Note: block-wise 8-bit states]
+A blocked state keeps ``BLOCK`` (256) elements per block: 256 one-byte codes, then the
+block's absmax as a little-endian float32: ``PACKED_BLOCK`` (260) bytes per block, blocks
+back to back from the start of the state (a state of n elements takes ceil(n / 256) blocks;
+codes past n in the last block are the zero code and are never read). Keeping a block's
+scale beside its codes makes a state one byte buffer that slices at any multiple of 256
+elements, so every layer that cuts a state into shards, sub-groups or files cuts it as it
+cuts an fp32 state, at block boundaries.
+
+- The maps are bitsandbytes' dynamic ("dynamic tree") maps as torchao builds them
+  (``create_dynamic_map``): 256 sorted float32 values in [-1, 1] (signed: exp_avg, Lion's
+  exp_avg, SGD's momentum buffer) or [0, 1] (unsigned: exp_avg_sq, Adagrad's sum), each
+  with an exact 0 and 1.
+- Encode a block of float32 values x: ``absmax = max |x|`` over the block's live elements;
+  if that is not finite (a NaN or inf in the block) the block is stored as absmax = NaN with
+  every code the zero code (it decodes to NaN: a poisoned step poisons the block, as torch's
+  fp32 state would be poisoned element by element); if absmax == 0 every code is the zero
+  code. Else ``xn = x / absmax`` (IEEE float32 division) and the code is the number of
+  midpoints below xn: ``code = #{i : mid[i] < xn}``, ``mid[i] = (map[i] + map[i+1]) * 0.5``
+  in float32 (nearest map value, ties to the lower one).
+- Decode: ``map[code] * absmax`` (float32 multiply).
+
+[Note: stochastic rounding to bfloat16]
+A float32 x rounds to bfloat16 stochastically as ``(bits(x) + r) >> 16`` with r a 16-bit
+random number (a carry into the kept half happens with probability fraction / 2**16, as in
+torchao's ``bf16_stochastic_round``); NaN becomes 0xFFFF as in the round-to-nearest path.
+r for element i of a call is ``lowbias32((offset + i) mod 2**32 ^ seed ^ STREAM[k]) >> 16``:
+a counter-based hash, so a value depends on its element's index, not on how a backend cuts
+the range into threads or vectors. ``seed`` (uint32) and ``offset`` (the first element's
+index) are the caller's; ``STREAM[k]`` separates the param (k = 0) from the states
+(k = 1 + the state's position), so no two arrays share a random stream.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Tuple
+
+import torch
+
+__all__ = ["QuantArgs", "BLOCK", "PACKED_BLOCK", "SIGNED_MAP", "UNSIGNED_MAP", "SIGNED_MID", "UNSIGNED_MID",
+           "STREAMS", "packed_nbytes", "quant_map", "encode_blocks", "decode_blocks",
+           "lowbias32", "random_bits16", "round_bf16_stochastic", "zero_code"]
+
+class QuantArgs(NamedTuple):
+    """How a step with low-precision states or a bfloat16 param rounds (the kernels' face)."""
+
+    seed: int = 0
+    """uint32 seed of the stochastic rounding streams (the caller derives it per step)."""
+    offset: int = 0
+    """The index of the call's first element in the random streams."""
+    stochastic_states: bool = False
+    """bfloat16 states: stochastic rounding (True) or round to nearest even (False). A
+    bfloat16 param (its own master) is always rounded stochastically."""
+
+
+BLOCK = 256
+PACKED_BLOCK = BLOCK + 4
+STREAMS = (0x00000000, 0x68E31DA4, 0xB5297A4D, 0x1B56C4E9, 0x3C6EF372)
+"""Per-array stream constants: param, then states 0..3."""
+
+
+def _dynamic_map(signed: bool) -> torch.Tensor:
+    """bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)``: per
+    decade 10**-6 .. 10**0 the midpoints of a linspace(0.1, 1) (float32), then 0 and 1."""
+    data = []
+    for i in range(7):
+        items = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
+        b = torch.linspace(0.1, 1, items)
+        means = (b[:-1] + b[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * means).tolist()
+        if signed:
+            data += (-(10 ** (-6 + i)) * means).tolist()
+    data += [0.0, 1.0]
+    data.sort()
+    table = torch.tensor(data, dtype=torch.float32)
+    assert table.numel() == 256 and table.unique().numel() == 256
+    return table
+
+
+SIGNED_MAP = _dynamic_map(True)
+UNSIGNED_MAP = _dynamic_map(False)
+SIGNED_MID = (SIGNED_MAP[:-1] + SIGNED_MAP[1:]) * 0.5
+UNSIGNED_MID = (UNSIGNED_MAP[:-1] + UNSIGNED_MAP[1:]) * 0.5
+
+
+def quant_map(signed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(map[256], mid[255]) float32 of the signed or unsigned scheme."""
+    return (SIGNED_MAP, SIGNED_MID) if signed else (UNSIGNED_MAP, UNSIGNED_MID)
+
+
+def zero_code(signed: bool) -> int:
+    """The code whose map value is exactly 0."""
+    return int((quant_map(signed)[0] == 0).nonzero()[0, 0])
+
+
+def packed_nbytes(numel: int) -> int:
+    """Bytes a blocked state of ``numel`` elements takes: ceil(numel / 256) * 260."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    return -(-int(numel) // BLOCK) * PACKED_BLOCK
+
+
+def encode_blocks(x: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The packed blocks (uint8, ``packed_nbytes(x.numel())``) of float32 ``x``."""
+    x = x.detach().reshape(-1)
+    if x.dtype != torch.float32:
+        raise TypeError(f"encode_blocks takes float32 values, got {x.dtype}")
+    n = x.numel()
+    nb = -(-n // BLOCK)
+    table, mid = quant_map(signed)
+    zc = zero_code(signed)
+    padded = torch.zeros(nb * BLOCK, dtype=torch.float32)
+    padded[:n] = x
+    blocks = padded.view(nb, BLOCK)
+    absmax = blocks.abs().amax(dim=1) if nb else torch.zeros(0)
+    bad = ~torch.isfinite(blocks).all(dim=1)
+    absmax = torch.where(bad, torch.full_like(absmax, float("nan")), absmax)
+    safe = torch.where(bad | (absmax == 0), torch.ones_like(absmax), absmax)
+    xn = blocks / safe[:, None]
+    codes = torch.searchsorted(mid, xn.contiguous(), right=False).to(torch.uint8)
+    codes[bad | (absmax == 0)] = zc
+    codes.view(-1)[n:] = zc
+    out = torch.empty(nb, PACKED_BLOCK, dtype=torch.uint8)
+    out[:, :BLOCK] = codes
+    out[:, BLOCK:] = absmax.contiguous().view(torch.uint8).view(nb, 4)
+    return out.view(-1)
+
+
+def decode_blocks(packed: torch.Tensor, numel: int, signed: bool) -> torch.Tensor:
+    """The float32 values (``numel`` of them) of packed blocks ``packed`` (uint8)."""
+    if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(numel):
+        raise ValueError(f"a blocked state of {numel} elements is {packed_nbytes(numel)} uint8 "
+                         f"bytes, got {packed.numel()} {packed.dtype}")
+    nb = -(-numel // BLOCK)
+    blocks = packed.reshape(nb, PACKED_BLOCK)
+    codes = blocks[:, :BLOCK].long()
+    absmax = blocks[:, BLOCK:].contiguous().view(torch.float32).view(nb, 1)
+    table = quant_map(signed)[0]
+    return (table[codes] * absmax).view(-1)[:numel].clone()
+
+
+def lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' lowbias32 hash of uint32 values held in int64 (result in [0, 2**32))."""
+    m = 0xFFFFFFFF
+    x = x & m
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & m
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & m
+    x = x ^ (x >> 16)
+    return x
+
+
+def random_bits16(n: int, seed: int, offset: int, stream: int) -> torch.Tensor:
+    """r for elements 0..n-1 of a call (see [Note: stochastic rounding to bfloat16]), int64."""
+    idx = (torch.arange(n, dtype=torch.int64) + int(offset)) & 0xFFFFFFFF
+    return lowbias32(idx ^ (int(seed) & 0xFFFFFFFF) ^ STREAMS[stream]) >> 16
+
+
+def round_bf16_stochastic(x: torch.Tensor, seed: int, offset: int, stream: int) -> torch.Tensor:
+    """float32 ``x`` rounded to bfloat16 stochastically (the note's scheme)."""
+    x = x.detach().reshape(-1).float()
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    r = random_bits16(x.numel(), seed, offset, stream)
+    hi = ((bits + r) >> 16) & 0xFFFF
+    hi = torch.where(torch.isnan(x), torch.full_like(hi, 0xFFFF), hi)
+    return _as_bf16(hi)
+
+
+def _as_bf16(hi: torch.Tensor) -> torch.Tensor:
+    """bfloat16 values with bit patterns ``hi`` (int64 in [0, 2**16))."""
+    signed16 = torch.where(hi >= 0x8000, hi - 0x10000, hi)
+    return signed16.to(torch.int16).view(torch.bfloat16)
