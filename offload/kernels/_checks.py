@@ -13,7 +13,7 @@ import torch
 
 from .fields import ADAM, Rule, StateField
 
-__all__ = ["GRAD_DTYPES", "LOWP_DTYPES", "check_adam_args", "check_grad_scale", "check_states",
+__all__ = ["GRAD_DTYPES", "LOWP_DTYPES", "check_adam_args", "check_compressed_args", "check_grad_scale", "check_states",
            "check_step_args", "check_tensor", "check_threads"]
 
 # dtype -> code understood by native/ and the numba backend (keep in sync with offload_native.h)
@@ -84,6 +84,40 @@ def check_step_args(param, grad, fields: Sequence[StateField], states: Sequence[
             or float(step) != int(step):
         raise ValueError(f"step must be an integer >= 1, got {step!r}")
     check_threads(num_threads)
+    return n
+
+
+def check_compressed_args(param, grad, fields: Sequence[StateField], states: Sequence[torch.Tensor],
+                          param_lowp, step, num_threads, q) -> int:
+    """``check_step_args`` for a step with compressed states or a bfloat16 param: each state
+    has its field's storage dtype and size (packed blocks for int8), a bfloat16 param has no
+    separate low-precision copy, the rounding seed is a uint32 and the offset >= 0."""
+    check_tensor("param", param, (torch.float32, torch.bfloat16))
+    if param.dtype == torch.bfloat16 and param_lowp is not None:
+        raise ValueError("a bfloat16 param is its own master: pass param_lowp=None")
+    n = param.numel()
+    check_tensor("grad", grad, GRAD_DTYPES)
+    if grad.numel() != n:
+        _numel_error("grad", grad, n)
+    for field, t in zip(fields, states):
+        check_tensor(field.name, t, (field.storage_dtype,))
+        want = field.storage_numel(n)
+        if t.numel() != want:
+            what = f"{want} bytes of packed blocks" if field.blocked else f"{want} elements"
+            raise ValueError(f"{field.name} ({field.describe()}) of a param of {n} elements "
+                             f"takes {what}, got {t.numel()}")
+    if param_lowp is not None:
+        check_tensor("param_lowp", param_lowp, LOWP_DTYPES)
+        if param_lowp.numel() != n:
+            _numel_error("param_lowp", param_lowp, n)
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 1 \
+            or float(step) != int(step):
+        raise ValueError(f"step must be an integer >= 1, got {step!r}")
+    check_threads(num_threads)
+    for name, v in (("rounding_seed", q.seed), ("element_offset", q.offset)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or \
+                (name == "rounding_seed" and v >= 1 << 32):
+            raise ValueError(f"{name} must be an int in [0, {'2**32' if name == 'rounding_seed' else 'inf'}), got {v!r}")
     return n
 
 

@@ -13,8 +13,9 @@ from typing import Callable, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from ._checks import check_adam_args, check_states, check_step_args
+from ._checks import check_adam_args, check_compressed_args, check_states, check_step_args
 from .fields import ADAGRAD, ADAM, LION, RULES, SGD, SGD_PLAIN, Rule, StateField
+from .quant import QuantArgs
 from .rule_consts import adagrad_args, lion_args, sgd_args, sgd_plain_args
 
 __all__ = ["RULE_CODES", "RuleStepFace", "resolve_rule"]
@@ -65,18 +66,27 @@ _ADAM_KERNEL = _KERNELS[ADAM]
 
 
 def resolve_rule(rule: Union[Rule, str]) -> Rule:
-    """``rule`` (a ``Rule`` or its name) if the kernels implement it; else ValueError."""
+    """``rule`` (a ``Rule`` or its name) if the kernels implement it; else ValueError. A rule
+    with compressed states (``Rule.with_state_dtype``) resolves as itself."""
     if isinstance(rule, str):
         if rule not in RULES:
             raise ValueError(f"unknown optimizer rule {rule!r}; the kernels implement {sorted(RULES)}")
         rule = RULES[rule]
     if not isinstance(rule, Rule):
         raise TypeError(f"rule must be an offload.kernels.fields.Rule or its name, got {type(rule).__name__}")
-    if rule not in _KERNELS:
+    base = RULES.get(rule.name)
+    if base is None or base not in _KERNELS or not _compressed_form_of(rule, base):
         known = ", ".join(f"{r.name} {[f.describe() for f in r.fields]}" for r in _KERNELS)
         raise ValueError(f"no kernel for rule {rule.name!r} with fields "
-                         f"{[f.describe() for f in rule.fields]}; the kernels implement: {known}")
+                         f"{[f.describe() for f in rule.fields]}; the kernels implement: {known} "
+                         f"(each with its states as float32, bfloat16 or int8 blocks: "
+                         f"Rule.with_state_dtype)")
     return rule
+
+
+def _compressed_form_of(rule: Rule, base: Rule) -> bool:
+    """Whether ``rule`` is ``base`` with each state stored in a form the kernels take."""
+    return any(rule == base.with_state_dtype(d) for d in ("float32", "bfloat16", "int8"))
 
 
 def _hyper_error(k: _Kernel, hyper: Mapping[str, object]) -> Optional[TypeError]:
@@ -98,9 +108,19 @@ class RuleStepFace:
     def rule_step(self, rule: Union[Rule, str], param: torch.Tensor, grad: torch.Tensor,
                   states: Mapping[str, torch.Tensor], *, step: int,
                   param_lowp: Optional[torch.Tensor] = None, num_threads: Optional[int] = None,
-                  **hyper) -> None:
-        """One step of ``rule`` over ``param`` and ``states`` ({field name: tensor}), in place."""
-        k = _ADAM_KERNEL if rule is ADAM else _KERNELS[resolve_rule(rule)]
+                  rounding_seed: int = 0, element_offset: int = 0,
+                  stochastic_states: bool = False, **hyper) -> None:
+        """One step of ``rule`` over ``param`` and ``states`` ({field name: tensor}), in place.
+
+        Compressed states (``rule`` from ``Rule.with_state_dtype``) and a bfloat16 ``param``
+        (its own master, rounded stochastically) go through ``_compressed``; the rounding
+        streams take ``rounding_seed`` (uint32) and ``element_offset`` (the index of
+        param's first element), [Note: stochastic rounding to bfloat16] in quant.py."""
+        k = _ADAM_KERNEL if rule is ADAM else _KERNELS.get(rule)
+        if k is None or param.dtype != torch.float32:
+            return self._rule_step_compressed(rule, param, grad, states, step, param_lowp,
+                                              num_threads, QuantArgs(rounding_seed, element_offset,
+                                                                     bool(stochastic_states)), hyper)
         ordered = check_states(k.rule, states, k.names)
         n = check_step_args(param, grad, k.fields, ordered, param_lowp, step, num_threads)
         try:
@@ -112,6 +132,35 @@ class RuleStepFace:
             raise err from None
         if n:
             getattr(self, k.method)(param, grad, ordered, param_lowp, num_threads, args)
+
+    def _rule_step_compressed(self, rule, param, grad, states, step, param_lowp, num_threads,
+                              q: QuantArgs, hyper) -> None:
+        rule = resolve_rule(rule)
+        k = _KERNELS[rule.base]
+        ordered = check_states(rule, states, k.names)
+        n = check_compressed_args(param, grad, rule.fields, ordered, param_lowp, step,
+                                  num_threads, q)
+        try:
+            args = k.args(step, **hyper)
+        except TypeError:
+            err = _hyper_error(k, hyper)
+            if err is None:
+                raise
+            raise err from None
+        if n:
+            self._compressed(k.method, rule.fields, param, grad, ordered, param_lowp,
+                             num_threads, args, q)
+
+    def _compressed(self, method: str, fields: Tuple[StateField, ...], param: torch.Tensor,
+                    grad: torch.Tensor, states: Tuple[torch.Tensor, ...],
+                    param_lowp: Optional[torch.Tensor], num_threads: Optional[int], hyper: tuple,
+                    q: QuantArgs) -> None:
+        """One step of the rule whose float32 method is ``method`` ("_adam", ...) with states
+        stored as ``fields`` (bfloat16, or packed int8 blocks) and/or a bfloat16 ``param``;
+        ``hyper`` as ``method`` takes it. Same bits as ``compressed_ref.compose_step`` around
+        this backend's own ``method``."""
+        raise NotImplementedError(f"backend {getattr(self, 'name', type(self).__name__)!r} "
+                                  f"has no compressed-state kernel")
 
     def adam_step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                   exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float,

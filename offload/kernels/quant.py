@@ -43,7 +43,7 @@ import torch
 
 __all__ = ["QuantArgs", "BLOCK", "PACKED_BLOCK", "SIGNED_MAP", "UNSIGNED_MAP", "SIGNED_MID", "UNSIGNED_MID",
            "STREAMS", "packed_nbytes", "quant_map", "encode_blocks", "decode_blocks",
-           "lowbias32", "random_bits16", "round_bf16_stochastic", "zero_code"]
+           "lowbias32", "random_bits16", "round_bf16_stochastic", "round_bf16_nearest", "zero_code"]
 
 class QuantArgs(NamedTuple):
     """How a step with low-precision states or a bfloat16 param rounds (the kernels' face)."""
@@ -167,6 +167,17 @@ def round_bf16_stochastic(x: torch.Tensor, seed: int, offset: int, stream: int) 
     bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     r = random_bits16(x.numel(), seed, offset, stream)
     hi = ((bits + r) >> 16) & 0xFFFF
+    hi = torch.where(torch.isnan(x), torch.full_like(hi, 0xFFFF), hi)
+    return _as_bf16(hi)
+
+
+def round_bf16_nearest(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` rounded to bfloat16, nearest even, NaN -> 0xFFFF: the native units'
+    conversion (torch's vectorized ``cvtfp32_bf16``; torch's scalar path writes NaN as
+    0x7FC0, so ``x.to(torch.bfloat16)`` is not the reference for NaN)."""
+    x = x.detach().reshape(-1).float()
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    hi = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
     hi = torch.where(torch.isnan(x), torch.full_like(hi, 0xFFFF), hi)
     return _as_bf16(hi)
 

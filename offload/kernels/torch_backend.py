@@ -16,6 +16,7 @@ import torch
 
 from ._checks import check_tensor, check_threads, GRAD_DTYPES
 from ._rule_step import RuleStepFace
+from .compressed_ref import compose_step
 
 __all__ = ["TorchBackend"]
 
@@ -96,6 +97,12 @@ class TorchBackend(RuleStepFace):
         p.add_(update, alpha=-lr)
         exp_avg.lerp_(g, 1 - beta2)
         _copy_lowp(p, param_lowp)
+
+    def _compressed(self, method, fields, param, grad, states, param_lowp, num_threads, hyper,
+                    q) -> None:
+        """The scheme as written: decode, this backend's float32 rule, encode."""
+        compose_step(getattr(self, method), fields, param, grad, states, param_lowp,
+                     num_threads, hyper, q)
 
     def grad_sumsq(self, grad: torch.Tensor, *,
                    num_threads: Optional[int] = None) -> Tuple[float, bool]:

@@ -1,0 +1,75 @@
+"""The compressed-state scheme (offload/kernels/quant.py) against independent formulations."""
+import pytest
+import torch
+
+from offload.kernels import quant
+from offload.kernels.fields import ADAM, StateField
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_codes_are_the_nearest_map_value_ties_low(signed):
+    table, mid = quant.quant_map(signed)
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(3000, generator=g) * (2 if signed else 1) - (1 if signed else 0)
+    x = torch.cat([x, mid, table])  # midpoints themselves tie: the lower code wins
+    packed = quant.encode_blocks(x, signed)
+    nb = -(-x.numel() // quant.BLOCK)
+    blocks = packed.view(nb, quant.PACKED_BLOCK)
+    absmax = blocks[:, quant.BLOCK:].contiguous().view(torch.float32).view(-1)
+    padded = torch.zeros(nb * quant.BLOCK)
+    padded[:x.numel()] = x
+    xn = padded.view(nb, -1) / absmax[:, None]
+    d = (xn[..., None] - table).abs()
+    nearest = d.argmin(-1)  # argmin returns the first (lowest) index on ties
+    codes = blocks[:, :quant.BLOCK].long()
+    live = torch.arange(nb * quant.BLOCK).view(nb, -1) < x.numel()
+    assert torch.equal(codes[live], nearest[live])
+
+
+@pytest.mark.parametrize("n", [1, 7, 255, 256, 257, 4097])
+def test_decode_is_map_times_absmax_and_padding_is_zero_code(n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    packed = quant.encode_blocks(x, True)
+    assert packed.numel() == quant.packed_nbytes(n) == StateField("m", torch.int8, 256).nbytes(n)
+    y = quant.decode_blocks(packed, n, True)
+    assert (y - x).abs().max() <= 0.0075 * x.abs().max()  # half the widest gap of the map near 1
+    codes = packed.view(-1, quant.PACKED_BLOCK)[:, :quant.BLOCK].reshape(-1)
+    assert (codes[n:] == quant.zero_code(True)).all()
+
+
+def test_zero_and_nonfinite_blocks():
+    x = torch.zeros(600)
+    x[300] = float("nan")
+    x[520] = 1e30
+    y = quant.decode_blocks(quant.encode_blocks(x, True), 600, True)
+    assert (y[:256] == 0).all() and torch.isnan(y[256:512]).all()
+    assert y[520] == 1e30 and (y[512:520] == 0).all()
+
+
+def test_stochastic_rounding_is_unbiased_and_indexed_by_element():
+    x = torch.full((20000,), 1.0 + 2 ** -10)  # a quarter of the way to the next bf16
+    r = quant.round_bf16_stochastic(x, 3, 0, 0).float()
+    assert set(r.unique().tolist()) == {1.0, 1.0078125}
+    assert abs(r.mean().item() - x[0].item()) < 2e-4
+    tail = quant.round_bf16_stochastic(x[100:], 3, 100, 0)
+    assert torch.equal(tail.view(torch.int16), r[100:].bfloat16().view(torch.int16))
+    other = quant.round_bf16_stochastic(x, 3, 0, 1)
+    assert not torch.equal(other, r.bfloat16())
+
+
+def test_nearest_rounding_matches_torch_for_finite_values():
+    x = torch.randn(5000) * 1e3
+    assert torch.equal(quant.round_bf16_nearest(x), x.bfloat16())
+    nan = quant.round_bf16_nearest(torch.tensor([float("nan")]))
+    assert nan.view(torch.int16).item() == -1  # 0xFFFF, as the SIMD units write it
+
+
+def test_rule_with_state_dtype():
+    r = ADAM.with_state_dtype("int8")
+    assert [f.signed for f in r.fields] == [True, False] and r.base is ADAM
+    assert r.state_dtype == "int8" and ADAM.with_state_dtype("bfloat16").state_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="state_dtype must be one of"):
+        ADAM.with_state_dtype("fp8")
+    with pytest.raises(ValueError, match="multiples of 256"):
+        r.fields[0].storage_offset(100)
+    assert r.fields[0].align_elems(4096) == 256 * 1024
