@@ -32,7 +32,7 @@ from offload.optim.context_attrs import ContextAttributes
 from offload.optim.functional import RuleHyper
 from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
 from offload.optim.host_state import HostState
-from offload.optim.options import check_extras, check_loaded_groups, check_param_dtype, clear_execution_flags, make_config
+from offload.optim.options import check_compression, check_extras, check_loaded_groups, check_param_dtype, clear_execution_flags, make_config
 from offload.optim.protocol import optional
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
@@ -61,11 +61,17 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                  max_host_bytes: "Optional[int | str]" = None, sub_group_size: Optional[int] = None,
                  verify: bool = False, resume: bool = False, io_engine: Optional[str] = None,
                  num_threads: Optional[int] = None, max_grad_norm: Optional[float] = None,
-                 stage: Optional[int] = None, process_group: Any = None) -> None:
+                 stage: Optional[int] = None, process_group: Any = None,
+                 state_dtype: str = "float32", master_dtype: Optional[str] = None) -> None:
         """``defaults``: the subclass's checked hyperparameters (torch's ``defaults``); the
-        rest are the offload options, checked here before ``params`` is touched, as torch does."""
+        rest are the offload options, checked here before ``params`` is touched, as torch does.
+        ``state_dtype`` / ``master_dtype``: how the states and the master are stored
+        (offload/kernels/quant.py; the stores keep the rule's fields as ``rules()`` gives them)."""
         check_extras(max_grad_norm=max_grad_norm, num_threads=num_threads, stage=stage,
                      bias_correction=getattr(self, "bias_correction", True))
+        check_compression(state_dtype, master_dtype)
+        self.state_dtype = state_dtype
+        self.master_dtype = master_dtype
         config = make_config(offload=offload, swap_dir=swap_dir, max_host_bytes=max_host_bytes,
                              sub_group_size=sub_group_size, verify=verify, resume=resume, io_engine=io_engine)
         get_backend(backend)  # a forced backend that cannot load fails here, with its reason
@@ -106,10 +112,11 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         raise NotImplementedError
 
     def rules(self) -> Tuple[Rule, ...]:
-        """Every rule this optimizer's groups use (one, unless groups differ in kind)."""
+        """Every rule this optimizer's groups use (one, unless groups differ in kind), with
+        its states stored as ``state_dtype`` says (``Rule.with_state_dtype``)."""
         out: List[Rule] = []
         for group in self.param_groups:
-            rule = self.rule_of(group)
+            rule = self.rule_of(group).with_state_dtype(getattr(self, "state_dtype", "float32"))
             if rule not in out:
                 out.append(rule)
         return tuple(out)
@@ -286,7 +293,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         for group in self.param_groups:
             self._check_group(group)
             rule = self._store_rule and self.rule_of(group)
-            if rule and rule is not self._store_rule:  # before anything changes: not a failed step
+            if rule and rule is not self._store_rule.base:  # before anything changes: not a failed step
                 raise ValueError(f"{type(self).__name__}: a group now needs rule {rule.name!r} {list(rule.names)}, "
                                  f"but the store keeps the states of rule {self._store_rule.name!r} "
                                  f"{list(self._store_rule.names)} for every group; build a new optimizer")

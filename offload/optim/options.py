@@ -21,7 +21,7 @@ import torch
 
 from offload.config import IOConfig, OffloadConfig, parse_bytes
 
-__all__ = ["check_hyper", "check_extras", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
+__all__ = ["check_hyper", "check_extras", "check_compression", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
            "clear_execution_flags"]
 
 # Options that act only on swap files; with offload="none" or "cpu" they would do nothing.
@@ -137,6 +137,17 @@ def check_extras(*, max_grad_norm: Any, num_threads: Any, stage: Any, bias_corre
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2)):
         raise ValueError(f"Invalid stage: {stage!r} (0, 1 or 2; stage 3 is not implemented yet)")
     _check_bool("bias_correction", bias_correction)
+
+
+def check_compression(state_dtype: Any, master_dtype: Any) -> None:
+    """``state_dtype`` ("float32", "bfloat16", "int8") and ``master_dtype`` (None, "float32",
+    "bfloat16"): what the optimizer keeps per element (offload/kernels/quant.py)."""
+    from offload.kernels.fields import STATE_DTYPES
+
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
+    if master_dtype not in (None, "float32", "bfloat16"):
+        raise ValueError(f"master_dtype must be None, 'float32' or 'bfloat16', got {master_dtype!r}")
 
 
 def io_config(io_engine: Any) -> IOConfig:

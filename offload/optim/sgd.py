@@ -64,7 +64,8 @@ class SGD(RuleOptimizer):
     def rule_of(self, group: Dict[str, Any]) -> Rule:
         # A flat or swapped store keeps one rule's fields: with any group with momentum, the
         # buffer's, which a group without momentum leaves untouched (as torch leaves one)
-        if group["momentum"] != 0 or getattr(self, "_store_rule", None) is SGD_RULE:
+        store_rule = getattr(self, "_store_rule", None)
+        if group["momentum"] != 0 or (store_rule is not None and store_rule.base is SGD_RULE):
             return SGD_RULE
         return SGD_PLAIN
 
