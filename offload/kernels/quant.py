@@ -43,7 +43,7 @@ import torch
 
 __all__ = ["QuantArgs", "BLOCK", "PACKED_BLOCK", "SIGNED_MAP", "UNSIGNED_MAP", "SIGNED_MID", "UNSIGNED_MID",
            "STREAMS", "packed_nbytes", "quant_map", "encode_blocks", "decode_blocks",
-           "lowbias32", "random_bits16", "round_bf16_stochastic", "round_bf16_nearest", "zero_code"]
+           "lowbias32", "random_bits16", "round_bf16_stochastic", "round_bf16_nearest", "rounding_seed", "zero_code"]
 
 class QuantArgs(NamedTuple):
     """How a step with low-precision states or a bfloat16 param rounds (the kernels' face)."""
@@ -169,6 +169,14 @@ def round_bf16_stochastic(x: torch.Tensor, seed: int, offset: int, stream: int) 
     hi = ((bits + r) >> 16) & 0xFFFF
     hi = torch.where(torch.isnan(x), torch.full_like(hi, 0xFFFF), hi)
     return _as_bf16(hi)
+
+
+def rounding_seed(step: int, salt: int = 0) -> int:
+    """The uint32 seed of a step's stochastic rounding: a hash of the step count and a
+    store's ``salt`` (a param's or flat group's index), so every step and every array gets
+    fresh random bits and a rerun of the same steps gets the same ones."""
+    x = torch.tensor([(int(step) * 0x9E3779B1 ^ int(salt) * 0x85EBCA77) & 0xFFFFFFFF])
+    return int(lowbias32(x)[0])
 
 
 def round_bf16_nearest(x: torch.Tensor) -> torch.Tensor:
