@@ -175,8 +175,13 @@ def rounding_seed(step: int, salt: int = 0) -> int:
     """The uint32 seed of a step's stochastic rounding: a hash of the step count and a
     store's ``salt`` (a param's or flat group's index), so every step and every array gets
     fresh random bits and a rerun of the same steps gets the same ones."""
-    x = torch.tensor([(int(step) * 0x9E3779B1 ^ int(salt) * 0x85EBCA77) & 0xFFFFFFFF])
-    return int(lowbias32(x)[0])
+    m = 0xFFFFFFFF
+    x = (int(step) * 0x9E3779B1 ^ int(salt) * 0x85EBCA77) & m
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)  # lowbias32, in Python ints (called per param per step)
 
 
 def round_bf16_nearest(x: torch.Tensor) -> torch.Tensor:
