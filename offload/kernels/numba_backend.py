@@ -12,8 +12,11 @@ spinning (the trap of DeepSpeed issue #4687); unless the user chose a layer
 (NUMBA_THREADING_LAYER), this module selects numba's own "workqueue" pool. That pool does
 not accept concurrent launches from two Python threads, so launches are serialised by a lock.
 ``num_threads`` is capped at numba's pool size (NUMBA_NUM_THREADS, the CPU count by default).
-fastmath is limited to {"contract"} (FMA): the flags that assume no NaN/Inf would break NaN
-propagation and the non-finite flag, and "arcp" would turn divisions into reciprocals.
+The Adam kernels take no fastmath flag: their FMAs are written out (numba_rules.adam_update,
+the native units' own), since "contract" let LLVM fuse different pairs in vectorized and
+serial loops; the flags that assume no NaN/Inf would break NaN propagation and the
+non-finite flag, and "arcp" would turn divisions into reciprocals. Compressed states:
+numba_compressed, the same element functions.
 """
 from __future__ import annotations
 
@@ -32,7 +35,9 @@ from ._numba_bits import lowp_bits, u16_to_float
 from ._rule_step import RuleStepFace
 from ._threads import resolve_threads
 from .adam_consts import AdamConsts, FoldCache
+from . import numba_compressed as nc
 from . import numba_rules as nr
+from .quant import BLOCK, quant_map, zero_code
 from .rule_consts import RuleFoldCache, fold_adagrad, fold_lion, fold_sgd
 
 __all__ = ["NumbaBackend"]
@@ -40,24 +45,14 @@ __all__ = ["NumbaBackend"]
 if not os.environ.get("NUMBA_THREADING_LAYER"):
     numba.config.THREADING_LAYER = "workqueue"
 
-_FASTMATH = {"contract"}
+_FASTMATH = False  # the FMAs are explicit (numba_rules.adam_update): nothing else may fuse
 _MIN_PER_THREAD = 1 << 16  # as native/dispatch.cpp: below this a thread costs more than it saves
 _launch_lock = threading.Lock()
 
 
-@njit(inline="always", nogil=True, cache=True, fastmath=_FASTMATH)
-def _update(g, p, m, v, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, eps, nss):
-    """One element of torch's _single_tensor_adam; returns (p, m, v).
-
-    Flags become selects, not branches, so the loop stays vectorized."""
-    g = (g + l2 * p) if use_l2 else g
-    p = p * decay
-    m = coeff * (g - m) + (g if from_end else m)
-    v = v * b2
-    v = v + (w2 * g) * g
-    denom = np.sqrt(v) / bc2s + eps
-    p = p + (nss * m) / denom
-    return p, m, v
+# Adam's element function lives beside the other rules' (numba_rules.adam_update), where the
+# compressed-state kernels (numba_compressed) share it: the same source, the same bits.
+_update = nr.adam_update
 
 
 _lowp_bits = lowp_bits
@@ -186,6 +181,18 @@ def _u16(t: torch.Tensor) -> np.ndarray:
     return t.view(-1).view(torch.int16).numpy().view(np.uint16)
 
 
+_QUANT_MAPS = {signed: tuple(t.numpy() for t in quant_map(signed)) + (zero_code(signed),)
+               for signed in (True, False)}
+
+
+def _state_arg(field, t: torch.Tensor):
+    """A state as numba_compressed takes it: packed blocks as (bytes, map, mid, zero code),
+    bf16 as uint16 bits, float32 as itself."""
+    if field.blocked:
+        return (t.view(-1).numpy(),) + _QUANT_MAPS[field.signed]
+    return _u16(t) if t.dtype == torch.bfloat16 else t.view(-1).numpy()
+
+
 def _threads_for(n: int, num_threads) -> int:
     threads = resolve_threads(num_threads)
     return max(1, min(threads, numba.config.NUMBA_NUM_THREADS, n // _MIN_PER_THREAD))
@@ -269,6 +276,42 @@ class NumbaBackend(RuleStepFace):
         with _launch_lock:
             numba.set_num_threads(threads)
             kernel(*kargs, *args)
+
+    def _compressed(self, method, fields, param, grad, states, param_lowp, num_threads, hyper,
+                    q) -> None:
+        """One pass of numba_compressed's kernel: states decoded per 256-element tile, the
+        rule's float32 element function, states encoded; a bf16 param rounded stochastically."""
+        n = param.numel()
+        p = param.view(-1).numpy() if param.dtype == torch.float32 else _u16(param)
+        g, code = (grad.view(-1).numpy(), 0) if grad.dtype == torch.float32 else \
+            (_u16(grad), GRAD_DTYPES[grad.dtype])
+        s = [_state_arg(f, t) for f, t in zip(fields, states)] + [None, None]
+        lowp = (_NO_LOWP, -1) if param_lowp is None else \
+            (_u16(param_lowp), LOWP_DTYPES[param_lowp.dtype])
+        args = (p, g, code, s[0], s[1]) + lowp + (self._rule_args(method, hyper),
+                                                  (q.seed, q.offset & 0xFFFFFFFF,
+                                                   bool(q.stochastic_states)))
+        nb = -(-n // BLOCK)
+        if n <= _SERIAL_MAX:
+            nc.run_serial(0, nb, *args)
+            return
+        threads = _threads_for(n, num_threads)
+        with _launch_lock:
+            numba.set_num_threads(threads)
+            # a few runs per thread: even ends when the threads' shares are uneven
+            nc.run_parallel(min(nb, 4 * threads), *args)
+
+    def _rule_args(self, method: str, hyper: tuple):
+        """The rule's folded scalars as the namedtuple that picks its element function."""
+        if method == "_adam":
+            return nc.AdamArgs(*self._fold(hyper))
+        if method == "_sgd":
+            return nc.SgdArgs(*self._sgd_fold(hyper))
+        if method == "_adagrad":
+            return nc.AdagradArgs(*self._adagrad_fold(hyper))
+        if method == "_lion":
+            return nc.LionArgs(*self._lion_fold(hyper))
+        raise ValueError(f"no compressed kernel for rule method {method!r}")
 
     def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)

@@ -16,7 +16,7 @@ from numba.extending import overload
 
 from ._numba_bits import fma32, lowp_bits, u16_to_float
 
-__all__ = ["load_grad", "sgd_parallel", "sgd_parallel_lowp", "sgd_serial", "adagrad_parallel",
+__all__ = ["adam_update", "load_grad", "sgd_parallel", "sgd_parallel_lowp", "sgd_serial", "adagrad_parallel",
            "adagrad_parallel_lowp", "adagrad_serial", "lion_parallel", "lion_parallel_lowp",
            "lion_serial", "sgd_scalars", "adagrad_scalars", "lion_scalars"]
 
@@ -33,6 +33,24 @@ def _load_grad(g, i, grad_code):
     if g.dtype == types.float32:
         return lambda g, i, grad_code: g[i]
     return lambda g, i, grad_code: u16_to_float(g[i], grad_code)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def adam_update(g, p, m, v, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, eps, nss):
+    """One element of torch's _single_tensor_adam; returns (p, m, v). The FMAs are the
+    native units' (native/adam_avx512.cpp), written out: left to "contract", LLVM fused
+    other pairs in the vectorized loops than in the serial ones (the serial and parallel
+    kernels, and numba and native, then differed in the last bit).
+
+    Flags become selects, not branches, so the loop stays vectorized."""
+    g = fma32(p, l2, g) if use_l2 else g
+    m = fma32(coeff, g - m, g if from_end else m)
+    v = fma32(w2 * g, g, v * b2)
+    denom = np.sqrt(v) / bc2s + eps
+    # the decay's product fused into the step's sum, as GCC contracts the native units'
+    # ``p * decay`` then ``p + step``
+    p = fma32(p, decay, (nss * m) / denom)
+    return p, m, v
 
 
 @njit(inline="always", nogil=True, cache=True, fastmath=_FASTMATH)
