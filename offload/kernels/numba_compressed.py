@@ -1,0 +1,286 @@
+"""numba kernels of a step with compressed states (bf16, packed int8 blocks) or a bf16 param.
+
+One pass over the call in tiles of ``quant.BLOCK`` (256) elements on the call's block grid:
+per tile, each state is decoded element by element (bf16 bits, or ``map[code] * absmax``),
+the rule's own element function (numba_rules: the numba float32 path's, so the float32
+arithmetic and its bits are that path's) steps the element, and the new state values are
+rounded to bf16 at once (nearest, or quant.py's lowbias32 stream) or kept in a 256-float
+scratch until the tile's absmax is known and they are encoded (#midpoints below x/absmax,
+a binary search over the 255 midpoints). No full-size float32 temporary: a thread's scratch
+is two tiles. The result equals ``compressed_ref.compose_step`` around the numba float32
+method bit for bit (tests/test_numba_compressed.py).
+
+The kernel is generic: numba compiles one specialisation per argument kinds, chosen at
+compile time by ``@overload`` on the argument types --
+- a state is ``None`` (absent), a float32 array, a uint16 array (bf16 bits) or a tuple
+  ``(uint8 bytes, map, mid, zero code)`` (packed blocks);
+- the param is a float32 array, or uint16 (a bf16 param, its own master, rounded
+  stochastically on stream 0);
+- the rule is the class of its scalars' namedtuple (``AdamArgs``, ...).
+"""
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ._numba_bits import bf16_to_float, bits_from_f32, f32_from_bits, float_to_bf16, lowp_bits
+from . import numba_rules as nr
+from .quant import BLOCK, PACKED_BLOCK, STREAMS
+
+__all__ = ["AdamArgs", "SgdArgs", "AdagradArgs", "LionArgs", "run_serial", "run_parallel"]
+
+_FASTMATH = False  # every FMA is an explicit fma32 in the element functions: none other may fuse
+
+# A rule's folded scalars (numba_rules' *_scalars / numba_backend's _kernel_scalars, in that
+# order): the class tells the kernel which element function to inline.
+AdamArgs = namedtuple("AdamArgs", "gs use_l2 l2 decay coeff from_end b2 w2 bc2s eps nss")
+SgdArgs = namedtuple("SgdArgs", "gs use_wd wd mom omd mode nesterov neg_lr")
+AdagradArgs = namedtuple("AdagradArgs", "gs use_wd wd eps neg_clr")
+LionArgs = namedtuple("LionArgs", "gs decay c1 c2 neg_lr from_end1 from_end2")
+
+_M32 = 0xFFFFFFFF
+_NAN_BITS = 0x7FC00000  # torch's float("nan"): the absmax of a non-finite block
+_S1, _S2, _S0 = np.int64(STREAMS[1]), np.int64(STREAMS[2]), np.int64(STREAMS[0])
+
+
+def rule_update(r, g, p, a, c):
+    """(p, a, c) after one element of the rule whose scalars are ``r`` (numba only)."""
+    raise NotImplementedError
+
+
+@overload(rule_update, inline="always")
+def _rule_update(r, g, p, a, c):
+    cls = getattr(r, "instance_class", None)
+    if cls is AdamArgs:
+        def adam(r, g, p, a, c):
+            return nr.adam_update(g, p, a, c, r.use_l2, r.l2, r.decay, r.coeff, r.from_end,
+                                  r.b2, r.w2, r.bc2s, r.eps, r.nss)
+        return adam
+    if cls is SgdArgs:
+        def sgd(r, g, p, a, c):
+            p, a = nr._sgd(g, p, a, r.use_wd, r.wd, r.mom, r.omd, r.mode, r.nesterov, r.neg_lr)
+            return p, a, c
+        return sgd
+    if cls is AdagradArgs:
+        def adagrad(r, g, p, a, c):
+            p, a = nr._adagrad(g, p, a, r.use_wd, r.wd, r.eps, r.neg_clr)
+            return p, a, c
+        return adagrad
+    if cls is LionArgs:
+        def lion(r, g, p, a, c):
+            p, a = nr._lion(g, p, a, r.decay, r.c1, r.c2, r.neg_lr, r.from_end1, r.from_end2)
+            return p, a, c
+        return lion
+    return None
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _lowbias32(x):
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _bf16_stochastic(x, i, q, stream):
+    """bf16 bits of float32 ``x``, element ``i`` of the call: ``(bits + r) >> 16`` with
+    r = lowbias32((offset + i) mod 2**32 ^ seed ^ stream) >> 16; NaN -> 0xFFFF."""
+    seed, offset = q[0], q[1]
+    r = _lowbias32(((offset + i) & _M32) ^ seed ^ stream) >> 16
+    u = np.int64(bits_from_f32(x))
+    hi = ((u + r) >> 16) & 0xFFFF
+    return 0xFFFF if (u & 0x7FFFFFFF) > 0x7F800000 else hi
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _decode(table, code, scale):
+    """map[code] * absmax (rounded before the rule uses it: the kernels allow no fusion)."""
+    return table[code] * scale
+
+
+# -- the state kinds: load, keep, finish a tile ----------------------------------------------
+def block_scale(s, b):
+    raise NotImplementedError
+
+
+def load_state(s, scale, b, j, i):
+    raise NotImplementedError
+
+
+def keep_state(s, buf, j, i, x, q, stream):
+    raise NotImplementedError
+
+
+def finish_state(s, buf, b, n_live):
+    raise NotImplementedError
+
+
+def _is_blocked(s):
+    return isinstance(s, types.BaseTuple)
+
+
+def _is_bf16(s):
+    return isinstance(s, types.Array) and s.dtype == types.uint16
+
+
+@overload(block_scale, inline="always")
+def _block_scale(s, b):
+    if _is_blocked(s):
+        def blocked(s, b):
+            a, base = s[0], b * PACKED_BLOCK + BLOCK
+            bits = (np.uint32(a[base]) | (np.uint32(a[base + 1]) << 8)
+                    | (np.uint32(a[base + 2]) << 16) | (np.uint32(a[base + 3]) << 24))
+            return f32_from_bits(np.uint32(bits))
+        return blocked
+    return lambda s, b: np.float32(0)
+
+
+@overload(load_state, inline="always")
+def _load_state(s, scale, b, j, i):
+    if isinstance(s, types.NoneType):
+        return lambda s, scale, b, j, i: np.float32(0)
+    if _is_blocked(s):
+        return lambda s, scale, b, j, i: _decode(s[1], s[0][b * PACKED_BLOCK + j], scale)
+    if _is_bf16(s):
+        return lambda s, scale, b, j, i: bf16_to_float(s[i])
+    return lambda s, scale, b, j, i: s[i]
+
+
+@overload(keep_state)  # not inlined in numba IR: its branches tripped numba's SSA check
+def _keep_state(s, buf, j, i, x, q, stream):
+    if isinstance(s, types.NoneType):
+        def absent(s, buf, j, i, x, q, stream):
+            pass
+        return absent
+    if _is_blocked(s):
+        def blocked(s, buf, j, i, x, q, stream):
+            buf[j] = x
+        return blocked
+    if _is_bf16(s):
+        def bf16(s, buf, j, i, x, q, stream):
+            if q[2]:
+                s[i] = _bf16_stochastic(x, i, q, stream)
+            else:
+                s[i] = float_to_bf16(x)
+        return bf16
+
+    def f32(s, buf, j, i, x, q, stream):
+        s[i] = x
+    return f32
+
+
+@overload(finish_state, inline="always")
+def _finish_state(s, buf, b, n_live):
+    if _is_blocked(s):
+        return lambda s, buf, b, n_live: _encode_block(s[0], s[2], s[3], buf, b, n_live)
+
+    def nothing(s, buf, b, n_live):
+        pass
+    return nothing
+
+
+@njit(inline="always", nogil=True, cache=True)
+def _code(mid, xn):
+    """#{k : mid[k] < xn} over the 255 sorted midpoints: 8 halvings (128 + ... + 1 = 255,
+    so every probe is in range)."""
+    pos = 0
+    step = 128
+    while step:
+        pos += step if mid[pos + step - 1] < xn else 0
+        step >>= 1
+    return pos
+
+
+@njit(nogil=True, cache=True)
+def _encode_block(a, mid, zc, buf, b, n_live):
+    """Block ``b`` of packed bytes ``a`` from the float32 values ``buf[:n_live]``
+    (quant.encode_blocks: NaN absmax and zero codes for a non-finite block, zero codes for
+    an all-zero one, the zero code past the live elements)."""
+    amax = np.float32(0)
+    bad = False
+    for j in range(n_live):
+        x = buf[j]
+        bad |= (bits_from_f32(x) & 0x7F800000) == 0x7F800000
+        amax = max(amax, abs(x))
+    base = b * PACKED_BLOCK
+    if bad or amax == 0:
+        for j in range(BLOCK):
+            a[base + j] = zc
+    else:
+        for j in range(n_live):
+            a[base + j] = _code(mid, buf[j] / amax)
+        for j in range(n_live, BLOCK):
+            a[base + j] = zc
+    bits = np.uint32(_NAN_BITS) if bad else bits_from_f32(amax)
+    for k in range(4):
+        a[base + BLOCK + k] = np.uint8((bits >> (8 * k)) & 0xFF)
+
+
+# -- the param kinds ---------------------------------------------------------------------------
+def load_param(p, i):
+    raise NotImplementedError
+
+
+def store_param(p, i, x, q):
+    raise NotImplementedError
+
+
+@overload(load_param, inline="always")
+def _load_param(p, i):
+    if _is_bf16(p):
+        return lambda p, i: bf16_to_float(p[i])
+    return lambda p, i: p[i]
+
+
+@overload(store_param)
+def _store_param(p, i, x, q):
+    if _is_bf16(p):
+        def bf16(p, i, x, q):
+            p[i] = _bf16_stochastic(x, i, q, _S0)
+        return bf16
+
+    def f32(p, i, x, q):
+        p[i] = x
+    return f32
+
+
+# -- the pass ---------------------------------------------------------------------------------
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def run_serial(b_lo, b_hi, p, g, grad_code, s0, s1, lowp, lowp_code, r, q):
+    """Tiles ``b_lo`` .. ``b_hi`` - 1 of the call. ``q`` is (seed, offset mod 2**32,
+    stochastic states); ``lowp_code`` > 0 writes the float32 param's low-precision copy."""
+    n = g.size
+    buf0 = np.empty(BLOCK, dtype=np.float32)
+    buf1 = np.empty(BLOCK, dtype=np.float32)
+    for b in range(b_lo, b_hi):
+        lo = b * BLOCK
+        n_live = min(BLOCK, n - lo)
+        sc0 = block_scale(s0, b)
+        sc1 = block_scale(s1, b)
+        for j in range(n_live):
+            i = lo + j
+            pi, a, c = rule_update(r, nr.load_grad(g, i, grad_code) * r.gs, load_param(p, i),
+                                   load_state(s0, sc0, b, j, i), load_state(s1, sc1, b, j, i))
+            store_param(p, i, pi, q)
+            if lowp_code > 0:
+                lowp[i] = lowp_bits(pi, lowp_code)
+            keep_state(s0, buf0, j, i, a, q, _S1)
+            keep_state(s1, buf1, j, i, c, q, _S2)
+        finish_state(s0, buf0, b, n_live)
+        finish_state(s1, buf1, b, n_live)
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+def run_parallel(chunks, p, g, grad_code, s0, s1, lowp, lowp_code, r, q):
+    """The call's tiles in ``chunks`` contiguous runs, one prange iteration each (a run
+    allocates its two scratch tiles once)."""
+    nb = (g.size + BLOCK - 1) // BLOCK
+    for c in prange(chunks):
+        run_serial(c * nb // chunks, (c + 1) * nb // chunks, p, g, grad_code, s0, s1, lowp,
+                   lowp_code, r, q)
