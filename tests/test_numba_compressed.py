@@ -24,7 +24,8 @@ CONFIGS = {
                         decoupled=True)),
     "adam_l2_max": (ADAM, dict(lr=1e-2, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.01,
                                decoupled=False, maximize=True, grad_scale=0.5)),
-    "sgd": (SGD, dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=True)),
+    "sgd_nesterov": (SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)),
+    "sgd_damp": (SGD, dict(lr=0.1, momentum=0.9, dampening=0.1)),
     "adagrad": (ADAGRAD, dict(lr=0.1, lr_decay=0.01, weight_decay=0.01, eps=1e-10)),
     "lion": (LION, dict(lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1)),
 }

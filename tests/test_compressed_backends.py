@@ -1,0 +1,55 @@
+"""The native and numba compressed-state kernels give the same bits on the same input.
+
+Both are held to ``compressed_ref.compose_step`` around their own float32 rule, and the two
+float32 rules agree bit for bit (tests/test_kernel_rules.py; Adam since its FMAs are written
+out in numba), so the compressed steps must agree too: every rule, every state kind, both
+param dtypes, on and off the block grid, serial and parallel sizes. Skips only where the
+native library is missing or has no compressed kernel yet (NotImplementedError).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload.kernels as K
+
+from test_numba_compressed import CONFIGS, NUMBA, STATE_KINDS, assert_same_bits, run
+
+SIZES = [1, 17, 257, 4097, (1 << 20) + 3]
+
+
+def _native():
+    try:
+        native = K.get_backend("native")
+    except RuntimeError as exc:
+        pytest.skip(f"no native library: {exc}")
+    try:
+        run(native, *CONFIGS["adam"], 7, steps=1)
+    except NotImplementedError as exc:
+        pytest.skip(f"the native library has no compressed kernel: {exc}")
+    return native
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("state_dtype,stochastic", STATE_KINDS)
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_native_equals_numba_bit_for_bit(cfg, state_dtype, stochastic, param_dtype):
+    native = _native()
+    rule, hp = CONFIGS[cfg]
+    for k, n in enumerate(SIZES):
+        lowp = torch.bfloat16 if param_dtype == torch.float32 and k % 2 else None
+        kw = dict(state_dtype=state_dtype, stochastic=stochastic, param_dtype=param_dtype,
+                  grad_dtype=(torch.float32, torch.bfloat16, torch.float16)[k % 3],
+                  lowp_dtype=lowp, offset=1000 * k)
+        assert_same_bits(run(native, rule, hp, n, **kw), run(NUMBA, rule, hp, n, **kw),
+                         f"{cfg} {state_dtype} n={n}")
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_native_equals_numba_with_float32_states_and_a_bf16_param(cfg):
+    native = _native()
+    rule, hp = CONFIGS[cfg]
+    for n in (7, 4097):
+        kw = dict(state_dtype="float32", param_dtype=torch.bfloat16)
+        assert_same_bits(run(native, rule, hp, n, **kw), run(NUMBA, rule, hp, n, **kw),
+                         f"{cfg} n={n}")
