@@ -17,7 +17,11 @@ from offload.kernels.fields import ADAGRAD, ADAM, LION, SGD, SGD_PLAIN
 
 numba_backend = pytest.importorskip("offload.kernels.numba_backend")
 
-SIZES = [1, 7, 15, 16, 17, 255, 256, 257, 4097, (1 << 20) + 3]
+# 20000: past the serial kernel's limit (16384), the parallel path; 2**20 + 3 (slow in the
+# torch oracle) for the cases that touch every code path at once (BIG_CASES)
+SIZES = [1, 7, 15, 16, 17, 255, 256, 257, 4097, 20000]
+BIG = (1 << 20) + 3
+BIG_CASES = {("int8", False, torch.bfloat16), ("bfloat16", True, torch.float32)}
 GRADS = [torch.float32, torch.bfloat16, torch.float16]
 CONFIGS = {
     "adam": (ADAM, dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
@@ -106,12 +110,14 @@ def cases():
 @pytest.mark.parametrize("cfg,state_dtype,stochastic,param_dtype", list(cases()))
 def test_numba_equals_composed_step_bit_for_bit(cfg, state_dtype, stochastic, param_dtype):
     rule, hp = CONFIGS[cfg]
-    for k, n in enumerate(SIZES):
+    big = (state_dtype, stochastic, param_dtype) in BIG_CASES
+    for k, n in enumerate(SIZES + [BIG] * big):
         lowp = torch.bfloat16 if param_dtype == torch.float32 and k % 2 else None
         if lowp is not None and k % 4 == 3:
             lowp = torch.float16
         kw = dict(state_dtype=state_dtype, stochastic=stochastic, param_dtype=param_dtype,
-                  grad_dtype=GRADS[k % 3], lowp_dtype=lowp, offset=5 * k)
+                  grad_dtype=GRADS[k % 3], lowp_dtype=lowp, offset=5 * k,
+                  steps=2 if n == BIG else 3)
         assert_same_bits(run(NUMBA, rule, hp, n, **kw), run(ORACLE, rule, hp, n, **kw),
                          f"{cfg} n={n}")
 
