@@ -41,9 +41,8 @@ SgdArgs = namedtuple("SgdArgs", "gs use_wd wd mom omd mode nesterov neg_lr")
 AdagradArgs = namedtuple("AdagradArgs", "gs use_wd wd eps neg_clr")
 LionArgs = namedtuple("LionArgs", "gs decay c1 c2 neg_lr from_end1 from_end2")
 
-_M32 = 0xFFFFFFFF
 _NAN_BITS = 0x7FC00000  # torch's float("nan"): the absmax of a non-finite block
-_S1, _S2, _S0 = np.int64(STREAMS[1]), np.int64(STREAMS[2]), np.int64(STREAMS[0])
+_S1, _S2, _S0 = np.uint32(STREAMS[1]), np.uint32(STREAMS[2]), np.uint32(STREAMS[0])
 
 
 def rule_update(r, g, p, a, c):
@@ -77,25 +76,27 @@ def _rule_update(r, g, p, a, c):
     return None
 
 
+# The hash in uint32 arithmetic: written on int64 with masks (as quant.py's), numba's loops
+# came out scalar with 64-bit multiplies, ~20x slower.
 @njit(inline="always", nogil=True, cache=True)
 def _lowbias32(x):
-    x = x & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+    x = np.uint32(x)
+    x ^= x >> np.uint32(16)
+    x = np.uint32(x * np.uint32(0x7FEB352D))
+    x ^= x >> np.uint32(15)
+    x = np.uint32(x * np.uint32(0x846CA68B))
+    return x ^ (x >> np.uint32(16))
 
 
 @njit(inline="always", nogil=True, cache=True)
 def _bf16_stochastic(x, i, q, stream):
     """bf16 bits of float32 ``x``, element ``i`` of the call: ``(bits + r) >> 16`` with
-    r = lowbias32((offset + i) mod 2**32 ^ seed ^ stream) >> 16; NaN -> 0xFFFF."""
-    seed, offset = q[0], q[1]
-    r = _lowbias32(((offset + i) & _M32) ^ seed ^ stream) >> 16
-    u = np.int64(bits_from_f32(x))
-    hi = ((u + r) >> 16) & 0xFFFF
-    return 0xFFFF if (u & 0x7FFFFFFF) > 0x7F800000 else hi
+    r = lowbias32((offset + i) mod 2**32 ^ seed ^ stream) >> 16; NaN -> 0xFFFF (the uint32
+    sum wraps only for NaN bits, which the select replaces)."""
+    r = _lowbias32((np.uint32(q[1]) + np.uint32(i)) ^ np.uint32(q[0]) ^ stream) >> np.uint32(16)
+    u = bits_from_f32(x)
+    hi = np.uint32(u + r) >> np.uint32(16)
+    return np.uint32(0xFFFF) if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else hi
 
 
 @njit(inline="always", nogil=True, cache=True)
