@@ -32,7 +32,8 @@ from offload.optim.context_attrs import ContextAttributes
 from offload.optim.functional import RuleHyper
 from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
 from offload.optim.host_state import HostState
-from offload.optim.options import check_compression, check_extras, check_loaded_groups, check_param_dtype, clear_execution_flags, make_config
+from offload.optim.options import (check_compression, check_extras, check_loaded_groups, check_master_dtype,
+                                   check_param_dtype, clear_execution_flags, make_config)
 from offload.optim.protocol import optional
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
@@ -72,6 +73,9 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         check_compression(state_dtype, master_dtype)
         self.state_dtype = state_dtype
         self.master_dtype = master_dtype
+        # bf16 states round stochastically: to nearest, exp_avg_sq * 0.999 rounds back to
+        # itself (a bf16 step is 2**-8 relative), so the second moment could never decay
+        self.stochastic_states = True
         config = make_config(offload=offload, swap_dir=swap_dir, max_host_bytes=max_host_bytes,
                              sub_group_size=sub_group_size, verify=verify, resume=resume, io_engine=io_engine)
         get_backend(backend)  # a forced backend that cannot load fails here, with its reason
@@ -84,6 +88,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         # torch's __init__ sets `state` and `param_groups`, which __setattr__ hands to it.
         self._ctx = StepContext.fresh(max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
+        # (add_param_group checks the groups torch's __init__ adds before master_dtype is set)
+        check_master_dtype(master_dtype, self._all_params(), self.TORCH_NAME)
         self.config = config
         self.backend = backend
         self.num_threads = num_threads
@@ -152,6 +158,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         """States ``_init_states`` put into ``opt.state`` go to a flat or swapped store
         (Adagrad's filled ``sum``); the host store keeps them where they are."""
         if getattr(self._store, "kind", None) == "host":
+            self._store.settle()  # encoded as the states are stored (state_dtype)
             return
         names = self.state_names()
         for p in self._all_params():
@@ -185,7 +192,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                     "cut the flat master of device or fp16/bf16 params, and the swap files of "
                     "offload='nvme'); drop it")
             return HostState(ctx=self._ctx, backend=self.backend, num_threads=self.num_threads,
-                             fields=self.state_fields(), fill={k: self.state_fill(k) for k in self.state_names()})
+                             fields=self.state_fields(), fill={k: self.state_fill(k) for k in self.state_names()},
+                             state_dtype=self.state_dtype, stochastic_states=self.stochastic_states)
         # a flat or swapped store keeps one rule's fields for every group
         self._set_store_rule()
         if stage == 0 and host_ok and self.config.offload == "nvme":
@@ -215,6 +223,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
             base = len(self._all_params()) - len(self.param_groups[-1]["params"])
             for i, p in enumerate(self.param_groups[-1]["params"]):
                 check_param_dtype(base + i, p, self.TORCH_NAME)
+            if self._store is not None:
+                check_master_dtype(self.master_dtype, self.param_groups[-1]["params"], self.TORCH_NAME, base)
             # What the states are laid out for (step_guard.check_work), also while torch's
             # __init__ adds the first groups.
             self._param_sigs = snapshot(self._all_params())
