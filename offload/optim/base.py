@@ -35,6 +35,7 @@ from offload.optim.host_state import HostState
 from offload.optim.options import (check_compression, check_extras, check_loaded_groups, check_master_dtype,
                                    check_param_dtype, clear_execution_flags, make_config)
 from offload.optim.protocol import optional
+from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
 from offload.optim.step_guard import check_work, clear_failure, defer_sigint, snapshot, store_step
@@ -73,9 +74,6 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         check_compression(state_dtype, master_dtype)
         self.state_dtype = state_dtype
         self.master_dtype = master_dtype
-        # bf16 states round stochastically: to nearest, exp_avg_sq * 0.999 rounds back to
-        # itself (a bf16 step is 2**-8 relative), so the second moment could never decay
-        self.stochastic_states = True
         config = make_config(offload=offload, swap_dir=swap_dir, max_host_bytes=max_host_bytes,
                              sub_group_size=sub_group_size, verify=verify, resume=resume, io_engine=io_engine)
         get_backend(backend)  # a forced backend that cannot load fails here, with its reason
@@ -193,7 +191,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                     "offload='nvme'); drop it")
             return HostState(ctx=self._ctx, backend=self.backend, num_threads=self.num_threads,
                              fields=self.state_fields(), fill={k: self.state_fill(k) for k in self.state_names()},
-                             state_dtype=self.state_dtype, stochastic_states=self.stochastic_states)
+                             state_dtype=self.state_dtype, stochastic_states=STOCHASTIC_BF16_STATES)
         # a flat or swapped store keeps one rule's fields for every group
         self._set_store_rule()
         if stage == 0 and host_ok and self.config.offload == "nvme":

@@ -162,7 +162,7 @@ def check_master_dtype(master_dtype: Any, params: Any, cls_name: str = "Adam/Ada
     if not bad:
         return
     index, p = bad[0]
-    if all(p.dtype == torch.float32 and p.device.type == "cpu" for _, p in bad) and len(bad) == len(params):
+    if base == 0 and len(bad) == len(params) and all(p.dtype == torch.float32 and p.device.type == "cpu" for _, p in bad):
         raise ValueError(
             f"offload.{cls_name}: master_dtype='bfloat16' makes no sense for fp32 CPU params: each is its own "
             "float32 master, updated in place (a bfloat16 master is for bfloat16 params, which then keep no fp32 "

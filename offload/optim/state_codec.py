@@ -27,7 +27,15 @@ import torch
 from offload.kernels import quant
 from offload.kernels.fields import StateField
 
-__all__ = ["to_torch_layout", "from_torch_layout", "is_stored_form", "stored_nbytes"]
+__all__ = ["STOCHASTIC_BF16_STATES", "to_torch_layout", "from_torch_layout", "is_stored_form", "stored_nbytes"]
+
+STOCHASTIC_BF16_STATES = True
+"""bf16 states round stochastically in a step (every store passes this as the kernels'
+``stochastic_states``). Rounded to nearest even, ``exp_avg_sq * 0.999`` rounds back to
+itself (a bf16 step is 2**-8 relative, the decay 2**-10), so the second moment never decays:
+after a grad of 1 and 2000 zero grads it stays at 1e-3 where float32 has 1.35e-4 (stochastic:
+1.350e-4). On a small MLP (AdamW, 400 steps) the final loss is within 0.05 % of float32
+stochastically, 0.2 % to nearest. Nearest is therefore not offered."""
 
 
 def to_torch_layout(field: StateField, stored: torch.Tensor, numel: int,
