@@ -68,7 +68,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         """``defaults``: the subclass's checked hyperparameters (torch's ``defaults``); the
         rest are the offload options, checked here before ``params`` is touched, as torch does.
         ``state_dtype`` / ``master_dtype``: how the states and the master are stored
-        (offload/kernels/quant.py; the stores keep the rule's fields as ``rules()`` gives them)."""
+        (offload/kernels/quant.py; the stores keep the rule's fields as ``rules()`` gives them;
+        ``master_dtype="bfloat16"`` needs bfloat16 params: options.check_master_dtype)."""
         check_extras(max_grad_norm=max_grad_norm, num_threads=num_threads, stage=stage,
                      bias_correction=getattr(self, "bias_correction", True))
         check_compression(state_dtype, master_dtype)
@@ -384,7 +385,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
     # ---------------------------------------------------------------- state_dict
     def state_dict(self) -> Dict[str, Any]:
         """torch's layout, the moments (and bf16/fp16 params' fp32 masters) included, read
-        from wherever the store keeps them. It changes nothing in the optimizer: the entries
+        from wherever the store keeps them, compressed states decoded to float32. It changes nothing in the optimizer: the entries
         are new dicts (torch's own are the very dicts of ``opt.state``), and the post hooks
         run on the full dict, after the merge."""
         self._check_open()

@@ -4,7 +4,8 @@ This is the store behind ``offload="none"`` and ``offload="cpu"`` for fp32 CPU p
 the param is its own fp32 master and is updated in place; the rule's states (each step's
 ``hyper.rule``: ``exp_avg`` and ``exp_avg_sq`` for Adam, ``momentum_buffer`` for SGD, ...)
 live in ``optimizer.state[p]`` exactly as torch's optimizers keep them, so ``state_dict()``
-needs no translation.
+needs no translation (compressed states, ``state_dtype="bfloat16"`` / ``"int8"``, are the
+exception: see [Note: compressed states in the host store] below).
 
 [Note: store interface] Every state store (this one, ``SwappedState`` for NVMe, the flat
 store for device params) offers the methods of ``offload/optim/protocol.py``; the optimizer
