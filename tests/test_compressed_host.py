@@ -290,3 +290,22 @@ def test_rule_step_refuses_compressed_states_without_seeds():
         rule_step([p], [g], {"exp_avg": [buf]}, [1], hyper, rule=ADAM.with_state_dtype("int8"), rounding_seeds=[0])
     rule_step([p], [g], {"momentum_buffer": [buf]}, [1], hyper, rule=rule, rounding_seeds=[0])
     assert torch.equal(p, torch.full((300,), -0.1))
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_non_contiguous_param_steps_as_its_contiguous_copy(state_dtype):
+    """A transposed param goes through a contiguous copy: same bits as the copy's own step."""
+    base = torch.randn(64, 80)
+    strided = torch.nn.Parameter(base.t())  # 80 x 64, not contiguous
+    plain = torch.nn.Parameter(base.t().contiguous())
+    assert not strided.is_contiguous()
+    opts = [offload.AdamW([p], backend="torch", state_dtype=state_dtype, lr=1e-2) for p in (strided, plain)]
+    for step in range(1, 4):
+        g = _grads([plain], step)[0]
+        for p, opt in zip((strided, plain), opts):
+            p.grad = g.clone()
+            opt.step()
+    assert torch.equal(strided.detach(), plain.detach())
+    for name in ("exp_avg", "exp_avg_sq"):
+        a, b = opts[0].state[strided][name], opts[1].state[plain][name]
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
