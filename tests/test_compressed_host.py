@@ -225,15 +225,15 @@ def test_rounding_seeds_differ_per_param_and_step():
 def test_second_moment_decays_in_bf16():
     """Rounded to nearest, v * 0.999 in bf16 rounds back to v and never decays; the store
     rounds stochastically, so v decays as in float32 (state_codec.STOCHASTIC_BF16_STATES)."""
-    p = torch.nn.Parameter(torch.zeros(8192))
+    p = torch.nn.Parameter(torch.zeros(4096))
     opt = offload.AdamW([p], state_dtype="bfloat16", weight_decay=0.0)
-    p.grad = torch.ones(8192)
+    p.grad = torch.ones(4096)
     opt.step()
-    p.grad = torch.zeros(8192)
-    for _ in range(1000):
+    p.grad = torch.zeros(4096)
+    for _ in range(300):
         opt.step()
     v = opt.state_dict()["state"][0]["exp_avg_sq"]
-    assert v.mean().item() == pytest.approx(1e-3 * 0.999 ** 1000, rel=0.01)
+    assert v.mean().item() == pytest.approx(1e-3 * 0.999 ** 300, rel=0.01)  # 0.74e-3 (nearest: 1e-3)
     stuck = quant.round_bf16_nearest(torch.tensor([1e-3]))
     assert quant.round_bf16_nearest(stuck.float() * 0.999).view(torch.int16) == stuck.view(torch.int16)
 
