@@ -51,6 +51,9 @@ class HostState:
     """
 
     kind = "host"
+    # (class defaults: an optimizer pickled before compressed states existed unpickles as float32)
+    state_dtype = "float32"
+    stochastic_states = True
 
     def __init__(self, *, ctx: StepContext, backend: Optional[str], num_threads: Optional[int],
                  fields: Sequence[StateField] = ADAM.fields, fill: Optional[Dict[str, float]] = None,
