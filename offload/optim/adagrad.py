@@ -86,6 +86,8 @@ class Adagrad(RuleOptimizer):
                 st["sum"] = torch.full_like(p, self.state_fill("sum"), memory_format=torch.preserve_format)
         if not self._host():
             attach_state_views(self)
+        else:
+            self._store.settle()  # a sum made here is encoded as state_dtype stores it
 
     def state_dict(self) -> Dict[str, Any]:
         sd = super().state_dict()

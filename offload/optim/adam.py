@@ -90,7 +90,15 @@ class Adam(_AdamBase):
     ``offload="nvme"``),
     ``backend`` ("native", "numba", "torch"; default ``$OFFLOAD_BACKEND`` or auto),
     ``num_threads``, ``max_grad_norm`` (global-norm clipping inside the step),
-    ``bias_correction``, ``stage`` and ``process_group`` (ZeRO partitioning).
+    ``bias_correction``, ``stage`` and ``process_group`` (ZeRO partitioning),
+    ``state_dtype`` ("float32", the default; "bfloat16": states as bf16, rounded
+    stochastically in the step; "int8": block-wise 8-bit states, 256 codes and a float32
+    scale per 256 elements) and ``master_dtype`` (None; "bfloat16" with bfloat16 params:
+    each param is its own master, updated with stochastic rounding, no fp32 copy kept).
+    With fp32 CPU params a param of fewer than 4096 elements keeps float32 states, and
+    ``opt.state[p]`` holds the states as stored (a bf16 tensor of p's shape, or 1-D uint8
+    packed blocks for int8); ``state_dict()`` gives them as float32 in torch's layout, and
+    ``load_state_dict()`` of a float32 (torch) dict encodes them.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,

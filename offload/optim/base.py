@@ -32,8 +32,10 @@ from offload.optim.context_attrs import ContextAttributes
 from offload.optim.functional import RuleHyper
 from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
 from offload.optim.host_state import HostState
-from offload.optim.options import check_compression, check_extras, check_loaded_groups, check_param_dtype, clear_execution_flags, make_config
+from offload.optim.options import (check_compression, check_extras, check_loaded_groups, check_master_dtype,
+                                   check_param_dtype, clear_execution_flags, make_config)
 from offload.optim.protocol import optional
+from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
 from offload.optim.step_guard import check_work, clear_failure, defer_sigint, snapshot, store_step
@@ -66,7 +68,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         """``defaults``: the subclass's checked hyperparameters (torch's ``defaults``); the
         rest are the offload options, checked here before ``params`` is touched, as torch does.
         ``state_dtype`` / ``master_dtype``: how the states and the master are stored
-        (offload/kernels/quant.py; the stores keep the rule's fields as ``rules()`` gives them)."""
+        (offload/kernels/quant.py; the stores keep the rule's fields as ``rules()`` gives them;
+        ``master_dtype="bfloat16"`` needs bfloat16 params: options.check_master_dtype)."""
         check_extras(max_grad_norm=max_grad_norm, num_threads=num_threads, stage=stage,
                      bias_correction=getattr(self, "bias_correction", True))
         check_compression(state_dtype, master_dtype)
@@ -84,6 +87,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         # torch's __init__ sets `state` and `param_groups`, which __setattr__ hands to it.
         self._ctx = StepContext.fresh(max_grad_norm=max_grad_norm)
         super().__init__(params, defaults)
+        # (add_param_group checks the groups torch's __init__ adds before master_dtype is set)
+        check_master_dtype(master_dtype, self._all_params(), self.TORCH_NAME)
         self.config = config
         self.backend = backend
         self.num_threads = num_threads
@@ -152,6 +157,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         """States ``_init_states`` put into ``opt.state`` go to a flat or swapped store
         (Adagrad's filled ``sum``); the host store keeps them where they are."""
         if getattr(self._store, "kind", None) == "host":
+            self._store.settle()  # encoded as the states are stored (state_dtype)
             return
         names = self.state_names()
         for p in self._all_params():
@@ -185,7 +191,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                     "cut the flat master of device or fp16/bf16 params, and the swap files of "
                     "offload='nvme'); drop it")
             return HostState(ctx=self._ctx, backend=self.backend, num_threads=self.num_threads,
-                             fields=self.state_fields(), fill={k: self.state_fill(k) for k in self.state_names()})
+                             fields=self.state_fields(), fill={k: self.state_fill(k) for k in self.state_names()},
+                             state_dtype=self.state_dtype, stochastic_states=STOCHASTIC_BF16_STATES)
         # a flat or swapped store keeps one rule's fields for every group
         self._set_store_rule()
         if stage == 0 and host_ok and self.config.offload == "nvme":
@@ -215,6 +222,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
             base = len(self._all_params()) - len(self.param_groups[-1]["params"])
             for i, p in enumerate(self.param_groups[-1]["params"]):
                 check_param_dtype(base + i, p, self.TORCH_NAME)
+            if self._store is not None:
+                check_master_dtype(self.master_dtype, self.param_groups[-1]["params"], self.TORCH_NAME, base)
             # What the states are laid out for (step_guard.check_work), also while torch's
             # __init__ adds the first groups.
             self._param_sigs = snapshot(self._all_params())
@@ -376,7 +385,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
     # ---------------------------------------------------------------- state_dict
     def state_dict(self) -> Dict[str, Any]:
         """torch's layout, the moments (and bf16/fp16 params' fp32 masters) included, read
-        from wherever the store keeps them. It changes nothing in the optimizer: the entries
+        from wherever the store keeps them, compressed states decoded to float32. It changes nothing in the optimizer: the entries
         are new dicts (torch's own are the very dicts of ``opt.state``), and the post hooks
         run on the full dict, after the merge."""
         self._check_open()

@@ -7,13 +7,14 @@ fused pass per tensor. Step numbers come in as arguments; nothing is cached betw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional, Sequence, Tuple
+from typing import Any, ClassVar, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from offload.kernels import get_backend
-from offload.kernels._checks import check_grad_scale, check_states, check_step_args
+from offload.kernels._checks import check_compressed_args, check_grad_scale, check_states, check_step_args
 from offload.kernels.fields import ADAM, Rule
+from offload.kernels.quant import QuantArgs
 
 __all__ = ["AdamHyper", "RuleHyper", "adam_step", "rule_step"]
 
@@ -90,6 +91,9 @@ def rule_step(
     params_lowp: Optional[Sequence[Optional[torch.Tensor]]] = None,
     backend: Optional[str] = None,
     num_threads: Optional[int] = None,
+    rule: Optional[Rule] = None,
+    rounding_seeds: Optional[Sequence[int]] = None,
+    stochastic_states: bool = False,
 ) -> None:
     """One step of ``hyper.rule`` (an ``AdamHyper`` or ``RuleHyper``) on each param, in place.
 
@@ -97,8 +101,14 @@ def rule_step(
     and the states are fp32 CPU tensors; ``grads`` fp32, fp16 or bf16 of the same shapes.
     Non-contiguous tensors are updated through a contiguous copy (correct, slower).
     ``steps`` are the step numbers *after* incrementing (1 on the first step).
+
+    Compressed states: ``rule`` is ``hyper.rule`` with its states stored another way
+    (``Rule.with_state_dtype``: each state a bf16 tensor of the param's size, or uint8
+    packed blocks), ``rounding_seeds`` one uint32 per param (``quant.rounding_seed``; the
+    stochastic rounding streams start at element 0 of each param) and ``stochastic_states``
+    whether bf16 states round stochastically (else to nearest even).
     """
-    rule, n = hyper.rule, len(params)
+    rule, n = _rule_of(hyper, rule), len(params)
     names = rule.names
     check_states(rule, states, names)
     lists = [states[k] for k in names]
@@ -108,7 +118,8 @@ def rule_step(
     if params_lowp is not None and len(params_lowp) != n:
         raise ValueError(f"{_who(rule)}: list lengths differ: params {n}, params_lowp {len(params_lowp)}")
     kernel = get_backend(backend)
-    _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_threads)
+    quant = _quant_args(rule, n, rounding_seeds, stochastic_states)
+    _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_threads, quant)
     for i in range(n):
         p, g = params[i], grads[i]
         if p.numel() == 0:
@@ -117,8 +128,10 @@ def rule_step(
         fp, fg = _flat(p), _flat(g)
         fstates = [_flat(lst[i]) for lst in lists]
         flat_lowp = _flat(lowp) if lowp is not None else None
+        extra = {} if quant is None else dict(rounding_seed=quant[i].seed,
+                                              stochastic_states=quant[i].stochastic_states)
         kernel.rule_step(rule, fp, fg, dict(zip(names, fstates)), param_lowp=flat_lowp,
-                         num_threads=num_threads, **hyper.kernel_kwargs(int(steps[i])))
+                         num_threads=num_threads, **extra, **hyper.kernel_kwargs(int(steps[i])))
         # A non-contiguous tensor was updated through a copy: write it back.
         for orig, tmp in [(p, fp)] + [(lst[i], t) for lst, t in zip(lists, fstates)]:
             if not _shares_storage(orig, tmp):
@@ -127,15 +140,51 @@ def rule_step(
             lowp.copy_(flat_lowp.view_as(lowp))
 
 
-def _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_threads) -> None:
+def _rule_of(hyper: Any, rule: Optional[Rule]) -> Rule:
+    """The rule that steps: ``hyper.rule``, or ``rule``, the same update with its states
+    stored another way."""
+    if rule is None or rule == hyper.rule:
+        return hyper.rule
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be an offload.kernels.fields.Rule, got {type(rule).__name__}")
+    if rule.name != hyper.rule.name:
+        raise ValueError(f"rule_step: rule {rule.name!r} is not the hyperparameters' rule {hyper.rule.name!r} "
+                         "(only its states may be stored another way)")
+    return rule
+
+
+def _quant_args(rule: Rule, n: int, seeds: Optional[Sequence[int]],
+                stochastic: bool) -> Optional[List[QuantArgs]]:
+    """Each param's rounding (None: a float32 rule without seeds, today's call)."""
+    if seeds is None:
+        if rule.state_dtype != "float32":
+            raise ValueError(f"{_who(rule)}: states stored as {rule.state_dtype} need rounding_seeds "
+                             "(one per param: quant.rounding_seed(step, index))")
+        return None
+    if len(seeds) != n:
+        raise ValueError(f"{_who(rule)}: list lengths differ: params {n}, rounding_seeds {len(seeds)}")
+    _check_bool("stochastic_states", stochastic)
+    return [QuantArgs(seed, 0, stochastic) for seed in seeds]
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_threads, quant) -> None:
     """Every tensor and the scale, before the first is updated: a bad second tensor must not
     leave the first one stepped (the kernels check again, per call, at the pointer level)."""
     check_grad_scale(hyper.grad_scale)
     for i, (p, g, step) in enumerate(zip(params, grads, steps)):
         lowp = params_lowp[i] if params_lowp is not None else None
         try:
-            check_step_args(p, g, rule.fields, [lst[i] for lst in lists], lowp, step, num_threads,
-                            contiguous=False)
+            if quant is None:
+                check_step_args(p, g, rule.fields, [lst[i] for lst in lists], lowp, step, num_threads,
+                                contiguous=False)
+            else:  # (its checks want contiguous tensors: the flat forms the kernel gets)
+                check_compressed_args(_flat(p), _flat(g), rule.fields, [_flat(lst[i]) for lst in lists],
+                                      None if lowp is None else _flat(lowp), step, num_threads, quant[i])
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{_who(rule)}: tensor {i}: {exc}") from None
 

@@ -4,7 +4,8 @@ This is the store behind ``offload="none"`` and ``offload="cpu"`` for fp32 CPU p
 the param is its own fp32 master and is updated in place; the rule's states (each step's
 ``hyper.rule``: ``exp_avg`` and ``exp_avg_sq`` for Adam, ``momentum_buffer`` for SGD, ...)
 live in ``optimizer.state[p]`` exactly as torch's optimizers keep them, so ``state_dict()``
-needs no translation.
+needs no translation (compressed states, ``state_dtype="bfloat16"`` / ``"int8"``, are the
+exception: see [Note: compressed states in the host store] below).
 
 [Note: store interface] Every state store (this one, ``SwappedState`` for NVMe, the flat
 store for device params) offers the methods of ``offload/optim/protocol.py``; the optimizer
@@ -17,11 +18,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from offload.kernels.fields import ADAM, StateField, field_names
+from offload.kernels.fields import ADAM, Rule, StateField, field_names
+from offload.kernels.quant import rounding_seed
 from offload.optim.context import StepContext
 from offload.optim.functional import rule_step
+from offload.optim.state_codec import from_torch_layout, is_stored_form, stored_nbytes, to_torch_layout
 
-__all__ = ["HostState", "StepBatch"]
+__all__ = ["HostState", "StepBatch", "MIN_COMPRESSED_NUMEL"]
+
+MIN_COMPRESSED_NUMEL = 4096
+"""A param of fewer elements keeps float32 states whatever ``state_dtype`` says."""
 
 # One param group's work for a step: its hyperparameters and (param, grad, step) triples,
 # step being the number after incrementing.
@@ -30,15 +36,33 @@ StepBatch = Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor, int]]]
 
 class HostState:
     """fp32 CPU params updated in place, moments in ``opt.state[p]`` (torch's, reached
-    through the step context's ``torch_state``)."""
+    through the step context's ``torch_state``).
+
+    [Note: compressed states in the host store] With ``state_dtype="bfloat16"`` each state
+    in ``opt.state[p]`` is a bf16 tensor of p's shape; with ``"int8"`` a 1-D uint8 tensor of
+    packed blocks (``field.storage_numel(p.numel())`` bytes: 256 codes and a float32 absmax
+    per block of 256 elements, kernels/quant.py), so the raw entry is not torch's layout;
+    ``state_dict()`` gives float32 (state_codec.py). The blocks are per param (each param's
+    states start a block), and a param of fewer than ``MIN_COMPRESSED_NUMEL`` (4096)
+    elements keeps float32 states, as bitsandbytes and torchao do: biases and norms are few
+    bytes and the most sensitive to quantization. A step rounds with
+    ``quant.rounding_seed(step, index)``, index the param's position in the optimizer
+    (param_groups order), from element 0 of the param.
+    """
 
     kind = "host"
+    # (class defaults: an optimizer pickled before compressed states existed unpickles as float32)
+    state_dtype = "float32"
+    stochastic_states = True
 
     def __init__(self, *, ctx: StepContext, backend: Optional[str], num_threads: Optional[int],
-                 fields: Sequence[StateField] = ADAM.fields, fill: Optional[Dict[str, float]] = None):
-        """``fields``: every state the optimizer's rules keep (what checkpoints and reports
-        cover); ``fill[name]``: the value a new state starts at (0 when absent; plain numbers, so the
-        store holds nothing of its optimizer)."""
+                 fields: Sequence[StateField] = ADAM.fields, fill: Optional[Dict[str, float]] = None,
+                 state_dtype: str = "float32", stochastic_states: bool = True):
+        """``fields``: every state the optimizer's rules keep, float32 (what checkpoints and
+        reports cover); ``fill[name]``: the value a new state starts at (0 when absent; plain
+        numbers, so the store holds nothing of its optimizer); ``state_dtype``: how a param of
+        at least ``MIN_COMPRESSED_NUMEL`` elements stores them; ``stochastic_states``: bf16
+        states round stochastically (else to nearest even)."""
         # The moments live in torch's opt.state, which torch's load_state_dict replaces: the
         # context's TorchState always holds the current one (never a copy kept here).
         if ctx.torch_state is None:
@@ -47,9 +71,13 @@ class HostState:
         self._torch = ctx.torch_state
         self._backend = backend
         self._num_threads = num_threads
-        self.fields = tuple(fields)
+        # the float32 fields: with compressed states, a param's own are stored_fields(p)
+        self.fields = tuple(StateField(f.name) for f in fields)
         self.names = field_names(self.fields)
         self._fill = dict(fill or {})
+        Rule("fields", self.fields).with_state_dtype(state_dtype)  # refuses an unknown state_dtype
+        self.state_dtype = state_dtype
+        self.stochastic_states = bool(stochastic_states)
 
     @staticmethod
     def check_param(index: int, p: torch.Tensor) -> None:
@@ -64,28 +92,90 @@ class HostState:
                 "place: pass fp16/bf16 params when the optimizer is built (they get a flat fp32 master)"
             )
 
-    def _states(self, p: torch.Tensor, names: Tuple[str, ...]) -> List[torch.Tensor]:
+    # ---------------------------------------------------------------- stored forms
+    def compressed(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s states are stored as ``state_dtype`` (else float32)."""
+        return self.state_dtype != "float32" and p.numel() >= MIN_COMPRESSED_NUMEL
+
+    def rule_for(self, rule: Rule, p: torch.Tensor) -> Rule:
+        """``rule`` with its states stored as ``p``'s are."""
+        return rule.with_state_dtype(self.state_dtype) if self.compressed(p) else rule
+
+    def stored_fields(self, p: torch.Tensor) -> Tuple[StateField, ...]:
+        """Every state field of ``p`` as stored."""
+        return self.rule_for(Rule("fields", self.fields), p).fields
+
+    def _stored(self, field: StateField, p: torch.Tensor, t: Any) -> torch.Tensor:
+        """``t`` (an entry of opt.state[p], or None) in ``field``'s storage form."""
+        n = p.numel()
+        if field.dtype == torch.float32:  # torch's own layout, as it always was
+            return torch.full_like(p, self._fill.get(field.name, 0.0), memory_format=torch.preserve_format) \
+                if t is None else t
+        if t is None:
+            t = torch.full(p.shape, self._fill.get(field.name, 0.0), dtype=torch.float32)
+        if is_stored_form(field, t, n) and (field.blocked or t.shape == p.shape):
+            return t
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == n:
+            # torch's layout (a loaded state dict, Adagrad's initial sum): encoded once here
+            return from_torch_layout(field, t, p.shape)
+        raise ValueError(f"opt.state[p][{field.name!r}] of a param of {n} elements is "
+                         f"{getattr(t, 'dtype', type(t).__name__)} with {getattr(t, 'numel', lambda: '?')()} "
+                         f"elements; expected {field.describe()} storage or float32 values of p's shape")
+
+    def _states(self, p: torch.Tensor, fields: Tuple[StateField, ...]) -> List[torch.Tensor]:
         st = self._torch.state[p]
-        for name in names:
-            if name not in st:
-                st[name] = torch.full_like(p, self._fill.get(name, 0.0), memory_format=torch.preserve_format)
-        return [st[name] for name in names]
+        for field in fields:
+            t = st.get(field.name)
+            stored = self._stored(field, p, t)
+            if stored is not t:
+                st[field.name] = stored
+        return [st[f.name] for f in fields]
+
+    def settle(self, params: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Encode the states torch's layout put into ``opt.state`` (a load, Adagrad's
+        initial sum) as they are stored, so ``opt.state`` and ``memory_report()`` show the
+        stored form before the next step."""
+        if self.state_dtype == "float32":
+            return
+        for p in self._torch.params() if params is None else params:
+            st = self._torch.state.get(p)
+            if st and any(f.name in st for f in self.fields):
+                self._states(p, tuple(f for f in self.stored_fields(p) if f.name in st))
 
     def step(self, batches: List[StepBatch]) -> Dict[str, float]:
         t0 = time.perf_counter()
+        index = {id(p): i for i, p in enumerate(self._torch.params())} if self.state_dtype != "float32" else {}
         for hyper, items in batches:
-            if not items:
-                continue
-            names = hyper.rule.names
-            params = [p for p, _, _ in items]
-            states = [self._states(p, names) for p in params]
-            rule_step(params, [g for _, g, _ in items], {k: [s[j] for s in states] for j, k in enumerate(names)},
-                      [s for _, _, s in items], hyper, backend=self._backend, num_threads=self._num_threads)
+            plain = [it for it in items if not self.compressed(it[0])]
+            packed = [it for it in items if self.compressed(it[0])]
+            for part, rule in ((plain, hyper.rule), (packed, hyper.rule.with_state_dtype(self.state_dtype))):
+                if part:
+                    self._step_part(hyper, rule, part, index)
         return {"kernel": time.perf_counter() - t0}
 
+    def _step_part(self, hyper: Any, rule: Rule, items: List[Tuple[torch.Tensor, torch.Tensor, int]],
+                   index: Dict[int, int]) -> None:
+        """One rule_step call over ``items``, whose states are all stored as ``rule``'s."""
+        params = [p for p, _, _ in items]
+        states = [self._states(p, rule.fields) for p in params]
+        extra: Dict[str, Any] = {}
+        if rule != hyper.rule:
+            extra = dict(rule=rule, stochastic_states=self.stochastic_states,
+                         rounding_seeds=[rounding_seed(s, index[id(p)]) for p, _, s in items])
+        rule_step(params, [g for _, g, _ in items], {k: [s[j] for s in states] for j, k in enumerate(rule.names)},
+                  [s for _, _, s in items], hyper, backend=self._backend, num_threads=self._num_threads, **extra)
+
     def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """``p``'s states in torch's layout: the very tensors when stored as float32, new
+        float32 tensors of p's shape when compressed."""
         st = self._torch.state.get(p, {})
-        return {k: st[k] for k in self.names if k in st}
+        return {f.name: self.torch_layout(f, p, st[f.name]) for f in self.stored_fields(p) if f.name in st}
+
+    def torch_layout(self, field: StateField, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """State ``t`` of ``p`` (stored as ``field``, or still in torch's layout) as torch keeps it."""
+        if field.dtype == torch.float32 or not is_stored_form(field, t, p.numel()):
+            return t  # float32 already (not yet encoded: see settle)
+        return to_torch_layout(field, t, p.numel(), p.shape)
 
     def import_state(self, p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
         # torch's load_state_dict already placed the tensors in opt.state[p].
@@ -102,15 +192,20 @@ class HostState:
         params = self._torch.params()
         states: Dict[str, List[torch.Tensor]] = {k: [] for k in self.names}
         for p in params:
-            st = self._torch.state.get(p, {})
+            exported = self.export_state(p)  # float32: see save_checkpoint
             for key in states:
-                t = st.get(key)
+                t = exported.get(key)
                 t = (torch.full((p.numel(),), self._fill.get(key, 0.0), dtype=torch.float32) if t is None
                      else t.detach().reshape(-1).contiguous())
                 states[key].append(t)
         return params, states
 
     def save_checkpoint(self, directory: str, extra: Optional[Dict[str, object]] = None) -> str:
+        """Float32 states whatever ``state_dtype`` (compressed ones decoded): the checkpoint's
+        fields are float32 and its params one flat group, and per-param blocks with float32
+        small params fit no one field of that group (the flat and swapped stores cut their
+        blocks from the flat group). It loads into every store and state_dtype (encoded again
+        on load, as state_codec.py says)."""
         from offload.zero.ckpt_states import save_states
 
         params, states = self._checkpoint_tensors()
@@ -135,15 +230,19 @@ class HostState:
             self.ctx.steps.set(p, int(step))  # first: torch's key order (step, exp_avg, exp_avg_sq)
             for key in self.names:
                 state[p][key] = scratch[key][i].view(p.shape)
+        self.settle(params)
 
-    def memory_report(self) -> Dict[str, int]:
+    def memory_report(self) -> Dict[str, Any]:
         nbytes = 0
         for st in self._torch.state.values():
             for key in self.names:
                 t = st.get(key)
                 if isinstance(t, torch.Tensor):
-                    nbytes += t.numel() * t.element_size()
-        return {"device": 0, "pinned": 0, "pageable": nbytes, "nvme": 0}
+                    nbytes += stored_nbytes(t)  # as stored: bf16, packed int8 blocks or float32
+        report: Dict[str, Any] = {"device": 0, "pinned": 0, "pageable": nbytes, "nvme": 0}
+        if self.state_dtype != "float32":
+            report["state_dtype"] = self.state_dtype
+        return report
 
     def close(self) -> None:
         pass

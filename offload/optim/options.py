@@ -21,7 +21,7 @@ import torch
 
 from offload.config import IOConfig, OffloadConfig, parse_bytes
 
-__all__ = ["check_hyper", "check_extras", "check_compression", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
+__all__ = ["check_hyper", "check_extras", "check_compression", "check_master_dtype", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
            "clear_execution_flags"]
 
 # Options that act only on swap files; with offload="none" or "cpu" they would do nothing.
@@ -148,6 +148,29 @@ def check_compression(state_dtype: Any, master_dtype: Any) -> None:
         raise ValueError(f"state_dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
     if master_dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"master_dtype must be None, 'float32' or 'bfloat16', got {master_dtype!r}")
+
+
+def check_master_dtype(master_dtype: Any, params: Any, cls_name: str = "Adam/AdamW", base: int = 0) -> None:
+    """``master_dtype="bfloat16"``: every param is bfloat16 (each its own master, stepped in
+    float32 and rounded stochastically, so no fp32 copy is kept); fp32 params are their own
+    float32 master already, and fp16 params have no bf16 form to be. ``base``: the index of
+    ``params[0]`` among the optimizer's params (a group added later)."""
+    if master_dtype != "bfloat16":
+        return
+    params = list(params)
+    bad = [(base + i, p) for i, p in enumerate(params) if isinstance(p, torch.Tensor) and p.dtype != torch.bfloat16]
+    if not bad:
+        return
+    index, p = bad[0]
+    if base == 0 and len(bad) == len(params) and all(p.dtype == torch.float32 and p.device.type == "cpu" for _, p in bad):
+        raise ValueError(
+            f"offload.{cls_name}: master_dtype='bfloat16' makes no sense for fp32 CPU params: each is its own "
+            "float32 master, updated in place (a bfloat16 master is for bfloat16 params, which then keep no fp32 "
+            "copy); drop master_dtype (and use state_dtype='bfloat16' or 'int8' for fewer state bytes)")
+    raise ValueError(
+        f"offload.{cls_name}: master_dtype='bfloat16' needs bfloat16 params (each its own master, updated with "
+        f"stochastic rounding); parameter {index} has dtype {p.dtype}: convert the model to bfloat16 "
+        "(model.to(torch.bfloat16)) or drop master_dtype")
 
 
 def io_config(io_engine: Any) -> IOConfig:

@@ -1,8 +1,8 @@
 """``state_dict()`` and ``load_state_dict()`` of every offload optimizer over any store
 (the state names are its rules' fields: ``opt.state_names()``).
 
-``state_dict`` reads the states from the store into a new dict in torch's layout and
-changes nothing in the optimizer (torch's ``Optimizer.state_dict`` hands out the very dicts
+``state_dict`` reads the states from the store into a new dict in torch's layout (float32
+states, compressed ones decoded: state_codec.py) and changes nothing in the optimizer (torch's ``Optimizer.state_dict`` hands out the very dicts
 of ``opt.state``: merging into them would leave stale copies of the moments in RAM).
 
 ``load_state_dict`` is all or nothing: the whole dict is checked first (``check_loadable``:
@@ -45,7 +45,9 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
     finally:
         opt._optimizer_state_dict_post_hooks = hooks
     export = getattr(opt._store, "export_state", None)
-    if getattr(opt._store, "kind", None) != "host":
+    if getattr(opt._store, "kind", None) == "host" and getattr(opt._store, "state_dtype", "float32") != "float32":
+        sd["state"] = _host_torch_layout(opt, sd["state"], export)
+    elif getattr(opt._store, "kind", None) != "host":
         # New entry dicts (the ones torch returns are opt.state's own), without the views
         # into the store's buffers that state_view.attach put there: full tensors instead.
         # (An entry that held nothing else, e.g. after load_checkpoint set its step to 0, goes.)
@@ -62,6 +64,18 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
         if out is not None:
             sd = out
     return sd
+
+
+def _host_torch_layout(opt: Any, state: Dict[Any, Any], export: Callable) -> Dict[Any, Any]:
+    """The host store's entries (torch's own dicts, holding the states as stored: bf16 or
+    packed int8) as new dicts in torch's layout, float32 states of the param's shape, in the
+    same key order (state_codec.py)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    out = {}
+    for k, entry in state.items():
+        exported = export(params[k]) if isinstance(k, int) and 0 <= k < len(params) else {}
+        out[k] = {key: exported.get(key, v) for key, v in entry.items()}
+    return out
 
 
 def _id_map(opt: Any, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
@@ -134,6 +148,8 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
             base(state_dict)
             if getattr(store, "kind", None) != "host":
                 _import_all(opt, store)
+            elif hasattr(store, "settle"):
+                store.settle()  # the loaded float32 states, encoded as state_dtype stores them
     except BaseException:
         opt.state, opt.param_groups = old_state, old_groups  # the step counts with them (ctx.steps)
         raise

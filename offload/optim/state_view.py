@@ -1,7 +1,9 @@
 """``opt.state[p]["exp_avg"]`` / ``["exp_avg_sq"]`` in every store, as torch's tests and
 users' monitoring code read them.
 
-- fp32 CPU params in RAM (``HostState``): the moments are there already, in torch's layout.
+- fp32 CPU params in RAM (``HostState``): the moments are there already, in torch's layout,
+  or, with ``state_dtype="bfloat16"`` / ``"int8"``, as stored (bf16 of p's shape, 1-D uint8
+  packed blocks): [Note: compressed states in the host store] in host_state.py.
 - Flat store in RAM: views into the flat fp32 host buffers, shaped like ``p`` on one rank;
   partitioned, this rank's slice only (1-D; absent on a rank that holds none of ``p``).
   They are the live states: the next step changes them.
