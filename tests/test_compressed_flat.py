@@ -1,0 +1,263 @@
+"""Compressed states (bf16, int8 blocks) and the bf16 master in the flat store (host memory).
+
+Reference: a plain-torch loop that applies quant.py's scheme around torch's own update
+(torch.optim.AdamW / SGD / Adagrad with foreach=False, lion-pytorch's Lion): per param and
+step, decode the stored states, run torch's single-tensor step on an fp32 copy, encode the
+states again (bf16 round to nearest, int8 blocks from the param's first element), and round
+the param (nearest from the fp32 master, or stochastically with the store's seed and the
+param's flat offset when it is its own master). With the torch backend the store must give
+the same bits: params, masters and the stored bytes of every state. The layout the reference
+assumes is written out here (params at multiples of 256 with int8 states), not taken from
+the store. Two gloo ranks (stage 1 and 2) give the same bits as this one rank: see
+test_compressed_flat_ranks.py.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+import offload
+from offload.kernels import get_backend, quant
+from offload.kernels.fields import NONNEGATIVE_STATES
+from offload.optim.flat_state import FlatState
+from test_rules_optim import CASES as RULE_CASES, RefLion, _groups
+
+import _internals as internals
+
+CASES = dict(RULE_CASES)
+CASES["adamw"] = (offload.AdamW, torch.optim.AdamW, None,
+                  [dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1),
+                   dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0)])
+SIZES = (1, 7, 15, 16, 17, 300, 4097)
+FROZEN, SIDE = 2, 4  # no grad ever; a grad on even steps only (its step count lags)
+STEPS = 6
+
+
+def _torch_backend():
+    if get_backend(None).name != "torch":
+        pytest.skip("the compressed flat store is checked bit for bit on the torch backend "
+                    "(OFFLOAD_BACKEND=torch); the native / numba kernels are held to it elsewhere")
+
+
+def flat_offsets(sizes, align: int) -> List[int]:
+    """Where each param starts in its flat group: end to end, each on a multiple of ``align``."""
+    out, acc = [], 0
+    for n in sizes:
+        acc = -(-acc // align) * align
+        out.append(acc)
+        acc += n
+    return out
+
+
+class RefCompressed:
+    """quant.py's scheme around torch's update, one param at a time (see the module doc)."""
+
+    def __init__(self, params, groups: List[int], hypers, ref_cls, names, state_dtype: str,
+                 master_bf16: bool, fill: float = 0.0) -> None:
+        """``groups``: each param's flat group (one per torch param group here: the store
+        makes a flat group per (group added, device, dtype))."""
+        self.params = [p.detach().clone() for p in params]
+        self.hypers, self.ref_cls, self.names = hypers, ref_cls, names
+        self.state_dtype, self.master_bf16, self.groups = state_dtype, master_bf16, groups
+        self.offsets = [0] * len(params)
+        for k in set(groups):
+            mine = [i for i, g in enumerate(groups) if g == k]
+            for i, off in zip(mine, flat_offsets([params[i].numel() for i in mine],
+                                                 256 if state_dtype == "int8" else 1)):
+                self.offsets[i] = off
+        self.masters = [None if master_bf16 else p.detach().float().clone() for p in params]
+        self.stored = [{k: self.encode(k, torch.full((p.numel(),), float(fill))) for k in names}
+                       for p in params]
+        self.steps = [0] * len(params)
+
+    def encode(self, name: str, v: torch.Tensor) -> torch.Tensor:
+        if self.state_dtype == "int8":
+            return quant.encode_blocks(v, signed=name not in NONNEGATIVE_STATES)
+        if self.state_dtype == "bfloat16":
+            return quant.round_bf16_nearest(v)
+        return v.clone()
+
+    def decode(self, name: str, t: torch.Tensor, n: int) -> torch.Tensor:
+        if self.state_dtype == "int8":
+            return quant.decode_blocks(t, n, signed=name not in NONNEGATIVE_STATES)
+        return t.float().clone()
+
+    def step(self, grads: List[Optional[torch.Tensor]], multiplier: float) -> None:
+        for i, g in enumerate(grads):
+            if g is not None:
+                self._step_one(i, g, multiplier)
+
+    def _step_one(self, i: int, g: torch.Tensor, multiplier: float) -> None:
+        n = self.params[i].numel()
+        t = self.steps[i] = self.steps[i] + 1
+        p32 = (self.params[i].float() if self.master_bf16 else self.masters[i]).reshape(-1).clone()
+        ref = self.ref_cls([p32], **self.hypers[i], **({} if self.ref_cls is RefLion else {"foreach": False}))
+        decoded = {k: self.decode(k, self.stored[i][k], n) for k in self.names}
+        state = dict(decoded)
+        if self.ref_cls is torch.optim.SGD and t == 1:
+            state = {}  # torch's first SGD step copies d_p into a new buffer
+        if self.ref_cls is not RefLion and self.ref_cls is not torch.optim.SGD:
+            state["step"] = torch.tensor(float(t - 1))
+        ref.state[p32] = state
+        gg = g.reshape(-1).float()
+        p32.grad = gg * multiplier if multiplier != 1.0 else gg
+        ref.step()
+        for k in self.names:  # (SGD without momentum leaves its buffer as decoded: encoded again)
+            self.stored[i][k] = self.encode(k, ref.state[p32].get(k, decoded[k]))
+        if self.master_bf16:
+            seed = quant.rounding_seed(t, self.groups[i])
+            new = quant.round_bf16_stochastic(p32, seed, self.offsets[i], 0)
+        else:
+            self.masters[i] = p32.detach().view_as(self.params[i]).clone()
+            new = p32.to(torch.bfloat16)
+        self.params[i] = new.view_as(self.params[i])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (NaN-safe, dtype-blind equality)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def check_against(opt, params, ref: RefCompressed, where: str) -> None:
+    """Params, masters and the stored bytes of every state equal the reference's, bit for bit."""
+    groups = internals.flat_groups(opt)
+    for i, p in enumerate(params):
+        assert torch.equal(_bits(p), _bits(ref.params[i])), f"{where}: param {i} differs"
+        fg = groups[ref.groups[i]]
+        mine = [j for j, q in enumerate(fg.params) if q is p]
+        assert mine, f"{where}: param {i} is not in flat group {ref.groups[i]}"
+        off, n = fg.layout.offsets[mine[0]], p.numel()
+        assert off == ref.offsets[i], f"{where}: param {i} at flat {off}, expected {ref.offsets[i]}"
+        start = fg.layout.shard_range()[0]
+        if not (start <= off and off + n <= start + fg.layout.shard):
+            continue  # not (wholly) this rank's: the other rank checks it
+        for k in ref.names:
+            got = fg.state_range(k, off - start, off - start + n)
+            assert torch.equal(_bits(got), _bits(ref.stored[i][k])), f"{where}: {k} of param {i} differs"
+        if not ref.master_bf16:
+            assert torch.equal(_bits(fg.master[off - start:off - start + n]), _bits(ref.masters[i])), \
+                f"{where}: master of param {i} differs"
+
+
+def _make(case, state_dtype, master_bf16, sizes=SIZES, **opt_kw):
+    cls, ref_cls, _, hypers = CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=gen).to(torch.bfloat16).requires_grad_(j != FROZEN)
+              for j, n in enumerate(sizes)]
+    opt = cls(_groups(params, hypers), state_dtype=state_dtype,
+              master_dtype="bfloat16" if master_bf16 else None, **opt_kw)
+    half = len(params) // 2
+    per_param = [hypers[0]] * half + [hypers[1]] * (len(params) - half)
+    groups = [0] * half + [1] * (len(params) - half)
+    names = opt.state_names()
+    # (Adagrad: torch fills every sum with the constructor's initial_accumulator_value, 0 here,
+    # whatever a group says)
+    ref = RefCompressed(params, groups, per_param, ref_cls, names, state_dtype, master_bf16)
+    return opt, params, ref
+
+
+def train(monkeypatch, case="adamw", state_dtype="int8", master_bf16=False, *, sizes=SIZES, steps=STEPS,
+          accumulate=1, hook=False, device_path=False, scaler=False, overflow_at=None,
+          max_grad_norm=None, sub_group_size=None):
+    monkeypatch.setattr(FlatState, "copy_cpu_grads", hook or device_path)
+    monkeypatch.setattr(FlatState, "stage_cpu_params", device_path)
+    opt, params, ref = _make(case, state_dtype, master_bf16, sizes, max_grad_norm=max_grad_norm,
+                             sub_group_size=sub_group_size)
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for micro in range(accumulate):
+            live = [p for j, p in enumerate(params) if p.requires_grad and not (j == SIDE and step % 2)]
+            loss = sum((p.float() * torch.randn(p.shape, generator=gen)).sum() for p in live)
+            if overflow_at == step and micro == 0:
+                loss = loss * float("inf")
+            (gs.scale(loss) if gs else loss).backward()
+        grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        skip = any(g is not None and not torch.isfinite(g.float()).all() for g in grads)
+        if not skip:
+            inv = 1.0 / gs.get_scale() if gs else 1.0
+            mult = inv
+            if max_grad_norm is not None:  # the store's clip coefficient (offload/optim/clip.py)
+                sumsq = sum(float(torch.dot(g.double().view(-1), g.double().view(-1))) for g in grads
+                            if g is not None)
+                norm = math.sqrt(sumsq) * inv
+                mult = inv * min(1.0, max_grad_norm / (norm + 1e-6))
+            ref.step(grads, mult)
+        if gs:
+            gs.step(opt)
+            gs.update()
+        else:
+            opt.step()
+        assert opt.last_step_skipped == skip
+        opt.zero_grad()
+        check_against(opt, params, ref, f"step {step}")
+    return opt, params, ref
+
+
+@pytest.mark.parametrize("master_bf16", [False, True], ids=["master-fp32", "master-bf16"])
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_rule_matches_the_scheme_around_torch(monkeypatch, case, state_dtype, master_bf16):
+    _torch_backend()
+    opt, params, ref = train(monkeypatch, case, state_dtype, master_bf16)
+    # the frozen param never stepped; the side one stepped half as often
+    assert ref.steps[FROZEN] == 0 and ref.steps[SIDE] == STEPS // 2
+    sd = opt.state_dict()["state"]  # torch's layout: the decoded fp32 states
+    for i, p in enumerate(params):
+        if ref.steps[i] == 0:
+            assert case == "adagrad" or i not in sd or set(sd[i]) <= {"step"}  # (torch's Adagrad has them)
+            continue
+        if ref.hypers[i].get("momentum", 1) == 0:  # torch's SGD keeps no buffer without momentum
+            assert "momentum_buffer" not in sd.get(i, {})
+            continue
+        for k in ref.names:
+            want = ref.decode(k, ref.stored[i][k], p.numel()).view_as(p)
+            assert sd[i][k].dtype == torch.float32 and torch.equal(sd[i][k], want)
+        assert ("master" in sd[i]) == (not master_bf16)  # a bf16 master: the params are it
+    opt.close()
+
+
+def test_the_fp32_master_path_still_writes_the_nearest_bf16(monkeypatch):
+    # int8 states with an fp32 master: the param is the RNE copy of the master, every step
+    _torch_backend()
+    opt, params, ref = train(monkeypatch, "adamw", "int8", False, steps=3)
+    for i, p in enumerate(params):
+        assert torch.equal(p.detach(), internals.master(opt, p).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("master_bf16", [False, True], ids=["master-fp32", "master-bf16"])
+def test_hook_copies_sub_groups_and_device_staging(monkeypatch, master_bf16):
+    # The CUDA path on the CPU (hook copies into the padded host grad buffer, staging that
+    # holds the bf16 master and goes to the params sub-group by sub-group); sub-groups of
+    # 300 elements are cut at 512 (whole blocks), inside the 4097-element param.
+    _torch_backend()
+    opt, _, _ = train(monkeypatch, "adamw", "int8", master_bf16, device_path=True, sub_group_size=300,
+                      accumulate=2)
+    assert opt._store._sub == 512
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_gradient_accumulation_with_hook_copies(monkeypatch, state_dtype):
+    _torch_backend()
+    train(monkeypatch, "lion", state_dtype, True, accumulate=3, hook=True)
+
+
+def test_grad_scaler_overflow_skips_and_unscales(monkeypatch):
+    _torch_backend()
+    opt, _, _ = train(monkeypatch, "adamw", "int8", True, scaler=True, overflow_at=2)
+    assert opt.skipped_steps == 1
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_clip_by_global_norm(monkeypatch, state_dtype):
+    _torch_backend()
+    opt, _, _ = train(monkeypatch, "sgd-momentum", state_dtype, True, max_grad_norm=0.5)
+    assert opt.last_grad_norm > 0.5  # clipping was active
+
+
+def test_a_large_param_spans_many_blocks(monkeypatch):
+    _torch_backend()
+    train(monkeypatch, "adamw", "int8", True, sizes=(5, 2 ** 20 + 3, 7, 16, 17), steps=2)
