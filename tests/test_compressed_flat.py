@@ -210,7 +210,7 @@ def test_each_rule_matches_the_scheme_around_torch(monkeypatch, case, state_dtyp
         if ref.steps[i] == 0:
             assert case == "adagrad" or i not in sd or set(sd[i]) <= {"step"}  # (torch's Adagrad has them)
             continue
-        if ref.hypers[i].get("momentum", 1) == 0:  # torch's SGD keeps no buffer without momentum
+        if opt.param_groups[ref.groups[i]].get("momentum", 1) == 0:  # torch's SGD keeps no buffer without momentum
             assert "momentum_buffer" not in sd.get(i, {})
             continue
         for k in ref.names:
