@@ -8,16 +8,22 @@ the param (nearest from the fp32 master, or stochastically with the store's seed
 param's flat offset when it is its own master). With the torch backend the store must give
 the same bits: params, masters and the stored bytes of every state. The layout the reference
 assumes is written out here (params at multiples of 256 with int8 states), not taken from
-the store. Two gloo ranks (stage 1 and 2) give the same bits as this one rank: see
-test_compressed_flat_ranks.py.
+the store. Two gloo ranks (stage 1 and 2, every rank with the same grads, so that their average
+is the one rank's grad) give the same bits as one rank: each rank checks its shard against
+the same reference.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+import os
+import socket
+import traceback
+from typing import List, Optional
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import offload
 from offload.kernels import get_backend, quant
@@ -112,7 +118,7 @@ class RefCompressed:
             new = quant.round_bf16_stochastic(p32, seed, self.offsets[i], 0)
         else:
             self.masters[i] = p32.detach().view_as(self.params[i]).clone()
-            new = p32.to(torch.bfloat16)
+            new = p32.to(self.params[i].dtype)  # fp32 params: the master itself
         self.params[i] = new.view_as(self.params[i])
 
 
@@ -131,21 +137,26 @@ def check_against(opt, params, ref: RefCompressed, where: str) -> None:
         assert mine, f"{where}: param {i} is not in flat group {ref.groups[i]}"
         off, n = fg.layout.offsets[mine[0]], p.numel()
         assert off == ref.offsets[i], f"{where}: param {i} at flat {off}, expected {ref.offsets[i]}"
-        start = fg.layout.shard_range()[0]
-        if not (start <= off and off + n <= start + fg.layout.shard):
-            continue  # not (wholly) this rank's: the other rank checks it
+        start, end = fg.layout.shard_range()
+        a, b = max(off, start), min(off + n, end)  # this rank's piece of the param
+        if a >= b:
+            continue
         for k in ref.names:
-            got = fg.state_range(k, off - start, off - start + n)
-            assert torch.equal(_bits(got), _bits(ref.stored[i][k])), f"{where}: {k} of param {i} differs"
+            f = fg.field(k)
+            lo = f.storage_offset(a - off)  # a block boundary: the layout is block-aligned
+            want = ref.stored[i][k].view(-1)[lo:lo + f.storage_numel(b - a)]
+            got = fg.state_range(k, a - start, b - start)
+            assert torch.equal(_bits(got), _bits(want)), f"{where}: {k} of param {i} [{a}, {b}) differs"
         if not ref.master_bf16:
-            assert torch.equal(_bits(fg.master[off - start:off - start + n]), _bits(ref.masters[i])), \
+            assert torch.equal(_bits(fg.master[a - start:b - start]),
+                               _bits(ref.masters[i].view(-1)[a - off:b - off])), \
                 f"{where}: master of param {i} differs"
 
 
-def _make(case, state_dtype, master_bf16, sizes=SIZES, **opt_kw):
+def _make(case, state_dtype, master_bf16, sizes=SIZES, dtype=torch.bfloat16, **opt_kw):
     cls, ref_cls, _, hypers = CASES[case]
     gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(n, generator=gen).to(torch.bfloat16).requires_grad_(j != FROZEN)
+    params = [torch.randn(n, generator=gen).to(dtype).requires_grad_(j != FROZEN)
               for j, n in enumerate(sizes)]
     opt = cls(_groups(params, hypers), state_dtype=state_dtype,
               master_dtype="bfloat16" if master_bf16 else None, **opt_kw)
@@ -161,11 +172,12 @@ def _make(case, state_dtype, master_bf16, sizes=SIZES, **opt_kw):
 
 def train(monkeypatch, case="adamw", state_dtype="int8", master_bf16=False, *, sizes=SIZES, steps=STEPS,
           accumulate=1, hook=False, device_path=False, scaler=False, overflow_at=None,
-          max_grad_norm=None, sub_group_size=None):
-    monkeypatch.setattr(FlatState, "copy_cpu_grads", hook or device_path)
-    monkeypatch.setattr(FlatState, "stage_cpu_params", device_path)
+          max_grad_norm=None, sub_group_size=None, **opt_kw):
+    if monkeypatch is not None:  # (None: a spawned rank, which patches nothing)
+        monkeypatch.setattr(FlatState, "copy_cpu_grads", hook or device_path)
+        monkeypatch.setattr(FlatState, "stage_cpu_params", device_path)
     opt, params, ref = _make(case, state_dtype, master_bf16, sizes, max_grad_norm=max_grad_norm,
-                             sub_group_size=sub_group_size)
+                             sub_group_size=sub_group_size, **opt_kw)
     gs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
@@ -261,3 +273,64 @@ def test_clip_by_global_norm(monkeypatch, state_dtype):
 def test_a_large_param_spans_many_blocks(monkeypatch):
     _torch_backend()
     train(monkeypatch, "adamw", "int8", True, sizes=(5, 2 ** 20 + 3, 7, 16, 17), steps=2)
+
+
+# ---------------------------------------------------------------- two gloo ranks
+def _rank_job(rank, port, stage, dtype_name, case, state_dtype, master_bf16, out):
+    try:
+        torch.set_num_threads(1)
+        os.environ["OFFLOAD_BACKEND"] = "torch"
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        FlatState.bucket_numel = 1200  # buckets (segments of the step) of 512 elements per rank
+        opt, params, ref = train(None, case, state_dtype, master_bf16, stage=stage, sub_group_size=300,
+                                 dtype=getattr(torch, dtype_name))
+        shards = [fg.layout.shard for fg in internals.flat_groups(opt)]
+        opt.state_dict()  # a collective: every rank
+        out.put((rank, True, shards))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        out.close()
+        out.join_thread()
+        os._exit(0)  # gloo's destructors would wait for the peer
+
+
+def _two_ranks(*args):
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank_job, args=(r, port) + args + (out,), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(2):
+            rank, ok, value = out.get(timeout=300)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+@pytest.mark.parametrize("stage,dtype,case,state_dtype,master_bf16", [
+    (2, "bfloat16", "adamw", "int8", True),
+    (1, "bfloat16", "adamw", "bfloat16", False),
+    (2, "float32", "lion", "int8", False),
+    (2, "bfloat16", "sgd-momentum", "bfloat16", True),
+    (1, "float32", "adagrad", "bfloat16", False),
+])
+def test_two_ranks_equal_one_rank(stage, dtype, case, state_dtype, master_bf16):
+    """Each rank's shard, its params after the all-gather, and its masters equal the one-rank
+    reference bit for bit (block-aligned shards, flat offsets that do not depend on the world
+    size); a 4097-element param straddles the two shards, sub-groups and buckets cut it."""
+    _torch_backend()
+    got = _two_ranks(stage, dtype, case, state_dtype, master_bf16)
+    if state_dtype == "int8":
+        assert all(s % 256 == 0 for s in got[0])
