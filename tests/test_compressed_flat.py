@@ -334,3 +334,68 @@ def test_two_ranks_equal_one_rank(stage, dtype, case, state_dtype, master_bf16):
     got = _two_ranks(stage, dtype, case, state_dtype, master_bf16)
     if state_dtype == "int8":
         assert all(s % 256 == 0 for s in got[0])
+
+
+# ---------------------------------------------------------------- state_dict both ways
+def _torch_trained(sizes, steps=3):
+    """torch.optim.AdamW's state_dict after a few steps on fp32 params (and those params)."""
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.randn(n, generator=gen).requires_grad_() for n in sizes]
+    topt = torch.optim.AdamW(ps, lr=1e-2, foreach=False)
+    for _ in range(steps):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        topt.step()
+    return ps, topt.state_dict()
+
+
+@pytest.mark.parametrize("master_bf16", [False, True], ids=["master-fp32", "master-bf16"])
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_a_torch_state_dict_loads_encoded_and_comes_back_decoded(state_dtype, master_bf16):
+    _torch_backend()
+    sizes = (7, 300, 4097, 17)
+    tps, tsd = _torch_trained(sizes)
+    params = [p.detach().to(torch.bfloat16).requires_grad_() for p in tps]
+    before = [p.detach().clone() for p in params]
+    opt = offload.AdamW(params, lr=1e-2, state_dtype=state_dtype,
+                        master_dtype="bfloat16" if master_bf16 else None)
+    opt.load_state_dict(tsd)
+    fg = internals.flat_groups(opt)[0]
+    ref = RefCompressed(params, [0] * len(params), [{}] * len(params), torch.optim.AdamW,
+                        ("exp_avg", "exp_avg_sq"), state_dtype, master_bf16)
+    sd = opt.state_dict()["state"]
+    for i, p in enumerate(params):
+        off = fg.layout.offsets[i]
+        for k in ("exp_avg", "exp_avg_sq"):
+            want = ref.encode(k, tsd["state"][i][k].reshape(-1).float())  # quantized on the way in
+            got = fg.state_range(k, off, off + p.numel())
+            assert torch.equal(_bits(got), _bits(want)), (i, k)
+            assert sd[i][k].dtype == torch.float32  # and decoded on the way out
+            assert torch.equal(sd[i][k], ref.decode(k, want, p.numel()).view_as(p))
+        assert int(sd[i]["step"]) == 3
+        assert torch.equal(p.detach(), before[i])  # loading states leaves the params alone
+        if not master_bf16:  # the master comes from the params (torch's dict has none)
+            assert torch.equal(fg.master[off:off + p.numel()], p.detach().float().reshape(-1))
+        else:
+            assert "master" not in sd[i]
+    opt.close()
+
+
+def test_loading_a_dict_without_a_params_state_resets_it_to_encoded_zeros():
+    _torch_backend()
+    sizes = (300, 17)
+    params = [torch.randn(n).to(torch.bfloat16).requires_grad_() for n in sizes]
+    opt = offload.AdamW(params, lr=1e-2, state_dtype="int8", master_dtype="bfloat16")
+    for p in params:
+        p.grad = torch.randn(p.shape).to(torch.bfloat16)
+    opt.step()
+    sd = opt.state_dict()
+    del sd["state"][1]
+    opt.load_state_dict(sd)
+    fg = internals.flat_groups(opt)[0]
+    off = fg.layout.offsets[1]
+    for k in ("exp_avg", "exp_avg_sq"):
+        zeros = quant.encode_blocks(torch.zeros(17), signed=k == "exp_avg")
+        assert torch.equal(fg.state_range(k, off, off + 17), zeros)
+        assert not torch.equal(fg.state_range(k, 0, 300), quant.encode_blocks(torch.zeros(300), k == "exp_avg"))
+    opt.close()
