@@ -399,3 +399,22 @@ def test_loading_a_dict_without_a_params_state_resets_it_to_encoded_zeros():
         assert torch.equal(fg.state_range(k, off, off + 17), zeros)
         assert not torch.equal(fg.state_range(k, 0, 300), quant.encode_blocks(torch.zeros(300), k == "exp_avg"))
     opt.close()
+
+
+def test_a_bf16_master_needs_bf16_params():
+    p16 = torch.randn(7).to(torch.float16).requires_grad_()
+    with pytest.raises(ValueError, match="needs bfloat16 params"):
+        offload.AdamW([p16], lr=1e-2, master_dtype="bfloat16")
+
+
+def test_the_flat_layout_pads_only_for_blocked_states():
+    from offload.zero.partition import FlatLayout
+
+    plain = FlatLayout((7, 300, 17), world=2, rank=1)  # today's layout, unchanged
+    assert plain.offsets == (0, 7, 307) and plain.shard == 162 and plain.total == 324
+    lay = FlatLayout((7, 300, 17), world=2, rank=1, align=256)
+    assert lay.offsets == (0, 256, 768) and lay.total == 785 and lay.shard == 512
+    assert [(pc.index, pc.lo, pc.hi, pc.param_offset) for pc in lay.pieces(*lay.shard_range())] == \
+        [(1, 512, 556, 256), (2, 768, 785, 0)]
+    with pytest.raises(ValueError, match="align"):
+        FlatLayout((1,), align=0)
