@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import offload
-from offload.kernels import get_backend, quant
+from offload.kernels import quant
 from offload.kernels.fields import NONNEGATIVE_STATES
 from offload.optim.flat_state import FlatState
 from test_rules_optim import CASES as RULE_CASES, RefLion, _groups
@@ -42,10 +42,10 @@ FROZEN, SIDE = 2, 4  # no grad ever; a grad on even steps only (its step count l
 STEPS = 6
 
 
-def _torch_backend():
-    if get_backend(None).name != "torch":
-        pytest.skip("the compressed flat store is checked bit for bit on the torch backend "
-                    "(OFFLOAD_BACKEND=torch); the native / numba kernels are held to it elsewhere")
+BACKEND = "torch"
+"""The store is held to the scheme around torch's own update, which the torch reference
+backend runs bit for bit whatever OFFLOAD_BACKEND says (the native and numba kernels are held
+to the torch reference's compressed step in their own tests)."""
 
 
 def flat_offsets(sizes, align: int) -> List[int]:
@@ -158,7 +158,7 @@ def _make(case, state_dtype, master_bf16, sizes=SIZES, dtype=torch.bfloat16, **o
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=gen).to(dtype).requires_grad_(j != FROZEN)
               for j, n in enumerate(sizes)]
-    opt = cls(_groups(params, hypers), state_dtype=state_dtype,
+    opt = cls(_groups(params, hypers), backend=BACKEND, state_dtype=state_dtype,
               master_dtype="bfloat16" if master_bf16 else None, **opt_kw)
     half = len(params) // 2
     per_param = [hypers[0]] * half + [hypers[1]] * (len(params) - half)
@@ -213,7 +213,6 @@ def train(monkeypatch, case="adamw", state_dtype="int8", master_bf16=False, *, s
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_rule_matches_the_scheme_around_torch(monkeypatch, case, state_dtype, master_bf16):
-    _torch_backend()
     opt, params, ref = train(monkeypatch, case, state_dtype, master_bf16)
     # the frozen param never stepped; the side one stepped half as often
     assert ref.steps[FROZEN] == 0 and ref.steps[SIDE] == STEPS // 2
@@ -234,7 +233,6 @@ def test_each_rule_matches_the_scheme_around_torch(monkeypatch, case, state_dtyp
 
 def test_the_fp32_master_path_still_writes_the_nearest_bf16(monkeypatch):
     # int8 states with an fp32 master: the param is the RNE copy of the master, every step
-    _torch_backend()
     opt, params, ref = train(monkeypatch, "adamw", "int8", False, steps=3)
     for i, p in enumerate(params):
         assert torch.equal(p.detach(), internals.master(opt, p).to(torch.bfloat16))
@@ -245,7 +243,6 @@ def test_hook_copies_sub_groups_and_device_staging(monkeypatch, master_bf16):
     # The CUDA path on the CPU (hook copies into the padded host grad buffer, staging that
     # holds the bf16 master and goes to the params sub-group by sub-group); sub-groups of
     # 300 elements are cut at 512 (whole blocks), inside the 4097-element param.
-    _torch_backend()
     opt, _, _ = train(monkeypatch, "adamw", "int8", master_bf16, device_path=True, sub_group_size=300,
                       accumulate=2)
     assert opt._store._sub == 512
@@ -253,25 +250,21 @@ def test_hook_copies_sub_groups_and_device_staging(monkeypatch, master_bf16):
 
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
 def test_gradient_accumulation_with_hook_copies(monkeypatch, state_dtype):
-    _torch_backend()
     train(monkeypatch, "lion", state_dtype, True, accumulate=3, hook=True)
 
 
 def test_grad_scaler_overflow_skips_and_unscales(monkeypatch):
-    _torch_backend()
     opt, _, _ = train(monkeypatch, "adamw", "int8", True, scaler=True, overflow_at=2)
     assert opt.skipped_steps == 1
 
 
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
 def test_clip_by_global_norm(monkeypatch, state_dtype):
-    _torch_backend()
     opt, _, _ = train(monkeypatch, "sgd-momentum", state_dtype, True, max_grad_norm=0.5)
     assert opt.last_grad_norm > 0.5  # clipping was active
 
 
 def test_a_large_param_spans_many_blocks(monkeypatch):
-    _torch_backend()
     train(monkeypatch, "adamw", "int8", True, sizes=(5, 2 ** 20 + 3, 7, 16, 17), steps=2)
 
 
@@ -279,7 +272,6 @@ def test_a_large_param_spans_many_blocks(monkeypatch):
 def _rank_job(rank, port, stage, dtype_name, case, state_dtype, master_bf16, out):
     try:
         torch.set_num_threads(1)
-        os.environ["OFFLOAD_BACKEND"] = "torch"
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         FlatState.bucket_numel = 1200  # buckets (segments of the step) of 512 elements per rank
         opt, params, ref = train(None, case, state_dtype, master_bf16, stage=stage, sub_group_size=300,
@@ -330,7 +322,6 @@ def test_two_ranks_equal_one_rank(stage, dtype, case, state_dtype, master_bf16):
     """Each rank's shard, its params after the all-gather, and its masters equal the one-rank
     reference bit for bit (block-aligned shards, flat offsets that do not depend on the world
     size); a 4097-element param straddles the two shards, sub-groups and buckets cut it."""
-    _torch_backend()
     got = _two_ranks(stage, dtype, case, state_dtype, master_bf16)
     if state_dtype == "int8":
         assert all(s % 256 == 0 for s in got[0])
@@ -352,12 +343,11 @@ def _torch_trained(sizes, steps=3):
 @pytest.mark.parametrize("master_bf16", [False, True], ids=["master-fp32", "master-bf16"])
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
 def test_a_torch_state_dict_loads_encoded_and_comes_back_decoded(state_dtype, master_bf16):
-    _torch_backend()
     sizes = (7, 300, 4097, 17)
     tps, tsd = _torch_trained(sizes)
     params = [p.detach().to(torch.bfloat16).requires_grad_() for p in tps]
     before = [p.detach().clone() for p in params]
-    opt = offload.AdamW(params, lr=1e-2, state_dtype=state_dtype,
+    opt = offload.AdamW(params, lr=1e-2, backend=BACKEND, state_dtype=state_dtype,
                         master_dtype="bfloat16" if master_bf16 else None)
     opt.load_state_dict(tsd)
     fg = internals.flat_groups(opt)[0]
@@ -382,10 +372,9 @@ def test_a_torch_state_dict_loads_encoded_and_comes_back_decoded(state_dtype, ma
 
 
 def test_loading_a_dict_without_a_params_state_resets_it_to_encoded_zeros():
-    _torch_backend()
     sizes = (300, 17)
     params = [torch.randn(n).to(torch.bfloat16).requires_grad_() for n in sizes]
-    opt = offload.AdamW(params, lr=1e-2, state_dtype="int8", master_dtype="bfloat16")
+    opt = offload.AdamW(params, lr=1e-2, backend=BACKEND, state_dtype="int8", master_dtype="bfloat16")
     for p in params:
         p.grad = torch.randn(p.shape).to(torch.bfloat16)
     opt.step()
