@@ -117,7 +117,10 @@ class HostBacking:
         s = slice(item.lo, item.hi)
         t = time.perf_counter()
         rule = fg.rule
-        states = {k: fg.state_range(k, item.lo, item.hi) for k in rule.names}
+        if fg.layout.align == 1:  # one stored element per value (fp32, bf16): plain slices
+            states = {k: getattr(fg, k)[s] for k in rule.names}
+        else:  # packed int8 blocks: the bytes of the item's blocks
+            states = {k: fg.state_range(k, item.lo, item.hi) for k in rule.names}
         if fg.master_lowp:  # the output is the bf16 master, stepped in place ([Note: bf16 master])
             param, lowp = item.out, None
         else:
