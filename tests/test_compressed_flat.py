@@ -269,11 +269,12 @@ def test_a_large_param_spans_many_blocks(monkeypatch):
 
 
 # ---------------------------------------------------------------- two gloo ranks
-def _rank_job(rank, port, stage, dtype_name, case, state_dtype, master_bf16, out):
+def _rank_job(rank, port, stage, dtype_name, case, state_dtype, master_bf16, in_backward, out):
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         FlatState.bucket_numel = 1200  # buckets (segments of the step) of 512 elements per rank
+        FlatState.reduce_in_backward = in_backward  # the buckets' reductions started by the grad hooks
         opt, params, ref = train(None, case, state_dtype, master_bf16, stage=stage, sub_group_size=300,
                                  dtype=getattr(torch, dtype_name))
         shards = [fg.layout.shard for fg in internals.flat_groups(opt)]
@@ -311,18 +312,19 @@ def _two_ranks(*args):
     return got
 
 
-@pytest.mark.parametrize("stage,dtype,case,state_dtype,master_bf16", [
-    (2, "bfloat16", "adamw", "int8", True),
-    (1, "bfloat16", "adamw", "bfloat16", False),
-    (2, "float32", "lion", "int8", False),
-    (2, "bfloat16", "sgd-momentum", "bfloat16", True),
-    (1, "float32", "adagrad", "bfloat16", False),
+@pytest.mark.parametrize("stage,dtype,case,state_dtype,master_bf16,in_backward", [
+    (2, "bfloat16", "adamw", "int8", True, False),
+    (1, "bfloat16", "adamw", "bfloat16", False, False),
+    (2, "float32", "lion", "int8", False, True),
+    (2, "bfloat16", "sgd-momentum", "bfloat16", True, False),
+    (1, "float32", "adagrad", "bfloat16", False, False),
+    (2, "bfloat16", "adamw", "int8", False, True),
 ])
-def test_two_ranks_equal_one_rank(stage, dtype, case, state_dtype, master_bf16):
+def test_two_ranks_equal_one_rank(stage, dtype, case, state_dtype, master_bf16, in_backward):
     """Each rank's shard, its params after the all-gather, and its masters equal the one-rank
     reference bit for bit (block-aligned shards, flat offsets that do not depend on the world
     size); a 4097-element param straddles the two shards, sub-groups and buckets cut it."""
-    got = _two_ranks(stage, dtype, case, state_dtype, master_bf16)
+    got = _two_ranks(stage, dtype, case, state_dtype, master_bf16, in_backward)
     if state_dtype == "int8":
         assert all(s % 256 == 0 for s in got[0])
 
@@ -407,3 +409,23 @@ def test_the_flat_layout_pads_only_for_blocked_states():
         [(1, 512, 556, 256), (2, 768, 785, 0)]
     with pytest.raises(ValueError, match="align"):
         FlatLayout((1,), align=0)
+
+
+def test_a_non_contiguous_param_is_its_own_master_too():
+    # a transposed bf16 param goes through a temporary that must start from its values
+    torch.manual_seed(5)
+    base = torch.randn(17, 33).to(torch.bfloat16).t()  # (33, 17), strides (1, 33)
+    ours = [base.clone().requires_grad_(), torch.randn(300).to(torch.bfloat16).requires_grad_()]
+    assert not ours[0].is_contiguous()
+    same = [p.detach().contiguous().clone().requires_grad_() for p in ours]
+    opts = [offload.AdamW(ps, lr=1e-2, backend=BACKEND, state_dtype="int8", master_dtype="bfloat16")
+            for ps in (ours, same)]
+    for _ in range(3):
+        for a, b in zip(ours, same):
+            g = torch.randn(a.shape).to(torch.bfloat16)
+            a.grad, b.grad = g.clone(), g.clone()
+        for o in opts:
+            o.step()
+    for a, b in zip(ours, same):
+        assert torch.equal(a.detach(), b.detach())
+    assert not torch.equal(ours[0].detach(), base)  # it moved
