@@ -461,7 +461,7 @@ JSON_KEYS = {"schema", "inputs", "supported", "per_rank", "breakdown", "optimize
              "fits_all", "step", "zero_paper_bytes", "notes", "problems", "rates", "cheapest"}
 INPUT_KEYS = {"source", "num_params", "world_size", "stage", "offload", "optimizer", "k", "param_dtype",
               "grad_dtype", "param_device", "cuda", "ranks_per_node", "max_host_bytes", "sub_group_size",
-              "swap_dir", "shard_numel", "separate_master", "lowp_buffers", "swap"}
+              "swap_dir", "shard_numel", "separate_master", "lowp_buffers", "state_dtype", "master_dtype", "swap"}
 STEP_KEYS = {"kernel_gparams", "disk_read_gbps", "disk_write_gbps", "kernel_s", "io_s", "read_bytes",
              "write_bytes", "step_time_s"}
 

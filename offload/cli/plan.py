@@ -36,6 +36,10 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--param-dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     p.add_argument("--grad-dtype", default=None, help="default: the param dtype")
     p.add_argument("--optimizer", default="adamw", help="adam or adamw (default adamw)")
+    p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
+                   help="how the optimizer states are stored (the optimizers' state_dtype; default float32)")
+    p.add_argument("--master-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="bfloat16: bf16 params are their own master, no fp32 copy (default: an fp32 master)")
     p.add_argument("--param-device", default="cuda", help="where the params live: cuda or cpu (default cuda)")
     p.add_argument("--device-memory", type=byte_size(auto=True), help="memory per accelerator, e.g. 80GiB, or 'auto' (this machine's GPU 0)")
     p.add_argument("--host-memory", type=byte_size(auto=True), help="host memory per node, e.g. 512GiB, or 'auto' (this machine's MemTotal)")
@@ -119,6 +123,8 @@ def _plan_kwargs(args: argparse.Namespace, rates: Dict[str, Any]) -> Dict[str, A
         param_dtype=args.param_dtype,
         grad_dtype=args.grad_dtype,
         optimizer=args.optimizer,
+        state_dtype=args.state_dtype,
+        master_dtype=args.master_dtype,
         param_device=args.param_device,
         device_memory=_auto_memory("device", args.device_memory),
         host_memory=_auto_memory("host", args.host_memory),

@@ -214,7 +214,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
 
         return FlatState(self.param_groups, config=self.config, ctx=self._ctx, backend=self.backend,
                          num_threads=self.num_threads, stage=stage, process_group=process_group,
-                         rule=self._store_rule or self._set_store_rule())
+                         rule=self._store_rule or self._set_store_rule(),
+                         master_dtype=getattr(self, "master_dtype", None))
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)

@@ -70,7 +70,8 @@ class SGD(RuleOptimizer):
         return SGD_PLAIN
 
     def store_rule(self) -> Rule:
-        return SGD_RULE if any(g["momentum"] != 0 for g in self.param_groups) else SGD_PLAIN
+        rule = SGD_RULE if any(g["momentum"] != 0 for g in self.param_groups) else SGD_PLAIN
+        return rule.with_state_dtype(getattr(self, "state_dtype", "float32"))
 
     def group_hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
         out = dict(lr=to_float(group, "lr"), weight_decay=to_float(group, "weight_decay"),

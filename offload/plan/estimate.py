@@ -56,6 +56,7 @@ from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, test
     zero_paper_bytes,
 )
 from .result import Plan
+from .states import StatesLayout, check_compression, param_numels, state_fields, state_notes
 
 __all__ = [
     "Plan",
@@ -78,7 +79,7 @@ Bytes = Dict[str, Dict[str, int]]  # tier -> component -> bytes per rank
 
 
 @dataclass
-class _Setup:
+class _Setup(StatesLayout):
     """The checked inputs of one ``estimate`` call and what follows from them."""
 
     n: int
@@ -101,6 +102,10 @@ class _Setup:
     swap_dir: Optional[str]
     rates: Tuple[Optional[float], Optional[float], Optional[float]]  # kernel, disk read, disk write
     lowp_buffers: str
+    state_dtype: str = "float32"
+    master_dtype: Optional[str] = None
+    numels: Optional[Tuple[int, ...]] = None
+    """Each param's elements (a module was given): see ``StatesLayout``."""
 
     @property
     def on_cpu(self) -> bool:
@@ -131,15 +136,11 @@ class _Setup:
 
     @property
     def separate_master(self) -> bool:
-        return not self.in_place
+        return not self.in_place and not self.master_lowp
 
     @property
     def ranks(self) -> int:
         return self.world_size if self.stage >= 1 else 1   # stage 0 with N ranks: plain DP
-
-    @property
-    def shard(self) -> int:
-        return -(-self.n // self.ranks) if self.n else 0   # flat buffers padded to the world size
 
     @property
     def tier(self) -> Dict[str, str]:
@@ -234,17 +235,11 @@ def _place_model(s: _Setup, B: Bytes, notes: List[str]) -> None:
                      "p.grad whole (reduce-scatter at step time), so the device holds 2Ψ of grads")
 
 
-def _state_fields(s: _Setup):
-    """The typed states kept per element: the fp32 master unless the params are their own
-    master (the in-place store), then the rule's (Adam's moments)."""
-    return ADAM.with_master() if s.separate_master else ADAM.fields
-
-
 def _place_swapped(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) -> Optional[Dict[str, Any]]:
     """offload="nvme": the moments, and the master unless the params are their own master
     (the in-place store), in swap files; the swapped elements are the whole shard on every
     rank (the flat buffer is padded to the world size)."""
-    streamed = [f.name for f in _state_fields(s)]
+    streamed = [f.name for f in state_fields(s)]
     swap = None
     if s.shard:
         try:
@@ -270,8 +265,9 @@ def _place_states(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) ->
         B[tier[MASTER.name]][MASTER.name] = MASTER.nbytes(s.shard)
     if s.offload == "nvme":
         return _place_swapped(s, B, notes, problems)
-    # HostState: moments in opt.state, ordinary tensors; flat store: pool buffers.
-    for f in ADAM.fields:
+    # HostState: moments in opt.state, ordinary tensors; flat store: pool buffers. Their
+    # bytes are the fields' (bf16: 2 B, int8: 260 B per block of 256).
+    for f in s.rule.fields:
         B[tier[f.name]][f.name] = f.nbytes(s.shard)
     if s.separate_master and s.offload == "none" and not s.on_cpu:
         notes.append("offload='none' with device params: this engine keeps the fp32 states of device "
@@ -291,7 +287,7 @@ def _place_buffers(s: _Setup, B: Bytes, notes: List[str]) -> None:
         # host buffer on their way to the device (CPU low-precision params are written
         # directly; fp32 device params are sent from the master itself).
         if not s.on_cpu:
-            B[tier["grad_buffers"]]["grad_buffers"] = s.n * s.gb
+            B[tier["grad_buffers"]]["grad_buffers"] = s.flat_total * s.gb
             if s.lowp and s.lowp_buffers == "shard":
                 B[tier["lowp_buffers"]]["lowp_buffers"] = shard * pb
     else:
@@ -306,7 +302,8 @@ def _place_buffers(s: _Setup, B: Bytes, notes: List[str]) -> None:
         B[tier["grad_buffers"]]["grad_buffers"] = 4 * shard
         if s.lowp:
             B[tier["lowp_buffers"]]["lowp_buffers"] = shard * pb
-        chunk = max(1, min(shard, FlatState.bucket_numel // s.ranks)) if shard else 0
+        a = s.align  # (FlatGroup: buckets of whole blocks)
+        chunk = max(a, min(shard, FlatState.bucket_numel // s.ranks) // a * a) if shard else 0
         B[tier["comm_buffers"]]["comm_buffers"] = s.ranks * chunk * 4 + s.ranks * chunk * pb + chunk * 4
         notes.append(f"FlatState.reduce_in_backward (off by default) would add {FlatState.inflight} more send "
                      "buffers (and reduce-scatter outputs on a GPU) per flat group; not counted")
@@ -336,7 +333,7 @@ def _predict_step(s: _Setup, swap: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if s.offload == "nvme":
         # every sub-group of the swapped states is read from one slot and written to the
         # other once per step
-        io_bytes = swap["file_bytes"] if swap else fields_bytes(_state_fields(s), s.shard)
+        io_bytes = swap["file_bytes"] if swap else fields_bytes(state_fields(s), s.shard)
         step["read_bytes"] = io_bytes
         step["write_bytes"] = io_bytes
         step["io_s"] = (io_bytes / (rg * 1e9) + io_bytes / (wg * 1e9)) if (rg and wg) else None
@@ -371,6 +368,8 @@ def _inputs(s: _Setup, swap: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         "shard_numel": s.shard,
         "separate_master": s.separate_master,
         "lowp_buffers": s.lowp_buffers,
+        "state_dtype": s.state_dtype,
+        "master_dtype": s.master_dtype,
         "swap": swap,
     }
 
@@ -398,6 +397,8 @@ def estimate(
     disk_write_gbps: Optional[float] = None,
     kernel_gparams: Optional[float] = None,
     lowp_buffers: str = "shard",
+    state_dtype: str = "float32",
+    master_dtype: Optional[str] = None,
 ) -> Plan:
     """Plan the bytes per rank and tier for training ``num_params`` parameters.
 
@@ -414,19 +415,22 @@ def estimate(
     defaults to the free space of ``swap_dir`` when given. Rates: ``kernel_gparams`` (CPU
     Adam, 10^9 params/s) and ``disk_gbps`` (10^9 B/s, or separate read and write rates).
     ``lowp_buffers``: ``"shard"`` (one host buffer for the rank's whole shard of fp16/bf16
-    params, the default) or ``"none"``.
+    params, the default) or ``"none"``. ``state_dtype`` / ``master_dtype``: as the optimizers
+    take them; the states' bytes are their fields' (offload/plan/states.py).
     """
     s = _setup(num_params, world_size=world_size, stage=stage, offload=offload, param_dtype=param_dtype,
                grad_dtype=grad_dtype, optimizer=optimizer, param_device=param_device, cuda=cuda,
                device_memory=device_memory, host_memory=host_memory, ranks_per_node=ranks_per_node,
                max_host_bytes=max_host_bytes, sub_group_size=sub_group_size, swap_dir=swap_dir,
                nvme_capacity=nvme_capacity, disk_gbps=disk_gbps, disk_read_gbps=disk_read_gbps,
-               disk_write_gbps=disk_write_gbps, kernel_gparams=kernel_gparams, lowp_buffers=lowp_buffers)
+               disk_write_gbps=disk_write_gbps, kernel_gparams=kernel_gparams, lowp_buffers=lowp_buffers,
+               state_dtype=state_dtype, master_dtype=master_dtype)
     notes: List[str] = []
     problems: List[str] = []
     B: Bytes = {t: {c: 0 for c in COMPONENTS} for t in TIERS}
     _place_model(s, B, notes)
     swap = _place_states(s, B, notes, problems)
+    notes.extend(state_notes(s))
     _place_buffers(s, B, notes)
     capacity = _capacity(s, notes)
     return Plan(inputs=_inputs(s, swap), breakdown=B, capacity=capacity, step=_predict_step(s, swap),
@@ -437,7 +441,7 @@ def _setup(num_params: Any, *, world_size: Any, stage: Any, offload: Any, param_
            optimizer: Any, param_device: Any, cuda: Optional[bool], device_memory: Any, host_memory: Any,
            ranks_per_node: Any, max_host_bytes: Any, sub_group_size: Any, swap_dir: Any, nvme_capacity: Any,
            disk_gbps: Any, disk_read_gbps: Any, disk_write_gbps: Any, kernel_gparams: Any,
-           lowp_buffers: str) -> _Setup:
+           lowp_buffers: str, state_dtype: Any = "float32", master_dtype: Any = None) -> _Setup:
     """Check ``estimate``'s arguments in the order they are documented (the first bad one is
     the one reported)."""
     n, source_desc, module = resolve_params(num_params)
@@ -449,7 +453,9 @@ def _setup(num_params: Any, *, world_size: Any, stage: Any, offload: Any, param_
     sizes = _sizes(device_memory, host_memory, max_host_bytes, sub_group_size, ranks_per_node, world_size,
                    nvme_capacity, swap_dir)
     rates = _rates(kernel_gparams, disk_gbps, disk_read_gbps, disk_write_gbps)
-    return _Setup(n=n, source=source_desc, world_size=world_size, stage=stage, offload=offload, optimizer=opt,
+    check_compression(state_dtype, master_dtype, pdt)
+    return _Setup(state_dtype=state_dtype, master_dtype=master_dtype, numels=param_numels(module),
+                  n=n, source=source_desc, world_size=world_size, stage=stage, offload=offload, optimizer=opt,
                   k=_OPTIMIZERS[opt], pdt=pdt, gdt=gdt, pdev=pdev, cuda=bool(pdev != "cpu" if cuda is None else cuda),
                   sub_group_size=sub_group_size, swap_dir=os.fspath(swap_dir) if swap_dir is not None else None,
                   rates=rates, lowp_buffers=lowp_buffers, **sizes)

@@ -130,7 +130,10 @@ def explain_text(plan: Any) -> str:
         f"  params {i['param_dtype']} and grads {i['grad_dtype']} on {i['param_device']}, whole on every rank "
         "(p.grad keeps torch's meaning; the engine reads it at step time and does not free it)",
     ]
-    if not i["separate_master"]:
+    if i.get("master_dtype") == "bfloat16":
+        lines.append("  master_dtype='bfloat16': the bf16 params are their own master (stepped in place with "
+                     "stochastic rounding), no fp32 master in the flat store")
+    elif not i["separate_master"]:
         lines.append("  fp32 CPU params at stage 0 (any number of ranks) are their own master, updated in "
                      "place (K = 8): exp_avg + exp_avg_sq = 8 B x Ψ")
     else:
@@ -138,6 +141,10 @@ def explain_text(plan: Any) -> str:
                      "also with offload='none' (this engine keeps the states of device params on the host), or "
                      "all three in swap files with offload='nvme'. Pinned, with CUDA only: what DMA touches "
                      "(the host grad copies and staging buffers, and the master of fp32 device params)")
+    if i.get("state_dtype", "float32") != "float32":
+        lines.append(f"  state_dtype={i['state_dtype']}: exp_avg and exp_avg_sq take 2 B per element (bfloat16) "
+                     "or 260 B per block of 256 (int8: codes + a float32 scale) instead of 4 B; with int8 the "
+                     "flat store starts each param on a block and cuts shards at whole blocks")
     off = i["offload"]
     if off == "nvme":
         sw = i.get("swap")

@@ -13,11 +13,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from offload.kernels.fields import ADAM, MASTER, Rule, StateField, fields_bytes
+from offload.kernels.quant import BLOCK, PACKED_BLOCK, zero_code
 from offload.memory import BufferPool
 from offload.zero import comm
 from offload.zero.partition import FlatLayout, split_ranges
 
-__all__ = ["FlatGroup", "LOWP", "STATES"]
+__all__ = ["FlatGroup", "LOWP", "STATES", "fill_zero_state"]
 
 LOWP = (torch.float16, torch.bfloat16)
 STATES = ADAM.with_master()
@@ -25,19 +26,43 @@ STATES = ADAM.with_master()
 (a group of another rule: ``rule.with_master()``, its ``fields``)."""
 
 
+def fill_zero_state(field: StateField, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a state stored as ``field``) <- zeros in that storage: for packed int8 blocks,
+    the zero code and absmax 0 (what encoding zeros gives; all-zero bytes would decode to
+    -0.0 in the signed map)."""
+    if not field.blocked:
+        return t.zero_()
+    blocks = t.view(-1, PACKED_BLOCK)
+    blocks[:, :BLOCK].fill_(zero_code(field.signed))
+    blocks[:, BLOCK:].zero_()
+    return t
+
+
 class FlatGroup:
-    """The params of one (device, dtype), this rank's shard of their fp32 states, and buffers."""
+    """The params of one (device, dtype), this rank's shard of their states, and buffers.
+
+    ``rule``'s fields say how each state is stored (fp32, bf16, packed int8 blocks: the
+    buffers hold ``field.storage_numel`` elements of ``field.storage_dtype``; a blocked field
+    makes the layout block-aligned, [Note: block-aligned flat layout] in partition.py).
+    ``master_lowp``: the bf16 params are their own master ([Note: bf16 master]): no MASTER."""
 
     def __init__(self, params: List[torch.Tensor], *, world: int, rank: int, pools: Tuple[BufferPool, BufferPool],
                  comm_dev: torch.device, bucket_numel: int, need_host_grad: bool, stage_cpu: bool = False,
-                 swapped: bool = False, rule: Rule = ADAM) -> None:
+                 swapped: bool = False, rule: Rule = ADAM, master_lowp: bool = False) -> None:
         self.params = params
         self.rule = rule
-        self.fields: Tuple[StateField, ...] = rule.with_master()
+        self.master_lowp = master_lowp
+        self.fields: Tuple[StateField, ...] = rule.fields if master_lowp else rule.with_master()
+        self.compressed = master_lowp or rule != rule.base
+        """Whether a step goes through the kernels' compressed path (rounding seed and offset)."""
         self.device = params[0].device
         self.dtype = params[0].dtype
         self.lowp = self.dtype in LOWP
-        self.layout = FlatLayout([p.numel() for p in params], world, rank)
+        if master_lowp and self.dtype != torch.bfloat16:
+            raise ValueError(f"master_dtype='bfloat16' keeps no float32 master: it needs bfloat16 params, "
+                             f"got {self.dtype} params")
+        align = BLOCK if any(f.blocked for f in rule.fields) else 1
+        self.layout = FlatLayout([p.numel() for p in params], world, rank, align)
         self.world, self.rank = world, rank
         # (pageable, pinned): only what a DMA engine reads or writes is pinned (grad copies,
         # staging, an fp32 master that is copied to the device); moments never leave the host.
@@ -47,17 +72,22 @@ class FlatGroup:
         S = self.layout.shard
         # swapped: master and moments live in NVMe swap files (offload/optim/swapped_shards.py)
         self.swapped = swapped
-        self.master = None if swapped else self._tensor(MASTER.dtype, S, pinned=dma and not self.lowp)
-        # the rule's states, each an attribute of its name (fg.exp_avg, fg.momentum_buffer, ...)
+        self.stage = None  # below; refresh_master reads it
+        self.master = None if swapped or master_lowp else \
+            self._tensor(MASTER.dtype, S, pinned=dma and not self.lowp)
+        # the rule's states, each an attribute of its name (fg.exp_avg, fg.momentum_buffer, ...),
+        # in their storage (bf16 elements, or the bytes of packed int8 blocks)
         for f in rule.fields:
-            setattr(self, f.name, None if swapped else self._tensor(f.dtype, S).zero_())
+            setattr(self, f.name, None if swapped else
+                    fill_zero_state(f, self._tensor(f.storage_dtype, f.storage_numel(S))))
         self.refresh_master()
         # Destination of grad copies (one rank, hook path): the whole flat range, own dtype.
         self.host_grad = self._tensor(self.dtype, self.layout.total, pinned=dma) if need_host_grad else None
         # Staging of updated low-precision params on their way to the device (one rank, CUDA).
-        self.stage = None
         if world == 1 and dma and self.lowp:
             self.stage = self._tensor(self.dtype, S, pinned=dma)
+            if master_lowp:  # the stage is the master: [Note: bf16 master]
+                self.refresh_master()
         self.gshard = self.lowp_shard = None
         self.send = self.gather = self.rs_out = None
         if world > 1:
@@ -67,7 +97,8 @@ class FlatGroup:
                 self.refresh_lowp_shard()
             # One bucket moves `chunk` elements of every rank's shard: a send buffer of
             # world * chunk fp32 for grads and one of the param dtype for the all-gather.
-            self.chunk = max(1, min(S, bucket_numel // world))
+            # (whole blocks: a bucket is a segment of the step, cut where a block may be cut)
+            self.chunk = max(align, min(S, bucket_numel // world) // align * align)
             self.send = torch.empty(world * self.chunk, dtype=torch.float32, device=comm_dev)
             self.gather = torch.empty(world * self.chunk, dtype=self.dtype, device=comm_dev)
             self.rs_out = torch.empty(self.chunk, dtype=torch.float32, device=comm_dev)
@@ -90,20 +121,39 @@ class FlatGroup:
     # -- views ------------------------------------------------------------------------------
     def state(self, name: str) -> Optional[torch.Tensor]:
         """The shard's buffer of field ``name`` (``master`` or one of the rule's; None when swapped)."""
-        if name != MASTER.name and name not in self.rule.names:
+        if name not in self.names:
             raise KeyError(f"a flat group of rule {self.rule.name!r} keeps {[f.name for f in self.fields]}, "
                            f"not {name!r}")
         return getattr(self, name)
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def field(self, name: str) -> StateField:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"a flat group of rule {self.rule.name!r} keeps {list(self.names)}, not {name!r}")
+
+    def state_range(self, name: str, a: int, b: int) -> torch.Tensor:
+        """The storage of field ``name`` for shard-local elements [a, b) (``a`` on a block
+        boundary for a blocked field: ``StateField.storage_offset`` refuses it otherwise)."""
+        f = self.field(name)
+        lo = f.storage_offset(a)
+        return getattr(self, name)[lo:lo + f.storage_numel(b - a)]
 
     def flat_param(self, i: int) -> torch.Tensor:
         """The param's data as a 1-D view (params on CUDA must be contiguous: checked earlier)."""
         return self.params[i].detach().view(-1) if self.params[i].is_contiguous() else None
 
     def refresh_master(self) -> None:
-        """master <- the params' current values (at start, and after a load without masters)."""
-        if self.master is not None:
-            self.master.zero_()
-            self.shard_values(0, self.layout.shard, self.master)
+        """master <- the params' current values (at start, and after a load without masters);
+        with a bf16 master, the staging buffer that holds it for device params."""
+        master = self.stage if self.master_lowp else self.master
+        if master is not None:
+            master.zero_()
+            self.shard_values(0, self.layout.shard, master)
 
     def shard_values(self, a: int, b: int, out: torch.Tensor) -> None:
         """out <- the params' current values at shard-local [a, b) (upcast; padding untouched)."""
@@ -276,6 +326,8 @@ class FlatGroup:
             self.refresh_lowp_shard()
             self.all_gather_params(group)
             return
+        if self.master is None:
+            return  # bf16 master: the params (or the staging that mirrors them) are the master
         for i, p in enumerate(self.params):
             lo, hi = self.layout.slot(i)
             p.detach().copy_(self.master[lo:hi].view_as(p))

@@ -4,7 +4,16 @@
 end in a flat buffer of ``total`` elements, padded with zeros to ``padded``, a multiple of
 the world size, so every rank owns one contiguous shard of ``shard = padded // world``
 elements: rank ``r`` owns flat ``[r * shard, (r + 1) * shard)``. A param may straddle two
-shards; each rank steps only its own *pieces* (param ∩ shard). Nothing here allocates or
+shards; each rank steps only its own *pieces* (param ∩ shard).
+
+[Note: block-aligned flat layout] With ``align`` > 1 (256 when a state is stored in int8
+blocks: [Note: block-wise 8-bit states] in offload/kernels/quant.py) every param starts at a
+multiple of ``align`` (zeros between params) and the shard is a multiple of ``align``, so no
+block holds elements of two params or of two ranks' shards. A block shared by two params
+would be re-encoded when one of them steps: the other's states would move without a grad
+(torch leaves them alone), or at another step count. The offsets do not depend on the world
+size, so each element keeps its flat index (its random stream) on any number of ranks.
+``align`` = 1 is the unpadded layout. Nothing here allocates or
 communicates: it is the arithmetic the optimizer and the collectives share, kept pure so it
 can be tested exhaustively.
 """
@@ -34,23 +43,27 @@ class Piece:
 class FlatLayout:
     """Offsets of params in a flat buffer padded to ``world``, and the shard of ``rank``."""
 
-    def __init__(self, numels: Sequence[int], world: int = 1, rank: int = 0) -> None:
+    def __init__(self, numels: Sequence[int], world: int = 1, rank: int = 0, align: int = 1) -> None:
         if world < 1:
             raise ValueError(f"world size must be >= 1, got {world}")
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in [0, {world})")
+        if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+            raise ValueError(f"align must be an int >= 1, got {align!r}")
         self.numels: Tuple[int, ...] = tuple(int(n) for n in numels)
         if any(n < 0 for n in self.numels):
             raise ValueError(f"negative numel in {self.numels}")
         offsets, acc = [], 0
         for n in self.numels:
+            acc = -(-acc // align) * align  # [Note: block-aligned flat layout]
             offsets.append(acc)
             acc += n
         self.offsets: Tuple[int, ...] = tuple(offsets)
         self.total = acc
         self.world = world
         self.rank = rank
-        self.shard = -(-acc // world) if acc else 0
+        self.align = align
+        self.shard = -(-acc // (world * align)) * align if acc else 0
         self.padded = self.shard * world
 
     def shard_range(self, rank: Optional[int] = None) -> Tuple[int, int]:

@@ -8,6 +8,12 @@ rank. It returns torch's AdamW layout with full tensors (plus ``master``, the fp
 for fp16/bf16 params), so a checkpoint from N ranks loads on M ranks, in one process, and
 into ``torch.optim.AdamW``. With ``opt.state_dict_rank0_only = True`` (the step context's
 flag) only rank 0 keeps the full tensors.
+
+[Note: compressed states in state_dict] States stored compressed (bf16, packed int8 blocks)
+leave as float32 (decoded: torch's layout) and come in as float32 values that are encoded
+(bf16 rounded to nearest even, int8 encoded block by block from the param's first element,
+which is a block boundary in the flat layout). With a bf16 master there is no ``master``
+entry: the params are the master.
 """
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch
 
+from offload.kernels.compressed_ref import decode_state, encode_state
 from offload.zero import comm
+from offload.zero.flat_group import FlatGroup, fill_zero_state
 
 if TYPE_CHECKING:
     from offload.optim.flat.store import FlatState
@@ -31,7 +39,7 @@ def export_state(st: "FlatState", p: torch.Tensor) -> Dict[str, torch.Tensor]:
     if not has_state(st, p):
         return {}
     fg, _ = st._where[p]
-    keys = st.rule.names + (("master",) if fg.lowp else ())
+    keys = st.rule.names + (("master",) if fg.lowp and not fg.master_lowp else ())
     # opt.state_dict_rank0_only = True: every rank takes part in the gather, only rank 0
     # keeps the full tensors (the others' state_dict() then holds only the steps).
     keep = st.rank == 0 or not st.ctx.state_dict_rank0_only
@@ -54,7 +62,7 @@ def gather_full(st: "FlatState", p: torch.Tensor, keys, keep: bool = True) -> Di
             if fg.swapped:
                 vals = st._swap.read(st._groups.index(fg), a - r * S, b - r * S, keys)
             else:
-                vals = {key: getattr(fg, key)[a - r * S:b - r * S] for key in keys}
+                vals = {key: _values(fg, key, a - r * S, b - r * S) for key in keys}
             for k, key in enumerate(keys):
                 part[k].copy_(vals[key])
         comm.broadcast(part, r, st.group)
@@ -63,6 +71,25 @@ def gather_full(st: "FlatState", p: torch.Tensor, keys, keep: bool = True) -> Di
     if not keep:
         return {}
     return {key: full[k].view_as(p).clone() for k, key in enumerate(keys)}
+
+
+def _values(fg: FlatGroup, key: str, lo: int, hi: int) -> torch.Tensor:
+    """The float32 values of field ``key`` at shard-local [lo, hi) ([Note: compressed states in
+    state_dict]); a float32 field's own buffer."""
+    f = fg.field(key)
+    t = fg.state_range(key, lo, hi)
+    return t if f.dtype == torch.float32 else decode_state(f, t, hi - lo)
+
+
+def _store_values(fg: FlatGroup, key: str, lo: int, values: torch.Tensor) -> None:
+    """Field ``key`` at shard-local [lo, lo + len(values)) <- ``values``, encoded as the field
+    is stored (deterministically: round to nearest for bf16)."""
+    f = fg.field(key)
+    t = fg.state_range(key, lo, lo + values.numel())
+    if f.dtype == torch.float32:
+        t.copy_(values)
+    else:
+        encode_state(f, values.float(), t, stochastic=False, seed=0, offset=0, stream=0)
 
 
 def import_state(st: "FlatState", p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
@@ -84,7 +111,7 @@ def import_state(st: "FlatState", p: torch.Tensor, state: Dict[str, torch.Tensor
         return
     for key in st.rule.names:
         if key in full:
-            getattr(fg, key)[s].copy_(full[key].detach().reshape(-1)[ps])
+            _store_values(fg, key, s.start, full[key].detach().reshape(-1)[ps])
 
 
 def reset_state(st: "FlatState", p: torch.Tensor) -> None:
@@ -102,7 +129,7 @@ def reset_state(st: "FlatState", p: torch.Tensor) -> None:
         st._swap.write(st._groups.index(fg), lo, hi, {key: z for key in st.rule.names})
     else:
         for key in st.rule.names:
-            getattr(fg, key)[lo:hi].zero_()
+            fill_zero_state(fg.field(key), fg.state_range(key, lo, hi))
 
 
 def pre_load(st: "FlatState", order: List[torch.Tensor], state_dict: Dict[str, Any]) -> None:
@@ -139,7 +166,7 @@ def post_load(st: "FlatState") -> None:
                 m = m.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel].float()
             elif fg.swapped:
                 m = p.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel].float()
-            if m is None:
+            if m is None or fg.master_lowp:  # a bf16 master: the params are the master
                 continue
             if fg.swapped:
                 st._swap.write(k, s.start, s.stop, {"master": m})

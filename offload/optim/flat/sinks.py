@@ -81,6 +81,8 @@ class ParamSink:
         if p.is_contiguous():
             return p.detach().view(-1)[ps], mode, None, None
         tmp = torch.empty(pc.numel, dtype=p.dtype)  # non-contiguous CPU param: via a copy
+        if fg.master_lowp:  # the kernel steps tmp as the param's own master: its values first
+            tmp.copy_(p.detach().reshape(-1)[ps])
 
         def put_back() -> None:
             if pc.numel == p.numel():  # the whole param (one rank): no read-modify-write

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Tuple
 
 import torch
 
+from offload.kernels.quant import rounding_seed
 from offload.zero import split_ranges
 from offload.optim.swapped_shards import WorkItem
 from offload.zero.flat_group import FlatGroup
@@ -45,8 +46,8 @@ def _todo(st: "FlatState", batches) -> Todo:
     todo: Todo = {}
     factor = st._grads.factor if st.world > 1 else 1.0
     for hyper, items in batches:
-        rule = getattr(hyper, "rule", st.rule)
-        if items and rule is not st.rule:
+        rule = getattr(hyper, "rule", st.rule.base)  # the float32 rule; the store's keeps its states compressed
+        if items and rule is not st.rule.base:
             raise ValueError(f"a step of rule {rule.name!r} in a flat store of rule {st.rule.name!r} (states "
                              f"{list(st.rule.names)}); build a new optimizer after changing what the groups "
                              "need (e.g. SGD's momentum from or to 0)")
@@ -116,9 +117,20 @@ class HostBacking:
         s = slice(item.lo, item.hi)
         t = time.perf_counter()
         rule = fg.rule
-        self._kernel.rule_step(rule, fg.master[s], item.grad, {k: getattr(fg, k)[s] for k in rule.names},
-                               param_lowp=item.out if item.mode == "lowp" else None,
-                               num_threads=self._threads, **item.kwargs)
+        if fg.layout.align == 1:  # one stored element per value (fp32, bf16): plain slices
+            states = {k: getattr(fg, k)[s] for k in rule.names}
+        else:  # packed int8 blocks: the bytes of the item's blocks
+            states = {k: fg.state_range(k, item.lo, item.hi) for k in rule.names}
+        if fg.master_lowp:  # the output is the bf16 master, stepped in place ([Note: bf16 master])
+            param, lowp = item.out, None
+        else:
+            param, lowp = fg.master[s], item.out if item.mode == "lowp" else None
+        rounding = {}
+        if fg.compressed:  # [Note: compressed states in the flat store]
+            rounding = {"rounding_seed": rounding_seed(item.kwargs["step"], item.shard),
+                        "element_offset": fg.layout.shard_range()[0] + item.lo}
+        self._kernel.rule_step(rule, param, item.grad, states, param_lowp=lowp,
+                               num_threads=self._threads, **rounding, **item.kwargs)
         t1 = time.perf_counter()
         self._phases["kernel"] += t1 - t
         if item.mode == "copy":

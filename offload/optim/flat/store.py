@@ -24,6 +24,20 @@ Stage 1 vs 2: both keep 1/N of the fp32 states and of the host grad buffer per r
 differ in the collective (all-reduce vs reduce-scatter). ``p.grad`` itself stays full on
 every rank ([Note: what p.grad holds] in ``grads.py``); freeing it after the reduction is
 not done.
+
+[Note: compressed states in the flat store] The store's rule (the optimizer's
+``_store_rule``) says how each state is stored: fp32, bf16, or packed int8 blocks. The
+buffers hold that storage, a blocked field makes the layout block-aligned ([Note:
+block-aligned flat layout] in offload/zero/partition.py) and every cut of a state (shards,
+buckets, sub-groups) falls on a block boundary. A step of group ``k`` rounds with
+``quant.rounding_seed(step, k)`` at ``element_offset`` = the item's index in the whole flat
+group, so an element's random bits do not depend on the number of ranks.
+
+[Note: bf16 master] ``master_dtype="bfloat16"`` with bf16 params: the group keeps no fp32
+master. The bf16 flat param values are the master and the kernel steps them in place,
+rounding stochastically (stream 0): the param itself (CPU, one rank), the pinned staging
+buffer that then goes to the device (CUDA, one rank), or this rank's bf16 shard that is then
+all-gathered (several ranks). 2 bytes per param plus the states, instead of 4 + 2 + states.
 """
 from __future__ import annotations
 
@@ -36,6 +50,7 @@ import torch
 
 from offload.kernels import get_backend
 from offload.kernels.fields import ADAM, Rule
+from offload.kernels.quant import BLOCK
 from offload.memory import BufferPool
 from offload.optim.context import StepContext
 from offload.optim.flat import checkpoints, load_hooks, swapped
@@ -79,12 +94,16 @@ class FlatState:
 
     def __init__(self, param_groups: List[Dict[str, Any]], *, config: Any, ctx: StepContext, stage: int,
                  backend: Optional[str] = None, num_threads: Optional[int] = None, process_group: Any = None,
-                 reduce_in_backward: Optional[bool] = None, rule: Rule = ADAM) -> None:
+                 reduce_in_backward: Optional[bool] = None, rule: Rule = ADAM,
+                 master_dtype: Optional[str] = None) -> None:
         """``param_groups``: torch's param groups (only their "params" are read); ``config``:
         the optimizer's OffloadConfig; ``ctx``: its step context; ``rule``: the kernel rule
-        whose fields every flat group keeps beside the master."""
+        whose fields every flat group keeps beside the master (stored as its fields say:
+        [Note: compressed states in the flat store]); ``master_dtype="bfloat16"``: bf16
+        params are their own master ([Note: bf16 master])."""
         self.ctx = ctx
         self.rule = rule
+        self.master_lowp = master_dtype == "bfloat16"
         self.stage = stage
         self.group = process_group
         world, rank = comm.world_and_rank(process_group) if stage > 0 else (1, 0)
@@ -96,6 +115,8 @@ class FlatState:
         # only when the user asked for a sub_group_size.
         self._sub_user = config.sub_group_size
         self._sub = config.sub_group_size or self.default_sub_group
+        if any(f.blocked for f in rule.fields):  # sub-groups cut states at whole blocks
+            self._sub = -(-self._sub // BLOCK) * BLOCK
         self._comm_dev = comm.comm_device(process_group) if world > 1 else torch.device("cpu")
         self._pools = (BufferPool(pin=False, name=f"flat-state:{id(self):x}"),
                        BufferPool(name=f"flat-state-pinned:{id(self):x}"))  # pinned when CUDA is present
@@ -157,7 +178,7 @@ class FlatState:
             fg = FlatGroup(members, world=self.world, rank=self.rank, pools=self._pools,
                            comm_dev=self._comm_dev, bucket_numel=self.bucket_numel,
                            need_host_grad=hook_path, stage_cpu=self.stage_cpu_params, swapped=self._nvme,
-                           rule=self.rule)
+                           rule=self.rule, master_lowp=self.master_lowp)
             self._groups.append(fg)
             for i, p in enumerate(members):
                 self._where[p] = (fg, i)
@@ -223,7 +244,10 @@ class FlatState:
 
     # ------------------------------------------------------------------ state_dict (load_hooks)
     def master(self, p: torch.Tensor) -> torch.Tensor:
-        """The full fp32 master of ``p`` (gathered across ranks: call on every rank)."""
+        """The full fp32 master of ``p`` (gathered across ranks: call on every rank); with a
+        bf16 master ([Note: bf16 master]) the param's own values."""
+        if self._where[p][0].master_lowp:
+            return p.detach().float().clone()
         return load_hooks.gather_full(self, p, ("master",))["master"]
 
     def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,106 @@
+"""The planner's view of how the states are stored: ``state_dtype`` and ``master_dtype``.
+
+The bytes come from the typed fields (offload/kernels/fields.py: bf16 2 B per element, int8
+260 B per block of 256), the flat layout from the engine's own ``FlatLayout``: with int8
+states the flat store starts every param on a block and cuts shards at whole blocks ([Note:
+block-aligned flat layout] in offload/zero/partition.py), which a plan counts exactly when it
+is given the module (each param's size), and else as one param.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from offload.kernels.fields import ADAM, STATE_DTYPES, Rule
+from offload.kernels.quant import BLOCK
+from offload.zero.partition import FlatLayout
+
+from .inputs import dtype_name
+
+__all__ = ["StatesLayout", "check_compression", "param_numels", "state_fields", "state_notes"]
+
+
+class StatesLayout:
+    """Mixin of the planner's setup: what follows from ``state_dtype`` / ``master_dtype``
+    (fields ``n``, ``ranks``, ``in_place``, ``numels``, ``state_dtype``, ``master_dtype``)."""
+
+    @property
+    def rule(self) -> Rule:
+        """Adam with its states stored as ``state_dtype`` says (the fields' bytes)."""
+        return ADAM.with_state_dtype(self.state_dtype)
+
+    @property
+    def master_lowp(self) -> bool:
+        """bf16 params that are their own master (the flat store keeps no fp32 master)."""
+        return self.master_dtype == "bfloat16" and not self.in_place
+
+    @property
+    def align(self) -> int:
+        """Where the flat store starts each param and cuts shards (1: anywhere)."""
+        return BLOCK if not self.in_place and any(f.blocked for f in self.rule.fields) else 1
+
+    @property
+    def layout(self) -> FlatLayout:
+        return FlatLayout(self.numels or (self.n,), self.ranks, 0, self.align)
+
+    @property
+    def shard(self) -> int:
+        """This rank's elements of the flat buffers (padded to the world size; with int8
+        states to whole blocks per param and per shard)."""
+        if self.align > 1:
+            return self.layout.shard if self.n else 0
+        return -(-self.n // self.ranks) if self.n else 0
+
+    @property
+    def flat_total(self) -> int:
+        """Elements of the flat range (the params and the padding between them)."""
+        return self.n if self.align == 1 else self.layout.total
+
+
+def state_fields(s: Any):
+    """The typed states kept per element: the fp32 master unless the params are their own
+    master (the in-place store, or bf16 params with ``master_dtype="bfloat16"``), then the
+    rule's (Adam's moments, stored as ``state_dtype`` says)."""
+    return s.rule.with_master() if s.separate_master else s.rule.fields
+
+
+def check_compression(state_dtype: Any, master_dtype: Any, pdt: torch.dtype) -> None:
+    """As the optimizers check them (offload/optim/options.py), and a bf16 master needs bf16 params."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {list(STATE_DTYPES)}, got {state_dtype!r}")
+    if master_dtype not in (None, "float32", "bfloat16"):
+        raise ValueError(f"master_dtype must be None, 'float32' or 'bfloat16', got {master_dtype!r}")
+    if master_dtype == "bfloat16" and pdt != torch.bfloat16:
+        raise ValueError(f"master_dtype='bfloat16' needs bfloat16 params (the param is its own master), "
+                         f"got param_dtype {dtype_name(pdt)}")
+
+
+def param_numels(module: Optional[torch.nn.Module]) -> Optional[Tuple[int, ...]]:
+    """Each trainable param's elements, tied ones once (as ``count_params``), or None."""
+    if module is None:
+        return None
+    seen, out = set(), []
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p.numel())
+    return tuple(out)
+
+
+def state_notes(s: Any) -> List[str]:
+    """What a plan with compressed states or a bf16 master should say about its counts."""
+    notes = []
+    if s.in_place and s.state_dtype != "float32":
+        notes.append(f"{s.state_dtype} states in the host store: counted for all params; the host store "
+                     "may keep small params' states in float32")
+    if s.align > 1 and s.numels is None:
+        notes.append("int8 states in the flat store start each param on a block of 256 elements: up to "
+                     "255 elements more per param, counted only when a module is given")
+    if s.master_lowp:
+        notes.append("master_dtype='bfloat16': the bf16 params are their own master (no fp32 copy)")
+    if s.offload == "nvme" and (s.state_dtype != "float32" or s.master_lowp):
+        notes.append(f"offload='nvme' with {s.state_dtype} states: the swap files and pipeline buffers are "
+                     "counted as for float32 states (an upper bound; the swap layer's compressed layout "
+                     "is not modelled here)")
+    return notes
