@@ -15,6 +15,16 @@ store streamed out as it is. Host memory holds only the pipeline buffers (bounde
 ``max_host_bytes``) plus what the params need anyway (grads, the low-precision copy on its
 way out).
 
+[Note: rounding in the swapped store] With compressed states (bf16, packed int8 blocks) or a
+bf16 param that is its own master, each kernel call rounds stochastically from a seed and
+the index of its first element ([Note: stochastic rounding to bfloat16] in kernels/quant.py).
+A work item may bring ``rounding_seed`` and ``element_offset`` (of its first element) in its
+kwargs (the stores that know which element space the bits must not depend on: the flat
+store's whole flat group, SwappedState's param); else the seed is
+``quant.rounding_seed(step, shard index)`` and the offset the item's in its shard. A
+sub-group that cuts an item steps its part with the offset moved by as much, so the bits do
+not depend on the sub-group size or on max_host_bytes.
+
 [Note: outputs] The master is ours, not the user's: after the kernel updates a sub-group of
 it, the new values must reach the param. Each work item names an ``out`` tensor and how to
 fill it: ``"lowp"``, the kernel writes the fp16/bf16 copy (RNE) in the same pass (the param
@@ -35,6 +45,8 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 
 from offload.kernels.fields import ADAM, MASTER, Rule, StateField, field_names
+from offload.kernels.quant import BLOCK, rounding_seed
+from offload.optim.swapped_ranges import compressed, read_values, storage_slice, write_values
 from offload.optim.stats import swap_phases
 from offload.optim.step_guard import mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
@@ -119,7 +131,7 @@ class SwappedShards:
                  rank: int = 0, run_name: str = "flat", vote: Optional[Vote] = None,
                  fields: Sequence[StateField] = SHARD_FIELDS, summary: Optional[str] = None,
                  check_resume: Optional[Callable[[Dict[str, Any], SwapStore], None]] = None, pool: Any = None,
-                 rule: Rule = ADAM) -> None:
+                 rule: Rule = ADAM, stochastic_states: bool = False) -> None:
         from offload.kernels import get_backend
 
         self._kernel = get_backend(backend)
@@ -132,10 +144,18 @@ class SwappedShards:
         if tuple(f for f in self.fields if f != MASTER) != rule.fields:
             raise ValueError(f"fields {self.names} do not hold rule {rule.name!r}'s states {rule.names}")
         self.rule = rule
+        self.stochastic_states = bool(stochastic_states)
+        # a step rounds (passes a seed and an offset) with compressed states or a bf16 param
+        self.rounds = any(compressed(f) for f in rule.fields)
         self.sizes = [int(n) for n in sizes]
         self.base: List[int] = []
+        # [Note: blocks in the swap space] packed int8 fields are cut at block boundaries only:
+        # each shard starts on one (its last block padded), so every range a kernel steps,
+        # from a shard's start, covers whole blocks. fp32/bf16 layouts stay end to end.
+        unit = BLOCK if any(f.blocked for f in self.fields) else 1
         total = 0
         for n in self.sizes:
+            total = -(-total // unit) * unit
             self.base.append(total)
             total += n
         if total == 0:
@@ -147,7 +167,7 @@ class SwappedShards:
         self.computed: List[int] = []  # the sub-groups whose kernel ran in the last step, in order
         self.pipeline: Optional[SwapPipeline] = None
         summary = summary or f"{total} elements in {len(self.sizes)} flat groups of rank {rank}"
-        self.store, nbuf = open_store(swap_dir, total, self.names, identity=make_identity(self.identity, summary),
+        self.store, nbuf = open_store(swap_dir, total, self.fields, identity=make_identity(self.identity, summary),
                                       max_host_bytes=max_host_bytes, sub_group_size=sub_group_size,
                                       run_name=run_name, rank=rank, verify=verify, resume=resume, io_engine=io_engine)
         self.layout = self.store.layout  # on resume: the manifest's sub_group_size ([Note: layout on resume])
@@ -256,20 +276,22 @@ class SwappedShards:
 
     # ------------------------------------------------------------------ ranges
     def read(self, k: int, lo: int, hi: int, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
-        """New tensors (of each field's dtype) with the committed ``names`` (default: every
-        field) of shard ``k``'s [lo, hi)."""
+        """New tensors with the committed ``names`` (default: every field) of shard ``k``'s
+        [lo, hi): of each field's dtype, float32 (decoded) for a compressed field."""
         names = self.names if names is None else tuple(names)
         idx = [self._field(n) for n in names]
-        out = {n: torch.empty(hi - lo, dtype=self.fields[j].dtype) for n, j in zip(names, idx)}
+        out = {n: torch.empty(hi - lo, dtype=torch.float32 if compressed(self.fields[j]) else self.fields[j].dtype)
+               for n, j in zip(names, idx)}
         start = self.base[k] + lo
         for g, s, e, a, b in self._spans(k, lo, hi):
             tensors = self._cache.load(g, self._meta)
             for n, j in zip(names, idx):
-                out[n][a - start:b - start].copy_(tensors[j][a - s:b - s])
+                out[n][a - start:b - start].copy_(read_values(self.fields[j], tensors[j], a - s, b - s, e - s))
         return out
 
     def write(self, k: int, lo: int, hi: int, values: Dict[str, torch.Tensor]) -> None:
-        """Set ``values`` (state name -> hi - lo elements) of shard ``k``'s [lo, hi); kept in the
+        """Set ``values`` (state name -> hi - lo elements; float32 values of a compressed field
+        are encoded, see swapped_ranges.py) of shard ``k``'s [lo, hi); kept in the
         cache until :meth:`flush` (or the next step, or another sub-group) commits them."""
         idx = {n: self._field(n) for n in values}
         for n, t in values.items():
@@ -279,7 +301,8 @@ class SwappedShards:
         for g, s, e, a, b in self._spans(k, lo, hi):
             tensors = self._cache.load(g, self._meta)
             for n, t in values.items():
-                tensors[idx[n]][a - s:b - s].copy_(t.detach().reshape(-1)[a - start:b - start])
+                write_values(self.fields[idx[n]], tensors[idx[n]], a - s, b - s, e - s,
+                             t.detach().reshape(-1)[a - start:b - start])
             self._cache.mark_dirty()
 
     @contextlib.contextmanager
@@ -364,7 +387,8 @@ class SwappedShards:
         kernel, threads, computed = self._kernel, self._threads, self.computed
         jm = self._field(MASTER.name) if self.has_master else -1
         rule = self.rule
-        states = [(name, self._field(name)) for name in rule.names]
+        states = [(name, self._field(name), self.fields[self._field(name)]) for name in rule.names]
+        rounding = self._rounding
 
         def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
             computed.append(g)  # before the kernel: an exception inside it may have changed params
@@ -373,12 +397,27 @@ class SwappedShards:
                 x, y = slice(a - s, b - s), slice(a - start, b - start)
                 master = out[y] if mode == "master" else tensors[jm][x]
                 lowp = out[y] if (out is not None and mode == "lowp") else None
-                kernel.rule_step(rule, master, grad[y], {name: tensors[j][x] for name, j in states},
-                                 param_lowp=lowp, num_threads=threads, **kw)
+                views = {name: storage_slice(f, tensors[j], a - s, b - s) for name, j, f in states}
+                kernel.rule_step(rule, master, grad[y], views, param_lowp=lowp, num_threads=threads,
+                                 **rounding(it, a - start, kw))
                 if out is not None and mode == "copy":
                     out[y].copy_(master)
 
         return compute
+
+    def _rounding(self, it: WorkItem, skip: int, kw: Dict[str, Any]) -> Dict[str, Any]:
+        """The kernel's keywords for the part of ``it`` from its element ``skip`` on: with
+        compressed states or a bf16 master, the rounding streams of [Note: rounding in the
+        swapped store]."""
+        if not (self.rounds or (it.mode == "master" and it.out.dtype == torch.bfloat16)):
+            return kw  # fp32 states and master: the kernel's float32 path, no rounding streams
+        kw = dict(kw)
+        seed = kw.pop("rounding_seed", None)
+        offset = kw.pop("element_offset", None)
+        kw["rounding_seed"] = rounding_seed(kw["step"], it.shard) if seed is None else seed
+        kw["element_offset"] = (it.lo if offset is None else offset) + skip
+        kw.setdefault("stochastic_states", self.stochastic_states)
+        return kw
 
     def _restored(self, exc: SwapStepError, items: Sequence[WorkItem]) -> BaseException:
         """After a failed step: the outputs of the sub-groups already computed rewritten from

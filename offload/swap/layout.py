@@ -18,6 +18,7 @@ states in index order, see checkpoint.py) are written in aligned pieces too.
 """
 from __future__ import annotations
 
+import math
 from typing import List, Sequence, Tuple, Union
 
 from offload.kernels.fields import StateField
@@ -57,8 +58,12 @@ def as_fields(states: States) -> Tuple[StateField, ...]:
 
 
 def elems_per_page(fields: Sequence[StateField]) -> int:
-    """Elements per 4 KiB page of the narrowest of ``fields``: the unit of ``sub_group_size``."""
-    return ALIGN // min(f.itemsize for f in fields)
+    """The unit of ``sub_group_size``: the fewest elements that are whole 4 KiB pages of every
+    one of ``fields`` (``lcm`` of their ``align_elems``). 1024 for fp32 states, 2048 with a bf16
+    one (as before typed fields: a page of the narrowest state), 262144 with a packed int8
+    field (1024 blocks of 260 bytes): a sub-group then starts every field's bytes on a page,
+    which O_DIRECT needs, and is cut at block boundaries."""
+    return math.lcm(*(f.align_elems(ALIGN) for f in fields))
 
 
 class SwapLayout:
@@ -120,7 +125,7 @@ class SwapLayout:
 
     def padded_bytes(self, k: int, length: int) -> int:
         """Bytes state ``k`` of ``length`` elements takes in a region (padded to 4096)."""
-        return round_up(length * self.fields[k].itemsize, ALIGN)
+        return round_up(self.fields[k].nbytes(length), ALIGN)
 
     def region_bytes_for(self, length: int) -> int:
         return sum(self.padded_bytes(k, length) for k in range(self.nstates))
@@ -137,7 +142,8 @@ class SwapLayout:
 
     def state_bytes_for(self, length: int) -> int:
         """Padded bytes of one state of ``length`` elements, for layouts of one element type."""
-        return round_up(length * self.itemsize, ALIGN)
+        self.itemsize  # refuses layouts of several element sizes
+        return round_up(self.fields[0].nbytes(length), ALIGN)
 
     def state_bytes(self, g: int) -> int:
         """Padded bytes of one state of sub-group ``g`` (the stride between its states), for
