@@ -128,3 +128,58 @@ def test_write_state_round_trip_and_zero_init(tmp_path):
     assert torch.equal(v, decode_state(rule.fields[1], encode_blocks(vals.abs(), False), 300))
     assert st.step_of(params[1]) == 4 and not st.read_state(params[2])[0].any()
     st.close()
+
+
+# ---------------------------------------------------------------------------- the flat store's shards
+def _shard_reference(kernel, rule, masters, states, grads, lowps, step, hyper, stochastic):
+    """One kernel call per shard over all of it: the scheme over the shard's flat blocks."""
+    for k, (m, g) in enumerate(zip(masters, grads)):
+        kernel.rule_step(rule, m, g, states[k], step=step, param_lowp=lowps[k] if lowps else None,
+                         rounding_seed=rounding_seed(step, k), element_offset=0, stochastic_states=stochastic,
+                         **dict(hyper, grad_scale=1.0))
+
+
+@pytest.mark.parametrize("dtype,master,cuts,stochastic", [
+    ("int8", "float32", "params", False),     # ranges across blocks: decoded, stepped, encoded once
+    ("int8", "float32", "whole", False),      # whole shards: the fused kernel on whole blocks
+    ("int8", "bfloat16", "params", False),    # master_dtype="bfloat16": the bf16 shard is its own master
+    ("bfloat16", "float32", "params", True),
+    ("bfloat16", "bfloat16", "whole", True),
+])
+def test_shards_equal_one_call_per_shard(tmp_path, dtype, master, cuts, stochastic):
+    from offload.optim.swapped_shards import SwappedShards, WorkItem
+
+    kernel = get_backend(os.environ.get("OFFLOAD_BACKEND", "torch"))
+    rule = ADAM.with_state_dtype(dtype)
+    sizes = [BIG + 1000, 4097]  # shard 1 starts on a block in swap space whatever shard 0's size
+    cut = {0: [0, 7, 307, 4000, BIG + 1000], 1: [0, 17, 4097]} if cuts == "params" else \
+        {0: [0, BIG + 1000], 1: [0, 4097]}
+    torch.manual_seed(1)
+    p16 = [torch.randn(n).bfloat16() for n in sizes]
+    fields = rule.with_master() if master == "float32" else rule.fields
+    ref_p = [p.clone() for p in p16]
+    ref_m = [p.float() for p in p16] if master == "float32" else ref_p
+    ref_s = [_zeros(rule, n) for n in sizes]
+    sh = SwappedShards(sizes, swap_dir=str(tmp_path), identity={"t": 1}, extra=dict, fields=fields, rule=rule,
+                       sub_group_size=BIG, max_host_bytes=None, verify=True, backend=kernel.name,
+                       stochastic_states=stochastic)
+    sh.initialise(lambda k, lo, hi, out: out.copy_(p16[k][lo:hi]))
+    hyper = dict(HYPER["adam"])
+    for step in range(1, 4):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        items = [WorkItem(k, lo, hi, grads[k][lo:hi], dict(hyper, step=step, grad_scale=1.0), p16[k][lo:hi],
+                          "lowp" if master == "float32" else "master")
+                 for k, c in cut.items() for lo, hi in zip(c, c[1:])]
+        sh.step(items)
+        _shard_reference(kernel, rule, ref_m, ref_s, grads, ref_p if master == "float32" else None, step,
+                         hyper, stochastic)
+    assert sh.layout.num_groups == 2
+    for k, n in enumerate(sizes):
+        assert torch.equal(p16[k], ref_p[k]), f"params of shard {k}"
+        got = sh.read(k, 0, n)
+        for f in rule.fields:
+            assert torch.equal(got[f.name], decode_state(f, ref_s[k][f.name], n)), f"{f.name} of shard {k}"
+        if master == "float32":
+            assert torch.equal(got["master"], ref_m[k])
+    sh.close()

@@ -15,16 +15,6 @@ store streamed out as it is. Host memory holds only the pipeline buffers (bounde
 ``max_host_bytes``) plus what the params need anyway (grads, the low-precision copy on its
 way out).
 
-[Note: rounding in the swapped store] With compressed states (bf16, packed int8 blocks) or a
-bf16 param that is its own master, each kernel call rounds stochastically from a seed and
-the index of its first element ([Note: stochastic rounding to bfloat16] in kernels/quant.py).
-A work item may bring ``rounding_seed`` and ``element_offset`` (of its first element) in its
-kwargs (the stores that know which element space the bits must not depend on: the flat
-store's whole flat group, SwappedState's param); else the seed is
-``quant.rounding_seed(step, shard index)`` and the offset the item's in its shard. A
-sub-group that cuts an item steps its part with the offset moved by as much, so the bits do
-not depend on the sub-group size or on max_host_bytes.
-
 [Note: outputs] The master is ours, not the user's: after the kernel updates a sub-group of
 it, the new values must reach the param. Each work item names an ``out`` tensor and how to
 fill it: ``"lowp"``, the kernel writes the fp16/bf16 copy (RNE) in the same pass (the param
@@ -45,8 +35,9 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 
 from offload.kernels.fields import ADAM, MASTER, Rule, StateField, field_names
-from offload.kernels.quant import BLOCK, rounding_seed
-from offload.optim.swapped_ranges import compressed, read_values, storage_slice, write_values
+from offload.kernels.quant import BLOCK
+from offload.optim.swapped_ranges import (DecodedBlocks, compressed, read_values, rounding_kwargs, storage_slice,
+                                          whole_blocks, write_values)
 from offload.optim.stats import swap_phases
 from offload.optim.step_guard import mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
@@ -392,32 +383,41 @@ class SwappedShards:
 
         def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
             computed.append(g)  # before the kernel: an exception inside it may have changed params
+            dense = self._decoded(by_group[g], s, e, tensors)  # ranges across blocks: [Note: steps across blocks]
+            step_rule = rule if dense is None else rule.base
             for a, b, start, it in by_group[g]:
                 grad, kw, out, mode = it.grad, it.kwargs, it.out, it.mode
                 x, y = slice(a - s, b - s), slice(a - start, b - start)
                 master = out[y] if mode == "master" else tensors[jm][x]
                 lowp = out[y] if (out is not None and mode == "lowp") else None
-                views = {name: storage_slice(f, tensors[j], a - s, b - s) for name, j, f in states}
-                kernel.rule_step(rule, master, grad[y], views, param_lowp=lowp, num_threads=threads,
+                views = {name: storage_slice(f, tensors[j], a - s, b - s) if dense is None
+                         else dense.view(j, a - s, b - s) for name, j, f in states}
+                kernel.rule_step(step_rule, master, grad[y], views, param_lowp=lowp, num_threads=threads,
                                  **rounding(it, a - start, kw))
                 if out is not None and mode == "copy":
                     out[y].copy_(master)
+            if dense is not None:
+                dense.store()
 
         return compute
 
+    def _decoded(self, pieces, s: int, e: int, tensors: List[torch.Tensor]) -> Optional[DecodedBlocks]:
+        """The sub-group's blocked states decoded, when some range of it does not cover whole
+        blocks (the rule's fields are all blocked or none: Rule.with_state_dtype); else None."""
+        if not self.rule.fields or not self.rule.fields[0].blocked:
+            return None
+        ends = {self.base[k] + n for k, n in enumerate(self.sizes)}
+        if all(whole_blocks(a - s, b - s, e - s, b in ends) for a, b, _, _ in pieces):
+            return None
+        return DecodedBlocks({j: self.fields[j] for j in range(len(self.fields)) if self.fields[j].blocked},
+                             tensors, e - s)
+
     def _rounding(self, it: WorkItem, skip: int, kw: Dict[str, Any]) -> Dict[str, Any]:
-        """The kernel's keywords for the part of ``it`` from its element ``skip`` on: with
-        compressed states or a bf16 master, the rounding streams of [Note: rounding in the
-        swapped store]."""
+        """The kernel's keywords for ``it`` from its element ``skip`` on ([Note: rounding in
+        the swapped store] in swapped_ranges.py)."""
         if not (self.rounds or (it.mode == "master" and it.out.dtype == torch.bfloat16)):
             return kw  # fp32 states and master: the kernel's float32 path, no rounding streams
-        kw = dict(kw)
-        seed = kw.pop("rounding_seed", None)
-        offset = kw.pop("element_offset", None)
-        kw["rounding_seed"] = rounding_seed(kw["step"], it.shard) if seed is None else seed
-        kw["element_offset"] = (it.lo if offset is None else offset) + skip
-        kw.setdefault("stochastic_states", self.stochastic_states)
-        return kw
+        return rounding_kwargs(kw, it.shard, it.lo + skip, skip, self.stochastic_states)
 
     def _restored(self, exc: SwapStepError, items: Sequence[WorkItem]) -> BaseException:
         """After a failed step: the outputs of the sub-groups already computed rewritten from
