@@ -183,3 +183,38 @@ def test_shards_equal_one_call_per_shard(tmp_path, dtype, master, cuts, stochast
         if master == "float32":
             assert torch.equal(got["master"], ref_m[k])
     sh.close()
+
+
+@pytest.mark.parametrize("state_dtype", ["int8", "bfloat16"])
+def test_state_dict_both_ways_with_torch(tmp_path, state_dtype):
+    import offload
+
+    torch.manual_seed(3)
+    ref = [torch.nn.Parameter(torch.randn(n)) for n in (7, 4097, 1000)]
+    topt = torch.optim.AdamW(ref, lr=1e-2)
+    for _ in range(2):
+        for p in ref:
+            p.grad = torch.randn_like(p)
+        topt.step()
+    sd = topt.state_dict()
+    params = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt = offload.AdamW(params, lr=1e-2, offload="nvme", swap_dir=str(tmp_path), state_dtype=state_dtype)
+    opt.load_state_dict(sd)  # quantized on the way in
+    out = opt.state_dict()
+    rule = ADAM.with_state_dtype(state_dtype)
+    for i, p in enumerate(params):
+        for f in rule.fields:
+            want = sd["state"][i][f.name].reshape(-1)
+            want = decode_state(f, encode_blocks(want, f.signed), p.numel()) if f.blocked else want.bfloat16().float()
+            got = out["state"][i][f.name]
+            assert got.dtype == torch.float32 and got.shape == p.shape and torch.equal(got.reshape(-1), want)
+        assert int(out["state"][i]["step"]) == 2
+    back = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ref], lr=1e-2)
+    back.load_state_dict(out)  # torch's own layout: loads into torch as it is
+    kept = {i: {k: v.clone() for k, v in s.items()} for i, s in out["state"].items()}
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for i in kept:  # the dict handed out does not change when the optimizer steps
+        assert all(torch.equal(kept[i][k], out["state"][i][k]) for k in kept[i])
+    opt.close()

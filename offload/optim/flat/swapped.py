@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from offload.optim.swapped_shards import WorkItem
     from offload.optim.flat.store import FlatState
 
-__all__ = ["open_swap", "params_from_swap", "SwapBacking"]
+__all__ = ["open_swap", "params_from_swap", "SwapBacking", "swap_fields"]
 
 
 def open_swap(st: "FlatState", cfg: Any) -> None:
@@ -50,7 +50,7 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
                                  max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
                                  verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
                                  backend=st._backend, num_threads=st._threads, rank=st.rank,
-                                 run_name="flat", vote=st._swap_vote, fields=_swap_fields(st),
+                                 run_name="flat", vote=st._swap_vote, fields=swap_fields(st),
                                  rule=st.rule, stochastic_states=getattr(st, "stochastic_states", False))
         if st._swap.resumed:  # resume="auto" chose, "discard" never resumes ([Note: restarts] in swap/runs)
             # The master of the last finished step is the truth: steps and params follow it.
@@ -71,9 +71,10 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
         raise
 
 
-def _swap_fields(st: "FlatState") -> Any:
-    """What the swap files keep per element: the flat groups' fields (the master and the
-    rule's states; without a master when the bf16 params are their own, master_dtype="bfloat16")."""
+def swap_fields(st: "FlatState") -> Any:
+    """What the flat groups keep per element, in host buffers or swap files and checkpoints:
+    the master and the rule's states (no master when bf16 params are their own,
+    master_dtype="bfloat16": the flat groups say)."""
     return st._groups[0].fields if st._groups else st.rule.with_master()
 
 
