@@ -11,10 +11,13 @@ offset, length and (with pool buffers) address::
     region g:   | state 0 of g | pad | state 1 of g | pad |
 
 A pipeline buffer holds exactly one region, laid out the same way, so one read and one
-write per sub-group move all of its states. ``sub_group_size`` is a whole number of pages of
-the narrowest state (1024 elements when every state is fp32, 2048 with a bf16 one): then
-every full sub-group of every state is whole pages, and a checkpoint's flat files (the
-states in index order, see checkpoint.py) are written in aligned pieces too.
+write per sub-group move all of its states. ``sub_group_size`` is a multiple of
+``elems_per_page(fields)``, the fewest elements that are whole pages of every state (1024
+when every state is fp32, 2048 with a bf16 one, 262144 with a packed int8 one: 1024 blocks
+of 260 bytes): then every full sub-group of every state is whole pages, cut at block
+boundaries, and a checkpoint's flat files (the states in index order, see checkpoint.py)
+are written in aligned pieces too. A state's bytes in a region are ``field.nbytes(length)``
+(packed blocks included); the last sub-group ends where the states end, padded on disk.
 """
 from __future__ import annotations
 

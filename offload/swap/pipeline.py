@@ -48,10 +48,12 @@ def plan_sub_groups(numel: int, nstates: Union[int, Sequence[Union[str, StateFie
     """(sub_group_size, buffers) for ``numel`` elements of the states ``nstates`` (a count of
     fp32 states, or their names or typed fields) within ``max_host_bytes`` of pipeline buffers.
 
-    A given ``sub_group_size`` is rounded up to whole 4 KiB pages of the narrowest state
-    (1024 elements of fp32) so every transfer is O_DIRECT-aligned. Without one, sub-groups
-    are sized for 4 buffers within the bound, and no larger than needed for ~16 sub-groups
-    (a shorter pipeline fill/drain), but not under 256 Ki elements.
+    A given ``sub_group_size`` is rounded up to a multiple of ``elems_per_page(fields)``
+    (1024 elements of fp32, 262144 with a packed int8 field) so every transfer is
+    O_DIRECT-aligned. Without one, sub-groups are sized for 4 buffers within the bound (the
+    fields' bytes, packed blocks included: int8 states fit ~4x the elements of fp32), and no
+    larger than needed for ~16 sub-groups (a shorter pipeline fill/drain), but not under 256
+    Ki elements.
     """
     fields = as_fields(nstates)
     bound = DEFAULT_MAX_HOST_BYTES if max_host_bytes is None else int(max_host_bytes)

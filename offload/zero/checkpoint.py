@@ -29,6 +29,7 @@ import torch
 
 from offload.io import open_file
 from offload.kernels.fields import ADAM, StateField, field_names
+from offload.kernels.quant import BLOCK
 from offload.swap.checkpoint import (stream_groups, load_store, load_tensors, read_manifest, save_store, save_tensors,
                                      verify_checkpoint)
 from offload.swap.ckpt_dir import CKPT_MANIFEST, DirLock
@@ -227,6 +228,23 @@ def save_shards_from_store(directory: str, store: Any, buffers: List[Any], *, la
                         full_meta, directory, world, process_group, before)
 
 
+def _bases(layouts: Sequence[FlatLayout], fields: Sequence[StateField], directory: str) -> List[int]:
+    """Where each group's shard starts in a rank's element space (its files, its swap store),
+    and the end: end to end; on whole blocks with packed int8 fields ([Note: blocks in the
+    swap space] in optim/swapped_shards.py), which reshard N -> M as they are only when every
+    shard is whole blocks (so that no block straddles two ranks)."""
+    unit = BLOCK if any(f.blocked for f in fields) else 1
+    if unit > 1 and any(lay.shard % unit for lay in layouts if lay.shard):
+        raise ValueError(f"{directory}: states in blocks of {unit} move to another world size only with shards of "
+                         f"whole blocks; these shards have {[lay.shard for lay in layouts]} elements")
+    out, total = [], 0
+    for lay in layouts:
+        total = -(-total // unit) * unit
+        out.append(total)
+        total += lay.shard
+    return out + [total]
+
+
 @contextlib.contextmanager
 def reading_shards(directory: str) -> Iterator[None]:
     """The shared lock of every rank directory of checkpoint ``directory`` for the whole of
@@ -256,12 +274,7 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
         return first, written
     names = list(field_names(fields))
     olds = _old_layouts(mine, old_world)
-    old_base = [0]
-    for lay in olds[0]:
-        old_base.append(old_base[-1] + lay.shard)
-    new_base = [0]
-    for lay in layouts:
-        new_base.append(new_base[-1] + lay.shard)
+    old_base, new_base = _bases(olds[0], fields, directory), _bases(layouts, fields, directory)
     need = _needed(layouts, olds)
     files: Dict[Tuple[int, str], Any] = {}
     engine, layout = store.engine, store.layout
