@@ -171,8 +171,11 @@ def _check_fits(m: Dict[str, Any], directory: str, layout: Any, names: List[str]
 
 
 def _say(fields: Dict[str, StateField]) -> str:
-    return ", ".join(f"{k} ({f.dtype_name}{' in blocks of %d' % f.block if f.block else ''})"
-                     for k, f in fields.items())
+    return ", ".join(f"{k} ({_kind(f)})" for k, f in fields.items())
+
+
+def _kind(f: StateField) -> str:
+    return f"{f.dtype_name} in blocks of {f.block}" if f.block else f.dtype_name
 
 
 def _load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[str, Any], Dict[int, Any]]:
@@ -410,8 +413,8 @@ def _load_tensors(directory: str, states: Dict[str, List[Any]], *, io_engine: An
     types, mine = manifest_fields(m), _fields_for(names, states, fields)
     for k in names:
         if mine[k] != types.get(k):
-            raise ValueError(f"{directory}: checkpoint holds {_say({k: types[k]})}, the tensors are "
-                             f"{_say({k: mine[k]})}")
+            raise ValueError(f"{directory}: checkpoint holds {k} as {_kind(types[k])}, the tensors are "
+                             f"{_kind(mine[k])}")
         n = sum(t.numel() for t in states[k])
         if n != mine[k].storage_numel(m["numel"]):
             raise ValueError(f"{directory}: checkpoint has {m['numel']} elements per state "
