@@ -214,3 +214,36 @@ def test_reshard_world_2_to_1_and_back_bit_for_bit(tmp_path, numels):
             got = sh.read(k, 0, lay.shard)
             assert all(torch.equal(got[n], per_rank[r][k][n]) for n in got), (r, k)
         sh.close()
+
+
+def test_stage0_format_is_per_param_packed_tensors_end_to_end(tmp_path):
+    """SwappedState's int8 checkpoint holds each param's packed blocks one after the other: the
+    bytes a host store of per-param packed tensors saves (ckpt_states.save_states(fields=)),
+    so such a checkpoint moves between the two as it is, both ways."""
+    from offload.kernels.compressed_ref import decode_state
+    from offload.kernels.fields import ADAM
+    from offload.zero.ckpt_states import load_states, save_states, stage0_numel
+
+    rule = ADAM.with_state_dtype("int8")
+    params = _params()
+    opt = _opt(params, tmp_path / "a", "int8")
+    _steps(opt, params, 0, 2)
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    numels = [p.numel() for p in params]
+    scratch = {f.name: [torch.empty(f.storage_numel(n), dtype=torch.uint8) for n in numels] for f in rule.fields}
+    meta = load_states(str(tmp_path / "ck"), numels, scratch, rule.fields)
+    assert meta["steps"] == [2, 2, 2] and stage0_numel(numels, rule.fields) == 256 + 4352 + BIG + 3
+    sd = opt.state_dict()["state"]
+    for f in rule.fields:
+        for i, n in enumerate(numels):
+            assert torch.equal(decode_state(f, scratch[f.name][i], n), sd[i][f.name].reshape(-1))
+    # back: per-param packed tensors (changed) saved by the host format, loaded by SwappedState
+    for t in scratch["exp_avg"]:
+        t.view(-1, 260)[:, :256] = 200  # other codes, same absmax
+    save_states(str(tmp_path / "ck2"), numels, scratch, dict(meta), fields=rule.fields)
+    opt.load_checkpoint(str(tmp_path / "ck2"))
+    sd = opt.state_dict()["state"]
+    for f in rule.fields:
+        for i, n in enumerate(numels):
+            assert torch.equal(decode_state(f, scratch[f.name][i], n), sd[i][f.name].reshape(-1))
+    opt.close()
