@@ -15,6 +15,8 @@ import offload
 from test_swap_util import run_python
 
 BIG = 1 << 18
+# the torch reference has the compressed path on every machine; OFFLOAD_BACKEND picks another
+BACKEND = os.environ.get("OFFLOAD_BACKEND", "torch")
 SIZES = (7, 4097, BIG + 3)
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 
@@ -35,7 +37,7 @@ def _steps(opt, params, first, last):
 def _opt(params, d, state_dtype, **kw):
     os.makedirs(d, exist_ok=True)
     return offload.AdamW(params, offload="nvme", swap_dir=str(d), state_dtype=state_dtype,
-                         sub_group_size=BIG, **dict(HP, **kw))
+                         sub_group_size=BIG, backend=BACKEND, **dict(HP, **kw))
 
 
 def _same(o1, p1, o2, p2):
@@ -81,7 +83,7 @@ def test_other_state_dtype_is_refused_and_state_dict_converts(tmp_path):
     opt.save_checkpoint(str(tmp_path / "ck"))
     (tmp_path / "b").mkdir()
     fp32 = offload.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], offload="nvme",
-                         swap_dir=str(tmp_path / "b"), **HP)
+                         swap_dir=str(tmp_path / "b"), backend=BACKEND, **HP)
     with pytest.raises(ValueError, match=r"int8 in blocks of 256.*float32.*state_dict\(\)"):
         fp32.load_checkpoint(str(tmp_path / "ck"))
     sd = opt.state_dict()
@@ -162,7 +164,7 @@ def _rank_store(tmp_path, tag, numels, world, rank, fields, rule, values=None):
     d = tmp_path / f"swap-{tag}"
     d.mkdir(exist_ok=True)
     sh = SwappedShards([lay.shard for lay in layouts], swap_dir=str(d), identity={"tag": tag}, extra=dict,
-                       fields=fields, rule=rule, sub_group_size=BIG, rank=rank, backend="torch")
+                       fields=fields, rule=rule, sub_group_size=BIG, rank=rank, backend=BACKEND)
     if values is not None:  # master from the global flat values, states from steps
         sh.initialise(lambda k, lo, hi, out: out.copy_(values[k][layouts[k].shard_range()[0] + lo:][:hi - lo]))
     return sh, layouts

@@ -118,7 +118,7 @@ def test_swapped_state_equals_per_param_scheme(tmp_path, name, dtype, sub_group_
 def test_write_state_round_trip_and_zero_init(tmp_path):
     rule = ADAM.with_state_dtype("int8")
     params = [torch.randn(n) for n in (5, 300, 1000)]
-    st = SwappedState(params, swap_dir=str(tmp_path), rule=rule)
+    st = SwappedState(params, swap_dir=str(tmp_path), rule=rule, backend="torch")
     m, v = st.read_state(params[1])
     assert torch.equal(m, torch.zeros(300)) and not torch.signbit(m).any()  # +0, not -0 (zero code)
     vals = torch.randn(300)
@@ -198,7 +198,8 @@ def test_state_dict_both_ways_with_torch(tmp_path, state_dtype):
         topt.step()
     sd = topt.state_dict()
     params = [torch.nn.Parameter(p.detach().clone()) for p in ref]
-    opt = offload.AdamW(params, lr=1e-2, offload="nvme", swap_dir=str(tmp_path), state_dtype=state_dtype)
+    opt = offload.AdamW(params, lr=1e-2, offload="nvme", swap_dir=str(tmp_path), state_dtype=state_dtype,
+                        backend=os.environ.get("OFFLOAD_BACKEND", "torch"))
     opt.load_state_dict(sd)  # quantized on the way in
     out = opt.state_dict()
     rule = ADAM.with_state_dtype(state_dtype)
