@@ -219,3 +219,24 @@ def test_state_dict_both_ways_with_torch(tmp_path, state_dtype):
     for i in kept:  # the dict handed out does not change when the optimizer steps
         assert all(torch.equal(kept[i][k], out["state"][i][k]) for k in kept[i])
     opt.close()
+
+
+def test_corrupt_packed_swap_bytes_are_detected(tmp_path):
+    """verify=True: the per-block crc32 of a sub-group covers its packed bytes, absmax included."""
+    rule = ADAM.with_state_dtype("int8")
+    params = [torch.randn(n) for n in (5000, BIG + 10)]
+    st = SwappedState(params, swap_dir=str(tmp_path), rule=rule, sub_group_size=BIG, verify=True, backend="torch")
+    hyper = RuleHyper(ADAM, HYPER["adam"])
+    st.step([(hyper, [(p, torch.ones_like(p), 1) for p in params])])
+    g = 1  # the last, partial sub-group: its second state's only block past the codes
+    lay = st.layout
+    off, used, _ = lay.state_spans(g)[1]
+    where = lay.group_offset(g) + off + used - 2  # a byte of the last block's absmax
+    with open(st.store.read_slot_file(g), "r+b") as f:
+        f.seek(where)
+        b = f.read(1)
+        f.seek(where)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(OSError, match="checksum mismatch.*exp_avg_sq of sub-group 1"):
+        st.step([(hyper, [(p, torch.ones_like(p), 2) for p in params])])
+    st.close()
