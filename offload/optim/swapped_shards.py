@@ -35,6 +35,9 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 
 from offload.kernels.fields import ADAM, MASTER, Rule, StateField, field_names
+from offload.kernels.quant import BLOCK
+from offload.optim.swapped_ranges import (DecodedBlocks, compressed, read_values, rounding_kwargs, storage_slice,
+                                          whole_blocks, write_values)
 from offload.optim.stats import swap_phases
 from offload.optim.step_guard import mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
@@ -119,7 +122,7 @@ class SwappedShards:
                  rank: int = 0, run_name: str = "flat", vote: Optional[Vote] = None,
                  fields: Sequence[StateField] = SHARD_FIELDS, summary: Optional[str] = None,
                  check_resume: Optional[Callable[[Dict[str, Any], SwapStore], None]] = None, pool: Any = None,
-                 rule: Rule = ADAM) -> None:
+                 rule: Rule = ADAM, stochastic_states: bool = False) -> None:
         from offload.kernels import get_backend
 
         self._kernel = get_backend(backend)
@@ -132,10 +135,18 @@ class SwappedShards:
         if tuple(f for f in self.fields if f != MASTER) != rule.fields:
             raise ValueError(f"fields {self.names} do not hold rule {rule.name!r}'s states {rule.names}")
         self.rule = rule
+        self.stochastic_states = bool(stochastic_states)
+        # a step rounds (passes a seed and an offset) with compressed states or a bf16 param
+        self.rounds = any(compressed(f) for f in rule.fields)
         self.sizes = [int(n) for n in sizes]
         self.base: List[int] = []
+        # [Note: blocks in the swap space] packed int8 fields are cut at block boundaries only:
+        # each shard starts on one (its last block padded), so every range a kernel steps,
+        # from a shard's start, covers whole blocks. fp32/bf16 layouts stay end to end.
+        unit = BLOCK if any(f.blocked for f in self.fields) else 1
         total = 0
         for n in self.sizes:
+            total = -(-total // unit) * unit
             self.base.append(total)
             total += n
         if total == 0:
@@ -147,7 +158,7 @@ class SwappedShards:
         self.computed: List[int] = []  # the sub-groups whose kernel ran in the last step, in order
         self.pipeline: Optional[SwapPipeline] = None
         summary = summary or f"{total} elements in {len(self.sizes)} flat groups of rank {rank}"
-        self.store, nbuf = open_store(swap_dir, total, self.names, identity=make_identity(self.identity, summary),
+        self.store, nbuf = open_store(swap_dir, total, self.fields, identity=make_identity(self.identity, summary),
                                       max_host_bytes=max_host_bytes, sub_group_size=sub_group_size,
                                       run_name=run_name, rank=rank, verify=verify, resume=resume, io_engine=io_engine)
         self.layout = self.store.layout  # on resume: the manifest's sub_group_size ([Note: layout on resume])
@@ -256,20 +267,22 @@ class SwappedShards:
 
     # ------------------------------------------------------------------ ranges
     def read(self, k: int, lo: int, hi: int, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
-        """New tensors (of each field's dtype) with the committed ``names`` (default: every
-        field) of shard ``k``'s [lo, hi)."""
+        """New tensors with the committed ``names`` (default: every field) of shard ``k``'s
+        [lo, hi): of each field's dtype, float32 (decoded) for a compressed field."""
         names = self.names if names is None else tuple(names)
         idx = [self._field(n) for n in names]
-        out = {n: torch.empty(hi - lo, dtype=self.fields[j].dtype) for n, j in zip(names, idx)}
+        out = {n: torch.empty(hi - lo, dtype=torch.float32 if compressed(self.fields[j]) else self.fields[j].dtype)
+               for n, j in zip(names, idx)}
         start = self.base[k] + lo
         for g, s, e, a, b in self._spans(k, lo, hi):
             tensors = self._cache.load(g, self._meta)
             for n, j in zip(names, idx):
-                out[n][a - start:b - start].copy_(tensors[j][a - s:b - s])
+                out[n][a - start:b - start].copy_(read_values(self.fields[j], tensors[j], a - s, b - s, e - s))
         return out
 
     def write(self, k: int, lo: int, hi: int, values: Dict[str, torch.Tensor]) -> None:
-        """Set ``values`` (state name -> hi - lo elements) of shard ``k``'s [lo, hi); kept in the
+        """Set ``values`` (state name -> hi - lo elements; float32 values of a compressed field
+        are encoded, see swapped_ranges.py) of shard ``k``'s [lo, hi); kept in the
         cache until :meth:`flush` (or the next step, or another sub-group) commits them."""
         idx = {n: self._field(n) for n in values}
         for n, t in values.items():
@@ -279,7 +292,8 @@ class SwappedShards:
         for g, s, e, a, b in self._spans(k, lo, hi):
             tensors = self._cache.load(g, self._meta)
             for n, t in values.items():
-                tensors[idx[n]][a - s:b - s].copy_(t.detach().reshape(-1)[a - start:b - start])
+                write_values(self.fields[idx[n]], tensors[idx[n]], a - s, b - s, e - s,
+                             t.detach().reshape(-1)[a - start:b - start])
             self._cache.mark_dirty()
 
     @contextlib.contextmanager
@@ -364,21 +378,46 @@ class SwappedShards:
         kernel, threads, computed = self._kernel, self._threads, self.computed
         jm = self._field(MASTER.name) if self.has_master else -1
         rule = self.rule
-        states = [(name, self._field(name)) for name in rule.names]
+        states = [(name, self._field(name), self.fields[self._field(name)]) for name in rule.names]
+        rounding = self._rounding
 
         def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
             computed.append(g)  # before the kernel: an exception inside it may have changed params
+            dense = self._decoded(by_group[g], s, e, tensors)  # ranges across blocks: [Note: steps across blocks]
+            step_rule = rule if dense is None else rule.base
             for a, b, start, it in by_group[g]:
                 grad, kw, out, mode = it.grad, it.kwargs, it.out, it.mode
                 x, y = slice(a - s, b - s), slice(a - start, b - start)
                 master = out[y] if mode == "master" else tensors[jm][x]
                 lowp = out[y] if (out is not None and mode == "lowp") else None
-                kernel.rule_step(rule, master, grad[y], {name: tensors[j][x] for name, j in states},
-                                 param_lowp=lowp, num_threads=threads, **kw)
+                views = {name: storage_slice(f, tensors[j], a - s, b - s) if dense is None
+                         else dense.view(j, a - s, b - s) for name, j, f in states}
+                kernel.rule_step(step_rule, master, grad[y], views, param_lowp=lowp, num_threads=threads,
+                                 **rounding(it, a - start, kw))
                 if out is not None and mode == "copy":
                     out[y].copy_(master)
+            if dense is not None:
+                dense.store()
 
         return compute
+
+    def _decoded(self, pieces, s: int, e: int, tensors: List[torch.Tensor]) -> Optional[DecodedBlocks]:
+        """The sub-group's blocked states decoded, when some range of it does not cover whole
+        blocks (the rule's fields are all blocked or none: Rule.with_state_dtype); else None."""
+        if not self.rule.fields or not self.rule.fields[0].blocked:
+            return None
+        ends = {self.base[k] + n for k, n in enumerate(self.sizes)}
+        if all(whole_blocks(a - s, b - s, e - s, b in ends) for a, b, _, _ in pieces):
+            return None
+        return DecodedBlocks({j: self.fields[j] for j in range(len(self.fields)) if self.fields[j].blocked},
+                             tensors, e - s)
+
+    def _rounding(self, it: WorkItem, skip: int, kw: Dict[str, Any]) -> Dict[str, Any]:
+        """The kernel's keywords for ``it`` from its element ``skip`` on ([Note: rounding in
+        the swapped store] in swapped_ranges.py)."""
+        if not (self.rounds or (it.mode == "master" and it.out.dtype == torch.bfloat16)):
+            return kw  # fp32 states and master: the kernel's float32 path, no rounding streams
+        return rounding_kwargs(kw, it.shard, it.lo + skip, skip, self.stochastic_states)
 
     def _restored(self, exc: SwapStepError, items: Sequence[WorkItem]) -> BaseException:
         """After a failed step: the outputs of the sub-groups already computed rewritten from

@@ -4,11 +4,14 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
 
     st = SwappedState(params, *, swap_dir, max_host_bytes=None, sub_group_size=None,
                       verify=False, resume=False, io_engine=None, backend=None,
-                      num_threads=None, run_name="run", rank=None, pool=None, ctx=None, rule=ADAM)
+                      num_threads=None, run_name="run", rank=None, pool=None, ctx=None, rule=ADAM,
+                      stochastic_states=False)
         params: the fp32, contiguous CPU params (all groups, in a fixed order, each once; params
             of 0 elements are fine, even all of them). They are their own fp32 master and are
             updated in place; only the rule's states are swapped (Adam: exp_avg, exp_avg_sq;
-            a rule without states is refused: nothing to swap).
+            a rule without states is refused: nothing to swap). A rule of compressed states
+            (Rule.with_state_dtype) keeps them so on disk, each param's blocks its own;
+            stochastic_states: bf16 states rounded stochastically (else to nearest).
         max_host_bytes: bound on the pipeline buffers (None: 1 GiB); ValueError when it
             cannot hold 3 buffers of one sub-group. sub_group_size: elements per sub-group
             (rounded up to 1024; None: derived from the bound).
@@ -58,7 +61,6 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
                                                      SIGTERM, nor in a forked child: see swap/cleanup.py);
                                                      keep_swap=True keeps it, unlocked, for resume=True
     st.swap_path, st.sub_group_size, st.num_buffers, st.host_bytes
-
 [Note: fingerprint] in ``offload/optim/fingerprint.py``.
 
 [Note: one swapped store] This is a face over ``SwappedShards`` (swapped_shards.py), the
@@ -82,50 +84,17 @@ import torch
 from offload.optim.context import StepContext, StepCounts
 from offload.optim.fingerprint import fingerprint, sample_indices
 from offload.optim.step_guard import failure_text, mark_consistent
+from offload.optim.swapped_params import check_params as _check_params, kernel_kwargs as _kernel_kwargs
+from offload.optim.swapped_ranges import compressed
 from offload.optim.swapped_shards import IN_PLACE_FIELDS, SwappedShards, WorkItem
 from offload.kernels.fields import ADAM, Rule, field_names
+from offload.kernels.quant import BLOCK, rounding_seed
 from offload.swap import SwapStepError
 from offload.swap.manifest_check import check_steps
 
 __all__ = ["SwappedState", "MOMENTS"]
 
 MOMENTS = field_names(IN_PLACE_FIELDS)
-_HYPER_KEYS = {"lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "bias_correction", "maximize",
-               "grad_scale"}
-
-
-def _kernel_kwargs(hyper: Any, step: int) -> Dict[str, Any]:
-    if hasattr(hyper, "kernel_kwargs"):
-        return hyper.kernel_kwargs(step)
-    if not isinstance(hyper, dict):
-        raise ValueError(f"hyper must be an AdamHyper or a dict, got {type(hyper).__name__}")
-    unknown = set(hyper) - _HYPER_KEYS
-    missing = {"lr", "beta1", "beta2", "eps", "weight_decay", "decoupled"} - set(hyper)
-    if unknown or missing:
-        raise ValueError(f"hyper: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
-    return dict(hyper, step=step)
-
-
-def _check_params(params: List[torch.Tensor]) -> Dict[int, int]:
-    """The index of each param by id; ValueError for one the in-place store cannot update."""
-    index: Dict[int, int] = {}
-    for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise ValueError(f"param {i} is a {type(p).__name__}, not a tensor")
-        if p.device.type != "cpu" or p.dtype != torch.float32:
-            raise ValueError(f"param {i}: offload='nvme' updates fp32 CPU params in place; got {p.dtype} "
-                             f"on {p.device}")
-        if not p.is_contiguous():
-            raise ValueError(f"param {i}: offload='nvme' updates fp32 CPU params in place and needs them "
-                             f"contiguous (this one has shape {tuple(p.shape)}, strides {p.stride()}); make "
-                             "it contiguous before building the optimizer (p.data = p.data.contiguous()) or "
-                             "use offload='cpu'")
-        if id(p) in index:
-            raise ValueError(f"param {i} is param {index[id(p)]} again (torch warns about duplicate "
-                             "params and updates them twice per step); offload='nvme' with fp32 CPU params "
-                             "needs each param once: remove the duplicate")
-        index[id(p)] = i
-    return index
 
 
 class SwappedState:
@@ -137,7 +106,7 @@ class SwappedState:
                  sub_group_size: Optional[int] = None, verify: bool = False, resume: Any = False,
                  io_engine: Any = None, backend: Optional[str] = None, num_threads: Optional[int] = None,
                  run_name: str = "run", rank: Optional[int] = None, pool: Any = None,
-                 ctx: Optional[StepContext] = None, rule: Rule = ADAM) -> None:
+                 ctx: Optional[StepContext] = None, rule: Rule = ADAM, stochastic_states: bool = False) -> None:
         self.params: List[torch.Tensor] = list(params)
         self.rule = rule
         self.names = rule.names  # the swapped states (the params are their own master)
@@ -148,8 +117,12 @@ class SwappedState:
             raise ValueError("SwappedState needs at least one param")
         self._index = _check_params(self.params)
         self._offsets: List[int] = []
+        # packed int8 states: each param starts on a block (its blocks its own, as in the host
+        # store); fp32/bf16 end to end ([Note: blocks in the swap space] in swapped_shards.py)
+        unit = BLOCK if any(f.blocked for f in rule.fields) else 1
         total = 0
         for p in self.params:
+            total = -(-total // unit) * unit
             self._offsets.append(total)
             total += p.numel()
         self.numel = total
@@ -171,7 +144,8 @@ class SwappedState:
                                   fields=rule.fields, rule=rule, summary=f"{len(self.params)} fp32 params, {total} elements",
                                   check_resume=self._check_resume, max_host_bytes=max_host_bytes,
                                   sub_group_size=sub_group_size, verify=verify, resume=resume, io_engine=io_engine,
-                                  backend=backend, num_threads=num_threads, rank=rank, run_name=run_name, pool=pool)
+                                  backend=backend, num_threads=num_threads, rank=rank, run_name=run_name, pool=pool,
+                                  stochastic_states=stochastic_states)
         self.core.meta_dirty = False  # committed when a count changed (not when the params did)
         self._samples = sample_indices(self.params, self._offsets, self.core.layout)
         self._group_params = self._params_per_group()
@@ -306,7 +280,7 @@ class SwappedState:
         """One work item per param that has a grad: its whole range, its output the param."""
         work: Dict[int, WorkItem] = {}
         for hyper, items in batches:
-            if getattr(hyper, "rule", self.rule) is not self.rule:
+            if getattr(hyper, "rule", self.rule.base) is not self.rule.base:
                 raise ValueError(f"a step of rule {hyper.rule.name!r} in a swap store of rule {self.rule.name!r} "
                                  f"(states {list(self.names)}); build a new optimizer after changing "
                                  "what the groups need (e.g. SGD's momentum from or to 0)")
@@ -319,9 +293,11 @@ class SwappedState:
                                      f"expected {p.numel()} on cpu")
                 if int(step) < 1:
                     raise ValueError(f"param {i}: step must be >= 1, got {step}")
-                off = self._offsets[i]
+                off, kw = self._offsets[i], _kernel_kwargs(hyper, int(step))
+                if self.core.rounds:  # the host store's streams: the param's index, its own elements
+                    kw.update(rounding_seed=rounding_seed(int(step), i), element_offset=0)
                 work[i] = WorkItem(0, off, off + p.numel(), grad.detach().reshape(-1).contiguous(),
-                                   _kernel_kwargs(hyper, int(step)), p.detach().view(-1), "master")
+                                   kw, p.detach().view(-1), "master")
         return work
 
     def step(self, batches: Sequence[Tuple[Any, Sequence[Tuple[torch.Tensor, torch.Tensor, int]]]]) -> Dict[str, float]:
@@ -396,7 +372,8 @@ class SwappedState:
             if not isinstance(t, torch.Tensor) or t.numel() != n:
                 raise ValueError(f"param {i}: {f.name} must be a tensor of {n} elements, got "
                                  f"{getattr(t, 'shape', type(t).__name__)}")
-            src[f.name] = t.detach().reshape(-1).to(device="cpu", dtype=f.dtype)
+            src[f.name] = t.detach().reshape(-1).to(device="cpu",  # compressed: the store encodes fp32
+                                                    dtype=torch.float32 if compressed(f) else f.dtype)
         self.core.write(0, off, off + n, src)
         if step is not None:
             self.ctx.steps.set(p, int(step))

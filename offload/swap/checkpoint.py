@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 from offload.io import IORequest, open_file
 from offload.kernels.fields import StateField
 from offload.swap.ckpt_dir import (CKPT_FORMAT, CKPT_MANIFEST, CKPT_VERSION, CheckpointBusy, DirLock, NewGeneration,
-                                   manifest_dtypes, manifest_file_bytes, read_manifest)
+                                   manifest_dtypes, manifest_fields, manifest_file_bytes, read_manifest)
 from offload.swap.layout import ALIGN, as_fields, round_up
 from offload.swap.session import Requests, SwapSession
 
@@ -96,7 +96,8 @@ def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, A
     missing). ``meta``: opaque JSON (the optimizer's steps, shapes, fingerprint)."""
     layout, names = store.layout, store.state_names
     new = NewGeneration(directory, names, _state_files(layout, names))
-    manifest = dict(dtypes=dict(zip(names, layout.dtype_names)), numel=layout.numel, meta=meta)
+    manifest = dict(dtypes=dict(zip(names, layout.dtype_names)), numel=layout.numel, meta=meta,
+                    blocks={f.name: f.block for f in layout.fields})
     return _save(new, lambda: _write_store(store, buffers, new), manifest, agree)
 
 
@@ -104,7 +105,7 @@ def _flat_requests(op: str, layout: Any, files: List[Any], g: int, buf: Any) -> 
     """One request per state between ``g``'s part of the buffer and its place in the flat file."""
     s, _ = layout.group_range(g)
     view = buf.memoryview
-    return [IORequest(op=op, file=files[k], offset=s * layout.fields[k].itemsize, buf=view[off:off + padded])
+    return [IORequest(op=op, file=files[k], offset=layout.fields[k].nbytes(s), buf=view[off:off + padded])
             for k, (off, _, padded) in enumerate(layout.state_spans(g))]
 
 
@@ -163,10 +164,18 @@ def _check_fits(m: Dict[str, Any], directory: str, layout: Any, names: List[str]
     for key, want in (("numel", layout.numel), ("states", names)):
         if m.get(key) != want:
             raise ValueError(f"{directory}: checkpoint {key} is {m.get(key)!r}, this optimizer has {want!r}")
-    want_types = dict(zip(names, layout.dtype_names))
-    if manifest_dtypes(m) != want_types:
-        raise ValueError(f"{directory}: checkpoint dtypes are {manifest_dtypes(m)!r}, this optimizer has "
-                         f"{want_types!r}")
+    want = {f.name: f for f in layout.fields}
+    if manifest_fields(m) != want:
+        raise ValueError(f"{directory}: checkpoint states are {_say(manifest_fields(m))}, this optimizer keeps "
+                         f"{_say(want)}")
+
+
+def _say(fields: Dict[str, StateField]) -> str:
+    return ", ".join(f"{k} ({_kind(f)})" for k, f in fields.items())
+
+
+def _kind(f: StateField) -> str:
+    return f"{f.dtype_name} in blocks of {f.block}" if f.block else f.dtype_name
 
 
 def _load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[str, Any], Dict[int, Any]]:
@@ -221,7 +230,8 @@ def _flat_pieces(tensors: List[Any], dtype: Any, *, writable: bool):
 
 
 def _state_dtype(name: str, tensors: List[Any]) -> StateField:
-    """The typed field of state ``name``: the dtype of its tensors (float32 when it has none)."""
+    """The typed field of state ``name``: the dtype of its tensors (float32 when it has none);
+    packed blocks need their field said (``fields=`` of save_tensors)."""
     return StateField(name, tensors[0].dtype) if tensors else StateField(name)
 
 
@@ -273,9 +283,9 @@ def _verify(directory: str, states: Sequence[Union[str, StateField]], numel: int
     directory = os.path.abspath(directory)
     m = read_manifest(directory)
     want = {f.name: f for f in as_fields(list(states))}
-    types = manifest_dtypes(m)
+    types = manifest_fields(m)
     if sorted(m.get("states", [])) != sorted(want) or m.get("numel") != numel \
-            or any(types.get(k) != f.dtype_name for k, f in want.items()):
+            or any(types.get(k) != f for k, f in want.items()):
         raise ValueError(f"{directory}: checkpoint holds {m.get('numel')!r} elements of states {m.get('states')} "
                          f"({m.get('dtype')}), expected {numel} of {sorted(want)} "
                          f"({'/'.join(sorted({f.dtype_name for f in want.values()}))})")
@@ -314,34 +324,54 @@ def _check_file(engine: Any, view: memoryview, path: str, used: int, size: Optio
 
 
 def save_tensors(directory: str, states: Dict[str, List[Any]], meta: Dict[str, Any], *,
-                 io_engine: Any = None, stage_bytes: int = _STAGE_BYTES, agree: Optional[Agree] = None) -> str:
+                 io_engine: Any = None, stage_bytes: int = _STAGE_BYTES, agree: Optional[Agree] = None,
+                 fields: Optional[Sequence[StateField]] = None, numel: Optional[int] = None) -> str:
     """Write ``states`` (name -> CPU tensors of one dtype per state, fp32 for the optimizer's
     states, concatenated in order) as a checkpoint in ``directory``: the files and manifest of
     :func:`save_store`, streamed through one staging buffer of ``stage_bytes``; the previous
-    checkpoint there is replaced only once this one is complete."""
+    checkpoint there is replaced only once this one is complete. ``fields``: the states'
+    typed fields (needed for packed blocks: their tensors are the packed bytes, the blocks of
+    each tensor following the last one's, and ``numel`` says how many values they hold);
+    else each state's field is its tensors' dtype."""
     names = list(states)
-    numels = {k: sum(t.numel() for t in states[k]) for k in names}
+    fields = _fields_for(names, states, fields)
+    stored = {k: sum(t.numel() for t in states[k]) for k in names}
+    if numel is None and any(f.blocked for f in fields.values()):
+        raise ValueError("states in packed blocks: say how many values they hold (numel=)")
+    # each state's values: what its storage holds for numel, or (not said) its element count
+    numels = {k: (int(numel) if fields[k].storage_numel(int(numel)) == n else f"{n} stored")
+              if numel is not None else n for k, n in stored.items()}
     if not names or len(set(numels.values())) != 1:
         raise ValueError(f"every state needs the same number of elements, got {numels}")
     numel = numels[names[0]]
-    fields = {k: _state_dtype(k, states[k]) for k in names}
     new = NewGeneration(directory, names, {k: round_up(f.nbytes(numel), ALIGN) for k, f in fields.items()})
 
     def write() -> Dict[str, int]:
         with _Staging(new.directory, stage_bytes, io_engine) as st:
             return {k: _write_tensors(st, new, fields[k], states[k]) for k in names}
 
-    manifest = dict(dtypes={k: f.dtype_name for k, f in fields.items()}, numel=numel, meta=meta)
+    manifest = dict(dtypes={k: f.dtype_name for k, f in fields.items()}, numel=numel, meta=meta,
+                    blocks={k: f.block for k, f in fields.items()})
     return _save(new, write, manifest, agree)
+
+
+def _fields_for(names: List[str], states: Dict[str, List[Any]],
+                fields: Optional[Sequence[StateField]]) -> Dict[str, StateField]:
+    if fields is None:
+        return {k: _state_dtype(k, states[k]) for k in names}
+    given = {f.name: f for f in fields}
+    if sorted(given) != sorted(names):
+        raise ValueError(f"fields {sorted(given)} for the states {sorted(names)}")
+    return {k: given[k] for k in names}
 
 
 def _write_tensors(st: "_Staging", new: NewGeneration, field: StateField, tensors: List[Any]) -> int:
     k, size = field.name, field.itemsize
-    stage = st.typed(field.dtype)
+    stage = st.typed(field.storage_dtype)  # packed blocks: their bytes, as they are
     with open_file(new.tmps[k], write=True, create=True, exclusive=True, mode=0o600) as f:
         new.preallocate(f, k)
         crc, fill, offset = 0, 0, 0
-        for piece in _flat_pieces(tensors, field.dtype, writable=False):
+        for piece in _flat_pieces(tensors, field.storage_dtype, writable=False):
             pos = 0
             while pos < piece.numel():
                 n = min(piece.numel() - pos, stage.numel() - fill)
@@ -361,46 +391,49 @@ def _write_tensors(st: "_Staging", new: NewGeneration, field: StateField, tensor
 
 
 def load_tensors(directory: str, states: Dict[str, List[Any]], *, io_engine: Any = None,
-                 stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
+                 stage_bytes: int = _STAGE_BYTES, fields: Optional[Sequence[StateField]] = None) -> Dict[str, Any]:
     """See :func:`_load_tensors`; under the directory's shared lock."""
     with DirLock(os.path.abspath(directory), exclusive=False):
-        return _load_tensors(directory, states, io_engine=io_engine, stage_bytes=stage_bytes)
+        return _load_tensors(directory, states, io_engine=io_engine, stage_bytes=stage_bytes, fields=fields)
 
 
 def _load_tensors(directory: str, states: Dict[str, List[Any]], *, io_engine: Any = None,
-                  stage_bytes: int = _STAGE_BYTES) -> Dict[str, Any]:
+                  stage_bytes: int = _STAGE_BYTES, fields: Optional[Sequence[StateField]] = None) -> Dict[str, Any]:
     """Fill ``states`` (name -> contiguous CPU tensors of the state's dtype in the checkpoint,
     concatenated in order) from checkpoint ``directory``; returns its ``meta``. The tensors
     are filled as the data streams in and the crc32 is compared at the end of each file:
-    after an error, treat them as garbage (load into scratch tensors first where that matters)."""
+    after an error, treat them as garbage (load into scratch tensors first where that matters).
+    ``fields``: what the caller keeps (packed blocks: tensors of the packed bytes); else each
+    state's field is its tensors' dtype. The checkpoint must hold the same fields."""
     directory = os.path.abspath(directory)
     m = read_manifest(directory)
     names = list(states)
     if sorted(names) != sorted(m["states"]):
         raise ValueError(f"{directory}: checkpoint holds states {m['states']}, asked for {names}")
-    types = manifest_dtypes(m)
+    types, mine = manifest_fields(m), _fields_for(names, states, fields)
     for k in names:
+        if mine[k] != types.get(k):
+            raise ValueError(f"{directory}: checkpoint holds {k} as {_kind(types[k])}, the tensors are "
+                             f"{_kind(mine[k])}")
         n = sum(t.numel() for t in states[k])
-        if n != m["numel"]:
-            raise ValueError(f"{directory}: checkpoint has {m['numel']} elements per state, the tensors {n}")
-        if _state_dtype(k, states[k]).dtype_name != types.get(k):
-            raise ValueError(f"{directory}: checkpoint holds {k} as {types.get(k)}, the tensors are "
-                             f"{_state_dtype(k, states[k]).dtype_name}")
+        if n != mine[k].storage_numel(m["numel"]):
+            raise ValueError(f"{directory}: checkpoint has {m['numel']} elements per state "
+                             f"({mine[k].storage_numel(m['numel'])} of {mine[k].storage_dtype}), the tensors {n}")
     with _Staging(directory, stage_bytes, io_engine) as st:
         for k in names:
-            _read_tensors(st, os.path.join(directory, m["files"][k]), _state_dtype(k, states[k]), states[k],
+            _read_tensors(st, os.path.join(directory, m["files"][k]), mine[k], states[k],
                           m["numel"], manifest_file_bytes(m, k), int(m["crc32"][k]))
     return m.get("meta") or {}
 
 
 def _read_tensors(st: "_Staging", path: str, field: StateField, tensors: List[Any], numel: int, file_bytes: int,
                   want: int) -> None:
-    size, stage = field.itemsize, st.typed(field.dtype)
+    size, stage = field.itemsize, st.typed(field.storage_dtype)
     crc, avail, fill, offset = 0, 0, 0, 0
     with open_file(path, write=False) as f:
         if f.size < file_bytes:
             raise ValueError(f"{path}: {f.size} bytes, the manifest says {file_bytes}")
-        for piece in _flat_pieces(tensors, field.dtype, writable=True):
+        for piece in _flat_pieces(tensors, field.storage_dtype, writable=True):
             pos = 0
             while pos < piece.numel():
                 if fill == avail:
@@ -408,7 +441,7 @@ def _read_tensors(st: "_Staging", path: str, field: StateField, tensors: List[An
                     got = st.engine.read(f, offset, st.view[:nbytes])
                     if got != nbytes:
                         raise OSError(errno.EIO, f"short read: {got} of {nbytes} bytes at {offset}", path)
-                    used = min(nbytes, numel * size - offset)
+                    used = min(nbytes, field.nbytes(numel) - offset)
                     crc = zlib.crc32(st.view[:used], crc)
                     offset += nbytes
                     avail, fill = used // size, 0

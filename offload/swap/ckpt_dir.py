@@ -19,10 +19,11 @@ import fcntl
 import os
 from typing import Any, Dict, List, Optional, Union
 
+from offload.kernels.fields import StateField
 from offload.swap import fsutil
 
 __all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "CKPT_LOCK", "CKPT_PENDING", "CheckpointBusy",
-           "DirLock", "NewGeneration", "read_manifest", "manifest_dtypes", "manifest_file_bytes",
+           "DirLock", "NewGeneration", "read_manifest", "manifest_dtypes", "manifest_fields", "manifest_file_bytes",
            "retire_single_directory"]
 
 CKPT_FORMAT = "offload-ckpt"
@@ -31,6 +32,14 @@ CKPT_MANIFEST = "offload-ckpt.json"
 CKPT_LOCK = "offload-ckpt.lock"
 CKPT_PENDING = "offload-ckpt.pending.json"
 PREFIX = "offload-ckpt."
+
+
+def manifest_fields(m: Dict[str, Any]) -> Dict[str, StateField]:
+    """Each state's typed field in manifest ``m``: its ``fields`` (name, dtype, block), or in
+    a manifest of an older release its dtypes."""
+    if isinstance(m.get("fields"), list):
+        return {str(d["name"]): StateField.from_description(d) for d in m["fields"]}
+    return {k: StateField.from_description({"name": k, "dtype": d}) for k, d in manifest_dtypes(m).items()}
 
 
 def manifest_dtypes(m: Dict[str, Any]) -> Dict[str, str]:
@@ -206,17 +215,20 @@ class NewGeneration:
             os.rename(self.tmps[k], self._path(self.finals[k]))
         fsutil.fsync_dir(self.directory)
 
-    def commit(self, *, dtypes: Dict[str, str], numel: int, crcs: Dict[str, int], meta: Dict[str, Any]) -> None:
+    def commit(self, *, dtypes: Dict[str, str], numel: int, crcs: Dict[str, int], meta: Dict[str, Any],
+               blocks: Optional[Dict[str, int]] = None) -> None:
         """Replace the manifest. ``dtypes``: each state's element type; ``dtype`` and an int
         ``file_bytes`` say it once when all states share it (as the first format did, so
         that release still reads an fp32 checkpoint), else "mixed" and a map per state;
-        ``fields`` lists each state's name and dtype (``StateField.describe``) in file order."""
+        ``fields`` lists each state's name and dtype (``StateField.describe``) in file order,
+        with its ``block`` when ``blocks`` says it is stored in packed 8-bit blocks."""
         one = len(set(dtypes.values())) == 1 and len(set(self.per_file.values())) == 1
         fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, {
             "format": CKPT_FORMAT, "version": CKPT_VERSION,
             "dtype": next(iter(dtypes.values())) if one else "mixed", "dtypes": dict(dtypes), "numel": numel,
             "states": self.names,
-            "fields": [{"name": k, "dtype": dtypes[k]} for k in self.names], "gen": self.gen, "files": self.finals,
+            "fields": [dict({"name": k, "dtype": dtypes[k]}, **({"block": blocks[k]} if (blocks or {}).get(k) else {}))
+                       for k in self.names], "gen": self.gen, "files": self.finals,
             "file_bytes": next(iter(self.per_file.values())) if one else dict(self.per_file),
             "crc32": dict(crcs), "meta": meta})
 

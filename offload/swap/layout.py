@@ -11,13 +11,17 @@ offset, length and (with pool buffers) address::
     region g:   | state 0 of g | pad | state 1 of g | pad |
 
 A pipeline buffer holds exactly one region, laid out the same way, so one read and one
-write per sub-group move all of its states. ``sub_group_size`` is a whole number of pages of
-the narrowest state (1024 elements when every state is fp32, 2048 with a bf16 one): then
-every full sub-group of every state is whole pages, and a checkpoint's flat files (the
-states in index order, see checkpoint.py) are written in aligned pieces too.
+write per sub-group move all of its states. ``sub_group_size`` is a multiple of
+``elems_per_page(fields)``, the fewest elements that are whole pages of every state (1024
+when every state is fp32, 2048 with a bf16 one, 262144 with a packed int8 one: 1024 blocks
+of 260 bytes): then every full sub-group of every state is whole pages, cut at block
+boundaries, and a checkpoint's flat files (the states in index order, see checkpoint.py)
+are written in aligned pieces too. A state's bytes in a region are ``field.nbytes(length)``
+(packed blocks included); the last sub-group ends where the states end, padded on disk.
 """
 from __future__ import annotations
 
+import math
 from typing import List, Sequence, Tuple, Union
 
 from offload.kernels.fields import StateField
@@ -57,8 +61,12 @@ def as_fields(states: States) -> Tuple[StateField, ...]:
 
 
 def elems_per_page(fields: Sequence[StateField]) -> int:
-    """Elements per 4 KiB page of the narrowest of ``fields``: the unit of ``sub_group_size``."""
-    return ALIGN // min(f.itemsize for f in fields)
+    """The unit of ``sub_group_size``: the fewest elements that are whole 4 KiB pages of every
+    one of ``fields`` (``lcm`` of their ``align_elems``). 1024 for fp32 states, 2048 with a bf16
+    one (as before typed fields: a page of the narrowest state), 262144 with a packed int8
+    field (1024 blocks of 260 bytes): a sub-group then starts every field's bytes on a page,
+    which O_DIRECT needs, and is cut at block boundaries."""
+    return math.lcm(*(f.align_elems(ALIGN) for f in fields))
 
 
 class SwapLayout:
@@ -120,7 +128,7 @@ class SwapLayout:
 
     def padded_bytes(self, k: int, length: int) -> int:
         """Bytes state ``k`` of ``length`` elements takes in a region (padded to 4096)."""
-        return round_up(length * self.fields[k].itemsize, ALIGN)
+        return round_up(self.fields[k].nbytes(length), ALIGN)
 
     def region_bytes_for(self, length: int) -> int:
         return sum(self.padded_bytes(k, length) for k in range(self.nstates))
@@ -137,7 +145,8 @@ class SwapLayout:
 
     def state_bytes_for(self, length: int) -> int:
         """Padded bytes of one state of ``length`` elements, for layouts of one element type."""
-        return round_up(length * self.itemsize, ALIGN)
+        self.itemsize  # refuses layouts of several element sizes
+        return round_up(self.fields[0].nbytes(length), ALIGN)
 
     def state_bytes(self, g: int) -> int:
         """Padded bytes of one state of sub-group ``g`` (the stride between its states), for

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
 from offload.kernels.fields import StateField
 
 __all__ = ["check_manifest", "check_steps", "check_committed"]
@@ -38,8 +40,10 @@ def _need(m: Dict[str, Any], path: str, field: str, kind: Any, what: str) -> Any
 
 
 def check_manifest(m: Any, path: str, *, nstates: int, verify_block: int,
-                   itemsizes: Optional[Sequence[int]] = None) -> None:
-    """Raise ValueError naming ``path`` and the field when ``m`` is not a well-formed manifest."""
+                   itemsizes: Optional[Sequence[int]] = None, fields: Optional[Sequence[StateField]] = None) -> None:
+    """Raise ValueError naming ``path`` and the field when ``m`` is not a well-formed manifest.
+    ``fields``: the states' typed fields (their bytes, packed blocks included, size the
+    checksum lists); else ``itemsizes`` (bytes per element), else fp32."""
     if not isinstance(m, dict):
         raise ValueError(f"{path}: not an offload swap manifest (a JSON {type(m).__name__}, not an object)")
     for field, kind, what in (("run", str, "a string"), ("rank", int, "an integer"), ("dtype", str, "a string"),
@@ -62,7 +66,10 @@ def check_manifest(m: Any, path: str, *, nstates: int, verify_block: int,
     if dtypes is not None and not (isinstance(dtypes, list) and len(dtypes) == len(m["states"])
                                    and all(isinstance(d, str) for d in dtypes)):
         raise _bad(path, "dtypes", f"must be one dtype name per state, got {dtypes!r:.80}")
-    _check_checksums(m.get("checksums"), m["ranges"], path, list(itemsizes or [_FP32] * nstates), verify_block)
+    if fields is None:
+        fields = [StateField(f"state{k}", {1: torch.uint8, 2: torch.bfloat16}.get(size, torch.float32))
+                  for k, size in enumerate(itemsizes or [_FP32] * nstates)]
+    _check_checksums(m.get("checksums"), m["ranges"], path, list(fields), verify_block)
     ident = m.get("identity")
     if ident is not None and not (isinstance(ident, dict) and isinstance(ident.get("digest"), str)):
         raise _bad(path, "identity", f"must be an object with a digest, got {ident!r:.80}")
@@ -76,8 +83,8 @@ def _check_list(xs: List[Any], n: int, path: str, field: str, ok: Any, what: str
             raise _bad(path, f"{field}[{i}]", f"must be {what}, got {x!r:.80}")
 
 
-def _check_checksums(sums: Any, ranges: Sequence[List[int]], path: str, itemsizes: List[int], block: int) -> None:
-    nstates = len(itemsizes)
+def _check_checksums(sums: Any, ranges: Sequence[List[int]], path: str, fields: List[StateField], block: int) -> None:
+    nstates = len(fields)
     if sums is None:
         return
     if not isinstance(sums, dict):
@@ -90,7 +97,7 @@ def _check_checksums(sums: Any, ranges: Sequence[List[int]], path: str, itemsize
         if not (isinstance(per_state, list) and len(per_state) == nstates):
             raise _bad(path, field, f"must hold {nstates} lists of block checksums")
         for k, sums_k in enumerate(per_state):
-            blocks = -(-(e - s) * itemsizes[k] // block)
+            blocks = -(-fields[k].nbytes(e - s) // block)
             if not (isinstance(sums_k, list) and len(sums_k) == blocks
                     and all(_is_int(c) and 0 <= c < _UINT32 for c in sums_k)):
                 raise _bad(path, f"{field}[{k}]", f"must be {blocks} crc32 values")

@@ -13,13 +13,15 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from offload.kernels.fields import StateField, bytes_per_element
+from offload.kernels.fields import StateField, fields_bytes
+from offload.kernels.quant import BLOCK, PACKED_BLOCK, zero_code
 from offload.swap.agreement import Vote, vote_failed
 from offload.swap import agreement
 from offload.swap.layout import ALIGN, SwapLayout, as_fields, elems_per_page, round_up
 from offload.swap.step import Extra, StepSession, SwapStepError, peers_failed
 
-__all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "pipeline_host_bytes", "MIN_BUFFERS", "MAX_BUFFERS"]
+__all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "pipeline_host_bytes", "zero_state", "MIN_BUFFERS",
+           "MAX_BUFFERS"]
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +48,12 @@ def plan_sub_groups(numel: int, nstates: Union[int, Sequence[Union[str, StateFie
     """(sub_group_size, buffers) for ``numel`` elements of the states ``nstates`` (a count of
     fp32 states, or their names or typed fields) within ``max_host_bytes`` of pipeline buffers.
 
-    A given ``sub_group_size`` is rounded up to whole 4 KiB pages of the narrowest state
-    (1024 elements of fp32) so every transfer is O_DIRECT-aligned. Without one, sub-groups
-    are sized for 4 buffers within the bound, and no larger than needed for ~16 sub-groups
-    (a shorter pipeline fill/drain), but not under 256 Ki elements.
+    A given ``sub_group_size`` is rounded up to a multiple of ``elems_per_page(fields)``
+    (1024 elements of fp32, 262144 with a packed int8 field) so every transfer is
+    O_DIRECT-aligned. Without one, sub-groups are sized for 4 buffers within the bound (the
+    fields' bytes, packed blocks included: int8 states fit ~4x the elements of fp32), and no
+    larger than needed for ~16 sub-groups (a shorter pipeline fill/drain), but not under 256
+    Ki elements.
     """
     fields = as_fields(nstates)
     bound = DEFAULT_MAX_HOST_BYTES if max_host_bytes is None else int(max_host_bytes)
@@ -62,13 +66,13 @@ def plan_sub_groups(numel: int, nstates: Union[int, Sequence[Union[str, StateFie
             raise ValueError(f"sub_group_size must be > 0, got {sub_group_size}")
         sg = min(round_up(int(sub_group_size), page), elems_all)
     else:
-        sg = (bound // (4 * bytes_per_element(fields))) // page * page
+        sg = (bound // (4 * fields_bytes(fields, page))) * page  # packed blocks counted by their bytes
         sg = min(sg, max(round_up(-(-numel // _TARGET_GROUPS), page), _MIN_AUTO_GROUP), elems_all)
         if sg < page:
             sg = page  # let the check below explain why the bound is too small
     groups = -(-numel // sg)
     need = min(MIN_BUFFERS, groups)
-    region = sum(round_up(sg * f.itemsize, ALIGN) for f in fields)
+    region = sum(round_up(f.nbytes(sg), ALIGN) for f in fields)
     nbuf = min(bound // region, MAX_BUFFERS, groups)
     if nbuf < need:
         kinds = "/".join(sorted({f.dtype_name for f in fields}))
@@ -77,6 +81,17 @@ def plan_sub_groups(numel: int, nstates: Union[int, Sequence[Union[str, StateFie
             f"({sg} elements x {len(fields)} {kinds} states = {region} bytes each, {need * region} in all); "
             f"raise max_host_bytes to at least {need * region} or lower sub_group_size")
     return sg, nbuf
+
+
+def zero_state(field: StateField, t: torch.Tensor) -> None:
+    """``t`` (``field``'s storage) holds zeros: packed blocks of the zero code with absmax 0,
+    as encoding zeros gives (all-zero bytes would be code 0, which decodes to -0.0)."""
+    if not field.blocked:
+        t.zero_()
+        return
+    blocks = t.view(-1, PACKED_BLOCK)
+    blocks[:, :BLOCK] = zero_code(field.signed)
+    blocks[:, BLOCK:] = 0
 
 
 def pipeline_host_bytes(buffers: int, region_bytes: int) -> int:
@@ -150,15 +165,15 @@ class SwapPipeline:
 
     def tensors(self, g: int, buf: Any) -> List[torch.Tensor]:
         """The state tensors of sub-group ``g`` inside ``buf`` (zero-copy views, each of its
-        field's dtype)."""
+        field's storage dtype: the packed uint8 blocks of a blocked field)."""
         s, e = self.layout.group_range(g)
-        return [buf.tensor(f.dtype, e - s, off)
+        return [buf.tensor(f.storage_dtype, f.storage_numel(e - s), off)
                 for f, (off, _, _) in zip(self.layout.fields, self.layout.state_spans(g))]
 
     def zero(self, g: int, buf: Any) -> None:
         """Fill ``g``'s states in ``buf`` with zeros (a sub-group never written)."""
-        for t in self.tensors(g, buf):
-            t.zero_()
+        for f, t in zip(self.layout.fields, self.tensors(g, buf)):
+            zero_state(f, t)
 
     def verify_helpers(self) -> Tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         """(read, write) helper threads for checksums, made at the first verified step.

@@ -212,14 +212,15 @@ class SwapStore:
             raise ValueError(f"{path}: swap format version {m.get('version')!r}, this offload reads {FORMAT_VERSION}; "
                              "clean the directory (`offload clean`) and start again")
         check_manifest(m, path, nstates=self.layout.nstates, verify_block=VERIFY_BLOCK,
-                       itemsizes=[f.itemsize for f in self.fields])
+                       fields=self.fields)
         found = m.get("identity")
         if self.identity is not None and found is not None and found["digest"] != self.identity["digest"]:
             raise ValueError(f"{path}: swap directory holds the states of other params ({found.get('summary')}; "
                              f"this optimizer has {self.identity['summary']})")
         m.setdefault("dtypes", [m["dtype"]] * len(m["states"]))  # before typed fields: one dtype for all
+        m.setdefault("blocks", [0] * len(m["states"]))  # fp32/bf16 states: written without the key
         expect = {"run": self.run_name, "rank": self.rank, "dtype": self.layout.dtype_name,
-                  "dtypes": self.layout.dtype_names,
+                  "dtypes": self.layout.dtype_names, "blocks": [f.block for f in self.fields],
                   "numel": self.layout.numel, "states": self.state_names,
                   "sub_group_size": self.layout.sub_group_size, "ranges": self.layout.ranges()}
         for key, want in expect.items():
@@ -243,16 +244,15 @@ class SwapStore:
         m = {
             "format": FORMAT, "version": FORMAT_VERSION, "run": self.run_name, "rank": self.rank,
             "pid": os.getpid(), "dtype": self.layout.dtype_name, "dtypes": self.layout.dtype_names,
-            "numel": self.layout.numel,
-            "states": self.state_names, "sub_group_size": self.layout.sub_group_size,
+            "numel": self.layout.numel, "states": self.state_names, "sub_group_size": self.layout.sub_group_size,
             "ranges": self.layout.ranges(), "region_bytes": self.layout.region_bytes,
             "files": list(SLOT_FILES), "step": self.step, "slots": self.slots, "valid": self.valid,
             "verify": self.verify, "verify_block": VERIFY_BLOCK,
             "checksums": {str(k): v for k, v in self.checksums.items()} if self.verify else None,
-            "extra": self.extra,
+            "extra": self.extra, **({"identity": self.identity} if self.identity is not None else {}),
+            # packed int8 blocks ([Note: block-wise 8-bit states] in kernels/quant.py); absent: none
+            **({"blocks": [f.block for f in self.fields]} if any(f.blocked for f in self.fields) else {}),
         }
-        if self.identity is not None:
-            m["identity"] = self.identity
         try:
             n = fsutil.write_json_atomic(self.path, MANIFEST, m)
         except OSError as exc:

@@ -29,6 +29,7 @@ import torch
 
 from offload.io import open_file
 from offload.kernels.fields import ADAM, StateField, field_names
+from offload.kernels.quant import BLOCK
 from offload.swap.checkpoint import (stream_groups, load_store, load_tensors, read_manifest, save_store, save_tensors,
                                      verify_checkpoint)
 from offload.swap.ckpt_dir import CKPT_MANIFEST, DirLock
@@ -50,14 +51,14 @@ IN_PLACE_FIELDS: Tuple[StateField, ...] = ADAM.fields
 def checkpoint_fields(manifest: Dict[str, Any]) -> Tuple[StateField, ...]:
     """The typed fields a checkpoint manifest holds: its ``fields`` (names and dtypes), or,
     in a manifest of the previous release, its ``states`` all of its one ``dtype``."""
-    if isinstance(manifest.get("fields"), list):
+    if isinstance(manifest.get("fields"), list):  # with each field's block (packed int8 states)
         return tuple(StateField.from_description(d) for d in manifest["fields"])
     return tuple(StateField.from_description({"name": n, "dtype": manifest.get("dtype", "float32")})
                  for n in manifest.get("states") or [])
 
 
 def _describe(fields: Sequence[StateField]) -> str:
-    names = ", ".join(f"{f.name} ({f.dtype_name})" for f in fields)
+    names = ", ".join(f"{f.name} ({f.dtype_name}{' in blocks of %d' % f.block if f.block else ''})" for f in fields)
     if any(f.name == "master" for f in fields):
         return f"{names}: the flat store's (fp16/bf16 or device params, or stage 1/2)"
     return f"{names}: fp32 CPU params updated in place (stage 0, offload='none', 'cpu' or 'nvme')"
@@ -65,9 +66,12 @@ def _describe(fields: Sequence[StateField]) -> str:
 
 def save_shards(directory: str, groups: List[FlatGroup], *, world: int, rank: int, meta: Dict[str, Any],
                 process_group: Any = None) -> None:
-    states = {f.name: [fg.state(f.name) for fg in groups if fg.layout.shard] for f in _fields_of(groups)}
+    fields = _fields_of(groups)
+    states = {f.name: [fg.state(f.name) for fg in groups if fg.layout.shard] for f in fields}
     full_meta = dict(meta, kind="flat", world=world, rank=rank, groups=[list(fg.layout.numels) for fg in groups])
-    _save_on_every_rank(lambda agree: save_tensors(_rank_dir(directory, rank), states, full_meta, agree=agree),
+    numel = sum(fg.layout.shard for fg in groups)  # packed blocks: shards of whole blocks, end to end
+    _save_on_every_rank(lambda agree: save_tensors(_rank_dir(directory, rank), states, full_meta, agree=agree,
+                                                   fields=fields, numel=numel),
                         full_meta, directory, world, process_group)
 
 
@@ -135,7 +139,9 @@ def _flat_meta(directory: str, mine: List[List[int]],
     theirs = checkpoint_fields(manifest)
     if theirs != tuple(fields):  # first: the other kind of store groups its params otherwise too
         raise ValueError(f"{directory}: the checkpoint holds {_describe(theirs)}; this optimizer keeps "
-                         f"{_describe(fields)}: load it with an optimizer of the kind that saved it")
+                         f"{_describe(fields)}: load it with an optimizer of the kind that saved it (the same "
+                         "state_dtype / master_dtype); to convert, move its state_dict() (float32, torch's "
+                         "layout) into this one with load_state_dict()")
     first = manifest.get("meta", {})
     old_world = int(first.get("world", 0))
     if first.get("kind") != "flat" or first.get("groups") != mine or old_world < 1:
@@ -175,7 +181,7 @@ def check_shards(directory: str, layouts: Sequence[FlatLayout], *, engine: Any =
     olds = _old_layouts(mine, old_world)
     for r in _needed(layouts, olds):
         path = os.path.join(directory, f"rank{r}")
-        m = verify_checkpoint(path, list(field_names(fields)), sum(lay.shard for lay in olds[r]), io_engine=engine,
+        m = verify_checkpoint(path, list(fields), sum(lay.shard for lay in olds[r]), io_engine=engine,
                               stage=stage)
         _check_rank_meta(path, m.get("meta") or {}, r, old_world, first)
     return first
@@ -190,10 +196,10 @@ def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
     first, old_world = _flat_meta(directory, mine, fields)
     olds = _old_layouts(mine, old_world)
     for r in _needed([fg.layout for fg in groups], olds):
-        scratch = {f.name: [torch.empty(lay.shard, dtype=f.dtype) for lay in olds[r] if lay.shard]
-                   for f in fields}
+        scratch = {f.name: [torch.empty(f.storage_numel(lay.shard), dtype=f.storage_dtype) for lay in olds[r]
+                            if lay.shard] for f in fields}
         path = os.path.join(directory, f"rank{r}")
-        _check_rank_meta(path, load_tensors(path, scratch), r, old_world, first)
+        _check_rank_meta(path, load_tensors(path, scratch, fields=fields), r, old_world, first)
         it = {k: iter(v) for k, v in scratch.items()}
         for fg, lay in zip(groups, olds[r]):
             if not lay.shard:
@@ -202,9 +208,11 @@ def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
             o0, o1 = lay.shard_range()
             n0, n1 = fg.layout.shard_range()
             a, b = max(o0, n0), min(o1, n1, fg.layout.total)
-            if a < b:
-                for k in scratch:
-                    getattr(fg, k)[a - n0:b - n0].copy_(src[k][a - o0:b - o0])
+            if a < b:  # packed blocks: whole blocks (shards of whole blocks), the last one partial
+                for f in fields:
+                    n = f.storage_numel(b - a)
+                    dst, at = fg.state(f.name), f.storage_offset(a - n0)
+                    dst[at:at + n].copy_(src[f.name][f.storage_offset(a - o0):][:n])
     return first
 
 
@@ -218,6 +226,23 @@ def save_shards_from_store(directory: str, store: Any, buffers: List[Any], *, la
     full_meta = dict(meta, kind="flat", world=world, rank=rank, groups=[list(lay.numels) for lay in layouts])
     _save_on_every_rank(lambda agree: save_store(store, buffers, _rank_dir(directory, rank), full_meta, agree=agree),
                         full_meta, directory, world, process_group, before)
+
+
+def _bases(layouts: Sequence[FlatLayout], fields: Sequence[StateField], directory: str) -> List[int]:
+    """Where each group's shard starts in a rank's element space (its files, its swap store),
+    and the end: end to end; on whole blocks with packed int8 fields ([Note: blocks in the
+    swap space] in optim/swapped_shards.py), which reshard N -> M as they are only when every
+    shard is whole blocks (so that no block straddles two ranks)."""
+    unit = BLOCK if any(f.blocked for f in fields) else 1
+    if unit > 1 and any(lay.shard % unit for lay in layouts if lay.shard):
+        raise ValueError(f"{directory}: states in blocks of {unit} move to another world size only with shards of "
+                         f"whole blocks; these shards have {[lay.shard for lay in layouts]} elements")
+    out, total = [], 0
+    for lay in layouts:
+        total = -(-total // unit) * unit
+        out.append(total)
+        total += lay.shard
+    return out + [total]
 
 
 @contextlib.contextmanager
@@ -249,19 +274,14 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
         return first, written
     names = list(field_names(fields))
     olds = _old_layouts(mine, old_world)
-    old_base = [0]
-    for lay in olds[0]:
-        old_base.append(old_base[-1] + lay.shard)
-    new_base = [0]
-    for lay in layouts:
-        new_base.append(new_base[-1] + lay.shard)
+    old_base, new_base = _bases(olds[0], fields, directory), _bases(layouts, fields, directory)
     need = _needed(layouts, olds)
     files: Dict[Tuple[int, str], Any] = {}
     engine, layout = store.engine, store.layout
     try:
         for r in need:
             path = os.path.join(directory, f"rank{r}")
-            m = verify_checkpoint(path, names, old_base[-1], io_engine=engine, stage=buffers[0].memoryview)
+            m = verify_checkpoint(path, list(fields), old_base[-1], io_engine=engine, stage=buffers[0].memoryview)
             _check_rank_meta(path, m.get("meta") or {}, r, old_world, first)
             for name in names:
                 files[(r, name)] = open_file(os.path.join(path, m["files"][name]), write=False, direct=False)
@@ -269,7 +289,7 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
 
         def process(g: int, buf: Any) -> None:
             s, e = layout.group_range(g)
-            stride = layout.state_bytes(g)
+            spans = layout.state_spans(g)  # each field's place in the region (fields of any size)
             view = buf.memoryview
             view[:layout.group_bytes(g)] = bytes(layout.group_bytes(g))  # padding stays zero
             for k, lay in enumerate(layouts):
@@ -284,7 +304,7 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
                         continue
                     for j, f in enumerate(fields):
                         file_off = f.nbytes(old_base[k] + x - o0)
-                        at = j * stride + f.nbytes(a - s + x - pos0)
+                        at = spans[j][0] + f.nbytes(a - s + x - pos0)
                         dst = view[at:at + f.nbytes(y - x)]
                         name = f.name
                         got = engine.read(files[(r, name)], file_off, dst)

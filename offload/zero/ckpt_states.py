@@ -17,13 +17,14 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from offload.kernels.fields import StateField
+from offload.kernels.quant import BLOCK
 from offload.swap.checkpoint import load_store, load_tensors, save_tensors
 from offload.swap.ckpt_dir import CKPT_MANIFEST, retire_single_directory
 from offload.zero.checkpoint import (IN_PLACE_FIELDS, _check_rank_meta, _flat_meta, _rank_dir, _save_on_every_rank,
                                      fill_store_from_shards, reading_shards, save_shards_from_store)
 from offload.zero.partition import FlatLayout
 
-__all__ = ["save_states", "load_states", "save_store_states", "fill_store_states"]
+__all__ = ["save_states", "load_states", "save_store_states", "fill_store_states", "stage0_numel"]
 
 
 def _meta(numels: Sequence[int], meta: Dict[str, Any]) -> Dict[str, Any]:
@@ -36,10 +37,25 @@ def _single(directory: str) -> bool:
             and os.path.lexists(os.path.join(directory, CKPT_MANIFEST)))
 
 
-def save_states(directory: str, numels: Sequence[int], states: Dict[str, List[Any]], meta: Dict[str, Any]) -> str:
-    """Host tensors (name -> one tensor per param, in order) as ``DIR/rank0/``."""
+def stage0_numel(numels: Sequence[int], fields: Sequence[StateField]) -> int:
+    """Elements of stage 0's element space: the params end to end, each on whole blocks with
+    packed int8 fields (as SwappedState lays them out: a param's packed blocks are its own,
+    the bytes of the host store's per-param tensors one after the other)."""
+    unit = BLOCK if any(f.blocked for f in fields) else 1
+    total = 0
+    for n in numels:
+        total = -(-total // unit) * unit + int(n)
+    return total
+
+
+def save_states(directory: str, numels: Sequence[int], states: Dict[str, List[Any]], meta: Dict[str, Any],
+                fields: Optional[Sequence[StateField]] = None) -> str:
+    """Host tensors (name -> one tensor per param, in order) as ``DIR/rank0/``; ``fields``:
+    their typed fields (needed for packed int8 tensors, laid out as ``stage0_numel`` says)."""
     full = _meta(numels, meta)
-    _save_on_every_rank(lambda agree: save_tensors(_rank_dir(directory, 0), states, full, agree=agree),
+    numel = None if fields is None else stage0_numel(numels, fields)
+    _save_on_every_rank(lambda agree: save_tensors(_rank_dir(directory, 0), states, full, agree=agree,
+                                                   fields=fields, numel=numel),
                         full, directory, 1, None)
     retire_single_directory(directory)
     return os.path.abspath(directory)
@@ -65,7 +81,7 @@ def load_states(directory: str, numels: Sequence[int], scratch: Dict[str, List[A
         if world != 1:
             raise ValueError(f"{directory}: a checkpoint of {world} ranks' shards; fp32 params updated in place "
                              "save one (rank0/)")
-        _check_rank_meta(path, load_tensors(path, scratch), 0, 1, first)
+        _check_rank_meta(path, load_tensors(path, scratch, fields=fields), 0, 1, first)
     return first
 
 

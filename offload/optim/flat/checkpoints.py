@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from offload.optim.context import StepCounts
+from offload.optim.flat.swapped import swap_fields
 from offload.zero import comm
 from offload.zero.checkpoint import check_shards, fill_store_from_shards, load_shards, save_shards, save_shards_from_store
 
@@ -62,7 +63,7 @@ def load_checkpoint(st: "FlatState", directory: str) -> None:
 
     if st._swap is not None:
         try:
-            fields = st.rule.with_master()
+            fields = swap_fields(st)
             st._swap.load_checkpoint(lambda store, bufs: fill_store_from_shards(directory, layouts, store, bufs,
                                                                                 fields),
                                      loaded_steps, vote=st._swap_vote)
@@ -80,14 +81,14 @@ def load_checkpoint(st: "FlatState", directory: str) -> None:
             set_steps(st, steps_before)
             return "nothing was loaded on any rank"
 
-        comm.all_or_none(lambda: check_shards(directory, layouts, fields=st.rule.with_master()), loaded_steps, undo, what, st._swap_vote)
+        comm.all_or_none(lambda: check_shards(directory, layouts, fields=swap_fields(st)), loaded_steps, undo, what, st._swap_vote)
         return
     _load_host(st, directory, layouts, what, loaded_steps)
 
 
 def _load_host(st: "FlatState", directory: str, layouts, what: str, loaded_steps) -> None:
     """Host buffers: every file checked on every rank first, then read into the buffers."""
-    comm.on_every_rank(lambda: check_shards(directory, layouts, fields=st.rule.with_master()), what + " (nothing was loaded on any rank)",
+    comm.on_every_rank(lambda: check_shards(directory, layouts, fields=swap_fields(st)), what + " (nothing was loaded on any rank)",
                        st.group, st.world)
     half = "the optimizer state is incomplete until it is loaded again"
 

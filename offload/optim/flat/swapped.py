@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from offload.optim.swapped_shards import WorkItem
     from offload.optim.flat.store import FlatState
 
-__all__ = ["open_swap", "params_from_swap", "SwapBacking"]
+__all__ = ["open_swap", "params_from_swap", "SwapBacking", "swap_fields"]
 
 
 def open_swap(st: "FlatState", cfg: Any) -> None:
@@ -50,8 +50,8 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
                                  max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
                                  verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
                                  backend=st._backend, num_threads=st._threads, rank=st.rank,
-                                 run_name="flat", vote=st._swap_vote, fields=st.rule.with_master(),
-                                 rule=st.rule)
+                                 run_name="flat", vote=st._swap_vote, fields=swap_fields(st),
+                                 rule=st.rule, stochastic_states=getattr(st, "stochastic_states", False))
         if st._swap.resumed:  # resume="auto" chose, "discard" never resumes ([Note: restarts] in swap/runs)
             # The master of the last finished step is the truth: steps and params follow it.
             st._set_steps(st._swap.resumed_extra.get("steps") or [])
@@ -71,10 +71,18 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
         raise
 
 
+def swap_fields(st: "FlatState") -> Any:
+    """What the flat groups keep per element, in host buffers or swap files and checkpoints:
+    the master and the rule's states (no master when bf16 params are their own,
+    master_dtype="bfloat16": the flat groups say)."""
+    return st._groups[0].fields if st._groups else st.rule.with_master()
+
+
 def params_from_swap(st: "FlatState") -> None:
-    """Every param <- its master in the swap files (resume, load_checkpoint)."""
+    """Every param <- its master in the swap files (resume, load_checkpoint); without a
+    master in them (bf16 params that are their own) the params are the truth already."""
     def emit() -> None:
-        if st._swap is not None:
+        if st._swap is not None and st._swap.has_master:
             outs, posts = st._sink.all_outputs(st._groups)
             st._swap.emit_all(outs)
             for post in posts:
