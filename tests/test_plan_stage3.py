@@ -353,3 +353,19 @@ def test_cli_bad_values():
         with pytest.raises(SystemExit) as e:
             _cli("plan", "--params", "1B", "--stage", "3", "--prefetch", "-1")
     assert e.value.code == 2
+
+
+def test_host_memory_flat_as_the_model_grows():
+    # params and states on NVMe, max_host_bytes 2 GiB, 25M-param units: from 1B params on, the
+    # swap pipeline fills its bound and nothing else on the host depends on the model's size
+    host = []
+    for n in ("1B", "2B", "8B"):
+        plan = estimate(n, stage=3, offload="nvme", offload_params="nvme", param_device="cpu", param_dtype="bf16",
+                        max_host_bytes="2GiB", unit_params="25M")
+        b = plan.breakdown["pageable"]
+        assert plan.inputs["swap"]["host_bytes"] <= 2 * GiB
+        chunk = 25_000_192                                          # 25M rounded up to 256
+        staging = 2 * chunk * 2 + 2 * chunk * 2                     # 2 param chunks + 2 grad chunks, bf16
+        assert plan.host_bytes == plan.inputs["swap"]["host_bytes"] + staging + b["live_params"] + b["live_grads"]
+        host.append(plan.host_bytes)
+    assert host[0] == host[1] == host[2]
