@@ -8,7 +8,7 @@ exp_avg_sq: K = 12) and divides them per stage over the N_d data-parallel ranks:
     stage 0 (DP):        (2 + 2 + K) Ψ
     stage 1 (P_os):      (2 + 2) Ψ + K Ψ / N_d
     stage 2 (P_os+g):    2 Ψ + (2 + K) Ψ / N_d
-    stage 3 (P_os+g+p):  (2 + 2 + K) Ψ / N_d            (not offered yet: no param offload)
+    stage 3 (P_os+g+p):  (2 + 2 + K) Ψ / N_d
 
 This module keeps that arithmetic (``zero_paper_bytes``) and then places each piece on the
 tier where *this* engine keeps it, adding the buffers the engine itself allocates:
@@ -24,8 +24,11 @@ tier where *this* engine keeps it, adding the buffers the engine itself allocate
   and per-bucket buffers for the collectives when N_d > 1;
 - only buffers a DMA engine touches are pinned, and only when CUDA is present (see
   ``buffer_tiers``): the moments and the shards of several ranks stay pageable;
-- the model's params and grads stay whole on every rank: ``p.grad`` keeps torch's meaning
-  and is not freed after the reduce-scatter, so stage 2 saves host memory, not device memory.
+- at stages 0-2 the model's params and grads stay whole on every rank: ``p.grad`` keeps
+  torch's meaning and is not freed after the reduce-scatter, so stage 2 saves host memory,
+  not device memory, unless ``release_grads`` ([Note: release grads] in ``stage3``);
+- stage 3 (``offload.shard``: params, grads and states partitioned, params optionally
+  offloaded) is placed by ``stage3.place_stage3``, see [Note: stage 3 bytes] there.
 
 See [Note: which store] in ``estimate`` for the exact rules, taken from offload/optim.
 
