@@ -108,12 +108,15 @@ def test_by_hand_bf16_cpu_params():
     assert (sh["units"], sh["chunk_max"], sh["shard_numel"], sh["gathered_max"]) == (3, 1536, 3840, 4608)
     assert (sh["window_numel"], sh["window_units"]) == (9216, 2)
     assert plan.inputs["shard_numel"] == 3840 and plan.inputs["separate_master"] is True
-    assert b["live_params"] == 9216 * 2 and b["live_grads"] == 4608 * 2
-    assert b["comm_buffers"] == 1536 * 2                 # the reduce-scatter output
+    assert b["live_params"] == 9216 * 2 and b["live_grads"] == 4000 * 2    # the largest unit's grads, bf16
+    # the bucketed float32 reduce-scatter, 2 buckets in flight of c = min(1536, 4 Mi / 3) = 1536:
+    # send 3 x c + output c, 4 B each
+    assert b["comm_buffers"] == 2 * (3 * 1536 + 1536) * 4 == 49_152
     assert b["params"] == b["grads"] == 3840 * 2         # this rank's shards
     assert b["master"] == b["exp_avg"] == b["exp_avg_sq"] == 3840 * 4
-    assert plan.per_rank == {"device": 0, "pinned": 0, "pageable": 92_160, "nvme": 0}
-    assert plan.optimizer_bytes["pageable"] == 3 * 3840 * 4 + 1536 * 2
+    assert plan.per_rank == {"device": 0, "pinned": 0, "pageable": 18_432 + 8_000 + 49_152 + 15_360 + 46_080,
+                             "nvme": 0}
+    assert plan.optimizer_bytes["pageable"] == 3 * 3840 * 4 + 49_152
 
 
 def test_by_hand_fp32_cpu_params_are_their_own_master():
@@ -128,9 +131,9 @@ def test_by_hand_device_params_offloaded_to_host():
     plan = _small(param_dtype="bf16", offload_params="cpu")   # CUDA assumed for device params
     d, p = plan.breakdown["device"], plan.breakdown["pinned"]
     # window + unit grads + reduce-scatter output + (1 + prefetch) host-to-device staging chunks
-    assert d["live_params"] == 18_432 and d["live_grads"] == 9_216
-    assert d["comm_buffers"] == 1536 * 2 + 2 * 1536 * 2
-    assert plan.per_rank["device"] == 18_432 + 9_216 + 3_072 + 6_144
+    assert d["live_params"] == 18_432 and d["live_grads"] == 8_000
+    assert d["comm_buffers"] == 49_152 + 2 * 1536 * 2
+    assert plan.per_rank["device"] == 18_432 + 8_000 + 49_152 + 6_144
     # the copy engine reads the param shards and writes the grad shards: pinned
     assert p["params"] == p["grads"] == 3840 * 2 and plan.per_rank["pinned"] == 15_360
     assert plan.per_rank["pageable"] == 3 * 3840 * 4
@@ -141,7 +144,7 @@ def test_by_hand_device_params_offloaded_to_host():
 def test_by_hand_device_params_on_the_device():
     plan = _small(param_dtype="bf16", offload_params="none")
     d = plan.breakdown["device"]
-    assert d["params"] == 3840 * 2 and d["comm_buffers"] == 1536 * 2      # no staging: the shard is there
+    assert d["params"] == 3840 * 2 and d["comm_buffers"] == 49_152        # no staging: the shard is there
     assert plan.breakdown["pinned"]["lowp_buffers"] == 3840 * 2         # the update's way to the device
     assert plan.breakdown["pinned"]["grads"] == 3840 * 2
 
@@ -366,6 +369,7 @@ def test_host_memory_flat_as_the_model_grows():
         assert plan.inputs["swap"]["host_bytes"] <= 2 * GiB
         chunk = 25_000_192                                          # 25M rounded up to 256
         staging = 2 * chunk * 2 + 2 * chunk * 2                     # 2 param chunks + 2 grad chunks, bf16
+        assert b["live_grads"] == 25_000_000 * 2
         assert plan.host_bytes == plan.inputs["swap"]["host_bytes"] + staging + b["live_params"] + b["live_grads"]
         host.append(plan.host_bytes)
     assert host[0] == host[1] == host[2]

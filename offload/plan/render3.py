@@ -60,8 +60,8 @@ def sharding_explain_lines(plan: Any) -> List[str]:
         f"S = sum chunk_i = {sh['shard_numel']:,} elements per rank (largest chunk {sh['chunk_max']:,})",
         f"  live window ({'device' if i['param_device'] != 'cpu' else 'host memory'}): the 1 + prefetch largest "
         f"gathered units (N_d x chunk_i, {i['param_dtype']}) within max_live = {sh['window_numel']:,} elements; "
-        f"plus the full grads of the largest unit while reduce-scattered ({sh['gathered_max']:,} elements, "
-        f"{i['grad_dtype']})",
+        f"plus the full grads of the largest unit while reduce-scattered ({sh['unit_numel_max']:,} elements, "
+        f"{i['grad_dtype']}) and, with N_d > 1, the float32 buckets of the reduce-scatter in flight",
         f"  param shards S x param bytes where offload_params={sh['offload_params']} puts them; grad shards "
         f"S x grad bytes where the states live (offload={i['offload']}); {states}",
         "  NVMe per step: param shards read twice (forward and backward gathers) and written once (the update), "

@@ -11,9 +11,12 @@ keeps chunk_i of each unit: its shard S = sum chunk_i elements. Per rank:
   units in the param dtype, the current one and ``prefetch`` more (default 1), the largest
   ones counted, never more than ``max_live_params`` (or ``max_live_bytes``) unless one unit
   alone is bigger (then that unit alone); a gathered unit is N_d x chunk_i elements;
-- the full grads of the unit being reduced (the largest, padded, grad dtype), freed once
-  reduce-scattered; with N_d > 1 the reduce-scatter output (chunk_max, grad dtype) on the
-  collective's device; for device params whose shards live in host memory or on NVMe, the
+- the full grads of the unit being reduced (the largest, u_max elements in the grad dtype:
+  autograd's), freed once reduce-scattered; with N_d > 1 the reduction is bucketed as the
+  stage-2 path's (``FlatState.bucket_numel`` elements, ``FlatState.inflight`` buckets in
+  flight, summed in float32): per bucket a send buffer of N_d x c and an output of c float32
+  elements, c = min(chunk_max, bucket_numel / N_d), on the collective's device; for
+  device params whose shards live in host memory or on NVMe, the
   host-to-device staging of the shards being gathered (1 + prefetch) x chunk_max (param
   dtype) on the device;
 - the param shards, S x param bytes: on the compute tier (``offload_params="none"``), in
@@ -62,6 +65,7 @@ PARAM_OFFLOADS = ("none", "cpu", "nvme")
 DEFAULT_UNITS = 32        # without a unit size: a 32-layer transformer's blocks
 CHUNK_ALIGN = 256         # a unit's per-rank chunk: a whole number of compressed-state blocks
 DEFAULT_PREFETCH = 1
+REDUCE_BYTES = 4          # a unit's grads are summed across ranks in float32
 
 
 @dataclass(frozen=True)
@@ -198,9 +202,13 @@ def _place_window(s: Any, opts: ShardOptions, lay: Dict[str, Any], w: _Where, B:
         notes.append(f"the largest unit ({lay['gathered_max']:,} elements gathered) exceeds the live-window bound "
                      f"({cap:,}): it is gathered alone")
     B[w.compute]["live_params"] = live * s.pb
-    B[w.compute]["live_grads"] = lay["gathered_max"] * s.gb
-    if s.world_size > 1:
-        B[w.compute]["comm_buffers"] += cmax * s.gb          # the reduce-scatter output
+    B[w.compute]["live_grads"] = lay["unit_numel_max"] * s.gb
+    if s.world_size > 1 and cmax:
+        from offload.optim.flat_state import FlatState
+
+        # the bucketed float32 reduce-scatter: send and output buffers of each bucket in flight
+        c = max(1, min(cmax, FlatState.bucket_numel // s.world_size))
+        B[w.compute]["comm_buffers"] += FlatState.inflight * (s.world_size * c + c) * REDUCE_BYTES
     if not s.on_cpu and opts.offload_params != "none":
         B["device"]["comm_buffers"] += depth * cmax * s.pb   # host-to-device staging of the shards
     return {"window_numel": live, "window_units": nlive}
