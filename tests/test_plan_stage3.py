@@ -94,10 +94,11 @@ def test_device_target_stage3_within_the_papers_figure(offload, offload_params):
 # --------------------------------------------------------------------------- by hand
 
 def _small(**kw):
-    # 10,000 params in units of 4,000: [4000, 4000, 2000] on 3 ranks. chunk = ceil(u / 3)
-    # rounded up to 256: 1334 -> 1536, 667 -> 768; S = 1536 + 1536 + 768 = 3,840; gathered
-    # units 4,608, 4,608, 2,304; live window (prefetch 1) = the two largest = 9,216
-    args = dict(world_size=3, stage=3, offload="cpu", unit_params=4000)
+    # 10,000 params: a root unit of 1,000 and units of 4,000, 3,000 and 2,000 on 3 ranks.
+    # chunk = ceil(u / 3) rounded up to 256: 334 -> 512, 1334 -> 1536, 1000 -> 1024,
+    # 667 -> 768; S = 512 + 1536 + 1024 + 768 = 3,840; gathered: root 1,536, units 4,608,
+    # 3,072, 2,304; live window (prefetch 1) = the root and the two largest = 9,216
+    args = dict(world_size=3, stage=3, offload="cpu", unit_params=[1000, 4000, 3000, 2000])
     args.update(kw)
     return estimate(10_000, **args)
 
@@ -106,15 +107,17 @@ def test_by_hand_bf16_cpu_params():
     plan = _small(param_device="cpu", param_dtype="bf16")
     sh, b = plan.sharding, plan.breakdown["pageable"]
     assert (sh["units"], sh["chunk_max"], sh["shard_numel"], sh["gathered_max"]) == (3, 1536, 3840, 4608)
+    assert (sh["root_numel"], sh["root_gathered"]) == (1000, 1536)
     assert (sh["window_numel"], sh["window_units"]) == (9216, 2)
     assert plan.inputs["shard_numel"] == 3840 and plan.inputs["separate_master"] is True
-    assert b["live_params"] == 9216 * 2 and b["live_grads"] == 4000 * 2    # the largest unit's grads, bf16
+    # the grads of the root and of the largest unit, bf16
+    assert b["live_params"] == 9216 * 2 and b["live_grads"] == (1000 + 4000) * 2
     # the bucketed float32 reduce-scatter, 2 buckets in flight of c = min(1536, 4 Mi / 3) = 1536:
     # send 3 x c + output c, 4 B each
     assert b["comm_buffers"] == 2 * (3 * 1536 + 1536) * 4 == 49_152
     assert b["params"] == b["grads"] == 3840 * 2         # this rank's shards
     assert b["master"] == b["exp_avg"] == b["exp_avg_sq"] == 3840 * 4
-    assert plan.per_rank == {"device": 0, "pinned": 0, "pageable": 18_432 + 8_000 + 49_152 + 15_360 + 46_080,
+    assert plan.per_rank == {"device": 0, "pinned": 0, "pageable": 18_432 + 10_000 + 49_152 + 15_360 + 46_080,
                              "nvme": 0}
     assert plan.optimizer_bytes["pageable"] == 3 * 3840 * 4 + 49_152
 
@@ -131,9 +134,9 @@ def test_by_hand_device_params_offloaded_to_host():
     plan = _small(param_dtype="bf16", offload_params="cpu")   # CUDA assumed for device params
     d, p = plan.breakdown["device"], plan.breakdown["pinned"]
     # window + unit grads + reduce-scatter output + (1 + prefetch) host-to-device staging chunks
-    assert d["live_params"] == 18_432 and d["live_grads"] == 8_000
+    assert d["live_params"] == 18_432 and d["live_grads"] == 10_000
     assert d["comm_buffers"] == 49_152 + 2 * 1536 * 2
-    assert plan.per_rank["device"] == 18_432 + 8_000 + 49_152 + 6_144
+    assert plan.per_rank["device"] == 18_432 + 10_000 + 49_152 + 6_144
     # the copy engine reads the param shards and writes the grad shards: pinned
     assert p["params"] == p["grads"] == 3840 * 2 and plan.per_rank["pinned"] == 15_360
     assert plan.per_rank["pageable"] == 3 * 3840 * 4
@@ -157,11 +160,11 @@ def test_one_rank_has_no_collective_buffers():
 
 
 @pytest.mark.parametrize("kw, window, units", [
-    (dict(max_live_params=5000), 4608, 1),                 # the second unit does not fit
-    (dict(max_live_params=5000, prefetch=2), 4608, 1),     # 4608 + 2304 > 5000 either
-    (dict(max_live_params=7000, prefetch=2), 6912, 2),     # the largest and the smallest
-    (dict(max_live_bytes=14_000, prefetch=2), 6912, 2),    # 14,000 B of bf16 = 7,000 elements
-    (dict(prefetch=0), 4608, 1),
+    (dict(max_live_params=7000), 6144, 1),                 # root 1,536 + 4,608; + 3,072 does not fit
+    (dict(max_live_params=7000, prefetch=2), 6144, 1),     # + 2,304 does not either
+    (dict(max_live_params=9000, prefetch=2), 8448, 2),     # the root, the largest and the smallest
+    (dict(max_live_bytes=18_000, prefetch=2), 8448, 2),    # 18,000 B of bf16 = 9,000 elements
+    (dict(prefetch=0), 6144, 1),
     (dict(prefetch=5), 11_520, 3),                         # every unit
 ])
 def test_live_window(kw, window, units):
@@ -172,16 +175,23 @@ def test_live_window(kw, window, units):
 
 def test_a_unit_larger_than_the_bound_is_gathered_alone():
     plan = _small(param_device="cpu", param_dtype="bf16", max_live_params=100)
-    assert plan.sharding["window_numel"] == 4608
-    assert any("exceeds the live-window bound" in n for n in plan.notes)
+    assert plan.sharding["window_numel"] == 1536 + 4608
+    assert any("exceed the live-window bound" in n for n in plan.notes)
+    assert not any("live-window" in n for n in _small(param_device="cpu", max_live_params=6144).notes)
 
 
 def test_exact_unit_sizes_and_the_default():
+    # the root first; a unit of 0 params is none
     plan = estimate(10_000, world_size=3, stage=3, param_device="cpu", unit_params=[4000, 0, 4000, 2000])
     assert plan.sharding["shard_numel"] == 3840 and plan.sharding["units_assumed"] is False
+    assert (plan.sharding["units"], plan.sharding["root_numel"]) == (2, 4000)
+    # one size: the leftover is the root (10,000 = 1,000 + 3 x 3,000)
+    plan = estimate(10_000, world_size=3, stage=3, param_device="cpu", unit_params=3000)
+    assert (plan.sharding["units"], plan.sharding["root_numel"]) == (3, 1000)
     plan = estimate(3200, stage=3, param_device="cpu")     # 32 equal units of 100 -> chunks of 256
     assert (plan.sharding["units"], plan.sharding["shard_numel"]) == (32, 32 * 256)
     assert plan.sharding["units_assumed"] and any("assumed 32 equal units" in n for n in plan.notes)
+    assert plan.sharding["root_numel"] == 0 and plan.sharding["window_numel"] == 2 * 256
 
 
 # --------------------------------------------------------------------------- NVMe and the step
@@ -257,7 +267,8 @@ def test_hf_config_units_are_the_layers(tmp_path):
     rc, out, _ = _cli("plan", "--model-config", str(cfg), "--stage", "3", "--world-size", "8", "--no-probe",
                       "--json")
     sh = json.loads(out)["sharding"]
-    assert rc == 0 and (sh["units"], sh["unit_numel_max"], sh["units_assumed"]) == (33, 262_148_096, False)
+    assert rc == 0 and (sh["units"], sh["unit_numel_max"], sh["units_assumed"]) == (32, 202_383_360, False)
+    assert sh["root_numel"] == 262_148_096
 
 
 def test_hf_units_match_transformers():
@@ -308,7 +319,8 @@ def test_cli_stage3_table_numbers(tmp_path):
     total = next(l.split() for l in out.splitlines() if l.split()[:1] == ["total"])
     assert [float(x) for x in total[1:5]] == [round(plan.per_rank[t] / GiB, 2) for t in TIERS]
     # 100M-param units gathered: 4 x 25,000,192 = 100,000,768 elements; two fit in 250M
-    m = re.search(r"live window: (\d+) gathered unit\(s\) = ([\d,]+) elements \(prefetch 2, bounded by ([\d,]+)", out)
+    m = re.search(r"live window: the root and (\d+) gathered unit\(s\) = ([\d,]+) elements \(prefetch 2, "
+                  r"bounded by ([\d,]+)", out)
     assert m and (int(m[1]), int(m[2].replace(",", "")), m[3]) == (2, 200_001_536, "250,000,000")
     m = re.search(r"forward \+ backward on NVMe: param reads ([\d.]+) GiB .* grad writes ([\d.]+) GiB: at least "
                   r"([\d.]+) ms", out)

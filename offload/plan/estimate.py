@@ -422,7 +422,8 @@ def estimate(
 
     Stage 3 ([Note: stage 3 bytes] in ``stage3``): ``offload_params`` (``"none"``, ``"cpu"``,
     ``"nvme"``: where this rank's param shards live), ``unit_params`` (the fetch units: one size,
-    or every unit's size; default 32 equal units), the live window's bound ``max_live_params``
+    the leftover being the root unit; or every unit's size, the root's first; default 32
+    equal units), the live window's bound ``max_live_params``
     or ``max_live_bytes`` and its ``prefetch`` depth (default 1). ``release_grads`` (stages 0-2,
     device params): grads leave the device once copied to the host ([Note: release grads]).
     """

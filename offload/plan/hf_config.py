@@ -138,7 +138,8 @@ def params_from_hf_config(config: Union[str, "os.PathLike[str]", Mapping[str, An
 
 def unit_sizes_from_hf_config(config: Union[str, "os.PathLike[str]", Mapping[str, Any]]) -> List[int]:
     """The fetch units stage 3 would gather for this model, in params: the root unit (the
-    embeddings, the final norm and an untied LM head: the params outside the decoder layers)
-    first, then one unit per decoder layer (the policy ``unit={DecoderLayer}``)."""
+    embeddings, the final norm and an untied LM head: the params outside the decoder layers,
+    gathered for the whole forward and backward) first, then one unit per decoder layer (the
+    policy ``unit={DecoderLayer}``, or offload.shard's default: the elements of a ModuleList)."""
     rest, per_layer, layers = _parts(config)
     return [rest] + [per_layer] * layers

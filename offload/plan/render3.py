@@ -43,9 +43,10 @@ def sharding_table_lines(plan: Any) -> List[str]:
     bound = "" if sh["max_live_params"] is None else f", bounded by {sh['max_live_params']:,} elements"
     assumed = " (assumed: no unit size given)" if sh["units_assumed"] else ""
     return [
-        f"stage 3: {sh['units']:,} units, the largest {sh['unit_numel_max']:,} params{assumed}; this rank's shard "
-        f"{sh['shard_numel']:,} elements; param shards offload_params={sh['offload_params']}",
-        f"live window: {sh['window_units']} gathered unit(s) = {sh['window_numel']:,} elements "
+        f"stage 3: a root unit of {sh['root_numel']:,} params and {sh['units']:,} units, the largest "
+        f"{sh['unit_numel_max']:,} params{assumed}; this rank's shard {sh['shard_numel']:,} elements; "
+        f"param shards offload_params={sh['offload_params']}",
+        f"live window: the root and {sh['window_units']} gathered unit(s) = {sh['window_numel']:,} elements "
         f"(prefetch {sh['prefetch']}{bound})",
     ] + _io_lines(plan)
 
@@ -56,11 +57,13 @@ def sharding_explain_lines(plan: Any) -> List[str]:
     states = "exp_avg + exp_avg_sq (8 B x S: the fp32 CPU shard is its own master)" if sh["own_master"] else \
         "fp32 master + exp_avg + exp_avg_sq (12 B x S)"
     return [
-        f"  stage 3: {sh['units']:,} fetch units; chunk_i = ceil(u_i / N_d) rounded up to 256 elements; "
+        f"  stage 3: a root unit u_0 = {sh['root_numel']:,} params (gathered for the whole forward and backward) "
+        f"and {sh['units']:,} fetch units; chunk_i = ceil(u_i / N_d) rounded up to 256 elements; "
         f"S = sum chunk_i = {sh['shard_numel']:,} elements per rank (largest chunk {sh['chunk_max']:,})",
-        f"  live window ({'device' if i['param_device'] != 'cpu' else 'host memory'}): the 1 + prefetch largest "
-        f"gathered units (N_d x chunk_i, {i['param_dtype']}) within max_live = {sh['window_numel']:,} elements; "
-        f"plus the full grads of the largest unit while reduce-scattered ({sh['unit_numel_max']:,} elements, "
+        f"  live window ({'device' if i['param_device'] != 'cpu' else 'host memory'}): the root and the 1 + "
+        f"prefetch largest gathered units (N_d x chunk_i, {i['param_dtype']}) within max_live = {sh['window_numel']:,} elements; "
+        f"plus the full grads of the root and the largest unit while reduce-scattered "
+        f"({sh['root_numel'] + sh['unit_numel_max']:,} elements, "
         f"{i['grad_dtype']}) and, with N_d > 1, the float32 buckets of the reduce-scatter in flight",
         f"  param shards S x param bytes where offload_params={sh['offload_params']} puts them; grad shards "
         f"S x grad bytes where the states live (offload={i['offload']}); {states}",

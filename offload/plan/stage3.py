@@ -2,17 +2,19 @@
 ZeRO-Offload device footprint of stages 0-2 (``release_grads``).
 
 [Note: stage 3 bytes]
-``offload.shard`` (issue #16) cuts the model into fetch units u_1..u_m (params each). Each
-unit is one flat buffer padded to N_d x chunk_i, chunk_i = ceil(u_i / N_d) rounded up to 256
+``offload.shard`` (issue #16) cuts the model into fetch units u_1..u_m (params each) and a
+root unit u_0 (the params no unit owns: embeddings, final norm, an untied head; gathered for
+the whole forward and backward, as FSDP2's root). Each unit is one flat buffer padded to N_d x chunk_i, chunk_i = ceil(u_i / N_d) rounded up to 256
 elements (so a compressed state's 256-element block never straddles two ranks); a rank
 keeps chunk_i of each unit: its shard S = sum chunk_i elements. Per rank:
 
 - the *live window* (compute tier: the device, or host memory for CPU params): the gathered
-  units in the param dtype, the current one and ``prefetch`` more (default 1), the largest
-  ones counted, never more than ``max_live_params`` (or ``max_live_bytes``) unless one unit
-  alone is bigger (then that unit alone); a gathered unit is N_d x chunk_i elements;
-- the full grads of the unit being reduced (the largest, u_max elements in the grad dtype:
-  autograd's), freed once reduce-scattered; with N_d > 1 the reduction is bucketed as the
+  root and units in the param dtype, the current unit and ``prefetch`` more (default 1), the
+  largest ones counted, never more than ``max_live_params`` (or ``max_live_bytes``) unless
+  the root and one unit alone are bigger (then those alone); a gathered unit is N_d x chunk_i
+  elements;
+- the full grads of the root and of the unit being reduced (the largest, u_max elements, in
+  the grad dtype: autograd's), freed once reduce-scattered; with N_d > 1 the reduction is bucketed as the
   stage-2 path's (``FlatState.bucket_numel`` elements, ``FlatState.inflight`` buckets in
   flight, summed in float32): per bucket a send buffer of N_d x c and an output of c float32
   elements, c = min(chunk_max, bucket_numel / N_d), on the collective's device; for
@@ -135,31 +137,41 @@ def check_options(*, stage: int, num_params: int, offload_params: Any, unit_para
 
 
 def _units(n: int, opts: ShardOptions) -> Tuple[List[int], bool]:
-    """The unit sizes, and whether they were assumed (no size given)."""
+    """The unit sizes, the root first (the leftover of equal units), and whether they were
+    assumed (no size given)."""
     if opts.units is not None:
-        return [u for u in opts.units if u], False
+        return list(opts.units), False
     size = opts.unit_params if opts.unit_params is not None else max(1, -(-n // DEFAULT_UNITS))
-    return ([size] * (n // size) + ([n % size] if n % size else [])), opts.unit_params is None
+    return [n % size] + [size] * (n // size), opts.unit_params is None
+
+
+def _chunk(u: int, world_size: int) -> int:
+    return -(-(-(-u // world_size)) // CHUNK_ALIGN) * CHUNK_ALIGN   # ceil(u / N_d) rounded up to 256
 
 
 def unit_layout(units: Sequence[int], world_size: int) -> Dict[str, Any]:
-    """Per-rank chunks of each unit (see [Note: stage 3 bytes]); ``gathered``: the padded
-    size of each unit when all-gathered."""
-    chunks = [-(-(-(-u // world_size)) // CHUNK_ALIGN) * CHUNK_ALIGN for u in units]
-    return {"units": len(units), "unit_numel_max": max(units, default=0), "chunk_max": max(chunks, default=0),
-            "shard_numel": sum(chunks), "gathered": [world_size * c for c in chunks],
+    """Per-rank chunks of the root ``units[0]`` and of the other units (see [Note: stage 3
+    bytes]); ``gathered``: the padded size of each other unit when all-gathered."""
+    root, others = units[0], [u for u in units[1:] if u]
+    chunks = [_chunk(u, world_size) for u in others]
+    rc = _chunk(root, world_size)
+    return {"units": len(others), "root_numel": root, "root_gathered": world_size * rc,
+            "unit_numel_max": max(others, default=0), "chunk_max": max(chunks + [rc]),
+            "shard_numel": rc + sum(chunks), "gathered": [world_size * c for c in chunks],
             "gathered_max": world_size * max(chunks, default=0)}
 
 
-def live_window(gathered: Sequence[int], prefetch: int, max_live: Optional[int]) -> Tuple[int, int]:
-    """(elements, units) of the live window: the largest 1 + ``prefetch`` units, each one
-    added while the sum stays within ``max_live`` (the largest always: it must be gathered)."""
+def live_window(root: int, gathered: Sequence[int], prefetch: int, max_live: Optional[int]) -> Tuple[int, int]:
+    """(elements, units besides the root) of the live window: the gathered root and the
+    largest 1 + ``prefetch`` units, each one after the first added while the sum stays
+    within ``max_live`` (the root and one unit always: they must be gathered)."""
     top = sorted(gathered, reverse=True)[:1 + prefetch]
-    live = top[:1]
+    live = root + sum(top[:1])
+    n = len(top[:1])
     for g in top[1:]:
-        if max_live is None or sum(live) + g <= max_live:
-            live.append(g)
-    return sum(live), len(live)
+        if max_live is None or live + g <= max_live:
+            live, n = live + g, n + 1
+    return live, n
 
 
 def _fields(own_master: bool):
@@ -197,12 +209,13 @@ def _place_window(s: Any, opts: ShardOptions, lay: Dict[str, Any], w: _Where, B:
     """The gathered units, their grads and the collective's buffers."""
     cmax, depth = lay["chunk_max"], 1 + opts.prefetch
     cap = _max_live(s, opts)
-    live, nlive = live_window(lay["gathered"], opts.prefetch, cap)
-    if cap is not None and lay["gathered_max"] > cap:
-        notes.append(f"the largest unit ({lay['gathered_max']:,} elements gathered) exceeds the live-window bound "
-                     f"({cap:,}): it is gathered alone")
+    live, nlive = live_window(lay["root_gathered"], lay["gathered"], opts.prefetch, cap)
+    least = lay["root_gathered"] + lay["gathered_max"]
+    if cap is not None and least > cap:
+        notes.append(f"the root and the largest unit ({least:,} elements gathered) exceed the live-window bound "
+                     f"({cap:,}): they are gathered without prefetch")
     B[w.compute]["live_params"] = live * s.pb
-    B[w.compute]["live_grads"] = lay["unit_numel_max"] * s.gb
+    B[w.compute]["live_grads"] = (lay["root_numel"] + lay["unit_numel_max"]) * s.gb
     if s.world_size > 1 and cmax:
         from offload.optim.flat_state import FlatState
 
