@@ -61,7 +61,8 @@ def sharding_explain_lines(plan: Any) -> List[str]:
         f"and {sh['units']:,} fetch units; chunk_i = ceil(u_i / N_d) rounded up to 256 elements; "
         f"S = sum chunk_i = {sh['shard_numel']:,} elements per rank (largest chunk {sh['chunk_max']:,})",
         f"  live window ({'device' if i['param_device'] != 'cpu' else 'host memory'}): the root and the 1 + "
-        f"prefetch largest gathered units (N_d x chunk_i, {i['param_dtype']}) within max_live = {sh['window_numel']:,} elements; "
+        f"prefetch largest gathered units (N_d x chunk_i, {i['param_dtype']}), bounded by max_live: "
+        f"{sh['window_numel']:,} elements; "
         f"plus the full grads of the root and the largest unit while reduce-scattered "
         f"({sh['root_numel'] + sh['unit_numel_max']:,} elements, "
         f"{i['grad_dtype']}) and, with N_d > 1, the float32 buckets of the reduce-scatter in flight",
