@@ -33,11 +33,13 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=integer(1), default=1, help="data-parallel ranks N_d (default 1)")
     p.add_argument("--stage", type=integer(0, 3), default=0,
                    help="ZeRO stage 0, 1, 2 or 3 (3: params partitioned, offload.shard) (default 0)")
-    p.add_argument("--offload", default="none", help="where the optimizer states live: none, cpu or nvme (default none)")
+    p.add_argument("--offload", default="none",
+                   help="where the optimizer states live: none, cpu or nvme (default none)")
     p.add_argument("--offload-params", default="none",
                    help="stage 3: where this rank's param shards live: none (with the compute), cpu or nvme")
     p.add_argument("--unit-params", type=count(),
-                   help="stage 3: params per fetch unit (default: one unit per layer with --model-config, else 32 units)")
+                   help="stage 3: params per fetch unit (default: one unit per layer with --model-config, "
+                        "else 32 units)")
     p.add_argument("--max-live-params", type=count(), help="stage 3: bound on the gathered params (live window)")
     p.add_argument("--max-live-bytes", type=byte_size(minimum=1), help="stage 3: the same bound in bytes")
     p.add_argument("--prefetch", type=integer(0), default=None, help="stage 3: units gathered ahead (default 1)")

@@ -4,9 +4,10 @@ ZeRO-Offload device footprint of stages 0-2 (``release_grads``).
 [Note: stage 3 bytes]
 ``offload.shard`` (issue #16) cuts the model into fetch units u_1..u_m (params each) and a
 root unit u_0 (the params no unit owns: embeddings, final norm, an untied head; gathered for
-the whole forward and backward, as FSDP2's root). Each unit is one flat buffer padded to N_d x chunk_i, chunk_i = ceil(u_i / N_d) rounded up to 256
-elements (so a compressed state's 256-element block never straddles two ranks); a rank
-keeps chunk_i of each unit: its shard S = sum chunk_i elements. Per rank:
+the whole forward and backward, as FSDP2's root). Each unit is one flat buffer padded to
+N_d x chunk_i, chunk_i = ceil(u_i / N_d) rounded up to 256 elements (so a compressed
+state's 256-element block never straddles two ranks); a rank keeps chunk_i of each unit:
+its shard S = sum chunk_i elements. Per rank:
 
 - the *live window* (compute tier: the device, or host memory for CPU params): the gathered
   root and units in the param dtype, the current unit and ``prefetch`` more (default 1), the
