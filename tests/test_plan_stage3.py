@@ -385,3 +385,25 @@ def test_host_memory_flat_as_the_model_grows():
         assert plan.host_bytes == plan.inputs["swap"]["host_bytes"] + staging + b["live_params"] + b["live_grads"]
         host.append(plan.host_bytes)
     assert host[0] == host[1] == host[2]
+
+
+# --------------------------------------------------------------------------- plan == runtime
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shard_layout_equals_the_runtime(dtype):
+    # offload.shard's own layout (one rank, no process group): what model.parameters() yields
+    # after shard() is this rank's shard, and the plan's S must be its size. Units: the
+    # TinyGPT blocks (shard's default policy: the elements of a ModuleList), the root the rest.
+    shard_mod = pytest.importorskip("offload.shard", reason="offload.shard (issue #16) is not in this tree")
+    from offload.demo.model import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(n_layer=3, d_model=64, n_head=4, block_size=32)).to(dtype)
+    blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = sum(p.numel() for p in set(model.parameters()))
+    shard_mod.shard(model)
+    shards = [p for p in model.parameters() if p.requires_grad]
+    plan = estimate(total, stage=3, param_device="cpu", param_dtype=dtype, unit_params=[total - sum(sizes)] + sizes)
+    assert plan.sharding["shard_numel"] == sum(p.numel() for p in shards)
+    assert plan.breakdown["pageable"]["params"] == sum(p.numel() * p.element_size() for p in shards)
