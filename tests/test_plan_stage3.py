@@ -407,3 +407,32 @@ def test_shard_layout_equals_the_runtime(dtype):
     plan = estimate(total, stage=3, param_device="cpu", param_dtype=dtype, unit_params=[total - sum(sizes)] + sizes)
     assert plan.sharding["shard_numel"] == sum(p.numel() for p in shards)
     assert plan.breakdown["pageable"]["params"] == sum(p.numel() * p.element_size() for p in shards)
+
+
+def test_cheapest_fitting_tries_stage3_when_asked():
+    from offload.plan import cheapest_fitting
+
+    # 7.5B fp16 on 64 ranks with 8 GiB devices: stages 0-2 keep 2 bytes of params per param
+    # on the device (15 GB) and cannot fit; stage 3 does
+    kw = dict(world_size=64, param_dtype="fp16", device_memory="8GiB", host_memory="512GiB", kernel_gparams=1.0)
+    best, tried = cheapest_fitting(PSI, **kw)
+    assert best is None and {p.inputs["stage"] for p in tried} == {0, 1, 2}
+    best, tried = cheapest_fitting(PSI, stages=(0, 1, 2, 3), **kw)
+    assert best is not None and best.inputs["stage"] == 3 and best.fits["device"] is True
+    # one rank: nothing to partition, stage 3 skipped as stages 1 and 2 are
+    _, tried = cheapest_fitting(1000, stages=(0, 3), kernel_gparams=1.0)
+    assert {p.inputs["stage"] for p in tried} == {0}
+
+
+def test_stage3_json_keys_are_stable():
+    keys = {"offload_params", "release_grads", "prefetch", "max_live_params", "units_assumed", "own_master",
+            "nvme_slots", "units", "root_numel", "root_gathered", "unit_numel_max", "chunk_max", "shard_numel",
+            "gathered_max", "window_numel", "window_units", "io"}
+    rc, out, _ = _cli("plan", "--params", "1B", "--world-size", "2", "--stage", "3", "--no-probe", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and set(doc["sharding"]) == keys
+    assert set(doc["sharding"]["io"]) == {"param_read_bytes", "param_write_bytes", "grad_write_bytes",
+                                          "grad_read_bytes", "state_read_bytes", "state_write_bytes",
+                                          "fwd_bwd_io_s", "train_step_io_s"}
+    rc, out, _ = _cli("plan", "--params", "1B", "--no-probe", "--json")
+    assert json.loads(out)["sharding"] == {"offload_params": "none", "release_grads": False}

@@ -24,7 +24,9 @@ def cheapest_fitting(
     stage 2 moves fewer bytes over the network than stage 1: a reduce-scatter instead of an
     all-reduce before the same all-gather). ``none`` is left out when ``cpu`` is tried: this
     engine keeps the fp32 states on the host either way, so the two are the same plan. With
-    one rank, stages 1 and 2 equal stage 0 and are skipped.
+    one rank, stages 1 to 3 equal stage 0 and are skipped. Stage 3 is tried only when asked
+    (``stages=(0, 1, 2, 3)``), with the param shards beside the compute (``offload_params``
+    is not searched).
     """
     world = kwargs.get("world_size", 1)
     tried: List[Plan] = []
@@ -32,7 +34,7 @@ def cheapest_fitting(
         if off == "none" and "cpu" in offloads:
             continue
         for st in stages:
-            if st == 3 or (st > 0 and world == 1):
+            if st > 0 and world == 1:
                 continue
             tried.append(estimate(num_params, stage=st, offload=off, **kwargs))
 
