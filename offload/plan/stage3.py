@@ -56,7 +56,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from offload.kernels.fields import ADAM, fields_bytes
+from offload.kernels.fields import ADAM, MASTER, fields_bytes
 
 from .inputs import nonneg_bytes, parse_count
 from .placement import SWAP_SLOTS, buffer_tiers, swap_model
@@ -175,10 +175,13 @@ def live_window(root: int, gathered: Sequence[int], prefetch: int, max_live: Opt
     return live, n
 
 
-def _fields(own_master: bool):
-    # the states kept per element of the shard: the moments, and the fp32 master unless the
-    # fp32 CPU shard is its own master (stepped in place by the host store)
-    return ADAM.fields if own_master else ADAM.with_master()
+def _fields(s: Any, own_master: bool):
+    """The states kept per element of the shard: the rule's, and the fp32 master unless the
+    fp32 CPU shard is its own master (stepped in place by the host store) or bf16 params are
+    (``master_dtype="bfloat16"``). The rule and ``master_lowp`` are the setup's once it
+    carries the compressed-state options (offload/plan/states.py); Adam's float32 until then."""
+    rule = getattr(s, "rule", ADAM)
+    return rule.fields if own_master or getattr(s, "master_lowp", False) else (MASTER,) + tuple(rule.fields)
 
 
 @dataclass
@@ -250,7 +253,7 @@ def _place_shards(s: Any, opts: ShardOptions, lay: Dict[str, Any], w: _Where, B:
 
 def _place_states3(s: Any, S: int, w: _Where, B: Any, problems: List[str]) -> Optional[Dict[str, Any]]:
     """The optimizer's states of the shard: host buffers, or swap files for offload='nvme'."""
-    fields = _fields(w.own_master)
+    fields = _fields(s, w.own_master)
     if s.offload != "nvme":
         for f in fields:
             B[w.tier[f.name]][f.name] = f.nbytes(S)
@@ -280,7 +283,9 @@ def _step3(s: Any, opts: ShardOptions, S: int, w: _Where,
            swap: Optional[Dict[str, Any]]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """(the optimizer step as ``Plan.step``, the per-step I/O split)."""
     kg, rg, wg = s.rates
-    state = (swap["file_bytes"] if swap else fields_bytes(_fields(w.own_master), S)) if s.offload == "nvme" else 0
+    state = 0
+    if s.offload == "nvme":
+        state = swap["file_bytes"] if swap else fields_bytes(_fields(s, w.own_master), S)
     grad = S * s.gb if s.offload == "nvme" else 0
     pread = 2 * S * s.pb if opts.offload_params == "nvme" else 0      # forward and backward gathers
     pwrite = S * s.pb if opts.offload_params == "nvme" else 0         # the updated shard
