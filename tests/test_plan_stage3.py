@@ -436,3 +436,19 @@ def test_stage3_json_keys_are_stable():
                                           "fwd_bwd_io_s", "train_step_io_s"}
     rc, out, _ = _cli("plan", "--params", "1B", "--no-probe", "--json")
     assert json.loads(out)["sharding"] == {"offload_params": "none", "release_grads": False}
+
+
+def test_stage3_states_follow_the_setups_rule():
+    # once the setup carries the compressed-state options (its ``rule`` and ``master_lowp``),
+    # stage 3 counts those fields; without them, Adam's float32 states and master
+    from types import SimpleNamespace
+
+    from offload.kernels.fields import ADAM
+    from offload.plan.stage3 import _fields
+
+    assert [f.name for f in _fields(SimpleNamespace(), False)] == ["master", "exp_avg", "exp_avg_sq"]
+    assert [f.name for f in _fields(SimpleNamespace(), True)] == ["exp_avg", "exp_avg_sq"]
+    int8 = ADAM.with_state_dtype("int8")
+    got = _fields(SimpleNamespace(rule=int8, master_lowp=False), False)
+    assert [f.name for f in got] == ["master", "exp_avg", "exp_avg_sq"] and tuple(got[1:]) == tuple(int8.fields)
+    assert tuple(_fields(SimpleNamespace(rule=int8, master_lowp=True), False)) == tuple(int8.fields)
