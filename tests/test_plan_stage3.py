@@ -190,7 +190,7 @@ def test_exact_unit_sizes_and_the_default():
     assert (plan.sharding["units"], plan.sharding["root_numel"]) == (3, 1000)
     plan = estimate(3200, stage=3, param_device="cpu")     # 32 equal units of 100 -> chunks of 256
     assert (plan.sharding["units"], plan.sharding["shard_numel"]) == (32, 32 * 256)
-    assert plan.sharding["units_assumed"] and any("assumed 32 equal units" in n for n in plan.notes)
+    assert plan.sharding["units_assumed"] and any("assumed 32 equal units of 100 params" in n for n in plan.notes)
     assert plan.sharding["root_numel"] == 0 and plan.sharding["window_numel"] == 2 * 256
 
 

@@ -24,8 +24,8 @@ its shard S = sum chunk_i elements. Per rank:
   dtype) on the device;
 - the param shards, S x param bytes: on the compute tier (``offload_params="none"``), in
   host memory (``"cpu"``: pinned with CUDA, the copy engine reads them) or in swap files
-  (``"nvme"``: one copy, re-derived from the fp32 master after a crash; two slots when fp32
-  CPU params are their own master), read into (1 + prefetch) x chunk_max host buffers;
+  (``"nvme"``: one copy, re-derived from the fp32 master after a crash; two slots when the
+  shards are their own master: fp32 CPU params, or a bf16 master), read into (1 + prefetch) x chunk_max host buffers;
 - the grad shards, S x grad bytes, where the states live: host memory (``offload``
   ``"none"``/``"cpu"``; pinned with CUDA: the device writes them) or a swap file
   (``"nvme"``: written as each unit's grads arrive, read back by the step, through two
@@ -191,7 +191,8 @@ class _Where:
     compute: str      # the gathered units and their grads: the device, or host memory for CPU params
     dma: str          # host buffers the copy engine reads or writes: pinned with CUDA and device params
     tier: Dict[str, str]
-    own_master: bool
+    own_master: bool  # fp32 CPU shards, stepped in place by the host store
+    params_master: bool  # the param shards are the only copy of the master (own_master or a bf16 master)
 
 
 def _where(s: Any) -> _Where:
@@ -199,7 +200,7 @@ def _where(s: Any) -> _Where:
     return _Where(compute="pageable" if s.on_cpu else "device",
                   dma="pinned" if (s.cuda and not s.on_cpu) else "pageable",
                   tier=buffer_tiers(in_place=own, device_params=not s.on_cpu, lowp=s.lowp, ranks=1, cuda=s.cuda),
-                  own_master=own)
+                  own_master=own, params_master=own or bool(getattr(s, "master_lowp", False)))
 
 
 def _max_live(s: Any, opts: ShardOptions) -> Optional[int]:
@@ -235,7 +236,7 @@ def _place_shards(s: Any, opts: ShardOptions, lay: Dict[str, Any], w: _Where, B:
     """The param and grad shards (S elements each)."""
     S, cmax, depth = lay["shard_numel"], lay["chunk_max"], 1 + opts.prefetch
     if opts.offload_params == "nvme":
-        B["nvme"]["params"] = (SWAP_SLOTS if w.own_master else 1) * S * s.pb
+        B["nvme"]["params"] = (SWAP_SLOTS if w.params_master else 1) * S * s.pb
         B[w.dma]["io_buffers"] += depth * cmax * s.pb
     else:
         B[w.compute if opts.offload_params == "none" else w.dma]["params"] = S * s.pb
@@ -310,15 +311,16 @@ def place_stage3(s: Any, opts: ShardOptions, B: Any, notes: List[str],
     lay = unit_layout(units, s.world_size)
     w = _where(s)
     if assumed and s.n:
-        notes.append(f"stage 3: no unit size given; assumed {DEFAULT_UNITS} equal units of {units[0]:,} params "
-                     "(give unit_params / --unit-params, or --model-config for one unit per layer)")
+        notes.append(f"stage 3: no unit size given; assumed {DEFAULT_UNITS} equal units of "
+                     f"{lay['unit_numel_max']:,} params (give unit_params / --unit-params, or --model-config "
+                     "for one unit per layer)")
     window = _place_window(s, opts, lay, w, B, notes)
     _place_shards(s, opts, lay, w, B, notes)
     swap = _place_states3(s, lay["shard_numel"], w, B, problems)
     step, io = _step3(s, opts, lay["shard_numel"], w, swap)
     info = {"offload_params": opts.offload_params, "release_grads": True, "prefetch": opts.prefetch,
             "max_live_params": _max_live(s, opts), "units_assumed": assumed, "own_master": w.own_master,
-            "nvme_slots": {"params": SWAP_SLOTS if w.own_master else 1, "grads": 1},
+            "nvme_slots": {"params": SWAP_SLOTS if w.params_master else 1, "grads": 1},
             **{k: v for k, v in lay.items() if k != "gathered"}, **window, "io": io}
     return swap, step, info
 
