@@ -78,14 +78,14 @@ def test_engine_placement_7_5b_on_64_ranks_stage1():
     assert plan.per_rank == {"device": 30_025_427_968, "pinned": 0, "pageable": 2_109_375_000, "nvme": 0}
 
 
-def test_stage3_is_not_yet():
+def test_stage3_is_planned():
+    # stage 3's own rows are checked in tests/test_plan_stage3.py
     plan = estimate(7_500_000_000, world_size=64, stage=3)
-    assert plan.supported is False and plan.fits_all is False
-    assert any("not yet" in n for n in plan.notes)
-    # the paper's P_os+g+p figure is still reported: 16 x 7.5e9 / 64 = 1.875e9
+    assert plan.supported is True and plan.fits_all is True
+    # the paper's P_os+g+p figure: 16 x 7.5e9 / 64 = 1.875e9
     assert plan.to_dict()["zero_paper_bytes"] == 1_875_000_000
     rc, out, _ = _cli("plan", "--params", "7.5B", "--world-size", "64", "--stage", "3", "--no-probe")
-    assert rc == 0 and "not yet" in out
+    assert rc == 0 and "not yet" not in out and "live window" in out
 
 
 # --------------------------------------------------------------------------- offload by hand
@@ -458,7 +458,7 @@ def test_cli_bad_input_exits_1_with_message():
 # --------------------------------------------------------------------------- CLI
 
 JSON_KEYS = {"schema", "inputs", "supported", "per_rank", "breakdown", "optimizer_bytes", "capacity", "fits",
-             "fits_all", "step", "zero_paper_bytes", "notes", "problems", "rates", "cheapest"}
+             "fits_all", "step", "zero_paper_bytes", "notes", "problems", "rates", "cheapest", "sharding"}
 INPUT_KEYS = {"source", "num_params", "world_size", "stage", "offload", "optimizer", "k", "param_dtype",
               "grad_dtype", "param_device", "cuda", "ranks_per_node", "max_host_bytes", "sub_group_size",
               "swap_dir", "shard_numel", "separate_master", "lowp_buffers", "state_dtype", "master_dtype", "swap"}

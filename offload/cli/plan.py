@@ -31,8 +31,26 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     src.add_argument("--model-config", metavar="CONFIG_JSON",
                      help="Hugging Face config.json (or its directory), read locally")
     p.add_argument("--world-size", type=integer(1), default=1, help="data-parallel ranks N_d (default 1)")
-    p.add_argument("--stage", type=integer(0, 3), default=0, help="ZeRO stage 0, 1, 2 (3: not yet) (default 0)")
-    p.add_argument("--offload", default="none", help="none, cpu or nvme (default none)")
+    p.add_argument("--stage", type=integer(0, 3), default=0,
+                   help="ZeRO stage 0, 1, 2 or 3 (3: params partitioned, offload.shard) (default 0)")
+    p.add_argument("--offload", default="none",
+                   help="where the optimizer states live: none, cpu or nvme (default none)")
+    p.add_argument("--offload-params", default="none",
+                   help="stage 3: where this rank's param shards live: none (with the compute), cpu or nvme")
+    p.add_argument("--unit-params", type=count(),
+                   help="stage 3: params per fetch unit (default: one unit per layer with --model-config, "
+                        "else 32 units)")
+    p.add_argument("--max-live-params", type=count(), help="stage 3: bound on the gathered params (live window)")
+    p.add_argument("--max-live-bytes", type=byte_size(minimum=1), help="stage 3: the same bound in bytes")
+    p.add_argument("--prefetch", type=integer(0), default=None, help="stage 3: units gathered ahead (default 1)")
+    p.add_argument("--release-grads", action="store_true",
+                   help="stages 0-2, device params: free each grad on the device once copied to the host "
+                        "(ZeRO-Offload's footprint; p.grad is then not readable after backward)")
+    p.add_argument("--zero-table", action="store_true",
+                   help="print the ZeRO paper's table (baseline, P_os, P_os+g, P_os+g+p) for --params, "
+                        "--world-size and --k, and nothing else")
+    p.add_argument("--k", type=integer(0), default=12,
+                   help="K of --zero-table: optimizer bytes per param (default 12, mixed-precision Adam)")
     p.add_argument("--param-dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     p.add_argument("--grad-dtype", default=None, help="default: the param dtype")
     p.add_argument("--optimizer", default="adamw", help="adam or adamw (default adamw)")
@@ -136,23 +154,49 @@ def _plan_kwargs(args: argparse.Namespace, rates: Dict[str, Any]) -> Dict[str, A
         kernel_gparams=rates["kernel"].value if rates["kernel"] else None,
         disk_read_gbps=rates["disk_read"].value if rates["disk_read"] else None,
         disk_write_gbps=rates["disk_write"].value if rates["disk_write"] else None,
+        release_grads=args.release_grads,
     )
+
+
+def _stage3_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """The stage-3 options (refused by ``estimate`` at stages 0-2); a model config's units
+    are one per decoder layer plus the root unit."""
+    units: Any = args.unit_params
+    if units is None and args.model_config is not None and args.stage == 3:
+        from offload.plan import unit_sizes_from_hf_config
+        units = unit_sizes_from_hf_config(args.model_config)
+    return dict(offload_params=args.offload_params, unit_params=units, max_live_params=args.max_live_params,
+                max_live_bytes=args.max_live_bytes, prefetch=args.prefetch)
+
+
+def _zero_table(args: argparse.Namespace) -> int:
+    from offload.plan import format_zero_table, params_from_hf_config, zero_table
+
+    n = args.params if args.params is not None else params_from_hf_config(args.model_config)
+    if args.json:
+        print(json.dumps({"schema": "offload.zero_table/1", "num_params": n, "world_size": args.world_size,
+                          "k": args.k, "rows": zero_table(n, args.world_size, args.k)}, indent=2, sort_keys=True))
+    else:
+        print(format_zero_table(n, args.world_size, args.k))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from offload.plan import cheapest_fitting, estimate
     from offload.plan.render import gib
 
+    if args.zero_table:
+        return _zero_table(args)
     source = args.params if args.params is not None else args.model_config
     if args.model_config is not None:
         # A config path must never be mistaken for a count; resolve it here.
         from offload.plan import params_from_hf_config
         source = params_from_hf_config(args.model_config)
     need_kernel = True  # this engine runs the update on the CPU whatever the offload target
-    need_disk = args.offload == "nvme" or args.cheapest
+    need_disk = args.offload == "nvme" or args.offload_params == "nvme" or args.cheapest
     rates = _rates(args, need_kernel, need_disk)
     kw = _plan_kwargs(args, rates)
-    plan = estimate(source, stage=args.stage, offload=args.offload, **kw)
+    plan = estimate(source, stage=args.stage, offload=args.offload, **kw, **_stage3_kwargs(args))
     if args.model_config is not None:
         plan.inputs["source"] = f"{args.model_config} ({plan.inputs['num_params']:,} params)"
 

@@ -9,12 +9,14 @@ from .estimate import (
     TIERS,
     SWAP_SLOTS,
     Plan,
-    cheapest_fitting,
     estimate,
     zero_paper_bytes,
 )
+from .search import cheapest_fitting
 from .inputs import count_params, parse_count, parse_dtype
-from .hf_config import load_hf_config, params_from_hf_config
+from .hf_config import load_hf_config, params_from_hf_config, unit_sizes_from_hf_config
+from .stage3 import ShardOptions
+from .zero_table import format_zero_table, zero_table
 from .rates import (
     DiskProbe,
     KernelProbe,
@@ -37,7 +39,8 @@ from .report import (
 __all__ = [
     "estimate", "cheapest_fitting", "Plan", "SWAP_SLOTS", "TIERS", "COMPONENTS",
     "count_params", "parse_count", "parse_dtype", "zero_paper_bytes",
-    "params_from_hf_config", "load_hf_config",
+    "params_from_hf_config", "load_hf_config", "unit_sizes_from_hf_config",
+    "zero_table", "format_zero_table", "ShardOptions",
     "Rate", "KernelProbe", "DiskProbe", "probe_kernel_rate", "kernel_rate_from_bench", "probe_disk_rate", "disk_rate_from_tune",
     "StepLogger", "attach", "read_step_log", "summarize_step_log", "format_log_summary",
     "format_memory_report", "format_step_stats",

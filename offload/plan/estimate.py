@@ -8,7 +8,7 @@ exp_avg_sq: K = 12) and divides them per stage over the N_d data-parallel ranks:
     stage 0 (DP):        (2 + 2 + K) Ψ
     stage 1 (P_os):      (2 + 2) Ψ + K Ψ / N_d
     stage 2 (P_os+g):    2 Ψ + (2 + K) Ψ / N_d
-    stage 3 (P_os+g+p):  (2 + 2 + K) Ψ / N_d            (not offered yet: no param offload)
+    stage 3 (P_os+g+p):  (2 + 2 + K) Ψ / N_d
 
 This module keeps that arithmetic (``zero_paper_bytes``) and then places each piece on the
 tier where *this* engine keeps it, adding the buffers the engine itself allocates:
@@ -24,8 +24,11 @@ tier where *this* engine keeps it, adding the buffers the engine itself allocate
   and per-bucket buffers for the collectives when N_d > 1;
 - only buffers a DMA engine touches are pinned, and only when CUDA is present (see
   ``buffer_tiers``): the moments and the shards of several ranks stay pageable;
-- the model's params and grads stay whole on every rank: ``p.grad`` keeps torch's meaning
-  and is not freed after the reduce-scatter, so stage 2 saves host memory, not device memory.
+- at stages 0-2 the model's params and grads stay whole on every rank: ``p.grad`` keeps
+  torch's meaning and is not freed after the reduce-scatter, so stage 2 saves host memory,
+  not device memory, unless ``release_grads`` ([Note: release grads] in ``stage3``);
+- stage 3 (``offload.shard``: params, grads and states partitioned, params optionally
+  offloaded) is placed by ``stage3.place_stage3``, see [Note: stage 3 bytes] there.
 
 See [Note: which store] in ``estimate`` for the exact rules, taken from offload/optim.
 
@@ -39,7 +42,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -56,6 +59,7 @@ from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, test
     zero_paper_bytes,
 )
 from .result import Plan
+from .stage3 import ShardOptions, check_options, place_stage3, release_device_grads
 from .states import StatesLayout, check_compression, param_numels, state_fields, state_notes
 
 __all__ = [
@@ -66,7 +70,6 @@ __all__ = [
     "TIERS",
     "COMPONENTS",
     "estimate",
-    "cheapest_fitting",
     "zero_paper_bytes",
 ]
 
@@ -222,7 +225,7 @@ def _rates(kernel_gparams: Any, disk_gbps: Any, disk_read_gbps: Any,
     return kg, rg, wg
 
 
-def _place_model(s: _Setup, B: Bytes, notes: List[str]) -> None:
+def _place_model(s: _Setup, B: Bytes, notes: List[str], release_grads: bool = False) -> None:
     """The model's own params and grads: full on every rank (p.grad keeps torch's meaning;
     the engine reads it and does not free it, so stage 2 does not shrink it)."""
     if s.stage >= 1 and s.world_size == 1:
@@ -230,7 +233,7 @@ def _place_model(s: _Setup, B: Bytes, notes: List[str]) -> None:
     user_tier = "pageable" if s.on_cpu else "device"
     B[user_tier]["params"] = s.n * s.pb
     B[user_tier]["grads"] = s.n * s.gb
-    if s.stage == 2 and not s.on_cpu:
+    if s.stage == 2 and not s.on_cpu and not release_grads:
         notes.append("stage 2: the ZeRO paper counts 2Ψ/N_d of grads on the device; this engine keeps "
                      "p.grad whole (reduce-scatter at step time), so the device holds 2Ψ of grads")
 
@@ -313,11 +316,6 @@ def _place_buffers(s: _Setup, B: Bytes, notes: List[str]) -> None:
 
 def _capacity(s: _Setup, notes: List[str]) -> Dict[str, Optional[int]]:
     """Each rank's share: host memory and the disk are shared by the ranks of a node."""
-    if s.stage == 3:
-        notes.append(
-            "stage 3 (parameter partitioning) is not yet offered by this engine; the ZeRO "
-            f"paper's figure would be {zero_paper_bytes(s.n, s.world_size, 3, s.k) / 1e9:.2f} GB per rank"
-        )
     host_cap = None if s.host_mem is None else s.host_mem // s.ranks_per_node
     nvme_share = None if s.nvme_cap is None else s.nvme_cap // s.ranks_per_node
     if s.on_cpu and s.dev_mem is not None:
@@ -399,6 +397,12 @@ def estimate(
     lowp_buffers: str = "shard",
     state_dtype: str = "float32",
     master_dtype: Optional[str] = None,
+    offload_params: str = "none",
+    unit_params: Union[int, str, Sequence[int], None] = None,
+    max_live_params: Union[int, str, None] = None,
+    max_live_bytes: Union[int, str, None] = None,
+    prefetch: Optional[int] = None,
+    release_grads: bool = False,
 ) -> Plan:
     """Plan the bytes per rank and tier for training ``num_params`` parameters.
 
@@ -417,6 +421,13 @@ def estimate(
     ``lowp_buffers``: ``"shard"`` (one host buffer for the rank's whole shard of fp16/bf16
     params, the default) or ``"none"``. ``state_dtype`` / ``master_dtype``: as the optimizers
     take them; the states' bytes are their fields' (offload/plan/states.py).
+
+    Stage 3 ([Note: stage 3 bytes] in ``stage3``): ``offload_params`` (``"none"``, ``"cpu"``,
+    ``"nvme"``: where this rank's param shards live), ``unit_params`` (the fetch units: one size,
+    the leftover being the root unit; or every unit's size, the root's first; default 32
+    equal units), the live window's bound ``max_live_params``
+    or ``max_live_bytes`` and its ``prefetch`` depth (default 1). ``release_grads`` (stages 0-2,
+    device params): grads leave the device once copied to the host ([Note: release grads]).
     """
     s = _setup(num_params, world_size=world_size, stage=stage, offload=offload, param_dtype=param_dtype,
                grad_dtype=grad_dtype, optimizer=optimizer, param_device=param_device, cuda=cuda,
@@ -425,16 +436,31 @@ def estimate(
                nvme_capacity=nvme_capacity, disk_gbps=disk_gbps, disk_read_gbps=disk_read_gbps,
                disk_write_gbps=disk_write_gbps, kernel_gparams=kernel_gparams, lowp_buffers=lowp_buffers,
                state_dtype=state_dtype, master_dtype=master_dtype)
+    opts = check_options(stage=s.stage, num_params=s.n, offload_params=offload_params, unit_params=unit_params,
+                         max_live_params=max_live_params, max_live_bytes=max_live_bytes, prefetch=prefetch,
+                         release_grads=release_grads)
+    return _bill(s, opts)
+
+
+def _bill(s: _Setup, opts: ShardOptions) -> Plan:
+    """Place every piece on its tier (stage 3: ``stage3.place_stage3``) and predict the step."""
     notes: List[str] = []
     problems: List[str] = []
     B: Bytes = {t: {c: 0 for c in COMPONENTS} for t in TIERS}
-    _place_model(s, B, notes)
-    swap = _place_states(s, B, notes, problems)
+    if s.stage == 3:
+        swap, step, sharding = place_stage3(s, opts, B, notes, problems)
+    else:
+        _place_model(s, B, notes, opts.release_grads)
+        swap = _place_states(s, B, notes, problems)
+        _place_buffers(s, B, notes)
+        sharding = release_device_grads(s, opts, B, notes)
+        step = _predict_step(s, swap)
     notes.extend(state_notes(s))
-    _place_buffers(s, B, notes)
-    capacity = _capacity(s, notes)
-    return Plan(inputs=_inputs(s, swap), breakdown=B, capacity=capacity, step=_predict_step(s, swap),
-                supported=s.stage != 3, notes=notes, problems=problems)
+    inputs = _inputs(s, swap)
+    if s.stage == 3:  # the shard of the padded units; the fp32 CPU shard is its own master
+        inputs.update(shard_numel=sharding["shard_numel"], separate_master=not sharding["own_master"])
+    return Plan(inputs=inputs, breakdown=B, capacity=_capacity(s, notes), step=step, notes=notes,
+                problems=problems, sharding=sharding)
 
 
 def _setup(num_params: Any, *, world_size: Any, stage: Any, offload: Any, param_dtype: Any, grad_dtype: Any,
@@ -459,40 +485,3 @@ def _setup(num_params: Any, *, world_size: Any, stage: Any, offload: Any, param_
                   k=_OPTIMIZERS[opt], pdt=pdt, gdt=gdt, pdev=pdev, cuda=bool(pdev != "cpu" if cuda is None else cuda),
                   sub_group_size=sub_group_size, swap_dir=os.fspath(swap_dir) if swap_dir is not None else None,
                   rates=rates, lowp_buffers=lowp_buffers, **sizes)
-
-
-def cheapest_fitting(
-    num_params: Any,
-    *,
-    stages: Sequence[int] = (0, 1, 2),
-    offloads: Sequence[str] = _OFFLOADS,
-    **kwargs: Any,
-) -> Tuple[Optional[Plan], List[Plan]]:
-    """The cheapest configuration that fits, and every candidate tried, cheapest first.
-
-    Cost, in order: streaming states from disk (``nvme``) only when nothing in host memory
-    fits; then the predicted step time (without rates: the shard each rank updates, which
-    the kernel time follows); then the bytes held; then the higher stage (in this engine
-    stage 2 moves fewer bytes over the network than stage 1: a reduce-scatter instead of an
-    all-reduce before the same all-gather). ``none`` is left out when ``cpu`` is tried: this
-    engine keeps the fp32 states on the host either way, so the two are the same plan. With
-    one rank, stages 1 and 2 equal stage 0 and are skipped.
-    """
-    world = kwargs.get("world_size", 1)
-    tried: List[Plan] = []
-    for off in offloads:
-        if off == "none" and "cpu" in offloads:
-            continue
-        for st in stages:
-            if st == 3 or (st > 0 and world == 1):
-                continue
-            tried.append(estimate(num_params, stage=st, offload=off, **kwargs))
-
-    def cost(p: Plan) -> Tuple[Any, ...]:
-        t = p.step_time_s
-        return (p.inputs["offload"] == "nvme", t if t is not None else p.inputs["shard_numel"],
-                sum(p.per_rank.values()), -p.inputs["stage"])
-
-    tried.sort(key=cost)
-    best = next((p for p in tried if p.fits_all), None)
-    return best, tried

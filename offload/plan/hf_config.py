@@ -18,9 +18,9 @@ from __future__ import annotations
 import errno
 import json
 import os
-from typing import Any, Mapping, Union
+from typing import Any, List, Mapping, Tuple, Union
 
-__all__ = ["params_from_hf_config", "load_hf_config", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["params_from_hf_config", "unit_sizes_from_hf_config", "load_hf_config", "SUPPORTED_MODEL_TYPES"]
 
 _LLAMA_LIKE = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 SUPPORTED_MODEL_TYPES = _LLAMA_LIKE + ("gpt2",)
@@ -58,7 +58,8 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def _llama_like(cfg: Mapping[str, Any]) -> int:
+def _llama_like(cfg: Mapping[str, Any]) -> Tuple[int, int, int]:
+    """(params outside the layers, params per layer, layers)."""
     mt = cfg.get("model_type")
     h = _positive_int("hidden_size", _get(cfg, "hidden_size"))
     layers = _positive_int("num_hidden_layers", _get(cfg, "num_hidden_layers"))
@@ -91,10 +92,10 @@ def _llama_like(cfg: Mapping[str, Any]) -> int:
     per_layer = attn + mlp + norms
     embed = vocab * h
     lm_head = 0 if tie else vocab * h
-    return embed + layers * per_layer + h + lm_head           # + final norm
+    return embed + h + lm_head, per_layer, layers            # + final norm
 
 
-def _gpt2(cfg: Mapping[str, Any]) -> int:
+def _gpt2(cfg: Mapping[str, Any]) -> Tuple[int, int, int]:
     h = _positive_int("n_embd", _get(cfg, "n_embd", "hidden_size"))
     layers = _positive_int("n_layer", _get(cfg, "n_layer", "num_hidden_layers"))
     vocab = _positive_int("vocab_size", _get(cfg, "vocab_size"))
@@ -110,14 +111,10 @@ def _gpt2(cfg: Mapping[str, Any]) -> int:
         + inner * h + h                # mlp c_proj
     )
     tie = bool(cfg.get("tie_word_embeddings", True))
-    return vocab * h + pos * h + layers * per_layer + 2 * h + (0 if tie else vocab * h)
+    return vocab * h + pos * h + 2 * h + (0 if tie else vocab * h), per_layer, layers
 
 
-def params_from_hf_config(config: Union[str, "os.PathLike[str]", Mapping[str, Any]]) -> int:
-    """Trainable parameter count of the model a Hugging Face ``config.json`` describes.
-
-    ``config`` is a path to the file, a directory holding it, or the parsed mapping.
-    """
+def _parts(config: Union[str, "os.PathLike[str]", Mapping[str, Any]]) -> Tuple[int, int, int]:
     cfg = config if isinstance(config, Mapping) else load_hf_config(config)
     mt = cfg.get("model_type")
     if mt in _LLAMA_LIKE:
@@ -128,3 +125,21 @@ def params_from_hf_config(config: Union[str, "os.PathLike[str]", Mapping[str, An
         f"model_type {mt!r} is not supported by the planner's config reader; "
         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (or pass --params N)"
     )
+
+
+def params_from_hf_config(config: Union[str, "os.PathLike[str]", Mapping[str, Any]]) -> int:
+    """Trainable parameter count of the model a Hugging Face ``config.json`` describes.
+
+    ``config`` is a path to the file, a directory holding it, or the parsed mapping.
+    """
+    rest, per_layer, layers = _parts(config)
+    return rest + layers * per_layer
+
+
+def unit_sizes_from_hf_config(config: Union[str, "os.PathLike[str]", Mapping[str, Any]]) -> List[int]:
+    """The fetch units stage 3 would gather for this model, in params: the root unit (the
+    embeddings, the final norm and an untied LM head: the params outside the decoder layers,
+    gathered for the whole forward and backward) first, then one unit per decoder layer (the
+    policy ``unit={DecoderLayer}``, or offload.shard's default: the elements of a ModuleList)."""
+    rest, per_layer, layers = _parts(config)
+    return [rest] + [per_layer] * layers

@@ -22,10 +22,13 @@ COMPONENTS = (
     "lowp_buffers",  # host buffers holding the fp16/bf16 copy of updated params (device params)
     "io_buffers",    # swap pipeline buffers (offload="nvme")
     "comm_buffers",  # per-bucket send/gather/reduce-scatter-out buffers of the collectives (stage >= 1, N_d > 1)
+    "live_params",   # stage 3: the gathered units of the live window, in the param dtype
+    "live_grads",    # stage 3: the full grads of the unit being reduce-scattered
 )
 # Pieces the optimizer allocates itself (what ``memory_report()`` can see); params and grads
-# belong to the user's model.
-OPTIMIZER_COMPONENTS = COMPONENTS[2:]
+# belong to the user's model, the live window and its grads to offload.shard's units (at
+# stage 3 "params" and "grads" are this rank's shards of them).
+OPTIMIZER_COMPONENTS = tuple(c for c in COMPONENTS[2:] if not c.startswith("live_"))
 
 SWAP_SLOTS = 2
 """Each sub-group has two slots on disk, written alternately, so that a crash leaves one

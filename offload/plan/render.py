@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from .placement import COMPONENTS, TIERS
+from .render3 import sharding_explain_lines, sharding_table_lines
 
 __all__ = ["plan_table", "explain_text", "gib", "fmt_bytes"]
 
@@ -39,16 +40,20 @@ def _byte_rows(plan: Any) -> List[str]:
     head = f"  {'':<14}" + "".join(f"{t:>11}" for t in TIERS)
     b = plan.breakdown
 
-    def slot_cell(nvme: int) -> str:
-        return f"{gib(nvme // slots)} x {slots}" if slots and nvme else ""
+    # stage 3 keeps its param and grad shard files in fewer slots than the states (stage3.py)
+    kept = {c: k for c, k in plan.sharding.get("nvme_slots", {}).items() if b["nvme"][c]}
+
+    def slot_cell(nvme: int, k: Optional[int]) -> str:
+        return f"{gib(nvme // k)} x {k}" if k and nvme else ""
 
     out = [head + (f"{'nvme = slot x slots':>22}" if slots else "")]
     for c in comps:
         out.append((f"  {c:<14}" + "".join(f"{gib(b[t][c]):>11}" for t in TIERS)
-                    + (f"{slot_cell(b['nvme'][c]):>22}" if slots else "")).rstrip())
+                    + (f"{slot_cell(b['nvme'][c], kept.get(c, slots)):>22}" if slots else "")).rstrip())
     totals = plan.per_rank
+    same = all(k == slots for k in kept.values())
     out.append((f"  {'total':<14}" + "".join(f"{gib(totals[t]):>11}" for t in TIERS)
-                + (f"{slot_cell(totals['nvme']):>22}" if slots else "")).rstrip())
+                + (f"{slot_cell(totals['nvme'], slots if same else None):>22}" if slots else "")).rstrip())
     if slots:
         out.append(f"  nvme: each swapped fp32 state is kept in {slots} slots (4 B per element each, plus padding "
                    "to 4 KiB per sub-group),")
@@ -68,9 +73,10 @@ def plan_table(plan: Any) -> str:
         f"{i['optimizer']}"
     )
     if not plan.supported:
-        lines.append("stage 3: not yet (parameter partitioning/offload does not exist in this engine)")
+        lines.append("not offered by this engine")
     lines.append("bytes per rank, in GiB (2^30 bytes):")
     lines.extend(_byte_rows(plan))
+    lines.extend(sharding_table_lines(plan))
     totals = plan.per_rank
     cap = plan.capacity
     fits = plan.fits
@@ -86,19 +92,22 @@ def plan_table(plan: Any) -> str:
         f"{gib(cap['nvme']) if cap['nvme'] is not None else '?'} GiB per rank)"
     )
     s = plan.step
+    disk = i["offload"] == "nvme" or plan.sharding.get("offload_params") == "nvme"
     if s.get("step_time_s") is not None:
         parts = [f"kernel {s['kernel_s'] * 1e3:.1f} ms at {s['kernel_gparams']:.2f} Gparam/s"]
-        if i["offload"] == "nvme":
+        if disk:
+            def at(r: Optional[float]) -> str:
+                return f" at {r:.2f} GB/s" if r is not None else ""
             parts.append(
-                f"I/O {s['io_s'] * 1e3:.1f} ms for {gib(s['read_bytes'])} GiB read at {s['disk_read_gbps']:.2f} GB/s "
-                f"+ {gib(s['write_bytes'])} GiB written at {s['disk_write_gbps']:.2f} GB/s (GB = 10^9 B)"
+                f"I/O {s['io_s'] * 1e3:.1f} ms for {gib(s['read_bytes'])} GiB read{at(s['disk_read_gbps'])} "
+                f"+ {gib(s['write_bytes'])} GiB written{at(s['disk_write_gbps'])} (GB = 10^9 B)"
             )
         lines.append(f"predicted optimizer step: {s['step_time_s'] * 1e3:.1f} ms = max({'; '.join(parts)})")
     else:
         missing = []
         if s.get("kernel_gparams") is None:
             missing.append("a kernel rate (--kernel-gparams, --adam-bench or the probe)")
-        if i["offload"] == "nvme" and (s.get("disk_read_gbps") is None or s.get("disk_write_gbps") is None):
+        if disk and (s.get("disk_read_gbps") is None or s.get("disk_write_gbps") is None):
             missing.append("disk rates (--disk-gbps, --io-tune or --swap-dir for the probe)")
         if missing:
             lines.append(f"predicted optimizer step: needs {' and '.join(missing)}")
@@ -123,9 +132,14 @@ def explain_text(plan: Any) -> str:
         "mixed-precision Adam)",
         "ZeRO paper (Rajbhandari et al. 2020, table 1), 2-byte params and grads:",
         "  stage 0: (2 + 2 + K)Ψ;  stage 1 (P_os): 4Ψ + KΨ/N_d;  stage 2 (P_os+g): 2Ψ + (2 + K)Ψ/N_d;",
-        "  stage 3 (P_os+g+p): (2 + 2 + K)Ψ/N_d (not offered yet)",
+        "  stage 3 (P_os+g+p): (2 + 2 + K)Ψ/N_d",
         f"  -> stage {st}: {paper / 1e9:.2f} GB (10^9 B) = {paper / (1 << 30):.2f} GiB per rank",
         "This engine places the same states on tiers and adds its own buffers:",
+    ]
+    if st == 3:
+        lines.extend(sharding_explain_lines(plan))
+        return "\n".join(lines + _explain_tail(i))
+    lines += [
         f"  shard = ceil(Ψ / N_d) = {i['shard_numel']:,} elements for stages 1-2 (Ψ for stage 0)",
         f"  params {i['param_dtype']} and grads {i['grad_dtype']} on {i['param_device']}, whole on every rank "
         "(p.grad keeps torch's meaning; the engine reads it at step time and does not free it)",
@@ -167,14 +181,17 @@ def explain_text(plan: Any) -> str:
         elif i["param_device"] != "cpu":
             lines.append("  one rank, device params: grad_buffers = host copy of the grads in their own dtype "
                          "(grad bytes x Ψ); lowp_buffers = bf16/fp16 staging of updated params (2 B x shard)")
-    lines.append(
+    return "\n".join(lines + _explain_tail(i))
+
+
+def _explain_tail(i: Any) -> List[str]:
+    """What every stage's derivation ends with: shared host memory, what is not counted, the step."""
+    lines = [
         "Host memory is shared by the ranks of a node: capacity per rank = host_memory / ranks_per_node "
-        f"({i['ranks_per_node']})."
-    )
-    lines.append(
+        f"({i['ranks_per_node']}).",
         "Not counted: activations, temporary buffers of the forward/backward, the CUDA context, allocator "
-        "fragmentation, the Python process itself."
-    )
+        "fragmentation, the Python process itself.",
+    ]
     lines.append(
         "Step time (ideal of the pipelined step) = max(kernel, I/O): kernel = shard / (Gparam/s x 10^9); "
         "I/O (nvme) = bytes read / read GB/s + bytes written / write GB/s, every streamed state read and "
@@ -182,4 +199,4 @@ def explain_text(plan: Any) -> str:
         "a real step lands above it on a given machine is measured by bench/plan_accuracy.py (figures in "
         "bench/RESULTS.md)."
     )
-    return "\n".join(lines)
+    return lines

@@ -24,10 +24,14 @@ class Plan:
     """Predicted optimizer step: ``kernel_s``, ``io_s``, ``read_bytes``, ``write_bytes``,
     ``step_time_s`` (``None`` where a rate is unknown), and the rates used."""
     supported: bool = True
-    """False for stage 3, which this engine does not offer yet."""
+    """False for a configuration this engine does not offer (none at present: stage 3 is
+    planned with ``offload.shard``'s layout)."""
     notes: List[str] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
     """Reasons the engine would refuse this configuration (it then does not fit)."""
+    sharding: Dict[str, Any] = field(default_factory=dict)
+    """``offload_params`` and ``release_grads``; at stage 3 also the units, this rank's shard,
+    the live window and the per-step I/O split (``io``), see offload/plan/stage3.py."""
 
     # derived views -------------------------------------------------------------------------
     @property
@@ -84,6 +88,7 @@ class Plan:
             "zero_paper_bytes": int(round(self.zero_paper_bytes)),
             "notes": list(self.notes),
             "problems": list(self.problems),
+            "sharding": dict(self.sharding),
         }
 
     def explain(self) -> str:
