@@ -79,11 +79,16 @@ class RefCompressed:
                        for p in params]
         self.steps = [0] * len(params)
 
-    def encode(self, name: str, v: torch.Tensor) -> torch.Tensor:
+    def encode(self, name: str, v: torch.Tensor, rounding=None) -> torch.Tensor:
+        """``rounding``: (seed, offset) of a step (bf16 states round stochastically, on the
+        stream of the state's position); None: a load or the initial fill (nearest)."""
         if self.state_dtype == "int8":
             return quant.encode_blocks(v, signed=name not in NONNEGATIVE_STATES)
         if self.state_dtype == "bfloat16":
-            return quant.round_bf16_nearest(v)
+            if rounding is None:
+                return quant.round_bf16_nearest(v)
+            seed, offset = rounding
+            return quant.round_bf16_stochastic(v, seed, offset, 1 + self.names.index(name))
         return v.clone()
 
     def decode(self, name: str, t: torch.Tensor, n: int) -> torch.Tensor:
@@ -111,10 +116,10 @@ class RefCompressed:
         gg = g.reshape(-1).float()
         p32.grad = gg * multiplier if multiplier != 1.0 else gg
         ref.step()
+        seed = quant.rounding_seed(t, self.groups[i])
         for k in self.names:  # (SGD without momentum leaves its buffer as decoded: encoded again)
-            self.stored[i][k] = self.encode(k, ref.state[p32].get(k, decoded[k]))
+            self.stored[i][k] = self.encode(k, ref.state[p32].get(k, decoded[k]), (seed, self.offsets[i]))
         if self.master_bf16:
-            seed = quant.rounding_seed(t, self.groups[i])
             new = quant.round_bf16_stochastic(p32, seed, self.offsets[i], 0)
         else:
             self.masters[i] = p32.detach().view_as(self.params[i]).clone()

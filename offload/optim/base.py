@@ -202,7 +202,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
             return SwappedState(params, swap_dir=cfg.swap_dir, max_host_bytes=cfg.max_host_bytes,
                                 sub_group_size=cfg.sub_group_size, verify=cfg.verify, resume=cfg.resume,
                                 io_engine=cfg.io, backend=self.backend, num_threads=self.num_threads, ctx=self._ctx,
-                                rule=self._store_rule)
+                                rule=self._store_rule, stochastic_states=STOCHASTIC_BF16_STATES)
         return self._flat_store(stage, process_group)
 
     def _set_store_rule(self) -> Rule:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Tuple
 import torch
 
 from offload.kernels.quant import rounding_seed
+from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.zero import split_ranges
 from offload.optim.swapped_shards import WorkItem
 from offload.zero.flat_group import FlatGroup
@@ -128,7 +129,8 @@ class HostBacking:
         rounding = {}
         if fg.compressed:  # [Note: compressed states in the flat store]
             rounding = {"rounding_seed": rounding_seed(item.kwargs["step"], item.shard),
-                        "element_offset": fg.layout.shard_range()[0] + item.lo}
+                        "element_offset": fg.layout.shard_range()[0] + item.lo,
+                        "stochastic_states": STOCHASTIC_BF16_STATES}
         self._kernel.rule_step(rule, param, item.grad, states, param_lowp=lowp,
                                num_threads=self._threads, **rounding, **item.kwargs)
         t1 = time.perf_counter()

@@ -57,6 +57,7 @@ from offload.optim.flat import checkpoints, load_hooks, swapped
 from offload.optim.flat.grads import GradSource
 from offload.optim.flat.sinks import ParamSink, drain_at_collection, drain_streams
 from offload.optim.flat.steps import HostBacking, run_step
+from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.zero import SideStream, comm
 from offload.zero.backward_reduce import BackwardReducer
 from offload.zero.flat_group import LOWP, FlatGroup
@@ -103,6 +104,7 @@ class FlatState:
         params are their own master ([Note: bf16 master])."""
         self.ctx = ctx
         self.rule = rule
+        self.stochastic_states = STOCHASTIC_BF16_STATES  # bf16 states (state_codec says why)
         self.master_lowp = master_dtype == "bfloat16"
         self.stage = stage
         self.group = process_group
