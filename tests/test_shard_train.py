@@ -7,6 +7,7 @@ collective of every process, so a world-2 job cannot run on a 3-process pool).""
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import socket
 import traceback
@@ -130,7 +131,9 @@ def _worker(rank, world, port, inq, outq):
             break
         name, kwargs = job
         try:
-            outq.put((rank, True, globals()[name](group=None, **copy.deepcopy(kwargs))))
+            fn = globals()[name] if ":" not in name else getattr(importlib.import_module(name.split(":")[0]),
+                                                                 name.split(":")[1])
+            outq.put((rank, True, fn(group=None, **copy.deepcopy(kwargs))))
         except BaseException:
             outq.put((rank, False, traceback.format_exc()))
     outq.close()
