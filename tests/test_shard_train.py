@@ -251,3 +251,6 @@ def test_a_rank_holds_a_share_of_the_params_between_units(pools, world):
     root, blocks = out["units"][0], out["units"][1:]
     # the window: the root (gathered for the whole pass), the unit in use and one prefetched
     assert out["peak"] <= root + 2 * max(blocks) < total
+    # the first step gathers by rounds (4 units forward, 3 blocks backward, a final round
+    # each); later steps follow the agreed plan: only the final rounds, and prefetched gathers
+    assert out["rounds"] == (4 + 1) + (3 + 1) + 2 * (3 - 1)
