@@ -91,7 +91,7 @@ def _reference(steps, world, *, accumulate=1, max_grad_norm=None, frozen=False, 
 
 
 def job_train(group, steps, *, accumulate=1, max_grad_norm=None, frozen=False, plan=None, no_sync=False,
-              prefetch=1, hp=HP):
+              prefetch=1, hp=HP, evaluate=False):
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
     plan = plan or {}
     model = offload.shard(_model(frozen), process_group=group, prefetch=prefetch)
@@ -106,6 +106,10 @@ def job_train(group, steps, *, accumulate=1, max_grad_norm=None, frozen=False, p
             between.append(rt.live_bytes())
         opt.step()
         opt.zero_grad()
+        if evaluate:  # a forward without grad between steps: gathers and releases, no backward
+            with torch.no_grad():
+                _loss(model, step + 1, 0, world, rank, plan)
+            assert rt.live_bytes() == 0
     full = gathered_params(model)
     return {"params": full, "between": between, "peak": rt.schedule.peak_live, "stage": opt.stage,
             "replans": rt.schedule.replans, "rounds": rt.schedule.rounds,
@@ -215,6 +219,7 @@ CASES = {
     # block 1 left out on rank 0 at step 2, out on every rank at step 3 (its shards keep
     # grad None: no update, as torch), the blocks reversed at step 4, block 0 twice at step 5
     "skip_and_reorder": dict(plan={(2, 0): [0, 2], (3, None): [0, 2], (4, None): [2, 1, 0], (5, 1): [0, 0, 1, 2]}),
+    "evaluate": dict(evaluate=True),
     "prefetch2": dict(prefetch=2, plan={(3, 1): [2, 0, 1]}),
 }
 
