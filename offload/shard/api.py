@@ -72,8 +72,10 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     and backward. ``prefetch``: how many units' gathers run ahead of the one in use, once
     the order is known (schedule.py). ``offload_params``: "none" and "cpu" (the same on a
     CPU model: the shards live in host memory); "nvme" is not implemented yet. Every rank
-    must build the same model (same init) before calling this; a collective when
-    ``torch.distributed`` is initialised (it makes a process group)."""
+    must build the same model (same init) before calling this. A collective when
+    ``torch.distributed`` is initialised: it makes a process group for the grads'
+    reduce-scatters (``dist.new_group``, which every process of the default group must
+    call, also those outside ``process_group``)."""
     _check(module, offload_params, prefetch)
     world, rank = comm.world_and_rank(process_group)
     reduce_group = _reduce_group(process_group, world)
