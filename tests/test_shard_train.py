@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 import importlib
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 
 import pytest
@@ -91,11 +93,12 @@ def _reference(steps, world, *, accumulate=1, max_grad_norm=None, frozen=False, 
 
 
 def job_train(group, steps, *, accumulate=1, max_grad_norm=None, frozen=False, plan=None, no_sync=False,
-              prefetch=1, hp=HP, evaluate=False):
+              prefetch=1, hp=HP, evaluate=False, offload_states="none"):
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
     plan = plan or {}
     model = offload.shard(_model(frozen), process_group=group, prefetch=prefetch)
-    opt = offload.AdamW(model.parameters(), max_grad_norm=max_grad_norm, **hp)
+    swap = tempfile.mkdtemp(prefix="shard-", dir="/var/tmp") if offload_states == "nvme" else None
+    opt = offload.AdamW(model.parameters(), max_grad_norm=max_grad_norm, offload=offload_states, swap_dir=swap, **hp)
     rt = runtime_of(model)
     between = []
     for step in range(steps):
@@ -111,7 +114,11 @@ def job_train(group, steps, *, accumulate=1, max_grad_norm=None, frozen=False, p
                 _loss(model, step + 1, 0, world, rank, plan)
             assert rt.live_bytes() == 0
     full = gathered_params(model)
-    return {"params": full, "between": between, "peak": rt.schedule.peak_live, "stage": opt.stage,
+    kind = opt.memory_report()["store"]
+    opt.close()
+    if swap:
+        shutil.rmtree(swap, ignore_errors=True)
+    return {"params": full, "store": kind, "between": between, "peak": rt.schedule.peak_live, "stage": opt.stage,
             "replans": rt.schedule.replans, "rounds": rt.schedule.rounds,
             "units": [sum(f.nbytes for f in u.flats) for u in rt.units],
             "shard_bytes": sum(p.numel() * p.element_size() for p in model.parameters() if hasattr(p, "_offload_shard"))}
@@ -220,6 +227,7 @@ CASES = {
     # grad None: no update, as torch), the blocks reversed at step 4, block 0 twice at step 5
     "skip_and_reorder": dict(plan={(2, 0): [0, 2], (3, None): [0, 2], (4, None): [2, 1, 0], (5, 1): [0, 0, 1, 2]}),
     "evaluate": dict(evaluate=True),
+    "nvme_states": dict(offload_states="nvme"),
     "prefetch2": dict(prefetch=2, plan={(3, 1): [2, 0, 1]}),
 }
 
@@ -234,6 +242,7 @@ def test_shard_matches_torch_adamw(pools, world, case):
     outs = _run(pools, world, steps=steps, **kw)
     for out in outs:
         assert out["stage"] == 3
+        assert out["store"] == {"nvme": "nvme"}.get(kw.get("offload_states"), "host")
         _assert_params(out["params"], {k: v for k, v in ref.items() if not (kw.get("frozen") and "blocks.1.mlp" in k)})
     if world > 1:  # every rank holds the same model
         for out in outs[1:]:
