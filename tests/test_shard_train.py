@@ -45,11 +45,13 @@ class Net(TinyGPT):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _model(frozen=False):
+def _model(frozen=False, tie=False):
     torch.manual_seed(0)
     m = Net(CFG)
     if frozen:
         m.blocks[1].mlp.requires_grad_(False)
+    if tie:  # one Parameter in two units: it goes to the root unit
+        m.blocks[2].mlp[0].weight = m.blocks[0].mlp[0].weight
     return m
 
 
@@ -70,10 +72,10 @@ def _loss(model, step, micro, world, rank, plan):
     return model(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n], order=_order(plan, step, rank))
 
 
-def _reference(steps, world, *, accumulate=1, max_grad_norm=None, frozen=False, plan=None, hp=HP):
+def _reference(steps, world, *, accumulate=1, max_grad_norm=None, frozen=False, plan=None, hp=HP, tie=False):
     """torch.optim.AdamW on the grads the ranks average (None where no rank has one)."""
     plan = plan or {}
-    model = _model(frozen)
+    model = _model(frozen, tie)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, foreach=False, **hp)
     for step in range(steps):
@@ -93,10 +95,10 @@ def _reference(steps, world, *, accumulate=1, max_grad_norm=None, frozen=False, 
 
 
 def job_train(group, steps, *, accumulate=1, max_grad_norm=None, frozen=False, plan=None, no_sync=False,
-              prefetch=1, hp=HP, evaluate=False, offload_states="none"):
+              prefetch=1, hp=HP, evaluate=False, offload_states="none", tie=False):
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
     plan = plan or {}
-    model = offload.shard(_model(frozen), process_group=group, prefetch=prefetch)
+    model = offload.shard(_model(frozen, tie), process_group=group, prefetch=prefetch)
     swap = tempfile.mkdtemp(prefix="shard-", dir="/var/tmp") if offload_states == "nvme" else None
     opt = offload.AdamW(model.parameters(), max_grad_norm=max_grad_norm, offload=offload_states, swap_dir=swap, **hp)
     rt = runtime_of(model)
@@ -227,6 +229,7 @@ CASES = {
     # grad None: no update, as torch), the blocks reversed at step 4, block 0 twice at step 5
     "skip_and_reorder": dict(plan={(2, 0): [0, 2], (3, None): [0, 2], (4, None): [2, 1, 0], (5, 1): [0, 0, 1, 2]}),
     "evaluate": dict(evaluate=True),
+    "tied_across_units": dict(tie=True),
     "nvme_states": dict(offload_states="nvme"),
     "prefetch2": dict(prefetch=2, plan={(3, 1): [2, 0, 1]}),
 }
@@ -237,7 +240,7 @@ CASES = {
 def test_shard_matches_torch_adamw(pools, world, case):
     kw = dict(CASES[case])
     steps = 6
-    ref_kw = {k: v for k, v in kw.items() if k in ("accumulate", "max_grad_norm", "frozen", "plan", "hp")}
+    ref_kw = {k: v for k, v in kw.items() if k in ("accumulate", "max_grad_norm", "frozen", "plan", "hp", "tie")}
     ref = _reference(steps, world, **ref_kw)
     outs = _run(pools, world, steps=steps, **kw)
     for out in outs:
