@@ -18,6 +18,7 @@ grads when its backward is done (FSDP2's pre/post forward and backward, on the C
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, List, Optional
 
 import torch
@@ -42,8 +43,14 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _grad_tensors(obj: Any) -> List[torch.Tensor]:
-    leaves, _ = tree_flatten(obj)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    out: List[torch.Tensor] = []
+    for t in tree_flatten(obj)[0]:
+        if isinstance(t, torch.Tensor):
+            if t.requires_grad:
+                out.append(t)
+        elif isinstance(t, Mapping):  # a dict subclass pytree does not know (an HF ModelOutput)
+            out += _grad_tensors(list(t.values()))
+    return out
 
 
 class ShardRuntime:
