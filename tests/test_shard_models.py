@@ -165,3 +165,13 @@ def test_units_by_class_and_by_size_and_the_layout():
     # the module's names: the shards, registered on their units; the originals are plain tensors
     assert sorted(dict(m.named_parameters())) == ["_shard_float32"] + [f"blocks.{i}.mlp._shard_float32" for i in range(3)]
     assert not isinstance(m.blocks[0].mlp[0].weight, nn.Parameter) and m.blocks[0].mlp[0].weight.requires_grad
+
+
+def test_one_rank_recovers_from_a_forward_that_raised():
+    m = offload.shard(_model())
+    x, y = _batch(0, 0)
+    with pytest.raises(ValueError):
+        m(x, y[:, :3])  # targets of the wrong shape: cross_entropy raises inside the root's forward
+    loss = m(x, y)
+    loss.backward()
+    assert runtime_of(m).live_bytes() == 0 and all(p.grad is not None for p in m.parameters())

@@ -80,9 +80,12 @@ class ShardRuntime:
     # ------------------------------------------------------------------ forward
     def pre_forward(self, u: Any, module: Any, args: Any, kwargs: Any):
         if u.is_root:
-            if self.in_forward or self.in_backward:
-                raise RuntimeError("offload.shard: the root module was called again inside its own forward or "
-                                   "backward (activation checkpointing of sharded units is not supported yet)")
+            if (self.in_forward or self.in_backward) and self.world > 1:
+                # One rank cannot tell the others' collectives apart from here on.
+                raise RuntimeError("offload.shard: the root module was called inside its own forward or backward "
+                                   "(activation checkpointing of sharded units is not supported yet), or after a "
+                                   "forward or backward that raised: with several ranks, start over")
+            self.in_forward = self.in_backward = False  # one rank: an earlier forward that raised
             self._drop_stale()
             self.schedule.begin("fwd")
             self.in_forward = True
