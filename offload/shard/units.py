@@ -8,9 +8,8 @@ Frozen params (``requires_grad=False``) belong to no unit: they stay whole on ev
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set, Tuple, Type, Union
+from typing import Dict, List, Set, Tuple, Type, Union
 
-import torch
 import torch.nn as nn
 
 __all__ = ["UnitPolicy", "choose_units", "assign_params"]
