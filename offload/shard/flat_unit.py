@@ -10,6 +10,19 @@ buffer; the full buffer's storage is resized to 0 bytes when released and back w
 gathered (as FSDP2 does), so the views stay the same objects (autograd saved them) while
 their memory comes and goes. Writing the gathered bytes does not bump their version
 counter (the values are those autograd saved).
+[Note: the CUDA seam, not built yet] Every transfer of a unit goes through two calls:
+``FlatParam.gather_async`` (returns a handle; ``wait()`` before the unit's params are read)
+and the reducer's ``_reduce`` (grads.py; the shard grad is read after ``wait()``). On CUDA
+these are the only places that change: ``gather_async`` queues, on an all-gather side stream
+(``offload.zero.streams.SideStream``, after ``wait_current()``), the host-to-device copy of
+the shard (``offload_params="cpu"``: a pinned host shard) and the NCCL all-gather into the
+device ``full`` buffer, and records an event; ``wait()`` makes the compute stream wait on that
+event (not the host); ``free()`` must then ``record_stream`` the buffer on the compute stream
+before resizing it. The reduce side queues the flatten + reduce-scatter on a reduce stream
+after the grads' producing stream, and the device-to-host copy of the shard grad. The
+schedule (schedule.py) and the hooks stay as they are. In CI, tests/stream_emulation.py's
+``EmulatedStream`` would stand for the two streams (a unit read before its wait shows stale
+bytes), as it does for the stage-2 streams.
 """
 from __future__ import annotations
 
