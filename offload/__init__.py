@@ -8,6 +8,7 @@ from offload._version import __version__
 from offload.kernels import get_num_threads, set_num_threads
 from offload.optim import SGD, Adagrad, Adam, AdamW, Lion, adam_step
 from offload.integrations.deepspeed import from_deepspeed_config
+from offload.shard import shard
 
-__all__ = ["Adam", "AdamW", "SGD", "Adagrad", "Lion", "adam_step", "from_deepspeed_config", "set_num_threads", "get_num_threads",
+__all__ = ["Adam", "AdamW", "SGD", "Adagrad", "Lion", "adam_step", "from_deepspeed_config", "shard", "set_num_threads", "get_num_threads",
            "__version__"]

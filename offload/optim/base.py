@@ -171,6 +171,11 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def _make_store(self, stage: Optional[int], process_group: Any):
+        from offload.optim.shard_store import stage3_store
+
+        store = stage3_store(self, stage, process_group)  # params of offload.shard: [Note: stage 3 store]
+        if store is not None:
+            return store
         params = self._all_params()
         world = 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():

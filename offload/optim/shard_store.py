@@ -1,0 +1,118 @@
+"""Stage 3: the optimizer over the shards of ``offload.shard`` (offload/shard/).
+
+[Note: stage 3 store] Each rank's params are its own shards (``p._offload_shard``), their
+grads already reduce-scattered and averaged over the ranks by the shard hooks. So the store
+is an unpartitioned one (stage 0: the host store for fp32 CPU shards, the flat store for
+bf16 / fp16 ones, the swapped store for fp32 with ``offload="nvme"``) on each rank's own
+shards, wrapped to make the step's facts global: the grad norm for ``max_grad_norm`` is the
+all-reduced sum of squares of every rank's shard grads (as the stage-2 path's), and
+GradScaler's ``found_inf`` is agreed (max over ranks) so that every rank skips or none.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from offload.zero import comm
+
+__all__ = ["shard_group", "stage3_store", "Stage3Store"]
+
+
+def shard_group(params: List[torch.Tensor]) -> Tuple[bool, Any]:
+    """(whether ``params`` come from offload.shard, its process group); ValueError when only
+    some trainable ones do, or they come from differently sharded models."""
+    infos = [getattr(p, "_offload_shard", None) for p in params]
+    if all(i is None for i in infos):
+        return False, None
+    loose = [i for i, (p, info) in enumerate(zip(params, infos)) if info is None and p.requires_grad]
+    if loose:
+        raise ValueError(f"params {loose[:5]} are not shards of offload.shard() while others are: a stage 3 "
+                         "optimizer needs every trainable param sharded (shard the whole model)")
+    groups = {id(i.group) for i in infos if i is not None}
+    if len(groups) != 1:
+        raise ValueError("params come from offload.shard() calls with different process groups")
+    return True, next(i for i in infos if i is not None).group
+
+
+def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
+    """The store for shard params (see the note), or None for any other params."""
+    if getattr(opt, "_in_stage3", False):
+        return None
+    params = opt._all_params()
+    sharded, group = shard_group(params)
+    if not sharded:
+        return None
+    if stage not in (None, 0):
+        raise ValueError(f"stage={stage} with params of offload.shard(): they are partitioned already (stage 3); "
+                         "drop stage=")
+    if process_group is not None and process_group is not group:
+        raise ValueError("process_group= differs from the one the params were sharded over")
+    opt._in_stage3 = True
+    try:
+        inner = opt._make_store(0, None)
+    finally:
+        opt._in_stage3 = False
+    opt.stage = 3
+    for rt in {id(i.runtime): i.runtime for i in (getattr(p, "_offload_shard", None) for p in params)
+               if i is not None and getattr(i, "runtime", None) is not None}.values():
+        rt.ctx = opt._ctx  # the shard hooks follow opt.no_sync()
+    opt._stage_auto_single = False
+    opt._process_group = group
+    return Stage3Store(inner, group, opt._ctx, backend=opt.backend, num_threads=opt.num_threads)
+
+
+class Stage3Store:
+    """An unpartitioned store on this rank's shards, with the step's facts made global."""
+
+    def __init__(self, inner: Any, group: Any, ctx: Any, *, backend: Optional[str], num_threads: Optional[int]):
+        self._inner, self.group, self._ctx = inner, group, ctx
+        self._backend, self._threads = backend, num_threads
+        self.world = comm.world_and_rank(group)[0]
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_inner":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    @property
+    def kind(self) -> str:
+        return self._inner.kind
+
+    def begin_step(self) -> None:
+        begin = getattr(self._inner, "begin_step", None)
+        if begin is not None:
+            begin()
+        found_inf = self._ctx.found_inf
+        if self.world > 1 and isinstance(found_inf, torch.Tensor):
+            flag = found_inf.detach().to(comm.comm_device(self.group), torch.float32).reshape(1).clone()
+            comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MAX)
+            self._ctx.found_inf = flag.to(found_inf.device).reshape(found_inf.shape)
+
+    def global_grad_sumsq(self, work) -> Tuple[float, bool]:
+        from offload.optim.clip import _sumsq
+
+        local = getattr(self._inner, "global_grad_sumsq", None)
+        s, bad = local(work) if local is not None else _sumsq(work, self._backend, self._threads)
+        acc = torch.tensor([s, float(bad)], dtype=torch.float64, device=comm.comm_device(self.group))
+        comm.all_reduce(acc, self.group)
+        s, bad = acc.tolist()
+        return s, bad > 0
+
+    def step(self, batches):
+        return self._inner.step(batches)
+
+    def export_state(self, p):
+        return self._inner.export_state(p)
+
+    def import_state(self, p, state):
+        return self._inner.import_state(p, state)
+
+    def reset_state(self, p):
+        return self._inner.reset_state(p)
+
+    def memory_report(self):
+        return self._inner.memory_report()
+
+    def close(self, keep_swap: bool = False):
+        return self._inner.close(keep_swap=keep_swap) if keep_swap else self._inner.close()

@@ -1,0 +1,180 @@
+"""The module hooks: gather before a unit's forward and backward, release after, reduce its
+grads when its backward is done (FSDP2's pre/post forward and backward, on the CPU).
+
+- pre-forward (``register_forward_pre_hook``): the root's opens the forward phase of the
+  gather schedule (schedule.py); every unit's acquires its params, and, when grad is
+  enabled, routes the inputs that require grad through ``_PostBackward``, whose backward
+  runs once autograd is past the unit (its params' grads are accumulated by then: the
+  engine runs a leaf's AccumulateGrad as soon as it is ready).
+- post-forward: a pre-backward hook on the outputs (``register_multi_grad_hook``, any
+  output's grad), then the unit is released (the root stays live until the backward ends,
+  as FSDP2 keeps it); the root's post-forward closes the forward phase.
+- pre-backward: opens the backward phase (once) and queues the final callback; acquires.
+- post-backward: after a unit's last use, release it and hand its grads to the reducer.
+- final callback: the units whose backward never reached ``_PostBackward`` (inputs that do
+  not require grad, e.g. token ids) are done now; the phase's final round; the remaining
+  reductions (grads.py [Note: reduce order]).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, List, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from offload.shard.grads import GradReducer
+from offload.shard.schedule import GatherSchedule, order_hash
+
+__all__ = ["ShardRuntime"]
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runtime, unit, *inputs):
+        ctx.runtime, ctx.unit = runtime, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runtime.post_backward(ctx.unit)
+        return (None, None) + grads
+
+
+def _grad_tensors(obj: Any) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+    for t in tree_flatten(obj)[0]:
+        if isinstance(t, torch.Tensor):
+            if t.requires_grad:
+                out.append(t)
+        elif isinstance(t, Mapping):  # a dict subclass pytree does not know (an HF ModelOutput)
+            out += _grad_tensors(list(t.values()))
+    return out
+
+
+class ShardRuntime:
+    """The hooks' state for one sharded root module."""
+
+    def __init__(self, units: List[Any], *, group: Any, reduce_group: Any, world: int, rank: int,
+                 prefetch: int = 1) -> None:
+        self.units = units
+        self.world, self.rank = world, rank
+        self.schedule = GatherSchedule(units, group, world, rank, prefetch=prefetch)
+        self.reducer = GradReducer(units, reduce_group, world)
+        self.in_forward = False
+        self.in_backward = False
+        self.sync_grads = True  # False: accumulate the full grads locally (no_sync)
+        self.ctx: Optional[Any] = None  # an optimizer's StepContext, whose no_sync we follow
+        self._handles: List[Any] = []
+
+    def install(self) -> None:
+        for u in self.units:
+            self._handles.append(u.module.register_forward_pre_hook(
+                functools.partial(self.pre_forward, u), with_kwargs=True))
+            self._handles.append(u.module.register_forward_hook(functools.partial(self.post_forward, u)))
+
+    def syncing(self) -> bool:
+        return self.sync_grads and not (self.ctx is not None and self.ctx.no_sync)
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self, u: Any, module: Any, args: Any, kwargs: Any):
+        if u.is_root:
+            if (self.in_forward or self.in_backward) and self.world > 1:
+                # One rank cannot tell the others' collectives apart from here on.
+                raise RuntimeError("offload.shard: the root module was called inside its own forward or backward "
+                                   "(activation checkpointing of sharded units is not supported yet), or after a "
+                                   "forward or backward that raised: with several ranks, start over")
+            self.in_forward = self.in_backward = False  # one rank: an earlier forward that raised
+            self._drop_stale()
+            self.schedule.begin("fwd")
+            self.in_forward = True
+        elif not self.in_forward:
+            raise RuntimeError(f"offload.shard: unit {u.name!r} was called outside the forward of the module "
+                               "passed to offload.shard(); call that module")
+        self.schedule.acquire(u)
+        if not torch.is_grad_enabled():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        routed = _PostBackward.apply(self, u, *[flat[i] for i in idx])
+        for i, t in zip(idx, routed):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def post_forward(self, u: Any, module: Any, args: Any, output: Any):
+        outs = _grad_tensors(output) if torch.is_grad_enabled() else []
+        if outs:
+            u.uses += 1
+            torch.autograd.graph.register_multi_grad_hook(outs, lambda _g, u=u: self.pre_backward(u), mode="any")
+        if not u.is_root:
+            self.schedule.release(u)
+            return None
+        self.in_forward = False
+        self.schedule.end(torch.zeros(len(self.units), dtype=torch.int64))
+        if not outs:  # no backward will come
+            self.schedule.release(u)
+        return None
+
+    def _drop_stale(self) -> None:
+        """A forward whose backward never ran: forget its uses, release what it held."""
+        for u in self.units:
+            u.uses = 0
+            if u.live:
+                self.schedule.release(u)
+
+    # ------------------------------------------------------------------ backward
+    def _begin_backward(self) -> None:
+        if self.in_backward:
+            return
+        self.in_backward = True
+        self.schedule.begin("bwd")
+        self.reducer.begin()
+        torch.autograd.Variable._execution_engine.queue_callback(self.final)
+
+    def pre_backward(self, u: Any) -> None:
+        self._begin_backward()
+        self.schedule.acquire(u)
+
+    def post_backward(self, u: Any) -> None:
+        self._begin_backward()
+        if u.uses == 0:
+            return
+        u.uses -= 1
+        if u.uses == 0:
+            self._unit_done(u)
+
+    def _unit_done(self, u: Any) -> None:
+        if not u.is_root and u.live:
+            self.schedule.release(u)
+        if self.syncing():
+            self.reducer.ready(u)
+
+    def final(self) -> None:
+        try:
+            for u in self.units[1:] + self.units[:1]:  # the root's backward ends last
+                if u.uses:
+                    u.uses = 0
+                    self._unit_done(u)
+            root = self.units[0]
+            if root.live:
+                self.schedule.release(root)
+            sync = self.syncing()
+            flags = self.reducer.local_flags() if sync else torch.zeros(len(self.units), dtype=torch.int64)
+            anywhere, agreed = self.schedule.end(flags, order_hash(self.reducer.order) if sync else 0)
+            if sync:
+                self.reducer.finish(anywhere, agreed)
+        finally:
+            self.in_backward = False
+
+    # ------------------------------------------------------------------ reports
+    def live_bytes(self) -> int:
+        """Bytes of full (gathered) unit buffers allocated now on this rank."""
+        return sum(u.live_bytes() for u in self.units)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
