@@ -253,28 +253,49 @@ inline __m256i tree_step(__m256i idx, __m256 thr, __m256 xn) {
 }
 
 // The first 5 tree levels (tree[1..31]) in 4 registers read by permutevar8x32 (low 3 bits
-// of the node index; level 5 joined by bit 3); levels 6-8 gathered from the L1 table.
-inline __m128i q8_search(const float *tree, const __m256 (&r)[4], __m256 xn) {
-    __m256i idx = _mm256_set1_epi32(1);
-    for (int level = 0; level < 3; ++level) idx = tree_step(idx, _mm256_permutevar8x32_ps(r[0], idx), xn);
-    idx = tree_step(idx, _mm256_permutevar8x32_ps(r[1], idx), xn);
-    const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));  // bit 3 to the sign
-    idx = tree_step(idx, _mm256_blendv_ps(_mm256_permutevar8x32_ps(r[2], idx),
-                                          _mm256_permutevar8x32_ps(r[3], idx), b3), xn);
-    for (int level = 5; level < 8; ++level) idx = tree_step(idx, _mm256_i32gather_ps(tree, idx, 4), xn);
-    const __m256i c = _mm256_and_si256(idx, _mm256_set1_epi32(0xFF));  // 256 + code
-    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    return _mm_packus_epi16(w, w);
+// of the node index; level 5 joined by bit 3); levels 6-8 gathered from the L1 table. V
+// vectors walk the levels side by side (independent dependency chains, as in the AVX-512
+// unit).
+template <int V>
+inline void q8_search(const float *tree, const __m256 (&r)[4], const __m256 (&xn)[V],
+                      __m128i (&out)[V]) {
+    __m256i idx[V];
+    for (int j = 0; j < V; ++j) idx[j] = _mm256_set1_epi32(1);
+    for (int level = 0; level < 3; ++level)
+        for (int j = 0; j < V; ++j) idx[j] = tree_step(idx[j], _mm256_permutevar8x32_ps(r[0], idx[j]), xn[j]);
+    for (int j = 0; j < V; ++j) idx[j] = tree_step(idx[j], _mm256_permutevar8x32_ps(r[1], idx[j]), xn[j]);
+    for (int j = 0; j < V; ++j) {
+        const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx[j], 28));  // bit 3 to the sign
+        idx[j] = tree_step(idx[j], _mm256_blendv_ps(_mm256_permutevar8x32_ps(r[2], idx[j]),
+                                                    _mm256_permutevar8x32_ps(r[3], idx[j]), b3), xn[j]);
+    }
+    for (int level = 5; level < 8; ++level)
+        for (int j = 0; j < V; ++j) idx[j] = tree_step(idx[j], _mm256_i32gather_ps(tree, idx[j], 4), xn[j]);
+    for (int j = 0; j < V; ++j) {
+        const __m256i c = _mm256_and_si256(idx[j], _mm256_set1_epi32(0xFF));  // 256 + code
+        const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+        out[j] = _mm_packus_epi16(w, w);
+    }
 }
 
 inline void q8_codes(const float *x, int64_t len, float absmax, const float *tree, uint8_t *codes) {
+    constexpr int V = 4;
     const __m256 r[4] = {_mm256_loadu_ps(tree), _mm256_loadu_ps(tree + 8),
                          _mm256_loadu_ps(tree + 16), _mm256_loadu_ps(tree + 24)};
     const __m256 a = _mm256_set1_ps(absmax);
     int64_t i = 0;
+    for (; i + 8 * V <= len; i += 8 * V) {
+        __m256 xn[V];
+        __m128i c[V];
+        for (int j = 0; j < V; ++j) xn[j] = _mm256_div_ps(_mm256_loadu_ps(x + i + 8 * j), a);  // IEEE
+        q8_search<V>(tree, r, xn, c);
+        for (int j = 0; j < V; ++j) _mm_storel_epi64(reinterpret_cast<__m128i *>(codes + i + 8 * j), c[j]);
+    }
     for (; i + 8 <= len; i += 8) {
-        const __m256 xn = _mm256_div_ps(_mm256_loadu_ps(x + i), a);  // IEEE division
-        _mm_storel_epi64(reinterpret_cast<__m128i *>(codes + i), q8_search(tree, r, xn));
+        const __m256 xn[1] = {_mm256_div_ps(_mm256_loadu_ps(x + i), a)};
+        __m128i c[1];
+        q8_search<1>(tree, r, xn, c);
+        _mm_storel_epi64(reinterpret_cast<__m128i *>(codes + i), c[0]);
     }
     q8_codes_scalar(x + i, len - i, absmax, tree, codes + i);
 }
