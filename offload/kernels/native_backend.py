@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 from typing import Tuple
 
@@ -82,6 +83,15 @@ def load_library() -> ctypes.CDLL:
     lib.offload_grad_sumsq.argtypes = [_vp, _c_int, _c_i64, ctypes.POINTER(_c_dbl),
                                        ctypes.POINTER(_c_int), _c_int, _c_int]
     return lib
+
+
+@functools.lru_cache(maxsize=64)
+def _state_codes(fields, stochastic: bool) -> Tuple[Tuple[int, int], ...]:
+    """(OFFLOAD dtype, OFFLOAD_ROUND_*) of each state field (cached: per param per step)."""
+    rounding = _STOCHASTIC if stochastic else _NEAREST
+    return tuple((_Q8S if f.signed else _Q8U, 0) if f.blocked
+                 else (_BF16, rounding) if f.dtype == torch.bfloat16 else (_F32, 0)
+                 for f in fields)
 
 
 class NativeBackend(RuleStepFace):
@@ -184,15 +194,9 @@ class NativeBackend(RuleStepFace):
         else:
             code, fold = self._folds[method[1:]]
             consts = fold(hyper)
-        rounding = _STOCHASTIC if q.stochastic_states else _NEAREST
-        arrays = []
-        for f, t in zip(fields, states):
-            if f.blocked:
-                arrays += (t.data_ptr(), _Q8S if f.signed else _Q8U, 0)
-            elif f.dtype == torch.bfloat16:
-                arrays += (t.data_ptr(), _BF16, rounding)
-            else:
-                arrays += (t.data_ptr(), _F32, 0)
+        codes = _state_codes(fields, q.stochastic_states)
+        arrays = [x for t, (dtype, rounding) in zip(states, codes)
+                  for x in (t.data_ptr(), dtype, rounding)]
         # a bfloat16 param is its own master: always rounded stochastically
         p_code, p_round = (_BF16, _STOCHASTIC) if param.dtype == torch.bfloat16 else (_F32, 0)
         if param_lowp is None:
