@@ -99,11 +99,9 @@ inline int compressed_tiles(const CompressedStep &s, const RuleFns &f, int64_t b
     const size_t gsz = s.grad_dtype == OFFLOAD_F32 ? 4 : 2;
     for (int64_t t0 = begin; t0 < end; t0 += kTile) {
         const int64_t len = end - t0 < kTile ? end - t0 : kTile;
-        float *p = static_cast<float *>(s.param.data) + t0;
-        if (bf16_param) {
-            bf16_load(static_cast<const uint16_t *>(s.param.data) + t0, pbuf, len);
-            p = pbuf;
-        }
+        float *p = pbuf;
+        if (bf16_param) bf16_load(static_cast<const uint16_t *>(s.param.data) + t0, pbuf, len);
+        else p = static_cast<float *>(s.param.data) + t0;  // updated in place
         float *st[OFFLOAD_MAX_STATES] = {};
         for (int k = 0; k < s.num_states; ++k) st[k] = decode_state(s, k, t0, len, sbuf[k]);
         const void *g = static_cast<const char *>(s.grad) + t0 * gsz;
