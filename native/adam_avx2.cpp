@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "kernel.h"
+#include "quant_scalar.h"
 #include "unit_dispatch.h"
 #include "offload_native.h"
 
@@ -218,7 +219,135 @@ inline bool lanes_none_at_least(__m256 t, __m256 limit) {
 
 #include "sumsq_blocks.h"
 
+// ---- compressed states: compressed_tile.h's primitives, 8 lanes at a time; the part
+// left over (< 8) goes through quant_scalar.h, whose operations are exact: the same bits.
+inline void q8_decode(const uint8_t *codes, float absmax, const float *map, float *out, int64_t len) {
+    const __m256 a = _mm256_set1_ps(absmax);
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(codes + i)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(map, c, 4), a));
+    }
+    q8_decode_scalar(codes + i, absmax, map, out + i, len - i);
+}
+
+inline uint32_t abs_bits_max(const float *x, int64_t len) {
+    const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i m = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x + i));
+        m = _mm256_max_epu32(m, _mm256_and_si256(v, abs_mask));
+    }
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i *>(lanes), m);
+    uint32_t r = abs_bits_max_scalar(x + i, len - i);
+    for (uint32_t v : lanes) r = v > r ? v : r;
+    return r;
+}
+
+// idx = 2 * idx + (thr < xn), lane-wise (a true compare is -1)
+inline __m256i tree_step(__m256i idx, __m256 thr, __m256 xn) {
+    const __m256i right = _mm256_castps_si256(_mm256_cmp_ps(thr, xn, _CMP_LT_OQ));
+    return _mm256_sub_epi32(_mm256_add_epi32(idx, idx), right);
+}
+
+// The first 5 tree levels (tree[1..31]) in 4 registers read by permutevar8x32 (low 3 bits
+// of the node index; level 5 joined by bit 3); levels 6-8 gathered from the L1 table. V
+// vectors walk the levels side by side (independent dependency chains, as in the AVX-512
+// unit).
+template <int V>
+inline void q8_search(const float *tree, const __m256 (&r)[4], const __m256 (&xn)[V],
+                      __m128i (&out)[V]) {
+    __m256i idx[V];
+    for (int j = 0; j < V; ++j) idx[j] = _mm256_set1_epi32(1);
+    for (int level = 0; level < 3; ++level)
+        for (int j = 0; j < V; ++j) idx[j] = tree_step(idx[j], _mm256_permutevar8x32_ps(r[0], idx[j]), xn[j]);
+    for (int j = 0; j < V; ++j) idx[j] = tree_step(idx[j], _mm256_permutevar8x32_ps(r[1], idx[j]), xn[j]);
+    for (int j = 0; j < V; ++j) {
+        const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx[j], 28));  // bit 3 to the sign
+        idx[j] = tree_step(idx[j], _mm256_blendv_ps(_mm256_permutevar8x32_ps(r[2], idx[j]),
+                                                    _mm256_permutevar8x32_ps(r[3], idx[j]), b3), xn[j]);
+    }
+    for (int level = 5; level < 8; ++level)
+        for (int j = 0; j < V; ++j) idx[j] = tree_step(idx[j], _mm256_i32gather_ps(tree, idx[j], 4), xn[j]);
+    for (int j = 0; j < V; ++j) {
+        const __m256i c = _mm256_and_si256(idx[j], _mm256_set1_epi32(0xFF));  // 256 + code
+        const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+        out[j] = _mm_packus_epi16(w, w);
+    }
+}
+
+inline void q8_codes(const float *x, int64_t len, float absmax, const float *tree, uint8_t *codes) {
+    constexpr int V = 4;
+    const __m256 r[4] = {_mm256_loadu_ps(tree), _mm256_loadu_ps(tree + 8),
+                         _mm256_loadu_ps(tree + 16), _mm256_loadu_ps(tree + 24)};
+    const __m256 a = _mm256_set1_ps(absmax);
+    int64_t i = 0;
+    for (; i + 8 * V <= len; i += 8 * V) {
+        __m256 xn[V];
+        __m128i c[V];
+        for (int j = 0; j < V; ++j) xn[j] = _mm256_div_ps(_mm256_loadu_ps(x + i + 8 * j), a);  // IEEE
+        q8_search<V>(tree, r, xn, c);
+        for (int j = 0; j < V; ++j) _mm_storel_epi64(reinterpret_cast<__m128i *>(codes + i + 8 * j), c[j]);
+    }
+    for (; i + 8 <= len; i += 8) {
+        const __m256 xn[1] = {_mm256_div_ps(_mm256_loadu_ps(x + i), a)};
+        __m128i c[1];
+        q8_search<1>(tree, r, xn, c);
+        _mm_storel_epi64(reinterpret_cast<__m128i *>(codes + i), c[0]);
+    }
+    q8_codes_scalar(x + i, len - i, absmax, tree, codes + i);
+}
+
+inline void bf16_load(const uint16_t *src, float *out, int64_t len) {
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(src + i));
+        _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+    bf16_load_scalar(src + i, out + i, len - i);
+}
+
+inline void bf16_nearest(const float *x, uint16_t *dst, int64_t len) {
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + i), to_bf16(_mm256_loadu_ps(x + i)));
+    bf16_nearest_scalar(x + i, dst + i, len - i);
+}
+
+inline __m256i lowbias32_v(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+inline void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start,
+                                  uint32_t key) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i vkey = _mm256_set1_epi32(static_cast<int>(key));
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256i index = _mm256_add_epi32(
+            _mm256_set1_epi32(static_cast<int>(start + static_cast<uint32_t>(i))), iota);
+        const __m256i r = _mm256_srli_epi32(lowbias32_v(_mm256_xor_si256(index, vkey)), 16);
+        __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v), r), 16);
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        t = _mm256_blendv_epi8(t, _mm256_set1_epi32(0xFFFF), nan);
+        const __m256i packed = _mm256_packus_epi32(t, t);  // per 128-bit lane, as to_bf16
+        _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + i),
+                         _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+    }
+    bf16_stochastic_scalar(x + i, dst + i, len - i, start + static_cast<uint32_t>(i), key);
+}
+
+#include "compressed_tile.h"
+
 }  // namespace
 
 OFFLOAD_UNIT_ENTRY_POINTS(avx2)
 OFFLOAD_RULE_ENTRY_POINTS(avx2)
+OFFLOAD_COMPRESSED_ENTRY_POINT(avx2)

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "convert.h"
+#include "quant_scalar.h"
 #include "kernel.h"
 #include "unit_dispatch.h"
 #include "offload_native.h"
@@ -94,7 +95,26 @@ double sumsq_loop(const void *g, int64_t begin, int64_t end) {
     return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
+// ---- compressed states: the scheme one element at a time (quant_scalar.h), the fused
+// tiles of compressed_tile.h around the loops above.
+inline void q8_decode(const uint8_t *codes, float absmax, const float *map, float *out, int64_t len) {
+    q8_decode_scalar(codes, absmax, map, out, len);
+}
+inline uint32_t abs_bits_max(const float *x, int64_t len) { return abs_bits_max_scalar(x, len); }
+inline void q8_codes(const float *x, int64_t len, float absmax, const float *tree, uint8_t *codes) {
+    q8_codes_scalar(x, len, absmax, tree, codes);
+}
+inline void bf16_load(const uint16_t *src, float *out, int64_t len) { bf16_load_scalar(src, out, len); }
+inline void bf16_nearest(const float *x, uint16_t *dst, int64_t len) { bf16_nearest_scalar(x, dst, len); }
+inline void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start,
+                                  uint32_t key) {
+    bf16_stochastic_scalar(x, dst, len, start, key);
+}
+
+#include "compressed_tile.h"
+
 }  // namespace
 
 OFFLOAD_UNIT_ENTRY_POINTS(scalar)
 OFFLOAD_RULE_ENTRY_POINTS(scalar)
+OFFLOAD_COMPRESSED_ENTRY_POINT(scalar)

@@ -82,6 +82,8 @@ bool valid_dtype(int dtype) { return dtype == OFFLOAD_F32 || dtype == OFFLOAD_F1
 #define OFFLOAD_BLOCK_ELEMS (1 << 16)
 #endif
 constexpr int64_t kBlock = OFFLOAD_BLOCK_ELEMS;
+// compressed steps cut ranges on the Q8 block grid ([Note: fused tiles] in compressed_tile.h)
+static_assert(kBlock % kTile == 0, "OFFLOAD_BLOCK_ELEMS must be a multiple of 256");
 
 // [Note: streamed lowp copy]
 // The step reads param, grad, exp_avg and exp_avg_sq and writes param, exp_avg, exp_avg_sq
@@ -273,11 +275,129 @@ int one_state_rule_step(const offload_step_args &a) {
     }
 }
 
+// ---- compressed states / a BF16 param (ABI 3): the fused tiles of compressed_tile.h.
+
+bool is_compressed(const offload_step_args &a) {
+    if (a.param.dtype != OFFLOAD_F32) return true;
+    for (int k = 0; k < a.num_states && k < OFFLOAD_MAX_STATES; ++k)
+        if (a.states[k].dtype != OFFLOAD_F32) return true;
+    return false;
+}
+
+// How many states rule a->rule reads (SGD's buffer may be absent without momentum); -1 if
+// the count or SGD's mode is invalid.
+int states_wanted(const offload_step_args &a) {
+    if (a.rule == OFFLOAD_RULE_ADAM) return a.num_states == 2 ? 2 : -1;
+    if (a.rule == OFFLOAD_RULE_SGD) {
+        const int mode = a.consts.sgd.momentum_mode;
+        if (mode < 0 || mode > 2) return -1;
+        if (mode == 0 && a.num_states == 0) return 0;
+    }
+    return a.num_states == 1 ? 1 : -1;
+}
+
+bool valid_rounding(const offload_array &x) {
+    return x.dtype != OFFLOAD_BF16 || x.rounding == OFFLOAD_ROUND_NEAREST ||
+           x.rounding == OFFLOAD_ROUND_STOCHASTIC;
+}
+
+bool compressed_args_valid(const offload_step_args &a) {
+    const int want = states_wanted(a);
+    if (want < 0 || !valid_dtype(a.grad.dtype) || !valid_rounding(a.param)) return false;
+    if (a.param.dtype != OFFLOAD_F32 && a.param.dtype != OFFLOAD_BF16) return false;
+    if (a.lowp.data && (a.param.dtype == OFFLOAD_BF16 ||
+                        (a.lowp.dtype != OFFLOAD_F16 && a.lowp.dtype != OFFLOAD_BF16)))
+        return false;
+    if (!a.param.data || !a.grad.data) return false;
+    for (int k = 0; k < want; ++k) {
+        const offload_array &x = a.states[k];
+        if (!x.data || x.dtype < OFFLOAD_F32 || x.dtype > OFFLOAD_Q8U || x.dtype == OFFLOAD_F16 ||
+            !valid_rounding(x))
+            return false;
+        const bool q8s = x.dtype == OFFLOAD_Q8S, q8u = x.dtype == OFFLOAD_Q8U;
+        if ((q8s && (!a.quant.signed_map || !a.quant.signed_mid)) ||
+            (q8u && (!a.quant.unsigned_map || !a.quant.unsigned_mid)))
+            return false;
+    }
+    return true;
+}
+
+// The midpoints in Eytzinger order: level k (1..8) node j at tree[2^(k-1) + j] is
+// mid[j * 2^(9-k) + 2^(8-k) - 1] (quant_scalar.h's q8_code_one walks it).
+void build_tree(const float *mid, float *tree) {
+    tree[0] = 0.0f;  // unused
+    for (int k = 1; k <= 8; ++k)
+        for (int j = 0; j < (1 << (k - 1)); ++j)
+            tree[(1 << (k - 1)) + j] = mid[j * (1 << (9 - k)) + (1 << (8 - k)) - 1];
+}
+
+// The code whose map value is 0 (both maps have one); -1 if none.
+int find_zero_code(const float *map) {
+    for (int i = 0; i < 256; ++i)
+        if (map[i] == 0.0f) return i;
+    return -1;
+}
+
+struct Q8Built {
+    alignas(64) float tree[2][256];  // signed, unsigned
+    int zero[2] = {-1, -1};
+};
+
+int fill_compressed(const offload_step_args &a, int want, Q8Built &q, CompressedStep &s) {
+    const float *maps[2] = {a.quant.signed_map, a.quant.unsigned_map};
+    const float *mids[2] = {a.quant.signed_mid, a.quant.unsigned_mid};
+    s.rule = a.rule;
+    s.num_states = want;
+    s.consts = a.consts;
+    if (a.rule == OFFLOAD_RULE_ADAM) s.adam = adam_consts(a.consts.adam);
+    s.param = QArray{a.param.data, a.param.dtype, a.param.rounding};
+    s.grad = a.grad.data;
+    s.grad_dtype = a.grad.dtype;
+    s.lowp = a.lowp.data;
+    s.lowp_dtype = a.lowp.data ? a.lowp.dtype : -1;
+    for (int k = 0; k < want; ++k) {
+        const offload_array &x = a.states[k];
+        s.states[k] = QArray{x.data, x.dtype, x.rounding};
+        if (x.dtype != OFFLOAD_Q8S && x.dtype != OFFLOAD_Q8U) continue;
+        const int m = x.dtype == OFFLOAD_Q8S ? 0 : 1;
+        if (q.zero[m] < 0) {
+            q.zero[m] = find_zero_code(maps[m]);
+            if (q.zero[m] < 0) return -EINVAL;
+            build_tree(mids[m], q.tree[m]);
+        }
+        s.q8[k] = Q8Tables{maps[m], q.tree[m], static_cast<uint8_t>(q.zero[m])};
+    }
+    s.offset = a.quant.offset;
+    s.seed = a.quant.seed;
+    return 0;
+}
+
+int compressed_rule_step(const offload_step_args &a) {
+    if (!compressed_args_valid(a)) return -EINVAL;
+    int run_isa = resolve_isa(a.isa);
+    if (run_isa < 0) return run_isa;
+    const int64_t n = a.n;
+    if (n == 0) return 0;
+    Q8Built q;
+    CompressedStep s{};
+    int rc = fill_compressed(a, states_wanted(a), q, s);
+    if (rc != 0) return rc;
+    // kBlock ranges start at multiples of kTile: every thread's tiles sit on the block grid
+    auto fn = [&s, run_isa](int64_t begin, int64_t end, int64_t) -> int {
+        switch (run_isa) {
+            case OFFLOAD_ISA_AVX512: return compressed_range_avx512(s, begin, end);
+            case OFFLOAD_ISA_AVX2: return compressed_range_avx2(s, begin, end);
+            default: return compressed_range_scalar(s, begin, end);
+        }
+    };
+    return parallel_blocks(n, threads_for(n, a.num_threads), fn);
+}
+
 }  // namespace
 
 extern "C" {
 
-int offload_abi_version(void) { return 2; }
+int offload_abi_version(void) { return 3; }
 
 int64_t offload_step_args_size(void) { return static_cast<int64_t>(sizeof(offload_step_args)); }
 
@@ -287,6 +407,8 @@ int offload_isa_best(void) { return isa_best(); }
 
 int offload_rule_step(const offload_step_args *a) {
     if (a == nullptr || a->n < 0 || a->num_threads < 1) return -EINVAL;
+    if (a->num_states >= 0 && a->num_states <= OFFLOAD_MAX_STATES && is_compressed(*a))
+        return compressed_rule_step(*a);
     switch (a->rule) {
         case OFFLOAD_RULE_ADAM: return adam_rule_step(*a);
         case OFFLOAD_RULE_SGD:

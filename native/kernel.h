@@ -75,6 +75,51 @@ int sumsq_range_scalar(const void *grad, int dtype, int64_t begin, int64_t end, 
 int sumsq_range_avx2(const void *grad, int dtype, int64_t begin, int64_t end, double *out);
 int sumsq_range_avx512(const void *grad, int dtype, int64_t begin, int64_t end, double *out);
 
+// ---- compressed states (ABI 3): the fused tile loop of each unit (compressed_tile.h).
+
+// The per-array random streams of stochastic bf16 rounding: quant.STREAMS (param, then states
+// 0..3); a test holds the two to the same bits.
+constexpr uint32_t kStreams[1 + OFFLOAD_MAX_STATES] = {0x00000000u, 0x68E31DA4u, 0xB5297A4Du,
+                                                       0x1B56C4E9u, 0x3C6EF372u};
+constexpr int64_t kTile = OFFLOAD_Q8_BLOCK;  // elements decoded into L1 buffers at a time
+
+// A Q8 state's tables: the decode map and the 255 midpoints as an implicit binary search
+// tree (Eytzinger order: tree[1] the root, children of node j at 2j and 2j + 1; tree[0]
+// unused), so a code is 8 steps of idx = 2 * idx + (tree[idx] < xn), minus 256.
+struct Q8Tables {
+    const float *map;   // [256]
+    const float *tree;  // [256]
+    uint8_t zero_code;  // the code whose map value is 0
+};
+
+// One array of a compressed step: data, OFFLOAD_* dtype, OFFLOAD_ROUND_* for BF16.
+struct QArray {
+    void *data;
+    int dtype;
+    int rounding;
+};
+
+struct CompressedStep {
+    int rule;                        // OFFLOAD_RULE_*
+    int num_states;
+    offload_rule_consts consts;      // SGD / Adagrad / Lion
+    AdamConsts adam;                 // Adam, converted once
+    QArray param;                    // F32 or BF16 (then lowp is NULL)
+    const void *grad;
+    int grad_dtype;
+    void *lowp;
+    int lowp_dtype;                  // -1: none
+    QArray states[OFFLOAD_MAX_STATES];
+    Q8Tables q8[OFFLOAD_MAX_STATES]; // Q8S / Q8U states only
+    int64_t offset;                  // random stream index of element 0
+    uint32_t seed;
+};
+
+// Elements [begin, end) of a compressed step, begin a multiple of kTile. Returns 0 or -EINVAL.
+int compressed_range_scalar(const CompressedStep &s, int64_t begin, int64_t end);
+int compressed_range_avx2(const CompressedStep &s, int64_t begin, int64_t end);
+int compressed_range_avx512(const CompressedStep &s, int64_t begin, int64_t end);
+
 }  // namespace offload
 
 #endif

@@ -15,8 +15,15 @@ extern "C" {
 
 #define OFFLOAD_API __attribute__((visibility("default")))
 
-/* element types of grad / param_lowp (keep in sync with offload/kernels/_checks.py) */
-enum { OFFLOAD_F32 = 0, OFFLOAD_F16 = 1, OFFLOAD_BF16 = 2 };
+/* element types (keep in sync with offload/kernels/_checks.py). Q8S / Q8U: block-wise 8-bit
+ * states, packed as OFFLOAD_Q8_BLOCK one-byte codes then the block's float absmax
+ * (OFFLOAD_Q8_PACKED bytes per block), decoded as map[code] * absmax with the signed or
+ * unsigned map of struct offload_quant; the scheme, bit for bit: offload/kernels/quant.py. */
+enum { OFFLOAD_F32 = 0, OFFLOAD_F16 = 1, OFFLOAD_BF16 = 2, OFFLOAD_Q8S = 3, OFFLOAD_Q8U = 4 };
+#define OFFLOAD_Q8_BLOCK 256
+#define OFFLOAD_Q8_PACKED 260
+/* how a BF16 param or state is rounded after its update */
+enum { OFFLOAD_ROUND_NEAREST = 0, OFFLOAD_ROUND_STOCHASTIC = 1 };
 /* instruction sets; -1 asks for the best one the CPU supports */
 enum { OFFLOAD_ISA_BEST = -1, OFFLOAD_ISA_SCALAR = 0, OFFLOAD_ISA_AVX2 = 1, OFFLOAD_ISA_AVX512 = 2 };
 
@@ -24,7 +31,7 @@ enum { OFFLOAD_ISA_BEST = -1, OFFLOAD_ISA_SCALAR = 0, OFFLOAD_ISA_AVX2 = 1, OFFL
 OFFLOAD_API int offload_isa_supported(int isa);
 /* The ISA that OFFLOAD_ISA_BEST selects. */
 OFFLOAD_API int offload_isa_best(void);
-/* ABI version of this face; the Python side refuses a library whose version differs. */
+/* ABI version of this face (3: Q8 / BF16 states, BF16 params, struct offload_quant); the Python side refuses a library whose version differs. */
 OFFLOAD_API int offload_abi_version(void);
 
 /* Optimizer rules a step can apply; the codes of offload.kernels.fields.RULES. */
@@ -35,7 +42,23 @@ enum { OFFLOAD_RULE_ADAM = 0, OFFLOAD_RULE_SGD = 1, OFFLOAD_RULE_ADAGRAD = 2, OF
 /* One typed array of the step's n elements: a raw pointer and its element type. */
 struct offload_array {
     void *data;
-    int32_t dtype; /* OFFLOAD_F32, OFFLOAD_F16, OFFLOAD_BF16 */
+    int32_t dtype;    /* OFFLOAD_F32, OFFLOAD_F16, OFFLOAD_BF16; states also Q8S / Q8U */
+    int32_t rounding; /* BF16 param or state: OFFLOAD_ROUND_*; else 0 */
+};
+
+/* The tables and random streams of compressed states (quant.py's notes). map: 256 sorted
+ * floats; mid[i] = (map[i] + map[i+1]) * 0.5f; a code is #{i : mid[i] < x / absmax}.
+ * Stochastic rounding of element i of array k (param k = 0, state s k = 1 + s):
+ * r = lowbias32((uint32_t)(offset + i) ^ seed ^ OFFLOAD_STREAM[k]) >> 16, bf16 bits =
+ * (bits(x) + r) >> 16, NaN -> 0xFFFF. Unused (NULL / 0) when every array is F32. */
+struct offload_quant {
+    const float *signed_map;   /* [256] */
+    const float *signed_mid;   /* [255] */
+    const float *unsigned_map; /* [256] */
+    const float *unsigned_mid; /* [255] */
+    int64_t offset;
+    uint32_t seed;
+    int32_t reserved;
 };
 
 /* Adam's scalars for one step, folded by the caller (offload/kernels/adam_consts.py) and
@@ -112,8 +135,10 @@ struct offload_step_args {
     int32_t rule;                  /* OFFLOAD_RULE_* */
     int32_t num_states;            /* entries of states[] the rule reads: 2 for Adam, 1 for
                                       Adagrad and Lion, 1 or 0 (no momentum) for SGD */
-    int64_t n;                     /* elements of every array below */
-    struct offload_array param;    /* F32, updated in place */
+    int64_t n;                     /* elements of every array below (Q8 states: values; the
+                                      data is ceil(n / 256) packed blocks) */
+    struct offload_array param;    /* F32, or BF16: the param is its own master (lowp must
+                                      then be NULL), updated in place */
     struct offload_array grad;     /* any dtype, read only */
     struct offload_array lowp;     /* data NULL: none; else F16/BF16, receives the
                                       round-to-nearest-even copy of the updated param */
@@ -123,7 +148,9 @@ struct offload_step_args {
     union offload_rule_consts consts;
     int32_t isa;                   /* OFFLOAD_ISA_* */
     int32_t num_threads;           /* >= 1; threads are spawned for this call only, when n is
-                                      large enough */
+                                      large enough (a thread's range starts at a multiple of
+                                      OFFLOAD_Q8_BLOCK when a state is Q8) */
+    struct offload_quant quant;
 };
 
 /* sizeof(struct offload_step_args) as this library was compiled. */

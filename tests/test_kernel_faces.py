@@ -146,7 +146,7 @@ def test_step_struct_is_the_size_the_library_was_built_with():
     native = _native()
     if native is None:
         pytest.skip("native library not built")
-    assert native._lib.offload_step_args_size() == ctypes.sizeof(StepArgs) == 200
+    assert native._lib.offload_step_args_size() == ctypes.sizeof(StepArgs) == 248
 
 
 class _Wider(ctypes.Structure):
@@ -159,10 +159,10 @@ def test_library_of_another_layout_is_refused(monkeypatch, change):
         pytest.skip("native library not built")
     if change == "layout":
         monkeypatch.setattr(native_backend, "StepArgs", _Wider)
-        match = r"struct offload_step_args has 200 bytes, this package's mirror 208; rebuild"
+        match = r"struct offload_step_args has 248 bytes, this package's mirror 256; rebuild"
     else:
         monkeypatch.setattr(native_backend, "ABI_VERSION", 1)
-        match = r"has ABI 2, this package expects 1; rebuild it"
+        match = r"has ABI 3, this package expects 1; rebuild it"
     with pytest.raises(OSError, match=match) as info:
         native_backend.load_library()
     assert info.value.errno == errno.ENOEXEC

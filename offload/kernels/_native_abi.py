@@ -17,14 +17,22 @@ from typing import List, Tuple
 from .adam_consts import AdamConsts
 from .rule_consts import AdagradConsts, LionConsts, SgdConsts
 
-__all__ = ["Array", "AdamConstsC", "RuleConsts", "StepArgs", "MAX_STATES", "ADAM_STEP", "ADAM_CONSTS",
+__all__ = ["Array", "Quant", "COMPRESSED_STEP", "AdamConstsC", "RuleConsts", "StepArgs", "MAX_STATES", "ADAM_STEP", "ADAM_CONSTS",
            "STEP_STATES", "SGD_CONSTS", "ADAGRAD_CONSTS", "LION_CONSTS"]
 
 MAX_STATES = 4  # OFFLOAD_MAX_STATES
 
 
 class Array(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32)]
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("rounding", ctypes.c_int32)]
+
+
+class Quant(ctypes.Structure):
+    """struct offload_quant: the Q8 tables (pointers to float32 [256] / [255]) and the
+    stochastic rounding stream's offset and seed."""
+    _fields_ = [("signed_map", ctypes.c_void_p), ("signed_mid", ctypes.c_void_p),
+                ("unsigned_map", ctypes.c_void_p), ("unsigned_mid", ctypes.c_void_p),
+                ("offset", ctypes.c_int64), ("seed", ctypes.c_uint32), ("reserved", ctypes.c_int32)]
 
 
 class AdamConstsC(ctypes.Structure):
@@ -57,10 +65,11 @@ class StepArgs(ctypes.Structure):
     _fields_ = [("rule", ctypes.c_int32), ("num_states", ctypes.c_int32), ("n", ctypes.c_int64),
                 ("param", Array), ("grad", Array), ("lowp", Array),
                 ("states", Array * MAX_STATES), ("consts", RuleConsts),
-                ("isa", ctypes.c_int32), ("num_threads", ctypes.c_int32)]
+                ("isa", ctypes.c_int32), ("num_threads", ctypes.c_int32), ("quant", Quant)]
 
 
-_CODES = {ctypes.c_int32: "i", ctypes.c_int64: "q", ctypes.c_void_p: "Q", ctypes.c_float: "f"}
+_CODES = {ctypes.c_int32: "i", ctypes.c_int64: "q", ctypes.c_void_p: "Q", ctypes.c_float: "f",
+          ctypes.c_uint32: "I"}
 
 
 def _scalars(cls, base: int) -> List[Tuple[int, str]]:
@@ -69,18 +78,36 @@ def _scalars(cls, base: int) -> List[Tuple[int, str]]:
 
 
 def _packer(num_states: int, consts_cls) -> struct.Struct:
-    """A Struct writing rule, num_states, n, param, grad, lowp, ``num_states`` states, the
-    rule's constants (as the bytes ``consts_packer(consts_cls)`` makes), isa and num_threads,
-    in that order, at StepArgs' offsets; the bytes it skips (padding, unused states, reserved
-    constants) are zero."""
+    """A Struct writing rule, num_states, n, param, grad, lowp (data and dtype), ``num_states``
+    states, the rule's constants (as the bytes ``consts_packer(consts_cls)`` makes), isa and num_threads,
+    in that order, at StepArgs' offsets; the bytes it skips (padding, rounding, unused states,
+    reserved constants, the quant struct) are zero."""
+    s = StepArgs
+    items = [(s.rule.offset, "i"), (s.num_states.offset, "i"), (s.n.offset, "q")]
+    # data and dtype of each array; rounding (float32 arrays: 0) is left as zero bytes
+    for name in ("param", "grad", "lowp"):
+        items += _scalars(Array, getattr(s, name).offset)[:2]
+    for k in range(num_states):
+        items += _scalars(Array, s.states.offset + k * ctypes.sizeof(Array))[:2]
+    items += [(s.consts.offset, f"{ctypes.sizeof(consts_cls)}s")]
+    items += [(s.isa.offset, "i"), (s.num_threads.offset, "i")]
+    return _struct(items, ctypes.sizeof(s))
+
+
+def _compressed_packer(num_states: int) -> struct.Struct:
+    """A Struct writing every field of StepArgs (rounding included) with ``num_states``
+    states and the rule constants as a union's bytes, then the quant struct: the packer of
+    the compressed steps (the float32 steps keep ``_packer``, which leaves rounding and
+    quant zero: nothing to pack per call)."""
     s = StepArgs
     items = [(s.rule.offset, "i"), (s.num_states.offset, "i"), (s.n.offset, "q")]
     for name in ("param", "grad", "lowp"):
         items += _scalars(Array, getattr(s, name).offset)
     for k in range(num_states):
         items += _scalars(Array, s.states.offset + k * ctypes.sizeof(Array))
-    items += [(s.consts.offset, f"{ctypes.sizeof(consts_cls)}s")]
+    items += [(s.consts.offset, f"{ctypes.sizeof(RuleConsts)}s")]
     items += [(s.isa.offset, "i"), (s.num_threads.offset, "i")]
+    items += _scalars(Quant, s.quant.offset)
     return _struct(items, ctypes.sizeof(s))
 
 
@@ -107,6 +134,10 @@ ADAM_CONSTS = consts_packer(AdamConstsC)
 STEP_STATES = {k: _packer(k, RuleConsts) for k in (0, 1)}
 """num_states -> the packer of a rule with that many states (SGD, Adagrad, Lion); its
 constants are the rule's packed consts bytes, zero-padded to the union's size."""
+COMPRESSED_STEP = {k: _compressed_packer(k) for k in range(3)}
+"""num_states -> pack(rule, num_states, n, param ptr, dtype, rounding, grad ptr, dtype, 0, lowp
+ptr, dtype, 0, (ptr, dtype, rounding) per state, consts bytes, isa, num_threads, signed_map,
+signed_mid, unsigned_map, unsigned_mid, offset, seed, 0)."""
 SGD_CONSTS = consts_packer(SgdConstsC)
 ADAGRAD_CONSTS = consts_packer(AdagradConstsC)
 LION_CONSTS = consts_packer(LionConstsC)

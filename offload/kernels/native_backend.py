@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 from typing import Tuple
 
 import torch
 
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
-from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, LION_CONSTS, SGD_CONSTS,
-                          STEP_STATES, StepArgs)
+from . import quant
+from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, COMPRESSED_STEP, LION_CONSTS,
+                          SGD_CONSTS, STEP_STATES, StepArgs)
 from ._rule_step import RULE_CODES, RuleStepFace
 from ._threads import resolve_threads
 from .adam_consts import FoldCache
@@ -29,12 +31,19 @@ __all__ = ["NativeBackend", "LIB_PATH", "ISA_CODES", "load_library"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_PATH = os.path.join(HERE, "liboffload_native.so")
 ERROR_PATH = os.path.join(HERE, "native_build_error.txt")
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 ISA_NAMES = {v: k for k, v in ISA_CODES.items()}
 _ADAM_CODE = RULE_CODES[ADAM]
 _F32 = GRAD_DTYPES[torch.float32]
+_BF16, _Q8S, _Q8U = GRAD_DTYPES[torch.bfloat16], 3, 4  # OFFLOAD_BF16 / OFFLOAD_Q8S / OFFLOAD_Q8U
+_NEAREST, _STOCHASTIC = 0, 1  # OFFLOAD_ROUND_*
+# quant.py's tables, the ones every backend encodes with; the library reads them through raw
+# pointers, so this module holds them (contiguous float32) for the life of the process
+_TABLES = tuple(t.to(torch.float32).contiguous()
+                for t in (quant.SIGNED_MAP, quant.SIGNED_MID, quant.UNSIGNED_MAP, quant.UNSIGNED_MID))
+_TABLE_PTRS = tuple(t.data_ptr() for t in _TABLES)
 
 _c_int, _c_i64, _c_dbl, _vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 
@@ -74,6 +83,15 @@ def load_library() -> ctypes.CDLL:
     lib.offload_grad_sumsq.argtypes = [_vp, _c_int, _c_i64, ctypes.POINTER(_c_dbl),
                                        ctypes.POINTER(_c_int), _c_int, _c_int]
     return lib
+
+
+@functools.lru_cache(maxsize=64)
+def _state_codes(fields, stochastic: bool) -> Tuple[Tuple[int, int], ...]:
+    """(OFFLOAD dtype, OFFLOAD_ROUND_*) of each state field (cached: per param per step)."""
+    rounding = _STOCHASTIC if stochastic else _NEAREST
+    return tuple((_Q8S if f.signed else _Q8U, 0) if f.blocked
+                 else (_BF16, rounding) if f.dtype == torch.bfloat16 else (_F32, 0)
+                 for f in fields)
 
 
 class NativeBackend(RuleStepFace):
@@ -165,6 +183,33 @@ class NativeBackend(RuleStepFace):
 
     def _lion(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         self._one_state("lion", param, grad, states, param_lowp, num_threads, hyper)
+
+    def _compressed(self, method, fields, param, grad, states, param_lowp, num_threads, hyper,
+                    q) -> None:
+        """A step with bfloat16 / packed int8 states and/or a bfloat16 param: one call of the
+        fused kernel ([Note: fused tiles] in native/compressed_tile.h), the constants folded
+        as the float32 methods fold them."""
+        if method == "_adam":
+            code, consts = _ADAM_CODE, self._fold(hyper)
+        else:
+            code, fold = self._folds[method[1:]]
+            consts = fold(hyper)
+        codes = _state_codes(fields, q.stochastic_states)
+        arrays = [x for t, (dtype, rounding) in zip(states, codes)
+                  for x in (t.data_ptr(), dtype, rounding)]
+        # a bfloat16 param is its own master: always rounded stochastically
+        p_code, p_round = (_BF16, _STOCHASTIC) if param.dtype == torch.bfloat16 else (_F32, 0)
+        if param_lowp is None:
+            lowp_ptr, lowp_code = 0, -1
+        else:
+            lowp_ptr, lowp_code = param_lowp.data_ptr(), LOWP_DTYPES[param_lowp.dtype]
+        args = COMPRESSED_STEP[len(states)].pack(
+            code, len(states), param.numel(), param.data_ptr(), p_code, p_round, grad.data_ptr(),
+            GRAD_DTYPES[grad.dtype], 0, lowp_ptr, lowp_code, 0, *arrays, consts,
+            ISA_CODES[self.isa()], resolve_threads(num_threads), *_TABLE_PTRS, q.offset, q.seed, 0)
+        rc = self._lib.offload_rule_step(args)
+        if rc != 0:
+            self._check(rc, "offload_rule_step (compressed states)")
 
     def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)

@@ -1,0 +1,128 @@
+// The fused step of compressed states (ABI 3), written once over a unit's primitives.
+//
+// [Note: fused tiles]
+// A unit's range is walked in tiles of kTile (256) elements on the block grid of the call
+// (element 0 starts block 0; dispatch.cpp hands out ranges that start at multiples of
+// kTile). Per tile: each BF16 / Q8 state and a BF16 param is decoded into a stack buffer
+// (5 x 1 KiB: stays in L1), the unit's own float32 rule loop (adam_range_<isa>, ...) runs
+// on the tile with F32 arrays in place, then every decoded array is encoded back (Q8: new
+// absmax, codes; BF16: nearest even or stochastic). No full-size float32 buffer exists. As
+// the float32 loops treat each element alike wherever it sits, the result equals
+// compressed_ref.compose_step around the same unit's float32 step, bit for bit.
+//
+// Include it *inside* a unit's anonymous namespace after the unit has defined (its own
+// instruction set; any len in [1, kTile]):
+//   void q8_decode(const uint8_t *codes, float absmax, const float *map, float *out, int64_t len);
+//   uint32_t abs_bits_max(const float *x, int64_t len);   (quant_scalar.h's meaning)
+//   void q8_codes(const float *x, int64_t len, float absmax, const float *tree, uint8_t *codes);
+//   void bf16_load(const uint16_t *src, float *out, int64_t len);
+//   void bf16_nearest(const float *x, uint16_t *dst, int64_t len);
+//   void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start, uint32_t key);
+// then expand OFFLOAD_COMPRESSED_ENTRY_POINT(ISA) at file scope.
+
+struct RuleFns {
+    int (*adam)(const AdamConsts &, const AdamBuffers &, int64_t, int64_t);
+    int (*sgd)(const offload_sgd_consts &, const RuleBuffers &, int64_t, int64_t);
+    int (*adagrad)(const offload_adagrad_consts &, const RuleBuffers &, int64_t, int64_t);
+    int (*lion)(const offload_lion_consts &, const RuleBuffers &, int64_t, int64_t);
+};
+
+// One packed block (quant.encode_blocks) of the len live values x.
+inline void q8_encode_block(const float *x, int64_t len, const Q8Tables &t, uint8_t *blk) {
+    const uint32_t mx = abs_bits_max(x, len);
+    uint32_t absmax_bits = mx;
+    if (mx >= 0x7F800000u) {
+        absmax_bits = 0x7FC00000u;  // a NaN or inf in the block: NaN, as float("nan")
+        memset(blk, t.zero_code, kTile);
+    } else if (mx == 0) {
+        memset(blk, t.zero_code, kTile);
+    } else {
+        q8_codes(x, len, bits_f32(mx), t.tree, blk);
+        memset(blk + len, t.zero_code, kTile - len);  // padding: the zero code
+    }
+    memcpy(blk + kTile, &absmax_bits, 4);
+}
+
+inline float *decode_state(const CompressedStep &s, int k, int64_t t0, int64_t len, float *buf) {
+    const QArray &a = s.states[k];
+    if (a.dtype == OFFLOAD_F32) return static_cast<float *>(a.data) + t0;
+    if (a.dtype == OFFLOAD_BF16) {
+        bf16_load(static_cast<const uint16_t *>(a.data) + t0, buf, len);
+    } else {
+        const uint8_t *blk = static_cast<const uint8_t *>(a.data) + (t0 / kTile) * OFFLOAD_Q8_PACKED;
+        float absmax;
+        memcpy(&absmax, blk + kTile, 4);
+        q8_decode(blk, absmax, s.q8[k].map, buf, len);
+    }
+    return buf;
+}
+
+inline void store_bf16(const float *x, uint16_t *dst, int64_t len, int rounding, uint32_t start,
+                       uint32_t key) {
+    if (rounding == OFFLOAD_ROUND_STOCHASTIC) bf16_stochastic_store(x, dst, len, start, key);
+    else bf16_nearest(x, dst, len);
+}
+
+inline void encode_state(const CompressedStep &s, int k, int64_t t0, int64_t len, const float *buf) {
+    const QArray &a = s.states[k];
+    if (a.dtype == OFFLOAD_F32) return;  // updated in place
+    const uint32_t start = static_cast<uint32_t>(static_cast<uint64_t>(s.offset + t0));
+    if (a.dtype == OFFLOAD_BF16) {
+        store_bf16(buf, static_cast<uint16_t *>(a.data) + t0, len, a.rounding, start,
+                   s.seed ^ kStreams[1 + k]);
+    } else {
+        q8_encode_block(buf, len, s.q8[k],
+                        static_cast<uint8_t *>(a.data) + (t0 / kTile) * OFFLOAD_Q8_PACKED);
+    }
+}
+
+// The unit's float32 rule over the tile's len elements (arrays already offset to the tile).
+inline int tile_rule(const CompressedStep &s, const RuleFns &f, float *p, const void *g,
+                     float *const *st, void *lowp, int64_t len) {
+    if (s.rule == OFFLOAD_RULE_ADAM) {
+        const AdamBuffers b{p, g, st[0], st[1], lowp, s.grad_dtype, s.lowp_dtype, 0};
+        return f.adam(s.adam, b, 0, len);
+    }
+    const RuleBuffers b{p, g, s.num_states ? st[0] : nullptr, lowp, s.grad_dtype, s.lowp_dtype, 0};
+    switch (s.rule) {
+        case OFFLOAD_RULE_SGD: return f.sgd(s.consts.sgd, b, 0, len);
+        case OFFLOAD_RULE_ADAGRAD: return f.adagrad(s.consts.adagrad, b, 0, len);
+        case OFFLOAD_RULE_LION: return f.lion(s.consts.lion, b, 0, len);
+        default: return -EINVAL;
+    }
+}
+
+inline int compressed_tiles(const CompressedStep &s, const RuleFns &f, int64_t begin, int64_t end) {
+    alignas(64) float pbuf[kTile];
+    alignas(64) float sbuf[OFFLOAD_MAX_STATES][kTile];
+    const bool bf16_param = s.param.dtype == OFFLOAD_BF16;
+    const size_t gsz = s.grad_dtype == OFFLOAD_F32 ? 4 : 2;
+    for (int64_t t0 = begin; t0 < end; t0 += kTile) {
+        const int64_t len = end - t0 < kTile ? end - t0 : kTile;
+        float *p = pbuf;
+        if (bf16_param) bf16_load(static_cast<const uint16_t *>(s.param.data) + t0, pbuf, len);
+        else p = static_cast<float *>(s.param.data) + t0;  // updated in place
+        float *st[OFFLOAD_MAX_STATES] = {};
+        for (int k = 0; k < s.num_states; ++k) st[k] = decode_state(s, k, t0, len, sbuf[k]);
+        const void *g = static_cast<const char *>(s.grad) + t0 * gsz;
+        void *lowp = s.lowp ? static_cast<void *>(static_cast<uint16_t *>(s.lowp) + t0) : nullptr;
+        const int rc = tile_rule(s, f, p, g, st, lowp, len);
+        if (rc != 0) return rc;
+        for (int k = 0; k < s.num_states; ++k) encode_state(s, k, t0, len, st[k]);
+        if (bf16_param) {
+            const uint32_t start = static_cast<uint32_t>(static_cast<uint64_t>(s.offset + t0));
+            store_bf16(pbuf, static_cast<uint16_t *>(s.param.data) + t0, len, s.param.rounding,
+                       start, s.seed ^ kStreams[0]);
+        }
+    }
+    return 0;
+}
+
+#define OFFLOAD_COMPRESSED_ENTRY_POINT(ISA)                                                 \
+    namespace offload {                                                                     \
+    int compressed_range_##ISA(const CompressedStep &s, int64_t begin, int64_t end) {       \
+        static const RuleFns fns{adam_range_##ISA, sgd_range_##ISA, adagrad_range_##ISA,    \
+                                 lion_range_##ISA};                                         \
+        return compressed_tiles(s, fns, begin, end);                                        \
+    }                                                                                       \
+    }

@@ -1,0 +1,78 @@
+// The compressed-state scheme (offload/kernels/quant.py) one element at a time: the scalar
+// unit's whole implementation and the SIMD units' tails. Every operation here is exact
+// (integer ops, one IEEE float division, comparisons), so a SIMD lane and this code give
+// the same bits by construction.
+// `static inline` in an anonymous namespace: each ISA unit gets its own copy (see kernel.h).
+#ifndef OFFLOAD_QUANT_SCALAR_H
+#define OFFLOAD_QUANT_SCALAR_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "convert.h"
+
+namespace {
+
+// Chris Wellons' lowbias32 (quant.lowbias32).
+static inline uint32_t lowbias32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+
+// quant.round_bf16_stochastic of one element: (bits + r) >> 16, NaN -> 0xFFFF; r is the
+// top half of lowbias32(index ^ key), key = seed ^ stream.
+static inline uint16_t bf16_stochastic(float f, uint32_t index, uint32_t key) {
+    const uint32_t u = f32_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFu;
+    return static_cast<uint16_t>((u + (lowbias32(index ^ key) >> 16)) >> 16);
+}
+
+// #{i : mid[i] < xn} by the Eytzinger tree of the midpoints (kernel.h's Q8Tables).
+static inline uint8_t q8_code_one(float xn, const float *tree) {
+    uint32_t idx = 1;
+    for (int level = 0; level < 8; ++level) idx = 2 * idx + (tree[idx] < xn ? 1u : 0u);
+    return static_cast<uint8_t>(idx - 256);
+}
+
+static inline void q8_codes_scalar(const float *x, int64_t len, float absmax, const float *tree,
+                                   uint8_t *codes) {
+    for (int64_t i = 0; i < len; ++i) codes[i] = q8_code_one(x[i] / absmax, tree);
+}
+
+// max over i of bits(|x[i]|) as an unsigned integer: for non-negative floats the integer
+// order is the float order, and a NaN or inf shows as a value >= 0x7F800000.
+static inline uint32_t abs_bits_max_scalar(const float *x, int64_t len) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < len; ++i) {
+        const uint32_t a = f32_bits(x[i]) & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+static inline void q8_decode_scalar(const uint8_t *codes, float absmax, const float *map,
+                                    float *out, int64_t len) {
+    for (int64_t i = 0; i < len; ++i) out[i] = map[codes[i]] * absmax;
+}
+
+static inline void bf16_load_scalar(const uint16_t *src, float *out, int64_t len) {
+    for (int64_t i = 0; i < len; ++i) out[i] = bf16_to_float(src[i]);
+}
+
+static inline void bf16_nearest_scalar(const float *x, uint16_t *dst, int64_t len) {
+    for (int64_t i = 0; i < len; ++i) dst[i] = float_to_bf16(x[i]);
+}
+
+static inline void bf16_stochastic_scalar(const float *x, uint16_t *dst, int64_t len,
+                                          uint32_t start, uint32_t key) {
+    for (int64_t i = 0; i < len; ++i)
+        dst[i] = bf16_stochastic(x[i], start + static_cast<uint32_t>(i), key);
+}
+
+}  // namespace
+
+#endif
