@@ -250,8 +250,16 @@ def parse_args(argv: Optional[list]) -> argparse.Namespace:
 
 def main(argv: Optional[list] = None) -> int:
     args = parse_args(argv)
+    threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(args: argparse.Namespace) -> int:
     from offload.demo.model import config_for_params
     from offload.kernels import get_backend
 
