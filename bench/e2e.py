@@ -227,7 +227,9 @@ def _print_disk_rows(args: argparse.Namespace, out: Dict[str, Any]) -> None:
     base, other = list(out.values())
     ratio = other["params"] / base["params"]
     trained = "iter_s_median" in base and "iter_s_median" in other
-    print(f"  size ratio {ratio:.2f}x (target >= 2.5x for bf16 params, int8 states, bf16 master); "
+    target = (" (target >= 2.5x)" if (args.dtype, args.state_dtype, args.master_dtype)
+              == ("bfloat16", "int8", "bfloat16") else "")
+    print(f"  size ratio {ratio:.2f}x{target}; "
           + ("both trained" if trained else "sizes from " + other["predicted_by"] + ", not both trained"))
     for r in out.values():
         if r["predicted_by"] != "planner":
