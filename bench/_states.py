@@ -67,10 +67,16 @@ def row_label(param_dtype: str, state_dtype: str, master_dtype: Optional[str]) -
 class CompressedCalls:
     """Counts ``backend._compressed`` calls (the one seam every compressed step goes through,
     offload/kernels/_rule_step.py) while the ``with`` block runs: how many, and of which kind
-    (param dtype, each state field's dtype and block)."""
+    (param dtype, each state field's dtype and block, whether bf16 states round stochastically).
 
-    def __init__(self, backend) -> None:
+    ``force_stochastic`` (True / False): the bf16 states' rounding of every call, whatever the
+    optimizer asked, so that both roundings can be compared on the same kernels where the
+    optimizer offers only one (its default is then what ``summary()["stochastic_states"]``
+    says of a run without forcing)."""
+
+    def __init__(self, backend, force_stochastic: Optional[bool] = None) -> None:
         self.backend = backend
+        self.force = force_stochastic
         self.calls = 0
         self.kinds: Counter = Counter()
 
@@ -79,10 +85,13 @@ class CompressedCalls:
         self._had_own = "_compressed" in vars(self.backend)
 
         def counted(method, fields, param, *rest):
+            q = rest[-1]  # QuantArgs, the last argument of _compressed
+            if self.force is not None:
+                q = q._replace(stochastic_states=self.force)
             self.calls += 1
             self.kinds[(str(param.dtype).replace("torch.", ""),
-                        tuple((f.dtype_name, f.block) for f in fields))] += 1
-            return inner(method, fields, param, *rest)
+                        tuple((f.dtype_name, f.block) for f in fields), bool(q.stochastic_states))] += 1
+            return inner(method, fields, param, *rest[:-1], q)
 
         self._inner = inner
         self.backend._compressed = counted
@@ -111,7 +120,9 @@ class CompressedCalls:
         return None
 
     def summary(self) -> dict:
-        return {"calls": self.calls, "kinds": {repr(k): v for k, v in self.kinds.items()}}
+        bf16 = {k[2] for k in self.kinds if any(name == "bfloat16" for name, _ in k[1])}
+        return {"calls": self.calls, "kinds": {repr(k): v for k, v in self.kinds.items()},
+                "stochastic_states": sorted(bf16)}  # of the calls with bf16 states
 
 
 def _has_state(fields: Iterable[Tuple[str, int]], state_dtype: str) -> bool:

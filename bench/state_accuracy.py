@@ -13,8 +13,10 @@ differs. Rows:
 - ``torch``: torch.optim.AdamW(foreach=False) on fp32 params (the numerics contract's
   reference; its loss should equal the fp32-state row's to rounding);
 - ``fp32``: offload.AdamW, fp32 params and states: the row the others are compared with;
-- ``bf16``: bfloat16 states (``bf16-nearest`` and ``bf16-stochastic`` instead when the
-  optimizer offers ``state_rounding``);
+- ``bf16``: bfloat16 states as the optimizer rounds them by default; ``bf16-nearest`` and
+  ``bf16-stochastic``: each rounding (``state_rounding=`` where the optimizer offers it, else
+  forced on the same kernels by the bench: bench/_states.py, CompressedCalls), the default
+  rows, so that the table shows which rounding the accuracy favours;
 - ``int8``: block-wise 8-bit states;
 - ``bf16p``: bf16 params with an fp32 master and fp32 states, a control: what the bf16
   forward alone costs, so that the next row's difference can be read;
@@ -71,8 +73,7 @@ def offers_rounding() -> bool:
 
 
 def default_rows() -> List[str]:
-    bf16 = ["bf16-nearest", "bf16-stochastic"] if offers_rounding() else ["bf16"]
-    return ["torch", "fp32", *bf16, "int8", "bf16p", "int8-bf16m", "torchao", "bnb"]
+    return ["torch", "fp32", "bf16-nearest", "bf16-stochastic", "int8", "bf16p", "int8-bf16m", "torchao", "bnb"]
 
 
 def peer_factory(key: str):
@@ -101,7 +102,7 @@ def ours_factory(key: str, args: argparse.Namespace, swap_dir: Optional[str]):
     extra: Dict[str, Any] = dict(state_dtype=state_dtype, backend=args.backend, offload=args.offload)
     if master_dtype == "bfloat16":
         extra["master_dtype"] = master_dtype
-    if rounding is not None:
+    if rounding is not None and offers_rounding():
         extra["state_rounding"] = rounding
     if args.offload == "nvme":
         extra["swap_dir"] = swap_dir
@@ -162,10 +163,11 @@ def run_row(key: str, args: argparse.Namespace) -> Dict[str, Any]:
             return {"status": "ok", **train(args, torch.float32, factory)}
         except Exception as exc:  # a peer that cannot run on the CPU says so in its row
             return {"status": f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]}
-    param_dtype, state_dtype, master_dtype, _ = OURS[key]
+    param_dtype, state_dtype, master_dtype, rounding = OURS[key]
+    force = None if rounding is None or offers_rounding() else rounding == "stochastic"
     with tempfile.TemporaryDirectory(prefix="state-acc-", dir=args.swap_dir) as swap_dir:
         try:
-            with CompressedCalls(get_backend(args.backend)) as calls:
+            with CompressedCalls(get_backend(args.backend), force_stochastic=force) as calls:
                 out = train(args, getattr(torch, param_dtype), ours_factory(key, args, swap_dir))
         except (NotImplementedError, ValueError, TypeError, RuntimeError) as exc:
             if state_dtype == "float32" and master_dtype != "bfloat16":
@@ -175,7 +177,7 @@ def run_row(key: str, args: argparse.Namespace) -> Dict[str, Any]:
     missing = calls.missing(state_dtype, master_dtype)
     if missing:
         return {"status": f"not supported: {missing}", "compressed_calls": calls.summary()}
-    return {"status": "ok", "compressed_calls": calls.summary(), **out,
+    return {"status": "ok", "compressed_calls": calls.summary(), "rounding_forced_by_bench": force is not None, **out,
             "nominal_bytes_per_param": nominal_bytes(param_dtype, state_dtype, master_dtype)}
 
 
@@ -213,6 +215,13 @@ def print_table(results: Dict[str, Dict[str, Any]], quick: bool) -> None:
         nb = r.get("nominal_bytes_per_param")
         print(f"{labels[key]:<44}{r['final_loss']:>11.4f}{diff:>10}{target:>8}{verdict:>8}"
               f"{r['step_s']:>8.3f}{(f'{nb:.2f}' if nb else '-'):>9}")
+    default = results.get("bf16", {}).get("compressed_calls", {}).get("stochastic_states")
+    if default:
+        print(f"(bf16 row: the optimizer's default rounding of bf16 states is "
+              f"{'stochastic' if default == [True] else 'nearest even' if default == [False] else default})")
+    if any(r.get("rounding_forced_by_bench") for r in results.values()):
+        print("(bf16 nearest / stochastic: the optimizer offers no state_rounding option, so the bench set "
+              "the rounding of the kernel calls itself)")
     if quick:
         print("(--quick: a smoke run; the verdicts mean nothing at this size)")
 

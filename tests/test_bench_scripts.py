@@ -181,7 +181,7 @@ def test_e2e_disk_trains_and_measures(tmp_path):
 def test_state_accuracy_quick(capsys):
     from bench import state_accuracy
 
-    assert state_accuracy.main(["--quick", "--threads", "1", "--rows", "torch,fp32,int8,int8-bf16m,torchao,bnb"]) == 0
+    assert state_accuracy.main(["--quick", "--threads", "1", "--rows", "torch,fp32,bf16-nearest,int8,int8-bf16m,torchao,bnb"]) == 0
     stdout = capsys.readouterr().out
     rows = json.loads(stdout.strip().splitlines()[-1])["rows"]
     assert rows["fp32"]["rel_diff"] == 0.0
@@ -191,7 +191,7 @@ def test_state_accuracy_quick(capsys):
     for key in ("torchao", "bnb"):
         if state_accuracy.peer_factory(key)[1] == "not installed":
             assert rows[key]["status"] == "not installed"
-    for key, target in (("int8", 0.015), ("int8-bf16m", 0.02)):
+    for key, target in (("bf16-nearest", 0.005), ("int8", 0.015), ("int8-bf16m", 0.02)):
         r = rows[key]
         if r["status"] == "ok":  # a number only from steps that ran the compressed kernel
             assert r["compressed_calls"]["calls"] > 0 and r["target"] == target and "pass" in r
@@ -206,3 +206,31 @@ def test_state_accuracy_final_loss_is_the_last_tenth():
 
     assert final_loss([9.0] * 90 + [1.0] * 10) == 1.0
     assert final_loss([5.0, 3.0]) == 3.0  # at least one step
+
+
+def test_compressed_calls_can_force_the_bf16_rounding():
+    """The nearest / stochastic rows of state_accuracy.py where the optimizer offers one rounding:
+    the forced call equals a call that asked for that rounding, bit for bit."""
+    torch_backend = get_backend("torch")
+    rule = ADAM.with_state_dtype("bfloat16")
+    torch.manual_seed(0)
+    p0, g = torch.randn(1000), torch.randn(1000)
+    m0, v0 = (torch.randn(1000) * 1e-3).to(torch.bfloat16), (torch.rand(1000) * 1e-6).to(torch.bfloat16)
+
+    def step(stochastic):
+        p, st = p0.clone(), {"exp_avg": m0.clone(), "exp_avg_sq": v0.clone()}
+        torch_backend.rule_step(rule, p, g, st, step=3, rounding_seed=11, stochastic_states=stochastic, **HYPER)
+        return p, st
+
+    want_p, want = step(True)
+    near_p, near = step(False)
+    assert not torch.equal(want["exp_avg"].view(torch.int16), near["exp_avg"].view(torch.int16))
+    with CompressedCalls(torch_backend, force_stochastic=True) as calls:
+        got_p, got = step(False)
+    assert calls.summary()["stochastic_states"] == [True]
+    assert torch.equal(got_p, want_p)
+    for k in want:
+        assert torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))
+    with CompressedCalls(torch_backend) as calls:
+        step(False)
+    assert calls.summary()["stochastic_states"] == [False]
