@@ -17,6 +17,20 @@ What is measured, interleaved rep by rep (medians reported; see MEASURED.md's pi
 - overlap efficiency = max(I/O alone, kernel alone) / step  (1.0 = perfect overlap).
 - peak RSS during the step (sampled every 5 ms) against max_host_bytes + params + grads.
 Prints a table, then one JSON line.
+
+``--state-dtype float32,bfloat16,int8`` (and, with ``--dtype bf16``, ``--master-dtype
+float32,bfloat16``): one row per combination instead, each an ``offload.AdamW(offload="nvme",
+state_dtype=..., master_dtype=...)`` over params and grads sharing one storage, stepped in
+turn rep by rep (rotated order): step, I/O alone (the row's pipeline with a no-op compute),
+kernel alone (the row's compressed rule over the same sub-group ranges, states in RAM), the
+swap files' bytes per param (measured: the files / 2 slots / N), and the speedup over the
+fp32-state row against the issue's targets (fp32 params + int8 states 2.5x; bf16 params +
+int8 states 1.7x with an fp32 master, 2.5x with a bf16 master). No RSS figure (several
+optimizers share the process). A row the stores cannot run yet, or whose steps never reached
+the compressed kernel, says so instead of a figure.
+
+    .venv/bin/python bench/swap.py --state-dtype float32,bfloat16,int8
+    .venv/bin/python bench/swap.py --dtype bf16 --state-dtype float32,int8 --master-dtype float32,bfloat16
 """
 from __future__ import annotations
 
