@@ -371,6 +371,36 @@ def print_states(n: int, th: int, rows, med, best) -> dict:
     return row
 
 
+def add_state_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--state-dtype", default=None,
+                    help="comma-separated of float32,bfloat16,int8: AdamW with these states "
+                         "instead of the Adam contests (each row against the fp32 kernel)")
+    ap.add_argument("--master-dtype", default=None,
+                    help="with --state-dtype: also bf16 params with this master (float32, "
+                         "bfloat16: the bf16 param is its own master), comma-separated")
+    ap.add_argument("--backends", default="native,numba",
+                    help="with --state-dtype: kernel backends, of native,numba,torch")
+    ap.add_argument("--stochastic-states", action="store_true",
+                    help="with --state-dtype: bf16 states rounded stochastically (default nearest even)")
+
+
+def states_main(ap: argparse.ArgumentParser, args, sizes, thread_list) -> int:
+    """The --state-dtype contest: the table, then one JSON line."""
+    if not args.state_dtype:
+        ap.error("--master-dtype needs --state-dtype (the rows it adds are compressed-state rows)")
+    torch_threads = torch.get_num_threads()
+    try:
+        results = run_states(args, sizes, thread_list)
+    except ValueError as exc:
+        ap.error(str(exc))
+    finally:
+        torch.set_num_threads(torch_threads)
+    print(json.dumps({"bench": "adam_states", "cpu": cpu_model(), "torch": torch.__version__,
+                      "steps": args.steps, "stochastic_states": args.stochastic_states,
+                      "results": results}))
+    return 0
+
+
 def time_interleaved(contenders, warmup: int, steps: int):
     """Median and fastest step of each contender, run in a fresh random order every step.
 
@@ -402,16 +432,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="N=4M, 5 steps")
     ap.add_argument("--rules", action="store_true",
                     help="SGD, Adagrad and Lion instead of the Adam contests")
-    ap.add_argument("--state-dtype", default=None,
-                    help="comma-separated of float32,bfloat16,int8: AdamW with these states "
-                         "instead of the Adam contests (each row against the fp32 kernel)")
-    ap.add_argument("--master-dtype", default=None,
-                    help="with --state-dtype: also bf16 params with this master (float32, "
-                         "bfloat16: the bf16 param is its own master), comma-separated")
-    ap.add_argument("--backends", default="native,numba",
-                    help="with --state-dtype: kernel backends, of native,numba,torch")
-    ap.add_argument("--stochastic-states", action="store_true",
-                    help="with --state-dtype: bf16 states rounded stochastically (default nearest even)")
+    add_state_args(ap)
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.steps = "4M", 5
@@ -420,19 +441,8 @@ def main() -> int:
     if args.steps < 5:
         ap.error(f"--steps must be >= 5, got {args.steps}")
 
-    if args.master_dtype and not args.state_dtype:
-        ap.error("--master-dtype needs --state-dtype (the rows it adds are compressed-state rows)")
-    if args.state_dtype:
-        torch_threads = torch.get_num_threads()
-        try:
-            results = run_states(args, sizes, thread_list)
-        except ValueError as exc:
-            ap.error(str(exc))
-        torch.set_num_threads(torch_threads)
-        print(json.dumps({"bench": "adam_states", "cpu": cpu_model(), "torch": torch.__version__,
-                          "steps": args.steps, "stochastic_states": args.stochastic_states,
-                          "results": results}))
-        return 0
+    if args.state_dtype or args.master_dtype:
+        return states_main(ap, args, sizes, thread_list)
     if args.rules:
         torch_threads = torch.get_num_threads()
         results = run_rules(sizes, thread_list, args.warmup, args.steps)

@@ -238,6 +238,42 @@ def _print_disk_rows(args: argparse.Namespace, out: Dict[str, Any]) -> None:
                       "rows": out, "params_ratio": ratio, "both_trained": trained}, default=str))
 
 
+def _add_state_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
+                    help="offload.AdamW's state_dtype")
+    ap.add_argument("--master-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="offload.AdamW's master_dtype (bfloat16 needs --dtype bfloat16)")
+    ap.add_argument("--disk-bytes", default=None,
+                    help="instead: the largest model whose swap files fit in this many bytes ('free': the "
+                         "swap directory's free space), fp32 states against --state-dtype/--master-dtype")
+    ap.add_argument("--no-train", action="store_true", help="with --disk-bytes: the sizes only")
+
+
+def _check_state_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Normalizes --master-dtype (float32 is None: an fp32 master) and --disk-bytes (bytes)."""
+    import shutil
+
+    from offload.config import parse_bytes
+
+    if args.master_dtype == "float32":
+        args.master_dtype = None  # the same thing: an fp32 master (fp32 params are their own)
+    if args.master_dtype and args.dtype != "bfloat16":
+        ap.error("--master-dtype bfloat16 needs --dtype bfloat16 (fp32 params are their own master)")
+    if args.no_train and args.disk_bytes is None:
+        ap.error("--no-train goes with --disk-bytes")
+    if args.disk_bytes is not None and not args.worker:
+        args.disk_bytes = (shutil.disk_usage(args.swap_dir).free if args.disk_bytes == "free"
+                           else parse_bytes(args.disk_bytes))
+
+
+def _print_skipped(args: argparse.Namespace, n: int, why: str) -> int:
+    """A run that could not use the asked states: said, and no figure."""
+    print(f"offload nvme with state_dtype={args.state_dtype!r}, master_dtype={args.master_dtype!r}: {why}")
+    print(json.dumps({"bench": "e2e", "dtype": args.dtype, "state_dtype": args.state_dtype,
+                      "master_dtype": args.master_dtype, "params": n, "skipped": why}))
+    return 0
+
+
 def main(argv: Optional[list] = None) -> int:
     from offload.config import parse_bytes
     from offload.demo.model import config_for_params
@@ -260,32 +296,16 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--swap-dir", default=None)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="params dtype (bfloat16: the optimizer's fp32 masters go to the swap files too)")
-    ap.add_argument("--state-dtype", choices=("float32", "bfloat16", "int8"), default="float32",
-                    help="offload.AdamW's state_dtype")
-    ap.add_argument("--master-dtype", choices=("float32", "bfloat16"), default=None,
-                    help="offload.AdamW's master_dtype (bfloat16 needs --dtype bfloat16)")
-    ap.add_argument("--disk-bytes", default=None,
-                    help="instead: the largest model whose swap files fit in this many bytes ('free': the "
-                         "swap directory's free space), fp32 states against --state-dtype/--master-dtype")
-    ap.add_argument("--no-train", action="store_true", help="with --disk-bytes: the sizes only")
+    _add_state_args(ap)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
     ap.add_argument("--worker", choices=("offload", "torch"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.swap_dir = args.swap_dir or default_swap_parent()
-    if args.master_dtype == "float32":
-        args.master_dtype = None  # the same thing: an fp32 master (fp32 params are their own)
-    if args.master_dtype and args.dtype != "bfloat16":
-        ap.error("--master-dtype bfloat16 needs --dtype bfloat16 (fp32 params are their own master)")
+    _check_state_args(ap, args)
     if args.worker:
         _worker(args)
         return 0
-    if args.no_train and args.disk_bytes is None:
-        ap.error("--no-train goes with --disk-bytes")
     if args.disk_bytes is not None:
-        import shutil
-
-        args.disk_bytes = (shutil.disk_usage(args.swap_dir).free if args.disk_bytes == "free"
-                           else parse_bytes(args.disk_bytes))
         try:
             return _disk_mode(args)
         except ValueError as exc:
@@ -306,11 +326,7 @@ def main(argv: Optional[list] = None) -> int:
 
     ours = _spawn("offload", args, args.timeout)
     if "skipped" in ours:
-        print(f"offload nvme with state_dtype={args.state_dtype!r}, master_dtype={args.master_dtype!r}: "
-              f"{ours['skipped']}")
-        print(json.dumps({"bench": "e2e", "dtype": args.dtype, "state_dtype": args.state_dtype,
-                          "master_dtype": args.master_dtype, "params": n, "skipped": ours["skipped"]}))
-        return 0
+        return _print_skipped(args, n, ours["skipped"])
     ref = _spawn("torch", args, args.timeout) if plan_ram.fits["host"] and args.dtype == "float32" else None
     no_ref = "does not fit" if not plan_ram.fits["host"] else "not run (bf16)"
 

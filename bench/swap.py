@@ -423,6 +423,26 @@ def row_combos(args):
     return None if combos == [base] else combos
 
 
+def add_row_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--state-dtype", default="float32",
+                    help="comma-separated of float32,bfloat16,int8: one row each (offload.AdamW(state_dtype=)), "
+                         "interleaved, with the speedup over the fp32-state row")
+    ap.add_argument("--master-dtype", default=None,
+                    help="with --dtype bf16, comma-separated of float32,bfloat16: rows with this master "
+                         "(bfloat16: the bf16 param is its own master, nothing else swapped but the states)")
+
+
+def checked_combos(ap: argparse.ArgumentParser, args):
+    """The rows mode's (state_dtype, master_dtype) combinations, or None (the default run)."""
+    try:
+        combos = row_combos(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if combos is not None and args.deepspeed:
+        ap.error("--deepspeed runs with the default rows only (fp32 states)")
+    return combos
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=lambda s: int(s.replace("_", "")), default=200_000_000)
@@ -440,24 +460,14 @@ def main() -> int:
     ap.add_argument("--deepspeed", action="store_true",
                     help="also time DeepSpeed's PipelinedOptimizerSwapper on the same grads, step by step "
                          "(needs deepspeed and its AsyncIOBuilder op: Debian libaio-dev)")
-    ap.add_argument("--state-dtype", default="float32",
-                    help="comma-separated of float32,bfloat16,int8: one row each (offload.AdamW(state_dtype=)), "
-                         "interleaved, with the speedup over the fp32-state row")
-    ap.add_argument("--master-dtype", default=None,
-                    help="with --dtype bf16, comma-separated of float32,bfloat16: rows with this master "
-                         "(bfloat16: the bf16 param is its own master, nothing else swapped but the states)")
+    add_row_args(ap)
     args = ap.parse_args()
 
     os.makedirs(args.swap_dir, exist_ok=True)
     bound = parse_bytes(args.max_host_bytes)
     sizes = [args.numel // args.params + (1 if i < args.numel % args.params else 0) for i in range(args.params)]
-    try:
-        combos = row_combos(args)
-    except ValueError as exc:
-        ap.error(str(exc))
+    combos = checked_combos(ap, args)
     if combos is not None:
-        if args.deepspeed:
-            ap.error("--deepspeed runs with the default rows only (fp32 states)")
         return run_rows(args, bound, sizes, combos)
     rss0 = rss_bytes()
     subject = (Fp32InPlace if args.dtype == "fp32" else Bf16Flat)(sizes, args, bound)
