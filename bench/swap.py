@@ -25,7 +25,8 @@ turn rep by rep (rotated order): step, I/O alone (the row's pipeline with a no-o
 kernel alone (the row's compressed rule over the same sub-group ranges, states in RAM), the
 swap files' bytes per param (measured: the files / 2 slots / N), and the speedup over the
 fp32-state row against the issue's targets (fp32 params + int8 states 2.5x; bf16 params +
-int8 states 1.7x with an fp32 master, 2.5x with a bf16 master). No RSS figure (several
+int8 states 1.7x with an fp32 master, 2.5x with a bf16 master). The ``--params`` tensors are
+cut at multiples of 256 elements here (``block_split``: why). No RSS figure (several
 optimizers share the process). A row the stores cannot run yet, or whose steps never reached
 the compressed kernel, says so instead of a figure.
 
@@ -340,6 +341,18 @@ def build_rows(args, bound: int, sizes, combos):
     return rows, skipped
 
 
+def block_split(numel: int, parts: int, block: int = 256):
+    """``numel`` in ``parts`` tensors, each but the last a multiple of ``block`` elements, as a
+    real model's tensors mostly are (4096 x 4096, ...): a tensor that ends inside an 8-bit
+    block makes the stores decode and re-encode the shared block, a cost of odd sizes that
+    the rows would otherwise charge to every int8 step (``--params 1`` has no such edge)."""
+    each = max(block, numel // parts // block * block)
+    sizes = [each] * (parts - 1)
+    if sum(sizes) >= numel:
+        return [numel]
+    return sizes + [numel - sum(sizes)]
+
+
 def row_label(dtype: str, sd: str, md) -> str:
     short = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
     label = f"{dtype} params, {short[sd]} states"
@@ -385,7 +398,8 @@ def print_rows(args, bound: int, out: dict, skipped: dict, combos, kernel) -> No
     gib = 2 ** 30
     base_label = row_label(args.dtype, *combos[0])
     base = out.get(base_label)
-    print(f"NVMe-swapped AdamW rows, N={args.numel:,} {args.dtype} params, bound {bound / gib:.2f} GiB, "
+    print(f"NVMe-swapped AdamW rows, N={args.numel:,} {args.dtype} params (tensors of {block_split(args.numel, args.params)} "
+          f"elements), bound {bound / gib:.2f} GiB, "
           f"kernel {kernel.name} x{args.threads}, {args.reps} reps interleaved (medians)")
     print(f"{'row':<40}{'B/param':>8}{'step s':>9}{'I/O s':>8}{'kernel s':>9}{'/ideal':>7}"
           f"{'speedup':>9}{'target':>8}")
@@ -402,7 +416,8 @@ def print_rows(args, bound: int, out: dict, skipped: dict, combos, kernel) -> No
         print(f"{label:<40}  {why}")
     print("(B/param: bytes of the swap files per param and slot; /ideal: step / max(I/O alone, kernel "
           "alone), target <= 1.15; speedup: the fp32-state row's step / this row's)")
-    print(json.dumps({"bench": "swap_rows", "dtype": args.dtype, "numel": args.numel, "max_host_bytes": bound,
+    print(json.dumps({"bench": "swap_rows", "dtype": args.dtype, "numel": args.numel,
+                      "tensors": block_split(args.numel, args.params), "max_host_bytes": bound,
                       "backend": kernel.name, "kernel_threads": args.threads, "reps": args.reps,
                       "rows": out, "skipped": skipped,
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
@@ -468,7 +483,7 @@ def main() -> int:
     sizes = [args.numel // args.params + (1 if i < args.numel % args.params else 0) for i in range(args.params)]
     combos = checked_combos(ap, args)
     if combos is not None:
-        return run_rows(args, bound, sizes, combos)
+        return run_rows(args, bound, block_split(args.numel, args.params), combos)
     rss0 = rss_bytes()
     subject = (Fp32InPlace if args.dtype == "fp32" else Bf16Flat)(sizes, args, bound)
     kernel = get_backend()
