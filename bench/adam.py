@@ -3,6 +3,8 @@
     .venv/bin/python bench/adam.py                  # N = 10M and 100M, 1 and 2 threads
     .venv/bin/python bench/adam.py --quick          # N = 4M, 5 steps: a smoke run
     .venv/bin/python bench/adam.py --rules --sizes 10M   # SGD, Adagrad, Lion instead
+    .venv/bin/python bench/adam.py --sizes 100M --state-dtype float32,bfloat16,int8 \
+        --master-dtype float32,bfloat16                  # compressed states, side by side
 
 Two contests, each timed in one process with the contenders interleaved step by step (in
 a fresh random order each step) after a warm-up, sharing one set of buffers, so no contender pays
@@ -20,7 +22,18 @@ step time.
    param_lowp; torch = clip_grad_norm_ (foreach), fused AdamW with grad_scale/found_inf,
    then bf16 copy_.
 
-3. ``--rules`` (instead of 1 and 2): SGD (momentum 0.9, weight decay), Adagrad and Lion,
+3. ``--state-dtype float32,bfloat16,int8`` (instead of 1 and 2): AdamW with compressed
+   states through ``rule_step`` and ``Rule.with_state_dtype``, per kernel backend (``--backends``,
+   default native,numba): fp32 params (their own master), and with ``--master-dtype float32``
+   / ``bfloat16`` bf16 params with bf16 grads (an fp32 master and its bf16 copy written in the
+   pass, or the bf16 param as its own master, rounded stochastically). Gparam/s, the effective
+   GB/s at each row's bytes (28 B/param for the fp32 kernel, ~16 with int8 states: the states'
+   bytes read and written, the param read and written, the grad read, the bf16 copy written),
+   that GB/s as a share of the copy probe's (the memory wall), and the ratio to the same
+   backend's fp32 kernel. A backend without the compressed kernel yet says so and keeps only
+   its fp32 row. ``--stochastic-states``: bf16 states rounded stochastically.
+
+4. ``--rules`` (instead of 1 and 2): SGD (momentum 0.9, weight decay), Adagrad and Lion,
    ours native against torch's fastest CPU code of each: SGD and Adagrad foreach and
    fused=True, Lion (no torch optimizer) a foreach-style loop of torch ops as lion-pytorch
    writes it. Effective GB/s at 20 B/param (3 fp32 reads + 2 writes: param, grad, the one
@@ -46,6 +59,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offload.cli.info import cpu_model  # noqa: E402
 from offload.kernels import get_backend  # noqa: E402
+from offload.kernels.quant import rounding_seed  # noqa: E402
+
+from bench._states import (MASTER_DTYPES, STATE_DTYPES, adam_rule, parse_list,  # noqa: E402
+                           states_bytes)
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 LOSS_SCALE = 1024.0
@@ -219,6 +236,171 @@ def run_rules(sizes, thread_list, warmup: int, steps: int) -> list:
     return results
 
 
+HYPER = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD, decoupled=True)
+
+
+def row_bytes(param_dtype: str, master_dtype, state_dtype: str) -> float:
+    """Bytes one step moves per param: states read and written, the param (or master) read
+    and written, the grad read, a bf16 copy written."""
+    states = 2 * states_bytes(state_dtype)
+    if param_dtype == "float32":
+        return 4 + 4 + 4 + states  # fp32 param r/w, fp32 grad
+    if master_dtype == "bfloat16":
+        return 2 + 2 + 2 + states  # bf16 param (its own master) r/w, bf16 grad
+    return 4 + 4 + 2 + 2 + states  # fp32 master r/w, bf16 grad, bf16 copy written
+
+
+def compressed_support(backend) -> "str | None":
+    """None if ``backend`` steps int8 states, else why not (one call on 300 elements)."""
+    rule = adam_rule("int8")
+    n = 300
+    states = {f.name: torch.zeros(f.storage_numel(n), dtype=f.storage_dtype) for f in rule.fields}
+    try:
+        backend.rule_step(rule, torch.zeros(n), torch.zeros(n), states, step=1, **HYPER)
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+class StateBuffers:
+    """Per state dtype, Adam's two states over ``n`` elements (fp32: the shared Buffers' own
+    moments), plus bf16 params and grads for the master rows; every page touched now."""
+
+    def __init__(self, buf: Buffers, state_dtypes, bf16_rows: bool) -> None:
+        n = buf.n
+        self.states = {}
+        for sd in state_dtypes:
+            if sd == "float32":
+                self.states[sd] = {"exp_avg": buf.exp_avg, "exp_avg_sq": buf.exp_avg_sq}
+                continue
+            self.states[sd] = {f.name: torch.empty(f.storage_numel(n), dtype=f.storage_dtype).fill_(0)
+                               for f in adam_rule(sd).fields}
+        self.param16 = buf.param.detach().to(torch.bfloat16) if bf16_rows else None
+        self.grad16 = buf.param.grad.to(torch.bfloat16) if bf16_rows else None
+
+
+def state_rows(state_dtypes, master_dtypes):
+    """(label, param dtype, master dtype, state dtype) of each row; the fp32 kernel first."""
+    short = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
+    rows = [(f"fp32p {short[sd]}", "float32", None, sd) for sd in state_dtypes]
+    rows += [(f"bf16p {short[md]}m {short[sd]}", "bfloat16", md, sd)
+             for md in master_dtypes for sd in state_dtypes]
+    if ("fp32p fp32", "float32", None, "float32") not in rows:
+        rows.insert(0, ("fp32p fp32", "float32", None, "float32"))
+    return rows
+
+
+def state_contenders(buf: Buffers, sbuf: StateBuffers, backends, rows, threads: int, stochastic: bool):
+    out = {}
+    for backend in backends:
+        for label, pd, md, sd in rows:
+            if pd == "float32":
+                param, grad, lowp = buf.param.data, buf.param.grad, None
+            elif md == "bfloat16":
+                param, grad, lowp = sbuf.param16, sbuf.grad16, None
+            else:  # an fp32 master and its bf16 copy, as the flat store steps bf16 params
+                param, grad, lowp = buf.param.data, sbuf.grad16, buf.lowp
+            out[f"{backend.name}:{label}"] = _state_step(backend, adam_rule(sd), param, grad,
+                                                         sbuf.states[sd], lowp, threads, stochastic)
+    out["copy_probe"] = lambda: buf.copy_dst.copy_(buf.param.data)
+    return out
+
+
+def _state_step(backend, rule, param, grad, states, lowp, threads, stochastic):
+    count = [0]
+
+    def run():
+        count[0] += 1
+        backend.rule_step(rule, param, grad, states, step=count[0], param_lowp=lowp,
+                          num_threads=threads, rounding_seed=rounding_seed(count[0]),
+                          stochastic_states=stochastic, **HYPER)
+    return run
+
+
+def run_states(args, sizes, thread_list) -> list:
+    sds = parse_list(args.state_dtype, STATE_DTYPES, "--state-dtype")
+    mds = parse_list(args.master_dtype, MASTER_DTYPES, "--master-dtype") if args.master_dtype else ()
+    rows = state_rows(sds, mds)
+    backends, full = [], []
+    for name in parse_list(args.backends, ("native", "numba", "torch"), "--backends"):
+        backend = get_backend(name)
+        why = compressed_support(backend)
+        backends.append(backend)
+        if why is None:
+            full.append(name)
+        else:
+            print(f"# backend {name}: no compressed-state kernel yet ({why}): its fp32 row only")
+    results = []
+    for n in sizes:
+        buf = Buffers(n)
+        sbuf = StateBuffers(buf, {sd for _, _, _, sd in rows}, bool(mds))
+        for th in thread_list:
+            torch.set_num_threads(th)
+            cont = state_contenders(buf, sbuf, backends, rows, th, args.stochastic_states)
+            cont = {k: v for k, v in cont.items()
+                    if k == "copy_probe" or k.split(":")[0] in full or k.endswith(":fp32p fp32")}
+            med, best = time_interleaved(cont, args.warmup, args.steps)
+            results.append(print_states(n, th, rows, med, best))
+        del buf, sbuf
+    return results
+
+
+def fmt_n(n: int) -> str:
+    return f"{n / 1e6:.0f}M" if n >= 10**6 else f"{n / 1e3:.0f}K"
+
+
+def print_states(n: int, th: int, rows, med, best) -> dict:
+    copy_gbps = 12 * n / med["copy_probe"] / 1e9
+    print(f"\n{'N':>6} {'thr':>3} {'contender':<26} {'ms/step':>9} {'Gparam/s':>9} {'B/param':>8} "
+          f"{'GB/s':>7} {'of copy':>8} {'vs fp32':>8} {'best ms':>9}")
+    print(f"{fmt_n(n):>6} {th:>3} {'copy_probe (12 B/elem)':<26} {med['copy_probe'] * 1e3:>9.2f} "
+          f"{'':>9} {'':>8} {copy_gbps:>7.1f} {'(wall)':>8}")
+    bytes_of = {label: row_bytes(pd, md, sd) for label, pd, md, sd in rows}
+    row = {"n": n, "threads": th, "kind": "adamw_states", "seconds": med, "best_seconds": best,
+           "copy_GBps": copy_gbps, "bytes_per_param": bytes_of, "ratios_vs_fp32": {}}
+    for name, t in med.items():
+        if name == "copy_probe":
+            continue
+        backend, label = name.split(":")
+        base = med[f"{backend}:fp32p fp32"]
+        gbps = bytes_of[label] * n / t / 1e9
+        row["ratios_vs_fp32"][name] = base / t
+        print(f"{fmt_n(n):>6} {th:>3} {name:<26} {t * 1e3:>9.2f} {n / t / 1e9:>9.3f} "
+              f"{bytes_of[label]:>8.2f} {gbps:>7.1f} {gbps / copy_gbps:>7.0%} {base / t:>7.2f}x "
+              f"{best[name] * 1e3:>9.2f}")
+    return row
+
+
+def add_state_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--state-dtype", default=None,
+                    help="comma-separated of float32,bfloat16,int8: AdamW with these states "
+                         "instead of the Adam contests (each row against the fp32 kernel)")
+    ap.add_argument("--master-dtype", default=None,
+                    help="with --state-dtype: also bf16 params with this master (float32, "
+                         "bfloat16: the bf16 param is its own master), comma-separated")
+    ap.add_argument("--backends", default="native,numba",
+                    help="with --state-dtype: kernel backends, of native,numba,torch")
+    ap.add_argument("--stochastic-states", action="store_true",
+                    help="with --state-dtype: bf16 states rounded stochastically (default nearest even)")
+
+
+def states_main(ap: argparse.ArgumentParser, args, sizes, thread_list) -> int:
+    """The --state-dtype contest: the table, then one JSON line."""
+    if not args.state_dtype:
+        ap.error("--master-dtype needs --state-dtype (the rows it adds are compressed-state rows)")
+    torch_threads = torch.get_num_threads()
+    try:
+        results = run_states(args, sizes, thread_list)
+    except ValueError as exc:
+        ap.error(str(exc))
+    finally:
+        torch.set_num_threads(torch_threads)
+    print(json.dumps({"bench": "adam_states", "cpu": cpu_model(), "torch": torch.__version__,
+                      "steps": args.steps, "stochastic_states": args.stochastic_states,
+                      "results": results}))
+    return 0
+
+
 def time_interleaved(contenders, warmup: int, steps: int):
     """Median and fastest step of each contender, run in a fresh random order every step.
 
@@ -250,6 +432,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="N=4M, 5 steps")
     ap.add_argument("--rules", action="store_true",
                     help="SGD, Adagrad and Lion instead of the Adam contests")
+    add_state_args(ap)
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.steps = "4M", 5
@@ -258,6 +441,8 @@ def main() -> int:
     if args.steps < 5:
         ap.error(f"--steps must be >= 5, got {args.steps}")
 
+    if args.state_dtype or args.master_dtype:
+        return states_main(ap, args, sizes, thread_list)
     if args.rules:
         torch_threads = torch.get_num_threads()
         results = run_rules(sizes, thread_list, args.warmup, args.steps)

@@ -17,6 +17,21 @@ What is measured, interleaved rep by rep (medians reported; see MEASURED.md's pi
 - overlap efficiency = max(I/O alone, kernel alone) / step  (1.0 = perfect overlap).
 - peak RSS during the step (sampled every 5 ms) against max_host_bytes + params + grads.
 Prints a table, then one JSON line.
+
+``--state-dtype float32,bfloat16,int8`` (and, with ``--dtype bf16``, ``--master-dtype
+float32,bfloat16``): one row per combination instead, each an ``offload.AdamW(offload="nvme",
+state_dtype=..., master_dtype=...)`` over params and grads sharing one storage, stepped in
+turn rep by rep (rotated order): step, I/O alone (the row's pipeline with a no-op compute),
+kernel alone (the row's compressed rule over the same sub-group ranges, states in RAM), the
+swap files' bytes per param (measured: the files / 2 slots / N), and the speedup over the
+fp32-state row against the issue's targets (fp32 params + int8 states 2.5x; bf16 params +
+int8 states 1.7x with an fp32 master, 2.5x with a bf16 master). The ``--params`` tensors are
+cut at multiples of 256 elements here (``block_split``: why). No RSS figure (several
+optimizers share the process). A row the stores cannot run yet, or whose steps never reached
+the compressed kernel, says so instead of a figure.
+
+    .venv/bin/python bench/swap.py --state-dtype float32,bfloat16,int8
+    .venv/bin/python bench/swap.py --dtype bf16 --state-dtype float32,int8 --master-dtype float32,bfloat16
 """
 from __future__ import annotations
 
@@ -24,7 +39,9 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import sys
 import threading
 import time
@@ -224,6 +241,223 @@ class DeepSpeedPeer:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+# ---------------------------------------------------------------- compressed-state rows
+# target speedups over the fp32-state step of the same params (issue 15, "NVMe step")
+ROW_TARGETS = {("fp32", "int8", None): 2.5, ("bf16", "int8", None): 1.7, ("bf16", "int8", "bfloat16"): 2.5}
+
+
+class OptimRow:
+    """One row: offload.AdamW(offload="nvme", state_dtype=..., master_dtype=...) over params and
+    grads that share the storage of every other row's (one copy of the model in RAM)."""
+
+    def __init__(self, base_params, grads, args, bound: int, state_dtype: str, master_dtype) -> None:
+        self.state_dtype, self.master_dtype = state_dtype, master_dtype
+        self.params = [torch.nn.Parameter(p) for p in base_params]  # same storage as base_params
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        extra = {"master_dtype": master_dtype} if master_dtype is not None else {}
+        self.swap_dir = tempfile.mkdtemp(prefix=f"rows-{state_dtype}-", dir=args.swap_dir)
+        self.opt = offload.AdamW(self.params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                                 eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], offload="nvme",
+                                 swap_dir=self.swap_dir, max_host_bytes=bound,
+                                 sub_group_size=args.sub_group_size, io_engine=args.engine,
+                                 num_threads=args.threads, verify=args.verify, state_dtype=state_dtype, **extra)
+        sw = getattr(self.opt._store, "_swap", self.opt._store)  # flat store (bf16) or per-param (fp32)
+        self.layout, self.pipeline, self.store = sw.layout, sw.pipeline, sw.store
+        self.rule = self.opt.rules()[0]
+        self.sizes, self.threads = [p.numel() for p in self.params], args.threads
+        self.kernel_state = self._kernel_buffers()
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def io_alone(self) -> None:
+        self.pipeline.run(list(range(self.layout.num_groups)), lambda g, s, e, t: None)
+
+    def _kernel_buffers(self):
+        """States (and an fp32 master for bf16 params with fp32 master) of one sub-group, in RAM."""
+        n = self.layout.sub_group_size
+        states = {f.name: torch.zeros(f.storage_numel(n), dtype=f.storage_dtype) for f in self.rule.fields}
+        bf16 = self.params[0].dtype == torch.bfloat16
+        master = torch.zeros(n) if bf16 and self.master_dtype != "bfloat16" else None
+        return states, master
+
+    def kernel_alone(self, kernel) -> float:
+        """The step's kernel calls over the same sub-group ranges, states in one RAM buffer."""
+        states, master = self.kernel_state
+        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        step = max(1, int(max(float(st["step"]) for st in self.opt.state.values())) if self.opt.state else 1)
+        t0 = time.perf_counter()
+        for g in range(self.layout.num_groups):
+            s, e = self.layout.group_range(g)
+            for p, off, size in zip(self.params, offsets, self.sizes):
+                a, b = max(s, off), min(e, off + size)
+                if a >= b:
+                    continue
+                n = b - a
+                sv = {f.name: states[f.name][:f.storage_numel(n)] for f in self.rule.fields}
+                param, lowp = p.detach().view(-1)[a - off:b - off], None
+                if master is not None:
+                    param, lowp = master[:n], param
+                kernel.rule_step(self.rule, param, p.grad.view(-1)[a - off:b - off], sv, step=step,
+                                 param_lowp=lowp, num_threads=self.threads, rounding_seed=step,
+                                 element_offset=a, **HYPER)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.opt.close()
+        shutil.rmtree(self.swap_dir, ignore_errors=True)
+
+
+def build_rows(args, bound: int, sizes, combos):
+    """The rows that run, and {label: why not} for those that cannot (yet)."""
+    from bench._states import CompressedCalls
+
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    base = [torch.empty(n, dtype=dtype).normal_() for n in sizes]
+    grads = [torch.empty(n, dtype=dtype).normal_() for n in sizes]
+    rows, skipped = {}, {}
+    for sd, md in combos:
+        label = row_label(args.dtype, sd, md)
+        try:
+            row = OptimRow(base, grads, args, bound, sd, md)
+        except (NotImplementedError, ValueError, TypeError, RuntimeError) as exc:
+            skipped[label] = f"not run: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+            continue
+        try:
+            with CompressedCalls(get_backend()) as calls:
+                for _ in range(2):  # warm-up steps (the first writes the swap files)
+                    row.step()
+        except (NotImplementedError, ValueError, TypeError, RuntimeError) as exc:
+            row.close()
+            skipped[label] = f"not run: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+            continue
+        why = calls.missing(sd, md)
+        if why:
+            row.close()
+            skipped[label] = f"not supported: {why}"
+            continue
+        rows[label] = row
+    return rows, skipped
+
+
+def block_split(numel: int, parts: int, block: int = 256):
+    """``numel`` in ``parts`` tensors, each but the last a multiple of ``block`` elements, as a
+    real model's tensors mostly are (4096 x 4096, ...): a tensor that ends inside an 8-bit
+    block makes the stores decode and re-encode the shared block, a cost of odd sizes that
+    the rows would otherwise charge to every int8 step (``--params 1`` has no such edge)."""
+    each = max(block, numel // parts // block * block)
+    sizes = [each] * (parts - 1)
+    if sum(sizes) >= numel:
+        return [numel]
+    return sizes + [numel - sum(sizes)]
+
+
+def row_label(dtype: str, sd: str, md) -> str:
+    short = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
+    label = f"{dtype} params, {short[sd]} states"
+    return label + (f", {short[md or 'float32']} master" if dtype == "bf16" else "")
+
+
+def run_rows(args, bound: int, sizes, combos) -> int:
+    """Every (state_dtype, master_dtype) row interleaved rep by rep; ratios to the fp32-state row."""
+    kernel = get_backend()
+    rows, skipped = build_rows(args, bound, sizes, combos)
+    times = {k: {"step": [], "io": [], "kernel": []} for k in rows}
+    try:
+        for rep in range(args.reps):
+            order = list(rows)[rep % max(1, len(rows)):] + list(rows)[:rep % max(1, len(rows))]
+            for label in order:  # rotated: no row always runs right after the same neighbour
+                row = rows[label]
+                t0 = time.perf_counter()
+                row.step()
+                times[label]["step"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                row.io_alone()
+                times[label]["io"].append(time.perf_counter() - t0)
+                times[label]["kernel"].append(row.kernel_alone(kernel))
+        out = {label: rows_result(row, times[label], args.numel) for label, row in rows.items()}
+    finally:
+        for row in rows.values():
+            row.close()
+    print_rows(args, bound, out, skipped, combos, kernel)
+    return 0
+
+
+def rows_result(row: OptimRow, t, numel: int) -> dict:
+    med = {k: statistics.median(v) for k, v in t.items()}
+    ideal = max(med["io"], med["kernel"])
+    return {"state_dtype": row.state_dtype, "master_dtype": row.master_dtype,
+            "swapped_bytes_per_param": row.store.disk_bytes() / 2 / numel,  # two slots on disk
+            "swap_files_bytes": row.store.disk_bytes(), "sub_group_size": row.layout.sub_group_size,
+            "sub_groups": row.layout.num_groups, "step_s": med["step"], "io_alone_s": med["io"],
+            "kernel_alone_s": med["kernel"], "step_over_ideal": med["step"] / ideal, "runs": t}
+
+
+def print_rows(args, bound: int, out: dict, skipped: dict, combos, kernel) -> None:
+    gib = 2 ** 30
+    base_label = row_label(args.dtype, *combos[0])
+    base = out.get(base_label)
+    print(f"NVMe-swapped AdamW rows, N={args.numel:,} {args.dtype} params (tensors of {block_split(args.numel, args.params)} "
+          f"elements), bound {bound / gib:.2f} GiB, "
+          f"kernel {kernel.name} x{args.threads}, {args.reps} reps interleaved (medians)")
+    print(f"{'row':<40}{'B/param':>8}{'step s':>9}{'I/O s':>8}{'kernel s':>9}{'/ideal':>7}"
+          f"{'speedup':>9}{'target':>8}")
+    for label, r in out.items():
+        key = (args.dtype, r["state_dtype"], r["master_dtype"])
+        speed = base["step_s"] / r["step_s"] if base else None
+        r["speedup_vs_fp32_states"] = speed
+        target = ROW_TARGETS.get(key)
+        verdict = "" if target is None or speed is None else f"{target:.1f}x " + ("ok" if speed >= target else "MISS")
+        print(f"{label:<40}{r['swapped_bytes_per_param']:>8.2f}{r['step_s']:>9.3f}{r['io_alone_s']:>8.3f}"
+              f"{r['kernel_alone_s']:>9.3f}{r['step_over_ideal']:>7.2f}"
+              f"{(f'{speed:.2f}x' if speed else '-'):>9}{verdict:>10}")
+    for label, why in skipped.items():
+        print(f"{label:<40}  {why}")
+    print("(B/param: bytes of the swap files per param and slot; /ideal: step / max(I/O alone, kernel "
+          "alone), target <= 1.15; speedup: the fp32-state row's step / this row's)")
+    print(json.dumps({"bench": "swap_rows", "dtype": args.dtype, "numel": args.numel,
+                      "tensors": block_split(args.numel, args.params), "max_host_bytes": bound,
+                      "backend": kernel.name, "kernel_threads": args.threads, "reps": args.reps,
+                      "rows": out, "skipped": skipped,
+                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
+
+
+def row_combos(args):
+    """(state_dtype, master_dtype) per row, the fp32-state row first; None if only the default."""
+    from bench._states import MASTER_DTYPES, STATE_DTYPES, parse_list
+
+    sds = parse_list(args.state_dtype, STATE_DTYPES, "--state-dtype")
+    if args.master_dtype and args.dtype != "bf16":
+        raise ValueError("--master-dtype: fp32 params are their own master; use it with --dtype bf16")
+    mds = parse_list(args.master_dtype, MASTER_DTYPES, "--master-dtype") if args.master_dtype else (None,)
+    # master None and "float32" are the same thing: an fp32 master (fp32 params are their own)
+    combos = [(sd, None if md == "float32" else md) for sd in sds for md in mds]
+    base = ("float32", None)
+    combos = [base] + [c for c in dict.fromkeys(combos) if c != base]
+    return None if combos == [base] else combos
+
+
+def add_row_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--state-dtype", default="float32",
+                    help="comma-separated of float32,bfloat16,int8: one row each (offload.AdamW(state_dtype=)), "
+                         "interleaved, with the speedup over the fp32-state row")
+    ap.add_argument("--master-dtype", default=None,
+                    help="with --dtype bf16, comma-separated of float32,bfloat16: rows with this master "
+                         "(bfloat16: the bf16 param is its own master, nothing else swapped but the states)")
+
+
+def checked_combos(ap: argparse.ArgumentParser, args):
+    """The rows mode's (state_dtype, master_dtype) combinations, or None (the default run)."""
+    try:
+        combos = row_combos(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if combos is not None and args.deepspeed:
+        ap.error("--deepspeed runs with the default rows only (fp32 states)")
+    return combos
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--numel", type=lambda s: int(s.replace("_", "")), default=200_000_000)
@@ -241,11 +475,15 @@ def main() -> int:
     ap.add_argument("--deepspeed", action="store_true",
                     help="also time DeepSpeed's PipelinedOptimizerSwapper on the same grads, step by step "
                          "(needs deepspeed and its AsyncIOBuilder op: Debian libaio-dev)")
+    add_row_args(ap)
     args = ap.parse_args()
 
     os.makedirs(args.swap_dir, exist_ok=True)
     bound = parse_bytes(args.max_host_bytes)
     sizes = [args.numel // args.params + (1 if i < args.numel % args.params else 0) for i in range(args.params)]
+    combos = checked_combos(ap, args)
+    if combos is not None:
+        return run_rows(args, bound, block_split(args.numel, args.params), combos)
     rss0 = rss_bytes()
     subject = (Fp32InPlace if args.dtype == "fp32" else Bf16Flat)(sizes, args, bound)
     kernel = get_backend()

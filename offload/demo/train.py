@@ -63,6 +63,10 @@ class DemoConfig:
     seed: int = 0
     threads: Optional[int] = None
     """torch intra-op threads (None: leave torch's default)."""
+    state_dtype: str = "float32"
+    """Our optimizer's ``state_dtype`` (``"float32"``, ``"bfloat16"``, ``"int8"``)."""
+    master_dtype: Optional[str] = None
+    """Our optimizer's ``master_dtype`` (``"bfloat16"``: bf16 params are their own master)."""
     torch_impl: str = "single"
     """The ``torch.optim.AdamW`` to run as ``optimizer="torch"``: ``"single"`` (foreach=False,
     the reference of the numerics contract, and torch's own default for CPU tensors) or
@@ -227,7 +231,8 @@ def _make_optimizer(kind: str, model: torch.nn.Module, cfg: DemoConfig, swap_dir
         raise ValueError(f"optimizer must be 'offload' or 'torch', got {kind!r}")
     import offload
 
-    extra: Dict[str, Any] = {"offload": cfg.offload}
+    extra: Dict[str, Any] = {"offload": cfg.offload, "state_dtype": cfg.state_dtype,
+                             "master_dtype": cfg.master_dtype}
     if cfg.offload == "nvme":
         extra.update(swap_dir=swap_dir, max_host_bytes=max_host_bytes)
     return offload.AdamW(model.parameters(), **common, **extra)

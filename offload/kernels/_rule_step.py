@@ -117,6 +117,8 @@ class RuleStepFace:
         streams take ``rounding_seed`` (uint32) and ``element_offset`` (the index of
         param's first element), [Note: stochastic rounding to bfloat16] in quant.py."""
         k = _ADAM_KERNEL if rule is ADAM else _KERNELS.get(rule)
+        if k is None and isinstance(rule, str):  # a name: its float32 rule, not the compressed path
+            k = _KERNELS.get(RULES.get(rule))
         if k is None or param.dtype != torch.float32:
             return self._rule_step_compressed(rule, param, grad, states, step, param_lowp,
                                               num_threads, QuantArgs(rounding_seed, element_offset,
