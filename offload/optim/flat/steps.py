@@ -74,7 +74,20 @@ def _piece_items(st: "FlatState", k: int, fg: FlatGroup, pc, start: int, kw: dic
     subs = split_ranges(0, pc.numel, st._sub) if paced else [(0, pc.numel)]
     for a, b in subs:
         then = st._sink.after(out, send_to, a, b, finish if b == pc.numel else None)
-        yield WorkItem(k, lo + a, lo + b, grad[a:b], kw, None if out is None else out[a:b], mode, then)
+        yield WorkItem(k, lo + a, lo + b, grad[a:b], _rounding(fg, k, lo + a, kw),
+                       None if out is None else out[a:b], mode, then)
+
+
+def _rounding(fg: FlatGroup, k: int, lo: int, kw: dict) -> dict:
+    """``kw`` with the item's rounding streams ([Note: compressed states in the flat store]):
+    a seed of the step and the group, the offset of the item's first element in the whole
+    flat group (not the rank's shard), so N ranks, and host or swap backings, give the same
+    bits. Items of fp32 states and an fp32 master keep ``kw`` as it is."""
+    if not fg.compressed:
+        return kw
+    return dict(kw, rounding_seed=rounding_seed(kw["step"], k),
+                element_offset=fg.layout.shard_range()[0] + lo,
+                stochastic_states=STOCHASTIC_BF16_STATES)
 
 
 def run_step(st: "FlatState", backing: Any, batches, phases: Dict[str, float]) -> Dict[str, float]:
@@ -126,13 +139,8 @@ class HostBacking:
             param, lowp = item.out, None
         else:
             param, lowp = fg.master[s], item.out if item.mode == "lowp" else None
-        rounding = {}
-        if fg.compressed:  # [Note: compressed states in the flat store]
-            rounding = {"rounding_seed": rounding_seed(item.kwargs["step"], item.shard),
-                        "element_offset": fg.layout.shard_range()[0] + item.lo,
-                        "stochastic_states": STOCHASTIC_BF16_STATES}
         self._kernel.rule_step(rule, param, item.grad, states, param_lowp=lowp,
-                               num_threads=self._threads, **rounding, **item.kwargs)
+                               num_threads=self._threads, **item.kwargs)
         t1 = time.perf_counter()
         self._phases["kernel"] += t1 - t
         if item.mode == "copy":

@@ -109,6 +109,10 @@ class SwapBacking:
         self._posts: List[Callable[[], None]] = []
 
     def compute(self, item: "WorkItem") -> None:
+        if item.mode == "lowp" and self._st.master_lowp:
+            # a bf16 param that is its own master: the swap files keep no master, and the
+            # item's output is what the kernel steps ("master" in swapped_shards' terms)
+            item = item._replace(mode="master")
         self._items.append(item._replace(then=None))  # the sink runs `then` after the swap step
         if item.then is not None:
             self._posts.append(item.then)
