@@ -108,9 +108,14 @@ def test_rule_step_refuses_rules_and_hyperparameters_it_lacks(backend):
     with pytest.raises(ValueError, match=r"unknown optimizer rule 'rmsprop'; the kernels implement "
                                          r"\['adagrad', 'adam', 'lion', 'sgd', 'sgd_plain'\]"):
         _bad(backend, rule="rmsprop")
-    bf16_adam = Rule("adam", (StateField("exp_avg", torch.bfloat16), StateField("exp_avg_sq", torch.bfloat16)))
+    # bf16 and int8 states are kernels' forms (Rule.with_state_dtype); fp16 states, or a
+    # mix of forms, are not
+    fp16_adam = Rule("adam", (StateField("exp_avg", torch.float16), StateField("exp_avg_sq", torch.float16)))
+    with pytest.raises(ValueError, match="no kernel for rule 'adam' with fields .*float16"):
+        _bad(backend, rule=fp16_adam)
+    mixed = Rule("adam", (StateField("exp_avg", torch.bfloat16), StateField("exp_avg_sq")))
     with pytest.raises(ValueError, match="no kernel for rule 'adam' with fields .*bfloat16"):
-        _bad(backend, rule=bf16_adam)
+        _bad(backend, rule=mixed)
     with pytest.raises(TypeError, match="rule must be an offload.kernels.fields.Rule or its name, got int"):
         _bad(backend, rule=0)
     with pytest.raises(TypeError, match=r"rule 'adam' takes .*; missing \['eps'\], unexpected \['betas'\]"):

@@ -475,7 +475,7 @@ def test_cli_json_schema_is_stable():
     assert doc["schema"] == "offload.plan/1"
     assert set(doc["inputs"]) == INPUT_KEYS
     assert set(doc["inputs"]["swap"]) == {"sub_group_size", "num_groups", "buffers", "region_bytes", "host_bytes",
-                                          "file_bytes", "slots", "disk_bytes", "nstates"}
+                                          "file_bytes", "slots", "disk_bytes", "state_disk_bytes", "nstates"}
     assert set(doc["per_rank"]) == set(TIERS)
     assert set(doc["breakdown"]) == set(TIERS)
     for t in TIERS:

@@ -9,7 +9,7 @@ neither pays for the other's argument form on the per-param hot path.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -63,6 +63,10 @@ _KERNELS = {ADAM: _Kernel(ADAM, ADAM.names, ADAM.fields, _adam_args,
                           ("lr", "beta1", "beta2", "weight_decay", "maximize", "grad_scale"),
                           1, "_lion")}
 _ADAM_KERNEL = _KERNELS[ADAM]
+
+
+_RESOLVED: Dict[Rule, Rule] = {}
+"""Compressed rules already resolved (a handful: each rule in its state forms)."""
 
 
 def resolve_rule(rule: Union[Rule, str]) -> Rule:
@@ -137,7 +141,12 @@ class RuleStepFace:
 
     def _rule_step_compressed(self, rule, param, grad, states, step, param_lowp, num_threads,
                               q: QuantArgs, hyper) -> None:
-        rule = resolve_rule(rule)
+        known = _RESOLVED.get(rule) if isinstance(rule, Rule) else None
+        if known is None:  # resolving builds the rule's three forms: once per rule, not per call
+            known = resolve_rule(rule)
+            if isinstance(rule, Rule):
+                _RESOLVED[rule] = known
+        rule = known
         k = _KERNELS[rule.base]
         ordered = check_states(rule, states, k.names)
         n = check_compressed_args(param, grad, rule.fields, ordered, param_lowp, step,

@@ -242,17 +242,17 @@ def _place_swapped(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) -
     """offload="nvme": the moments, and the master unless the params are their own master
     (the in-place store), in swap files; the swapped elements are the whole shard on every
     rank (the flat buffer is padded to the world size)."""
-    streamed = [f.name for f in state_fields(s)]
+    fields = tuple(state_fields(s))
     swap = None
     if s.shard:
         try:
-            swap = swap_model(s.shard, len(streamed), s.mhb, s.sub_group_size)
+            swap = swap_model(s.shard, fields, s.mhb, s.sub_group_size)
         except ValueError as exc:
             problems.append(f"the swap pipeline refuses this configuration: {exc}")
     if swap is not None:
-        # the swap files hold the states one after the other per sub-group: equal shares
-        for c in streamed:
-            B["nvme"][c] = swap["disk_bytes"] // len(streamed)
+        # the swap files hold the states one after the other per sub-group, each its own bytes
+        for f, nbytes in zip(fields, swap["state_disk_bytes"]):
+            B["nvme"][f.name] = nbytes
         B[s.tier["io_buffers"]]["io_buffers"] = swap["host_bytes"]
     if s.separate_master:
         notes.append("offload='nvme' with the flat store: the fp32 master, exp_avg and exp_avg_sq of this "

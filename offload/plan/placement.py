@@ -35,8 +35,10 @@ SWAP_SLOTS = 2
 complete step (offload/swap/store.py, [Note: two slots])."""
 
 
-def swap_model(numel: int, nstates: int, max_host_bytes: Optional[int], sub_group_size: Optional[int]) -> Dict[str, Any]:
-    """What the swap layer will allocate for ``nstates`` fp32 states of ``numel`` elements.
+def swap_model(numel: int, nstates: Any, max_host_bytes: Optional[int], sub_group_size: Optional[int]) -> Dict[str, Any]:
+    """What the swap layer will allocate for the states ``nstates`` (a count of fp32 states,
+    or their typed fields: bf16 and packed int8 states take their own bytes) of ``numel``
+    elements.
 
     Asks the swap layer itself (``plan_sub_groups`` and ``SwapLayout``) rather than copying
     its rules, so the plan follows the engine when the engine changes. Raises ``ValueError``
@@ -46,6 +48,9 @@ def swap_model(numel: int, nstates: int, max_host_bytes: Optional[int], sub_grou
 
     sg, nbuf = plan_sub_groups(numel, nstates, max_host_bytes, sub_group_size)
     layout = SwapLayout(numel, sg, nstates)
+    spans = [layout.group_range(g) for g in range(layout.num_groups)]
+    per_state = [SWAP_SLOTS * sum(layout.padded_bytes(k, e - s) for s, e in spans)
+                 for k in range(layout.nstates)]
     # The pipeline maps one pool region for its buffers, rounded up to 2 MiB (huge pages).
     return {
         "sub_group_size": layout.sub_group_size,
@@ -56,7 +61,8 @@ def swap_model(numel: int, nstates: int, max_host_bytes: Optional[int], sub_grou
         "file_bytes": layout.file_bytes,
         "slots": SWAP_SLOTS,
         "disk_bytes": SWAP_SLOTS * layout.file_bytes,
-        "nstates": nstates,
+        "state_disk_bytes": per_state,
+        "nstates": layout.nstates,
     }
 
 

@@ -262,12 +262,12 @@ def _place_states3(s: Any, S: int, w: _Where, B: Any, problems: List[str]) -> Op
     if not S:
         return None
     try:
-        swap = swap_model(S, len(fields), s.mhb, s.sub_group_size)
+        swap = swap_model(S, tuple(fields), s.mhb, s.sub_group_size)
     except ValueError as exc:
         problems.append(f"the swap pipeline refuses this configuration: {exc}")
         return None
-    for f in fields:
-        B["nvme"][f.name] = swap["disk_bytes"] // len(fields)
+    for f, nbytes in zip(fields, swap["state_disk_bytes"]):
+        B["nvme"][f.name] = nbytes
     B[w.tier["io_buffers"]]["io_buffers"] += swap["host_bytes"]
     return swap
 

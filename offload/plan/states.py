@@ -99,8 +99,7 @@ def state_notes(s: Any) -> List[str]:
                      "255 elements more per param, counted only when a module is given")
     if s.master_lowp:
         notes.append("master_dtype='bfloat16': the bf16 params are their own master (no fp32 copy)")
-    if s.offload == "nvme" and (s.state_dtype != "float32" or s.master_lowp):
-        notes.append(f"offload='nvme' with {s.state_dtype} states: the swap files and pipeline buffers are "
-                     "counted as for float32 states (an upper bound; the swap layer's compressed layout "
-                     "is not modelled here)")
+    if s.offload == "nvme" and s.state_dtype == "int8":
+        notes.append("offload='nvme' with int8 states: sub-groups are cut at multiples of 262144 elements "
+                     "(a packed block's 260 bytes reach a 4 KiB page every 1024 blocks)")
     return notes
