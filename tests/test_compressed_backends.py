@@ -15,7 +15,8 @@ import offload.kernels as K
 
 from test_numba_compressed import CONFIGS, NUMBA, STATE_KINDS, assert_same_bits, run
 
-SIZES = [1, 17, 257, 4097, (1 << 20) + 3]
+SIZES = [1, 17, 257, 4097, 70001]  # 70001: more than one thread's 65536-element chunk
+BIG = (1 << 20) + 3  # every rule once at this size (test_native_equals_numba_at_a_million)
 
 
 def _native():
@@ -43,6 +44,15 @@ def test_native_equals_numba_bit_for_bit(cfg, state_dtype, stochastic, param_dty
                   lowp_dtype=lowp, offset=1000 * k)
         assert_same_bits(run(native, rule, hp, n, **kw), run(NUMBA, rule, hp, n, **kw),
                          f"{cfg} {state_dtype} n={n}")
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_native_equals_numba_at_a_million(cfg):
+    native = _native()
+    rule, hp = CONFIGS[cfg]
+    kw = dict(state_dtype="int8", stochastic=False, param_dtype=torch.bfloat16,
+              grad_dtype=torch.bfloat16, lowp_dtype=None, offset=12345)
+    assert_same_bits(run(native, rule, hp, BIG, **kw), run(NUMBA, rule, hp, BIG, **kw), f"{cfg} n={BIG}")
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
