@@ -122,7 +122,9 @@ class SwappedShards:
                  rank: int = 0, run_name: str = "flat", vote: Optional[Vote] = None,
                  fields: Sequence[StateField] = SHARD_FIELDS, summary: Optional[str] = None,
                  check_resume: Optional[Callable[[Dict[str, Any], SwapStore], None]] = None, pool: Any = None,
-                 rule: Rule = ADAM, stochastic_states: bool = False) -> None:
+                 rule: Rule = ADAM, stochastic_states: bool = False, padded_ends: bool = False) -> None:
+        """``padded_ends``: each item is followed by padding up to a block (the flat store's
+        params): fused kernel, no decoding ([Note: steps across blocks], swapped_ranges.py)."""
         from offload.kernels import get_backend
 
         self._kernel = get_backend(backend)
@@ -136,6 +138,7 @@ class SwappedShards:
             raise ValueError(f"fields {self.names} do not hold rule {rule.name!r}'s states {rule.names}")
         self.rule = rule
         self.stochastic_states = bool(stochastic_states)
+        self.padded_ends = bool(padded_ends)
         # a step rounds (passes a seed and an offset) with compressed states or a bf16 param
         self.rounds = any(compressed(f) for f in rule.fields)
         self.sizes = [int(n) for n in sizes]
@@ -407,7 +410,7 @@ class SwappedShards:
         if not self.rule.fields or not self.rule.fields[0].blocked:
             return None
         ends = {self.base[k] + n for k, n in enumerate(self.sizes)}
-        if all(whole_blocks(a - s, b - s, e - s, b in ends) for a, b, _, _ in pieces):
+        if all(whole_blocks(a - s, b - s, e - s, self.padded_ends or b in ends) for a, b, _, _ in pieces):
             return None
         return DecodedBlocks({j: self.fields[j] for j in range(len(self.fields)) if self.fields[j].blocked},
                              tensors, e - s)

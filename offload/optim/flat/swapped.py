@@ -51,7 +51,8 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
                                  verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
                                  backend=st._backend, num_threads=st._threads, rank=st.rank,
                                  run_name="flat", vote=st._swap_vote, fields=swap_fields(st),
-                                 rule=st.rule, stochastic_states=getattr(st, "stochastic_states", False))
+                                 rule=st.rule, stochastic_states=getattr(st, "stochastic_states", False),
+                                 padded_ends=any(f.blocked for f in st.rule.fields))  # params on whole blocks
         if st._swap.resumed:  # resume="auto" chose, "discard" never resumes ([Note: restarts] in swap/runs)
             # The master of the last finished step is the truth: steps and params follow it.
             st._set_steps(st._swap.resumed_extra.get("steps") or [])
