@@ -104,6 +104,18 @@ def _hyper_error(k: _Kernel, hyper: Mapping[str, object]) -> Optional[TypeError]
                      f"missing {missing}, unexpected {extra}")
 
 
+def _bind(k: _Kernel, step, hyper: Mapping[str, object]) -> tuple:
+    """``hyper`` as the rule's backend method takes it; a TypeError naming the missing or
+    unexpected names when they are wrong."""
+    try:
+        return k.args(step, **hyper)
+    except TypeError:
+        err = _hyper_error(k, hyper)
+        if err is None:
+            raise
+        raise err from None
+
+
 class RuleStepFace:
     """Mixin: a backend defines each rule's method, for Adam ``_adam(param, grad, states,
     param_lowp, num_threads, hyper)``, called with checked, non-empty tensors, ``states`` in
@@ -129,13 +141,7 @@ class RuleStepFace:
                                                                      bool(stochastic_states)), hyper)
         ordered = check_states(k.rule, states, k.names)
         n = check_step_args(param, grad, k.fields, ordered, param_lowp, step, num_threads)
-        try:
-            args = k.args(step, **hyper)
-        except TypeError:
-            err = _hyper_error(k, hyper)
-            if err is None:
-                raise
-            raise err from None
+        args = _bind(k, step, hyper)
         if n:
             getattr(self, k.method)(param, grad, ordered, param_lowp, num_threads, args)
 
@@ -151,13 +157,7 @@ class RuleStepFace:
         ordered = check_states(rule, states, k.names)
         n = check_compressed_args(param, grad, rule.fields, ordered, param_lowp, step,
                                   num_threads, q)
-        try:
-            args = k.args(step, **hyper)
-        except TypeError:
-            err = _hyper_error(k, hyper)
-            if err is None:
-                raise
-            raise err from None
+        args = _bind(k, step, hyper)
         if n:
             self._compressed(k.method, rule.fields, param, grad, ordered, param_lowp,
                              num_threads, args, q)
