@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import traceback
 from typing import List, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import offload
 from offload.kernels import quant
@@ -32,6 +30,7 @@ from offload.optim.flat_state import FlatState
 from test_rules_optim import CASES as RULE_CASES, RefLion, _groups
 
 import _internals as internals
+from _ranks import run_ranks
 
 CASES = dict(RULE_CASES)
 CASES["adamw"] = (offload.AdamW, torch.optim.AdamW, None,
@@ -294,27 +293,7 @@ def _rank_job(rank, port, stage, dtype_name, case, state_dtype, master_bf16, in_
 
 
 def _two_ranks(*args):
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_job, args=(r, port) + args + (out,), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(2):
-            rank, ok, value = out.get(timeout=300)
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return got
+    return run_ranks(_rank_job, 2, args, timeout=300)
 
 
 @pytest.mark.parametrize("stage,dtype,case,state_dtype,master_bf16,in_backward", [

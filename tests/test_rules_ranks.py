@@ -4,15 +4,14 @@ same grads, so their average is the grad the reference steps with."""
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from test_rules_optim import CASES, STEPS, TOL, _groups, _need, _ref_kwargs
+from _ranks import run_ranks
 
 SIZES = (1, 7, 15, 16, 17, 4097)
 
@@ -53,28 +52,7 @@ def _rank_job(rank, port, case, dtype, offload_kw, out):
 
 
 def _two_ranks(case, dtype, offload_kw):
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank_job, args=(r, port, case, dtype, offload_kw, out), daemon=True)
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(2):
-            rank, ok, value = out.get(timeout=180)
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return got
+    return run_ranks(_rank_job, 2, (case, dtype, offload_kw), timeout=180)
 
 
 def _reference(case, dtype):

@@ -10,19 +10,18 @@ import copy
 import importlib
 import os
 import shutil
-import socket
 import tempfile
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import offload
 from offload.demo.model import GPTConfig, TinyGPT
 from offload.shard import gathered_params, runtime_of
+import _ranks
 
 GLOBAL_BATCH = 6
 T = 16
@@ -167,38 +166,13 @@ def _worker(rank, world, port, inq, outq):
     os._exit(0)
 
 
-class Workers:
+class Workers(_ranks.Workers):
     def __init__(self, world):
-        ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.world = world
-        self.inq = [ctx.Queue() for _ in range(world)]
-        self.outq = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inq[r], self.outq), daemon=True)
-                      for r in range(world)]
-        for p in self.procs:
-            p.start()
+        super().__init__(_worker, world)
 
     def run(self, name, **kwargs):
-        for q in self.inq:
-            q.put((name, kwargs))
-        out = {}
-        for _ in range(self.world):
-            rank, ok, value = self.outq.get(timeout=180)
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+        out = self.send((name, kwargs), timeout=180)
         return [out[r] for r in range(self.world)]
-
-    def close(self):
-        for q in self.inq:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import offload
 from offload.zero import FlatLayout, split_ranges
 import _internals as internals
+import _ranks
 
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 STEPS = 20
@@ -534,39 +533,14 @@ def _worker(rank, world, port, inq, outq):
     os._exit(0)
 
 
-class Workers:
+class Workers(_ranks.Workers):
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.world = world
-        self.inq = [ctx.Queue() for _ in range(world)]
-        self.outq = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inq[r], self.outq), daemon=True)
-                      for r in range(world)]
-        for p in self.procs:
-            p.start()
+        super().__init__(_worker, world)
 
     def run(self, name: str, world: int, **kwargs):
         """Run job ``name`` on ranks 0..world-1 (world 2 or 3); their results, by rank."""
-        for q in self.inq:
-            q.put((name, world, kwargs))
-        out = {}
-        for _ in range(self.world):
-            rank, ok, value = self.outq.get(timeout=120)
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+        out = self.send((name, world, kwargs), timeout=120)
         return [out[r] for r in range(world)]
-
-    def close(self) -> None:
-        for q in self.inq:
-            q.put(None)
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
 
 
 @pytest.fixture(scope="module")
