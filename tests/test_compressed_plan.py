@@ -13,6 +13,7 @@ import torch
 
 import offload
 from offload.plan import TIERS, estimate
+from test_plan import fake_three_ranks  # noqa: F401  (the fixture: this process as rank 0 of 3)
 
 # bf16 params of 76,800 + 300 + 5,100 + 17 = 82,217 elements: sizes that are not multiples of
 # 256, so that the int8 layout's padding between params shows
@@ -64,22 +65,6 @@ def test_plan_then_run_one_rank_bf16_cpu_params(state_dtype, master):
     report = _run_report(model, **kw)
     assert report["tiers"] == plan.optimizer_bytes
     assert report["detail"]["state_bytes"] == master_bytes + moments
-
-
-@pytest.fixture
-def fake_three_ranks():
-    """This process as rank 0 of a world of 3 (torch's fake backend: collectives do nothing)."""
-    import torch.distributed as dist
-
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError as exc:  # pragma: no cover - torch without its testing helpers
-        pytest.skip(f"torch's fake process group is unavailable: {exc}")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
-    try:
-        yield 3
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("state_dtype,master", [("int8", "bfloat16"), ("int8", None), ("bfloat16", "bfloat16")])
