@@ -134,6 +134,21 @@ class FlatParam:
         with torch.no_grad():
             return _Kept(comm.all_gather_async(self.full, src, group), self.full, version), None
 
+    # ------------------------------------------------------------------ the shard's values
+    def shard_values(self) -> torch.Tensor:
+        """A new tensor with this rank's chunk (``chunk`` elements, the params' dtype), from
+        wherever the shard lives (host memory, or its swap file with offload_params="nvme").
+        What checkpoints and ``full_state_dict`` read; never a view of the live shard."""
+        return self.shard.detach().clone()
+
+    def set_shard_values(self, values: torch.Tensor) -> None:
+        """This rank's chunk <- ``values`` (``chunk`` elements; cast to the params' dtype),
+        wherever the shard lives. What checkpoint loading and streamed weights write."""
+        if values.numel() != self.chunk:
+            raise ValueError(f"{self.chunk} elements expected for the shard of {self.names[:3]}, got {values.numel()}")
+        with torch.no_grad():
+            self.shard.detach().copy_(values.reshape(-1))
+
     # ------------------------------------------------------------------ grads
     def has_grads(self) -> bool:
         return any(leaf.grad is not None for leaf in self.leaves)
