@@ -8,6 +8,7 @@ import time
 from typing import Any, Optional, Tuple
 
 from offload.kernels import get_backend
+from offload.memory import paging
 from offload.optim.context import StepContext
 from offload.optim.protocol import optional
 
@@ -48,6 +49,9 @@ def grad_multiplier(ctx: StepContext, store: Any, work: Any, *, backend: Optiona
     return inv_scale * clip, t_prepare, norm
 
 
+_PAGED_PIECE = 1 << 24  # elements of a paged grad in memory at once while its norm is taken
+
+
 def _sumsq(work: Any, backend: Optional[str], num_threads: Optional[int]) -> Tuple[float, bool]:
     """The grads' sum of squares, one kernel pass each, and whether one is not finite."""
     kernel = get_backend(backend)
@@ -56,7 +60,13 @@ def _sumsq(work: Any, backend: Optional[str], num_threads: Optional[int]) -> Tup
         for _, g in items:
             if g.numel():
                 flat = g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1)
-                s, bad = kernel.grad_sumsq(flat, num_threads=num_threads)
-                sumsq += s
-                nonfinite |= bad
+                # a grad in a swap file (params on NVMe) is read in pieces: [Note: paged tensors]
+                step = _PAGED_PIECE if paging.active() and paging.paged(flat) else flat.numel()
+                for a in range(0, flat.numel(), step):
+                    piece = flat[a:a + step]
+                    paging.load([piece])
+                    s, bad = kernel.grad_sumsq(piece, num_threads=num_threads)
+                    paging.evict([piece])
+                    sumsq += s
+                    nonfinite |= bad
     return sumsq, nonfinite

@@ -99,6 +99,20 @@ class Stage3Store:
         s, bad = acc.tolist()
         return s, bad > 0
 
+    def grads(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The inner store's answer, except for a grad kept in a swap file (params on NVMe):
+        the paged grad itself, not p.grad's stand-in ([Note: grads on disk] in
+        offload/shard/flat_unit.py)."""
+        inner = getattr(self._inner, "grads", None)
+        g = inner(p) if inner is not None else p.grad
+        info = getattr(p, "_offload_shard", None)
+        flat = getattr(info, "flat", None)
+        if g is not None and flat is not None:
+            disk = flat.disk_grad()
+            if disk is not None:
+                return disk
+        return g
+
     def step(self, batches):
         return self._inner.step(batches)
 

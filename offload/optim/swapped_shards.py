@@ -36,6 +36,7 @@ import torch
 
 from offload.kernels.fields import ADAM, MASTER, Rule, StateField, field_names
 from offload.kernels.quant import BLOCK
+from offload.memory import paging
 from offload.optim.swapped_ranges import (DecodedBlocks, compressed, read_values, rounding_kwargs, storage_slice,
                                           whole_blocks, write_values)
 from offload.optim.stats import swap_phases
@@ -100,6 +101,33 @@ def flat_identity(world: int, rank: int, groups: Sequence[Any]) -> Dict[str, Any
     each param's numel, shape and dtype ([Note: identity] in offload/swap/runs.py)."""
     return {"kind": "flat", "world": world, "rank": rank, "groups": [list(fg.layout.numels) for fg in groups],
             "shapes": [[[*p.shape, str(p.dtype)] for p in fg.params] for fg in groups]}
+
+
+def _page_in(pieces, following) -> Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]]:
+    """Params on NVMe ([Note: paged tensors] in offload/memory/paging.py): the grads and
+    outputs of a sub-group's ranges brought in (the next sub-group's grads asked for, to
+    read meanwhile); (outputs, grads) to store and evict after the kernel, or None."""
+    if not paging.active():
+        return None
+
+    def views(rows):
+        outs, grads, masters = [], [], []
+        for a, b, start, it in rows:
+            y = slice(a - start, b - start)
+            grads.append(it.grad[y])
+            if it.out is not None:
+                (masters if it.mode == "master" else outs).append(it.out[y])
+        return outs, grads, masters
+
+    outs, grads, masters = views(pieces)
+    if not any(paging.paged(t) for t in outs + grads + masters):
+        return None
+    paging.load(grads + masters)
+    paging.will_write(outs)
+    if following:
+        nxt = views(following)
+        paging.prefetch(nxt[1] + nxt[2])
+    return outs + masters, grads
 
 
 class SwappedShards:
@@ -265,8 +293,12 @@ class SwappedShards:
         for g in sorted(by_group):
             master = self._cache.load(g, self._meta)[j]
             for s, a, b, out, start in by_group[g]:
+                dst = out[a - start:b - start]
+                paging.will_write([dst])  # params on NVMe: [Note: paged tensors]
                 # either mode: the master rounded to out's dtype (RNE, as the kernel's own copy)
-                out[a - start:b - start].copy_(master[a - s:b - s])
+                dst.copy_(master[a - s:b - s])
+                paging.store([dst])
+                paging.evict([dst])
 
     # ------------------------------------------------------------------ ranges
     def read(self, k: int, lo: int, hi: int, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
@@ -384,7 +416,11 @@ class SwappedShards:
         states = [(name, self._field(name), self.fields[self._field(name)]) for name in rule.names]
         rounding = self._rounding
 
+        order = sorted(by_group)
+        following = dict(zip(order, order[1:]))
+
         def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
+            touched = _page_in(by_group[g], by_group.get(following.get(g)))
             computed.append(g)  # before the kernel: an exception inside it may have changed params
             dense = self._decoded(by_group[g], s, e, tensors)  # ranges across blocks: [Note: steps across blocks]
             step_rule = rule if dense is None else rule.base
@@ -401,6 +437,10 @@ class SwappedShards:
                     out[y].copy_(master)
             if dense is not None:
                 dense.store()
+            if touched:
+                outs, grads = touched
+                paging.store(outs)
+                paging.evict(grads + outs)
 
         return compute
 

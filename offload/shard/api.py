@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from offload.memory import paging
 from offload.shard.flat_unit import FlatParam, ShardInfo, Unit
 from offload.shard.hooks import ShardRuntime
+from offload.shard.tier import ParamTier
 from offload.shard.units import UnitPolicy, assign_params, choose_units
 from offload.zero import comm
 
@@ -34,13 +36,15 @@ def runtime_of(module: nn.Module) -> Optional[ShardRuntime]:
     return module.__dict__.get(_RUNTIME)
 
 
-def _check(module: Any, offload_params: Any, prefetch: Any) -> None:
+def _check(module: Any, offload_params: Any, prefetch: Any, swap_dir: Any = None) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload.shard() expects an nn.Module, but got {type(module).__name__}")
     if offload_params not in OFFLOAD_PARAMS:
         raise ValueError(f"offload_params must be one of {OFFLOAD_PARAMS}, got {offload_params!r}")
-    if offload_params == "nvme":
-        raise NotImplementedError("offload_params='nvme' is not implemented yet; use 'none' or 'cpu'")
+    if offload_params == "nvme" and swap_dir is None:
+        raise ValueError("offload_params='nvme' needs swap_dir= (a directory on a local disk)")
+    if offload_params != "nvme" and swap_dir is not None:
+        raise ValueError(f"swap_dir= is for offload_params='nvme' (got offload_params={offload_params!r})")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
     if runtime_of(module) is not None or any(hasattr(p, "_offload_shard") for p in module.parameters()):
@@ -62,7 +66,8 @@ def _reduce_group(group: Any, world: int) -> Any:
 
 
 def shard(module: nn.Module, *, process_group: Any = None, offload_params: str = "none",
-          unit: UnitPolicy = None, prefetch: int = 1) -> nn.Module:
+          unit: UnitPolicy = None, prefetch: int = 1, swap_dir: Optional[str] = None,
+          io: Any = "auto") -> nn.Module:
     """Shard ``module``'s trainable params over the ranks of ``process_group`` (ZeRO stage 3),
     in place; returns ``module``.
 
@@ -71,13 +76,17 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     rest, and params tied across units, form the root unit, gathered for the whole forward
     and backward. ``prefetch``: how many units' gathers run ahead of the one in use, once
     the order is known (schedule.py). ``offload_params``: "none" and "cpu" (the same on a
-    CPU model: the shards live in host memory); "nvme" is not implemented yet. Every rank
+    CPU model: the shards live in host memory); "nvme": each rank's shards and their grads
+    live in a file under ``swap_dir`` and come into RAM only while gathered, reduced or
+    stepped ([Note: the param tier] in tier.py; ``io``: the io engine, as the optimizers').
+    Every rank
     must build the same model (same init) before calling this. A collective when
     ``torch.distributed`` is initialised: it makes a process group for the grads'
     reduce-scatters (``dist.new_group``, which every process of the default group must
     call, also those outside ``process_group``)."""
-    _check(module, offload_params, prefetch)
+    _check(module, offload_params, prefetch, swap_dir)
     world, rank = comm.world_and_rank(process_group)
+    tier = ParamTier(swap_dir, rank, io=io) if offload_params == "nvme" else None
     reduce_group = _reduce_group(process_group, world)
     unit_modules = choose_units(module, unit)
     members, _frozen = assign_params(module, unit_modules)
@@ -93,11 +102,12 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
             by_dtype.setdefault(p.dtype, []).append((p, owners))
         flats = [FlatParam(ms, info=ShardInfo(process_group, world, rank, name), holder=m,
                            attr=f"_shard_{str(dt).replace('torch.', '')}",
-                           names=[qual[id(p)] for p, _ in ms])
+                           names=[qual[id(p)] for p, _ in ms], tier=tier)
                  for dt, ms in by_dtype.items()]
         units.append(Unit(len(units), m, name, flats))
     runtime = ShardRuntime(units, group=process_group, reduce_group=reduce_group, world=world, rank=rank,
                            prefetch=prefetch)
+    runtime.tier = tier
     runtime.install()
     for u in units:
         for flat in u.flats:
@@ -118,7 +128,10 @@ def gathered_params(module: nn.Module) -> Dict[str, torch.Tensor]:
     for u in runtime.units:
         for flat in u.flats:
             full = torch.empty(flat.padded, dtype=flat.dtype)
-            comm.all_gather(full, flat.shard.detach(), flat.shard._offload_shard.group)
+            src = flat.shard.detach()
+            paging.load([src])  # params on NVMe: from the swap file
+            comm.all_gather(full, src, flat.shard._offload_shard.group)
+            paging.evict([src])
             for name, shape, (o, n) in zip(flat.names, flat.shapes, flat.slots):
                 out[name] = full[o:o + n].view(shape).clone()
     return out

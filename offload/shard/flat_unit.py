@@ -26,11 +26,12 @@ bytes), as it does for the stage-2 streams.
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
+from offload.memory import paging
 from offload.zero import comm
 
 __all__ = ["BLOCK", "ShardInfo", "FlatParam", "chunk_for"]
@@ -50,12 +51,16 @@ class _Kept:
     gather was issued (see the note): gloo's worker thread counts its write into the
     output when the collective completes, at a time no context manager can bracket."""
 
-    def __init__(self, handle: Any, full: torch.Tensor, version: int) -> None:
-        self.handle, self.full, self.version = handle, full, version
+    def __init__(self, handle: Any, full: Optional[torch.Tensor], version: int, after: Any = None) -> None:
+        self.handle, self.full, self.version, self.after = handle, full, version, after
 
     def wait(self) -> bool:
         done = self.handle.wait()
-        torch._C._autograd._unsafe_set_version_counter((self.full,), (self.version,))
+        if self.full is not None:
+            torch._C._autograd._unsafe_set_version_counter((self.full,), (self.version,))
+        if self.after is not None:  # the paged shard was read: its pages may leave RAM now
+            after, self.after = self.after, None
+            after()
         return done
 
 
@@ -65,6 +70,7 @@ class ShardInfo:
     def __init__(self, group: Any, world: int, rank: int, unit: str) -> None:
         self.group, self.world, self.rank, self.unit = group, world, rank, unit
         self.runtime: Any = None  # the ShardRuntime (offload/shard/hooks.py), set by shard()
+        self.flat: Any = None  # the FlatParam whose shard this is
 
     def __repr__(self) -> str:
         return f"ShardInfo(unit={self.unit!r}, world={self.world}, rank={self.rank})"
@@ -74,7 +80,7 @@ class FlatParam:
     """The flat buffer, the shard and the views of one unit's params of one dtype."""
 
     def __init__(self, members: List[Tuple[nn.Parameter, List[Tuple[nn.Module, str]]]], *,
-                 info: ShardInfo, holder: nn.Module, attr: str, names: List[str]) -> None:
+                 info: ShardInfo, holder: nn.Module, attr: str, names: List[str], tier: Any = None) -> None:
         self.dtype = members[0][0].dtype
         self.world, self.rank = info.world, info.rank
         self.names = names  # the params' qualified names in the module before shard()
@@ -93,8 +99,23 @@ class FlatParam:
                 self.slots.append((off, n))
                 off += n
             lo = self.rank * self.chunk
-            self.shard = nn.Parameter(self.full[lo:lo + self.chunk].clone())
+            self.tier = tier
+            self.grad_area: Optional[torch.Tensor] = None
+            if tier is None:
+                self.shard = nn.Parameter(self.full[lo:lo + self.chunk].clone())
+            else:  # [Note: the param tier] in tier.py: the chunk and its grad in the swap file
+                area = tier.area(self.chunk, self.dtype)
+                paging.will_write([area])
+                area.copy_(self.full[lo:lo + self.chunk])
+                paging.store([area])
+                paging.evict([area])
+                self.shard = nn.Parameter(area)
+                self.grad_area = tier.area(self.chunk, self.dtype)
+                # p.grad of the shard while its grad is in the swap file ([Note: grads on disk])
+                self.grad_standin = torch.zeros(1, dtype=self.dtype).expand(self.chunk)
+                self._standin_version = self.grad_standin._version
         self.shard._offload_shard = info  # type: ignore[attr-defined]
+        info.flat = self
         holder.register_parameter(attr, self.shard)
         self.leaves: List[torch.Tensor] = []
         for (p, owners), (o, n) in zip(members, self.slots):
@@ -126,28 +147,46 @@ class FlatParam:
         thrown away: a collective every rank must issue that this rank does not need).
         Returns (handle, buffer kept alive until the handle is waited)."""
         src = self.shard.detach()
+        after = None
+        if self.tier is not None:
+            paging.load([src])  # from the swap file (a prefetch may have started it: prefetch_shard)
+            after = lambda: paging.evict([src])  # noqa: E731
         if scratch:
             out = torch.empty(self.padded, dtype=self.dtype, device=src.device)
-            return comm.all_gather_async(out, src, group), out
+            return _Kept(comm.all_gather_async(out, src, group), None, 0, after), out
         self.alloc()
         version = self.full._version
         with torch.no_grad():
-            return _Kept(comm.all_gather_async(self.full, src, group), self.full, version), None
+            return _Kept(comm.all_gather_async(self.full, src, group), self.full, version, after), None
+
+    def prefetch_shard(self) -> None:
+        """A hint (offload_params="nvme"): start reading the shard from disk now."""
+        if self.tier is not None:
+            paging.prefetch([self.shard.detach()])
 
     # ------------------------------------------------------------------ the shard's values
     def shard_values(self) -> torch.Tensor:
         """A new tensor with this rank's chunk (``chunk`` elements, the params' dtype), from
         wherever the shard lives (host memory, or its swap file with offload_params="nvme").
         What checkpoints and ``full_state_dict`` read; never a view of the live shard."""
-        return self.shard.detach().clone()
+        src = self.shard.detach()
+        paging.load([src])
+        try:
+            return src.clone()
+        finally:
+            paging.evict([src])
 
     def set_shard_values(self, values: torch.Tensor) -> None:
         """This rank's chunk <- ``values`` (``chunk`` elements; cast to the params' dtype),
         wherever the shard lives. What checkpoint loading and streamed weights write."""
         if values.numel() != self.chunk:
             raise ValueError(f"{self.chunk} elements expected for the shard of {self.names[:3]}, got {values.numel()}")
+        dst = self.shard.detach()
         with torch.no_grad():
-            self.shard.detach().copy_(values.reshape(-1))
+            paging.will_write([dst])
+            dst.copy_(values.reshape(-1))
+            paging.store([dst])
+            paging.evict([dst])
 
     # ------------------------------------------------------------------ grads
     def has_grads(self) -> bool:
@@ -167,11 +206,53 @@ class FlatParam:
         """The reduced sum of this rank's chunk: averaged over ranks into ``shard.grad``
         (added to it when a grad is there already: accumulation)."""
         avg = summed.mul_(1.0 / self.world).to(self.dtype)  # as DDP and the stage-2 path scale the sum
+        if self.tier is not None and (self.shard.grad is None or self.shard.grad is self.grad_standin):
+            self._add_grad_on_disk(avg)
+            return
         if self.shard.grad is None:
             self.shard.grad = avg
         else:
             self.shard.grad.add_(avg)
 
+
+    # ------------------------------------------------------------------ grads on disk
+    # [Note: grads on disk] With offload_params="nvme" a shard's grad lives in the swap file
+    # (``grad_area``, paged); ``shard.grad`` is then ``grad_standin``: a tensor of the right
+    # shape over one zero element (stride 0), so that torch's rules keep working: zero_grad()
+    # drops it (None: the next grad is written afresh), zero_grad(set_to_none=False) zeroes it
+    # in place (its version moves: the grad on disk is zeroed), and any other in-place use
+    # (clip_grad_norm_'s multiply, GradScaler.unscale_) raises torch's error about a tensor
+    # whose elements share memory. The optimizer reads the real grad through
+    # ``disk_grad(p.grad)`` (offload/optim/shard_store.py); clip with ``max_grad_norm=``.
+    def _add_grad_on_disk(self, avg: torch.Tensor) -> None:
+        g = self.grad_area
+        if self.shard.grad is self.grad_standin and not self._standin_zeroed():
+            paging.load([g])
+            g.add_(avg)
+        else:
+            paging.will_write([g])
+            g.copy_(avg)
+        paging.store([g])
+        paging.evict([g])
+        self.shard.grad = self.grad_standin
+        self._standin_version = self.grad_standin._version
+
+    def _standin_zeroed(self) -> bool:
+        return self.grad_standin._version != self._standin_version
+
+    def disk_grad(self) -> Optional[torch.Tensor]:
+        """The paged grad the optimizer steps with when ``shard.grad`` is the stand-in (zeroed
+        on disk first when zero_grad(set_to_none=False) zeroed the stand-in); else None."""
+        if self.tier is None or self.shard.grad is not self.grad_standin:
+            return None
+        if self._standin_zeroed():
+            g = self.grad_area
+            paging.will_write([g])
+            g.zero_()
+            paging.store([g])
+            paging.evict([g])
+            self._standin_version = self.grad_standin._version
+        return self.grad_area
 
 class Unit:
     """A fetch unit: its module and its flat params (one per dtype)."""
@@ -189,6 +270,10 @@ class Unit:
     def free(self) -> None:
         for flat in self.flats:
             flat.free()
+
+    def prefetch_shards(self) -> None:
+        for flat in self.flats:
+            flat.prefetch_shard()
 
     def live_bytes(self) -> int:
         return sum(flat.nbytes for flat in self.flats if flat.allocated())

@@ -67,6 +67,7 @@ class ShardRuntime:
         self.sync_grads = True  # False: accumulate the full grads locally (no_sync)
         self.ctx: Optional[Any] = None  # an optimizer's StepContext, whose no_sync we follow
         self._handles: List[Any] = []
+        self.tier: Optional[Any] = None  # offload_params="nvme": the ParamTier (tier.py)
 
     def install(self) -> None:
         for u in self.units:

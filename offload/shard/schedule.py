@@ -50,6 +50,7 @@ class GatherSchedule:
         self.rounds = 0
         self.peak_live = 0
         self.phase: Optional[str] = None
+        self.last_order: Dict[str, List[int]] = {}  # each phase's order of first uses, for read hints
 
     # ------------------------------------------------------------------ a phase
     def begin(self, phase: str) -> None:
@@ -70,6 +71,7 @@ class GatherSchedule:
                 h.wait()
             u.live = True
             self._track()
+            self._hint_reads(u.index)
             return
         if u.index not in self.waiting:
             if self.on_plan and u.index in self.plan[self.issued:]:
@@ -84,6 +86,21 @@ class GatherSchedule:
         u.live = True  # after the gathers: a plan entry of a live unit gathers into scratch
         while self.on_plan and self.issued < len(self.plan) and len(self.waiting) < self.prefetch:
             self._issue_next()
+        self._hint_reads(u.index)
+
+    def _hint_reads(self, i: int) -> None:
+        """Params on NVMe: start reading the shards of the ``prefetch`` units whose gathers
+        come next in the last order of this phase (a rank-local hint, no collective), so the
+        disk works while unit ``i`` computes (FlatParam.prefetch_shard)."""
+        order = self.last_order.get(self.phase)
+        if not order or i not in order:
+            return
+        at = order.index(i) + 1
+        if self.on_plan:
+            at = max(at, self.issued)
+        for j in order[at:at + self.prefetch]:
+            if not self.units[j].live:
+                self.units[j].prefetch_shards()
 
     def release(self, u: Any) -> None:
         u.live = False
@@ -93,6 +110,7 @@ class GatherSchedule:
     def end(self, flags: torch.Tensor, extra_hash: int = 0) -> Tuple[torch.Tensor, bool]:
         """Close the phase (rounds until every rank is done): the flags summed over ranks,
         and whether every rank gave the same ``extra_hash``."""
+        self.last_order[self.phase] = list(self.seen)
         if self.world == 1:
             self.plans[self.phase] = None
             self._drop_waiting()

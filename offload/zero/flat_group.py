@@ -14,7 +14,7 @@ import torch
 
 from offload.kernels.fields import ADAM, MASTER, Rule, StateField, fields_bytes
 from offload.kernels.quant import BLOCK, PACKED_BLOCK, zero_code
-from offload.memory import BufferPool
+from offload.memory import BufferPool, paging
 from offload.zero import comm
 from offload.zero.partition import FlatLayout, split_ranges
 
@@ -160,7 +160,9 @@ class FlatGroup:
         start = self.layout.shard_range()[0]
         for pc in self.layout.pieces(start + a, start + b):
             src = self.params[pc.index].detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+            paging.load([src])  # params on NVMe: [Note: paged tensors] in offload/memory/paging.py
             out[pc.lo - start - a:pc.hi - start - a].copy_(src)
+            paging.evict([src])
 
     def refresh_lowp_shard(self) -> None:
         """lowp_shard <- the master (rounded), or the params' values when the master is swapped."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Tuple
 import torch
 
 from offload.kernels.quant import rounding_seed
+from offload.memory import paging
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.zero import split_ranges
 from offload.optim.swapped_shards import WorkItem
@@ -131,6 +132,8 @@ class HostBacking:
         s = slice(item.lo, item.hi)
         t = time.perf_counter()
         rule = fg.rule
+        paging.load([item.grad])  # params on NVMe: [Note: paged tensors] in offload/memory/paging.py
+        (paging.load if fg.master_lowp else paging.will_write)([item.out])
         if fg.layout.align == 1:  # one stored element per value (fp32, bf16): plain slices
             states = {k: getattr(fg, k)[s] for k in rule.names}
         else:  # packed int8 blocks: the bytes of the item's blocks
@@ -147,6 +150,8 @@ class HostBacking:
             self._sink.to_param(item.out, fg.master[s])  # fp32 params: the master itself
         if item.then is not None:
             item.then()
+        paging.store([item.out])
+        paging.evict([item.grad, item.out])
         self._phases["h2d"] += time.perf_counter() - t1
 
     def finish(self, phases: Dict[str, float]) -> None:

@@ -1,0 +1,239 @@
+"""``offload_params="nvme"``: a rank's param shards and their grads in a swap file, paged.
+
+[Note: the param tier] Each shard (and its grad) is an *area*: a tensor over its own private
+anonymous mapping, mirrored at a page-aligned offset of one file per rank
+(``SWAP_DIR/offload-params.<pid>.rank<r>/areas.bin``). Its pages are evicted (``MADV_DONTNEED``)
+except while in use, so RAM holds only what is being gathered, reduced or stepped; who
+touches the bytes says so through ``offload.memory.paging`` ([Note: paged tensors]). This
+module is the pager: per page a state (on disk only, in memory and valid, being read),
+reads and writes of whole pages through the io engines (O_DIRECT where the file system
+allows), async reads for prefetch (``prefetch``; a later ``load`` of the same pages waits for
+them). A page a view shares with its neighbour is read before it is partly overwritten, so
+a write never loses the neighbour's bytes.
+
+The file holds no committed state: the params' truth between steps is the optimizer's
+(the fp32 master in its swap files, from which ``resume`` rewrites the params), and the
+grads are the current step's. The directory is removed on close and at exit.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from offload.io import IORequest, open_engine
+from offload.memory import PAGE, default_accounting, paging
+from offload.memory.region import Region
+from offload.swap import fsutil
+
+__all__ = ["ParamTier"]
+
+log = logging.getLogger("offload.shard")
+
+_ON_DISK, _VALID, _READING = 0, 1, 2
+
+
+class _Area:
+    def __init__(self, region: Region, offset: int, nbytes: int, used: int) -> None:
+        self.region, self.offset, self.nbytes, self.used = region, offset, nbytes, used  # used: the tensor's bytes
+        self.start = region.address
+        self.pages = -(-nbytes // PAGE)
+        self.state = np.zeros(self.pages, dtype=np.int8)
+
+
+class ParamTier:
+    """The pager of one rank's paged shards and grads (see the note)."""
+
+    def __init__(self, swap_dir: str, rank: int, *, io: Any = "auto") -> None:
+        parent = fsutil.check_parent_dir(swap_dir)
+        self.path = os.path.join(parent, f"offload-params.{os.getpid()}.rank{rank}")
+        fsutil.make_private_dir(self.path)
+        self._engine = None
+        self._file = None
+        try:
+            self._engine = open_engine(io, directory=self.path)
+            self._file = self._engine.open(os.path.join(self.path, "areas.bin"), write=True, create=True)
+        except BaseException:
+            self.close()
+            raise
+        self._areas: List[_Area] = []
+        self._size = 0
+        self._lock = threading.RLock()
+        self._inflight: List[Tuple[_Area, int, int, Any]] = []
+        self.bytes_read = self.bytes_written = 0
+        self._owner = f"offload.shard params {self.path}"
+        self._finalizer = weakref.finalize(self, ParamTier._cleanup, self._areas, self._engine, self._file,
+                                           self.path, self._owner, os.getpid())
+
+    # ------------------------------------------------------------------ areas
+    def area(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new paged 1-D tensor of ``numel`` elements (zeros, on disk), with a file range."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        rounded = -(-max(nbytes, 1) // PAGE) * PAGE
+        region = Region(rounded, huge=False, prefault=False)
+        a = _Area(region, self._size, rounded, nbytes)
+        try:
+            self._file.preallocate(self._size + rounded)  # ENOSPC now, not in a step
+        except BaseException:
+            region.close()
+            raise
+        self._size += rounded
+        self._areas.append(a)
+        paging.register(a.start, rounded, self)
+        default_accounting().add("nvme", self._owner, rounded)
+        # state _ON_DISK: the file's fresh blocks read as zeros, as the untouched pages do
+        t = torch.frombuffer(region.view(0, nbytes), dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
+        return t
+
+    def _area_of(self, addr: int) -> _Area:
+        for a in self._areas:
+            if a.start <= addr < a.start + a.nbytes:
+                return a
+        raise ValueError(f"address {addr:#x} is not in a paged area of {self.path}")
+
+    def _pages(self, addr: int, nbytes: int) -> Tuple[_Area, int, int, int, int]:
+        """(area, first page, end page, offset, end offset) of a byte range."""
+        a = self._area_of(addr)
+        off = addr - a.start
+        end = off + nbytes
+        return a, off // PAGE, -(-end // PAGE), off, end
+
+    # ------------------------------------------------------------------ I/O
+    def _runs(self, a: _Area, p0: int, p1: int, want: int) -> List[Tuple[int, int]]:
+        out: List[Tuple[int, int]] = []
+        idx = np.nonzero(a.state[p0:p1] == want)[0]
+        if idx.size == 0:
+            return out
+        idx = idx + p0
+        breaks = np.nonzero(np.diff(idx) != 1)[0]
+        starts = np.concatenate(([idx[0]], idx[breaks + 1]))
+        ends = np.concatenate((idx[breaks], [idx[-1]])) + 1
+        return list(zip(starts.tolist(), ends.tolist()))
+
+    def _request(self, op: str, a: _Area, q0: int, q1: int) -> IORequest:
+        return IORequest(op, self._file, a.offset + q0 * PAGE, a.region.view(q0 * PAGE, (q1 - q0) * PAGE))
+
+    def _wait_reads(self, a: _Area, p0: int, p1: int) -> None:
+        """Wait for the prefetches that touch pages [p0, p1) of ``a``."""
+        keep = []
+        for entry in self._inflight:
+            b, q0, q1, ticket = entry
+            if b is a and q0 < p1 and p0 < q1:
+                self._engine.wait(ticket)
+                b.state[q0:q1] = _VALID
+            else:
+                keep.append(entry)
+        self._inflight = keep
+
+    def _read(self, a: _Area, p0: int, p1: int) -> None:
+        self._wait_reads(a, p0, p1)
+        runs = self._runs(a, p0, p1, _ON_DISK)
+        if not runs:
+            return
+        self._engine.wait(self._engine.submit([self._request("read", a, q0, q1) for q0, q1 in runs]))
+        for q0, q1 in runs:
+            a.state[q0:q1] = _VALID
+            self.bytes_read += (q1 - q0) * PAGE
+
+    # ------------------------------------------------------------------ the pager ([Note: paged tensors])
+    def load(self, ranges: List[Tuple[int, int]]) -> None:
+        with self._lock:
+            for addr, n in ranges:
+                a, p0, p1, _, _ = self._pages(addr, n)
+                self._read(a, p0, p1)
+
+    def prefetch(self, ranges: List[Tuple[int, int]]) -> None:
+        with self._lock:
+            for addr, n in ranges:
+                a, p0, p1, _, _ = self._pages(addr, n)
+                runs = self._runs(a, p0, p1, _ON_DISK)
+                if not runs:
+                    continue
+                ticket = self._engine.submit([self._request("read", a, q0, q1) for q0, q1 in runs])
+                for q0, q1 in runs:
+                    a.state[q0:q1] = _READING
+                    self.bytes_read += (q1 - q0) * PAGE
+                lo, hi = runs[0][0], runs[-1][1]
+                self._inflight.append((a, lo, hi, ticket))
+
+    def will_write(self, ranges: List[Tuple[int, int]]) -> None:
+        with self._lock:
+            for addr, n in ranges:
+                a, p0, p1, off, end = self._pages(addr, n)
+                self._wait_reads(a, p0, p1)
+                if off % PAGE:
+                    self._read(a, p0, p0 + 1)  # the neighbour's bytes on the first page
+                if end % PAGE and end < a.used:
+                    self._read(a, p1 - 1, p1)
+                a.state[p0:p1] = _VALID
+
+    def store(self, ranges: List[Tuple[int, int]]) -> None:
+        with self._lock:
+            reqs = []
+            for addr, n in ranges:
+                a, p0, p1, _, _ = self._pages(addr, n)
+                self._wait_reads(a, p0, p1)
+                if (a.state[p0:p1] != _VALID).any():
+                    raise RuntimeError(f"{self.path}: storing pages that are not in memory (a paged tensor "
+                                       "written without will_write / load first)")
+                reqs.append(self._request("write", a, p0, p1))
+                self.bytes_written += (p1 - p0) * PAGE
+            if reqs:
+                self._engine.wait(self._engine.submit(reqs))
+
+    def evict(self, ranges: List[Tuple[int, int]]) -> None:
+        with self._lock:
+            for addr, n in ranges:
+                a, _, _, off, end = self._pages(addr, n)
+                q0, q1 = -(-off // PAGE), end // PAGE  # whole pages only: the edges may be a neighbour's
+                if end >= a.used:
+                    q1 = a.pages  # the rest of the last page is the area's own padding
+                if q1 <= q0:
+                    continue
+                self._wait_reads(a, q0, q1)
+                a.region._mmap.madvise(mmap.MADV_DONTNEED, a.region.skip + q0 * PAGE, (q1 - q0) * PAGE)
+                a.state[q0:q1] = _ON_DISK
+
+    # ------------------------------------------------------------------ reports
+    def resident_bytes(self) -> int:
+        return sum(int((a.state != _ON_DISK).sum()) * PAGE for a in self._areas)
+
+    @property
+    def disk_bytes(self) -> int:
+        return self._size
+
+    def close(self) -> None:
+        fin = getattr(self, "_finalizer", None)
+        if fin is not None:
+            fin()
+        else:
+            ParamTier._cleanup([], self._engine, self._file, self.path, None, os.getpid())
+
+    @staticmethod
+    def _cleanup(areas: List[_Area], engine: Any, file: Any, path: str, owner: Optional[str], pid: int) -> None:
+        if os.getpid() != pid:
+            return  # a forked child exiting: the directory is its parent's
+        for a in areas:
+            paging.unregister(a.start)
+        if owner is not None:
+            default_accounting().clear_owner(owner)
+        try:
+            if file is not None:
+                file.close()
+            if engine is not None:
+                engine.close()
+        finally:
+            try:
+                for name in os.listdir(path):
+                    os.unlink(os.path.join(path, name))
+                os.rmdir(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not remove %s: %s", path, exc)

@@ -1,0 +1,157 @@
+"""Stage 3 with the params on NVMe (``offload.shard(..., offload_params="nvme")``): the same
+bits as params in RAM, every store, 1 and 2 gloo ranks; the pages leave RAM between uses;
+p.grad's stand-in follows torch's zero_grad rules; bad input.
+
+[Note: paged tensors] in offload/memory/paging.py and [Note: the param tier] in
+offload/shard/tier.py say what is checked here."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import offload
+from offload.memory import paging
+from offload.shard import gathered_params, runtime_of
+import test_shard_train as base
+
+STEPS = 4
+
+
+def _swap_parent():
+    return tempfile.mkdtemp(prefix="shard-nvme-", dir="/var/tmp")
+
+
+def job_tiers(group, *, offload_params, states="none", dtype="float32", accumulate=1, max_grad_norm=None,
+              zero_keep=False, state_dtype="float32", steps=STEPS):
+    """Train the test model; the gathered params, and what the param tier saw."""
+    world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+    parent = _swap_parent()
+    try:
+        m = base._model()
+        if dtype == "bfloat16":
+            m = m.to(torch.bfloat16)
+        swap = parent if offload_params == "nvme" else None
+        model = offload.shard(m, process_group=group, offload_params=offload_params, swap_dir=swap)
+        hp = dict(base.HP, eps=1e-2) if max_grad_norm else base.HP
+        opt = offload.AdamW(model.parameters(), offload=states, swap_dir=parent if states == "nvme" else None,
+                            max_grad_norm=max_grad_norm, state_dtype=state_dtype, **hp)
+        rt = runtime_of(model)
+        resident = []
+        for step in range(steps):
+            for micro in range(accumulate):
+                loss = base._loss(model, step, micro, world, rank, {})
+                loss.float().backward()
+            if rt.tier is not None:
+                resident.append(rt.tier.resident_bytes())
+            opt.step()
+            opt.zero_grad(set_to_none=not zero_keep)
+            if rt.tier is not None:
+                resident.append(rt.tier.resident_bytes())
+        out = {"params": gathered_params(model), "resident": resident,
+               "disk": rt.tier.disk_bytes if rt.tier is not None else 0,
+               "read": rt.tier.bytes_read if rt.tier is not None else 0,
+               "shard_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+        opt.close()
+        if rt.tier is not None:
+            path = rt.tier.path
+            rt.tier.close()
+            out["removed"] = not os.path.exists(path)
+        return out
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _run(pools, world, **kw):
+    if world == 1:
+        return [job_tiers(None, **kw)]
+    return pools(world).run("test_shard_nvme:job_tiers", **kw)
+
+
+pools = base.pools
+
+
+def _same(a, b):
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+CASES = {
+    "fp32_host_states": dict(),
+    "fp32_cpu_states": dict(states="cpu"),
+    "fp32_nvme_states": dict(states="nvme"),
+    "bf16_cpu_states": dict(dtype="bfloat16", states="cpu"),
+    "bf16_nvme_states": dict(dtype="bfloat16", states="nvme"),
+    "bf16_nvme_int8": dict(dtype="bfloat16", states="nvme", state_dtype="int8"),
+    "accumulate_clip": dict(states="nvme", accumulate=2, max_grad_norm=0.5),
+    "zero_grad_in_place": dict(states="cpu", accumulate=2, zero_keep=True),
+}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_params_on_nvme_equal_params_in_ram(pools, world, case):
+    kw = CASES[case]
+    if world == 2 and case not in ("fp32_nvme_states", "bf16_nvme_states", "accumulate_clip"):
+        pytest.skip("the other cases run on one rank (the tier is per rank)")
+    ram = _run(pools, world, offload_params="cpu", **kw)
+    disk = _run(pools, world, offload_params="nvme", **kw)
+    for r, d in zip(ram, disk):
+        _same(d["params"], r["params"])
+        assert d["removed"]
+        assert d["read"] > 0
+        # between steps (after zero_grad) nothing of the shards stays in RAM but partial edge pages
+        assert max(d["resident"][1::2]) <= 4096 * 4 * len(d["params"]), d["resident"]
+
+
+def test_the_contract_holds_with_params_on_nvme():
+    ref = base._reference(STEPS, 1)
+    out = job_tiers(None, offload_params="nvme", states="nvme")
+    base._assert_params(out["params"], ref)
+
+
+def test_grad_standin_follows_torch_rules(tmp_path):
+    model = offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path))
+    rt = runtime_of(model)
+    base._loss(model, 0, 0, 1, 0, {}).backward()
+    shards = [p for p in model.parameters() if hasattr(p, "_offload_shard")]
+    flat = shards[0]._offload_shard.flat
+    assert shards[0].grad is flat.grad_standin and shards[0].grad.shape == shards[0].shape
+    with pytest.raises(RuntimeError, match="single memory location"):
+        torch.nn.utils.clip_grad_norm_(shards, 1.0)  # in place on the stand-in: torch's own error
+    g = flat.disk_grad()
+    paging.load([g])
+    assert g.abs().sum() > 0
+    paging.evict([g])
+    shards[0].grad.zero_()  # zero_grad(set_to_none=False): the grad on disk is zeroed
+    g = flat.disk_grad()
+    paging.load([g])
+    assert g.abs().sum() == 0
+    paging.evict([g])
+    rt.tier.close()
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="swap_dir"):
+        offload.shard(base._model(), offload_params="nvme")
+    with pytest.raises(ValueError, match="swap_dir"):
+        offload.shard(base._model(), offload_params="cpu", swap_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path / "missing"))
+
+
+def test_shard_values_round_trip(tmp_path):
+    model = offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path))
+    rt = runtime_of(model)
+    flat = rt.units[1].flats[0]
+    v = flat.shard_values()
+    assert v.abs().sum() > 0
+    flat.set_shard_values(v * 2)
+    torch.testing.assert_close(flat.shard_values(), v * 2, rtol=0, atol=0)
+    assert rt.tier.resident_bytes() <= 4096 * 2 * sum(len(u.flats) for u in rt.units)
+    rt.tier.close()
