@@ -130,7 +130,7 @@ def test_shard_refuses_bad_arguments():
         offload.shard(torch.zeros(3))
     with pytest.raises(ValueError, match="offload_params must be one of"):
         offload.shard(nn.Linear(2, 2), offload_params="disk")
-    with pytest.raises(NotImplementedError, match="nvme"):
+    with pytest.raises(ValueError, match="needs swap_dir"):
         offload.shard(nn.Linear(2, 2), offload_params="nvme")
     with pytest.raises(ValueError, match="unit="):
         offload.shard(nn.Linear(2, 2), unit=0)

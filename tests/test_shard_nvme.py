@@ -155,3 +155,68 @@ def test_shard_values_round_trip(tmp_path):
     torch.testing.assert_close(flat.shard_values(), v * 2, rtol=0, atol=0)
     assert rt.tier.resident_bytes() <= 4096 * 2 * sum(len(u.flats) for u in rt.units)
     rt.tier.close()
+
+
+# ---------------------------------------------------------------------- kill -9 and resume
+_TRAIN = r"""
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+import offload
+from offload.memory import paging
+from offload.shard import gathered_params
+import test_shard_train as base
+
+params_dir, states_dir, steps, kill_at, out = {params_dir!r}, {states_dir!r}, {steps}, {kill_at}, {out!r}
+torch.manual_seed(0)
+m = base._model().to(torch.{dtype})
+model = offload.shard(m, offload_params="nvme", swap_dir=params_dir)
+opt = offload.AdamW(model.parameters(), offload="nvme", swap_dir=states_dir, resume="auto", **base.HP)
+sd = opt.state_dict()["state"]
+start = int(sd[0]["step"]) if sd else 0
+for step in range(start, steps):
+    base._loss(model, step, 0, 1, 0, {{}}).float().backward()
+    if step == kill_at:  # kill -9 in the middle of the step's param writes
+        real, calls = paging.store, []
+        def store(views):
+            calls.append(1)
+            if len(calls) == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(views)
+        paging.store = store
+        import offload.optim.swapped_shards as ss
+        ss.paging.store = store
+    opt.step()
+    opt.zero_grad()
+torch.save({{"params": gathered_params(model), "start": start}}, out)
+opt.close()
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kill9_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, dtype):
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
+
+    def run(tag, kill_at):
+        pdir, sdir = tmp_path / f"{tag}-params", tmp_path / f"{tag}-states"
+        pdir.mkdir(exist_ok=True)
+        sdir.mkdir(exist_ok=True)
+        out = str(tmp_path / f"{tag}.pt")
+        src = _TRAIN.format(tests=tests, params_dir=str(pdir), states_dir=str(sdir), steps=4, kill_at=kill_at, out=out,
+                            dtype=dtype)
+        return subprocess.run([sys.executable, "-c", src], env=env, capture_output=True, text=True), out, pdir
+
+    whole, out_whole, _ = run("whole", -1)
+    assert whole.returncode == 0, whole.stderr
+    killed, out_res, pdir = run("resumed", 2)
+    assert killed.returncode == -9, killed.stderr
+    again, _, _ = run("resumed", -1)
+    assert again.returncode == 0, again.stderr
+    got, ref = torch.load(out_res), torch.load(out_whole)
+    assert got["start"] == 2  # steps 0-1 were committed, step 2 was not
+    _same(got["params"], ref["params"])
+    # the killed run's param file was left behind; the next run removed it (its pid is gone)
+    assert len(os.listdir(pdir)) == 0

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels import get_backend
+from offload.memory import paging
 from offload.kernels.fields import Rule, StateField, field_names
 from offload.optim.clip import grad_multiplier
 from offload.optim.context import StepContext
@@ -187,7 +188,10 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         if stage is None:
             stage = 2 if world > 1 else 0
         self.stage = stage
-        host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+        # fp32 CPU params are updated in place by the host stores, except params paged in swap
+        # files (offload.shard(offload_params="nvme")): those are not crash-safe by themselves,
+        # so the flat store keeps their fp32 master, from which resume rewrites them.
+        host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 and not paging.paged(p) for p in params)
         if stage == 0 and host_ok and self.config.offload in ("none", "cpu"):
             if self.config.sub_group_size is not None:
                 raise ValueError(

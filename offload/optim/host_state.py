@@ -20,7 +20,6 @@ import torch
 
 from offload.kernels.fields import ADAM, Rule, StateField, field_names
 from offload.kernels.quant import rounding_seed
-from offload.memory import paging
 from offload.optim.context import StepContext
 from offload.optim.functional import rule_step
 from offload.optim.state_codec import from_torch_layout, is_stored_form, stored_nbytes, to_torch_layout
@@ -156,17 +155,8 @@ class HostState:
 
     def _step_part(self, hyper: Any, rule: Rule, items: List[Tuple[torch.Tensor, torch.Tensor, int]],
                    index: Dict[int, int]) -> None:
-        """One rule_step call over ``items``, whose states are all stored as ``rule``'s (one
-        per param when some live in swap files: [Note: paged tensors] in offload/memory/paging.py)."""
-        if paging.active() and len(items) > 1 and any(paging.paged(p) for p, _, _ in items):
-            for it in items:
-                self._step_part(hyper, rule, [it], index)
-            return
+        """One rule_step call over ``items``, whose states are all stored as ``rule``'s."""
         params = [p for p, _, _ in items]
-        paged = paging.active() and paging.paged(params[0])
-        if paged:
-            p0, g0 = params[0].detach().view(-1), items[0][1].reshape(-1)
-            paging.load([p0, g0])
         states = [self._states(p, rule.fields) for p in params]
         extra: Dict[str, Any] = {}
         if rule != hyper.rule:
@@ -174,9 +164,6 @@ class HostState:
                          rounding_seeds=[rounding_seed(s, index[id(p)]) for p, _, s in items])
         rule_step(params, [g for _, g, _ in items], {k: [s[j] for s in states] for j, k in enumerate(rule.names)},
                   [s for _, _, s in items], hyper, backend=self._backend, num_threads=self._num_threads, **extra)
-        if paged:
-            paging.store([p0])
-            paging.evict([p0, g0])
 
     def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
         """``p``'s states in torch's layout: the very tensors when stored as float32, new

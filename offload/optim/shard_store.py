@@ -92,8 +92,9 @@ class Stage3Store:
     def global_grad_sumsq(self, work) -> Tuple[float, bool]:
         from offload.optim.clip import _sumsq
 
-        local = getattr(self._inner, "global_grad_sumsq", None)
-        s, bad = local(work) if local is not None else _sumsq(work, self._backend, self._threads)
+        # this rank's shard grads only (the inner store's own norm may read grads the way it
+        # keeps them, not the paged ones of params on NVMe): one pass each, paged in pieces
+        s, bad = _sumsq(work, self._backend, self._threads)
         acc = torch.tensor([s, float(bad)], dtype=torch.float64, device=comm.comm_device(self.group))
         comm.all_reduce(acc, self.group)
         s, bad = acc.tolist()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -37,6 +38,7 @@ __all__ = ["ParamTier"]
 log = logging.getLogger("offload.shard")
 
 _ON_DISK, _VALID, _READING = 0, 1, 2
+_DIR_RE = re.compile(r"^offload-params\.(\d+)\.rank\d+$")
 
 
 class _Area:
@@ -47,11 +49,37 @@ class _Area:
         self.state = np.zeros(self.pages, dtype=np.int8)
 
 
+def _remove_orphans(parent: str) -> None:
+    """The directories of processes that died without closing (kill -9): nothing in them is
+    ever read again (the params' truth is the optimizer's), so they go."""
+    for name in os.listdir(parent):
+        m = _DIR_RE.match(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or another user's: EPERM below)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        path = os.path.join(parent, name)
+        try:
+            fsutil.check_private_dir(path)
+            for f in os.listdir(path):
+                os.unlink(os.path.join(path, f))
+            os.rmdir(path)
+            log.info("removed %s, left by a process that is gone", path)
+        except OSError as exc:
+            log.warning("could not remove %s: %s", path, exc)
+
+
 class ParamTier:
     """The pager of one rank's paged shards and grads (see the note)."""
 
     def __init__(self, swap_dir: str, rank: int, *, io: Any = "auto") -> None:
         parent = fsutil.check_parent_dir(swap_dir)
+        _remove_orphans(parent)
         self.path = os.path.join(parent, f"offload-params.{os.getpid()}.rank{rank}")
         fsutil.make_private_dir(self.path)
         self._engine = None
