@@ -222,11 +222,20 @@ def test_nvme_params_and_states_io_split():
     assert math.isclose(io_["fwd_bwd_io_s"], fb) and math.isclose(io_["train_step_io_s"], fb + io_s)
 
 
-def test_fp32_cpu_params_on_nvme_keep_two_slots():
+def test_fp32_cpu_params_on_nvme_keep_one_copy_and_a_master_in_the_states():
+    # the param file is not crash-safe: the flat store keeps an fp32 master (the truth) in its
+    # swap files, as the runtime does (offload/shard/tier.py [Note: the param tier])
     plan = estimate(100_000, stage=3, offload="nvme", offload_params="nvme", param_dtype="fp32",
                     param_device="cpu", unit_params=50_000)
     S = plan.sharding["shard_numel"]
-    assert plan.breakdown["nvme"]["params"] == 2 * S * 4 and plan.inputs["swap"]["nstates"] == 2
+    assert plan.breakdown["nvme"]["params"] == S * 4 and plan.inputs["swap"]["nstates"] == 3
+    assert plan.breakdown["nvme"]["grads"] == S * 4
+
+
+def test_a_bf16_master_with_params_on_nvme_is_refused():
+    plan = estimate(100_000, stage=3, offload="nvme", offload_params="nvme", param_dtype="bf16",
+                    param_device="cpu", unit_params=50_000, master_dtype="bfloat16")
+    assert any("not crash-safe" in p for p in plan.problems)
 
 
 def test_without_disk_rates_the_io_is_unknown_not_zero():

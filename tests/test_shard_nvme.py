@@ -115,8 +115,31 @@ def test_the_contract_holds_with_params_on_nvme():
     base._assert_params(out["params"], ref)
 
 
+def test_grads_live_where_the_states_live(tmp_path):
+    model = offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path))
+    opt = offload.AdamW(model.parameters(), offload="cpu")
+    base._loss(model, 0, 0, 1, 0, {}).backward()
+    shard = next(p for p in model.parameters() if hasattr(p, "_offload_shard"))
+    assert shard.grad is not None and shard._offload_shard.flat.grad_area is None  # in RAM: states are
+    opt.close()
+    runtime_of(model).tier.close()
+    model = offload.shard(base._model())  # params in RAM, states on NVMe: the grads go to a swap file
+    opt = offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path))
+    rt = runtime_of(model)
+    base._loss(model, 0, 0, 1, 0, {}).backward()
+    shard = next(p for p in model.parameters() if hasattr(p, "_offload_shard"))
+    assert shard.grad is shard._offload_shard.flat.grad_standin and rt.tier.bytes_written > 0
+    opt.step()
+    opt.close()
+    rt.tier.close()
+    with pytest.raises(ValueError, match="not crash-safe"):
+        model = offload.shard(base._model().to(torch.bfloat16), offload_params="nvme", swap_dir=str(tmp_path))
+        offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), master_dtype="bfloat16")
+
+
 def test_grad_standin_follows_torch_rules(tmp_path):
     model = offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path))
+    opt = offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path))
     rt = runtime_of(model)
     base._loss(model, 0, 0, 1, 0, {}).backward()
     shards = [p for p in model.parameters() if hasattr(p, "_offload_shard")]
@@ -133,6 +156,7 @@ def test_grad_standin_follows_torch_rules(tmp_path):
     paging.load([g])
     assert g.abs().sum() == 0
     paging.evict([g])
+    opt.close()
     rt.tier.close()
 
 
@@ -220,3 +244,25 @@ def test_kill9_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, dtype)
     _same(got["params"], ref["params"])
     # the killed run's param file was left behind; the next run removed it (its pid is gone)
     assert len(os.listdir(pdir)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_planner_counts_the_bytes_on_disk_the_runtime_writes(tmp_path, dtype):
+    from offload.plan import estimate
+
+    m = base._model().to(dtype)
+    blocks = [sum(p.numel() for p in b.parameters()) for b in m.blocks]
+    total = sum(p.numel() for p in set(m.parameters()))
+    model = offload.shard(m, offload_params="nvme", swap_dir=str(tmp_path))
+    opt = offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path))
+    rt = runtime_of(model)
+    plan = estimate(total, stage=3, offload="nvme", offload_params="nvme", param_device="cpu", param_dtype=dtype,
+                    unit_params=[total - sum(blocks)] + blocks)
+    assert plan.breakdown["nvme"]["params"] == rt.tier.logical["params"]
+    assert plan.breakdown["nvme"]["grads"] == rt.tier.logical["grads"]
+    # the states: the flat store's master and moments, as the planner's swap model says
+    report = opt.memory_report()
+    assert plan.inputs["swap"]["nstates"] == 3
+    assert sum(v for k, v in plan.breakdown["nvme"].items() if k not in ("params", "grads")) == report["tiers"]["nvme"]
+    opt.close()
+    rt.tier.close()

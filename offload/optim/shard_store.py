@@ -48,6 +48,12 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
                          "drop stage=")
     if process_group is not None and process_group is not group:
         raise ValueError("process_group= differs from the one the params were sharded over")
+    if getattr(opt, "master_dtype", None) == "bfloat16" and any(
+            getattr(getattr(getattr(p, "_offload_shard", None), "runtime", None), "params_on_disk", False)
+            for p in params):
+        raise ValueError("master_dtype='bfloat16' with offload.shard(offload_params='nvme'): the params would be the "
+                         "only copy of the master, in a file that is not crash-safe; keep the fp32 master "
+                         "(master_dtype=None)")
     opt._in_stage3 = True
     try:
         inner = opt._make_store(0, None)
@@ -57,6 +63,8 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
     for rt in {id(i.runtime): i.runtime for i in (getattr(p, "_offload_shard", None) for p in params)
                if i is not None and getattr(i, "runtime", None) is not None}.values():
         rt.ctx = opt._ctx  # the shard hooks follow opt.no_sync()
+        if opt.config.offload == "nvme":  # the grad shards live where the states do
+            rt.place_grads(opt.config.swap_dir, opt.config.io)
     opt._stage_auto_single = False
     opt._process_group = group
     return Stage3Store(inner, group, opt._ctx, backend=opt.backend, num_threads=opt.num_threads)

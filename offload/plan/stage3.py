@@ -24,8 +24,9 @@ its shard S = sum chunk_i elements. Per rank:
   dtype) on the device;
 - the param shards, S x param bytes: on the compute tier (``offload_params="none"``), in
   host memory (``"cpu"``: pinned with CUDA, the copy engine reads them) or in swap files
-  (``"nvme"``: one copy, re-derived from the fp32 master after a crash; two slots when the
-  shards are their own master: fp32 CPU params, or a bf16 master), read into (1 + prefetch) x chunk_max host buffers;
+  (``"nvme"``: one copy, re-derived from the fp32 master after a crash: the flat store keeps
+  one for fp32 shards too, and a bf16 master is refused), read into (1 + prefetch) x chunk_max
+  host buffers (the pages of the shards being gathered);
 - the grad shards, S x grad bytes, where the states live: host memory (``offload``
   ``"none"``/``"cpu"``; pinned with CUDA: the device writes them) or a swap file
   (``"nvme"``: written as each unit's grads arrive, read back by the step, through two
@@ -59,7 +60,7 @@ import torch
 from offload.kernels.fields import ADAM, MASTER, fields_bytes
 
 from .inputs import nonneg_bytes, parse_count
-from .placement import SWAP_SLOTS, buffer_tiers, swap_model
+from .placement import buffer_tiers, swap_model
 
 __all__ = ["ShardOptions", "check_options", "unit_layout", "live_window", "place_stage3", "release_device_grads",
            "PARAM_OFFLOADS", "DEFAULT_UNITS", "CHUNK_ALIGN"]
@@ -195,8 +196,10 @@ class _Where:
     params_master: bool  # the param shards are the only copy of the master (own_master or a bf16 master)
 
 
-def _where(s: Any) -> _Where:
-    own = s.pdt == torch.float32 and s.on_cpu
+def _where(s: Any, opts: Any = None) -> _Where:
+    # params on NVMe are never their own master: their file is not crash-safe, the flat
+    # store's master (in the states) is the truth ([Note: the param tier] in offload/shard/tier.py)
+    own = s.pdt == torch.float32 and s.on_cpu and getattr(opts, "offload_params", None) != "nvme"
     return _Where(compute="pageable" if s.on_cpu else "device",
                   dma="pinned" if (s.cuda and not s.on_cpu) else "pageable",
                   tier=buffer_tiers(in_place=own, device_params=not s.on_cpu, lowp=s.lowp, ranks=1, cuda=s.cuda),
@@ -236,7 +239,7 @@ def _place_shards(s: Any, opts: ShardOptions, lay: Dict[str, Any], w: _Where, B:
     """The param and grad shards (S elements each)."""
     S, cmax, depth = lay["shard_numel"], lay["chunk_max"], 1 + opts.prefetch
     if opts.offload_params == "nvme":
-        B["nvme"]["params"] = (SWAP_SLOTS if w.params_master else 1) * S * s.pb
+        B["nvme"]["params"] = S * s.pb  # one copy: the master in the states is the truth
         B[w.dma]["io_buffers"] += depth * cmax * s.pb
     else:
         B[w.compute if opts.offload_params == "none" else w.dma]["params"] = S * s.pb
@@ -309,7 +312,10 @@ def place_stage3(s: Any, opts: ShardOptions, B: Any, notes: List[str],
     ``Plan.step``, ``Plan.sharding``). ``s`` is ``estimate``'s checked setup."""
     units, assumed = _units(s.n, opts)
     lay = unit_layout(units, s.world_size)
-    w = _where(s)
+    w = _where(s, opts)
+    if opts.offload_params == "nvme" and getattr(s, "master_lowp", False):
+        problems.append("offload_params='nvme' with master_dtype='bfloat16': the params would be the only copy of "
+                        "the master in a file that is not crash-safe; keep the fp32 master")
     if assumed and s.n:
         notes.append(f"stage 3: no unit size given; assumed {DEFAULT_UNITS} equal units of "
                      f"{lay['unit_numel_max']:,} params (give unit_params / --unit-params, or --model-config "
@@ -320,7 +326,7 @@ def place_stage3(s: Any, opts: ShardOptions, B: Any, notes: List[str],
     step, io = _step3(s, opts, lay["shard_numel"], w, swap)
     info = {"offload_params": opts.offload_params, "release_grads": True, "prefetch": opts.prefetch,
             "max_live_params": _max_live(s, opts), "units_assumed": assumed, "own_master": w.own_master,
-            "nvme_slots": {"params": SWAP_SLOTS if w.params_master else 1, "grads": 1},
+            "nvme_slots": {"params": 1, "grads": 1},
             **{k: v for k, v in lay.items() if k != "gathered"}, **window, "io": io}
     return swap, step, info
 

@@ -108,6 +108,7 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     runtime = ShardRuntime(units, group=process_group, reduce_group=reduce_group, world=world, rank=rank,
                            prefetch=prefetch)
     runtime.tier = tier
+    runtime.params_on_disk = tier is not None
     runtime.install()
     for u in units:
         for flat in u.flats:

@@ -110,10 +110,6 @@ class FlatParam:
                 paging.store([area])
                 paging.evict([area])
                 self.shard = nn.Parameter(area)
-                self.grad_area = tier.area(self.chunk, self.dtype)
-                # p.grad of the shard while its grad is in the swap file ([Note: grads on disk])
-                self.grad_standin = torch.zeros(1, dtype=self.dtype).expand(self.chunk)
-                self._standin_version = self.grad_standin._version
         self.shard._offload_shard = info  # type: ignore[attr-defined]
         info.flat = self
         holder.register_parameter(attr, self.shard)
@@ -206,7 +202,7 @@ class FlatParam:
         """The reduced sum of this rank's chunk: averaged over ranks into ``shard.grad``
         (added to it when a grad is there already: accumulation)."""
         avg = summed.mul_(1.0 / self.world).to(self.dtype)  # as DDP and the stage-2 path scale the sum
-        if self.tier is not None and (self.shard.grad is None or self.shard.grad is self.grad_standin):
+        if self.grad_area is not None and (self.shard.grad is None or self.shard.grad is self.grad_standin):
             self._add_grad_on_disk(avg)
             return
         if self.shard.grad is None:
@@ -216,14 +212,25 @@ class FlatParam:
 
 
     # ------------------------------------------------------------------ grads on disk
-    # [Note: grads on disk] With offload_params="nvme" a shard's grad lives in the swap file
-    # (``grad_area``, paged); ``shard.grad`` is then ``grad_standin``: a tensor of the right
+    # [Note: grads on disk] When the optimizer keeps its states on NVMe (offload="nvme"), the
+    # shard grads live there too: in a swap file (``grad_area``, paged: offload/shard/tier.py,
+    # the params' file when they are on NVMe too); ``shard.grad`` is then ``grad_standin``: a tensor of the right
     # shape over one zero element (stride 0), so that torch's rules keep working: zero_grad()
     # drops it (None: the next grad is written afresh), zero_grad(set_to_none=False) zeroes it
     # in place (its version moves: the grad on disk is zeroed), and any other in-place use
     # (clip_grad_norm_'s multiply, GradScaler.unscale_) raises torch's error about a tensor
     # whose elements share memory. The optimizer reads the real grad through
     # ``disk_grad(p.grad)`` (offload/optim/shard_store.py); clip with ``max_grad_norm=``.
+    def place_grads(self, tier: Any) -> None:
+        """The shard's grads go to ``tier``'s file from now on (the optimizer's states are on
+        NVMe: the grads live where the states do)."""
+        if self.grad_area is not None:
+            return
+        self.grad_area = tier.area(self.chunk, self.dtype, "grads")
+        # p.grad of the shard while its grad is in the swap file
+        self.grad_standin = torch.zeros(1, dtype=self.dtype).expand(self.chunk)
+        self._standin_version = self.grad_standin._version
+
     def _add_grad_on_disk(self, avg: torch.Tensor) -> None:
         g = self.grad_area
         if self.shard.grad is self.grad_standin and not self._standin_zeroed():
@@ -243,7 +250,7 @@ class FlatParam:
     def disk_grad(self) -> Optional[torch.Tensor]:
         """The paged grad the optimizer steps with when ``shard.grad`` is the stand-in (zeroed
         on disk first when zero_grad(set_to_none=False) zeroed the stand-in); else None."""
-        if self.tier is None or self.shard.grad is not self.grad_standin:
+        if self.grad_area is None or self.shard.grad is not self.grad_standin:
             return None
         if self._standin_zeroed():
             g = self.grad_area

@@ -67,7 +67,8 @@ class ShardRuntime:
         self.sync_grads = True  # False: accumulate the full grads locally (no_sync)
         self.ctx: Optional[Any] = None  # an optimizer's StepContext, whose no_sync we follow
         self._handles: List[Any] = []
-        self.tier: Optional[Any] = None  # offload_params="nvme": the ParamTier (tier.py)
+        self.tier: Optional[Any] = None  # the ParamTier (tier.py): params on NVMe, or grads with states there
+        self.params_on_disk = False
 
     def install(self) -> None:
         for u in self.units:
@@ -169,6 +170,17 @@ class ShardRuntime:
                 self.reducer.finish(anywhere, agreed)
         finally:
             self.in_backward = False
+
+    def place_grads(self, swap_dir: str, io: Any = "auto") -> None:
+        """Grad shards into a swap file (the optimizer's states are on NVMe): the params' file
+        when they are on NVMe, else a new one under ``swap_dir`` ([Note: grads on disk])."""
+        if self.tier is None:
+            from offload.shard.tier import ParamTier
+
+            self.tier = ParamTier(swap_dir, self.rank, io=io)
+        for u in self.units:
+            for flat in u.flats:
+                flat.place_grads(self.tier)
 
     # ------------------------------------------------------------------ reports
     def live_bytes(self) -> int:

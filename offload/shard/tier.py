@@ -91,6 +91,7 @@ class ParamTier:
             self.close()
             raise
         self._areas: List[_Area] = []
+        self.logical: Dict[str, int] = {}  # "params" / "grads" -> bytes of the tensors (the file pads to pages)
         self._size = 0
         self._lock = threading.RLock()
         self._inflight: List[Tuple[_Area, int, int, Any]] = []
@@ -100,8 +101,9 @@ class ParamTier:
                                            self.path, self._owner, os.getpid())
 
     # ------------------------------------------------------------------ areas
-    def area(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new paged 1-D tensor of ``numel`` elements (zeros, on disk), with a file range."""
+    def area(self, numel: int, dtype: torch.dtype, kind: str = "params") -> torch.Tensor:
+        """A new paged 1-D tensor of ``numel`` elements (zeros, on disk), with a file range;
+        ``kind`` ("params" or "grads") for the report."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         rounded = -(-max(nbytes, 1) // PAGE) * PAGE
         region = Region(rounded, huge=False, prefault=False)
@@ -112,6 +114,7 @@ class ParamTier:
             region.close()
             raise
         self._size += rounded
+        self.logical[kind] = self.logical.get(kind, 0) + nbytes
         self._areas.append(a)
         paging.register(a.start, rounded, self)
         default_accounting().add("nvme", self._owner, rounded)
