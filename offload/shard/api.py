@@ -114,7 +114,7 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
                     for dt, idx, nm in plans[i]]
 
     if meta:
-        materialize(module, unit_modules, members, build, init_fn)
+        materialize(module, unit_modules, members, build, init_fn, loading=weights is not None)
     else:
         for i in range(len(unit_modules)):
             build(i)

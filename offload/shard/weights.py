@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from offload.shard.materialize import trim_heap
+
 __all__ = ["record_keys", "attach", "load_weights", "key_sources", "whole_tensor"]
 
 _KEYS = "_offload_shard_keys"
@@ -189,4 +191,5 @@ def load_weights(model: nn.Module, path: Any, *, strict: bool = True):
                 _load_flat(flat, source, reader)
         finally:
             reader.close()
+        trim_heap()  # the unit's reads (materialize.trim_heap says why)
     return _IncompatibleKeys(missing, unexpected)
