@@ -110,7 +110,8 @@ def _check_keys(model: nn.Module, keys: list, slots: dict, reader: _Reader, stri
     """torch's load_state_dict checks, before anything is written: missing and unexpected
     keys (errors when ``strict``), size mismatches (errors always). Returns (missing,
     unexpected, first name -> the file key to read it from)."""
-    have = set(reader.keys())
+    order = reader.keys()
+    have = set(order)
     aliases: Dict[str, List[str]] = {}
     for k, src in keys:
         if src is not None:
@@ -137,7 +138,8 @@ def _check_keys(model: nn.Module, keys: list, slots: dict, reader: _Reader, stri
         if tuple(got) != tuple(want):
             errors.append(f"size mismatch for {k}: copying a param with shape {got} from checkpoint, "
                           f"the shape in current model is {torch.Size(want)}.")
-    unexpected = sorted(have - {k for k, _ in keys})
+    known = {k for k, _ in keys}
+    unexpected = [k for k in order if k not in known]
     if strict:
         if unexpected:
             errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
