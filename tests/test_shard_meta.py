@@ -186,6 +186,9 @@ def test_errors():
     with pytest.raises(ValueError, match=r"have no reset_parameters\(\) to initialise them: 1 \(NoInit: w\)"):
         offload.shard(m)
     assert m[0].weight.is_meta  # checked before anything was allocated or sharded
+    with pytest.raises(FileNotFoundError, match="no checkpoint at weights="):
+        offload.shard(m, weights="/nonexistent/ckpt.safetensors")
+    assert m[0].weight.is_meta
     with pytest.raises(ValueError, match="this model has none"):
         offload.shard(nn.Linear(2, 2), init_fn=gpt_init)
     with pytest.raises(TypeError, match="init_fn must be callable"):

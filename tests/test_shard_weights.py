@@ -206,6 +206,11 @@ def _rank_job(rank, port, world, files, out_path, out):
             res[fmt] = _np(full_state_dict(m, rank0_only=False))
         res["read"] = read[0] // len(files)
         res["chunks"] = sum(f.chunk for u in runtime_of(m).units for f in u.flats)
+        try:  # rank 0 cannot write there: it raises after the gathers, the others do not wait forever
+            full_state_dict(m, "/nonexistent-dir/x.safetensors")
+            res["error"] = None
+        except FileNotFoundError:
+            res["error"] = "FileNotFoundError"
         full_state_dict(m, out_path)  # rank 0 writes it
         out.put((rank, True, res))
     except BaseException:
@@ -226,6 +231,7 @@ def test_ranks_load_their_slices_and_save(tmp_path, world):
         _equal(got[r]["torch"], sd)
         _equal(got[r]["safetensors"], sd)
         assert got[r]["read"] <= got[r]["chunks"]  # its own slices only
+        assert got[r]["error"] == ("FileNotFoundError" if r == 0 else None)
     assert sum(got[r]["read"] for r in range(world)) == sharded  # every element once, by one rank
     with safe_open(out_path, "pt") as f:
         _equal({k: f.get_tensor(k) for k in sd}, sd)

@@ -94,6 +94,8 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
         check_inits(module, init_fn, weights)
     if weights is not None:
         weights = os.fspath(weights)
+        if not os.path.isfile(weights):  # before the work, not after it
+            raise FileNotFoundError(f"offload.shard: no checkpoint at weights={weights!r}")
     world, rank = comm.world_and_rank(process_group)
     reduce_group = _reduce_group(process_group, world)
     unit_modules = choose_units(module, unit)

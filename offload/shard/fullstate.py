@@ -86,36 +86,60 @@ def _write(f: Any, t: torch.Tensor) -> None:
         f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
+class _Sink:
+    """Where the gathered tensors go: a dict, or the file rank 0 streams. A write that fails
+    (a full disk) is kept and raised after the last gather, so that the other ranks are never
+    left waiting in a collective this rank stopped issuing."""
+
+    def __init__(self, path: Optional[str], head: bytes) -> None:
+        self.out: Optional[Dict[str, torch.Tensor]] = None if path else {}
+        self.f, self.error = None, None
+        if path:
+            self._try(lambda: setattr(self, "f", open(path, "wb")))
+            self._try(lambda: self.f.write(head))
+
+    def _try(self, fn) -> None:
+        if self.error is not None:
+            return
+        try:
+            fn()
+        except OSError as e:
+            self.error = e
+
+    def put(self, keys: List[str], t: torch.Tensor) -> None:
+        if self.out is not None:
+            t = t.clone()  # one tensor under every name of a tied param, as torch's state_dict
+            for k in keys:
+                self.out[k] = t
+        else:
+            for _ in keys:
+                self._try(lambda: _write(self.f, t))
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+        if self.error is not None:
+            raise self.error
+
+
 def _stream(model: nn.Module, path: Optional[str]) -> Optional[Dict[str, torch.Tensor]]:
-    """Gather unit by unit; rank 0 writes the safetensors file at ``path`` (None: collect a dict)."""
+    """Gather unit by unit into a ``_Sink``: the safetensors file at ``path``, or a dict (None)."""
     runtime, keys, slots = key_sources(model)
-    order = _order(keys, slots, runtime, model)
     by_src: Dict[str, List[str]] = {}
     for k, src in keys:
         if src is not None:
             by_src.setdefault(src, []).append(k)
-    out: Optional[Dict[str, torch.Tensor]] = None if path else {}
-    f = None
-    if path:
-        head, _ = _header(order)
-        f = open(path, "wb")
-        f.write(head)
+    sink = _Sink(path, _header(_order(keys, slots, runtime, model))[0] if path else b"")
     try:
         for flat, full in _gathered(runtime):
             for name, shape, (o, n) in zip(flat.names, flat.shapes, flat.slots):
-                t = full[o:o + n].view(shape)
-                if out is not None:
-                    t = t.clone()  # one tensor under every name of a tied param, as torch's state_dict
-                for k in by_src.get(name, []):
-                    _write(f, t) if f is not None else out.__setitem__(k, t)
+                sink.put(by_src.get(name, []), full[o:o + n].view(shape))
         for k, src in keys:
             if src is None:
-                t = whole_tensor(model, k).detach()
-                _write(f, t) if f is not None else out.__setitem__(k, t.clone())
+                sink.put([k], whole_tensor(model, k).detach())
     finally:
-        if f is not None:
-            f.close()
-    return None if out is None else {k: out[k] for k, _ in keys}
+        sink.close()
+    return None if sink.out is None else {k: sink.out[k] for k, _ in keys}
 
 
 def _torch_from(st_path: str, path: str, order: list) -> None:
