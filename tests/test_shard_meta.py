@@ -296,3 +296,31 @@ def test_meta_build_and_streamed_load_peak_rss(tmp_path):
         assert ok, "the loaded shard differs from the file"
         assert abs(shard - whole / 2) < 0.01 * whole
         assert peak - shard < 4 * unit + (64 << 20), (peak >> 20, shard >> 20, unit >> 20)
+
+
+def test_transformers_gpt2_on_meta(tmp_path):
+    """HF GPT-2 (tied head) built on meta: with its own ``_init_weights`` as init_fn, and with
+    ``weights=`` a checkpoint of a normal build, whose state dict and loss it then equals."""
+    from test_shard_models import GPT2, _gpt2, _takes_attn
+    transformers = pytest.importorskip("transformers")
+    kw = {"attn_implementation": "eager"} if _takes_attn() else {}  # as _gpt2 builds it
+    ref = _gpt2()
+    sd = ref.state_dict()
+    torch.save(sd, tmp_path / "gpt2.pt")
+    ids = torch.randint(0, 256, (2, 16))
+    for how in ("init_fn", "weights"):
+        with torch.device("meta"):
+            m = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2), **kw)
+        torch.manual_seed(0)
+        if how == "init_fn":
+            offload.shard(m, init_fn=m._init_weights)
+        else:
+            offload.shard(m, weights=tmp_path / "gpt2.pt")
+            _equal(full_state_dict(m), sd)
+        assert not any(t.is_meta for t in list(m.parameters()) + list(m.buffers()))
+        with torch.no_grad():
+            loss, want = m(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+        if how == "weights":
+            torch.testing.assert_close(loss, want, rtol=0, atol=0)
+        else:
+            assert abs(loss.item() - want.item()) < 0.2  # another draw of the same init: about log(256)
