@@ -93,6 +93,9 @@ def test_full_state_dict_round_trip(tmp_path, fmt):
     assert full_state_dict(m, path, fmt=fmt) is None
     assert not [f for f in os.listdir(tmp_path) if "partial" in f]
     loaded = torch.load(path, mmap=True, weights_only=True) if fmt == "torch" else {}
+    if fmt == "torch":
+        assert list(loaded) == list(sd)  # state_dict()'s order, the tied param one tensor
+        assert loaded["units.0.p2"].data_ptr() == loaded["units.1.tied"].data_ptr()
     if fmt == "safetensors":
         with safe_open(str(path), "pt") as f:
             loaded = {k: f.get_tensor(k) for k in f.keys()}

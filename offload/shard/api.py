@@ -85,7 +85,8 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     materialized unit by unit, never whole (materialize.py [Note: meta materialization]):
     each module by ``init_fn(module)`` when given, else its ``reset_parameters()``; seed every
     rank the same. ``weights``: a torch or safetensors checkpoint path loaded right after,
-    unit by unit (``load_weights``)."""
+    unit by unit, each rank its own slices (``load_weights``, strict); with it, only the
+    non-persistent buffers of a meta model are initialised (the checkpoint has the rest)."""
     _check(module, offload_params, prefetch)
     meta = has_meta(module)
     if init_fn is not None and not meta:

@@ -142,19 +142,27 @@ def _stream(model: nn.Module, path: Optional[str]) -> Optional[Dict[str, torch.T
     return None if sink.out is None else {k: sink.out[k] for k, _ in keys}
 
 
-def _torch_from(st_path: str, path: str, order: list) -> None:
-    """``torch.save`` of tensors mapped from the streamed safetensors file (see the note)."""
+def _torch_from(st_path: str, path: str, order: list, keys: list) -> None:
+    """``torch.save`` of tensors mapped from the streamed safetensors file (see the note), in
+    ``state_dict()``'s key order, a tied param one tensor under its names (as torch saves it)."""
     with open(st_path, "rb") as f:
         start = 8 + struct.unpack("<Q", f.read(8))[0]
-    head, spans = _header(order)
-    sd = {}
-    for k, dt, shape in order:
-        a, b = spans[k]
+    _, spans = _header(order)
+    meta = {k: (dt, shape) for k, dt, shape in order}
+    sd: Dict[str, torch.Tensor] = {}
+    first: Dict[str, torch.Tensor] = {}
+    for k, src in keys:
+        if src is not None and src in first:
+            sd[k] = first[src]
+            continue
+        (a, b), (dt, shape) = spans[k], meta[k]
         if b == a:
             sd[k] = torch.empty(shape, dtype=dt)
-            continue
-        arr = np.memmap(st_path, dtype=np.uint8, mode="c", offset=start + a, shape=(b - a,))
-        sd[k] = torch.from_numpy(arr).view(dt).view(shape)
+        else:
+            arr = np.memmap(st_path, dtype=np.uint8, mode="c", offset=start + a, shape=(b - a,))
+            sd[k] = torch.from_numpy(arr).view(dt).view(shape)
+        if src is not None:
+            first[src] = sd[k]
     torch.save(sd, path)
 
 
@@ -186,7 +194,7 @@ def full_state_dict(model: nn.Module, path: Any = None, *, rank0_only: bool = Tr
     try:
         _stream(model, tmp)
         if fmt == "torch":
-            _torch_from(tmp, path, _order(keys, slots, runtime, model))
+            _torch_from(tmp, path, _order(keys, slots, runtime, model), keys)
         else:
             os.replace(tmp, path)
     finally:

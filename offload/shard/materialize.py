@@ -12,6 +12,10 @@ root unit (the leftover params, and params tied across units) is built last. Sam
 every rank => same values: the ranks must seed identically before ``shard()`` (or load
 weights). The values equal a model built normally when its init runs in the same order (e.g.
 ``nn.Linear``s built in registration order, or ``model.apply(init_fn)`` after the same seed).
+With ``shard(weights=)`` the checkpoint fills the params and persistent buffers (a strict
+load), so only the modules holding meta non-persistent buffers (rotary caches, causal masks:
+no checkpoint has them) are initialised; the rest stay zeros until loaded. After each unit the
+freed heap is given back to the system (``trim_heap``).
 
 An init that writes into a unit already sharded (an ancestor's ``reset_parameters`` looping
 over its descendants, as TinyGPT's does) would write into freed memory: while the walk runs,
