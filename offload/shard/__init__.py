@@ -2,7 +2,18 @@
 gathers each fetch unit just in time for its forward and backward, and reduce-scatters its
 grads as soon as its backward is done (api.py; the layout in flat_unit.py, the units'
 policy in units.py, the collectives' order in schedule.py and grads.py, the hooks in
-hooks.py). Offload optimizers step the shards as stage 3 (offload/optim/shard_store.py)."""
+hooks.py). Offload optimizers step the shards as stage 3 (offload/optim/shard_store.py).
+A meta-device model is materialized unit by unit (materialize.py); weights load streamed,
+each rank its own slices (weights.py); ``full_state_dict`` gathers and streams them back
+(fullstate.py)."""
 from offload.shard.api import OFFLOAD_PARAMS, gathered_params, runtime_of, shard
+from offload.shard.fullstate import full_state_dict
+from offload.shard.weights import load_weights
 
-__all__ = ["shard", "runtime_of", "gathered_params", "OFFLOAD_PARAMS"]
+# ``offload.shard`` is the function (offload/__init__.py imports it over this package's name),
+# so the helpers the docs call ``offload.shard.<name>`` hang on it too.
+for _f in (gathered_params, runtime_of, load_weights, full_state_dict):
+    setattr(shard, _f.__name__, _f)
+del _f
+
+__all__ = ["shard", "runtime_of", "gathered_params", "load_weights", "full_state_dict", "OFFLOAD_PARAMS"]

@@ -8,11 +8,12 @@ unit layout]). ``module.parameters()`` then yields the shards (and the frozen pa
 which any offload optimizer steps as stage 3: each rank its own shard, grads already
 averaged (offload/optim/shard_store.py). ``module.state_dict()`` holds this rank's shards
 under those names (``blocks.0._shard_float32``): a per-rank checkpoint of the params, not
-the full model's (``full_state_dict`` is future work).
+the full model's: ``offload.shard.full_state_dict`` (fullstate.py) gathers that.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,10 @@ import torch.nn as nn
 from offload.memory import paging
 from offload.shard.flat_unit import FlatParam, ShardInfo, Unit
 from offload.shard.hooks import ShardRuntime
+from offload.shard.materialize import check_inits, has_meta, materialize
 from offload.shard.tier import ParamTier
 from offload.shard.units import UnitPolicy, assign_params, choose_units
+from offload.shard.weights import attach, load_weights, record_keys
 from offload.zero import comm
 
 __all__ = ["shard", "runtime_of", "gathered_params", "OFFLOAD_PARAMS"]
@@ -50,7 +53,7 @@ def _check(module: Any, offload_params: Any, prefetch: Any, swap_dir: Any = None
     if runtime_of(module) is not None or any(hasattr(p, "_offload_shard") for p in module.parameters()):
         raise ValueError("this module is already sharded by offload.shard()")
     for name, p in module.named_parameters():
-        if p.device.type != "cpu":
+        if p.device.type not in ("cpu", "meta"):
             raise NotImplementedError(f"offload.shard: param {name!r} is on {p.device}; only CPU params are "
                                       "supported yet (the CUDA path is future work)")
         if not p.is_floating_point():
@@ -66,8 +69,8 @@ def _reduce_group(group: Any, world: int) -> Any:
 
 
 def shard(module: nn.Module, *, process_group: Any = None, offload_params: str = "none",
-          unit: UnitPolicy = None, prefetch: int = 1, swap_dir: Optional[str] = None,
-          io: Any = "auto") -> nn.Module:
+          unit: UnitPolicy = None, prefetch: int = 1, swap_dir: Optional[str] = None, io: Any = "auto",
+          init_fn: Optional[Callable[[nn.Module], Any]] = None, weights: Any = None) -> nn.Module:
     """Shard ``module``'s trainable params over the ranks of ``process_group`` (ZeRO stage 3),
     in place; returns ``module``.
 
@@ -76,35 +79,56 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     rest, and params tied across units, form the root unit, gathered for the whole forward
     and backward. ``prefetch``: how many units' gathers run ahead of the one in use, once
     the order is known (schedule.py). ``offload_params``: "none" and "cpu" (the same on a
-    CPU model: the shards live in host memory); "nvme": each rank's shards and their grads
-    live in a file under ``swap_dir`` and come into RAM only while gathered, reduced or
-    stepped ([Note: the param tier] in tier.py; ``io``: the io engine, as the optimizers').
-    Every rank
-    must build the same model (same init) before calling this. A collective when
+    CPU model: the shards live in host memory); "nvme": each rank's shards live in a file
+    under ``swap_dir`` and come into RAM only while gathered or stepped ([Note: the param
+    tier] in tier.py; ``io``: the io engine, as the optimizers'); the grad shards live where
+    the optimizer keeps its states (a swap file with ``offload="nvme"``). Every rank must build the same model (same init) before calling this. A collective when
     ``torch.distributed`` is initialised: it makes a process group for the grads'
     reduce-scatters (``dist.new_group``, which every process of the default group must
-    call, also those outside ``process_group``)."""
+    call, also those outside ``process_group``).
+
+    A model built under ``torch.device("meta")`` (all or some of its params and buffers) is
+    materialized unit by unit, never whole (materialize.py [Note: meta materialization]):
+    each module by ``init_fn(module)`` when given, else its ``reset_parameters()``; seed every
+    rank the same. ``weights``: a torch or safetensors checkpoint path loaded right after,
+    unit by unit, each rank its own slices (``load_weights``, strict); with it, only the
+    non-persistent buffers of a meta model are initialised (the checkpoint has the rest)."""
     _check(module, offload_params, prefetch, swap_dir)
+    meta = has_meta(module)
+    if init_fn is not None and not meta:
+        raise ValueError("init_fn= initialises tensors on the meta device, and this model has none")
+    if meta:
+        check_inits(module, init_fn, weights)
+    if weights is not None:
+        weights = os.fspath(weights)
+        if not os.path.isfile(weights):  # before the work, not after it
+            raise FileNotFoundError(f"offload.shard: no checkpoint at weights={weights!r}")
     world, rank = comm.world_and_rank(process_group)
     tier = ParamTier(swap_dir, rank, io=io) if offload_params == "nvme" else None
     reduce_group = _reduce_group(process_group, world)
     unit_modules = choose_units(module, unit)
     members, _frozen = assign_params(module, unit_modules)
+    kept = [i for i, (m, ps) in enumerate(zip(unit_modules, members)) if m is module or ps]
+    unit_modules, members = [unit_modules[i] for i in kept], [members[i] for i in kept]
+    keys = record_keys(module, members)
     names: Dict[int, str] = {id(m): n for n, m in module.named_modules()}
     qual: Dict[int, str] = {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
-    units: List[Unit] = []
-    for m, ps in zip(unit_modules, members):
-        if m is not module and not ps:
-            continue
-        name = names.get(id(m), "")
-        by_dtype: Dict[torch.dtype, list] = {}
-        for p, owners in ps:
-            by_dtype.setdefault(p.dtype, []).append((p, owners))
-        flats = [FlatParam(ms, info=ShardInfo(process_group, world, rank, name), holder=m,
-                           attr=f"_shard_{str(dt).replace('torch.', '')}",
-                           names=[qual[id(p)] for p, _ in ms], tier=tier)
-                 for dt, ms in by_dtype.items()]
-        units.append(Unit(len(units), m, name, flats))
+    plans = [_dtype_groups(ms, qual) for ms in members]  # names by position: materializing changes ids
+    flats: Dict[int, List[FlatParam]] = {}
+
+    def build(i: int) -> None:
+        m, ms = unit_modules[i], members[i]
+        flats[i] = [FlatParam([ms[j] for j in idx], info=ShardInfo(process_group, world, rank, names.get(id(m), "")),
+                              holder=m, attr=f"_shard_{str(dt).replace('torch.', '')}", names=nm, tier=tier)
+                    for dt, idx, nm in plans[i]]
+
+    if meta:
+        materialize(module, unit_modules, members, build, init_fn, loading=weights is not None)
+    else:
+        for i in range(len(unit_modules)):
+            build(i)
+    del members
+    units = [Unit(i, m, names.get(id(m), ""), flats[i]) for i, m in enumerate(unit_modules)]
     runtime = ShardRuntime(units, group=process_group, reduce_group=reduce_group, world=world, rank=rank,
                            prefetch=prefetch)
     runtime.tier = tier
@@ -114,7 +138,18 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
         for flat in u.flats:
             flat.shard._offload_shard.runtime = runtime
     module.__dict__[_RUNTIME] = runtime
+    attach(module, runtime, keys)
+    if weights is not None:
+        load_weights(module, weights)
     return module
+
+
+def _dtype_groups(ms: list, qual: Dict[int, str]) -> List[Tuple[torch.dtype, List[int], List[str]]]:
+    """A unit's members split by dtype: (dtype, their positions in ``ms``, their names)."""
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for j, (p, _owners) in enumerate(ms):
+        by_dtype.setdefault(p.dtype, []).append(j)
+    return [(dt, idx, [qual[id(ms[j][0])] for j in idx]) for dt, idx in by_dtype.items()]
 
 
 @torch.no_grad()
