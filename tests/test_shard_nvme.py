@@ -266,3 +266,17 @@ def test_the_planner_counts_the_bytes_on_disk_the_runtime_writes(tmp_path, dtype
     assert sum(v for k, v in plan.breakdown["nvme"].items() if k not in ("params", "grads")) == report["tiers"]["nvme"]
     opt.close()
     rt.tier.close()
+
+
+def test_module_state_dict_reads_and_writes_the_shards_on_disk(tmp_path):
+    model = offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path))
+    ref = offload.shard(base._model())
+    sd, want = model.state_dict(), ref.state_dict()
+    assert set(sd) == set(want)
+    for k in want:
+        assert torch.equal(sd[k], want[k]), k
+    doubled = {k: v * 2 for k, v in sd.items()}
+    model.load_state_dict(doubled)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, doubled[k]), k
+    runtime_of(model).tier.close()

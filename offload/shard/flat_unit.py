@@ -113,6 +113,10 @@ class FlatParam:
         self.shard._offload_shard = info  # type: ignore[attr-defined]
         info.flat = self
         holder.register_parameter(attr, self.shard)
+        if tier is not None:  # module.state_dict() / load_state_dict() see the values on disk
+            holder._register_state_dict_hook(self._state_dict_hook)
+            holder._register_load_state_dict_pre_hook(self._load_hook)
+        self._attr = attr
         self.leaves: List[torch.Tensor] = []
         for (p, owners), (o, n) in zip(members, self.slots):
             leaf = self.full[o:o + n].view(p.shape).detach().requires_grad_(True)
@@ -171,6 +175,16 @@ class FlatParam:
             return src.clone()
         finally:
             paging.evict([src])
+
+    def _state_dict_hook(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        key = prefix + self._attr
+        if key in state_dict:
+            state_dict[key] = self.shard_values()
+
+    def _load_hook(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        value = state_dict.get(prefix + self._attr)
+        if isinstance(value, torch.Tensor) and value.numel() == self.chunk:
+            self.set_shard_values(value)  # torch's own copy into the param follows: the same values
 
     def set_shard_values(self, values: torch.Tensor) -> None:
         """This rank's chunk <- ``values`` (``chunk`` elements; cast to the params' dtype),
