@@ -28,7 +28,6 @@ __all__ = ["GradReducer"]
 
 
 class GradReducer:
-    IN_FLIGHT = 2  # reductions left running while backward goes on; older ones are waited for
     def __init__(self, units: List[Any], group: Any, world: int) -> None:
         self.units, self.group, self.world = units, group, world
         self.plan: Optional[List[int]] = None
@@ -87,9 +86,3 @@ class GradReducer:
             # once the reduction is done.
             h = comm.reduce_scatter_async(out, full, self.group)
             self.pending.append((h, flat, out))
-        # Hand the finished reductions to their shards now, not at the end of the backward:
-        # each output is a float32 chunk, and holding every unit's would grow with the model.
-        while len(self.pending) > self.IN_FLIGHT:
-            h, flat, out = self.pending.pop(0)
-            h.wait()
-            flat.add_shard_grad(out)
