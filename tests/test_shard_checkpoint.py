@@ -44,9 +44,9 @@ def _world():
     return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
 
 
-def _build(offload_states="none", state_dtype="float32", cls="AdamW", cfg=None):
+def _build(offload_states="none", state_dtype="float32", cls="AdamW", cfg=None, dtype=None):
     model = base._model() if cfg is None else base.Net(cfg)
-    model = offload.shard(model)
+    model = offload.shard(model if dtype is None else model.to(getattr(torch, dtype)))
     swap = tempfile.mkdtemp(prefix="shard-ckpt-", dir="/var/tmp") if offload_states == "nvme" else None
     kw = dict(HP) if cls == "AdamW" else dict(lr=HP["lr"])
     opt = getattr(offload, cls)(model.parameters(), offload=offload_states, swap_dir=swap, state_dtype=state_dtype, **kw)
@@ -218,6 +218,16 @@ def test_saved_on_n_ranks_trains_on_m_ranks_as_torch(run, tmp_path, n, m, save_s
     _assert_close(got, _reference([n] * 3 + [m] * 3))
     if n == m:  # the same arithmetic as the run that never stopped
         _assert_equal(got, _assemble(run(m, "job_full", offload_states=load_states)))
+
+
+def test_bf16_params_and_their_masters_reshard(run, tmp_path):
+    d = str(tmp_path / "ckpt")
+    saved = run(2, "job_save", directory=d, dtype="bfloat16")
+    assert {"master", "exp_avg", "exp_avg_sq"} <= set(saved[0][1]) and saved[0][1]["param"].dtype == torch.bfloat16
+    outs = run(3, "job_resume", directory=d, dtype="bfloat16", start=3, stop=4)
+    _assert_equal(_assemble([o["loaded"] for o in outs]), _assemble(saved))
+    trained = _assemble([o["trained"] for o in outs])
+    assert all(v["step"] == 4.0 for v in trained.values())
 
 
 def _requantized(chunks):
