@@ -49,7 +49,8 @@ def _build(offload_states="none", state_dtype="float32", cls="AdamW", cfg=None, 
     model = offload.shard(model if dtype is None else model.to(getattr(torch, dtype)))
     swap = tempfile.mkdtemp(prefix="shard-ckpt-", dir="/var/tmp") if offload_states == "nvme" else None
     kw = dict(HP) if cls == "AdamW" else dict(lr=HP["lr"])
-    opt = getattr(offload, cls)(model.parameters(), offload=offload_states, swap_dir=swap, state_dtype=state_dtype, **kw)
+    opt = getattr(offload, cls)(model.parameters(), offload=offload_states, swap_dir=swap, state_dtype=state_dtype,
+                                **kw)
     return model, opt, swap
 
 
@@ -354,6 +355,19 @@ def test_params_only(tmp_path):
     got = _chunks(model, opt)
     assert all(torch.equal(a["param"], b["param"]) for a, b in zip(got, want)) and got[0]["step"] is None
     _close(opt, swap)
+
+
+def test_the_saved_hyperparameters_come_back(tmp_path):
+    d = str(tmp_path / "ckpt")
+    job_save(d, steps=1)
+    model, opt = offload.shard(base._model()), None
+    opt = offload.AdamW(model.parameters(), lr=1.0, betas=(0.5, 0.5), weight_decay=0.0)
+    opt.param_groups[0]["mine"] = object()  # a key the checkpoint cannot hold keeps its value
+    keep = opt.param_groups[0]["mine"]
+    load_checkpoint(model, opt, d)
+    g = opt.param_groups[0]
+    assert (g["lr"], g["betas"], g["weight_decay"], g["mine"]) == (HP["lr"], HP["betas"], HP["weight_decay"], keep)
+    opt.close()
 
 
 _KILLED_SAVE = textwrap.dedent("""

@@ -40,7 +40,6 @@ from offload.shard.ckpt_plan import (check_model, check_optimizer, describe_flat
 from offload.swap import fsutil
 from offload.swap.ckpt_dir import DirLock
 from offload.swap.ckpt_groups import decode_groups, encode_groups
-from offload.zero import comm
 
 __all__ = ["save_checkpoint", "load_checkpoint", "MANIFEST", "FORMAT", "VERSION"]
 
@@ -262,7 +261,7 @@ def load_checkpoint(model: nn.Module, optimizer: Any, directory: str) -> None:
 
 
 def _prepare(directory: str, flats: List[Any], optimizer: Any, world: int, rank: int,
-             held: Dict[str, Any]) -> Tuple[List[torch.Tensor], Optional[Dict[str, Any]]]:
+             held: Dict[str, Any]) -> Tuple[List[torch.Tensor], Any]:
     """Check everything and build this rank's new shards and optimizer state dict (no change yet)."""
     held["lock"] = DirLock(directory, exclusive=False)
     m = read_manifest(directory)
@@ -332,9 +331,11 @@ def _open_checked(directory: str, m: Dict[str, Any], q: int) -> Dict[str, Any]:
     return data
 
 
-def _state_dict(m: Dict[str, Any], optimizer: Any, flats: List[Any], entries: List[Any], path: str) -> Dict[str, Any]:
-    """The optimizer's state dict for this rank's shard params: the built entries under
-    their indices, the saved hyperparameters over the current groups'."""
+def _state_dict(m: Dict[str, Any], optimizer: Any, flats: List[Any], entries: List[Any],
+                path: str) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """The optimizer's state dict for this rank's shard params (the built entries under
+    their indices, the saved hyperparameters over the current groups'), and each group's
+    keys the checkpoint does not hold."""
     groups = optimizer.param_groups
     saved = decode_groups((m.get("optimizer") or {}).get("param_groups"), groups, path)
     index = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
@@ -344,12 +345,17 @@ def _state_dict(m: Dict[str, Any], optimizer: Any, flats: List[Any], entries: Li
         out_groups.append(dict({k: v for k, v in g.items() if k != "params"}, **hyper,
                                params=list(range(start, start + len(g["params"])))))
         start += len(g["params"])
-    return {"state": state, "param_groups": out_groups}
+    # the keys the checkpoint could not hold keep their values (torch's load deep-copies them)
+    kept = [{k: v for k, v in g.items() if k != "params" and k not in hyper} for g, hyper in zip(groups, saved)]
+    return {"state": state, "param_groups": out_groups}, kept
 
 
-def _apply(prepared: Tuple[List[torch.Tensor], Optional[Dict[str, Any]]], flats: List[Any], optimizer: Any) -> None:
-    values, sd = prepared
-    if sd is not None:
+def _apply(prepared: Tuple[List[torch.Tensor], Any], flats: List[Any], optimizer: Any) -> None:
+    values, loadable = prepared
+    if loadable is not None:
+        sd, kept = loadable
         optimizer.load_state_dict(sd)  # all or nothing, checked first: before the params change
+        for g, keys in zip(optimizer.param_groups, kept):
+            g.update(keys)
     for (_, f), v in zip(flats, values):
         f.set_shard_values(v)
