@@ -20,7 +20,7 @@ import torch
 
 from offload.swap.ckpt_dir import CKPT_MANIFEST, read_manifest
 
-__all__ = ["encode_groups", "checkpoint_groups", "apply_groups"]
+__all__ = ["encode_groups", "decode_groups", "checkpoint_groups", "apply_groups"]
 
 _NOT_SAVED = ("params", "param_names")  # the params themselves (and their names) are the optimizer's own
 
@@ -99,6 +99,15 @@ def checkpoint_groups(directory: str, param_groups: List[Dict[str, Any]], *,
         raise ValueError(f"{path}: meta.param_groups is not a list of groups")
     if sum(g.get("n_params") or 0 for g in saved) != sum(len(g["params"]) for g in param_groups):
         return None  # a checkpoint of other params: the store's load refuses it, saying so
+    return decode_groups(saved, param_groups, path)
+
+
+def decode_groups(saved: Any, param_groups: List[Dict[str, Any]], path: str) -> List[Dict[str, Any]]:
+    """``encode_groups``' list ``saved`` decoded, each group's hyperparameters checked against
+    ``param_groups`` (as many groups, as many params in each); ValueError naming ``path``."""
+    if not isinstance(saved, list) or not all(isinstance(g, dict) and isinstance(g.get("hyper"), dict)
+                                              and isinstance(g.get("n_params"), int) for g in saved):
+        raise ValueError(f"{path}: param_groups is not a list of groups")
     if len(saved) != len(param_groups):
         raise ValueError(f"{path}: the checkpoint has {len(saved)} param groups, this optimizer {len(param_groups)}; "
                          "nothing was loaded")

@@ -65,7 +65,8 @@ def gather_full(st: "FlatState", p: torch.Tensor, keys, keep: bool = True) -> Di
                 vals = {key: _values(fg, key, a - r * S, b - r * S) for key in keys}
             for k, key in enumerate(keys):
                 part[k].copy_(vals[key])
-        comm.broadcast(part, r, st.group)
+        if st.world > 1:  # an unpartitioned store (stage 0, 3) in a job of several ranks holds its own states
+            comm.broadcast(part, r, st.group)
         if keep:
             full[:, a - off:b - off].copy_(part)
     if not keep:
