@@ -6,10 +6,13 @@ optimizer states never straddle two ranks' shards; the tail is zero padding). Ra
 elements ``[r * chunk, (r + 1) * chunk)`` as ``shard``, an ``nn.Parameter`` registered on the
 unit module: what ``model.parameters()`` yields and what the optimizer steps. The original
 names (``module.weight``) are plain tensors that require grad, views of the ``full``
-buffer; the full buffer's storage is resized to 0 bytes when released and back when
-gathered (as FSDP2 does), so the views stay the same objects (autograd saved them) while
-their memory comes and goes. Writing the gathered bytes does not bump their version
-counter (the values are those autograd saved).
+buffer. The full buffer is its own private anonymous mapping whose pages are returned to
+the system when the unit is released (``MADV_DONTNEED``) and come back as the gather writes
+them, so the views stay the same objects (autograd saved them) while their memory comes and
+goes. (FSDP2 resizes the storage to 0 bytes instead; a view of such a storage read outside
+the forward, ``print(model.layer.weight)``, crashes the process: here it reads zeros.)
+Writing the gathered bytes does not bump their version counter (the values are those
+autograd saved).
 [Note: the CUDA seam, not built yet] Every transfer of a unit goes through two calls:
 ``FlatParam.gather_async`` (returns a handle; ``wait()`` before the unit's params are read)
 and the reducer's ``_reduce`` (grads.py; the shard grad is read after ``wait()``). On CUDA
@@ -26,12 +29,14 @@ bytes), as it does for the stage-2 streams.
 """
 from __future__ import annotations
 
+import mmap
 from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from offload.memory import paging
+from offload.memory.region import Region
 from offload.zero import comm
 
 __all__ = ["BLOCK", "ShardInfo", "FlatParam", "chunk_for"]
@@ -89,8 +94,14 @@ class FlatParam:
         self.chunk = chunk_for(total, self.world)
         self.padded = self.world * self.chunk
         device = members[0][0].device
+        if device.type != "cpu":
+            raise NotImplementedError(f"offload.shard: params on {device} (CPU params only yet)")
+        self._itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        self._region = Region(max(1, self.padded * self._itemsize), huge=False, prefault=False)
+        self._live = True
         with torch.no_grad():
-            self.full = torch.zeros(self.padded, dtype=self.dtype, device=device)
+            self.full = torch.frombuffer(self._region.view(0, self.padded * self._itemsize), dtype=self.dtype,
+                                         count=self.padded)
             self.slots: List[Tuple[int, int]] = []
             off = 0
             for p, _ in members:
@@ -124,7 +135,6 @@ class FlatParam:
             for m, name in owners:
                 del m._parameters[name]
                 setattr(m, name, leaf)  # a plain attribute now (see the note)
-        self._itemsize = self.full.element_size()
         self.free()
 
     # ------------------------------------------------------------------ storage
@@ -133,14 +143,15 @@ class FlatParam:
         return self.padded * self._itemsize
 
     def allocated(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
+        return self._live
 
     def alloc(self) -> None:
-        if not self.allocated():
-            self.full.untyped_storage().resize_(self.nbytes)
+        self._live = True  # the pages come back as the gather writes them
 
     def free(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        """The full buffer's pages back to the system (see the note): reads show zeros."""
+        self._region._mmap.madvise(mmap.MADV_DONTNEED, self._region.skip, self._region.size)
+        self._live = False
 
     def gather_async(self, group: Any, scratch: bool = False):
         """Start the all-gather of the shards into ``full`` (or, ``scratch``, into a buffer
