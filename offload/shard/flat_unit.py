@@ -153,24 +153,27 @@ class FlatParam:
     def has_grads(self) -> bool:
         return any(leaf.grad is not None for leaf in self.leaves)
 
-    def take_grads(self) -> torch.Tensor:
-        """The views' grads, flat and zero padded (float32: the reduction's dtype); the
-        views' grads are dropped."""
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=self.full.device)
-        for leaf, (o, n) in zip(self.leaves, self.slots):
-            if leaf.grad is not None:
-                flat[o:o + n].copy_(leaf.grad.reshape(-1))
-                leaf.grad = None
-        return flat
+    def open_shard_grad(self) -> bool:
+        """Make ``shard.grad`` (zeros) when there is none, before a reduction lands in it by
+        slices; True when it was made (the slices are then copied, not added: the bits of
+        ``avg`` itself, -0.0 included)."""
+        if self.shard.grad is not None:
+            return False
+        self.shard.grad = torch.zeros(self.chunk, dtype=self.dtype, device=self.shard.device)
+        return True
 
-    def add_shard_grad(self, summed: torch.Tensor) -> None:
-        """The reduced sum of this rank's chunk: averaged over ranks into ``shard.grad``
-        (added to it when a grad is there already: accumulation)."""
+    def add_shard_grad(self, summed: torch.Tensor, lo: int = 0, fresh: bool = False) -> None:
+        """The reduced sum of this rank's chunk elements ``[lo, lo + summed.numel())``:
+        averaged over ranks into that slice of ``shard.grad`` (copied when ``fresh``,
+        added otherwise: accumulation); ``shard.grad`` is made when there is none."""
         avg = summed.mul_(1.0 / self.world).to(self.dtype)  # as DDP and the stage-2 path scale the sum
         if self.shard.grad is None:
-            self.shard.grad = avg
+            fresh = self.open_shard_grad()
+        dst = self.shard.grad[lo:lo + avg.numel()]
+        if fresh:
+            dst.copy_(avg)
         else:
-            self.shard.grad.add_(avg)
+            dst.add_(avg)
 
 
 class Unit:

@@ -137,6 +137,7 @@ class ShardRuntime:
     def pre_backward(self, u: Any) -> None:
         self._begin_backward()
         self.schedule.acquire(u)
+        self.reducer.pump()  # buckets queued behind a full window (grads.py [Note: reduce buckets])
 
     def post_backward(self, u: Any) -> None:
         self._begin_backward()
