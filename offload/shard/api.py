@@ -12,12 +12,13 @@ the full model's (``full_state_dict`` is future work).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from offload.config import parse_bytes
 from offload.shard.flat_unit import FlatParam, ShardInfo, Unit
 from offload.shard.hooks import ShardRuntime
 from offload.shard.units import UnitPolicy, assign_params, choose_units
@@ -53,6 +54,25 @@ def _check(module: Any, offload_params: Any, prefetch: Any) -> None:
             raise TypeError(f"offload.shard: param {name!r} has dtype {p.dtype}; expected a floating point dtype")
 
 
+def _live_budget(max_live_params: Any, max_live_bytes: Any) -> Tuple[Optional[int], bool]:
+    """(the live window's cap or None, whether in bytes): the planner's names
+    (offload/plan/stage3.py); a byte count may be a string ("512MiB", offload.config)."""
+    if max_live_params is not None and max_live_bytes is not None:
+        raise ValueError("give max_live_params or max_live_bytes, not both")
+    if max_live_params is not None:
+        if isinstance(max_live_params, bool) or not isinstance(max_live_params, int) or max_live_params < 1:
+            raise ValueError(f"max_live_params must be an int >= 1, got {max_live_params!r}")
+        return max_live_params, False
+    if max_live_bytes is None:
+        return None, True
+    if isinstance(max_live_bytes, str):
+        max_live_bytes = parse_bytes(max_live_bytes)
+    if isinstance(max_live_bytes, bool) or not isinstance(max_live_bytes, int) or max_live_bytes < 1:
+        raise ValueError(f"max_live_bytes must be a byte count >= 1 (an int or a string such as '512MiB'), "
+                         f"got {max_live_bytes!r}")
+    return max_live_bytes, True
+
+
 def _reduce_group(group: Any, world: int) -> Any:
     """A second group of the same ranks: the reduce-scatters' own (grads.py [Note: reduce order])."""
     if world == 1:
@@ -62,7 +82,8 @@ def _reduce_group(group: Any, world: int) -> Any:
 
 
 def shard(module: nn.Module, *, process_group: Any = None, offload_params: str = "none",
-          unit: UnitPolicy = None, prefetch: int = 1) -> nn.Module:
+          unit: UnitPolicy = None, prefetch: int = 1, max_live_params: Optional[int] = None,
+          max_live_bytes: Any = None) -> nn.Module:
     """Shard ``module``'s trainable params over the ranks of ``process_group`` (ZeRO stage 3),
     in place; returns ``module``.
 
@@ -70,13 +91,17 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     ``nn.ModuleList``, a set of module classes, or an int: params per unit at least). The
     rest, and params tied across units, form the root unit, gathered for the whole forward
     and backward. ``prefetch``: how many units' gathers run ahead of the one in use, once
-    the order is known (schedule.py). ``offload_params``: "none" and "cpu" (the same on a
+    the order is known (schedule.py). ``max_live_params`` / ``max_live_bytes`` (one of them;
+    bytes as an int or "512MiB"): prefetch never takes the gathered units (the root
+    included) over it; the unit in use is gathered even when it alone is over (a warning,
+    once). ``offload_params``: "none" and "cpu" (the same on a
     CPU model: the shards live in host memory); "nvme" is not implemented yet. Every rank
     must build the same model (same init) before calling this. A collective when
     ``torch.distributed`` is initialised: it makes a process group for the grads'
     reduce-scatters (``dist.new_group``, which every process of the default group must
     call, also those outside ``process_group``)."""
     _check(module, offload_params, prefetch)
+    budget, in_bytes = _live_budget(max_live_params, max_live_bytes)
     world, rank = comm.world_and_rank(process_group)
     reduce_group = _reduce_group(process_group, world)
     unit_modules = choose_units(module, unit)
@@ -97,7 +122,7 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
                  for dt, ms in by_dtype.items()]
         units.append(Unit(len(units), m, name, flats))
     runtime = ShardRuntime(units, group=process_group, reduce_group=reduce_group, world=world, rank=rank,
-                           prefetch=prefetch)
+                           prefetch=prefetch, budget=budget, budget_in_bytes=in_bytes)
     runtime.install()
     for u in units:
         for flat in u.flats:
