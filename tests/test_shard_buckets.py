@@ -29,7 +29,7 @@ def _world():
     return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
 
 
-def _train(group, bucket_numel, inflight, steps, accumulate):
+def _train(group, bucket_numel, inflight, steps, accumulate, plan=None):
     world, rank = _world()
     model = offload.shard(_model(tie=True), process_group=group)
     rt = runtime_of(model)
@@ -48,7 +48,7 @@ def _train(group, bucket_numel, inflight, steps, accumulate):
     grads = []
     for step in range(steps):
         for micro in range(accumulate):
-            _loss(model, step, micro, world, rank, {}).backward()
+            _loss(model, step, micro, world, rank, plan or {}).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
@@ -56,8 +56,8 @@ def _train(group, bucket_numel, inflight, steps, accumulate):
             "peak_inflight": rt.reducer.peak_inflight, "chunks": [f.chunk for u in rt.units for f in u.flats]}
 
 
-def job_buckets(group, steps, accumulate, sizes):
-    return {size: _train(group, *size, steps, accumulate) for size in sizes}
+def job_buckets(group, steps, accumulate, sizes, plan=None):
+    return {size: _train(group, *size, steps, accumulate, plan) for size in sizes}
 
 
 def _bits(t):
@@ -97,3 +97,23 @@ def test_the_default_bucket_is_the_stage2_paths():
     from offload.optim.flat.store import FlatState
 
     assert GradReducer.bucket_numel == FlatState.bucket_numel and GradReducer.inflight == FlatState.inflight
+
+
+# block 1 out on rank 0 at step 2 (that rank leaves the gather plan for rounds while the
+# other reduces on the plan), the order reversed at step 3, block 0 twice on rank 1 at step 4
+REORDER = {(2, 0): [0, 2], (3, None): [2, 1, 0], (4, 1): [0, 0, 1, 2]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_buckets_behind_a_full_window_never_wait_in_backward(pools, world):  # noqa: F811
+    # one bucket in flight, 101 elements a rank: nearly every bucket is queued behind another,
+    # while a rank that left the plan waits in a round (grads.py [Note: reduce buckets])
+    sizes = [(WHOLE, 2), (101 * world, 1)]
+    kw = dict(steps=5, accumulate=1, sizes=sizes, plan=REORDER)
+    ref = _reference(5, world, plan=REORDER, tie=True)
+    for out in pools(world).run("test_shard_buckets:job_buckets", **kw):
+        for size in sizes:
+            _assert_params(out[size]["params"], ref)
+        if world == 2:
+            for k, v in out[sizes[0]]["params"].items():
+                assert torch.equal(out[sizes[1]]["params"][k], v), k

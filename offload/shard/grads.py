@@ -1,9 +1,9 @@
 """Grads leave a unit as soon as its backward is done: reduce-scattered into the shards.
 
 [Note: reduce order] A unit's full grads (its views' ``.grad``, accumulated by autograd over
-every use, tied params included) are flattened, reduce-scattered (float32, summed, then
-divided by the world: the average) into this rank's chunk, added to ``shard.grad``, and
-freed. The reduce-scatters run on their own process group (``shard`` makes one), async, so
+every use, tied params included) are reduce-scattered bucket by bucket (float32, summed,
+then divided by the world: the average; [Note: reduce buckets]) into this rank's chunk,
+added to ``shard.grad``, and freed. The reduce-scatters run on their own process group (``shard`` makes one), async, so
 that they never interleave with the all-gathers (schedule.py) in a rank-dependent way. On
 that group every rank must issue the same reductions in the same order, so:
 
