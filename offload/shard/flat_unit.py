@@ -153,20 +153,24 @@ class FlatParam:
     def has_grads(self) -> bool:
         return any(leaf.grad is not None for leaf in self.leaves)
 
-    def open_shard_grad(self) -> bool:
-        """Make ``shard.grad`` (zeros) when there is none, before a reduction lands in it by
-        slices; True when it was made (the slices are then copied, not added: the bits of
-        ``avg`` itself, -0.0 included)."""
+    def open_shard_grad(self, whole: bool = False) -> bool:
+        """Before a reduction lands in ``shard.grad``: True when there is none (its slices are
+        then copied, not added: the bits of the average itself, -0.0 included); made now
+        (zeros) unless ``whole`` (one reduction of the whole chunk, which becomes the grad)."""
         if self.shard.grad is not None:
             return False
-        self.shard.grad = torch.zeros(self.chunk, dtype=self.dtype, device=self.shard.device)
+        if not whole:
+            self.shard.grad = torch.zeros(self.chunk, dtype=self.dtype, device=self.shard.device)
         return True
 
     def add_shard_grad(self, summed: torch.Tensor, lo: int = 0, fresh: bool = False) -> None:
         """The reduced sum of this rank's chunk elements ``[lo, lo + summed.numel())``:
         averaged over ranks into that slice of ``shard.grad`` (copied when ``fresh``,
-        added otherwise: accumulation); ``shard.grad`` is made when there is none."""
+        added otherwise: accumulation)."""
         avg = summed.mul_(1.0 / self.world).to(self.dtype)  # as DDP and the stage-2 path scale the sum
+        if self.shard.grad is None and lo == 0 and avg.numel() == self.chunk:
+            self.shard.grad = avg
+            return
         if self.shard.grad is None:
             fresh = self.open_shard_grad()
         dst = self.shard.grad[lo:lo + avg.numel()]

@@ -56,19 +56,19 @@ def _completed(handle: Any) -> bool:
 class _FlatJob:
     """One flat's queued reduction: its taken grads, the next bucket's start."""
 
-    def __init__(self, flat: Any) -> None:
-        self.flat, self.lo = flat, 0
-        self.fresh = flat.open_shard_grad()
+    def __init__(self, flat: Any, k: int) -> None:
+        self.flat, self.lo, self.k = flat, 0, k
+        self.fresh = flat.open_shard_grad(whole=k >= flat.chunk)
         self.grads: List[Tuple[torch.Tensor, int, int]] = []
         for leaf, (o, n) in zip(flat.leaves, flat.slots):
             if leaf.grad is not None:
                 self.grads.append((leaf.grad.reshape(-1), o, n))
                 leaf.grad = None
 
-    def bucket(self, k: int) -> Tuple[torch.Tensor, int, int]:
+    def bucket(self) -> Tuple[torch.Tensor, int, int]:
         """The next bucket's reduce-scatter input (see the note) and its [lo, hi) in the chunk."""
         flat = self.flat
-        lo, hi = self.lo, min(self.lo + k, flat.chunk)
+        lo, hi = self.lo, min(self.lo + self.k, flat.chunk)
         width = hi - lo
         buf = torch.zeros(flat.world * width, dtype=torch.float32, device=flat.full.device)
         for r in range(flat.world):
@@ -139,7 +139,8 @@ class GradReducer:
 
     def _reduce(self, u: Any) -> None:
         self.done.add(u.index)
-        self.queue.extend(_FlatJob(flat) for flat in u.flats)
+        k = max(1, self.bucket_numel // self.world)
+        self.queue.extend(_FlatJob(flat, k) for flat in u.flats)
         self.pump()
 
     def pump(self, block: bool = False) -> None:
@@ -157,7 +158,7 @@ class GradReducer:
             self._retire()  # waits for the oldest
 
     def _issue(self, job: _FlatJob) -> None:
-        buf, lo, hi = job.bucket(max(1, self.bucket_numel // self.world))
+        buf, lo, hi = job.bucket()
         if job.lo == job.flat.chunk:
             self.queue.popleft()
         out = torch.empty(hi - lo, dtype=torch.float32, device=buf.device)
