@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from offload.config import parse_bytes
 from offload.memory import paging
 from offload.shard.flat_unit import FlatParam, ShardInfo, Unit
 from offload.shard.hooks import ShardRuntime
@@ -60,6 +61,25 @@ def _check(module: Any, offload_params: Any, prefetch: Any, swap_dir: Any = None
             raise TypeError(f"offload.shard: param {name!r} has dtype {p.dtype}; expected a floating point dtype")
 
 
+def _live_budget(max_live_params: Any, max_live_bytes: Any) -> Tuple[Optional[int], bool]:
+    """(the live window's cap or None, whether in bytes): the planner's names
+    (offload/plan/stage3.py); a byte count may be a string ("512MiB", offload.config)."""
+    if max_live_params is not None and max_live_bytes is not None:
+        raise ValueError("give max_live_params or max_live_bytes, not both")
+    if max_live_params is not None:
+        if isinstance(max_live_params, bool) or not isinstance(max_live_params, int) or max_live_params < 1:
+            raise ValueError(f"max_live_params must be an int >= 1, got {max_live_params!r}")
+        return max_live_params, False
+    if max_live_bytes is None:
+        return None, True
+    if isinstance(max_live_bytes, str):
+        max_live_bytes = parse_bytes(max_live_bytes)
+    if isinstance(max_live_bytes, bool) or not isinstance(max_live_bytes, int) or max_live_bytes < 1:
+        raise ValueError(f"max_live_bytes must be a byte count >= 1 (an int or a string such as '512MiB'), "
+                         f"got {max_live_bytes!r}")
+    return max_live_bytes, True
+
+
 def _reduce_group(group: Any, world: int) -> Any:
     """A second group of the same ranks: the reduce-scatters' own (grads.py [Note: reduce order])."""
     if world == 1:
@@ -70,7 +90,8 @@ def _reduce_group(group: Any, world: int) -> Any:
 
 def shard(module: nn.Module, *, process_group: Any = None, offload_params: str = "none",
           unit: UnitPolicy = None, prefetch: int = 1, swap_dir: Optional[str] = None, io: Any = "auto",
-          init_fn: Optional[Callable[[nn.Module], Any]] = None, weights: Any = None) -> nn.Module:
+          init_fn: Optional[Callable[[nn.Module], Any]] = None, weights: Any = None,
+          max_live_params: Optional[int] = None, max_live_bytes: Any = None) -> nn.Module:
     """Shard ``module``'s trainable params over the ranks of ``process_group`` (ZeRO stage 3),
     in place; returns ``module``.
 
@@ -78,7 +99,10 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     ``nn.ModuleList``, a set of module classes, or an int: params per unit at least). The
     rest, and params tied across units, form the root unit, gathered for the whole forward
     and backward. ``prefetch``: how many units' gathers run ahead of the one in use, once
-    the order is known (schedule.py). ``offload_params``: "none" and "cpu" (the same on a
+    the order is known (schedule.py). ``max_live_params`` / ``max_live_bytes`` (one of them;
+    bytes as an int or "512MiB"): prefetch never takes the gathered units (the root
+    included) over it; the unit in use is gathered even when it alone is over (a warning,
+    once). ``offload_params``: "none" and "cpu" (the same on a
     CPU model: the shards live in host memory); "nvme": each rank's shards live in a file
     under ``swap_dir`` and come into RAM only while gathered or stepped ([Note: the param
     tier] in tier.py; ``io``: the io engine, as the optimizers'); the grad shards live where
@@ -94,6 +118,7 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     unit by unit, each rank its own slices (``load_weights``, strict); with it, only the
     non-persistent buffers of a meta model are initialised (the checkpoint has the rest)."""
     _check(module, offload_params, prefetch, swap_dir)
+    budget, in_bytes = _live_budget(max_live_params, max_live_bytes)
     meta = has_meta(module)
     if init_fn is not None and not meta:
         raise ValueError("init_fn= initialises tensors on the meta device, and this model has none")
@@ -130,7 +155,7 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     del members
     units = [Unit(i, m, names.get(id(m), ""), flats[i]) for i, m in enumerate(unit_modules)]
     runtime = ShardRuntime(units, group=process_group, reduce_group=reduce_group, world=world, rank=rank,
-                           prefetch=prefetch)
+                           prefetch=prefetch, budget=budget, budget_in_bytes=in_bytes)
     runtime.tier = tier
     runtime.params_on_disk = tier is not None
     runtime.install()

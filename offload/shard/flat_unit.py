@@ -213,28 +213,36 @@ class FlatParam:
     def has_grads(self) -> bool:
         return any(leaf.grad is not None for leaf in self.leaves)
 
-    def take_grads(self) -> torch.Tensor:
-        """The views' grads, flat and zero padded (float32: the reduction's dtype); the
-        views' grads are dropped."""
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=self.full.device)
-        for leaf, (o, n) in zip(self.leaves, self.slots):
-            if leaf.grad is not None:
-                flat[o:o + n].copy_(leaf.grad.reshape(-1))
-                leaf.grad = None
-        return flat
-
-    def add_shard_grad(self, summed: torch.Tensor) -> None:
-        """The reduced sum of this rank's chunk: averaged over ranks into ``shard.grad``
-        (added to it when a grad is there already: accumulation)."""
-        avg = summed.mul_(1.0 / self.world).to(self.dtype)  # as DDP and the stage-2 path scale the sum
+    def open_shard_grad(self, whole: bool = False) -> bool:
+        """Before a reduction lands in ``shard.grad``: True when there is none (its slices are
+        then copied, not added: the bits of the average itself, -0.0 included); made now
+        (zeros) unless ``whole`` (one reduction of the whole chunk, which becomes the grad)."""
         if self.grad_area is not None and (self.shard.grad is None or self.shard.grad is self.grad_standin):
-            self._add_grad_on_disk(avg)
+            return self._open_grad_on_disk()
+        if self.shard.grad is not None:
+            return False
+        if not whole:
+            self.shard.grad = torch.zeros(self.chunk, dtype=self.dtype, device=self.shard.device)
+        return True
+
+    def add_shard_grad(self, summed: torch.Tensor, lo: int = 0, fresh: bool = False) -> None:
+        """The reduced sum of this rank's chunk elements ``[lo, lo + summed.numel())``:
+        averaged over ranks into that slice of ``shard.grad`` (copied when ``fresh``,
+        added otherwise: accumulation)."""
+        avg = summed.mul_(1.0 / self.world).to(self.dtype)  # as DDP and the stage-2 path scale the sum
+        if self.grad_area is not None and self.shard.grad is self.grad_standin:
+            self._add_grad_on_disk(avg, lo, fresh)
+            return
+        if self.shard.grad is None and lo == 0 and avg.numel() == self.chunk:
+            self.shard.grad = avg
             return
         if self.shard.grad is None:
-            self.shard.grad = avg
+            fresh = self.open_shard_grad()
+        dst = self.shard.grad[lo:lo + avg.numel()]
+        if fresh:
+            dst.copy_(avg)
         else:
-            self.shard.grad.add_(avg)
-
+            dst.add_(avg)
 
     # ------------------------------------------------------------------ grads on disk
     # [Note: grads on disk] When the optimizer keeps its states on NVMe (offload="nvme"), the
@@ -256,18 +264,25 @@ class FlatParam:
         self.grad_standin = torch.zeros(1, dtype=self.dtype).expand(self.chunk)
         self._standin_version = self.grad_standin._version
 
-    def _add_grad_on_disk(self, avg: torch.Tensor) -> None:
-        g = self.grad_area
-        if self.shard.grad is self.grad_standin and not self._standin_zeroed():
-            paging.load([g])
-            g.add_(avg)
-        else:
+    def _open_grad_on_disk(self) -> bool:
+        """open_shard_grad for a grad on disk: True (fresh: slices copied) when there is none."""
+        if self.shard.grad is None:
+            self.shard.grad = self.grad_standin
+            self._standin_version = self.grad_standin._version
+            return True
+        self.disk_grad()  # zeroed on disk first when the stand-in was zeroed in place
+        return False
+
+    def _add_grad_on_disk(self, avg: torch.Tensor, lo: int, fresh: bool) -> None:
+        g = self.grad_area[lo:lo + avg.numel()]
+        if fresh:
             paging.will_write([g])
             g.copy_(avg)
+        else:
+            paging.load([g])
+            g.add_(avg)
         paging.store([g])
         paging.evict([g])
-        self.shard.grad = self.grad_standin
-        self._standin_version = self.grad_standin._version
 
     def _standin_zeroed(self) -> bool:
         return self.grad_standin._version != self._standin_version

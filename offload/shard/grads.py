@@ -1,9 +1,9 @@
 """Grads leave a unit as soon as its backward is done: reduce-scattered into the shards.
 
 [Note: reduce order] A unit's full grads (its views' ``.grad``, accumulated by autograd over
-every use, tied params included) are flattened, reduce-scattered (float32, summed, then
-divided by the world: the average) into this rank's chunk, added to ``shard.grad``, and
-freed. The reduce-scatters run on their own process group (``shard`` makes one), async, so
+every use, tied params included) are reduce-scattered bucket by bucket (float32, summed,
+then divided by the world: the average; [Note: reduce buckets]) into this rank's chunk,
+added to ``shard.grad``, and freed. The reduce-scatters run on their own process group (``shard`` makes one), async, so
 that they never interleave with the all-gathers (schedule.py) in a rank-dependent way. On
 that group every rank must issue the same reductions in the same order, so:
 
@@ -15,22 +15,86 @@ that group every rank must issue the same reductions in the same order, so:
   that has grads on some rank and that it has not reduced yet (with zeros where it has
   none). A unit with grads on no rank is not reduced: its shard keeps ``grad=None``, as a
   param outside the graph does in torch.
+
+[Note: reduce buckets] A flat's reduction is cut into buckets, so that its float32
+temporary is never the whole padded flat. A reduce-scatter's input is ``world * k``
+elements, rank r's part contiguous, so bucket b is the slice ``[b*k, (b+1)*k)`` of *every*
+rank's chunk, laid out rank-major: built by copying those slices of the views' grads (zero
+where a view has no grad, and over the padding), reduce-scattered into k float32 elements,
+averaged into ``shard.grad[b*k:(b+1)*k]``. ``k = bucket_numel // world`` (the stage-2 path's
+``FlatState.bucket_numel``: what the planner counts, plan/stage3.py). The values are those of
+one whole-flat reduce-scatter, element for element. At most ``inflight`` buckets are in
+flight; the next is built while the earlier ones reduce. A full window never *waits* during
+the backward: the rest of the queue is issued later (at the next hook, or at the end of the
+backward), in the same order. Waiting there could hang: a rank that left the gather plan
+sits in a round (schedule.py) that the others join only at their backward's end, and a
+rank blocked on a reduction that rank has not issued yet would never get there. The bucket
+order (plan order, then by unit, flats and buckets in order) is the same on every rank;
+only the time each is issued differs. The views' grads are taken (dropped from the views)
+when the unit's reduction is queued and freed once its last bucket is built.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Set
+from collections import deque
+from typing import Any, Deque, List, Optional, Set, Tuple
 
 import torch
 
 from offload.zero import comm
 
-__all__ = ["GradReducer"]
+__all__ = ["GradReducer", "DEFAULT_BUCKET_NUMEL", "DEFAULT_INFLIGHT"]
+
+DEFAULT_BUCKET_NUMEL = 1 << 22  # offload/optim/flat/store.py FlatState.bucket_numel (16 MiB of float32)
+DEFAULT_INFLIGHT = 2            # FlatState.inflight
+
+
+def _completed(handle: Any) -> bool:
+    done = getattr(handle, "is_completed", None)
+    return True if done is None else bool(done())
+
+
+class _FlatJob:
+    """One flat's queued reduction: its taken grads, the next bucket's start."""
+
+    def __init__(self, flat: Any, k: int) -> None:
+        self.flat, self.lo, self.k = flat, 0, k
+        self.fresh = flat.open_shard_grad(whole=k >= flat.chunk)
+        self.grads: List[Tuple[torch.Tensor, int, int]] = []
+        for leaf, (o, n) in zip(flat.leaves, flat.slots):
+            if leaf.grad is not None:
+                self.grads.append((leaf.grad.reshape(-1), o, n))
+                leaf.grad = None
+
+    def bucket(self) -> Tuple[torch.Tensor, int, int]:
+        """The next bucket's reduce-scatter input (see the note) and its [lo, hi) in the chunk."""
+        flat = self.flat
+        lo, hi = self.lo, min(self.lo + self.k, flat.chunk)
+        width = hi - lo
+        buf = torch.zeros(flat.world * width, dtype=torch.float32, device=flat.full.device)
+        for r in range(flat.world):
+            a0, a1 = r * flat.chunk + lo, r * flat.chunk + hi
+            for g, o, n in self.grads:
+                s, e = max(o, a0), min(o + n, a1)
+                if s < e:
+                    buf[r * width + s - a0:r * width + e - a0].copy_(g[s - o:e - o])
+        self.lo = hi
+        if hi == flat.chunk:
+            self.grads = []  # the last bucket built: the taken grads go
+        return buf, lo, hi
 
 
 class GradReducer:
+    bucket_numel = DEFAULT_BUCKET_NUMEL
+    """Elements of one reduce-scatter's input (all ranks' slices; see [Note: reduce buckets])."""
+    inflight = DEFAULT_INFLIGHT
+    """Buckets reducing at once (each a ``bucket_numel`` input and its output, float32)."""
+
     def __init__(self, units: List[Any], group: Any, world: int) -> None:
         self.units, self.group, self.world = units, group, world
         self.plan: Optional[List[int]] = None
+        self.queue: Deque[_FlatJob] = deque()
+        self.flying: Deque[Tuple[Any, Any, torch.Tensor, int, bool]] = deque()
+        self.peak_inflight = 0  # the most buckets in flight at once (tests)
         self.begin()
 
     def begin(self) -> None:
@@ -39,7 +103,6 @@ class GradReducer:
         self.order: List[int] = []
         self.ready_set: Set[int] = set()
         self.done: Set[int] = set()
-        self.pending: List[Any] = []
 
     def ready(self, u: Any) -> None:
         """``u``'s grads are complete on this rank."""
@@ -71,18 +134,40 @@ class GradReducer:
             for i in rest + tail:
                 if int(anywhere[i]) > 0 and i not in self.done:
                     self._reduce(self.units[i])
-        for h, flat, out in self.pending:
-            h.wait()
-            flat.add_shard_grad(out)
-        self.pending = []
+        self.pump(block=True)
         self.plan = list(self.order) if agreed else None
 
     def _reduce(self, u: Any) -> None:
         self.done.add(u.index)
-        for flat in u.flats:
-            full = flat.take_grads()
-            out = torch.empty(flat.chunk, dtype=torch.float32, device=full.device)
-            # ``full`` is kept by the handle's collective; dropping our reference frees it
-            # once the reduction is done.
-            h = comm.reduce_scatter_async(out, full, self.group)
-            self.pending.append((h, flat, out))
+        k = max(1, self.bucket_numel // self.world)
+        self.queue.extend(_FlatJob(flat, k) for flat in u.flats)
+        self.pump()
+
+    def pump(self, block: bool = False) -> None:
+        """Retire the finished buckets, issue queued ones while fewer than ``inflight`` fly;
+        ``block``: until the queue is empty and every bucket is retired (the end of a
+        backward only: see the note)."""
+        while True:
+            while self.flying and _completed(self.flying[0][0]):
+                self._retire()
+            if self.queue and len(self.flying) < max(1, self.inflight):
+                self._issue(self.queue[0])
+                continue
+            if not block or not self.flying:
+                return
+            self._retire()  # waits for the oldest
+
+    def _issue(self, job: _FlatJob) -> None:
+        buf, lo, hi = job.bucket()
+        if job.lo == job.flat.chunk:
+            self.queue.popleft()
+        out = torch.empty(hi - lo, dtype=torch.float32, device=buf.device)
+        # ``buf`` is kept by the handle's collective; dropping our reference frees it once done
+        h = comm.reduce_scatter_async(out, buf, self.group)
+        self.flying.append((h, job.flat, out, lo, job.fresh))
+        self.peak_inflight = max(self.peak_inflight, len(self.flying))
+
+    def _retire(self) -> None:
+        h, flat, out, lo, fresh = self.flying.popleft()
+        h.wait()
+        flat.add_shard_grad(out, lo, fresh)

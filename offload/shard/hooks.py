@@ -57,10 +57,11 @@ class ShardRuntime:
     """The hooks' state for one sharded root module."""
 
     def __init__(self, units: List[Any], *, group: Any, reduce_group: Any, world: int, rank: int,
-                 prefetch: int = 1) -> None:
+                 prefetch: int = 1, budget: Optional[int] = None, budget_in_bytes: bool = True) -> None:
         self.units = units
         self.world, self.rank = world, rank
-        self.schedule = GatherSchedule(units, group, world, rank, prefetch=prefetch)
+        self.schedule = GatherSchedule(units, group, world, rank, prefetch=prefetch, budget=budget,
+                                       in_bytes=budget_in_bytes)
         self.reducer = GradReducer(units, reduce_group, world)
         self.in_forward = False
         self.in_backward = False
@@ -139,6 +140,7 @@ class ShardRuntime:
     def pre_backward(self, u: Any) -> None:
         self._begin_backward()
         self.schedule.acquire(u)
+        self.reducer.pump()  # buckets queued behind a full window (grads.py [Note: reduce buckets])
 
     def post_backward(self, u: Any) -> None:
         self._begin_backward()
