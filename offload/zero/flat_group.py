@@ -254,10 +254,12 @@ class FlatGroup:
             out.append(sorted(idx))
         return out
 
-    def launch_bucket(self, k: int, slot: int, group: Any, stage: int):
+    def launch_bucket(self, k: int, slot: int, group: Any, stage: int, accumulate: bool = False):
         """Fill send slot ``slot`` with bucket ``k`` and start its collective (async).
 
-        Returns (work, finish): ``work.wait()`` then ``finish()`` puts the sum in gshard.
+        Returns (work, finish): ``work.wait()`` then ``finish()`` puts the sum in gshard, or
+        adds it there with ``accumulate`` (a later backward pass of the same step whose earlier
+        grads were freed: [Note: releasing grads] in offload/optim/flat/grads.py).
         """
         a, b = self.bucket_ranges()[k]
         n, W, S = b - a, self.world, self.layout.shard
@@ -265,14 +267,16 @@ class FlatGroup:
         for r in range(W):
             self.fill_grads(send[r * n:(r + 1) * n], r * S + a)
         if stage == 2:
-            out = self.gshard[a:b] if send.device.type == "cpu" else self.slot_out[slot][:n]
+            out = self.gshard[a:b] if send.device.type == "cpu" and not accumulate else self.slot_out[slot][:n]
             work = comm.reduce_scatter_async(out, send, group)
         else:
             out = send[self.rank * n:(self.rank + 1) * n]
             work = comm.all_reduce_async(send, group)
 
         def finish() -> None:
-            if out.data_ptr() != self.gshard[a:b].data_ptr():
+            if accumulate:
+                self.gshard[a:b].add_(out.to(self.gshard.device))
+            elif out.data_ptr() != self.gshard[a:b].data_ptr():
                 self.gshard[a:b].copy_(out)
         return work, finish
 
