@@ -51,7 +51,8 @@ def _model(dtype: torch.dtype) -> Net:
 def train(release: bool, *, dtype=torch.bfloat16, accumulate=1, steps=STEPS, max_grad_norm=None, offload_to="cpu",
           swap_dir=None, no_sync=False, zero_grad="opt", group=None, stage=None, rank=0, check=None):
     """The params after each step and the optimizer's memory_report()["detail"] at the end.
-    ``no_sync``: every micro-batch but the last inside ``opt.no_sync()``; ``zero_grad``: "opt"
+    ``no_sync``: every micro-batch but the last inside ``opt.no_sync()`` ("all": every one, the
+    step sends the grads); ``zero_grad``: "opt"
     (opt.zero_grad()) or "model" (model.zero_grad(): released grads are dropped by the step)."""
     model = _model(dtype)
     kw = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1, max_grad_norm=max_grad_norm,
@@ -67,12 +68,14 @@ def train(release: bool, *, dtype=torch.bfloat16, accumulate=1, steps=STEPS, max
         for step in range(steps):
             for micro in range(accumulate):
                 x = torch.randn(6, 17, generator=gen).to(dtype)
-                inside = no_sync and micro < accumulate - 1
+                inside = no_sync == "all" or (no_sync and micro < accumulate - 1)
                 with opt.no_sync() if inside else _null():
                     model(x, use_side=step % 2 == 0).float().pow(2).mean().backward()
                 if release and not inside:
                     assert all(p.grad is None for p in model.parameters()), "a grad is left on a param"
             opt.step()
+            if release:  # (no_sync="all": the step sent and freed them)
+                assert all(p.grad is None for p in model.parameters()), "a grad is left on a param"
             if check is not None:
                 check(opt)
             (opt if zero_grad == "opt" else model).zero_grad()
@@ -252,6 +255,7 @@ def _worker(rank, world, port, inq, outq):
                 kwargs["swap_dir"] = os.path.join(kwargs["swap_dir"], f"r{rank}")
                 os.makedirs(kwargs["swap_dir"], exist_ok=True)
             stage = kwargs.pop("stage", 2)
+            FlatState.bucket_numel = kwargs.pop("bucket_numel", 1 << 22)
             out = {}
             for release in (False, True):
                 hist, detail = _train_stage(release, stage, rank, kwargs)
@@ -282,12 +286,14 @@ def ranks():
 
 @pytest.mark.parametrize("case", [
     dict(stage=2),
-    dict(stage=1),
+    dict(stage=2, bucket_numel=600),  # several buckets, params across their edges
+    dict(stage=1, bucket_numel=600),
     dict(stage=2, max_grad_norm=0.05),
-    dict(stage=2, accumulate=3, no_sync=True),
+    dict(stage=2, accumulate=3, no_sync=True, bucket_numel=600),
+    dict(stage=2, accumulate=2, no_sync="all", bucket_numel=600),
     dict(stage=2, accumulate=3, no_sync=True, max_grad_norm=0.05, offload_to="nvme"),
     dict(stage=2, offload_to="nvme"),
-], ids=["stage2", "stage1", "clip", "accumulate-no_sync", "accumulate-clip-nvme", "nvme"])
+], ids=["stage2", "buckets", "stage1", "clip", "accumulate-no_sync", "all-no_sync", "accumulate-clip-nvme", "nvme"])
 def test_two_ranks_same_params_bit_for_bit(ranks, tmp_path, case):
     if case.get("offload_to") == "nvme":
         case = dict(case, swap_dir=str(tmp_path))
@@ -298,10 +304,11 @@ def test_two_ranks_same_params_bit_for_bit(ranks, tmp_path, case):
     assert out[0][True][1]["release_grads"] and out[0][True][1]["grad_peak_numel"] > 0
 
 
-def test_two_ranks_accumulation_without_no_sync_within_the_contract(ranks):
+@pytest.mark.parametrize("bucket_numel", [1 << 22, 600])
+def test_two_ranks_accumulation_without_no_sync_within_the_contract(ranks, bucket_numel):
     # each backward's sum across ranks is added in fp32 (the grads of the earlier backward are
     # freed): another order of the same sums, so equal within rounding, not bit for bit
-    out = ranks.send(dict(stage=2, accumulate=3, dtype=torch.float32), timeout=240)
+    out = ranks.send(dict(stage=2, accumulate=3, dtype=torch.float32, bucket_numel=bucket_numel), timeout=240)
     for rank in (0, 1):
         for xs, ys in zip(out[rank][False][0], out[rank][True][0]):
             for x, y in zip(xs, ys):
@@ -309,7 +316,7 @@ def test_two_ranks_accumulation_without_no_sync_within_the_contract(ranks):
 
 
 def test_two_ranks_comm_slots_are_the_planners(ranks):
-    # the in-backward reduction's send and output slots, as the planner counts them for N_d = 2
+    # the in-backward reduction's send slots, as the planner counts them for N_d = 2
     out = ranks.send(dict(stage=2, dtype=torch.float32), timeout=240)
     n = sum(p.numel() for p in _model(torch.float32).parameters())
     plan = estimate(n, world_size=2, stage=2, offload="cpu", param_dtype="fp32", release_grads=True)
@@ -318,3 +325,21 @@ def test_two_ranks_comm_slots_are_the_planners(ranks):
     with_release, without = out[0][True][1], out[0][False][1]
     # gloo: the slots live on the host, counted with the grads; without release_grads there are none
     assert with_release["grad_bytes"] - without["grad_bytes"] == planned
+
+
+def test_two_ranks_grads_leave_as_backward_makes_them(ranks, monkeypatch):
+    # buckets of 2 x 300 elements, 2 in flight: the planner's bound is 1,200 grad elements; each
+    # bucket is contiguous and sent once backward has passed it, so the grads alive at once are
+    # those bound plus the largest grad that straddles a bucket edge (side.weight, 1,089), not
+    # the half of the model a reduce-scatter bucket would wait for
+    out = ranks.send(dict(stage=2, bucket_numel=600, accumulate=2, dtype=torch.float32), timeout=240)
+    n = sum(p.numel() for p in _model(torch.bfloat16).parameters())
+    monkeypatch.setattr(FlatState, "bucket_numel", 600)  # as the ranks had it
+    plan = estimate(n, world_size=2, stage=2, offload="cpu", param_dtype="fp32", release_grads=True)
+    assert plan.sharding["device_grad_numel"] == 1200 == 2 * FlatState.inflight * 300
+    for rank in (0, 1):
+        for xs, ys in zip(out[rank][False][0], out[rank][True][0]):  # (accumulation: in another order)
+            for x, y in zip(xs, ys):
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+        peak = out[rank][True][1]["grad_peak_numel"]
+        assert 0 < peak <= 1200 + 33 * 33, peak

@@ -15,10 +15,15 @@ makes that check global, and the buckets any rank finds stale are reduced again,
 all ranks, synchronously. With accumulation over K passes the reduction runs K times
 (the last one overlaps the last backward); send buffers: `inflight` buckets.
 
-With ``release`` ([Note: releasing grads] in offload/optim/flat/grads.py) each grad is freed
-(``p.grad = None``) once the last bucket in the order that holds part of it is sent, and a
-later pass of the same step adds its sum into the shard instead of replacing it; at step time
-a bucket is stale when one of its params holds a grad again (left there by ``no_sync()``).
+With ``release`` ([Note: releasing grads] in offload/optim/flat/grads.py) the buckets are
+contiguous ranges of the flat buffer (``FlatGroup.owned_ranges``), each part summed into the
+rank that owns it (``reduce``, not reduce-scatter): a reduce-scatter bucket takes the same
+offsets of every rank's shard, so the first one would wait for grads from the middle of the
+model (N-1 of N of the grads alive at once); a contiguous one is complete once backward has
+passed it, as the planner assumes. Each grad is freed (``p.grad = None``) once the last bucket
+in the order that holds part of it is sent, and a later pass of the same step adds its sum into
+the shard instead of replacing it; at step time a bucket is stale when one of its params holds
+a grad again (left there by ``no_sync()``).
 """
 from __future__ import annotations
 
@@ -42,12 +47,12 @@ class BackwardReducer:
         self.release = release
         self.group, self.stage, self.inflight = group, stage, inflight
         self._disabled = disabled
-        self._members = [fg.bucket_members() for fg in groups]
+        self._members = [fg.owned_members() if release else fg.bucket_members() for fg in groups]
         self._order = [(gi, k) for gi in reversed(range(len(groups))) for k in reversed(range(len(self._members[gi])))]
         for fg in groups:
             W, c = fg.world, fg.chunk
             fg.slots = [torch.empty(W * c, dtype=torch.float32, device=comm_dev) for _ in range(inflight)]
-            if comm_dev.type != "cpu" or release:  # (release: a later pass's sum lands here, then is added)
+            if comm_dev.type != "cpu" and not release:  # (release: the sum lands in the send slot)
                 fg.slot_out = [torch.empty(c, dtype=torch.float32, device=comm_dev) for _ in range(inflight)]
         self._next = 0
         self._fired: set = set()
@@ -61,7 +66,7 @@ class BackwardReducer:
         self._last: Dict[Tuple[int, int], List[int]] = {}
         for gi, k in self._order:
             for i in self._members[gi][k]:
-                self._last.setdefault((gi, i), (gi, k))
+                self._last[(gi, i)] = (gi, k)  # the last in the order wins
         self._frees: Dict[Tuple[int, int], List[int]] = {}
         for (gi, i), key in self._last.items():
             self._frees.setdefault(key, []).append(i)
@@ -129,13 +134,19 @@ class BackwardReducer:
         self._seq += 1
         self._wait_slot(slot)
         fg = self.groups[gi]
-        work, finish = fg.launch_bucket(k, slot, self.group, self.stage, accumulate=(gi, k) in self._sent)
+        work, finish = self._start(gi, k, slot)
         self._slot[slot] = (work, finish, (gi, k))
         if self.release:
             self._sent.add((gi, k))
             self._free(gi, k)
         else:
             self._tags[(gi, k)] = [_tag(fg.params[i].grad) for i in self._members[gi][k]]
+
+    def _start(self, gi: int, k: int, slot: int):
+        fg = self.groups[gi]
+        if self.release:
+            return fg.launch_owned(k, slot, self.group, accumulate=(gi, k) in self._sent)
+        return fg.launch_bucket(k, slot, self.group, self.stage)
 
     def _free(self, gi: int, k: int) -> None:
         """release: bucket (gi, k) is sent (its send buffer filled): free the grads it was the last to need."""
@@ -161,8 +172,7 @@ class BackwardReducer:
         comm.all_reduce(flags, self.group, op=torch.distributed.ReduceOp.MIN)
         for (gi, k), good in zip(self._order, flags.tolist()):
             if not good:  # stale on some rank: every rank reduces it again, now
-                accumulate = (gi, k) in self._sent
-                work, finish = self.groups[gi].launch_bucket(k, 0, self.group, self.stage, accumulate)
+                work, finish = self._start(gi, k, 0)
                 work.wait()
                 finish()
                 self._sent.add((gi, k))
