@@ -189,6 +189,29 @@ def test_grad_peak_without_queue_is_the_largest_grad(device_path):
     assert detail["release_grads"] is True and detail["grad_peak_numel"] == 33 * 33
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps, **kw: offload.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, **kw),
+    lambda ps, **kw: offload.Lion(ps, lr=1e-3, weight_decay=0.1, **kw),
+    lambda ps, **kw: offload.Adagrad(ps, lr=0.1, initial_accumulator_value=0.1, **kw),
+    lambda ps, **kw: offload.Adam(ps, lr=1e-2, state_dtype="int8", **kw),
+], ids=["sgd", "lion", "adagrad", "adam-int8"])
+def test_every_offload_optimizer_takes_it(device_path, make):
+    def run(release):
+        model = _model(torch.bfloat16)
+        opt = make(model.parameters(), offload="cpu", release_grads=release)
+        gen = torch.Generator().manual_seed(3)
+        out = []
+        for step in range(3):
+            for _ in range(2):
+                model(torch.randn(4, 17, generator=gen).bfloat16(), step % 2 == 0).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            out.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+        return out
+    _equal(run(False), run(True))
+
+
 # --------------------------------------------------------------------------- refused
 
 def test_grad_scaler_is_refused_before_anything_changes(device_path):

@@ -32,8 +32,9 @@ leaves the device in backward and ``p.grad`` is then None:
   ``bucket_numel`` elements, the planner's bound). The first backward of a step copies; the
   next ones *add* into the host copy in the param's dtype, as autograd's accumulation into
   ``p.grad`` would, so gradient accumulation gives the same bits.
-- several ranks: the reduction in backward ([Note: reduce in backward]) frees each grad once
-  the last bucket holding part of it is sent; a later backward of the same step adds its sum
+- several ranks: the reduction in backward ([Note: reduce in backward], in contiguous buckets
+  each summed into the rank that owns it) frees each grad once the last bucket holding part
+  of it is sent; a later backward of the same step adds its sum
   into the fp32 grad shard (the sum of the micro-batches' sums: equal to the run without
   release_grads within rounding, not bit for bit, as it sums in another order; the grads of
   micro-batches inside ``opt.no_sync()`` stay on the device, accumulating, and go with the

@@ -22,8 +22,8 @@ optimizer from the step context (``offload/optim/context.py``), never the optimi
 
 Stage 1 vs 2: both keep 1/N of the fp32 states and of the host grad buffer per rank; they
 differ in the collective (all-reduce vs reduce-scatter). ``p.grad`` itself stays full on
-every rank ([Note: what p.grad holds] in ``grads.py``); freeing it after the reduction is
-not done.
+every rank ([Note: what p.grad holds] in ``grads.py``) unless ``release_grads=True`` frees
+it in backward ([Note: releasing grads] there).
 
 [Note: compressed states in the flat store] The store's rule (the optimizer's
 ``_store_rule``) says how each state is stored: fp32, bf16, or packed int8 blocks. The
