@@ -212,6 +212,39 @@ def test_every_offload_optimizer_takes_it(device_path, make):
     _equal(run(False), run(True))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_holds_the_params_only_after_backward():
+    # real CUDA params (bench/gpu_check.sh runs the cuda-marked tests): the grads' memory is
+    # back with the allocator once the copies are done, and the params equal the run without
+    def run(release):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).to("cuda", torch.bfloat16)
+        opt = offload.AdamW(model.parameters(), lr=1e-2, offload="cpu", release_grads=release)
+        x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16, generator=None)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        held = []
+        for _ in range(3):
+            for _ in range(2):
+                loss = model(x).float().pow(2).mean()
+                loss.backward()
+                del loss
+                torch.cuda.synchronize()
+                held.append(torch.cuda.memory_allocated() - base)
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        params = [p.detach().cpu() for p in model.parameters()]
+        opt.close()
+        return params, max(held)
+    ref, held_ref = run(False)
+    got, held = run(True)
+    _equal([ref], [got])
+    grads = 4 * (1024 * 1024 + 1024) * 2
+    assert held_ref >= grads and held < grads // 8, (held_ref, held)
+
+
 # --------------------------------------------------------------------------- refused
 
 def test_grad_scaler_is_refused_before_anything_changes(device_path):
