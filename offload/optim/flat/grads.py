@@ -41,8 +41,11 @@ leaves the device in backward and ``p.grad`` is then None:
   first backward after the block, which is bit for bit the same as without release_grads).
 - the released grads belong to the step that reads them: ``opt.zero_grad()`` drops them, and
   so does every ``step()``, also a skipped one (as if ``zero_grad()`` ran after it; a loop
-  that calls ``model.zero_grad()`` only is thus still right). Inside ``opt.no_sync()`` grads
+  that calls ``model.zero_grad()`` only is thus still right). ``zero_grad(set_to_none=False)``
+  finds no grad to zero: a param without grad in the next step is then not stepped (without
+  release_grads its zero grad would be, weight decay included). Inside ``opt.no_sync()`` grads
   stay where autograd puts them; one still on a param when ``step()`` begins is added in then.
+  With a DDP-wrapped model (``grads_already_averaged``) nothing is released: DDP holds them.
 - ``max_grad_norm`` clips from the host copies (the device's sum of squares of a grad copied
   once is kept, as above); ``opt.last_grad_norm`` is the norm. GradScaler cannot work with
   it: ``unscale_`` and its inf check read ``p.grad``, find none, and ``update()`` then fails
