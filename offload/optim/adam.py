@@ -94,7 +94,10 @@ class Adam(_AdamBase):
     ``state_dtype`` ("float32", the default; "bfloat16": states as bf16, rounded
     stochastically in the step; "int8": block-wise 8-bit states, 256 codes and a float32
     scale per 256 elements) and ``master_dtype`` (None; "bfloat16" with bfloat16 params:
-    each param is its own master, updated with stochastic rounding, no fp32 copy kept).
+    each param is its own master, updated with stochastic rounding, no fp32 copy kept) and
+    ``release_grads`` (False; True with CUDA params and ``offload="cpu"``/``"nvme"`` at stages
+    0-2: each grad leaves the device in backward and ``p.grad`` is None afterwards; clip with
+    ``max_grad_norm``: offload/optim/flat/grads.py, [Note: releasing grads]).
     With fp32 CPU params a param of fewer than 4096 elements keeps float32 states, and
     ``opt.state[p]`` holds the states as stored (a bf16 tensor of p's shape, or 1-D uint8
     packed blocks for int8); ``state_dict()`` gives them as float32 in torch's layout, and

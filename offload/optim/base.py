@@ -34,7 +34,8 @@ from offload.optim.functional import RuleHyper
 from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
 from offload.optim.host_state import HostState
 from offload.optim.options import (check_compression, check_extras, check_loaded_groups, check_master_dtype,
-                                   check_param_dtype, clear_execution_flags, make_config)
+                                   check_param_dtype, check_release_grads, clear_execution_flags, make_config,
+                                   refuse_release_grads)
 from offload.optim.protocol import optional
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
@@ -65,7 +66,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                  verify: bool = False, resume: bool = False, io_engine: Optional[str] = None,
                  num_threads: Optional[int] = None, max_grad_norm: Optional[float] = None,
                  stage: Optional[int] = None, process_group: Any = None,
-                 state_dtype: str = "float32", master_dtype: Optional[str] = None) -> None:
+                 state_dtype: str = "float32", master_dtype: Optional[str] = None,
+                 release_grads: bool = False) -> None:
         """``defaults``: the subclass's checked hyperparameters (torch's ``defaults``); the
         rest are the offload options, checked here before ``params`` is touched, as torch does.
         ``state_dtype`` / ``master_dtype``: how the states and the master are stored
@@ -76,6 +78,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         check_compression(state_dtype, master_dtype)
         self.state_dtype = state_dtype
         self.master_dtype = master_dtype
+        self.release_grads = check_release_grads(release_grads, offload)  # [Note: releasing grads] in flat/grads.py
         config = make_config(offload=offload, swap_dir=swap_dir, max_host_bytes=max_host_bytes,
                              sub_group_size=sub_group_size, verify=verify, resume=resume, io_engine=io_engine)
         get_backend(backend)  # a forced backend that cannot load fails here, with its reason
@@ -188,10 +191,15 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         if stage is None:
             stage = 2 if world > 1 else 0
         self.stage = stage
+<<<<<<< HEAD
         # fp32 CPU params are updated in place by the host stores, except params paged in swap
         # files (offload.shard(offload_params="nvme")): those are not crash-safe by themselves,
         # so the flat store keeps their fp32 master, from which resume rewrites them.
         host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 and not paging.paged(p) for p in params)
+=======
+        host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
+        refuse_release_grads(self.release_grads, stage == 0 and host_ok, getattr(self, "_in_stage3", False))
+>>>>>>> h8-C
         if stage == 0 and host_ok and self.config.offload in ("none", "cpu"):
             if self.config.sub_group_size is not None:
                 raise ValueError(
@@ -224,7 +232,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         return FlatState(self.param_groups, config=self.config, ctx=self._ctx, backend=self.backend,
                          num_threads=self.num_threads, stage=stage, process_group=process_group,
                          rule=self._store_rule or self._set_store_rule(),
-                         master_dtype=getattr(self, "master_dtype", None))
+                         master_dtype=getattr(self, "master_dtype", None), release_grads=self.release_grads)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)

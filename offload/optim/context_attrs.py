@@ -51,6 +51,14 @@ class ContextAttributes:
     def max_grad_norm(self, value: Optional[float]) -> None:
         self._ctx.max_grad_norm = value
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's, and with ``release_grads`` the grads backward released to the host too
+        (``p.grad`` is None already: [Note: releasing grads] in offload/optim/flat/grads.py)."""
+        super().zero_grad(set_to_none)
+        drop = optional(self._store, "drop_released_grads")
+        if drop is not None:
+            drop()
+
     def _begin_step(self) -> None:
         """This step's facts into the context: GradScaler sets ``grad_scale`` and
         ``found_inf`` on the optimizer for this call only (torch/amp/grad_scaler.py). A

@@ -41,6 +41,15 @@ def register_store_hooks(opt: torch.optim.Optimizer) -> None:
     before any hook of the user's, so they run first, as the store's own hooks did."""
     opt.register_load_state_dict_pre_hook(before_load)
     opt.register_load_state_dict_post_hook(after_load)
+    opt.register_step_post_hook(after_step)
+
+
+def after_step(opt: Any, args: Any, kwargs: Any) -> None:
+    """The step consumed the grads backward released to the host ([Note: releasing grads] in
+    offload/optim/flat/grads.py; a skipped step too): the next backward starts afresh."""
+    drop = optional(opt._store, "drop_released_grads")
+    if drop is not None:
+        drop()
 
 
 def before_load(opt: Any, state_dict: Any) -> None:

@@ -22,7 +22,7 @@ import torch
 from offload.config import IOConfig, OffloadConfig, parse_bytes
 
 __all__ = ["check_hyper", "check_extras", "check_compression", "check_master_dtype", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
-           "clear_execution_flags"]
+           "clear_execution_flags", "check_release_grads", "refuse_release_grads"]
 
 # Options that act only on swap files; with offload="none" or "cpu" they would do nothing.
 NVME_ONLY = ("swap_dir", "max_host_bytes", "verify", "resume", "io_engine")
@@ -137,6 +137,30 @@ def check_extras(*, max_grad_norm: Any, num_threads: Any, stage: Any, bias_corre
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2)):
         raise ValueError(f"Invalid stage: {stage!r} (0, 1 or 2; stage 3 is not implemented yet)")
     _check_bool("bias_correction", bias_correction)
+
+
+def check_release_grads(release_grads: Any, offload: Any) -> bool:
+    """``release_grads`` frees each device grad once backward has copied it to the host
+    ([Note: releasing grads] in offload/optim/flat/grads.py): the host must keep the grads,
+    which it does only when the states are offloaded there (or to NVMe)."""
+    _check_bool("release_grads", release_grads)
+    if release_grads and offload not in ("cpu", "nvme"):
+        raise ValueError(f"release_grads=True frees device grads once copied to the host, where the offloaded "
+                         f"states are stepped; it needs offload='cpu' or 'nvme', got offload={offload!r}")
+    return release_grads
+
+
+def refuse_release_grads(release_grads: bool, host_store: bool, stage3: bool) -> None:
+    """``release_grads`` with a store whose grads are not device memory copied to the host:
+    stage 3 (offload.shard frees each unit's full grads once reduce-scattered already), and
+    fp32 CPU params at stage 0 (their grads are host memory the kernel reads in place)."""
+    if not release_grads or not (host_store or stage3):
+        return
+    if stage3:
+        raise ValueError("release_grads=True is for stages 0-2: the params of offload.shard() are stage 3, whose "
+                         "full grads are freed once reduce-scattered already; drop release_grads")
+    raise ValueError("release_grads=True frees device grads once copied to the host; fp32 CPU params at stage 0 "
+                     "have their grads in host memory already, read in place by the step: drop release_grads")
 
 
 def check_compression(state_dtype: Any, master_dtype: Any) -> None:

@@ -79,6 +79,8 @@ OPTIONAL: Dict[str, str] = {
                    "(params: the optimizer's, in the dict's numbering)",
     "after_load": "() -> None: torch's load_state_dict is done (before the user's post hooks)",
     "end_load": "() -> None: load_state_dict is over, done or failed: drop what before_load kept",
+    "drop_released_grads": "() -> None: forget the grads backward released to the host (release_grads): "
+                           "called by opt.zero_grad() and after each step()",
 }
 """The methods only some stores have, and the contract of each (the optimizer falls back
 to torch's behaviour, or refuses with a clear error, where a store lacks one)."""

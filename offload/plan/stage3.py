@@ -45,9 +45,10 @@ grad shards once, against the disk's rates (``fwd_bwd_io_s``).
 [Note: release grads] Stages 0-2 with device params and ``release_grads``: ZeRO-Offload's
 device footprint. Each grad leaves the device as soon as autograd has made it (one rank: the
 post-accumulate-grad hook's copy to the pinned host buffer; several ranks: reduced in
-backward, ``reduce_in_backward``) and ``p.grad`` is then freed, so the device holds the
-params (2 Ψ) plus at most ``FlatState.inflight`` buckets of grads in flight (and the
-in-backward send / reduce-scatter-output slots with N_d > 1). ``p.grad`` is not readable
+backward, ``reduce_in_backward``, in contiguous buckets each summed into its owner rank) and
+``p.grad`` is then freed, so the device holds the params (2 Ψ) plus at most
+``FlatState.inflight`` buckets of grads in flight (and the in-backward send slots with
+N_d > 1); the runtime: [Note: releasing grads] in offload/optim/flat/grads.py. ``p.grad`` is not readable
 after backward; clip with the optimizer's ``max_grad_norm`` instead of ``clip_grad_norm_``.
 """
 from __future__ import annotations
@@ -345,10 +346,11 @@ def release_device_grads(s: Any, opts: ShardOptions, B: Any, notes: List[str]) -
     inflight, bucket = FlatState.inflight, FlatState.bucket_numel
     B["device"]["grads"] = min(s.n, inflight * bucket) * s.gb
     if s.ranks > 1 and s.shard:
-        # several ranks reduce in backward: its send and reduce-scatter-output slots are
+        # several ranks reduce in backward, contiguous buckets of N_d x chunk summed into their
+        # owners in the send slots themselves (offload/zero/backward_reduce.py): the slots are
         # counted here, so the placement's "not counted" remark about them no longer holds
         chunk = max(1, min(s.shard, bucket // s.ranks))
-        B["device"]["comm_buffers"] += inflight * (s.ranks * chunk * 4 + chunk * 4)
+        B["device"]["comm_buffers"] += inflight * s.ranks * chunk * 4
         notes[:] = [n for n in notes if not n.startswith("FlatState.reduce_in_backward")]
     notes.append(f"release_grads: each grad leaves the device once copied to the host (reduced in backward with "
                  f"N_d > 1); the device keeps the params and at most {inflight} buckets of {bucket:,} grads in "

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from offload.swap import agreement
 from offload.swap.agreement import all_or_none
 
-__all__ = ["world_and_rank", "failed_ranks", "on_every_rank", "all_or_none", "reduce_scatter", "all_reduce", "all_gather", "broadcast",
+__all__ = ["world_and_rank", "failed_ranks", "on_every_rank", "all_or_none", "reduce_scatter", "all_reduce", "all_gather", "broadcast", "reduce_async",
            "comm_device", "reduce_scatter_supported", "reduce_scatter_async", "all_reduce_async"]
 
 log = logging.getLogger("offload.zero")
@@ -180,3 +180,12 @@ def broadcast(t: torch.Tensor, src_group_rank: int, group: Any = None) -> None:
         return
     src = src_group_rank if group is None else dist.get_global_rank(group, src_group_rank)
     dist.broadcast(t, src=src, group=group)
+
+
+def reduce_async(t: torch.Tensor, dst_group_rank: int, group: Any = None):
+    """In-place sum of ``t`` over the ranks into rank ``dst_group_rank`` *of group* (the others'
+    ``t`` is left undefined), started asynchronously; returns a handle with ``wait()``."""
+    if world_and_rank(group)[0] == 1:
+        return _Done()
+    dst = dst_group_rank if group is None else dist.get_global_rank(group, dst_group_rank)
+    return dist.reduce(t, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)

@@ -278,6 +278,44 @@ class FlatGroup:
                 self.gshard[a:b].copy_(out)
         return work, finish
 
+    # -- release_grads: contiguous buckets, each summed into the rank that owns it -----------
+    def owned_ranges(self) -> List[Tuple[int, int]]:
+        """Flat [lo, hi) of each bucket of ``release_grads`` ([Note: releasing grads] in
+        offload/optim/flat/grads.py): contiguous, as backward makes the grads, so that a bucket
+        is complete (and its grads can be freed) once backward has passed it; ``world x chunk``
+        elements each, the size of a send slot."""
+        return split_ranges(0, self.world * self.layout.shard, self.world * self.chunk)
+
+    def owned_members(self) -> List[List[int]]:
+        """Per ``owned_ranges`` bucket, the params with a part in it."""
+        return [sorted({pc.index for pc in self.layout.pieces(lo, hi)}) for lo, hi in self.owned_ranges()]
+
+    def launch_owned(self, k: int, slot: int, group: Any, accumulate: bool):
+        """Fill send slot ``slot`` with bucket ``k`` of ``owned_ranges`` and start, for each
+        rank whose shard it overlaps, the sum of that part into that rank (async). Returns
+        (work, finish): ``work.wait()`` then ``finish()`` puts this rank's part of the sum in
+        gshard, or adds it there with ``accumulate`` (a later backward of the same step)."""
+        lo, hi = self.owned_ranges()[k]
+        S = self.layout.shard
+        send = self.slots[slot][:hi - lo]
+        self.fill_grads(send, lo)
+        works, mine = [], None
+        for r in range(lo // S, (hi - 1) // S + 1):
+            a, b = max(lo, r * S), min(hi, (r + 1) * S)
+            works.append(comm.reduce_async(send[a - lo:b - lo], r, group))
+            if r == self.rank:
+                mine = (send[a - lo:b - lo], a - r * S, b - r * S)
+
+        def finish() -> None:
+            if mine is not None:
+                part, a, b = mine
+                dst = self.gshard[a:b]
+                if accumulate:
+                    dst.add_(part.to(dst.device))
+                else:
+                    dst.copy_(part)
+        return _AllWork(works), finish
+
     def _gather_source(self, a: int, b: int) -> torch.Tensor:
         """This rank's updated values of shard-local [a, b) in the param dtype."""
         src = self.lowp_shard if self.lowp else self.master
@@ -333,3 +371,14 @@ class FlatGroup:
         for i, p in enumerate(self.params):
             lo, hi = self.layout.slot(i)
             p.detach().copy_(self.master[lo:hi].view_as(p))
+
+
+class _AllWork:
+    """``wait()`` for every handle of a bucket's collectives."""
+
+    def __init__(self, works: List[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()

@@ -22,6 +22,35 @@ store never replaces or frees it; it *reads* it:
   Each rank ends with the fp32 *sum* for its shard; the 1/N of the average is folded into
   the kernel's ``grad_scale`` (``GradSource.factor``).
 
+[Note: releasing grads] ``release_grads=True`` (stages 0-2, offload "cpu"/"nvme"): ZeRO-Offload's
+device footprint, the params only ([Note: release grads] in offload/plan/stage3.py). Each grad
+leaves the device in backward and ``p.grad`` is then None:
+
+- one rank: the hook copies the grad to the host buffer as above, then sets ``p.grad = None``
+  (on CUDA the copy is queued on the grad stream and the grad's memory kept for it by
+  ``record_stream``; the queued copies are waited for once they reach ``inflight`` buckets of
+  ``bucket_numel`` elements, the planner's bound). The first backward of a step copies; the
+  next ones *add* into the host copy in the param's dtype, as autograd's accumulation into
+  ``p.grad`` would, so gradient accumulation gives the same bits.
+- several ranks: the reduction in backward ([Note: reduce in backward], in contiguous buckets
+  each summed into the rank that owns it) frees each grad once the last bucket holding part
+  of it is sent; a later backward of the same step adds its sum
+  into the fp32 grad shard (the sum of the micro-batches' sums: equal to the run without
+  release_grads within rounding, not bit for bit, as it sums in another order; the grads of
+  micro-batches inside ``opt.no_sync()`` stay on the device, accumulating, and go with the
+  first backward after the block, which is bit for bit the same as without release_grads).
+- the released grads belong to the step that reads them: ``opt.zero_grad()`` drops them, and
+  so does every ``step()``, also a skipped one (as if ``zero_grad()`` ran after it; a loop
+  that calls ``model.zero_grad()`` only is thus still right). ``zero_grad(set_to_none=False)``
+  finds no grad to zero: a param without grad in the next step is then not stepped (without
+  release_grads its zero grad would be, weight decay included). Inside ``opt.no_sync()`` grads
+  stay where autograd puts them; one still on a param when ``step()`` begins is added in then.
+  With a DDP-wrapped model (``grads_already_averaged``) nothing is released: DDP holds them.
+- ``max_grad_norm`` clips from the host copies (the device's sum of squares of a grad copied
+  once is kept, as above); ``opt.last_grad_norm`` is the norm. GradScaler cannot work with
+  it: ``unscale_`` and its inf check read ``p.grad``, find none, and ``update()`` then fails
+  on its "No inf checks were recorded": refused at the step with a clear error.
+
 [Note: DDP] The optimizer averages grads itself; the model needs no DDP wrapper. If the
 model *is* wrapped in DDP, its grads are already averaged: set
 ``opt.grads_already_averaged = True`` (the step context's flag, read at every step) and
@@ -70,6 +99,8 @@ class GradSource:
 
     ELSEWHERE = torch.zeros(0)
     """Stands for a grad that exists on another rank only (this rank contributes zeros)."""
+    RELEASED = torch.zeros(0)
+    """Stands for a grad backward released to the host ([Note: releasing grads])."""
 
     def __init__(self, *, ctx: StepContext, groups: List[FlatGroup],
                  where: Dict[torch.Tensor, Tuple[FlatGroup, int]], order: List[torch.Tensor],
@@ -86,6 +117,15 @@ class GradSource:
         self._reduced = False
         self.factor = 1.0
         """What the kernel's grad_scale is multiplied by: 1/N for a sum over N ranks."""
+        self.release = False
+        """[Note: releasing grads] (set by the store)."""
+        self.release_bound = 0
+        """Elements of grads whose copies may be queued at once (release: the planner's bound)."""
+        self.held: Dict[torch.Tensor, Tuple[int, Any]] = {}
+        """Released, one rank: param -> (backward passes in its host copy, device sum of squares or None)."""
+        self._queued = 0
+        self.grad_peak_numel = 0
+        """Released: the most grad elements a hook saw alive on the device (its own, those queued)."""
 
     # ------------------------------------------------------------------ the grad hook
     def grad_ready(self, p: torch.Tensor) -> None:
@@ -93,26 +133,59 @@ class GradSource:
         g = p.grad
         if g is None or self.closed or self._ctx.no_sync:
             return  # inside opt.no_sync(): the grad stays on the device, accumulating
+        if self.release:
+            self._release(p, g)
+            return
         fg, i = self._where[p]
         lo, hi = fg.layout.slot(i)
-        dst = fg.host_grad[lo:hi]
+        fg.grad_tag[i] = (weakref.ref(g), g._version, self._copy(g, fg.host_grad[lo:hi]))
+
+    def _copy(self, g: torch.Tensor, dst: torch.Tensor) -> Any:
+        """dst <- g, on the grad stream where there is one; returns g's sum of squares taken on
+        the device when clipping ([Note: device grad norm]), else None."""
         if self._overlap() and g.device in self._streams:
             grad_stream, _ = self._streams[g.device]
             grad_stream.wait_current()  # the grad was produced on the compute stream
             with grad_stream.context():
                 dst.copy_(g.detach().reshape(-1), non_blocking=True)
             grad_stream.keep_alive(g)  # keep g's memory until the copy has read it
+            self._queued += g.numel()
         else:
             dst.copy_(g.detach().reshape(-1))
-        sumsq = None
         if g.device in self._streams and self._ctx.max_grad_norm is not None:
             # [Note: device grad norm] With clipping, the grad's sum of squares is taken here,
             # on the device (a reduction at its memory bandwidth, on the stream that made the
             # grad), so the step needs no pass of the host over the copied grads. It belongs
             # to this version of this grad: a later change (another micro-batch re-fires the
             # hook; an in-place op moves the version) falls back to the host's pass.
-            sumsq = torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square()  # no fp32 overflow
-        fg.grad_tag[i] = (weakref.ref(g), g._version, sumsq)
+            return torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square()  # no fp32 overflow
+        return None
+
+    def _release(self, p: torch.Tensor, g: torch.Tensor) -> None:
+        """[Note: releasing grads], one rank: g into p's host copy (copied by the first backward
+        of the step, added by the next ones), then p.grad = None."""
+        fg, i = self._where[p]
+        lo, hi = fg.layout.slot(i)
+        dst = fg.host_grad[lo:hi]
+        count, _ = self.held.get(p, (0, None))
+        if self._queued and self._queued + g.numel() > self.release_bound:
+            self.wait_copies()  # no more queued than the planner's bound ([Note: release grads])
+        queued = self._queued
+        if count == 0:
+            sumsq = self._copy(g, dst)
+        else:
+            self.wait_copies()  # an earlier backward's copy lands in dst first
+            dst.add_(g.detach().reshape(-1).to(dst.device))  # in p's dtype, as autograd adds
+            sumsq = None  # the sum of squares of a sum is not that of its parts
+        self.grad_peak_numel = max(self.grad_peak_numel, queued + g.numel())
+        self.held[p] = (count + 1, sumsq)
+        p.grad = None
+
+    def drop_released(self) -> None:
+        """The released grads are consumed (a step) or dropped (zero_grad)."""
+        self.held = {}
+        if self.reducer is not None:
+            self.reducer.drop_released()
 
     @staticmethod
     def tag_current(tag: Any, g: torch.Tensor) -> bool:
@@ -122,6 +195,8 @@ class GradSource:
         """The host copy of p.grad (the hook's, or a fresh one when it is stale)."""
         lo, hi = fg.layout.slot(i)
         dst = fg.host_grad[lo:hi]
+        if g is self.RELEASED:
+            return dst
         if not self.tag_current(fg.grad_tag[i], g):
             dst.copy_(g.detach().reshape(-1))
             fg.grad_tag[i] = (weakref.ref(g), g._version, None)
@@ -141,6 +216,7 @@ class GradSource:
     def wait_copies(self) -> None:
         for grad_stream, _ in self._streams.values():
             grad_stream.synchronize()
+        self._queued = 0
 
     # ------------------------------------------------------------------ a step
     def begin_step(self) -> None:
@@ -148,6 +224,8 @@ class GradSource:
         self._mask = None
         self._reduced = False
         found_inf = self._ctx.found_inf
+        if self.release:
+            self._begin_released_step(found_inf)
         if found_inf is not None and self._ctx.grad_scale is None:
             # GradScaler.unscale_() ran: it divides the grads in place with an op that does
             # not bump their version counters, so copies made before it look current.
@@ -164,19 +242,34 @@ class GradSource:
             comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MAX)
             self._ctx.found_inf = flag.to(found_inf.device).reshape(found_inf.shape)
 
+    def _begin_released_step(self, found_inf: Any) -> None:
+        """[Note: releasing grads]: refuse GradScaler before anything changes; one rank: a grad
+        still on a param (left by opt.no_sync()) joins its host copy now."""
+        if found_inf is not None or self._ctx.grad_scale is not None:
+            raise RuntimeError(
+                "release_grads=True cannot be used with torch.amp.GradScaler: backward frees p.grad once copied "
+                "to the host, so GradScaler's unscale_ and inf check find no grads and its update() fails "
+                "('No inf checks were recorded'); use bf16 autocast (no scaler needed) or release_grads=False")
+        if self.world == 1:
+            for p in self._order:
+                if p.grad is not None and p in self._where and self._where[p][0].host_grad is not None:
+                    self._release(p, p.grad)
+
     def agree(self) -> None:
         """Several ranks: one all-reduce settles which params have a grad on any rank this
         step ([Note: a grad on some ranks only]). A collective: every rank calls it, once a
         step, before ``grads``; later calls in the same step do nothing."""
         if self.world == 1 or self._mask is not None:
             return
-        have = torch.tensor([p.grad is not None for p in self._order], dtype=torch.int32, device=self._comm_dev)
+        released = self.reducer.released if self.reducer is not None else ()
+        have = torch.tensor([p.grad is not None or p in released for p in self._order], dtype=torch.int32,
+                            device=self._comm_dev)
         comm.all_reduce(have, self.group, op=torch.distributed.ReduceOp.MAX)
         self._mask = {p: bool(h) for p, h in zip(self._order, have.tolist())}
 
     def grads(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         if self.world == 1:
-            return p.grad
+            return self.RELEASED if p.grad is None and p in self.held else p.grad
         if self._mask is None:
             raise RuntimeError("the flat store's grads(p) needs agree_on_grads() first on several ranks: which "
                                "params have a grad is settled by a collective, once a step, on every rank")
@@ -233,8 +326,10 @@ class GradSource:
             for p, g in items:
                 fg, i = self._where[p]
                 tag = fg.grad_tag[i] if fg.host_grad is not None else None
-                if self.tag_current(tag, g) and tag[2] is not None:  # [Note: device grad norm]
-                    on_device.setdefault(tag[2].device, []).append(tag[2])
+                if g is self.RELEASED:
+                    tag = (None, 0, self.held[p][1])  # the device's sum of squares of one copy, or None
+                if (g is self.RELEASED or self.tag_current(tag, g)) and tag[2] is not None:
+                    on_device.setdefault(tag[2].device, []).append(tag[2])  # [Note: device grad norm]
                     continue
                 src = self.local(fg, i, g)
                 if src.numel():

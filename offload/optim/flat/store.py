@@ -22,8 +22,8 @@ optimizer from the step context (``offload/optim/context.py``), never the optimi
 
 Stage 1 vs 2: both keep 1/N of the fp32 states and of the host grad buffer per rank; they
 differ in the collective (all-reduce vs reduce-scatter). ``p.grad`` itself stays full on
-every rank ([Note: what p.grad holds] in ``grads.py``); freeing it after the reduction is
-not done.
+every rank ([Note: what p.grad holds] in ``grads.py``) unless ``release_grads=True`` frees
+it in backward ([Note: releasing grads] there).
 
 [Note: compressed states in the flat store] The store's rule (the optimizer's
 ``_store_rule``) says how each state is stored: fp32, bf16, or packed int8 blocks. The
@@ -96,12 +96,13 @@ class FlatState:
     def __init__(self, param_groups: List[Dict[str, Any]], *, config: Any, ctx: StepContext, stage: int,
                  backend: Optional[str] = None, num_threads: Optional[int] = None, process_group: Any = None,
                  reduce_in_backward: Optional[bool] = None, rule: Rule = ADAM,
-                 master_dtype: Optional[str] = None) -> None:
+                 master_dtype: Optional[str] = None, release_grads: bool = False) -> None:
         """``param_groups``: torch's param groups (only their "params" are read); ``config``:
         the optimizer's OffloadConfig; ``ctx``: its step context; ``rule``: the kernel rule
         whose fields every flat group keeps beside the master (stored as its fields say:
         [Note: compressed states in the flat store]); ``master_dtype="bfloat16"``: bf16
-        params are their own master ([Note: bf16 master])."""
+        params are their own master ([Note: bf16 master]); ``release_grads``: device grads
+        leave in backward ([Note: releasing grads] in grads.py; several ranks reduce in backward)."""
         self.ctx = ctx
         self.rule = rule
         self.stochastic_states = STOCHASTIC_BF16_STATES  # bf16 states (state_codec says why)
@@ -110,6 +111,10 @@ class FlatState:
         self.group = process_group
         world, rank = comm.world_and_rank(process_group) if stage > 0 else (1, 0)
         self.world, self.rank = world, rank
+        self.release_grads = release_grads
+        if release_grads:
+            self._check_release([p for g in param_groups for p in g["params"]])
+            reduce_in_backward = world > 1  # several ranks: the grads leave with the reduction in backward
         self._backend = backend
         self._threads = num_threads
         # Sub-groups pace the host-to-device pipeline; for CPU params they would only add
@@ -136,6 +141,8 @@ class FlatState:
                                  streams=self._streams, zero_stage=stage, world=world, group=process_group,
                                  comm_dev=self._comm_dev, backend=self._backend, threads=self._threads,
                                  overlap=overlap)
+        self._grads.release = release_grads
+        self._grads.release_bound = self.inflight * self.bucket_numel  # the planner's ([Note: release grads])
         self._nvme = config.offload == "nvme"
         self._sink = ParamSink(self._streams, world=world, group=process_group, gather_per_bucket=not self._nvme,
                                overlap=overlap)
@@ -162,13 +169,27 @@ class FlatState:
         def disabled() -> bool:
             return me() is None or ctx.grads_already_averaged or ctx.no_sync
         return BackwardReducer(self._groups, group=self.group, stage=self.stage, comm_dev=self._comm_dev,
-                               inflight=self.inflight, disabled=disabled)
+                               inflight=self.inflight, disabled=disabled, release=self.release_grads)
+
+    def _check_release(self, params: List[torch.Tensor]) -> None:
+        """release_grads frees device grads; CPU params' grads are host memory the step reads in
+        place (``copy_cpu_grads``: tests run the device path with CPU params)."""
+        cpu = [i for i, p in enumerate(params) if p.device.type == "cpu"]
+        if cpu and not self.copy_cpu_grads:
+            raise ValueError(f"release_grads=True frees device grads once copied to the host; parameter {cpu[0]} "
+                             "is on the CPU, where its grad already lives and is read in place: drop "
+                             "release_grads (it is for CUDA params)")
 
     # ------------------------------------------------------------------ construction
     def add_param_group(self, group: Dict[str, Any]) -> None:
         if self._swap is not None:
             raise NotImplementedError("add_param_group is not supported with offload='nvme': give the constructor every group")
         params = [p for p in group["params"] if p not in self._where]
+        if self.release_grads:
+            if self.world > 1 and getattr(self, "_backward_reduction", None) is not None:
+                raise NotImplementedError("add_param_group with release_grads on several ranks: the reduction in "
+                                          "backward is laid out for the constructor's groups; give it every group")
+            self._check_release(params)
         for p in params:
             _check_param(p)
         self._order.extend(params)
@@ -219,6 +240,10 @@ class FlatState:
 
     def grads(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         return self._grads.grads(p)
+
+    def drop_released_grads(self) -> None:
+        """[Note: releasing grads]: a step consumed the grads backward released, or zero_grad dropped them."""
+        self._grads.drop_released()
 
     def prepare_grads(self) -> None:
         """Make this step's grads ready where the kernel reads them (the optimizer times this
@@ -323,8 +348,16 @@ class FlatState:
         return {"device": device, "pinned": pinned, "pageable": total - pinned, "nvme": nvme,
                 "io_locked_bytes": io_locked,
                 "state_bytes": host["states"], "grad_bytes": host["grads"], "lowp_bytes": host["lowp"],
-                "world": self.world, "rank": self.rank, "stage": self.stage,
+                "world": self.world, "rank": self.rank, "stage": self.stage, "release_grads": self.release_grads,
+                "grad_peak_numel": self._grad_peak_numel(),
                 "shard_numel": sum(fg.layout.shard for fg in self._groups)}
+
+    def _grad_peak_numel(self) -> int:
+        """release_grads: the most grad elements seen alive in backward (on the device, for CUDA
+        params), measured by the hooks; 0 without release_grads."""
+        if self._backward_reduction is not None:
+            return self._backward_reduction.peak_numel
+        return self._grads.grad_peak_numel
 
     def close(self, keep_swap: bool = False) -> None:
         if self._closed:
