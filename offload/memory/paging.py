@@ -17,6 +17,8 @@ with a *pager* that does the work; a view of any other tensor is ignored, so the
 one lookup where nothing is paged. This module is the seam through which the lower layers
 (the stores' step loops, the flat groups' initial master) serve paged params without
 knowing where they live. A paged tensor read without ``load`` shows zeros where evicted.
+The host stores never step a paged fp32 param in place: its file is not crash-safe, so the
+optimizer takes the flat store, whose master is the truth (``RuleOptimizer._make_store``).
 """
 from __future__ import annotations
 

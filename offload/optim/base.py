@@ -25,8 +25,8 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels import get_backend
-from offload.memory import paging
 from offload.kernels.fields import Rule, StateField, field_names
+from offload.memory import paging
 from offload.optim.clip import grad_multiplier
 from offload.optim.context import StepContext
 from offload.optim.context_attrs import ContextAttributes
@@ -191,15 +191,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         if stage is None:
             stage = 2 if world > 1 else 0
         self.stage = stage
-<<<<<<< HEAD
-        # fp32 CPU params are updated in place by the host stores, except params paged in swap
-        # files (offload.shard(offload_params="nvme")): those are not crash-safe by themselves,
-        # so the flat store keeps their fp32 master, from which resume rewrites them.
         host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 and not paging.paged(p) for p in params)
-=======
-        host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params)
         refuse_release_grads(self.release_grads, stage == 0 and host_ok, getattr(self, "_in_stage3", False))
->>>>>>> h8-C
         if stage == 0 and host_ok and self.config.offload in ("none", "cpu"):
             if self.config.sub_group_size is not None:
                 raise ValueError(

@@ -22,15 +22,16 @@ not depend on the sub-group size or on max_host_bytes.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from offload.kernels.compressed_ref import decode_state, encode_state
 from offload.kernels.fields import StateField
 from offload.kernels.quant import BLOCK, rounding_seed
+from offload.memory import paging
 
-__all__ = ["storage_slice", "read_values", "write_values", "compressed", "DecodedBlocks", "whole_blocks",
+__all__ = ["page_in", "page_out", "paged_copy", "storage_slice", "read_values", "write_values", "compressed", "DecodedBlocks", "whole_blocks",
            "rounding_kwargs"]
 
 
@@ -117,3 +118,47 @@ def rounding_kwargs(kw: Dict[str, Any], shard: int, at: int, skip: int, stochast
     kw["element_offset"] = at if offset is None else offset + skip
     kw.setdefault("stochastic_states", stochastic)
     return kw
+
+
+def page_in(by_group: Dict[int, Any], g: int) -> Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]]:
+    """Params on NVMe ([Note: paged tensors] in offload/memory/paging.py): the grads and
+    outputs of a sub-group's ranges brought in (the next sub-group's grads asked for, to
+    read meanwhile); (outputs, grads) to store and evict after the kernel, or None."""
+    if not paging.active():
+        return None
+
+    def views(rows):
+        outs, grads, masters = [], [], []
+        for a, b, start, it in rows:
+            y = slice(a - start, b - start)
+            grads.append(it.grad[y])
+            if it.out is not None:
+                (masters if it.mode == "master" else outs).append(it.out[y])
+        return outs, grads, masters
+
+    outs, grads, masters = views(by_group[g])
+    if not any(paging.paged(t) for t in outs + grads + masters):
+        return None
+    paging.load(grads + masters)
+    paging.will_write(outs)
+    following = min((k for k in by_group if k > g), default=None)
+    if following is not None:
+        nxt = views(by_group[following])
+        paging.prefetch(nxt[1] + nxt[2])
+    return outs + masters, grads
+
+
+def page_out(touched: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]]) -> None:
+    """After the kernel: what ``page_in`` brought in, outputs to disk, all out of RAM."""
+    if touched:
+        outs, grads = touched
+        paging.store(outs)
+        paging.evict(grads + outs)
+
+
+def paged_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` where ``dst`` may be paged (params on NVMe)."""
+    paging.will_write([dst])
+    dst.copy_(src)
+    paging.store([dst])
+    paging.evict([dst])

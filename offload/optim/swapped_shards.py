@@ -36,9 +36,8 @@ import torch
 
 from offload.kernels.fields import ADAM, MASTER, Rule, StateField, field_names
 from offload.kernels.quant import BLOCK
-from offload.memory import paging
-from offload.optim.swapped_ranges import (DecodedBlocks, compressed, read_values, rounding_kwargs, storage_slice,
-                                          whole_blocks, write_values)
+from offload.optim.swapped_ranges import (DecodedBlocks, compressed, page_in, page_out, paged_copy, read_values,
+                                          rounding_kwargs, storage_slice, whole_blocks, write_values)
 from offload.optim.stats import swap_phases
 from offload.optim.step_guard import mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
@@ -70,8 +69,7 @@ class WorkItem(NamedTuple):
     ``"master"`` (``out`` IS the fp32 master: an fp32 CPU param updated in place, in a store
     whose fields have no MASTER)."""
     then: Optional[Callable[[], None]] = None
-    """What the flat store's param sink does once the range is computed (staging -> device, a
-    non-contiguous param put back); the swapped store leaves it to its caller."""
+    """The flat store's param sink's work once the range is computed (left to the caller)."""
 
 
 class Output(NamedTuple):
@@ -97,37 +95,9 @@ def close_quietly(pipeline: SwapPipeline, store: SwapStore) -> None:
 
 
 def flat_identity(world: int, rank: int, groups: Sequence[Any]) -> Dict[str, Any]:
-    """What must match on resume for the flat groups ``groups`` (FlatGroup): world, rank and
-    each param's numel, shape and dtype ([Note: identity] in offload/swap/runs.py)."""
+    """What must match on resume (world, rank, each param's numel, shape and dtype): runs.py."""
     return {"kind": "flat", "world": world, "rank": rank, "groups": [list(fg.layout.numels) for fg in groups],
             "shapes": [[[*p.shape, str(p.dtype)] for p in fg.params] for fg in groups]}
-
-
-def _page_in(pieces, following) -> Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]]:
-    """Params on NVMe ([Note: paged tensors] in offload/memory/paging.py): the grads and
-    outputs of a sub-group's ranges brought in (the next sub-group's grads asked for, to
-    read meanwhile); (outputs, grads) to store and evict after the kernel, or None."""
-    if not paging.active():
-        return None
-
-    def views(rows):
-        outs, grads, masters = [], [], []
-        for a, b, start, it in rows:
-            y = slice(a - start, b - start)
-            grads.append(it.grad[y])
-            if it.out is not None:
-                (masters if it.mode == "master" else outs).append(it.out[y])
-        return outs, grads, masters
-
-    outs, grads, masters = views(pieces)
-    if not any(paging.paged(t) for t in outs + grads + masters):
-        return None
-    paging.load(grads + masters)
-    paging.will_write(outs)
-    if following:
-        nxt = views(following)
-        paging.prefetch(nxt[1] + nxt[2])
-    return outs + masters, grads
 
 
 class SwappedShards:
@@ -293,12 +263,8 @@ class SwappedShards:
         for g in sorted(by_group):
             master = self._cache.load(g, self._meta)[j]
             for s, a, b, out, start in by_group[g]:
-                dst = out[a - start:b - start]
-                paging.will_write([dst])  # params on NVMe: [Note: paged tensors]
                 # either mode: the master rounded to out's dtype (RNE, as the kernel's own copy)
-                dst.copy_(master[a - s:b - s])
-                paging.store([dst])
-                paging.evict([dst])
+                paged_copy(out[a - start:b - start], master[a - s:b - s])
 
     # ------------------------------------------------------------------ ranges
     def read(self, k: int, lo: int, hi: int, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
@@ -416,11 +382,8 @@ class SwappedShards:
         states = [(name, self._field(name), self.fields[self._field(name)]) for name in rule.names]
         rounding = self._rounding
 
-        order = sorted(by_group)
-        following = dict(zip(order, order[1:]))
-
         def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
-            touched = _page_in(by_group[g], by_group.get(following.get(g)))
+            touched = page_in(by_group, g)  # params on NVMe: [Note: paged tensors]
             computed.append(g)  # before the kernel: an exception inside it may have changed params
             dense = self._decoded(by_group[g], s, e, tensors)  # ranges across blocks: [Note: steps across blocks]
             step_rule = rule if dense is None else rule.base
@@ -437,10 +400,7 @@ class SwappedShards:
                     out[y].copy_(master)
             if dense is not None:
                 dense.store()
-            if touched:
-                outs, grads = touched
-                paging.store(outs)
-                paging.evict(grads + outs)
+            page_out(touched)
 
         return compute
 
