@@ -254,10 +254,18 @@ def test_the_planner_counts_the_bytes_on_disk_the_runtime_writes(tmp_path, dtype
     blocks = [sum(p.numel() for p in b.parameters()) for b in m.blocks]
     total = sum(p.numel() for p in set(m.parameters()))
     model = offload.shard(m, offload_params="nvme", swap_dir=str(tmp_path))
-    opt = offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path))
+    opt = offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), max_host_bytes=1 << 20)
     rt = runtime_of(model)
     plan = estimate(total, stage=3, offload="nvme", offload_params="nvme", param_device="cpu", param_dtype=dtype,
-                    unit_params=[total - sum(blocks)] + blocks)
+                    unit_params=[total - sum(blocks)] + blocks, max_host_bytes=1 << 20)
+    # the pipeline's buffers leave room in max_host_bytes for the paged grads and params of
+    # the sub-group being stepped (offload/swap/pipeline.py paged_bound): the same sub-groups
+    swap = opt._store._inner._swap
+    assert plan.inputs["swap"]["sub_group_size"] == swap.layout.sub_group_size
+    assert plan.inputs["swap"]["buffers"] == len(swap.pipeline.buffers)
+    unpaged = estimate(total, stage=3, offload="nvme", offload_params="cpu", param_device="cpu", param_dtype=dtype,
+                       unit_params=[total - sum(blocks)] + blocks, max_host_bytes=1 << 20)
+    assert unpaged.inputs["swap"]["sub_group_size"] > swap.layout.sub_group_size
     assert plan.breakdown["nvme"]["params"] == rt.tier.logical["params"]
     assert plan.breakdown["nvme"]["grads"] == rt.tier.logical["grads"]
     # the states: the flat store's master and moments, as the planner's swap model says

@@ -61,6 +61,8 @@ import torch
 from offload.kernels.fields import ADAM, MASTER, fields_bytes
 
 from .inputs import nonneg_bytes, parse_count
+from offload.swap.pipeline import paged_bound
+
 from .placement import buffer_tiers, swap_model
 
 __all__ = ["ShardOptions", "check_options", "unit_layout", "live_window", "place_stage3", "release_device_grads",
@@ -256,7 +258,8 @@ def _place_shards(s: Any, opts: ShardOptions, lay: Dict[str, Any], w: _Where, B:
         B[w.tier["lowp_buffers"]]["lowp_buffers"] = S * s.pb   # staging of the update to the device shards
 
 
-def _place_states3(s: Any, S: int, w: _Where, B: Any, problems: List[str]) -> Optional[Dict[str, Any]]:
+def _place_states3(s: Any, S: int, w: _Where, B: Any, problems: List[str],
+                   opts: Any = None) -> Optional[Dict[str, Any]]:
     """The optimizer's states of the shard: host buffers, or swap files for offload='nvme'."""
     fields = _fields(s, w.own_master)
     if s.offload != "nvme":
@@ -266,7 +269,9 @@ def _place_states3(s: Any, S: int, w: _Where, B: Any, problems: List[str]) -> Op
     if not S:
         return None
     try:
-        swap = swap_model(S, tuple(fields), s.mhb, s.sub_group_size)
+        paged = 3 * s.pb if getattr(opts, "offload_params", None) == "nvme" else 0  # flat/swapped.py _paged_bytes
+        swap = swap_model(S, tuple(fields), paged_bound(s.mhb, tuple(fields), paged, s.sub_group_size),
+                          s.sub_group_size)
     except ValueError as exc:
         problems.append(f"the swap pipeline refuses this configuration: {exc}")
         return None
@@ -323,7 +328,7 @@ def place_stage3(s: Any, opts: ShardOptions, B: Any, notes: List[str],
                      "for one unit per layer)")
     window = _place_window(s, opts, lay, w, B, notes)
     _place_shards(s, opts, lay, w, B, notes)
-    swap = _place_states3(s, lay["shard_numel"], w, B, problems)
+    swap = _place_states3(s, lay["shard_numel"], w, B, problems, opts)
     step, io = _step3(s, opts, lay["shard_numel"], w, swap)
     info = {"offload_params": opts.offload_params, "release_grads": True, "prefetch": opts.prefetch,
             "max_live_params": _max_live(s, opts), "units_assumed": assumed, "own_master": w.own_master,

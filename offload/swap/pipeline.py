@@ -20,7 +20,7 @@ from offload.swap import agreement
 from offload.swap.layout import ALIGN, SwapLayout, as_fields, elems_per_page, round_up
 from offload.swap.step import Extra, StepSession, SwapStepError, peers_failed
 
-__all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "pipeline_host_bytes", "zero_state", "MIN_BUFFERS",
+__all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "paged_bound", "pipeline_host_bytes", "zero_state", "MIN_BUFFERS",
            "MAX_BUFFERS"]
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,20 @@ Compute = Callable[[int, int, int, List[torch.Tensor]], None]
 def idle_votes(vote: Optional[Vote], step: Optional[int] = None, path: Optional[str] = None) -> None:
     """A rank with nothing to step takes part in both votes, and raises as the others do."""
     agreement.idle_votes(vote, lambda failed: peers_failed(failed, step, path, []), "the swap step")
+
+
+def paged_bound(max_host_bytes: Optional[int], nstates: Union[int, Sequence[Union[str, StateField]]],
+                paged_bytes: int, sub_group_size: Optional[int]) -> Optional[int]:
+    """The part of ``max_host_bytes`` left to the pipeline buffers when each element of the
+    sub-group being computed also brings ``paged_bytes`` of paged memory into RAM (params on
+    NVMe: its grad, the next sub-group's grad read ahead, its updated param), so that the
+    buffers (4 per sub-group, as ``plan_sub_groups`` sizes them) and those pages together stay
+    within the bound. Unchanged when a ``sub_group_size`` is given or nothing is paged."""
+    if not paged_bytes or sub_group_size is not None:
+        return max_host_bytes
+    bound = DEFAULT_MAX_HOST_BYTES if max_host_bytes is None else int(max_host_bytes)
+    per = 4 * fields_bytes(as_fields(nstates), 1 << 18) / float(1 << 18)
+    return int(bound * per / (per + paged_bytes))
 
 
 def plan_sub_groups(numel: int, nstates: Union[int, Sequence[Union[str, StateField]]],

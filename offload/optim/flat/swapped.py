@@ -20,7 +20,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
-from offload.swap.pipeline import idle_votes
+from offload.memory import paging
+from offload.swap.pipeline import idle_votes, paged_bound
 from offload.zero import comm
 
 if TYPE_CHECKING:
@@ -47,7 +48,9 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
         identity = flat_identity(st.world, st.rank, st._groups)
         st._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
                                  extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
-                                 max_host_bytes=cfg.max_host_bytes, sub_group_size=cfg.sub_group_size,
+                                 max_host_bytes=paged_bound(cfg.max_host_bytes, swap_fields(st),
+                                                            _paged_bytes(st), cfg.sub_group_size),
+                                 sub_group_size=cfg.sub_group_size,
                                  verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
                                  backend=st._backend, num_threads=st._threads, rank=st.rank,
                                  run_name="flat", vote=st._swap_vote, fields=swap_fields(st),
@@ -70,6 +73,13 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
             st._swap.close(remove=not st._swap.resumed)  # keep what we were asked to resume
             st._swap = None
         raise
+
+
+def _paged_bytes(st: "FlatState") -> int:
+    """Bytes per element a step brings into RAM beside the buffers when the params are paged
+    (params on NVMe): the grad, the next sub-group's grad read ahead, the updated param."""
+    ps = [p for fg in st._groups for p in fg.params]
+    return 3 * max(p.element_size() for p in ps) if any(paging.paged(p) for p in ps) else 0
 
 
 def swap_fields(st: "FlatState") -> Any:
