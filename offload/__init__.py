@@ -8,7 +8,8 @@ from offload._version import __version__
 from offload.kernels import get_num_threads, set_num_threads
 from offload.optim import SGD, Adagrad, Adam, AdamW, Lion, adam_step
 from offload.integrations.deepspeed import from_deepspeed_config
-from offload.shard import shard
+from offload.shard import full_state_dict, shard
 
-__all__ = ["Adam", "AdamW", "SGD", "Adagrad", "Lion", "adam_step", "from_deepspeed_config", "shard", "set_num_threads", "get_num_threads",
+__all__ = ["Adam", "AdamW", "SGD", "Adagrad", "Lion", "adam_step", "from_deepspeed_config", "shard", "full_state_dict",
+           "set_num_threads", "get_num_threads",
            "__version__"]
