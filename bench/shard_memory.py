@@ -10,10 +10,9 @@ in bf16, ``offload.shard(offload_params="nvme")``, ``offload.AdamW(offload="nvme
 max_host_bytes=--host)``, the demo's loop on ``--batch`` x ``--seq`` tokens. Printed per size:
 
 - peak RSS while training (VmHWM reset after the model is built: /proc/self/clear_refs) and
-  while building (the model is built whole in bf16 and then sharded, until meta-device
-  construction is used here), against 1.15 x (host budget + interpreter + activations): the
-  interpreter is the RSS before the model is built, the activations are measured as the RSS
-  growth of one forward + backward of the smallest model with params in RAM;
+  while building (on the meta device, materialized unit by unit by ``offload.shard``'s
+  ``init_fn``), against 1.15 x (host budget + interpreter): the interpreter is the RSS before
+  the model is built; the activations of ``--batch`` x ``--seq`` tokens are a few MB here;
 - per step (median of the steps after the first): forward + backward, of which the param
   tier's reads and grad writes (bytes and seconds), and the optimizer step with its state I/O
   (``opt.step_stats()``), against the disk's limit (``--read-gbs`` / ``--write-gbs``, from
@@ -70,13 +69,24 @@ def _worker(a: argparse.Namespace) -> None:
     cfg = GPTConfig(n_layer=_layers(a.params, a.d_model, 256), d_model=a.d_model, n_head=max(1, a.d_model // 128),
                     block_size=a.seq)
     torch.set_default_dtype(torch.bfloat16)
-    model = TinyGPT(cfg)
+    with torch.device("meta"):  # never whole in memory: materialized unit by unit by shard()
+        model = TinyGPT(cfg)
     torch.set_default_dtype(torch.float32)
     nparams = sum(p.numel() for p in model.parameters())
     parent = tempfile.mkdtemp(prefix="shard-mem-", dir=a.swap_dir)
+
+    def init(m: torch.nn.Module) -> None:  # TinyGPT's init, module by module
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(m.weight, 0.0, 0.02)
+        if isinstance(m, torch.nn.Linear) and m.bias is not None:
+            torch.nn.init.zeros_(m.bias)
+        if isinstance(m, torch.nn.LayerNorm):
+            m.reset_parameters()
+
     try:
         model = offload.shard(model, offload_params=a.offload_params,
-                              swap_dir=parent if a.offload_params == "nvme" else None, prefetch=a.prefetch)
+                              swap_dir=parent if a.offload_params == "nvme" else None, prefetch=a.prefetch,
+                              init_fn=init)
         build_peak = _status("VmHWM")
         opt = offload.AdamW(model.parameters(), lr=1e-4, offload="nvme", swap_dir=parent, max_host_bytes=a.host)
         rt = runtime_of(model)
