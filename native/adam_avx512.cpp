@@ -322,10 +322,57 @@ inline void q8_search(const Q8Tree &t, const __m512 (&xn)[V], __m128i (&out)[V])
     }
 }
 
-inline void q8_codes(const float *x, int64_t len, float absmax, const float *tree, uint8_t *codes) {
+// The bucket table's keys in 4 registers ([Note: bucketed encoder] in q8_buckets.h).
+struct Q8Keys {
+    __m512i pos[2], neg[2];
+    explicit Q8Keys(const Q8Buckets &b) {
+        for (int j = 0; j < 2; ++j) {
+            pos[j] = _mm512_loadu_si512(b.key + 16 * j);
+            neg[j] = _mm512_loadu_si512(b.key + 32 + 16 * j);
+        }
+    }
+};
+
+// 16 codes by the bucket table: the key from the registers, the bucket's word gathered,
+// one compare (quant_scalar.h's q8_code_bucket, lane-wise; |xn| held to [2^-31, 2)).
+inline __m128i bucket_codes(const Q8Keys &k, const uint32_t *word, __m512 xn) {
+    const __m512i xb = _mm512_castps_si512(xn);
+    __m512i ac = _mm512_and_si512(xb, _mm512_set1_epi32(0x7FFFFFFF));
+    ac = _mm512_min_epu32(_mm512_max_epu32(ac, _mm512_set1_epi32(96 << 23)), _mm512_set1_epi32(0x3FFFFFFF));
+    const __m512i ki = _mm512_srli_epi32(ac, 23);  // permutex2var reads its low 5 bits
+    const __m512i kw = _mm512_mask_mov_epi32(_mm512_permutex2var_epi32(k.pos[0], ki, k.pos[1]),
+                                             _mm512_movepi32_mask(xb),
+                                             _mm512_permutex2var_epi32(k.neg[0], ki, k.neg[1]));
+    const __m512i shift = _mm512_and_si512(kw, _mm512_set1_epi32(31));
+    const __m512i b = _mm512_add_epi32(_mm512_srlv_epi32(ac, shift), _mm512_srai_epi32(kw, 5));
+    const __m512i w = _mm512_i32gather_epi32(b, word, 4);
+    const __m512i rel = _mm512_sllv_epi32(_mm512_xor_si512(xb, _mm512_srai_epi32(xb, 31)),
+                                          _mm512_sub_epi32(_mm512_set1_epi32(32), shift));
+    const __mmask16 up = _mm512_cmpge_epu32_mask(rel, _mm512_andnot_si512(_mm512_set1_epi32(0xFF), w));
+    return _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(w, up, w, _mm512_set1_epi32(1)));
+}
+
+// Measured here (Zen 4, 2**16 values of each map): the tree 0.66 ns/code, the buckets
+// 0.58 (the gather is over half of it; 16 codes per iteration were 0.61).
+inline void q8_codes_bucketed(const float *x, int64_t len, __m512 a, const Q8Buckets &bk, uint8_t *codes) {
     constexpr int V = 4;
-    const Q8Tree t(tree);
+    const Q8Keys keys(bk);
+    for (int64_t i = 0; i < len; i += 16 * V) {
+        __m512 xn[V];
+        __mmask16 k[V];
+        for (int j = 0; j < V; ++j) {
+            k[j] = lanes_mask(len - i - 16 * j);
+            xn[j] = _mm512_div_ps(_mm512_maskz_loadu_ps(k[j], x + i + 16 * j), a);  // IEEE division
+        }
+        for (int j = 0; j < V; ++j) store_u8(codes + i + 16 * j, k[j], bucket_codes(keys, bk.word, xn[j]));
+    }
+}
+
+inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &tables, uint8_t *codes) {
+    constexpr int V = 4;
     const __m512 a = _mm512_set1_ps(absmax);
+    if (tables.buckets) return q8_codes_bucketed(x, len, a, *tables.buckets, codes);
+    const Q8Tree t(tables.tree);
     for (int64_t i = 0; i < len; i += 16 * V) {
         __m512 xn[V];
         __mmask16 k[V];
