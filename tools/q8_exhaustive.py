@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Every float32 in [-1, 1] through a backend's int8 encoder, against quant.py's scheme.
+
+    PYTHONPATH=$PWD python tools/q8_exhaustive.py [--backends native,numba] [--isas avx512,avx2,scalar]
+                                                  [--maps signed,unsigned] [--threads 2] [--stride 1]
+
+The encoder's code of xn is #{i : mid[i] < xn} (quant.py; native/q8_buckets.h, [Note:
+bucketed encoder], computes it from a table indexed by the float bits). With absmax 1 the
+kernel divides by 1, so xn is the value itself: the values go in as SGD's first-step momentum
+buffer (buf = grad, lr 0) in blocks of 255 values and one 1.0 (each block's absmax), in
+ascending order, 2**31 + 2 values per map. The expected codes of a chunk come from where
+each midpoint falls in the sorted chunk (searchsorted + a running count), not from the
+encoder's own method. The unsigned map goes through the same signed state: the native
+library reads the maps through the pointers the backend passes, so for that run the signed
+slots point at the unsigned map and midpoints (numba: its table dict is patched the same
+way). ``--stride k`` checks every k-th float only (a quick look). Exits 1 on the first
+mismatch, printing the value, the code and the expected code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+import offload.kernels as K
+from offload.kernels import native_backend, numba_backend, quant
+from offload.kernels.fields import SGD
+
+NEG = 0x3F800001  # -1.0 .. -0.0: bit patterns 0xBF800000 down to 0x80000000
+TOTAL = 2 * NEG  # then +0.0 .. 1.0
+BLOCKS = 1 << 16  # a chunk: 65536 blocks of 255 values and a 1.0
+
+
+def ascending(start: int, count: int, stride: int) -> np.ndarray:
+    """Values start, start + stride, ... (count of them) of the ascending list of [-1, 1]."""
+    i = start + np.arange(count, dtype=np.int64) * stride
+    bits = np.where(i < NEG, 0xBF800000 - i, i - NEG).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def expected_codes(vals: np.ndarray, mid: np.ndarray) -> np.ndarray:
+    """#{i : mid[i] < v} for sorted vals: the running count of midpoints passed."""
+    first_above = np.searchsorted(vals, mid, side="right")  # first value > mid[i]
+    return np.cumsum(np.bincount(first_above, minlength=vals.size + 1))[:vals.size].astype(np.uint8)
+
+
+def encode(backend, vals: np.ndarray, threads: int) -> np.ndarray:
+    """The backend's codes of vals (absmax 1 per block)."""
+    m = -(-vals.size // 255)
+    padded = np.zeros(m * 255, dtype=np.float32)
+    padded[:vals.size] = vals
+    g = np.empty((m, 256), dtype=np.float32)
+    g[:, :255] = padded.reshape(m, 255)
+    g[:, 255] = 1.0
+    n = g.size
+    crule = SGD.with_state_dtype("int8")
+    f = crule.fields[0]
+    buf = torch.zeros(f.storage_numel(n), dtype=f.storage_dtype)
+    backend.rule_step(crule, torch.zeros(n), torch.from_numpy(g).view(-1), {"momentum_buffer": buf},
+                      step=1, lr=0.0, momentum=0.9, num_threads=threads)
+    codes = buf.view(torch.uint8).numpy().reshape(m, quant.PACKED_BLOCK)[:, :255]
+    return codes.reshape(-1)[:vals.size]
+
+
+class unsigned_tables:
+    """Within the block, the backends' signed map and midpoints are the unsigned ones."""
+
+    def __enter__(self):
+        self.ptrs = native_backend._TABLE_PTRS
+        u_map, u_mid = self.ptrs[2], self.ptrs[3]
+        native_backend._TABLE_PTRS = (u_map, u_mid, u_map, u_mid)
+        self.maps = dict(numba_backend._QUANT_MAPS)
+        numba_backend._QUANT_MAPS[True] = numba_backend._QUANT_MAPS[False]
+        return self
+
+    def __exit__(self, *exc):
+        native_backend._TABLE_PTRS = self.ptrs
+        numba_backend._QUANT_MAPS.clear()
+        numba_backend._QUANT_MAPS.update(self.maps)
+
+
+def check(backend, name: str, signed: bool, threads: int, stride: int) -> bool:
+    mid = quant.quant_map(signed)[1].numpy()
+    total = -(-TOTAL // stride)
+    chunk = BLOCKS * 255
+    t0 = time.perf_counter()
+    for start in range(0, total, chunk):
+        vals = ascending(start * stride, min(chunk, total - start), stride)
+        want = expected_codes(vals, mid)
+        got = encode(backend, vals, threads)
+        bad = np.flatnonzero(got != want)
+        if bad.size:
+            j = bad[0]
+            print(f"{name} {'signed' if signed else 'unsigned'}: {bad.size} mismatches in this chunk; "
+                  f"first: x = {vals[j]!r} (bits {vals[j:j+1].view(np.uint32)[0]:#010x}) "
+                  f"code {got[j]} expected {want[j]}")
+            return False
+    print(f"{name} {'signed' if signed else 'unsigned'}: {total} values, all equal "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="native")
+    ap.add_argument("--isas", default="", help="native ISAs (default: every supported one)")
+    ap.add_argument("--maps", default="signed,unsigned")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stride", type=int, default=1)
+    args = ap.parse_args()
+    ok = True
+    for bname in args.backends.split(","):
+        backend = K.get_backend(bname)
+        isas = (args.isas.split(",") if args.isas else backend.supported) if bname == "native" else [""]
+        for isa in isas:
+            if isa:
+                os.environ["OFFLOAD_ISA"] = isa
+            for m in args.maps.split(","):
+                signed = m == "signed"
+                if signed:
+                    ok &= check(backend, f"{bname} {isa}".strip(), True, args.threads, args.stride)
+                else:
+                    with unsigned_tables():
+                        ok &= check(backend, f"{bname} {isa}".strip(), False, args.threads, args.stride)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
