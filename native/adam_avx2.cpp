@@ -221,7 +221,8 @@ inline bool lanes_none_at_least(__m256 t, __m256 limit) {
 
 // ---- compressed states: compressed_tile.h's primitives, 8 lanes at a time; the part
 // left over (< 8) goes through quant_scalar.h, whose operations are exact: the same bits.
-inline void q8_decode(const uint8_t *codes, float absmax, const float *map, float *out, int64_t len) {
+inline void q8_decode(const uint8_t *codes, float absmax, const Q8Tables &t, float *out, int64_t len) {
+    const float *map = t.map;
     const __m256 a = _mm256_set1_ps(absmax);
     int64_t i = 0;
     for (; i + 8 <= len; i += 8) {

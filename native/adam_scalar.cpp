@@ -97,8 +97,8 @@ double sumsq_loop(const void *g, int64_t begin, int64_t end) {
 
 // ---- compressed states: the scheme one element at a time (quant_scalar.h), the fused
 // tiles of compressed_tile.h around the loops above.
-inline void q8_decode(const uint8_t *codes, float absmax, const float *map, float *out, int64_t len) {
-    q8_decode_scalar(codes, absmax, map, out, len);
+inline void q8_decode(const uint8_t *codes, float absmax, const Q8Tables &t, float *out, int64_t len) {
+    q8_decode_scalar(codes, absmax, t.map, out, len);
 }
 inline uint32_t abs_bits_max(const float *x, int64_t len) { return abs_bits_max_scalar(x, len); }
 inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &t, uint8_t *codes) {

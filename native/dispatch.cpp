@@ -342,6 +342,7 @@ int find_zero_code(const float *map) {
 
 struct Q8Built {
     alignas(64) float tree[2][256];  // signed, unsigned
+    alignas(64) uint16_t halves[2][512];
     int zero[2] = {-1, -1};
     const Q8Buckets *buckets[2] = {nullptr, nullptr};
 };
@@ -393,9 +394,15 @@ int fill_compressed(const offload_step_args &a, int want, Q8Built &q, Compressed
             q.zero[m] = find_zero_code(maps[m]);
             if (q.zero[m] < 0) return -EINVAL;
             build_tree(mids[m], q.tree[m]);
+            for (int i = 0; i < 256; ++i) {
+                uint32_t bits;
+                memcpy(&bits, maps[m] + i, 4);
+                q.halves[m][i] = static_cast<uint16_t>(bits);
+                q.halves[m][256 + i] = static_cast<uint16_t>(bits >> 16);
+            }
             q.buckets[m] = cached_buckets(mids[m]);
         }
-        s.q8[k] = Q8Tables{maps[m], q.tree[m], static_cast<uint8_t>(q.zero[m]), q.buckets[m]};
+        s.q8[k] = Q8Tables{maps[m], q.halves[m], q.tree[m], static_cast<uint8_t>(q.zero[m]), q.buckets[m]};
     }
     s.offset = a.quant.offset;
     s.seed = a.quant.seed;

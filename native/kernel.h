@@ -88,6 +88,7 @@ constexpr int64_t kTile = OFFLOAD_Q8_BLOCK;  // elements decoded into L1 buffers
 // unused), so a code is 8 steps of idx = 2 * idx + (tree[idx] < xn), minus 256.
 struct Q8Tables {
     const float *map;   // [256]
+    const uint16_t *halves;  // [512]: the low 16 bits of map[0..255], then the high 16 bits
     const float *tree;  // [256]
     uint8_t zero_code;  // the code whose map value is 0
     const struct Q8Buckets *buckets;  // nullptr: the map does not fit (search the tree)

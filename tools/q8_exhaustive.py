@@ -37,7 +37,7 @@ BLOCKS = 1 << 16  # a chunk: 65536 blocks of 255 values and a 1.0
 
 def ascending(start: int, count: int, stride: int) -> np.ndarray:
     """Values start, start + stride, ... (count of them) of the ascending list of [-1, 1]."""
-    i = start + np.arange(count, dtype=np.int64) * stride
+    i = np.arange(start, start + count * stride, stride, dtype=np.int64)[:count]
     bits = np.where(i < NEG, 0xBF800000 - i, i - NEG).astype(np.uint32)
     return bits.view(np.float32)
 
@@ -48,22 +48,27 @@ def expected_codes(vals: np.ndarray, mid: np.ndarray) -> np.ndarray:
     return np.cumsum(np.bincount(first_above, minlength=vals.size + 1))[:vals.size].astype(np.uint8)
 
 
-def encode(backend, vals: np.ndarray, threads: int) -> np.ndarray:
-    """The backend's codes of vals (absmax 1 per block)."""
+def blocks_of(vals: np.ndarray) -> torch.Tensor:
+    """vals in blocks of 255 and a 1.0 (each block's absmax), zeros after the last value."""
     m = -(-vals.size // 255)
     padded = np.zeros(m * 255, dtype=np.float32)
     padded[:vals.size] = vals
     g = np.empty((m, 256), dtype=np.float32)
     g[:, :255] = padded.reshape(m, 255)
     g[:, 255] = 1.0
-    n = g.size
+    return torch.from_numpy(g).view(-1)
+
+
+def encode(backend, g: torch.Tensor, count: int, threads: int) -> np.ndarray:
+    """The backend's codes of the first count values of blocks g."""
+    n = g.numel()
     crule = SGD.with_state_dtype("int8")
     f = crule.fields[0]
     buf = torch.zeros(f.storage_numel(n), dtype=f.storage_dtype)
-    backend.rule_step(crule, torch.zeros(n), torch.from_numpy(g).view(-1), {"momentum_buffer": buf},
-                      step=1, lr=0.0, momentum=0.9, num_threads=threads)
-    codes = buf.view(torch.uint8).numpy().reshape(m, quant.PACKED_BLOCK)[:, :255]
-    return codes.reshape(-1)[:vals.size]
+    backend.rule_step(crule, torch.zeros(n), g, {"momentum_buffer": buf}, step=1, lr=0.0,
+                      momentum=0.9, num_threads=threads)
+    codes = buf.view(torch.uint8).numpy().reshape(n // 256, quant.PACKED_BLOCK)[:, :255]
+    return codes.reshape(-1)[:count]
 
 
 class unsigned_tables:
@@ -83,23 +88,28 @@ class unsigned_tables:
         numba_backend._QUANT_MAPS.update(self.maps)
 
 
-def check(backend, name: str, signed: bool, threads: int, stride: int) -> bool:
+def check(encoders, signed: bool, threads: int, stride: int) -> bool:
+    """Every encoder (name, backend, isa) on the map's values; False at the first mismatch."""
     mid = quant.quant_map(signed)[1].numpy()
+    which = "signed" if signed else "unsigned"
     total = -(-TOTAL // stride)
     chunk = BLOCKS * 255
     t0 = time.perf_counter()
     for start in range(0, total, chunk):
         vals = ascending(start * stride, min(chunk, total - start), stride)
         want = expected_codes(vals, mid)
-        got = encode(backend, vals, threads)
-        bad = np.flatnonzero(got != want)
-        if bad.size:
-            j = bad[0]
-            print(f"{name} {'signed' if signed else 'unsigned'}: {bad.size} mismatches in this chunk; "
-                  f"first: x = {vals[j]!r} (bits {vals[j:j+1].view(np.uint32)[0]:#010x}) "
-                  f"code {got[j]} expected {want[j]}")
-            return False
-    print(f"{name} {'signed' if signed else 'unsigned'}: {total} values, all equal "
+        g = blocks_of(vals)
+        for name, backend, isa in encoders:
+            if isa:
+                os.environ["OFFLOAD_ISA"] = isa
+            bad = np.flatnonzero(encode(backend, g, vals.size, threads) != want)
+            if bad.size:
+                j = bad[0]
+                got = encode(backend, g, vals.size, threads)[j]
+                print(f"{name} {which}: {bad.size} mismatches in a chunk; first: x = {vals[j]!r} "
+                      f"(bits {vals[j:j + 1].view(np.uint32)[0]:#010x}) code {got} expected {want[j]}")
+                return False
+    print(f"{which}: {total} values, every encoder ({', '.join(e[0] for e in encoders)}) equal "
           f"({time.perf_counter() - t0:.1f} s)", flush=True)
     return True
 
@@ -112,20 +122,18 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--stride", type=int, default=1)
     args = ap.parse_args()
-    ok = True
+    encoders = []
     for bname in args.backends.split(","):
         backend = K.get_backend(bname)
         isas = (args.isas.split(",") if args.isas else backend.supported) if bname == "native" else [""]
-        for isa in isas:
-            if isa:
-                os.environ["OFFLOAD_ISA"] = isa
-            for m in args.maps.split(","):
-                signed = m == "signed"
-                if signed:
-                    ok &= check(backend, f"{bname} {isa}".strip(), True, args.threads, args.stride)
-                else:
-                    with unsigned_tables():
-                        ok &= check(backend, f"{bname} {isa}".strip(), False, args.threads, args.stride)
+        encoders += [(f"{bname} {isa}".strip(), backend, isa) for isa in isas]
+    ok = True
+    for m in args.maps.split(","):
+        if m == "signed":
+            ok &= check(encoders, True, args.threads, args.stride)
+        else:
+            with unsigned_tables():
+                ok &= check(encoders, False, args.threads, args.stride)
     return 0 if ok else 1
 
 
