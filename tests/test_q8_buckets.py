@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import offload.kernels as K
-from offload.kernels import native_backend, numba_backend, quant
+from offload.kernels import native_backend, numba_backend, q8_buckets, quant
 from offload.kernels.fields import SGD
 
 from test_kernels import _native_or_none
@@ -62,8 +62,8 @@ def _use_map(monkeypatch, table: torch.Tensor, mid: torch.Tensor):
     keep = (table, mid)  # the library reads raw pointers: keep the tensors alive
     ptrs = native_backend._TABLE_PTRS
     monkeypatch.setattr(native_backend, "_TABLE_PTRS", (table.data_ptr(), mid.data_ptr()) + ptrs[2:])
-    monkeypatch.setitem(numba_backend._QUANT_MAPS, True,
-                        (table.numpy(), mid.numpy(), int((table == 0).nonzero()[0, 0])))
+    monkeypatch.setitem(numba_backend._QUANT_MAPS, True, numba_backend.quant_tables(
+        table.numpy(), mid.numpy(), int((table == 0).nonzero()[0, 0])))
     return keep
 
 
@@ -117,3 +117,20 @@ def test_the_dense_map_is_dense():
     mid = (_dense_map()[:-1] + _dense_map()[1:]) * 0.5
     in_first_bucket = ((mid >= 0.5) & (mid < 0.5 + 2.0 ** -11)).sum().item()
     assert in_first_bucket > 2
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_numpy_table_is_the_midpoint_count(signed):
+    mid = quant.quant_map(signed)[1]
+    table = q8_buckets.build(mid.numpy())
+    assert table is not None and table.dtype == np.uint32 and table.size == 64 + q8_buckets.MAX_BUCKETS
+    vals = _values(mid)
+    want = torch.searchsorted(mid, vals, right=False).to(torch.uint8).numpy()
+    assert (q8_buckets.code_of(table, vals.numpy()) == want).all()
+
+
+def test_numpy_table_refuses_what_does_not_fit():
+    table = _dense_map()
+    assert q8_buckets.build(((table[:-1] + table[1:]) * 0.5).numpy()) is None
+    assert q8_buckets.build(quant.SIGNED_MID.flip(0).numpy()) is None  # unsorted
+    assert q8_buckets.build(quant.SIGNED_MID[:100].numpy()) is None  # not 255 midpoints
