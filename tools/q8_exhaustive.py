@@ -37,9 +37,15 @@ BLOCKS = 1 << 16  # a chunk: 65536 blocks of 255 values and a 1.0
 
 def ascending(start: int, count: int, stride: int) -> np.ndarray:
     """Values start, start + stride, ... (count of them) of the ascending list of [-1, 1]."""
-    i = np.arange(start, start + count * stride, stride, dtype=np.int64)[:count]
-    bits = np.where(i < NEG, 0xBF800000 - i, i - NEG).astype(np.uint32)
-    return bits.view(np.float32)
+    stop = start + count * stride
+    parts = []
+    if start < NEG:  # the negative half, bits descending (arange in uint32: half the bytes)
+        k = min(count, -(-(NEG - start) // stride))
+        parts.append(np.arange(0xBF800000 - start, 0xBF800000 - start - k * stride, -stride, dtype=np.int64))
+    if stop > NEG:
+        first = start + max(0, -(-(NEG - start) // stride)) * stride  # first index >= NEG
+        parts.append(np.arange(first - NEG, stop - NEG, stride, dtype=np.int64))
+    return np.concatenate(parts).astype(np.uint32).view(np.float32)
 
 
 def expected_codes(vals: np.ndarray, mid: np.ndarray) -> np.ndarray:
