@@ -6,7 +6,9 @@ midpoint and its two float neighbours, the bucket edges (powers of two, 2^-30 an
 their neighbours), +-0, +-1 and subnormals; for the signed and the unsigned map (the latter
 through the signed state, by pointing the backend's signed tables at it), and for a map too
 dense for the bucket table (the tree search it falls back to). tools/q8_exhaustive.py runs
-the same comparison on every float32 in [-1, 1].
+the same comparison on every float32 in [-1, 1]. The decoders are held to quant.decode_blocks
+on every code at every position of a block; the numpy table (q8_buckets.py, numba's) to the
+midpoint count directly.
 """
 from __future__ import annotations
 
@@ -134,3 +136,25 @@ def test_numpy_table_refuses_what_does_not_fit():
     assert q8_buckets.build(((table[:-1] + table[1:]) * 0.5).numpy()) is None
     assert q8_buckets.build(quant.SIGNED_MID.flip(0).numpy()) is None  # unsorted
     assert q8_buckets.build(quant.SIGNED_MID[:100].numpy()) is None  # not 255 midpoints
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_decoder_reads_every_code(backend, signed, monkeypatch):
+    # every code at every position of a block (the AVX-512 decoder reorders 32 codes for its
+    # 16-bit lookups), absmax from tiny to large, a partial last block: SGD's second step
+    # with momentum 1, dampening 0, grad 0 and lr 1 leaves param = -decode(buffer)
+    table, mid = quant.quant_map(signed)
+    keep = _use_map(monkeypatch, table, mid)  # noqa: F841 (alive through the calls)
+    n = 9 * 256 + 77
+    codes = torch.stack([(torch.arange(256) * k + k) % 256 for k in (1, 3, 5, 7, 11, 13, 17, 19, 23, 29)])
+    packed = torch.zeros(10, quant.PACKED_BLOCK, dtype=torch.uint8)
+    packed[:, :256] = codes.to(torch.uint8)
+    scales = torch.tensor([1.0, 3.7, 1e-30, 1e-40, 2.5e38, 0.5, 7.0, 1e-3, 1e3, 0.1])
+    packed[:, 256:] = scales.view(-1, 1).contiguous().view(torch.uint8).view(10, 4)
+    packed = packed.view(-1)[:quant.packed_nbytes(n)].clone()
+    want = quant.decode_blocks(packed, n, signed)
+    crule = SGD.with_state_dtype("int8")
+    param = torch.zeros(n)
+    backend.rule_step(crule, param, torch.zeros(n), {"momentum_buffer": packed}, step=2, lr=1.0,
+                      momentum=1.0, dampening=0.0, num_threads=2)
+    assert torch.equal(param, -want)
