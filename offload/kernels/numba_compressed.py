@@ -202,8 +202,9 @@ def _code(mid, xn):
 @njit(inline="always", nogil=True, cache=True)
 def _code_bucket(t, xn):
     """q8_buckets.code_of of one value: [Note: bucketed encoder] in native/q8_buckets.h
-    (t: the keys, then the words; |xn| held to [2^-31, 2) before it indexes t). Measured
-    here (2**20 values): 10-14 ns a code against 14-35 for the binary search."""
+    (t: the keys, then the words; |xn| held to [2^-31, 2) before it indexes t). With it the
+    int8 AdamW step took 15 ns of CPU time per element against 22 with the binary search
+    (4M elements, 1 thread, this machine)."""
     u = np.int64(bits_from_f32(xn)) & 0xFFFFFFFF
     ac = min(max(u & 0x7FFFFFFF, 96 << 23), 0x3FFFFFFF)
     kw = np.int64(np.int32(t[(u >> 31) * 32 + ((ac >> 23) & 31)]))
