@@ -221,7 +221,8 @@ inline bool lanes_none_at_least(__m256 t, __m256 limit) {
 
 // ---- compressed states: compressed_tile.h's primitives, 8 lanes at a time; the part
 // left over (< 8) goes through quant_scalar.h, whose operations are exact: the same bits.
-inline void q8_decode(const uint8_t *codes, float absmax, const float *map, float *out, int64_t len) {
+inline void q8_decode(const uint8_t *codes, float absmax, const Q8Tables &t, float *out, int64_t len) {
+    const float *map = t.map;
     const __m256 a = _mm256_set1_ps(absmax);
     int64_t i = 0;
     for (; i + 8 <= len; i += 8) {
@@ -278,12 +279,46 @@ inline void q8_search(const float *tree, const __m256 (&r)[4], const __m256 (&xn
     }
 }
 
-inline void q8_codes(const float *x, int64_t len, float absmax, const float *tree, uint8_t *codes) {
+// 8 codes by the bucket table ([Note: bucketed encoder] in q8_buckets.h): the key and the
+// bucket's word gathered, one unsigned compare (max + equal: AVX2 has no unsigned compare);
+// quant_scalar.h's q8_code_bucket lane-wise. The low byte of each lane is the code.
+inline __m256i bucket_codes(const Q8Buckets &bk, __m256 xn) {
+    const __m256i xb = _mm256_castps_si256(xn);
+    __m256i ac = _mm256_and_si256(xb, _mm256_set1_epi32(0x7FFFFFFF));
+    ac = _mm256_min_epu32(_mm256_max_epu32(ac, _mm256_set1_epi32(96 << 23)), _mm256_set1_epi32(0x3FFFFFFF));
+    const __m256i ki = _mm256_add_epi32(_mm256_sub_epi32(_mm256_srli_epi32(ac, 23), _mm256_set1_epi32(96)),
+                                        _mm256_slli_epi32(_mm256_srli_epi32(xb, 31), 5));
+    const __m256i kw = _mm256_i32gather_epi32(bk.key, ki, 4);
+    const __m256i shift = _mm256_and_si256(kw, _mm256_set1_epi32(31));
+    const __m256i b = _mm256_add_epi32(_mm256_srlv_epi32(ac, shift), _mm256_srai_epi32(kw, 5));
+    const __m256i w = _mm256_i32gather_epi32(reinterpret_cast<const int *>(bk.word), b, 4);
+    const __m256i rel = _mm256_sllv_epi32(_mm256_xor_si256(xb, _mm256_srai_epi32(xb, 31)),
+                                          _mm256_sub_epi32(_mm256_set1_epi32(32), shift));
+    const __m256i cut = _mm256_andnot_si256(_mm256_set1_epi32(0xFF), w);
+    const __m256i up = _mm256_cmpeq_epi32(_mm256_max_epu32(rel, cut), rel);  // rel >= cut: -1
+    return _mm256_sub_epi32(w, up);
+}
+
+inline __m128i low_bytes(__m256i c) {
+    c = _mm256_and_si256(c, _mm256_set1_epi32(0xFF));
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    return _mm_packus_epi16(w, w);
+}
+
+inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &t, uint8_t *codes) {
     constexpr int V = 4;
-    const __m256 r[4] = {_mm256_loadu_ps(tree), _mm256_loadu_ps(tree + 8),
-                         _mm256_loadu_ps(tree + 16), _mm256_loadu_ps(tree + 24)};
     const __m256 a = _mm256_set1_ps(absmax);
     int64_t i = 0;
+    if (t.buckets) {
+        for (; i + 8 <= len; i += 8) {
+            const __m256 xn = _mm256_div_ps(_mm256_loadu_ps(x + i), a);  // IEEE division
+            _mm_storel_epi64(reinterpret_cast<__m128i *>(codes + i), low_bytes(bucket_codes(*t.buckets, xn)));
+        }
+        return q8_codes_scalar(x + i, len - i, absmax, t, codes + i);
+    }
+    const float *tree = t.tree;
+    const __m256 r[4] = {_mm256_loadu_ps(tree), _mm256_loadu_ps(tree + 8),
+                         _mm256_loadu_ps(tree + 16), _mm256_loadu_ps(tree + 24)};
     for (; i + 8 * V <= len; i += 8 * V) {
         __m256 xn[V];
         __m128i c[V];
@@ -297,7 +332,7 @@ inline void q8_codes(const float *x, int64_t len, float absmax, const float *tre
         q8_search<1>(tree, r, xn, c);
         _mm_storel_epi64(reinterpret_cast<__m128i *>(codes + i), c[0]);
     }
-    q8_codes_scalar(x + i, len - i, absmax, tree, codes + i);
+    q8_codes_scalar(x + i, len - i, absmax, t, codes + i);
 }
 
 inline void bf16_load(const uint16_t *src, float *out, int64_t len) {

@@ -97,12 +97,12 @@ double sumsq_loop(const void *g, int64_t begin, int64_t end) {
 
 // ---- compressed states: the scheme one element at a time (quant_scalar.h), the fused
 // tiles of compressed_tile.h around the loops above.
-inline void q8_decode(const uint8_t *codes, float absmax, const float *map, float *out, int64_t len) {
-    q8_decode_scalar(codes, absmax, map, out, len);
+inline void q8_decode(const uint8_t *codes, float absmax, const Q8Tables &t, float *out, int64_t len) {
+    q8_decode_scalar(codes, absmax, t.map, out, len);
 }
 inline uint32_t abs_bits_max(const float *x, int64_t len) { return abs_bits_max_scalar(x, len); }
-inline void q8_codes(const float *x, int64_t len, float absmax, const float *tree, uint8_t *codes) {
-    q8_codes_scalar(x, len, absmax, tree, codes);
+inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &t, uint8_t *codes) {
+    q8_codes_scalar(x, len, absmax, t, codes);
 }
 inline void bf16_load(const uint16_t *src, float *out, int64_t len) { bf16_load_scalar(src, out, len); }
 inline void bf16_nearest(const float *x, uint16_t *dst, int64_t len) { bf16_nearest_scalar(x, dst, len); }

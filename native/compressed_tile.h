@@ -12,9 +12,9 @@
 //
 // Include it *inside* a unit's anonymous namespace after the unit has defined (its own
 // instruction set; any len in [1, kTile]):
-//   void q8_decode(const uint8_t *codes, float absmax, const float *map, float *out, int64_t len);
+//   void q8_decode(const uint8_t *codes, float absmax, const Q8Tables &t, float *out, int64_t len);
 //   uint32_t abs_bits_max(const float *x, int64_t len);   (quant_scalar.h's meaning)
-//   void q8_codes(const float *x, int64_t len, float absmax, const float *tree, uint8_t *codes);
+//   void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &t, uint8_t *codes);
 //   void bf16_load(const uint16_t *src, float *out, int64_t len);
 //   void bf16_nearest(const float *x, uint16_t *dst, int64_t len);
 //   void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start, uint32_t key);
@@ -37,7 +37,7 @@ inline void q8_encode_block(const float *x, int64_t len, const Q8Tables &t, uint
     } else if (mx == 0) {
         memset(blk, t.zero_code, kTile);
     } else {
-        q8_codes(x, len, bits_f32(mx), t.tree, blk);
+        q8_codes(x, len, bits_f32(mx), t, blk);
         memset(blk + len, t.zero_code, kTile - len);  // padding: the zero code
     }
     memcpy(blk + kTile, &absmax_bits, 4);
@@ -52,7 +52,7 @@ inline float *decode_state(const CompressedStep &s, int k, int64_t t0, int64_t l
         const uint8_t *blk = static_cast<const uint8_t *>(a.data) + (t0 / kTile) * OFFLOAD_Q8_PACKED;
         float absmax;
         memcpy(&absmax, blk + kTile, 4);
-        q8_decode(blk, absmax, s.q8[k].map, buf, len);
+        q8_decode(blk, absmax, s.q8[k], buf, len);
     }
     return buf;
 }

@@ -7,11 +7,13 @@
 #include <memory>
 #include <cmath>
 #include <cpuid.h>
+#include <cstring>
 #include <thread>
 #include <vector>
 
 #include "kernel.h"
 #include "offload_native.h"
+#include "q8_buckets.h"
 
 namespace {
 
@@ -340,8 +342,36 @@ int find_zero_code(const float *map) {
 
 struct Q8Built {
     alignas(64) float tree[2][256];  // signed, unsigned
+    alignas(64) uint16_t halves[2][512];
     int zero[2] = {-1, -1};
+    const Q8Buckets *buckets[2] = {nullptr, nullptr};
 };
+
+// The bucket table of midpoints mid, or nullptr where the map does not fit. Building one
+// takes ~50 us, longer than a small tensor's step, so each thread keeps the tables of the
+// last two maps it saw (the signed and the unsigned), keyed by their midpoints' bytes.
+// The pointer stays valid through the caller's step (its workers only read it).
+const Q8Buckets *cached_buckets(const float *mid) {
+    struct Slot {
+        float mid[255];
+        Q8Buckets table;
+        bool used = false;
+    };
+    thread_local std::unique_ptr<Slot[]> slots(new Slot[2]);
+    thread_local int next = 0;
+    for (int i = 0; i < 2; ++i) {
+        if (slots[i].used && memcmp(slots[i].mid, mid, sizeof slots[i].mid) == 0) {
+            next = i ^ 1;  // least recently used: a step's two maps never evict each other
+            return slots[i].table.ok ? &slots[i].table : nullptr;
+        }
+    }
+    Slot &s = slots[next];
+    next ^= 1;
+    memcpy(s.mid, mid, sizeof s.mid);
+    build_q8_buckets(mid, s.table);
+    s.used = true;
+    return s.table.ok ? &s.table : nullptr;
+}
 
 int fill_compressed(const offload_step_args &a, int want, Q8Built &q, CompressedStep &s) {
     const float *maps[2] = {a.quant.signed_map, a.quant.unsigned_map};
@@ -364,8 +394,15 @@ int fill_compressed(const offload_step_args &a, int want, Q8Built &q, Compressed
             q.zero[m] = find_zero_code(maps[m]);
             if (q.zero[m] < 0) return -EINVAL;
             build_tree(mids[m], q.tree[m]);
+            for (int i = 0; i < 256; ++i) {
+                uint32_t bits;
+                memcpy(&bits, maps[m] + i, 4);
+                q.halves[m][i] = static_cast<uint16_t>(bits);
+                q.halves[m][256 + i] = static_cast<uint16_t>(bits >> 16);
+            }
+            q.buckets[m] = cached_buckets(mids[m]);
         }
-        s.q8[k] = Q8Tables{maps[m], q.tree[m], static_cast<uint8_t>(q.zero[m])};
+        s.q8[k] = Q8Tables{maps[m], q.halves[m], q.tree[m], static_cast<uint8_t>(q.zero[m]), q.buckets[m]};
     }
     s.offset = a.quant.offset;
     s.seed = a.quant.seed;

@@ -88,8 +88,18 @@ constexpr int64_t kTile = OFFLOAD_Q8_BLOCK;  // elements decoded into L1 buffers
 // unused), so a code is 8 steps of idx = 2 * idx + (tree[idx] < xn), minus 256.
 struct Q8Tables {
     const float *map;   // [256]
+    const uint16_t *halves;  // [512]: the low 16 bits of map[0..255], then the high 16 bits
     const float *tree;  // [256]
     uint8_t zero_code;  // the code whose map value is 0
+    const struct Q8Buckets *buckets;  // nullptr: the map does not fit (search the tree)
+};
+
+// The bucket table of a map ([Note: bucketed encoder] in q8_buckets.h, which builds it).
+constexpr uint32_t kQ8Buckets = 1024;
+struct Q8Buckets {
+    alignas(64) int32_t key[64];  // sign * 32 + max(exponent, 96) - 96 -> first << 5 | shift
+    uint32_t word[kQ8Buckets];    // base << 24 | cut
+    bool ok;
 };
 
 // One array of a compressed step: data, OFFLOAD_* dtype, OFFLOAD_ROUND_* for BF16.

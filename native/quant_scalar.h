@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "convert.h"
+#include "kernel.h"
 
 namespace {
 
@@ -38,9 +39,27 @@ static inline uint8_t q8_code_one(float xn, const float *tree) {
     return static_cast<uint8_t>(idx - 256);
 }
 
-static inline void q8_codes_scalar(const float *x, int64_t len, float absmax, const float *tree,
-                                   uint8_t *codes) {
-    for (int64_t i = 0; i < len; ++i) codes[i] = q8_code_one(x[i] / absmax, tree);
+// The same code by the bucket table ([Note: bucketed encoder] in q8_buckets.h). |xn| is
+// held to [2^-31, 2) before it indexes anything, so no input reads outside the tables
+// (the encoder only sees |xn| <= 1: x / max |x|).
+static inline uint8_t q8_code_bucket(float xn, const offload::Q8Buckets &b) {
+    const uint32_t u = f32_bits(xn);
+    uint32_t ac = u & 0x7FFFFFFFu;
+    ac = ac < (96u << 23) ? (96u << 23) : ac > 0x3FFFFFFFu ? 0x3FFFFFFFu : ac;
+    const int32_t kw = b.key[(u >> 31) * 32 + ((ac >> 23) & 31)];
+    const uint32_t shift = static_cast<uint32_t>(kw) & 31u;  // 13..23
+    const uint32_t w = b.word[(ac >> shift) + static_cast<uint32_t>(kw >> 5)];
+    const uint32_t rel = (u ^ (0u - (u >> 31))) << (32 - shift);
+    return static_cast<uint8_t>(w + (rel >= (w & ~0xFFu) ? 1u : 0u));
+}
+
+static inline void q8_codes_scalar(const float *x, int64_t len, float absmax,
+                                   const offload::Q8Tables &t, uint8_t *codes) {
+    if (t.buckets) {
+        for (int64_t i = 0; i < len; ++i) codes[i] = q8_code_bucket(x[i] / absmax, *t.buckets);
+    } else {
+        for (int64_t i = 0; i < len; ++i) codes[i] = q8_code_one(x[i] / absmax, t.tree);
+    }
 }
 
 // max over i of bits(|x[i]|) as an unsigned integer: for non-negative floats the integer

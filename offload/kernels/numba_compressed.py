@@ -6,14 +6,15 @@ the rule's own element function (numba_rules: the numba float32 path's, so the f
 arithmetic and its bits are that path's) steps the element, and the new state values are
 rounded to bf16 at once (nearest, or quant.py's lowbias32 stream) or kept in a 256-float
 scratch until the tile's absmax is known and they are encoded (#midpoints below x/absmax,
-a binary search over the 255 midpoints). No full-size float32 temporary: a thread's scratch
+by the bucket table of native/q8_buckets.h, or a binary search over the 255 midpoints). No full-size float32 temporary: a thread's scratch
 is two tiles. The result equals ``compressed_ref.compose_step`` around the numba float32
 method bit for bit (tests/test_numba_compressed.py).
 
 The kernel is generic: numba compiles one specialisation per argument kinds, chosen at
 compile time by ``@overload`` on the argument types --
 - a state is ``None`` (absent), a float32 array, a uint16 array (bf16 bits) or a tuple
-  ``(uint8 bytes, map, mid, zero code)`` (packed blocks);
+  ``(uint8 bytes, map, mid, zero code, bucket table)`` (packed blocks; the table is
+  q8_buckets.build's, empty where the map does not fit it: then the binary search);
 - the param is a float32 array, or uint16 (a bf16 param, its own master, rounded
   stochastically on stream 0);
 - the rule is the class of its scalars' namedtuple (``AdamArgs``, ...).
@@ -179,7 +180,7 @@ def _keep_state(s, buf, j, i, x, q, stream):
 @overload(finish_state, inline="always")
 def _finish_state(s, buf, b, n_live):
     if _is_blocked(s):
-        return lambda s, buf, b, n_live: _encode_block(s[0], s[2], s[3], buf, b, n_live)
+        return lambda s, buf, b, n_live: _encode_block(s[0], s[2], s[3], s[4], buf, b, n_live)
 
     def nothing(s, buf, b, n_live):
         pass
@@ -198,8 +199,23 @@ def _code(mid, xn):
     return pos
 
 
+@njit(inline="always", nogil=True, cache=True)
+def _code_bucket(t, xn):
+    """q8_buckets.code_of of one value: [Note: bucketed encoder] in native/q8_buckets.h
+    (t: the keys, then the words; |xn| held to [2^-31, 2) before it indexes t). With it the
+    int8 AdamW step took 15 ns of CPU time per element against 22 with the binary search
+    (4M elements, 1 thread, this machine)."""
+    u = np.int64(bits_from_f32(xn)) & 0xFFFFFFFF
+    ac = min(max(u & 0x7FFFFFFF, 96 << 23), 0x3FFFFFFF)
+    kw = np.int64(np.int32(t[(u >> 31) * 32 + ((ac >> 23) & 31)]))
+    shift = kw & 31
+    w = np.int64(t[64 + (ac >> shift) + (kw >> 5)])
+    rel = ((u ^ (0xFFFFFFFF if u >> 31 else 0)) << (32 - shift)) & 0xFFFFFFFF
+    return (w + (1 if rel >= (w & ~0xFF) else 0)) & 0xFF
+
+
 @njit(nogil=True, cache=True)
-def _encode_block(a, mid, zc, buf, b, n_live):
+def _encode_block(a, mid, zc, table, buf, b, n_live):
     """Block ``b`` of packed bytes ``a`` from the float32 values ``buf[:n_live]``
     (quant.encode_blocks: NaN absmax and zero codes for a non-finite block, zero codes for
     an all-zero one, the zero code past the live elements)."""
@@ -214,8 +230,12 @@ def _encode_block(a, mid, zc, buf, b, n_live):
         for j in range(BLOCK):
             a[base + j] = zc
     else:
-        for j in range(n_live):
-            a[base + j] = _code(mid, buf[j] / amax)
+        if table.size:
+            for j in range(n_live):
+                a[base + j] = _code_bucket(table, buf[j] / amax)
+        else:
+            for j in range(n_live):
+                a[base + j] = _code(mid, buf[j] / amax)
         for j in range(n_live, BLOCK):
             a[base + j] = zc
     bits = np.uint32(_NAN_BITS) if bad else bits_from_f32(amax)

@@ -1,0 +1,115 @@
+// Builds kernel.h's Q8Buckets (the bucket table of [Note: bucketed encoder]) from a map's
+// 255 midpoints. Included by dispatch.cpp only (compiled without wider instruction sets);
+// tools/q8_exhaustive.py checks the encoders that read the table against quant.py's scheme
+// on every float32 in [-1, 1].
+//
+// [Note: bucketed encoder]
+// The code of xn is #{i : mid[i] < xn} (quant.py). The maps are monotone and dense only
+// near 1, so the float bits of xn nearly say which code it gets. A bucket is a run of
+// float32 bit patterns of one sign: all exponents e <= 96 (|xn| < 2^-30) form one bucket
+// per sign, and exponent e in 97..127 is cut by its top mb(sign, e) mantissa bits (mb in
+// 0..10, per exponent the fewest bits that leave at most one code boundary in a bucket).
+// Over a bucket's floats the code is non-decreasing in xn, so it takes at most the values
+// base and base + 1; the table keeps per bucket base and a cut, and
+//     code = base + (rel(xn) >= cut)  (mod 256),
+// rel(xn) = the low 23 - mb bits of bits(xn) ^ (xn < 0 ? 0xFFFFFFFF : 0), which grows with
+// xn inside a bucket of either sign. The cut is found here by evaluating the scheme's own
+// comparison mid[base] < xn on the bucket's floats (a binary search over rel), so every
+// float gets the scheme's code by construction, ties included. A bucket without a
+// boundary stores base - 1 and cut 0 (always up: mod 256, base 0 stores 255).
+// Layout (kernel.h's Q8Buckets), for the SIMD units' sake:
+//   key[sign * 32 + (max(e, 96) & 31)] = (first - (max(e, 96) << mb)) << 5 | (23 - mb),
+//     first = the key's first bucket, so bucket = (bits(|xn|) >> (23 - mb)) + (key >> 5)
+//     with |xn| raised to 2^-31 when below (a bucket of constant code: no cut read);
+//   word[bucket] = cut << (9 + mb) | base, so the compare is
+//     (bits(xn) ^ sign mask) << (9 + mb) >= (word & ~0xFF)   (the top bits shifted out).
+// One permute and one gather and ~18 integer ops per vector instead of 8 search levels.
+// A map the table does not fit (two boundaries in a bucket even at 10 bits, more than
+// kQ8Buckets buckets, unsorted midpoints) gets ok = false: the units search the tree.
+#ifndef OFFLOAD_Q8_BUCKETS_H
+#define OFFLOAD_Q8_BUCKETS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "kernel.h"
+
+namespace {
+
+inline float q8b_float(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// #{i : mid[i] < x} of sorted midpoints (binary search).
+inline uint32_t q8b_count_below(const float *mid, float x) {
+    uint32_t lo = 0, hi = 255;
+    while (lo < hi) {
+        const uint32_t m = (lo + hi) / 2;
+        if (mid[m] < x) lo = m + 1;
+        else hi = m;
+    }
+    return lo;
+}
+
+// The float of a bucket at rel (the bucket's magnitude bits lo..lo + mask, sign neg).
+inline float q8b_at(uint32_t lo, uint32_t mask, bool neg, uint32_t rel) {
+    return neg ? -q8b_float(lo + (mask - rel)) : q8b_float(lo + rel);
+}
+
+// The table word of the bucket of magnitude bits [lo, lo + mask] and sign neg, or -1 if
+// it holds more than one code boundary.
+inline int64_t q8b_word(const float *mid, uint32_t lo, uint32_t mask, bool neg, int s2) {
+    const uint32_t base = q8b_count_below(mid, q8b_at(lo, mask, neg, 0));
+    const uint32_t top = q8b_count_below(mid, q8b_at(lo, mask, neg, mask));
+    if (top == base) return (base - 1) & 0xFFu;  // cut 0: always up
+    if (top != base + 1) return -1;
+    uint32_t a = 0, b = mask;  // the smallest rel whose float is above mid[base]: in (0, mask]
+    while (a < b) {
+        const uint32_t m = a + (b - a) / 2;
+        if (mid[base] < q8b_at(lo, mask, neg, m)) b = m;
+        else a = m + 1;
+    }
+    return static_cast<int64_t>(a) << s2 | base;
+}
+
+// Fills the key's buckets with mb mantissa bits at t.word[first..]; false if one does not fit.
+inline bool q8b_fill_key(const float *mid, int key, int mb, uint32_t first, offload::Q8Buckets &t) {
+    const bool neg = key >= 32;
+    const uint32_t e = 96 + static_cast<uint32_t>(key & 31);
+    const int shift = 23 - mb;
+    for (uint32_t b = 0; b < (1u << mb); ++b) {
+        // e == 96 also stands for every smaller exponent: magnitudes 0 .. 2^-30 (exclusive)
+        const uint32_t lo = e == 96 ? 0u : (e << 23 | b << shift);
+        const uint32_t mask = e == 96 ? (97u << 23) - 1u : (1u << shift) - 1u;
+        const int64_t w = q8b_word(mid, lo, mask, neg, 9 + mb);
+        if (w < 0 || (e == 96 && w > 0xFF)) return false;  // e <= 96: no rel, no cut
+        t.word[first + b] = static_cast<uint32_t>(w);
+    }
+    const int32_t off = static_cast<int32_t>(first) - static_cast<int32_t>(e << mb);
+    t.key[key] = static_cast<int32_t>(static_cast<uint32_t>(off) << 5 | static_cast<uint32_t>(shift));
+    return true;
+}
+
+// t for the sorted midpoints mid[255]; t.ok = false where the map does not fit.
+inline void build_q8_buckets(const float *mid, offload::Q8Buckets &t) {
+    t.ok = false;
+    for (int i = 0; i + 1 < 255; ++i)
+        if (!(mid[i] <= mid[i + 1])) return;  // unsorted or NaN: the tree search
+    uint32_t used = 0;
+    for (int key = 0; key < 64; ++key) {
+        int mb = 0;
+        const int max_mb = (key & 31) == 0 ? 0 : 10;
+        while (mb <= max_mb && (used + (1u << mb) > offload::kQ8Buckets ||
+                                !q8b_fill_key(mid, key, mb, used, t)))
+            ++mb;
+        if (mb > max_mb) return;
+        used += 1u << mb;
+    }
+    t.ok = true;
+}
+
+}  // namespace
+
+#endif
