@@ -94,7 +94,7 @@ class ParamTier:
         self.logical: Dict[str, int] = {}  # "params" / "grads" -> bytes of the tensors (the file pads to pages)
         self._size = 0
         self._lock = threading.RLock()
-        self._inflight: List[Tuple[_Area, int, int, Any]] = []
+        self._inflight: List[Tuple[_Area, List[Tuple[int, int]], Any]] = []
         self.bytes_read = self.bytes_written = 0
         self._owner = f"offload.shard params {self.path}"
         self._finalizer = weakref.finalize(self, ParamTier._cleanup, self._areas, self._engine, self._file,
@@ -154,10 +154,11 @@ class ParamTier:
         """Wait for the prefetches that touch pages [p0, p1) of ``a``."""
         keep = []
         for entry in self._inflight:
-            b, q0, q1, ticket = entry
-            if b is a and q0 < p1 and p0 < q1:
+            b, runs, ticket = entry
+            if b is a and any(q0 < p1 and p0 < q1 for q0, q1 in runs):
                 self._engine.wait(ticket)
-                b.state[q0:q1] = _VALID
+                for q0, q1 in runs:  # only the pages this read brought in (not the gaps between)
+                    b.state[q0:q1] = _VALID
             else:
                 keep.append(entry)
         self._inflight = keep
@@ -190,8 +191,7 @@ class ParamTier:
                 for q0, q1 in runs:
                     a.state[q0:q1] = _READING
                     self.bytes_read += (q1 - q0) * PAGE
-                lo, hi = runs[0][0], runs[-1][1]
-                self._inflight.append((a, lo, hi, ticket))
+                self._inflight.append((a, runs, ticket))
 
     def will_write(self, ranges: List[Tuple[int, int]]) -> None:
         with self._lock:
