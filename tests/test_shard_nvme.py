@@ -338,3 +338,27 @@ def test_the_pager_against_a_shadow_copy(tmp_path, seed):
         assert tier.resident_bytes() <= 4096 * len(sizes)
     finally:
         tier.close()
+
+
+def test_offload_clean_leaves_a_live_param_dir_and_the_next_run_removes_a_dead_one(tmp_path):
+    import subprocess
+    import sys
+
+    from offload.shard.tier import ParamTier
+    from offload.swap.cleanup import clean_dir
+
+    live = ParamTier(str(tmp_path), 0)
+    out = clean_dir(str(tmp_path))
+    assert [p for p, _ in out["held"]] == [live.path] and os.path.isdir(live.path)
+    # a process killed while holding its directory: the lock dies with it
+    code = ("import os, signal, sys; from offload.shard.tier import ParamTier; "
+            f"t = ParamTier({str(tmp_path)!r}, 1); print(t.path, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    dead = run.stdout.strip()
+    assert run.returncode == -9 and os.path.isdir(dead)
+    again = ParamTier(str(tmp_path), 1)
+    assert not os.path.exists(dead) and os.path.isdir(live.path)
+    again.close()
+    live.close()
+    assert os.listdir(tmp_path) == []

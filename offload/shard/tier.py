@@ -17,6 +17,7 @@ grads are the current step's. The directory is removed on close and at exit.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -38,7 +39,7 @@ __all__ = ["ParamTier"]
 log = logging.getLogger("offload.shard")
 
 _ON_DISK, _VALID, _READING = 0, 1, 2
-_DIR_RE = re.compile(r"^offload-params\.(\d+)\.rank\d+$")
+_DIR_RE = re.compile(r"^offload-params\.\d+\.rank\d+$")
 
 
 class _Area:
@@ -50,28 +51,38 @@ class _Area:
 
 
 def _remove_orphans(parent: str) -> None:
-    """The directories of processes that died without closing (kill -9): nothing in them is
-    ever read again (the params' truth is the optimizer's), so they go."""
+    """The directories of processes that died without closing (kill -9; their lock is free):
+    nothing in them is ever read again (the params' truth is the optimizer's), so they go."""
     for name in os.listdir(parent):
-        m = _DIR_RE.match(name)
-        if m is None or int(m.group(1)) == os.getpid():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue  # alive (or another user's: EPERM below)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
+        if _DIR_RE.match(name) is None:
             continue
         path = os.path.join(parent, name)
         try:
             fsutil.check_private_dir(path)
-            for f in os.listdir(path):
-                os.unlink(os.path.join(path, f))
-            os.rmdir(path)
+            fd, _pid = fsutil.try_lock(path)
+            if fd is None and _pid is not None:
+                continue  # in use
+            try:
+                fsutil.remove_private_dir(path)
+            finally:
+                if fd is not None:
+                    os.close(fd)
             log.info("removed %s, left by a process that is gone", path)
         except OSError as exc:
             log.warning("could not remove %s: %s", path, exc)
+
+
+def _lock(path: str) -> int:
+    """The directory's lock, held while this process uses it (``offload clean`` and the next
+    run leave a held one alone)."""
+    fd = os.open(os.path.join(path, fsutil.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, str(os.getpid()).encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class ParamTier:
@@ -84,6 +95,7 @@ class ParamTier:
         fsutil.make_private_dir(self.path)
         self._engine = None
         self._file = None
+        self._lock_fd = _lock(self.path)
         try:
             self._engine = open_engine(io, directory=self.path)
             self._file = self._engine.open(os.path.join(self.path, "areas.bin"), write=True, create=True)
@@ -98,7 +110,7 @@ class ParamTier:
         self.bytes_read = self.bytes_written = 0
         self._owner = f"offload.shard params {self.path}"
         self._finalizer = weakref.finalize(self, ParamTier._cleanup, self._areas, self._engine, self._file,
-                                           self.path, self._owner, os.getpid())
+                                           self.path, self._owner, os.getpid(), self._lock_fd)
 
     # ------------------------------------------------------------------ areas
     def area(self, numel: int, dtype: torch.dtype, kind: str = "params") -> torch.Tensor:
@@ -244,10 +256,12 @@ class ParamTier:
         if fin is not None:
             fin()
         else:
-            ParamTier._cleanup([], self._engine, self._file, self.path, None, os.getpid())
+            ParamTier._cleanup([], self._engine, self._file, self.path, None, os.getpid(),
+                               getattr(self, "_lock_fd", None))
 
     @staticmethod
-    def _cleanup(areas: List[_Area], engine: Any, file: Any, path: str, owner: Optional[str], pid: int) -> None:
+    def _cleanup(areas: List[_Area], engine: Any, file: Any, path: str, owner: Optional[str], pid: int,
+                 lock_fd: Optional[int] = None) -> None:
         if os.getpid() != pid:
             return  # a forked child exiting: the directory is its parent's
         for a in areas:
@@ -261,10 +275,10 @@ class ParamTier:
                 engine.close()
         finally:
             try:
-                for name in os.listdir(path):
-                    os.unlink(os.path.join(path, name))
-                os.rmdir(path)
+                fsutil.remove_private_dir(path)  # the lock file last
             except FileNotFoundError:
                 pass
             except OSError as exc:
                 log.warning("could not remove %s: %s", path, exc)
+            if lock_fd is not None:
+                os.close(lock_fd)
