@@ -1,0 +1,178 @@
+"""Python children for the tests without a fresh interpreter each: ``spawn(code, args)``
+forks them from a warm one (a "zygote" that has imported torch and offload, ~2 s of CPU
+that every ``python -c`` child used to pay again) and gives back a ``subprocess.Popen``-like
+handle: ``pid``, text ``stdout``/``stderr`` pipes, ``poll``, ``wait``, ``communicate``,
+``send_signal``, ``kill``, ``returncode`` (``-N`` when killed by signal N).
+
+The child runs ``code`` as ``python -c code *args`` would: ``sys.argv == ["-c", *args]``,
+``__name__ == "__main__"`` in a module of its own, the caller's working directory, stdin
+from /dev/null, and a normal interpreter exit (atexit handlers, SystemExit codes, a
+traceback and 1 for an uncaught exception; signals kill it as they kill any process). The
+zygote started with the caller's environment: one zygote per environment, so a child never
+sees another environment's import-time settings (OMP_NUM_THREADS, OFFLOAD_BACKEND ...).
+
+The zygote runs no torch op before it forks (no thread pools, nothing locked); its only other
+thread is OpenBLAS's, which handles fork itself. Each child is forked by an intermediate
+process that waits for it and reports its pid and exit status through a pipe of the caller's.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+_ZYGOTE = r'''
+import builtins, json, os, socket, sys, types
+import torch, offload  # what every child would import again
+
+def serve(sock):
+    while True:
+        msg, fds, _, _ = socket.recv_fds(sock, 1 << 22, 4)
+        if not msg:
+            os._exit(0)
+        if os.fork() == 0:  # the intermediate: forks the child, waits, reports
+            sock.close()
+            pid = os.fork()
+            if pid == 0:
+                for i in range(3):
+                    os.dup2(fds[i], i)
+                for f in fds:
+                    os.close(f)
+                return json.loads(msg)
+            for f in fds[:3]:
+                os.close(f)
+            os.write(fds[3], b"%d\n" % pid)
+            _, status = os.waitpid(pid, 0)
+            os.write(fds[3], b"%d\n" % os.waitstatus_to_exitcode(status))
+            os._exit(0)
+        for f in fds:
+            os.close(f)
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            pass
+
+req = serve(socket.socket(fileno=int(sys.argv[1])))
+os.chdir(req["cwd"])
+sys.argv = ["-c"] + req["args"]
+main = types.ModuleType("__main__")
+main.__builtins__ = builtins
+sys.modules["__main__"] = main
+del builtins, json, os, socket, sys, types, serve
+exec(compile(req["code"], "<string>", "exec"), main.__dict__)
+'''
+
+_ZYGOTES: dict = {}
+_LOCK = threading.Lock()
+
+
+def _zygote(env: dict) -> socket.socket:
+    key = tuple(sorted(env.items()))
+    with _LOCK:
+        if key not in _ZYGOTES:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(theirs.fileno())], env=env,
+                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            theirs.close()
+            _ZYGOTES[key] = (ours, proc)
+        return _ZYGOTES[key][0]
+
+
+@atexit.register
+def _close_all() -> None:
+    for sock, proc in _ZYGOTES.values():
+        sock.close()  # the zygote leaves when it reads the end of its socket
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+class Forked:
+    """The handle of a forked child, as much of ``subprocess.Popen`` as the tests use."""
+
+    def __init__(self, code: str, args, env: dict) -> None:
+        self.args = ["-c", code, *args]
+        self.returncode = None
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self._status, stat_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        msg = json.dumps({"code": code, "args": list(args), "cwd": os.getcwd()}).encode()
+        try:
+            socket.send_fds(_zygote(env), [msg], [null, out_w, err_w, stat_w])
+        finally:
+            for f in (null, out_w, err_w, stat_w):
+                os.close(f)
+        self.stdout = open(out_r, "r")
+        self.stderr = open(err_r, "r")
+        self._buf = b""
+        self.pid = int(self._line(60))
+
+    def _line(self, timeout):
+        """The next line from the status pipe, within ``timeout`` seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._status], [], [], left)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            chunk = os.read(self._status, 64)
+            if not chunk:
+                raise RuntimeError("the fork server lost this child (its intermediate process died)")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def wait(self, timeout=None) -> int:
+        if self.returncode is None:
+            self.returncode = int(self._line(timeout))
+            os.close(self._status)
+        return self.returncode
+
+    def poll(self):
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def communicate(self, input=None, timeout=None):
+        if input:
+            raise ValueError("this child's stdin is /dev/null")
+        got = {}
+        readers = [threading.Thread(target=lambda k=k, f=f: got.__setitem__(k, f.read()), daemon=True)
+                   for k, f in (("out", self.stdout), ("err", self.stderr))]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return got["out"], got["err"]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+    def __del__(self):  # (stdout and stderr close themselves)
+        if getattr(self, "returncode", 0) is None and getattr(self, "_status", None) is not None:
+            os.close(self._status)
+
+
+def spawn(code: str, *args: str, env: dict) -> Forked:
+    """``python -c code *args`` with ``env``, forked from a warm interpreter."""
+    return Forked(code, args, env)
