@@ -4,9 +4,9 @@ that every ``python -c`` child used to pay again) and gives back a ``subprocess.
 handle: ``pid``, text ``stdout``/``stderr`` pipes, ``poll``, ``wait``, ``communicate``,
 ``send_signal``, ``kill``, ``returncode`` (``-N`` when killed by signal N).
 
-The child runs ``code`` as ``python -c code *args`` would: ``sys.argv == ["-c", *args]``,
-``__name__ == "__main__"`` in a module of its own, the caller's working directory, stdin
-from /dev/null, and a normal interpreter exit (atexit handlers, SystemExit codes, a
+The child runs ``code`` as ``python -c code *args`` would (or a script, ``run_script``):
+``sys.argv == ["-c", *args]``, ``__name__ == "__main__"`` in a module of its own, the
+caller's working directory, stdin from /dev/null (or a pipe), and a normal interpreter exit (atexit handlers, SystemExit codes, a
 traceback and 1 for an uncaught exception; signals kill it as they kill any process). The
 zygote started with the caller's environment: one zygote per environment, so a child never
 sees another environment's import-time settings (OMP_NUM_THREADS, OFFLOAD_BACKEND ...).
@@ -61,12 +61,19 @@ def serve(sock):
 
 req = serve(socket.socket(fileno=int(sys.argv[1])))
 os.chdir(req["cwd"])
-sys.argv = ["-c"] + req["args"]
 main = types.ModuleType("__main__")
 main.__builtins__ = builtins
 sys.modules["__main__"] = main
+if req["path"] is None:  # python -c code args
+    sys.argv, where = ["-c"] + req["args"], "<string>"
+else:  # python path args
+    sys.argv, where = [req["path"]] + req["args"], req["path"]
+    sys.path[0] = os.path.dirname(os.path.abspath(req["path"]))
+    main.__file__ = req["path"]
+    with open(req["path"]) as fh:
+        req["code"] = fh.read()
 del builtins, json, os, socket, sys, types, serve
-exec(compile(req["code"], "<string>", "exec"), main.__dict__)
+exec(compile(req["code"], where, "exec"), main.__dict__)
 '''
 
 _ZYGOTES: dict = {}
@@ -98,19 +105,23 @@ def _close_all() -> None:
 class Forked:
     """The handle of a forked child, as much of ``subprocess.Popen`` as the tests use."""
 
-    def __init__(self, code: str, args, env: dict) -> None:
-        self.args = ["-c", code, *args]
+    def __init__(self, code, path, args, env: dict, cwd=None, stdin: bool = False) -> None:
+        self.args = (["-c", code] if path is None else [path]) + list(args)
         self.returncode = None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         self._status, stat_w = os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
-        msg = json.dumps({"code": code, "args": list(args), "cwd": os.getcwd()}).encode()
+        if stdin:
+            in_r, in_w = os.pipe()
+        else:
+            in_r, in_w = os.open(os.devnull, os.O_RDONLY), None
+        msg = json.dumps({"code": code, "path": path, "args": list(args), "cwd": cwd or os.getcwd()}).encode()
         try:
-            socket.send_fds(_zygote(env), [msg], [null, out_w, err_w, stat_w])
+            socket.send_fds(_zygote(env), [msg], [in_r, out_w, err_w, stat_w])
         finally:
-            for f in (null, out_w, err_w, stat_w):
+            for f in (in_r, out_w, err_w, stat_w):
                 os.close(f)
+        self.stdin = None if in_w is None else open(in_w, "w")
         self.stdout = open(out_r, "r")
         self.stderr = open(err_r, "r")
         self._buf = b""
@@ -143,8 +154,12 @@ class Forked:
             return None
 
     def communicate(self, input=None, timeout=None):
-        if input:
-            raise ValueError("this child's stdin is /dev/null")
+        if self.stdin is not None:  # as Popen: write the input, then close
+            if input:
+                self.stdin.write(input)
+            self.stdin.close()
+        elif input:
+            raise ValueError("this child's stdin is /dev/null (spawn(..., stdin=True) for a pipe)")
         got = {}
         readers = [threading.Thread(target=lambda k=k, f=f: got.__setitem__(k, f.read()), daemon=True)
                    for k, f in (("out", self.stdout), ("err", self.stderr))]
@@ -173,6 +188,13 @@ class Forked:
             os.close(self._status)
 
 
-def spawn(code: str, *args: str, env: dict) -> Forked:
-    """``python -c code *args`` with ``env``, forked from a warm interpreter."""
-    return Forked(code, args, env)
+def spawn(code: str, *args: str, env: dict, stdin: bool = False) -> Forked:
+    """``python -c code *args`` with ``env``, forked from a warm interpreter; ``stdin``: a
+    text pipe as ``.stdin`` (else /dev/null)."""
+    return Forked(code, None, args, env, stdin=stdin)
+
+
+def run_script(path: str, *args: str, env: dict, cwd: str) -> Forked:
+    """``python path *args`` in ``cwd`` with ``env``, forked from a warm interpreter
+    (``sys.argv[0]``, ``__file__`` and ``sys.path[0]`` as the script's own)."""
+    return Forked(None, str(path), args, env, cwd=str(cwd))

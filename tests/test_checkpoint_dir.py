@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import offload
 from offload.swap.checkpoint import CheckpointBusy
+
+from _forkserver import spawn
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
@@ -190,8 +190,7 @@ print("saved", flush=True)
 def test_a_save_meets_another_process_saving_into_the_directory(tmp_path, kind):
     ck = tmp_path / "ck"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(ck)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env=env)
+    child = spawn(_HOLDER, str(ck), env=env, stdin=True)  # forked from a warm interpreter
     try:
         assert child.stdout.readline().strip() == "inside"  # its save is half-way
         p = torch.nn.Parameter(torch.randn(10))

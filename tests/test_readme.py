@@ -5,6 +5,8 @@ The convention, for whoever edits README.md:
 - Every ```` ```python ```` (or ```` ```py ````) block is run on its own, as a script, in a
   fresh temporary directory, with this checkout importable, by the interpreter running the
   tests; it must exit 0 within 60 s (blocks do not share state: each one has its imports).
+  Its process is forked from an interpreter that has imported torch and offload and run
+  nothing else (tests/_forkserver.py), which saves each block that import.
 - A ```` ```bash ```` (or ```` ```sh ````/```` ```shell ````) block is run only when the line
   just before its opening fence is a test marker, ``<!-- test -->``. It runs with
   ``bash -e -o pipefail`` in a fresh temporary directory, with the tests' virtual
@@ -145,7 +147,10 @@ def test_readme_block_runs(block: Block, tmp_path):
         cmd = ["bash", "-e", "-o", "pipefail", str(script)]
     timeout = int(block.opts.get("timeout", DEFAULT_TIMEOUT))
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        if cmd[:2] == [sys.executable, str(script)]:
+            proc = _forked(script, cwd, env, timeout)
+        else:
+            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"README.md:{block.line} ({block.lang}) ran past {timeout} s:\n{block.code}\n"
                     f"--- output ---\n{(exc.stdout or b'')[-2000:]!r}")
@@ -153,6 +158,21 @@ def test_readme_block_runs(block: Block, tmp_path):
         f"README.md:{block.line} ({block.lang}) exited {proc.returncode}:\n{block.code}\n"
         f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
     )
+
+
+def _forked(script, cwd, env, timeout) -> subprocess.CompletedProcess:
+    """``python script`` in ``cwd``, forked from a warm interpreter of ``env`` (tests/_forkserver.py:
+    a fresh one cost ~2 s importing torch, for each block)."""
+    from _forkserver import run_script
+
+    child = run_script(script, env=env, cwd=cwd)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
 def test_readme_has_python_examples():

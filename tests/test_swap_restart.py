@@ -202,12 +202,11 @@ opt.close()
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_a_directory_held_by_a_live_process_is_never_removed(workdir, dtype_name):
-    import subprocess
+    from _forkserver import spawn
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
                                                         os.path.dirname(__file__)]))
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(workdir), dtype_name], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = spawn(HOLDER, str(workdir), dtype_name, env=env, stdin=True)  # forked from a warm interpreter
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         (path,) = [workdir / n for n in os.listdir(workdir)]
