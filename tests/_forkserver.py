@@ -198,3 +198,17 @@ def run_script(path: str, *args: str, env: dict, cwd: str) -> Forked:
     """``python path *args`` in ``cwd`` with ``env``, forked from a warm interpreter
     (``sys.argv[0]``, ``__file__`` and ``sys.path[0]`` as the script's own)."""
     return Forked(None, str(path), args, env, cwd=str(cwd))
+
+
+def run(path: str, *args: str, env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, path, *args], capture_output=True, text=True, timeout=...)``
+    with the child forked from a warm interpreter (killed, and TimeoutExpired, past
+    ``timeout``)."""
+    child = run_script(path, *args, env=env, cwd=cwd)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
