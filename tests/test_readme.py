@@ -34,6 +34,8 @@ from typing import Dict, List
 
 import pytest
 
+import _forkserver as forkserver
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
 DEFAULT_TIMEOUT = 60
@@ -147,8 +149,8 @@ def test_readme_block_runs(block: Block, tmp_path):
         cmd = ["bash", "-e", "-o", "pipefail", str(script)]
     timeout = int(block.opts.get("timeout", DEFAULT_TIMEOUT))
     try:
-        if cmd[:2] == [sys.executable, str(script)]:
-            proc = _forked(script, cwd, env, timeout)
+        if cmd[:2] == [sys.executable, str(script)]:  # forked from a warm interpreter (~2 s less)
+            proc = forkserver.run(str(script), env=env, cwd=cwd, timeout=timeout)
         else:
             proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -158,21 +160,6 @@ def test_readme_block_runs(block: Block, tmp_path):
         f"README.md:{block.line} ({block.lang}) exited {proc.returncode}:\n{block.code}\n"
         f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
     )
-
-
-def _forked(script, cwd, env, timeout) -> subprocess.CompletedProcess:
-    """``python script`` in ``cwd``, forked from a warm interpreter of ``env`` (tests/_forkserver.py:
-    a fresh one cost ~2 s importing torch, for each block)."""
-    from _forkserver import run_script
-
-    child = run_script(script, env=env, cwd=cwd)
-    try:
-        out, err = child.communicate(timeout=timeout)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
 def test_readme_has_python_examples():
