@@ -8,8 +8,9 @@ The child runs ``code`` as ``python -c code *args`` would (or a script, ``run_sc
 ``sys.argv == ["-c", *args]``, ``__name__ == "__main__"`` in a module of its own, the
 caller's working directory, stdin from /dev/null (or a pipe), and a normal interpreter exit (atexit handlers, SystemExit codes, a
 traceback and 1 for an uncaught exception; signals kill it as they kill any process). The
-zygote started with the caller's environment: one zygote per environment, so a child never
-sees another environment's import-time settings (OMP_NUM_THREADS, OFFLOAD_BACKEND ...).
+zygote started with the caller's environment: one zygote per environment (but for
+PYTEST_CURRENT_TEST), so a child never sees another environment's import-time settings
+(OMP_NUM_THREADS, OFFLOAD_BACKEND ...); the child's os.environ is the caller's exactly.
 
 The zygote runs no torch op before it forks (no thread pools, nothing locked); its only other
 thread is OpenBLAS's, which handles fork itself. Each child is forked by an intermediate
@@ -60,6 +61,8 @@ def serve(sock):
             pass
 
 req = serve(socket.socket(fileno=int(sys.argv[1])))
+os.environ.clear()
+os.environ.update(req["env"])  # the caller's, to the variable (PYTEST_CURRENT_TEST is not in the key)
 os.chdir(req["cwd"])
 main = types.ModuleType("__main__")
 main.__builtins__ = builtins
@@ -80,10 +83,16 @@ _ZYGOTES: dict = {}
 _LOCK = threading.Lock()
 
 
+# Set by pytest for each test: a zygote for each would be no saving. Nothing reads it at import.
+_NOT_IN_KEY = ("PYTEST_CURRENT_TEST",)
+
+
 def _zygote(env: dict) -> socket.socket:
-    key = tuple(sorted(env.items()))
+    key = tuple(sorted((k, v) for k, v in env.items() if k not in _NOT_IN_KEY))
     with _LOCK:
         if key not in _ZYGOTES:
+            if len(_ZYGOTES) >= 3:  # ~300 MB each: let the oldest go (its children live on)
+                _ZYGOTES.pop(next(iter(_ZYGOTES)))[0].close()
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(theirs.fileno())], env=env,
                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
@@ -115,7 +124,8 @@ class Forked:
             in_r, in_w = os.pipe()
         else:
             in_r, in_w = os.open(os.devnull, os.O_RDONLY), None
-        msg = json.dumps({"code": code, "path": path, "args": list(args), "cwd": cwd or os.getcwd()}).encode()
+        msg = json.dumps({"code": code, "path": path, "args": list(args), "cwd": cwd or os.getcwd(),
+                          "env": dict(env)}).encode()
         try:
             socket.send_fds(_zygote(env), [msg], [in_r, out_w, err_w, stat_w])
         finally:

@@ -77,6 +77,7 @@ def serve(rank: int, world: int, port: int, inq, outq) -> None:
     import datetime
     import importlib
     import os
+    import queue
     import traceback
 
     import torch
@@ -87,8 +88,14 @@ def serve(rank: int, world: int, port: int, inq, outq) -> None:
     # timeout (gloo's default is 30 min) while the test has already thrown the group away.
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    parent = os.getppid()
     while True:
-        job = inq.get()
+        try:
+            job = inq.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process died without closing us
+                break
+            continue
         if job is None:
             break
         module, name, args, kwargs = job
