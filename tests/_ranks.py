@@ -68,3 +68,88 @@ class Workers:
         for q in self.inq:
             q.put(None)
         _stop(self.procs, 5)
+
+
+def serve(rank: int, world: int, port: int, inq, outq) -> None:
+    """A ``Workers`` target for any test module: one gloo group of ``world`` ranks for the
+    process's life; each job ``(module, function, args, kwargs)`` runs as
+    ``function(rank, world, *args, **kwargs)`` on the default group and its value goes back."""
+    import datetime
+    import importlib
+    import os
+    import queue
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # A job that fails on one rank leaves the other in a collective: it raises after this
+    # timeout (gloo's default is 30 min) while the test has already thrown the group away.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    parent = os.getppid()
+    while True:
+        try:
+            job = inq.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process died without closing us
+                break
+            continue
+        if job is None:
+            break
+        module, name, args, kwargs = job
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            outq.put((rank, True, fn(rank, world, *args, **kwargs)))
+        except BaseException:
+            outq.put((rank, False, traceback.format_exc()))
+    # No destroy_process_group() nor interpreter teardown (gloo's destructors wait for the
+    # peers): nothing is left to flush, so leave at once.
+    outq.close()
+    outq.join_thread()
+    os._exit(0)
+
+
+class Group:
+    """``world`` spawned gloo ranks kept for the whole session (spawning them costs seconds:
+    two interpreters importing torch), running jobs in turn. A job that fails on any rank
+    throws the processes away (a rank may be stuck in a collective, or hold a stale result),
+    the next job spawns fresh ones.
+
+    Jobs run in one process after another, so a job puts back what it changes in the
+    process (class attributes, environment), and returns plain Python values: a tensor sent
+    through the queue lives in shared memory tied to the sender."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._workers = None
+
+    def run(self, fn, *args, timeout: float = 180, **kwargs) -> dict:
+        """``fn(rank, world, *args, **kwargs)`` on every rank (``fn`` importable by its
+        module's name, as a test module's functions are); the values by rank."""
+        if self._workers is None:
+            self._workers = Workers(serve, self.world)
+        try:
+            return self._workers.send((fn.__module__, fn.__name__, args, kwargs), timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._workers is not None:
+            workers, self._workers = self._workers, None
+            workers.close()
+
+
+_GROUPS: dict = {}
+
+
+def group(world: int) -> Group:
+    """The session's group of ``world`` ranks (made on first use, closed at exit)."""
+    if world not in _GROUPS:
+        if not _GROUPS:
+            import atexit
+            atexit.register(lambda: [g.close() for g in _GROUPS.values()])
+        _GROUPS[world] = Group(world)
+    return _GROUPS[world]

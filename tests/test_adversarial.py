@@ -190,12 +190,10 @@ def test_a_forked_child_gets_back_the_default_sigterm_action(tmp_path):
     # Python-level SIGTERM handler, and a SIGTERM landing just before a worker blocks in the
     # queue's lock is only handled at its next bytecode, never. tests/test_swap_lifecycle.py's
     # fork test timed out that way under load. The child has no store: it gets SIG_DFL back.
-    import subprocess
-    import sys
+    from test_swap_util import run_python  # forked from a warm interpreter
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", _FORK_SIGTERM, str(tmp_path)], capture_output=True, text=True,
-                       timeout=120, env=dict(os.environ, PYTHONPATH=root))
-    assert r.returncode == 0, r.stderr
-    assert "child 0 True" in r.stdout, r.stdout
+    r = run_python(_FORK_SIGTERM, str(tmp_path))
+    out, err = r.communicate(timeout=120)
+    assert r.returncode == 0, err
+    assert "child 0 True" in out, out
     assert os.listdir(tmp_path) == []

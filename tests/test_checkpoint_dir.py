@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import offload
 from offload.swap.checkpoint import CheckpointBusy
+
+from _forkserver import spawn
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
@@ -190,8 +190,7 @@ print("saved", flush=True)
 def test_a_save_meets_another_process_saving_into_the_directory(tmp_path, kind):
     ck = tmp_path / "ck"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(ck)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, env=env)
+    child = spawn(_HOLDER, str(ck), env=env, stdin=True)  # forked from a warm interpreter
     try:
         assert child.stdout.readline().strip() == "inside"  # its save is half-way
         p = torch.nn.Parameter(torch.randn(10))
@@ -304,13 +303,12 @@ def test_a_checkpoint_of_other_param_groups_is_refused_before_anything_loads(tmp
 
 
 # ------------------------------------------------------------------ several ranks, one DIR
-def _rank_job(rank, world, port, ck, swap, out):
+def _rank_job(rank, world, ck, swap, out):
+    """On the session's two gloo ranks (tests/_ranks.py group)."""
     import torch.distributed as dist
 
     from offload.swap import fsutil
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         model = _model()
         kw = dict(offload="nvme", swap_dir=os.path.join(swap, str(rank))) if swap else {}
@@ -357,17 +355,12 @@ def _rank_job(rank, world, port, ck, swap, out):
 
 @pytest.mark.parametrize("nvme", [False, True], ids=["host", "nvme"])
 def test_two_ranks_save_into_one_directory_all_or_none(tmp_path, nvme):
-    import socket
+    from _ranks import group
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ck, out = tmp_path / "ck", tmp_path / "out"
     out.mkdir()
     swap = str(tmp_path / "swap") if nvme else ""
-    mp.start_processes(_rank_job, args=(2, port, str(ck), swap, str(out)), nprocs=2, start_method="spawn")
+    group(2).run(_rank_job, str(ck), swap, str(out))  # a spawn of its own cost ~3 s
     res = [torch.load(out / f"{r}.pt") for r in range(2)]
     assert res[1]["err"].startswith("OSError") and "injected ENOSPC" in res[1]["err"]
     assert "failed on rank 1" in res[0]["err"] and "it put its previous checkpoint back" in res[0]["err"]

@@ -142,72 +142,78 @@ _DDP_SCRIPT = textwrap.dedent(
     from offload.demo.corpus import Batches
     from offload.demo.model import GPTConfig, TinyGPT
 
+    def run(mode, out, swap_dir):
+        torch.manual_seed(0)
+        model = TinyGPT(GPTConfig(n_layer=2, n_head=2, d_model=48, block_size=32))
+        whole = copy.deepcopy(model)
+        if mode == "zero2":
+            # A plain loop: no DDP wrapper, the optimizer averages the grads across ranks itself
+            # (ZeRO stage 2 by default with more than one rank: each rank keeps half the states).
+            opt = offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, offload="cpu")
+        else:
+            # stage=0: plain data parallelism, every rank keeps all the states, here in its own
+            # swap files (one private directory per rank under swap_dir); grads averaged by hand.
+            opt = offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, offload="nvme", stage=0,
+                                swap_dir=swap_dir, max_host_bytes="2MiB")
+        # Two references. `locked`: torch's AdamW on its own copy of the params, fed each step the
+        # very grads our optimizer averages (the numerics contract: identical grads, rtol 1e-5,
+        # atol 1e-6, moments too). `whole`: a single process on the whole batch, whose grads are
+        # summed in another order; Adam turns that rounding into lr-sized differences where |g| is
+        # near eps (1 element of 70k off by 1.9e-5 on an Intel Xeon), so only losses are compared.
+        locked = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+        locked_opt = torch.optim.AdamW(locked, lr=3e-3, weight_decay=0.1, foreach=False)
+        whole_opt = torch.optim.AdamW(whole.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
+        data = Batches(batch_size=4 * world, seq_len=32, seed=0)
+        losses, whole_losses = [], []
+        for i in range(8):
+            x, y = data[i]
+            _, loss = model(x.chunk(world)[rank], y.chunk(world)[rank])  # this rank's half of the batch
+            loss.backward()
+            for p, q in zip(model.parameters(), locked):
+                if mode == "stage0":
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+                    q.grad = p.grad.clone()
+                else:
+                    # What the optimizer does: gloo's sum, times 1/world (exact for 2 ranks: a
+                    # sum of two is the same in either order, and 1/2 is a power of two).
+                    q.grad = p.grad.clone()
+                    dist.all_reduce(q.grad)
+                    q.grad *= 1.0 / world
+            opt.step()
+            opt.zero_grad()
+            locked_opt.step()
+            locked_opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+            _, whole_loss = whole(x, y)  # every rank runs it; it is tiny
+            whole_loss.backward()
+            whole_opt.step()
+            whole_opt.zero_grad()
+            whole_losses.append(whole_loss.item())
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        sd = opt.state_dict()  # full on every rank, whatever the stage
+        moments = {k: torch.cat([sd["state"][i][k].reshape(-1) for i in range(len(locked))])
+                   for k in ("exp_avg", "exp_avg_sq")}
+        if rank == 0:
+            torch.save({"losses": losses, "whole_losses": whole_losses, "params": gathered,
+                        "locked": torch.cat([q.detach().reshape(-1) for q in locked]), "moments": moments,
+                        "locked_moments": {k: torch.cat([locked_opt.state[q][k].reshape(-1) for q in locked])
+                                           for k in ("exp_avg", "exp_avg_sq")},
+                        "steps": sorted({float(st["step"]) for st in sd["state"].values()}),
+                        "stage": opt.stage, "world": world}, out)
+        opt.close()
+
+
+    # Both modes in one launch (torchrun and two interpreters importing torch cost ~5 s).
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = TinyGPT(GPTConfig(n_layer=2, n_head=2, d_model=48, block_size=32))
-    whole = copy.deepcopy(model)
-    mode, swap_dir = sys.argv[2], sys.argv[3]
-    if mode == "zero2":
-        # A plain loop: no DDP wrapper, the optimizer averages the grads across ranks itself
-        # (ZeRO stage 2 by default with more than one rank: each rank keeps half the states).
-        opt = offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, offload="cpu")
-    else:
-        # stage=0: plain data parallelism, every rank keeps all the states, here in its own
-        # swap files (one private directory per rank under swap_dir); grads averaged by hand.
-        opt = offload.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, offload="nvme", stage=0,
-                            swap_dir=swap_dir, max_host_bytes="2MiB")
-    # Two references. `locked`: torch's AdamW on its own copy of the params, fed each step the
-    # very grads our optimizer averages (the numerics contract: identical grads, rtol 1e-5,
-    # atol 1e-6, moments too). `whole`: a single process on the whole batch, whose grads are
-    # summed in another order; Adam turns that rounding into lr-sized differences where |g| is
-    # near eps (1 element of 70k off by 1.9e-5 on an Intel Xeon), so only losses are compared.
-    locked = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
-    locked_opt = torch.optim.AdamW(locked, lr=3e-3, weight_decay=0.1, foreach=False)
-    whole_opt = torch.optim.AdamW(whole.parameters(), lr=3e-3, weight_decay=0.1, foreach=False)
-    data = Batches(batch_size=4 * world, seq_len=32, seed=0)
-    losses, whole_losses = [], []
-    for i in range(8):
-        x, y = data[i]
-        _, loss = model(x.chunk(world)[rank], y.chunk(world)[rank])  # this rank's half of the batch
-        loss.backward()
-        for p, q in zip(model.parameters(), locked):
-            if mode == "stage0":
-                dist.all_reduce(p.grad)
-                p.grad /= world
-                q.grad = p.grad.clone()
-            else:
-                # What the optimizer does: gloo's sum, times 1/world (exact for 2 ranks: a
-                # sum of two is the same in either order, and 1/2 is a power of two).
-                q.grad = p.grad.clone()
-                dist.all_reduce(q.grad)
-                q.grad *= 1.0 / world
-        opt.step()
-        opt.zero_grad()
-        locked_opt.step()
-        locked_opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-        _, whole_loss = whole(x, y)  # every rank runs it; it is tiny
-        whole_loss.backward()
-        whole_opt.step()
-        whole_opt.zero_grad()
-        whole_losses.append(whole_loss.item())
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(gathered, flat)
-    sd = opt.state_dict()  # full on every rank, whatever the stage
-    moments = {k: torch.cat([sd["state"][i][k].reshape(-1) for i in range(len(locked))])
-               for k in ("exp_avg", "exp_avg_sq")}
-    if rank == 0:
-        torch.save({"losses": losses, "whole_losses": whole_losses, "params": gathered,
-                    "locked": torch.cat([q.detach().reshape(-1) for q in locked]), "moments": moments,
-                    "locked_moments": {k: torch.cat([locked_opt.state[q][k].reshape(-1) for q in locked])
-                                       for k in ("exp_avg", "exp_avg_sq")},
-                    "steps": sorted({float(st["step"]) for st in sd["state"].values()}),
-                    "stage": opt.stage, "world": world}, sys.argv[1])
-    opt.close()
+    out_dir, swap_dir = sys.argv[1], sys.argv[2]
+    for mode in sys.argv[3:]:
+        run(mode, os.path.join(out_dir, mode + ".pt"), os.path.join(swap_dir, mode))
     dist.destroy_process_group()
     # gloo's C++ worker threads sometimes abort the interpreter's teardown ("terminate called
     # without an active exception", SIGABRT, in about 1 run in 6 here with torch.optim alone
@@ -218,21 +224,32 @@ _DDP_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("mode", ["zero2", "stage0"])
-def test_torchrun_two_ranks_gloo_matches_torch_adamw(tmp_path, mode):
+_MODES = ["zero2", "stage0"]
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    """One torchrun launch of the loop in both modes: (the launch, its directory)."""
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
+    tmp_path = tmp_path_factory.mktemp("torchrun")
     script = tmp_path / "loop.py"
     script.write_text(_DDP_SCRIPT)
-    out = tmp_path / "result.pt"
-    swap = tmp_path / "swap"
-    swap.mkdir()
+    for mode in _MODES:
+        (tmp_path / "swap" / mode).mkdir(parents=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(offload.__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(script), str(out), mode, str(swap)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+           str(script), str(tmp_path), str(tmp_path / "swap"), *_MODES]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    return proc, tmp_path
+
+
+@pytest.mark.parametrize("mode", _MODES)
+def test_torchrun_two_ranks_gloo_matches_torch_adamw(torchrun_runs, mode):
+    proc, tmp_path = torchrun_runs
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = torch.load(out)
+    swap = tmp_path / "swap" / mode
+    r = torch.load(tmp_path / f"{mode}.pt")
     assert r["world"] == 2 and r["stage"] == (2 if mode == "zero2" else 0)
     assert os.listdir(swap) == []  # each rank's swap files were removed by close()
     assert r["losses"][-1] < r["losses"][0]

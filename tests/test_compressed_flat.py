@@ -15,13 +15,10 @@ the same reference.
 from __future__ import annotations
 
 import math
-import os
-import traceback
 from typing import List, Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import offload
 from offload.kernels import quant
@@ -30,7 +27,7 @@ from offload.optim.flat_state import FlatState
 from test_rules_optim import CASES as RULE_CASES, RefLion, _groups
 
 import _internals as internals
-from _ranks import run_ranks
+from _ranks import group
 
 CASES = dict(RULE_CASES)
 CASES["adamw"] = (offload.AdamW, torch.optim.AdamW, None,
@@ -273,27 +270,25 @@ def test_a_large_param_spans_many_blocks(monkeypatch):
 
 
 # ---------------------------------------------------------------- two gloo ranks
-def _rank_job(rank, port, stage, dtype_name, case, state_dtype, master_bf16, in_backward, out):
+def _rank_job(rank, world, stage, dtype_name, case, state_dtype, master_bf16, in_backward):
+    # The rank lives on for other jobs (tests/_ranks.py group): the class settings go back.
+    saved = FlatState.bucket_numel, FlatState.reduce_in_backward
+    FlatState.bucket_numel = 1200  # buckets (segments of the step) of 512 elements per rank
+    FlatState.reduce_in_backward = in_backward  # the buckets' reductions started by the grad hooks
     try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        FlatState.bucket_numel = 1200  # buckets (segments of the step) of 512 elements per rank
-        FlatState.reduce_in_backward = in_backward  # the buckets' reductions started by the grad hooks
         opt, params, ref = train(None, case, state_dtype, master_bf16, stage=stage, sub_group_size=300,
                                  dtype=getattr(torch, dtype_name))
         shards = [fg.layout.shard for fg in internals.flat_groups(opt)]
         opt.state_dict()  # a collective: every rank
-        out.put((rank, True, shards))
-    except BaseException:
-        out.put((rank, False, traceback.format_exc()))
+        opt.close()
+        return shards
     finally:
-        out.close()
-        out.join_thread()
-        os._exit(0)  # gloo's destructors would wait for the peer
+        FlatState.bucket_numel, FlatState.reduce_in_backward = saved
 
 
 def _two_ranks(*args):
-    return run_ranks(_rank_job, 2, args, timeout=300)
+    # One group of two ranks for the session: a spawn per case cost ~3 s.
+    return group(2).run(_rank_job, *args, timeout=300)
 
 
 @pytest.mark.parametrize("stage,dtype,case,state_dtype,master_bf16,in_backward", [

@@ -3,15 +3,11 @@ shards) against the single-process reference of test_rules_optim.py: every rank 
 same grads, so their average is the grad the reference steps with."""
 from __future__ import annotations
 
-import os
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from test_rules_optim import CASES, STEPS, TOL, _groups, _need, _ref_kwargs
-from _ranks import run_ranks
+from _ranks import group
 
 SIZES = (1, 7, 15, 16, 17, 4097)
 
@@ -26,33 +22,24 @@ def _init(dtype):
     return [torch.randn(n, generator=gen).to(dtype) for n in SIZES]
 
 
-def _rank_job(rank, port, case, dtype, offload_kw, out):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        cls, _, _, hypers = CASES[case]
-        params = _init(dtype)
-        opt = cls(_groups(params, hypers), stage=2, **offload_kw)
-        for grads in _grads(dtype, 1):
-            for p, g in zip(params, grads):
-                p.grad = g.clone()
-            opt.step()
-        sd = opt.state_dict()  # collective: every rank
-        masters = [sd["state"].get(i, {}).get("master") for i in range(len(params))]
-        # plain lists: a tensor sent through the queue lives in shared memory this process
-        # unmaps when it leaves (os._exit below)
-        out.put((rank, True, ([p.float().tolist() for p in params],
-                              [None if m is None else m.tolist() for m in masters])))
-    except BaseException:
-        out.put((rank, False, traceback.format_exc()))
-    finally:
-        out.close()
-        out.join_thread()
-        os._exit(0)  # gloo's destructors would wait for the peer
+def _rank_job(rank, world, case, dtype, offload_kw):
+    cls, _, _, hypers = CASES[case]
+    params = _init(dtype)
+    opt = cls(_groups(params, hypers), stage=2, **offload_kw)
+    for grads in _grads(dtype, 1):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    sd = opt.state_dict()  # collective: every rank
+    opt.close()  # the ranks live on for the next job: leave no swap files open
+    masters = [sd["state"].get(i, {}).get("master") for i in range(len(params))]
+    # plain lists: a tensor sent through the queue lives in shared memory tied to its sender
+    return [p.float().tolist() for p in params], [None if m is None else m.tolist() for m in masters]
 
 
 def _two_ranks(case, dtype, offload_kw):
-    return run_ranks(_rank_job, 2, (case, dtype, offload_kw), timeout=180)
+    # One group of two ranks for the session (tests/_ranks.py): a spawn per case cost ~3 s.
+    return group(2).run(_rank_job, case, dtype, offload_kw)
 
 
 def _reference(case, dtype):

@@ -202,12 +202,11 @@ opt.close()
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_a_directory_held_by_a_live_process_is_never_removed(workdir, dtype_name):
-    import subprocess
+    from _forkserver import spawn
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
                                                         os.path.dirname(__file__)]))
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(workdir), dtype_name], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = spawn(HOLDER, str(workdir), dtype_name, env=env, stdin=True)  # forked from a warm interpreter
     try:
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         (path,) = [workdir / n for n in os.listdir(workdir)]
@@ -331,15 +330,12 @@ def test_trainer_restart_after_kill_with_the_same_swap_dir(workdir, dtype_name):
 
 
 # ---------------------------------------------------------------- several ranks
-def _ranks_job(rank, world, port, swap, out):
-    """On each of ``world`` gloo ranks (ZeRO-2, bf16 params): a run that dies at step 2,
-    then resume="auto" (refused), then resume="discard" against a fresh run."""
+def _ranks_job(rank, world, swap, out):
+    """On each of ``world`` gloo ranks (ZeRO-2, bf16 params; the session's group of
+    tests/_ranks.py): a run that dies at step 2, then resume="auto" (refused), then
+    resume="discard" against a fresh run."""
     import json
 
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     res = {}
     try:
         params = make_params("bfloat16")
@@ -364,7 +360,6 @@ def _ranks_job(rank, world, port, swap, out):
     except Exception as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        dist.destroy_process_group()
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(res, f)
 
@@ -372,17 +367,13 @@ def _ranks_job(rank, world, port, swap, out):
 def test_two_ranks_discard_and_auto_is_refused(workdir, tmp_path):
     """resume="auto" is refused on every rank (they could disagree); "discard" works on each."""
     import json
-    import socket
 
-    import torch.multiprocessing as mp
+    from _ranks import group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     swap, out = workdir / "swap", tmp_path / "results"
     swap.mkdir()
     out.mkdir()
-    mp.spawn(_ranks_job, args=(2, port, str(swap), str(out)), nprocs=2, join=True)
+    group(2).run(_ranks_job, str(swap), str(out))  # a spawn of its own cost ~3 s
     for rank in range(2):
         res = json.load(open(out / f"rank{rank}.json"))
         assert "error" not in res, res
