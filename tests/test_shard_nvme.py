@@ -217,10 +217,11 @@ opt.close()
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kill9_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, dtype):
     import subprocess
-    import sys
+
+    from _forkserver import spawn
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]))
 
     def run(tag, kill_at):
         pdir, sdir = tmp_path / f"{tag}-params", tmp_path / f"{tag}-states"
@@ -229,7 +230,9 @@ def test_kill9_mid_step_then_resume_equals_an_uninterrupted_run(tmp_path, dtype)
         out = str(tmp_path / f"{tag}.pt")
         src = _TRAIN.format(tests=tests, params_dir=str(pdir), states_dir=str(sdir), steps=4, kill_at=kill_at, out=out,
                             dtype=dtype)
-        return subprocess.run([sys.executable, "-c", src], env=env, capture_output=True, text=True), out, pdir
+        child = spawn(src, env=env)  # forked from a warm interpreter (tests/_forkserver.py)
+        _, err = child.communicate(timeout=300)
+        return subprocess.CompletedProcess(["-c"], child.returncode, "", err), out, pdir
 
     whole, out_whole, _ = run("whole", -1)
     assert whole.returncode == 0, whole.stderr
