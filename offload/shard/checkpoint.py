@@ -38,7 +38,7 @@ from offload.shard.api import runtime_of
 from offload.shard.ckpt_plan import (check_model, check_optimizer, describe_flats, element_keys, group_of,
                                      optimizer_entries, overlaps, rebuild_scalar, scalar_of)
 from offload.swap import fsutil
-from offload.swap.ckpt_dir import DirLock
+from offload.swap.ckpt_dir import DirLock, remove_quiet
 from offload.swap.ckpt_groups import decode_groups, encode_groups
 
 __all__ = ["save_checkpoint", "load_checkpoint", "MANIFEST", "FORMAT", "VERSION"]
@@ -203,19 +203,9 @@ def _commit(directory: str, gen: int, world: int, flats: List[Any], optimizer: A
     old = held.get("old")
     done = set(manifest["files"])
     stale = [n for n in (list(old["files"]) if old else []) + list(held.get("left") or []) if n not in done]
-    if all([_remove_quiet(os.path.join(directory, n)) for n in stale]):
-        _remove_quiet(os.path.join(directory, PENDING))
+    if all([remove_quiet(os.path.join(directory, n)) for n in stale]):
+        remove_quiet(os.path.join(directory, PENDING))
     fsutil.fsync_dir(directory)
-
-
-def _remove_quiet(path: str) -> bool:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        return False
-    return True
 
 
 def read_manifest(directory: str) -> Dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Union
 from offload.kernels.fields import StateField
 from offload.swap import fsutil
 
-__all__ = ["CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "CKPT_LOCK", "CKPT_PENDING", "CheckpointBusy",
+__all__ = ["remove_quiet", "CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "CKPT_LOCK", "CKPT_PENDING", "CheckpointBusy",
            "DirLock", "NewGeneration", "read_manifest", "manifest_dtypes", "manifest_fields", "manifest_file_bytes",
            "retire_single_directory"]
 
@@ -123,7 +123,8 @@ class DirLock:
         self.release()
 
 
-def _remove_quiet(path: str) -> bool:
+def remove_quiet(path: str) -> bool:
+    """Unlink ``path``; True when it is gone (or was never there), False on another error."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -199,7 +200,7 @@ class NewGeneration:
         keep = set(self._old_files())
         for name in list(rec.get("files") or []) + list(rec.get("old") or []):
             if isinstance(name, str) and os.path.basename(name) == name and name not in keep:
-                _remove_quiet(self._path(name))
+                remove_quiet(self._path(name))
 
     def preallocate(self, f: Any, name: str) -> None:
         try:
@@ -255,16 +256,16 @@ class NewGeneration:
                 raise OSError(exc.errno, f"the save failed after its manifest was written, and putting the previous "
                               f"one back failed too ({exc.strerror or exc}): this directory holds the new checkpoint "
                               "where the others (ranks) may hold the old one; save again", self.directory) from exc
-        if all([_remove_quiet(p) for k in self.names for p in (self.tmps[k], self._path(self.finals[k]))]):
-            _remove_quiet(self._path(CKPT_PENDING))
+        if all([remove_quiet(p) for k in self.names for p in (self.tmps[k], self._path(self.finals[k]))]):
+            remove_quiet(self._path(CKPT_PENDING))
         self.release()
 
     def finish(self) -> str:
         """After the commit: the previous generation goes (a file that cannot be removed stays
         named in the pending record, for the next save), then the lock."""
-        ok = all([_remove_quiet(self._path(name)) for name in self._old_files() if name not in self.finals.values()])
+        ok = all([remove_quiet(self._path(name)) for name in self._old_files() if name not in self.finals.values()])
         if ok:
-            _remove_quiet(self._path(CKPT_PENDING))
+            remove_quiet(self._path(CKPT_PENDING))
         self.release()
         return self.directory
 
@@ -291,6 +292,6 @@ def retire_single_directory(directory: str) -> None:
             old = read_manifest(directory)
         except (OSError, ValueError):
             return  # not ours to remove
-        if all([_remove_quiet(os.path.join(directory, name)) for name in old["files"].values()]):
-            _remove_quiet(os.path.join(directory, CKPT_MANIFEST))
+        if all([remove_quiet(os.path.join(directory, name)) for name in old["files"].values()]):
+            remove_quiet(os.path.join(directory, CKPT_MANIFEST))
             fsutil.fsync_dir(directory)
