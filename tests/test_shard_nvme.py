@@ -147,6 +147,10 @@ def test_grad_standin_follows_torch_rules(tmp_path):
     assert shards[0].grad is flat.grad_standin and shards[0].grad.shape == shards[0].shape
     with pytest.raises(RuntimeError, match="single memory location"):
         torch.nn.utils.clip_grad_norm_(shards, 1.0)  # in place on the stand-in: torch's own error
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(1))
+    with pytest.raises(RuntimeError, match="single memory location"):
+        scaler.unscale_(opt)  # GradScaler reads grads in memory: refused the same way
     g = flat.disk_grad()
     paging.load([g])
     assert g.abs().sum() > 0
