@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import traceback
 
 import pytest
 import torch
@@ -113,21 +112,9 @@ def job_full(steps=6, **build):
     return out
 
 
-def _worker(rank, world, port, inq, outq):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    while True:
-        job = inq.get()
-        if job is None:
-            break
-        name, kwargs = job
-        try:
-            outq.put((rank, True, globals()[name](**copy.deepcopy(kwargs))))
-        except BaseException:
-            outq.put((rank, False, traceback.format_exc()))
-    outq.close()
-    outq.join_thread()
-    os._exit(0)
+def _job(rank, world, name, kwargs):
+    """A job on the ranks of ``_ranks.serve``: ``name(**kwargs)`` of this module."""
+    return globals()[name](**copy.deepcopy(kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +126,8 @@ def run():
         if world == 1:
             return [globals()[name](**kwargs)]
         if not pools:  # both at once: their start (importing torch) is most of this file's time
-            pools.update({w: _ranks.Workers(_worker, w) for w in (2, 3)})
-        out = pools[world].send((name, kwargs), timeout=180)
+            pools.update({w: _ranks.Workers(_ranks.serve, w) for w in (2, 3)})
+        out = pools[world].send(("test_shard_checkpoint", "_job", (name, kwargs), {}), timeout=180)
         return [out[r] for r in range(world)]
 
     yield go

@@ -17,6 +17,7 @@ grads are the current step's. The directory is removed on close and at exit.
 """
 from __future__ import annotations
 
+import bisect
 import fcntl
 import logging
 import mmap
@@ -103,6 +104,8 @@ class ParamTier:
             self.close()
             raise
         self._areas: List[_Area] = []
+        self._starts: List[int] = []
+        self._by_start: List[_Area] = []
         self.logical: Dict[str, int] = {}  # "params" / "grads" -> bytes of the tensors (the file pads to pages)
         self._size = 0
         self._lock = threading.RLock()
@@ -128,6 +131,9 @@ class ParamTier:
         self._size += rounded
         self.logical[kind] = self.logical.get(kind, 0) + nbytes
         self._areas.append(a)
+        i = bisect.bisect(self._starts, a.start)
+        self._starts.insert(i, a.start)
+        self._by_start.insert(i, a)
         paging.register(a.start, rounded, self)
         default_accounting().add("nvme", self._owner, rounded)
         # state _ON_DISK: the file's fresh blocks read as zeros, as the untouched pages do
@@ -135,8 +141,10 @@ class ParamTier:
         return t
 
     def _area_of(self, addr: int) -> _Area:
-        for a in self._areas:
-            if a.start <= addr < a.start + a.nbytes:
+        i = bisect.bisect(self._starts, addr) - 1  # the areas sorted by address, as paging's registry
+        if i >= 0:
+            a = self._by_start[i]
+            if addr < a.start + a.nbytes:
                 return a
         raise ValueError(f"address {addr:#x} is not in a paged area of {self.path}")
 
