@@ -133,6 +133,8 @@ class ShardRuntime:
         if self.in_backward:
             return
         self.in_backward = True
+        if self.tier is not None:
+            self.tier.defer_stores = True  # grads leave while the next unit computes ([Note: async stores])
         self.schedule.begin("bwd")
         self.reducer.begin()
         torch.autograd.Variable._execution_engine.queue_callback(self.final)
@@ -172,6 +174,9 @@ class ShardRuntime:
                 self.reducer.finish(anywhere, agreed)
         finally:
             self.in_backward = False
+            if self.tier is not None:
+                self.tier.defer_stores = False
+                self.tier.flush()  # the grads on disk before the step reads them ([Note: async stores])
 
     def place_grads(self, swap_dir: str, io: Any = "auto") -> None:
         """Grad shards into a swap file (the optimizer's states are on NVMe): the params' file
