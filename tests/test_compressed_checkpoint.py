@@ -76,7 +76,7 @@ def test_nvme_checkpoint_round_trip_bit_for_bit(tmp_path, state_dtype):
     opt2.close()
 
 
-def test_other_state_dtype_is_refused_and_state_dict_converts(tmp_path):
+def test_other_state_dtype_converts_at_stage_0_and_the_flat_store_refuses(tmp_path):
     params = _params()
     opt = _opt(params, tmp_path / "a", "int8")
     _steps(opt, params, 0, 2)
@@ -84,15 +84,26 @@ def test_other_state_dtype_is_refused_and_state_dict_converts(tmp_path):
     (tmp_path / "b").mkdir()
     fp32 = offload.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], offload="nvme",
                          swap_dir=str(tmp_path / "b"), backend=BACKEND, **HP)
-    with pytest.raises(ValueError, match=r"int8 in blocks of 256.*float32.*state_dict\(\)"):
-        fp32.load_checkpoint(str(tmp_path / "ck"))
+    fp32.load_checkpoint(str(tmp_path / "ck"))  # fp32 params in place: decoded as it loads
     sd = opt.state_dict()
-    fp32.load_state_dict(sd)  # dequantized values, as torch's layout holds them
-    for i, st in fp32.state_dict()["state"].items():
+    for i, st in fp32.state_dict()["state"].items():  # the dequantized values, as state_dict() gives them
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(st[k], sd["state"][i][k])
     opt.close()
     fp32.close()
+    # bf16 params: the flat store, whose shards do not convert: refused, naming both and the way
+    bf = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in params]
+    for p in bf:
+        p.grad = torch.ones_like(p)
+    q8 = _opt(bf, tmp_path / "c", "int8")
+    q8.step()
+    q8.save_checkpoint(str(tmp_path / "ck2"))
+    f32 = _opt([torch.nn.Parameter(p.detach().clone()) for p in bf], tmp_path / "d", "float32")
+    with pytest.raises(ValueError, match=r"int8 in blocks of 256.*float32.*state_dict\(\)"):
+        f32.load_checkpoint(str(tmp_path / "ck2"))
+    f32.load_state_dict(q8.state_dict())
+    q8.close()
+    f32.close()
 
 
 def test_corrupt_or_truncated_packed_file_is_detected(tmp_path):

@@ -214,12 +214,18 @@ class HostState:
         return save_states(directory, [p.numel() for p in params], states, meta)
 
     def load_checkpoint(self, directory: str) -> None:
+        from offload.zero.ckpt_convert import read_converted
         from offload.zero.ckpt_states import load_states
 
         params = self._torch.params()
-        scratch = {k: [torch.empty(p.numel(), dtype=torch.float32) for p in params] for k in self.names}
-        # Loaded into scratch first: a failed load leaves the current state untouched.
-        meta = load_states(directory, [p.numel() for p in params], scratch, self.fields)
+        numels = [p.numel() for p in params]
+        converted = read_converted(directory, numels, self.fields)  # other state dtypes: [Note: converting loads]
+        if converted is not None:
+            meta, scratch = converted
+        else:
+            scratch = {k: [torch.empty(p.numel(), dtype=torch.float32) for p in params] for k in self.names}
+            # Loaded into scratch first: a failed load leaves the current state untouched.
+            meta = load_states(directory, numels, scratch, self.fields)
         if meta.get("shapes") != [list(p.shape) for p in params]:
             raise ValueError(f"{directory}: checkpoint of params with other shapes")
         state = self._torch.state

@@ -435,9 +435,14 @@ class SwappedState:
         """Replace the moments and steps with those of checkpoint ``directory`` (same param
         shapes; any sub_group_size; the previous release's format too). The params
         themselves are the caller's."""
+        from offload.zero.ckpt_convert import read_converted
         from offload.zero.ckpt_states import fill_store_states
 
         shapes, numels = [list(p.shape) for p in self.params], [p.numel() for p in self.params]
+        converted = read_converted(directory, numels, self.core.fields)
+        if converted is not None:  # other state dtypes: [Note: converting loads] in offload/zero/ckpt_convert.py
+            self._load_converted(directory, shapes, *converted)
+            return
 
         def fill(store: Any, buffers: List[Any]) -> Tuple[Dict[str, Any], Dict[int, Any]]:
             meta, written = fill_store_states(directory, numels, store, buffers, self.core.fields)
@@ -451,6 +456,18 @@ class SwappedState:
         except BaseException:
             self._set_counts(before)  # the swap files hold the moments of these counts still
             raise
+        self._broken = None
+
+    def _load_converted(self, directory: str, shapes: List[List[int]], meta: Dict[str, Any],
+                        states: Dict[str, List[torch.Tensor]]) -> None:
+        """Float32 states per param (decoded from a checkpoint of other dtypes), encoded as
+        this store keeps them and committed at once."""
+        if meta.get("shapes") != shapes:
+            raise ValueError(f"{directory}: checkpoint of params with other shapes")
+        with self.atomic_writes():
+            for i, p in enumerate(self.params):
+                step = int(meta["steps"][i])
+                self.write_state(p, *[states[k][i] for k in self.names], step=step)
         self._broken = None
 
     # ------------------------------------------------------------------ closing
