@@ -17,6 +17,8 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -50,14 +52,14 @@ def _mine(t, world, rank):
     return t[rank * n:(rank + 1) * n]
 
 
-def train(offload_params, device="cpu", steps=STEPS):
+def train(offload_params, device="cpu", steps=STEPS, max_grad_norm=None):
     """TinyGPT sharded on ``device``, trained ``steps`` steps: (losses, gathered params on the CPU)."""
     world, rank = _world()
     torch.manual_seed(0)
     model = TinyGPT(CFG).to(device)
     swap = tempfile.mkdtemp(prefix="shard-cuda-", dir="/var/tmp") if offload_params == "nvme" else None
     model = offload.shard(model, offload_params=offload_params, swap_dir=swap)
-    opt = offload.AdamW(model.parameters(), **HP)
+    opt = offload.AdamW(model.parameters(), max_grad_norm=max_grad_norm, **HP)
     losses = []
     for step in range(steps):
         x, y = _batch(step, device)
@@ -130,8 +132,33 @@ def test_emulation_catches_a_missing_wait(world):
         assert got["differ"] or got["losses"] != got["ref_losses"], (rank, got)
 
 
+def test_emulated_without_overlap_equals_the_cpu_path():
+    """``overlap = False`` (bench/shard_gpu.py's baseline): the gathers' copies go on the
+    compute stream, in order: nothing queued on the gather stream, the same bits."""
+    ref_losses, ref = train("cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(shard_device, "overlap", False)
+        losses, params, queued, torn = _emulated("cpu")
+    assert queued.get("gather", 0) == 0 and queued.get("reduce", 0) > 0, queued
+    assert torn == [] and losses == ref_losses
+    assert _differences(params, ref) == []
+
+
+def test_gpu_check_script_parses_and_its_stage3_bench_skips_without_cuda():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run(["bash", "-n", os.path.join(root, "bench", "gpu_check.sh")], check=True)
+    script = open(os.path.join(root, "bench", "gpu_check.sh")).read()
+    assert "bench/shard_gpu.py" in script and "tests/test_shard_cuda.py" in script
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device: gpu_check.sh runs the bench itself")
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "shard_gpu.py"), "--iters", "1"],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
+    assert out.returncode == 0, out.stderr
+    assert "no CUDA device: skipped" in out.stdout
+
+
 # ---------------------------------------------------------------------- on a real GPU
-def _reference(device, world):
+def _reference(device, world, max_grad_norm=None):
     """The unsharded model stepped by torch.optim.AdamW on ``device``, fed the average of
     every rank's grads (the mean loss over the whole batch): (losses of this rank's part, params)."""
     _, rank = _world()
@@ -143,6 +170,8 @@ def _reference(device, world):
         x, y = _batch(step, device)
         parts = [model(_mine(x, world, r), _mine(y, world, r))[1] for r in range(world)]
         (sum(parts) / world).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad()
         losses.append(parts[rank].item())
@@ -165,6 +194,15 @@ def _assert_contract(got, ref):
 def test_cuda_one_rank_matches_torch_adamw(offload_params):
     got = train(offload_params, device="cuda")
     _assert_contract(got, _reference("cuda", 1))
+
+
+@pytest.mark.parametrize("offload_params", ["none", "cpu"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_clipping_matches_torch(offload_params):
+    """max_grad_norm with the shards' grads on the device (none) or on the host (cpu)."""
+    got = train(offload_params, device="cuda", max_grad_norm=0.5)
+    _assert_contract(got, _reference("cuda", 1, max_grad_norm=0.5))
 
 
 def _nccl_rank(rank, port, offload_params, out):

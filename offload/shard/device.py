@@ -29,6 +29,7 @@ the path with CPU tensors standing for device memory (tests/stream_emulation.py)
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -38,9 +39,33 @@ from offload.zero import SideStream, comm
 
 __all__ = ["Streams", "streams_for", "gather", "issue_bucket", "retire_bucket"]
 
+overlap = True
+"""False: the gathers' copies and collectives go on the compute stream, in order (no side
+stream): the baseline bench/shard_gpu.py measures the overlap against; read at each gather."""
+
 side_streams: Optional[Callable[[torch.device], Tuple[Any, Any]]] = None
 """Tests: makes the (gather, reduce) pair of stream-like objects for CPU params, so that
 ``offload.shard`` takes the device path with them (tests/stream_emulation.py)."""
+
+
+class _OnCompute:
+    """A side stream's interface whose work goes on the current (compute) stream (``overlap``
+    off): no waits are needed, everything runs in order."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def wait_current(self) -> None:
+        pass
+
+    def current_waits(self) -> None:
+        pass
+
+    def record(self) -> None:
+        return None
+
+    def context(self):
+        return contextlib.nullcontext()
 
 
 class Streams:
@@ -102,14 +127,14 @@ def free_full(flat: Any) -> None:
 class _OnDevice:
     """A device gather's handle (see the note): ``wait()`` on the compute stream."""
 
-    def __init__(self, flat: Any, handle: Any, event: Any, out: Optional[torch.Tensor], version: int,
+    def __init__(self, flat: Any, side: Any, handle: Any, event: Any, out: Optional[torch.Tensor], version: int,
                  landing: Optional[torch.Tensor] = None) -> None:
-        self.flat, self.handle, self.event, self.out = flat, handle, event, out
+        self.flat, self.side, self.handle, self.event, self.out = flat, side, handle, event, out
         self.version, self.landing = version, landing
 
     def wait(self) -> bool:
         done = self.handle.wait()  # NCCL: the compute stream waits for it; gloo: the host
-        side = self.flat.streams.gather
+        side = self.side
         if self.landing is not None:
             if self.out is not None:  # the host all-gather is done: now its copy to the device
                 with side.context():
@@ -139,7 +164,7 @@ def _source(flat: Any) -> torch.Tensor:
 def gather(flat: Any, group: Any, scratch: bool):
     """FlatParam.gather_async on the device path: (handle, scratch buffer or None)."""
     streams, dev = flat.streams, flat.streams.device
-    side = streams.gather
+    side = streams.gather if overlap else _OnCompute(dev)
     src = _source(flat)
     side.wait_current()  # the buffer's last readers and the shard's last writer come first
     if not scratch:
@@ -158,14 +183,14 @@ def gather(flat: Any, group: Any, scratch: bool):
                     src = staged
                 handle = comm.all_gather_async(out, src, group)
         event = side.record()
-        return _OnDevice(flat, handle, event, out, version), (out if scratch else None)
+        return _OnDevice(flat, side, handle, event, out, version), (out if scratch else None)
     # collectives on the host (gloo): all-gather into pinned memory; its copy at wait()
     if src.device.type != "cpu":
         src = src.to("cpu")  # the device shard (after the compute stream's last write to it)
     landing = host_buffer(flat.padded, flat.dtype, dev)
     handle = comm.all_gather_async(landing, src, group)
     out = None if scratch else flat.full
-    return _OnDevice(flat, handle, None, out, version, landing=landing), landing if scratch else None
+    return _OnDevice(flat, side, handle, None, out, version, landing=landing), landing if scratch else None
 
 
 class _Done:
@@ -226,4 +251,6 @@ def retire_bucket(entry: Tuple[Any, Any, torch.Tensor, int, bool]) -> None:
     h.wait()
     if _collective_on_device(flat):  # the average is made from the reduce stream's output
         compute_waits(flat.streams.reduce, h.event)
+        if out.is_cuda:  # made on the reduce stream; read (and maybe kept as the grad) on the compute stream
+            out.record_stream(torch.cuda.current_stream(out.device))
     flat.add_shard_grad(out, lo, fresh)
