@@ -5,8 +5,9 @@ reduces on side streams (offload/shard/device.py [Note: stage 3 on a device]).
   tests/stream_emulation.py's streams for the gather and reduce streams (an async copy runs
   only when a GPU would have had to run it); TinyGPT trained with offload.shard +
   offload.AdamW equals the plain CPU path bit for bit, on 1 and 2 gloo ranks, params "none"
-  (the optimizer steps the shards as device params: the flat store's device path) and "cpu"
-  (pinned host shards, stepped in place). Without the compute stream's wait on a gather,
+  (the optimizer steps the shards as device params: the flat store's device path), "cpu"
+  (pinned host shards, stepped in place) and "nvme" (the tier's pages, copied to a pinned
+  buffer for the gather). Without the compute stream's wait on a gather,
   the forward reads stale bytes and the run differs: the emulated test can fail.
 - ``cuda``-marked (skipped without a GPU; bench/gpu_check.sh runs them): the same on a real
   device, against the unsharded model stepped by torch.optim.AdamW on that device, within the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,6 +72,8 @@ def train(offload_params, device="cpu", steps=STEPS, max_grad_norm=None):
         losses.append(loss.item())
     params = offload.shard.gathered_params(model)
     opt.close()
+    if swap:
+        shutil.rmtree(swap, ignore_errors=True)
     return losses, params
 
 
@@ -114,7 +118,7 @@ def _on_ranks(world, fn, *args):
 
 # ---------------------------------------------------------------------- emulated (CI)
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("offload_params", ["none", "cpu"])
+@pytest.mark.parametrize("offload_params", ["none", "cpu", "nvme"])
 def test_emulated_device_path_equals_the_cpu_path(world, offload_params):
     for rank, got in _on_ranks(world, job_compare, offload_params).items():
         assert got["names"] > 0

@@ -19,9 +19,11 @@ evicted at once, so the pages never wait for the device). Two side streams per d
 - reduce: ``wait_current()`` (the grads were made on the compute stream), then the bucket's
   flatten and its reduce-scatter (NCCL; one rank: none); on a host group the bucket is
   copied to a pinned host buffer and the host waits for that copy before gloo reads it. The
-  averaged shard grad goes where the shard is (host for "cpu"/"nvme": a copy after the
-  compute stream has waited for the reduction, done before the reducer returns, so before
-  the optimizer reads it).
+  shard grad is made where the shard is: a device shard's on the compute stream after it
+  waited for the reduction; a host shard's ("cpu"/"nvme") on the host, from this rank's
+  part copied down on the reduce stream right after the collective, once the host waited
+  for that copy (its event only: the compute stream runs on). The reducer retires every
+  bucket before the backward ends, so before the optimizer reads a grad.
 
 The schedule and the hooks do not know which path runs. ``side_streams`` lets the tests run
 the path with CPU tensors standing for device memory (tests/stream_emulation.py), as
@@ -97,6 +99,14 @@ def compute_waits(side: Any, event: Any) -> None:
         torch.cuda.current_stream(side.device).wait_event(event)
     else:
         side.current_waits()
+
+
+def host_waits(side: Any, event: Any) -> None:
+    """The host waits for ``event`` (recorded on ``side``; None: for all ``side`` has queued)."""
+    if event is not None:
+        event.synchronize()
+    else:
+        side.synchronize()
 
 
 def _collective_on_device(flat: Any) -> bool:
@@ -235,6 +245,11 @@ def issue_bucket(job: Any, group: Any) -> Tuple[Any, Any, torch.Tensor, int, boo
             else:
                 out = torch.empty(hi - lo, dtype=torch.float32, device=buf.device)
                 handle = comm.reduce_scatter_async(out, buf, group)
+            if flat.shard.device.type == "cpu":  # a host shard: its part goes down from here
+                handle.wait()  # NCCL: this (the current) stream waits for the collective, the host does not
+                down = host_buffer(hi - lo, torch.float32, flat.streams.device)
+                down.copy_(out, non_blocking=True)
+                out, handle = down, _Done()
         return _Bucket(handle, side.record()), flat, out, lo, job.fresh
     host = host_buffer(buf.numel(), torch.float32, flat.streams.device)
     with side.context():
@@ -245,12 +260,16 @@ def issue_bucket(job: Any, group: Any) -> Tuple[Any, Any, torch.Tensor, int, boo
 
 
 def retire_bucket(entry: Tuple[Any, Any, torch.Tensor, int, bool]) -> None:
-    """GradReducer._retire on the device path: the compute stream waits for the reduction,
-    then the average goes into the shard's grad (on the host for a host shard)."""
+    """GradReducer._retire on the device path: the average of the reduced bucket goes into
+    the shard's grad: on the compute stream after it waited for the reduction (a device
+    shard), or on the host after it waited for the bucket's copy down (a host shard)."""
     h, flat, out, lo, fresh = entry
     h.wait()
-    if _collective_on_device(flat):  # the average is made from the reduce stream's output
-        compute_waits(flat.streams.reduce, h.event)
+    side = flat.streams.reduce
+    if out.device.type == "cpu" and _collective_on_device(flat):
+        host_waits(side, h.event)  # this bucket's copy down only, not the compute stream
+    elif _collective_on_device(flat):  # the average is made from the reduce stream's output
+        compute_waits(side, h.event)
         if out.is_cuda:  # made on the reduce stream; read (and maybe kept as the grad) on the compute stream
             out.record_stream(torch.cuda.current_stream(out.device))
     flat.add_shard_grad(out, lo, fresh)
