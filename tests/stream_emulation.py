@@ -23,6 +23,16 @@ changed (each source is snapshotted when its copy is queued): a torn copy that i
 in the tests' numerics, one that is overwritten before anyone reads it (the hook copying an
 accumulated grad again) harmlessly does not. ``torn`` lists them, for failure messages.
 
+Stage 3 (``install_stage3``, tests/test_shard_cuda.py): ``offload.shard`` takes its device
+path (offload/shard/device.py) with a (gather, reduce) pair; every tensor stands for device
+memory (``all_device``: the path's temporaries are made anywhere), a backward's read of a
+saved tensor counts as a compute-stream op (a saved-tensors hook: autograd's engine runs
+no Python op the mode could see), a queued copy moves its destination's version counter
+when issued (``version_at_issue``, as torch does on a GPU), a unit's buffer released before
+its queued copies ran drops them (on a GPU they write the memory ``record_stream`` kept),
+and a copy whose source an earlier copy of the same queue writes is ordered by the stream,
+not torn.
+
 What it cannot show: the host running ahead of the device. Compute-stream ops run here when
 the host issues them, so a host write racing device work that a GPU would still have queued
 (the step's kernel against the last step's copies, which the step prevents by synchronising

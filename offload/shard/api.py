@@ -1,4 +1,4 @@
-"""``offload.shard(module)``: ZeRO stage 3 for a CPU model (FSDP2's ``fully_shard``, one call
+"""``offload.shard(module)``: ZeRO stage 3 for a CPU or CUDA model (FSDP2's ``fully_shard``, one call
 for the whole model).
 
 Every trainable param of ``module`` ends in one fetch unit (units.py); a unit's params of one
@@ -109,9 +109,9 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     the order is known (schedule.py). ``max_live_params`` / ``max_live_bytes`` (one of them;
     bytes as an int or "512MiB"): prefetch never takes the gathered units (the root
     included) over it; the unit in use is gathered even when it alone is over (a warning,
-    once). ``offload_params``: "none" and "cpu" (the same on a
-    CPU model: the shards live in host memory); "nvme": each rank's shards live in a file
-    under ``swap_dir`` and come into RAM only while gathered or stepped ([Note: the param
+    once). ``offload_params``: "none" and "cpu" (a CPU model's shards live in host memory; on
+    CUDA "none": on the device, "cpu": pinned, device.py [Note: stage 3 on a device]); "nvme":
+    each rank's shards live in a file under ``swap_dir`` and come into RAM only while gathered or stepped ([Note: the param
     tier] in tier.py; ``io``: the io engine, as the optimizers'); the grad shards live where
     the optimizer keeps its states (a swap file with ``offload="nvme"``). Every rank must build the same model (same init) before calling this. A collective when
     ``torch.distributed`` is initialised: it makes a process group for the grads'
