@@ -77,15 +77,18 @@ def train(offload_params, device="cpu", steps=STEPS, max_grad_norm=None):
     return losses, params
 
 
-def _emulated(offload_params, drop_gather_wait=False):
-    """``train`` on the device path, emulated: (losses, params, copies queued per stream, torn)."""
+def _emulated(offload_params, drop=None):
+    """``train`` on the device path, emulated: (losses, params, copies queued per stream, torn).
+    ``drop``: a wait taken away: "gather" (the compute stream's on a gather), "reduce" (the
+    compute stream's on a reduction), "host" (the host's on a bucket's copy down)."""
     with pytest.MonkeyPatch.context() as mp:
         emu = Emulation()
         emu.install_stage3(mp, optimizer=offload_params == "none")
-        if drop_gather_wait:  # the compute stream no longer waits for the gathers' copies
+        if drop in ("gather", "reduce"):
             waits = shard_device.compute_waits
-            mp.setattr(shard_device, "compute_waits",
-                       lambda side, ev: None if side.name == "gather" else waits(side, ev))
+            mp.setattr(shard_device, "compute_waits", lambda side, ev: None if side.name == drop else waits(side, ev))
+        elif drop == "host":
+            mp.setattr(shard_device, "host_waits", lambda side, ev: None)
         with emu:
             losses, params = train(offload_params)
         return losses, params, dict(emu.queued), list(emu.torn)
@@ -104,9 +107,9 @@ def job_compare(rank, world, offload_params):
                 names=len(ref))
 
 
-def job_missing_wait(rank, world):
-    ref_losses, ref = train("cpu")
-    losses, params, queued, _ = _emulated("cpu", drop_gather_wait=True)
+def job_missing_wait(rank, world, drop, offload_params):
+    ref_losses, ref = train(offload_params)
+    losses, params, queued, _ = _emulated(offload_params, drop=drop)
     return dict(losses=losses, ref_losses=ref_losses, differ=_differences(params, ref), queued=queued)
 
 
@@ -128,11 +131,15 @@ def test_emulated_device_path_equals_the_cpu_path(world, offload_params):
         assert got["differ"] == [], (rank, got["differ"])
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_emulation_catches_a_missing_wait(world):
-    """The compute stream not made to wait for a gather reads stale bytes: the run differs."""
-    for rank, got in _on_ranks(world, job_missing_wait).items():
-        assert got["queued"].get("gather", 0) > 0
+@pytest.mark.parametrize("world, drop, offload_params", [(1, "gather", "cpu"), (2, "gather", "cpu"),
+                                                         (1, "gather", "none"), (1, "reduce", "none"),
+                                                         (1, "host", "cpu")])
+def test_emulation_catches_a_missing_wait(world, drop, offload_params):
+    """A wait taken away (the compute stream's on a gather or a reduction, the host's on a
+    grad's copy down): stale bytes are read and the run differs, so the tests above can fail.
+    (Two gloo ranks reduce through host memory: the host waits for the whole reduce stream.)"""
+    for rank, got in _on_ranks(world, job_missing_wait, drop, offload_params).items():
+        assert got["queued"].get(drop if drop != "host" else "reduce", 0) > 0
         assert got["differ"] or got["losses"] != got["ref_losses"], (rank, got)
 
 

@@ -245,7 +245,7 @@ def issue_bucket(job: Any, group: Any) -> Tuple[Any, Any, torch.Tensor, int, boo
             else:
                 out = torch.empty(hi - lo, dtype=torch.float32, device=buf.device)
                 handle = comm.reduce_scatter_async(out, buf, group)
-            if flat.shard.device.type == "cpu":  # a host shard: its part goes down from here
+            if flat.host_shard:  # its part goes down from here
                 handle.wait()  # NCCL: this (the current) stream waits for the collective, the host does not
                 down = host_buffer(hi - lo, torch.float32, flat.streams.device)
                 down.copy_(out, non_blocking=True)
@@ -266,7 +266,7 @@ def retire_bucket(entry: Tuple[Any, Any, torch.Tensor, int, bool]) -> None:
     h, flat, out, lo, fresh = entry
     h.wait()
     side = flat.streams.reduce
-    if out.device.type == "cpu" and _collective_on_device(flat):
+    if flat.host_shard and _collective_on_device(flat):
         host_waits(side, h.event)  # this bucket's copy down only, not the compute stream
     elif _collective_on_device(flat):  # the average is made from the reduce stream's output
         compute_waits(side, h.event)

@@ -93,6 +93,7 @@ class FlatParam:
         self.padded = self.world * self.chunk
         device = members[0][0].device
         self.streams = streams  # the device path's side streams (device.py), None on the CPU
+        self.host_shard = streams is not None and host_shard  # the device path: the shard in host memory
         if device.type != "cpu" and streams is None:
             raise NotImplementedError(f"offload.shard: params on {device} (CPU and CUDA params only)")
         self._itemsize = torch.empty(0, dtype=self.dtype).element_size()
