@@ -10,6 +10,7 @@ GradScaler's ``found_inf`` is agreed (max over ranks) so that every rank skips o
 """
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -70,6 +71,21 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
     return Stage3Store(inner, group, opt._ctx, backend=opt.backend, num_threads=opt.num_threads)
 
 
+def _device_sumsq(work, backend: Optional[str], threads: Optional[int]) -> Tuple[float, bool]:
+    """The sum of squares of grads some of which are on a device (offload.shard of a CUDA
+    model, offload_params="none"): those taken there in float64 (as the flat store's [Note:
+    device grad norm]), the host ones by the kernel."""
+    from offload.optim.clip import _sumsq
+
+    host = [(k, [(p, g) for p, g in items if g.device.type == "cpu"]) for k, items in work]
+    s, bad = _sumsq(host, backend, threads)
+    on_device = [g for _, items in work for _, g in items if g.device.type != "cpu" and g.numel()]
+    if on_device:
+        d = float(sum(torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square().cpu() for g in on_device))
+        s, bad = s + d, bad or not math.isfinite(d)
+    return s, bad
+
+
 class Stage3Store:
     """An unpartitioned store on this rank's shards, with the step's facts made global."""
 
@@ -102,7 +118,10 @@ class Stage3Store:
 
         # this rank's shard grads only (the inner store's own norm may read grads the way it
         # keeps them, not the paged ones of params on NVMe): one pass each, paged in pieces
-        s, bad = _sumsq(work, self._backend, self._threads)
+        if any(g.device.type != "cpu" for _, items in work for _, g in items):
+            s, bad = _device_sumsq(work, self._backend, self._threads)  # shards on a device
+        else:
+            s, bad = _sumsq(work, self._backend, self._threads)
         acc = torch.tensor([s, float(bad)], dtype=torch.float64, device=comm.comm_device(self.group))
         comm.all_reduce(acc, self.group)
         s, bad = acc.tolist()

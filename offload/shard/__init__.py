@@ -1,6 +1,7 @@
-"""ZeRO stage 3 on the CPU: ``offload.shard(module)`` shards a model's params over the ranks,
-gathers each fetch unit just in time for its forward and backward, and reduce-scatters its
-grads as soon as its backward is done (api.py; the layout in flat_unit.py, the units'
+"""ZeRO stage 3 of CPU or CUDA params (on CUDA the transfers run on side streams: device.py):
+``offload.shard(module)`` shards a model's params over the ranks, gathers each fetch unit
+just in time for its forward and backward, and reduce-scatters its grads as soon as its
+backward is done (api.py; the layout in flat_unit.py, the units'
 policy in units.py, the collectives' order in schedule.py and grads.py, the hooks in
 hooks.py). Offload optimizers step the shards as stage 3 (offload/optim/shard_store.py).
 Params on NVMe are paged through a swap file (tier.py). A meta-device model is materialized

@@ -1,4 +1,4 @@
-"""``offload.shard(module)``: ZeRO stage 3 for a CPU model (FSDP2's ``fully_shard``, one call
+"""``offload.shard(module)``: ZeRO stage 3 for a CPU or CUDA model (FSDP2's ``fully_shard``, one call
 for the whole model).
 
 Every trainable param of ``module`` ends in one fetch unit (units.py); a unit's params of one
@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from offload.config import parse_bytes
 from offload.memory import paging
+from offload.shard import device as device_mod
 from offload.shard.flat_unit import FlatParam, ShardInfo, Unit
 from offload.shard.hooks import ShardRuntime
 from offload.shard.materialize import check_inits, has_meta, materialize
@@ -53,10 +54,16 @@ def _check(module: Any, offload_params: Any, prefetch: Any, swap_dir: Any = None
         raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
     if runtime_of(module) is not None or any(hasattr(p, "_offload_shard") for p in module.parameters()):
         raise ValueError("this module is already sharded by offload.shard()")
+    devices = set()
     for name, p in module.named_parameters():
-        if p.device.type not in ("cpu", "meta"):
-            raise NotImplementedError(f"offload.shard: param {name!r} is on {p.device}; only CPU params are "
-                                      "supported yet (the CUDA path is future work)")
+        if p.device.type not in ("cpu", "meta", "cuda"):
+            raise NotImplementedError(f"offload.shard: param {name!r} is on {p.device}; only CPU and CUDA params are "
+                                      "supported")
+        if p.device.type != "meta":
+            devices.add(p.device)
+        if len(devices) > 1:
+            raise ValueError(f"offload.shard: params on several devices ({sorted(map(str, devices))}); move the "
+                             "model to one device first")
         if not p.is_floating_point():
             raise TypeError(f"offload.shard: param {name!r} has dtype {p.dtype}; expected a floating point dtype")
 
@@ -102,9 +109,9 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     the order is known (schedule.py). ``max_live_params`` / ``max_live_bytes`` (one of them;
     bytes as an int or "512MiB"): prefetch never takes the gathered units (the root
     included) over it; the unit in use is gathered even when it alone is over (a warning,
-    once). ``offload_params``: "none" and "cpu" (the same on a
-    CPU model: the shards live in host memory); "nvme": each rank's shards live in a file
-    under ``swap_dir`` and come into RAM only while gathered or stepped ([Note: the param
+    once). ``offload_params``: "none" and "cpu" (a CPU model's shards live in host memory; on
+    CUDA "none": on the device, "cpu": pinned, device.py [Note: stage 3 on a device]); "nvme":
+    each rank's shards live in a file under ``swap_dir`` and come into RAM only while gathered or stepped ([Note: the param
     tier] in tier.py; ``io``: the io engine, as the optimizers'); the grad shards live where
     the optimizer keeps its states (a swap file with ``offload="nvme"``). Every rank must build the same model (same init) before calling this. A collective when
     ``torch.distributed`` is initialised: it makes a process group for the grads'
@@ -129,6 +136,7 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
         if not os.path.isfile(weights):  # before the work, not after it
             raise FileNotFoundError(f"offload.shard: no checkpoint at weights={weights!r}")
     world, rank = comm.world_and_rank(process_group)
+    streams = _device_streams(module)  # None: the CPU path; else [Note: stage 3 on a device]
     tier = ParamTier(swap_dir, rank, io=io) if offload_params == "nvme" else None
     reduce_group = _reduce_group(process_group, world)
     unit_modules = choose_units(module, unit)
@@ -144,7 +152,8 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     def build(i: int) -> None:
         m, ms = unit_modules[i], members[i]
         flats[i] = [FlatParam([ms[j] for j in idx], info=ShardInfo(process_group, world, rank, names.get(id(m), "")),
-                              holder=m, attr=f"_shard_{str(dt).replace('torch.', '')}", names=nm, tier=tier)
+                              holder=m, attr=f"_shard_{str(dt).replace('torch.', '')}", names=nm, tier=tier,
+                              streams=streams, host_shard=offload_params != "none")
                     for dt, idx, nm in plans[i]]
 
     if meta:
@@ -156,8 +165,7 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     units = [Unit(i, m, names.get(id(m), ""), flats[i]) for i, m in enumerate(unit_modules)]
     runtime = ShardRuntime(units, group=process_group, reduce_group=reduce_group, world=world, rank=rank,
                            prefetch=prefetch, budget=budget, budget_in_bytes=in_bytes)
-    runtime.tier = tier
-    runtime.params_on_disk = tier is not None
+    runtime.tier, runtime.params_on_disk = tier, tier is not None
     runtime.install()
     for u in units:
         for flat in u.flats:
@@ -167,6 +175,14 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     if weights is not None:
         load_weights(module, weights)
     return module
+
+
+def _device_streams(module: nn.Module) -> Any:
+    """The side streams of the device the params are on (device.py), None for the CPU path."""
+    p = next((p for p in module.parameters() if p.device.type != "meta"), None)
+    if p is None:
+        return None
+    return device_mod.streams_for(p.device)
 
 
 def _dtype_groups(ms: list, qual: Dict[int, str]) -> List[Tuple[torch.dtype, List[int], List[str]]]:
@@ -188,11 +204,13 @@ def gathered_params(module: nn.Module) -> Dict[str, torch.Tensor]:
     out: Dict[str, torch.Tensor] = {}
     for u in runtime.units:
         for flat in u.flats:
-            full = torch.empty(flat.padded, dtype=flat.dtype)
+            group = flat.shard._offload_shard.group
+            dev = comm.comm_device(group) if flat.world > 1 else flat.shard.device  # NCCL: device tensors
+            full = torch.empty(flat.padded, dtype=flat.dtype, device=dev)
             src = flat.shard.detach()
             paging.load([src])  # params on NVMe: from the swap file
-            comm.all_gather(full, src, flat.shard._offload_shard.group)
+            comm.all_gather(full, src.to(dev), group)
             paging.evict([src])
             for name, shape, (o, n) in zip(flat.names, flat.shapes, flat.slots):
-                out[name] = full[o:o + n].view(shape).clone()
+                out[name] = full[o:o + n].view(shape).to("cpu", copy=True)
     return out

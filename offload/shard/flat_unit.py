@@ -13,19 +13,15 @@ goes. (FSDP2 resizes the storage to 0 bytes instead; a view of such a storage re
 the forward, ``print(model.layer.weight)``, crashes the process: here it reads zeros.)
 Writing the gathered bytes does not bump their version counter (the values are those
 autograd saved).
-[Note: the CUDA seam, not built yet] Every transfer of a unit goes through two calls:
+[Note: the CUDA seam] Every transfer of a unit goes through two calls:
 ``FlatParam.gather_async`` (returns a handle; ``wait()`` before the unit's params are read)
-and the reducer's ``_reduce`` (grads.py; the shard grad is read after ``wait()``). On CUDA
-these are the only places that change: ``gather_async`` queues, on an all-gather side stream
-(``offload.zero.streams.SideStream``, after ``wait_current()``), the host-to-device copy of
-the shard (``offload_params="cpu"``: a pinned host shard) and the NCCL all-gather into the
-device ``full`` buffer, and records an event; ``wait()`` makes the compute stream wait on that
-event (not the host); ``free()`` must then ``record_stream`` the buffer on the compute stream
-before resizing it. The reduce side queues the flatten + reduce-scatter on a reduce stream
-after the grads' producing stream, and the device-to-host copy of the shard grad. The
-schedule (schedule.py) and the hooks stay as they are. In CI, tests/stream_emulation.py's
-``EmulatedStream`` would stand for the two streams (a unit read before its wait shows stale
-bytes), as it does for the stage-2 streams.
+and the reducer's ``_issue`` / ``_retire`` (grads.py; the shard grad is read after them).
+For params on a CUDA device these, with ``alloc`` / ``free``, are the only places that
+branch (``self.streams``): device.py [Note: stage 3 on a device] queues the gathers and the
+reductions on side streams and keeps ``full`` on the device. The schedule (schedule.py) and
+the hooks stay as they are. In CI, tests/stream_emulation.py's ``EmulatedStream`` stands for
+the two streams (a unit read before its wait shows stale bytes: tests/test_shard_cuda.py),
+as it does for the stage-2 streams.
 """
 from __future__ import annotations
 
@@ -37,6 +33,7 @@ import torch.nn as nn
 
 from offload.memory import paging
 from offload.memory.region import Region
+from offload.shard import device as device_mod
 from offload.zero import comm
 
 __all__ = ["BLOCK", "ShardInfo", "FlatParam", "chunk_for"]
@@ -85,7 +82,8 @@ class FlatParam:
     """The flat buffer, the shard and the views of one unit's params of one dtype."""
 
     def __init__(self, members: List[Tuple[nn.Parameter, List[Tuple[nn.Module, str]]]], *,
-                 info: ShardInfo, holder: nn.Module, attr: str, names: List[str], tier: Any = None) -> None:
+                 info: ShardInfo, holder: nn.Module, attr: str, names: List[str], tier: Any = None,
+                 streams: Any = None, host_shard: bool = False) -> None:
         self.dtype = members[0][0].dtype
         self.world, self.rank = info.world, info.rank
         self.names = names  # the params' qualified names in the module before shard()
@@ -94,14 +92,19 @@ class FlatParam:
         self.chunk = chunk_for(total, self.world)
         self.padded = self.world * self.chunk
         device = members[0][0].device
-        if device.type != "cpu":
-            raise NotImplementedError(f"offload.shard: params on {device} (CPU params only yet)")
+        self.streams = streams  # the device path's side streams (device.py), None on the CPU
+        self.host_shard = streams is not None and host_shard  # the device path: the shard in host memory
+        if device.type != "cpu" and streams is None:
+            raise NotImplementedError(f"offload.shard: params on {device} (CPU and CUDA params only)")
         self._itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        self._region = Region(max(1, self.padded * self._itemsize), huge=False, prefault=False)
         self._live = True
         with torch.no_grad():
-            self.full = torch.frombuffer(self._region.view(0, self.padded * self._itemsize), dtype=self.dtype,
-                                         count=self.padded)
+            if streams is None:
+                self._region = Region(max(1, self.padded * self._itemsize), huge=False, prefault=False)
+                self.full = torch.frombuffer(self._region.view(0, self.padded * self._itemsize), dtype=self.dtype,
+                                             count=self.padded)
+            else:  # [Note: stage 3 on a device] in device.py: a storage resized as units come and go
+                self.full = torch.zeros(self.padded, dtype=self.dtype, device=device)
             self.slots: List[Tuple[int, int]] = []
             off = 0
             for p, _ in members:
@@ -112,7 +115,10 @@ class FlatParam:
             lo = self.rank * self.chunk
             self.tier = tier
             self.grad_area: Optional[torch.Tensor] = None
-            if tier is None:
+            if tier is None and streams is not None and host_shard:  # offload_params="cpu" on a device
+                host = device_mod.host_buffer(self.chunk, self.dtype, device)
+                self.shard = nn.Parameter(host.copy_(self.full[lo:lo + self.chunk]))
+            elif tier is None:
                 self.shard = nn.Parameter(self.full[lo:lo + self.chunk].clone())
             else:  # [Note: the param tier] in tier.py: the chunk and its grad in the swap file
                 area = tier.area(self.chunk, self.dtype)
@@ -146,17 +152,24 @@ class FlatParam:
         return self._live
 
     def alloc(self) -> None:
+        if self.streams is not None:
+            device_mod.alloc_full(self)
         self._live = True  # the pages come back as the gather writes them
 
     def free(self) -> None:
         """The full buffer's pages back to the system (see the note): reads show zeros."""
-        self._region._mmap.madvise(mmap.MADV_DONTNEED, self._region.skip, self._region.size)
+        if self.streams is not None:
+            device_mod.free_full(self)  # the device buffer's storage to 0 bytes
+        else:
+            self._region._mmap.madvise(mmap.MADV_DONTNEED, self._region.skip, self._region.size)
         self._live = False
 
     def gather_async(self, group: Any, scratch: bool = False):
         """Start the all-gather of the shards into ``full`` (or, ``scratch``, into a buffer
         thrown away: a collective every rank must issue that this rank does not need).
         Returns (handle, buffer kept alive until the handle is waited)."""
+        if self.streams is not None:
+            return device_mod.gather(self, group, scratch)  # on side streams: [Note: stage 3 on a device]
         src = self.shard.detach()
         after = None
         if self.tier is not None:
@@ -230,6 +243,8 @@ class FlatParam:
         averaged over ranks into that slice of ``shard.grad`` (copied when ``fresh``,
         added otherwise: accumulation)."""
         avg = summed.mul_(1.0 / self.world).to(self.dtype)  # as DDP and the stage-2 path scale the sum
+        if self.streams is not None and avg.device != self.shard.device:
+            avg = avg.to(self.shard.device)  # the device path: to (or from) the host shard
         if self.grad_area is not None and self.shard.grad is self.grad_standin:
             self._add_grad_on_disk(avg, lo, fresh)
             return

@@ -40,6 +40,7 @@ from typing import Any, Deque, List, Optional, Set, Tuple
 
 import torch
 
+from offload.shard import device
 from offload.zero import comm
 
 __all__ = ["GradReducer", "DEFAULT_BUCKET_NUMEL", "DEFAULT_INFLIGHT"]
@@ -71,12 +72,13 @@ class _FlatJob:
         lo, hi = self.lo, min(self.lo + self.k, flat.chunk)
         width = hi - lo
         buf = torch.zeros(flat.world * width, dtype=torch.float32, device=flat.full.device)
+        on_device = flat.streams is not None
         for r in range(flat.world):
             a0, a1 = r * flat.chunk + lo, r * flat.chunk + hi
             for g, o, n in self.grads:
                 s, e = max(o, a0), min(o + n, a1)
-                if s < e:
-                    buf[r * width + s - a0:r * width + e - a0].copy_(g[s - o:e - o])
+                if s < e:  # the device path: queued on the reduce stream (device.py)
+                    buf[r * width + s - a0:r * width + e - a0].copy_(g[s - o:e - o], non_blocking=on_device)
         self.lo = hi
         if hi == flat.chunk:
             self.grads = []  # the last bucket built: the taken grads go
@@ -158,6 +160,12 @@ class GradReducer:
             self._retire()  # waits for the oldest
 
     def _issue(self, job: _FlatJob) -> None:
+        if job.flat.streams is not None:  # on side streams: [Note: stage 3 on a device]
+            self.flying.append(device.issue_bucket(job, self.group))
+            if job.lo == job.flat.chunk:
+                self.queue.popleft()
+            self.peak_inflight = max(self.peak_inflight, len(self.flying))
+            return
         buf, lo, hi = job.bucket()
         if job.lo == job.flat.chunk:
             self.queue.popleft()
@@ -168,6 +176,9 @@ class GradReducer:
         self.peak_inflight = max(self.peak_inflight, len(self.flying))
 
     def _retire(self) -> None:
+        if self.flying[0][1].streams is not None:
+            device.retire_bucket(self.flying.popleft())
+            return
         h, flat, out, lo, fresh = self.flying.popleft()
         h.wait()
         flat.add_shard_grad(out, lo, fresh)
