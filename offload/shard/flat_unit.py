@@ -31,7 +31,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from offload.memory import paging
+from offload.memory import HUGE_PAGE, paging
 from offload.memory.region import Region
 from offload.shard import device as device_mod
 from offload.zero import comm
@@ -100,7 +100,10 @@ class FlatParam:
         self._live = True
         with torch.no_grad():
             if streams is None:
-                self._region = Region(max(1, self.padded * self._itemsize), huge=False, prefault=False)
+                # huge pages: a 56 MB unit gathered into dropped 4 KiB pages took 49 ms here, into huge
+                # pages 14 (a unit under one huge page keeps 4 KiB pages: a huge one would be all resident)
+                nbytes = max(1, self.padded * self._itemsize)
+                self._region = Region(nbytes, huge=nbytes >= HUGE_PAGE, prefault=False)
                 self.full = torch.frombuffer(self._region.view(0, self.padded * self._itemsize), dtype=self.dtype,
                                              count=self.padded)
             else:  # [Note: stage 3 on a device] in device.py: a storage resized as units come and go

@@ -28,7 +28,8 @@ reach the disk.
 (``Region(huge=True)``): a 56 MB shard read into dropped 4 KiB pages took 107 ms here
 (13,700 page faults of ~2.5 us each on this VM, and O_DIRECT from 4 KiB pages runs at half
 the disk's rate: MEASURED.md), into huge pages 33 ms. Dropping part of a huge page splits
-it; what stays resident is still counted by 4 KiB page (``resident_bytes``).
+it; what stays resident is still counted by 4 KiB page (``resident_bytes``). An area under
+one huge page keeps 4 KiB pages (touching one would make the whole huge page resident).
 
 The file holds no committed state: the params' truth between steps is the optimizer's
 (the fp32 master in its swap files, from which ``resume`` rewrites the params), and the
@@ -50,7 +51,7 @@ import numpy as np
 import torch
 
 from offload.io import IORequest, open_engine
-from offload.memory import PAGE, default_accounting, paging
+from offload.memory import HUGE_PAGE, PAGE, default_accounting, paging
 from offload.memory.region import Region
 from offload.swap import fsutil
 
@@ -147,7 +148,7 @@ class ParamTier:
         ``kind`` ("params" or "grads") for the report."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         rounded = -(-max(nbytes, 1) // PAGE) * PAGE
-        region = Region(rounded, huge=True, prefault=False)  # see [Note: huge pages for areas]
+        region = Region(rounded, huge=rounded >= HUGE_PAGE, prefault=False)  # [Note: huge pages for areas]
         a = _Area(region, self._size, rounded, nbytes)
         try:
             self._file.preallocate(self._size + rounded)  # ENOSPC now, not in a step
