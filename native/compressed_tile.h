@@ -18,7 +18,7 @@
 //   void bf16_load(const uint16_t *src, float *out, int64_t len);
 //   void bf16_nearest(const float *x, uint16_t *dst, int64_t len);
 //   void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start, uint32_t key);
-// then expand OFFLOAD_COMPRESSED_ENTRY_POINT(ISA) at file scope.
+// then expand OFFLOAD_COMPRESSED_ENTRY_POINT(ISA) (or _OVER, below) at file scope.
 
 struct RuleFns {
     int (*adam)(const AdamConsts &, const AdamBuffers &, int64_t, int64_t);
@@ -118,11 +118,14 @@ inline int compressed_tiles(const CompressedStep &s, const RuleFns &f, int64_t b
     return 0;
 }
 
-#define OFFLOAD_COMPRESSED_ENTRY_POINT(ISA)                                                 \
+// compressed_range_<NAME> over the float32 rules of unit RULES (a unit of its own flags
+// may reuse another unit's rules: q8_avx512vbmi.cpp runs the AVX-512 unit's).
+#define OFFLOAD_COMPRESSED_ENTRY_POINT_OVER(NAME, RULES)                                    \
     namespace offload {                                                                     \
-    int compressed_range_##ISA(const CompressedStep &s, int64_t begin, int64_t end) {       \
-        static const RuleFns fns{adam_range_##ISA, sgd_range_##ISA, adagrad_range_##ISA,    \
-                                 lion_range_##ISA};                                         \
+    int compressed_range_##NAME(const CompressedStep &s, int64_t begin, int64_t end) {      \
+        static const RuleFns fns{adam_range_##RULES, sgd_range_##RULES,                     \
+                                 adagrad_range_##RULES, lion_range_##RULES};                \
         return compressed_tiles(s, fns, begin, end);                                        \
     }                                                                                       \
     }
+#define OFFLOAD_COMPRESSED_ENTRY_POINT(ISA) OFFLOAD_COMPRESSED_ENTRY_POINT_OVER(ISA, ISA)
