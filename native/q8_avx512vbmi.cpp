@@ -145,6 +145,34 @@ inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &
     }
 }
 
+// Adam's two int8 states of a whole tile side by side: two independent chains of
+// permutes per iteration instead of one (the encoder is a chain of ~20 dependent steps per 64
+// codes). Measured here (Zen 4, 20M elements, int8 Adam, 1 thread, CPU time, the two
+// builds in one process): 1.46-1.48 ns per element against 1.64-1.68 one state after the
+// other (bf16 param: 1.67 against 1.88). Blocks of zeros, NaN or inf and partial
+// tiles go the common way (q8_encode_block).
+inline bool q8_encode_pair(const float *x0, const float *x1, int64_t len, const Q8Tables &t0,
+                           const Q8Tables &t1, uint8_t *blk0, uint8_t *blk1) {
+    if (len != kTile) return false;
+    const uint32_t m0 = abs_bits_max(x0, kTile), m1 = abs_bits_max(x1, kTile);
+    if (m0 - 1u >= 0x7F7FFFFFu || m1 - 1u >= 0x7F7FFFFFu) return false;  // 0, or NaN / inf
+    const __m512 a0 = _mm512_set1_ps(bits_f32(m0)), a1 = _mm512_set1_ps(bits_f32(m1));
+    for (int64_t i = 0; i < kTile; i += 64) {
+        __m512 y0[4], y1[4];
+        for (int q = 0; q < 4; ++q) {  // IEEE division, as the scheme
+            y0[q] = _mm512_div_ps(_mm512_loadu_ps(x0 + i + 16 * q), a0);
+            y1[q] = _mm512_div_ps(_mm512_loadu_ps(x1 + i + 16 * q), a1);
+        }
+        const __m512i c0 = codes64(*t0.vbmi, y0), c1 = codes64(*t1.vbmi, y1);
+        _mm512_storeu_si512(blk0 + i, c0);
+        _mm512_storeu_si512(blk1 + i, c1);
+    }
+    memcpy(blk0 + kTile, &m0, 4);
+    memcpy(blk1 + kTile, &m1, 4);
+    return true;
+}
+
+#define OFFLOAD_Q8_PAIR
 #include "compressed_tile.h"
 
 }  // namespace
