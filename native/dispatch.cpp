@@ -365,14 +365,18 @@ int fill_compressed(const offload_step_args &a, int want, Q8Built &q, Compressed
     return 0;
 }
 
-// Whether the VBMI unit can run step s: every Q8 state's map fits its tables (else the
-// AVX-512 unit's encoder, whose bucket table or tree takes any sorted map, runs the step).
-bool vbmi_tables_fit(const CompressedStep &s) {
+// Whether the VBMI unit runs step s: it has a Q8 state (the unit differs from the AVX-512
+// one only there) and every Q8 state's map fits its tables (else the AVX-512 unit's
+// encoder, whose bucket table or tree takes any sorted map, runs the step).
+bool vbmi_runs(const CompressedStep &s) {
+    bool q8 = false;
     for (int k = 0; k < s.num_states; ++k) {
         const int dtype = s.states[k].dtype;
-        if ((dtype == OFFLOAD_Q8S || dtype == OFFLOAD_Q8U) && s.q8[k].vbmi == nullptr) return false;
+        if (dtype != OFFLOAD_Q8S && dtype != OFFLOAD_Q8U) continue;
+        if (s.q8[k].vbmi == nullptr) return false;
+        q8 = true;
     }
-    return true;
+    return q8;
 }
 
 int compressed_rule_step(const offload_step_args &a) {
@@ -385,7 +389,7 @@ int compressed_rule_step(const offload_step_args &a) {
     CompressedStep s{};
     int rc = fill_compressed(a, states_wanted(a), q, s);
     if (rc != 0) return rc;
-    if (run_isa == OFFLOAD_ISA_AVX512VBMI && !vbmi_tables_fit(s)) run_isa = OFFLOAD_ISA_AVX512;
+    if (run_isa == OFFLOAD_ISA_AVX512VBMI && !vbmi_runs(s)) run_isa = OFFLOAD_ISA_AVX512;
     // kBlock ranges start at multiples of kTile: every thread's tiles sit on the block grid
     auto fn = [&s, run_isa](int64_t begin, int64_t end, int64_t) -> int {
         switch (run_isa) {

@@ -3,8 +3,8 @@
 // flags plus -mavx512vbmi, only here. The float32 rules are the AVX-512 unit's own
 // (adam_range_avx512, ...); only the int8 decoder and encoder differ, and give the same
 // bits (tools/q8_exhaustive.py, tests/test_q8_vbmi.py). dispatch.cpp runs it for the ISA
-// level OFFLOAD_ISA_AVX512VBMI when every Q8 state's tables fit (Q8Tables::vbmi), else the
-// AVX-512 unit's step.
+// level OFFLOAD_ISA_AVX512VBMI when the step has a Q8 state and every Q8 state's tables fit
+// (Q8Tables::vbmi), else the AVX-512 unit's step.
 //
 // Decode: 64 codes at a time. map[code] is four byte planes of 256 bytes (Q8Tables'
 // map_bytes); per plane two vpermi2b read 128 entries each by the code's low 7 bits and bit
