@@ -30,10 +30,11 @@ bool has_f16c() {
 }
 
 // AVX512_VBMI: CPUID leaf 7, ECX bit 1 (read directly: older compilers' __builtin_cpu_supports
-// does not know the name).
+// may not know the name; __get_cpuid_count needs GCC 7 or later, __cpuid_count does not).
 bool has_vbmi() {
+    if (__get_cpuid_max(0, nullptr) < 7) return false;
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    __cpuid_count(7, 0, a, b, c, d);
     return (c & (1u << 1)) != 0;
 }
 
