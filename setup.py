@@ -39,6 +39,8 @@ UNITS = {
     "adam_scalar.cpp": [],
     "adam_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "adam_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "q8_avx512vbmi.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi",
+                          "-mfma", "-mf16c"],
 }
 
 

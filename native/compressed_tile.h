@@ -18,7 +18,7 @@
 //   void bf16_load(const uint16_t *src, float *out, int64_t len);
 //   void bf16_nearest(const float *x, uint16_t *dst, int64_t len);
 //   void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start, uint32_t key);
-// then expand OFFLOAD_COMPRESSED_ENTRY_POINT(ISA) at file scope.
+// then expand OFFLOAD_COMPRESSED_ENTRY_POINT(ISA) (or _OVER, below) at file scope.
 
 struct RuleFns {
     int (*adam)(const AdamConsts &, const AdamBuffers &, int64_t, int64_t);
@@ -76,6 +76,31 @@ inline void encode_state(const CompressedStep &s, int k, int64_t t0, int64_t len
     }
 }
 
+inline bool is_q8(int dtype) { return dtype == OFFLOAD_Q8S || dtype == OFFLOAD_Q8U; }
+
+inline uint8_t *q8_block(const CompressedStep &s, int k, int64_t t0) {
+    return static_cast<uint8_t *>(s.states[k].data) + (t0 / kTile) * OFFLOAD_Q8_PACKED;
+}
+
+// Every state of the tile written back. A unit that defines OFFLOAD_Q8_PAIR (the VBMI unit)
+// may encode two neighbouring Q8 states in one loop:
+//   bool q8_encode_pair(const float *x0, const float *x1, int64_t len, const Q8Tables &t0,
+//                       const Q8Tables &t1, uint8_t *blk0, uint8_t *blk1);
+// (q8_encode_block's bytes for both, or false having written nothing).
+inline void encode_states(const CompressedStep &s, int64_t t0, int64_t len, float *const *st) {
+    for (int k = 0; k < s.num_states; ++k) {
+#ifdef OFFLOAD_Q8_PAIR
+        if (k + 1 < s.num_states && is_q8(s.states[k].dtype) && is_q8(s.states[k + 1].dtype) &&
+            q8_encode_pair(st[k], st[k + 1], len, s.q8[k], s.q8[k + 1], q8_block(s, k, t0),
+                           q8_block(s, k + 1, t0))) {
+            ++k;
+            continue;
+        }
+#endif
+        encode_state(s, k, t0, len, st[k]);
+    }
+}
+
 // The unit's float32 rule over the tile's len elements (arrays already offset to the tile).
 inline int tile_rule(const CompressedStep &s, const RuleFns &f, float *p, const void *g,
                      float *const *st, void *lowp, int64_t len) {
@@ -108,7 +133,7 @@ inline int compressed_tiles(const CompressedStep &s, const RuleFns &f, int64_t b
         void *lowp = s.lowp ? static_cast<void *>(static_cast<uint16_t *>(s.lowp) + t0) : nullptr;
         const int rc = tile_rule(s, f, p, g, st, lowp, len);
         if (rc != 0) return rc;
-        for (int k = 0; k < s.num_states; ++k) encode_state(s, k, t0, len, st[k]);
+        encode_states(s, t0, len, st);
         if (bf16_param) {
             const uint32_t start = static_cast<uint32_t>(static_cast<uint64_t>(s.offset + t0));
             store_bf16(pbuf, static_cast<uint16_t *>(s.param.data) + t0, len, s.param.rounding,
@@ -118,11 +143,14 @@ inline int compressed_tiles(const CompressedStep &s, const RuleFns &f, int64_t b
     return 0;
 }
 
-#define OFFLOAD_COMPRESSED_ENTRY_POINT(ISA)                                                 \
+// compressed_range_<NAME> over the float32 rules of unit RULES (a unit of its own flags
+// may reuse another unit's rules: q8_avx512vbmi.cpp runs the AVX-512 unit's).
+#define OFFLOAD_COMPRESSED_ENTRY_POINT_OVER(NAME, RULES)                                    \
     namespace offload {                                                                     \
-    int compressed_range_##ISA(const CompressedStep &s, int64_t begin, int64_t end) {       \
-        static const RuleFns fns{adam_range_##ISA, sgd_range_##ISA, adagrad_range_##ISA,    \
-                                 lion_range_##ISA};                                         \
+    int compressed_range_##NAME(const CompressedStep &s, int64_t begin, int64_t end) {      \
+        static const RuleFns fns{adam_range_##RULES, sgd_range_##RULES,                     \
+                                 adagrad_range_##RULES, lion_range_##RULES};                \
         return compressed_tiles(s, fns, begin, end);                                        \
     }                                                                                       \
     }
+#define OFFLOAD_COMPRESSED_ENTRY_POINT(ISA) OFFLOAD_COMPRESSED_ENTRY_POINT_OVER(ISA, ISA)

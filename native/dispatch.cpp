@@ -13,7 +13,7 @@
 
 #include "kernel.h"
 #include "offload_native.h"
-#include "q8_buckets.h"
+#include "q8_tables.h"
 
 namespace {
 
@@ -29,6 +29,15 @@ bool has_f16c() {
     return (c & bit_F16C) != 0;
 }
 
+// AVX512_VBMI: CPUID leaf 7, ECX bit 1 (read directly: older compilers' __builtin_cpu_supports
+// may not know the name; __get_cpuid_count needs GCC 7 or later, __cpuid_count does not).
+bool has_vbmi() {
+    if (__get_cpuid_max(0, nullptr) < 7) return false;
+    unsigned a, b, c, d;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (c & (1u << 1)) != 0;
+}
+
 bool probe_isa(int isa) {
     __builtin_cpu_init();
     switch (isa) {
@@ -40,6 +49,8 @@ bool probe_isa(int isa) {
             return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                    __builtin_cpu_supports("fma") && has_f16c();
+        case OFFLOAD_ISA_AVX512VBMI:
+            return probe_isa(OFFLOAD_ISA_AVX512) && has_vbmi();
         default:
             return false;
     }
@@ -49,18 +60,19 @@ bool probe_isa(int isa) {
 // call measured here), too slow to repeat on every kernel call. This is a fact about the
 // machine, not state carried between steps.
 struct IsaTable {
-    bool ok[3];
+    bool ok[OFFLOAD_ISA_AVX512VBMI + 1];
     IsaTable() {
-        for (int i = 0; i < 3; ++i) ok[i] = probe_isa(i);
+        for (int i = 0; i <= OFFLOAD_ISA_AVX512VBMI; ++i) ok[i] = probe_isa(i);
     }
 };
 
 bool isa_supported(int isa) {
     static const IsaTable table;  // thread-safe one-time init (C++11 magic statics)
-    return isa >= OFFLOAD_ISA_SCALAR && isa <= OFFLOAD_ISA_AVX512 && table.ok[isa];
+    return isa >= OFFLOAD_ISA_SCALAR && isa <= OFFLOAD_ISA_AVX512VBMI && table.ok[isa];
 }
 
 int isa_best() {
+    if (isa_supported(OFFLOAD_ISA_AVX512VBMI)) return OFFLOAD_ISA_AVX512VBMI;
     if (isa_supported(OFFLOAD_ISA_AVX512)) return OFFLOAD_ISA_AVX512;
     if (isa_supported(OFFLOAD_ISA_AVX2)) return OFFLOAD_ISA_AVX2;
     return OFFLOAD_ISA_SCALAR;
@@ -69,9 +81,13 @@ int isa_best() {
 // -ENOTSUP for an ISA the CPU lacks, -EINVAL for an unknown code; else the ISA to run.
 int resolve_isa(int isa) {
     if (isa == OFFLOAD_ISA_BEST) return isa_best();
-    if (isa < OFFLOAD_ISA_SCALAR || isa > OFFLOAD_ISA_AVX512) return -EINVAL;
+    if (isa < OFFLOAD_ISA_SCALAR || isa > OFFLOAD_ISA_AVX512VBMI) return -EINVAL;
     return isa_supported(isa) ? isa : -ENOTSUP;
 }
+
+// The unit that runs float32 steps and sums of squares at a level: VBMI adds only the int8
+// encoder and decoder of compressed steps (q8_avx512vbmi.cpp).
+int unit_isa(int isa) { return isa == OFFLOAD_ISA_AVX512VBMI ? OFFLOAD_ISA_AVX512 : isa; }
 
 bool valid_dtype(int dtype) { return dtype == OFFLOAD_F32 || dtype == OFFLOAD_F16 || dtype == OFFLOAD_BF16; }
 
@@ -204,6 +220,7 @@ int adam_rule_step(const offload_step_args &a) {
     if (!adam_args_valid(a)) return -EINVAL;
     int run_isa = resolve_isa(a.isa);
     if (run_isa < 0) return run_isa;
+    run_isa = unit_isa(run_isa);
     const int64_t n = a.n;
     if (n == 0) return 0;
     if (!a.param.data || !a.grad.data || !a.states[0].data || !a.states[1].data) return -EINVAL;
@@ -256,6 +273,7 @@ int one_state_rule_step(const offload_step_args &a) {
     if (!one_state_args_valid(a)) return -EINVAL;
     int run_isa = resolve_isa(a.isa);
     if (run_isa < 0) return run_isa;
+    run_isa = unit_isa(run_isa);
     const int64_t n = a.n;
     if (n == 0) return 0;
     float *state = a.num_states ? static_cast<float *>(a.states[0].data) : nullptr;
@@ -324,55 +342,6 @@ bool compressed_args_valid(const offload_step_args &a) {
     return true;
 }
 
-// The midpoints in Eytzinger order: level k (1..8) node j at tree[2^(k-1) + j] is
-// mid[j * 2^(9-k) + 2^(8-k) - 1] (quant_scalar.h's q8_code_one walks it).
-void build_tree(const float *mid, float *tree) {
-    tree[0] = 0.0f;  // unused
-    for (int k = 1; k <= 8; ++k)
-        for (int j = 0; j < (1 << (k - 1)); ++j)
-            tree[(1 << (k - 1)) + j] = mid[j * (1 << (9 - k)) + (1 << (8 - k)) - 1];
-}
-
-// The code whose map value is 0 (both maps have one); -1 if none.
-int find_zero_code(const float *map) {
-    for (int i = 0; i < 256; ++i)
-        if (map[i] == 0.0f) return i;
-    return -1;
-}
-
-struct Q8Built {
-    alignas(64) float tree[2][256];  // signed, unsigned
-    alignas(64) uint16_t halves[2][512];
-    int zero[2] = {-1, -1};
-    const Q8Buckets *buckets[2] = {nullptr, nullptr};
-};
-
-// The bucket table of midpoints mid, or nullptr where the map does not fit. Building one
-// takes ~50 us, longer than a small tensor's step, so each thread keeps the tables of the
-// last two maps it saw (the signed and the unsigned), keyed by their midpoints' bytes.
-// The pointer stays valid through the caller's step (its workers only read it).
-const Q8Buckets *cached_buckets(const float *mid) {
-    struct Slot {
-        float mid[255];
-        Q8Buckets table;
-        bool used = false;
-    };
-    thread_local std::unique_ptr<Slot[]> slots(new Slot[2]);
-    thread_local int next = 0;
-    for (int i = 0; i < 2; ++i) {
-        if (slots[i].used && memcmp(slots[i].mid, mid, sizeof slots[i].mid) == 0) {
-            next = i ^ 1;  // least recently used: a step's two maps never evict each other
-            return slots[i].table.ok ? &slots[i].table : nullptr;
-        }
-    }
-    Slot &s = slots[next];
-    next ^= 1;
-    memcpy(s.mid, mid, sizeof s.mid);
-    build_q8_buckets(mid, s.table);
-    s.used = true;
-    return s.table.ok ? &s.table : nullptr;
-}
-
 int fill_compressed(const offload_step_args &a, int want, Q8Built &q, CompressedStep &s) {
     const float *maps[2] = {a.quant.signed_map, a.quant.unsigned_map};
     const float *mids[2] = {a.quant.signed_mid, a.quant.unsigned_mid};
@@ -390,23 +359,25 @@ int fill_compressed(const offload_step_args &a, int want, Q8Built &q, Compressed
         s.states[k] = QArray{x.data, x.dtype, x.rounding};
         if (x.dtype != OFFLOAD_Q8S && x.dtype != OFFLOAD_Q8U) continue;
         const int m = x.dtype == OFFLOAD_Q8S ? 0 : 1;
-        if (q.zero[m] < 0) {
-            q.zero[m] = find_zero_code(maps[m]);
-            if (q.zero[m] < 0) return -EINVAL;
-            build_tree(mids[m], q.tree[m]);
-            for (int i = 0; i < 256; ++i) {
-                uint32_t bits;
-                memcpy(&bits, maps[m] + i, 4);
-                q.halves[m][i] = static_cast<uint16_t>(bits);
-                q.halves[m][256 + i] = static_cast<uint16_t>(bits >> 16);
-            }
-            q.buckets[m] = cached_buckets(mids[m]);
-        }
-        s.q8[k] = Q8Tables{maps[m], q.halves[m], q.tree[m], static_cast<uint8_t>(q.zero[m]), q.buckets[m]};
+        if (!q.tables(m, maps[m], mids[m], s.q8[k])) return -EINVAL;
     }
     s.offset = a.quant.offset;
     s.seed = a.quant.seed;
     return 0;
+}
+
+// Whether the VBMI unit runs step s: it has a Q8 state (the unit differs from the AVX-512
+// one only there) and every Q8 state's map fits its tables (else the AVX-512 unit's
+// encoder, whose bucket table or tree takes any sorted map, runs the step).
+bool vbmi_runs(const CompressedStep &s) {
+    bool q8 = false;
+    for (int k = 0; k < s.num_states; ++k) {
+        const int dtype = s.states[k].dtype;
+        if (dtype != OFFLOAD_Q8S && dtype != OFFLOAD_Q8U) continue;
+        if (s.q8[k].vbmi == nullptr) return false;
+        q8 = true;
+    }
+    return q8;
 }
 
 int compressed_rule_step(const offload_step_args &a) {
@@ -419,9 +390,11 @@ int compressed_rule_step(const offload_step_args &a) {
     CompressedStep s{};
     int rc = fill_compressed(a, states_wanted(a), q, s);
     if (rc != 0) return rc;
+    if (run_isa == OFFLOAD_ISA_AVX512VBMI && !vbmi_runs(s)) run_isa = OFFLOAD_ISA_AVX512;
     // kBlock ranges start at multiples of kTile: every thread's tiles sit on the block grid
     auto fn = [&s, run_isa](int64_t begin, int64_t end, int64_t) -> int {
         switch (run_isa) {
+            case OFFLOAD_ISA_AVX512VBMI: return compressed_range_avx512vbmi(s, begin, end);
             case OFFLOAD_ISA_AVX512: return compressed_range_avx512(s, begin, end);
             case OFFLOAD_ISA_AVX2: return compressed_range_avx2(s, begin, end);
             default: return compressed_range_scalar(s, begin, end);
@@ -461,6 +434,7 @@ int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_
         return -EINVAL;
     int run_isa = resolve_isa(isa);
     if (run_isa < 0) return run_isa;
+    run_isa = unit_isa(run_isa);
     *out_sumsq = 0.0;
     *out_nonfinite = 0;
     if (n == 0) return 0;

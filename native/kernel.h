@@ -92,13 +92,26 @@ struct Q8Tables {
     const float *tree;  // [256]
     uint8_t zero_code;  // the code whose map value is 0
     const struct Q8Buckets *buckets;  // nullptr: the map does not fit (search the tree)
+    const uint8_t (*map_bytes)[256];  // [4][256]: byte j of map[code] in plane j (VBMI unit)
+    const struct Q8Vbmi *vbmi;  // nullptr: the buckets do not fit the VBMI unit's tables
 };
 
 // The bucket table of a map ([Note: bucketed encoder] in q8_buckets.h, which builds it).
 constexpr uint32_t kQ8Buckets = 1024;
 struct Q8Buckets {
     alignas(64) int32_t key[64];  // sign * 32 + max(exponent, 96) - 96 -> first << 5 | shift
-    uint32_t word[kQ8Buckets];    // base << 24 | cut
+    uint32_t word[kQ8Buckets];    // cut << (9 + mantissa bits) | base
+    bool ok;
+};
+
+// The VBMI unit's form of the bucket table ([Note: VBMI encoder] in q8_avx512vbmi.cpp):
+// byte and 16-bit tables that live in registers, read by permutes instead of gathers.
+constexpr uint32_t kQ8VbmiBuckets = 512;
+struct Q8Vbmi {
+    alignas(64) uint8_t mid[4][256];           // byte j of mid[code] in plane j; mid[255] = +inf
+    alignas(64) uint8_t base[kQ8VbmiBuckets];  // bucket -> #{i : mid[i] < its lowest float}
+    alignas(64) uint16_t shift[64];            // key -> 7 - mantissa bits (negative keys first)
+    alignas(64) uint16_t off[64];              // key -> first bucket - (exponent << bits)
     bool ok;
 };
 
@@ -129,6 +142,9 @@ struct CompressedStep {
 int compressed_range_scalar(const CompressedStep &s, int64_t begin, int64_t end);
 int compressed_range_avx2(const CompressedStep &s, int64_t begin, int64_t end);
 int compressed_range_avx512(const CompressedStep &s, int64_t begin, int64_t end);
+// The AVX-512 unit's compressed step with VBMI byte permutes (q8_avx512vbmi.cpp): only for
+// steps whose every Q8 state has its Q8Tables::vbmi; the rules are the AVX-512 unit's.
+int compressed_range_avx512vbmi(const CompressedStep &s, int64_t begin, int64_t end);
 
 }  // namespace offload
 

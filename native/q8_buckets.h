@@ -110,6 +110,39 @@ inline void build_q8_buckets(const float *mid, offload::Q8Buckets &t) {
     t.ok = true;
 }
 
+// The VBMI unit's tables ([Note: VBMI encoder] in q8_avx512vbmi.cpp) from the bucket table b
+// of the midpoints mid[255]; v.ok = false where b does not fit them (no table, a key of more
+// than 7 mantissa bits, more than kQ8VbmiBuckets buckets).
+inline void build_q8_vbmi(const float *mid, const offload::Q8Buckets &b, offload::Q8Vbmi &v) {
+    v.ok = false;
+    if (!b.ok) return;
+    memset(v.base, 0, sizeof v.base);  // buckets past the last key's: never read
+    for (int key = 0; key < 64; ++key) {
+        const uint32_t shift = static_cast<uint32_t>(b.key[key]) & 31u;
+        if (shift < 16) return;  // the 16-bit half of xn must hold the bucket's mantissa bits
+        const int mb = 23 - static_cast<int>(shift);
+        const int32_t off = b.key[key] >> 5;
+        const uint32_t first = static_cast<uint32_t>(off + ((96 + (key & 31)) << mb));
+        if (first + (1u << mb) > offload::kQ8VbmiBuckets) return;
+        // the unit's index: (the exponent + 32 * sign) mod 64, so negative keys come first
+        const int slot = key < 32 ? key + 32 : key - 32;
+        v.shift[slot] = static_cast<uint16_t>(shift - 16);
+        v.off[slot] = static_cast<uint16_t>(off);  // mod 2^16, as the unit adds it
+        for (uint32_t i = first; i < first + (1u << mb); ++i) {
+            // word = cut << (9 + mb) | base, or base - 1 with cut 0 where the code is constant
+            const uint32_t w = b.word[i];
+            v.base[i] = static_cast<uint8_t>((w >> (9 + mb)) == 0 ? w + 1 : w);
+        }
+    }
+    for (int i = 0; i < 256; ++i) {
+        const float m = i < 255 ? mid[i] : __builtin_inff();  // code 255: never below xn <= 1
+        uint32_t bits;
+        memcpy(&bits, &m, 4);
+        for (int j = 0; j < 4; ++j) v.mid[j][i] = static_cast<uint8_t>(bits >> (8 * j));
+    }
+    v.ok = true;
+}
+
 }  // namespace
 
 #endif

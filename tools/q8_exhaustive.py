@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Every float32 in [-1, 1] through a backend's int8 encoder, against quant.py's scheme.
 
-    PYTHONPATH=$PWD python tools/q8_exhaustive.py [--backends native,numba] [--isas avx512,avx2,scalar]
-                                                  [--maps signed,unsigned] [--threads 2] [--stride 1]
+    PYTHONPATH=$PWD python tools/q8_exhaustive.py [--backends native,numba]
+        [--isas avx512vbmi,avx512,avx2,scalar] [--maps signed,unsigned] [--threads 2] [--stride 1]
 
 The encoder's code of xn is #{i : mid[i] < xn} (quant.py; native/q8_buckets.h, [Note:
 bucketed encoder], computes it from a table indexed by the float bits). With absmax 1 the
@@ -14,7 +14,9 @@ encoder's own method. The unsigned map goes through the same signed state: the n
 library reads the maps through the pointers the backend passes, so for that run the signed
 slots point at the unsigned map and midpoints (numba: its table dict is patched the same
 way). ``--stride k`` checks every k-th float only (a quick look). Exits 1 on the first
-mismatch, printing the value, the code and the expected code.
+mismatch, printing the value, the code and the expected code. The native ISAs default to every
+level the CPU supports: avx512vbmi (native/q8_avx512vbmi.cpp's byte-permute encoder) included
+where the CPU has VBMI.
 """
 from __future__ import annotations
 

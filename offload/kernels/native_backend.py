@@ -33,7 +33,9 @@ LIB_PATH = os.path.join(HERE, "liboffload_native.so")
 ERROR_PATH = os.path.join(HERE, "native_build_error.txt")
 ABI_VERSION = 3
 
-ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
+# avx512vbmi: the avx512 unit with VBMI byte permutes for int8 states (the same bits, faster;
+# native/q8_avx512vbmi.cpp); supported only where the CPU has VBMI
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vbmi": 3}
 ISA_NAMES = {v: k for k, v in ISA_CODES.items()}
 _ADAM_CODE = RULE_CODES[ADAM]
 _F32 = GRAD_DTYPES[torch.float32]
