@@ -282,7 +282,9 @@ def _run(args: argparse.Namespace) -> int:
     for key in args.rows:
         t1 = time.perf_counter()
         results[key] = run_row(key, args)
-        print(f"  {key}: {results[key]['status']} ({time.perf_counter() - t1:.1f} s)", file=sys.stderr, flush=True)
+        fl = results[key].get("final_loss")  # each row as it ends: a run cut short keeps its finished rows
+        print(f"  {key}: {results[key]['status']} ({time.perf_counter() - t1:.1f} s)"
+              + (f", final loss {fl:.5f}" if isinstance(fl, float) else ""), file=sys.stderr, flush=True)
     verdicts(results)
     print_table(results, args.quick)
     print(json.dumps({"bench": "state_accuracy", "params": n, "steps": args.steps, "batch_size": args.batch_size,
