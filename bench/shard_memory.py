@@ -93,27 +93,36 @@ def _worker(a: argparse.Namespace) -> None:
         tier = rt.tier
         g = torch.Generator().manual_seed(0)
         rows: List[Dict[str, float]] = []
+        peaks: List[int] = []
         _reset_peak()
         for step in range(a.steps):
             x = torch.randint(0, 256, (a.batch, a.seq), generator=g)
             r0 = (tier.bytes_read, tier.bytes_written) if tier else (0, 0)
+            hwm = _status("VmHWM")  # the peak so far; each phase's own peak below
+            _reset_peak()
             t0 = time.perf_counter()
             _, loss = model(x, torch.roll(x, -1, dims=1))
             loss.float().backward()
             t1 = time.perf_counter()
+            fb_peak = _status("VmHWM")
+            _reset_peak()
             r1 = (tier.bytes_read, tier.bytes_written) if tier else (0, 0)
             if not a.fwd_only:
                 opt.step()
             opt.zero_grad()
             t2 = time.perf_counter()
+            step_peak = _status("VmHWM")
+            _reset_peak()  # clear_refs resets VmHWM to the RSS now: put the run's peak back in the books
+            peaks.append(max(hwm, fb_peak, step_peak))
             r2 = (tier.bytes_read, tier.bytes_written) if tier else (0, 0)
             stats = opt.step_stats() if not a.fwd_only else {}
-            rows.append({"fwd_bwd_s": t1 - t0, "step_s": t2 - t1, "loss": float(loss),
+            rows.append({"fwd_bwd_s": t1 - t0, "step_s": t2 - t1, "loss": float(loss), "fb_peak": fb_peak,
+                         "step_peak": step_peak,
                          "fb_read": r1[0] - r0[0], "fb_written": r1[1] - r0[1],
                          "step_read": r2[0] - r1[0], "step_written": r2[1] - r1[1],
                          "stats": {k: v for k, v in (stats.get("last") or stats).items()
                                    if isinstance(v, (int, float))} if isinstance(stats, dict) else {}})
-        train_peak = _status("VmHWM")
+        train_peak = max(peaks + [_status("VmHWM")])
         report = opt.memory_report()
         opt.close()
         print(json.dumps({"params": nparams, "layers": cfg.n_layer, "interp": interp, "build_peak": build_peak,
@@ -191,6 +200,8 @@ def main() -> None:
         results.append(r)
         print(f"{size:>8} {r['layers']:>6} {r['train_peak'] / GiB:>9.2f}G {r['build_peak'] / GiB:>9.2f}G "
               f"{bound / GiB:>6.2f}G {fb:>7.2f}s {rd / GiB:>7.2f}G {wr / GiB:>7.2f}G {st:>6.2f}s {st / disk_s:>8.2f}x")
+        print(f"{'':>8} peak RSS by phase: fwd+bwd {max(x['fb_peak'] for x in r['rows']) / GiB:.2f}G, step "
+              f"{max(x['step_peak'] for x in r['rows']) / GiB:.2f}G")
         if a.compare_ram:
             print(f"{'':>8} fwd+bwd params in RAM {r['ram_fwd_bwd_s']:.2f}s; on NVMe / max(RAM, reads/disk) = "
                   f"{fb / r['prefetch_bound_s']:.2f} (target <= 1.25)")

@@ -24,16 +24,12 @@ for beyond), which bounds the RAM held by deferred drops; ``flush`` waits for al
 (the end of every backward, ``close``). A failed write raises from the next call that reaps
 it, ``flush`` at the latest: the step after a backward never runs on grads that did not
 reach the disk.
-[Note: huge pages for areas] The areas are advised for transparent huge pages
-(``Region(huge=True)``): a 56 MB shard read into dropped 4 KiB pages took 107 ms here
-(13,700 page faults of ~2.5 us each on this VM, and O_DIRECT from 4 KiB pages runs at half
-the disk's rate: MEASURED.md), into huge pages 33 ms. Dropping part of a huge page splits
-it; what stays resident is still counted by 4 KiB page (``resident_bytes``). An area under
-one huge page keeps 4 KiB pages (touching one would make the whole huge page resident).
-
-The file holds no committed state: the params' truth between steps is the optimizer's
-(the fp32 master in its swap files, from which ``resume`` rewrites the params), and the
-grads are the current step's. The directory is removed on close and at exit.
+[Note: 4 KiB pages for areas] The areas keep 4 KiB pages, although a 56 MB shard read into
+dropped huge pages took 33 ms here against 107 ms into 4 KiB pages (13,700 faults of ~2.5 us
+on this VM): a step touches the areas by sub-group, and the pages left resident at the
+edges of its ranges would each hold a whole huge page (khugepaged collapses a range with a
+single page mapped): the 1B run's step peaked 47 MB over its RAM bound so, 16 MB with 4 KiB pages. The units'
+full buffers, which are wholly resident or wholly dropped, are on huge pages (flat_unit.py).
 """
 from __future__ import annotations
 
@@ -148,7 +144,7 @@ class ParamTier:
         ``kind`` ("params" or "grads") for the report."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         rounded = -(-max(nbytes, 1) // PAGE) * PAGE
-        region = Region(rounded, huge=rounded >= HUGE_PAGE, prefault=False)  # [Note: huge pages for areas]
+        region = Region(rounded, huge=False, prefault=False)  # [Note: 4 KiB pages for areas]
         a = _Area(region, self._size, rounded, nbytes)
         try:
             self._file.preallocate(self._size + rounded)  # ENOSPC now, not in a step
