@@ -74,8 +74,9 @@ def _initial_states(rule, n, seed):
 
 
 def _run_pair(rule, hp, n, *, param_dtype, grad_dtype, lowp_dtype, stochastic, steps=STEPS,
-              threads=1, offset=0, seed=7, grads=None, p0=None):
-    """(native run, compose_step run) as lists of tensors: param, copy, states."""
+              threads=1, offset=0, seed=7, grads=None, p0=None, modes=(True, False)):
+    """(native run, compose_step run) as lists of tensors: param, copy, states; ``modes=(True,)``:
+    the native run only."""
     gen = torch.Generator().manual_seed(n * 31 + 5)
     if p0 is None:
         p0 = torch.randn(n, generator=gen)
@@ -83,7 +84,7 @@ def _run_pair(rule, hp, n, *, param_dtype, grad_dtype, lowp_dtype, stochastic, s
         grads = [torch.randn(n, generator=gen).to(grad_dtype) for _ in range(steps)]
     s0 = _initial_states(rule, n, seed + n)
     runs = []
-    for fused in (True, False):
+    for fused in modes:
         p = p0.to(param_dtype).clone()
         st = {k: v.clone() for k, v in s0.items()}
         lowp = None if lowp_dtype is None else torch.zeros(n, dtype=lowp_dtype)
@@ -132,18 +133,28 @@ def test_fused_step_equals_compose_step(isa, rule, hp, kind):
                                         f"grad {grad_dtype} lowp {lowp}")
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16_stochastic"])
-@pytest.mark.parametrize("rule,hp", [CONFIGS[0], CONFIGS[2], CONFIGS[6], CONFIGS[8]],
-                         ids=["adam", "sgd", "adagrad", "lion"])
-def test_big_multithreaded_equals_compose_and_threads_agree(isa, rule, hp, kind):
+MID = 3 * 65536 + 17  # three threads' chunks of 65536 elements, then a partial block
+# Every rule with each kind, at 2**20+3 for half of the pairs (each rule and each kind meets it)
+# and at MID for the other half: the same chunked path, a fifth of the elements.
+BIG_CASES = {  # id: (rule and hyperparameters, kind, size)
+    "adam-int8-big": (CONFIGS[0], "int8", BIG), "adam-bf16_stochastic-mid": (CONFIGS[0], "bf16_stochastic", MID),
+    "sgd-int8-mid": (CONFIGS[2], "int8", MID), "sgd-bf16_stochastic-big": (CONFIGS[2], "bf16_stochastic", BIG),
+    "adagrad-int8-big": (CONFIGS[6], "int8", BIG), "adagrad-bf16_stochastic-mid": (CONFIGS[6], "bf16_stochastic", MID),
+    "lion-int8-mid": (CONFIGS[8], "int8", MID), "lion-bf16_stochastic-big": (CONFIGS[8], "bf16_stochastic", BIG),
+}
+
+
+@pytest.mark.parametrize("config,kind,n", list(BIG_CASES.values()), ids=list(BIG_CASES))
+def test_big_multithreaded_equals_compose_and_threads_agree(isa, config, kind, n):
+    rule, hp = config
     state_dtype, stochastic = KINDS[kind]
     crule = rule.with_state_dtype(state_dtype)
     # offset near 2**32: the stream index wraps inside the call
     common = dict(param_dtype=torch.bfloat16, grad_dtype=torch.bfloat16, lowp_dtype=None,
                   stochastic=stochastic, steps=2, offset=2**32 - 5000)
-    two = _run_pair(crule, hp, BIG, threads=2, **common)
-    _assert_same_bits(two, f"{isa} {rule.name} {kind} n={BIG} 2 threads")
-    one = _run_pair(crule, hp, BIG, threads=1, **common)
+    two = _run_pair(crule, hp, n, threads=2, **common)
+    _assert_same_bits(two, f"{isa} {rule.name} {kind} n={n} 2 threads")
+    one = _run_pair(crule, hp, n, threads=1, modes=(True,), **common)  # (only the native run is compared)
     _assert_same_bits([two[0], one[0]], "1 vs 2 threads")
 
 

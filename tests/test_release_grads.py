@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 
 import pytest
 import torch
@@ -297,31 +296,26 @@ def test_planner_bound_is_the_runtime_bound():
 
 # --------------------------------------------------------------------------- two gloo ranks
 
-def _worker(rank, world, port, inq, outq):
-    torch.set_num_threads(1)
-    FlatState.copy_cpu_grads = True  # the CPU params stand for device params (spawned: a fresh module)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    while True:
-        job = inq.get()
-        if job is None:
-            break
-        kwargs = copy.deepcopy(job)
-        try:
-            if kwargs.get("swap_dir"):
-                kwargs["swap_dir"] = os.path.join(kwargs["swap_dir"], f"r{rank}")
-                os.makedirs(kwargs["swap_dir"], exist_ok=True)
-            stage = kwargs.pop("stage", 2)
-            FlatState.bucket_numel = kwargs.pop("bucket_numel", 1 << 22)
-            out = {}
-            for release in (False, True):
-                hist, detail = _train_stage(release, stage, rank, kwargs)
-                out[release] = (hist, detail)
-            outq.put((rank, True, out))
-        except BaseException:
-            outq.put((rank, False, traceback.format_exc()))
-    outq.close()
-    outq.join_thread()
-    os._exit(0)
+def _rank_job(rank, world, job):
+    """One case on a rank of the session's two gloo ranks (tests/_ranks.py ``group``): both
+    runs, without and with release_grads. The ranks serve other files' jobs too, so the class
+    settings go back after."""
+    kwargs = copy.deepcopy(job)
+    saved = FlatState.copy_cpu_grads, FlatState.bucket_numel
+    FlatState.copy_cpu_grads = True  # the CPU params stand for device params
+    try:
+        if kwargs.get("swap_dir"):
+            kwargs["swap_dir"] = os.path.join(kwargs["swap_dir"], f"r{rank}")
+            os.makedirs(kwargs["swap_dir"], exist_ok=True)
+        stage = kwargs.pop("stage", 2)
+        FlatState.bucket_numel = kwargs.pop("bucket_numel", 1 << 22)
+        out = {}
+        for release in (False, True):
+            hist, detail = _train_stage(release, stage, rank, kwargs)
+            out[release] = (hist, detail)
+        return out
+    finally:
+        FlatState.copy_cpu_grads, FlatState.bucket_numel = saved
 
 
 def _train_stage(release, stage, rank, kwargs):
@@ -332,12 +326,18 @@ def _train_stage(release, stage, rank, kwargs):
     return train(release, group=dist.group.WORLD, stage=stage, rank=rank, **kw)
 
 
+class _Ranks:
+    def send(self, job, timeout):
+        """``job`` on both ranks; their values by rank."""
+        return _ranks.group(2).run(_rank_job, job, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def ranks():
+    # The session's two ranks, shared with the other multi-rank files (a spawn of this
+    # file's own cost ~3 s).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    w = _ranks.Workers(_worker, 2)
-    yield w
-    w.close()
+    return _Ranks()
 
 
 @pytest.mark.parametrize("case", [

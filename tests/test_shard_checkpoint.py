@@ -7,7 +7,7 @@ round trip, and the refusals: a flipped byte (on every rank, also those that nev
 file), a missing or truncated file, another model, another optimizer; a save killed (kill -9)
 before its manifest leaves the previous checkpoint loadable.
 
-One pool of spawned workers per world size (2 and 3); world 1 runs in this process."""
+The session's gloo ranks (tests/_ranks.py group) for worlds 2 and 3; world 1 runs in this process."""
 from __future__ import annotations
 
 import copy
@@ -120,19 +120,16 @@ def _job(rank, world, name, kwargs):
 @pytest.fixture(scope="module")
 def run():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    pools = {}
 
     def go(world, name, **kwargs):
         if world == 1:
             return [globals()[name](**kwargs)]
-        if not pools:  # both at once: their start (importing torch) is most of this file's time
-            pools.update({w: _ranks.Workers(_ranks.serve, w) for w in (2, 3)})
-        out = pools[world].send(("test_shard_checkpoint", "_job", (name, kwargs), {}), timeout=180)
+        # The session's ranks (tests/_ranks.py group), shared with the other multi-rank files:
+        # spawning this file's own cost most of its time.
+        out = _ranks.group(world).run(_job, name, kwargs, timeout=180)
         return [out[r] for r in range(world)]
 
-    yield go
-    for p in pools.values():
-        p.close()
+    return go
 
 
 # ---------------------------------------------------------------------- the reference

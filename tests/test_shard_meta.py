@@ -9,11 +9,9 @@ import os
 import subprocess
 import sys
 import textwrap
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import offload
@@ -201,24 +199,17 @@ def test_errors():
 
 
 # ---------------------------------------------------------------------- two ranks
-def _rank_job(rank, port, world, out):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        m = offload.shard(_on_meta(lambda: TinyGPT(CFG), 11), init_fn=gpt_init)
-        s = offload.shard(_on_meta(Stack, 5))
-        shards = [p.numel() for p in m.parameters() if hasattr(p, "_offload_shard")]
-        res = [{k: v.numpy() for k, v in full_state_dict(x, rank0_only=r0).items()} for x, r0 in ((m, False), (s, True))]
-        out.put((rank, True, (*res, shards)))  # numpy: torch tensors would be shared through this process's fds
-    except BaseException:
-        out.put((rank, False, traceback.format_exc()))
-    out.close()
-    out.join_thread()
-    os._exit(0)
+def _rank_job(rank, world):
+    """On the session's two gloo ranks (tests/_ranks.py ``group``)."""
+    m = offload.shard(_on_meta(lambda: TinyGPT(CFG), 11), init_fn=gpt_init)
+    s = offload.shard(_on_meta(Stack, 5))
+    shards = [p.numel() for p in m.parameters() if hasattr(p, "_offload_shard")]
+    res = [{k: v.numpy() for k, v in full_state_dict(x, rank0_only=r0).items()} for x, r0 in ((m, False), (s, True))]
+    return (*res, shards)  # numpy: torch tensors would be shared through this process's fds
 
 
 def test_two_ranks_materialize_the_same_model():
-    got = _ranks.run_ranks(_rank_job, 2, (2,), timeout=180)
+    got = _ranks.group(2).run(_rank_job, timeout=180)  # a spawn of its own cost ~3 s
     ref_gpt, ref_stack = _gpt_ref(11).state_dict(), _stack_ref(5).state_dict()
     for r in (0, 1):
         _equal(got[r][0], ref_gpt)

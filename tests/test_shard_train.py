@@ -2,8 +2,9 @@
 averaged grads (the numerics contract), on 1, 2 and 3 ranks; tied embeddings, accumulation,
 a frozen layer, clipping, a unit skipped on one rank, an order change; the live window.
 
-The workers are spawned once per world size (``offload.shard`` makes a process group, a
-collective of every process, so a world-2 job cannot run on a 3-process pool)."""
+The ranks are the session's gloo groups (tests/_ranks.py ``group``), one per world size
+(``offload.shard`` makes a process group, a collective of every process, so a world-2 job
+cannot run on a 3-process group); the other stage-3 files use them through ``pools``."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,6 @@ import importlib
 import os
 import shutil
 import tempfile
-import traceback
 
 import pytest
 import torch
@@ -146,49 +146,35 @@ class _null:
         return False
 
 
-# ---------------------------------------------------------------------- the workers
-def _worker(rank, world, port, inq, outq):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    while True:
-        job = inq.get()
-        if job is None:
-            break
-        name, kwargs = job
-        try:
-            fn = globals()[name] if ":" not in name else getattr(importlib.import_module(name.split(":")[0]),
-                                                                 name.split(":")[1])
-            outq.put((rank, True, fn(group=None, **copy.deepcopy(kwargs))))
-        except BaseException:
-            outq.put((rank, False, traceback.format_exc()))
-    outq.close()
-    outq.join_thread()
-    os._exit(0)
+# ---------------------------------------------------------------------- the ranks
+def _job(rank, world, name, kwargs):
+    """A job on the session's gloo ranks (tests/_ranks.py ``group``): ``name``, a function of
+    this module or "module:function", on the default group (``offload.shard`` makes a process
+    group, a collective of every process: a world-2 job runs on the 2-rank group)."""
+    module, _, fn = name.rpartition(":")
+    fn = getattr(importlib.import_module(module), fn) if module else globals()[fn]
+    return fn(group=None, **copy.deepcopy(kwargs))
 
 
-class Workers(_ranks.Workers):
+class _Ranks:
+    """``pools(world).run(name, **kwargs)``: the values of ``name`` by rank."""
+
     def __init__(self, world):
-        super().__init__(_worker, world)
+        self.world = world
 
     def run(self, name, **kwargs):
-        out = self.send((name, kwargs), timeout=180)
+        out = _ranks.group(self.world).run(_job, name, kwargs, timeout=180)
         return [out[r] for r in range(self.world)]
 
 
 @pytest.fixture(scope="module")
 def pools():
+    # The ranks are the session's (spawned once for every module that uses them: a spawn of
+    # its own cost each stage-3 file 2-4 s per world size). One thread in this process too,
+    # as on the ranks, for the world-1 runs and references made here.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    made = {}
-
-    def get(world):
-        if world not in made:
-            made[world] = Workers(world)
-        return made[world]
-
-    yield get
-    for w in made.values():
-        w.close()
+    return _Ranks
 
 
 def _run(pools, world, **kw):

@@ -1,10 +1,10 @@
 """ZeRO partitioning on the CPU: flat layouts, and gloo ranks spawned by the test.
 
-Spawning processes that import torch costs seconds, so the module starts one pool of three
-worker processes (``Workers``): they join a gloo group once, make a sub-group of ranks 0-1
-(which also exercises ``process_group=``), and then run the jobs the tests send them
-(module-level functions named ``job_*``, on a world of 2 or 3); results come back as
-tensors. References run in the test process: ``torch.optim.AdamW`` in fp32 on the grads the
+Spawning processes that import torch costs seconds, so the jobs run on the session's three
+gloo ranks (tests/_ranks.py ``group``, shared with the other multi-rank files): on their first
+job they make a sub-group of ranks 0-1 (which also exercises ``process_group=``), and then run
+the jobs the tests send them (module-level functions named ``job_*``, on a world of 2 or 3);
+results come back as tensors. References run in the test process: ``torch.optim.AdamW`` in fp32 on the grads the
 ranks compute, summed and averaged as they do (``_averaged_grads``; never the global batch's
 grads, which round otherwise: see ``_reference``), or (for bf16 params, whose rounding would
 amplify any 1e-7 difference) step-locked in the workers on exactly the grads the model produced.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 
 import pytest
 import torch
@@ -166,7 +165,7 @@ def _reference(steps, *, world, accumulate=1, max_grad_norm=None, overflow_at=No
 
 
 # ---------------------------------------------------------------------- jobs (run on every rank)
-_GROUPS = {}  # world size -> process group, made by each worker at start
+_GROUPS = {}  # world size -> process group, made by each rank on its first job (_job)
 
 
 def _local(step, micro, group):
@@ -505,50 +504,35 @@ def job_side(group, steps):
             "side_step": float(opt.state[model.side.weight]["step"])}
 
 
-# ---------------------------------------------------------------------- the worker pool
-def _worker(rank, world, port, inq, outq):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    _GROUPS[world] = None  # the default group
-    _GROUPS[2] = dist.new_group([0, 1])  # collective: every rank takes part
-    while True:
-        job = inq.get()
-        if job is None:
-            break
-        name, world_size, kwargs = job
-        # Tensors from the queue live in shared memory, mapped by every rank: private copies,
-        # or every rank would increment the same "step" tensors of a loaded state_dict.
-        kwargs = copy.deepcopy(kwargs)
-        try:
-            if rank >= world_size:  # not in this job's group
-                outq.put((rank, True, None))
-                continue
-            outq.put((rank, True, globals()[name](group=_GROUPS[world_size], **kwargs)))
-        except BaseException:  # report every failure to the test, keep serving
-            outq.put((rank, False, traceback.format_exc()))
-    # No destroy_process_group() nor interpreter teardown (gloo's destructors wait for the
-    # peers): nothing is left to flush, so leave at once.
-    outq.close()
-    outq.join_thread()
-    os._exit(0)
+# ---------------------------------------------------------------------- the ranks
+def _job(rank, world, name, world_size, kwargs):
+    """Job ``name`` on the session's three gloo ranks (tests/_ranks.py ``group``), on ranks
+    0..world_size-1: world 3 on the default group, world 2 on a sub-group of ranks 0-1 (which
+    also exercises ``process_group=``), made on the first job these processes run."""
+    if 2 not in _GROUPS:
+        _GROUPS[3] = None  # the default group
+        _GROUPS[2] = dist.new_group([0, 1])  # collective: every rank takes part
+    # Tensors from the queue live in shared memory, mapped by every rank: private copies,
+    # or every rank would increment the same "step" tensors of a loaded state_dict.
+    kwargs = copy.deepcopy(kwargs)
+    if rank >= world_size:  # not in this job's group
+        return None
+    return globals()[name](group=_GROUPS[world_size], **kwargs)
 
 
-class Workers(_ranks.Workers):
-    def __init__(self, world: int) -> None:
-        super().__init__(_worker, world)
-
+class Workers:
     def run(self, name: str, world: int, **kwargs):
         """Run job ``name`` on ranks 0..world-1 (world 2 or 3); their results, by rank."""
-        out = self.send((name, world, kwargs), timeout=120)
+        out = _ranks.group(3).run(_job, name, world, kwargs, timeout=120)
         return [out[r] for r in range(world)]
 
 
 @pytest.fixture(scope="module")
 def pool():
+    # The session's ranks, shared with the other multi-rank files (a pool of this file's own
+    # cost a spawn of three interpreters).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    w = Workers(3)
-    yield w
-    w.close()
+    return Workers()
 
 
 def _assert_params(got, ref_model):
