@@ -251,7 +251,18 @@ def _patch_kernel(monkeypatch, opt, kernel_factory):
     return wrapped
 
 
+@pytest.fixture
+def sigint_raises():
+    """Python's own SIGINT handler for the test: a suite started in the background by a shell
+    without job control inherits SIGINT ignored, and the step guard leaves an ignored SIGINT
+    ignored, as it should, so the Ctrl-C tests would see no KeyboardInterrupt there."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("kind", ["none", "nvme", "bf16-nvme"])
+@pytest.mark.usefixtures("sigint_raises")
 def test_ctrl_c_lands_after_the_step_is_whole(tmp_path, monkeypatch, kind):
     params, opt = _opt(kind, tmp_path)
     ref = _Torch(params)
@@ -270,6 +281,7 @@ def test_ctrl_c_lands_after_the_step_is_whole(tmp_path, monkeypatch, kind):
     opt.close()
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_second_ctrl_c_interrupts_at_once_and_is_a_failed_step(tmp_path, monkeypatch):
     params, opt = _opt("nvme", tmp_path)
     _train(opt, params, None, 0, 2)
