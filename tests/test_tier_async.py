@@ -117,3 +117,23 @@ def test_failed_deferred_write_raises_at_flush(tmp_path):
     t.flush()
     assert torch.equal(_read(b), torch.full((PAGE,), 3.0))
     t.close()
+
+
+def test_evict_widens_over_pages_on_disk_within_its_huge_pages(tmp_path):
+    # a fault in a huge-page area brings the whole huge page in: evict drops its on-disk part
+    # too, never a page in memory ([Note: huge pages for areas])
+    t = _tier(tmp_path)
+    from offload.memory import HUGE_PAGE
+
+    per = HUGE_PAGE // PAGE
+    a = t.area(3 * HUGE_PAGE // 4, torch.float32)  # three huge pages
+    area = t._areas[-1]
+    area.state[:] = tier_mod._ON_DISK
+    area.state[per + 3] = tier_mod._VALID  # a neighbour's edge page in the second huge page
+    assert t._widen(area, per + 10, per + 20)[1:] == (per + 4, 2 * per)
+    assert t._widen(area, 5, 7)[1:] == (0, per)
+    assert t._widen(area, 2 * per + 1, 3 * per)[1:] == (2 * per, 3 * per)
+    area.state[per + 20] = tier_mod._READING  # a prefetch in flight stops it too
+    assert t._widen(area, per + 10, per + 15)[1:] == (per + 4, per + 20)
+    del a
+    t.close()

@@ -24,12 +24,16 @@ for beyond), which bounds the RAM held by deferred drops; ``flush`` waits for al
 (the end of every backward, ``close``). A failed write raises from the next call that reaps
 it, ``flush`` at the latest: the step after a backward never runs on grads that did not
 reach the disk.
-[Note: 4 KiB pages for areas] The areas keep 4 KiB pages, although a 56 MB shard read into
-dropped huge pages took 33 ms here against 107 ms into 4 KiB pages (13,700 faults of ~2.5 us
-on this VM): a step touches the areas by sub-group, and the pages left resident at the
-edges of its ranges would each hold a whole huge page (khugepaged collapses a range with a
-single page mapped): the 1B run's step peaked 47 MB over its RAM bound so, 16 MB with 4 KiB pages. The units'
-full buffers, which are wholly resident or wholly dropped, are on huge pages (flat_unit.py).
+[Note: huge pages for areas] Areas of a huge page or more are advised for transparent huge
+pages: a 56 MB shard read into dropped 4 KiB pages took 107 ms here (13,700 faults of ~2.5 us
+on this VM, in the thread that submits the read), into huge pages 33 ms; at 1B params the
+faults alone were ~2.4 s of a forward + backward (on NVMe 8.78 s against 5.27 s in RAM with 4
+KiB pages, 4.92 s against 4.93 s with huge pages). The cost is RAM: a fault brings the whole
+huge page in, also the part of it that is on disk, so ``evict`` drops the pages on disk beside
+its range up to the huge pages' bounds (``_widen``); pages a view shares with its neighbour stay
+resident (as on 4 KiB pages), and a huge page holding one may be whole in RAM. The 1B step
+peaked at 2.89 GB with huge pages against 2.76 GB with 4 KiB pages (bench/RESULTS.md, ninth
+session). The units' full buffers are on huge pages too (flat_unit.py).
 """
 from __future__ import annotations
 
@@ -144,7 +148,7 @@ class ParamTier:
         ``kind`` ("params" or "grads") for the report."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         rounded = -(-max(nbytes, 1) // PAGE) * PAGE
-        region = Region(rounded, huge=False, prefault=False)  # [Note: 4 KiB pages for areas]
+        region = Region(rounded, huge=rounded >= HUGE_PAGE, prefault=False)  # [Note: huge pages for areas]
         a = _Area(region, self._size, rounded, nbytes)
         try:
             self._file.preallocate(self._size + rounded)  # ENOSPC now, not in a step
@@ -346,8 +350,21 @@ class ParamTier:
                 if self._writing(a, q0, q1):
                     a.drop[q0:q1] = True  # dropped once its write is done ([Note: async stores])
                 else:
-                    self._drop(a, q0, q1)
+                    self._drop(*self._widen(a, q0, q1))
             self._reap()
+
+    @staticmethod
+    def _widen(a: _Area, q0: int, q1: int) -> Tuple[_Area, int, int]:
+        """[q0, q1) and the pages on disk beside it up to its huge pages' bounds: a fault in a
+        huge-page area brings the whole huge page in, also the part on disk ([Note: huge
+        pages for areas])."""
+        per = HUGE_PAGE // PAGE
+        lo, hi = (q0 // per) * per, min(a.pages, -(-q1 // per) * per)
+        while q0 > lo and a.state[q0 - 1] == _ON_DISK:
+            q0 -= 1
+        while q1 < hi and a.state[q1] == _ON_DISK:
+            q1 += 1
+        return a, q0, q1
 
     # ------------------------------------------------------------------ reports
     def resident_bytes(self) -> int:
