@@ -24,16 +24,17 @@ for beyond), which bounds the RAM held by deferred drops; ``flush`` waits for al
 (the end of every backward, ``close``). A failed write raises from the next call that reaps
 it, ``flush`` at the latest: the step after a backward never runs on grads that did not
 reach the disk.
-[Note: huge pages for areas] Areas of a huge page or more are advised for transparent huge
-pages: a 56 MB shard read into dropped 4 KiB pages took 107 ms here (13,700 faults of ~2.5 us
-on this VM, in the thread that submits the read), into huge pages 33 ms; at 1B params the
-faults alone were ~2.4 s of a forward + backward (on NVMe 8.78 s against 5.27 s in RAM with 4
-KiB pages, 4.92 s against 4.93 s with huge pages). The cost is RAM: a fault brings the whole
-huge page in, also the part of it that is on disk, so ``evict`` drops the pages on disk beside
-its range up to the huge pages' bounds (``_widen``); pages a view shares with its neighbour stay
-resident (as on 4 KiB pages), and a huge page holding one may be whole in RAM. The 1B step
-peaked at 2.89 GB with huge pages against 2.76 GB with 4 KiB pages (bench/RESULTS.md, ninth
-session). The units' full buffers are on huge pages too (flat_unit.py).
+[Note: huge pages for areas] Param areas of a huge page or more are advised for transparent
+huge pages: a 56 MB shard read into dropped 4 KiB pages took 107 ms here (13,700 faults of ~2.5
+us on this VM, in the thread that submits the read), into huge pages 33 ms; at 1B params those
+faults were ~2.4 s of a forward + backward (on NVMe 8.78 s against 5.27 s in RAM with 4 KiB
+pages). The cost is RAM: a fault brings the whole huge page in, also the part of it that is on
+disk, so ``evict`` drops the pages on disk beside its range up to the huge pages' bounds
+(``_widen``); pages a view shares with its neighbour stay resident and may hold a whole huge
+page. Measured at 1B (bench/RESULTS.md, ninth session): every area on huge pages, fwd+bwd 1.00x
+the RAM run and a step peak of 2.89 GB; param areas only (grads on 4 KiB pages, written by
+buckets and read by sub-groups), 1.11x and 2.82 GB; none, 1.67x and 2.76 GB. The units' full
+buffers, wholly resident or wholly dropped, are on huge pages too (flat_unit.py).
 """
 from __future__ import annotations
 
@@ -148,7 +149,7 @@ class ParamTier:
         ``kind`` ("params" or "grads") for the report."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         rounded = -(-max(nbytes, 1) // PAGE) * PAGE
-        region = Region(rounded, huge=rounded >= HUGE_PAGE, prefault=False)  # [Note: huge pages for areas]
+        region = Region(rounded, huge=rounded >= HUGE_PAGE and kind == "params", prefault=False)  # [Note: huge pages for areas]
         a = _Area(region, self._size, rounded, nbytes)
         try:
             self._file.preallocate(self._size + rounded)  # ENOSPC now, not in a step
