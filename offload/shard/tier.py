@@ -185,15 +185,8 @@ class ParamTier:
 
     # ------------------------------------------------------------------ I/O
     def _runs(self, a: _Area, p0: int, p1: int, want: int) -> List[Tuple[int, int]]:
-        out: List[Tuple[int, int]] = []
-        idx = np.nonzero(a.state[p0:p1] == want)[0]
-        if idx.size == 0:
-            return out
-        idx = idx + p0
-        breaks = np.nonzero(np.diff(idx) != 1)[0]
-        starts = np.concatenate(([idx[0]], idx[breaks + 1]))
-        ends = np.concatenate((idx[breaks], [idx[-1]])) + 1
-        return list(zip(starts.tolist(), ends.tolist()))
+        """The runs of pages in [p0, p1) whose state is ``want``."""
+        return [(q0 + p0, q1 + p0) for q0, q1 in self._bool_runs(a.state[p0:p1] == want)]
 
     def _request(self, op: str, a: _Area, q0: int, q1: int) -> IORequest:
         return IORequest(op, self._file, a.offset + q0 * PAGE, a.region.view(q0 * PAGE, (q1 - q0) * PAGE))
