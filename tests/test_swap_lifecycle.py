@@ -146,7 +146,8 @@ signal.signal(signal.SIGTERM, graceful)
 from offload.swap import SwapLayout, SwapStore
 st = SwapStore(sys.argv[1], SwapLayout(5000, 2048, 2), state_names=["exp_avg", "exp_avg_sq"])
 print("ready", flush=True)
-time.sleep(60)
+for _ in range(6000):  # short sleeps: a Python handler runs between them
+    time.sleep(0.01)
 """
 
 
@@ -158,3 +159,32 @@ def test_sigterm_through_a_python_handler_keeps_the_swap_dir(tmp_path):
     assert "kept after SIGTERM" in proc.stderr.read()
     assert os.listdir(tmp_path) == ["offload-run.rank0"]
     _store(tmp_path, resume=True).close()
+
+
+_LATE_HANDLER = """
+import signal, sys, time
+from offload.swap import SwapLayout, SwapStore
+first = SwapStore(sys.argv[1], SwapLayout(5000, 2048, 1), state_names=["exp_avg"], run_name="a")
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the default action keeps files itself
+def graceful(s, f):  # a framework's handler, set after the first store opened
+    sys.exit(3)
+signal.signal(signal.SIGTERM, graceful)
+second = SwapStore(sys.argv[1], SwapLayout(5000, 2048, 1), state_names=["exp_avg"], run_name="b")
+assert signal.getsignal(signal.SIGTERM) is not graceful  # wrapped when the next store registered
+print("ready", flush=True)
+for _ in range(6000):
+    time.sleep(0.01)
+"""
+
+
+def test_a_handler_set_later_is_wrapped_by_the_next_store(tmp_path):
+    proc = run_python(_LATE_HANDLER, str(tmp_path))
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 3
+    # graceful exited through atexit, yet both directories stay for resume
+    assert sorted(os.listdir(tmp_path)) == ["offload-a.rank0", "offload-b.rank0"]
+    for run in ("a", "b"):
+        SwapStore(str(tmp_path), SwapLayout(5000, 2048, 1), state_names=["exp_avg"], run_name=run,
+                  resume=True).close()
+    assert os.listdir(tmp_path) == []

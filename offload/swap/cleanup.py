@@ -5,12 +5,17 @@ disk. Open stores register here and ``atexit`` closes them (removing their direc
 
 [Note: SIGTERM keeps the swap files] Schedulers (SLURM, Kubernetes) preempt a job with
 SIGTERM, then SIGKILL; the swap directory then holds the last finished step, exactly what
-``resume=True`` needs. So a SIGTERM handler only records that the process is being
-terminated and chains to whatever handler was there before (the default action still kills
-the process with SIGTERM; a Python handler, a framework's graceful shutdown, runs untouched).
-From then on no store of this process removes its directory, at exit or in close(): it is
-left unlocked and resumable, and ``offload clean`` removes it. ``kill -9`` cannot be caught
-either: its directory keeps its files and its ``flock`` dies with the process, which is how
+``resume=True`` needs. With the default action (SIG_DFL) nothing needs doing: the kernel ends
+the process, no atexit handler runs, the files stay, and the ``flock`` dies with the process.
+So no handler of ours is installed then: a Python-level handler in place of SIG_DFL would
+delay the death of a process blocked in a long C call (a signal that lands just before the
+call blocks is seen only when it returns; CI once waited 60 s for a ``time.sleep(60)``).
+Only when a Python handler is there (a framework's graceful shutdown, which may exit and run
+atexit) do we wrap it: ours records that the process is being terminated and calls it
+untouched. From then on no store of this process removes its directory, at exit or in
+close(): it is left unlocked and resumable, and ``offload clean`` removes it. A handler set
+after a store opened is wrapped when the next store registers. ``kill -9`` cannot be caught
+either: its directory keeps its files and its lock dies with the process, which is how
 ``offload clean`` and ``resume=True`` recognise it.
 
 [Note: fork] A forked child inherits the registry, the atexit hook and the SIGTERM handler,
@@ -48,7 +53,7 @@ def terminating() -> bool:
 
 def _forget_in_child() -> None:
     """After fork, in the child: the registered stores are the parent's (see [Note: fork])."""
-    global _lock, _terminating, _installed
+    global _lock, _terminating
     _lock = threading.Lock()  # another thread may have held it at the fork
     _open.clear()
     _terminating = False
@@ -56,12 +61,12 @@ def _forget_in_child() -> None:
     # SIGTERM racy for a child blocked in a lock (a signal landing just before the wait is seen
     # only at the next bytecode): multiprocessing's Pool.terminate() then hung on a worker that
     # never died. The child gets back the handler we replaced (a store it opens reinstalls ours).
-    if _installed and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+    # (The atexit hook is inherited too, and finds an empty registry.)
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
         try:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if _previous_handler is None else _previous_handler)
         except (ValueError, OSError):  # not the main thread after all: leave it
-            return
-        _installed = False
+            pass
 
 
 if hasattr(os, "register_at_fork"):
@@ -98,8 +103,8 @@ def close_all() -> None:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM: keep the swap directories from now on (see [Note: SIGTERM keeps the swap
-    files]), then do what the handler we replaced would have done: a Python handler runs
-    untouched, SIG_IGN does nothing, SIG_DFL (or one set from C) dies of SIGTERM."""
+    files]), then run the Python handler we wrapped, untouched. (Only a Python handler is
+    wrapped; the other branches keep a handler swapped under us by hand correct.)"""
     global _terminating
     previous = _previous_handler
     if previous != signal.SIG_IGN:
@@ -112,16 +117,21 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _install() -> None:
+    """Register the atexit hook once; wrap the SIGTERM handler when it is a Python one (see
+    [Note: SIGTERM keeps the swap files]). Called at each register: a framework's handler set
+    after the first store opened is wrapped by the next."""
     global _installed, _previous_handler
-    if _installed:
-        return
-    _installed = True
-    atexit.register(close_all)
+    if not _installed:
+        _installed = True
+        atexit.register(close_all)
     if threading.current_thread() is not threading.main_thread():
         log.debug("swap store opened outside the main thread: no SIGTERM cleanup handler")
         return
     try:
-        _previous_handler = signal.getsignal(signal.SIGTERM)
+        current = signal.getsignal(signal.SIGTERM)
+        if current is _on_sigterm or not callable(current):
+            return  # ours already, or SIG_DFL (the kernel ends us: files kept), SIG_IGN, or C's
+        _previous_handler = current
         signal.signal(signal.SIGTERM, _on_sigterm)
     except (ValueError, OSError) as exc:  # embedded interpreters may refuse
         log.debug("could not install SIGTERM cleanup handler: %s", exc)
