@@ -9,6 +9,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.offload-installed
+# Two pytest workers (pytest-xdist), a test module each at a time: alone the suite keeps
+# about one of CI's two cores busy (subprocesses, gloo ranks and disk waits), and it must
+# fit its 10-minute budget. WORKERS=0 runs it in one process.
+WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
 
 .PHONY: setup demo test test-native test-numba bench clean
 
@@ -29,10 +34,10 @@ test: setup
 	$(MAKE) --no-print-directory test-numba
 
 test-native:
-	OFFLOAD_BACKEND=native $(PY) -m pytest -q -p no:cacheprovider tests
+	OFFLOAD_BACKEND=native $(PYTEST) tests
 
 test-numba:
-	OFFLOAD_BACKEND=numba $(PY) -m pytest -q -p no:cacheprovider tests
+	OFFLOAD_BACKEND=numba $(PYTEST) tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info offload/kernels/liboffload_native.so offload/kernels/native_build_error.txt

@@ -149,7 +149,7 @@ def test_cuda_params_with_master_and_moments_on_nvme(tmp_path, dev, dtype):
     # is copied from the pipeline buffer to the device param sub-group by sub-group.
     model, params, masters, ref = _with_reference(dtype, dev)
     (tmp_path / "a").mkdir()
-    opt = offload.AdamW(params, offload="nvme", swap_dir=str(tmp_path / "a"), sub_group_size=4096, **HP)
+    opt = offload.AdamW(params, offload="nvme", swap_dir=str(tmp_path / "a"), sub_group_size=16384, **HP)
     for _ in range(4):
         model(torch.randn(32, 257, device=dev, dtype=dtype)).float().pow(2).mean().backward()
         _step_both(opt, ref, params, masters)
