@@ -235,7 +235,7 @@ class ParamTier:
             ready = a.drop & ~busy
             if ready.any():
                 for q0, q1 in self._bool_runs(ready):
-                    self._drop(a, q0, q1)
+                    self._drop(*self._widen(a, q0, q1))  # as evict's own drops
         if err is not None:
             raise err
 
@@ -250,7 +250,10 @@ class ParamTier:
         return list(zip(starts.tolist(), ends.tolist()))
 
     def _drop(self, a: _Area, q0: int, q1: int) -> None:
-        a.region._mmap.madvise(mmap.MADV_DONTNEED, a.region.skip + q0 * PAGE, (q1 - q0) * PAGE)
+        # the last page's drop takes the region's tail too: a fault on the area's last huge
+        # page brought it in, and nothing else ever drops it ([Note: huge pages for areas])
+        end = a.region.size if q1 >= a.pages else q1 * PAGE
+        a.region._mmap.madvise(mmap.MADV_DONTNEED, a.region.skip + q0 * PAGE, end - q0 * PAGE)
         a.state[q0:q1] = _ON_DISK
         a.drop[q0:q1] = False
 
