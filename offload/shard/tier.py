@@ -30,11 +30,16 @@ us on this VM, in the thread that submits the read), into huge pages 33 ms; at 1
 faults were ~2.4 s of a forward + backward (on NVMe 8.78 s against 5.27 s in RAM with 4 KiB
 pages). The cost is RAM: a fault brings the whole huge page in, also the part of it that is on
 disk, so ``evict`` drops the pages on disk beside its range up to the huge pages' bounds
-(``_widen``); pages a view shares with its neighbour stay resident and may hold a whole huge
-page. Measured at 1B (bench/RESULTS.md, ninth session): every area on huge pages, fwd+bwd 1.00x
-the RAM run and a step peak of 2.89 GB; param areas only (grads on 4 KiB pages, written by
-buckets and read by sub-groups), 1.11x and 2.82 GB; none, 1.67x and 2.76 GB. The units' full
-buffers, wholly resident or wholly dropped, are on huge pages too (flat_unit.py).
+(``_widen``, also for the drops deferred behind a write); pages a view shares with its
+neighbour stay resident and may hold a whole huge page. The region past the area's last page
+(up to 2 MiB - 4 KiB: regions are whole huge pages) is brought in by the same fault and is on
+no disk page, so the last page's drop takes it too: it stayed resident, ~2 MB per area, 72 MB
+of the 1B step's peak. Measured at 1B (bench/RESULTS.md, ninth session): every area on huge
+pages, fwd+bwd 1.00x the RAM run and a step peak of 2.89 GB; param areas only (grads on 4 KiB
+pages, written by buckets and read by sub-groups), 1.11x and 2.82 GB; none, 1.67x and 2.76 GB;
+param areas only with the tails dropped and the heap trimmed before the step (tenth session,
+[Note: trimming the heap] in offload/memory/heap.py), 2.51 GB. The units' full buffers,
+wholly resident or wholly dropped, are on huge pages too (flat_unit.py).
 """
 from __future__ import annotations
 
