@@ -23,11 +23,12 @@ the sharded units' params are ``_Sharded`` placeholders whose in-place ops raise
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
+
+from offload.memory import heap
 
 __all__ = ["has_meta", "check_inits", "materialize", "trim_heap"]
 
@@ -181,21 +182,12 @@ def materialize(module: nn.Module, unit_modules: List[nn.Module], members: List[
     _Walk(module, unit_modules, build, init_fn, members, loading).run()
 
 
-_LIBC: Any = None
-
-
 def trim_heap() -> None:
-    """Give the freed heap pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+    """Give the freed heap pages back to the system ([Note: trimming the heap] in
+    offload/memory/heap.py).
 
     A unit's temporaries (its params, its flat buffer: tens of MB, under glibc's largest mmap
     threshold) come from the heap, and the chunk kept lands between them; their holes are too
     small for the next unit's, so without this the heap, and RSS, grows by about the whole
     model while only the shards are live (measured: 768 MB resident for 384 MB of shards)."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC(0)
+    heap.trim_heap()

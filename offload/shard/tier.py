@@ -24,17 +24,23 @@ for beyond), which bounds the RAM held by deferred drops; ``flush`` waits for al
 (the end of every backward, ``close``). A failed write raises from the next call that reaps
 it, ``flush`` at the latest: the step after a backward never runs on grads that did not
 reach the disk.
-[Note: huge pages for areas] Param areas of a huge page or more are advised for transparent
-huge pages: a 56 MB shard read into dropped 4 KiB pages took 107 ms here (13,700 faults of ~2.5
-us on this VM, in the thread that submits the read), into huge pages 33 ms; at 1B params those
-faults were ~2.4 s of a forward + backward (on NVMe 8.78 s against 5.27 s in RAM with 4 KiB
-pages). The cost is RAM: a fault brings the whole huge page in, also the part of it that is on
-disk, so ``evict`` drops the pages on disk beside its range up to the huge pages' bounds
-(``_widen``); pages a view shares with its neighbour stay resident and may hold a whole huge
-page. Measured at 1B (bench/RESULTS.md, ninth session): every area on huge pages, fwd+bwd 1.00x
-the RAM run and a step peak of 2.89 GB; param areas only (grads on 4 KiB pages, written by
-buckets and read by sub-groups), 1.11x and 2.82 GB; none, 1.67x and 2.76 GB. The units' full
-buffers, wholly resident or wholly dropped, are on huge pages too (flat_unit.py).
+[Note: huge pages for areas] Areas of a huge page or more (params and grads) are advised for
+transparent huge pages: a 56 MB shard read into dropped 4 KiB pages took 107 ms here (13,700
+faults of ~2.5 us on this VM, in the thread that submits the read), into huge pages 33 ms; at
+1B params those faults were ~2.4 s of a forward + backward (on NVMe 8.78 s against 5.27 s in
+RAM with 4 KiB pages); the grads' writes alone, ~480k faults per 1B forward + backward on 4 KiB
+pages, are ~25k on huge pages. The cost is RAM: a fault brings the whole huge page in, also the
+part of it that is on disk, so ``evict`` drops the pages on disk beside its range up to the
+huge pages' bounds (``_widen``, also for the drops deferred behind a write); pages a view
+shares with its neighbour stay resident and may hold a whole huge page. The region past the
+area's last page (up to 2 MiB - 4 KiB: regions are whole huge pages) is brought in by the same
+fault and is on no disk page, so the last page's drop takes it too: it stayed resident, ~2 MB
+per area, and was what the huge pages cost at the step's peak (ninth session, bench/RESULTS.md:
+1B step peak 2.89 GB with every area on huge pages, 2.82 with the param areas only, 2.76 with
+none). Tails dropped and the heap trimmed before the step ([Note: trimming the heap] in
+offload/memory/heap.py): 2.51 GB with the param areas on huge pages, 2.52 with every area
+(tenth session, helper D). The units' full buffers, wholly resident or wholly dropped, are on
+huge pages too (flat_unit.py).
 """
 from __future__ import annotations
 
@@ -149,7 +155,7 @@ class ParamTier:
         ``kind`` ("params" or "grads") for the report."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         rounded = -(-max(nbytes, 1) // PAGE) * PAGE
-        region = Region(rounded, huge=rounded >= HUGE_PAGE and kind == "params", prefault=False)  # [Note: huge pages for areas]
+        region = Region(rounded, huge=rounded >= HUGE_PAGE, prefault=False)  # [Note: huge pages for areas]
         a = _Area(region, self._size, rounded, nbytes)
         try:
             self._file.preallocate(self._size + rounded)  # ENOSPC now, not in a step
@@ -235,7 +241,7 @@ class ParamTier:
             ready = a.drop & ~busy
             if ready.any():
                 for q0, q1 in self._bool_runs(ready):
-                    self._drop(a, q0, q1)
+                    self._drop(*self._widen(a, q0, q1))  # as evict's own drops
         if err is not None:
             raise err
 
@@ -250,7 +256,10 @@ class ParamTier:
         return list(zip(starts.tolist(), ends.tolist()))
 
     def _drop(self, a: _Area, q0: int, q1: int) -> None:
-        a.region._mmap.madvise(mmap.MADV_DONTNEED, a.region.skip + q0 * PAGE, (q1 - q0) * PAGE)
+        # the last page's drop takes the region's tail too: a fault on the area's last huge
+        # page brought it in, and nothing else ever drops it ([Note: huge pages for areas])
+        end = a.region.size if q1 >= a.pages else q1 * PAGE
+        a.region._mmap.madvise(mmap.MADV_DONTNEED, a.region.skip + q0 * PAGE, end - q0 * PAGE)
         a.state[q0:q1] = _ON_DISK
         a.drop[q0:q1] = False
 

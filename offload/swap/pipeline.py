@@ -49,7 +49,9 @@ def paged_bound(max_host_bytes: Optional[int], nstates: Union[int, Sequence[Unio
     sub-group being computed also brings ``paged_bytes`` of paged memory into RAM (params on
     NVMe: its grad, the next sub-group's grad read ahead, its updated param), so that the
     buffers (4 per sub-group, as ``plan_sub_groups`` sizes them) and those pages together stay
-    within the bound. Unchanged when a ``sub_group_size`` is given or nothing is paged."""
+    within the bound. Unchanged when a ``sub_group_size`` is given or nothing is paged. The
+    forward + backward's free heap is not counted: the step gives it back first ([Note:
+    trimming the heap] in offload/memory/heap.py)."""
     if not paged_bytes or sub_group_size is not None:
         return max_host_bytes
     bound = DEFAULT_MAX_HOST_BYTES if max_host_bytes is None else int(max_host_bytes)

@@ -20,7 +20,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
-from offload.memory import paging
+from offload.memory import heap, paging
 from offload.swap.pipeline import idle_votes, paged_bound
 from offload.zero import comm
 
@@ -133,6 +133,8 @@ class SwapBacking:
         # Several ranks: every rank steps and votes (see [Note: ranks vote before commit] in
         # swap/pipeline.py), even with nothing of its own to step or no element at all.
         if st._swap is not None and (items or st.world > 1):
+            if _paged_bytes(st):  # the forward + backward's free heap out before the step's pages come in:
+                heap.trim_heap()  # its RAM bound counts buffers and pages only ([Note: trimming the heap])
             phases.update(st._swap.step(items))
         elif st._swap_vote is not None:
             idle_votes(st._swap_vote)
