@@ -151,12 +151,17 @@ for _ in range(6000):  # short sleeps: a Python handler runs between them
 """
 
 
-def test_sigterm_through_a_python_handler_keeps_the_swap_dir(tmp_path):
-    proc = run_python(_TERM_HANDLER, str(tmp_path))
+def _terminate_gracefully(code, tmp_path):
+    """Run ``code`` (its handler exits 3 on SIGTERM) until "ready", SIGTERM it; its stderr."""
+    proc = run_python(code, str(tmp_path))
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 3
-    assert "kept after SIGTERM" in proc.stderr.read()
+    return proc.stderr.read()
+
+
+def test_sigterm_through_a_python_handler_keeps_the_swap_dir(tmp_path):
+    assert "kept after SIGTERM" in _terminate_gracefully(_TERM_HANDLER, tmp_path)
     assert os.listdir(tmp_path) == ["offload-run.rank0"]
     _store(tmp_path, resume=True).close()
 
@@ -178,10 +183,7 @@ for _ in range(6000):
 
 
 def test_a_handler_set_later_is_wrapped_by_the_next_store(tmp_path):
-    proc = run_python(_LATE_HANDLER, str(tmp_path))
-    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 3
+    _terminate_gracefully(_LATE_HANDLER, tmp_path)
     # graceful exited through atexit, yet both directories stay for resume
     assert sorted(os.listdir(tmp_path)) == ["offload-a.rank0", "offload-b.rank0"]
     for run in ("a", "b"):
