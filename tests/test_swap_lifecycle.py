@@ -190,3 +190,30 @@ def test_a_handler_set_later_is_wrapped_by_the_next_store(tmp_path):
         SwapStore(str(tmp_path), SwapLayout(5000, 2048, 1), state_names=["exp_avg"], run_name=run,
                   resume=True).close()
     assert os.listdir(tmp_path) == []
+
+
+_CHAINED_LATER = """
+import signal, sys, time
+from offload.swap import SwapLayout, SwapStore
+def h1(s, f):  # set first: exits
+    print("h1", file=sys.stderr, flush=True)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, h1)
+first = SwapStore(sys.argv[1], SwapLayout(5000, 2048, 1), state_names=["exp_avg"], run_name="a")
+prev = signal.getsignal(signal.SIGTERM)  # ours, wrapping h1
+def h2(s, f):  # a framework's handler set later, chaining to the one it replaced
+    print("h2", file=sys.stderr, flush=True)
+    prev(s, f)
+signal.signal(signal.SIGTERM, h2)
+second = SwapStore(sys.argv[1], SwapLayout(5000, 2048, 1), state_names=["exp_avg"], run_name="b")
+print("ready", flush=True)
+for _ in range(6000):
+    time.sleep(0.01)
+"""
+
+
+def test_a_later_handler_that_chains_back_to_ours_runs_each_handler_once(tmp_path):
+    # ours wraps h2, h2 calls ours (its previous), ours goes on to h1: no endless recursion
+    err = _terminate_gracefully(_CHAINED_LATER, tmp_path)
+    assert [ln for ln in err.splitlines() if ln in ("h1", "h2")] == ["h2", "h1"], err
+    assert sorted(os.listdir(tmp_path)) == ["offload-a.rank0", "offload-b.rank0"]

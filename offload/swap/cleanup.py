@@ -14,7 +14,8 @@ Only when a Python handler is there (a framework's graceful shutdown, which may 
 atexit) do we wrap it: ours records that the process is being terminated and calls it
 untouched. From then on no store of this process removes its directory, at exit or in
 close(): it is left unlocked and resumable, and ``offload clean`` removes it. A handler set
-after a store opened is wrapped when the next store registers. ``kill -9`` cannot be caught
+after a store opened is wrapped when the next store registers (if it chains to the handler it
+replaced, ours, that goes on to the handler wrapped before: each runs once). ``kill -9`` cannot be caught
 either: its directory keeps its files and its lock dies with the process, which is how
 ``offload clean`` and ``resume=True`` recognise it.
 
@@ -42,7 +43,10 @@ _open: Dict[int, Any] = {}
 _lock = threading.Lock()
 _counter = 0
 _installed = False
-_previous_handler: Any = None
+# The Python handlers we wrapped, oldest first (a handler set after ours and then wrapped in
+# turn usually chains to ours, which then goes on to the one before: see _on_sigterm).
+_wrapped: List[Any] = []
+_depth = 0
 _terminating = False
 
 
@@ -62,11 +66,12 @@ def _forget_in_child() -> None:
     # only at the next bytecode): multiprocessing's Pool.terminate() then hung on a worker that
     # never died. The child gets back the handler we replaced (a store it opens reinstalls ours).
     # (The atexit hook is inherited too, and finds an empty registry.)
-    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm and _wrapped:
         try:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if _previous_handler is None else _previous_handler)
+            signal.signal(signal.SIGTERM, _wrapped[-1])
         except (ValueError, OSError):  # not the main thread after all: leave it
-            pass
+            return
+        _wrapped.pop()  # a chain back to ours goes on to the one before, not to it again
 
 
 if hasattr(os, "register_at_fork"):
@@ -103,24 +108,26 @@ def close_all() -> None:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     """SIGTERM: keep the swap directories from now on (see [Note: SIGTERM keeps the swap
-    files]), then run the Python handler we wrapped, untouched. (Only a Python handler is
-    wrapped; the other branches keep a handler swapped under us by hand correct.)"""
-    global _terminating
-    previous = _previous_handler
-    if previous != signal.SIG_IGN:
-        _terminating = True
-    if callable(previous):
-        previous(signum, frame)
-    elif previous != signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+    files]), then run the newest Python handler we wrapped, untouched. When that handler
+    chains to the one it replaced, which was ours, this runs again one level down and calls
+    the handler wrapped before it: each wrapped handler runs once, none recurses forever."""
+    global _terminating, _depth
+    _terminating = True
+    if _depth >= len(_wrapped):
+        return  # nothing older to chain to
+    handler = _wrapped[-1 - _depth]
+    _depth += 1
+    try:
+        handler(signum, frame)
+    finally:
+        _depth -= 1
 
 
 def _install() -> None:
     """Register the atexit hook once; wrap the SIGTERM handler when it is a Python one (see
     [Note: SIGTERM keeps the swap files]). Called at each register: a framework's handler set
     after the first store opened is wrapped by the next."""
-    global _installed, _previous_handler
+    global _installed
     if not _installed:
         _installed = True
         atexit.register(close_all)
@@ -131,8 +138,8 @@ def _install() -> None:
         current = signal.getsignal(signal.SIGTERM)
         if current is _on_sigterm or not callable(current):
             return  # ours already, or SIG_DFL (the kernel ends us: files kept), SIG_IGN, or C's
-        _previous_handler = current
         signal.signal(signal.SIGTERM, _on_sigterm)
+        _wrapped.append(current)
     except (ValueError, OSError) as exc:  # embedded interpreters may refuse
         log.debug("could not install SIGTERM cleanup handler: %s", exc)
 
