@@ -260,7 +260,7 @@ def test_meta_build_and_streamed_load_peak_rss(tmp_path):
     being loaded (a copy and the rows read: ~1.5 units); measured: 2 units. The check: peak
     growth - shard bytes < 4 units + 64 MB (= 131 MB), i.e. peak < 0.67 W + 64 MB. A rank that
     materialized the whole model at once (W more), kept the file's pages mapped (W/2 more) or
-    left the units' freed temporaries in the heap (about W/2 more, materialize.trim_heap)
+    left the units' freed temporaries in the heap (about W/2 more, the trims in materialize.py)
     exceeds it. (W is 403 MB, not more, to keep the test near 10 s of CPU time.)"""
     from safetensors.torch import save_file
     depth, width = 24, 2048

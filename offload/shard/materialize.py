@@ -15,7 +15,7 @@ weights). The values equal a model built normally when its init runs in the same
 With ``shard(weights=)`` the checkpoint fills the params and persistent buffers (a strict
 load), so only the modules holding meta non-persistent buffers (rotary caches, causal masks:
 no checkpoint has them) are initialised; the rest stay zeros until loaded. After each unit the
-freed heap is given back to the system (``trim_heap``).
+freed heap is given back to the system (``offload.memory.heap.trim_heap``).
 
 An init that writes into a unit already sharded (an ancestor's ``reset_parameters`` looping
 over its descendants, as TinyGPT's does) would write into freed memory: while the walk runs,
@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from offload.memory import heap
 
-__all__ = ["has_meta", "check_inits", "materialize", "trim_heap"]
+__all__ = ["has_meta", "check_inits", "materialize"]
 
 InitFn = Optional[Callable[[nn.Module], Any]]
 
@@ -110,7 +110,7 @@ class _Walk:
         self.visit(self.root, set())
         self.install_members(0)
         self.build(0)
-        trim_heap()
+        heap.trim_heap()
         for m, name, leaf in self.hidden:  # the units' views, back in place of the placeholders
             setattr(m, name, leaf)
 
@@ -129,7 +129,11 @@ class _Walk:
             self.install_members(i)
             self.build(i)
             self.hide(i)
-            trim_heap()
+            # A unit's temporaries (its params, its flat buffer: tens of MB, under glibc's
+            # largest mmap threshold) come from the heap and the chunk kept lands between
+            # them; their holes are too small for the next unit's, so without this RSS grows
+            # by about the whole model (measured: 768 MB resident for 384 MB of shards).
+            heap.trim_heap()
         return below or bool(own)
 
     def init(self, m: nn.Module, below: bool, own: list) -> None:
@@ -181,13 +185,3 @@ def materialize(module: nn.Module, unit_modules: List[nn.Module], members: List[
     note. ``loading``: a checkpoint is loaded next; only non-persistent buffers are initialised."""
     _Walk(module, unit_modules, build, init_fn, members, loading).run()
 
-
-def trim_heap() -> None:
-    """Give the freed heap pages back to the system ([Note: trimming the heap] in
-    offload/memory/heap.py).
-
-    A unit's temporaries (its params, its flat buffer: tens of MB, under glibc's largest mmap
-    threshold) come from the heap, and the chunk kept lands between them; their holes are too
-    small for the next unit's, so without this the heap, and RSS, grows by about the whole
-    model while only the shards are live (measured: 768 MB resident for 384 MB of shards)."""
-    heap.trim_heap()

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from offload.shard.materialize import trim_heap
+from offload.memory import heap
 
 __all__ = ["record_keys", "attach", "load_weights", "key_sources", "whole_tensor"]
 
@@ -193,5 +193,5 @@ def load_weights(model: nn.Module, path: Any, *, strict: bool = True):
                 _load_flat(flat, source, reader)
         finally:
             reader.close()
-        trim_heap()  # the unit's reads (materialize.trim_heap says why)
+        heap.trim_heap()  # the unit's reads (materialize.py says why, at its own trim)
     return _IncompatibleKeys(missing, unexpected)
