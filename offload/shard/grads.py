@@ -2,7 +2,13 @@
 
 [Note: reduce order] A unit's full grads (its views' ``.grad``, accumulated by autograd over
 every use, tied params included) are reduce-scattered bucket by bucket (float32, summed,
-then divided by the world: the average; [Note: reduce buckets]) into this rank's chunk,
+then divided by the world: the average; [Note: one rank's grads] With one rank on the CPU the sum over ranks is the grads
+themselves: each flat's view grads are copied (added, when accumulating) straight into the
+shard grad, or into its swap file (grads on disk), with no float32 bucket: the same bits
+(the bucketed path's bf16 -> float32 -> bf16 and its division by 1 are exact), a quarter of
+the passes over the bytes.
+
+[Note: reduce buckets]) into this rank's chunk,
 added to ``shard.grad``, and freed. The reduce-scatters run on their own process group (``shard`` makes one), async, so
 that they never interleave with the all-gathers (schedule.py) in a rank-dependent way. On
 that group every rank must issue the same reductions in the same order, so:
@@ -54,17 +60,23 @@ def _completed(handle: Any) -> bool:
     return True if done is None else bool(done())
 
 
+def _take_grads(flat: Any) -> List[Tuple[torch.Tensor, int, int]]:
+    """The views' grads as (flat grad, offset, numel), dropped from the views."""
+    out = []
+    for leaf, (o, n) in zip(flat.leaves, flat.slots):
+        if leaf.grad is not None:
+            out.append((leaf.grad.reshape(-1), o, n))
+            leaf.grad = None
+    return out
+
+
 class _FlatJob:
     """One flat's queued reduction: its taken grads, the next bucket's start."""
 
     def __init__(self, flat: Any, k: int) -> None:
         self.flat, self.lo, self.k = flat, 0, k
         self.fresh = flat.open_shard_grad(whole=k >= flat.chunk)
-        self.grads: List[Tuple[torch.Tensor, int, int]] = []
-        for leaf, (o, n) in zip(flat.leaves, flat.slots):
-            if leaf.grad is not None:
-                self.grads.append((leaf.grad.reshape(-1), o, n))
-                leaf.grad = None
+        self.grads = _take_grads(flat)
 
     def bucket(self) -> Tuple[torch.Tensor, int, int]:
         """The next bucket's reduce-scatter input (see the note) and its [lo, hi) in the chunk."""
@@ -141,6 +153,10 @@ class GradReducer:
 
     def _reduce(self, u: Any) -> None:
         self.done.add(u.index)
+        if self.world == 1 and all(flat.streams is None for flat in u.flats):
+            for flat in u.flats:  # [Note: one rank's grads]
+                flat.put_grads(_take_grads(flat))
+            return
         k = max(1, self.bucket_numel // self.world)
         self.queue.extend(_FlatJob(flat, k) for flat in u.flats)
         self.pump()

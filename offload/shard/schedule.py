@@ -129,11 +129,13 @@ class GatherSchedule:
         self.seen.append(u.index)
         self._check_budget(u)
         if self.world == 1:
+            # the next units' reads go before this one's wait: the disk never idles between
+            # two reads (the pages they fill are held during this unit's compute anyway)
+            self._hint_reads(u.index)
             for h, _ in u.gather(self.group):
                 h.wait()
             u.live = True
             self._track()
-            self._hint_reads(u.index)
             return
         if u.index not in self.waiting:
             if self.on_plan and u.index in self.plan[self.issued:]:

@@ -52,7 +52,7 @@ import os
 import re
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -146,6 +146,7 @@ class ParamTier:
         self._lock = threading.RLock()
         self._inflight: List[Tuple[_Area, List[Tuple[int, int]], Any]] = []
         self._writes: List[Tuple[_Area, int, int, Any]] = []  # (area, first page, end page, ticket)
+        self._held: Set[int] = set()  # id() of the areas a live unit computes with (``hold``)
         self.bytes_read = self.bytes_written = 0
         self._owner = f"offload.shard params {self.path}"
         self._finalizer = weakref.finalize(self, ParamTier._cleanup, self._areas, self._engine, self._file,
@@ -342,10 +343,23 @@ class ParamTier:
     def _write_bytes(self) -> int:
         return sum((q1 - q0) * PAGE for _a, q0, q1, _t in self._writes)
 
+    def hold(self, t: torch.Tensor, held: bool) -> None:
+        """While ``held``, the area of ``t`` stays in memory whoever evicts it: a unit computes
+        with it (flat_unit.py [Note: one rank's full buffer is its shard]); the optimizer or a
+        checkpoint that loads and evicts the shard meanwhile must not drop its pages."""
+        with self._lock:
+            a = self._area_of(t.data_ptr())
+            if held:
+                self._held.add(id(a))
+            else:
+                self._held.discard(id(a))
+
     def evict(self, ranges: List[Tuple[int, int]]) -> None:
         with self._lock:
             for addr, n in ranges:
                 a, _, _, off, end = self._pages(addr, n)
+                if id(a) in self._held:
+                    continue
                 q0, q1 = -(-off // PAGE), end // PAGE  # whole pages only: the edges may be a neighbour's
                 if end >= a.used:
                     q1 = a.pages  # the rest of the last page is the area's own padding
