@@ -49,11 +49,14 @@ def stage0_numel(numels: Sequence[int], fields: Sequence[StateField]) -> int:
 
 
 def save_states(directory: str, numels: Sequence[int], states: Dict[str, List[Any]], meta: Dict[str, Any],
-                fields: Optional[Sequence[StateField]] = None) -> str:
+                fields: Optional[Sequence[StateField]] = None, numel: Optional[int] = None) -> str:
     """Host tensors (name -> one tensor per param, in order) as ``DIR/rank0/``; ``fields``:
-    their typed fields (needed for packed int8 tensors, laid out as ``stage0_numel`` says)."""
+    their typed fields (needed for packed int8 tensors, laid out as ``stage0_numel`` says);
+    ``numel``: the values per state when they are not the params' (the bytes of [Note:
+    packed host checkpoints] in ckpt_packed.py)."""
     full = _meta(numels, meta)
-    numel = None if fields is None else stage0_numel(numels, fields)
+    if numel is None and fields is not None:
+        numel = stage0_numel(numels, fields)
     _save_on_every_rank(lambda agree: save_tensors(_rank_dir(directory, 0), states, full, agree=agree,
                                                    fields=fields, numel=numel),
                         full, directory, 1, None)
