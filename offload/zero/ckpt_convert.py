@@ -57,14 +57,12 @@ def read_converted(directory: str, numels: Sequence[int],
     path = os.path.join(directory, "rank0")
     if not os.path.lexists(os.path.join(path, CKPT_MANIFEST)):
         return None
-    theirs = checkpoint_fields(read_manifest(path))
-    if [f.name for f in theirs] != [f.name for f in mine]:
-        return None
     packed = read_packed(directory, numels, [f.name for f in mine])  # [Note: packed host checkpoints]
     if packed is not None:
         meta, forms, stored = packed
         return meta, decode_packed(forms, stored, numels)
-    if tuple(theirs) == tuple(mine):
+    theirs = checkpoint_fields(read_manifest(path))
+    if tuple(theirs) == tuple(mine) or [f.name for f in theirs] != [f.name for f in mine]:
         return None
     with reading_shards(directory):  # no save between the meta's check and the data
         m = read_manifest(path)

@@ -7,12 +7,12 @@ smaller one (optim/host_state.py). No one typed field holds both, and decoding t
 float32 for the checkpoint would make it as large as a float32 one (12 B per param for Adam
 instead of about 6 with int8). So such a checkpoint is the one checkpoint format ([Note: one
 checkpoint format] in ckpt_states.py, ``DIR/rank0/``) whose fields are bytes (uint8, no
-block): each state's file holds every param's stored tensor, byte for byte, one after the
-other, and the manifest's meta ``tensors`` says per state and param the ``[dtype, block]``
-of its bytes. Temp names, renames, crc32s and the lock are those of every checkpoint
-(``save_tensors`` / ``load_tensors``). No store keeps bytes as a typed field, so a store that
-does not read this form refuses it (its fields differ; the flat store's message names both)
-rather than misreading it; the stage-0 stores read it through :func:`read_packed`: the host
+block; named ``<state>__bytes``): each state's file holds every param's stored tensor, byte
+for byte, one after the other, and the manifest's meta ``tensors`` says per state and param
+the ``[dtype, block]`` of its bytes. Temp names, renames, crc32s and the lock are those of every checkpoint
+(``save_tensors`` / ``load_tensors``). No store keeps such states, so a store (or a release)
+that does not read this form refuses it (its states differ; the message names both) rather
+than misreading it; the stage-0 stores read it through :func:`read_packed`: the host
 store keeps each tensor whose form is the one it stores bit for bit and decodes the others,
 the swapped store decodes all of them ([Note: converting loads] in ckpt_convert.py).
 """
@@ -33,6 +33,10 @@ __all__ = ["TENSORS", "is_packed", "save_packed", "read_packed", "decode_packed"
 
 TENSORS = "tensors"
 """The meta key of a packed checkpoint: state name -> one ``[dtype, block]`` per param."""
+BYTES = "__bytes"
+"""What a packed checkpoint's state names end in (``exp_avg__bytes``): a reader that knows
+no packed checkpoint finds other states than its own and refuses it, where the same names
+in another dtype would have it decode the bytes as values ([Note: converting loads])."""
 
 Forms = Dict[str, List[StateField]]
 
@@ -43,7 +47,8 @@ def is_packed(meta: Dict[str, Any]) -> bool:
 
 
 def _byte_fields(names: Sequence[str]) -> Tuple[StateField, ...]:
-    return tuple(StateField(k, torch.uint8) for k in names)
+    """The manifest's fields of the states ``names``: bytes."""
+    return tuple(StateField(k + BYTES, torch.uint8) for k in names)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -61,8 +66,8 @@ def save_packed(directory: str, numels: Sequence[int], states: Dict[str, List[to
     (name -> each param's field), as ``DIR/rank0/`` (see the note)."""
     data: Dict[str, List[torch.Tensor]] = {}
     for k, tensors in states.items():
-        data[k] = [_bytes(t) for t in tensors]
-        for i, (b, f, n) in enumerate(zip(data[k], forms[k], numels)):
+        data[k + BYTES] = [_bytes(t) for t in tensors]
+        for i, (b, f, n) in enumerate(zip(data[k + BYTES], forms[k], numels)):
             if b.numel() != f.nbytes(int(n)):  # what a load would cut the file by
                 raise ValueError(f"state {k!r} of param {i} ({n} elements, {f.describe()}) has {b.numel()} bytes, "
                                  f"expected {f.nbytes(int(n))}")
@@ -72,15 +77,14 @@ def save_packed(directory: str, numels: Sequence[int], states: Dict[str, List[to
                        fields=_byte_fields(list(states)), numel=total)
 
 
-def _forms(path: str, m: Dict[str, Any], numels: Sequence[int]) -> Forms:
-    """Each state's per-param fields as manifest ``m`` (of ``path``) says, checked against
-    the params' numels and the bytes the manifest counts."""
+def _forms(path: str, m: Dict[str, Any], numels: Sequence[int], states: List[str]) -> Forms:
+    """Each of ``states``' per-param fields as manifest ``m`` (of ``path``) says, checked
+    against the params' numels and the bytes the manifest counts."""
     said = (m.get("meta") or {}).get(TENSORS)
-    states = list(m.get("states") or [])
     where = os.path.join(path, CKPT_MANIFEST)
     if not isinstance(said, dict) or sorted(said) != sorted(states):
         raise ValueError(f"{where}: the meta's {TENSORS!r} names the states {sorted(said or {})}, the "
-                         f"checkpoint holds {states}")
+                         f"checkpoint holds {[k + BYTES for k in states]}")
     forms: Forms = {}
     for k in states:
         entries = said[k]
@@ -106,18 +110,18 @@ def read_packed(directory: str, numels: Sequence[int], names: Sequence[str]
     path = _rank_dir(directory, 0)
     if not os.path.lexists(os.path.join(path, CKPT_MANIFEST)):
         return None
-    m = read_manifest(path)
-    if not is_packed(m.get("meta")) or list(m.get("states") or []) != list(names):
-        return None
+    names = list(names)
+    if list(read_manifest(path).get("states") or []) != [f.name for f in _byte_fields(names)]:
+        return None  # another kind of checkpoint, or other states
     mine = [[int(n) for n in numels]]
     with reading_shards(directory):  # no save between the manifest read here and the data
         m = read_manifest(path)
-        _flat_meta(directory, mine, _byte_fields(m.get("states") or []))  # these params (else its message)
-        forms = _forms(path, m, numels)
-        stored = {k: [torch.empty(f.storage_numel(int(n)), dtype=f.storage_dtype) for f, n in zip(v, numels)]
-                  for k, v in forms.items()}
-        meta = load_states(directory, numels, {k: [_bytes(t) for t in v] for k, v in stored.items()},
-                           _byte_fields(list(stored)))
+        _flat_meta(directory, mine, _byte_fields(names))  # these params (else its message)
+        forms = _forms(path, m, numels, names)
+        stored = {k: [torch.empty(f.storage_numel(int(n)), dtype=f.storage_dtype) for f, n in zip(forms[k], numels)]
+                  for k in names}
+        meta = load_states(directory, numels, {k + BYTES: [_bytes(t) for t in v] for k, v in stored.items()},
+                           _byte_fields(names))
     if meta.get(TENSORS) != m["meta"].get(TENSORS):  # (the lock makes this impossible; cheap to say)
         raise ValueError(f"{path}: the checkpoint changed while it was read; load it again")
     return meta, forms, stored
