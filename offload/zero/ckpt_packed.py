@@ -4,10 +4,10 @@
 ``"cpu"``) with compressed states keeps each param's states as tensors of their own: packed
 int8 blocks or bf16 for a param of at least ``MIN_COMPRESSED_NUMEL`` elements, float32 for a
 smaller one (optim/host_state.py). No one typed field holds both, and decoding them to
-float32 for the checkpoint would make it as large as a float32 one (12 B per param for Adam
-instead of about 6 with int8). So such a checkpoint is the one checkpoint format ([Note: one
-checkpoint format] in ckpt_states.py, ``DIR/rank0/``) whose fields are bytes (uint8, no
-block; named ``<state>__bytes``): each state's file holds every param's stored tensor, byte
+float32 for the checkpoint would make it as large as a float32 one (8 B per param for
+Adam's two states instead of about 2 with int8). So such a checkpoint is the one checkpoint
+format ([Note: one checkpoint format] in ckpt_states.py, ``DIR/rank0/``) whose fields are
+bytes (uint8, no block; named ``<state>__bytes``): each state's file holds every param's stored tensor, byte
 for byte, one after the other, and the manifest's meta ``tensors`` says per state and param
 the ``[dtype, block]`` of its bytes. Temp names, renames, crc32s and the lock are those of every checkpoint
 (``save_tensors`` / ``load_tensors``). No store keeps such states, so a store (or a release)

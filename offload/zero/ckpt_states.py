@@ -7,6 +7,8 @@ one shard (world 1, rank 0), and its fields are Adam's only, the params being th
 master. So ``offload="cpu"`` (host tensors, ``HostState``) and ``"nvme"`` (swap files,
 ``SwappedState``) read and write the same files, through the same checks as the flat
 store, which N -> M reshards; a load refuses a checkpoint of other fields, naming both.
+(The host store's compressed states, per-param tensors of two forms, are written as their
+bytes: [Note: packed host checkpoints] in ckpt_packed.py.)
 
 The previous release wrote stage 0 into ``DIR`` itself (``DIR/offload-ckpt.json``): such a
 checkpoint still loads, and the first save in this format into ``DIR`` retires its files.
