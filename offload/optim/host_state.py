@@ -187,45 +187,83 @@ class HostState:
 
     # The one checkpoint format ([Note: one checkpoint format] in offload/zero/ckpt_states.py),
     # so that one saved with offload="cpu" loads with offload="nvme" and back. Moments of
-    # params that have not stepped yet are written as zeros with step 0, as SwappedState does.
-    def _checkpoint_tensors(self) -> Tuple[List[torch.Tensor], Dict[str, List[torch.Tensor]]]:
-        params = self._torch.params()
+    # params that have not stepped yet are written as their initial values with step 0, as
+    # SwappedState does.
+    def _checkpoint_tensors(self, params: List[torch.Tensor]) -> Dict[str, List[torch.Tensor]]:
+        """Each state of each param, float32 and 1-D (float32 states: see save_checkpoint)."""
         states: Dict[str, List[torch.Tensor]] = {k: [] for k in self.names}
         for p in params:
-            exported = self.export_state(p)  # float32: see save_checkpoint
+            st = self._torch.state.get(p, {})
             for key in states:
-                t = exported.get(key)
-                t = (torch.full((p.numel(),), self._fill.get(key, 0.0), dtype=torch.float32) if t is None
-                     else t.detach().reshape(-1).contiguous())
-                states[key].append(t)
-        return params, states
+                t = st.get(key)
+                states[key].append(torch.full((p.numel(),), self._fill.get(key, 0.0), dtype=torch.float32)
+                                   if t is None else t.detach().reshape(-1).contiguous())
+        return states
+
+    def _stored_tensors(self, params: List[torch.Tensor]) -> Tuple[Dict[str, List[torch.Tensor]],
+                                                                   Dict[str, List[StateField]]]:
+        """Each state of each param as stored (encoded without keeping it where opt.state
+        still holds torch's layout: a save changes nothing), and its field."""
+        states: Dict[str, List[torch.Tensor]] = {k: [] for k in self.names}
+        forms: Dict[str, List[StateField]] = {k: [] for k in self.names}
+        for p in params:
+            st = self._torch.state.get(p, {})
+            for f in self.stored_fields(p):
+                states[f.name].append(self._stored(f, p, st.get(f.name)))
+                forms[f.name].append(f)
+        return states, forms
 
     def save_checkpoint(self, directory: str, extra: Optional[Dict[str, object]] = None) -> str:
-        """Float32 states whatever ``state_dtype`` (compressed ones decoded): the checkpoint's
-        fields are float32 and its params one flat group, and per-param blocks with float32
-        small params fit no one field of that group (the flat and swapped stores cut their
-        blocks from the flat group). It loads into every store and state_dtype (encoded again
-        on load, as state_codec.py says)."""
+        """The states as stored: float32 states in the format every stage-0 store writes;
+        compressed ones as each param's stored tensor (packed int8 blocks or bf16, float32
+        for a small param), byte for byte ([Note: packed host checkpoints] in
+        offload/zero/ckpt_packed.py: no one typed field holds per-param blocks and float32
+        small params). Both load into every stage-0 store and state_dtype."""
+        from offload.zero.ckpt_packed import save_packed
         from offload.zero.ckpt_states import save_states
-
-        params, states = self._checkpoint_tensors()
-        steps = self.ctx.steps.all(params)
-        meta = dict(extra or {}, steps=steps, shapes=[list(p.shape) for p in params])
-        return save_states(directory, [p.numel() for p in params], states, meta)
-
-    def load_checkpoint(self, directory: str) -> None:
-        from offload.zero.ckpt_convert import read_converted
-        from offload.zero.ckpt_states import load_states
 
         params = self._torch.params()
         numels = [p.numel() for p in params]
+        meta = dict(extra or {}, steps=self.ctx.steps.all(params), shapes=[list(p.shape) for p in params])
+        if self.state_dtype == "float32":
+            return save_states(directory, numels, self._checkpoint_tensors(params), meta)
+        states, forms = self._stored_tensors(params)
+        return save_packed(directory, numels, states, forms, meta)
+
+    def _read_checkpoint(self, directory: str, params: List[torch.Tensor]
+                         ) -> Tuple[Dict[str, Any], Dict[str, List[torch.Tensor]]]:
+        """(meta, name -> each param's state): as stored where the checkpoint holds the form
+        this store keeps (bit for bit), else float32 of p's shape (``settle`` encodes it).
+        Read into new tensors: a failed load leaves the current state untouched."""
+        from offload.zero.ckpt_convert import read_converted
+        from offload.zero.ckpt_packed import read_packed
+        from offload.zero.ckpt_states import load_states
+
+        numels = [p.numel() for p in params]
+        packed = read_packed(directory, numels, self.names)  # [Note: packed host checkpoints]
+        if packed is not None:
+            meta, forms, stored = packed
+            return meta, {k: [self._kept(forms[k][i], p, stored[k][i]) for i, p in enumerate(params)]
+                          for k in self.names}
         converted = read_converted(directory, numels, self.fields)  # other state dtypes: [Note: converting loads]
         if converted is not None:
             meta, scratch = converted
         else:
-            scratch = {k: [torch.empty(p.numel(), dtype=torch.float32) for p in params] for k in self.names}
-            # Loaded into scratch first: a failed load leaves the current state untouched.
+            scratch = {k: [torch.empty(n, dtype=torch.float32) for n in numels] for k in self.names}
             meta = load_states(directory, numels, scratch, self.fields)
+        return meta, {k: [t.view(p.shape) for t, p in zip(v, params)] for k, v in scratch.items()}
+
+    def _kept(self, form: StateField, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """State ``t`` of ``p`` read as ``form``: as it is when ``p`` keeps that form, else
+        decoded to float32 of p's shape."""
+        mine = next((f for f in self.stored_fields(p) if f.name == form.name), None)
+        if form == mine:
+            return t if form.blocked else t.view(p.shape)
+        return to_torch_layout(form, t, p.numel(), p.shape)
+
+    def load_checkpoint(self, directory: str) -> None:
+        params = self._torch.params()
+        meta, scratch = self._read_checkpoint(directory, params)
         if meta.get("shapes") != [list(p.shape) for p in params]:
             raise ValueError(f"{directory}: checkpoint of params with other shapes")
         state = self._torch.state
@@ -235,7 +273,7 @@ class HostState:
                 continue
             self.ctx.steps.set(p, int(step))  # first: torch's key order (step, exp_avg, exp_avg_sq)
             for key in self.names:
-                state[p][key] = scratch[key][i].view(p.shape)
+                state[p][key] = scratch[key][i]
         self.settle(params)
 
     def memory_report(self) -> Dict[str, Any]:

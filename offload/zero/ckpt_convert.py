@@ -3,10 +3,11 @@
 [Note: converting loads] A stage-0 store (``offload="cpu"`` or ``"nvme"``, params updated in
 place) saves its states in the one checkpoint format ([Note: one checkpoint format] in
 ckpt_states.py) in the form it keeps them: float32, bfloat16 or packed int8 blocks (the
-host store writes float32 whatever its ``state_dtype``: its per-param tensors, small ones
-left float32, fit no one packed field). A load whose fields differ from the checkpoint's
-*only in dtype* (the same states of the same rule: ``state_dtype`` changed, or a host
-checkpoint into an int8 swap store) goes through here: every field is read in its stored
+host store's per-param tensors, small ones left float32, fit no one typed field: it writes
+their bytes, [Note: packed host checkpoints] in ckpt_packed.py, decoded here per tensor).
+A load whose fields differ from the checkpoint's *only in dtype* (the same states of the
+same rule: ``state_dtype`` changed, or a host checkpoint into an int8 swap store) goes
+through here: every field is read in its stored
 form, decoded to float32 exactly as the stores decode (``quant.decode_blocks``), cut into
 one tensor per param, and handed to the loading store, which encodes them as it keeps them
 (as ``load_state_dict`` does). The whole checkpoint is then in RAM once as float32 (12 bytes
@@ -26,6 +27,7 @@ from offload.kernels.quant import BLOCK, decode_blocks
 from offload.swap.checkpoint import load_tensors
 from offload.swap.ckpt_dir import CKPT_MANIFEST, read_manifest
 from offload.zero.checkpoint import _check_rank_meta, checkpoint_fields, reading_shards
+from offload.zero.ckpt_packed import decode_packed, read_packed
 
 __all__ = ["read_converted"]
 
@@ -55,6 +57,10 @@ def read_converted(directory: str, numels: Sequence[int],
     path = os.path.join(directory, "rank0")
     if not os.path.lexists(os.path.join(path, CKPT_MANIFEST)):
         return None
+    packed = read_packed(directory, numels, [f.name for f in mine])  # [Note: packed host checkpoints]
+    if packed is not None:
+        meta, forms, stored = packed
+        return meta, decode_packed(forms, stored, numels)
     theirs = checkpoint_fields(read_manifest(path))
     if tuple(theirs) == tuple(mine) or [f.name for f in theirs] != [f.name for f in mine]:
         return None

@@ -7,6 +7,8 @@ one shard (world 1, rank 0), and its fields are Adam's only, the params being th
 master. So ``offload="cpu"`` (host tensors, ``HostState``) and ``"nvme"`` (swap files,
 ``SwappedState``) read and write the same files, through the same checks as the flat
 store, which N -> M reshards; a load refuses a checkpoint of other fields, naming both.
+(The host store's compressed states, per-param tensors of two forms, are written as their
+bytes: [Note: packed host checkpoints] in ckpt_packed.py.)
 
 The previous release wrote stage 0 into ``DIR`` itself (``DIR/offload-ckpt.json``): such a
 checkpoint still loads, and the first save in this format into ``DIR`` retires its files.
@@ -49,11 +51,14 @@ def stage0_numel(numels: Sequence[int], fields: Sequence[StateField]) -> int:
 
 
 def save_states(directory: str, numels: Sequence[int], states: Dict[str, List[Any]], meta: Dict[str, Any],
-                fields: Optional[Sequence[StateField]] = None) -> str:
+                fields: Optional[Sequence[StateField]] = None, numel: Optional[int] = None) -> str:
     """Host tensors (name -> one tensor per param, in order) as ``DIR/rank0/``; ``fields``:
-    their typed fields (needed for packed int8 tensors, laid out as ``stage0_numel`` says)."""
+    their typed fields (needed for packed int8 tensors, laid out as ``stage0_numel`` says);
+    ``numel``: the values per state when they are not the params' (the bytes of [Note:
+    packed host checkpoints] in ckpt_packed.py)."""
     full = _meta(numels, meta)
-    numel = None if fields is None else stage0_numel(numels, fields)
+    if numel is None and fields is not None:
+        numel = stage0_numel(numels, fields)
     _save_on_every_rank(lambda agree: save_tensors(_rank_dir(directory, 0), states, full, agree=agree,
                                                    fields=fields, numel=numel),
                         full, directory, 1, None)
