@@ -11,8 +11,9 @@ max_host_bytes=--host)``, the demo's loop on ``--batch`` x ``--seq`` tokens. Pri
 
 - peak RSS while training (VmHWM reset after the model is built: /proc/self/clear_refs) and
   while building (on the meta device, materialized unit by unit by ``offload.shard``'s
-  ``init_fn``), against 1.15 x (host budget + interpreter): the interpreter is the RSS before
-  the model is built; the activations of ``--batch`` x ``--seq`` tokens are a few MB here;
+  ``init_fn``), against 1.15 x (host budget + activations + interpreter): the interpreter is
+  the RSS before the model is built, the activations the bytes autograd saves in a forward
+  (``saved_tensors_hooks``; the params' own memory left out): a few MB at 1 x 32 tokens;
 - per step (median of the steps after the first): forward + backward, of which the param
   tier's reads and grad writes (bytes and seconds), and the optimizer step with its state I/O
   (``opt.step_stats()``), against the disk's limit (``--read-gbs`` / ``--write-gbs``, from
@@ -97,13 +98,24 @@ def _worker(a: argparse.Namespace) -> None:
         rows: List[Dict[str, float]] = []
         peaks: List[int] = []
         _reset_peak()
+        params_at = {f.full.untyped_storage().data_ptr() for u in rt.units for f in u.flats}
         for step in range(a.steps):
             x = torch.randint(0, 256, (a.batch, a.seq), generator=g)
             r0 = (tier.bytes_read, tier.bytes_written) if tier else (0, 0)
             hwm = _status("VmHWM")  # the peak so far; each phase's own peak below
             _reset_peak()
+            saved: Dict[int, int] = {}
+
+            def pack(t):  # the activations: what autograd saves, the params' own memory left out
+                st = t.untyped_storage()
+                if st.data_ptr() not in params_at and st.device.type == "cpu":
+                    saved[st.data_ptr()] = st.nbytes()
+                return t
+
             t0 = time.perf_counter()
-            _, loss = model(x, torch.roll(x, -1, dims=1))
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                _, loss = model(x, torch.roll(x, -1, dims=1))
+            tf = time.perf_counter()
             loss.float().backward()
             t1 = time.perf_counter()
             fb_peak = _status("VmHWM")
@@ -118,7 +130,8 @@ def _worker(a: argparse.Namespace) -> None:
             peaks.append(max(hwm, fb_peak, step_peak))
             r2 = (tier.bytes_read, tier.bytes_written) if tier else (0, 0)
             stats = opt.step_stats() if not a.fwd_only else {}
-            rows.append({"fwd_bwd_s": t1 - t0, "step_s": t2 - t1, "loss": float(loss), "fb_peak": fb_peak,
+            rows.append({"fwd_bwd_s": t1 - t0, "fwd_s": tf - t0, "bwd_s": t1 - tf, "step_s": t2 - t1,
+                         "activations": sum(saved.values()), "loss": float(loss), "fb_peak": fb_peak,
                          "step_peak": step_peak,
                          "fb_read": r1[0] - r0[0], "fb_written": r1[1] - r0[1],
                          "step_read": r2[0] - r1[0], "step_written": r2[1] - r1[1],
@@ -187,25 +200,32 @@ def main() -> None:
         r = _run(a, n, "nvme")
         host = _parse_count(a.host.replace("GiB", "G").replace("MiB", "M")) if "iB" not in a.host else (
             float(a.host[:-3]) * (GiB if a.host.endswith("GiB") else 1 << 20))
-        bound = 1.15 * (host + r["interp"])
+        act = max(x["activations"] for x in r["rows"])
+        bound = 1.15 * (host + act + r["interp"])
         fb, st = _median(r["rows"], "fwd_bwd_s"), _median(r["rows"], "step_s")
         rd = _median(r["rows"], "fb_read") + _median(r["rows"], "step_read")
         wr = _median(r["rows"], "fb_written") + _median(r["rows"], "step_written")
         # the optimizer's swap I/O: master + moments read and written (12 B/param each way, fp32)
         state_bytes = 12 * r["params"]
         disk_s = (rd + state_bytes) / (a.read_gbs * 1e9) + (wr + state_bytes) / (a.write_gbs * 1e9)
-        r.update(size=size, bound=bound, fwd_bwd_s=fb, step_s=st, disk_limit_s=disk_s)
+        r.update(size=size, bound=bound, activations=act, fwd_bwd_s=fb, step_s=st, disk_limit_s=disk_s)
         if a.compare_ram:
             # pairs of runs, NVMe then RAM, back to back: this VM's fwd+bwd moves by ~1.5x
             # between runs, so one pair is one sample; the ratio reported is the pairs' median
             param_read = _median(r["rows"], "fb_read")
-            nvme_s, ratios = fb, []
+            # what the disk must do in a forward + backward on NVMe: the param reads, and the
+            # grad writes (which the RAM run makes too, the optimizer's states being on NVMe)
+            r["fb_disk_s"] = param_read / (a.read_gbs * 1e9) + _median(r["rows"], "fb_written") / (a.write_gbs * 1e9)
+            nvme, ratios = r, []
             for i in range(a.repeat):
                 if i:
-                    nvme_s = _median(_run(a, n, "nvme", fwd_only=True)["rows"], "fwd_bwd_s")
-                ram_s = _median(_run(a, n, "cpu", fwd_only=True)["rows"], "fwd_bwd_s")
+                    nvme = _run(a, n, "nvme", fwd_only=True)
+                ram = _run(a, n, "cpu", fwd_only=True)
+                nvme_s, ram_s = _median(nvme["rows"], "fwd_bwd_s"), _median(ram["rows"], "fwd_bwd_s")
                 ratios.append(nvme_s / max(ram_s, param_read / (a.read_gbs * 1e9)))
-                r.setdefault("pairs", []).append({"nvme_fwd_bwd_s": nvme_s, "ram_fwd_bwd_s": ram_s})
+                r.setdefault("pairs", []).append({
+                    "nvme_fwd_bwd_s": nvme_s, "ram_fwd_bwd_s": ram_s,
+                    "nvme_fwd_s": _median(nvme["rows"], "fwd_s"), "ram_fwd_s": _median(ram["rows"], "fwd_s")})
             r["ram_fwd_bwd_s"] = ram_s
             r["prefetch_ratios"] = ratios
             r["prefetch_ratio"] = statistics.median(ratios)
@@ -215,7 +235,10 @@ def main() -> None:
         print(f"{'':>8} peak RSS by phase: fwd+bwd {max(x['fb_peak'] for x in r['rows']) / GiB:.2f}G, step "
               f"{max(x['step_peak'] for x in r['rows']) / GiB:.2f}G")
         if a.compare_ram:
-            pairs = ", ".join(f"{p['nvme_fwd_bwd_s']:.2f}/{p['ram_fwd_bwd_s']:.2f}s" for p in r["pairs"])
+            pairs = ", ".join(f"{p['nvme_fwd_bwd_s']:.2f}/{p['ram_fwd_bwd_s']:.2f}s (fwd {p['nvme_fwd_s']:.2f}/"
+                              f"{p['ram_fwd_s']:.2f})" for p in r["pairs"])
+            print(f"{'':>8} activations {act / 2**20:.0f} MiB; the disk's share of a fwd+bwd on NVMe (param reads + "
+                  f"grad writes at --read-gbs/--write-gbs) {r['fb_disk_s']:.2f}s")
             print(f"{'':>8} fwd+bwd on NVMe / in RAM: {pairs}; NVMe / max(RAM, reads/disk) = "
                   f"{' '.join(f'{x:.2f}' for x in r['prefetch_ratios'])}, median {r['prefetch_ratio']:.2f} "
                   f"(target <= 1.25)")
