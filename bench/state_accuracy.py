@@ -4,6 +4,7 @@
     .venv/bin/python bench/state_accuracy.py --params 50M --steps 200
     .venv/bin/python bench/state_accuracy.py --quick                 # a tiny smoke run
     .venv/bin/python bench/state_accuracy.py --rows fp32,int8 --steps 3   # time a step
+    .venv/bin/python bench/state_accuracy.py --merge 0=run0.out,1=run1.out  # a table over seeds
 
 Every row trains the same model (offload.demo's TinyGPT, ``--params``) from the same seed on
 the same batches of the demo corpus, with the demo's schedule (linear warm-up, cosine decay to
@@ -244,7 +245,13 @@ def parse_args(argv: Optional[list]) -> argparse.Namespace:
     ap.add_argument("--swap-dir", default="/var/tmp", help="parent of the swap directories (nvme)")
     ap.add_argument("--rows", default=None, help=f"comma-separated, of {list(ALL_ROWS)} (default: all)")
     ap.add_argument("--quick", action="store_true", help="100K params, 12 steps of 2 x 32 tokens")
+    ap.add_argument("--merge", default=None, metavar="SEED=FILE,...",
+                    help="no training: the JSON lines of earlier runs (one seed each, any rows), as one "
+                         "table over the seeds (the seed's fp32 row is each row's reference)")
     args = ap.parse_args(argv)
+    if args.merge:
+        args.rows = []
+        return args
     if args.quick:
         args.params, args.steps, args.batch_size, args.seq_len = 100_000, 12, 2, 32
     if args.steps < 1:
@@ -257,8 +264,66 @@ def parse_args(argv: Optional[list]) -> argparse.Namespace:
     return args
 
 
+def load_runs(spec: str) -> Dict[int, Dict[str, Dict[str, Any]]]:
+    """``SEED=FILE,...`` -> {seed: {row: result}}; rows of one seed may come from several files."""
+    runs: Dict[int, Dict[str, Dict[str, Any]]] = {}
+    for item in spec.split(","):
+        seed, _, path = item.partition("=")
+        with open(path) as fh:
+            lines = [ln for ln in fh if ln.startswith('{"bench": "state_accuracy"')]
+        if not lines:
+            raise SystemExit(f"{path}: no state_accuracy JSON line (a run cut short?)")
+        runs.setdefault(int(seed), {}).update(json.loads(lines[-1])["rows"])
+    return runs
+
+
+def merge_seeds(runs: Dict[int, Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[str, Any]]:
+    """Per row over the seeds that have it and their fp32 row: each seed's difference to its fp32
+    row, and the difference of the mean final losses (what the verdict is held to: one seed's
+    final loss moves by tens of percent with any perturbation of the trajectory)."""
+    for rows in runs.values():
+        verdicts(rows)
+    out: Dict[str, Dict[str, Any]] = {}
+    keys = sorted({k for rows in runs.values() for k in rows}, key=ALL_ROWS.index)
+    for key in keys:
+        seeds = [sd for sd, rows in sorted(runs.items()) if rows.get(key, {}).get("status") == "ok"
+                 and rows.get("fp32", {}).get("status") == "ok"]
+        if not seeds:
+            continue
+        mine = [runs[sd][key]["final_loss"] for sd in seeds]
+        ref = [runs[sd]["fp32"]["final_loss"] for sd in seeds]
+        diff = (statistics.mean(mine) - statistics.mean(ref)) / statistics.mean(ref)
+        r = {"seeds": seeds, "final_losses": mine, "per_seed_diff": [runs[sd][key].get("rel_diff") for sd in seeds],
+             "mean_final_loss": statistics.mean(mine), "rel_diff_of_means": diff}
+        if key in TARGETS:
+            r["target"], r["pass"] = TARGETS[key], abs(diff) <= TARGETS[key]
+        out[key] = r
+    return out
+
+
+def print_merged(merged: Dict[str, Dict[str, Any]]) -> None:
+    print(f"{'row':<16}{'seeds':>8}  {'final loss per seed':<30}{'vs fp32 per seed':<28}{'of means':>9}"
+          f"{'target':>8}{'result':>8}")
+    for key, r in merged.items():
+        losses = " ".join(f"{x:.4f}" for x in r["final_losses"])
+        diffs = " ".join(f"{100 * d:+.2f}%" if d is not None else "-" for d in r["per_seed_diff"])
+        target = f"{100 * r['target']:.1f}%" if "target" in r else "-"
+        verdict = ("pass" if r["pass"] else "FAIL") if "pass" in r else "-"
+        print(f"{key:<16}{','.join(map(str, r['seeds'])):>8}  {losses:<30}{diffs:<28}"
+              f"{100 * r['rel_diff_of_means']:>+8.2f}%{target:>8}{verdict:>8}")
+    ref = merged.get("fp32", {}).get("final_losses", [])
+    if len(ref) > 1:
+        print(f"(fp32 rows alone: final losses {min(ref):.4f}-{max(ref):.4f} over the seeds, a spread of "
+              f"{100 * (max(ref) / min(ref) - 1):.0f} %)")
+
+
 def main(argv: Optional[list] = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        merged = merge_seeds(load_runs(args.merge))
+        print_merged(merged)
+        print(json.dumps({"bench": "state_accuracy_merged", "rows": merged}))
+        return 0
     threads_before = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -287,7 +352,7 @@ def _run(args: argparse.Namespace) -> int:
               + (f", final loss {fl:.5f}" if isinstance(fl, float) else ""), file=sys.stderr, flush=True)
     verdicts(results)
     print_table(results, args.quick)
-    print(json.dumps({"bench": "state_accuracy", "params": n, "steps": args.steps, "batch_size": args.batch_size,
+    print(json.dumps({"bench": "state_accuracy", "seed": args.seed, "params": n, "steps": args.steps, "batch_size": args.batch_size,
                       "seq_len": args.seq_len, "backend": backend, "offload": args.offload, "quick": args.quick,
                       "wall_s": time.perf_counter() - t0, "torch": torch.__version__, "rows": results}))
     return 0

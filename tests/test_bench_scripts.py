@@ -209,6 +209,32 @@ def test_state_accuracy_final_loss_is_the_last_tenth():
     assert final_loss([5.0, 3.0]) == 3.0  # at least one step
 
 
+def test_state_accuracy_merges_seeds(tmp_path, capsys):
+    """--merge: each seed's rows against that seed's fp32 row, the verdict on the mean final
+    losses; a seed without an fp32 row counts for no row."""
+    from bench import state_accuracy
+
+    def run(path, rows):
+        path.write_text("state accuracy: ...\n" + json.dumps({"bench": "state_accuracy", "rows": {
+            k: {"status": "ok", "losses": [9.0] * 9 + [v]} for k, v in rows.items()}}) + "\n")
+        return path
+
+    a = run(tmp_path / "a.out", {"fp32": 1.0, "int8": 1.2})
+    b = run(tmp_path / "b.out", {"fp32": 3.0})
+    b2 = run(tmp_path / "b2.out", {"int8": 2.9})
+    c = run(tmp_path / "c.out", {"int8": 5.0})  # no fp32 row for seed 2
+    assert state_accuracy.main(["--merge", f"0={a},1={b},1={b2},2={c}"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    r = rows["int8"]
+    assert r["seeds"] == [0, 1] and r["final_losses"] == [1.2, 2.9]
+    assert r["per_seed_diff"] == pytest.approx([0.2, -0.1 / 3])
+    assert r["rel_diff_of_means"] == pytest.approx((2.05 - 2.0) / 2.0) and r["target"] == 0.015 and not r["pass"]
+    cut = tmp_path / "cut.out"
+    cut.write_text("state accuracy: a run killed before its JSON line\n")
+    with pytest.raises(SystemExit, match="no state_accuracy JSON"):
+        state_accuracy.main(["--merge", f"0={a},1={cut}"])
+
+
 def test_compressed_calls_can_force_the_bf16_rounding():
     """The nearest / stochastic rows of state_accuracy.py where the optimizer offers one rounding:
     the forced call equals a call that asked for that rounding, bit for bit."""
