@@ -14,8 +14,9 @@ other content in the canonical form ``write_json_atomic`` writes), written with 
 checked as it is read: ``write_json_atomic(d, name, sealed(m))`` and
 ``unsealed(read_json(path), path)`` (not a flag of those two, which tests wrap to inject
 faults). The data files have their crc32s in the manifest; the manifest itself (``steps``,
-``param_groups``' lr, shapes) had none, so a flipped digit there loaded silently. A manifest without ``SEAL`` (an older release's)
-loads as it is; a reader of an older release ignores the key.
+``param_groups``' lr, shapes) had none, so a flipped digit there loaded silently. A
+manifest without ``SEAL`` (an older release's) loads as it is; a reader of an older
+release ignores the key.
 """
 from __future__ import annotations
 
