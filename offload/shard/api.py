@@ -88,7 +88,8 @@ def _live_budget(max_live_params: Any, max_live_bytes: Any) -> Tuple[Optional[in
 
 
 def _reduce_group(group: Any, world: int) -> Any:
-    """A second group of the same ranks: the reduce-scatters' own (grads.py [Note: reduce order])."""
+    """A second group of the same ranks: the reduce-scatters' own (grads.py [Note: reduce order]),
+    made when ``world > 1`` for one model, destroyed with it (hooks.py [Note: the reduce group's end])."""
     if world == 1:
         return group
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -164,7 +165,7 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     del members
     units = [Unit(i, m, names.get(id(m), ""), flats[i]) for i, m in enumerate(unit_modules)]
     runtime = ShardRuntime(units, group=process_group, reduce_group=reduce_group, world=world, rank=rank,
-                           prefetch=prefetch, budget=budget, budget_in_bytes=in_bytes)
+                           prefetch=prefetch, budget=budget, budget_in_bytes=in_bytes, own_reduce=world > 1)
     runtime.tier, runtime.params_on_disk = tier, tier is not None
     runtime.install()
     for u in units:

@@ -199,7 +199,7 @@ def _commit(directory: str, gen: int, world: int, flats: List[Any], optimizer: A
                 "files": [i["file"] for i in infos], "bytes": [i["bytes"] for i in infos],
                 "crc32": [i["crc32"] for i in infos]}
     _before_manifest()
-    fsutil.write_json_atomic(directory, MANIFEST, manifest)
+    fsutil.write_json_atomic(directory, MANIFEST, fsutil.sealed(manifest))
     old = held.get("old")
     done = set(manifest["files"])
     stale = [n for n in (list(old["files"]) if old else []) + list(held.get("left") or []) if n not in done]
@@ -212,7 +212,7 @@ def read_manifest(directory: str) -> Dict[str, Any]:
     """The manifest of the stage 3 checkpoint in ``directory``, its shape checked."""
     path = os.path.join(directory, MANIFEST)
     try:
-        m = fsutil.read_json(path)
+        m = fsutil.unsealed(fsutil.read_json(path), path)
     except FileNotFoundError:
         raise FileNotFoundError(2, "no stage 3 checkpoint here (its manifest is missing)", path) from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:

@@ -18,10 +18,12 @@ grads when its backward is done (FSDP2's pre/post forward and backward, on the C
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping
 from typing import Any, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload.shard.grads import GradReducer
@@ -53,11 +55,36 @@ def _grad_tensors(obj: Any) -> List[torch.Tensor]:
     return out
 
 
+def _destroy_group(group: Any) -> None:
+    """Destroy a process group made for one sharded model ([Note: the reduce group's end]).
+    Nothing when torch.distributed went first (``destroy_process_group()`` destroys every
+    group; torch then calls ``group`` invalid)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # "Invalid process group specified": already destroyed
+        pass
+
+
 class ShardRuntime:
-    """The hooks' state for one sharded root module."""
+    """The hooks' state for one sharded root module.
+
+    [Note: the reduce group's end] ``offload.shard`` makes a group of its own for the
+    reduce-scatters (api.py ``_reduce_group``), one per call: never shared, since two models
+    in one backward would interleave their reductions on it. It is destroyed by
+    :meth:`remove` or when the runtime is collected (the model and the optimizer over its
+    params gone), so that a program sharding many models does not keep a group (sockets,
+    threads) for each. In torch 2.13 ``destroy_process_group(subgroup)`` is local (no
+    barrier, no store: bookkeeping and the backend's ``shutdown()``), so each rank may do
+    it when its GC gets there; that holds for gloo, whose shutdown closes its own pairs.
+    NCCL's communicator teardown was collective in some NCCL versions: a group of another
+    backend than gloo is destroyed only by ``remove()``, which every rank calls.
+    """
 
     def __init__(self, units: List[Any], *, group: Any, reduce_group: Any, world: int, rank: int,
-                 prefetch: int = 1, budget: Optional[int] = None, budget_in_bytes: bool = True) -> None:
+                 prefetch: int = 1, budget: Optional[int] = None, budget_in_bytes: bool = True,
+                 own_reduce: bool = False) -> None:
         self.units = units
         self.world, self.rank = world, rank
         self.schedule = GatherSchedule(units, group, world, rank, prefetch=prefetch, budget=budget,
@@ -70,6 +97,17 @@ class ShardRuntime:
         self._handles: List[Any] = []
         self.tier: Optional[Any] = None  # the ParamTier (tier.py): params on NVMe, or grads with states there
         self.params_on_disk = False
+        self._group_end: Optional[Any] = None  # the reduce group's destroyer, when it is ours
+        if own_reduce:
+            self.own_group(reduce_group)
+
+    def own_group(self, group: Any) -> None:
+        """``group`` was made for this runtime alone: see [Note: the reduce group's end]."""
+        self._group_end = weakref.finalize(self, _destroy_group, group)
+        self._group_end.atexit = False  # at exit the process's groups go anyway, maybe before us
+        if dist.get_backend(group) != "gloo":
+            self._group_end.detach()  # only remove() destroys it
+            self._group_end = functools.partial(_destroy_group, group)
 
     def install(self) -> None:
         for u in self.units:
@@ -195,6 +233,11 @@ class ShardRuntime:
         return sum(u.live_bytes() for u in self.units)
 
     def remove(self) -> None:
+        """The hooks go, and the reduce group when it is ours (every rank calls this: the model
+        is no longer a sharded one after it)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        end, self._group_end = self._group_end, None
+        if end is not None:
+            end()

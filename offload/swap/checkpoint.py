@@ -341,9 +341,10 @@ def save_tensors(directory: str, states: Dict[str, List[Any]], meta: Dict[str, A
     # each state's values: what its storage holds for numel, or (not said) its element count
     numels = {k: (int(numel) if fields[k].storage_numel(int(numel)) == n else f"{n} stored")
               if numel is not None else n for k, n in stored.items()}
-    if not names or len(set(numels.values())) != 1:
+    if len(set(numels.values())) > 1:
         raise ValueError(f"every state needs the same number of elements, got {numels}")
-    numel = numels[names[0]]
+    # a rule with no state (SGD without momentum): a manifest of no files, its meta (steps, groups) all
+    numel = numels[names[0]] if names else int(numel or 0)
     new = NewGeneration(directory, names, {k: round_up(f.nbytes(numel), ALIGN) for k, f in fields.items()})
 
     def write() -> Dict[str, int]:

@@ -60,7 +60,7 @@ def manifest_file_bytes(m: Dict[str, Any], name: str) -> int:
 def read_manifest(directory: str) -> Dict[str, Any]:
     path = os.path.join(directory, CKPT_MANIFEST)
     try:
-        m = fsutil.read_json(path)
+        m = fsutil.unsealed(fsutil.read_json(path), path)
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, "no offload checkpoint here (manifest missing)", path) from None
     if not isinstance(m, dict) or m.get("format") != CKPT_FORMAT:
@@ -224,14 +224,14 @@ class NewGeneration:
         ``fields`` lists each state's name and dtype (``StateField.describe``) in file order,
         with its ``block`` when ``blocks`` says it is stored in packed 8-bit blocks."""
         one = len(set(dtypes.values())) == 1 and len(set(self.per_file.values())) == 1
-        fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, {
+        fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, fsutil.sealed({
             "format": CKPT_FORMAT, "version": CKPT_VERSION,
             "dtype": next(iter(dtypes.values())) if one else "mixed", "dtypes": dict(dtypes), "numel": numel,
             "states": self.names,
             "fields": [dict({"name": k, "dtype": dtypes[k]}, **({"block": blocks[k]} if (blocks or {}).get(k) else {}))
                        for k in self.names], "gen": self.gen, "files": self.finals,
             "file_bytes": next(iter(self.per_file.values())) if one else dict(self.per_file),
-            "crc32": dict(crcs), "meta": meta})
+            "crc32": dict(crcs), "meta": meta}))
 
     def _pointed(self) -> bool:
         try:
@@ -247,7 +247,7 @@ class NewGeneration:
         if self._pointed():
             try:
                 if self.old is not None:
-                    fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, self.old)
+                    fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, fsutil.sealed(self.old))
                 else:
                     os.unlink(self._path(CKPT_MANIFEST))
                     fsutil.fsync_dir(self.directory)

@@ -8,6 +8,15 @@ scratch disk). Whatever we create we create with ``O_EXCL | O_NOFOLLOW`` (files)
 (which never follows), and an existing private directory is accepted only after ``lstat``
 says it is a real directory owned by us with mode 0700. Inside a 0700 directory nobody else
 can plant anything, so the files below it are safe once the directory is.
+
+[Note: sealed manifests] A checkpoint manifest carries its own crc32 (``SEAL``, of its
+other content in the canonical form ``write_json_atomic`` writes), written with it and
+checked as it is read: ``write_json_atomic(d, name, sealed(m))`` and
+``unsealed(read_json(path), path)`` (not a flag of those two, which tests wrap to inject
+faults). The data files have their crc32s in the manifest; the manifest itself (``steps``,
+``param_groups``' lr, shapes) had none, so a flipped digit there loaded silently. A
+manifest without ``SEAL`` (an older release's) loads as it is; a reader of an older
+release ignores the key.
 """
 from __future__ import annotations
 
@@ -16,14 +25,49 @@ import fcntl
 import json
 import os
 import stat
-from typing import Any, Optional, Tuple
+import zlib
+from typing import Any, Dict, Optional, Tuple
 
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
-    "write_json_atomic", "read_json", "fsync_dir", "remove_private_dir", "free_bytes", "DirectoryBusy", "NotOurs",
+    "write_json_atomic", "read_json", "SEAL", "sealed", "unsealed", "fsync_dir", "remove_private_dir", "free_bytes",
+    "DirectoryBusy", "NotOurs",
 ]
 
 LOCK_NAME = "lock"
+SEAL = "manifest_crc32"
+"""The key of a manifest's own crc32 ([Note: sealed manifests])."""
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _content_crc(obj: Dict[str, Any]) -> int:
+    """crc32 of ``obj`` less its seal, as read back: through one JSON round trip, where int
+    keys become strings (and so sort otherwise), so writer and reader hash the same bytes."""
+    body = {k: v for k, v in obj.items() if k != SEAL}
+    return zlib.crc32(_dumps(json.loads(_dumps(body))))
+
+
+def sealed(obj: Any) -> Any:
+    """``obj`` (a manifest) with its own crc32, for ``write_json_atomic``."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"a sealed manifest is a JSON object, got {type(obj).__name__}")
+    return dict({k: v for k, v in obj.items() if k != SEAL}, **{SEAL: _content_crc(obj)})
+
+
+def unsealed(obj: Any, path: str) -> Any:
+    """``obj`` (as ``read_json(path)`` read it) less its seal, checked; as it is without one
+    (an older release's manifest)."""
+    if not isinstance(obj, dict) or SEAL not in obj:
+        return obj
+    want, got = obj.pop(SEAL), _content_crc(obj)
+    if want != got:
+        raise ValueError(f"{path}: the manifest fails its own checksum ({SEAL} {want!r}, its content {got}): "
+                         "it was changed or damaged after it was written; nothing was loaded (restore it, or "
+                         "load an older checkpoint)")
+    return obj
 
 
 def check_parent_dir(path: str) -> str:
@@ -151,7 +195,7 @@ def write_json_atomic(directory: str, name: str, obj: Any) -> int:
     """Write ``directory/name`` so that a reader sees the old or the new content, never a mix:
     a temporary file (O_EXCL, O_NOFOLLOW, 0600), fsync, rename over, fsync of the directory.
     Returns the bytes written."""
-    data = (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    data = _dumps(obj) + b"\n"
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
     try:

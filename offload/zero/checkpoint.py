@@ -59,6 +59,8 @@ def checkpoint_fields(manifest: Dict[str, Any]) -> Tuple[StateField, ...]:
 
 def _describe(fields: Sequence[StateField]) -> str:
     names = ", ".join(f"{f.name} ({f.dtype_name}{' in blocks of %d' % f.block if f.block else ''})" for f in fields)
+    if not fields:  # a rule without state per element saved only its steps and param_groups
+        names = "no state (a rule that keeps none, as SGD without momentum)"
     if any(f.name == "master" for f in fields):
         return f"{names}: the flat store's (fp16/bf16 or device params, or stage 1/2)"
     return f"{names}: fp32 CPU params updated in place (stage 0, offload='none', 'cpu' or 'nvme')"

@@ -111,6 +111,8 @@ def read_packed(directory: str, numels: Sequence[int], names: Sequence[str]
     if not os.path.lexists(os.path.join(path, CKPT_MANIFEST)):
         return None
     names = list(names)
+    if not names:
+        return None  # a rule without state: no bytes to pack, the normal load reads its steps
     if list(read_manifest(path).get("states") or []) != [f.name for f in _byte_fields(names)]:
         return None  # another kind of checkpoint, or other states
     mine = [[int(n) for n in numels]]
