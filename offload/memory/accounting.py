@@ -7,8 +7,9 @@ removes its own bytes under a name; ``snapshot()`` sums them per tier and keeps 
 """
 from __future__ import annotations
 
-import threading
 from typing import Dict, Tuple
+
+from offload.memory.reentry import FinalizerSafeLock
 
 __all__ = ["TIERS", "Accounting", "default_accounting"]
 
@@ -25,7 +26,7 @@ class Accounting:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = FinalizerSafeLock()  # [Note: finalizers re-enter] in reentry.py
         self._bytes: Dict[Tuple[str, str], int] = {}
         self._peak: Dict[str, int] = {t: 0 for t in TIERS}
 
@@ -37,17 +38,22 @@ class Accounting:
     def add(self, tier: str, owner: str, nbytes: int) -> None:
         """Count ``nbytes`` more in ``tier`` for ``owner`` (negative to subtract)."""
         self._check_tier(tier)
-        with self._lock:
-            key = (tier, owner)
-            new = self._bytes.get(key, 0) + int(nbytes)
-            if new < 0:
-                raise ValueError(f"{owner}: {tier} bytes would become negative ({new})")
-            if new:
-                self._bytes[key] = new
-            else:
-                self._bytes.pop(key, None)
-            total = sum(v for (t, _), v in self._bytes.items() if t == tier)
-            self._peak[tier] = max(self._peak[tier], total)
+        if self._lock.defer(self._add, tier, owner, nbytes):
+            return
+        with self._lock.held():
+            self._add(tier, owner, nbytes)
+
+    def _add(self, tier: str, owner: str, nbytes: int) -> None:
+        key = (tier, owner)
+        new = self._bytes.get(key, 0) + int(nbytes)
+        if new < 0:
+            raise ValueError(f"{owner}: {tier} bytes would become negative ({new})")
+        if new:
+            self._bytes[key] = new
+        else:
+            self._bytes.pop(key, None)
+        total = sum(v for (t, _), v in self._bytes.items() if t == tier)
+        self._peak[tier] = max(self._peak[tier], total)
 
     def remove(self, tier: str, owner: str, nbytes: int) -> None:
         """Count ``nbytes`` fewer in ``tier`` for ``owner``."""
@@ -55,13 +61,18 @@ class Accounting:
 
     def clear_owner(self, owner: str) -> None:
         """Forget everything ``owner`` counted (it released all it held)."""
-        with self._lock:
-            for key in [k for k in self._bytes if k[1] == owner]:
-                del self._bytes[key]
+        if self._lock.defer(self._clear, owner):
+            return
+        with self._lock.held():
+            self._clear(owner)
+
+    def _clear(self, owner: str) -> None:
+        for key in [k for k in self._bytes if k[1] == owner]:
+            del self._bytes[key]
 
     def by_owner(self) -> Dict[str, Dict[str, int]]:
         """``{owner: {tier: bytes}}`` for the owners holding bytes now."""
-        with self._lock:
+        with self._lock.held():
             out: Dict[str, Dict[str, int]] = {}
             for (tier, owner), v in self._bytes.items():
                 out.setdefault(owner, {})[tier] = v
@@ -69,7 +80,7 @@ class Accounting:
 
     def snapshot(self) -> Dict[str, Dict[str, int]]:
         """``{"current": {tier: bytes}, "peak": {tier: bytes}}`` over all owners."""
-        with self._lock:
+        with self._lock.held():
             cur = {t: 0 for t in TIERS}
             for (tier, _), v in self._bytes.items():
                 cur[tier] += v
@@ -77,7 +88,7 @@ class Accounting:
 
     def reset_peak(self) -> None:
         """Start a new peak window from the current totals (e.g. at the start of a step)."""
-        with self._lock:
+        with self._lock.held():
             for t in TIERS:
                 self._peak[t] = sum(v for (tier, _), v in self._bytes.items() if tier == t)
 

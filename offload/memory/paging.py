@@ -23,32 +23,39 @@ optimizer takes the flat store, whose master is the truth (``RuleOptimizer._make
 from __future__ import annotations
 
 import bisect
-import threading
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from offload.memory.reentry import FinalizerSafeLock
+
 __all__ = ["register", "unregister", "paged", "load", "will_write", "store", "evict", "prefetch", "active"]
 
-_lock = threading.Lock()
+_lock = FinalizerSafeLock()  # unregister runs in the tier's finalizer: [Note: finalizers re-enter]
 _starts: List[int] = []
 _areas: List[Tuple[int, int, Any]] = []  # (start, end, pager), sorted by start
 
 
 def register(start: int, nbytes: int, pager: Any) -> None:
     """Bytes [start, start + nbytes) of this process are paged by ``pager``."""
-    with _lock:
+    with _lock.held():
         i = bisect.bisect(_starts, start)
         _starts.insert(i, start)
         _areas.insert(i, (start, start + nbytes, pager))
 
 
 def unregister(start: int) -> None:
-    with _lock:
-        i = bisect.bisect_left(_starts, start)
-        if i < len(_starts) and _starts[i] == start:
-            del _starts[i]
-            del _areas[i]
+    if _lock.defer(_unregister, start):
+        return
+    with _lock.held():
+        _unregister(start)
+
+
+def _unregister(start: int) -> None:
+    i = bisect.bisect_left(_starts, start)
+    if i < len(_starts) and _starts[i] == start:
+        del _starts[i]
+        del _areas[i]
 
 
 def active() -> bool:

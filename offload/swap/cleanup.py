@@ -33,6 +33,8 @@ import signal
 import threading
 from typing import Any, Dict, List
 
+from offload.memory.reentry import FinalizerSafeLock
+
 __all__ = ["register", "unregister", "close_all", "terminating"]
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 # Strong references: a store dropped without close() must still be cleaned at exit (its
 # owner, e.g. SwappedState, also closes it when the owner is garbage-collected).
 _open: Dict[int, Any] = {}
-_lock = threading.Lock()
+_lock = FinalizerSafeLock()  # a store's close may run in a finalizer: [Note: finalizers re-enter]
 _counter = 0
 _installed = False
 # The Python handlers we wrapped, oldest first (a handler set after ours and then wrapped in
@@ -58,7 +60,7 @@ def terminating() -> bool:
 def _forget_in_child() -> None:
     """After fork, in the child: the registered stores are the parent's (see [Note: fork])."""
     global _lock, _terminating
-    _lock = threading.Lock()  # another thread may have held it at the fork
+    _lock = FinalizerSafeLock()  # another thread may have held it at the fork
     _open.clear()
     _terminating = False
     # The child has no store for our SIGTERM handler to keep, and a Python-level handler makes
@@ -81,7 +83,7 @@ if hasattr(os, "register_at_fork"):
 def register(store: Any) -> int:
     """Track ``store`` (an object with ``close()``); returns a token for :func:`unregister`."""
     global _counter
-    with _lock:
+    with _lock.held():
         _counter += 1
         _open[_counter] = store
         token = _counter
@@ -90,13 +92,15 @@ def register(store: Any) -> int:
 
 
 def unregister(token: int) -> None:
-    with _lock:
+    if _lock.defer(_open.pop, token, None):
+        return
+    with _lock.held():
         _open.pop(token, None)
 
 
 def close_all() -> None:
     """Close every registered store, newest first; errors are logged, not raised (exit path)."""
-    with _lock:
+    with _lock.held():
         stores: List[Any] = [s for _, s in sorted(_open.items(), reverse=True)]
         _open.clear()
     for store in stores:
