@@ -31,7 +31,9 @@ step time.
    bytes read and written, the param read and written, the grad read, the bf16 copy written),
    that GB/s as a share of the copy probe's (the memory wall), and the ratio to the same
    backend's fp32 kernel. A backend without the compressed kernel yet says so and keeps only
-   its fp32 row. ``--stochastic-states``: bf16 states rounded stochastically.
+   its fp32 row. bf16 states round stochastically, as the optimizers always round them
+   (offload/optim/state_codec.py says why); ``--nearest-states``: the kernel's round to
+   nearest even instead.
 
 4. ``--rules`` (instead of 1 and 2): SGD (momentum 0.9, weight decay), Adagrad and Lion,
    ours native against torch's fastest CPU code of each: SGD and Adagrad foreach and
@@ -336,7 +338,7 @@ def run_states(args, sizes, thread_list) -> list:
         sbuf = StateBuffers(buf, {sd for _, _, _, sd in rows}, bool(mds))
         for th in thread_list:
             torch.set_num_threads(th)
-            cont = state_contenders(buf, sbuf, backends, rows, th, args.stochastic_states)
+            cont = state_contenders(buf, sbuf, backends, rows, th, not args.nearest_states)
             cont = {k: v for k, v in cont.items()
                     if k == "copy_probe" or k.split(":")[0] in full or k.endswith(":fp32p fp32")}
             med, best = time_interleaved(cont, args.warmup, args.steps)
@@ -380,8 +382,9 @@ def add_state_args(ap: argparse.ArgumentParser) -> None:
                          "bfloat16: the bf16 param is its own master), comma-separated")
     ap.add_argument("--backends", default="native,numba",
                     help="with --state-dtype: kernel backends, of native,numba,torch")
-    ap.add_argument("--stochastic-states", action="store_true",
-                    help="with --state-dtype: bf16 states rounded stochastically (default nearest even)")
+    ap.add_argument("--nearest-states", action="store_true",
+                    help="with --state-dtype: bf16 states rounded to nearest even (default: stochastically, "
+                         "as the optimizers round them)")
 
 
 def states_main(ap: argparse.ArgumentParser, args, sizes, thread_list) -> int:
@@ -396,7 +399,7 @@ def states_main(ap: argparse.ArgumentParser, args, sizes, thread_list) -> int:
     finally:
         torch.set_num_threads(torch_threads)
     print(json.dumps({"bench": "adam_states", "cpu": cpu_model(), "torch": torch.__version__,
-                      "steps": args.steps, "stochastic_states": args.stochastic_states,
+                      "steps": args.steps, "stochastic_states": not args.nearest_states,
                       "results": results}))
     return 0
 

@@ -379,6 +379,117 @@ inline void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, ui
     bf16_stochastic_scalar(x + i, dst + i, len - i, start + static_cast<uint32_t>(i), key);
 }
 
+// ---- [Note: fused bf16 Adam] (adam_avx512.cpp) for 8 lanes: full vectors only, the last
+// partial vector is left to the tiles (AVX2 has no masked 16-bit stores).
+inline __m256 load_bf16(const void *src, int64_t i) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(src) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// to_bf16's and bf16_stochastic_store's bits for one vector at stream index `index` (lanes).
+inline __m128i round_bf16(__m256 x, bool stochastic, __m256i index, uint32_t key) {
+    if (!stochastic) return to_bf16(x);
+    const __m256i r = _mm256_srli_epi32(lowbias32_v(_mm256_xor_si256(index, _mm256_set1_epi32(static_cast<int>(key)))), 16);
+    __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    t = _mm256_blendv_epi8(t, _mm256_set1_epi32(0xFFFF), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    const __m256i packed = _mm256_packus_epi32(t, t);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+inline void store_bf16v(void *dst, int64_t i, __m128i h) {
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(static_cast<uint16_t *>(dst) + i), h);
+}
+
+// The step's arrays and rounding, copied out of the CompressedStep once per call: stores
+// through the arrays could otherwise alias its fields, and the loop would reload them.
+struct Bf16Step {
+    void *__restrict param;
+    const void *__restrict grad;
+    uint16_t *__restrict m;
+    uint16_t *__restrict v;
+    void *__restrict lowp;
+    bool sp, sm, sv;           // stochastic: param (when bf16), exp_avg, exp_avg_sq
+    uint32_t kp, km, kv;       // their stream keys
+    uint32_t offset;           // stream index of element 0, mod 2**32
+    explicit Bf16Step(const CompressedStep &s)
+        : param(s.param.data), grad(s.grad), m(static_cast<uint16_t *>(s.states[0].data)),
+          v(static_cast<uint16_t *>(s.states[1].data)), lowp(s.lowp),
+          sp(s.param.rounding == OFFLOAD_ROUND_STOCHASTIC),
+          sm(s.states[0].rounding == OFFLOAD_ROUND_STOCHASTIC),
+          sv(s.states[1].rounding == OFFLOAD_ROUND_STOCHASTIC),
+          kp(s.seed ^ kStreams[0]), km(s.seed ^ kStreams[1]), kv(s.seed ^ kStreams[2]),
+          offset(static_cast<uint32_t>(static_cast<uint64_t>(s.offset))) {}
+};
+
+template <int G, int L, bool L2, bool FROM_END, bool PB16>
+inline void adam_bf16_vec(const VConsts &c, const Bf16Step &r, int64_t i) {
+    __m256 g = _mm256_mul_ps(load_grad<G>(r.grad, i), c.gs);
+    __m256 p = PB16 ? load_bf16(r.param, i) : _mm256_loadu_ps(static_cast<float *>(r.param) + i);
+    __m256 m = load_bf16(r.m, i);
+    __m256 v = load_bf16(r.v, i);
+    if (L2) g = _mm256_fmadd_ps(p, c.l2, g);
+    p = _mm256_mul_ps(p, c.decay);
+    m = _mm256_fmadd_ps(c.coeff, _mm256_sub_ps(g, m), FROM_END ? g : m);
+    v = _mm256_mul_ps(v, c.b2);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(c.w2, g), g, v);
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2s), c.eps);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(r.offset + static_cast<uint32_t>(i))),
+                                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    store_bf16v(r.m, i, round_bf16(m, r.sm, index, r.km));
+    store_bf16v(r.v, i, round_bf16(v, r.sv, index, r.kv));
+    if (PB16) {
+        store_bf16v(r.param, i, round_bf16(p, r.sp, index, r.kp));
+    } else {
+        _mm256_storeu_ps(static_cast<float *>(r.param) + i, p);
+        store_lowp<L, false>(r.lowp, i, p);
+    }
+}
+
+template <int G, int L, bool L2, bool FROM_END, bool PB16>
+int64_t adam_bf16_loop(const CompressedStep &s, int64_t begin, int64_t end) {
+    const VConsts c(s.adam);
+    const Bf16Step r(s);
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) adam_bf16_vec<G, L, L2, FROM_END, PB16>(c, r, i);
+    return i;
+}
+
+template <int G, int L, bool PB16>
+int64_t adam_bf16_flags(const CompressedStep &s, int64_t begin, int64_t end) {
+    if (s.adam.use_l2) {
+        if (s.adam.lerp_from_end) return adam_bf16_loop<G, L, true, true, PB16>(s, begin, end);
+        return adam_bf16_loop<G, L, true, false, PB16>(s, begin, end);
+    }
+    if (s.adam.lerp_from_end) return adam_bf16_loop<G, L, false, true, PB16>(s, begin, end);
+    return adam_bf16_loop<G, L, false, false, PB16>(s, begin, end);
+}
+
+template <int G>
+int64_t adam_bf16_lowp(const CompressedStep &s, int64_t begin, int64_t end) {
+    if (s.param.dtype == OFFLOAD_BF16) {
+        if (s.lowp) return -EINVAL;  // a bf16 param is its own copy (kernel.h)
+        return adam_bf16_flags<G, -1, true>(s, begin, end);
+    }
+    switch (s.lowp ? s.lowp_dtype : -1) {
+        case -1: return adam_bf16_flags<G, -1, false>(s, begin, end);
+        case OFFLOAD_F16: return adam_bf16_flags<G, OFFLOAD_F16, false>(s, begin, end);
+        case OFFLOAD_BF16: return adam_bf16_flags<G, OFFLOAD_BF16, false>(s, begin, end);
+        default: return -EINVAL;
+    }
+}
+
+// compressed_tile.h's hook: the full vectors of the range; returns where they end.
+#define OFFLOAD_FUSED_BF16_ADAM 1
+inline int64_t adam_bf16_states(const CompressedStep &s, int64_t begin, int64_t end) {
+    switch (s.grad_dtype) {
+        case OFFLOAD_F32: return adam_bf16_lowp<OFFLOAD_F32>(s, begin, end);
+        case OFFLOAD_F16: return adam_bf16_lowp<OFFLOAD_F16>(s, begin, end);
+        case OFFLOAD_BF16: return adam_bf16_lowp<OFFLOAD_BF16>(s, begin, end);
+        default: return -EINVAL;
+    }
+}
+
 #include "compressed_tile.h"
 
 }  // namespace

@@ -18,6 +18,10 @@
 //   void bf16_load(const uint16_t *src, float *out, int64_t len);
 //   void bf16_nearest(const float *x, uint16_t *dst, int64_t len);
 //   void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start, uint32_t key);
+// and, optionally, OFFLOAD_FUSED_BF16_ADAM with
+//   int64_t adam_bf16_states(const CompressedStep &s, int64_t begin, int64_t end);
+// (AdamW whose two states are BF16, in one loop, the tiles' bits: returns the end of what
+// it did, from begin on, or -errno; the tiles do the rest).
 // then expand OFFLOAD_COMPRESSED_ENTRY_POINT(ISA) (or _OVER, below) at file scope.
 
 struct RuleFns {
@@ -118,6 +122,17 @@ inline int tile_rule(const CompressedStep &s, const RuleFns &f, float *p, const 
 }
 
 inline int compressed_tiles(const CompressedStep &s, const RuleFns &f, int64_t begin, int64_t end) {
+#ifdef OFFLOAD_FUSED_BF16_ADAM
+    // The unit's one-loop AdamW over bf16 moments ([Note: fused bf16 Adam] in
+    // adam_avx512.cpp); what it leaves (a unit without masked stores: the last partial
+    // vector) goes through the tiles below, element for element the same arithmetic.
+    if (s.rule == OFFLOAD_RULE_ADAM && s.num_states == 2 && s.states[0].dtype == OFFLOAD_BF16 &&
+        s.states[1].dtype == OFFLOAD_BF16) {
+        const int64_t done = adam_bf16_states(s, begin, end);
+        if (done < 0) return static_cast<int>(done);
+        begin = done;
+    }
+#endif
     alignas(64) float pbuf[kTile];
     alignas(64) float sbuf[OFFLOAD_MAX_STATES][kTile];
     const bool bf16_param = s.param.dtype == OFFLOAD_BF16;
