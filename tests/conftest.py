@@ -62,7 +62,7 @@ _KERNEL_INCIDENTAL = {
     "test_hf_integration", "test_adversarial", "test_cli_info", "test_hf_checkpoint",
     "test_compressed_checkpoint", "test_rules_ranks", "test_zero", "test_shard_checkpoint", "test_release_grads",
     "test_shard_nvme", "test_shard_meta", "test_shard_weights", "test_shard_one_rank", "test_shard_groups",
-    "test_host_checkpoint_packed", "test_stateless_checkpoint", "test_manifest_checksum",
+    "test_host_checkpoint_packed", "test_stateless_checkpoint", "test_manifest_checksum", "test_swap_manifest_seal", "test_hf_groups_seal",
 }
 # ...and the numba kernels' own compressed tests, which pick numba by name: the numba pass only.
 _NUMBA_BY_NAME = {"test_numba_compressed"}

@@ -85,7 +85,7 @@ def test_resume_of_a_directory_killed_before_its_first_commit_says_so(tmp_path, 
     assert m["step"] == 0
     m["extra"] = {}
     with open(man, "w") as f:
-        json.dump(m, f)
+        json.dump(fsutil.sealed(m), f)  # as the store wrote it: sealed
     with pytest.raises(ValueError, match="never committed") as e:
         offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path), max_host_bytes="1MiB", resume=True)
     assert man in str(e.value) and f"offload clean {tmp_path}" in str(e.value)

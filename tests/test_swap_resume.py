@@ -13,6 +13,7 @@ from offload.swap import SwapLayout, SwapStore
 from offload.swap.cleanup import clean_dir
 from test_swap_util import run_python
 import _internals as internals
+from offload.swap import fsutil
 
 NAMES = ["exp_avg", "exp_avg_sq"]
 HP = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
@@ -32,10 +33,12 @@ def _left_store(d, verify=True):
 
 
 def _edit(path, fn):
+    """A manifest damaged by its writer, not after it: sealed again (a change after the seal
+    fails the seal first: test_swap_manifest_seal.py)."""
     m = json.load(open(path))
     fn(m)
     with open(path, "w") as f:
-        json.dump(m, f)
+        json.dump(fsutil.sealed(m), f)
 
 
 @pytest.mark.parametrize("edit, field", [

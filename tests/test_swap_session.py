@@ -15,6 +15,7 @@ from offload.swap.checkpoint import load_store, load_tensors, read_manifest, sav
 from offload.swap.runs import open_store
 from offload.swap.session import GroupState
 from test_swap_util import threads_engine
+from offload.swap import fsutil
 
 MIXED = (StateField("master"), StateField("exp_avg", torch.bfloat16), StateField("exp_avg_sq"))
 NUMEL = 3 * 2048 + 77  # a short last sub-group: padding of each state on its own
@@ -155,6 +156,7 @@ def test_swap_manifest_without_dtypes_resumes_as_fp32(tmp_path):
     store.close(remove=False)
     m = json.loads(open(path).read())
     del m["dtypes"]
+    del m[fsutil.SEAL]  # an older release's manifest: neither dtypes nor a seal
     with open(path, "w") as f:
         json.dump(m, f)
     store = SwapStore(str(tmp_path), lay, state_names=["exp_avg", "exp_avg_sq"], verify=True, resume=True)

@@ -13,6 +13,7 @@ import pytest
 from offload.swap import SwapLayout, SwapStore
 from offload.swap.cleanup import clean_dir
 from test_swap_util import run_python
+from offload.swap import fsutil
 
 NAMES = ["exp_avg", "exp_avg_sq"]
 
@@ -224,7 +225,7 @@ def test_resume_checks_version_and_layout(tmp_path):
         SwapStore(str(tmp_path), SwapLayout(6000, 2048, 2), state_names=NAMES, resume=True).close()
     m["version"] = 99
     with open(os.path.join(path, "manifest.json"), "w") as f:
-        json.dump(m, f)
+        json.dump(fsutil.sealed(m), f)  # a later release's, sealed
     with pytest.raises(ValueError, match="format version 99"):
         _store(tmp_path, resume=True)
     assert os.path.exists(path)  # a refused resume deletes nothing

@@ -7,7 +7,8 @@ the model and ``trainer_state.json``; ``OffloadCallback(checkpoint=True)`` then 
 
 - ``offload_states/``: ``opt.save_checkpoint`` (streamed from the swap files or host buffers);
 - ``offload_param_groups.json``: the groups' hyperparameters (lr, betas, ...), as torch's
-  ``state_dict`` keeps them, so the first step after a resume uses the saved lr;
+  ``state_dict`` keeps them, so the first step after a resume uses the saved lr; sealed with
+  its crc32 as the checkpoint manifests are (an older release's bare list still loads);
 - ``offload_scheduler.pt``: the LR scheduler's ``state_dict`` (small);
 - ``rng_state.pth`` / ``rng_state_<process>.pth``: the RNG states in the Trainer's own file
   format, which the Trainer restores itself at the point of the data where it saved them.
@@ -36,10 +37,13 @@ from typing import Any, Dict, List
 
 import torch
 
+from offload.swap import fsutil
+
 __all__ = ["STATES_DIR", "save_trainer_checkpoint", "load_trainer_checkpoint", "streamed_accelerate_checkpoints"]
 
 STATES_DIR = "offload_states"
 GROUPS_FILE = "offload_param_groups.json"
+GROUPS_FORMAT = "offload-param-groups"
 SCHEDULER_FILE = "offload_scheduler.pt"
 
 
@@ -80,7 +84,7 @@ def save_trainer_checkpoint(ckpt_dir: str, opt: Any, scheduler: Any, args: Any) 
     torch.save(_rng_state(args), os.path.join(ckpt_dir, _rng_file(args)))
     if not args.should_save:  # the files below are the same on every process
         return
-    _write_json(os.path.join(ckpt_dir, GROUPS_FILE), _hypers(opt))
+    _write_json(os.path.join(ckpt_dir, GROUPS_FILE), fsutil.sealed({"format": GROUPS_FORMAT, "param_groups": _hypers(opt)}))
     if scheduler is not None:
         torch.save(scheduler.state_dict(), os.path.join(ckpt_dir, SCHEDULER_FILE))
 
@@ -110,17 +114,35 @@ def _restore_hypers(opt: Any, saved: List[Dict[str, Any]], path: str) -> None:
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
+def _read_groups(path: str) -> List[Dict[str, Any]]:
+    """The saved groups, their seal checked ([Note: sealed manifests] in offload/swap/fsutil.py);
+    a bare list is an older release's file (no seal)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc}): the file is damaged or truncated; nothing was "
+                             "loaded") from None
+    if isinstance(data, list):
+        return data
+    data = fsutil.unsealed(data, path)
+    if not isinstance(data, dict) or data.get("format") != GROUPS_FORMAT or not isinstance(data.get("param_groups"), list):
+        raise ValueError(f"{path}: not an offload param-groups file; nothing was loaded")
+    return data["param_groups"]
+
+
 def load_trainer_checkpoint(ckpt_dir: str, opt: Any, scheduler: Any) -> None:
-    """Load what :func:`save_trainer_checkpoint` wrote (the RNG is the Trainer's to load)."""
+    """Load what :func:`save_trainer_checkpoint` wrote (the RNG is the Trainer's to load).
+    The groups file is read and checked first: a damaged one loads nothing."""
     states = os.path.join(ckpt_dir, STATES_DIR)
     if not os.path.isdir(states):
         raise FileNotFoundError(errno.ENOENT, "no streamed optimizer checkpoint here (saved with "
                                 "OffloadCallback(checkpoint=True) or streamed_accelerate_checkpoints? with the "
                                 "Trainer, pass resume_from= if the checkpoint is elsewhere)", states)
-    opt.load_checkpoint(states)
     groups = os.path.join(ckpt_dir, GROUPS_FILE)
-    with open(groups, encoding="utf-8") as f:
-        _restore_hypers(opt, json.load(f), groups)
+    saved = _read_groups(groups)
+    opt.load_checkpoint(states)
+    _restore_hypers(opt, saved, groups)
     sched = os.path.join(ckpt_dir, SCHEDULER_FILE)
     if scheduler is not None and os.path.exists(sched):
         scheduler.load_state_dict(torch.load(sched, weights_only=True))

@@ -147,7 +147,7 @@ def _begin(directory: str, world: int, held: Dict[str, Any]) -> int:
     and what an earlier save that died left) before any rank file exists."""
     os.makedirs(directory, mode=0o700, exist_ok=True)
     held["lock"] = DirLock(directory, exclusive=True)
-    old = read_manifest(directory) if os.path.lexists(os.path.join(directory, MANIFEST)) else None
+    old = read_manifest(directory, fsutil.SAVE_ADVICE) if os.path.lexists(os.path.join(directory, MANIFEST)) else None
     try:
         pending = fsutil.read_json(os.path.join(directory, PENDING))
     except (FileNotFoundError, ValueError):
@@ -208,11 +208,11 @@ def _commit(directory: str, gen: int, world: int, flats: List[Any], optimizer: A
     fsutil.fsync_dir(directory)
 
 
-def read_manifest(directory: str) -> Dict[str, Any]:
+def read_manifest(directory: str, advice: str = fsutil.LOAD_ADVICE) -> Dict[str, Any]:
     """The manifest of the stage 3 checkpoint in ``directory``, its shape checked."""
     path = os.path.join(directory, MANIFEST)
     try:
-        m = fsutil.unsealed(fsutil.read_json(path), path)
+        m = fsutil.unsealed(fsutil.read_json(path), path, advice)
     except FileNotFoundError:
         raise FileNotFoundError(2, "no stage 3 checkpoint here (its manifest is missing)", path) from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:

@@ -57,10 +57,10 @@ def manifest_file_bytes(m: Dict[str, Any], name: str) -> int:
     return int(fb[name] if isinstance(fb, dict) else fb)
 
 
-def read_manifest(directory: str) -> Dict[str, Any]:
+def read_manifest(directory: str, advice: str = fsutil.LOAD_ADVICE) -> Dict[str, Any]:
     path = os.path.join(directory, CKPT_MANIFEST)
     try:
-        m = fsutil.unsealed(fsutil.read_json(path), path)
+        m = fsutil.unsealed(fsutil.read_json(path), path, advice)
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, "no offload checkpoint here (manifest missing)", path) from None
     if not isinstance(m, dict) or m.get("format") != CKPT_FORMAT:
@@ -163,7 +163,7 @@ class NewGeneration:
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self.lock = DirLock(self.directory, exclusive=True)
         exists = os.path.lexists(os.path.join(self.directory, CKPT_MANIFEST))
-        self.old = read_manifest(self.directory) if exists else None
+        self.old = read_manifest(self.directory, fsutil.SAVE_ADVICE) if exists else None
         self._finish_interrupted()
         self.gen = int(self.old["gen"]) + 1 if self.old else 1
         free = fsutil.free_bytes(self.directory)

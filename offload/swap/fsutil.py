@@ -16,7 +16,8 @@ checked as it is read: ``write_json_atomic(d, name, sealed(m))`` and
 faults). The data files have their crc32s in the manifest; the manifest itself (``steps``,
 ``param_groups``' lr, shapes) had none, so a flipped digit there loaded silently. A
 manifest without ``SEAL`` (an older release's) loads as it is; a reader of an older
-release ignores the key.
+release ignores the key. The swap store's own manifest (``manifest.json``: which slot holds
+each sub-group, the step) is sealed the same way since it names the data a resume reads.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Any, Dict, Optional, Tuple
 
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
-    "write_json_atomic", "read_json", "SEAL", "sealed", "unsealed", "fsync_dir", "remove_private_dir", "free_bytes",
+    "write_json_atomic", "read_json", "SEAL", "sealed", "unsealed", "LOAD_ADVICE", "SAVE_ADVICE", "fsync_dir", "remove_private_dir", "free_bytes",
     "DirectoryBusy", "NotOurs",
 ]
 
@@ -57,16 +58,20 @@ def sealed(obj: Any) -> Any:
     return dict({k: v for k, v in obj.items() if k != SEAL}, **{SEAL: _content_crc(obj)})
 
 
-def unsealed(obj: Any, path: str) -> Any:
+LOAD_ADVICE = "nothing was loaded (restore it, or load an older checkpoint)"
+SAVE_ADVICE = ("nothing was saved: a save reads the manifest it replaces (its generation, the files it retires); "
+               "move the damaged checkpoint away or save into another directory")
+
+
+def unsealed(obj: Any, path: str, advice: str = LOAD_ADVICE) -> Any:
     """``obj`` (as ``read_json(path)`` read it) less its seal, checked; as it is without one
-    (an older release's manifest)."""
+    (an older release's manifest). ``advice``: what the caller did not do, and what to do."""
     if not isinstance(obj, dict) or SEAL not in obj:
         return obj
     want, got = obj.pop(SEAL), _content_crc(obj)
     if want != got:
         raise ValueError(f"{path}: the manifest fails its own checksum ({SEAL} {want!r}, its content {got}): "
-                         "it was changed or damaged after it was written; nothing was loaded (restore it, or "
-                         "load an older checkpoint)")
+                         f"it was changed or damaged after it was written; {advice}")
     return obj
 
 

@@ -58,6 +58,10 @@ MANIFEST = "manifest.json"
 RESERVE = "reserve.bin"
 _RESERVE_MIN = 1 << 20
 SLOT_FILES = ("slot0.bin", "slot1.bin")
+# A manifest that fails its own checksum ([Note: sealed manifests] in fsutil.py) names slots
+# and a step nobody can trust: the states cannot be resumed from this directory.
+RESUME_ADVICE = ("nothing was resumed; restore the optimizer from a checkpoint (resume='discard' starts "
+                 "this directory afresh) or clean it (`offload clean`)")
 VERIFY_BLOCK = 1 << 20
 DIR_PREFIX = "offload-"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -203,7 +207,7 @@ class SwapStore:
 
     def _load_manifest(self, path: str) -> None:
         try:
-            m = fsutil.read_json(path)
+            m = fsutil.unsealed(fsutil.read_json(path), path, RESUME_ADVICE)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "swap directory has no manifest: nothing to resume", path) from None
         if not isinstance(m, dict) or m.get("format") != FORMAT:
@@ -254,11 +258,11 @@ class SwapStore:
             **({"blocks": [f.block for f in self.fields]} if any(f.blocked for f in self.fields) else {}),
         }
         try:
-            n = fsutil.write_json_atomic(self.path, MANIFEST, m)
+            n = fsutil.write_json_atomic(self.path, MANIFEST, fsutil.sealed(m))
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._drop_reserve():
                 raise
-            n = fsutil.write_json_atomic(self.path, MANIFEST, m)
+            n = fsutil.write_json_atomic(self.path, MANIFEST, fsutil.sealed(m))
             if not self._full_warned:  # once until the reserve is whole again
                 self._full_warned = True
                 log.warning("%s: the file system is full: the manifest of step %d went into the room kept in %s "
