@@ -33,7 +33,12 @@ LIB_NAME = "liboffload_native.so"
 ERROR_NAME = "native_build_error.txt"
 
 # Translation unit -> its own flags. Only these files see wider instruction sets.
-COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-fvisibility=hidden", "-Wall"]
+# -ffp-contract=off: every FMA in the kernels is an explicit fmadd intrinsic ([Note: explicit
+# FMAs] in native/avx512_adam.h). GCC's default for C++ (fast) may fuse a multiply and an add
+# the code keeps apart (intrinsics are vector arithmetic to it), and the bits then depend on
+# how a function was inlined: the fused int8 tile (q8_avx512vbmi.cpp) came out 1 ulp off the
+# tile path in the param that way.
+COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden", "-Wall"]
 UNITS = {
     "dispatch.cpp": [],
     "adam_scalar.cpp": [],

@@ -67,12 +67,11 @@ inline void adam_vec(const VConsts &c, const AdamBuffers &b, int64_t i) {
     __m256 m = _mm256_loadu_ps(b.exp_avg + i);
     __m256 v = _mm256_loadu_ps(b.exp_avg_sq + i);
     if (L2) g = _mm256_fmadd_ps(p, c.l2, g);
-    p = _mm256_mul_ps(p, c.decay);
     m = _mm256_fmadd_ps(c.coeff, _mm256_sub_ps(g, m), FROM_END ? g : m);
     v = _mm256_mul_ps(v, c.b2);
     v = _mm256_fmadd_ps(_mm256_mul_ps(c.w2, g), g, v);
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2s), c.eps);
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));
+    p = _mm256_fmadd_ps(p, c.decay, _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));  // [Note: explicit FMAs] (avx512_adam.h)
     _mm256_storeu_ps(b.param + i, p);
     _mm256_storeu_ps(b.exp_avg + i, m);
     _mm256_storeu_ps(b.exp_avg_sq + i, v);
@@ -428,12 +427,11 @@ inline void adam_bf16_vec(const VConsts &c, const Bf16Step &r, int64_t i) {
     __m256 m = load_bf16(r.m, i);
     __m256 v = load_bf16(r.v, i);
     if (L2) g = _mm256_fmadd_ps(p, c.l2, g);
-    p = _mm256_mul_ps(p, c.decay);
     m = _mm256_fmadd_ps(c.coeff, _mm256_sub_ps(g, m), FROM_END ? g : m);
     v = _mm256_mul_ps(v, c.b2);
     v = _mm256_fmadd_ps(_mm256_mul_ps(c.w2, g), g, v);
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2s), c.eps);
-    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));
+    p = _mm256_fmadd_ps(p, c.decay, _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));  // [Note: explicit FMAs] (avx512_adam.h)
     const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(r.offset + static_cast<uint32_t>(i))),
                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     store_bf16v(r.m, i, round_bf16(m, r.sm, index, r.km));

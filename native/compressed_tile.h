@@ -137,8 +137,22 @@ inline int compressed_tiles(const CompressedStep &s, const RuleFns &f, int64_t b
     alignas(64) float sbuf[OFFLOAD_MAX_STATES][kTile];
     const bool bf16_param = s.param.dtype == OFFLOAD_BF16;
     const size_t gsz = s.grad_dtype == OFFLOAD_F32 ? 4 : 2;
+#ifdef OFFLOAD_FUSED_Q8_ADAM
+    // the unit's whole-tile AdamW over two int8 states ([Note: fused int8 Adam tile] in
+    // q8_avx512vbmi.cpp); a partial last tile goes the common way below
+    const auto q8_tile = adam_q8_tiles(s);
+#endif
     for (int64_t t0 = begin; t0 < end; t0 += kTile) {
         const int64_t len = end - t0 < kTile ? end - t0 : kTile;
+#ifdef OFFLOAD_FUSED_Q8_ADAM
+        if (q8_tile != nullptr && len == kTile) {
+            if (!q8_tile(s, t0, sbuf[0], sbuf[1])) {
+                float *st[OFFLOAD_MAX_STATES] = {sbuf[0], sbuf[1]};
+                encode_states(s, t0, len, st);
+            }
+            continue;
+        }
+#endif
         float *p = pbuf;
         if (bf16_param) bf16_load(static_cast<const uint16_t *>(s.param.data) + t0, pbuf, len);
         else p = static_cast<float *>(s.param.data) + t0;  // updated in place

@@ -41,6 +41,7 @@ namespace {
 using namespace offload;
 
 #include "avx512_states.h"
+#include "avx512_adam.h"
 
 // byte 16 l + 4 k + d of the reordered codes is code 16 k + 4 l + d (a transpose of l, k)
 alignas(64) constexpr uint8_t kOrder[64] = {
@@ -151,10 +152,9 @@ inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &
 // builds in one process): 1.46-1.48 ns per element against 1.64-1.68 one state after the
 // other (bf16 param: 1.67 against 1.88). Blocks of zeros, NaN or inf and partial
 // tiles go the common way (q8_encode_block).
-inline bool q8_encode_pair(const float *x0, const float *x1, int64_t len, const Q8Tables &t0,
-                           const Q8Tables &t1, uint8_t *blk0, uint8_t *blk1) {
-    if (len != kTile) return false;
-    const uint32_t m0 = abs_bits_max(x0, kTile), m1 = abs_bits_max(x1, kTile);
+// With the two blocks' abs_bits_max already known (m0, m1: the fused tile keeps them).
+inline bool q8_encode_pair_max(const float *x0, const float *x1, uint32_t m0, uint32_t m1, const Q8Tables &t0,
+                               const Q8Tables &t1, uint8_t *blk0, uint8_t *blk1) {
     if (m0 - 1u >= 0x7F7FFFFFu || m1 - 1u >= 0x7F7FFFFFu) return false;  // 0, or NaN / inf
     const __m512 a0 = _mm512_set1_ps(bits_f32(m0)), a1 = _mm512_set1_ps(bits_f32(m1));
     for (int64_t i = 0; i < kTile; i += 64) {
@@ -170,6 +170,116 @@ inline bool q8_encode_pair(const float *x0, const float *x1, int64_t len, const 
     memcpy(blk0 + kTile, &m0, 4);
     memcpy(blk1 + kTile, &m1, 4);
     return true;
+}
+
+inline bool q8_encode_pair(const float *x0, const float *x1, int64_t len, const Q8Tables &t0,
+                           const Q8Tables &t1, uint8_t *blk0, uint8_t *blk1) {
+    if (len != kTile) return false;
+    return q8_encode_pair_max(x0, x1, abs_bits_max(x0, kTile), abs_bits_max(x1, kTile), t0, t1, blk0, blk1);
+}
+
+// ---- [Note: fused int8 Adam tile]
+// AdamW over two int8 states, a whole tile (256 elements, one block of each state) at a
+// time: the codes are decoded in registers (64 per round, as q8_decode) straight into the
+// AVX-512 unit's Adam arithmetic (avx512_adam.h's adam_math), the new moments go to the
+// stack tile with their abs_bits_max kept in registers, and the pair encoder then runs on the
+// tile with those maxima. compressed_tile.h's path for the same tile decodes both states to
+// the stack, runs the rule over the stack, then reads each state again for its absmax: three
+// more passes over L1. Per element the operations are those of that path (decode's multiply,
+// adam_vec's arithmetic, the same bf16 param rounding), so the bits are too. Partial tiles,
+// and blocks whose new absmax is 0, NaN or inf, take the common path for their encoding.
+inline __m512 q8_scale(__m512 mapped, __m512 absmax) { return _mm512_mul_ps(mapped, absmax); }
+
+template <int G, int L, bool L2, bool FROM_END, bool PB16>
+void adam_q8_tile(const VConsts &c, const CompressedStep &s, int64_t t0, float *m_out, float *v_out,
+                  uint32_t &mx_m, uint32_t &mx_v) {
+    const uint8_t *bm = static_cast<const uint8_t *>(s.states[0].data) + (t0 / kTile) * OFFLOAD_Q8_PACKED;
+    const uint8_t *bv = static_cast<const uint8_t *>(s.states[1].data) + (t0 / kTile) * OFFLOAD_Q8_PACKED;
+    float am, av;
+    memcpy(&am, bm + kTile, 4);
+    memcpy(&av, bv + kTile, 4);
+    const __m512 am_v = _mm512_set1_ps(am), av_v = _mm512_set1_ps(av);
+    const __m512i order = load64(kOrder), abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i acc_m = _mm512_setzero_si512(), acc_v = _mm512_setzero_si512();
+    const uint32_t key_p = s.seed ^ kStreams[0];
+    const bool sp = s.param.rounding == OFFLOAD_ROUND_STOCHASTIC;
+    const uint32_t start = static_cast<uint32_t>(static_cast<uint64_t>(s.offset + t0));
+    for (int64_t i = 0; i < kTile; i += 64) {
+        __m512 dm[4], dv[4];
+        plane_lookup(s.q8[0].map_bytes, _mm512_permutexvar_epi8(order, _mm512_loadu_si512(bm + i)), dm);
+        plane_lookup(s.q8[1].map_bytes, _mm512_permutexvar_epi8(order, _mm512_loadu_si512(bv + i)), dv);
+        for (int k = 0; k < 4; ++k) {
+            const int64_t e = t0 + i + 16 * k;  // the element's index in the call
+            __m512 g = _mm512_mul_ps(load_grad<G, false>(s.grad, e, 0xFFFF), c.gs);
+            __m512 p = PB16 ? load_bf16<false>(s.param.data, e, 0xFFFF)
+                            : _mm512_loadu_ps(static_cast<const float *>(s.param.data) + e);
+            __m512 m = q8_scale(dm[k], am_v), v = q8_scale(dv[k], av_v);
+            adam_math<L2, FROM_END>(c, g, p, m, v);
+            if (PB16) {
+                const __m512i index = _mm512_add_epi32(
+                    _mm512_set1_epi32(static_cast<int>(start + static_cast<uint32_t>(i + 16 * k))),
+                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+                store_bf16v(s.param.data, e, round_bf16(p, sp, index, key_p), 0xFFFF);
+            } else {
+                _mm512_storeu_ps(static_cast<float *>(s.param.data) + e, p);
+                store_lowp<L, false, false>(s.lowp, e, p, 0xFFFF);
+            }
+            _mm512_store_ps(m_out + i + 16 * k, m);
+            _mm512_store_ps(v_out + i + 16 * k, v);
+            acc_m = _mm512_max_epu32(acc_m, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
+            acc_v = _mm512_max_epu32(acc_v, _mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+        }
+    }
+    mx_m = static_cast<uint32_t>(_mm512_reduce_max_epu32(acc_m));
+    mx_v = static_cast<uint32_t>(_mm512_reduce_max_epu32(acc_v));
+}
+
+// One full tile of AdamW over two Q8 states (both with VBMI tables): stepped into m_out and
+// v_out and encoded; false: a block of zeros, NaN or inf, left for the caller to encode the
+// common way (compressed_tile.h's encode_states) from m_out and v_out.
+template <int G, int L, bool L2, bool FROM_END, bool PB16>
+bool adam_q8_full(const CompressedStep &s, int64_t t0, float *m_out, float *v_out) {
+    const VConsts c(s.adam);
+    uint32_t mx_m, mx_v;
+    adam_q8_tile<G, L, L2, FROM_END, PB16>(c, s, t0, m_out, v_out, mx_m, mx_v);
+    uint8_t *bm = static_cast<uint8_t *>(s.states[0].data) + (t0 / kTile) * OFFLOAD_Q8_PACKED;
+    uint8_t *bv = static_cast<uint8_t *>(s.states[1].data) + (t0 / kTile) * OFFLOAD_Q8_PACKED;
+    return q8_encode_pair_max(m_out, v_out, mx_m, mx_v, s.q8[0], s.q8[1], bm, bv);
+}
+
+using Q8TileFn = bool (*)(const CompressedStep &, int64_t, float *, float *);
+
+template <int G, int L, bool PB16>
+Q8TileFn q8_tile_flags(const CompressedStep &s) {
+    if (s.adam.use_l2) return s.adam.lerp_from_end ? adam_q8_full<G, L, true, true, PB16> : adam_q8_full<G, L, true, false, PB16>;
+    return s.adam.lerp_from_end ? adam_q8_full<G, L, false, true, PB16> : adam_q8_full<G, L, false, false, PB16>;
+}
+
+template <int G>
+Q8TileFn q8_tile_lowp(const CompressedStep &s) {
+    if (s.param.dtype == OFFLOAD_BF16) return s.lowp ? nullptr : q8_tile_flags<G, -1, true>(s);
+    switch (s.lowp ? s.lowp_dtype : -1) {
+        case -1: return q8_tile_flags<G, -1, false>(s);
+        case OFFLOAD_F16: return q8_tile_flags<G, OFFLOAD_F16, false>(s);
+        case OFFLOAD_BF16: return q8_tile_flags<G, OFFLOAD_BF16, false>(s);
+        default: return nullptr;
+    }
+}
+
+// compressed_tile.h's hook: the step's full-tile function, or nullptr (not AdamW over two
+// Q8 states: the common path). The Q8 states have their VBMI tables (dispatch.cpp).
+#define OFFLOAD_FUSED_Q8_ADAM 1
+inline Q8TileFn adam_q8_tiles(const CompressedStep &s) {
+    const auto q8 = [](int dtype) { return dtype == OFFLOAD_Q8S || dtype == OFFLOAD_Q8U; };
+    if (s.rule != OFFLOAD_RULE_ADAM || s.num_states != 2 || !q8(s.states[0].dtype) || !q8(s.states[1].dtype) ||
+        s.q8[0].map_bytes == nullptr || s.q8[1].map_bytes == nullptr)
+        return nullptr;
+    switch (s.grad_dtype) {
+        case OFFLOAD_F32: return q8_tile_lowp<OFFLOAD_F32>(s);
+        case OFFLOAD_F16: return q8_tile_lowp<OFFLOAD_F16>(s);
+        case OFFLOAD_BF16: return q8_tile_lowp<OFFLOAD_BF16>(s);
+        default: return nullptr;
+    }
 }
 
 #define OFFLOAD_Q8_PAIR
