@@ -59,6 +59,18 @@ struct VConsts {
           nss(_mm256_set1_ps(c.neg_step_size)) {}
 };
 
+// One vector of Adam on registers (g already scaled), as avx512_adam.h's adam_math: the FMAs
+// are written out ([Note: explicit FMAs] there).
+template <bool L2, bool FROM_END>
+inline void adam_math(const VConsts &c, __m256 g, __m256 &p, __m256 &m, __m256 &v) {
+    if (L2) g = _mm256_fmadd_ps(p, c.l2, g);
+    m = _mm256_fmadd_ps(c.coeff, _mm256_sub_ps(g, m), FROM_END ? g : m);
+    v = _mm256_mul_ps(v, c.b2);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(c.w2, g), g, v);
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2s), c.eps);
+    p = _mm256_fmadd_ps(p, c.decay, _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));
+}
+
 // One vector of 8 at index i of the (possibly staged) buffers in b.
 template <int G, int L, bool L2, bool FROM_END, bool STREAM = false>
 inline void adam_vec(const VConsts &c, const AdamBuffers &b, int64_t i) {
@@ -66,12 +78,7 @@ inline void adam_vec(const VConsts &c, const AdamBuffers &b, int64_t i) {
     __m256 p = _mm256_loadu_ps(b.param + i);
     __m256 m = _mm256_loadu_ps(b.exp_avg + i);
     __m256 v = _mm256_loadu_ps(b.exp_avg_sq + i);
-    if (L2) g = _mm256_fmadd_ps(p, c.l2, g);
-    m = _mm256_fmadd_ps(c.coeff, _mm256_sub_ps(g, m), FROM_END ? g : m);
-    v = _mm256_mul_ps(v, c.b2);
-    v = _mm256_fmadd_ps(_mm256_mul_ps(c.w2, g), g, v);
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2s), c.eps);
-    p = _mm256_fmadd_ps(p, c.decay, _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));  // [Note: explicit FMAs] (avx512_adam.h)
+    adam_math<L2, FROM_END>(c, g, p, m, v);
     _mm256_storeu_ps(b.param + i, p);
     _mm256_storeu_ps(b.exp_avg + i, m);
     _mm256_storeu_ps(b.exp_avg_sq + i, v);
@@ -399,39 +406,14 @@ inline void store_bf16v(void *dst, int64_t i, __m128i h) {
     _mm_storeu_si128(reinterpret_cast<__m128i *>(static_cast<uint16_t *>(dst) + i), h);
 }
 
-// The step's arrays and rounding, copied out of the CompressedStep once per call: stores
-// through the arrays could otherwise alias its fields, and the loop would reload them.
-struct Bf16Step {
-    void *__restrict param;
-    const void *__restrict grad;
-    uint16_t *__restrict m;
-    uint16_t *__restrict v;
-    void *__restrict lowp;
-    bool sp, sm, sv;           // stochastic: param (when bf16), exp_avg, exp_avg_sq
-    uint32_t kp, km, kv;       // their stream keys
-    uint32_t offset;           // stream index of element 0, mod 2**32
-    explicit Bf16Step(const CompressedStep &s)
-        : param(s.param.data), grad(s.grad), m(static_cast<uint16_t *>(s.states[0].data)),
-          v(static_cast<uint16_t *>(s.states[1].data)), lowp(s.lowp),
-          sp(s.param.rounding == OFFLOAD_ROUND_STOCHASTIC),
-          sm(s.states[0].rounding == OFFLOAD_ROUND_STOCHASTIC),
-          sv(s.states[1].rounding == OFFLOAD_ROUND_STOCHASTIC),
-          kp(s.seed ^ kStreams[0]), km(s.seed ^ kStreams[1]), kv(s.seed ^ kStreams[2]),
-          offset(static_cast<uint32_t>(static_cast<uint64_t>(s.offset))) {}
-};
 
 template <int G, int L, bool L2, bool FROM_END, bool PB16>
-inline void adam_bf16_vec(const VConsts &c, const Bf16Step &r, int64_t i) {
+inline void adam_bf16_vec(const VConsts &c, const Bf16AdamStep &r, int64_t i) {
     __m256 g = _mm256_mul_ps(load_grad<G>(r.grad, i), c.gs);
     __m256 p = PB16 ? load_bf16(r.param, i) : _mm256_loadu_ps(static_cast<float *>(r.param) + i);
     __m256 m = load_bf16(r.m, i);
     __m256 v = load_bf16(r.v, i);
-    if (L2) g = _mm256_fmadd_ps(p, c.l2, g);
-    m = _mm256_fmadd_ps(c.coeff, _mm256_sub_ps(g, m), FROM_END ? g : m);
-    v = _mm256_mul_ps(v, c.b2);
-    v = _mm256_fmadd_ps(_mm256_mul_ps(c.w2, g), g, v);
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2s), c.eps);
-    p = _mm256_fmadd_ps(p, c.decay, _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));  // [Note: explicit FMAs] (avx512_adam.h)
+    adam_math<L2, FROM_END>(c, g, p, m, v);
     const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(r.offset + static_cast<uint32_t>(i))),
                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     store_bf16v(r.m, i, round_bf16(m, r.sm, index, r.km));
@@ -447,7 +429,7 @@ inline void adam_bf16_vec(const VConsts &c, const Bf16Step &r, int64_t i) {
 template <int G, int L, bool L2, bool FROM_END, bool PB16>
 int64_t adam_bf16_loop(const CompressedStep &s, int64_t begin, int64_t end) {
     const VConsts c(s.adam);
-    const Bf16Step r(s);
+    const Bf16AdamStep r(s);
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) adam_bf16_vec<G, L, L2, FROM_END, PB16>(c, r, i);
     return i;

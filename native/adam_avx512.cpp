@@ -326,29 +326,9 @@ inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &
 // those of the tile path (bf16 load, adam_vec's float32 arithmetic, the same nearest-even or
 // counter-hashed stochastic store at the element's own stream index), so the bits are the
 // same; the tile path still serves every other unit and every other mix of dtypes.
-// The step's arrays and rounding, copied out of the CompressedStep once per call: stores
-// through the arrays could otherwise alias its fields, and the loop would reload them.
-struct Bf16Step {
-    void *__restrict param;
-    const void *__restrict grad;
-    uint16_t *__restrict m;
-    uint16_t *__restrict v;
-    void *__restrict lowp;
-    bool sp, sm, sv;           // stochastic: param (when bf16), exp_avg, exp_avg_sq
-    uint32_t kp, km, kv;       // their stream keys
-    uint32_t offset;           // stream index of element 0, mod 2**32
-    explicit Bf16Step(const CompressedStep &s)
-        : param(s.param.data), grad(s.grad), m(static_cast<uint16_t *>(s.states[0].data)),
-          v(static_cast<uint16_t *>(s.states[1].data)), lowp(s.lowp),
-          sp(s.param.rounding == OFFLOAD_ROUND_STOCHASTIC),
-          sm(s.states[0].rounding == OFFLOAD_ROUND_STOCHASTIC),
-          sv(s.states[1].rounding == OFFLOAD_ROUND_STOCHASTIC),
-          kp(s.seed ^ kStreams[0]), km(s.seed ^ kStreams[1]), kv(s.seed ^ kStreams[2]),
-          offset(static_cast<uint32_t>(static_cast<uint64_t>(s.offset))) {}
-};
 
 template <int G, int L, bool L2, bool FROM_END, bool PB16, bool MASKED>
-inline void adam_bf16_vec(const VConsts &c, const Bf16Step &r, int64_t i,
+inline void adam_bf16_vec(const VConsts &c, const Bf16AdamStep &r, int64_t i,
                           __mmask16 k) {
     __m512 g = _mm512_mul_ps(load_grad<G, MASKED>(r.grad, i, k), c.gs);
     __m512 p = PB16 ? load_bf16<MASKED>(r.param, i, k) : load<MASKED>(static_cast<float *>(r.param) + i, k);
@@ -370,7 +350,7 @@ inline void adam_bf16_vec(const VConsts &c, const Bf16Step &r, int64_t i,
 template <int G, int L, bool L2, bool FROM_END, bool PB16>
 void adam_bf16_loop(const CompressedStep &s, int64_t begin, int64_t end) {
     const VConsts c(s.adam);
-    const Bf16Step r(s);
+    const Bf16AdamStep r(s);
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) adam_bf16_vec<G, L, L2, FROM_END, PB16, false>(c, r, i, 0xFFFF);
     if (i < end) adam_bf16_vec<G, L, L2, FROM_END, PB16, true>(c, r, i, lanes_mask(end - i));

@@ -138,6 +138,28 @@ struct CompressedStep {
     uint32_t seed;
 };
 
+// AdamW over two BF16 states in one loop ([Note: fused bf16 Adam] in adam_avx512.cpp): the
+// step's arrays and rounding, copied out of the CompressedStep once per call (stores through
+// the arrays could otherwise alias its fields, and the loop would reload them).
+struct Bf16AdamStep {
+    void *__restrict param;
+    const void *__restrict grad;
+    uint16_t *__restrict m;
+    uint16_t *__restrict v;
+    void *__restrict lowp;
+    bool sp, sm, sv;           // stochastic: param (when bf16), exp_avg, exp_avg_sq
+    uint32_t kp, km, kv;       // their stream keys
+    uint32_t offset;           // stream index of element 0, mod 2**32
+    explicit Bf16AdamStep(const CompressedStep &s)
+        : param(s.param.data), grad(s.grad), m(static_cast<uint16_t *>(s.states[0].data)),
+          v(static_cast<uint16_t *>(s.states[1].data)), lowp(s.lowp),
+          sp(s.param.rounding == OFFLOAD_ROUND_STOCHASTIC),
+          sm(s.states[0].rounding == OFFLOAD_ROUND_STOCHASTIC),
+          sv(s.states[1].rounding == OFFLOAD_ROUND_STOCHASTIC),
+          kp(s.seed ^ kStreams[0]), km(s.seed ^ kStreams[1]), kv(s.seed ^ kStreams[2]),
+          offset(static_cast<uint32_t>(static_cast<uint64_t>(s.offset))) {}
+};
+
 // Elements [begin, end) of a compressed step, begin a multiple of kTile. Returns 0 or -EINVAL.
 int compressed_range_scalar(const CompressedStep &s, int64_t begin, int64_t end);
 int compressed_range_avx2(const CompressedStep &s, int64_t begin, int64_t end);
