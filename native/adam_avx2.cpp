@@ -426,6 +426,9 @@ inline void adam_bf16_vec(const VConsts &c, const Bf16AdamStep &r, int64_t i) {
     }
 }
 
+// compressed_tile.h's hook ([Note: fused bf16 Adam] dispatch there): the full vectors of
+// the range; returns where they end.
+#define OFFLOAD_FUSED_BF16_ADAM 1
 template <int G, int L, bool L2, bool FROM_END, bool PB16>
 int64_t adam_bf16_loop(const CompressedStep &s, int64_t begin, int64_t end) {
     const VConsts c(s.adam);
@@ -433,41 +436,6 @@ int64_t adam_bf16_loop(const CompressedStep &s, int64_t begin, int64_t end) {
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) adam_bf16_vec<G, L, L2, FROM_END, PB16>(c, r, i);
     return i;
-}
-
-template <int G, int L, bool PB16>
-int64_t adam_bf16_flags(const CompressedStep &s, int64_t begin, int64_t end) {
-    if (s.adam.use_l2) {
-        if (s.adam.lerp_from_end) return adam_bf16_loop<G, L, true, true, PB16>(s, begin, end);
-        return adam_bf16_loop<G, L, true, false, PB16>(s, begin, end);
-    }
-    if (s.adam.lerp_from_end) return adam_bf16_loop<G, L, false, true, PB16>(s, begin, end);
-    return adam_bf16_loop<G, L, false, false, PB16>(s, begin, end);
-}
-
-template <int G>
-int64_t adam_bf16_lowp(const CompressedStep &s, int64_t begin, int64_t end) {
-    if (s.param.dtype == OFFLOAD_BF16) {
-        if (s.lowp) return -EINVAL;  // a bf16 param is its own copy (kernel.h)
-        return adam_bf16_flags<G, -1, true>(s, begin, end);
-    }
-    switch (s.lowp ? s.lowp_dtype : -1) {
-        case -1: return adam_bf16_flags<G, -1, false>(s, begin, end);
-        case OFFLOAD_F16: return adam_bf16_flags<G, OFFLOAD_F16, false>(s, begin, end);
-        case OFFLOAD_BF16: return adam_bf16_flags<G, OFFLOAD_BF16, false>(s, begin, end);
-        default: return -EINVAL;
-    }
-}
-
-// compressed_tile.h's hook: the full vectors of the range; returns where they end.
-#define OFFLOAD_FUSED_BF16_ADAM 1
-inline int64_t adam_bf16_states(const CompressedStep &s, int64_t begin, int64_t end) {
-    switch (s.grad_dtype) {
-        case OFFLOAD_F32: return adam_bf16_lowp<OFFLOAD_F32>(s, begin, end);
-        case OFFLOAD_F16: return adam_bf16_lowp<OFFLOAD_F16>(s, begin, end);
-        case OFFLOAD_BF16: return adam_bf16_lowp<OFFLOAD_BF16>(s, begin, end);
-        default: return -EINVAL;
-    }
 }
 
 #include "compressed_tile.h"

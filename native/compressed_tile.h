@@ -19,9 +19,10 @@
 //   void bf16_nearest(const float *x, uint16_t *dst, int64_t len);
 //   void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start, uint32_t key);
 // and, optionally, OFFLOAD_FUSED_BF16_ADAM with
-//   int64_t adam_bf16_states(const CompressedStep &s, int64_t begin, int64_t end);
+//   template <int G, int L, bool L2, bool FROM_END, bool PB16>
+//   int64_t adam_bf16_loop(const CompressedStep &s, int64_t begin, int64_t end);
 // (AdamW whose two states are BF16, in one loop, the tiles' bits: returns the end of what
-// it did, from begin on, or -errno; the tiles do the rest).
+// it did, from begin on; the tiles do the rest).
 // then expand OFFLOAD_COMPRESSED_ENTRY_POINT(ISA) (or _OVER, below) at file scope.
 
 struct RuleFns {
@@ -85,6 +86,43 @@ inline bool is_q8(int dtype) { return dtype == OFFLOAD_Q8S || dtype == OFFLOAD_Q
 inline uint8_t *q8_block(const CompressedStep &s, int k, int64_t t0) {
     return static_cast<uint8_t *>(s.states[k].data) + (t0 / kTile) * OFFLOAD_Q8_PACKED;
 }
+
+#ifdef OFFLOAD_FUSED_BF16_ADAM
+// The unit's adam_bf16_loop<G, L, L2, FROM_END, PB16>(s, begin, end) for the step's dtypes
+// and flags; returns where it stopped, or -EINVAL.
+template <int G, int L, bool PB16>
+int64_t adam_bf16_flags(const CompressedStep &s, int64_t begin, int64_t end) {
+    if (s.adam.use_l2) {
+        if (s.adam.lerp_from_end) return adam_bf16_loop<G, L, true, true, PB16>(s, begin, end);
+        return adam_bf16_loop<G, L, true, false, PB16>(s, begin, end);
+    }
+    if (s.adam.lerp_from_end) return adam_bf16_loop<G, L, false, true, PB16>(s, begin, end);
+    return adam_bf16_loop<G, L, false, false, PB16>(s, begin, end);
+}
+
+template <int G>
+int64_t adam_bf16_lowp(const CompressedStep &s, int64_t begin, int64_t end) {
+    if (s.param.dtype == OFFLOAD_BF16) {
+        if (s.lowp) return -EINVAL;  // a bf16 param is its own copy (kernel.h)
+        return adam_bf16_flags<G, -1, true>(s, begin, end);
+    }
+    switch (s.lowp ? s.lowp_dtype : -1) {
+        case -1: return adam_bf16_flags<G, -1, false>(s, begin, end);
+        case OFFLOAD_F16: return adam_bf16_flags<G, OFFLOAD_F16, false>(s, begin, end);
+        case OFFLOAD_BF16: return adam_bf16_flags<G, OFFLOAD_BF16, false>(s, begin, end);
+        default: return -EINVAL;
+    }
+}
+
+inline int64_t adam_bf16_states(const CompressedStep &s, int64_t begin, int64_t end) {
+    switch (s.grad_dtype) {
+        case OFFLOAD_F32: return adam_bf16_lowp<OFFLOAD_F32>(s, begin, end);
+        case OFFLOAD_F16: return adam_bf16_lowp<OFFLOAD_F16>(s, begin, end);
+        case OFFLOAD_BF16: return adam_bf16_lowp<OFFLOAD_BF16>(s, begin, end);
+        default: return -EINVAL;
+    }
+}
+#endif
 
 // Every state of the tile written back. A unit that defines OFFLOAD_Q8_PAIR (the VBMI unit)
 // may encode two neighbouring Q8 states in one loop:
