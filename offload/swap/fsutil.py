@@ -31,7 +31,7 @@ from typing import Any, Dict, Optional, Tuple
 
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
-    "write_json_atomic", "read_json", "SEAL", "sealed", "unsealed", "LOAD_ADVICE", "SAVE_ADVICE", "fsync_dir", "remove_private_dir", "free_bytes",
+    "write_json_atomic", "read_json", "SEAL", "sealed", "unsealed", "LOAD_ADVICE", "SAVE_ADVICE", "RESUME_ADVICE", "fsync_dir", "remove_private_dir", "free_bytes",
     "DirectoryBusy", "NotOurs",
 ]
 
@@ -59,6 +59,9 @@ def sealed(obj: Any) -> Any:
 
 
 LOAD_ADVICE = "nothing was loaded (restore it, or load an older checkpoint)"
+# a swap store's manifest that fails its seal names slots and a step nobody can trust
+RESUME_ADVICE = ("nothing was resumed; restore the optimizer from a checkpoint (resume='discard' starts "
+                 "this swap directory afresh) or clean it (`offload clean`)")
 SAVE_ADVICE = ("nothing was saved: a save reads the manifest it replaces (its generation, the files it retires); "
                "move the damaged checkpoint away or save into another directory")
 

@@ -58,10 +58,6 @@ MANIFEST = "manifest.json"
 RESERVE = "reserve.bin"
 _RESERVE_MIN = 1 << 20
 SLOT_FILES = ("slot0.bin", "slot1.bin")
-# A manifest that fails its own checksum ([Note: sealed manifests] in fsutil.py) names slots
-# and a step nobody can trust: the states cannot be resumed from this directory.
-RESUME_ADVICE = ("nothing was resumed; restore the optimizer from a checkpoint (resume='discard' starts "
-                 "this directory afresh) or clean it (`offload clean`)")
 VERIFY_BLOCK = 1 << 20
 DIR_PREFIX = "offload-"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -207,7 +203,7 @@ class SwapStore:
 
     def _load_manifest(self, path: str) -> None:
         try:
-            m = fsutil.unsealed(fsutil.read_json(path), path, RESUME_ADVICE)
+            m = fsutil.unsealed(fsutil.read_json(path), path, fsutil.RESUME_ADVICE)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "swap directory has no manifest: nothing to resume", path) from None
         if not isinstance(m, dict) or m.get("format") != FORMAT:
