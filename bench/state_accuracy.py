@@ -302,14 +302,19 @@ def merge_seeds(runs: Dict[int, Dict[str, Dict[str, Any]]]) -> Dict[str, Dict[st
 
 
 def print_merged(merged: Dict[str, Dict[str, Any]]) -> None:
-    print(f"{'row':<16}{'seeds':>8}  {'final loss per seed':<30}{'vs fp32 per seed':<28}{'of means':>9}"
+    rows = {key: (" ".join(f"{x:.4f}" for x in r["final_losses"]),
+                  " ".join(f"{100 * d:+.2f}%" if d is not None else "-" for d in r["per_seed_diff"]))
+            for key, r in merged.items()}
+    wl = max([len("final loss per seed")] + [len(a) for a, _ in rows.values()]) + 2  # columns fit 5+ seeds
+    wd = max([len("vs fp32 per seed")] + [len(b) for _, b in rows.values()]) + 2
+    ws = max([len("seeds")] + [len(",".join(map(str, r["seeds"]))) for r in merged.values()]) + 1
+    print(f"{'row':<16}{'seeds':>{ws}}  {'final loss per seed':<{wl}}{'vs fp32 per seed':<{wd}}{'of means':>9}"
           f"{'target':>8}{'result':>8}")
     for key, r in merged.items():
-        losses = " ".join(f"{x:.4f}" for x in r["final_losses"])
-        diffs = " ".join(f"{100 * d:+.2f}%" if d is not None else "-" for d in r["per_seed_diff"])
+        losses, diffs = rows[key]
         target = f"{100 * r['target']:.1f}%" if "target" in r else "-"
         verdict = ("pass" if r["pass"] else "FAIL") if "pass" in r else "-"
-        print(f"{key:<16}{','.join(map(str, r['seeds'])):>8}  {losses:<30}{diffs:<28}"
+        print(f"{key:<16}{','.join(map(str, r['seeds'])):>{ws}}  {losses:<{wl}}{diffs:<{wd}}"
               f"{100 * r['rel_diff_of_means']:>+8.2f}%{target:>8}{verdict:>8}")
     ref = merged.get("fp32", {}).get("final_losses", [])
     if len(ref) > 1:
