@@ -366,15 +366,17 @@ inline __m256i lowbias32_v(__m256i x) {
 }
 
 inline void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start,
-                                  uint32_t key) {
+                                  uint32_t key, int shift) {
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i vkey = _mm256_set1_epi32(static_cast<int>(key));
+    const __m128i vshift = _mm_cvtsi32_si128(shift);
     int64_t i = 0;
     for (; i + 8 <= len; i += 8) {
         const __m256 v = _mm256_loadu_ps(x + i);
         const __m256i index = _mm256_add_epi32(
             _mm256_set1_epi32(static_cast<int>(start + static_cast<uint32_t>(i))), iota);
-        const __m256i r = _mm256_srli_epi32(lowbias32_v(_mm256_xor_si256(index, vkey)), 16);
+        const __m256i r = _mm256_and_si256(_mm256_srl_epi32(lowbias32_v(_mm256_xor_si256(index, vkey)), vshift),
+                                           _mm256_set1_epi32(0xFFFF));
         __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v), r), 16);
         const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         t = _mm256_blendv_epi8(t, _mm256_set1_epi32(0xFFFF), nan);
@@ -382,7 +384,7 @@ inline void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, ui
         _mm_storeu_si128(reinterpret_cast<__m128i *>(dst + i),
                          _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
     }
-    bf16_stochastic_scalar(x + i, dst + i, len - i, start + static_cast<uint32_t>(i), key);
+    bf16_stochastic_scalar(x + i, dst + i, len - i, start + static_cast<uint32_t>(i), key, shift);
 }
 
 // ---- [Note: fused bf16 Adam] (adam_avx512.cpp) for 8 lanes: full vectors only, the last
@@ -392,14 +394,24 @@ inline __m256 load_bf16(const void *src, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// to_bf16's and bf16_stochastic_store's bits for one vector at stream index `index` (lanes).
-inline __m128i round_bf16(__m256 x, bool stochastic, __m256i index, uint32_t key) {
-    if (!stochastic) return to_bf16(x);
-    const __m256i r = _mm256_srli_epi32(lowbias32_v(_mm256_xor_si256(index, _mm256_set1_epi32(static_cast<int>(key)))), 16);
+// The hash of stochastic rounding at stream index `index` (lanes), key = stream_key.
+inline __m256i stream_hash(__m256i index, uint32_t key) {
+    return lowbias32_v(_mm256_xor_si256(index, _mm256_set1_epi32(static_cast<int>(key))));
+}
+inline __m256i hash_top(__m256i h) { return _mm256_srli_epi32(h, 16); }
+inline __m256i hash_low(__m256i h) { return _mm256_and_si256(h, _mm256_set1_epi32(0xFFFF)); }
+
+// bf16_stochastic_store's bits of one vector, given its 16-bit random numbers r.
+inline __m128i bf16_sr(__m256 x, __m256i r) {
     __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
     t = _mm256_blendv_epi8(t, _mm256_set1_epi32(0xFFFF), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
     const __m256i packed = _mm256_packus_epi32(t, t);
     return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+// The param's bits (stream 0, the top half), stochastic or nearest even.
+inline __m128i round_bf16(__m256 x, bool stochastic, __m256i index, uint32_t key) {
+    return stochastic ? bf16_sr(x, hash_top(stream_hash(index, key))) : to_bf16(x);
 }
 
 inline void store_bf16v(void *dst, int64_t i, __m128i h) {
@@ -416,8 +428,10 @@ inline void adam_bf16_vec(const VConsts &c, const Bf16AdamStep &r, int64_t i) {
     adam_math<L2, FROM_END>(c, g, p, m, v);
     const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(r.offset + static_cast<uint32_t>(i))),
                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    store_bf16v(r.m, i, round_bf16(m, r.sm, index, r.km));
-    store_bf16v(r.v, i, round_bf16(v, r.sv, index, r.kv));
+    // one hash for both moments (quant.py: a pair of states shares it, top and low half)
+    const __m256i h = r.sm || r.sv ? stream_hash(index, r.kmv) : _mm256_setzero_si256();
+    store_bf16v(r.m, i, r.sm ? bf16_sr(m, hash_top(h)) : to_bf16(m));
+    store_bf16v(r.v, i, r.sv ? bf16_sr(v, hash_low(h)) : to_bf16(v));
     if (PB16) {
         store_bf16v(r.param, i, round_bf16(p, r.sp, index, r.kp));
     } else {

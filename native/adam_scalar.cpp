@@ -107,8 +107,8 @@ inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &
 inline void bf16_load(const uint16_t *src, float *out, int64_t len) { bf16_load_scalar(src, out, len); }
 inline void bf16_nearest(const float *x, uint16_t *dst, int64_t len) { bf16_nearest_scalar(x, dst, len); }
 inline void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start,
-                                  uint32_t key) {
-    bf16_stochastic_scalar(x, dst, len, start, key);
+                                  uint32_t key, int shift) {
+    bf16_stochastic_scalar(x, dst, len, start, key, shift);
 }
 
 #include "compressed_tile.h"

@@ -77,13 +77,25 @@ inline __m512 load_bf16(const void *src, int64_t i, __mmask16 k) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// bf16_stochastic_store's and to_bf16's bits for one vector at stream index `index` (lanes).
-inline __m256i round_bf16(__m512 x, bool stochastic, __m512i index, uint32_t key) {
-    if (!stochastic) return to_bf16(x);
-    const __m512i r = _mm512_srli_epi32(lowbias32_v(_mm512_xor_si512(index, _mm512_set1_epi32(static_cast<int>(key)))), 16);
+// The hash of stochastic rounding at stream index `index` (lanes), key = stream_key.
+inline __m512i stream_hash(__m512i index, uint32_t key) {
+    return lowbias32_v(_mm512_xor_si512(index, _mm512_set1_epi32(static_cast<int>(key))));
+}
+
+// bf16_stochastic_store's bits of one vector, given its 16-bit random numbers r.
+inline __m256i bf16_sr(__m512 x, __m512i r) {
     __m512i t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
     t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0xFFFF), t);
     return _mm512_cvtepi32_epi16(t);
+}
+
+// The top and low halves of a hash (stream_shift 16 and 0).
+inline __m512i hash_top(__m512i h) { return _mm512_srli_epi32(h, 16); }
+inline __m512i hash_low(__m512i h) { return _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF)); }
+
+// The param's bits (stream 0, the top half), stochastic or nearest even.
+inline __m256i round_bf16(__m512 x, bool stochastic, __m512i index, uint32_t key) {
+    return stochastic ? bf16_sr(x, hash_top(stream_hash(index, key))) : to_bf16(x);
 }
 
 inline void store_bf16v(void *dst, int64_t i, __m256i h, __mmask16 k) {

@@ -72,15 +72,17 @@ inline __m512i lowbias32_v(__m512i x) {
 }
 
 inline void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start,
-                                  uint32_t key) {
+                                  uint32_t key, int shift) {
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i vkey = _mm512_set1_epi32(static_cast<int>(key));
+    const __m128i vshift = _mm_cvtsi32_si128(shift);
     for (int64_t i = 0; i < len; i += 16) {
         const __mmask16 k = lanes_mask(len - i);
         const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
         const __m512i index = _mm512_add_epi32(
             _mm512_set1_epi32(static_cast<int>(start + static_cast<uint32_t>(i))), iota);
-        const __m512i r = _mm512_srli_epi32(lowbias32_v(_mm512_xor_si512(index, vkey)), 16);
+        const __m512i r = _mm512_and_si512(_mm512_srl_epi32(lowbias32_v(_mm512_xor_si512(index, vkey)), vshift),
+                                           _mm512_set1_epi32(0xFFFF));
         __m512i t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v), r), 16);
         t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0xFFFF), t);
         store_u16(dst + i, k, _mm512_cvtepi32_epi16(t));

@@ -17,7 +17,8 @@
 //   void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &t, uint8_t *codes);
 //   void bf16_load(const uint16_t *src, float *out, int64_t len);
 //   void bf16_nearest(const float *x, uint16_t *dst, int64_t len);
-//   void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start, uint32_t key);
+//   void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start,
+//                              uint32_t key, int shift);  (kernel.h's stream_key, stream_shift)
 // and, optionally, OFFLOAD_FUSED_BF16_ADAM with
 //   template <int G, int L, bool L2, bool FROM_END, bool PB16>
 //   int64_t adam_bf16_loop(const CompressedStep &s, int64_t begin, int64_t end);
@@ -62,9 +63,11 @@ inline float *decode_state(const CompressedStep &s, int k, int64_t t0, int64_t l
     return buf;
 }
 
+// Array k's (0: param, 1 + s: state s) bf16 copy of x.
 inline void store_bf16(const float *x, uint16_t *dst, int64_t len, int rounding, uint32_t start,
-                       uint32_t key) {
-    if (rounding == OFFLOAD_ROUND_STOCHASTIC) bf16_stochastic_store(x, dst, len, start, key);
+                       uint32_t seed, int k) {
+    if (rounding == OFFLOAD_ROUND_STOCHASTIC)
+        bf16_stochastic_store(x, dst, len, start, stream_key(seed, k), stream_shift(k));
     else bf16_nearest(x, dst, len);
 }
 
@@ -73,8 +76,7 @@ inline void encode_state(const CompressedStep &s, int k, int64_t t0, int64_t len
     if (a.dtype == OFFLOAD_F32) return;  // updated in place
     const uint32_t start = static_cast<uint32_t>(static_cast<uint64_t>(s.offset + t0));
     if (a.dtype == OFFLOAD_BF16) {
-        store_bf16(buf, static_cast<uint16_t *>(a.data) + t0, len, a.rounding, start,
-                   s.seed ^ kStreams[1 + k]);
+        store_bf16(buf, static_cast<uint16_t *>(a.data) + t0, len, a.rounding, start, s.seed, 1 + k);
     } else {
         q8_encode_block(buf, len, s.q8[k],
                         static_cast<uint8_t *>(a.data) + (t0 / kTile) * OFFLOAD_Q8_PACKED);
@@ -204,7 +206,7 @@ inline int compressed_tiles(const CompressedStep &s, const RuleFns &f, int64_t b
         if (bf16_param) {
             const uint32_t start = static_cast<uint32_t>(static_cast<uint64_t>(s.offset + t0));
             store_bf16(pbuf, static_cast<uint16_t *>(s.param.data) + t0, len, s.param.rounding,
-                       start, s.seed ^ kStreams[0]);
+                       start, s.seed, 0);
         }
     }
     return 0;

@@ -78,9 +78,15 @@ int sumsq_range_avx512(const void *grad, int dtype, int64_t begin, int64_t end, 
 // ---- compressed states (ABI 3): the fused tile loop of each unit (compressed_tile.h).
 
 // The per-array random streams of stochastic bf16 rounding: quant.STREAMS (param, then states
-// 0..3); a test holds the two to the same bits.
+// 0..3); a test holds the two to the same bits. Array k (0: param, 1 + s: state s) hashes
+// with stream_key(seed, k) and takes the half of the hash at stream_shift(k) (quant.py's
+// stream_key / stream_shift: a pair of states shares one hash, top half and low half).
 constexpr uint32_t kStreams[1 + OFFLOAD_MAX_STATES] = {0x00000000u, 0x68E31DA4u, 0xB5297A4Du,
                                                        0x1B56C4E9u, 0x3C6EF372u};
+constexpr uint32_t stream_key(uint32_t seed, int k) {
+    return seed ^ kStreams[k == 0 ? 0 : 1 + ((k - 1) & ~1)];
+}
+constexpr int stream_shift(int k) { return k > 0 && ((k - 1) & 1) ? 0 : 16; }
 constexpr int64_t kTile = OFFLOAD_Q8_BLOCK;  // elements decoded into L1 buffers at a time
 
 // A Q8 state's tables: the decode map and the 255 midpoints as an implicit binary search
@@ -148,7 +154,7 @@ struct Bf16AdamStep {
     uint16_t *__restrict v;
     void *__restrict lowp;
     bool sp, sm, sv;           // stochastic: param (when bf16), exp_avg, exp_avg_sq
-    uint32_t kp, km, kv;       // their stream keys
+    uint32_t kp, kmv;          // stream keys: the param's; the moments' (one hash, two halves)
     uint32_t offset;           // stream index of element 0, mod 2**32
     explicit Bf16AdamStep(const CompressedStep &s)
         : param(s.param.data), grad(s.grad), m(static_cast<uint16_t *>(s.states[0].data)),
@@ -156,7 +162,7 @@ struct Bf16AdamStep {
           sp(s.param.rounding == OFFLOAD_ROUND_STOCHASTIC),
           sm(s.states[0].rounding == OFFLOAD_ROUND_STOCHASTIC),
           sv(s.states[1].rounding == OFFLOAD_ROUND_STOCHASTIC),
-          kp(s.seed ^ kStreams[0]), km(s.seed ^ kStreams[1]), kv(s.seed ^ kStreams[2]),
+          kp(stream_key(s.seed, 0)), kmv(stream_key(s.seed, 1)),
           offset(static_cast<uint32_t>(static_cast<uint64_t>(s.offset))) {}
 };
 

@@ -52,8 +52,10 @@ struct offload_array {
 /* The tables and random streams of compressed states (quant.py's notes). map: 256 sorted
  * floats; mid[i] = (map[i] + map[i+1]) * 0.5f; a code is #{i : mid[i] < x / absmax}.
  * Stochastic rounding of element i of array k (param k = 0, state s k = 1 + s):
- * r = lowbias32((uint32_t)(offset + i) ^ seed ^ OFFLOAD_STREAM[k]) >> 16, bf16 bits =
- * (bits(x) + r) >> 16, NaN -> 0xFFFF. Unused (NULL / 0) when every array is F32. */
+ * h = lowbias32((uint32_t)(offset + i) ^ seed ^ STREAM[key(k)]), r = the top half of h for
+ * the param and even states, the low half for odd states (which share the key of the even
+ * state before them: quant.stream_key), bf16 bits = (bits(x) + r) >> 16, NaN -> 0xFFFF.
+ * Unused (NULL / 0) when every array is F32. */
 struct offload_quant {
     const float *signed_map;   /* [256] */
     const float *signed_mid;   /* [255] */

@@ -201,7 +201,7 @@ void adam_q8_tile(const VConsts &c, const CompressedStep &s, int64_t t0, float *
     const __m512 am_v = _mm512_set1_ps(am), av_v = _mm512_set1_ps(av);
     const __m512i order = load64(kOrder), abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
     __m512i acc_m = _mm512_setzero_si512(), acc_v = _mm512_setzero_si512();
-    const uint32_t key_p = s.seed ^ kStreams[0];
+    const uint32_t key_p = stream_key(s.seed, 0);
     const bool sp = s.param.rounding == OFFLOAD_ROUND_STOCHASTIC;
     const uint32_t start = static_cast<uint32_t>(static_cast<uint64_t>(s.offset + t0));
     for (int64_t i = 0; i < kTile; i += 64) {

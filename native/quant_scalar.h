@@ -25,11 +25,11 @@ static inline uint32_t lowbias32(uint32_t x) {
 }
 
 // quant.round_bf16_stochastic of one element: (bits + r) >> 16, NaN -> 0xFFFF; r is the
-// top half of lowbias32(index ^ key), key = seed ^ stream.
-static inline uint16_t bf16_stochastic(float f, uint32_t index, uint32_t key) {
+// half of lowbias32(index ^ key) at `shift` (16: top, 0: low), key = kernel.h's stream_key.
+static inline uint16_t bf16_stochastic(float f, uint32_t index, uint32_t key, int shift) {
     const uint32_t u = f32_bits(f);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFu;
-    return static_cast<uint16_t>((u + (lowbias32(index ^ key) >> 16)) >> 16);
+    return static_cast<uint16_t>((u + ((lowbias32(index ^ key) >> shift) & 0xFFFFu)) >> 16);
 }
 
 // #{i : mid[i] < xn} by the Eytzinger tree of the midpoints (kernel.h's Q8Tables).
@@ -87,9 +87,9 @@ static inline void bf16_nearest_scalar(const float *x, uint16_t *dst, int64_t le
 }
 
 static inline void bf16_stochastic_scalar(const float *x, uint16_t *dst, int64_t len,
-                                          uint32_t start, uint32_t key) {
+                                          uint32_t start, uint32_t key, int shift) {
     for (int64_t i = 0; i < len; ++i)
-        dst[i] = bf16_stochastic(x[i], start + static_cast<uint32_t>(i), key);
+        dst[i] = bf16_stochastic(x[i], start + static_cast<uint32_t>(i), key, shift);
 }
 
 }  // namespace

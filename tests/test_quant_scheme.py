@@ -47,7 +47,7 @@ def test_zero_and_nonfinite_blocks():
 
 
 def test_stochastic_rounding_is_unbiased_and_indexed_by_element():
-    x = torch.full((20000,), 1.0 + 2 ** -10)  # a quarter of the way to the next bf16
+    x = torch.full((20000,), 1.0 + 2 ** -10)  # an eighth of the way to the next bf16
     r = quant.round_bf16_stochastic(x, 3, 0, 0).float()
     assert set(r.unique().tolist()) == {1.0, 1.0078125}
     assert abs(r.mean().item() - x[0].item()) < 2e-4
@@ -55,6 +55,38 @@ def test_stochastic_rounding_is_unbiased_and_indexed_by_element():
     assert torch.equal(tail.view(torch.int16), r[100:].bfloat16().view(torch.int16))
     other = quant.round_bf16_stochastic(x, 3, 0, 1)
     assert not torch.equal(other, r.bfloat16())
+
+
+@pytest.mark.parametrize("stream", range(len(quant.STREAMS)))
+def test_every_stream_rounds_without_bias(stream):
+    x = torch.full((40000,), 1.0 + 2 ** -10)  # an eighth of the way to the next bf16 (2**-7)
+    r = quant.round_bf16_stochastic(x, 11, 5, stream).float()
+    up = (r > 1.0).float().mean().item()
+    assert abs(up - 0.125) < 0.01, up  # ~6 sigma at n = 40000
+
+
+def test_a_pair_of_states_shares_one_hash_without_sharing_bits():
+    # the scheme: the param and state 0 take the top half of their hash, state 1 the low
+    # half of state 0's hash (one hash serves Adam's two moments), states 2 and 3 likewise
+    n, seed, offset = 4096, 0xC0FFEE, 7
+    idx = (torch.arange(n, dtype=torch.int64) + offset) ^ seed
+    h01 = quant.lowbias32(idx ^ quant.STREAMS[1])
+    h23 = quant.lowbias32(idx ^ quant.STREAMS[3])
+    assert torch.equal(quant.random_bits16(n, seed, offset, 1), h01 >> 16)
+    assert torch.equal(quant.random_bits16(n, seed, offset, 2), h01 & 0xFFFF)
+    assert torch.equal(quant.random_bits16(n, seed, offset, 3), h23 >> 16)
+    assert torch.equal(quant.random_bits16(n, seed, offset, 4), h23 & 0xFFFF)
+    assert torch.equal(quant.random_bits16(n, seed, offset, 0), quant.lowbias32(idx ^ quant.STREAMS[0]) >> 16)
+    bits = [quant.random_bits16(n, seed, offset, k) for k in range(5)]
+    for a in range(5):
+        for b in range(a + 1, 5):
+            # independent streams agree on ~1/65536 of the elements, never on most of them
+            assert (bits[a] == bits[b]).float().mean().item() < 0.01, (a, b)
+    # and the two halves are not correlated: the low half's sign bit against the top half's
+    top, low = bits[1] >> 15, bits[2] >> 15
+    assert abs((top == low).float().mean().item() - 0.5) < 0.05
+    with pytest.raises(ValueError, match="stream must be in"):
+        quant.random_bits16(4, 0, 0, 5)
 
 
 def test_nearest_rounding_matches_torch_for_finite_values():

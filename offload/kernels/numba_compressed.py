@@ -29,7 +29,7 @@ from numba.extending import overload
 
 from ._numba_bits import bf16_to_float, bits_from_f32, f32_from_bits, float_to_bf16, lowp_bits
 from . import numba_rules as nr
-from .quant import BLOCK, PACKED_BLOCK, STREAMS
+from .quant import BLOCK, PACKED_BLOCK, stream_key, stream_shift
 
 __all__ = ["AdamArgs", "SgdArgs", "AdagradArgs", "LionArgs", "run_serial", "run_parallel"]
 
@@ -43,7 +43,10 @@ AdagradArgs = namedtuple("AdagradArgs", "gs use_wd wd eps neg_clr")
 LionArgs = namedtuple("LionArgs", "gs decay c1 c2 neg_lr from_end1 from_end2")
 
 _NAN_BITS = 0x7FC00000  # torch's float("nan"): the absmax of a non-finite block
-_S1, _S2, _S0 = np.uint32(STREAMS[1]), np.uint32(STREAMS[2]), np.uint32(STREAMS[0])
+# (stream key, shift of the hash's half) of the param and the two states (quant.stream_key)
+_K0, _H0 = np.uint32(stream_key(0)), np.uint32(stream_shift(0))
+_K1, _H1 = np.uint32(stream_key(1)), np.uint32(stream_shift(1))
+_K2, _H2 = np.uint32(stream_key(2)), np.uint32(stream_shift(2))
 
 
 def rule_update(r, g, p, a, c):
@@ -90,11 +93,12 @@ def _lowbias32(x):
 
 
 @njit(inline="always", nogil=True, cache=True)
-def _bf16_stochastic(x, i, q, stream):
-    """bf16 bits of float32 ``x``, element ``i`` of the call: ``(bits + r) >> 16`` with
-    r = lowbias32((offset + i) mod 2**32 ^ seed ^ stream) >> 16; NaN -> 0xFFFF (the uint32
-    sum wraps only for NaN bits, which the select replaces)."""
-    r = _lowbias32((np.uint32(q[1]) + np.uint32(i)) ^ np.uint32(q[0]) ^ stream) >> np.uint32(16)
+def _bf16_stochastic(x, i, q, stream, shift):
+    """bf16 bits of float32 ``x``, element ``i`` of the call: ``(bits + r) >> 16`` with r
+    the half at ``shift`` of lowbias32((offset + i) mod 2**32 ^ seed ^ stream); NaN -> 0xFFFF
+    (the uint32 sum wraps only for NaN bits, which the select replaces)."""
+    h = _lowbias32((np.uint32(q[1]) + np.uint32(i)) ^ np.uint32(q[0]) ^ stream)
+    r = (h >> shift) & np.uint32(0xFFFF)
     u = bits_from_f32(x)
     hi = np.uint32(u + r) >> np.uint32(16)
     return np.uint32(0xFFFF) if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else hi
@@ -115,7 +119,7 @@ def load_state(s, scale, b, j, i):
     raise NotImplementedError
 
 
-def keep_state(s, buf, j, i, x, q, stream):
+def keep_state(s, buf, j, i, x, q, stream, shift):
     raise NotImplementedError
 
 
@@ -155,24 +159,24 @@ def _load_state(s, scale, b, j, i):
 
 
 @overload(keep_state)  # not inlined in numba IR: its branches tripped numba's SSA check
-def _keep_state(s, buf, j, i, x, q, stream):
+def _keep_state(s, buf, j, i, x, q, stream, shift):
     if isinstance(s, types.NoneType):
-        def absent(s, buf, j, i, x, q, stream):
+        def absent(s, buf, j, i, x, q, stream, shift):
             pass
         return absent
     if _is_blocked(s):
-        def blocked(s, buf, j, i, x, q, stream):
+        def blocked(s, buf, j, i, x, q, stream, shift):
             buf[j] = x
         return blocked
     if _is_bf16(s):
-        def bf16(s, buf, j, i, x, q, stream):
+        def bf16(s, buf, j, i, x, q, stream, shift):
             if q[2]:
-                s[i] = _bf16_stochastic(x, i, q, stream)
+                s[i] = _bf16_stochastic(x, i, q, stream, shift)
             else:
                 s[i] = float_to_bf16(x)
         return bf16
 
-    def f32(s, buf, j, i, x, q, stream):
+    def f32(s, buf, j, i, x, q, stream, shift):
         s[i] = x
     return f32
 
@@ -263,7 +267,7 @@ def _load_param(p, i):
 def _store_param(p, i, x, q):
     if _is_bf16(p):
         def bf16(p, i, x, q):
-            p[i] = _bf16_stochastic(x, i, q, _S0)
+            p[i] = _bf16_stochastic(x, i, q, _K0, _H0)
         return bf16
 
     def f32(p, i, x, q):
@@ -291,8 +295,8 @@ def run_serial(b_lo, b_hi, p, g, grad_code, s0, s1, lowp, lowp_code, r, q):
             store_param(p, i, pi, q)
             if lowp_code > 0:
                 lowp[i] = lowp_bits(pi, lowp_code)
-            keep_state(s0, buf0, j, i, a, q, _S1)
-            keep_state(s1, buf1, j, i, c, q, _S2)
+            keep_state(s0, buf0, j, i, a, q, _K1, _H1)
+            keep_state(s1, buf1, j, i, c, q, _K2, _H2)
         finish_state(s0, buf0, b, n_live)
         finish_state(s1, buf1, b, n_live)
 

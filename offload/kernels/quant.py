@@ -29,11 +29,16 @@ cuts an fp32 state, at block boundaries.
 A float32 x rounds to bfloat16 stochastically as ``(bits(x) + r) >> 16`` with r a 16-bit
 random number (a carry into the kept half happens with probability fraction / 2**16, as in
 torchao's ``bf16_stochastic_round``); NaN becomes 0xFFFF as in the round-to-nearest path.
-r for element i of a call is ``lowbias32((offset + i) mod 2**32 ^ seed ^ STREAM[k]) >> 16``:
-a counter-based hash, so a value depends on its element's index, not on how a backend cuts
-the range into threads or vectors. ``seed`` (uint32) and ``offset`` (the first element's
-index) are the caller's; ``STREAM[k]`` separates the param (k = 0) from the states
-(k = 1 + the state's position), so no two arrays share a random stream.
+r comes from a counter-based hash of the element's index, so a value depends on its
+element's index, not on how a backend cuts the range into threads or vectors:
+``h = lowbias32((offset + i) mod 2**32 ^ seed ^ STREAMS[key(k)])`` and r is one 16-bit half
+of h. ``seed`` (uint32) and ``offset`` (the first element's index) are the caller's; array k
+is the param (k = 0) or state s (k = 1 + s). The param hashes with STREAMS[0] and takes the
+top half. The states go in pairs (0, 1), (2, 3): both of a pair hash with the key of the
+pair's first, STREAMS[1 + s - s % 2], the first taking the top half and the second the low
+half. No two arrays share random bits, and Adam's two moments cost one hash per element
+instead of two: in the fused bf16 AdamW loop the second hash was ~15 % of its time
+(``random_bits16``; bench/RESULTS.md, thirteenth session).
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ from typing import NamedTuple, Tuple
 import torch
 
 __all__ = ["QuantArgs", "BLOCK", "PACKED_BLOCK", "SIGNED_MAP", "UNSIGNED_MAP", "SIGNED_MID", "UNSIGNED_MID",
-           "STREAMS", "packed_nbytes", "quant_map", "encode_blocks", "decode_blocks",
+           "STREAMS", "stream_key", "stream_shift", "packed_nbytes", "quant_map", "encode_blocks", "decode_blocks",
            "lowbias32", "random_bits16", "round_bf16_stochastic", "round_bf16_nearest", "rounding_seed", "zero_code"]
 
 class QuantArgs(NamedTuple):
@@ -60,7 +65,18 @@ class QuantArgs(NamedTuple):
 BLOCK = 256
 PACKED_BLOCK = BLOCK + 4
 STREAMS = (0x00000000, 0x68E31DA4, 0xB5297A4D, 0x1B56C4E9, 0x3C6EF372)
-"""Per-array stream constants: param, then states 0..3."""
+"""Stream constants by array k (param, then states 0..3); the odd states use their pair's
+(see ``stream_key``), so STREAMS[2] and STREAMS[4] are not read."""
+
+
+def stream_key(k: int) -> int:
+    """The stream constant array k (0: param, 1 + s: state s) hashes with."""
+    return STREAMS[0] if k == 0 else STREAMS[1 + (k - 1) - (k - 1) % 2]
+
+
+def stream_shift(k: int) -> int:
+    """16 when array k takes the top half of its hash, 0 when the low half."""
+    return 0 if k > 0 and (k - 1) % 2 else 16
 
 
 def _dynamic_map(signed: bool) -> torch.Tensor:
@@ -156,9 +172,13 @@ def lowbias32(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_bits16(n: int, seed: int, offset: int, stream: int) -> torch.Tensor:
-    """r for elements 0..n-1 of a call (see [Note: stochastic rounding to bfloat16]), int64."""
+    """r of array ``stream`` (0: param, 1 + s: state s) for elements 0..n-1 of a call (see
+    [Note: stochastic rounding to bfloat16]), int64."""
+    if not 0 <= stream < len(STREAMS):
+        raise ValueError(f"stream must be in 0..{len(STREAMS) - 1}, got {stream}")
     idx = (torch.arange(n, dtype=torch.int64) + int(offset)) & 0xFFFFFFFF
-    return lowbias32(idx ^ (int(seed) & 0xFFFFFFFF) ^ STREAMS[stream]) >> 16
+    h = lowbias32(idx ^ (int(seed) & 0xFFFFFFFF) ^ stream_key(stream))
+    return (h >> stream_shift(stream)) & 0xFFFF
 
 
 def round_bf16_stochastic(x: torch.Tensor, seed: int, offset: int, stream: int) -> torch.Tensor:
