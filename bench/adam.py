@@ -38,8 +38,9 @@ step time.
 4. ``--rules`` (instead of 1 and 2): SGD (momentum 0.9, weight decay), Adagrad and Lion,
    ours native against torch's fastest CPU code of each: SGD and Adagrad foreach and
    fused=True, Lion (no torch optimizer) a foreach-style loop of torch ops as lion-pytorch
-   writes it. Effective GB/s at 20 B/param (3 fp32 reads + 2 writes: param, grad, the one
-   state; counted as the 28 B of Adam are).
+   writes it; and DeepSpeed's DeepSpeedCPULion / DeepSpeedCPUAdagrad where deepspeed imports
+   (it has no CPU SGD). Effective GB/s at 20 B/param (3 fp32 reads + 2 writes: param, grad,
+   the one state; counted as the 28 B of Adam are).
 
 Prints a table and, last, one JSON line.
 """
@@ -87,6 +88,21 @@ def load_deepspeed():
         return DeepSpeedCPUAdam, None
     except Exception as exc:  # not installed, or its op failed to build
         return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
+def load_deepspeed_rule(rule: str):
+    """DeepSpeed's CPU optimizer of ``rule`` (Lion, Adagrad; it has no CPU SGD), or None."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            if rule == "lion":
+                from deepspeed.ops.lion import DeepSpeedCPULion
+                return DeepSpeedCPULion
+            if rule == "adagrad":
+                from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+                return DeepSpeedCPUAdagrad
+    except Exception:  # not installed, or its op failed to build (the Adam rows say why)
+        pass
+    return None
 
 
 class Buffers:
@@ -193,6 +209,19 @@ def rule_contenders(buf: Buffers, rule: str, threads: int):
                          num_threads=threads, **hp)
 
     out = {"ours_native": ours}
+    ds_cls = load_deepspeed_rule(rule)
+    if ds_cls is not None:
+        # its own step over the shared param and state (its state dict pre-filled, so it
+        # allocates nothing): DeepSpeedCPULion keeps exp_avg, DeepSpeedCPUAdagrad exp_avg_sq
+        if rule == "lion":
+            ds = ds_cls([buf.param], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]),
+                        weight_decay=hp["weight_decay"])
+            ds.state[buf.param] = {"step": 0, "exp_avg": state}
+        else:
+            ds = ds_cls([buf.param], lr=hp["lr"], weight_decay=hp["weight_decay"])
+            ds.state[buf.param] = {"step": 0, "exp_avg_sq": state}
+        out["deepspeed"] = ds.step
+    out["copy_probe"] = lambda: buf.copy_dst.copy_(p)  # the wall, timed in the same run
     if rule == "lion":
         lr, b1, b2, wd = hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"]
 
@@ -218,7 +247,7 @@ def rule_contenders(buf: Buffers, rule: str, threads: int):
 def run_rules(sizes, thread_list, warmup: int, steps: int) -> list:
     results = []
     print(f"\n{'N':>6} {'thr':>3} {'rule':<8} {'contender':<14} {'ms/step':>9} "
-          f"{'GB/s@20B':>9} {'vs native':>9} {'best ms':>9}")
+          f"{'GB/s@20B':>9} {'of copy':>8} {'vs native':>9} {'best ms':>9}")
     for n in sizes:
         buf = Buffers(n)
         for th in thread_list:
@@ -227,13 +256,20 @@ def run_rules(sizes, thread_list, warmup: int, steps: int) -> list:
                 buf.exp_avg.fill_(0.01)  # a valid state for every rule (Adagrad's sum >= 0)
                 med, best = time_interleaved(rule_contenders(buf, rule, th), warmup, steps)
                 base = med["ours_native"]
+                copy_gbps = 12 * n / med["copy_probe"] / 1e9
                 for name, t in med.items():
+                    if name == "copy_probe":
+                        print(f"{n / 1e6:>5.0f}M {th:>3} {rule:<8} {'copy (12 B/el)':<14} "
+                              f"{t * 1e3:>9.2f} {copy_gbps:>9.1f} {'(wall)':>8}")
+                        continue
+                    gbps = RULE_BYTES * n / t / 1e9
                     print(f"{n / 1e6:>5.0f}M {th:>3} {rule:<8} {name:<14} {t * 1e3:>9.2f} "
-                          f"{RULE_BYTES * n / t / 1e9:>9.1f} {t / base:>8.2f}x "
+                          f"{gbps:>9.1f} {gbps / copy_gbps:>7.0%} {t / base:>8.2f}x "
                           f"{best[name] * 1e3:>9.2f}")
                 results.append({"n": n, "threads": th, "kind": rule, "seconds": med,
-                                "best_seconds": best,
-                                "GBps": {k: RULE_BYTES * n / t / 1e9 for k, t in med.items()}})
+                                "best_seconds": best, "copy_GBps": copy_gbps,
+                                "GBps": {k: RULE_BYTES * n / t / 1e9 for k, t in med.items()
+                                         if k != "copy_probe"}})
         del buf
     return results
 
