@@ -84,8 +84,9 @@ inline __m512i stream_hash(__m512i index, uint32_t key) {
 
 // bf16_stochastic_store's bits of one vector, given its 16-bit random numbers r.
 inline __m256i bf16_sr(__m512 x, __m512i r) {
-    __m512i t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
-    t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0xFFFF), t);
+    // one masked shift: NaN lanes keep 0xFFFF
+    const __m512i t = _mm512_mask_srli_epi32(_mm512_set1_epi32(0xFFFF), _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q),
+                                             _mm512_add_epi32(_mm512_castps_si512(x), r), 16);
     return _mm512_cvtepi32_epi16(t);
 }
 

@@ -11,9 +11,8 @@ inline __m256i to_bf16(__m512 x) {
     __m512i u = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i t = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
-    t = _mm512_srli_epi32(t, 16);
-    __mmask16 ordered = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
-    t = _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32(0xFFFF), t);
+    // one masked shift: NaN lanes keep 0xFFFF
+    t = _mm512_mask_srli_epi32(_mm512_set1_epi32(0xFFFF), _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), t, 16);
     return _mm512_cvtepi32_epi16(t);
 }
 
