@@ -327,7 +327,7 @@ inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &
 // counter-hashed stochastic store at the element's own stream index), so the bits are the
 // same; the tile path still serves every other unit and every other mix of dtypes. The two
 // moments share one hash per element (its top half rounds exp_avg, its low half exp_avg_sq:
-// quant.py's scheme): the second hash was ~15 % of this loop's time with stochastic states.
+// quant.py's scheme): the second hash was ~15 % of this loop's time at 1M elements.
 
 template <int G, int L, bool L2, bool FROM_END, bool PB16, bool MASKED>
 inline void adam_bf16_vec(const VConsts &c, const Bf16AdamStep &r, int64_t i,

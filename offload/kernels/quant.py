@@ -37,8 +37,8 @@ is the param (k = 0) or state s (k = 1 + s). The param hashes with STREAMS[0] an
 top half. The states go in pairs (0, 1), (2, 3): both of a pair hash with the key of the
 pair's first, STREAMS[1 + s - s % 2], the first taking the top half and the second the low
 half. No two arrays share random bits, and Adam's two moments cost one hash per element
-instead of two: in the fused bf16 AdamW loop the second hash was ~15 % of its time
-(``random_bits16``; bench/RESULTS.md, thirteenth session).
+instead of two: in the fused bf16 AdamW loop the second hash was ~15 % of its time at 1M
+elements, 7 % of its CPU time at 100M (``random_bits16``; bench/RESULTS.md, thirteenth session).
 """
 from __future__ import annotations
 
