@@ -65,7 +65,7 @@ _KERNEL_INCIDENTAL = {
     "test_host_checkpoint_packed", "test_stateless_checkpoint", "test_manifest_checksum", "test_swap_manifest_seal", "test_hf_groups_seal",
 }
 # ...and the numba kernels' own compressed tests, which pick numba by name: the numba pass only.
-_NUMBA_BY_NAME = {"test_numba_compressed"}
+_NUMBA_BY_NAME = {"test_numba_compressed", "test_numba_zero_division"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -61,16 +61,17 @@ _u16_to_float = u16_to_float
 
 
 # prange over elements, not over per-thread chunks: numba vectorizes the body of a prange
-# loop, while an inner serial loop over a chunk came out scalar and ~8x slower here.
+# loop, while an inner serial loop over a chunk came out scalar and ~8x slower here (measured
+# with numba's default error model; see numba_compressed's [Note: numba's error model]).
 # Four Adam specialisations: grad fp32 or uint16 (fp16/bf16) x with or without lowp copy.
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _adam_f32(p, g, m, v, gs, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, eps, nss):
     for i in prange(p.size):
         p[i], m[i], v[i] = _update(g[i] * gs, p[i], m[i], v[i], use_l2, l2, decay, coeff,
                                    from_end, b2, w2, bc2s, eps, nss)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _adam_f32_lowp(p, g, m, v, lowp, lowp_code, gs, use_l2, l2, decay, coeff, from_end, b2,
                    w2, bc2s, eps, nss):
     for i in prange(p.size):
@@ -82,7 +83,7 @@ def _adam_f32_lowp(p, g, m, v, lowp, lowp_code, gs, use_l2, l2, decay, coeff, fr
         lowp[i] = _lowp_bits(pi, lowp_code)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _adam_u16(p, g, grad_code, m, v, gs, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s,
               eps, nss):
     for i in prange(p.size):
@@ -90,7 +91,7 @@ def _adam_u16(p, g, grad_code, m, v, gs, use_l2, l2, decay, coeff, from_end, b2,
                                    use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, eps, nss)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _adam_u16_lowp(p, g, grad_code, m, v, lowp, lowp_code, gs, use_l2, l2, decay, coeff,
                    from_end, b2, w2, bc2s, eps, nss):
     for i in prange(p.size):
@@ -110,7 +111,7 @@ _SERIAL_MAX = 16384
 _NO_LOWP = np.zeros(0, dtype=np.uint16)
 
 
-@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _adam_f32_serial(p, g, m, v, lowp, lowp_code, gs, use_l2, l2, decay, coeff, from_end,
                      b2, w2, bc2s, eps, nss):
     for i in range(p.size):
@@ -123,7 +124,7 @@ def _adam_f32_serial(p, g, m, v, lowp, lowp_code, gs, use_l2, l2, decay, coeff, 
             lowp[i] = _lowp_bits(pi, lowp_code)
 
 
-@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _adam_u16_serial(p, g, grad_code, m, v, lowp, lowp_code, gs, use_l2, l2, decay, coeff,
                      from_end, b2, w2, bc2s, eps, nss):
     for i in range(p.size):

@@ -3,12 +3,24 @@
 One pass over the call in tiles of ``quant.BLOCK`` (256) elements on the call's block grid:
 per tile, each state is decoded element by element (bf16 bits, or ``map[code] * absmax``),
 the rule's own element function (numba_rules: the numba float32 path's, so the float32
-arithmetic and its bits are that path's) steps the element, and the new state values are
-rounded to bf16 at once (nearest, or quant.py's lowbias32 stream) or kept in a 256-float
-scratch until the tile's absmax is known and they are encoded (#midpoints below x/absmax,
-by the bucket table of native/q8_buckets.h, or a binary search over the 255 midpoints). No full-size float32 temporary: a thread's scratch
-is two tiles. The result equals ``compressed_ref.compose_step`` around the numba float32
-method bit for bit (tests/test_numba_compressed.py).
+arithmetic and its bits are that path's) steps the element into a 256-float scratch tile per
+array, and then each array is written back in a loop of its own kind: rounded to bf16
+(nearest, or quant.py's lowbias32 stream), copied, or, once the tile's absmax is known,
+encoded (#midpoints below x/absmax, by the bucket table of native/q8_buckets.h, or a binary
+search over the 255 midpoints). No full-size float32 temporary: a thread's scratch is three
+tiles. The result equals ``compressed_ref.compose_step`` around the numba float32 method bit
+for bit (tests/test_numba_compressed.py).
+
+[Note: numba's error model]
+Every numba kernel of the library is compiled with ``error_model="numpy"``. With numba's
+default ("python") a float division by zero raises ZeroDivisionError, so AdamW or Adagrad
+with ``eps=0`` on an all-zero grad raised where torch gives NaN, and the check before each
+division kept every plain (non-prange) loop scalar. Indices built from a tile's start are
+unsigned (``np.uint64``) for the same reason: a signed index may be negative, and numba's
+wraparound select turned the loads into gathers. Together, 4M elements on one thread (CPU
+ns per element, this machine, beside other jobs): bf16 states 9.3 -> 2.3, int8 states 21 ->
+14-16 (its encoder stays scalar), float32 0.6-0.8 either way
+(tests/test_numba_zero_division.py holds the NaN).
 
 The kernel is generic: numba compiles one specialisation per argument kinds, chosen at
 compile time by ``@overload`` on the argument types --
@@ -119,11 +131,7 @@ def load_state(s, scale, b, j, i):
     raise NotImplementedError
 
 
-def keep_state(s, buf, j, i, x, q, stream, shift):
-    raise NotImplementedError
-
-
-def finish_state(s, buf, b, n_live):
+def finish_state(s, buf, b, n_live, q, stream, shift):
     raise NotImplementedError
 
 
@@ -152,43 +160,40 @@ def _load_state(s, scale, b, j, i):
     if isinstance(s, types.NoneType):
         return lambda s, scale, b, j, i: np.float32(0)
     if _is_blocked(s):
-        return lambda s, scale, b, j, i: _decode(s[1], s[0][b * PACKED_BLOCK + j], scale)
+        return lambda s, scale, b, j, i: _decode(s[1], s[0][np.uint64(b * PACKED_BLOCK + j)], scale)
     if _is_bf16(s):
         return lambda s, scale, b, j, i: bf16_to_float(s[i])
     return lambda s, scale, b, j, i: s[i]
 
 
-@overload(keep_state)  # not inlined in numba IR: its branches tripped numba's SSA check
-def _keep_state(s, buf, j, i, x, q, stream, shift):
+@overload(finish_state)  # not inlined in numba IR: the bf16 kind's branch tripped its SSA check
+def _finish_state(s, buf, b, n_live, q, stream, shift):
+    """Write tile ``b``'s new values ``buf[:n_live]`` into the state: encoded (blocked),
+    rounded to bf16 (nearest, or stochastically on ``stream`` at ``shift``), or copied."""
     if isinstance(s, types.NoneType):
-        def absent(s, buf, j, i, x, q, stream, shift):
+        def absent(s, buf, b, n_live, q, stream, shift):
             pass
         return absent
     if _is_blocked(s):
-        def blocked(s, buf, j, i, x, q, stream, shift):
-            buf[j] = x
+        def blocked(s, buf, b, n_live, q, stream, shift):
+            _encode_block(s[0], s[2], s[3], s[4], buf, b, n_live)
         return blocked
     if _is_bf16(s):
-        def bf16(s, buf, j, i, x, q, stream, shift):
+        def bf16(s, buf, b, n_live, q, stream, shift):
+            lo = b * BLOCK
             if q[2]:
-                s[i] = _bf16_stochastic(x, i, q, stream, shift)
+                for j in range(n_live):
+                    s[np.uint64(lo + j)] = _bf16_stochastic(buf[j], lo + j, q, stream, shift)
             else:
-                s[i] = float_to_bf16(x)
+                for j in range(n_live):
+                    s[np.uint64(lo + j)] = float_to_bf16(buf[j])
         return bf16
 
-    def f32(s, buf, j, i, x, q, stream, shift):
-        s[i] = x
+    def f32(s, buf, b, n_live, q, stream, shift):
+        lo = b * BLOCK
+        for j in range(n_live):
+            s[np.uint64(lo + j)] = buf[j]
     return f32
-
-
-@overload(finish_state, inline="always")
-def _finish_state(s, buf, b, n_live):
-    if _is_blocked(s):
-        return lambda s, buf, b, n_live: _encode_block(s[0], s[2], s[3], s[4], buf, b, n_live)
-
-    def nothing(s, buf, b, n_live):
-        pass
-    return nothing
 
 
 @njit(inline="always", nogil=True, cache=True)
@@ -198,7 +203,7 @@ def _code(mid, xn):
     pos = 0
     step = 128
     while step:
-        pos += step if mid[pos + step - 1] < xn else 0
+        pos += step if mid[np.uint64(pos + step - 1)] < xn else 0
         step >>= 1
     return pos
 
@@ -211,14 +216,14 @@ def _code_bucket(t, xn):
     (4M elements, 1 thread, this machine)."""
     u = np.int64(bits_from_f32(xn)) & 0xFFFFFFFF
     ac = min(max(u & 0x7FFFFFFF, 96 << 23), 0x3FFFFFFF)
-    kw = np.int64(np.int32(t[(u >> 31) * 32 + ((ac >> 23) & 31)]))
+    kw = np.int64(np.int32(t[np.uint64((u >> 31) * 32 + ((ac >> 23) & 31))]))
     shift = kw & 31
-    w = np.int64(t[64 + (ac >> shift) + (kw >> 5)])
+    w = np.int64(t[np.uint64(64 + (ac >> shift) + (kw >> 5))])
     rel = ((u ^ (0xFFFFFFFF if u >> 31 else 0)) << (32 - shift)) & 0xFFFFFFFF
     return (w + (1 if rel >= (w & ~0xFF) else 0)) & 0xFF
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy")
 def _encode_block(a, mid, zc, table, buf, b, n_live):
     """Block ``b`` of packed bytes ``a`` from the float32 values ``buf[:n_live]``
     (quant.encode_blocks: NaN absmax and zero codes for a non-finite block, zero codes for
@@ -229,22 +234,22 @@ def _encode_block(a, mid, zc, table, buf, b, n_live):
         x = buf[j]
         bad |= (bits_from_f32(x) & 0x7F800000) == 0x7F800000
         amax = max(amax, abs(x))
-    base = b * PACKED_BLOCK
+    base = np.uint64(b * PACKED_BLOCK)  # unsigned indices: no negative-index wraparound
     if bad or amax == 0:
         for j in range(BLOCK):
-            a[base + j] = zc
+            a[base + np.uint64(j)] = zc
     else:
         if table.size:
             for j in range(n_live):
-                a[base + j] = _code_bucket(table, buf[j] / amax)
+                a[base + np.uint64(j)] = _code_bucket(table, buf[j] / amax)
         else:
             for j in range(n_live):
-                a[base + j] = _code(mid, buf[j] / amax)
+                a[base + np.uint64(j)] = _code(mid, buf[j] / amax)
         for j in range(n_live, BLOCK):
-            a[base + j] = zc
+            a[base + np.uint64(j)] = zc
     bits = np.uint32(_NAN_BITS) if bad else bits_from_f32(amax)
     for k in range(4):
-        a[base + BLOCK + k] = np.uint8((bits >> (8 * k)) & 0xFF)
+        a[base + np.uint64(BLOCK + k)] = np.uint8((bits >> (8 * k)) & 0xFF)
 
 
 # -- the param kinds ---------------------------------------------------------------------------
@@ -252,7 +257,7 @@ def load_param(p, i):
     raise NotImplementedError
 
 
-def store_param(p, i, x, q):
+def finish_param(p, buf, b, n_live, q):
     raise NotImplementedError
 
 
@@ -263,24 +268,30 @@ def _load_param(p, i):
     return lambda p, i: p[i]
 
 
-@overload(store_param)
-def _store_param(p, i, x, q):
+@overload(finish_param)
+def _finish_param(p, buf, b, n_live, q):
+    """Write tile ``b``'s new param values: a bf16 param rounded stochastically (stream 0)."""
     if _is_bf16(p):
-        def bf16(p, i, x, q):
-            p[i] = _bf16_stochastic(x, i, q, _K0, _H0)
+        def bf16(p, buf, b, n_live, q):
+            lo = b * BLOCK
+            for j in range(n_live):
+                p[np.uint64(lo + j)] = _bf16_stochastic(buf[j], lo + j, q, _K0, _H0)
         return bf16
 
-    def f32(p, i, x, q):
-        p[i] = x
+    def f32(p, buf, b, n_live, q):
+        lo = b * BLOCK
+        for j in range(n_live):
+            p[np.uint64(lo + j)] = buf[j]
     return f32
 
 
 # -- the pass ---------------------------------------------------------------------------------
-@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def run_serial(b_lo, b_hi, p, g, grad_code, s0, s1, lowp, lowp_code, r, q):
     """Tiles ``b_lo`` .. ``b_hi`` - 1 of the call. ``q`` is (seed, offset mod 2**32,
     stochastic states); ``lowp_code`` > 0 writes the float32 param's low-precision copy."""
     n = g.size
+    bufp = np.empty(BLOCK, dtype=np.float32)
     buf0 = np.empty(BLOCK, dtype=np.float32)
     buf1 = np.empty(BLOCK, dtype=np.float32)
     for b in range(b_lo, b_hi):
@@ -288,20 +299,26 @@ def run_serial(b_lo, b_hi, p, g, grad_code, s0, s1, lowp, lowp_code, r, q):
         n_live = min(BLOCK, n - lo)
         sc0 = block_scale(s0, b)
         sc1 = block_scale(s1, b)
+        # the rule over the tile into three scratch tiles, with no branch on the kinds (one
+        # store each per element), then each array written back in a loop of its own kind:
+        # the per-element store of each kind used to be a call (numba would not inline its
+        # branches) and made this kernel 14-22x slower than the float32 one
         for j in range(n_live):
-            i = lo + j
+            i = np.uint64(lo + j)  # unsigned: no negative-index wraparound, so loads stay vector loads
             pi, a, c = rule_update(r, nr.load_grad(g, i, grad_code) * r.gs, load_param(p, i),
                                    load_state(s0, sc0, b, j, i), load_state(s1, sc1, b, j, i))
-            store_param(p, i, pi, q)
-            if lowp_code > 0:
-                lowp[i] = lowp_bits(pi, lowp_code)
-            keep_state(s0, buf0, j, i, a, q, _K1, _H1)
-            keep_state(s1, buf1, j, i, c, q, _K2, _H2)
-        finish_state(s0, buf0, b, n_live)
-        finish_state(s1, buf1, b, n_live)
+            bufp[j] = pi
+            buf0[j] = a
+            buf1[j] = c
+        if lowp_code > 0:
+            for j in range(n_live):
+                lowp[np.uint64(lo + j)] = lowp_bits(bufp[j], lowp_code)
+        finish_param(p, bufp, b, n_live, q)
+        finish_state(s0, buf0, b, n_live, q, _K1, _H1)
+        finish_state(s1, buf1, b, n_live, q, _K2, _H2)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def run_parallel(chunks, p, g, grad_code, s0, s1, lowp, lowp_code, r, q):
     """The call's tiles in ``chunks`` contiguous runs, one prange iteration each (a run
     allocates its two scratch tiles once)."""

@@ -90,7 +90,7 @@ def _lion(g, p, m, decay, c1, c2, neg_lr, from_end1, from_end2):
 # The loops: one element function each, so the parallel and serial twins cannot differ.
 # The parallel loops come in pairs, without and with the copy: an unconditional store keeps
 # the prange body vectorized, a branch on the copy's presence did not (5x slower here).
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def sgd_parallel(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, mom, omd, mode,
                  nesterov, neg_lr):
     for i in prange(p.size):
@@ -101,7 +101,7 @@ def sgd_parallel(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, mom, omd, 
             s[i] = bi
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def sgd_parallel_lowp(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, mom, omd, mode,
                       nesterov, neg_lr):
     for i in prange(p.size):
@@ -113,7 +113,7 @@ def sgd_parallel_lowp(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, mom, 
         lowp[i] = lowp_bits(pi, lowp_code)
 
 
-@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def sgd_serial(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, mom, omd, mode,
                nesterov, neg_lr):
     for i in range(p.size):
@@ -126,7 +126,7 @@ def sgd_serial(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, mom, omd, mo
             lowp[i] = lowp_bits(pi, lowp_code)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def adagrad_parallel(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, eps, neg_clr):
     for i in prange(p.size):
         pi, si = _adagrad(load_grad(g, i, grad_code) * gs, p[i], s[i], use_wd, wd, eps, neg_clr)
@@ -134,7 +134,7 @@ def adagrad_parallel(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, eps, n
         s[i] = si
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def adagrad_parallel_lowp(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, eps, neg_clr):
     for i in prange(p.size):
         pi, si = _adagrad(load_grad(g, i, grad_code) * gs, p[i], s[i], use_wd, wd, eps, neg_clr)
@@ -143,7 +143,7 @@ def adagrad_parallel_lowp(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, e
         lowp[i] = lowp_bits(pi, lowp_code)
 
 
-@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def adagrad_serial(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, eps, neg_clr):
     for i in range(p.size):
         pi, si = _adagrad(load_grad(g, i, grad_code) * gs, p[i], s[i], use_wd, wd, eps, neg_clr)
@@ -153,7 +153,7 @@ def adagrad_serial(p, g, grad_code, s, lowp, lowp_code, gs, use_wd, wd, eps, neg
             lowp[i] = lowp_bits(pi, lowp_code)
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def lion_parallel(p, g, grad_code, s, lowp, lowp_code, gs, decay, c1, c2, neg_lr, from_end1,
                   from_end2):
     for i in prange(p.size):
@@ -163,7 +163,7 @@ def lion_parallel(p, g, grad_code, s, lowp, lowp_code, gs, decay, c1, c2, neg_lr
         s[i] = mi
 
 
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def lion_parallel_lowp(p, g, grad_code, s, lowp, lowp_code, gs, decay, c1, c2, neg_lr,
                        from_end1, from_end2):
     for i in prange(p.size):
@@ -174,7 +174,7 @@ def lion_parallel_lowp(p, g, grad_code, s, lowp, lowp_code, gs, decay, c1, c2, n
         lowp[i] = lowp_bits(pi, lowp_code)
 
 
-@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+@njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def lion_serial(p, g, grad_code, s, lowp, lowp_code, gs, decay, c1, c2, neg_lr, from_end1,
                 from_end2):
     for i in range(p.size):
