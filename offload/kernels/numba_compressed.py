@@ -166,6 +166,23 @@ def _load_state(s, scale, b, j, i):
     return lambda s, scale, b, j, i: s[i]
 
 
+@njit(nogil=True, cache=True, error_model="numpy")
+def _copy_back(dst, buf, b, n_live):
+    """Tile ``b`` of a float32 array from its new values ``buf[:n_live]``."""
+    lo = b * BLOCK
+    for j in range(n_live):
+        dst[np.uint64(lo + j)] = buf[j]
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _round_back(dst, buf, b, n_live, q, stream, shift):
+    """Tile ``b`` of a bf16 array (uint16 bits) from ``buf[:n_live]``, rounded
+    stochastically on ``stream`` at ``shift``."""
+    lo = b * BLOCK
+    for j in range(n_live):
+        dst[np.uint64(lo + j)] = _bf16_stochastic(buf[j], lo + j, q, stream, shift)
+
+
 @overload(finish_state)  # not inlined in numba IR: the bf16 kind's branch tripped its SSA check
 def _finish_state(s, buf, b, n_live, q, stream, shift):
     """Write tile ``b``'s new values ``buf[:n_live]`` into the state: encoded (blocked),
@@ -180,19 +197,16 @@ def _finish_state(s, buf, b, n_live, q, stream, shift):
         return blocked
     if _is_bf16(s):
         def bf16(s, buf, b, n_live, q, stream, shift):
-            lo = b * BLOCK
             if q[2]:
-                for j in range(n_live):
-                    s[np.uint64(lo + j)] = _bf16_stochastic(buf[j], lo + j, q, stream, shift)
+                _round_back(s, buf, b, n_live, q, stream, shift)
             else:
+                lo = b * BLOCK
                 for j in range(n_live):
                     s[np.uint64(lo + j)] = float_to_bf16(buf[j])
         return bf16
 
     def f32(s, buf, b, n_live, q, stream, shift):
-        lo = b * BLOCK
-        for j in range(n_live):
-            s[np.uint64(lo + j)] = buf[j]
+        _copy_back(s, buf, b, n_live)
     return f32
 
 
@@ -273,15 +287,11 @@ def _finish_param(p, buf, b, n_live, q):
     """Write tile ``b``'s new param values: a bf16 param rounded stochastically (stream 0)."""
     if _is_bf16(p):
         def bf16(p, buf, b, n_live, q):
-            lo = b * BLOCK
-            for j in range(n_live):
-                p[np.uint64(lo + j)] = _bf16_stochastic(buf[j], lo + j, q, _K0, _H0)
+            _round_back(p, buf, b, n_live, q, _K0, _H0)
         return bf16
 
     def f32(p, buf, b, n_live, q):
-        lo = b * BLOCK
-        for j in range(n_live):
-            p[np.uint64(lo + j)] = buf[j]
+        _copy_back(p, buf, b, n_live)
     return f32
 
 
