@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import json
 import math
@@ -80,29 +81,21 @@ def parse_size(text: str) -> int:
 
 
 
-def load_deepspeed():
-    """DeepSpeedCPUAdam class, or (None, reason)."""
+DEEPSPEED_CPU = {"adam": ("deepspeed.ops.adam", "DeepSpeedCPUAdam"),
+                 "lion": ("deepspeed.ops.lion", "DeepSpeedCPULion"),
+                 "adagrad": ("deepspeed.ops.adagrad", "DeepSpeedCPUAdagrad")}
+
+
+def load_deepspeed(rule: str = "adam"):
+    """DeepSpeed's CPU optimizer class of ``rule`` and None, or (None, reason)."""
+    if rule not in DEEPSPEED_CPU:
+        return None, f"DeepSpeed has no CPU {rule}"
+    module, name = DEEPSPEED_CPU[rule]
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-        return DeepSpeedCPUAdam, None
+            return getattr(importlib.import_module(module), name), None
     except Exception as exc:  # not installed, or its op failed to build
         return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-
-
-def load_deepspeed_rule(rule: str):
-    """DeepSpeed's CPU optimizer of ``rule`` (Lion, Adagrad; it has no CPU SGD), or None."""
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            if rule == "lion":
-                from deepspeed.ops.lion import DeepSpeedCPULion
-                return DeepSpeedCPULion
-            if rule == "adagrad":
-                from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
-                return DeepSpeedCPUAdagrad
-    except Exception:  # not installed, or its op failed to build (the Adam rows say why)
-        pass
-    return None
 
 
 class Buffers:
@@ -209,7 +202,7 @@ def rule_contenders(buf: Buffers, rule: str, threads: int):
                          num_threads=threads, **hp)
 
     out = {"ours_native": ours}
-    ds_cls = load_deepspeed_rule(rule)
+    ds_cls, _ = load_deepspeed(rule)
     if ds_cls is not None:
         # its own step over the shared param and state (its state dict pre-filled, so it
         # allocates nothing): DeepSpeedCPULion keeps exp_avg, DeepSpeedCPUAdagrad exp_avg_sq
@@ -486,8 +479,10 @@ def main() -> int:
         torch_threads = torch.get_num_threads()
         results = run_rules(sizes, thread_list, args.warmup, args.steps)
         torch.set_num_threads(torch_threads)
+        deepspeed = {rule: load_deepspeed(rule)[1] or "available" for rule in RULE_HP}
+        print(f"DeepSpeed's CPU optimizers: {deepspeed}")
         print(json.dumps({"bench": "rules", "cpu": cpu_model(), "torch": torch.__version__,
-                          "steps": args.steps, "results": results}))
+                          "steps": args.steps, "deepspeed": deepspeed, "results": results}))
         return 0
     ds_cls, ds_reason = load_deepspeed()
     env = {"cpu": cpu_model(), "cpus": os.cpu_count(), "torch": torch.__version__,
