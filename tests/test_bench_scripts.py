@@ -261,3 +261,31 @@ def test_compressed_calls_can_force_the_bf16_rounding():
     with CompressedCalls(torch_backend) as calls:
         step(False)
     assert calls.summary()["stochastic_states"] == [False]
+
+
+def test_kernel_floor_rows(capsys):
+    """bench/kernel_floor.py: a row per state dtype and thread count; the ceiling is the fp32
+    kernel's in-memory time over the row's floor, so the fp32 row's ratio is 1 by definition."""
+    from bench import kernel_floor
+
+    assert kernel_floor.main(["--size", "20K", "--cache-size", "4K", "--threads", "1,2", "--steps", "2",
+                              "--warmup", "1", "--reps", "2", "--backend", get_backend().name]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {(r["threads"], r["state_dtype"]): r for r in out["results"]}
+    assert sorted(rows) == [(t, sd) for t in (1, 2) for sd in ("bfloat16", "float32", "int8")]
+    for (threads, sd), r in rows.items():
+        fp32 = rows[(threads, "float32")]["in_memory_ns"]
+        assert r["floor_ns"] >= 0 and r["in_memory_ns"] > 0
+        assert r["ratio_vs_fp32"] == pytest.approx(fp32 / r["in_memory_ns"])
+        if r["floor_ns"]:
+            assert r["ceiling_vs_fp32"] == pytest.approx(fp32 / r["floor_ns"])
+    assert rows[(1, "float32")]["ratio_vs_fp32"] == 1.0
+
+
+def test_kernel_floor_rejects_bad_sizes():
+    from bench import kernel_floor
+
+    with pytest.raises(SystemExit):
+        kernel_floor.main(["--cache-size", "100"])
+    with pytest.raises(SystemExit):
+        kernel_floor.main(["--threads", "0"])
