@@ -9,16 +9,19 @@ because they move fewer bytes (16 and 20 B/param against 28). Fewer bytes only p
 fp32 kernel waits on memory. This bench separates the two costs, per state dtype, in one run:
 
 - **floor**: ns per element on a cache-resident slice (``--cache-size``, default 128K
-  elements: ~3.5 MB of fp32 param, grad and states, L2/L3), the per-call overhead (a call on
-  256 elements) subtracted; the best of ``--reps`` rounds, as the least disturbed. No kernel
-  can step a large N faster than this: the arithmetic, decode and encode are all still there,
-  and only the memory stalls are gone.
+  elements: ~3.5 MB of fp32 param, grad and states, L2/L3) on one thread, the per-call
+  overhead (a call on 256 elements) subtracted; the best of ``--reps`` rounds, as the least
+  disturbed. At T threads the floor is that over T (perfect scaling: a slice this small does
+  not split well across threads, so it is not measured on T). No kernel can step a large N
+  faster than this: the arithmetic, decode and encode are all still there, and only the
+  memory stalls are gone.
 - **in memory**: ns per element at ``--size``, the contenders interleaved step by step (median),
   as bench/adam.py times them.
 - **ceiling vs fp32** = the fp32 kernel's in-memory time / the row's floor: the most this row's
   Gparam/s can be over the fp32 kernel's at this N on this machine, however the memory traffic
   is overlapped. A ceiling under a target means the target needs less arithmetic, not fewer
-  bytes.
+  bytes. The float32 row's own ceiling is that of any kernel doing Adam's arithmetic and
+  nothing more: a compressed-state kernel whose decode and encode cost nothing.
 
 fp32 params (their own master), AdamW, the hyperparameters of bench/adam.py. Prints a table,
 then one JSON line.
@@ -62,9 +65,9 @@ def best_per_call(fn, calls: int, reps: int) -> float:
     return best
 
 
-def floors(backend, cache_n: int, threads: int, reps: int) -> dict:
-    """state dtype -> compute floor, ns/element (the per-call overhead taken off)."""
-    tiny, cached = stepper(backend, 256, threads), stepper(backend, cache_n, threads)
+def floors(backend, cache_n: int, reps: int) -> dict:
+    """state dtype -> compute floor on one thread, ns/element (the per-call overhead taken off)."""
+    tiny, cached = stepper(backend, 256, 1), stepper(backend, cache_n, 1)
     out = {}
     for sd in DTYPES:
         overhead = best_per_call(tiny[sd], 400, reps)
@@ -97,9 +100,11 @@ def main(argv=None) -> int:
     print(f"AdamW, fp32 params, {args.backend} kernels; floor at {cache_n:,} elements, in memory at {n:,}")
     print(f"{'thr':>3} {'states':9} {'floor ns/el':>11} {'in-mem ns/el':>12} {'stalled':>8} "
           f"{'vs fp32':>8} {'ceiling vs fp32':>15}")
+    torch.set_num_threads(1)
+    floor1 = floors(backend, cache_n, args.reps)
     for threads in thread_counts:
         torch.set_num_threads(threads)
-        floor = floors(backend, cache_n, threads, args.reps)
+        floor = {sd: f / threads for sd, f in floor1.items()}
         mem = in_memory(backend, n, threads, args.warmup, args.steps)
         for sd in DTYPES:
             row = {"threads": threads, "state_dtype": sd, "floor_ns": floor[sd], "in_memory_ns": mem[sd],
