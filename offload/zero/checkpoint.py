@@ -152,8 +152,11 @@ def _flat_meta(directory: str, mine: List[List[int]],
     return first, old_world
 
 
-def _old_layouts(mine: List[List[int]], old_world: int) -> List[List[FlatLayout]]:
-    return [[FlatLayout(n, old_world, r) for n in mine] for r in range(old_world)]
+def _old_layouts(layouts: Sequence[FlatLayout], old_world: int) -> List[List[FlatLayout]]:
+    """Each old rank's layouts of the same groups. The block alignment is the loader's: it
+    follows from the fields (blocked int8 moments align to their blocks), which
+    :func:`_flat_meta` has checked are the saver's, so the old shards are as long as saved."""
+    return [[FlatLayout(lay.numels, old_world, r, lay.align) for lay in layouts] for r in range(old_world)]
 
 
 def _needed(layouts: Sequence[FlatLayout], olds: List[List[FlatLayout]]) -> List[int]:
@@ -180,7 +183,7 @@ def check_shards(directory: str, layouts: Sequence[FlatLayout], *, engine: Any =
     The first half of a load that must not stop half-way (see FlatState.load_checkpoint)."""
     mine = [list(lay.numels) for lay in layouts]
     first, old_world = _flat_meta(directory, mine, fields)
-    olds = _old_layouts(mine, old_world)
+    olds = _old_layouts(layouts, old_world)
     for r in _needed(layouts, olds):
         path = os.path.join(directory, f"rank{r}")
         m = verify_checkpoint(path, list(fields), sum(lay.shard for lay in olds[r]), io_engine=engine,
@@ -196,7 +199,7 @@ def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
     mine = [list(fg.layout.numels) for fg in groups]
     fields = _fields_of(groups)
     first, old_world = _flat_meta(directory, mine, fields)
-    olds = _old_layouts(mine, old_world)
+    olds = _old_layouts([fg.layout for fg in groups], old_world)
     for r in _needed([fg.layout for fg in groups], olds):
         scratch = {f.name: [torch.empty(f.storage_numel(lay.shard), dtype=f.storage_dtype) for lay in olds[r]
                             if lay.shard] for f in fields}
@@ -275,7 +278,7 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
         _check_rank_meta(os.path.join(directory, f"rank{rank}"), meta, rank, world, first)
         return first, written
     names = list(field_names(fields))
-    olds = _old_layouts(mine, old_world)
+    olds = _old_layouts(layouts, old_world)
     old_base, new_base = _bases(olds[0], fields, directory), _bases(layouts, fields, directory)
     need = _needed(layouts, olds)
     files: Dict[Tuple[int, str], Any] = {}
