@@ -65,6 +65,57 @@ def test_forked_children_leave_the_parents_swap_dir_alone(tmp_path, dtype):
     assert lines[1] == "closed []", out + err
 
 
+# A child forked from a process whose nvme optimizer is open tries to use it: each call fails
+# at once with a RuntimeError (the engine's completion threads are the parent's: it used to
+# hang for ever), and the parent's next step still equals a reference that no child touched.
+_FORK_USE = """
+import os, sys, torch
+import offload
+torch.set_num_threads(1)
+p = torch.nn.Parameter(torch.randn(300000, generator=torch.Generator().manual_seed(0)))
+q = torch.nn.Parameter(p.detach().clone())
+kw = dict(lr=1e-2, offload="nvme", state_dtype=sys.argv[2])
+os.makedirs(os.path.join(sys.argv[1], "a")); os.makedirs(os.path.join(sys.argv[1], "b"))
+opt = offload.AdamW([p], swap_dir=os.path.join(sys.argv[1], "a"), **kw)
+ref = offload.AdamW([q], swap_dir=os.path.join(sys.argv[1], "b"), **kw)
+def step(k):
+    g = torch.randn(300000, generator=torch.Generator().manual_seed(k))
+    p.grad, q.grad = g.clone(), g.clone()
+    opt.step(); ref.step()
+step(1)
+for action in ("step", "state_dict", "save"):
+    pid = os.fork()
+    if pid == 0:
+        import signal
+        signal.alarm(30)  # a hang kills the child: the parent then sees the signal
+        try:
+            if action == "step":
+                p.grad = torch.ones_like(p); opt.step()
+            elif action == "state_dict":
+                opt.state_dict()
+            else:
+                opt.save_checkpoint(os.path.join(sys.argv[1], "ck"))
+            os._exit(3)
+        except RuntimeError as e:
+            os._exit(0 if "forked" in str(e) and str(os.getppid()) in str(e) else 4)
+        except BaseException:
+            os._exit(5)
+    _, status = os.waitpid(pid, 0)
+    print(action, status, flush=True)
+step(2)
+print("diff", float((p.detach() - q.detach()).abs().max()), flush=True)
+opt.close(); ref.close()
+"""
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_a_forked_child_cannot_use_the_parents_nvme_optimizer(tmp_path, state_dtype):
+    proc = run_python(_FORK_USE, str(tmp_path), state_dtype)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    assert out.split("\n")[:4] == ["step 0", "state_dict 0", "save 0", "diff 0.0"], out + err
+
+
 def _fork_holder(swap_dir):
     """A child that opens its own store on ``swap_dir`` and waits (leaves by SIGKILL)."""
     r, w = os.pipe()

@@ -169,6 +169,10 @@ class Engine:
         self._stats: Dict[str, int] = dict(requests=0, pieces=0, bytes_read=0, bytes_written=0,
                                            resubmits=0, unaligned_pieces=0, max_inflight=0, errors=0)
         self._closed = False
+        # A forked child inherits the engine object but not its completion threads (nor, for
+        # io_uring, a ring it may share with the parent): I/O submitted there would never
+        # complete, or complete in the parent. The child must open its own.
+        self._owner_pid = os.getpid()
 
     # -- public API -------------------------------------------------------------------------
 
@@ -186,6 +190,11 @@ class Engine:
         """Validate ``requests`` and split them into pieces of at most ``block_size`` bytes."""
         if self._closed:
             raise ValueError(f"{self.name} engine is closed")
+        if os.getpid() != self._owner_pid:
+            raise RuntimeError(f"{self.name} engine: opened by process {self._owner_pid}, used in process "
+                               f"{os.getpid()}, a child forked from it, which has none of its completion threads "
+                               "or ring; an offloaded optimizer (or engine) belongs to the process that made it: "
+                               "make a new one in the child, or fork before making it")
         reqs = list(requests)
         ticket = Ticket(self, len(reqs))
         pieces: List[_Piece] = []
