@@ -1,5 +1,5 @@
-// Portable Adam kernel: the fallback for CPUs without AVX2, and the numerics every SIMD
-// unit mirrors. Compiled with baseline flags only (the compiler may still use SSE2).
+// Portable Adam kernel: the fallback for CPUs without AVX2, with the numerics (and the
+// FMAs) of the SIMD units. Compiled with baseline flags only (the compiler may still use SSE2).
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -21,8 +21,12 @@ inline float load_grad(const void *g, int64_t i) {
     return bf16_to_float(static_cast<const uint16_t *>(g)[i]);
 }
 
-// Statement order follows torch's _single_tensor_adam (the scalars are folded by
-// offload/kernels/adam_consts.py).
+// torch's _single_tensor_adam (the scalars are folded by offload/kernels/adam_consts.py) with
+// the FMAs of the SIMD units' adam_math (avx512_adam.h, [Note: explicit FMAs]) and of numba's
+// adam_update, written out as std::fma: every unit and numba then give the same bits. (This
+// loop once wrote them as a multiply and an add, and the scalar unit alone differed in the
+// last bit.) On a CPU without FMA glibc computes std::fma exactly in software: slower, the
+// same bits.
 template <int G, int L, bool L2, bool FROM_END>
 void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
     float *__restrict p = b.param;
@@ -32,14 +36,12 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
     for (int64_t i = begin; i < end; ++i) {
         float g = load_grad<G>(b.grad, i) * c.grad_scale;
         float pi = p[i];
-        if (L2) g = g + c.l2 * pi;
-        pi = pi * c.decay;
+        if (L2) g = std::fma(pi, c.l2, g);
         float mi = m[i];
-        mi = c.lerp_coeff * (g - mi) + (FROM_END ? g : mi);
-        float vi = v[i] * c.beta2;
-        vi = vi + c.one_minus_beta2 * g * g;
+        mi = std::fma(c.lerp_coeff, g - mi, FROM_END ? g : mi);
+        float vi = std::fma(c.one_minus_beta2 * g, g, v[i] * c.beta2);
         float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
-        pi = pi + c.neg_step_size * mi / denom;
+        pi = std::fma(pi, c.decay, (c.neg_step_size * mi) / denom);
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offload.kernels as K
-from offload.kernels.fields import ADAGRAD, LION, SGD, SGD_PLAIN
+from offload.kernels.fields import ADAGRAD, ADAM, LION, SGD, SGD_PLAIN
 
 from test_kernels import backend, _native_or_none  # noqa: F401  (the backend fixture)
 
@@ -176,7 +176,15 @@ def _bit_runs(native, monkeypatch, isa, rule, hp, n, grad_dtype, lowp_dtype):
     return [p] + list(states.values()) + ([] if lowp is None else [lowp.view(torch.int16)])
 
 
-@pytest.mark.parametrize("rule,hp", CONFIGS, ids=CONFIG_IDS)
+# Adam too: the scalar unit once wrote its FMAs as a multiply and an add, and alone differed
+ADAM_BIT_CONFIGS = [
+    (ADAM, dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.01, decoupled=True)),
+    (ADAM, dict(lr=1e-2, beta1=0.8, beta2=0.95, eps=1e-6, weight_decay=0.1, decoupled=False,
+                maximize=True, grad_scale=0.5)),
+]
+
+
+@pytest.mark.parametrize("rule,hp", CONFIGS + ADAM_BIT_CONFIGS, ids=CONFIG_IDS + ["adamw", "adam_l2"])
 def test_units_and_numba_give_identical_bits(monkeypatch, rule, hp):
     # AVX-512, AVX2 and the scalar unit use one rounding per FMA (std::fma in the scalar
     # one), and numba calls llvm.fma: the same bits, tails and streamed copies included
