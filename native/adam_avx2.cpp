@@ -311,13 +311,21 @@ inline __m128i low_bytes(__m256i c) {
     return _mm_packus_epi16(w, w);
 }
 
+// quant_scalar.h's q8_norm of 8 values: x / a, or sqrt(max(x / a, +0)) (maxps gives its
+// second operand, +0, for -0).
+inline __m256 q8_norm8(const float *x, __m256 a, bool root) {
+    const __m256 xn = _mm256_div_ps(_mm256_loadu_ps(x), a);  // IEEE division
+    return root ? _mm256_sqrt_ps(_mm256_max_ps(xn, _mm256_setzero_ps())) : xn;
+}
+
 inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &t, uint8_t *codes) {
     constexpr int V = 4;
     const __m256 a = _mm256_set1_ps(absmax);
+    const bool root = t.sqrt_code;
     int64_t i = 0;
     if (t.buckets) {
         for (; i + 8 <= len; i += 8) {
-            const __m256 xn = _mm256_div_ps(_mm256_loadu_ps(x + i), a);  // IEEE division
+            const __m256 xn = q8_norm8(x + i, a, root);
             _mm_storel_epi64(reinterpret_cast<__m128i *>(codes + i), low_bytes(bucket_codes(*t.buckets, xn)));
         }
         return q8_codes_scalar(x + i, len - i, absmax, t, codes + i);
@@ -328,12 +336,12 @@ inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &
     for (; i + 8 * V <= len; i += 8 * V) {
         __m256 xn[V];
         __m128i c[V];
-        for (int j = 0; j < V; ++j) xn[j] = _mm256_div_ps(_mm256_loadu_ps(x + i + 8 * j), a);  // IEEE
+        for (int j = 0; j < V; ++j) xn[j] = q8_norm8(x + i + 8 * j, a, root);
         q8_search<V>(tree, r, xn, c);
         for (int j = 0; j < V; ++j) _mm_storel_epi64(reinterpret_cast<__m128i *>(codes + i + 8 * j), c[j]);
     }
     for (; i + 8 <= len; i += 8) {
-        const __m256 xn[1] = {_mm256_div_ps(_mm256_loadu_ps(x + i), a)};
+        const __m256 xn[1] = {q8_norm8(x + i, a, root)};
         __m128i c[1];
         q8_search<1>(tree, r, xn, c);
         _mm_storel_epi64(reinterpret_cast<__m128i *>(codes + i), c[0]);

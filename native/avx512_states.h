@@ -16,6 +16,12 @@ inline __m256i to_bf16(__m512 x) {
     return _mm512_cvtepi32_epi16(t);
 }
 
+// quant_scalar.h's q8_norm of 16 values xn = x / a: xn, or sqrt(max(xn, +0)) for a
+// square-root code (maxps gives its second operand, +0, for -0).
+inline __m512 q8_root(__m512 xn, bool root) {
+    return root ? _mm512_sqrt_ps(_mm512_max_ps(xn, _mm512_setzero_ps())) : xn;
+}
+
 inline __mmask16 lanes_mask(int64_t left) {
     if (left <= 0) return 0;
     return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);

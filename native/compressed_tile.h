@@ -15,6 +15,7 @@
 //   void q8_decode(const uint8_t *codes, float absmax, const Q8Tables &t, float *out, int64_t len);
 //   uint32_t abs_bits_max(const float *x, int64_t len);   (quant_scalar.h's meaning)
 //   void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &t, uint8_t *codes);
+//     (quant_scalar.h's q8_norm of each value: square roots where t.sqrt_code)
 //   void bf16_load(const uint16_t *src, float *out, int64_t len);
 //   void bf16_nearest(const float *x, uint16_t *dst, int64_t len);
 //   void bf16_stochastic_store(const float *x, uint16_t *dst, int64_t len, uint32_t start,
@@ -43,7 +44,7 @@ inline void q8_encode_block(const float *x, int64_t len, const Q8Tables &t, uint
     } else if (mx == 0) {
         memset(blk, t.zero_code, kTile);
     } else {
-        q8_codes(x, len, bits_f32(mx), t, blk);
+        q8_codes(x, len, bits_f32(mx), t, blk);  // (of square roots where t.sqrt_code)
         memset(blk + len, t.zero_code, kTile - len);  // padding: the zero code
     }
     memcpy(blk + kTile, &absmax_bits, 4);

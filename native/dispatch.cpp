@@ -407,7 +407,7 @@ int compressed_rule_step(const offload_step_args &a) {
 
 extern "C" {
 
-int offload_abi_version(void) { return 3; }
+int offload_abi_version(void) { return 4; }
 
 int64_t offload_step_args_size(void) { return static_cast<int64_t>(sizeof(offload_step_args)); }
 

@@ -100,6 +100,8 @@ struct Q8Tables {
     const struct Q8Buckets *buckets;  // nullptr: the map does not fit (search the tree)
     const uint8_t (*map_bytes)[256];  // [4][256]: byte j of map[code] in plane j (VBMI unit)
     const struct Q8Vbmi *vbmi;  // nullptr: the buckets do not fit the VBMI unit's tables
+    bool sqrt_code;  // Q8U: the code is of sqrt(max(x / absmax, 0)), map[] holds the squared
+                     // levels ([Note: square-root code] in quant.py)
 };
 
 // The bucket table of a map ([Note: bucketed encoder] in q8_buckets.h, which builds it).

@@ -34,7 +34,7 @@ enum { OFFLOAD_ISA_BEST = -1, OFFLOAD_ISA_SCALAR = 0, OFFLOAD_ISA_AVX2 = 1, OFFL
 OFFLOAD_API int offload_isa_supported(int isa);
 /* The ISA that OFFLOAD_ISA_BEST selects. */
 OFFLOAD_API int offload_isa_best(void);
-/* ABI version of this face (3: Q8 / BF16 states, BF16 params, struct offload_quant); the Python side refuses a library whose version differs. */
+/* ABI version of this face (3: Q8 / BF16 states, BF16 params, struct offload_quant; 4: Q8U codes square roots); the Python side refuses a library whose version differs. */
 OFFLOAD_API int offload_abi_version(void);
 
 /* Optimizer rules a step can apply; the codes of offload.kernels.fields.RULES. */
@@ -49,8 +49,11 @@ struct offload_array {
     int32_t rounding; /* BF16 param or state: OFFLOAD_ROUND_*; else 0 */
 };
 
-/* The tables and random streams of compressed states (quant.py's notes). map: 256 sorted
- * floats; mid[i] = (map[i] + map[i+1]) * 0.5f; a code is #{i : mid[i] < x / absmax}.
+/* The tables and random streams of compressed states (quant.py's notes). A Q8S code is
+ * #{i : signed_mid[i] < x / absmax} and decodes as signed_map[code] * absmax; a Q8U code is
+ * #{i : unsigned_mid[i] < sqrt(max(x / absmax, 0))} and decodes as unsigned_map[code] *
+ * absmax, unsigned_map holding the squares of the levels whose midpoints unsigned_mid holds
+ * (quant.SQRT_DECODE, quant.UNSIGNED_MID). Each map: 256 sorted floats with an exact 0.
  * Stochastic rounding of element i of array k (param k = 0, state s k = 1 + s):
  * h = lowbias32((uint32_t)(offset + i) ^ seed ^ STREAM[key(k)]), r = the top half of h for
  * the param and even states, the low half for odd states (which share the key of the even

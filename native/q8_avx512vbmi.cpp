@@ -136,10 +136,11 @@ inline __m512i codes64(const Q8Vbmi &t, const __m512 (&xn)[4]) {
 // dispatch.cpp runs this unit only when every Q8 state has its t.vbmi.
 inline void q8_codes(const float *x, int64_t len, float absmax, const Q8Tables &t, uint8_t *codes) {
     const __m512 a = _mm512_set1_ps(absmax);
+    const bool root = t.sqrt_code;
     for (int64_t i = 0; i < len; i += 64) {
         __m512 xn[4];
-        for (int k = 0; k < 4; ++k)  // IEEE division, as the scheme
-            xn[k] = _mm512_div_ps(_mm512_maskz_loadu_ps(lanes_mask(len - i - 16 * k), x + i + 16 * k), a);
+        for (int k = 0; k < 4; ++k)  // IEEE division (and square root), as the scheme
+            xn[k] = q8_root(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes_mask(len - i - 16 * k), x + i + 16 * k), a), root);
         const __m512i c = codes64(*t.vbmi, xn);
         if (len - i >= 64) _mm512_storeu_si512(codes + i, c);
         else _mm512_mask_storeu_epi8(codes + i, bytes_mask(len - i), c);
@@ -157,11 +158,12 @@ inline bool q8_encode_pair_max(const float *x0, const float *x1, uint32_t m0, ui
                                const Q8Tables &t1, uint8_t *blk0, uint8_t *blk1) {
     if (m0 - 1u >= 0x7F7FFFFFu || m1 - 1u >= 0x7F7FFFFFu) return false;  // 0, or NaN / inf
     const __m512 a0 = _mm512_set1_ps(bits_f32(m0)), a1 = _mm512_set1_ps(bits_f32(m1));
+    const bool r0 = t0.sqrt_code, r1 = t1.sqrt_code;
     for (int64_t i = 0; i < kTile; i += 64) {
         __m512 y0[4], y1[4];
-        for (int q = 0; q < 4; ++q) {  // IEEE division, as the scheme
-            y0[q] = _mm512_div_ps(_mm512_loadu_ps(x0 + i + 16 * q), a0);
-            y1[q] = _mm512_div_ps(_mm512_loadu_ps(x1 + i + 16 * q), a1);
+        for (int q = 0; q < 4; ++q) {  // IEEE division (and square root), as the scheme
+            y0[q] = q8_root(_mm512_div_ps(_mm512_loadu_ps(x0 + i + 16 * q), a0), r0);
+            y1[q] = q8_root(_mm512_div_ps(_mm512_loadu_ps(x1 + i + 16 * q), a1), r1);
         }
         const __m512i c0 = codes64(*t0.vbmi, y0), c1 = codes64(*t1.vbmi, y1);
         _mm512_storeu_si512(blk0 + i, c0);

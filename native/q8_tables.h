@@ -78,7 +78,8 @@ struct Q8Built {
         if (zero[m] < 0 && !build(m, map, mid)) return false;
         const Q8MidTables &t = *mid_tables[m];
         out = Q8Tables{map, halves[m], tree[m], static_cast<uint8_t>(zero[m]),
-                       t.buckets.ok ? &t.buckets : nullptr, map_bytes[m], t.vbmi.ok ? &t.vbmi : nullptr};
+                       t.buckets.ok ? &t.buckets : nullptr, map_bytes[m], t.vbmi.ok ? &t.vbmi : nullptr,
+                       m == 1};  // the unsigned map (Q8U) codes square roots
         return true;
     }
 

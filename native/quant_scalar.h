@@ -1,7 +1,7 @@
 // The compressed-state scheme (offload/kernels/quant.py) one element at a time: the scalar
 // unit's whole implementation and the SIMD units' tails. Every operation here is exact
-// (integer ops, one IEEE float division, comparisons), so a SIMD lane and this code give
-// the same bits by construction.
+// (integer ops, one IEEE float division and square root, comparisons), so a SIMD lane and
+// this code give the same bits by construction.
 // `static inline` in an anonymous namespace: each ISA unit gets its own copy (see kernel.h).
 #ifndef OFFLOAD_QUANT_SCALAR_H
 #define OFFLOAD_QUANT_SCALAR_H
@@ -53,12 +53,21 @@ static inline uint8_t q8_code_bucket(float xn, const offload::Q8Buckets &b) {
     return static_cast<uint8_t>(w + (rel >= (w & ~0xFFu) ? 1u : 0u));
 }
 
+// What a code counts the midpoints below: x / absmax, or with a square-root code (Q8U)
+// sqrt(max(x / absmax, 0)) ([Note: square-root code] in quant.py). IEEE division and square
+// root; max(xn, 0) as the SIMD units' maxps(xn, 0) (+0 for -0 and negatives).
+static inline float q8_norm(float x, float absmax, bool root) {
+    const float xn = x / absmax;
+    return root ? __builtin_sqrtf(xn > 0.0f ? xn : 0.0f) : xn;
+}
+
 static inline void q8_codes_scalar(const float *x, int64_t len, float absmax,
                                    const offload::Q8Tables &t, uint8_t *codes) {
+    const bool root = t.sqrt_code;
     if (t.buckets) {
-        for (int64_t i = 0; i < len; ++i) codes[i] = q8_code_bucket(x[i] / absmax, *t.buckets);
+        for (int64_t i = 0; i < len; ++i) codes[i] = q8_code_bucket(q8_norm(x[i], absmax, root), *t.buckets);
     } else {
-        for (int64_t i = 0; i < len; ++i) codes[i] = q8_code_one(x[i] / absmax, t.tree);
+        for (int64_t i = 0; i < len; ++i) codes[i] = q8_code_one(q8_norm(x[i], absmax, root), t.tree);
     }
 }
 

@@ -57,8 +57,8 @@ def test_nvme_checkpoint_round_trip_bit_for_bit(tmp_path, state_dtype):
     _steps(opt, params, 0, 2)
     opt.save_checkpoint(str(tmp_path / "ck"))
     m = json.load(open(tmp_path / "ck" / "rank0" / "offload-ckpt.json"))
-    want = {"int8": [{"name": "exp_avg", "dtype": "int8", "block": 256},
-                     {"name": "exp_avg_sq", "dtype": "uint8", "block": 256}],
+    want = {"int8": [{"name": "exp_avg", "dtype": "int8", "block": 256, "code": "signed"},
+                     {"name": "exp_avg_sq", "dtype": "uint8", "block": 256, "code": "sqrt"}],
             "bfloat16": [{"name": "exp_avg", "dtype": "bfloat16"}, {"name": "exp_avg_sq", "dtype": "bfloat16"}]}
     assert m["fields"] == want[state_dtype]
     if state_dtype == "int8":  # packed bytes, each param on its own blocks

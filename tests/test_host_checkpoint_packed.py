@@ -142,7 +142,8 @@ def test_file_bytes_are_the_stored_form(tmp_path, state_dtype):
     assert m["numel"] == total
     assert m["fields"] == [{"name": k, "dtype": "uint8"} for k in files]
     small = ["float32", 0]
-    big = {"int8": (["int8", BLOCK], ["uint8", BLOCK]), "bfloat16": (["bfloat16", 0], ["bfloat16", 0])}[state_dtype]
+    big = {"int8": (["int8", BLOCK, "signed"], ["uint8", BLOCK, "sqrt"]),
+           "bfloat16": (["bfloat16", 0], ["bfloat16", 0])}[state_dtype]
     for j, k in enumerate(STATES["adamw"]):
         assert m["meta"]["tensors"][k] == [big[j] if p.numel() >= 4096 else small for p in params]
     if state_dtype == "int8":  # the big param: 4097 blocks' worth, not 4 bytes per value

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import errno
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,17 +222,25 @@ def test_encoder_ties_and_neighbours_of_every_midpoint(isa):
     g = torch.cat([torch.cat([b, torch.ones(1)]) for b in blocks])[:-1]  # last block partial
     buf = _sgd_first_step_buffer("int8", g)
     assert torch.equal(buf, quant.encode_blocks(g, True))
-    # the same through the unsigned map (Adagrad's sum is never negative): scaled blocks
+    # the same through the unsigned map (Adagrad's sum is never negative), which codes
+    # square roots: values whose roots fall on and beside each midpoint, and scaled blocks
+    # Adagrad's first sum is g * g: grads on and beside each midpoint (with a 1.0 per block
+    # for absmax 1) give sums whose roots fall on and beside it (on it for most: ties)
     umid = quant.UNSIGNED_MID
-    x = torch.cat([umid, torch.nextafter(umid, torch.tensor(2.0)), torch.ones(1)]) * 3.0
+    near = torch.cat([umid, torch.nextafter(umid, torch.tensor(2.0)), torch.nextafter(umid, torch.tensor(-2.0))])
+    assert (torch.from_numpy(np.sqrt((umid * umid).numpy())) == umid).sum() > 100
+    g = torch.cat([b for c in near.split(255) for b in (c, torch.ones(1))])
+    g = torch.cat([g, torch.cat([umid, torch.nextafter(umid, torch.tensor(2.0)), torch.ones(1)]).sqrt() * 3.0])
+    x = g * g
     enc = quant.encode_blocks(x, False)
     dec = quant.decode_blocks(enc, x.numel(), False)
     assert torch.equal(quant.encode_blocks(dec, False), enc)  # the reference is stable
     s = ADAGRAD.with_state_dtype("int8")
     st = {"sum": quant.encode_blocks(torch.zeros(x.numel()), False)}
-    NATIVE.rule_step(s, torch.zeros(x.numel()), x.sqrt(), st, step=1, lr=0.0, num_threads=1)
+    NATIVE.rule_step(s, torch.zeros(x.numel()), g, st, step=1, lr=0.0, num_threads=1)
+    assert torch.equal(st["sum"], enc)
     ref = {"sum": quant.encode_blocks(torch.zeros(x.numel()), False)}
-    compose_step(NATIVE._adagrad, s.fields, torch.zeros(x.numel()), x.sqrt(), (ref["sum"],),
+    compose_step(NATIVE._adagrad, s.fields, torch.zeros(x.numel()), g, (ref["sum"],),
                  None, 1, _KERNELS[ADAGRAD].args(1, lr=0.0), quant.QuantArgs())
     assert torch.equal(st["sum"], ref["sum"])
 

@@ -87,7 +87,9 @@ class unsigned_tables:
         u_map, u_mid = self.ptrs[2], self.ptrs[3]
         native_backend._TABLE_PTRS = (u_map, u_mid, u_map, u_mid)
         self.maps = dict(numba_backend._QUANT_MAPS)
-        numba_backend._QUANT_MAPS[True] = numba_backend._QUANT_MAPS[False]
+        # the unsigned midpoints without the square root the unsigned states take first:
+        # this checks the encoder's count of midpoints below xn, which both codes share
+        numba_backend._QUANT_MAPS[True] = numba_backend._QUANT_MAPS[False][:4] + (False,)
         return self
 
     def __exit__(self, *exc):

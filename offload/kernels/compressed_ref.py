@@ -21,7 +21,7 @@ __all__ = ["compose_step", "decode_state", "encode_state"]
 def decode_state(field: StateField, t: torch.Tensor, numel: int) -> torch.Tensor:
     """The float32 values of state tensor ``t`` stored as ``field``."""
     if field.blocked:
-        return quant.decode_blocks(t.reshape(-1), numel, field.signed)
+        return quant.decode_blocks(t.reshape(-1), numel, field.signed, field.code)
     return t.reshape(-1).float().clone()
 
 
@@ -30,7 +30,7 @@ def encode_state(field: StateField, values: torch.Tensor, out: torch.Tensor, *,
     """Store float32 ``values`` into state tensor ``out`` (``field``'s storage), in place."""
     flat = out.view(-1)
     if field.blocked:
-        flat.copy_(quant.encode_blocks(values, field.signed))
+        flat.copy_(quant.encode_blocks(values, field.signed, field.code))
     elif field.dtype == torch.bfloat16:
         rounded = (quant.round_bf16_stochastic(values, seed, offset, stream) if stochastic
                    else quant.round_bf16_nearest(values))

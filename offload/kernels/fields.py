@@ -18,6 +18,7 @@ from typing import Iterable, Sequence, Tuple
 
 import torch
 
+from . import quant
 from .quant import BLOCK, PACKED_BLOCK, packed_nbytes
 
 __all__ = ["StateField", "Rule", "MASTER", "ADAM", "LION", "ADAGRAD", "SGD", "SGD_PLAIN",
@@ -56,6 +57,12 @@ class StateField:
     block: int = 0
     """0: one element per value. ``quant.BLOCK`` (256): block-wise 8-bit, stored as packed
     blocks of codes and a float32 absmax ([Note: block-wise 8-bit states] in quant.py)."""
+    code: str = ""
+    """A blocked field's code (``quant.CODES``): "signed" for int8, "sqrt" for uint8 (the
+    default, filled in when left empty), or "unsigned", the first int8 checkpoints' uint8
+    code, which only converting loads read ([Note: square-root code] in quant.py). Empty for
+    a field of one element per value. A field of another code is another field: stores
+    compare fields, so a file in the old code is converted, never taken as it is."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isidentifier():
@@ -66,6 +73,16 @@ class StateField:
         if self.block and self.dtype not in (torch.int8, torch.uint8):
             raise ValueError(f"state field {self.name!r}: a blocked field is int8 (signed map) "
                              f"or uint8 (unsigned map), got {self.dtype}")
+        if not self.block:
+            if self.code:
+                raise ValueError(f"state field {self.name!r}: only a blocked field has a code, got {self.code!r}")
+            return
+        signed = self.dtype == torch.int8
+        code = self.code or quant.default_code(signed)
+        if code not in quant.CODES or (code == "signed") != signed:
+            raise ValueError(f"state field {self.name!r}: a blocked {dtype_name(self.dtype)} field's code is "
+                             f"{'signed' if signed else 'sqrt or unsigned'}, got {self.code!r}")
+        object.__setattr__(self, "code", code)
 
     @property
     def blocked(self) -> bool:
@@ -121,12 +138,18 @@ class StateField:
         d = {"name": self.name, "dtype": self.dtype_name}
         if self.block:
             d["block"] = self.block
+            d["code"] = self.code
         return d
 
     @classmethod
     def from_description(cls, d: dict) -> "StateField":
-        return cls(str(d["name"]), dtype_from_name(str(d.get("dtype", "float32"))),
-                   int(d.get("block", 0)))
+        """The field ``describe`` wrote; a blocked uint8 field described without a code is
+        the first int8 checkpoints' ("unsigned": they wrote none)."""
+        dtype, block = dtype_from_name(str(d.get("dtype", "float32"))), int(d.get("block", 0))
+        code = str(d.get("code", "")) if block else ""
+        if block and not code and dtype == torch.uint8:
+            code = "unsigned"
+        return cls(str(d["name"]), dtype, block, code)
 
 
 def field_names(fields: Iterable[StateField]) -> Tuple[str, ...]:

@@ -31,7 +31,7 @@ __all__ = ["NativeBackend", "LIB_PATH", "ISA_CODES", "load_library"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_PATH = os.path.join(HERE, "liboffload_native.so")
 ERROR_PATH = os.path.join(HERE, "native_build_error.txt")
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # avx512vbmi: the avx512 unit with VBMI byte permutes for int8 states (the same bits, faster;
 # native/q8_avx512vbmi.cpp); supported only where the CPU has VBMI
@@ -44,7 +44,7 @@ _NEAREST, _STOCHASTIC = 0, 1  # OFFLOAD_ROUND_*
 # quant.py's tables, the ones every backend encodes with; the library reads them through raw
 # pointers, so this module holds them (contiguous float32) for the life of the process
 _TABLES = tuple(t.to(torch.float32).contiguous()
-                for t in (quant.SIGNED_MAP, quant.SIGNED_MID, quant.UNSIGNED_MAP, quant.UNSIGNED_MID))
+                for t in (*quant.code_tables("signed"), *quant.code_tables("sqrt")))  # the Q8U decode table: squares
 _TABLE_PTRS = tuple(t.data_ptr() for t in _TABLES)
 
 _c_int, _c_i64, _c_dbl, _vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p

@@ -38,7 +38,7 @@ from .adam_consts import AdamConsts, FoldCache
 from . import numba_compressed as nc
 from . import numba_rules as nr
 from . import q8_buckets
-from .quant import BLOCK, quant_map, zero_code
+from .quant import BLOCK, default_code, quant_map, zero_code
 from .rule_consts import RuleFoldCache, fold_adagrad, fold_lion, fold_sgd
 
 __all__ = ["NumbaBackend"]
@@ -183,14 +183,16 @@ def _u16(t: torch.Tensor) -> np.ndarray:
     return t.view(-1).view(torch.int16).numpy().view(np.uint16)
 
 
-def quant_tables(table: np.ndarray, mid: np.ndarray, zc: int) -> tuple:
-    """(map, mid, zero code, bucket table) as numba_compressed takes a blocked state's
-    tables; the bucket table is empty for a map it does not fit (q8_buckets.build)."""
+def quant_tables(table: np.ndarray, mid: np.ndarray, zc: int, sqrt_code: bool = False) -> tuple:
+    """(decode table, mid, zero code, bucket table, square-root code) as numba_compressed
+    takes a blocked state's tables; the bucket table is empty for a map it does not fit
+    (q8_buckets.build)."""
     buckets = q8_buckets.build(mid)
-    return (table, mid, zc, np.zeros(0, dtype=np.uint32) if buckets is None else buckets)
+    return (table, mid, zc, np.zeros(0, dtype=np.uint32) if buckets is None else buckets, bool(sqrt_code))
 
 
-_QUANT_MAPS = {signed: quant_tables(*(t.numpy() for t in quant_map(signed)), zero_code(signed))
+_QUANT_MAPS = {signed: quant_tables(*(t.numpy() for t in quant_map(signed)), zero_code(signed),
+                                    default_code(signed) == "sqrt")
                for signed in (True, False)}
 
 

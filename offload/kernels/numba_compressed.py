@@ -193,7 +193,7 @@ def _finish_state(s, buf, b, n_live, q, stream, shift):
         return absent
     if _is_blocked(s):
         def blocked(s, buf, b, n_live, q, stream, shift):
-            _encode_block(s[0], s[2], s[3], s[4], buf, b, n_live)
+            _encode_block(s[0], s[2], s[3], s[4], s[5], buf, b, n_live)
         return blocked
     if _is_bf16(s):
         def bf16(s, buf, b, n_live, q, stream, shift):
@@ -238,10 +238,11 @@ def _code_bucket(t, xn):
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def _encode_block(a, mid, zc, table, buf, b, n_live):
+def _encode_block(a, mid, zc, table, sqrt_code, buf, b, n_live):
     """Block ``b`` of packed bytes ``a`` from the float32 values ``buf[:n_live]``
     (quant.encode_blocks: NaN absmax and zero codes for a non-finite block, zero codes for
-    an all-zero one, the zero code past the live elements)."""
+    an all-zero one, the zero code past the live elements; with ``sqrt_code`` the codes of
+    sqrt(max(x / absmax, 0)), [Note: square-root code])."""
     amax = np.float32(0)
     bad = False
     for j in range(n_live):
@@ -253,12 +254,18 @@ def _encode_block(a, mid, zc, table, buf, b, n_live):
         for j in range(BLOCK):
             a[base + np.uint64(j)] = zc
     else:
+        if sqrt_code:  # the roots in buf (the caller's scratch tile), then coded over 1.0: exact
+            for j in range(n_live):
+                buf[j] = np.sqrt(max(buf[j] / amax, np.float32(0)))
+            amax_code = np.float32(1)
+        else:
+            amax_code = amax
         if table.size:
             for j in range(n_live):
-                a[base + np.uint64(j)] = _code_bucket(table, buf[j] / amax)
+                a[base + np.uint64(j)] = _code_bucket(table, buf[j] / amax_code)
         else:
             for j in range(n_live):
-                a[base + np.uint64(j)] = _code(mid, buf[j] / amax)
+                a[base + np.uint64(j)] = _code(mid, buf[j] / amax_code)
         for j in range(n_live, BLOCK):
             a[base + np.uint64(j)] = zc
     bits = np.uint32(_NAN_BITS) if bad else bits_from_f32(amax)

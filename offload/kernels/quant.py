@@ -24,6 +24,19 @@ cuts an fp32 state, at block boundaries.
   midpoints below xn: ``code = #{i : mid[i] < xn}``, ``mid[i] = (map[i] + map[i+1]) * 0.5``
   in float32 (nearest map value, ties to the lower one).
 - Decode: ``map[code] * absmax`` (float32 multiply).
+- [Note: square-root code] The unsigned states (exp_avg_sq, Adagrad's sum) are squares of
+  grads, so a block of them spans twice the decades its grads do, and the dynamic map gives
+  128 levels to the top decade but 16 to the fourth and 2 to the seventh: coded directly,
+  every value below ~3e-7 of its block's absmax became 0, and Adam's update of such an
+  element, m / (sqrt(0) + eps), grew by up to the ratio of its grad to eps (bench/RESULTS.md,
+  thirteenth and sixteenth sessions). An unsigned state therefore codes the square root of
+  its normalized value with the unsigned map: ``code = #{i : mid[i] < sqrt(max(xn, 0))}``
+  (IEEE float32 division, then IEEE square root: every backend's bits), and decodes as
+  ``map[code]**2 * absmax`` (``SQRT_DECODE[code] = map[code] * map[code]`` in float32, then
+  the multiply). The absmax is still the values' own. Levels reach 1e-13 of the absmax, and
+  the relative step of sqrt(v) (what Adam and Adagrad divide by) is the map's own. The
+  ``"unsigned"`` code, the same map without the square root, is the first int8 checkpoints'
+  (``CODES``); the library reads it to convert such files and writes only ``"sqrt"``.
 
 [Note: stochastic rounding to bfloat16]
 A float32 x rounds to bfloat16 stochastically as ``(bits(x) + r) >> 16`` with r a 16-bit
@@ -42,11 +55,12 @@ elements, 7 % of its CPU time at 100M (``random_bits16``; bench/RESULTS.md, thir
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 __all__ = ["QuantArgs", "BLOCK", "PACKED_BLOCK", "SIGNED_MAP", "UNSIGNED_MAP", "SIGNED_MID", "UNSIGNED_MID",
+           "SQRT_DECODE", "CODES", "default_code", "code_tables", "recode_blocks",
            "STREAMS", "stream_key", "stream_shift", "packed_nbytes", "quant_map", "encode_blocks", "decode_blocks",
            "lowbias32", "random_bits16", "round_bf16_stochastic", "round_bf16_nearest", "rounding_seed", "zero_code"]
 
@@ -103,13 +117,45 @@ SIGNED_MID = (SIGNED_MAP[:-1] + SIGNED_MAP[1:]) * 0.5
 UNSIGNED_MID = (UNSIGNED_MAP[:-1] + UNSIGNED_MAP[1:]) * 0.5
 
 
+SQRT_DECODE = UNSIGNED_MAP * UNSIGNED_MAP
+"""The decode table of the ``"sqrt"`` code: the unsigned map's levels squared (float32)."""
+
+CODES = ("signed", "sqrt", "unsigned")
+"""How a blocked state maps values to codes: ``"signed"`` (int8 fields: the signed map),
+``"sqrt"`` (uint8 fields: the unsigned map over sqrt(xn), [Note: square-root code]) and
+``"unsigned"`` (uint8 fields of the first int8 checkpoints: the unsigned map over xn; read
+only, to convert them)."""
+
+
+def default_code(signed: bool) -> str:
+    """The code the library writes for a signed (int8) or unsigned (uint8) blocked field."""
+    return "signed" if signed else "sqrt"
+
+
+def _check_code(code: str) -> str:
+    if code not in CODES:
+        raise ValueError(f"unknown int8 state code {code!r}; expected one of {list(CODES)}")
+    return code
+
+
+def code_tables(code: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(decode table[256], mid[255]) float32 of a code: decode = table[code] * absmax, and
+    the code of a normalized value is the count of ``mid`` below it (below its square root
+    for ``"sqrt"``)."""
+    _check_code(code)
+    if code == "signed":
+        return SIGNED_MAP, SIGNED_MID
+    return (SQRT_DECODE if code == "sqrt" else UNSIGNED_MAP), UNSIGNED_MID
+
+
 def quant_map(signed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(map[256], mid[255]) float32 of the signed or unsigned scheme."""
-    return (SIGNED_MAP, SIGNED_MID) if signed else (UNSIGNED_MAP, UNSIGNED_MID)
+    """(decode table[256], mid[255]) float32 of the code the library writes for a signed or
+    unsigned field (``code_tables(default_code(signed))``)."""
+    return code_tables(default_code(signed))
 
 
 def zero_code(signed: bool) -> int:
-    """The code whose map value is exactly 0."""
+    """The code whose map value is exactly 0 (the same for every code of a signedness)."""
     return int((quant_map(signed)[0] == 0).nonzero()[0, 0])
 
 
@@ -120,14 +166,18 @@ def packed_nbytes(numel: int) -> int:
     return -(-int(numel) // BLOCK) * PACKED_BLOCK
 
 
-def encode_blocks(x: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The packed blocks (uint8, ``packed_nbytes(x.numel())``) of float32 ``x``."""
+def encode_blocks(x: torch.Tensor, signed: bool, code: Optional[str] = None) -> torch.Tensor:
+    """The packed blocks (uint8, ``packed_nbytes(x.numel())``) of float32 ``x``, in ``code``
+    (default: the one the library writes for ``signed``)."""
     x = x.detach().reshape(-1)
     if x.dtype != torch.float32:
         raise TypeError(f"encode_blocks takes float32 values, got {x.dtype}")
+    code = _check_code(code or default_code(signed))
+    if (code == "signed") != bool(signed):
+        raise ValueError(f"code {code!r} is for {'signed' if code == 'signed' else 'unsigned'} states")
     n = x.numel()
     nb = -(-n // BLOCK)
-    table, mid = quant_map(signed)
+    mid = code_tables(code)[1]
     zc = zero_code(signed)
     padded = torch.zeros(nb * BLOCK, dtype=torch.float32)
     padded[:n] = x
@@ -137,6 +187,13 @@ def encode_blocks(x: torch.Tensor, signed: bool) -> torch.Tensor:
     absmax = torch.where(bad, torch.full_like(absmax, float("nan")), absmax)
     safe = torch.where(bad | (absmax == 0), torch.ones_like(absmax), absmax)
     xn = blocks / safe[:, None]
+    if code == "sqrt":
+        # IEEE float32 square root, as the kernels' sqrtps: torch's float32 sqrt on the CPU
+        # is not correctly rounded (sqrt(0.19140626) gave 0.4375 for 0.43750003), so it is
+        # taken in float64 and rounded once to float32. That is exact: the square root of a
+        # float32 is never within 2**-51 (relative) of a float32 midpoint, and float64's
+        # error is below 2**-53.
+        xn = torch.sqrt(torch.clamp_min(xn, 0.0).double()).float()
     codes = torch.searchsorted(mid, xn.contiguous(), right=False).to(torch.uint8)
     codes[bad | (absmax == 0)] = zc
     codes.view(-1)[n:] = zc
@@ -146,8 +203,12 @@ def encode_blocks(x: torch.Tensor, signed: bool) -> torch.Tensor:
     return out.view(-1)
 
 
-def decode_blocks(packed: torch.Tensor, numel: int, signed: bool) -> torch.Tensor:
-    """The float32 values (``numel`` of them) of packed blocks ``packed`` (uint8)."""
+def decode_blocks(packed: torch.Tensor, numel: int, signed: bool, code: Optional[str] = None) -> torch.Tensor:
+    """The float32 values (``numel`` of them) of packed blocks ``packed`` (uint8) in ``code``
+    (default: the one the library writes for ``signed``)."""
+    code = _check_code(code or default_code(signed))
+    if (code == "signed") != bool(signed):
+        raise ValueError(f"code {code!r} is for {'signed' if code == 'signed' else 'unsigned'} states")
     if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(numel):
         raise ValueError(f"a blocked state of {numel} elements is {packed_nbytes(numel)} uint8 "
                          f"bytes, got {packed.numel()} {packed.dtype}")
@@ -155,8 +216,21 @@ def decode_blocks(packed: torch.Tensor, numel: int, signed: bool) -> torch.Tenso
     blocks = packed.reshape(nb, PACKED_BLOCK)
     codes = blocks[:, :BLOCK].long()
     absmax = blocks[:, BLOCK:].contiguous().view(torch.float32).view(nb, 1)
-    table = quant_map(signed)[0]
+    table = code_tables(code)[0]
     return (table[codes] * absmax).view(-1)[:numel].clone()
+
+
+def recode_blocks(packed: torch.Tensor, signed: bool, src: str, dst: str) -> None:
+    """Whole packed blocks ``packed`` (uint8, a multiple of ``PACKED_BLOCK`` bytes) from code
+    ``src`` to code ``dst``, in place: each block decoded and encoded again on its own (the
+    zero code of padding decodes to 0 and encodes back to it; a NaN block stays one)."""
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() % PACKED_BLOCK:
+        raise ValueError(f"recode_blocks takes whole packed blocks (1-D uint8, a multiple of {PACKED_BLOCK} bytes), "
+                         f"got {packed.numel()} {packed.dtype}")
+    if src == dst:
+        return
+    n = packed.numel() // PACKED_BLOCK * BLOCK
+    packed.copy_(encode_blocks(decode_blocks(packed, n, signed, src), signed, dst))
 
 
 def lowbias32(x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ encoded as the field stores them, bf16 rounded to nearest even (one rounding of 
 value: nothing decays through it, so no stochastic rounding is needed), int8 block by block
 as the kernels encode. A bf16 state survives the round trip bit for bit; an int8 one
 survives decode -> encode except in a block whose absmax came from a negative value (the
-signed map's most negative code is -0.9775, not -1), where the block is re-scaled: a change
+signed map's most negative level is -0.99297, not -1), where the block is re-scaled: a change
 of at most one code step, the int8 scheme's own resolution.
 
 Every function returns a new tensor, never a view of its input: a state_dict must not
@@ -47,7 +47,7 @@ def to_torch_layout(field: StateField, stored: torch.Tensor, numel: int,
                          f"{field.storage_numel(numel)} {field.storage_dtype} values, got "
                          f"{stored.numel()} {stored.dtype}")
     if field.blocked:
-        values = quant.decode_blocks(stored.detach().reshape(-1), numel, field.signed)  # a new tensor
+        values = quant.decode_blocks(stored.detach().reshape(-1), numel, field.signed, field.code)  # a new tensor
     else:
         values = stored.detach().reshape(-1).to(torch.float32, copy=True)
     return values.view(tuple(shape) if shape is not None else (numel,))
@@ -63,7 +63,7 @@ def from_torch_layout(field: StateField, values: torch.Tensor,
                         f"{getattr(values, 'dtype', type(values).__name__)}")
     flat = values.detach().reshape(-1).to(torch.float32)
     if field.blocked:
-        return quant.encode_blocks(flat, field.signed)
+        return quant.encode_blocks(flat, field.signed, field.code)
     shape = tuple(values.shape) if shape is None else tuple(shape)
     if field.dtype == torch.bfloat16:
         return quant.round_bf16_nearest(flat).view(shape)  # quant's: the kernels' NaN bits

@@ -97,7 +97,7 @@ def save_store(store: Any, buffers: List[Any], directory: str, meta: Dict[str, A
     layout, names = store.layout, store.state_names
     new = NewGeneration(directory, names, _state_files(layout, names))
     manifest = dict(dtypes=dict(zip(names, layout.dtype_names)), numel=layout.numel, meta=meta,
-                    blocks={f.name: f.block for f in layout.fields})
+                    fields={f.name: f for f in layout.fields})
     return _save(new, lambda: _write_store(store, buffers, new), manifest, agree)
 
 
@@ -175,7 +175,7 @@ def _say(fields: Dict[str, StateField]) -> str:
 
 
 def _kind(f: StateField) -> str:
-    return f"{f.dtype_name} in blocks of {f.block}" if f.block else f.dtype_name
+    return f"{f.dtype_name} in blocks of {f.block}, {f.code} code" if f.block else f.dtype_name
 
 
 def _load_store(store: Any, buffers: List[Any], directory: str) -> Tuple[Dict[str, Any], Dict[int, Any]]:
@@ -352,7 +352,7 @@ def save_tensors(directory: str, states: Dict[str, List[Any]], meta: Dict[str, A
             return {k: _write_tensors(st, new, fields[k], states[k]) for k in names}
 
     manifest = dict(dtypes={k: f.dtype_name for k, f in fields.items()}, numel=numel, meta=meta,
-                    blocks={k: f.block for k, f in fields.items()})
+                    fields=dict(fields))
     return _save(new, write, manifest, agree)
 
 

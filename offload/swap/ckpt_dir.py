@@ -217,18 +217,18 @@ class NewGeneration:
         fsutil.fsync_dir(self.directory)
 
     def commit(self, *, dtypes: Dict[str, str], numel: int, crcs: Dict[str, int], meta: Dict[str, Any],
-               blocks: Optional[Dict[str, int]] = None) -> None:
+               fields: Optional[Dict[str, StateField]] = None) -> None:
         """Replace the manifest. ``dtypes``: each state's element type; ``dtype`` and an int
         ``file_bytes`` say it once when all states share it (as the first format did, so
         that release still reads an fp32 checkpoint), else "mixed" and a map per state;
-        ``fields`` lists each state's name and dtype (``StateField.describe``) in file order,
-        with its ``block`` when ``blocks`` says it is stored in packed 8-bit blocks."""
+        ``fields`` lists each state's ``StateField.describe()`` in file order (name, dtype,
+        and for packed 8-bit blocks the block and code), from ``fields`` where given."""
         one = len(set(dtypes.values())) == 1 and len(set(self.per_file.values())) == 1
         fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, fsutil.sealed({
             "format": CKPT_FORMAT, "version": CKPT_VERSION,
             "dtype": next(iter(dtypes.values())) if one else "mixed", "dtypes": dict(dtypes), "numel": numel,
             "states": self.names,
-            "fields": [dict({"name": k, "dtype": dtypes[k]}, **({"block": blocks[k]} if (blocks or {}).get(k) else {}))
+            "fields": [fields[k].describe() if fields and k in fields else {"name": k, "dtype": dtypes[k]}
                        for k in self.names], "gen": self.gen, "files": self.finals,
             "file_bytes": next(iter(self.per_file.values())) if one else dict(self.per_file),
             "crc32": dict(crcs), "meta": meta}))

@@ -126,3 +126,21 @@ def check_committed(extra: Dict[str, Any], path: str) -> None:
                          "it, before its first states were written): nothing to resume; remove it (`offload "
                          f"clean {os.path.dirname(os.path.dirname(path))}`) and build the optimizer without "
                          "resume=True")
+
+
+def check_codes(m: Dict[str, Any], path: str, fields: Sequence[StateField]) -> None:
+    """The int8 codes of resumed manifest ``m`` (its ``dtypes`` and ``blocks`` filled in) are
+    ``fields``' ([Note: square-root code] in kernels/quant.py): written with the blocks since
+    the square-root code; a uint8 state in blocks without one is in the first code, whose
+    swap files this release cannot step (checkpoints convert; swap files are not). Fills in
+    the keys of typed fields that older manifests lack."""
+    m.setdefault("dtypes", [m["dtype"]] * len(m["states"]))  # before typed fields: one dtype for all
+    m.setdefault("blocks", [0] * len(m["states"]))  # fp32/bf16 states: written without the key
+    m.setdefault("codes", [("unsigned" if d == "uint8" else "signed") if b else ""
+                           for d, b in zip(m["dtypes"], m["blocks"])])
+    codes = [f.code for f in fields]
+    if m["codes"] != codes and m["blocks"] == [f.block for f in fields]:
+        raise ValueError(f"{path}: swap directory of int8 states in the codes {m['codes']}, this offload keeps "
+                         f"{codes} (the unsigned states' square-root code came later) and cannot resume it: "
+                         "load a checkpoint of that run (checkpoints convert), or clean the directory "
+                         "(`offload clean`) and start again")

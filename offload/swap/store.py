@@ -46,7 +46,7 @@ from offload.io.auto import resolve_engine
 from offload.swap import cleanup, fsutil
 from offload.kernels.fields import field_names
 from offload.swap.layout import SwapLayout
-from offload.swap.manifest_check import check_manifest
+from offload.swap.manifest_check import check_codes, check_manifest
 
 __all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir_name", "resolve_engine"]
 
@@ -217,8 +217,7 @@ class SwapStore:
         if self.identity is not None and found is not None and found["digest"] != self.identity["digest"]:
             raise ValueError(f"{path}: swap directory holds the states of other params ({found.get('summary')}; "
                              f"this optimizer has {self.identity['summary']})")
-        m.setdefault("dtypes", [m["dtype"]] * len(m["states"]))  # before typed fields: one dtype for all
-        m.setdefault("blocks", [0] * len(m["states"]))  # fp32/bf16 states: written without the key
+        check_codes(m, path, self.fields)  # (fills in the typed keys older manifests lack)
         expect = {"run": self.run_name, "rank": self.rank, "dtype": self.layout.dtype_name,
                   "dtypes": self.layout.dtype_names, "blocks": [f.block for f in self.fields],
                   "numel": self.layout.numel, "states": self.state_names,
@@ -251,7 +250,8 @@ class SwapStore:
             "checksums": {str(k): v for k, v in self.checksums.items()} if self.verify else None,
             "extra": self.extra, **({"identity": self.identity} if self.identity is not None else {}),
             # packed int8 blocks ([Note: block-wise 8-bit states] in kernels/quant.py); absent: none
-            **({"blocks": [f.block for f in self.fields]} if any(f.blocked for f in self.fields) else {}),
+            **({"blocks": [f.block for f in self.fields], "codes": [f.code for f in self.fields]}
+               if any(f.blocked for f in self.fields) else {}),
         }
         try:
             n = fsutil.write_json_atomic(self.path, MANIFEST, fsutil.sealed(m))

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from offload.io import open_file
+from offload.kernels import quant
 from offload.kernels.fields import ADAM, StateField, field_names
 from offload.kernels.quant import BLOCK
 from offload.swap.checkpoint import (stream_groups, load_store, load_tensors, read_manifest, save_store, save_tensors,
@@ -58,7 +59,8 @@ def checkpoint_fields(manifest: Dict[str, Any]) -> Tuple[StateField, ...]:
 
 
 def _describe(fields: Sequence[StateField]) -> str:
-    names = ", ".join(f"{f.name} ({f.dtype_name}{' in blocks of %d' % f.block if f.block else ''})" for f in fields)
+    names = ", ".join(f"{f.name} ({f.dtype_name}{' in blocks of %d, %s code' % (f.block, f.code) if f.block else ''})"
+                      for f in fields)
     if not fields:  # a rule without state per element saved only its steps and param_groups
         names = "no state (a rule that keeps none, as SGD without momentum)"
     if any(f.name == "master" for f in fields):
@@ -139,7 +141,8 @@ def _flat_meta(directory: str, mine: List[List[int]],
                          f"{_describe(fields)}: load it with an optimizer of the kind that saved it")
     manifest = read_manifest(where)
     theirs = checkpoint_fields(manifest)
-    if theirs != tuple(fields):  # first: the other kind of store groups its params otherwise too
+    # first: the other kind of store groups its params otherwise too
+    if theirs != tuple(fields) and not recodes(theirs, fields):
         raise ValueError(f"{directory}: the checkpoint holds {_describe(theirs)}; this optimizer keeps "
                          f"{_describe(fields)}: load it with an optimizer of the kind that saved it (the same "
                          "state_dtype / master_dtype); to convert, move its state_dict() (float32, torch's "
@@ -150,6 +153,28 @@ def _flat_meta(directory: str, mine: List[List[int]],
         raise ValueError(f"{directory}: not a flat-store checkpoint of these params (params of other shapes: its "
                          f"groups of numels {first.get('groups')}, ours {mine})")
     return first, old_world
+
+
+def recodes(theirs: Sequence[StateField], mine: Sequence[StateField]) -> bool:
+    """Whether a checkpoint of fields ``theirs`` differs from ``mine`` only in int8 codes a
+    load converts block by block as it reads (the first int8 checkpoints' "unsigned"
+    exp_avg_sq, [Note: square-root code] in kernels/quant.py): same names, dtypes, blocks."""
+    return (len(theirs) == len(mine) and tuple(theirs) != tuple(mine)
+            and all(a == b or (a.name, a.dtype, a.block) == (b.name, b.dtype, b.block) and a.block
+                    for a, b in zip(theirs, mine)))
+
+
+def stored_fields(directory: str, fields: Sequence[StateField]) -> Tuple[StateField, ...]:
+    """The fields rank 0 of flat checkpoint ``directory`` stores: ``fields``, or theirs where
+    they differ only in codes (:func:`recodes`). The files are read as stored, then recoded."""
+    theirs = checkpoint_fields(read_manifest(os.path.join(directory, "rank0")))
+    return theirs if recodes(theirs, fields) else tuple(fields)
+
+
+def recode(packed: torch.Tensor, theirs: StateField, mine: StateField) -> None:
+    """Whole packed blocks of ``theirs`` (a 1-D uint8 tensor) in ``mine``'s code, in place."""
+    if theirs.code != mine.code:
+        quant.recode_blocks(packed, theirs.signed, theirs.code, mine.code)
 
 
 def _old_layouts(layouts: Sequence[FlatLayout], old_world: int) -> List[List[FlatLayout]]:
@@ -183,10 +208,11 @@ def check_shards(directory: str, layouts: Sequence[FlatLayout], *, engine: Any =
     The first half of a load that must not stop half-way (see FlatState.load_checkpoint)."""
     mine = [list(lay.numels) for lay in layouts]
     first, old_world = _flat_meta(directory, mine, fields)
+    theirs = stored_fields(directory, fields)
     olds = _old_layouts(layouts, old_world)
     for r in _needed(layouts, olds):
         path = os.path.join(directory, f"rank{r}")
-        m = verify_checkpoint(path, list(fields), sum(lay.shard for lay in olds[r]), io_engine=engine,
+        m = verify_checkpoint(path, list(theirs), sum(lay.shard for lay in olds[r]), io_engine=engine,
                               stage=stage)
         _check_rank_meta(path, m.get("meta") or {}, r, old_world, first)
     return first
@@ -199,12 +225,16 @@ def load_shards(directory: str, groups: List[FlatGroup]) -> Dict[str, Any]:
     mine = [list(fg.layout.numels) for fg in groups]
     fields = _fields_of(groups)
     first, old_world = _flat_meta(directory, mine, fields)
+    theirs = stored_fields(directory, fields)
     olds = _old_layouts([fg.layout for fg in groups], old_world)
     for r in _needed([fg.layout for fg in groups], olds):
         scratch = {f.name: [torch.empty(f.storage_numel(lay.shard), dtype=f.storage_dtype) for lay in olds[r]
                             if lay.shard] for f in fields}
         path = os.path.join(directory, f"rank{r}")
-        _check_rank_meta(path, load_tensors(path, scratch, fields=fields), r, old_world, first)
+        _check_rank_meta(path, load_tensors(path, scratch, fields=theirs), r, old_world, first)
+        for t, f in zip(theirs, fields):  # a shard is whole blocks (the last one padded)
+            for x in scratch[f.name]:
+                recode(x, t, f)
         it = {k: iter(v) for k, v in scratch.items()}
         for fg, lay in zip(groups, olds[r]):
             if not lay.shard:
@@ -272,8 +302,9 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
     ``store.commit``; nothing is committed here, so a bad checkpoint leaves the store as it was."""
     mine = [list(lay.numels) for lay in layouts]
     first, old_world = _flat_meta(directory, mine, fields)
+    theirs = stored_fields(directory, fields)
     world, rank = layouts[0].world, layouts[0].rank
-    if old_world == world:  # the same shards: the rank's files are the store, as they are
+    if old_world == world and theirs == tuple(fields):  # the same shards: the rank's files are the store, as they are
         meta, written = load_store(store, buffers, os.path.join(directory, f"rank{rank}"))
         _check_rank_meta(os.path.join(directory, f"rank{rank}"), meta, rank, world, first)
         return first, written
@@ -286,7 +317,7 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
     try:
         for r in need:
             path = os.path.join(directory, f"rank{r}")
-            m = verify_checkpoint(path, list(fields), old_base[-1], io_engine=engine, stage=buffers[0].memoryview)
+            m = verify_checkpoint(path, list(theirs), old_base[-1], io_engine=engine, stage=buffers[0].memoryview)
             _check_rank_meta(path, m.get("meta") or {}, r, old_world, first)
             for name in names:
                 files[(r, name)] = open_file(os.path.join(path, m["files"][name]), write=False, direct=False)
@@ -316,6 +347,10 @@ def fill_store_from_shards(directory: str, layouts: Sequence[FlatLayout], store:
                         if got != len(dst):
                             raise OSError(errno.EIO, f"short read: {got} of {len(dst)} bytes at {file_off}",
                                           files[(r, name)].path)
+            for j, (t, f) in enumerate(zip(theirs, fields)):  # a sub-group's state: whole blocks
+                if t.code != f.code:
+                    at, used, _ = spans[j]
+                    recode(torch.frombuffer(view, dtype=torch.uint8, count=used, offset=at), t, f)
             written[g] = store.checksum(g, buf) if store.verify else None
 
         stream_groups(engine, buffers, list(range(layout.num_groups)), lambda g, buf: [], process, store.write_requests)

@@ -45,7 +45,7 @@ def _offsets(numels: Sequence[int], fields: Sequence[StateField]) -> List[int]:
 
 def _decode(field: StateField, stored: torch.Tensor, numel: int) -> torch.Tensor:
     if field.blocked:
-        return decode_blocks(stored, numel, field.signed)
+        return decode_blocks(stored, numel, field.signed, field.code)
     return stored.to(torch.float32)
 
 

@@ -9,7 +9,8 @@ Adam's two states instead of about 2 with int8). So such a checkpoint is the one
 format ([Note: one checkpoint format] in ckpt_states.py, ``DIR/rank0/``) whose fields are
 bytes (uint8, no block; named ``<state>__bytes``): each state's file holds every param's stored tensor, byte
 for byte, one after the other, and the manifest's meta ``tensors`` says per state and param
-the ``[dtype, block]`` of its bytes. Temp names, renames, crc32s and the lock are those of every checkpoint
+the ``[dtype, block, code]`` of its bytes (``[dtype, block]`` for a per-element form, and in
+the first int8 checkpoints, whose uint8 blocks are then the "unsigned" code). Temp names, renames, crc32s and the lock are those of every checkpoint
 (``save_tensors`` / ``load_tensors``). No store keeps such states, so a store (or a release)
 that does not read this form refuses it (its states differ; the message names both) rather
 than misreading it; the stage-0 stores read it through :func:`read_packed`: the host
@@ -71,10 +72,21 @@ def save_packed(directory: str, numels: Sequence[int], states: Dict[str, List[to
             if b.numel() != f.nbytes(int(n)):  # what a load would cut the file by
                 raise ValueError(f"state {k!r} of param {i} ({n} elements, {f.describe()}) has {b.numel()} bytes, "
                                  f"expected {f.nbytes(int(n))}")
-    tensors_meta = {k: [[f.dtype_name, f.block] for f in forms[k]] for k in states}
+    tensors_meta = {k: [[f.dtype_name, f.block] + ([f.code] if f.block else []) for f in forms[k]] for k in states}
     total = _total(forms[next(iter(states))], numels) if states else 0
     return save_states(directory, numels, data, dict(meta, **{TENSORS: tensors_meta}),
                        fields=_byte_fields(list(states)), numel=total)
+
+
+def _form(name: str, entry: Any) -> StateField:
+    """A state's field from its meta entry ``[dtype, block]`` or ``[dtype, block, code]``
+    (the first int8 checkpoints wrote no code: StateField.from_description's default)."""
+    if not isinstance(entry, (list, tuple)) or len(entry) not in (2, 3):
+        raise ValueError(f"expected [dtype, block] or [dtype, block, code], got {entry!r}")
+    d = {"name": name, "dtype": entry[0], "block": entry[1]}
+    if len(entry) == 3:
+        d["code"] = entry[2]
+    return StateField.from_description(d)
 
 
 def _forms(path: str, m: Dict[str, Any], numels: Sequence[int], states: List[str]) -> Forms:
@@ -92,7 +104,7 @@ def _forms(path: str, m: Dict[str, Any], numels: Sequence[int], states: List[str
             raise ValueError(f"{where}: the meta's {TENSORS!r} lists {len(entries) if isinstance(entries, list) else '?'} "
                              f"forms of {k!r}, for {len(numels)} params")
         try:
-            forms[k] = [StateField.from_description({"name": k, "dtype": d, "block": b}) for d, b in entries]
+            forms[k] = [_form(k, e) for e in entries]
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: a form of {k!r} in the meta's {TENSORS!r} is not a state field: {exc}") from None
         if _total(forms[k], numels) != m.get("numel"):
