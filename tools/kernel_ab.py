@@ -34,12 +34,20 @@ from offload.kernels import native_backend  # noqa: E402
 
 
 def load(path: str) -> native_backend.NativeBackend:
-    keep = native_backend.LIB_PATH
+    """The backend over library ``path``. A library of another ABI version is taken too: for
+    timing only (the versions so far changed what the kernels compute, not the call, and
+    nothing here checks results), with a note on stderr."""
+    import ctypes
+    keep, keep_abi = native_backend.LIB_PATH, native_backend.ABI_VERSION
     native_backend.LIB_PATH = os.path.abspath(path)
+    abi = ctypes.CDLL(native_backend.LIB_PATH).offload_abi_version()
+    if abi != keep_abi:
+        print(f"note: {path} has ABI {abi}, this tree {keep_abi}: timed as it is", file=sys.stderr)
+        native_backend.ABI_VERSION = abi
     try:
         return native_backend.NativeBackend()
     finally:
-        native_backend.LIB_PATH = keep
+        native_backend.LIB_PATH, native_backend.ABI_VERSION = keep, keep_abi
 
 
 def with_isa(isa: str, fn):
