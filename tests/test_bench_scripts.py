@@ -289,3 +289,24 @@ def test_kernel_floor_rejects_bad_sizes():
         kernel_floor.main(["--cache-size", "100"])
     with pytest.raises(SystemExit):
         kernel_floor.main(["--threads", "0"])
+
+
+def test_state_error_rows(capsys):
+    """bench/state_error.py: per code a row, and on grads spread over six decades the first code
+    zeroes a share of exp_avg_sq (so Adam's step of those elements is m / eps) and the
+    square-root code almost none."""
+    from bench import state_error
+
+    assert state_error.main(["--size", "8K", "--decades", "0,6", "--steps", "3"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {(r["decades"], r["code"]): r for r in out["rows"]}
+    assert sorted(rows) == [(0.0, "sqrt"), (0.0, "unsigned"), (6.0, "sqrt"), (6.0, "unsigned")]
+    assert rows[(6.0, "unsigned")]["zeroed"] > 0.2 and rows[(6.0, "sqrt")]["zeroed"] < 0.005
+    assert rows[(6.0, "unsigned")]["worst_update_ratio"] > 100 > rows[(6.0, "sqrt")]["worst_update_ratio"]
+    for r in rows.values():
+        assert 0 <= r["median_rel_error"] <= r["p99_rel_error"] <= 1
+    assert rows[(0.0, "sqrt")]["median_rel_error"] < 0.02  # one scale: both codes near the map's step
+    with pytest.raises(SystemExit):
+        state_error.main(["--decades", "x"])
+    with pytest.raises(SystemExit):
+        state_error.main(["--size", "10"])
