@@ -136,3 +136,23 @@ def test_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench-io", "--dir", str(tmp_path), "--direct", "--buffered"])
     assert not os.path.exists(tmp_path / bench_io.DATA_NAME)
+
+
+def test_engines_that_cannot_run_here_are_skipped_and_said(bench_dir, tmp_path, capsys, monkeypatch):
+    # The default sweep lists uring; where python-liburing cannot run (an AVX2-only CPU) or the
+    # kernel blocks io_uring, bench-io measures the others and says what it skipped.
+    from offload.io import auto as io_auto
+
+    monkeypatch.delenv("OFFLOAD_IO_ENGINE", raising=False)
+    monkeypatch.setattr(io_auto, "_uring_reason", lambda: "blocked by a seccomp filter")
+    out_json = tmp_path / "rows.json"
+    rc = main(["bench-io", "--dir", str(bench_dir), "--size", "4MiB", "--rw", "read", "--engine", "uring,threads",
+               "--json", str(out_json)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "skipping engine uring: blocked by a seccomp filter" in err
+    assert {r["engine"] for r in json.loads(out_json.read_text())} == {"threads"}
+    rc = main(["bench-io", "--dir", str(bench_dir), "--size", "4MiB", "--engine", "uring"])
+    assert rc != 0
+    assert "none of the engines asked for can run here: uring: blocked by a seccomp filter" in capsys.readouterr().err
+    assert not os.listdir(bench_dir)  # nothing created before the refusal

@@ -500,6 +500,53 @@ def test_forced_engine_that_cannot_work_is_an_error(monkeypatch):
         assert eng.name == "threads" and "io_uring unavailable" in eng.reason
 
 
+@pytest.fixture
+def binding_probe(monkeypatch):
+    """Swap the child script that exercises python-liburing; the cached verdict is recomputed
+    before and after, so the rest of the process sees the real one."""
+    from offload.io import uring_ring
+
+    uring_ring._binding_crash_reason.cache_clear()
+
+    def use(script: str):
+        monkeypatch.setattr(uring_ring, "_BINDING_PROBE", script)
+        uring_ring._binding_crash_reason.cache_clear()
+        return uring_ring
+
+    yield use
+    monkeypatch.undo()
+    uring_ring._binding_crash_reason.cache_clear()
+
+
+def test_a_binding_that_kills_its_probe_is_a_reason_not_a_crash(binding_probe):
+    # python-liburing 2026.3.x executes AVX-512 in Ring(): SIGILL on an AVX2-only CPU, which
+    # no try can catch. The child dies instead of us, and io_uring is unavailable, saying why.
+    ring = binding_probe("import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    why = ring._binding_crash_reason()
+    assert why is not None and "SIGILL" in why and "illegal instruction" in why and "python-liburing" in why
+    assert ring.uring_unavailable_reason() == why
+    with pytest.raises(RuntimeError, match="SIGILL"):
+        ring._liburing()
+    ring = binding_probe("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    why = ring._binding_crash_reason()
+    assert "SIGSEGV" in why and "illegal" not in why
+    ring = binding_probe("import sys; sys.stderr.write('first\\nno such call\\n'); sys.exit(3)")
+    assert ring._binding_crash_reason().endswith("failed its probe (exit 3: no such call)")
+    ring = binding_probe("pass")
+    assert ring._binding_crash_reason() is None
+
+
+def test_the_real_binding_probe_agrees_with_the_engine():
+    from offload.io import uring_ring
+
+    if uring_ring._binding_crash_reason() is not None:
+        pytest.skip(f"python-liburing cannot run here: {uring_ring._binding_crash_reason()}")
+    if uring_ring.uring_unavailable_reason() is not None:
+        pytest.skip(f"io_uring unavailable here: {uring_ring.uring_unavailable_reason()}")
+    with open_engine("uring") as eng:  # the probe said yes, so the binding's calls run in this process
+        assert eng.name == "uring"
+
+
 # -- tuning files -----------------------------------------------------------------------------
 
 def test_tuned_setting_takes_effect(tmp_path, pool, workdir, monkeypatch):

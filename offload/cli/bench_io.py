@@ -330,6 +330,7 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
     from offload.memory import BufferPool
 
     directory = _checked_dir(args)
+    skipped = _drop_unavailable_engines(args)
     size = args.size
     fio_variants = _fio_variants(args)
     contenders = _contenders(args, fio_variants, extra)
@@ -363,8 +364,28 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
         pool.close()
     _annotate(rows)
     context = {"dir": directory, "size": size, "direct": args.direct, "kept": path if args.keep else None,
-               "fio": bool(fio_variants)}
+               "fio": bool(fio_variants), "skipped_engines": skipped}
     return rows, context
+
+
+def _drop_unavailable_engines(args) -> Dict[str, str]:
+    """Take the engines that cannot run here out of ``args.engine``, each said on stderr (as the
+    sweep's ``skipped_engines``): a sweep measures what runs here, as fio lists an ioengine it
+    lacks and goes on. Nothing left to measure of ours is an error saying why."""
+    from offload.io import engine_unavailable_reason
+
+    skipped: Dict[str, str] = {}
+    for name in args.engine:
+        why = engine_unavailable_reason(name)
+        if why is not None:
+            skipped[name] = why
+    if skipped and len(skipped) == len(args.engine):
+        raise RuntimeError("none of the engines asked for can run here: "
+                           + "; ".join(f"{n}: {w}" for n, w in skipped.items()))
+    for name, why in skipped.items():
+        print(f"offload bench-io: skipping engine {name}: {why}", file=sys.stderr)
+    args.engine = [n for n in args.engine if n not in skipped]
+    return skipped
 
 
 def _annotate(rows: List[dict]) -> None:

@@ -40,8 +40,12 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import functools
 import logging
 import os
+import signal
+import subprocess
+import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 __all__ = ["uring_unavailable_reason"]
@@ -225,11 +229,77 @@ class _IovecSlots:
             self._free.append(slot)
 
 
+# [Note: binding probed in a child] python-liburing 2026.3.x is built with Zig for AVX-512:
+# ``liburing.Ring()`` executes ``vmovups %zmm0`` and the whole process dies of SIGILL on a CPU
+# without it (an AMD EPYC with AVX2 only, 2026-12-03), where no ``try`` can catch it. So the
+# binding's calls that the engine makes (ring set-up, a readv of /dev/zero through an Iovec, the
+# CQE reap) run once per process in a child interpreter first; if that child dies of a signal,
+# io_uring is "unavailable" with the reason and ``auto`` takes the threads engine. A kernel
+# that refuses io_uring is not the child's business (exit 0 there): the in-process probe says so.
+_BINDING_PROBE = """
+import os, liburing as L
+ring = L.Ring()
+try:
+    L.io_uring_queue_init(2, ring)
+except OSError:
+    raise SystemExit(0)
+fd = os.open("/dev/zero", os.O_RDONLY)
+buf = bytearray(4096)
+iov = L.Iovec([buf])
+sqe = L.io_uring_get_sqe(ring)
+L.io_uring_prep_readv(sqe, fd, iov, 0)
+L.io_uring_sqe_set_data64(sqe, 7)
+L.io_uring_submit(ring)
+cqe = L.Cqe()
+L.io_uring_wait_cqe(ring, cqe)
+assert cqe[0].user_data == 7 and cqe[0].res == 4096, (cqe[0].user_data, cqe[0].res)
+L.io_uring_cq_advance(ring, 1)
+L.io_uring_queue_exit(ring)
+os.close(fd)
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _binding_crash_reason() -> Optional[str]:
+    """None unless python-liburing's calls kill a child interpreter; then why (cached per process,
+    and inherited by forked children)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # find liburing where we found it
+    try:
+        proc = subprocess.run([sys.executable, "-c", _BINDING_PROBE], env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        # No child to sacrifice (an embedded interpreter, a process limit): probe in this process.
+        log.debug("python-liburing child probe could not run (%s); probing in-process", exc)
+        return None
+    if proc.returncode == 0:
+        return None
+    try:
+        from importlib.metadata import version
+
+        ver = version("liburing")
+    except Exception:
+        ver = "?"
+    if proc.returncode < 0:
+        sig = -proc.returncode
+        name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
+        why = f"python-liburing {ver} killed a probe process with {name}"
+        if sig == signal.SIGILL:
+            why += (" (illegal instruction: its wheel was built for CPU instructions this machine lacks; the "
+                    "2026.3.x wheels need AVX-512)")
+        return why
+    tail = proc.stderr.decode(errors="replace").strip().splitlines()
+    return f"python-liburing {ver} failed its probe (exit {proc.returncode}: {tail[-1] if tail else 'no message'})"
+
+
 def _liburing():
     try:
         import liburing
     except ImportError as exc:
         raise RuntimeError(f"python-liburing is not installed ({exc}); pip install liburing") from None
+    crash = _binding_crash_reason()
+    if crash is not None:
+        raise RuntimeError(crash)
     return liburing
 
 
