@@ -21,6 +21,7 @@ side streams (overlap) against the same step with synchronous copies, interleave
 the profiler's summary of the stream timeline of one overlapped step.
 
     python bench/offload_step.py --gpu --width 8192 --layers 8 --device-budget 4GiB
+    python bench/offload_step.py --gpu --state-dtype int8 --master-dtype bfloat16   # compressed states
 
 Prints a table and a final JSON line.
 """
@@ -159,14 +160,17 @@ def gpu_main(args) -> int:
     layers = [torch.nn.Linear(args.width, args.width, device=dev, dtype=torch.bfloat16) for _ in range(args.layers)]
     model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.GELU())])
     numel = sum(p.numel() for p in model.parameters())
-    state_bytes = 12 * numel  # fp32 master + exp_avg + exp_avg_sq
+    # master (fp32, or none: the bf16 param is its own) + exp_avg + exp_avg_sq as stored
+    moment_bytes = {"float32": 8, "bfloat16": 4, "int8": 2 + 8 / 256}[args.state_dtype]
+    state_bytes = int((4 * (args.master_dtype is None) + moment_bytes) * numel)
     print(f"GPU {torch.cuda.get_device_name(dev)}; params {numel / 1e6:.0f}M bf16 = {2 * numel / 2**30:.2f} GiB; "
-          f"fp32 Adam states {state_bytes / 2**30:.2f} GiB vs device budget {budget / 2**30:.2f} GiB "
+          f"Adam states ({args.state_dtype} moments, {args.master_dtype or 'float32'} master) "
+          f"{state_bytes / 2**30:.2f} GiB vs device budget {budget / 2**30:.2f} GiB "
           f"({'exceeds' if state_bytes > budget else 'DOES NOT exceed'} it)")
     threads = args.threads or os.cpu_count()
     t0 = time.perf_counter()
-    opt = offload.AdamW(model.parameters(), offload="cpu", num_threads=threads,
-                        max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None, **HP)
+    opt = offload.AdamW(model.parameters(), offload="cpu", num_threads=threads, state_dtype=args.state_dtype,
+                        master_dtype=args.master_dtype, max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None, **HP)
     print(f"optimizer set up in {time.perf_counter() - t0:.1f} s (host buffers allocated and pinned); "
           f"kernel backend {get_backend().name}, {threads} threads")
     x = torch.randn(args.batch, args.width, device=dev, dtype=torch.bfloat16)
@@ -236,7 +240,8 @@ def gpu_main(args) -> int:
     except Exception as exc:  # the profiler is a nice-to-have here; the timings above stand
         print(f"profiler unavailable: {type(exc).__name__}: {exc}")
     opt.close()
-    print(json.dumps({"bench": "offload_step_gpu", "numel": numel, "median_s": med, "peak_device_bytes": peak,
+    print(json.dumps({"bench": "offload_step_gpu", "numel": numel, "state_dtype": args.state_dtype,
+                      "master_dtype": args.master_dtype, "median_s": med, "peak_device_bytes": peak,
                       "budget_bytes": budget, "state_bytes": state_bytes, "timeline": timeline,
                       "speedup_overlap": med["sync"] / med["overlap"]}))
     return 0
@@ -255,6 +260,10 @@ def main() -> int:
     ap.add_argument("--device-budget", default="4GiB")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="--gpu: clip (the grad norms are then taken on the device by the hooks); 0: no clipping")
+    ap.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
+                    help="--gpu: how the optimizer stores the moments")
+    ap.add_argument("--master-dtype", default=None, choices=("bfloat16",),
+                    help="--gpu: bfloat16: the bf16 params are their own master (no fp32 master)")
     args = ap.parse_args()
     if args.gpu:
         if not torch.cuda.is_available():
