@@ -4,6 +4,11 @@ gathered to the device unit by unit, grads back to the host), with the gathers o
 stream (``overlap``) against the same with the gathers' copies on the compute stream
 (``sync``: offload/shard/device.py ``overlap = False``), interleaved iteration by iteration;
 medians, their ratio, and the bytes gathered per iteration. One rank, no process group.
+Then (``--no-profile`` skips it) one profiled iteration per mode: the device's busy time by
+kind (kernels, host-to-device and device-to-host copies), how much of it kernels and copies
+spent at once, and how long the device sat idle within the iteration's span: a ratio near 1.00x
+with a large idle share means the host, not the copies, sets the pace. With $OUT set (the
+device tool's output folder) the two chrome traces go there.
 
     python bench/shard_gpu.py --layers 12 --width 768 --seq 512 --batch 8 --iters 5
 
@@ -49,6 +54,44 @@ def one(model, x, y, overlap: bool) -> float:
     return dt
 
 
+def _union(spans) -> float:
+    """Total length covered by the (start, end) spans."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def profiled(model, x, y, overlap: bool) -> dict:
+    """One forward + backward under the profiler: the device timeline's shares, in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one(model, x, y, overlap)
+    spans = {"kernels": [], "HtoD": [], "DtoH": []}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        kind = "HtoD" if "HtoD" in ev.name else "DtoH" if "DtoH" in ev.name else (
+            None if "Memcpy" in ev.name or "Memset" in ev.name else "kernels")
+        if kind is not None:
+            spans[kind].append((ev.time_range.start / 1e3, ev.time_range.end / 1e3))
+    every = [s for v in spans.values() for s in v]
+    if not every:
+        return {}
+    kernels, copies = _union(spans["kernels"]), _union(spans["HtoD"] + spans["DtoH"])
+    busy = _union(every)
+    span = max(b for _, b in every) - min(a for a, _ in every)
+    out_dir = os.environ.get("OUT")
+    if out_dir and os.path.isdir(out_dir):
+        prof.export_chrome_trace(os.path.join(out_dir, f"shard_gpu_{'overlap' if overlap else 'sync'}.json"))
+    return {"span_ms": span, "kernels_ms": kernels, "htod_ms": _union(spans["HtoD"]), "dtoh_ms": _union(spans["DtoH"]),
+            "both_at_once_ms": kernels + copies - busy, "idle_ms": span - busy}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -57,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5, help="measured iterations per mode (after 2 warm-ups)")
     ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled iteration per mode")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("shard_gpu: torch sees no CUDA device: skipped")
@@ -70,26 +114,46 @@ def main(argv=None) -> int:
     rt = runtime_of(model)
     gathered = sum(f.nbytes for u in rt.units for f in u.flats)  # each unit: forward and backward
     times = {True: [], False: []}
+    peaks = {True: 0, False: 0}  # each mode's own peak of allocated device memory
     try:
         for i in range(args.iters + 2):
             for mode in (True, False) if i % 2 == 0 else (False, True):
+                torch.cuda.reset_peak_memory_stats()
                 dt = one(model, x, y, mode)
+                peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated())
                 if i >= 2:
                     times[mode].append(dt)
     finally:
         device.overlap = True
     med = {("overlap" if k else "sync"): statistics.median(v) for k, v in times.items()}
-    peak = torch.cuda.max_memory_allocated()
+    peak = max(peaks.values())
     print(f"TinyGPT {cfg.num_params / 1e6:.0f}M params ({args.layers} x {args.width}), batch {args.batch} x "
           f"{args.seq}, offload_params='cpu', {len(rt.units)} units, {2 * gathered / 2**20:.0f} MiB gathered "
           "per forward + backward")
     for k, v in med.items():
-        print(f"  {k:8s} forward+backward {v * 1e3:8.1f} ms (median of {args.iters})")
+        print(f"  {k:8s} forward+backward {v * 1e3:8.1f} ms (median of {args.iters}); peak device memory "
+              f"{peaks[k == 'overlap'] / 2**30:.2f} GiB")
     print(f"overlap ratio (sync / overlap) {med['sync'] / med['overlap']:.2f}x; peak device memory "
           f"{peak / 2**30:.2f} GiB")
-    print(json.dumps({"params": cfg.num_params, "units": len(rt.units), "gathered_bytes_per_iter": 2 * gathered,
+    pinned = all(f.shard.is_pinned() for u in rt.units for f in u.flats)
+    print(f"host shards pinned: {pinned}")
+    timelines = {}
+    if not args.no_profile:
+        try:
+            for mode in (True, False):
+                timelines["overlap" if mode else "sync"] = t = profiled(model, x, y, mode)
+                if t:
+                    print(f"  {'overlap' if mode else 'sync':8s} profiled: span {t['span_ms']:.1f} ms; kernels "
+                          f"{t['kernels_ms']:.1f}, HtoD {t['htod_ms']:.1f}, DtoH {t['dtoh_ms']:.1f}, kernels and "
+                          f"copies at once {t['both_at_once_ms']:.1f}, device idle {t['idle_ms']:.1f} ms")
+        except Exception as exc:  # the profiler is a nice-to-have; the timings above stand
+            print(f"profiler unavailable: {type(exc).__name__}: {exc}")
+        finally:
+            device.overlap = True
+    print(json.dumps({"params": cfg.num_params, "host_shards_pinned": pinned, "timeline": timelines, "units": len(rt.units), "gathered_bytes_per_iter": 2 * gathered,
                       "fwd_bwd_overlap_s": med["overlap"], "fwd_bwd_sync_s": med["sync"],
-                      "overlap_ratio": med["sync"] / med["overlap"], "peak_device_bytes": peak}))
+                      "overlap_ratio": med["sync"] / med["overlap"], "peak_device_bytes": peak,
+                      "peak_device_bytes_overlap": peaks[True], "peak_device_bytes_sync": peaks[False]}))
     return 0
 
 

@@ -155,6 +155,91 @@ def test_emulated_without_overlap_equals_the_cpu_path():
     assert _differences(params, ref) == []
 
 
+def test_emulated_one_rank_gathers_ahead_by_its_last_order():
+    """schedule.py [Note: one rank's plan]: from the second forward and backward on, one rank
+    on a device issues a unit's copy while the unit before it is in use (prefetch=1), in the
+    last phase's order, instead of when the unit is asked for (the copies could then never
+    overlap compute: bench/shard_gpu.py measured 1.00x). The same bits as the CPU path."""
+    from offload.shard.schedule import GatherSchedule
+
+    ahead = []
+    issue = GatherSchedule._issue_next
+
+    def counting(self, *args, **kwargs):
+        ahead.append((self.phase, self.plan[self.issued], self.plans_alone))
+        return issue(self, *args, **kwargs)
+
+    ref_losses, ref = train("cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GatherSchedule, "_issue_next", counting)
+        losses, params, queued, torn = _emulated("cpu")
+    assert {phase for phase, _, _ in ahead} == {"fwd", "bwd"} and all(alone for _, _, alone in ahead), ahead
+    # every unit but the first of each planned phase is issued ahead (STEPS - 1 planned steps)
+    units = len(set(i for _, i, _ in ahead))
+    assert len(ahead) >= 2 * (STEPS - 1) * units - 2 * (STEPS - 1), (units, ahead)
+    assert torn == [] and losses == ref_losses
+    assert _differences(params, ref) == []
+
+
+class _Reordered(torch.nn.Module):
+    """Linear units run in ``self.order`` (changed between steps by the test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+        self.order = list(range(6))
+
+    def forward(self, x):
+        for i in self.order:
+            x = torch.tanh(self.blocks[i](x))
+        return x
+
+
+@pytest.mark.parametrize("orders", [[[0, 1, 2, 3, 4, 5], [5, 0, 1, 2, 3, 4], [5, 0, 1, 2, 3, 4]],
+                                    [[0, 1, 2, 3, 4, 5], [0, 1, 4, 5, 2, 3], [3, 2, 1, 0, 5, 4]]])
+def test_emulated_one_rank_order_change_gathers_only_what_is_asked(orders):
+    """[Note: one rank's plan]: a step whose unit order differs from the last one's (a unit far
+    ahead in the plan asked for first) gathers that unit only: never more than the unit in
+    use and ``prefetch`` (1) ahead live at once, the root aside, and the same bits as the CPU
+    path."""
+    from offload.shard.schedule import GatherSchedule
+
+    def run(emulated: bool):
+        torch.manual_seed(0)
+        model = offload.shard(_Reordered(), offload_params="cpu")
+        opt = offload.AdamW(model.parameters(), **HP)
+        live, out = [], []
+        track = GatherSchedule._track
+
+        def tracking(self):
+            track(self)
+            live.append(sum(1 for u in self.units if u.index and u.live_bytes()))
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(GatherSchedule, "_track", tracking)
+            for step, order in enumerate(orders):
+                model.order = order
+                x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                out.append(loss.item())
+        params = offload.shard.gathered_params(model)
+        opt.close()
+        return out, params, live
+
+    ref_losses, ref, _ = run(False)
+    with pytest.MonkeyPatch.context() as mp:
+        emu = Emulation()
+        emu.install_stage3(mp, optimizer=False)
+        with emu:
+            losses, params, live = run(True)
+        assert emu.queued.get("gather", 0) > 0
+    assert live and max(live) <= 2, live
+    assert losses == ref_losses and _differences(params, ref) == []
+
+
 def test_gpu_check_script_parses_and_its_stage3_bench_skips_without_cuda():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run(["bash", "-n", os.path.join(root, "bench", "gpu_check.sh")], check=True)

@@ -38,6 +38,19 @@ would pass the budget first drops the units gathered ahead (the rank leaving the
 prefetched by). A unit so dropped, if used later, is gathered again by rounds. So the peak holds on every rank, beyond one such transient
 buffer, waited at once and not counted.
 
+[Note: one rank's plan] One rank has nothing to agree on. On the CPU its full buffer is its
+shard (flat_unit.py): there is nothing to gather, and a unit is acquired when asked for. On
+a device (``FlatParam.streams``) a gather is a real copy (a host shard's to the device):
+asked for only when needed, it makes the compute stream wait for it, unit after unit, and
+the copies never overlap compute (bench/shard_gpu.py measured 1.00x on an H200: 0.4 of 87 ms
+with kernels and copies at once). So one rank on a device keeps its own plan: the last
+phase's order of first uses, prefetched as above, ``prefetch`` units ahead within the
+budget. A unit asked for further ahead in the plan skips the entries before it (gathering
+and keeping them, as ranks must, would hold units no one asked for: a whole model, when an
+order changed near its start); a unit not ahead in the plan leaves it (nothing more is
+issued ahead; the gathers issued and never used are dropped when the phase ends); and the
+next phase plans by this one's order.
+
 The final round also carries each rank's hash of its order of first uses: when all agree,
 that order is the next phase's plan; otherwise the next phase runs by rounds (and records
 again). The first phase of each kind runs by rounds. The final round carries a per-unit
@@ -105,13 +118,15 @@ class GatherSchedule:
         self.peak_live = 0
         self.phase: Optional[str] = None
         self.last_order: Dict[str, List[int]] = {}  # each phase's order of first uses, for read hints
+        # [Note: one rank's plan]: one rank whose gathers are copies to a device plans alone
+        self.plans_alone = world == 1 and any(f.streams is not None for u in units for f in u.flats)
 
     # ------------------------------------------------------------------ a phase
     def begin(self, phase: str) -> None:
         self.phase = phase
         self.plan = self.plans[phase]
         self.issued = 0
-        self.on_plan = self.plan is not None and self.world > 1
+        self.on_plan = self.plan is not None and (self.world > 1 or self.plans_alone)
         self.seen: List[int] = []
         self.waiting: Dict[int, List[Tuple[Any, Any]]] = {}
         self.cursor = -1  # the plan entry in use (the last one acquired)
@@ -128,7 +143,9 @@ class GatherSchedule:
             return
         self.seen.append(u.index)
         self._check_budget(u)
-        if self.world == 1:
+        if self.world == 1 and self.on_plan and u.index not in self.waiting and u.index not in self.plan[self.issued:]:
+            self.on_plan = False  # one rank off its plan: no one to agree with, nothing issued ahead
+        if self.world == 1 and not self.on_plan:
             # the next units' reads go before this one's wait: the disk never idles between
             # two reads (the pages they fill are held during this unit's compute anyway)
             self._hint_reads(u.index)
@@ -141,6 +158,8 @@ class GatherSchedule:
             if self.on_plan and u.index in self.plan[self.issued:]:
                 stop = self.plan.index(u.index, self.issued)
                 room = 0 if u.live_bytes() else self.cost[u.index]  # kept for u, needed at the end
+                if self.world == 1:
+                    self.issued = stop  # one rank gathers no entry skipped: no one else issues it
                 while self.issued <= stop:
                     self._issue_next(needed=self.issued == stop, reserve=room)
             else:
@@ -180,7 +199,10 @@ class GatherSchedule:
         and whether every rank gave the same ``extra_hash``."""
         self.last_order[self.phase] = list(self.seen)
         if self.world == 1:
-            self.plans[self.phase] = None
+            plan = list(self.seen) if self.plans_alone else None
+            if self.plans[self.phase] is not None and self.plans[self.phase] != plan:
+                self.replans += 1
+            self.plans[self.phase] = plan
             self._drop_waiting()
             return flags.clone(), True
         self._finish_plan()
