@@ -227,13 +227,41 @@ inline bool lanes_none_at_least(__m256 t, __m256 limit) {
 
 // ---- compressed states: compressed_tile.h's primitives, 8 lanes at a time; the part
 // left over (< 8) goes through quant_scalar.h, whose operations are exact: the same bits.
+// [Note: AVX2 table lookups] The int8 states read small tables (the map, the bucket keys
+// and words) at 8 indices per vector. vpgatherdd is slow where this unit runs: on an AMD
+// EPYC (Zen 3, AVX2 only) of CI's machine kind a ymm gather from L1 took 3.8 ns, eight
+// scalar loads inserted into a vector 2.4 (a microbenchmark of each in a loop); Intel cores that
+// take this unit (no AVX-512) are older ones or run the Gather Data Sampling mitigation,
+// which makes gathers several times slower. The loads read the same table entries, so the
+// bits are the gather's.
+inline __m256i lookup8(const int32_t *table, __m256i idx) {
+    const __m128i lo = _mm256_castsi256_si128(idx), hi = _mm256_extracti128_si256(idx, 1);
+    const uint64_t a = static_cast<uint64_t>(_mm_cvtsi128_si64(lo));
+    const uint64_t b = static_cast<uint64_t>(_mm_extract_epi64(lo, 1));
+    const uint64_t c = static_cast<uint64_t>(_mm_cvtsi128_si64(hi));
+    const uint64_t d = static_cast<uint64_t>(_mm_extract_epi64(hi, 1));
+    __m128i r0 = _mm_cvtsi32_si128(table[static_cast<uint32_t>(a)]);
+    r0 = _mm_insert_epi32(r0, table[a >> 32], 1);
+    r0 = _mm_insert_epi32(r0, table[static_cast<uint32_t>(b)], 2);
+    r0 = _mm_insert_epi32(r0, table[b >> 32], 3);
+    __m128i r1 = _mm_cvtsi32_si128(table[static_cast<uint32_t>(c)]);
+    r1 = _mm_insert_epi32(r1, table[c >> 32], 1);
+    r1 = _mm_insert_epi32(r1, table[static_cast<uint32_t>(d)], 2);
+    r1 = _mm_insert_epi32(r1, table[d >> 32], 3);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(r0), r1, 1);
+}
+
+inline __m256 lookup8(const float *table, __m256i idx) {
+    return _mm256_castsi256_ps(lookup8(reinterpret_cast<const int32_t *>(table), idx));
+}
+
 inline void q8_decode(const uint8_t *codes, float absmax, const Q8Tables &t, float *out, int64_t len) {
     const float *map = t.map;
     const __m256 a = _mm256_set1_ps(absmax);
     int64_t i = 0;
     for (; i + 8 <= len; i += 8) {
         const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(codes + i)));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(map, c, 4), a));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(lookup8(map, c), a));
     }
     q8_decode_scalar(codes + i, absmax, map, out + i, len - i);
 }
@@ -260,7 +288,7 @@ inline __m256i tree_step(__m256i idx, __m256 thr, __m256 xn) {
 }
 
 // The first 5 tree levels (tree[1..31]) in 4 registers read by permutevar8x32 (low 3 bits
-// of the node index; level 5 joined by bit 3); levels 6-8 gathered from the L1 table. V
+// of the node index; level 5 joined by bit 3); levels 6-8 looked up in the L1 table (lookup8). V
 // vectors walk the levels side by side (independent dependency chains, as in the AVX-512
 // unit).
 template <int V>
@@ -277,7 +305,7 @@ inline void q8_search(const float *tree, const __m256 (&r)[4], const __m256 (&xn
                                                     _mm256_permutevar8x32_ps(r[3], idx[j]), b3), xn[j]);
     }
     for (int level = 5; level < 8; ++level)
-        for (int j = 0; j < V; ++j) idx[j] = tree_step(idx[j], _mm256_i32gather_ps(tree, idx[j], 4), xn[j]);
+        for (int j = 0; j < V; ++j) idx[j] = tree_step(idx[j], lookup8(tree, idx[j]), xn[j]);
     for (int j = 0; j < V; ++j) {
         const __m256i c = _mm256_and_si256(idx[j], _mm256_set1_epi32(0xFF));  // 256 + code
         const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
@@ -294,10 +322,10 @@ inline __m256i bucket_codes(const Q8Buckets &bk, __m256 xn) {
     ac = _mm256_min_epu32(_mm256_max_epu32(ac, _mm256_set1_epi32(96 << 23)), _mm256_set1_epi32(0x3FFFFFFF));
     const __m256i ki = _mm256_add_epi32(_mm256_sub_epi32(_mm256_srli_epi32(ac, 23), _mm256_set1_epi32(96)),
                                         _mm256_slli_epi32(_mm256_srli_epi32(xb, 31), 5));
-    const __m256i kw = _mm256_i32gather_epi32(bk.key, ki, 4);
+    const __m256i kw = lookup8(bk.key, ki);
     const __m256i shift = _mm256_and_si256(kw, _mm256_set1_epi32(31));
     const __m256i b = _mm256_add_epi32(_mm256_srlv_epi32(ac, shift), _mm256_srai_epi32(kw, 5));
-    const __m256i w = _mm256_i32gather_epi32(reinterpret_cast<const int *>(bk.word), b, 4);
+    const __m256i w = lookup8(reinterpret_cast<const int32_t *>(bk.word), b);
     const __m256i rel = _mm256_sllv_epi32(_mm256_xor_si256(xb, _mm256_srai_epi32(xb, 31)),
                                           _mm256_sub_epi32(_mm256_set1_epi32(32), shift));
     const __m256i cut = _mm256_andnot_si256(_mm256_set1_epi32(0xFF), w);
