@@ -54,42 +54,19 @@ def one(model, x, y, overlap: bool) -> float:
     return dt
 
 
-def _union(spans) -> float:
-    """Total length covered by the (start, end) spans."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
 def profiled(model, x, y, overlap: bool) -> dict:
     """One forward + backward under the profiler: the device timeline's shares, in ms."""
     from torch.profiler import ProfilerActivity, profile
 
+    from bench._timeline import summary
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         one(model, x, y, overlap)
-    spans = {"kernels": [], "HtoD": [], "DtoH": []}
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        kind = "HtoD" if "HtoD" in ev.name else "DtoH" if "DtoH" in ev.name else (
-            None if "Memcpy" in ev.name or "Memset" in ev.name else "kernels")
-        if kind is not None:
-            spans[kind].append((ev.time_range.start / 1e3, ev.time_range.end / 1e3))
-    every = [s for v in spans.values() for s in v]
-    if not every:
-        return {}
-    kernels, copies = _union(spans["kernels"]), _union(spans["HtoD"] + spans["DtoH"])
-    busy = _union(every)
-    span = max(b for _, b in every) - min(a for a, _ in every)
+    t = summary(prof.events())
     out_dir = os.environ.get("OUT")
     if out_dir and os.path.isdir(out_dir):
         prof.export_chrome_trace(os.path.join(out_dir, f"shard_gpu_{'overlap' if overlap else 'sync'}.json"))
-    return {"span_ms": span, "kernels_ms": kernels, "htod_ms": _union(spans["HtoD"]), "dtoh_ms": _union(spans["DtoH"]),
-            "both_at_once_ms": kernels + copies - busy, "idle_ms": span - busy}
+    return t
 
 
 def main(argv=None) -> int:
