@@ -195,18 +195,24 @@ class _Reordered(torch.nn.Module):
         return x
 
 
+@pytest.mark.parametrize("budget_units", [None, 1])
 @pytest.mark.parametrize("orders", [[[0, 1, 2, 3, 4, 5], [5, 0, 1, 2, 3, 4], [5, 0, 1, 2, 3, 4]],
                                     [[0, 1, 2, 3, 4, 5], [0, 1, 4, 5, 2, 3], [3, 2, 1, 0, 5, 4]]])
-def test_emulated_one_rank_order_change_gathers_only_what_is_asked(orders):
+def test_emulated_one_rank_order_change_gathers_only_what_is_asked(orders, budget_units):
     """[Note: one rank's plan]: a step whose unit order differs from the last one's (a unit far
     ahead in the plan asked for first) gathers that unit only: never more than the unit in
     use and ``prefetch`` (1) ahead live at once, the root aside, and the same bits as the CPU
-    path."""
+    path. With ``max_live_params`` of one unit, nothing is gathered ahead at all."""
     from offload.shard.schedule import GatherSchedule
+
+    from offload.shard.flat_unit import chunk_for
+
+    unit_params = chunk_for(64 * 64 + 64, 1)  # a unit's gathered size: padded to whole blocks
+    limit = None if budget_units is None else budget_units * unit_params
 
     def run(emulated: bool):
         torch.manual_seed(0)
-        model = offload.shard(_Reordered(), offload_params="cpu")
+        model = offload.shard(_Reordered(), offload_params="cpu", max_live_params=limit)
         opt = offload.AdamW(model.parameters(), **HP)
         live, out = [], []
         track = GatherSchedule._track
@@ -236,7 +242,7 @@ def test_emulated_one_rank_order_change_gathers_only_what_is_asked(orders):
         with emu:
             losses, params, live = run(True)
         assert emu.queued.get("gather", 0) > 0
-    assert live and max(live) <= 2, live
+    assert live and max(live) <= (2 if limit is None else budget_units), live
     assert losses == ref_losses and _differences(params, ref) == []
 
 
