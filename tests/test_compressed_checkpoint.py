@@ -204,10 +204,25 @@ def _rank_store(tmp_path, tag, numels, world, rank, fields, rule, values=None):
     return sh, layouts
 
 
+def _step_and_save_rank(tmp_path, numels, rank, fields, rule, values, grad):
+    """Rank ``rank`` of 2: a swap store of ``numels``, one AdamW step with ``grad(n)`` as
+    each shard's grad, saved under tmp_path/ck/rank<r>; the stepped states read back."""
+    from offload.optim.swapped_shards import WorkItem
+    from offload.swap.checkpoint import save_store
+
+    sh, lays = _rank_store(tmp_path, f"old{rank}", numels, 2, rank, fields, rule, values)
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True, step=1, grad_scale=1.0)
+    sh.step([WorkItem(k, 0, lay.shard, grad(lay.shard), hp, None, "copy") for k, lay in enumerate(lays) if lay.shard])
+    stepped = [sh.read(k, 0, lay.shard) for k, lay in enumerate(lays)]
+    meta = dict(kind="flat", world=2, rank=rank, groups=[list(n) for n in numels], save_id=1, steps=[1])
+    sh.save(lambda store, bufs: save_store(store, bufs, str(tmp_path / "ck" / f"rank{rank}"), meta))
+    sh.close()
+    return stepped
+
+
 @pytest.mark.parametrize("numels", [[[300000, 224288], [2048]], [[5, 250], [100000, 1]]])
 def test_reshard_world_2_to_1_and_back_bit_for_bit(tmp_path, numels):
     from offload.kernels.fields import ADAM
-    from offload.optim.swapped_shards import WorkItem
     from offload.swap.checkpoint import save_store
     from offload.zero.checkpoint import fill_store_from_shards
 
@@ -216,16 +231,8 @@ def test_reshard_world_2_to_1_and_back_bit_for_bit(tmp_path, numels):
     gen = torch.Generator().manual_seed(7)
     values = [torch.randn(-(-sum(n) // 2) * 2, generator=gen) for n in numels]
     aligned = all((sum(n) // 2) % 256 == 0 for n in numels)
-    per_rank = []
-    for r in range(2):
-        sh, lays = _rank_store(tmp_path, f"old{r}", numels, 2, r, fields, rule, values)
-        sh.step([WorkItem(k, 0, lay.shard, torch.randn(lay.shard, generator=gen),
-                          dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True,
-                               step=1, grad_scale=1.0), None, "copy") for k, lay in enumerate(lays) if lay.shard])
-        per_rank.append([sh.read(k, 0, lay.shard) for k, lay in enumerate(lays)])
-        meta = dict(kind="flat", world=2, rank=r, groups=[list(n) for n in numels], save_id=1, steps=[1])
-        sh.save(lambda store, bufs: save_store(store, bufs, str(tmp_path / "ck" / f"rank{r}"), meta))
-        sh.close()
+    per_rank = [_step_and_save_rank(tmp_path, numels, r, fields, rule, values, lambda n: torch.randn(n, generator=gen))
+                for r in range(2)]
     one, lays1 = _rank_store(tmp_path, "new", numels, 1, 0, fields, rule)
     fill = lambda store, bufs: fill_store_from_shards(str(tmp_path / "ck"), lays1, store, bufs, fields)
     if not aligned:  # a block would straddle two ranks: refused, the store unchanged

@@ -118,8 +118,6 @@ def test_first_code_shards_reshard_2_to_1(tmp_path, first_code):
     rank's store recoded block by block (fill_store_from_shards' general path)."""
     from test_compressed_checkpoint import _rank_store
     from offload.kernels.fields import ADAM
-    from offload.optim.swapped_shards import WorkItem
-    from offload.swap.checkpoint import save_store
     from offload.zero.checkpoint import fill_store_from_shards
     import test_compressed_checkpoint as tcc
 
@@ -134,14 +132,9 @@ def test_first_code_shards_reshard_2_to_1(tmp_path, first_code):
     tcc.BACKEND = "torch"  # the scheme as quant.py writes it, in the first code
     try:
         for r in range(2):
-            sh, lays = _rank_store(tmp_path, f"old{r}", numels, 2, r, old_rule.with_master(), old_rule, values)
-            sh.step([WorkItem(k, 0, lay.shard, torch.randn(lay.shard, generator=gen) * torch.logspace(0, -6, lay.shard),
-                              dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True,
-                                   step=1, grad_scale=1.0), None, "copy") for k, lay in enumerate(lays) if lay.shard])
-            per_rank.append([sh.read(k, 0, lay.shard) for k, lay in enumerate(lays)])
-            meta = dict(kind="flat", world=2, rank=r, groups=[list(n) for n in numels], save_id=1, steps=[1])
-            sh.save(lambda store, bufs: save_store(store, bufs, str(tmp_path / "ck" / f"rank{r}"), meta))
-            sh.close()
+            per_rank.append(tcc._step_and_save_rank(
+                tmp_path, numels, r, old_rule.with_master(), old_rule, values,
+                lambda n: torch.randn(n, generator=gen) * torch.logspace(0, -6, n)))
     finally:
         tcc.BACKEND = keep
     first_code.off()
