@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# GPU check for the offload library, in at most ~8 minutes (~3-4 when all goes well) on one CUDA GPU (made for an H200):
+# GPU check for the offload library, in at most ~10 minutes (~2-4 when all goes well) on one CUDA GPU (made for an H200):
 #   1. versions (python, torch, CUDA, GPU, kernel backend);
 #   2. the CUDA-marked tests (tests/test_cuda.py: streams, hooks, copies, vs torch.optim.AdamW,
 #      swapped masters; tests/test_memory.py: cudaHostRegister'd pool buffers);
 #   3. a short benchmark: bf16 params whose fp32 Adam states exceed a device-memory budget,
 #      offload="cpu", step time with overlapping side streams vs synchronous copies, and the
 #      profiler's stream timeline summary (bench/offload_step.py --gpu);
-#   4. stage 3 (offload.shard of a CUDA model): tests/test_shard_cuda.py's CUDA tests (1 rank;
+#   4. the same benchmark with int8 moments and a bf16 master (compressed states, 1/6 of the
+#      host state bytes);
+#   5. stage 3 (offload.shard of a CUDA model): tests/test_shard_cuda.py's CUDA tests (1 rank;
 #      NCCL on 2 ranks when there are 2 GPUs) and bench/shard_gpu.py: forward + backward of a
 #      GPT-2-sized TinyGPT, offload_params="cpu", gathers on their side stream vs. on the
 #      compute stream (the overlap ratio).
@@ -16,7 +18,7 @@
 # offline device machine has torch in python3 and no network: it would only burn time).
 # The native kernels: carry offload/kernels/liboffload_native.so (git-ignored) or the script
 # builds them (needs g++; numba or torch serve if that fails).
-# Every stage runs under its own timeout (20 + 60 + 120 + 150 + 75 + 75 s at most, plus up to 3 x 60 s
+# Every stage runs under its own timeout (20 + 60 + 120 + 150 + 90 + 75 + 75 s at most, plus up to 3 x 60 s
 # of probes for a python with CUDA torch and 60 s for the native build; ~3-4 min when all
 # goes well) and the script goes on after a failure, so one run prints everything there is to
 # see; the exit status is the number of failed stages. With $OUT set (the device tool's
@@ -80,6 +82,10 @@ PYTHONPATH=. timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs --ig
 
 say "GPU benchmark: offload='cpu', overlap vs synchronous copies"
 PYTHONPATH=. timeout 150 "$PY" bench/offload_step.py --gpu "$@" || fails=$((fails + 1))
+
+say "GPU benchmark: int8 moments and a bf16 master (compressed states on CUDA params)"
+PYTHONPATH=. timeout 90 "$PY" bench/offload_step.py --gpu --steps 3 --state-dtype int8 --master-dtype bfloat16 \
+  || fails=$((fails + 1))
 
 say "stage 3 on the GPU: CUDA tests (tests/test_shard_cuda.py)"
 PYTHONPATH=. timeout 75 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_shard_cuda.py \

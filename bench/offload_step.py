@@ -222,8 +222,10 @@ def gpu_main(args) -> int:
                   f"device idle {timeline['idle_ms']:.1f}")
         out_dir = os.environ.get("OUT")
         if out_dir and os.path.isdir(out_dir):  # the device tool brings $OUT back: the full trace
-            prof.export_chrome_trace(os.path.join(out_dir, "offload_step_gpu_trace.json"))
-            print(f"chrome trace: {os.path.join(out_dir, 'offload_step_gpu_trace.json')}")
+            trace = os.path.join(out_dir, f"offload_step_gpu_{args.state_dtype}"
+                                          f"{'_bf16_master' if args.master_dtype else ''}.json")
+            prof.export_chrome_trace(trace)
+            print(f"chrome trace: {trace}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     except Exception as exc:  # the profiler is a nice-to-have here; the timings above stand
         print(f"profiler unavailable: {type(exc).__name__}: {exc}")

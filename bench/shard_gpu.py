@@ -92,12 +92,14 @@ def main(argv=None) -> int:
     gathered = sum(f.nbytes for u in rt.units for f in u.flats)  # each unit: forward and backward
     times = {True: [], False: []}
     peaks = {True: 0, False: 0}  # each mode's own peak of allocated device memory
+    per_iter = []  # (iteration, mode, peak MiB): which iteration sets a mode's peak
     try:
         for i in range(args.iters + 2):
             for mode in (True, False) if i % 2 == 0 else (False, True):
                 torch.cuda.reset_peak_memory_stats()
                 dt = one(model, x, y, mode)
                 peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated())
+                per_iter.append((i, "overlap" if mode else "sync", round(torch.cuda.max_memory_allocated() / 2**20)))
                 if i >= 2:
                     times[mode].append(dt)
     finally:
@@ -112,6 +114,7 @@ def main(argv=None) -> int:
               f"{peaks[k == 'overlap'] / 2**30:.2f} GiB")
     print(f"overlap ratio (sync / overlap) {med['sync'] / med['overlap']:.2f}x; peak device memory "
           f"{peak / 2**30:.2f} GiB")
+    print("peak device memory per iteration (MiB): " + ", ".join(f"{i}:{m[0]}={mib}" for i, m, mib in per_iter))
     pinned = all(f.shard.is_pinned() for u in rt.units for f in u.flats)
     print(f"host shards pinned: {pinned}")
     timelines = {}
@@ -130,7 +133,8 @@ def main(argv=None) -> int:
     print(json.dumps({"params": cfg.num_params, "host_shards_pinned": pinned, "timeline": timelines, "units": len(rt.units), "gathered_bytes_per_iter": 2 * gathered,
                       "fwd_bwd_overlap_s": med["overlap"], "fwd_bwd_sync_s": med["sync"],
                       "overlap_ratio": med["sync"] / med["overlap"], "peak_device_bytes": peak,
-                      "peak_device_bytes_overlap": peaks[True], "peak_device_bytes_sync": peaks[False]}))
+                      "peak_device_bytes_overlap": peaks[True], "peak_device_bytes_sync": peaks[False],
+                      "peak_mib_per_iteration": per_iter}))
     return 0
 
 
