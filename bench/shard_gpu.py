@@ -6,9 +6,10 @@ stream (``overlap``) against the same with the gathers' copies on the compute st
 medians, their ratio, and the bytes gathered per iteration. One rank, no process group.
 Then (``--no-profile`` skips it) one profiled iteration per mode: the device's busy time by
 kind (kernels, host-to-device and device-to-host copies), how much of it kernels and copies
-spent at once, and how long the device sat idle within the iteration's span: a ratio near 1.00x
-with a large idle share means the host, not the copies, sets the pace. With $OUT set (the
-device tool's output folder) the two chrome traces go there.
+spent at once, and how long the device sat idle within the iteration's span (kernels and
+copies at once near 0 in the overlap mode: the copies wait for compute or compute for them; a
+large idle share: the host sets the pace). With $OUT set (the device tool's output folder)
+the two chrome traces go there.
 
     python bench/shard_gpu.py --layers 12 --width 768 --seq 512 --batch 8 --iters 5
 
@@ -98,8 +99,9 @@ def main(argv=None) -> int:
             for mode in (True, False) if i % 2 == 0 else (False, True):
                 torch.cuda.reset_peak_memory_stats()
                 dt = one(model, x, y, mode)
-                peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated())
-                per_iter.append((i, "overlap" if mode else "sync", round(torch.cuda.max_memory_allocated() / 2**20)))
+                top = torch.cuda.max_memory_allocated()
+                peaks[mode] = max(peaks[mode], top)
+                per_iter.append((i, "overlap" if mode else "sync", round(top / 2**20)))
                 if i >= 2:
                     times[mode].append(dt)
     finally:
