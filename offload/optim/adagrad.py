@@ -89,8 +89,9 @@ class Adagrad(RuleOptimizer):
         else:
             self._store.settle()  # a sum made here is encoded as state_dtype stores it
 
-    def state_dict(self) -> Dict[str, Any]:
-        sd = super().state_dict()
+    def _torch_state_layout(self, sd: Dict[str, Any]) -> Dict[str, Any]:
+        """torch's layout: every param has its ``sum`` from the start (state_io.state_dict_of
+        calls it before the post hooks)."""
         fill = self.state_fill("sum")
         for i, p in enumerate(self._all_params()):
             entry = sd["state"].setdefault(i, {})

@@ -112,15 +112,18 @@ class SGD(RuleOptimizer):
     def _params_in_order(self) -> List[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def state_dict(self) -> Dict[str, Any]:
-        """torch's layout: ``{"momentum_buffer": tensor}`` per param whose buffer started."""
-        sd = super().state_dict()
+    def _torch_state_layout(self, sd: Dict[str, Any]) -> Dict[str, Any]:
+        """torch's layout: ``{"momentum_buffer": tensor}`` per param whose buffer started
+        (state_io.state_dict_of calls it before the post hooks)."""
         # a param that never stepped with momentum has no buffer in torch (a flat store keeps
         # an untouched one for it); the others have their buffer and no "step"
         params = self._params_in_order()
         state = {}
         for k, st in sd["state"].items():
-            unborn = isinstance(k, int) and k < len(params) and not self._started(params[k])
+            if not (isinstance(k, int) and 0 <= k < len(params) and isinstance(st, dict)):
+                state[k] = st  # not a param's entry (a hook's note): as torch passes it
+                continue
+            unborn = not self._started(params[k])
             entry = {key: v for key, v in st.items() if key != "step" and not (key == _BUF and unborn)}
             if entry:  # (a bf16 param keeps its fp32 "master", ours)
                 state[k] = entry

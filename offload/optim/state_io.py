@@ -51,14 +51,21 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
         # New entry dicts (the ones torch returns are opt.state's own), without the views
         # into the store's buffers that state_view.attach put there: full tensors instead.
         # (An entry that held nothing else, e.g. after load_checkpoint set its step to 0, goes.)
+        # (A value that is not a dict, e.g. what a pre hook put in ``opt.state["note"]``,
+        # passes through as torch's state_dict passes it.)
         names = names_of(opt)
-        sd["state"] = {k: {key: t for key, t in v.items() if key not in names}
-                       for k, v in sd["state"].items() if set(v) - set(names) or not v}
+        sd["state"] = {k: {key: t for key, t in v.items() if key not in names} if isinstance(v, dict) else v
+                       for k, v in sd["state"].items() if not isinstance(v, dict) or set(v) - set(names) or not v}
         params = [p for g in opt.param_groups for p in g["params"]]
         for index, p in enumerate(params):
             exported = export(p)
             if exported:
                 sd["state"].setdefault(index, {}).update(exported)
+    # The rule's own differences from the stores' layout (SGD's unstarted buffers, Adagrad's
+    # unstepped sums), before the hooks: a post hook sees and returns torch's layout.
+    layout = getattr(opt, "_torch_state_layout", None)
+    if layout is not None:
+        sd = layout(sd)
     for hook in list(hooks.values()):
         out = hook(opt, sd)
         if out is not None:
@@ -73,6 +80,9 @@ def _host_torch_layout(opt: Any, state: Dict[Any, Any], export: Callable) -> Dic
     params = [p for g in opt.param_groups for p in g["params"]]
     out = {}
     for k, entry in state.items():
+        if not isinstance(entry, dict):  # not a param's (a hook's note): as torch passes it
+            out[k] = entry
+            continue
         exported = export(params[k]) if isinstance(k, int) and 0 <= k < len(params) else {}
         out[k] = {key: exported.get(key, v) for key, v in entry.items()}
     return out
