@@ -78,8 +78,9 @@ class RefCompressed:
     def encode(self, name: str, v: torch.Tensor, rounding=None) -> torch.Tensor:
         """``rounding``: (seed, offset) of a step (bf16 states round stochastically, on the
         stream of the state's position); None: a load or the initial fill (nearest)."""
-        if self.state_dtype == "int8":
-            return quant.encode_blocks(v, signed=name not in NONNEGATIVE_STATES)
+        if self.state_dtype == "int8":  # a load: [Note: exact re-encoding] (quant.py)
+            encode = quant.encode_blocks_exact if rounding is None else quant.encode_blocks
+            return encode(v, signed=name not in NONNEGATIVE_STATES)
         if self.state_dtype == "bfloat16":
             if rounding is None:
                 return quant.round_bf16_nearest(v)

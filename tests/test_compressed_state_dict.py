@@ -55,9 +55,11 @@ def test_codec_round_trip(field, numel):
     assert stored.dtype == field.storage_dtype and stored.numel() == field.storage_numel(numel)
     back = to_torch_layout(field, stored, numel, (1, numel))
     assert back.dtype == torch.float32 and back.shape == (1, numel)
-    if field.blocked:
-        assert torch.equal(stored, quant.encode_blocks(x, field.signed))
+    if field.blocked:  # loading encodes exactly where a scale gives the values back ([Note: exact re-encoding])
+        assert torch.equal(stored, quant.encode_blocks_exact(x, field.signed))
         assert torch.equal(back.view(-1), quant.decode_blocks(stored, numel, field.signed))
+        again = to_torch_layout(field, from_torch_layout(field, back), numel, (1, numel))
+        assert torch.equal(again, back)  # decoded values load back bit for bit
     elif field.dtype == torch.bfloat16:
         assert torch.equal(_bits(stored.view(-1)), _bits(quant.round_bf16_nearest(x)))
         assert torch.equal(_bits(from_torch_layout(field, back)), _bits(stored))  # bf16: exact both ways

@@ -11,7 +11,7 @@ import torch
 from offload.kernels import get_backend
 from offload.kernels.compressed_ref import decode_state
 from offload.kernels.fields import ADAGRAD, ADAM, LION, MASTER, StateField
-from offload.kernels.quant import encode_blocks, packed_nbytes, rounding_seed
+from offload.kernels.quant import encode_blocks, encode_blocks_exact, packed_nbytes, rounding_seed
 from offload.optim.functional import RuleHyper
 from offload.optim.swapped_state import SwappedState
 from offload.swap.layout import SwapLayout, elems_per_page
@@ -206,7 +206,7 @@ def test_state_dict_both_ways_with_torch(tmp_path, state_dtype):
     for i, p in enumerate(params):
         for f in rule.fields:
             want = sd["state"][i][f.name].reshape(-1)
-            want = decode_state(f, encode_blocks(want, f.signed), p.numel()) if f.blocked else want.bfloat16().float()
+            want = decode_state(f, encode_blocks_exact(want, f.signed), p.numel()) if f.blocked else want.bfloat16().float()
             got = out["state"][i][f.name]
             assert got.dtype == torch.float32 and got.shape == p.shape and torch.equal(got.reshape(-1), want)
         assert int(out["state"][i]["step"]) == 2

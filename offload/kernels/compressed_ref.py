@@ -26,11 +26,13 @@ def decode_state(field: StateField, t: torch.Tensor, numel: int) -> torch.Tensor
 
 
 def encode_state(field: StateField, values: torch.Tensor, out: torch.Tensor, *,
-                 stochastic: bool, seed: int, offset: int, stream: int) -> None:
-    """Store float32 ``values`` into state tensor ``out`` (``field``'s storage), in place."""
+                 stochastic: bool, seed: int, offset: int, stream: int, exact: bool = False) -> None:
+    """Store float32 ``values`` into state tensor ``out`` (``field``'s storage), in place.
+    ``exact``: blocks by ``quant.encode_blocks_exact`` (loading values, never in a step)."""
     flat = out.view(-1)
     if field.blocked:
-        flat.copy_(quant.encode_blocks(values, field.signed, field.code))
+        encode = quant.encode_blocks_exact if exact else quant.encode_blocks
+        flat.copy_(encode(values, field.signed, field.code))
     elif field.dtype == torch.bfloat16:
         rounded = (quant.round_bf16_stochastic(values, seed, offset, stream) if stochastic
                    else quant.round_bf16_nearest(values))

@@ -60,7 +60,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 __all__ = ["QuantArgs", "BLOCK", "PACKED_BLOCK", "SIGNED_MAP", "UNSIGNED_MAP", "SIGNED_MID", "UNSIGNED_MID",
-           "SQRT_DECODE", "CODES", "default_code", "code_tables", "recode_blocks",
+           "SQRT_DECODE", "CODES", "default_code", "code_tables", "recode_blocks", "encode_blocks_exact",
            "STREAMS", "stream_key", "stream_shift", "packed_nbytes", "quant_map", "encode_blocks", "decode_blocks",
            "lowbias32", "random_bits16", "round_bf16_stochastic", "round_bf16_nearest", "rounding_seed", "zero_code"]
 
@@ -186,7 +186,19 @@ def encode_blocks(x: torch.Tensor, signed: bool, code: Optional[str] = None) -> 
     bad = ~torch.isfinite(blocks).all(dim=1)
     absmax = torch.where(bad, torch.full_like(absmax, float("nan")), absmax)
     safe = torch.where(bad | (absmax == 0), torch.ones_like(absmax), absmax)
-    xn = blocks / safe[:, None]
+    codes = _codes(blocks, safe, code, mid)
+    codes[bad | (absmax == 0)] = zc
+    codes.view(-1)[n:] = zc
+    out = torch.empty(nb, PACKED_BLOCK, dtype=torch.uint8)
+    out[:, :BLOCK] = codes
+    out[:, BLOCK:] = absmax.contiguous().view(torch.uint8).view(nb, 4)
+    return out.view(-1)
+
+
+def _codes(blocks: torch.Tensor, scale: torch.Tensor, code: str, mid: torch.Tensor) -> torch.Tensor:
+    """uint8 codes of float32 ``blocks`` (rows) at per-row ``scale`` (the scheme's count of
+    midpoints below x / scale, or below its square root for ``"sqrt"``)."""
+    xn = blocks / scale[:, None]
     if code == "sqrt":
         # IEEE float32 square root, as the kernels' sqrtps: torch's float32 sqrt on the CPU
         # is not correctly rounded (sqrt(0.19140626) gave 0.4375 for 0.43750003), so it is
@@ -194,13 +206,86 @@ def encode_blocks(x: torch.Tensor, signed: bool, code: Optional[str] = None) -> 
         # float32 is never within 2**-51 (relative) of a float32 midpoint, and float64's
         # error is below 2**-53.
         xn = torch.sqrt(torch.clamp_min(xn, 0.0).double()).float()
-    codes = torch.searchsorted(mid, xn.contiguous(), right=False).to(torch.uint8)
-    codes[bad | (absmax == 0)] = zc
-    codes.view(-1)[n:] = zc
-    out = torch.empty(nb, PACKED_BLOCK, dtype=torch.uint8)
-    out[:, :BLOCK] = codes
-    out[:, BLOCK:] = absmax.contiguous().view(torch.uint8).view(nb, 4)
-    return out.view(-1)
+    return torch.searchsorted(mid, xn.contiguous(), right=False).to(torch.uint8)
+
+
+_SCALE_TRIES = (0, -1, 1, -2, 2, -3, 3)
+"""Float32 steps (ulps) around a block's estimated scale that ``encode_blocks_exact`` tries."""
+
+
+def encode_blocks_exact(x: torch.Tensor, signed: bool, code: Optional[str] = None) -> torch.Tensor:
+    """``encode_blocks(x)``, except for a block that it would not give back exactly (decode
+    of the packed block != x) and that some other scale gives back exactly: that block is
+    stored with that scale (its codes by the scheme's rule at that scale).
+
+    [Note: exact re-encoding] What loading a state in torch's layout into an int8 field
+    uses. Values that came from decoding blocks of this scheme (an int8 optimizer's
+    ``state_dict()``) are decode(codes, absmax) with absmax the block's largest magnitude
+    before it was coded; in a block whose largest value was negative, the signed map's most
+    negative level is -0.99297, not -1, so the largest decoded magnitude is 0.99297 x the
+    absmax, and re-encoding with it as the absmax would re-round every code of the block
+    (one code step at most, but a state_dict round trip should change nothing: a run that
+    loads its own state_dict must go on as if it had not). Such a block's scale is
+    recovered as largest |x| / |extreme level| (either extreme) and up to 3 float32 steps
+    around it, the first that decodes to x exactly kept. Values from anywhere else (torch's
+    fp32 states) are ~1 % off their nearest level, so no scale gives them back (a block of
+    a few values may be the exception: one value alone is exact at its own scale) and they
+    are encoded as ``encode_blocks`` does. A step never uses this: the kernels' encode is
+    ``encode_blocks``."""
+    x = x.detach().reshape(-1)
+    packed = encode_blocks(x, signed, code)
+    code = code or default_code(signed)
+    n = x.numel()
+    if n == 0:
+        return packed
+    nb = -(-n // BLOCK)
+    back = decode_blocks(packed, n, signed, code)
+    padded = torch.zeros(nb * BLOCK, dtype=torch.float32)
+    padded[:n] = x
+    blocks = padded.view(nb, BLOCK)
+    same = torch.ones(nb * BLOCK, dtype=torch.bool)
+    same[:n] = back == x
+    retry = ~same.view(nb, BLOCK).all(dim=1) & torch.isfinite(blocks).all(dim=1)
+    if not bool(retry.any()):
+        return packed
+    rows = retry.nonzero().view(-1)
+    sub = blocks[rows]
+    table, mid = code_tables(code)
+    peak = sub.abs().amax(dim=1)
+    out = packed.view(nb, PACKED_BLOCK)
+    # the peak is the extreme level times the scale, on the side of the element coded to it
+    # (the peak's own sign tells nothing when a value of the other side decodes as large)
+    for level in (table[0].abs(), table[-1]):
+        if not level > 0 or rows.numel() == 0:
+            continue
+        guess = (peak / level).view(torch.int32)
+        # only blocks that decode to within ~2**-20 of themselves at the guess came from codes
+        # (other values are ~1 % off): the float32 steps around it are tried for those only
+        # (the peak's share covers values that decode below float32's normal range)
+        scale = guess.view(torch.float32)
+        safe = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+        dec = table[_codes(sub, safe, code, mid).long()] * safe[:, None]
+        tol = sub.abs() * 2.0 ** -20 + peak[:, None] * 2.0 ** -40
+        near = ((dec - sub).abs() <= tol).all(dim=1) & (safe == scale)
+        left = torch.ones(rows.numel(), dtype=torch.bool)
+        for step in _SCALE_TRIES:
+            live = near & left
+            if not bool(live.any()):
+                break
+            at = (guess[live] + step).view(torch.float32)
+            ok = torch.isfinite(at) & (at > 0)
+            at = torch.where(ok, at, torch.ones_like(at))
+            codes = _codes(sub[live], at, code, mid)
+            exact = ok & (table[codes.long()] * at[:, None] == sub[live]).all(dim=1)
+            if bool(exact.any()):
+                hit = rows[live][exact]
+                out[hit, :BLOCK] = codes[exact]
+                out[hit, BLOCK:] = at[exact].contiguous().view(torch.uint8).view(-1, 4)
+                left[live.nonzero().view(-1)[exact]] = False
+        keep = left  # the blocks still without a scale: the other extreme's guess
+        rows, sub, peak = rows[keep], sub[keep], peak[keep]
+    out[-1, n - (nb - 1) * BLOCK:BLOCK] = zero_code(signed)  # padding: the zero code
+    return packed
 
 
 def decode_blocks(packed: torch.Tensor, numel: int, signed: bool, code: Optional[str] = None) -> torch.Tensor:

@@ -9,10 +9,9 @@ values decoded exactly (``to_torch_layout``), so a state_dict moves to ``torch.o
 ``state_dtype``. Loading goes the other way (``from_torch_layout``): float32 values are
 encoded as the field stores them, bf16 rounded to nearest even (one rounding of a loaded
 value: nothing decays through it, so no stochastic rounding is needed), int8 block by block
-as the kernels encode. A bf16 state survives the round trip bit for bit; an int8 one
-survives decode -> encode except in a block whose absmax came from a negative value (the
-signed map's most negative level is -0.99297, not -1), where the block is re-scaled: a change
-of at most one code step, the int8 scheme's own resolution.
+as the kernels encode, except that a block whose decoded values some scale gives back exactly
+keeps them ([Note: exact re-encoding] in kernels/quant.py). So both survive the round trip bit
+for bit: an optimizer that loads another's state_dict goes on exactly as the other.
 
 Every function returns a new tensor, never a view of its input: a state_dict must not
 change when the optimizer steps later, and an optimizer must not share its states with the
@@ -63,7 +62,7 @@ def from_torch_layout(field: StateField, values: torch.Tensor,
                         f"{getattr(values, 'dtype', type(values).__name__)}")
     flat = values.detach().reshape(-1).to(torch.float32)
     if field.blocked:
-        return quant.encode_blocks(flat, field.signed, field.code)
+        return quant.encode_blocks_exact(flat, field.signed, field.code)
     shape = tuple(values.shape) if shape is None else tuple(shape)
     if field.dtype == torch.bfloat16:
         return quant.round_bf16_nearest(flat).view(shape)  # quant's: the kernels' NaN bits

@@ -8,7 +8,8 @@ users' monitoring code read them.
   partitioned, this rank's slice only (1-D; absent on a rank that holds none of ``p``).
   They are the live states: the next step changes them.
 - In swap files (``offload="nvme"``): read from the swap files on each access (a new tensor,
-  up to ``p``'s size in RAM and one swap read each time; never a stale copy kept in RAM).
+  up to ``p``'s size in RAM and one swap read each time; never a stale copy kept in RAM),
+  compressed states decoded (float32 of ``p``'s shape, not the stored bf16 or int8 blocks).
   These keys are not stored in the dict: ``"exp_avg" in opt.state[p]`` is False and
   ``keys()`` does not list them; ``opt.state[p]["exp_avg"]`` and ``.get("exp_avg")`` work.
   Partitioned: this rank's slice, as above.

@@ -72,7 +72,7 @@ def write_values(field: StateField, t: torch.Tensor, x0: int, x1: int, n: int, v
     dst = storage_slice(field, t, a, b)
     whole = decode_state(field, dst, b - a)
     whole[x0 - a:x1 - a] = values
-    encode_state(field, whole, dst, stochastic=False, seed=0, offset=0, stream=0)
+    encode_state(field, whole, dst, stochastic=False, seed=0, offset=0, stream=0, exact=True)
 
 
 class DecodedBlocks:

@@ -90,7 +90,7 @@ def _store_values(fg: FlatGroup, key: str, lo: int, values: torch.Tensor) -> Non
     if f.dtype == torch.float32:
         t.copy_(values)
     else:
-        encode_state(f, values.float(), t, stochastic=False, seed=0, offset=0, stream=0)
+        encode_state(f, values.float(), t, stochastic=False, seed=0, offset=0, stream=0, exact=True)
 
 
 def import_state(st: "FlatState", p: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
