@@ -163,8 +163,6 @@ def test_resume_in_process(tmp_path):
 def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="updates fp32 CPU params in place; got torch.float64"):
         swapped_state(tmp_path, [torch.randn(10, dtype=torch.float64)])
-    with pytest.raises(ValueError, match="needs them contiguous"):
-        swapped_state(tmp_path, [torch.randn(10, 10).t()])
     with pytest.raises(ValueError, match="cannot hold 3 pipeline buffers"):
         swapped_state(tmp_path, [torch.randn(100_000)], max_host_bytes=20_000, sub_group_size=None)
     params = [torch.randn(10)]

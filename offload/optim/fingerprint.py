@@ -41,5 +41,6 @@ def fingerprint(params: Sequence[torch.Tensor], samples: Sequence[torch.Tensor])
     with torch.no_grad():
         for p, idx in zip(params, samples):
             if idx.numel():
-                crc = zlib.crc32(p.detach().view(-1)[idx].numpy().tobytes(), crc)
+                flat = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1)  # logical order
+                crc = zlib.crc32(flat[idx].numpy().tobytes(), crc)
     return f"{crc:08x}"

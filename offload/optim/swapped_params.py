@@ -25,7 +25,8 @@ def kernel_kwargs(hyper: Any, step: int) -> Dict[str, Any]:
 
 
 def check_params(params: List[torch.Tensor]) -> Dict[int, int]:
-    """The index of each param by id; ValueError for one the in-place store cannot update."""
+    """The index of each param by id; ValueError for one the in-place store cannot update.
+    (A non-contiguous param is stepped through a contiguous copy: SwappedState.step.)"""
     index: Dict[int, int] = {}
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
@@ -33,11 +34,6 @@ def check_params(params: List[torch.Tensor]) -> Dict[int, int]:
         if p.device.type != "cpu" or p.dtype != torch.float32:
             raise ValueError(f"param {i}: offload='nvme' updates fp32 CPU params in place; got {p.dtype} "
                              f"on {p.device}")
-        if not p.is_contiguous():
-            raise ValueError(f"param {i}: offload='nvme' updates fp32 CPU params in place and needs them "
-                             f"contiguous (this one has shape {tuple(p.shape)}, strides {p.stride()}); make "
-                             "it contiguous before building the optimizer (p.data = p.data.contiguous()) or "
-                             "use offload='cpu'")
         if id(p) in index:
             raise ValueError(f"param {i} is param {index[id(p)]} again (torch warns about duplicate "
                              "params and updates them twice per step); offload='nvme' with fp32 CPU params "

@@ -296,8 +296,11 @@ class SwappedState:
                 off, kw = self._offsets[i], _kernel_kwargs(hyper, int(step))
                 if self.core.rounds:  # the host store's streams: the param's index, its own elements
                     kw.update(rounding_seed=rounding_seed(int(step), i), element_offset=0)
+                # a non-contiguous param steps through a contiguous copy, written back once the
+                # step went through (a failed step leaves it as it was)
+                out = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).clone()
                 work[i] = WorkItem(0, off, off + p.numel(), grad.detach().reshape(-1).contiguous(),
-                                   kw, p.detach().view(-1), "master")
+                                   kw, out, "master")
         return work
 
     def step(self, batches: Sequence[Tuple[Any, Sequence[Tuple[torch.Tensor, torch.Tensor, int]]]]) -> Dict[str, float]:
@@ -316,6 +319,10 @@ class SwappedState:
             raise self._failed(exc, sorted(i for i in work if any(g in groups for g in self._groups_of(i))))
         finally:
             pending, self._pending = self._pending, {}
+        for i, it in work.items():
+            p = self.params[i]
+            if not p.is_contiguous():
+                p.detach().copy_(it.out.view(p.shape))
         for i, n in pending.items():
             self.ctx.steps.set(self.params[i], n)
         return phases
