@@ -123,3 +123,11 @@ def test_a_state_dict_round_trip_changes_nothing(cls, store, tmp_path):
         assert torch.equal(a, b)
     o1.close()
     o2.close()
+
+
+def test_chunks_give_the_bytes_of_one_pass(monkeypatch):
+    d = _decoded(_values(5 * 256 + 3, True, 9), True)
+    whole = quant.encode_blocks_exact(d, True)
+    monkeypatch.setattr(quant, "_EXACT_CHUNK", 2 * 256)
+    assert torch.equal(quant.encode_blocks_exact(d, True), whole)
+    assert torch.equal(quant.decode_blocks(whole, d.numel(), True), d)

@@ -209,6 +209,9 @@ def _codes(blocks: torch.Tensor, scale: torch.Tensor, code: str, mid: torch.Tens
     return torch.searchsorted(mid, xn.contiguous(), right=False).to(torch.uint8)
 
 
+_EXACT_CHUNK = 1 << 22
+"""Elements ``encode_blocks_exact`` encodes at a time (a multiple of ``BLOCK``)."""
+
 _SCALE_TRIES = (0, -1, 1, -2, 2, -3, 3)
 """Float32 steps (ulps) around a block's estimated scale that ``encode_blocks_exact`` tries."""
 
@@ -233,6 +236,9 @@ def encode_blocks_exact(x: torch.Tensor, signed: bool, code: Optional[str] = Non
     are encoded as ``encode_blocks`` does. A step never uses this: the kernels' encode is
     ``encode_blocks``."""
     x = x.detach().reshape(-1)
+    if x.numel() > _EXACT_CHUNK:  # blocks are independent: a few temporaries of a chunk, not of x
+        return torch.cat([encode_blocks_exact(x[i:i + _EXACT_CHUNK], signed, code)
+                          for i in range(0, x.numel(), _EXACT_CHUNK)])
     packed = encode_blocks(x, signed, code)
     code = code or default_code(signed)
     n = x.numel()
