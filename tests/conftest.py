@@ -64,6 +64,7 @@ _KERNEL_INCIDENTAL = {
     "test_shard_nvme", "test_shard_meta", "test_shard_weights", "test_shard_one_rank", "test_shard_groups",
     "test_host_checkpoint_packed", "test_stateless_checkpoint", "test_manifest_checksum", "test_swap_manifest_seal", "test_hf_groups_seal",
     "test_shard_cuda",  # stage 3's emulated streams; each gloo rank would JIT the numba kernels again (~25 s)
+    "test_state_dict_hooks", "test_exact_reencode",  # state_dict layouts and the load encoder (torch code)
 }
 # ...and the numba kernels' own compressed tests, which pick numba by name: the numba pass only.
 _NUMBA_BY_NAME = {"test_numba_compressed", "test_numba_zero_division"}
