@@ -159,9 +159,22 @@ REFUSED = [
     ({"optimizer": _opt(), "train_batch_sise": 8}, r"^train_batch_sise: unknown top-level key"),
     ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "overlap_com": True}},
      r"^zero_optimization\.overlap_com: unknown key"),
-    ({"optimizer": _opt(), "zero_optimization": {"stage": 3}}, r"^zero_optimization\.stage: 3"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 3}}, r"^zero_optimization\.stage: 3 partitions the params: pass the model"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 4}}, r"^zero_optimization\.stage: expected 0, 1, 2 or 3"),
     ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-     r"^zero_optimization\.offload_param: parameter offload"),
+     r"^zero_optimization\.offload_param: parameter offload is ZeRO stage 3's, and the stage is 2"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     r"^zero_optimization\.offload_param\.nvme_path: required"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "nvme_path": "/x"}}},
+     r"^zero_optimization\.offload_param\.nvme_path: only read with device \"nvme\""),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}},
+     r"^zero_optimization\.offload_param\.device: expected none, cpu or nvme"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "ratio": 1}}},
+     r"^zero_optimization\.offload_param\.ratio: unknown key"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0}},
+     r"^zero_optimization\.stage3_max_live_parameters: must be >= 1"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 3, "cpu_offload_param": True}},
+     r"^zero_optimization\.cpu_offload_param: the deprecated spelling"),
     ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "cpu_offload": True}},
      r"^zero_optimization\.cpu_offload: the deprecated"),
     ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
@@ -170,7 +183,7 @@ REFUSED = [
                                                                                   "nvme_path": "/x"}}},
      r"^zero_optimization\.offload_optimizer\.nvme_path: only read with device \"nvme\""),
     ({"optimizer": _opt(), "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
-     r"^zero_optimization\.offload_optimizer needs zero_optimization\.stage 1 or 2"),
+     r"^zero_optimization\.offload_optimizer needs zero_optimization\.stage 1, 2 or 3"),
     ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
      r"^zero_optimization\.offload_optimizer\.device: expected none, cpu or nvme"),
     ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
@@ -240,3 +253,82 @@ def test_too_small_pool_names_the_deepspeed_keys(tmp_path):
 def test_tables_name_keys_once():
     assert not set(MAPPED) & set(IGNORED)
     assert all(reason for reason in IGNORED.values())
+
+
+# ---------------------------------------------------------------- stage 3: offload.shard
+class _Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return x
+
+
+def _zero3(offload_param, **extra):
+    """The HF docs' ZeRO-3 template (its "auto" tuning values kept: stage 3's own knobs)."""
+    return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                      "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                  "offload_param": offload_param, "overlap_comm": True, "contiguous_gradients": True,
+                                  "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                                  "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                                  "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                                  "stage3_gather_16bit_weights_on_model_save": True, **extra},
+            "gradient_clipping": 1.0, "gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 1}
+
+
+def test_zero3_shard_kwargs(tmp_path):
+    from offload.integrations.deepspeed import deepspeed_shard_kwargs
+
+    assert deepspeed_shard_kwargs(HF_ZERO2) is None
+    assert deepspeed_shard_kwargs(_zero3({"device": "cpu", "pin_memory": True, "buffer_count": 5})) == {
+        "offload_params": "cpu", "max_live_params": 10 ** 9}
+    nvme = _zero3({"device": "nvme", "nvme_path": str(tmp_path)}, stage3_max_live_parameters="auto")
+    assert deepspeed_shard_kwargs(nvme) == {"offload_params": "nvme", "swap_dir": str(tmp_path)}
+    cls, kw = deepspeed_kwargs(nvme)
+    assert cls is offload.AdamW and "stage" not in kw and kw["offload"] == "cpu"  # the shards say stage 3
+
+
+@pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
+def test_zero3_config_shards_the_model_and_trains_as_torch(device, tmp_path):
+    """Given the model, a stage-3 config shards it (offload_param -> offload.shard) and builds
+    the optimizer over the shards: three clipped AdamW steps as torch's on the whole model."""
+    param = {"device": device, "pin_memory": True, **({"nvme_path": str(tmp_path)} if device == "nvme" else {})}
+    torch.manual_seed(0)
+    model = _Blocks()
+    ref = copy.deepcopy(model)
+    opt = from_deepspeed_config(_zero3(param), model)
+    rt = offload.shard.runtime_of(model)
+    assert rt is not None and opt.stage == 3
+    assert all("_shard_" in n for n, _ in model.named_parameters())
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                             foreach=False)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ropt.step()
+        ropt.zero_grad()
+    full = offload.shard.gathered_params(model)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)
+    opt.close()
+
+
+def test_zero3_config_over_params_of_a_sharded_model():
+    torch.manual_seed(0)
+    model = _Blocks()
+    with pytest.raises(ValueError, match=r"stage: 3 partitions the params: pass the model"):
+        from_deepspeed_config(_zero3({"device": "none"}), model.parameters())  # not sharded: refused
+    offload.shard(model)
+    opt = from_deepspeed_config(_zero3({"device": "none"}), model.parameters())
+    assert opt.stage == 3
+    opt.close()

@@ -32,10 +32,13 @@ import torch
 
 from offload.config import IOConfig
 
-__all__ = ["from_deepspeed_config", "deepspeed_kwargs", "MAPPED", "IGNORED"]
+__all__ = ["from_deepspeed_config", "deepspeed_kwargs", "deepspeed_shard_kwargs", "MAPPED", "IGNORED"]
 
 MAPPED: Dict[str, str] = {
-    "zero_optimization.stage": "stage= (0, 1, 2; 3 is refused)",
+    "zero_optimization.stage": "stage= (0, 1, 2); 3: offload.shard(model) first, then the optimizer over its shards",
+    "zero_optimization.offload_param.device": "stage 3: offload.shard(offload_params=) (none, cpu, nvme)",
+    "zero_optimization.offload_param.nvme_path": "stage 3: offload.shard(swap_dir=), the param shards' directory",
+    "zero_optimization.stage3_max_live_parameters": "stage 3: offload.shard(max_live_params=)",
     "zero_optimization.sub_group_size": "sub_group_size=",
     "zero_optimization.offload_optimizer.device": "offload= (none, cpu, nvme)",
     "zero_optimization.offload_optimizer.nvme_path": "swap_dir=",
@@ -84,9 +87,12 @@ IGNORED: Dict[str, str] = {
         "allgather_partitions", "allgather_bucket_size", "round_robin_gradients",
         "use_multi_rank_bucket_allreduce", "load_from_fp32_weights", "elastic_checkpoint",
         "ignore_unused_parameters", "legacy_stage1", "memory_efficient_linear", "log_trace_cache_warnings")},
-    "zero_optimization.stage3_*": "read by DeepSpeed's stage 3 only (stage 3 is refused here)",
+    "zero_optimization.stage3_*": "DeepSpeed's stage-3 tuning (prefetch buckets, persistence threshold, reuse "
+                                  "distance, 16-bit save): offload.shard prefetches whole units, one ahead",
     **{f"zero_optimization.offload_optimizer.{k}": _NO_EFFECT for k in (
         "pin_memory", "pipeline_read", "pipeline_write", "fast_init")},
+    **{f"zero_optimization.offload_param.{k}": _NO_EFFECT for k in (
+        "pin_memory", "buffer_count", "buffer_size", "max_in_cpu")},
     **{f"aio.{k}": _NO_EFFECT for k in ("intra_op_parallelism", "thread_count", "single_submit",
                                          "overlap_events")},
     **{f"fp16.{k}": _LOSS_SCALE for k in ("loss_scale", "initial_scale_power", "loss_scale_window",
@@ -97,10 +103,9 @@ IGNORED: Dict[str, str] = {
 """DeepSpeed key path -> why it is accepted and has no effect here."""
 
 _REFUSED: Dict[str, str] = {
-    "zero_optimization.offload_param": "parameter offload is ZeRO stage 3, which offload does not implement "
-                                        "yet; keep the params on the device",
     "zero_optimization.cpu_offload": "the deprecated spelling: use offload_optimizer: {\"device\": \"cpu\"}",
-    "zero_optimization.cpu_offload_param": "parameter offload (stage 3) is not implemented",
+    "zero_optimization.cpu_offload_param": "the deprecated spelling: use offload_param: {\"device\": \"cpu\"} "
+                                           "with stage 3",
     "zero_optimization.zero_quantized_weights": "quantized ZeRO++ communication is not implemented",
     "zero_optimization.zero_quantized_gradients": "quantized ZeRO++ communication is not implemented",
     "zero_optimization.zero_hpz_partition_size": "hierarchical partitioning (ZeRO++) is not implemented",
@@ -203,23 +208,54 @@ def _load(config: Any) -> Mapping[str, Any]:
     raise TypeError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
 
 
-def _zero(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Dict[str, Any]:
+def _zero(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(the optimizer's kwargs, offload.shard's kwargs: empty below stage 3)."""
     z = _Reader(cfg.get("zero_optimization"), "zero_optimization", overrides)
-    z.check_keys(("stage", "sub_group_size", "offload_optimizer"))
+    z.check_keys(("stage", "sub_group_size", "offload_optimizer", "offload_param", "stage3_max_live_parameters"))
     out: Dict[str, Any] = {}
     stage = z.get("stage", "int", 0, "stage")
-    if stage == 3:
-        raise ValueError("zero_optimization.stage: 3 (parameter partitioning) is not implemented; "
-                         "use stage 1 or 2 (the optimizer states and grads are partitioned across ranks)")
-    if stage not in (0, 1, 2):
-        raise ValueError(f"zero_optimization.stage: expected 0, 1, 2 (or 3), got {stage}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage: expected 0, 1, 2 or 3, got {stage}")
     out["stage"] = stage
+    shard = _offload_param(z, stage)
     sub_group = z.get("sub_group_size", "int", None, "sub_group_size")
     if sub_group is not None:
         if sub_group <= 0:
             raise ValueError(f"zero_optimization.sub_group_size: must be > 0, got {sub_group}")
         out["sub_group_size"] = sub_group
     out.update(_offload_optimizer(z, stage, sub_group, overrides))
+    return out, shard
+
+
+def _offload_param(z: _Reader, stage: int) -> Dict[str, Any]:
+    """offload.shard's kwargs of a stage-3 config (DeepSpeed's offload_param and
+    stage3_max_live_parameters); {} below stage 3, where offload_param is refused."""
+    o = _Reader(z.data.get("offload_param"), "zero_optimization.offload_param", {})
+    o.check_keys(("device", "nvme_path"))
+    device = o.get("device", "str", "none")
+    if device not in ("none", "cpu", "nvme"):
+        raise ValueError(f"zero_optimization.offload_param.device: expected none, cpu or nvme, got {device!r}")
+    if stage != 3:
+        if device != "none":
+            raise ValueError(f"zero_optimization.offload_param: parameter offload is ZeRO stage 3's, and the "
+                             f"stage is {stage}; set zero_optimization.stage to 3 or remove offload_param")
+        return {}
+    out: Dict[str, Any] = {"offload_params": device}
+    path = o.get("nvme_path", "str", None)
+    if device == "nvme":
+        if path is None:
+            raise ValueError("zero_optimization.offload_param.nvme_path: required with device \"nvme\" "
+                             "(a directory on a local NVMe disk for the param shards)")
+        out["swap_dir"] = path
+    elif path is not None:
+        raise ValueError(f"zero_optimization.offload_param.nvme_path: only read with device \"nvme\", "
+                         f"but device is {device!r}; remove it or set device to \"nvme\"")
+    live = z.data.get("stage3_max_live_parameters")
+    if live is not None and live != "auto":
+        n = _typed(live, "float", "zero_optimization.stage3_max_live_parameters")
+        if not n >= 1:
+            raise ValueError(f"zero_optimization.stage3_max_live_parameters: must be >= 1, got {live!r}")
+        out["max_live_params"] = int(min(n, 2 ** 62))
     return out
 
 
@@ -231,7 +267,7 @@ def _offload_optimizer(z: _Reader, stage: int, sub_group: Optional[int],
     if device not in ("none", "cpu", "nvme"):
         raise ValueError(f"zero_optimization.offload_optimizer.device: expected none, cpu or nvme, got {device!r}")
     if device != "none" and stage == 0:
-        raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage 1 or 2 "
+        raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage 1, 2 or 3 "
                          "(DeepSpeed offloads only under ZeRO); set the stage")
     ratio = o.get("ratio", "float", 1.0)
     if ratio != 1.0:
@@ -367,26 +403,45 @@ def _check_top(cfg: Mapping[str, Any]) -> None:
         raise ValueError(f"{name}: unknown top-level key (see offload.integrations.deepspeed.MAPPED and IGNORED)")
 
 
-def _translate(config: Any, overrides: Mapping[str, Any]) -> Tuple[type, Dict[str, Any], torch.dtype]:
+def _translate(config: Any, overrides: Mapping[str, Any]) -> Tuple[type, Dict[str, Any], torch.dtype, Dict[str, Any]]:
     cfg = _load(config)
     _check_top(cfg)
-    kwargs = _zero(cfg, overrides)
+    kwargs, shard = _zero(cfg, overrides)
+    if kwargs["stage"] == 3:
+        del kwargs["stage"]  # the optimizer takes stage 3 from offload.shard's params
     kwargs.update(_aio(cfg, kwargs["offload"], overrides))
     cls, opt_kwargs = _optimizer(cfg, overrides)
     kwargs.update(opt_kwargs)
     kwargs.update(_clipping(cfg, overrides))
     dtype = _precision(cfg)
     kwargs.update(overrides)
-    return cls, kwargs, dtype
+    return cls, kwargs, dtype, shard
 
 
 def deepspeed_kwargs(config: Any, **overrides: Any) -> Tuple[type, Dict[str, Any]]:
     """``(the offload optimizer class, kwargs)`` for a DeepSpeed config (a dict or a JSON
-    path), without building anything: ``cls(params, **kwargs)`` is the optimizer.
+    path), without building anything: ``cls(params, **kwargs)`` is the optimizer (at stage 3,
+    over the params of a model ``offload.shard`` changed: see :func:`deepspeed_shard_kwargs`).
     ``overrides`` are offload options that win over the config (and resolve its ``"auto"``
     values), e.g. ``lr=``, ``swap_dir=``, ``resume=True``."""
-    cls, kwargs, _ = _translate(config, overrides)
+    cls, kwargs, _, _ = _translate(config, overrides)
     return cls, kwargs
+
+
+def deepspeed_shard_kwargs(config: Any) -> Optional[Dict[str, Any]]:
+    """The kwargs of ``offload.shard(model, **kwargs)`` for a stage-3 DeepSpeed config
+    (``offload_params``, ``swap_dir`` from ``offload_param``, ``max_live_params`` from
+    ``stage3_max_live_parameters``); None below stage 3."""
+    cfg = _load(config)
+    _check_top(cfg)
+    kwargs, shard = _zero(cfg, {})
+    return shard if kwargs["stage"] == 3 else None
+
+
+def _sharded(params: list) -> bool:
+    """Whether ``params`` (tensors or groups) hold params of a model ``offload.shard`` changed."""
+    flat = [p for item in params for p in (item["params"] if isinstance(item, Mapping) else [item])]
+    return any(hasattr(p, "_offload_shard") for p in flat)
 
 
 def _check_dtypes(params: list, dtype: torch.dtype) -> None:
@@ -402,14 +457,40 @@ def _check_dtypes(params: list, dtype: torch.dtype) -> None:
 
 def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
     """The :class:`offload.AdamW` (or ``Adam``) that DeepSpeed config ``config`` (a dict or
-    the path of its JSON file) describes, over ``params`` (tensors or param groups).
+    the path of its JSON file) describes, over ``params`` (tensors or param groups, or an
+    ``nn.Module``: its parameters).
+
+    Stage 3 (``zero_optimization.stage: 3``) partitions the params themselves: given the
+    model, this calls ``offload.shard(model, **deepspeed_shard_kwargs(config))`` on it first
+    (in place, as ``deepspeed.initialize`` does; a collective on several ranks), then builds
+    the optimizer over its shards. Given params, they must be those of a model
+    ``offload.shard`` changed already (its settings then stand).
 
     See the module's docstring and :data:`MAPPED` / :data:`IGNORED` for what each key becomes;
     any other key, an unsupported value or an inconsistent combination is a ``ValueError``
     naming the key path. ``overrides`` are offload options that win over the config."""
-    cls, kwargs, dtype = _translate(config, overrides)
+    cls, kwargs, dtype, shard_kwargs = _translate(config, overrides)
+    stage3 = "stage" not in kwargs
+    if isinstance(params, torch.nn.Module):
+        model = params
+        if stage3 and not _sharded(list(model.parameters())):
+            from offload.shard import shard
+
+            _check_dtypes(list(model.parameters()), dtype)
+            shard(model, **shard_kwargs)
+        params = model.parameters()
     params = list(params)
+    if stage3 and not _sharded(params):
+        raise ValueError("zero_optimization.stage: 3 partitions the params: pass the model "
+                         "(from_deepspeed_config(config, model) calls offload.shard(model) on it), or call "
+                         "offload.shard(model, ...) first and pass model.parameters()")
     _check_dtypes(params, dtype)
+    flat = [p for item in params for p in (item["params"] if isinstance(item, Mapping) else [item])]
+    if (stage3 and "sub_group_size" not in overrides and kwargs.get("offload") in ("none", "cpu")
+            and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in flat)):
+        # fp32 CPU shards step in place, each in one pass: DeepSpeed's sub-groups (its
+        # default 1e9 is in most stage-3 configs) have nothing to cut here
+        kwargs.pop("sub_group_size", None)
     try:
         return cls(params, **kwargs)
     except ValueError as e:

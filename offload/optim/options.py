@@ -135,7 +135,8 @@ def check_extras(*, max_grad_norm: Any, num_threads: Any, stage: Any, bias_corre
         if num_threads < 1:
             raise ValueError(f"Invalid num_threads: {num_threads}")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2)):
-        raise ValueError(f"Invalid stage: {stage!r} (0, 1 or 2; stage 3 is not implemented yet)")
+        raise ValueError(f"Invalid stage: {stage!r} (0, 1 or 2; for stage 3 shard the model with "
+                         "offload.shard(model) and build the optimizer over its params, without stage=)")
     _check_bool("bias_correction", bias_correction)
 
 
