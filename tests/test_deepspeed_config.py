@@ -291,7 +291,9 @@ def test_zero3_shard_kwargs(tmp_path):
     nvme = _zero3({"device": "nvme", "nvme_path": str(tmp_path)}, stage3_max_live_parameters="auto")
     assert deepspeed_shard_kwargs(nvme) == {"offload_params": "nvme", "swap_dir": str(tmp_path)}
     cls, kw = deepspeed_kwargs(nvme)
-    assert cls is offload.AdamW and "stage" not in kw and kw["offload"] == "cpu"  # the shards say stage 3
+    assert cls is offload.AdamW and kw["stage"] == 3 and kw["offload"] == "cpu"
+    with pytest.raises(ValueError, match=r"Invalid stage: 3 for these params: .*offload\.shard\(model\)"):
+        cls(torch.nn.Linear(4, 4).parameters(), **kw)  # not a sharded model's: never an unsharded run
 
 
 @pytest.mark.parametrize("device", ["none", "cpu", "nvme"])

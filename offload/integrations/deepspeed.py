@@ -407,8 +407,6 @@ def _translate(config: Any, overrides: Mapping[str, Any]) -> Tuple[type, Dict[st
     cfg = _load(config)
     _check_top(cfg)
     kwargs, shard = _zero(cfg, overrides)
-    if kwargs["stage"] == 3:
-        del kwargs["stage"]  # the optimizer takes stage 3 from offload.shard's params
     kwargs.update(_aio(cfg, kwargs["offload"], overrides))
     cls, opt_kwargs = _optimizer(cfg, overrides)
     kwargs.update(opt_kwargs)
@@ -421,7 +419,8 @@ def _translate(config: Any, overrides: Mapping[str, Any]) -> Tuple[type, Dict[st
 def deepspeed_kwargs(config: Any, **overrides: Any) -> Tuple[type, Dict[str, Any]]:
     """``(the offload optimizer class, kwargs)`` for a DeepSpeed config (a dict or a JSON
     path), without building anything: ``cls(params, **kwargs)`` is the optimizer (at stage 3,
-    over the params of a model ``offload.shard`` changed: see :func:`deepspeed_shard_kwargs`).
+    ``stage=3``, over the params of a model ``offload.shard`` changed, see
+    :func:`deepspeed_shard_kwargs`; other params are refused).
     ``overrides`` are offload options that win over the config (and resolve its ``"auto"``
     values), e.g. ``lr=``, ``swap_dir=``, ``resume=True``."""
     cls, kwargs, _, _ = _translate(config, overrides)
@@ -470,7 +469,7 @@ def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
     any other key, an unsupported value or an inconsistent combination is a ``ValueError``
     naming the key path. ``overrides`` are offload options that win over the config."""
     cls, kwargs, dtype, shard_kwargs = _translate(config, overrides)
-    stage3 = "stage" not in kwargs
+    stage3 = kwargs.get("stage") == 3
     if isinstance(params, torch.nn.Module):
         model = params
         if stage3 and not _sharded(list(model.parameters())):

@@ -134,9 +134,8 @@ def check_extras(*, max_grad_norm: Any, num_threads: Any, stage: Any, bias_corre
                             f"{num_threads!r}")
         if num_threads < 1:
             raise ValueError(f"Invalid num_threads: {num_threads}")
-    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2)):
-        raise ValueError(f"Invalid stage: {stage!r} (0, 1 or 2; for stage 3 shard the model with "
-                         "offload.shard(model) and build the optimizer over its params, without stage=)")
+    if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+        raise ValueError(f"Invalid stage: {stage!r} (0, 1, 2, or 3 over the params of offload.shard(model))")
     _check_bool("bias_correction", bias_correction)
 
 

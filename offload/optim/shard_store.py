@@ -44,9 +44,9 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
     sharded, group = shard_group(params)
     if not sharded:
         return None
-    if stage not in (None, 0):
+    if stage not in (None, 0, 3):
         raise ValueError(f"stage={stage} with params of offload.shard(): they are partitioned already (stage 3); "
-                         "drop stage=")
+                         "drop stage= (or pass 3)")
     if process_group is not None and process_group is not group:
         raise ValueError("process_group= differs from the one the params were sharded over")
     if getattr(opt, "master_dtype", None) == "bfloat16" and any(
