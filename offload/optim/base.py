@@ -180,9 +180,6 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         store = stage3_store(self, stage, process_group)  # params of offload.shard: [Note: stage 3 store]
         if store is not None:
             return store
-        if stage == 3:
-            raise ValueError("Invalid stage: 3 for these params: stage 3 partitions the params themselves; shard "
-                             "the model with offload.shard(model) and build the optimizer over model.parameters()")
         params = self._all_params()
         world = 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -37,12 +37,16 @@ def shard_group(params: List[torch.Tensor]) -> Tuple[bool, Any]:
 
 
 def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
-    """The store for shard params (see the note), or None for any other params."""
+    """The store for shard params (see the note), or None for any other params (a ValueError
+    for them with stage=3)."""
     if getattr(opt, "_in_stage3", False):
         return None
     params = opt._all_params()
     sharded, group = shard_group(params)
     if not sharded:
+        if stage == 3:
+            raise ValueError("Invalid stage: 3 for these params: stage 3 partitions the params themselves; shard "
+                             "the model with offload.shard(model) and build the optimizer over model.parameters()")
         return None
     if stage not in (None, 0, 3):
         raise ValueError(f"stage={stage} with params of offload.shard(): they are partitioned already (stage 3); "
