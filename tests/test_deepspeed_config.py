@@ -334,3 +334,29 @@ def test_zero3_config_over_params_of_a_sharded_model():
     opt = from_deepspeed_config(_zero3({"device": "none"}), model.parameters())
     assert opt.stage == 3
     opt.close()
+
+
+@pytest.mark.parametrize("override,error", [({"lr": -1.0}, ValueError), ({"state_dtype": "int4"}, ValueError),
+                                            ({"foo": 1}, TypeError)])
+def test_zero3_bad_options_fail_before_the_model_is_sharded(override, error):
+    model = _Blocks()
+    with pytest.raises(error):
+        from_deepspeed_config(_zero3({"device": "none"}), model, **override)
+    assert offload.shard.runtime_of(model) is None and "blocks.0.weight" in dict(model.named_parameters())
+
+
+def test_zero3_a_failure_after_sharding_says_so_and_a_retry_must_match(tmp_path):
+    model = _Blocks()
+    bad = _zero3({"device": "nvme", "nvme_path": str(tmp_path / "p")}, sub_group_size=1)
+    bad["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "o"),
+                                                     "buffer_count": 1}
+    (tmp_path / "p").mkdir()
+    (tmp_path / "o").mkdir()
+    with pytest.raises(ValueError, match="buffer_count x 4 B") as info:  # the pool depends on the shards
+        from_deepspeed_config(bad, model)
+    assert any("the model stays sharded" in n for n in getattr(info.value, "__notes__", []))
+    with pytest.raises(ValueError, match=r"offload_param: the model was sharded already, .*in a file"):
+        from_deepspeed_config(_zero3({"device": "cpu"}), model)  # would need a model sharded otherwise
+    opt = from_deepspeed_config(_zero3({"device": "nvme", "nvme_path": str(tmp_path / "p")}), model)
+    assert opt.stage == 3
+    opt.close()

@@ -382,21 +382,30 @@ def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
     Stage 3 (``zero_optimization.stage: 3``) partitions the params themselves: given the
     model, this calls ``offload.shard(model, **deepspeed_shard_kwargs(config))`` on it first
     (in place, as ``deepspeed.initialize`` does; a collective on several ranks), then builds
-    the optimizer over its shards. Given params, they must be those of a model
-    ``offload.shard`` changed already (its settings then stand).
+    the optimizer over its shards. The optimizer's options are checked before the model is
+    sharded; what depends on the shards (the swap pipeline's host budget) can fail only after,
+    and then the model stays sharded (a note on the exception says so): passing it again
+    takes its shards as they are, refusing a config that would have put them elsewhere.
+    Given params, they must be those of a model ``offload.shard`` changed already (its
+    settings then stand).
 
     See the module's docstring and :data:`MAPPED` / :data:`IGNORED` for what each key becomes;
     any other key, an unsupported value or an inconsistent combination is a ``ValueError``
     naming the key path. ``overrides`` are offload options that win over the config."""
     cls, kwargs, dtype, shard_kwargs = _translate(config, overrides)
     stage3 = kwargs.get("stage") == 3
+    sharded_here = False
     if isinstance(params, torch.nn.Module):
         model = params
         if stage3 and not _sharded(list(model.parameters())):
             from offload.shard import shard
 
             _check_dtypes(list(model.parameters()), dtype)
+            _check_options(cls, kwargs)  # a shard cannot be undone: the options' errors come first
             shard(model, **shard_kwargs)
+            sharded_here = True
+        elif stage3:
+            _check_shard_matches(model, shard_kwargs)
         params = model.parameters()
     params = list(params)
     if stage3 and not _sharded(params):
@@ -411,11 +420,41 @@ def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
         # default 1e9 is in most stage-3 configs) have nothing to cut here
         kwargs.pop("sub_group_size", None)
     try:
-        return cls(params, **kwargs)
-    except ValueError as e:
-        if "max_host_bytes" in str(e) and "max_host_bytes" not in overrides and "max_host_bytes" in kwargs:
-            raise ValueError(
-                f"zero_optimization.sub_group_size x offload_optimizer.buffer_count x 4 B = "
-                f"{kwargs['max_host_bytes']} host bytes (DeepSpeed's buffer pool) is too small here: {e}; "
-                "lower sub_group_size, raise buffer_count, or pass max_host_bytes=...") from e
+        try:
+            return cls(params, **kwargs)
+        except ValueError as e:
+            if "max_host_bytes" in str(e) and "max_host_bytes" not in overrides and "max_host_bytes" in kwargs:
+                raise ValueError(
+                    f"zero_optimization.sub_group_size x offload_optimizer.buffer_count x 4 B = "
+                    f"{kwargs['max_host_bytes']} host bytes (DeepSpeed's buffer pool) is too small here: {e}; "
+                    "lower sub_group_size, raise buffer_count, or pass max_host_bytes=...") from e
+            raise
+    except Exception as e:
+        if sharded_here:
+            e.add_note("offload.shard() had sharded the model in this call before the optimizer failed, and a "
+                       "shard is not undone: the model stays sharded. Fix the config and pass the same model "
+                       "again (its shards are taken as they are), or build the model anew.")
         raise
+
+
+def _check_options(cls: type, kwargs: Dict[str, Any]) -> None:
+    """The optimizer's own checks of its hyperparameters and options (values, types, unknown
+    keywords), run on one bf16 param before anything is sharded. What depends on the params
+    (the host budget of the swap pipeline) is checked by the real constructor after."""
+    placement = ("offload", "swap_dir", "max_host_bytes", "io_engine", "stage", "resume", "verify",
+                 "process_group")
+    probe = {k: v for k, v in kwargs.items() if k not in placement}
+    cls([torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)], **probe).close()
+
+
+def _check_shard_matches(model: torch.nn.Module, shard_kwargs: Dict[str, Any]) -> None:
+    """A model sharded before keeps its settings; one the config would shard elsewhere is refused."""
+    from offload.shard import runtime_of
+
+    rt = runtime_of(model)
+    on_disk = bool(getattr(rt, "params_on_disk", False)) if rt is not None else None
+    if on_disk is not None and on_disk != (shard_kwargs.get("offload_params") == "nvme"):
+        where = "in a file (offload_params='nvme')" if on_disk else "in memory"
+        raise ValueError(f"zero_optimization.offload_param: the model was sharded already, with its param shards "
+                         f"{where}, and the config says device {shard_kwargs.get('offload_params')!r}; build the "
+                         "model anew to shard it otherwise")

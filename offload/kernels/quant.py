@@ -267,11 +267,11 @@ def encode_blocks_exact(x: torch.Tensor, signed: bool, code: Optional[str] = Non
         guess = (peak / level).view(torch.int32)
         # only blocks that decode to within ~2**-20 of themselves at the guess came from codes
         # (other values are ~1 % off): the float32 steps around it are tried for those only
-        # (the peak's share covers values that decode below float32's normal range)
+        # (the peak's share and the floor cover values that decode below float32's normal range)
         scale = guess.view(torch.float32)
         safe = torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
         dec = table[_codes(sub, safe, code, mid).long()] * safe[:, None]
-        tol = sub.abs() * 2.0 ** -20 + peak[:, None] * 2.0 ** -40
+        tol = sub.abs() * 2.0 ** -20 + peak[:, None] * 2.0 ** -40 + 2.0 ** -146  # (8 subnormal steps)
         near = ((dec - sub).abs() <= tol).all(dim=1) & (safe == scale)
         left = torch.ones(rows.numel(), dtype=torch.bool)
         for step in _SCALE_TRIES:
