@@ -357,14 +357,18 @@ def deepspeed_shard_kwargs(config: Any) -> Optional[Dict[str, Any]]:
     return shard if kwargs["stage"] == 3 else None
 
 
+def _flat(params: list) -> list:
+    """The tensors of ``params`` (tensors or param groups), in order."""
+    return [p for item in params for p in (item["params"] if isinstance(item, Mapping) else [item])]
+
+
 def _sharded(params: list) -> bool:
     """Whether ``params`` (tensors or groups) hold params of a model ``offload.shard`` changed."""
-    flat = [p for item in params for p in (item["params"] if isinstance(item, Mapping) else [item])]
-    return any(hasattr(p, "_offload_shard") for p in flat)
+    return any(hasattr(p, "_offload_shard") for p in _flat(params))
 
 
 def _check_dtypes(params: list, dtype: torch.dtype) -> None:
-    flat = [p for item in params for p in (item["params"] if isinstance(item, Mapping) else [item])]
+    flat = _flat(params)
     for i, p in enumerate(flat):
         if isinstance(p, torch.Tensor) and p.is_floating_point() and p.dtype != dtype:
             want = {torch.bfloat16: "bf16.enabled is true", torch.float16: "fp16.enabled is true"}.get(
@@ -413,7 +417,7 @@ def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
                          "(from_deepspeed_config(config, model) calls offload.shard(model) on it), or call "
                          "offload.shard(model, ...) first and pass model.parameters()")
     _check_dtypes(params, dtype)
-    flat = [p for item in params for p in (item["params"] if isinstance(item, Mapping) else [item])]
+    flat = _flat(params)
     if (stage3 and "sub_group_size" not in overrides and kwargs.get("offload") in ("none", "cpu")
             and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in flat)):
         # fp32 CPU shards step in place, each in one pass: DeepSpeed's sub-groups (its

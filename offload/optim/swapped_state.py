@@ -298,7 +298,7 @@ class SwappedState:
                     kw.update(rounding_seed=rounding_seed(int(step), i), element_offset=0)
                 # a non-contiguous param steps through a contiguous copy, written back once the
                 # step went through (a failed step leaves it as it was)
-                out = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).clone()
+                out = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).contiguous()  # one copy
                 work[i] = WorkItem(0, off, off + p.numel(), grad.detach().reshape(-1).contiguous(),
                                    kw, out, "master")
         return work
