@@ -69,6 +69,11 @@ inline VF vsign(VF x) {
     return _mm512_sub_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(zero, x, _CMP_LT_OQ), one),
                          _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), one));
 }
+// torch.maximum's vectorized form: max_ps (b unless a > b), all-ones NaN where either is NaN
+inline VF vmax_nan(VF a, VF b) {
+    const __mmask16 nan = _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(_mm512_max_ps(a, b), nan, _mm512_castsi512_ps(_mm512_set1_epi32(-1)));
+}
 template <int G>
 inline VF vload_grad(const void *g, int64_t i) { return load_grad<G, false>(g, i, 0xFFFF); }
 template <int L, bool STREAM>

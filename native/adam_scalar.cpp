@@ -70,6 +70,17 @@ inline VF vdiv(VF a, VF b) { return a / b; }
 inline VF vsqrt(VF a) { return std::sqrt(a); }
 inline VF vfmadd(VF a, VF b, VF c) { return std::fma(a, b, c); }
 inline VF vsign(VF x) { return static_cast<float>(0.0f < x) - static_cast<float>(x < 0.0f); }
+// torch.maximum's vectorized form (max_ps: b unless a > b; all-ones NaN where either is NaN),
+// so the units agree on every bit
+inline VF vmax_nan(VF a, VF b) {
+    if (a != a || b != b) {
+        const uint32_t ones = 0xFFFFFFFFu;
+        float nan;
+        memcpy(&nan, &ones, 4);
+        return nan;
+    }
+    return a > b ? a : b;
+}
 template <int G>
 inline VF vload_grad(const void *g, int64_t i) { return load_grad<G>(g, i); }
 template <int L, bool STREAM>

@@ -32,6 +32,7 @@ struct RuleFns {
     int (*sgd)(const offload_sgd_consts &, const RuleBuffers &, int64_t, int64_t);
     int (*adagrad)(const offload_adagrad_consts &, const RuleBuffers &, int64_t, int64_t);
     int (*lion)(const offload_lion_consts &, const RuleBuffers &, int64_t, int64_t);
+    int (*amsgrad)(const AdamConsts &, const RuleBuffers &, int64_t, int64_t);
 };
 
 // One packed block (quant.encode_blocks) of the len live values x.
@@ -153,6 +154,10 @@ inline int tile_rule(const CompressedStep &s, const RuleFns &f, float *p, const 
         const AdamBuffers b{p, g, st[0], st[1], lowp, s.grad_dtype, s.lowp_dtype, 0};
         return f.adam(s.adam, b, 0, len);
     }
+    if (s.rule == OFFLOAD_RULE_ADAM_AMSGRAD) {
+        const RuleBuffers b{p, g, st[0], lowp, s.grad_dtype, s.lowp_dtype, 0, st[1], st[2]};
+        return f.amsgrad(s.adam, b, 0, len);
+    }
     const RuleBuffers b{p, g, s.num_states ? st[0] : nullptr, lowp, s.grad_dtype, s.lowp_dtype, 0};
     switch (s.rule) {
         case OFFLOAD_RULE_SGD: return f.sgd(s.consts.sgd, b, 0, len);
@@ -219,7 +224,8 @@ inline int compressed_tiles(const CompressedStep &s, const RuleFns &f, int64_t b
     namespace offload {                                                                     \
     int compressed_range_##NAME(const CompressedStep &s, int64_t begin, int64_t end) {      \
         static const RuleFns fns{adam_range_##RULES, sgd_range_##RULES,                     \
-                                 adagrad_range_##RULES, lion_range_##RULES};                \
+                                 adagrad_range_##RULES, lion_range_##RULES,                 \
+                                 amsgrad_range_##RULES};                                    \
         return compressed_tiles(s, fns, begin, end);                                        \
     }                                                                                       \
     }

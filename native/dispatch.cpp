@@ -239,6 +239,36 @@ int adam_rule_step(const offload_step_args &a) {
     return parallel_blocks(n, threads_for(n, a.num_threads), fn);
 }
 
+// ---- AMSGrad: Adam's scalars and three F32 states (rule_loop.h in each ISA unit).
+int amsgrad_rule_step(const offload_step_args &a) {
+    if (a.num_states != 3 || a.param.dtype != OFFLOAD_F32 || !valid_dtype(a.grad.dtype))
+        return -EINVAL;
+    for (int k = 0; k < 3; ++k)
+        if (a.states[k].dtype != OFFLOAD_F32) return -EINVAL;
+    if (a.lowp.data && a.lowp.dtype != OFFLOAD_F16 && a.lowp.dtype != OFFLOAD_BF16) return -EINVAL;
+    int run_isa = resolve_isa(a.isa);
+    if (run_isa < 0) return run_isa;
+    run_isa = unit_isa(run_isa);
+    const int64_t n = a.n;
+    if (n == 0) return 0;
+    if (!a.param.data || !a.grad.data || !a.states[0].data || !a.states[1].data || !a.states[2].data)
+        return -EINVAL;
+    const AdamConsts c = adam_consts(a.consts.adam);
+    void *lowp = a.lowp.data;
+    const RuleBuffers b{static_cast<float *>(a.param.data), a.grad.data,
+                        static_cast<float *>(a.states[0].data), lowp, a.grad.dtype,
+                        lowp ? a.lowp.dtype : -1, lowp && n >= kStreamLowpMin,
+                        static_cast<float *>(a.states[1].data), static_cast<float *>(a.states[2].data)};
+    auto fn = [&c, &b, run_isa](int64_t begin, int64_t end, int64_t) -> int {
+        switch (run_isa) {
+            case OFFLOAD_ISA_AVX512: return amsgrad_range_avx512(c, b, begin, end);
+            case OFFLOAD_ISA_AVX2: return amsgrad_range_avx2(c, b, begin, end);
+            default: return amsgrad_range_scalar(c, b, begin, end);
+        }
+    };
+    return parallel_blocks(n, threads_for(n, a.num_threads), fn);
+}
+
 // ---- SGD, Adagrad, Lion: one state at most (rule_loop.h in each ISA unit).
 
 template <class C>
@@ -308,6 +338,7 @@ bool is_compressed(const offload_step_args &a) {
 // the count or SGD's mode is invalid.
 int states_wanted(const offload_step_args &a) {
     if (a.rule == OFFLOAD_RULE_ADAM) return a.num_states == 2 ? 2 : -1;
+    if (a.rule == OFFLOAD_RULE_ADAM_AMSGRAD) return a.num_states == 3 ? 3 : -1;
     if (a.rule == OFFLOAD_RULE_SGD) {
         const int mode = a.consts.sgd.momentum_mode;
         if (mode < 0 || mode > 2) return -1;
@@ -348,7 +379,8 @@ int fill_compressed(const offload_step_args &a, int want, Q8Built &q, Compressed
     s.rule = a.rule;
     s.num_states = want;
     s.consts = a.consts;
-    if (a.rule == OFFLOAD_RULE_ADAM) s.adam = adam_consts(a.consts.adam);
+    if (a.rule == OFFLOAD_RULE_ADAM || a.rule == OFFLOAD_RULE_ADAM_AMSGRAD)
+        s.adam = adam_consts(a.consts.adam);
     s.param = QArray{a.param.data, a.param.dtype, a.param.rounding};
     s.grad = a.grad.data;
     s.grad_dtype = a.grad.dtype;
@@ -421,6 +453,7 @@ int offload_rule_step(const offload_step_args *a) {
         return compressed_rule_step(*a);
     switch (a->rule) {
         case OFFLOAD_RULE_ADAM: return adam_rule_step(*a);
+        case OFFLOAD_RULE_ADAM_AMSGRAD: return amsgrad_rule_step(*a);
         case OFFLOAD_RULE_SGD:
         case OFFLOAD_RULE_ADAGRAD:
         case OFFLOAD_RULE_LION: return one_state_rule_step(*a);

@@ -47,15 +47,17 @@ int adam_range_scalar(const AdamConsts &c, const AdamBuffers &b, int64_t begin, 
 int adam_range_avx2(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end);
 int adam_range_avx512(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end);
 
-// The arrays of a rule with at most one state (SGD, Adagrad, Lion; rule_loop.h).
+// The arrays of a rule of rule_loop.h (SGD, Adagrad, Lion: at most one state; AMSGrad: three).
 struct RuleBuffers {
     float *param;
     const void *grad;
-    float *state;  // the rule's one state; NULL for SGD without momentum
+    float *state;  // the rule's first state; NULL for SGD without momentum
     void *lowp;
     int grad_dtype;
     int lowp_dtype;   // -1: no lowp copy
     int stream_lowp;  // as in AdamBuffers
+    float *state1 = nullptr;  // AMSGrad's exp_avg_sq
+    float *state2 = nullptr;  // AMSGrad's max_exp_avg_sq
 };
 
 // Update elements [begin, end) by the rule's step. Returns 0 or -EINVAL (unknown dtype or
@@ -69,6 +71,11 @@ int adagrad_range_avx512(const offload_adagrad_consts &c, const RuleBuffers &b, 
 int lion_range_scalar(const offload_lion_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
 int lion_range_avx2(const offload_lion_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
 int lion_range_avx512(const offload_lion_consts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+
+// AMSGrad: Adam's scalars, states exp_avg, exp_avg_sq, max_exp_avg_sq in state, state1, state2.
+int amsgrad_range_scalar(const AdamConsts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+int amsgrad_range_avx2(const AdamConsts &c, const RuleBuffers &b, int64_t begin, int64_t end);
+int amsgrad_range_avx512(const AdamConsts &c, const RuleBuffers &b, int64_t begin, int64_t end);
 
 // Sum of squares of float(grad[begin..end)) in double.
 int sumsq_range_scalar(const void *grad, int dtype, int64_t begin, int64_t end, double *out);

@@ -38,8 +38,9 @@ OFFLOAD_API int offload_isa_best(void);
 OFFLOAD_API int offload_abi_version(void);
 
 /* Optimizer rules a step can apply; the codes of offload.kernels.fields.RULES. */
-enum { OFFLOAD_RULE_ADAM = 0, OFFLOAD_RULE_SGD = 1, OFFLOAD_RULE_ADAGRAD = 2, OFFLOAD_RULE_LION = 3 };
-/* The most per-element states a rule may keep (Adam keeps two). */
+enum { OFFLOAD_RULE_ADAM = 0, OFFLOAD_RULE_SGD = 1, OFFLOAD_RULE_ADAGRAD = 2, OFFLOAD_RULE_LION = 3,
+       OFFLOAD_RULE_ADAM_AMSGRAD = 4 };
+/* The most per-element states a rule may keep (Adam keeps two, AMSGrad three). */
 #define OFFLOAD_MAX_STATES 4
 
 /* One typed array of the step's n elements: a raw pointer and its element type. */
@@ -74,7 +75,10 @@ struct offload_quant {
  * them. g = float(grad) * grad_scale (negated for maximize); g += l2 * p when use_l2;
  * p *= decay; exp_avg = lerp(exp_avg, g, w) as torch.lerp computes it (lerp_coeff = w, or
  * w - 1 from the end when lerp_from_end); exp_avg_sq = exp_avg_sq * beta2 +
- * one_minus_beta2 * g * g; p += neg_step_size * exp_avg / (sqrt(exp_avg_sq) / bc2_sqrt + eps). */
+ * one_minus_beta2 * g * g; p += neg_step_size * exp_avg / (sqrt(exp_avg_sq) / bc2_sqrt + eps).
+ * OFFLOAD_RULE_ADAM_AMSGRAD takes the same scalars and a third state, max_exp_avg_sq:
+ * max_exp_avg_sq = maximum(max_exp_avg_sq, exp_avg_sq) (NaN if either is: torch.maximum), and
+ * the denominator is sqrt(max_exp_avg_sq) / bc2_sqrt + eps. */
 struct offload_adam_consts {
     float grad_scale;
     float l2;
@@ -141,7 +145,8 @@ union offload_rule_consts {
  * sizeof(struct offload_step_args) so a caller can refuse a library of another layout. */
 struct offload_step_args {
     int32_t rule;                  /* OFFLOAD_RULE_* */
-    int32_t num_states;            /* entries of states[] the rule reads: 2 for Adam, 1 for
+    int32_t num_states;            /* entries of states[] the rule reads: 2 for Adam, 3 for
+                                      AMSGrad, 1 for
                                       Adagrad and Lion, 1 or 0 (no momentum) for SGD */
     int64_t n;                     /* elements of every array below (Q8 states: values; the
                                       data is ceil(n / 256) packed blocks) */
@@ -151,7 +156,8 @@ struct offload_step_args {
     struct offload_array lowp;     /* data NULL: none; else F16/BF16, receives the
                                       round-to-nearest-even copy of the updated param */
     struct offload_array states[OFFLOAD_MAX_STATES]; /* the rule's fields, in the order of
-                                      offload.kernels.fields (Adam: exp_avg, exp_avg_sq, F32),
+                                      offload.kernels.fields (Adam: exp_avg, exp_avg_sq, F32;
+                                      AMSGrad: then max_exp_avg_sq),
                                       updated in place */
     union offload_rule_consts consts;
     int32_t isa;                   /* OFFLOAD_ISA_* */

@@ -1,4 +1,4 @@
-// SGD, Adagrad and Lion, written once over a unit's vector primitives: each rule is a
+// SGD, Adagrad, Lion and AMSGrad, written once over a unit's vector primitives: each rule is a
 // "body" (its broadcast scalars, its flags as template parameters, and one vector of work),
 // run by the same loop as Adam's (full vectors; the part left over staged through
 // zero-padded copies and run as one full vector, so every element sees the same
@@ -10,7 +10,9 @@
 //   constexpr int64_t kLanes; constexpr uintptr_t kStreamAlign (0: never streamed);
 //   VF (the fp32 vector type); vset1, vload, vstore, vadd, vsub, vmul, vdiv, vsqrt,
 //   vfmadd(a, b, c) = a * b + c (one rounding where the unit has FMA, as torch's kernels
-//   are built), vsign (torch's vectorized sign: 1, -1, or 0 for zeros and NaN);
+//   are built), vsign (torch's vectorized sign: 1, -1, or 0 for zeros and NaN),
+//   vmax_nan(a, b) (torch.maximum's vectorized form: b where a <= b or they are equal,
+//   a where a > b, and the all-ones NaN where either is NaN);
 //   template <int G> VF vload_grad(const void *, int64_t);
 //   template <int L, bool STREAM> void vstore_lowp(void *, int64_t, VF); vfence().
 // Then expand OFFLOAD_RULE_ENTRY_POINTS(ISA) at file scope. Statement order follows torch's
@@ -86,21 +88,57 @@ struct LionBody {
     }
 };
 
+// torch's _single_tensor_adam with amsgrad=True: Adam's arithmetic, statement for statement
+// that of the units' adam_math (the same FMAs), with the running maximum of exp_avg_sq in the
+// denominator. exp_avg, exp_avg_sq, max_exp_avg_sq are state, state1, state2.
+template <bool L2, bool FROM_END>
+struct AmsgradBody {
+    VF gs, l2, decay, coeff, b2, w2, bc2s, eps, nss;
+    explicit AmsgradBody(const AdamConsts &c)
+        : gs(vset1(c.grad_scale)), l2(vset1(c.l2)), decay(vset1(c.decay)),
+          coeff(vset1(c.lerp_coeff)), b2(vset1(c.beta2)), w2(vset1(c.one_minus_beta2)),
+          bc2s(vset1(c.bc2_sqrt)), eps(vset1(c.eps)), nss(vset1(c.neg_step_size)) {}
+
+    template <int G, int L, bool STREAM>
+    inline void vec(const RuleBuffers &b, int64_t i) const {
+        VF g = vmul(vload_grad<G>(b.grad, i), gs);
+        VF p = vload(b.param + i);
+        if (L2) g = vfmadd(p, l2, g);
+        VF m = vload(b.state + i);
+        m = vfmadd(coeff, vsub(g, m), FROM_END ? g : m);
+        const VF v = vfmadd(vmul(w2, g), g, vmul(vload(b.state1 + i), b2));
+        const VF vmax = vmax_nan(vload(b.state2 + i), v);  // torch.maximum(max_exp_avg_sq, exp_avg_sq)
+        const VF denom = vadd(vdiv(vsqrt(vmax), bc2s), eps);
+        p = vfmadd(p, decay, vdiv(vmul(nss, m), denom));
+        vstore(b.state + i, m);
+        vstore(b.state1 + i, v);
+        vstore(b.state2 + i, vmax);
+        vstore(b.param + i, p);
+        vstore_lowp<L, STREAM>(b.lowp, i, p);
+    }
+};
+
 // Elements [i, end), fewer than kLanes: staged through zero-padded copies and run as one
 // full vector, then the live part copied back.
 template <int G, int L, class Body>
 void rule_part(const Body &body, const RuleBuffers &b, int64_t i, int64_t end) {
     const int64_t left = end - i;
-    alignas(64) float p[kLanes] = {}, s[kLanes] = {}, g[kLanes] = {};
+    alignas(64) float p[kLanes] = {}, s[kLanes] = {}, s1[kLanes] = {}, s2[kLanes] = {},
+                      g[kLanes] = {};
     alignas(64) uint16_t lowp[kLanes] = {};
     const size_t gsz = G == OFFLOAD_F32 ? 4 : 2;
     memcpy(p, b.param + i, left * 4);
     memcpy(g, static_cast<const char *>(b.grad) + i * gsz, left * gsz);
     if (b.state) memcpy(s, b.state + i, left * 4);
-    RuleBuffers t{p, g, b.state ? s : nullptr, lowp, b.grad_dtype, b.lowp_dtype, 0};
+    if (b.state1) memcpy(s1, b.state1 + i, left * 4);
+    if (b.state2) memcpy(s2, b.state2 + i, left * 4);
+    RuleBuffers t{p, g, b.state ? s : nullptr, lowp, b.grad_dtype, b.lowp_dtype, 0,
+                  b.state1 ? s1 : nullptr, b.state2 ? s2 : nullptr};
     body.template vec<G, L, false>(t, 0);
     memcpy(b.param + i, p, left * 4);
     if (b.state) memcpy(b.state + i, s, left * 4);
+    if (b.state1) memcpy(b.state1 + i, s1, left * 4);
+    if (b.state2) memcpy(b.state2 + i, s2, left * 4);
     if (L >= 0) memcpy(static_cast<uint16_t *>(b.lowp) + i, lowp, left * 2);
 }
 
@@ -178,8 +216,19 @@ inline int lion_range(const offload_lion_consts &c, const RuleBuffers &b, int64_
                        : rule_run(LionBody<false, false>(c), b, begin, end);
 }
 
+inline int amsgrad_range(const AdamConsts &c, const RuleBuffers &b, int64_t begin, int64_t end) {
+    if (c.use_l2) {
+        return c.lerp_from_end ? rule_run(AmsgradBody<true, true>(c), b, begin, end)
+                               : rule_run(AmsgradBody<true, false>(c), b, begin, end);
+    }
+    return c.lerp_from_end ? rule_run(AmsgradBody<false, true>(c), b, begin, end)
+                           : rule_run(AmsgradBody<false, false>(c), b, begin, end);
+}
+
 #define OFFLOAD_RULE_ENTRY_POINTS(ISA)                                                      \
     namespace offload {                                                                     \
+    int amsgrad_range_##ISA(const AdamConsts &c, const RuleBuffers &b, int64_t begin,       \
+                            int64_t end) { return amsgrad_range(c, b, begin, end); }        \
     int sgd_range_##ISA(const offload_sgd_consts &c, const RuleBuffers &b, int64_t begin,   \
                         int64_t end) { return sgd_range(c, b, begin, end); }                \
     int adagrad_range_##ISA(const offload_adagrad_consts &c, const RuleBuffers &b,          \

@@ -1,5 +1,5 @@
 """The compressed-state benches (bench/adam.py, swap.py, e2e.py, state_accuracy.py): --help,
-a tiny run of each, and the check that keeps a store without compressed states from printing a
+a tiny run of each (and of bench/amsgrad.py), and the check that keeps a store without compressed states from printing a
 float32 figure under an int8 label (bench/_states.py)."""
 from __future__ import annotations
 
@@ -125,6 +125,17 @@ def test_adam_state_rows():
         assert not native_rows & names and "native:fp32p fp32" in names
     assert all(t > 0 for t in row["seconds"].values())
     assert row["ratios_vs_fp32"]["torch:fp32p fp32"] == 1.0
+
+
+def test_amsgrad_rows():
+    """bench/amsgrad.py times every contender (ours native, numba, our plain Adam, torch's
+    foreach and fused AMSGrad, the copy probe) in one run."""
+    out = last_json(run_script("amsgrad.py", "--sizes", "20K", "--threads", "1", "--steps", "3", "--warmup", "1"))
+    assert out["bench"] == "amsgrad"
+    (row,) = out["results"]
+    assert set(row["seconds"]) == {"ours_native", "ours_numba", "ours_adam_only", "torch_foreach",
+                                   "torch_fused", "copy_probe"}
+    assert all(t > 0 for t in row["seconds"].values()) and row["copy_GBps"] > 0
 
 
 def test_adam_rejects_a_bad_state_dtype():

@@ -87,10 +87,12 @@ STORES = {
 
 
 @pytest.mark.parametrize("store", sorted(STORES))
-@pytest.mark.parametrize("cls", [offload.AdamW, offload.SGD, offload.Lion], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [offload.AdamW, offload.SGD, offload.Lion, "amsgrad"],
+                         ids=lambda c: c if isinstance(c, str) else c.__name__)
 def test_a_state_dict_round_trip_changes_nothing(cls, store, tmp_path):
     extra, dtype = STORES[store]
-    hyper = {"momentum": 0.9} if cls is offload.SGD else {}
+    hyper = {"momentum": 0.9} if cls is offload.SGD else {"amsgrad": True} if cls == "amsgrad" else {}
+    cls = offload.AdamW if cls == "amsgrad" else cls
 
     def swap(name):
         if extra.get("offload") != "nvme":

@@ -106,7 +106,7 @@ def test_rule_step_refuses_bad_states_by_name(backend):
 
 def test_rule_step_refuses_rules_and_hyperparameters_it_lacks(backend):
     with pytest.raises(ValueError, match=r"unknown optimizer rule 'rmsprop'; the kernels implement "
-                                         r"\['adagrad', 'adam', 'lion', 'sgd', 'sgd_plain'\]"):
+                                         r"\['adagrad', 'adam', 'adam_amsgrad', 'lion', 'sgd', 'sgd_plain'\]"):
         _bad(backend, rule="rmsprop")
     # bf16 and int8 states are kernels' forms (Rule.with_state_dtype); fp16 states, or a
     # mix of forms, are not

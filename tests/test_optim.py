@@ -276,9 +276,25 @@ def test_invalid_arguments(kwargs, message):
         offload.AdamW([p], **kwargs)
 
 
-def test_amsgrad_rejected_not_ignored():
-    with pytest.raises(NotImplementedError, match="amsgrad"):
-        offload.AdamW([torch.nn.Parameter(torch.zeros(3))], amsgrad=True)
+def test_amsgrad_honoured_not_ignored():
+    """amsgrad=True steps with the running maximum: after a large grad then small ones the
+    param moves less than plain Adam's, as torch's does."""
+    out = {}
+    for ams in (False, True):
+        p = torch.nn.Parameter(torch.zeros(3))
+        opt = offload.AdamW([p], lr=0.1, amsgrad=ams)
+        for g in (100.0, 0.01, 0.01):
+            p.grad = torch.full((3,), g)
+            opt.step()
+        ref = torch.nn.Parameter(torch.zeros(3))
+        topt = torch.optim.AdamW([ref], lr=0.1, amsgrad=ams, foreach=False)
+        for g in (100.0, 0.01, 0.01):
+            ref.grad = torch.full((3,), g)
+            topt.step()
+        torch.testing.assert_close(p.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+        out[ams] = p.detach().clone()
+        assert ("max_exp_avg_sq" in opt.state[p]) is ams
+    assert not torch.allclose(out[False], out[True])
 
 
 def test_sparse_grad_rejected_like_torch():

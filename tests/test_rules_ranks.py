@@ -1,4 +1,4 @@
-"""offload.SGD, Adagrad and Lion partitioned over two gloo ranks (stage 2, the flat store's
+"""offload.SGD, Adagrad, Lion and AdamW(amsgrad=True) partitioned over two gloo ranks (stage 2, the flat store's
 shards) against the single-process reference of test_rules_optim.py: every rank gives the
 same grads, so their average is the grad the reference steps with."""
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _reference(case, dtype):
 
 @pytest.mark.parametrize("dtype, store", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"),
                                           (torch.float32, "nvme")])
-@pytest.mark.parametrize("case", ["sgd-mixed", "adagrad", "lion"])
+@pytest.mark.parametrize("case", ["sgd-mixed", "adagrad", "lion", "amsgrad"])
 def test_two_ranks_stage2_match_reference(case, dtype, store, tmp_path):
     _need(CASES[case][2])
     kw = dict(offload=store, swap_dir=str(tmp_path)) if store == "nvme" else dict(offload=store)

@@ -60,10 +60,9 @@ NAMES = sorted(OURS)
 
 # Configurations torch supports that offload.Adam/AdamW refuse on purpose, with a
 # NotImplementedError that names the flag:
-# - amsgrad: the fused kernels and the swap layout keep two moments, not max(exp_avg_sq);
 # - capturable: a step captured in a CUDA graph cannot do host-side work or swap I/O;
 # - differentiable: the kernels update the states in place outside autograd.
-REFUSED = ("amsgrad", "capturable", "differentiable")
+REFUSED = ("capturable", "differentiable")
 
 STEPS = 4
 RTOL, ATOL = 1e-5, 1e-6
@@ -219,7 +218,7 @@ def _check_state(ours, ref, ours_params, ref_params, *, master=False) -> None:
         so, sr = osd["state"][i], rsd["state"][i]
         assert set(so) == set(sr) | ({"master"} if master else set()), (i, set(so))
         assert so["step"].dtype == sr["step"].dtype and torch.equal(so["step"], sr["step"]), (i, so["step"], sr["step"])
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in sorted(set(sr) - {"step"}):  # the moments, and amsgrad's max_exp_avg_sq
             torch.testing.assert_close(so[key], sr[key], rtol=RTOL, atol=ATOL, msg=lambda m: f"param {i} {key}: {m}")
             torch.testing.assert_close(ours.state[po][key], sr[key], rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"opt.state[param {i}][{key!r}]: {m}")
@@ -271,12 +270,13 @@ def _train(opt, params, first, last):
         _step(opt, params, _grads(params, step))
 
 
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("direction", ["torch_to_ours", "ours_to_torch"])
 @pytest.mark.parametrize("name", NAMES)
-def test_state_dict_round_trip(name, direction):
+def test_state_dict_round_trip(name, direction, amsgrad):
     """Train 3 steps with one implementation, load its state_dict into the other on copies of
     the params, train 2 more with both on identical grads: the same as 5 with the reference."""
-    kwargs = {"lr": 0.01, "weight_decay": 0.1, "maximize": True}
+    kwargs = {"lr": 0.01, "weight_decay": 0.1, "maximize": True, "amsgrad": amsgrad}
     ref_params = _params()
     ref = _reference(name, ref_params, kwargs)
     ours_params = _params()
@@ -310,6 +310,7 @@ def test_state_dict_layout_is_torchs(name):
 
 # ---------------------------------------------------------------- other stores
 STORE_CONFIGS = [("default", {}), ("maximize", {"lr": 0.01, "weight_decay": 0.1, "maximize": True}),
+                 ("amsgrad", {"lr": 0.01, "weight_decay": 0.1, "amsgrad": True}),
                  ("Tensor lr, Tensor betas", {"lr": torch.tensor(0.01), "betas": (torch.tensor([0.9]), torch.tensor(0.99))})]
 
 
@@ -570,9 +571,12 @@ def test_torchao_cpu_offload_expectations():
 @pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("name", NAMES)
 def test_loading_dicts_of_refused_configurations(name, store, tmp_path):
-    """A dict of torch's amsgrad=True optimizer (a third moment, max_exp_avg_sq) is refused
-    before anything is loaded; one of a capturable or differentiable run holds the usual
-    states: it loads with those flags cleared (and a warning), and trains on as torch."""
+    """A dict of torch's amsgrad=True optimizer (a third state, max_exp_avg_sq) into an
+    optimizer built without amsgrad: the host store keeps each param's states and takes it
+    (the groups then step with amsgrad, as torch's would); a flat or swapped store keeps one
+    rule's fields for all params and refuses it before anything is loaded. One of a
+    capturable or differentiable run holds the usual states: it loads with those flags
+    cleared (and a warning), and trains on as torch."""
     dtype, extra = _store_kwargs(store, tmp_path)
     params, ref_params = _params(dtype), [p.detach().float().clone().requires_grad_() for p in _params(dtype)]
     with OURS[name](params, lr=0.01, **extra) as opt:
@@ -581,9 +585,21 @@ def test_loading_dicts_of_refused_configurations(name, store, tmp_path):
         ams = TORCH[name](ams_params, lr=0.01, amsgrad=True)
         _train(ams, ams_params, 0, 1)
         before = copy.deepcopy(opt.state_dict())
-        with pytest.raises(NotImplementedError, match=r"param_groups\[0\] has amsgrad=True.*torch.optim.AdamW"):
+        if store == "host":
             opt.load_state_dict(ams.state_dict())
-        assert opt.param_groups[0]["amsgrad"] is False and _same(opt.state_dict(), before)
+            assert opt.param_groups[0]["amsgrad"] is True
+            got, want = opt.state_dict()["state"], ams.state_dict()["state"]
+            assert sorted(got) == sorted(want)
+            for i in want:
+                assert set(got[i]) == set(want[i]) and "max_exp_avg_sq" in got[i], (i, set(got[i]))
+                assert all(torch.equal(got[i][k], want[i][k]) for k in want[i]), i
+            opt.load_state_dict(before)  # and back: the dict without amsgrad
+            assert opt.param_groups[0]["amsgrad"] is False and _same(opt.state_dict(), before)
+        else:
+            with pytest.raises(ValueError, match=r"param_groups\[0\] needs rule 'adam_amsgrad' .*"
+                                                 r"keeps the states of rule 'adam'.*amsgrad="):
+                opt.load_state_dict(ams.state_dict())
+            assert opt.param_groups[0]["amsgrad"] is False and _same(opt.state_dict(), before)
         _train(ref, ref_params, 0, 1)
         sd = copy.deepcopy(ref.state_dict())
         sd["param_groups"][0].update(capturable=True, differentiable=True)

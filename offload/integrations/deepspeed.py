@@ -251,8 +251,6 @@ def _optimizer(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Tuple[ty
         return _other_optimizer(kind.lower(), p)
     p.check_keys(("lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam",
                   "amsgrad"))
-    if p.get("amsgrad", "bool", False):
-        raise ValueError("optimizer.params.amsgrad: true is not implemented (the fused kernels keep two moments)")
     w_mode = p.get("adam_w_mode", "bool", True)  # read (and checked) even where the type decides
     adamw = kind.lower() == "adamw" or w_mode
     torch_adam = p.get("torch_adam", "bool", False)
@@ -264,6 +262,8 @@ def _optimizer(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Tuple[ty
     # DeepSpeedCPUAdam and FusedAdam default to no weight decay; torch's AdamW to 0.01.
     wd_default = (0.01 if adamw else 0.0) if torch_adam else 0.0
     out["weight_decay"] = p.get("weight_decay", "float", wd_default, "weight_decay")
+    if p.get("amsgrad", "bool", False, "amsgrad"):  # torch's amsgrad (DeepSpeed's torch_adam path)
+        out["amsgrad"] = True
     return (AdamW if adamw else Adam), out
 
 

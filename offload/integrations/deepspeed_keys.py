@@ -29,7 +29,7 @@ MAPPED: Dict[str, str] = {
     "optimizer.params.bias_correction": "bias_correction=",
     "optimizer.params.adam_w_mode": "AdamW when true (the default), Adam when false",
     "optimizer.params.torch_adam": "torch's defaults for weight_decay (the kernel is ours either way)",
-    "optimizer.params.amsgrad": "false only",
+    "optimizer.params.amsgrad": "amsgrad= (torch's; DeepSpeed's own CPU and fused Adam refuse it)",
     "optimizer.params.momentum": "SGD: momentum= (torch.optim.SGD's, as DeepSpeed builds it)",
     "optimizer.params.dampening": "SGD: dampening=",
     "optimizer.params.nesterov": "SGD: nesterov=",

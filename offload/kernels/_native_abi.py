@@ -18,7 +18,7 @@ from .adam_consts import AdamConsts
 from .rule_consts import AdagradConsts, LionConsts, SgdConsts
 
 __all__ = ["Array", "Quant", "COMPRESSED_STEP", "AdamConstsC", "RuleConsts", "StepArgs", "MAX_STATES", "ADAM_STEP", "ADAM_CONSTS",
-           "STEP_STATES", "SGD_CONSTS", "ADAGRAD_CONSTS", "LION_CONSTS"]
+           "STEP_STATES", "AMSGRAD_STEP", "SGD_CONSTS", "ADAGRAD_CONSTS", "LION_CONSTS"]
 
 MAX_STATES = 4  # OFFLOAD_MAX_STATES
 
@@ -130,11 +130,13 @@ ADAM_STEP = _packer(2, AdamConstsC)
 """pack(rule, 2, n, param ptr, dtype, grad ptr, dtype, lowp ptr, dtype, exp_avg ptr, dtype,
 exp_avg_sq ptr, dtype, ADAM_CONSTS.pack(*AdamConsts), isa, num_threads) -> one StepArgs."""
 ADAM_CONSTS = consts_packer(AdamConstsC)
+AMSGRAD_STEP = _packer(3, AdamConstsC)
+"""ADAM_STEP's layout with a third state (max_exp_avg_sq): the AMSGrad rule."""
 
 STEP_STATES = {k: _packer(k, RuleConsts) for k in (0, 1)}
 """num_states -> the packer of a rule with that many states (SGD, Adagrad, Lion); its
 constants are the rule's packed consts bytes, zero-padded to the union's size."""
-COMPRESSED_STEP = {k: _compressed_packer(k) for k in range(3)}
+COMPRESSED_STEP = {k: _compressed_packer(k) for k in range(4)}
 """num_states -> pack(rule, num_states, n, param ptr, dtype, rounding, grad ptr, dtype, 0, lowp
 ptr, dtype, 0, (ptr, dtype, rounding) per state, consts bytes, isa, num_threads, signed_map,
 signed_mid, unsigned_map, unsigned_mid, offset, seed, 0)."""

@@ -14,7 +14,7 @@ from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple, Union
 import torch
 
 from ._checks import check_adam_args, check_compressed_args, check_states, check_step_args
-from .fields import ADAGRAD, ADAM, LION, RULES, SGD, SGD_PLAIN, Rule, StateField
+from .fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, RULES, SGD, SGD_PLAIN, Rule, StateField
 from .quant import QuantArgs
 from .rule_consts import adagrad_args, lion_args, sgd_args, sgd_plain_args
 
@@ -22,7 +22,7 @@ __all__ = ["RULE_CODES", "RuleStepFace", "resolve_rule"]
 
 # rule -> its code in the native face (OFFLOAD_RULE_* in native/offload_native.h); a new
 # rule is one entry here and one in _KERNELS, plus its method on each backend
-RULE_CODES = {ADAM: 0, SGD: 1, SGD_PLAIN: 1, ADAGRAD: 2, LION: 3}
+RULE_CODES = {ADAM: 0, SGD: 1, SGD_PLAIN: 1, ADAGRAD: 2, LION: 3, ADAM_AMSGRAD: 4}
 
 
 def _adam_args(step, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction=True,
@@ -51,6 +51,10 @@ class _Kernel(NamedTuple):
 _KERNELS = {ADAM: _Kernel(ADAM, ADAM.names, ADAM.fields, _adam_args,
                           ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled",
                            "bias_correction", "maximize", "grad_scale"), 6, "_adam"),
+            ADAM_AMSGRAD: _Kernel(ADAM_AMSGRAD, ADAM_AMSGRAD.names, ADAM_AMSGRAD.fields, _adam_args,
+                                  ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled",
+                                   "bias_correction", "maximize", "grad_scale"), 6,
+                                  "_adam_amsgrad"),
             SGD: _Kernel(SGD, SGD.names, SGD.fields, sgd_args,
                          ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
                           "grad_scale"), 2, "_sgd"),
@@ -188,6 +192,11 @@ class RuleStepFace:
 
     def _adam(self, param: torch.Tensor, grad: torch.Tensor, states: Tuple[torch.Tensor, ...],
               param_lowp: Optional[torch.Tensor], num_threads: Optional[int], hyper: tuple) -> None:
+        raise NotImplementedError
+
+    def _adam_amsgrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        """Adam with amsgrad=True: ``states`` (exp_avg, exp_avg_sq, max_exp_avg_sq), ``hyper``
+        as ``_adam`` takes it."""
         raise NotImplementedError
 
     # SGD (both rules: ``states`` is () without momentum), Adagrad and Lion: ``hyper`` is

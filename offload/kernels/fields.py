@@ -21,7 +21,7 @@ import torch
 from . import quant
 from .quant import BLOCK, PACKED_BLOCK, packed_nbytes
 
-__all__ = ["StateField", "Rule", "MASTER", "ADAM", "LION", "ADAGRAD", "SGD", "SGD_PLAIN",
+__all__ = ["StateField", "Rule", "MASTER", "ADAM", "ADAM_AMSGRAD", "LION", "ADAGRAD", "SGD", "SGD_PLAIN",
            "RULES", "STATE_DTYPES", "NONNEGATIVE_STATES", "field_names", "bytes_per_element",
            "fields_bytes", "dtype_from_name", "dtype_name"]
 
@@ -220,6 +220,9 @@ class Rule:
 
 MASTER = StateField(MASTER_NAME, torch.float32)
 ADAM = Rule("adam", (StateField("exp_avg", torch.float32), StateField("exp_avg_sq", torch.float32)))
+ADAM_AMSGRAD = Rule("adam_amsgrad", ADAM.fields + (StateField("max_exp_avg_sq", torch.float32),))
+"""Adam with ``amsgrad=True``: torch's third state, the running maximum of exp_avg_sq, which
+the denominator takes in its place."""
 LION = Rule("lion", (StateField("exp_avg", torch.float32),))
 ADAGRAD = Rule("adagrad", (StateField("sum", torch.float32),))
 SGD = Rule("sgd", (StateField("momentum_buffer", torch.float32),))
@@ -227,9 +230,9 @@ SGD = Rule("sgd", (StateField("momentum_buffer", torch.float32),))
 untouched, as torch leaves an existing one)."""
 SGD_PLAIN = Rule("sgd_plain", ())
 """SGD without momentum: torch keeps no per-element state for it, so neither does this rule."""
-RULES = {r.name: r for r in (ADAM, LION, ADAGRAD, SGD, SGD_PLAIN)}
+RULES = {r.name: r for r in (ADAM, ADAM_AMSGRAD, LION, ADAGRAD, SGD, SGD_PLAIN)}
 STATE_DTYPES = ("float32", "bfloat16", "int8")
 """What ``state_dtype=`` takes."""
-NONNEGATIVE_STATES = frozenset({"exp_avg_sq", "sum"})
+NONNEGATIVE_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum"})
 """States that are never negative: the int8 form uses the unsigned map for them."""
 

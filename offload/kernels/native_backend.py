@@ -18,12 +18,12 @@ import torch
 
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
 from . import quant
-from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, COMPRESSED_STEP, LION_CONSTS,
+from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, AMSGRAD_STEP, COMPRESSED_STEP, LION_CONSTS,
                           SGD_CONSTS, STEP_STATES, StepArgs)
 from ._rule_step import RULE_CODES, RuleStepFace
 from ._threads import resolve_threads
 from .adam_consts import FoldCache
-from .fields import ADAGRAD, ADAM, LION, SGD
+from .fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, SGD
 from .rule_consts import RuleFoldCache, fold_adagrad, fold_lion, fold_sgd
 
 __all__ = ["NativeBackend", "LIB_PATH", "ISA_CODES", "load_library"]
@@ -37,7 +37,7 @@ ABI_VERSION = 4
 # native/q8_avx512vbmi.cpp); supported only where the CPU has VBMI
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vbmi": 3}
 ISA_NAMES = {v: k for k, v in ISA_CODES.items()}
-_ADAM_CODE = RULE_CODES[ADAM]
+_ADAM_CODE, _AMSGRAD_CODE = RULE_CODES[ADAM], RULE_CODES[ADAM_AMSGRAD]
 _F32 = GRAD_DTYPES[torch.float32]
 _BF16, _Q8S, _Q8U = GRAD_DTYPES[torch.bfloat16], 3, 4  # OFFLOAD_BF16 / OFFLOAD_Q8S / OFFLOAD_Q8U
 _NEAREST, _STOCHASTIC = 0, 1  # OFFLOAD_ROUND_*
@@ -155,6 +155,28 @@ class NativeBackend(RuleStepFace):
         if rc != 0:
             self._check(rc, "offload_rule_step")
 
+    def _adam_amsgrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        m, v, vmax = states
+        if param_lowp is None:
+            lowp_ptr, lowp_code = 0, -1
+        else:
+            lowp_ptr, lowp_code = param_lowp.data_ptr(), LOWP_DTYPES[param_lowp.dtype]
+        args = AMSGRAD_STEP.pack(
+            _AMSGRAD_CODE, 3, param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
+            GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, m.data_ptr(), _F32, v.data_ptr(), _F32,
+            vmax.data_ptr(), _F32, self._fold(hyper), ISA_CODES[self.isa()],
+            resolve_threads(num_threads))
+        self._rule_rc(self._lib.offload_rule_step(args), "adam_amsgrad")
+
+    def _rule_rc(self, rc: int, rule: str) -> None:
+        if rc == -errno.EINVAL:
+            # every argument was checked above: a library of the same ABI built before the
+            # rule existed (the union had room, so the struct and ABI did not change)
+            raise OSError(errno.EINVAL, f"{LIB_PATH} refused the {rule} step (Invalid "
+                          "argument): a library built before this rule? rebuild it", LIB_PATH)
+        if rc != 0:
+            self._check(rc, "offload_rule_step")
+
     def _one_state(self, rule: str, param, grad, states, param_lowp, num_threads, hyper) -> None:
         """A step of a rule with at most one state (SGD's buffer, Adagrad's sum, Lion's
         exp_avg), through the same struct as Adam's."""
@@ -168,14 +190,7 @@ class NativeBackend(RuleStepFace):
             code, len(states), param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
             GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, *state, fold(hyper),
             ISA_CODES[self.isa()], resolve_threads(num_threads))
-        rc = self._lib.offload_rule_step(args)
-        if rc == -errno.EINVAL:
-            # every argument was checked above: a library of the same ABI built before the
-            # rule existed (the union had room, so the struct and ABI did not change)
-            raise OSError(errno.EINVAL, f"{LIB_PATH} refused the {rule} step (Invalid "
-                          "argument): a library built before this rule? rebuild it", LIB_PATH)
-        if rc != 0:
-            self._check(rc, "offload_rule_step")
+        self._rule_rc(self._lib.offload_rule_step(args), rule)
 
     def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         self._one_state("sgd", param, grad, states, param_lowp, num_threads, hyper)
@@ -191,8 +206,8 @@ class NativeBackend(RuleStepFace):
         """A step with bfloat16 / packed int8 states and/or a bfloat16 param: one call of the
         fused kernel ([Note: fused tiles] in native/compressed_tile.h), the constants folded
         as the float32 methods fold them."""
-        if method == "_adam":
-            code, consts = _ADAM_CODE, self._fold(hyper)
+        if method in ("_adam", "_adam_amsgrad"):
+            code, consts = (_ADAM_CODE if method == "_adam" else _AMSGRAD_CODE), self._fold(hyper)
         else:
             code, fold = self._folds[method[1:]]
             consts = fold(hyper)

@@ -35,6 +35,7 @@ from ._numba_bits import lowp_bits, u16_to_float
 from ._rule_step import RuleStepFace
 from ._threads import resolve_threads
 from .adam_consts import AdamConsts, FoldCache
+from .compressed_ref import compose_step
 from . import numba_compressed as nc
 from . import numba_rules as nr
 from . import q8_buckets
@@ -288,10 +289,37 @@ class NumbaBackend(RuleStepFace):
             numba.set_num_threads(threads)
             kernel(*kargs, *args)
 
+    def _adam_amsgrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        """AMSGrad (numba_rules.amsgrad_*): the serial loop for small tensors, else the
+        prange pair's loop without or with the copy."""
+        n = param.numel()
+        if grad.dtype == torch.float32:
+            g, code = grad.view(-1).numpy(), 0
+        else:
+            g, code = _u16(grad), GRAD_DTYPES[grad.dtype]
+        lowp = (_NO_LOWP, -1) if param_lowp is None else \
+            (_u16(param_lowp), LOWP_DTYPES[param_lowp.dtype])
+        args = (param.view(-1).numpy(), g, code) + tuple(s.view(-1).numpy() for s in states) + \
+            lowp + self._fold(hyper)
+        if n <= _SERIAL_MAX:
+            nr.amsgrad_serial(*args)
+            return
+        threads = _threads_for(n, num_threads)
+        with _launch_lock:
+            numba.set_num_threads(threads)
+            (nr.amsgrad_parallel_lowp if param_lowp is not None else nr.amsgrad_parallel)(*args)
+
     def _compressed(self, method, fields, param, grad, states, param_lowp, num_threads, hyper,
                     q) -> None:
         """One pass of numba_compressed's kernel: states decoded per 256-element tile, the
-        rule's float32 element function, states encoded; a bf16 param rounded stochastically."""
+        rule's float32 element function, states encoded; a bf16 param rounded stochastically.
+        AMSGrad's three states go the scheme's own way (compressed_ref.compose_step around
+        this backend's float32 AMSGrad: whole states decoded to float32 buffers): the same
+        bits, without the fused kernel's memory saving; numba is the fallback."""
+        if method == "_adam_amsgrad":
+            compose_step(self._adam_amsgrad, fields, param, grad, states, param_lowp,
+                         num_threads, hyper, q)
+            return
         n = param.numel()
         p = param.view(-1).numpy() if param.dtype == torch.float32 else _u16(param)
         g, code = (grad.view(-1).numpy(), 0) if grad.dtype == torch.float32 else \

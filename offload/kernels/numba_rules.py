@@ -1,4 +1,4 @@
-"""numba kernels of SGD, Adagrad and Lion: the fallback twins of native/rule_loop.h.
+"""numba kernels of SGD, Adagrad, Lion and AMSGrad: the fallback twins of native/rule_loop.h.
 
 One element function per rule (the native bodies' statement order and float32 scalars from
 ``rule_consts``; ``fma32`` where the native units use an FMA, so the two agree bit for bit),
@@ -18,7 +18,8 @@ from ._numba_bits import fma32, lowp_bits, u16_to_float
 
 __all__ = ["adam_update", "load_grad", "sgd_parallel", "sgd_parallel_lowp", "sgd_serial", "adagrad_parallel",
            "adagrad_parallel_lowp", "adagrad_serial", "lion_parallel", "lion_parallel_lowp",
-           "lion_serial", "sgd_scalars", "adagrad_scalars", "lion_scalars"]
+           "lion_serial", "amsgrad_parallel", "amsgrad_parallel_lowp", "amsgrad_serial",
+           "sgd_scalars", "adagrad_scalars", "lion_scalars"]
 
 _FASTMATH = {"contract"}  # as numba_backend: no flag that assumes finite values
 
@@ -51,6 +52,31 @@ def adam_update(g, p, m, v, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, ep
     # ``p * decay`` then ``p + step``
     p = fma32(p, decay, (nss * m) / denom)
     return p, m, v
+
+
+_ALL_ONES_NAN = np.uint32(0xFFFFFFFF).view(np.float32)
+
+
+@njit(inline="always", nogil=True, cache=True)
+def max_nan(a, b):
+    """torch.maximum as its vectorized CPU kernel computes it (native vmax_nan): b unless
+    a > b, and the all-ones NaN where either is NaN."""
+    if a != a or b != b:
+        return _ALL_ONES_NAN
+    return a if a > b else b
+
+
+@njit(inline="always", nogil=True, cache=True)
+def amsgrad_update(g, p, m, v, vmax, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, eps, nss):
+    """One element of torch's _single_tensor_adam with amsgrad=True: adam_update's
+    arithmetic with the running maximum of v in the denominator; returns (p, m, v, vmax)."""
+    g = fma32(p, l2, g) if use_l2 else g
+    m = fma32(coeff, g - m, g if from_end else m)
+    v = fma32(w2 * g, g, v * b2)
+    vmax = max_nan(vmax, v)
+    denom = np.sqrt(vmax) / bc2s + eps
+    p = fma32(p, decay, (nss * m) / denom)
+    return p, m, v, vmax
 
 
 @njit(inline="always", nogil=True, cache=True, fastmath=_FASTMATH)
@@ -182,6 +208,48 @@ def lion_serial(p, g, grad_code, s, lowp, lowp_code, gs, decay, c1, c2, neg_lr, 
                        from_end1, from_end2)
         p[i] = pi
         s[i] = mi
+        if lowp_code > 0:
+            lowp[i] = lowp_bits(pi, lowp_code)
+
+
+@njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+def amsgrad_parallel(p, g, grad_code, m, v, vmax, lowp, lowp_code, gs, use_l2, l2, decay, coeff,
+                     from_end, b2, w2, bc2s, eps, nss):
+    for i in prange(p.size):
+        pi, mi, vi, xi = amsgrad_update(load_grad(g, i, grad_code) * gs, p[i], m[i], v[i],
+                                        vmax[i], use_l2, l2, decay, coeff, from_end, b2, w2,
+                                        bc2s, eps, nss)
+        p[i] = pi
+        m[i] = mi
+        v[i] = vi
+        vmax[i] = xi
+
+
+@njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+def amsgrad_parallel_lowp(p, g, grad_code, m, v, vmax, lowp, lowp_code, gs, use_l2, l2, decay,
+                          coeff, from_end, b2, w2, bc2s, eps, nss):
+    for i in prange(p.size):
+        pi, mi, vi, xi = amsgrad_update(load_grad(g, i, grad_code) * gs, p[i], m[i], v[i],
+                                        vmax[i], use_l2, l2, decay, coeff, from_end, b2, w2,
+                                        bc2s, eps, nss)
+        p[i] = pi
+        m[i] = mi
+        v[i] = vi
+        vmax[i] = xi
+        lowp[i] = lowp_bits(pi, lowp_code)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def amsgrad_serial(p, g, grad_code, m, v, vmax, lowp, lowp_code, gs, use_l2, l2, decay, coeff,
+                   from_end, b2, w2, bc2s, eps, nss):
+    for i in range(p.size):
+        pi, mi, vi, xi = amsgrad_update(load_grad(g, i, grad_code) * gs, p[i], m[i], v[i],
+                                        vmax[i], use_l2, l2, decay, coeff, from_end, b2, w2,
+                                        bc2s, eps, nss)
+        p[i] = pi
+        m[i] = mi
+        v[i] = vi
+        vmax[i] = xi
         if lowp_code > 0:
             lowp[i] = lowp_bits(pi, lowp_code)
 

@@ -31,7 +31,7 @@ class TorchBackend(RuleStepFace):
         # the hyperparameters as given: torch rounds its own Python scalars (no fold_adam)
         lr, beta1, beta2, eps, weight_decay, step, decoupled, bias_correction, maximize, \
             grad_scale = hyper
-        exp_avg, exp_avg_sq = states
+        exp_avg, exp_avg_sq = states[:2]
         p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
         g = grad.view(-1).float()
         if grad_scale != 1.0:
@@ -52,10 +52,18 @@ class TorchBackend(RuleStepFace):
         else:
             bc1 = bc2 = 1.0
         step_size = lr / bc1
+        if len(states) == 3:  # amsgrad: the running maximum in the denominator
+            vmax = states[2].view(-1)
+            torch.maximum(vmax, v, out=vmax)
+            v = vmax
         denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
         p.addcdiv_(m, denom, value=-step_size)
         if param_lowp is not None:
             param_lowp.view(-1).copy_(p)
+
+    def _adam_amsgrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        """torch's _single_tensor_adam with amsgrad=True."""
+        self._adam(param, grad, states, param_lowp, num_threads, hyper)
 
     def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         """torch's _single_tensor_sgd; the first step's buffer is a copy of d_p."""

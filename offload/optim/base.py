@@ -407,7 +407,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         nothing), and with ``offload="nvme"`` the loaded states go to the free swap slots and
         are committed once. Ends a failed state (see ``clear_failure``)."""
         self._check_open()
-        check_loaded_groups(state_dict)
+        check_loaded_groups(self, state_dict)
         load_state_dict_into(self, state_dict, super().load_state_dict)
         self._failure = None
         clear_execution_flags(type(self).__name__, self.param_groups)

@@ -83,11 +83,6 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: bool,
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     check_torch_flags(foreach=foreach, differentiable=differentiable, fused=fused)
-    if amsgrad:
-        raise NotImplementedError(
-            "offload.Adam/AdamW: amsgrad=True is not implemented (the fused kernels keep "
-            "two moments); use torch.optim.AdamW(amsgrad=True) or amsgrad=False"
-        )
     if capturable:
         raise NotImplementedError(
             "offload.Adam/AdamW: capturable=True (CUDA graphs) is not supported: the step runs on the "
@@ -287,16 +282,25 @@ def check_param_dtype(index: int, p: torch.Tensor, cls_name: str = "Adam/AdamW")
 EXECUTION_FLAGS = ("capturable", "differentiable")
 
 
-def check_loaded_groups(state_dict: Any) -> None:
-    """A state dict of ``torch.optim.Adam/AdamW(amsgrad=True)`` holds ``max_exp_avg_sq``, a
-    third moment the kernels do not keep: refused before anything is loaded, so the
-    optimizer stays as it was (not loaded, then unable to step)."""
+def check_loaded_groups(opt: Any, state_dict: Any) -> None:
+    """A flat or swapped store keeps one rule's fields for every group: a dict whose groups
+    need another rule (``amsgrad=True`` into an Adam store without it, or the reverse) is
+    refused before anything is loaded, so the optimizer stays as it was (not loaded, then
+    unable to step). The host store keeps each param's own states: any dict loads there."""
+    store_rule = getattr(opt, "_store_rule", None)
     groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-    for i, group in enumerate(groups if isinstance(groups, list) else []):
-        if isinstance(group, dict) and group.get("amsgrad"):
-            raise NotImplementedError(
-                f"offload.Adam/AdamW: the state dict's param_groups[{i}] has amsgrad=True (states with "
-                "max_exp_avg_sq), which is not implemented; load it into torch.optim.AdamW(amsgrad=True)")
+    if store_rule is None or not isinstance(groups, list):
+        return
+    for i, (ours, theirs) in enumerate(zip(opt.param_groups, groups)):
+        if not isinstance(theirs, dict):
+            continue
+        rule = opt.rule_of(dict(ours, **{k: v for k, v in theirs.items() if k != "params"}))
+        if rule is not store_rule.base:
+            raise ValueError(
+                f"{type(opt).__name__}.load_state_dict: the state dict's param_groups[{i}] needs rule "
+                f"{rule.name!r} {list(rule.names)}, but this optimizer's {opt.config.offload!r} store keeps "
+                f"the states of rule {store_rule.name!r} {list(store_rule.names)} for every group; build "
+                f"the optimizer with the dict's settings (amsgrad=...) and load it there")
 
 
 def clear_execution_flags(cls_name: str, param_groups: Any) -> None:
