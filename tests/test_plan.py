@@ -461,7 +461,7 @@ JSON_KEYS = {"schema", "inputs", "supported", "per_rank", "breakdown", "optimize
              "fits_all", "step", "zero_paper_bytes", "notes", "problems", "rates", "cheapest", "sharding"}
 INPUT_KEYS = {"source", "num_params", "world_size", "stage", "offload", "optimizer", "k", "param_dtype",
               "grad_dtype", "param_device", "cuda", "ranks_per_node", "max_host_bytes", "sub_group_size",
-              "swap_dir", "shard_numel", "separate_master", "lowp_buffers", "state_dtype", "master_dtype", "swap"}
+              "swap_dir", "shard_numel", "separate_master", "lowp_buffers", "state_dtype", "master_dtype", "swap", "amsgrad"}
 STEP_KEYS = {"kernel_gparams", "disk_read_gbps", "disk_write_gbps", "kernel_s", "io_s", "read_bytes",
              "write_bytes", "step_time_s"}
 
@@ -606,7 +606,7 @@ def _make_optimizer(params, **kw):
     return offload.AdamW(params, lr=1e-3, **kw)
 
 
-def _plan_and_run(tmp_path, target):
+def _plan_and_run(tmp_path, target, amsgrad=False):
     """(plan, memory_report(), RSS change over construction + first step) for a 4.2M-param MLP."""
     from offload.optim.stats import process_rss_bytes
 
@@ -614,6 +614,8 @@ def _plan_and_run(tmp_path, target):
     kw = dict(offload=target)
     if target == "nvme":
         kw.update(swap_dir=str(tmp_path), max_host_bytes=64 << 20)
+    if amsgrad:
+        kw.update(amsgrad=True)
     plan = estimate(model, **kw)
     assert plan.inputs["param_dtype"] == "float32" and plan.inputs["param_device"] == "cpu"
     # Warm up: load the kernel library, thread pool and io engine so that the RSS change
@@ -648,9 +650,13 @@ def _plan_and_run(tmp_path, target):
     return plan, report, rss1 - rss0
 
 
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("target", ["cpu", "nvme"])
-def test_plan_then_run_bytes_match_memory_report(tmp_path, target):
-    plan, report, _ = _plan_and_run(tmp_path, target)
+def test_plan_then_run_bytes_match_memory_report(tmp_path, target, amsgrad):
+    plan, report, _ = _plan_and_run(tmp_path, target, amsgrad)
+    assert plan.inputs["amsgrad"] is amsgrad and plan.inputs["k"] == (16 if amsgrad else 12)
+    if amsgrad:  # the third state is billed where the engine keeps it
+        assert sum(plan.breakdown[t]["max_exp_avg_sq"] for t in TIERS) > 0
     got, want = report["tiers"], plan.optimizer_bytes
     for tier in TIERS:
         assert abs(got[tier] - want[tier]) <= 0.05 * want[tier], (tier, got, want)
@@ -663,16 +669,19 @@ def test_memory_report_agrees_with_rss(tmp_path, target):
     assert abs(rss_delta - host) <= 0.10 * host, (rss_delta, host)
 
 
-def test_plan_then_run_bf16_cpu_params_flat_store():
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+def test_plan_then_run_bf16_cpu_params_flat_store(amsgrad):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(torch.bfloat16)
     model(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
     n = count_params(model)                            # 262,912
-    plan = estimate(model, offload="cpu")
-    # bf16 CPU params: flat fp32 master + moments (12 B x Ψ), pageable (no CUDA); grads read
-    # where they lie and the bf16 copy written straight into the params: no other buffers.
-    assert plan.optimizer_bytes == {"device": 0, "pinned": 0, "pageable": 12 * n, "nvme": 0}
-    opt = _make_optimizer(model.parameters(), offload="cpu")
+    plan = estimate(model, offload="cpu", amsgrad=amsgrad)
+    # bf16 CPU params: flat fp32 master + moments (12 B x Ψ; amsgrad's third state: 16), pageable
+    # (no CUDA); grads read where they lie and the bf16 copy written straight into the params:
+    # no other buffers.
+    k = 16 if amsgrad else 12
+    assert plan.optimizer_bytes == {"device": 0, "pinned": 0, "pageable": k * n, "nvme": 0}
+    opt = _make_optimizer(model.parameters(), offload="cpu", amsgrad=amsgrad)
     try:
         opt.step()
         got = opt.memory_report()["tiers"]
@@ -680,6 +689,22 @@ def test_plan_then_run_bf16_cpu_params_flat_store():
         opt.close()
     for tier in TIERS:
         assert abs(got[tier] - plan.optimizer_bytes[tier]) <= 0.05 * plan.optimizer_bytes[tier], (tier, got)
+
+
+def test_cli_amsgrad_bills_the_third_state():
+    rc, out, err = _cli("plan", "--params", "1B", "--amsgrad", "--kernel-gparams", "1", "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["inputs"]["amsgrad"] is True and doc["inputs"]["k"] == 16
+    assert doc["breakdown"]["pageable"]["max_exp_avg_sq"] == 4 * 10**9
+    # Adam's rate, scaled by the bytes AMSGrad moves (36 per element against 28)
+    assert doc["step"]["kernel_s"] == pytest.approx(36 / 28)
+    assert any(n.startswith("amsgrad: the kernel time") for n in doc["notes"])
+    rc, out, _ = _cli("plan", "--params", "1B", "--kernel-gparams", "1", "--json")
+    plain = json.loads(out)
+    assert plain["inputs"]["amsgrad"] is False and plain["step"]["kernel_s"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="amsgrad must be True or False"):
+        estimate("1B", amsgrad="yes")
 
 
 def test_cli_swap_dir_probes_the_disk_and_takes_its_free_space(tmp_path):

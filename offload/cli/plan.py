@@ -54,6 +54,8 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--param-dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     p.add_argument("--grad-dtype", default=None, help="default: the param dtype")
     p.add_argument("--optimizer", default="adamw", help="adam or adamw (default adamw)")
+    p.add_argument("--amsgrad", action="store_true",
+                   help="Adam's amsgrad=True: a third fp32 state per param (max_exp_avg_sq), K 16 instead of 12")
     p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
                    help="how the optimizer states are stored (the optimizers' state_dtype; default float32)")
     p.add_argument("--master-dtype", default=None, choices=("float32", "bfloat16"),
@@ -141,6 +143,7 @@ def _plan_kwargs(args: argparse.Namespace, rates: Dict[str, Any]) -> Dict[str, A
         param_dtype=args.param_dtype,
         grad_dtype=args.grad_dtype,
         optimizer=args.optimizer,
+        amsgrad=args.amsgrad,
         state_dtype=args.state_dtype,
         master_dtype=args.master_dtype,
         param_device=args.param_device,

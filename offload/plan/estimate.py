@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from offload.kernels.fields import ADAM, MASTER, bytes_per_element, fields_bytes
+from offload.kernels.fields import ADAM, ADAM_AMSGRAD, MASTER, bytes_per_element, fields_bytes
 
 from .inputs import dtype_name, nonneg_bytes, parse_dtype, positive_rate, resolve_params
 from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, tests import it here)
@@ -77,6 +77,8 @@ GiB = 1 << 30
 _OFFLOADS = ("none", "cpu", "nvme")
 # K of the ZeRO paper: the bytes per param of the fp32 master and the rule's states (12 for Adam)
 _OPTIMIZERS = {"adam": bytes_per_element(ADAM.with_master()), "adamw": bytes_per_element(ADAM.with_master())}
+
+_ADAM_BYTES, _AMSGRAD_BYTES = 28, 36  # bytes moved per element by the fp32 step (reads + writes)
 
 Bytes = Dict[str, Dict[str, int]]  # tier -> component -> bytes per rank
 
@@ -109,6 +111,8 @@ class _Setup(StatesLayout):
     master_dtype: Optional[str] = None
     numels: Optional[Tuple[int, ...]] = None
     """Each param's elements (a module was given): see ``StatesLayout``."""
+    amsgrad: bool = False
+    """Adam's amsgrad: a third fp32 state per element (max_exp_avg_sq), K 16 instead of 12."""
 
     @property
     def on_cpu(self) -> bool:
@@ -327,7 +331,9 @@ def _predict_step(s: _Setup, swap: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """The ideal max(I/O, kernel) of the pipelined step."""
     kg, rg, wg = s.rates
     step: Dict[str, Any] = {"kernel_gparams": kg, "disk_read_gbps": rg, "disk_write_gbps": wg}
-    step["kernel_s"] = (s.shard / (kg * 1e9)) if kg else None
+    # the rate is Adam's (its probe and bench/adam.py); AMSGrad is bound by the same memory
+    # wall and moves 36 B per element against 28 (bench/amsgrad.py measured 1.27-1.32x)
+    step["kernel_s"] = (s.shard / (kg * 1e9) * (_AMSGRAD_BYTES / _ADAM_BYTES if s.amsgrad else 1.0)) if kg else None
     if s.offload == "nvme":
         # every sub-group of the swapped states is read from one slot and written to the
         # other once per step
@@ -354,6 +360,7 @@ def _inputs(s: _Setup, swap: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         "stage": s.stage,
         "offload": s.offload,
         "optimizer": s.optimizer,
+        "amsgrad": s.amsgrad,
         "k": s.k,
         "param_dtype": dtype_name(s.pdt),
         "grad_dtype": dtype_name(s.gdt),
@@ -403,6 +410,7 @@ def estimate(
     max_live_bytes: Union[int, str, None] = None,
     prefetch: Optional[int] = None,
     release_grads: bool = False,
+    amsgrad: bool = False,
 ) -> Plan:
     """Plan the bytes per rank and tier for training ``num_params`` parameters.
 
@@ -428,6 +436,7 @@ def estimate(
     equal units), the live window's bound ``max_live_params``
     or ``max_live_bytes`` and its ``prefetch`` depth (default 1). ``release_grads`` (stages 0-2,
     device params): grads leave the device once copied to the host ([Note: release grads]).
+    ``amsgrad``: Adam's amsgrad=True, a third state per element (max_exp_avg_sq).
     """
     s = _setup(num_params, world_size=world_size, stage=stage, offload=offload, param_dtype=param_dtype,
                grad_dtype=grad_dtype, optimizer=optimizer, param_device=param_device, cuda=cuda,
@@ -435,7 +444,7 @@ def estimate(
                max_host_bytes=max_host_bytes, sub_group_size=sub_group_size, swap_dir=swap_dir,
                nvme_capacity=nvme_capacity, disk_gbps=disk_gbps, disk_read_gbps=disk_read_gbps,
                disk_write_gbps=disk_write_gbps, kernel_gparams=kernel_gparams, lowp_buffers=lowp_buffers,
-               state_dtype=state_dtype, master_dtype=master_dtype)
+               state_dtype=state_dtype, master_dtype=master_dtype, amsgrad=amsgrad)
     opts = check_options(stage=s.stage, num_params=s.n, offload_params=offload_params, unit_params=unit_params,
                          max_live_params=max_live_params, max_live_bytes=max_live_bytes, prefetch=prefetch,
                          release_grads=release_grads)
@@ -456,6 +465,9 @@ def _bill(s: _Setup, opts: ShardOptions) -> Plan:
         sharding = release_device_grads(s, opts, B, notes)
         step = _predict_step(s, swap)
     notes.extend(state_notes(s))
+    if s.amsgrad and step.get("kernel_s") is not None:
+        notes.append("amsgrad: the kernel time is Adam's rate scaled by 36/28, the bytes each moves per "
+                     "element (both are bound by memory bandwidth; bench/amsgrad.py)")
     inputs = _inputs(s, swap)
     if s.stage == 3:  # the shard of the padded units; the fp32 CPU shard is its own master
         inputs.update(shard_numel=sharding["shard_numel"], separate_master=not sharding["own_master"])
@@ -467,7 +479,8 @@ def _setup(num_params: Any, *, world_size: Any, stage: Any, offload: Any, param_
            optimizer: Any, param_device: Any, cuda: Optional[bool], device_memory: Any, host_memory: Any,
            ranks_per_node: Any, max_host_bytes: Any, sub_group_size: Any, swap_dir: Any, nvme_capacity: Any,
            disk_gbps: Any, disk_read_gbps: Any, disk_write_gbps: Any, kernel_gparams: Any,
-           lowp_buffers: str, state_dtype: Any = "float32", master_dtype: Any = None) -> _Setup:
+           lowp_buffers: str, state_dtype: Any = "float32", master_dtype: Any = None,
+           amsgrad: Any = False) -> _Setup:
     """Check ``estimate``'s arguments in the order they are documented (the first bad one is
     the one reported)."""
     n, source_desc, module = resolve_params(num_params)
@@ -480,8 +493,11 @@ def _setup(num_params: Any, *, world_size: Any, stage: Any, offload: Any, param_
                    nvme_capacity, swap_dir)
     rates = _rates(kernel_gparams, disk_gbps, disk_read_gbps, disk_write_gbps)
     check_compression(state_dtype, master_dtype, pdt)
-    return _Setup(state_dtype=state_dtype, master_dtype=master_dtype, numels=param_numels(module),
+    if not isinstance(amsgrad, bool):
+        raise ValueError(f"amsgrad must be True or False, got {amsgrad!r}")
+    k = bytes_per_element(ADAM_AMSGRAD.with_master()) if amsgrad else _OPTIMIZERS[opt]
+    return _Setup(state_dtype=state_dtype, master_dtype=master_dtype, numels=param_numels(module), amsgrad=amsgrad,
                   n=n, source=source_desc, world_size=world_size, stage=stage, offload=offload, optimizer=opt,
-                  k=_OPTIMIZERS[opt], pdt=pdt, gdt=gdt, pdev=pdev, cuda=bool(pdev != "cpu" if cuda is None else cuda),
+                  k=k, pdt=pdt, gdt=gdt, pdev=pdev, cuda=bool(pdev != "cpu" if cuda is None else cuda),
                   sub_group_size=sub_group_size, swap_dir=os.fspath(swap_dir) if swap_dir is not None else None,
                   rates=rates, lowp_buffers=lowp_buffers, **sizes)

@@ -18,6 +18,7 @@ COMPONENTS = (
     "master",        # fp32 master copy, when the param is not itself the fp32 master
     "exp_avg",
     "exp_avg_sq",
+    "max_exp_avg_sq",  # Adam's amsgrad only
     "grad_buffers",  # host buffers the grads are copied into (device params)
     "lowp_buffers",  # host buffers holding the fp16/bf16 copy of updated params (device params)
     "io_buffers",    # swap pipeline buffers (offload="nvme")

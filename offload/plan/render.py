@@ -128,8 +128,9 @@ def explain_text(plan: Any) -> str:
     paper = plan.zero_paper_bytes
     lines = [
         "How these numbers are computed (Ψ = params, N_d = data-parallel ranks):",
-        f"  Ψ = {n:,}, N_d = {N}, K = {k} (fp32 master 4 + exp_avg 4 + exp_avg_sq 4 bytes per param, "
-        "mixed-precision Adam)",
+        f"  Ψ = {n:,}, N_d = {N}, K = {k} (fp32 master 4 + exp_avg 4 + exp_avg_sq 4 "
+        + ("+ max_exp_avg_sq 4 bytes per param, mixed-precision Adam with amsgrad)" if i.get("amsgrad")
+           else "bytes per param, mixed-precision Adam)"),
         "ZeRO paper (Rajbhandari et al. 2020, table 1), 2-byte params and grads:",
         "  stage 0: (2 + 2 + K)Ψ;  stage 1 (P_os): 4Ψ + KΨ/N_d;  stage 2 (P_os+g): 2Ψ + (2 + K)Ψ/N_d;",
         "  stage 3 (P_os+g+p): (2 + 2 + K)Ψ/N_d",

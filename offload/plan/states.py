@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from offload.kernels.fields import ADAM, STATE_DTYPES, Rule
+from offload.kernels.fields import ADAM, ADAM_AMSGRAD, STATE_DTYPES, Rule
 from offload.kernels.quant import BLOCK
 from offload.zero.partition import FlatLayout
 
@@ -27,8 +27,9 @@ class StatesLayout:
 
     @property
     def rule(self) -> Rule:
-        """Adam with its states stored as ``state_dtype`` says (the fields' bytes)."""
-        return ADAM.with_state_dtype(self.state_dtype)
+        """Adam (with ``amsgrad``, its third state max_exp_avg_sq) with its states stored as
+        ``state_dtype`` says (the fields' bytes)."""
+        return (ADAM_AMSGRAD if getattr(self, "amsgrad", False) else ADAM).with_state_dtype(self.state_dtype)
 
     @property
     def master_lowp(self) -> bool:
