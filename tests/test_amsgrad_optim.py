@@ -3,6 +3,8 @@ state_dict and checkpoints of one amsgrad setting are in test_rules_optim.py's "
 and test_torch_optim_db.py)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def _train(opt, params, steps, seed=1):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=gen) * 3
+            p.grad = (torch.randn(p.shape, generator=gen) * 3).to(p.dtype)
         opt.step()
 
 
@@ -76,3 +78,98 @@ def test_a_checkpoint_of_the_other_setting_is_refused_naming_its_states(src_ams,
     _train(dst, dst_params, 1)  # and it still steps
     src.close()
     dst.close()
+
+
+# ---------------------------------------------------------------- groups that differ, loaded
+def test_the_host_store_loads_dicts_whose_groups_differ_in_amsgrad():
+    """Its own state_dict (an Adam group's entries hold no max_exp_avg_sq), and a plain Adam
+    dict into an amsgrad optimizer (the groups follow the dict, as torch's load does); a dict
+    whose amsgrad group lacks max_exp_avg_sq is refused with nothing changed."""
+    params, ref_params = _params(), _params()
+    opt = offload.AdamW(_groups(params, (True, False)), lr=1e-2)
+    ref = torch.optim.AdamW(_groups(ref_params, (True, False)), lr=1e-2, foreach=False)
+    _train(opt, params, 2)
+    _train(ref, ref_params, 2)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    _train(opt, params, 2, seed=2)
+    _train(ref, ref_params, 2, seed=2)
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, **TOL)
+    plain = torch.optim.AdamW(_groups(_params(), (False, False)), lr=1e-2)
+    _train(plain, plain.param_groups[0]["params"] + plain.param_groups[1]["params"], 1)
+    ams = offload.AdamW(_groups(_params(), (True, True)), lr=1e-2)
+    ams.load_state_dict(copy.deepcopy(plain.state_dict()))
+    assert [g["amsgrad"] for g in ams.param_groups] == [False, False]
+    bad = copy.deepcopy(plain.state_dict())
+    bad["param_groups"][0]["amsgrad"] = True
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"state\[0\] has 'exp_avg' without 'max_exp_avg_sq'"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert [g["amsgrad"] for g in opt.param_groups] == [True, False]
+    assert all(torch.equal(v, after["state"][i][k]) for i, e in before["state"].items() for k, v in e.items()
+               if torch.is_tensor(v))
+
+
+def test_a_host_checkpoint_of_groups_that_differ_in_amsgrad_keeps_torchs_keys(tmp_path):
+    params = _params()
+    opt = offload.AdamW(_groups(params, (True, False)), lr=1e-2)
+    _train(opt, params, 2)
+    opt.save_checkpoint(str(tmp_path / "ckpt"))
+    back = offload.AdamW(_groups(_params(), (True, False)), lr=1e-2)
+    back.load_checkpoint(str(tmp_path / "ckpt"))
+    a, b = opt.state_dict()["state"], back.state_dict()["state"]
+    assert {i: sorted(e) for i, e in a.items()} == {i: sorted(e) for i, e in b.items()}
+    assert "max_exp_avg_sq" in b[0] and "max_exp_avg_sq" not in b[1]
+    assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
+
+
+def test_stage3_checkpoint_of_groups_that_differ_in_amsgrad_loads(tmp_path):
+    """offload.shard (one process, fp32 CPU shards: the host store takes groups that differ)."""
+
+    class Net(torch.nn.Module):  # a root unit and two child units
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(16, 24)
+            self.b = torch.nn.ModuleList([torch.nn.Linear(24, 24), torch.nn.Linear(24, 4)])
+
+        def forward(self, x):
+            return self.b[1](torch.relu(self.b[0](self.a(x))))
+
+    def build():
+        torch.manual_seed(0)
+        model = Net()
+        offload.shard(model)
+        ps = list(model.parameters())
+        opt = offload.AdamW([{"params": ps[:1], "amsgrad": True}, {"params": ps[1:], "amsgrad": False}],
+                            lr=1e-2, stage=3, offload="cpu")
+        return model, opt
+
+    model, opt = build()
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step()
+    offload.shard.save_checkpoint(model, opt, str(tmp_path / "ckpt"))
+    model2, opt2 = build()
+    offload.shard.load_checkpoint(model2, opt2, str(tmp_path / "ckpt"))
+    x = torch.randn(4, 16)
+    for m, o in ((model, opt), (model2, opt2)):
+        o.zero_grad()
+        m(x).square().mean().backward()
+        o.step()
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_add_param_group_of_the_other_setting_is_refused_by_a_flat_store():
+    params = [p.detach().to(torch.bfloat16).requires_grad_() for p in _params()]
+    opt = offload.AdamW(params[:1], lr=1e-2, offload="cpu")
+    _train(opt, params[:1], 1)
+    with pytest.raises(ValueError, match=r"the new group needs rule 'adam_amsgrad'.*"
+                                         r"keeps the states of rule 'adam'.*same amsgrad"):
+        opt.add_param_group({"params": params[1:], "amsgrad": True})
+    assert len(opt.param_groups) == 1
+    _train(opt, params[:1], 1)  # still steps
+    opt.add_param_group({"params": params[1:], "amsgrad": False})
+    _train(opt, params, 1)
+    opt.close()

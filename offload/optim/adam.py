@@ -80,6 +80,18 @@ class _AdamBase(RuleOptimizer):
             grad_scale=grad_scale,
         )
 
+    def load_checkpoint(self, directory: str) -> None:
+        super().load_checkpoint(directory)
+        # A stage-0 checkpoint holds every state of the optimizer's rules for every param (a
+        # max_exp_avg_sq of zeros for params of groups without amsgrad); in the host store,
+        # whose opt.state is torch's, such params keep no max_exp_avg_sq, as torch's do.
+        if getattr(self._store, "kind", None) != "host":
+            return
+        for group in self.param_groups:
+            if not group.get("amsgrad"):
+                for p in group["params"]:
+                    self.state.get(p, {}).pop("max_exp_avg_sq", None)
+
     def group_hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
         hyper = self._adam_hyper(group, 1.0).kernel_kwargs(0)
         del hyper["step"], hyper["grad_scale"]

@@ -33,7 +33,7 @@ from offload.optim.context_attrs import ContextAttributes
 from offload.optim.functional import RuleHyper
 from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
 from offload.optim.host_state import HostState
-from offload.optim.options import (check_compression, check_extras, check_loaded_groups, check_master_dtype,
+from offload.optim.options import (check_compression, check_extras, check_group_rule, check_master_dtype,
                                    check_param_dtype, check_release_grads, clear_execution_flags, make_config,
                                    refuse_release_grads)
 from offload.optim.protocol import optional
@@ -147,7 +147,9 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         rules = self.rules()
         if len(rules) != 1:
             raise ValueError(f"{type(self).__name__}: param groups of different rules "
-                             f"({[r.name for r in rules]}) need fp32 CPU params with offload='none' or 'cpu'")
+                             f"({[r.name for r in rules]}) need the host store: fp32 CPU params at stage 0 "
+                             f"with offload='none' or 'cpu' (the flat and swapped stores keep one rule's states "
+                             f"for every group)")
         return rules[0]
 
     def state_fill(self, name: str) -> float:
@@ -241,6 +243,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
             if self._store is None:
                 return
             self._check_open()
+            check_group_rule(self, self.param_groups[-1], "the new group")
             self._store_add_group(self.param_groups[-1])
             self._registered = self._all_params()
         except BaseException:
@@ -312,11 +315,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         out = []
         for group in self.param_groups:
             self._check_group(group)
-            rule = self._store_rule and self.rule_of(group)
-            if rule and rule is not self._store_rule.base:  # before anything changes: not a failed step
-                raise ValueError(f"{type(self).__name__}: a group now needs rule {rule.name!r} {list(rule.names)}, "
-                                 f"but the store keeps the states of rule {self._store_rule.name!r} "
-                                 f"{list(self._store_rule.names)} for every group; build a new optimizer")
+            check_group_rule(self, group, "a group now")  # before anything changes: not a failed step
             items = []
             for p in group["params"]:
                 g = grads_fn(p) if grads_fn is not None else p.grad
@@ -407,7 +406,6 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         nothing), and with ``offload="nvme"`` the loaded states go to the free swap slots and
         are committed once. Ends a failed state (see ``clear_failure``)."""
         self._check_open()
-        check_loaded_groups(self, state_dict)
         load_state_dict_into(self, state_dict, super().load_state_dict)
         self._failure = None
         clear_execution_flags(type(self).__name__, self.param_groups)

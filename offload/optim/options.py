@@ -21,7 +21,7 @@ import torch
 
 from offload.config import IOConfig, OffloadConfig, parse_bytes
 
-__all__ = ["check_hyper", "check_extras", "check_compression", "check_master_dtype", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
+__all__ = ["check_group_rule", "check_hyper", "check_extras", "check_compression", "check_master_dtype", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
            "clear_execution_flags", "check_release_grads", "refuse_release_grads"]
 
 # Options that act only on swap files; with offload="none" or "cpu" they would do nothing.
@@ -282,6 +282,34 @@ def check_param_dtype(index: int, p: torch.Tensor, cls_name: str = "Adam/AdamW")
 EXECUTION_FLAGS = ("capturable", "differentiable")
 
 
+def check_group_rule(opt: Any, group: Dict[str, Any], what: str) -> None:
+    """A flat or swapped store keeps one rule's states for every group: a group that needs
+    another rule (SGD's momentum from or to 0, amsgrad unlike the others') is refused before
+    anything changes. ``what``: "a group now" (a step), "the new group" (add_param_group)."""
+    store_rule = getattr(opt, "_store_rule", None)
+    rule = store_rule and opt.rule_of(group)
+    if rule and rule is not store_rule.base:
+        raise ValueError(f"{type(opt).__name__}: {what} needs rule {rule.name!r} {list(rule.names)}, but the store "
+                         f"keeps the states of rule {store_rule.name!r} {list(store_rule.names)} for every group; "
+                         f"build a new optimizer (with the same amsgrad, or SGD momentum on or off, in every group)")
+
+
+def loaded_group_rule(opt: Any, theirs: Any) -> Any:
+    """The rule a param group of a loaded dict will step with (None: not knowable here, e.g.
+    the dict of another optimizer type). torch's load_state_dict takes every key of the
+    loaded group but ``params``, then fills what it lacks from the class's defaults
+    (``__setstate__``); so does this view of it."""
+    rule_of = getattr(opt, "rule_of", None)
+    if rule_of is None or not isinstance(theirs, dict):
+        return None
+    group = dict(getattr(opt, "GROUP_DEFAULTS", ()))
+    group.update({k: v for k, v in theirs.items() if k != "params"})
+    try:
+        return rule_of(group)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def check_loaded_groups(opt: Any, state_dict: Any) -> None:
     """A flat or swapped store keeps one rule's fields for every group: a dict whose groups
     need another rule (``amsgrad=True`` into an Adam store without it, or the reverse) is
@@ -291,11 +319,9 @@ def check_loaded_groups(opt: Any, state_dict: Any) -> None:
     groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     if store_rule is None or not isinstance(groups, list):
         return
-    for i, (ours, theirs) in enumerate(zip(opt.param_groups, groups)):
-        if not isinstance(theirs, dict):
-            continue
-        rule = opt.rule_of(dict(ours, **{k: v for k, v in theirs.items() if k != "params"}))
-        if rule is not store_rule.base:
+    for i, theirs in enumerate(groups[:len(opt.param_groups)]):
+        rule = loaded_group_rule(opt, theirs)
+        if rule is not None and rule is not store_rule.base:
             raise ValueError(
                 f"{type(opt).__name__}.load_state_dict: the state dict's param_groups[{i}] needs rule "
                 f"{rule.name!r} {list(rule.names)}, but this optimizer's {opt.config.offload!r} store keeps "

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
+from offload.optim.options import check_loaded_groups, loaded_group_rule
 from offload.optim.protocol import optional
 from offload.optim.state_view import attach
 
@@ -115,13 +116,16 @@ def _check_step(k: Any, step: Any) -> None:
         raise ValueError(f"load_state_dict: state[{k}]['step'] is {step!r}, expected a whole number >= 0")
 
 
-def _check_entry(k: Any, p: torch.Tensor, st: Any, names: tuple) -> None:
+def _check_entry(k: Any, p: torch.Tensor, st: Any, names: tuple, required: tuple) -> None:
+    """``names``: every state the optimizer's rules keep (each present one is checked);
+    ``required``: those of the rule the entry's group steps with (all or none present)."""
     if not isinstance(st, dict):
         raise ValueError(f"load_state_dict: state[{k}] is a {type(st).__name__}, expected a dict")
     present = [key for key in names if key in st]
-    if present and len(present) < len(names):
-        missing = [key for key in names if key not in st]
-        raise ValueError(f"load_state_dict: state[{k}] has {present[0]!r} without {missing[0]!r}")
+    held = [key for key in required if key in st]
+    if held and len(held) < len(required):
+        missing = [key for key in required if key not in st]
+        raise ValueError(f"load_state_dict: state[{k}] has {held[0]!r} without {missing[0]!r}")
     if present and "step" not in st:
         raise ValueError(f"load_state_dict: state[{k}] has moments but no 'step'")
     if "step" in st:
@@ -137,12 +141,20 @@ def _check_entry(k: Any, p: torch.Tensor, st: Any, names: tuple) -> None:
 
 def check_loadable(opt: Any, state_dict: Dict[str, Any]) -> None:
     """Raise (ValueError) before anything is loaded if any part of ``state_dict`` cannot be."""
+    check_loaded_groups(opt, state_dict)
     id_map = _id_map(opt, state_dict)
     names = names_of(opt)
+    # each entry against the rule of its group in the dict (torch's load takes the dict's
+    # groups: with amsgrad in some groups only, the others hold no max_exp_avg_sq)
+    required: Dict[Any, tuple] = {}
+    for theirs in state_dict["param_groups"]:
+        rule = loaded_group_rule(opt, theirs)
+        for k in theirs["params"]:
+            required[k] = rule.names if rule is not None else names
     for k, st in state_dict["state"].items():
         p = id_map.get(k)
         if p is not None:
-            _check_entry(k, p, st, names)
+            _check_entry(k, p, st, names, required.get(k, names))
 
 
 def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[Dict[str, Any]], None]) -> None:

@@ -60,7 +60,8 @@ from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, test
 )
 from .result import Plan
 from .stage3 import ShardOptions, check_options, place_stage3, release_device_grads
-from .states import StatesLayout, check_compression, param_numels, state_fields, state_notes
+from .states import (StatesLayout, check_compression, kernel_bytes_ratio, listed, param_numels, state_fields,
+                     state_notes)
 
 __all__ = [
     "Plan",
@@ -77,8 +78,6 @@ GiB = 1 << 30
 _OFFLOADS = ("none", "cpu", "nvme")
 # K of the ZeRO paper: the bytes per param of the fp32 master and the rule's states (12 for Adam)
 _OPTIMIZERS = {"adam": bytes_per_element(ADAM.with_master()), "adamw": bytes_per_element(ADAM.with_master())}
-
-_ADAM_BYTES, _AMSGRAD_BYTES = 28, 36  # bytes moved per element by the fp32 step (reads + writes)
 
 Bytes = Dict[str, Dict[str, int]]  # tier -> component -> bytes per rank
 
@@ -259,8 +258,8 @@ def _place_swapped(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) -
             B["nvme"][f.name] = nbytes
         B[s.tier["io_buffers"]]["io_buffers"] = swap["host_bytes"]
     if s.separate_master:
-        notes.append("offload='nvme' with the flat store: the fp32 master, exp_avg and exp_avg_sq of this "
-                     "rank's shard in swap files; host memory holds the pipeline buffers")
+        notes.append(f"offload='nvme' with the flat store: the fp32 master, {listed(s.rule.names)} of "
+                     "this rank's shard in swap files; host memory holds the pipeline buffers")
     return swap
 
 
@@ -331,9 +330,7 @@ def _predict_step(s: _Setup, swap: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """The ideal max(I/O, kernel) of the pipelined step."""
     kg, rg, wg = s.rates
     step: Dict[str, Any] = {"kernel_gparams": kg, "disk_read_gbps": rg, "disk_write_gbps": wg}
-    # the rate is Adam's (its probe and bench/adam.py); AMSGrad is bound by the same memory
-    # wall and moves 36 B per element against 28 (bench/amsgrad.py measured 1.27-1.32x)
-    step["kernel_s"] = (s.shard / (kg * 1e9) * (_AMSGRAD_BYTES / _ADAM_BYTES if s.amsgrad else 1.0)) if kg else None
+    step["kernel_s"] = (s.shard / (kg * 1e9) * kernel_bytes_ratio(s)) if kg else None
     if s.offload == "nvme":
         # every sub-group of the swapped states is read from one slot and written to the
         # other once per step
@@ -465,9 +462,6 @@ def _bill(s: _Setup, opts: ShardOptions) -> Plan:
         sharding = release_device_grads(s, opts, B, notes)
         step = _predict_step(s, swap)
     notes.extend(state_notes(s))
-    if s.amsgrad and step.get("kernel_s") is not None:
-        notes.append("amsgrad: the kernel time is Adam's rate scaled by 36/28, the bytes each moves per "
-                     "element (both are bound by memory bandwidth; bench/amsgrad.py)")
     inputs = _inputs(s, swap)
     if s.stage == 3:  # the shard of the padded units; the fp32 CPU shard is its own master
         inputs.update(shard_numel=sharding["shard_numel"], separate_master=not sharding["own_master"])

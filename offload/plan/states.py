@@ -18,7 +18,22 @@ from offload.zero.partition import FlatLayout
 
 from .inputs import dtype_name
 
-__all__ = ["StatesLayout", "check_compression", "param_numels", "state_fields", "state_notes"]
+__all__ = ["StatesLayout", "check_compression", "param_numels", "state_fields", "state_notes",
+           "kernel_bytes_ratio", "listed"]
+
+_ADAM_BYTES, _AMSGRAD_BYTES = 28, 36  # bytes the fp32 step moves per element (reads + writes)
+
+
+def kernel_bytes_ratio(s: Any) -> float:
+    """The kernel rate is Adam's (its probe, bench/adam.py); AMSGrad is bound by the same
+    memory wall and moves 36 B per element against 28 (bench/amsgrad.py: 1.27-1.32x)."""
+    return _AMSGRAD_BYTES / _ADAM_BYTES if getattr(s, "amsgrad", False) else 1.0
+
+
+def listed(names: Any) -> str:
+    """"a, b and c"."""
+    names = list(names)
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
 
 
 class StatesLayout:
@@ -100,6 +115,9 @@ def state_notes(s: Any) -> List[str]:
                      "255 elements more per param, counted only when a module is given")
     if s.master_lowp:
         notes.append("master_dtype='bfloat16': the bf16 params are their own master (no fp32 copy)")
+    if getattr(s, "amsgrad", False):
+        notes.append("amsgrad: the kernel time is Adam's rate scaled by 36/28, the bytes each moves per "
+                     "element (both are bound by memory bandwidth; bench/amsgrad.py)")
     if s.offload == "nvme" and s.state_dtype == "int8":
         notes.append("offload='nvme' with int8 states: sub-groups are cut at multiples of 262144 elements "
                      "(a packed block's 260 bytes reach a 4 KiB page every 1024 blocks)")
