@@ -182,6 +182,25 @@ OFFLOAD_API int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n,
                                    double *out_sumsq, int *out_nonfinite, int isa,
                                    int num_threads);
 
+/* A minimal io_uring ring over raw syscalls (native/uring_ring.cpp), the ring of the `uring`
+ * io engine where python-liburing cannot run. offload_uring_open: a ring of `entries` SQEs
+ * (eventfd >= 0: registered, signalled on each completion) in *out. offload_uring_queue: up to
+ * n reads (writes[i] == 0) or writes of lens[i] bytes at addrs[i] <-> fds[i] at offsets[i],
+ * tagged user_data[i], into the SQ ring (buf_index[i] >= 0: IORING_OP_READ_FIXED / WRITE_FIXED
+ * through that registered buffer); returns how many fit. offload_uring_submit: hands the
+ * queued entries to the kernel; returns how many it took or -errno (-EAGAIN / -EBUSY: they stay
+ * queued). offload_uring_reap: up to max completions (user_data, res: bytes or -errno);
+ * returns their count. One thread at a time per ring. */
+OFFLOAD_API int offload_uring_open(uint32_t entries, int eventfd, void **out);
+OFFLOAD_API int offload_uring_queue(void *ring, int n, const int32_t *writes, const int32_t *fds,
+                                    const uint64_t *addrs, const uint32_t *lens,
+                                    const uint64_t *offsets, const uint64_t *user_data,
+                                    const int32_t *buf_index);
+OFFLOAD_API int offload_uring_submit(void *ring);
+OFFLOAD_API int offload_uring_reap(void *ring, int max, uint64_t *user_data, int32_t *res);
+OFFLOAD_API int offload_uring_fd(void *ring);
+OFFLOAD_API void offload_uring_close(void *ring);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,7 +1,8 @@
 """The native build keeps wide instructions inside their own units.
 
 One library serves every x86-64 CPU only if the baseline units (dispatch.cpp, which runs
-first on any CPU, and adam_scalar.cpp, the fallback) contain no VEX/EVEX instruction: a
+first on any CPU, adam_scalar.cpp, the fallback, and uring_ring.cpp, the io engine's ring)
+contain no VEX/EVEX instruction: a
 single AVX instruction leaked there (a global -mavx512 flag, -march=native, or an inline
 helper merged across units by the linker) is an illegal instruction on an older CPU.
 The flags are read from setup.py itself, so the test checks what is installed.
@@ -53,7 +54,7 @@ def test_no_native_arch_flags():
         assert not any(f.startswith(("-march", "-mtune=native")) for f in flags), flags
 
 
-@pytest.mark.parametrize("unit", ["dispatch.cpp", "adam_scalar.cpp"])
+@pytest.mark.parametrize("unit", ["dispatch.cpp", "adam_scalar.cpp", "uring_ring.cpp"])
 def test_baseline_units_have_no_vex_instructions(unit, tmp_path):
     common, units = _setup_constants()
     obj = str(tmp_path / (unit + ".o"))
@@ -83,4 +84,7 @@ def test_library_exports_only_the_c_face():
                          check=True).stdout
     names = {line.split()[-1] for line in out.splitlines() if " T " in line}
     assert names == {"offload_abi_version", "offload_isa_supported", "offload_isa_best",
-                     "offload_step_args_size", "offload_rule_step", "offload_grad_sumsq"}
+                     "offload_step_args_size", "offload_rule_step", "offload_grad_sumsq",
+                     # the io engine's ring (native/uring_ring.cpp)
+                     "offload_uring_open", "offload_uring_queue", "offload_uring_submit",
+                     "offload_uring_reap", "offload_uring_fd", "offload_uring_close"}

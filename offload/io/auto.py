@@ -147,6 +147,11 @@ def engine_status() -> Dict[str, str]:
     else:
         out["auto picks"] = "threads (io_uring unavailable)"
     if _uring_reason() is None:
+        from .uring import liburing_unavailable_reason, ring_kind
+
+        kind = ring_kind()
+        out["uring ring"] = "python-liburing" if kind == "liburing" else \
+            f"native (liburing's cannot run: {liburing_unavailable_reason()})" if kind == "native" else "none"
         out["uring registered buffers"] = _fixed_buffers_status()
     return out
 

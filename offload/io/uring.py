@@ -1,4 +1,5 @@
-"""The ``uring`` engine: io_uring through python-liburing, completions reaped off the GIL.
+"""The ``uring`` engine: io_uring (python-liburing's ring, or our own where it cannot run:
+[Note: native ring] in uring_native.py), completions reaped off the GIL.
 
 [Note: waiting without the GIL] python-liburing holds the GIL inside ``io_uring_wait_cqe``
 (another Python thread all but stops during the wait; bench/RESULTS.md). So the ring signals
@@ -34,27 +35,64 @@ from collections import deque
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .engine import Engine, _Piece, _address, as_bytes_view
+from .uring_native import NativeRing, native_ring_reason
 from .uring_ring import (  # noqa: F401  (_FIXED_SLOTS: tests read it here)
     _FIXED_MAX_BYTES,
     _FIXED_SLOTS,
-    _IORING_OP_READV_FIXED,
-    _IORING_OP_WRITEV_FIXED,
+    LiburingRing,
     _FixedTable,
-    _IovecSlots,
-    _liburing,
     _ring_register,
     _set_dontfork,
-    uring_unavailable_reason,
 )
+from .uring_ring import uring_unavailable_reason as liburing_unavailable_reason
 
 __all__ = ["UringEngine", "uring_unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
 _RETRY = (errno.EINTR, errno.EAGAIN, errno.EBUSY)
+RING_ENV = "OFFLOAD_URING_RING"
+_RINGS = ("liburing", "native")
 
 
-def _reaper_main(engine_ref, L, ring, efd: int) -> None:
+def _forced_ring() -> Optional[str]:
+    """``$OFFLOAD_URING_RING`` (liburing or native), or None; ValueError for another value."""
+    forced = os.environ.get(RING_ENV, "").strip().lower()
+    if forced in ("", "auto"):
+        return None
+    if forced not in _RINGS:
+        raise ValueError(f"{RING_ENV}={forced!r} is not a ring; expected liburing, native or auto")
+    return forced
+
+
+def ring_kind() -> Optional[str]:
+    """The ring a ``uring`` engine opens here: python-liburing's where it runs, else ours
+    ([Note: native ring]); None when neither can (``uring_unavailable_reason`` says why)."""
+    forced = _forced_ring()
+    if forced is not None:
+        return forced if (liburing_unavailable_reason() if forced == "liburing" else native_ring_reason()) is None \
+            else None
+    if liburing_unavailable_reason() is None:
+        return "liburing"
+    return "native" if native_ring_reason() is None else None
+
+
+def uring_unavailable_reason() -> Optional[str]:
+    """None if an io_uring ring (either one) can be set up here, else why not (probed)."""
+    try:
+        if ring_kind() is not None:
+            return None
+        forced = _forced_ring()
+    except ValueError as exc:
+        return str(exc)
+    if forced == "liburing":
+        return liburing_unavailable_reason()
+    if forced == "native":
+        return f"the native ring: {native_ring_reason()}"
+    return f"{liburing_unavailable_reason()}; the native ring: {native_ring_reason()}"
+
+
+def _reaper_main(engine_ref, rio, efd: int) -> None:
     """The reaper thread: sleep in ``select`` (GIL released), then let the engine reap.
 
     Holds the engine only between a wake-up and the end of its reaping. If the engine was
@@ -71,7 +109,7 @@ def _reaper_main(engine_ref, L, ring, efd: int) -> None:
             pass
         engine = engine_ref()
         if engine is None:
-            L.io_uring_queue_exit(ring)
+            rio.exit()
             os.close(efd)
             return
         done = engine._reap_once()
@@ -89,25 +127,19 @@ class UringEngine(Engine):
         super().__init__(queue_depth=queue_depth, block_size=block_size, direct=direct)
         if not hasattr(os, "eventfd"):
             raise RuntimeError("the uring engine needs os.eventfd (Python 3.10+)")
-        L = self._L = _liburing()
-        self._ring = L.Ring()
+        kind = ring_kind()
+        if kind is None:
+            raise RuntimeError(f"io_uring is unavailable here: {uring_unavailable_reason()}")
         entries = 1 << max(0, (queue_depth - 1).bit_length())
-        try:
-            L.io_uring_queue_init(entries, self._ring)
-        except OSError as exc:
-            err = exc.errno or errno.ENOSYS
-            raise OSError(err, f"io_uring_queue_init({entries}) failed: {os.strerror(err)} (io_uring disabled "
-                               "or blocked by seccomp; use the threads engine)", "io_uring") from None
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
-            L.io_uring_register_eventfd(self._ring, self._efd)
-        except OSError as exc:
-            L.io_uring_queue_exit(self._ring)
+            self._rio = LiburingRing(entries, self._efd, queue_depth) if kind == "liburing" \
+                else NativeRing(entries, self._efd)
+        except BaseException:
             os.close(self._efd)
-            raise OSError(exc.errno, f"io_uring_register_eventfd failed: {os.strerror(exc.errno)}",
-                          "io_uring") from None
-        self._cqe = L.Cqe()
-        self._slots = _IovecSlots(L, queue_depth)
+            raise
+        self.ring_kind = kind
+        """Which ring: "liburing" (python-liburing) or "native" ([Note: native ring])."""
         self._fixed: Optional[_FixedTable] = None  # see [Note: fixed buffers]
         self._fixed_reason: Optional[str] = None  # why fixed buffers are off, once known
         self._logged_reason: Optional[str] = None
@@ -123,7 +155,7 @@ class UringEngine(Engine):
         self._broken: Optional[BaseException] = None
         # The reaper holds only a weak reference, so an engine dropped without close() is still
         # collected: its finalizer pokes the eventfd and the reaper tears the ring down.
-        self._thread = threading.Thread(target=_reaper_main, args=(weakref.ref(self), L, self._ring, self._efd),
+        self._thread = threading.Thread(target=_reaper_main, args=(weakref.ref(self), self._rio, self._efd),
                                         name="offload-uring-reaper", daemon=True)
         self._finalizer = weakref.finalize(self, os.eventfd_write, self._efd, 1)
         self._thread.start()
@@ -139,7 +171,7 @@ class UringEngine(Engine):
 
     def _fill_locked(self) -> None:
         """Prepare pending pieces up to ``queue_depth`` in flight; one submit syscall for all."""
-        L, ring = self._L, self._ring
+        rio = self._rio
         prepared = 0
         while self._pending and len(self._inflight) < self.queue_depth:
             piece = self._pending.popleft()
@@ -151,27 +183,15 @@ class UringEngine(Engine):
             except OSError as exc:
                 self._piece_done(piece, piece.error(exc.errno or errno.EBADF))
                 continue
-            sqe = L.io_uring_get_sqe(ring)
-            if sqe is None:
-                self._pending.appendleft(piece)
-                break
             addr, nbytes = piece.addr + piece.done, piece.nbytes - piece.done
-            slot = self._slots.take(addr, nbytes)
-            piece.keep = slot
             buf_index = self._fixed.lookup(addr, nbytes) if self._fixed is not None else -1
+            ud = self._next_ud
+            if not rio.prep(piece, piece.write, fd, addr, nbytes, piece.offset + piece.done, ud, buf_index):
+                self._pending.appendleft(piece)  # the SQ ring is full
+                break
+            self._next_ud += 1
             if buf_index >= 0:
                 self._fixed_pieces += 1
-                if piece.write:
-                    L.io_uring_prep_writev_fixed(sqe, fd, slot[0], buf_index, piece.offset + piece.done)
-                else:
-                    L.io_uring_prep_readv_fixed(sqe, fd, slot[0], buf_index, piece.offset + piece.done)
-            elif piece.write:
-                L.io_uring_prep_writev(sqe, fd, slot[0], piece.offset + piece.done)
-            else:
-                L.io_uring_prep_readv(sqe, fd, slot[0], piece.offset + piece.done)
-            ud = self._next_ud
-            self._next_ud += 1
-            L.io_uring_sqe_set_data64(sqe, ud)
             self._inflight[ud] = piece
             if not piece.t_issue:
                 piece.t_issue = time.perf_counter_ns()
@@ -183,7 +203,7 @@ class UringEngine(Engine):
     def _submit_locked(self) -> None:
         for _ in range(100):
             try:
-                self._L.io_uring_submit(self._ring)
+                self._rio.submit()
                 return
             except OSError as exc:
                 if exc.errno not in _RETRY:
@@ -197,20 +217,8 @@ class UringEngine(Engine):
     # -- registered buffers -----------------------------------------------------------------
 
     def _fixed_supported(self) -> Optional[str]:
-        """None when this kernel has READV_FIXED and WRITEV_FIXED, else why not."""
-        L = self._L
-        op_r, op_w = _IORING_OP_READV_FIXED, _IORING_OP_WRITEV_FIXED
-        if not (hasattr(L, "io_uring_prep_readv_fixed") and hasattr(L, "io_uring_prep_writev_fixed")):
-            return "python-liburing lacks io_uring_prep_readv_fixed / writev_fixed"
-        probe = L.io_uring_get_probe_ring(self._ring)
-        if probe is None:
-            return "the kernel's io_uring probe failed"
-        try:
-            if not (L.io_uring_opcode_supported(probe, op_r) and L.io_uring_opcode_supported(probe, op_w)):
-                return "the kernel lacks IORING_OP_READV_FIXED / WRITEV_FIXED (Linux 6.15+)"
-        finally:
-            L.io_uring_free_probe(probe)
-        return None
+        """None when this ring and kernel can send requests through registered buffers, else why not."""
+        return self._rio.fixed_reason()
 
     def register_buffers(self, buffers: Sequence[Any]) -> Optional[int]:
         """Page-pin ``buffers`` in the ring so requests into them skip per-request pinning.
@@ -237,7 +245,7 @@ class UringEngine(Engine):
                 self._fixed_reason = self._fixed_supported()
                 if self._fixed_reason is None:
                     # _ring_register looked up here, at first use: tests replace it on this module
-                    self._fixed = _FixedTable(self._ring.ring_fd, _ring_register)
+                    self._fixed = _FixedTable(self._rio.fd, _ring_register)
             if self._fixed is None:
                 reason = self._fixed_reason
             else:
@@ -292,25 +300,12 @@ class UringEngine(Engine):
             return True
 
     def _reap_locked(self) -> None:
-        L, ring, cqe = self._L, self._ring, self._cqe
-        while True:
-            try:
-                L.io_uring_peek_cqe(ring, cqe)
-            except BlockingIOError:
-                break
-            entry = cqe[0]
-            ud = entry.user_data
-            try:
-                res = entry.res  # the binding raises OSError for a negative res
-                err = 0
-            except OSError as exc:
-                res, err = -1, exc.errno or errno.EIO
-            L.io_uring_cq_advance(ring, 1)
+        for ud, res, err in self._rio.completions():
             piece = self._inflight.pop(ud, None)
             if piece is None:
                 log.error("uring: completion for unknown request %d (res=%s)", ud, res)
                 continue
-            self._slots.give(piece.keep)
+            self._rio.release(piece)
             piece.keep = None
             if err:
                 if err in _RETRY:
@@ -352,5 +347,5 @@ class UringEngine(Engine):
         os.eventfd_write(self._efd, 1)
         if self._thread is not threading.current_thread():
             self._thread.join()
-        self._L.io_uring_queue_exit(self._ring)
+        self._rio.exit()
         os.close(self._efd)

@@ -48,7 +48,7 @@ import subprocess
 import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-__all__ = ["uring_unavailable_reason"]
+__all__ = ["uring_unavailable_reason", "LiburingRing"]
 
 log = logging.getLogger("offload.io.uring")  # one logger for the engine and its ring
 
@@ -319,3 +319,91 @@ def uring_unavailable_reason() -> Optional[str]:
                 "(io_uring disabled by sysctl kernel.io_uring_disabled, or blocked by a seccomp filter)")
     L.io_uring_queue_exit(ring)
     return None
+
+
+class LiburingRing:
+    """The ring through python-liburing: what ``UringEngine`` calls, as ``NativeRing`` offers it
+    (uring_native.py). Used under the engine's lock."""
+
+    kind = "liburing"
+
+    def __init__(self, entries: int, efd: int, queue_depth: int) -> None:
+        L = self._L = _liburing()
+        self._ring = L.Ring()
+        try:
+            L.io_uring_queue_init(entries, self._ring)
+        except OSError as exc:
+            err = exc.errno or errno.ENOSYS
+            raise OSError(err, f"io_uring_queue_init({entries}) failed: {os.strerror(err)} (io_uring disabled "
+                               "or blocked by seccomp; use the threads engine)", "io_uring") from None
+        try:
+            L.io_uring_register_eventfd(self._ring, efd)
+        except OSError as exc:
+            L.io_uring_queue_exit(self._ring)
+            raise OSError(exc.errno, f"io_uring_register_eventfd failed: {os.strerror(exc.errno)}",
+                          "io_uring") from None
+        self._cqe = L.Cqe()
+        self._slots = _IovecSlots(L, queue_depth)
+        self.fd = self._ring.ring_fd
+
+    def prep(self, piece, write: bool, fd: int, addr: int, nbytes: int, offset: int, ud: int,
+             buf_index: int) -> bool:
+        """One SQE for ``piece``'s rest; False when the SQ ring is full."""
+        L, ring = self._L, self._ring
+        sqe = L.io_uring_get_sqe(ring)
+        if sqe is None:
+            return False
+        slot = self._slots.take(addr, nbytes)
+        piece.keep = slot
+        if buf_index >= 0:
+            (L.io_uring_prep_writev_fixed if write else L.io_uring_prep_readv_fixed)(sqe, fd, slot[0], buf_index,
+                                                                                    offset)
+        elif write:
+            L.io_uring_prep_writev(sqe, fd, slot[0], offset)
+        else:
+            L.io_uring_prep_readv(sqe, fd, slot[0], offset)
+        L.io_uring_sqe_set_data64(sqe, ud)
+        return True
+
+    def submit(self) -> None:
+        self._L.io_uring_submit(self._ring)
+
+    def completions(self):
+        """(user_data, bytes, errno) of every completion posted so far."""
+        L, ring, cqe = self._L, self._ring, self._cqe
+        while True:
+            try:
+                L.io_uring_peek_cqe(ring, cqe)
+            except BlockingIOError:
+                return
+            entry = cqe[0]
+            ud = entry.user_data
+            try:
+                res = entry.res  # the binding raises OSError for a negative res
+                err = 0
+            except OSError as exc:
+                res, err = -1, exc.errno or errno.EIO
+            L.io_uring_cq_advance(ring, 1)
+            yield ud, res, err
+
+    def release(self, piece) -> None:
+        self._slots.give(piece.keep)
+
+    def fixed_reason(self) -> Optional[str]:
+        """None when this kernel has READV_FIXED and WRITEV_FIXED, else why not."""
+        L = self._L
+        if not (hasattr(L, "io_uring_prep_readv_fixed") and hasattr(L, "io_uring_prep_writev_fixed")):
+            return "python-liburing lacks io_uring_prep_readv_fixed / writev_fixed"
+        probe = L.io_uring_get_probe_ring(self._ring)
+        if probe is None:
+            return "the kernel's io_uring probe failed"
+        try:
+            if not (L.io_uring_opcode_supported(probe, _IORING_OP_READV_FIXED)
+                    and L.io_uring_opcode_supported(probe, _IORING_OP_WRITEV_FIXED)):
+                return "the kernel lacks IORING_OP_READV_FIXED / WRITEV_FIXED (Linux 6.15+)"
+        finally:
+            L.io_uring_free_probe(probe)
+        return None
+
+    def exit(self) -> None:
+        self._L.io_uring_queue_exit(self._ring)

@@ -1,0 +1,198 @@
+"""The uring engine's own ring ([Note: native ring] in offload/io/uring_native.py): the ring
+itself, the engine over it (OFFLOAD_URING_RING=native), which ring "auto" takes, and what is
+said when neither ring can run. test_io.py runs every engine test over whichever ring this
+machine's uring engine opens; here the native ring is forced, so it is covered where
+python-liburing runs too."""
+from __future__ import annotations
+
+import ctypes
+import errno
+import gc
+import os
+import threading
+import time
+
+import pytest
+
+from offload.io import IORequest, open_engine, open_file
+from offload.io import auto as io_auto
+from offload.io import uring as uring_mod
+from offload.io import uring_native
+from offload.memory import BufferPool
+
+pytestmark = pytest.mark.skipif(uring_native.native_ring_reason() is not None,
+                                reason=f"the native ring cannot run here: {uring_native.native_ring_reason()}")
+
+
+@pytest.fixture
+def native(monkeypatch):
+    monkeypatch.setenv(uring_mod.RING_ENV, "native")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = BufferPool(region_bytes=16 << 20)
+    yield p
+    gc.collect()
+    p.close()
+
+
+def _fill(buf, seed):
+    view = buf.memoryview
+    data = bytes((i * 131 + seed) % 251 for i in range(4096)) * (len(view) // 4096)
+    view[:len(data)] = data
+    return data
+
+
+def test_the_ring_reads_and_writes_with_user_data(tmp_path):
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    ring = uring_native.NativeRing(4, efd)
+    try:
+        path = str(tmp_path / "f")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        src = ctypes.create_string_buffer(b"x" * 3000 + b"y" * 1096, 4096)
+        ring.prep(None, True, fd, ctypes.addressof(src), 4096, 8192, 11, -1)
+        ring.prep(None, True, fd, ctypes.addressof(src), 100, 0, 12, -1)
+        ring.prep(None, False, -1, ctypes.addressof(src), 10, 0, 13, -1)  # a bad fd: -EBADF in its CQE
+        ring.submit()
+        got = {}
+        for _ in range(500):
+            got.update({ud: (res, err) for ud, res, err in ring.completions()})
+            if len(got) == 3:
+                break
+            time.sleep(0.002)
+        assert got == {11: (4096, 0), 12: (100, 0), 13: (-1, errno.EBADF)}
+        assert os.pread(fd, 4096, 8192) == src.raw[:4096]
+        dst = ctypes.create_string_buffer(8192)
+        ring.prep(None, False, fd, ctypes.addressof(dst), 8192, 8192, 14, -1)  # 4096 left before EOF
+        ring.submit()
+        for _ in range(500):
+            done = list(ring.completions())
+            if done:
+                break
+            time.sleep(0.002)
+        assert done == [(14, 4096, 0)] and dst.raw[:4096] == src.raw[:4096]
+        assert int.from_bytes(os.read(efd, 8), "little") >= 1  # completions signalled the eventfd
+        os.close(fd)
+    finally:
+        ring.exit()
+        os.close(efd)
+
+
+def test_engine_round_trips_through_the_native_ring(native, tmp_path, pool):
+    with open_engine("uring", directory=tmp_path, queue_depth=4, block_size=64 << 10) as eng:
+        assert eng.name == "uring" and eng.ring_kind == "native"
+        f = eng.open(tmp_path / "data", create=True, write=True)
+        src, dst = pool.acquire(2 << 20), pool.acquire(2 << 20)
+        data = _fill(src, 7)
+        reqs = [IORequest("write", f, i << 18, src.memoryview[i << 18:(i + 1) << 18]) for i in range(8)]
+        assert eng.wait(eng.submit(reqs)) == [1 << 18] * 8  # 32 pieces through a ring of 4
+        assert eng.read(f, 0, dst) == 2 << 20
+        assert bytes(dst.memoryview[:len(data)]) == data
+        # short read at end of file, exact count; a piece past it reads 0
+        tail = pool.acquire(1 << 20)
+        assert eng.read(f, (2 << 20) - 4096, tail) == 4096
+        st = eng.stats()
+        assert st["errors"] == 0 and st["max_inflight"] <= 4
+        for b in (src, dst, tail):
+            pool.release(b)
+        f.close()
+
+
+def test_registered_buffers_go_through_read_fixed(native, tmp_path, pool):
+    with open_engine("uring", directory=tmp_path, queue_depth=4) as eng:
+        buf = pool.acquire(1 << 20)
+        handle = eng.register_buffers([buf])
+        if handle is None:
+            pytest.skip(f"registered buffers unavailable here: {eng.fixed_buffers_reason}")
+        f = eng.open(tmp_path / "fixed", create=True, write=True)
+        data = _fill(buf, 3)
+        eng.write(f, 0, buf)
+        buf.memoryview[:] = bytes(len(buf.memoryview))
+        eng.read(f, 0, buf)
+        assert bytes(buf.memoryview[:len(data)]) == data and eng.stats()["fixed_pieces"] >= 2
+        eng.unregister_buffers(handle)
+        pool.release(buf)
+        f.close()
+
+
+def test_errors_carry_errno_and_path(native, tmp_path, pool):
+    path = tmp_path / "ro"
+    path.write_bytes(b"\0" * 8192)
+    with open_engine("uring", directory=tmp_path, queue_depth=2) as eng:
+        f = open_file(path, write=False, direct=False)
+        buf = pool.acquire(8192)
+        os.close(f.fileno())  # the descriptor dies under the file: the kernel says EBADF
+        with pytest.raises(OSError) as exc:
+            eng.read(f, 0, buf)
+        assert exc.value.errno == errno.EBADF and exc.value.filename == str(path)
+        pool.release(buf)
+
+
+def test_an_engine_dropped_without_close_tears_its_ring_down(native, tmp_path):
+    def count_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    before = count_fds()
+    eng = open_engine("uring", queue_depth=2)
+    thread = eng._thread
+    assert count_fds() == before + 2  # the ring and its eventfd
+    del eng
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and count_fds() == before
+
+
+def test_auto_takes_the_native_ring_where_python_liburing_cannot_run(monkeypatch, tmp_path):
+    monkeypatch.delenv(uring_mod.RING_ENV, raising=False)
+    monkeypatch.setattr(uring_mod, "liburing_unavailable_reason", lambda: "python-liburing died (test)")
+    assert uring_mod.ring_kind() == "native" and uring_mod.uring_unavailable_reason() is None
+    with open_engine("uring", queue_depth=2) as eng:
+        assert eng.ring_kind == "native"
+
+
+def test_neither_ring_says_both_reasons(monkeypatch):
+    monkeypatch.delenv(uring_mod.RING_ENV, raising=False)
+    monkeypatch.setattr(uring_mod, "liburing_unavailable_reason", lambda: "python-liburing died (test)")
+    monkeypatch.setattr(uring_mod, "native_ring_reason", lambda: "io_uring_setup(2) failed: Operation not permitted")
+    assert uring_mod.ring_kind() is None
+    assert uring_mod.uring_unavailable_reason() == ("python-liburing died (test); the native ring: "
+                                                    "io_uring_setup(2) failed: Operation not permitted")
+    with pytest.raises(RuntimeError, match="io_uring is unavailable here: python-liburing died"):
+        uring_mod.UringEngine(queue_depth=2)
+
+
+def test_forcing_a_ring(monkeypatch):
+    monkeypatch.setattr(uring_mod, "liburing_unavailable_reason", lambda: "python-liburing died (test)")
+    monkeypatch.setenv(uring_mod.RING_ENV, "liburing")
+    assert uring_mod.ring_kind() is None and uring_mod.uring_unavailable_reason() == "python-liburing died (test)"
+    monkeypatch.setenv(uring_mod.RING_ENV, "native")
+    assert uring_mod.ring_kind() == "native"
+    monkeypatch.setenv(uring_mod.RING_ENV, "zig")
+    assert "OFFLOAD_URING_RING='zig' is not a ring" in uring_mod.uring_unavailable_reason()
+    io_auto._uring_reason.cache_clear()
+
+
+def test_submit_from_one_thread_while_another_waits(native, tmp_path, pool):
+    """[Note: who submits]: the reaper submits; a submitter that computes does not hold
+    completions back, and the waiting thread never holds the GIL."""
+    with open_engine("uring", directory=tmp_path, queue_depth=8, block_size=64 << 10) as eng:
+        f = eng.open(tmp_path / "t", create=True, write=True)
+        buf = pool.acquire(4 << 20)
+        _fill(buf, 1)
+        ticket = eng.submit([IORequest("write", f, 0, buf)])
+        ticks = [0]
+        stop = threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                ticks[0] += 1
+
+        t = threading.Thread(target=spin)
+        t.start()
+        eng.wait(ticket, timeout=30)
+        stop.set()
+        t.join()
+        assert ticks[0] > 0
+        pool.release(buf)
+        f.close()
