@@ -96,6 +96,11 @@ def _state_codes(fields, stochastic: bool) -> Tuple[Tuple[int, int], ...]:
                  for f in fields)
 
 
+def _lowp(param_lowp) -> Tuple[int, int]:
+    """(pointer, OFFLOAD dtype) of the low-precision copy; (0, -1) for none."""
+    return (0, -1) if param_lowp is None else (param_lowp.data_ptr(), LOWP_DTYPES[param_lowp.dtype])
+
+
 class NativeBackend(RuleStepFace):
     name = "native"
 
@@ -143,10 +148,7 @@ class NativeBackend(RuleStepFace):
     def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         consts = self._fold(hyper)
         m, v = states
-        if param_lowp is None:
-            lowp_ptr, lowp_code = 0, -1
-        else:
-            lowp_ptr, lowp_code = param_lowp.data_ptr(), LOWP_DTYPES[param_lowp.dtype]
+        lowp_ptr, lowp_code = _lowp(param_lowp)
         args = ADAM_STEP.pack(
             _ADAM_CODE, 2, param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
             GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, m.data_ptr(), _F32, v.data_ptr(), _F32,
@@ -157,10 +159,7 @@ class NativeBackend(RuleStepFace):
 
     def _adam_amsgrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         m, v, vmax = states
-        if param_lowp is None:
-            lowp_ptr, lowp_code = 0, -1
-        else:
-            lowp_ptr, lowp_code = param_lowp.data_ptr(), LOWP_DTYPES[param_lowp.dtype]
+        lowp_ptr, lowp_code = _lowp(param_lowp)
         args = AMSGRAD_STEP.pack(
             _AMSGRAD_CODE, 3, param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
             GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, m.data_ptr(), _F32, v.data_ptr(), _F32,
@@ -181,10 +180,7 @@ class NativeBackend(RuleStepFace):
         """A step of a rule with at most one state (SGD's buffer, Adagrad's sum, Lion's
         exp_avg), through the same struct as Adam's."""
         code, fold = self._folds[rule]
-        if param_lowp is None:
-            lowp_ptr, lowp_code = 0, -1
-        else:
-            lowp_ptr, lowp_code = param_lowp.data_ptr(), LOWP_DTYPES[param_lowp.dtype]
+        lowp_ptr, lowp_code = _lowp(param_lowp)
         state = tuple(x for s in states for x in (s.data_ptr(), _F32))
         args = STEP_STATES[len(states)].pack(
             code, len(states), param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
@@ -216,10 +212,7 @@ class NativeBackend(RuleStepFace):
                   for x in (t.data_ptr(), dtype, rounding)]
         # a bfloat16 param is its own master: always rounded stochastically
         p_code, p_round = (_BF16, _STOCHASTIC) if param.dtype == torch.bfloat16 else (_F32, 0)
-        if param_lowp is None:
-            lowp_ptr, lowp_code = 0, -1
-        else:
-            lowp_ptr, lowp_code = param_lowp.data_ptr(), LOWP_DTYPES[param_lowp.dtype]
+        lowp_ptr, lowp_code = _lowp(param_lowp)
         args = COMPRESSED_STEP[len(states)].pack(
             code, len(states), param.numel(), param.data_ptr(), p_code, p_round, grad.data_ptr(),
             GRAD_DTYPES[grad.dtype], 0, lowp_ptr, lowp_code, 0, *arrays, consts,

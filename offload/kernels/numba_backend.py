@@ -233,23 +233,21 @@ class NumbaBackend(RuleStepFace):
 
     def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         # without a buffer the param stands in for it: mode 0 never writes it
-        self._one_state(nr.sgd_serial, (nr.sgd_parallel, nr.sgd_parallel_lowp), param, grad,
-                        states[0] if states else param, param_lowp, num_threads,
-                        self._sgd_fold(hyper))
+        self._run_rule(nr.sgd_serial, (nr.sgd_parallel, nr.sgd_parallel_lowp), param, grad,
+                       states[:1] or (param,), param_lowp, num_threads, self._sgd_fold(hyper))
 
     def _adagrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        self._one_state(nr.adagrad_serial, (nr.adagrad_parallel, nr.adagrad_parallel_lowp),
-                        param, grad, states[0], param_lowp, num_threads,
-                        self._adagrad_fold(hyper))
+        self._run_rule(nr.adagrad_serial, (nr.adagrad_parallel, nr.adagrad_parallel_lowp),
+                       param, grad, states, param_lowp, num_threads, self._adagrad_fold(hyper))
 
     def _lion(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        self._one_state(nr.lion_serial, (nr.lion_parallel, nr.lion_parallel_lowp), param,
-                        grad, states[0], param_lowp, num_threads, self._lion_fold(hyper))
+        self._run_rule(nr.lion_serial, (nr.lion_parallel, nr.lion_parallel_lowp), param,
+                       grad, states, param_lowp, num_threads, self._lion_fold(hyper))
 
-    def _one_state(self, serial, parallel, param, grad, state, param_lowp, num_threads,
-                   scalars) -> None:
-        """SGD, Adagrad or Lion: the serial loop for small tensors, else the prange pair's
-        loop without or with the copy."""
+    def _run_rule(self, serial, parallel, param, grad, states, param_lowp, num_threads,
+                  scalars) -> None:
+        """SGD, Adagrad, Lion or AMSGrad (numba_rules; ``states`` in field order): the serial
+        loop for small tensors, else the prange pair's loop without or with the copy."""
         n = param.numel()
         if grad.dtype == torch.float32:
             g, code = grad.view(-1).numpy(), 0
@@ -257,7 +255,7 @@ class NumbaBackend(RuleStepFace):
             g, code = _u16(grad), GRAD_DTYPES[grad.dtype]
         lowp = (_NO_LOWP, -1) if param_lowp is None else \
             (_u16(param_lowp), LOWP_DTYPES[param_lowp.dtype])
-        args = (param.view(-1).numpy(), g, code, state.view(-1).numpy()) + lowp + scalars
+        args = (param.view(-1).numpy(), g, code) + tuple(s.view(-1).numpy() for s in states) + lowp + scalars
         if n <= _SERIAL_MAX:
             serial(*args)
             return
@@ -290,24 +288,8 @@ class NumbaBackend(RuleStepFace):
             kernel(*kargs, *args)
 
     def _adam_amsgrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        """AMSGrad (numba_rules.amsgrad_*): the serial loop for small tensors, else the
-        prange pair's loop without or with the copy."""
-        n = param.numel()
-        if grad.dtype == torch.float32:
-            g, code = grad.view(-1).numpy(), 0
-        else:
-            g, code = _u16(grad), GRAD_DTYPES[grad.dtype]
-        lowp = (_NO_LOWP, -1) if param_lowp is None else \
-            (_u16(param_lowp), LOWP_DTYPES[param_lowp.dtype])
-        args = (param.view(-1).numpy(), g, code) + tuple(s.view(-1).numpy() for s in states) + \
-            lowp + self._fold(hyper)
-        if n <= _SERIAL_MAX:
-            nr.amsgrad_serial(*args)
-            return
-        threads = _threads_for(n, num_threads)
-        with _launch_lock:
-            numba.set_num_threads(threads)
-            (nr.amsgrad_parallel_lowp if param_lowp is not None else nr.amsgrad_parallel)(*args)
+        self._run_rule(nr.amsgrad_serial, (nr.amsgrad_parallel, nr.amsgrad_parallel_lowp), param, grad, states,
+                       param_lowp, num_threads, self._fold(hyper))
 
     def _compressed(self, method, fields, param, grad, states, param_lowp, num_threads, hyper,
                     q) -> None:
