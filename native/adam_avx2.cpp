@@ -143,9 +143,7 @@ inline VF vsign(VF x) {
                          _mm256_and_ps(_mm256_cmp_ps(x, zero, _CMP_LT_OQ), one));
 }
 // torch.maximum's vectorized form: max_ps (b unless a > b), all-ones NaN where either is NaN
-inline VF vmax_nan(VF a, VF b) {
-    return _mm256_or_ps(_mm256_max_ps(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
-}
+inline VF vmax_nan(VF a, VF b) { return _mm256_or_ps(_mm256_max_ps(a, b), _mm256_cmp_ps(a, b, _CMP_UNORD_Q)); }
 template <int G>
 inline VF vload_grad(const void *g, int64_t i) { return load_grad<G>(g, i); }
 template <int L, bool STREAM>

@@ -239,36 +239,6 @@ int adam_rule_step(const offload_step_args &a) {
     return parallel_blocks(n, threads_for(n, a.num_threads), fn);
 }
 
-// ---- AMSGrad: Adam's scalars and three F32 states (rule_loop.h in each ISA unit).
-int amsgrad_rule_step(const offload_step_args &a) {
-    if (a.num_states != 3 || a.param.dtype != OFFLOAD_F32 || !valid_dtype(a.grad.dtype))
-        return -EINVAL;
-    for (int k = 0; k < 3; ++k)
-        if (a.states[k].dtype != OFFLOAD_F32) return -EINVAL;
-    if (a.lowp.data && a.lowp.dtype != OFFLOAD_F16 && a.lowp.dtype != OFFLOAD_BF16) return -EINVAL;
-    int run_isa = resolve_isa(a.isa);
-    if (run_isa < 0) return run_isa;
-    run_isa = unit_isa(run_isa);
-    const int64_t n = a.n;
-    if (n == 0) return 0;
-    if (!a.param.data || !a.grad.data || !a.states[0].data || !a.states[1].data || !a.states[2].data)
-        return -EINVAL;
-    const AdamConsts c = adam_consts(a.consts.adam);
-    void *lowp = a.lowp.data;
-    const RuleBuffers b{static_cast<float *>(a.param.data), a.grad.data,
-                        static_cast<float *>(a.states[0].data), lowp, a.grad.dtype,
-                        lowp ? a.lowp.dtype : -1, lowp && n >= kStreamLowpMin,
-                        static_cast<float *>(a.states[1].data), static_cast<float *>(a.states[2].data)};
-    auto fn = [&c, &b, run_isa](int64_t begin, int64_t end, int64_t) -> int {
-        switch (run_isa) {
-            case OFFLOAD_ISA_AVX512: return amsgrad_range_avx512(c, b, begin, end);
-            case OFFLOAD_ISA_AVX2: return amsgrad_range_avx2(c, b, begin, end);
-            default: return amsgrad_range_scalar(c, b, begin, end);
-        }
-    };
-    return parallel_blocks(n, threads_for(n, a.num_threads), fn);
-}
-
 // ---- SGD, Adagrad, Lion: one state at most (rule_loop.h in each ISA unit).
 
 template <class C>
@@ -282,6 +252,26 @@ int run_rule(const C &c, const RuleBuffers &b, int64_t n, int run_isa, int num_t
                                                    : scalar;
     auto fn = [&c, &b, f](int64_t begin, int64_t end, int64_t) -> int { return f(c, b, begin, end); };
     return parallel_blocks(n, threads_for(n, num_threads), fn);
+}
+
+// ---- AMSGrad: Adam's scalars and three F32 states (rule_loop.h's AmsgradBody).
+int amsgrad_rule_step(const offload_step_args &a) {
+    if (a.num_states != 3 || a.param.dtype != OFFLOAD_F32 || !valid_dtype(a.grad.dtype)) return -EINVAL;
+    for (int k = 0; k < 3; ++k)
+        if (a.states[k].dtype != OFFLOAD_F32) return -EINVAL;
+    if (a.lowp.data && a.lowp.dtype != OFFLOAD_F16 && a.lowp.dtype != OFFLOAD_BF16) return -EINVAL;
+    int run_isa = resolve_isa(a.isa);
+    if (run_isa < 0) return run_isa;
+    if (a.n == 0) return 0;
+    if (!a.param.data || !a.grad.data || !a.states[0].data || !a.states[1].data || !a.states[2].data)
+        return -EINVAL;
+    void *lowp = a.lowp.data;
+    const RuleBuffers b{static_cast<float *>(a.param.data), a.grad.data,
+                        static_cast<float *>(a.states[0].data), lowp, a.grad.dtype,
+                        lowp ? a.lowp.dtype : -1, lowp && a.n >= kStreamLowpMin,
+                        static_cast<float *>(a.states[1].data), static_cast<float *>(a.states[2].data)};
+    return run_rule(adam_consts(a.consts.adam), b, a.n, unit_isa(run_isa), a.num_threads, amsgrad_range_avx512,
+                    amsgrad_range_avx2, amsgrad_range_scalar);
 }
 
 // The states a rule reads: SGD's buffer only when its step uses momentum.
