@@ -15,7 +15,6 @@ import time
 import pytest
 
 from offload.io import IORequest, open_engine, open_file
-from offload.io import auto as io_auto
 from offload.io import uring as uring_mod
 from offload.io import uring_native
 from offload.memory import BufferPool
@@ -170,7 +169,6 @@ def test_forcing_a_ring(monkeypatch):
     assert uring_mod.ring_kind() == "native"
     monkeypatch.setenv(uring_mod.RING_ENV, "zig")
     assert "OFFLOAD_URING_RING='zig' is not a ring" in uring_mod.uring_unavailable_reason()
-    io_auto._uring_reason.cache_clear()
 
 
 def test_submit_from_one_thread_while_another_waits(native, tmp_path, pool):
@@ -196,3 +194,172 @@ def test_submit_from_one_thread_while_another_waits(native, tmp_path, pool):
         assert ticks[0] > 0
         pool.release(buf)
         f.close()
+
+
+# ---------------------------------------------------------------- found by an adversarial pass
+def test_a_submit_that_races_close_is_refused_and_writes_no_stale_eventfd(native, tmp_path, monkeypatch):
+    import offload.io.engine as engine_mod
+
+    eng = open_engine("uring", queue_depth=2)
+    src = tmp_path / "src"
+    src.write_bytes(b"s" * 4096)
+    f = open_file(src, write=False, direct=False)
+    efd = eng._efd
+    real = engine_mod.as_bytes_view
+
+    def close_then_view(buf, *, writable):  # close() lands after submit's own closed check
+        eng.close()
+        return real(buf, writable=writable)
+
+    monkeypatch.setattr(engine_mod, "as_bytes_view", close_then_view)
+    victim = os.open(tmp_path / "victim", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert victim == efd or True  # the closed eventfd's number is free for the next file
+        with pytest.raises(ValueError, match="uring engine is closed"):
+            eng.submit([IORequest("read", f, 0, bytearray(4096))])
+        assert os.fstat(victim).st_size == 0  # no 8-byte poke went into whatever holds that number
+    finally:
+        os.close(victim)
+        f.close()
+
+
+def test_close_in_a_forked_child_returns_though_the_parent_held_the_lock(native):
+    eng = open_engine("uring", queue_depth=2)
+    try:
+        with eng._lock:  # as the reaper holds it while it reaps
+            pid = os.fork()
+            if pid == 0:
+                import signal
+
+                signal.alarm(10)  # a hang would be killed here
+                eng.close()
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        eng.close()
+
+
+def test_entries_the_kernel_refuses_for_now_are_submitted_again(native, tmp_path, monkeypatch):
+    """io_uring_enter may answer EAGAIN / EBUSY; the queued entries must still go out, even
+    when no other completion is coming to wake the reaper."""
+    eng = open_engine("uring", queue_depth=2)
+    real = eng._rio.submit
+    refused = []
+
+    def refuse_once():
+        if not refused:
+            refused.append(True)
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        real()
+
+    monkeypatch.setattr(eng._rio, "submit", refuse_once)
+    src = tmp_path / "src"
+    src.write_bytes(b"q" * 4096)
+    f = open_file(src, write=False, direct=False)
+    buf = bytearray(4096)
+    try:
+        assert eng.wait(eng.submit([IORequest("read", f, 0, buf)]), timeout=10) == [4096]
+        assert refused and bytes(buf) == b"q" * 4096
+    finally:
+        f.close()
+        eng.close()
+
+
+def test_ctrl_c_during_close_leaves_the_ring_to_the_reaper(native, tmp_path):
+    """close() waits for the I/O in flight; interrupted there, the reaper releases the ring
+    and the eventfd when that I/O ends."""
+    import signal
+
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    eng = open_engine("uring", queue_depth=2)
+    ring_fd = eng._rio.fd
+    rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    wfd = os.open(fifo, os.O_WRONLY)
+    os.set_blocking(rfd, True)
+    f = open_file(fifo, write=False, direct=False)  # a read that waits for the writer below
+    buf = bytearray(4096)
+    ticket = eng.submit([IORequest("read", f, 0, buf)])
+    time.sleep(0.1)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        eng.close()
+    os.write(wfd, b"w" * 4096)  # the read in flight completes; the reaper finishes and tears down
+    assert ticket._event.wait(10)
+    # (not eng._thread.join(): a join interrupted by KeyboardInterrupt marks the thread stopped
+    # while it still runs, CPython's bpo-45274 handling; wait for what the reaper does instead)
+    for _ in range(1000):
+        if eng._torn_down and not eng._rio._h:
+            break
+        time.sleep(0.01)
+    f.close()
+    for fd in (rfd, wfd):
+        os.close(fd)
+    assert eng._torn_down and not eng._rio._h
+    link = os.readlink(f"/proc/self/fd/{ring_fd}") if os.path.exists(f"/proc/self/fd/{ring_fd}") else None
+    assert link != "anon_inode:[io_uring]"  # the ring's descriptor was closed by the reaper
+
+
+def test_a_shortage_during_the_probe_is_probed_again(monkeypatch):
+    monkeypatch.setattr(uring_native, "_VERDICT", [])
+    real = uring_native._probe
+    calls = []
+
+    def short_of_fds():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real()
+
+    monkeypatch.setattr(uring_native, "_probe", short_of_fds)
+    assert "could not be probed: Too many open files" in uring_native.native_ring_reason()
+    assert uring_native.native_ring_reason() is None and uring_native.native_ring_reason() is None
+    assert len(calls) == 2  # the success is kept
+
+
+def test_the_reaper_watches_an_eventfd_numbered_past_1024(native, tmp_path):
+    """select() cannot watch descriptor 1024 or more: a process with many files open gave the
+    reaper such an eventfd, and every ticket hung."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while len(held) < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        eng = open_engine("uring", queue_depth=2)
+        try:
+            assert eng._efd >= 1024
+            src = tmp_path / "src"
+            src.write_bytes(b"z" * 4096)
+            f = open_file(src, write=False, direct=False)
+            buf = bytearray(4096)
+            assert eng.wait(eng.submit([IORequest("read", f, 0, buf)]), timeout=10) == [4096]
+            f.close()
+        finally:
+            eng.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_offsets_past_off_t_and_pieces_past_max_rw(native, tmp_path):
+    f = open_file(tmp_path / "o", write=True, create=True, direct=False)
+    with pytest.raises(ValueError, match=r"offset must be an int in \[0, 2\*\*63\)"):
+        IORequest("write", f, 1 << 64, bytearray(4096))  # would wrap to offset 0 in the SQE
+    f.close()
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    ring = uring_native.NativeRing(2, efd)
+    try:  # a 5 GiB piece goes out as the kernel's largest transfer; the engine resubmits the rest
+        ring.prep(None, False, 0, 4096, 5 << 30, 0, 1, -1)
+        assert ring._batch[-1][3] == uring_native._MAX_RW < 1 << 32
+    finally:
+        ring._batch = []
+        ring.exit()
+        os.close(efd)

@@ -10,7 +10,6 @@ work here is an error saying why, never a silent switch.
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
 from typing import Any, Dict, Optional, Union
@@ -29,11 +28,20 @@ ENV_VAR = "OFFLOAD_IO_ENGINE"
 _UNSET: Any = object()
 
 
-@functools.lru_cache(maxsize=None)
+_URING_WORKS = []  # [True] once a probe succeeded
+
+
 def _uring_reason() -> Optional[str]:
+    """Why io_uring cannot run here (None: it can). A success is kept for the process; a
+    failure is probed again next time, as it may pass (no free descriptor, memory)."""
+    if _URING_WORKS:
+        return None
     from .uring import uring_unavailable_reason
 
-    return uring_unavailable_reason()
+    why = uring_unavailable_reason()
+    if why is None:
+        _URING_WORKS.append(True)
+    return why
 
 
 def engine_unavailable_reason(name: str) -> Optional[str]:

@@ -25,6 +25,7 @@ from .files import ALIGN, IOFile
 __all__ = ["IORequest", "Ticket", "Engine", "as_bytes_view"]
 
 _OPS = ("read", "write")
+_MAX_OFFSET = 1 << 63  # off_t: a larger offset would wrap in a 64-bit field (an SQE's) and hit offset 0
 
 
 def as_bytes_view(buf: Any, *, writable: bool) -> memoryview:
@@ -86,8 +87,8 @@ class IORequest:
             raise ValueError(f"IORequest.op must be 'read' or 'write', got {self.op!r}")
         if not isinstance(self.file, IOFile):
             raise ValueError(f"IORequest.file must be an IOFile from open_file(), got {type(self.file).__name__}")
-        if isinstance(self.offset, bool) or not isinstance(self.offset, int) or self.offset < 0:
-            raise ValueError(f"IORequest.offset must be an int >= 0, got {self.offset!r}")
+        if isinstance(self.offset, bool) or not isinstance(self.offset, int) or not 0 <= self.offset < _MAX_OFFSET:
+            raise ValueError(f"IORequest.offset must be an int in [0, 2**63), a file offset, got {self.offset!r}")
 
 
 class _Piece:

@@ -96,11 +96,17 @@ def _reaper_main(engine_ref, rio, efd: int) -> None:
     """The reaper thread: sleep in ``select`` (GIL released), then let the engine reap.
 
     Holds the engine only between a wake-up and the end of its reaping. If the engine was
-    collected without ``close()``, tear its ring down here (nobody else is left to).
+    collected without ``close()``, tear its ring down here (nobody else is left to); so too
+    when ``close()`` was interrupted while this thread finished the I/O in flight.
     """
+    # poll, not select: select cannot watch a descriptor numbered 1024 or more, which a
+    # process with many files open gives the eventfd (the reaper died and every ticket hung)
+    poller = select.poll()
+    poller.register(efd, select.POLLIN)
+    timeout = None
     while True:
         try:
-            select.select([efd], [], [])
+            poller.poll(timeout)
         except InterruptedError:
             continue
         try:
@@ -113,6 +119,11 @@ def _reaper_main(engine_ref, rio, efd: int) -> None:
             os.close(efd)
             return
         done = engine._reap_once()
+        # entries the kernel refused for now (EAGAIN / EBUSY) are retried in a millisecond,
+        # even if no completion comes to wake us
+        timeout = 1 if engine._resubmit else None  # ms
+        if done:
+            engine._reaper_exit()
         del engine
         if done:
             return
@@ -142,6 +153,7 @@ class UringEngine(Engine):
         """Which ring: "liburing" (python-liburing) or "native" ([Note: native ring])."""
         self._fixed: Optional[_FixedTable] = None  # see [Note: fixed buffers]
         self._fixed_reason: Optional[str] = None  # why fixed buffers are off, once known
+        self._refusal: Optional[str] = None  # why the last registration was refused
         self._logged_reason: Optional[str] = None
         self._handles: Dict[int, List[int]] = {}
         self._dontfork: Dict[int, List[Tuple[int, int]]] = {}  # handle -> spans left out of fork()
@@ -152,6 +164,10 @@ class UringEngine(Engine):
         self._inflight: Dict[int, _Piece] = {}
         self._next_ud = 1
         self._stop = False
+        self._resubmit = False  # the kernel refused queued entries for now: submit them again
+        self._reaper_done = False
+        self._reaper_tears_down = False  # close() was interrupted: the reaper releases the ring
+        self._torn_down = False
         self._broken: Optional[BaseException] = None
         # The reaper holds only a weak reference, so an engine dropped without close() is still
         # collected: its finalizer pokes the eventfd and the reaper tears the ring down.
@@ -166,8 +182,12 @@ class UringEngine(Engine):
         with self._lock:
             if self._broken is not None:
                 raise RuntimeError(f"uring engine is broken: {self._broken}")
+            if self._stop:  # close() ran after submit's own check: nobody would reap these
+                raise ValueError(f"{self.name} engine is closed")
             self._pending.extend(pieces)
-        os.eventfd_write(self._efd, 1)  # the reaper submits: see [Note: who submits]
+            # under the lock: close() cannot have closed the eventfd (whose number another
+            # file might then hold) between the check above and this write
+            os.eventfd_write(self._efd, 1)  # the reaper submits: see [Note: who submits]
 
     def _fill_locked(self) -> None:
         """Prepare pending pieces up to ``queue_depth`` in flight; one submit syscall for all."""
@@ -198,21 +218,20 @@ class UringEngine(Engine):
             prepared += 1
         if prepared:
             self._note_inflight(len(self._inflight))
+        if prepared or self._resubmit:
             self._submit_locked()
 
     def _submit_locked(self) -> None:
-        for _ in range(100):
-            try:
-                self._rio.submit()
-                return
-            except OSError as exc:
-                if exc.errno not in _RETRY:
-                    raise
-                # EAGAIN/EBUSY: the kernel is short of resources or the CQ is full; the
-                # prepared SQEs stay in the ring and go with the next submit.
-                if self._inflight:
-                    return
-                time.sleep(0.001)
+        try:
+            self._rio.submit()
+            self._resubmit = False
+        except OSError as exc:
+            if exc.errno not in _RETRY:
+                raise
+            # EAGAIN/EBUSY: the kernel is short of resources or the CQ is full; the prepared
+            # SQEs stay in the ring, and the reaper submits them again (within a millisecond,
+            # or at the next completion), never leaving them queued with no one to submit.
+            self._resubmit = True
 
     # -- registered buffers -----------------------------------------------------------------
 
@@ -256,11 +275,14 @@ class UringEngine(Engine):
                         " (pinned pages count against RLIMIT_MEMLOCK; raise `ulimit -l`)"
                         if exc.errno == errno.ENOMEM else "")
                 else:
+                    self._refusal = None
                     handle = self._next_handle
                     self._next_handle += 1
                     self._handles[handle] = slots
                     self._dontfork[handle] = _set_dontfork(spans, True)
                     return handle
+        if self._fixed is not None:
+            self._refusal = reason
         if reason != self._logged_reason:  # once per distinct reason, not per call
             self._logged_reason = reason
             log.info("uring: registered buffers not used: %s", reason)
@@ -268,8 +290,9 @@ class UringEngine(Engine):
 
     @property
     def fixed_buffers_reason(self) -> Optional[str]:
-        """Why registered buffers are not used (None: in use, or not asked for yet)."""
-        return self._fixed_reason if self._fixed is None else None
+        """Why registered buffers are not used (None: in use, or not asked for yet); after a
+        refused registration (RLIMIT_MEMLOCK, a full table), why that one was refused."""
+        return self._fixed_reason if self._fixed is None else self._refusal
 
     def unregister_buffers(self, handle: Optional[int]) -> None:
         """Release what :meth:`register_buffers` pinned; requests in flight finish first."""
@@ -293,7 +316,7 @@ class UringEngine(Engine):
         try:
             with self._lock:
                 self._reap_locked()
-                return self._stop and not self._inflight and not self._pending
+                return self._stop and not self._inflight and not self._pending and not self._resubmit
         except BaseException as exc:  # pragma: no cover - a bug here must not hang waiters
             log.exception("uring reaper failed")
             self._fail_all(exc)
@@ -342,10 +365,38 @@ class UringEngine(Engine):
             return
         super().close()
         self._finalizer.detach()
+        if os.getpid() != self._owner_pid:
+            # A forked child: the reaper thread, the ring and the lock (which that thread may
+            # have held at fork(), with no one left to release it) are the parent's. Closing
+            # is only refusing further use here.
+            return
         with self._lock:
             self._stop = True
-        os.eventfd_write(self._efd, 1)
+            os.eventfd_write(self._efd, 1)
         if self._thread is not threading.current_thread():
-            self._thread.join()
-        self._rio.exit()
-        os.close(self._efd)
+            try:
+                self._thread.join()
+            except BaseException:
+                # Ctrl-C while the I/O in flight finishes: the reaper releases the ring when
+                # it is done (the kernel still writes into the callers' buffers until then)
+                with self._lock:
+                    self._reaper_tears_down = True
+                    done = self._reaper_done
+                if done:
+                    self._teardown()
+                raise
+        self._teardown()
+
+    def _reaper_exit(self) -> None:
+        """The reaper's last act after close(): tear down if close() could not wait for it."""
+        with self._lock:
+            self._reaper_done = True
+            tear = self._reaper_tears_down
+        if tear:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        if not self._torn_down:
+            self._torn_down = True
+            self._rio.exit()
+            os.close(self._efd)

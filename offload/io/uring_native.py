@@ -24,6 +24,7 @@ __all__ = ["NativeRing", "native_ring_reason"]
 
 _u32, _i32, _u64 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64
 _BATCH = 64  # completions read per call
+_MAX_RW = 0x7FFFF000  # the kernel's most bytes per read/write (MAX_RW_COUNT); the SQE's len is 32-bit
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +61,10 @@ class NativeRing:
         handle = ctypes.c_void_p()
         rc = self._lib.offload_uring_open(entries, efd, ctypes.byref(handle))
         if rc != 0:
-            raise OSError(-rc, f"io_uring_setup({entries}) failed: {os.strerror(-rc)}", "io_uring")
+            limit = " (the kernel takes at most 32768 entries: a smaller queue_depth)" \
+                if rc == -errno.EINVAL and entries > 32768 else ""
+            raise OSError(-rc, f"io_uring ring set-up ({entries} entries, io_uring_setup and "
+                               f"IORING_REGISTER_EVENTFD) failed: {os.strerror(-rc)}{limit}", "io_uring")
         self._h = handle
         self.fd = self._lib.offload_uring_fd(handle)
         self._batch: List[Tuple[int, int, int, int, int, int, int]] = []
@@ -70,8 +74,9 @@ class NativeRing:
     def prep(self, piece, write: bool, fd: int, addr: int, nbytes: int, offset: int, ud: int,
              buf_index: int) -> bool:
         """Stage one request for ``submit`` (always room: the engine keeps at most
-        ``queue_depth`` <= ``entries`` in flight)."""
-        self._batch.append((int(write), fd, addr, nbytes, offset, ud, buf_index))
+        ``queue_depth`` <= ``entries`` in flight). A piece of more than ``_MAX_RW`` bytes goes
+        out as a short transfer, whose rest the engine resubmits (the kernel would cut it so)."""
+        self._batch.append((int(write), fd, addr, min(nbytes, _MAX_RW), offset, ud, buf_index))
         return True
 
     def submit(self) -> None:
@@ -83,10 +88,10 @@ class NativeRing:
             arrays = [(_i32 * n)(*cols[0]), (_i32 * n)(*cols[1]), (_u64 * n)(*cols[2]), (_u32 * n)(*cols[3]),
                       (_u64 * n)(*cols[4]), (_u64 * n)(*cols[5]), (_i32 * n)(*cols[6])]
             queued = self._lib.offload_uring_queue(self._h, n, *arrays)
+            self._batch = []  # what was queued is in the ring: never queue it twice
             if queued != n:  # the engine bounds what is in flight by the ring's size
                 raise OSError(errno.EOVERFLOW if queued >= 0 else -queued,
                               f"native io_uring ring took {queued} of {n} requests")
-            self._batch = []
         rc = self._lib.offload_uring_submit(self._h)
         if rc < 0:
             raise OSError(-rc, os.strerror(-rc))
@@ -115,20 +120,42 @@ class NativeRing:
             self._h = ctypes.c_void_p()
 
 
-@functools.lru_cache(maxsize=None)
+_VERDICT: List[Optional[str]] = []  # the probe's answer, once it is not a passing shortage
+_TRANSIENT = (errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN)
+
+
 def native_ring_reason() -> Optional[str]:
-    """None if the native ring works here (a read of /dev/zero through it), else why not."""
+    """None if the native ring works here (a read of /dev/zero through it), else why not.
+    Kept for the process, unless the probe failed for want of descriptors or memory."""
+    if _VERDICT:
+        return _VERDICT[0]
     try:
-        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-    except (AttributeError, OSError) as exc:
-        return f"no eventfd: {exc}"
+        why = _probe()
+    except OSError as exc:
+        if exc.errno in _TRANSIENT:
+            return f"the native ring could not be probed: {exc.strerror or exc}"
+        why = f"native io_uring ring: {exc.strerror or exc}"
+    _VERDICT.append(why)
+    return why
+
+
+def _probe() -> Optional[str]:
+    """Why the ring cannot run here, or None; OSError for a shortage worth probing again."""
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
     try:
         ring = NativeRing(2, efd)
     except OSError as exc:
         os.close(efd)
+        if exc.errno in _TRANSIENT:
+            raise
         return (f"{exc.strerror or exc} (io_uring disabled by sysctl kernel.io_uring_disabled, or blocked by a "
                 "seccomp filter)" if exc.filename == "io_uring" else str(exc.strerror or exc))
-    fd = os.open("/dev/zero", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open("/dev/zero", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        ring.exit()
+        os.close(efd)
+        raise
     buf = ctypes.create_string_buffer(4096)
     try:
         ring.prep(None, False, fd, ctypes.addressof(buf), 4096, 0, 7, -1)
@@ -140,6 +167,8 @@ def native_ring_reason() -> Optional[str]:
             os.read(efd, 8) if _readable(efd) else None
         return "native io_uring ring: no completion for a read of /dev/zero"
     except OSError as exc:
+        if exc.errno in _TRANSIENT:
+            raise
         return f"native io_uring ring: {exc}"
     finally:
         ring.exit()
