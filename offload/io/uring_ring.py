@@ -67,7 +67,7 @@ _IORING_REGISTER_BUFFERS_UPDATE = 16
 _IORING_RSRC_REGISTER_SPARSE = 1
 _IORING_OP_READV_FIXED = 60  # enum io_uring_op (the binding does not export the opcodes)
 _IORING_OP_WRITEV_FIXED = 61
-_FIXED_SLOTS = 256  # table size (a sparse table pins nothing): bench-io registers 2 x QD buffers
+_FIXED_SLOTS = 1024  # table size (a sparse table pins nothing): bench-io registers 2 x QD buffers (QD <= 512)
 _FIXED_MAX_BYTES = 1 << 30  # the kernel's limit for one registered buffer
 
 
