@@ -3,7 +3,7 @@ python-liburing cannot run.
 
 [Note: native ring] python-liburing 2026.3.x dies of SIGILL on CPUs without AVX-512
 ([Note: binding probed in a child] in uring_ring.py), which took io_uring away from every
-AVX2-only machine. This ring is the library's own: a few hundred lines of C++ in
+AVX2-only machine. This ring is the library's own: about two hundred lines of C++ in
 liboffload_native.so that set the ring up with ``io_uring_setup`` and ``mmap``, write SQEs
 (``IORING_OP_READ`` / ``WRITE``, Linux 5.6, with the address and length in the SQE: no iovec
 to keep alive; ``READ_FIXED`` / ``WRITE_FIXED`` for registered buffers) and read CQEs, called
