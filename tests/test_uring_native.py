@@ -362,3 +362,39 @@ def test_offsets_past_off_t_and_pieces_past_max_rw(native, tmp_path):
         ring._batch = []
         ring.exit()
         os.close(efd)
+
+
+def test_a_failing_poll_does_not_leave_waiters_hanging(native, tmp_path, monkeypatch, caplog):
+    """If poll() itself fails in the reaper (ENOMEM), the reaper must go on reaping (on a
+    clock) instead of dying with the tickets unanswered."""
+    real_poll = uring_mod.select.poll
+    failures = []
+
+    class FlakyPoller:
+        def __init__(self):
+            self._p = real_poll()
+
+        def register(self, fd, events):
+            self._p.register(fd, events)
+
+        def poll(self, timeout=None):
+            if len(failures) < 5:
+                failures.append(True)
+                raise OSError(errno.ENOMEM, "Cannot allocate memory")
+            return self._p.poll(timeout)
+
+    monkeypatch.setattr(uring_mod.select, "poll", FlakyPoller)
+    src = tmp_path / "src"
+    src.write_bytes(b"z" * 8192)
+    f = open_file(src, write=False, direct=False)
+    eng = open_engine("uring", queue_depth=2)
+    try:
+        bufs = [bytearray(4096) for _ in range(2)]
+        assert eng.wait(eng.submit([IORequest("read", f, 4096 * i, bufs[i]) for i in range(2)]),
+                        timeout=10) == [4096, 4096]
+        assert failures and all(bytes(b) == b"z" * 4096 for b in bufs)
+        assert "poll failed" in caplog.text
+        assert eng.wait(eng.submit([IORequest("read", f, 0, bufs[0])]), timeout=10) == [4096]
+    finally:
+        f.close()
+        eng.close()

@@ -93,7 +93,7 @@ def uring_unavailable_reason() -> Optional[str]:
 
 
 def _reaper_main(engine_ref, rio, efd: int) -> None:
-    """The reaper thread: sleep in ``select`` (GIL released), then let the engine reap.
+    """The reaper thread: sleep in ``poll`` (GIL released), then let the engine reap.
 
     Holds the engine only between a wake-up and the end of its reaping. If the engine was
     collected without ``close()``, tear its ring down here (nobody else is left to); so too
@@ -104,11 +104,20 @@ def _reaper_main(engine_ref, rio, efd: int) -> None:
     poller = select.poll()
     poller.register(efd, select.POLLIN)
     timeout = None
+    poll_failed = False
     while True:
         try:
             poller.poll(timeout)
         except InterruptedError:
             continue
+        except OSError as exc:
+            # poll itself failed (ENOMEM, ...): the completions are still in the ring, so
+            # reap them on a 1 ms clock until poll works again, rather than die and leave
+            # every waiter hanging (failing them would free buffers the kernel still fills)
+            if not poll_failed:
+                log.warning("uring reaper: poll failed (%s); reaping every millisecond", exc)
+            poll_failed = True
+            time.sleep(0.001)
         try:
             os.read(efd, 8)
         except BlockingIOError:
