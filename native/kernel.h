@@ -109,6 +109,8 @@ struct Q8Tables {
     const struct Q8Vbmi *vbmi;  // nullptr: the buckets do not fit the VBMI unit's tables
     bool sqrt_code;  // Q8U: the code is of sqrt(max(x / absmax, 0)), map[] holds the squared
                      // levels ([Note: square-root code] in quant.py)
+    const struct Q8Buckets *shared;  // the bucket table with sign-shared keys (the AVX2
+                                     // unit's, [Note: sign-shared keys]), or nullptr
 };
 
 // The bucket table of a map ([Note: bucketed encoder] in q8_buckets.h, which builds it).
@@ -116,6 +118,7 @@ constexpr uint32_t kQ8Buckets = 1024;
 struct Q8Buckets {
     alignas(64) int32_t key[64];  // sign * 32 + max(exponent, 96) - 96 -> first << 5 | shift
     uint32_t word[kQ8Buckets];    // cut << (9 + mantissa bits) | base
+    int32_t neg_key;  // key[32 + k] - key[k] for every k ([Note: sign-shared keys]), else -1
     bool ok;
 };
 

@@ -95,6 +95,7 @@ inline bool q8b_fill_key(const float *mid, int key, int mb, uint32_t first, offl
 // t for the sorted midpoints mid[255]; t.ok = false where the map does not fit.
 inline void build_q8_buckets(const float *mid, offload::Q8Buckets &t) {
     t.ok = false;
+    t.neg_key = -1;
     for (int i = 0; i + 1 < 255; ++i)
         if (!(mid[i] <= mid[i + 1])) return;  // unsorted or NaN: the tree search
     uint32_t used = 0;
@@ -107,6 +108,43 @@ inline void build_q8_buckets(const float *mid, offload::Q8Buckets &t) {
         if (mb > max_mb) return;
         used += 1u << mb;
     }
+    t.ok = true;
+}
+
+// The same table with the keys of both signs alike ([Note: sign-shared keys]): t.ok = false
+// where the map does not fit.
+//
+// [Note: sign-shared keys] Here each exponent's mantissa bits are the most either sign needs
+// (a bucket split further keeps at most one boundary), the positive buckets come first and
+// the negative ones S buckets later, so key[32 + k] = key[k] + (S << 5): t.neg_key = S << 5.
+// The scalar and AVX-512 readers of the table see an ordinary one; the AVX2 unit keeps the
+// 32 positive keys in 4 registers (a permute by the exponent instead of 8 loads from L1)
+// and adds neg_key for negative values.
+inline void build_q8_buckets_shared(const float *mid, offload::Q8Buckets &t) {
+    t.ok = false;
+    t.neg_key = -1;
+    for (int i = 0; i + 1 < 255; ++i)
+        if (!(mid[i] <= mid[i + 1])) return;
+    // the mantissa bits per exponent, tried in a scratch table at bucket 0
+    static thread_local offload::Q8Buckets scratch;
+    int mb[32];
+    uint32_t half = 0;
+    for (int k = 0; k < 32; ++k) {
+        const int max_mb = k == 0 ? 0 : 10;
+        int m = 0;
+        while (m <= max_mb && (!q8b_fill_key(mid, k, m, 0, scratch) || !q8b_fill_key(mid, 32 + k, m, 0, scratch)))
+            ++m;
+        if (m > max_mb) return;
+        mb[k] = m;
+        half += 1u << m;
+    }
+    if (2 * half > offload::kQ8Buckets) return;
+    uint32_t used = 0;
+    for (int k = 0; k < 32; ++k) {
+        if (!q8b_fill_key(mid, k, mb[k], used, t) || !q8b_fill_key(mid, 32 + k, mb[k], half + used, t)) return;
+        used += 1u << mb[k];
+    }
+    t.neg_key = static_cast<int32_t>(half << 5);
     t.ok = true;
 }
 

@@ -35,6 +35,7 @@ inline int find_zero_code(const float *map) {
 // The tables that depend on the midpoints only (the bucket table and the VBMI unit's).
 struct Q8MidTables {
     Q8Buckets buckets;
+    Q8Buckets shared;  // the same codes, sign-shared keys ([Note: sign-shared keys])
     Q8Vbmi vbmi;
 };
 
@@ -60,6 +61,7 @@ inline const Q8MidTables *cached_mid_tables(const float *mid) {
     next ^= 1;
     memcpy(s.mid, mid, sizeof s.mid);
     build_q8_buckets(mid, s.tables.buckets);
+    build_q8_buckets_shared(mid, s.tables.shared);
     build_q8_vbmi(mid, s.tables.buckets, s.tables.vbmi);
     s.used = true;
     return &s.tables;
@@ -79,7 +81,8 @@ struct Q8Built {
         const Q8MidTables &t = *mid_tables[m];
         out = Q8Tables{map, halves[m], tree[m], static_cast<uint8_t>(zero[m]),
                        t.buckets.ok ? &t.buckets : nullptr, map_bytes[m], t.vbmi.ok ? &t.vbmi : nullptr,
-                       m == 1};  // the unsigned map (Q8U) codes square roots
+                       m == 1,  // the unsigned map (Q8U) codes square roots
+                       t.shared.ok ? &t.shared : nullptr};
         return true;
     }
 

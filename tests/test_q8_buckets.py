@@ -97,11 +97,44 @@ def _dense_map() -> torch.Tensor:
     return t
 
 
-@pytest.mark.parametrize("which", ["signed", "unsigned", "dense"])
+def _lopsided_map() -> torch.Tensor:
+    """A sorted map with an exact 0 whose midpoints in [0.5, 0.75) are 2^-10 apart and whose
+    negative side is sparse: the bucket table fits it (9 mantissa bits at one positive
+    exponent), the table with sign-shared keys ([Note: sign-shared keys], the AVX2 unit's)
+    does not (the negative side would take as many buckets), so the AVX2 unit reads the
+    plain table."""
+    t = torch.cat([torch.tensor([-1.0, -0.25, 0.0, 0.125]), 0.5 + torch.arange(251, dtype=torch.float32) * 2.0**-10,
+                   torch.tensor([1.0])])
+    assert t.numel() == 256 and bool((t[1:] > t[:-1]).all())
+    return t
+
+
+def _map_of(which: str):
+    if which in ("dense", "lopsided"):
+        table = _dense_map() if which == "dense" else _lopsided_map()
+        return table, (table[:-1] + table[1:]) * 0.5
+    return quant.quant_map(which == "signed")
+
+
+def _shared_buckets(mid: torch.Tensor) -> int:
+    """The buckets of the table with sign-shared keys: per exponent the mantissa bits the
+    plainer table gives the sign that needs more, for both signs."""
+    table = q8_buckets.build(mid.numpy())
+    bits = 23 - (table[:64].view(np.int32) & 31)
+    return 2 * int((1 << np.maximum(bits[:32], bits[32:]).astype(np.int64)).sum())
+
+
+def test_the_maps_take_the_tables_they_are_meant_to():
+    for which in ("signed", "unsigned"):  # the library's maps: the AVX2 unit's shared table
+        assert _shared_buckets(_map_of(which)[1]) <= q8_buckets.MAX_BUCKETS
+    mid = _map_of("lopsided")[1]
+    assert q8_buckets.build(mid.numpy()) is not None and _shared_buckets(mid) > q8_buckets.MAX_BUCKETS
+
+
+@pytest.mark.parametrize("which", ["signed", "unsigned", "dense", "lopsided"])
 def test_encoder_is_the_midpoint_count(backend, which, monkeypatch):
-    if which == "dense":
-        table = _dense_map()
-        mid = (table[:-1] + table[1:]) * 0.5
+    if which in ("dense", "lopsided"):
+        table, mid = _map_of(which)
     else:
         table, mid = quant.quant_map(which == "signed")
     keep = _use_map(monkeypatch, table, mid)  # noqa: F841 (alive through the calls)
