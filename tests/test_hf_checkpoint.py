@@ -1,5 +1,6 @@
 """OffloadCallback(checkpoint=True): Trainer checkpoints hold the optimizer as a streamed
 checkpoint (no optimizer.pt), and resume_from_checkpoint continues bit for bit (issue 17, s.1)."""
+import json
 import os
 
 import pytest
@@ -8,7 +9,8 @@ import torch.nn as nn
 
 import offload
 from offload.integrations import hf
-from offload.integrations.hf_checkpoint import STATES_DIR
+from offload.integrations.hf_checkpoint import GROUPS_FILE, STATES_DIR
+from offload.swap import fsutil
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,6 +148,12 @@ def test_accelerate_save_and_load_state_stream_the_optimizer(tmp_path):
     for i, st in full_state.items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state[i][key], st[key]), (i, key)
+    # the groups file is sealed as the Trainer's is: a changed lr loads nothing
+    groups = saved / GROUPS_FILE
+    assert fsutil.SEAL in json.loads(groups.read_text())
+    groups.write_text(groups.read_text().replace('"lr": 0.01', '"lr": 0.02', 1))
+    with pytest.raises(ValueError, match="fails its own checksum"):
+        _accelerate_run(tmp_path, "swap_c", save_at=3, load_from=str(saved))
 
 
 def test_accelerate_refuses_a_prepared_optimizer():

@@ -19,7 +19,11 @@ backward of each accumulation window copies the accumulated grads once.
 - with ``checkpoint=True`` and ``TrainingArguments(save_only_model=True)``, saves the
   optimizer into each ``checkpoint-N/`` as a streamed checkpoint and loads it on resume
   (:mod:`offload.integrations.hf_checkpoint`; a restart with the crashed job's ``swap_dir``
-  builds the optimizer with ``resume="discard"``, since that load replaces every state).
+  builds the optimizer with ``resume="discard"``, since that load replaces every state). The
+  resume checks that the weights the Trainer loaded are those the states were saved with
+  (``verify_weights=False`` skips it), and ``save_total_limit`` is applied by the callback
+  after the optimizer is saved, so a job killed while saving it keeps the previous whole
+  checkpoint (the Trainer would have deleted it first).
 
 transformers and accelerate are imported only when used: this module imports without them.
 """
@@ -138,11 +142,12 @@ def _make_callback_class() -> type:
         optimizer is the Trainer's (or pass ``optimizer=``)."""
 
         def __init__(self, optimizer: Any = None, *, accumulation: bool = True, log_grad_norm: bool = True,
-                     checkpoint: bool = False, resume_from: Optional[str] = None):
+                     checkpoint: bool = False, resume_from: Optional[str] = None, verify_weights: bool = True):
             self.optimizer, self.accumulation, self.log_grad_norm = optimizer, accumulation, log_grad_norm
-            self.checkpoint, self.resume_from = checkpoint, resume_from
+            self.checkpoint, self.resume_from, self.verify_weights = checkpoint, resume_from, verify_weights
             self._opt: Any = None
             self._sync: Optional[AccumulationSync] = None
+            self._limit: Optional[int] = None  # save_total_limit, applied here (see on_save)
 
         @classmethod
         def attach(cls, trainer: Any, **kwargs: Any) -> "OffloadCallback":
@@ -166,6 +171,14 @@ def _make_callback_class() -> type:
                 self._sync = AccumulationSync(self._opt, model)
             if self.checkpoint:
                 self._resume(args, state, kwargs.get("lr_scheduler"))
+                self._take_rotation(args)
+
+        def _take_rotation(self, args) -> None:
+            # The Trainer deletes old checkpoints (save_total_limit) before on_save: a job that
+            # died while the optimizer was being saved here kept only a checkpoint without it.
+            # The callback deletes them itself once the optimizer is saved (see on_save).
+            if args.save_total_limit and args.save_total_limit > 0 and _rotate_checkpoints() is not None:
+                self._limit, args.save_total_limit = args.save_total_limit, None
 
         def _resume(self, args, state, scheduler) -> None:
             from offload.integrations.hf_checkpoint import load_trainer_checkpoint
@@ -175,8 +188,11 @@ def _make_callback_class() -> type:
                                  "without it the Trainer also saves torch.save(optimizer.state_dict()), which "
                                  "pulls every optimizer state into RAM at each save")
             if state.global_step > 0:  # resumed: the Trainer loaded the model and its state
+                # The callback is not told which directory the Trainer resumed from; a
+                # checkpoint of the same step in output_dir from another run is caught by the
+                # params' fingerprint (load_trainer_checkpoint's check_params).
                 where = self.resume_from or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-                load_trainer_checkpoint(where, self._opt, scheduler)
+                load_trainer_checkpoint(where, self._opt, scheduler, check_params=self.verify_weights)
 
         def on_save(self, args, state, control, lr_scheduler=None, **kwargs):
             if self.checkpoint and self._opt is not None:
@@ -184,11 +200,17 @@ def _make_callback_class() -> type:
 
                 ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
                 save_trainer_checkpoint(ckpt, self._opt, lr_scheduler, args)
+                if self._limit is not None and args.should_save:  # now the older ones may go
+                    _rotate_checkpoints()(output_dir=args.output_dir, save_total_limit=self._limit,
+                                          best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
 
         def on_train_end(self, args, state, control, **kwargs):
             if self._sync is not None:
                 self._sync.remove()
                 self._sync = None
+            if self._limit is not None:
+                args.save_total_limit, self._limit = self._limit, None
+                _keep_only_best(args, state)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             norm = None if self._opt is None else self._opt.last_grad_norm
@@ -201,6 +223,30 @@ def _make_callback_class() -> type:
                     last.setdefault("grad_norm", norm)
 
     return OffloadCallback
+
+
+def _rotate_checkpoints() -> Any:
+    """transformers' ``rotate_checkpoints`` (a function since transformers 5), or None."""
+    try:
+        from transformers.trainer_utils import rotate_checkpoints
+    except ImportError:
+        return None
+    return rotate_checkpoints
+
+
+def _keep_only_best(args: Any, state: Any) -> None:
+    """What the Trainer does at the end of training with ``save_total_limit=1`` and a best
+    checkpoint (it read the limit while the callback held it): delete the others."""
+    import shutil
+
+    from transformers.trainer_utils import sort_checkpoints
+
+    best = state.best_model_checkpoint
+    if not (args.should_save and best is not None and args.save_total_limit == 1):
+        return
+    for ckpt in sort_checkpoints(output_dir=args.output_dir, best_model_checkpoint=best):
+        if not os.path.samefile(ckpt, best):
+            shutil.rmtree(ckpt, ignore_errors=True)
 
 
 _CLASSES: dict = {}

@@ -6,10 +6,13 @@ the model and ``trainer_state.json``; ``OffloadCallback(checkpoint=True)`` then 
 ``checkpoint-N/``, in ``on_save`` (a public callback event, on every process):
 
 - ``offload_states/``: ``opt.save_checkpoint`` (streamed from the swap files or host buffers);
-- ``offload_param_groups.json``: the groups' hyperparameters (lr, betas, ...), as torch's
-  ``state_dict`` keeps them, so the first step after a resume uses the saved lr; sealed with
-  its crc32 as the checkpoint manifests are (an older release's bare list still loads);
 - ``offload_scheduler.pt``: the LR scheduler's ``state_dict`` (small);
+- ``offload_param_groups.json``, written last (a checkpoint without it is not whole: the job
+  died while saving it): the groups' hyperparameters (lr, betas, ...), as torch's
+  ``state_dict`` keeps them, so the first step after a resume uses the saved lr, and a
+  fingerprint of the params (a sample of their values) that the resume compares with the
+  weights the Trainer loaded; sealed with its crc32 as the checkpoint manifests are (an
+  older release's bare list still loads);
 - ``rng_state.pth`` / ``rng_state_<process>.pth``: the RNG states in the Trainer's own file
   format, which the Trainer restores itself at the point of the data where it saved them.
 
@@ -33,7 +36,10 @@ import errno
 import json
 import os
 import random
-from typing import Any, Dict, List
+import re
+import struct
+import zlib
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -77,16 +83,40 @@ def _rng_state(args: Any) -> Dict[str, Any]:
     return state
 
 
+def params_fingerprint(opt: Any) -> str:
+    """A digest of the optimizer's params: each one's size and 16 of its values, evenly
+    spaced (one small copy per param, whatever its device). Saved with a Trainer checkpoint
+    and compared on resume: the weights the Trainer loaded must be those the optimizer's
+    states were saved with."""
+    crc = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            flat = p.detach().reshape(-1)
+            n = flat.numel()
+            idx = torch.linspace(0, max(n - 1, 0), steps=min(n, 16)).round().long().to(flat.device)
+            sample = flat[idx].to(device="cpu", dtype=torch.float32).numpy().tobytes()
+            crc = zlib.crc32(struct.pack("<q", n) + sample, crc)
+    return f"{crc:08x}"
+
+
 def save_trainer_checkpoint(ckpt_dir: str, opt: Any, scheduler: Any, args: Any) -> None:
-    """Write the optimizer (streamed), its groups, the scheduler and the RNG into ``ckpt_dir``
-    (called on every process: the streamed save is collective across ranks)."""
+    """Write the optimizer (streamed), the scheduler, the RNG and, last, the groups file
+    (the checkpoint is whole once it is there) into ``ckpt_dir`` (called on every process:
+    the streamed save is collective across ranks)."""
     opt.save_checkpoint(os.path.join(ckpt_dir, STATES_DIR))
     torch.save(_rng_state(args), os.path.join(ckpt_dir, _rng_file(args)))
     if not args.should_save:  # the files below are the same on every process
         return
-    _write_json(os.path.join(ckpt_dir, GROUPS_FILE), fsutil.sealed({"format": GROUPS_FORMAT, "param_groups": _hypers(opt)}))
     if scheduler is not None:
         torch.save(scheduler.state_dict(), os.path.join(ckpt_dir, SCHEDULER_FILE))
+    _write_groups(ckpt_dir, opt, fingerprint=params_fingerprint(opt))
+
+
+def _write_groups(ckpt_dir: str, opt: Any, fingerprint: Optional[str] = None) -> None:
+    data: Dict[str, Any] = {"format": GROUPS_FORMAT, "param_groups": _hypers(opt)}
+    if fingerprint is not None:
+        data["params_fingerprint"] = fingerprint
+    _write_json(os.path.join(ckpt_dir, GROUPS_FILE), fsutil.sealed(data))
 
 
 def _write_json(path: str, data: Any) -> None:
@@ -114,9 +144,10 @@ def _restore_hypers(opt: Any, saved: List[Dict[str, Any]], path: str) -> None:
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
-def _read_groups(path: str) -> List[Dict[str, Any]]:
-    """The saved groups, their seal checked ([Note: sealed manifests] in offload/swap/fsutil.py);
-    a bare list is an older release's file (no seal)."""
+def _read_groups(path: str) -> Dict[str, Any]:
+    """The saved groups file (``param_groups``, ``params_fingerprint`` where saved), its seal
+    checked ([Note: sealed manifests] in offload/swap/fsutil.py); a bare list is an older
+    release's file (no seal)."""
     with open(path, encoding="utf-8") as f:
         try:
             data = json.load(f)
@@ -124,25 +155,57 @@ def _read_groups(path: str) -> List[Dict[str, Any]]:
             raise ValueError(f"{path}: not valid JSON ({exc}): the file is damaged or truncated; nothing was "
                              "loaded") from None
     if isinstance(data, list):
-        return data
+        return {"param_groups": data}
     data = fsutil.unsealed(data, path)
     if not isinstance(data, dict) or data.get("format") != GROUPS_FORMAT or not isinstance(data.get("param_groups"), list):
         raise ValueError(f"{path}: not an offload param-groups file; nothing was loaded")
-    return data["param_groups"]
+    return data
 
 
-def load_trainer_checkpoint(ckpt_dir: str, opt: Any, scheduler: Any) -> None:
+def complete(ckpt_dir: str) -> bool:
+    """Whether ``ckpt_dir`` holds a whole optimizer checkpoint (its groups file, written last)."""
+    return os.path.isdir(os.path.join(ckpt_dir, STATES_DIR)) and os.path.isfile(os.path.join(ckpt_dir, GROUPS_FILE))
+
+
+def _newest_complete(ckpt_dir: str) -> Optional[str]:
+    """The newest ``checkpoint-N`` beside ``ckpt_dir`` that holds a whole optimizer checkpoint."""
+    parent = os.path.dirname(os.path.abspath(ckpt_dir))
+    found = []
+    for name in os.listdir(parent) if os.path.isdir(parent) else ():
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        path = os.path.join(parent, name)
+        if m and os.path.abspath(path) != os.path.abspath(ckpt_dir) and complete(path):
+            found.append((int(m.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def load_trainer_checkpoint(ckpt_dir: str, opt: Any, scheduler: Any, check_params: bool = False) -> None:
     """Load what :func:`save_trainer_checkpoint` wrote (the RNG is the Trainer's to load).
-    The groups file is read and checked first: a damaged one loads nothing."""
+    The groups file is read and checked first: a damaged one loads nothing. With
+    ``check_params``, the optimizer's params (the weights the Trainer resumed) must be those
+    the checkpoint was saved with (where it recorded them)."""
     states = os.path.join(ckpt_dir, STATES_DIR)
-    if not os.path.isdir(states):
+    groups = os.path.join(ckpt_dir, GROUPS_FILE)
+    if not complete(ckpt_dir):
+        if os.path.isdir(states) or os.path.isfile(os.path.join(ckpt_dir, "trainer_state.json")):
+            newest = _newest_complete(ckpt_dir)
+            hint = (f"resume from {newest} (trainer.train(resume_from_checkpoint=...)), the newest whole one, "
+                    f"or remove {ckpt_dir}" if newest else f"no checkpoint beside it holds a whole one")
+            raise FileNotFoundError(errno.ENOENT, f"this checkpoint holds no whole optimizer checkpoint (the job "
+                                    "died while saving it, after the model was saved, or it was saved without "
+                                    f"OffloadCallback(checkpoint=True)): {hint}; nothing was loaded", groups if os.path.isdir(states) else states)
         raise FileNotFoundError(errno.ENOENT, "no streamed optimizer checkpoint here (saved with "
                                 "OffloadCallback(checkpoint=True) or streamed_accelerate_checkpoints? with the "
                                 "Trainer, pass resume_from= if the checkpoint is elsewhere)", states)
-    groups = os.path.join(ckpt_dir, GROUPS_FILE)
     saved = _read_groups(groups)
+    recorded = saved.get("params_fingerprint")
+    if check_params and recorded is not None and recorded != params_fingerprint(opt):
+        raise ValueError(f"{ckpt_dir}: its optimizer states were saved with other weights than the model the "
+                         "Trainer resumed (a checkpoint of another run, or of another step?): pass the directory "
+                         "given to trainer.train(resume_from_checkpoint=...) as OffloadCallback(resume_from=...); "
+                         "nothing was loaded")
     opt.load_checkpoint(states)
-    _restore_hypers(opt, saved, groups)
+    _restore_hypers(opt, saved["param_groups"], groups)
     sched = os.path.join(ckpt_dir, SCHEDULER_FILE)
     if scheduler is not None and os.path.exists(sched):
         scheduler.load_state_dict(torch.load(sched, weights_only=True))
@@ -175,7 +238,8 @@ def streamed_accelerate_checkpoints(accelerator: Any, optimizer: Any) -> tuple:
     def save(models: Any, weights: Any, output_dir: str) -> None:
         opt.save_checkpoint(os.path.join(output_dir, STATES_DIR))
         if accelerator.is_main_process:
-            _write_json(os.path.join(output_dir, GROUPS_FILE), _hypers(opt))
+            _write_groups(output_dir, opt)  # sealed, as the Trainer's (no fingerprint: accelerate
+            # loads the model after this hook's load, so there is nothing to compare it with)
 
     def load(models: Any, input_dir: str) -> None:
         load_trainer_checkpoint(input_dir, opt, None)

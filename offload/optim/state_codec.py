@@ -13,9 +13,11 @@ as the kernels encode, except that a block whose decoded values some scale gives
 keeps them ([Note: exact re-encoding] in kernels/quant.py). So both survive the round trip bit
 for bit: an optimizer that loads another's state_dict goes on exactly as the other.
 
-Every function returns a new tensor, never a view of its input: a state_dict must not
-change when the optimizer steps later, and an optimizer must not share its states with the
-dict it loaded.
+Every function returns a new tensor, never a view of its input: a compressed state in a
+state_dict does not change when the optimizer steps later, and an optimizer does not share
+its compressed states with the dict it loaded. (States kept as float32 in torch's layout,
+the host store's, are shared with the dict both ways, as torch's optimizers share them: see
+the README.)
 """
 from __future__ import annotations
 

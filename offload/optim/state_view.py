@@ -4,15 +4,22 @@ users' monitoring code read them.
 - fp32 CPU params in RAM (``HostState``): the moments are there already, in torch's layout,
   or, with ``state_dtype="bfloat16"`` / ``"int8"``, as stored (bf16 of p's shape, 1-D uint8
   packed blocks): [Note: compressed states in the host store] in host_state.py.
-- Flat store in RAM: views into the flat fp32 host buffers, shaped like ``p`` on one rank;
+- Flat store in RAM: views into the flat host buffers, shaped like ``p`` on one rank;
   partitioned, this rank's slice only (1-D; absent on a rank that holds none of ``p``).
-  They are the live states: the next step changes them.
+  They are the live states: the next step changes them. float32 and bfloat16 states are
+  viewed as stored; int8 states (blocks that need decoding) are read on each access, as
+  below, decoded to float32.
 - In swap files (``offload="nvme"``): read from the swap files on each access (a new tensor,
   up to ``p``'s size in RAM and one swap read each time; never a stale copy kept in RAM),
   compressed states decoded (float32 of ``p``'s shape, not the stored bf16 or int8 blocks).
   These keys are not stored in the dict: ``"exp_avg" in opt.state[p]`` is False and
   ``keys()`` does not list them; ``opt.state[p]["exp_avg"]`` and ``.get("exp_avg")`` work.
   Partitioned: this rank's slice, as above.
+
+Assigning one (``opt.state[p]["exp_avg"] = t``) writes ``t`` into the store, in every
+store (encoded as it is stored: bf16 rounded to nearest, int8 blocks re-encoded), as torch's
+next step would read a replaced state; ``t`` must have as many elements as a read gives. A
+tensor read from the swap files is a copy: changing it in place changes nothing.
 
 ``state_dict()`` never returns these views: it reads full tensors from the store.
 """
@@ -35,19 +42,28 @@ def names_of(store: Any) -> tuple:
 
 
 class SwappedEntry(dict):
-    """``opt.state[p]`` of a param whose moments live in swap files: those keys are read on access."""
+    """``opt.state[p]`` of a param whose states live in the store: the keys that are not
+    held in the dict (swapped, or int8 blocks) are read on access, and assigning any of the
+    store's keys writes the store (``writer``)."""
 
     def __init__(self, entry: dict, reader: Callable[[str], Optional[torch.Tensor]],
-                 names: tuple = MOMENTS) -> None:
+                 names: tuple = MOMENTS, writer: Optional[Callable[[str, Any], None]] = None) -> None:
         super().__init__(entry)
         self._reader = reader
         self._names = names
+        self._writer = writer
 
     def __missing__(self, key: Any) -> torch.Tensor:
         value = self._reader(key) if key in self._names else None
         if value is None:
             raise KeyError(key)
         return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key in self._names and self._writer is not None:
+            self._writer(key, value)
+        else:
+            super().__setitem__(key, value)
 
     def get(self, key: Any, default: Any = None) -> Any:
         try:
@@ -57,6 +73,28 @@ class SwappedEntry(dict):
 
     def __reduce__(self):  # pickled and deep-copied as the plain dict it holds (no store inside)
         return (dict, (dict(self),))
+
+
+def _checked(p: torch.Tensor, key: str, value: Any, numel: int) -> torch.Tensor:
+    """``value`` as 1-D float32 CPU values for a state of ``numel`` elements, or ValueError."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"opt.state[p][{key!r}] must be a tensor, got {type(value).__name__}")
+    if value.numel() != numel:
+        raise ValueError(f"opt.state[p][{key!r}] holds {numel} elements here (a param of shape "
+                         f"{tuple(p.shape)}), got a tensor of shape {tuple(value.shape)}")
+    if value.is_complex() or not (value.is_floating_point() or value.dtype in (torch.int64, torch.int32)):
+        raise TypeError(f"opt.state[p][{key!r}] must be a real floating-point tensor, got {value.dtype}")
+    return value.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+
+
+def _piece(store: Any, p: torch.Tensor):
+    """(flat group, this rank's piece of p or None, shard-local [lo, hi)) in a flat store."""
+    fg, i = store._where[p]
+    piece = fg.layout.owned(i)
+    if piece is None:
+        return fg, None, 0, 0
+    start = fg.layout.shard_range()[0]
+    return fg, piece, piece.lo - start, piece.hi - start
 
 
 def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[torch.Tensor]]:
@@ -70,48 +108,121 @@ def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[tor
             return torch.zeros(param.shape, dtype=torch.float32)
         if hasattr(st, "read_state"):  # SwappedState: fp32 CPU params, whole
             return st.read_state(param)[st.names.index(key)]
-        fg, i = st._where[param]
-        piece = fg.layout.owned(i)
+        fg, piece, lo, hi = _piece(st, param)
         if piece is None or st._swap is None:
             return None
-        start = fg.layout.shard_range()[0]
-        vals = st._swap.read(st._groups.index(fg), piece.lo - start, piece.hi - start, (key,))[key]
+        vals = st._swap.read(st._groups.index(fg), lo, hi, (key,))[key]
         return vals.view(param.shape) if piece.numel == param.numel() else vals
 
     return read
 
 
+def _closed_store(st: Any, param: Any) -> bool:
+    return st is None or param is None or getattr(st, "_closed", False)
+
+
+def _swapped_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
+    ref, pref = weakref.ref(store), weakref.ref(p)
+
+    def write(key: str, value: Any) -> None:
+        st, param = ref(), pref()
+        if _closed_store(st, param):
+            raise RuntimeError("the optimizer is closed: its states cannot be set")
+        if hasattr(st, "read_state"):  # SwappedState: fp32 CPU params, whole
+            vals = _checked(param, key, value, param.numel())
+            if param.numel() == 0:
+                return
+            states = list(st.read_state(param))
+            states[st.names.index(key)] = vals
+            st.write_state(param, *states)
+            return
+        fg, piece, lo, hi = _piece(st, param)
+        if piece is None or st._swap is None:
+            _checked(param, key, value, 0)
+            return
+        st._drain()  # a step's write-back still in flight must land first
+        st._swap.write(st._groups.index(fg), lo, hi, {key: _checked(param, key, value, hi - lo)})
+
+    return write
+
+
+def _flat_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[torch.Tensor]]:
+    """Decoded values of a blocked (int8) field of p's piece in the flat store's RAM."""
+    from offload.optim.flat.load_hooks import _values
+
+    ref, pref = weakref.ref(store), weakref.ref(p)
+
+    def read(key: str) -> Optional[torch.Tensor]:
+        st, param = ref(), pref()
+        if _closed_store(st, param):
+            return None
+        fg, piece, lo, hi = _piece(st, param)
+        if piece is None:
+            return None
+        vals = _values(fg, key, lo, hi).clone()
+        return vals.view(param.shape) if piece.numel == param.numel() else vals
+
+    return read
+
+
+def _flat_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
+    from offload.optim.flat.load_hooks import _store_values
+
+    ref, pref = weakref.ref(store), weakref.ref(p)
+
+    def write(key: str, value: Any) -> None:
+        st, param = ref(), pref()
+        if _closed_store(st, param):
+            raise RuntimeError("the optimizer is closed: its states cannot be set")
+        if param.numel() == 0:
+            _checked(param, key, value, 0)
+            return
+        fg, piece, lo, hi = _piece(st, param)
+        if piece is None:
+            _checked(param, key, value, 0)  # this rank holds none of p: nothing to set
+            return
+        st._drain()
+        _store_values(fg, key, lo, _checked(param, key, value, hi - lo))
+
+    return write
+
+
 def _flat_views(store: Any, p: torch.Tensor, st: dict) -> None:
     if p.numel() == 0:  # no bytes in the flat buffers; torch's state holds empty moments
         for key in names_of(store):
-            st[key] = torch.zeros(p.shape, dtype=torch.float32)
+            dict.__setitem__(st, key, torch.zeros(p.shape, dtype=torch.float32))
         return
-    fg, i = store._where[p]
-    piece = fg.layout.owned(i)
+    fg, piece, lo, hi = _piece(store, p)
     if piece is None:
         return
-    start = fg.layout.shard_range()[0]
     for key in names_of(store):
-        view = fg.state(key)[piece.lo - start:piece.hi - start]
-        st[key] = view.view(p.shape) if piece.numel == p.numel() else view
+        if fg.field(key).blocked:
+            continue  # int8 blocks: decoded by the entry's reader on access
+        view = fg.state(key)[lo:hi]
+        dict.__setitem__(st, key, view.view(p.shape) if piece.numel == p.numel() else view)
 
 
 def attach(opt: Any) -> None:
-    """Put the moments (views, or readers) into ``opt.state[p]`` of every param that has
-    stepped (has a ``"step"``)."""
+    """Put the states (views, or readers) into ``opt.state[p]`` of every param that has
+    stepped (has a ``"step"``), in entries that write assignments through to the store."""
     store = opt._store
     kind = getattr(store, "kind", None)
     if kind == "host" or store is None:
         return
+    names = names_of(store)
+    swapped = kind == "nvme" or getattr(store, "_nvme", False)
     for p in [p for g in opt.param_groups for p in g["params"]]:
         st = opt.state.get(p)
         if not st or "step" not in st:
             continue
-        if kind == "nvme" or getattr(store, "_nvme", False):
+        if swapped:
             if not isinstance(st, SwappedEntry):
-                opt.state[p] = SwappedEntry(st, _swapped_reader(store, p), names_of(store))
-        elif not any(k in st for k in names_of(store)) and (p in getattr(store, "_where", {}) or p.numel() == 0):
-            _flat_views(store, p, st)
+                opt.state[p] = SwappedEntry(st, _swapped_reader(store, p), names, _swapped_writer(store, p))
+        elif p in getattr(store, "_where", {}) or p.numel() == 0:
+            if not isinstance(st, SwappedEntry):
+                st = opt.state[p] = SwappedEntry(st, _flat_reader(store, p), names, _flat_writer(store, p))
+            if not any(dict.__contains__(st, k) for k in names):
+                _flat_views(store, p, st)
 
 
 def detach(opt: Any) -> None:

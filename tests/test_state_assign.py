@@ -1,0 +1,93 @@
+"""``opt.state[p]["exp_avg"] = t`` reaches the store in every store (state_view.py): the next
+step reads ``t``, as torch's would, exactly as if ``t`` had come in through load_state_dict.
+Before, the flat and swapped stores kept their own states and the assigned tensor only hid
+them from later reads; and the flat store's int8 states were shown as a byte slice of the
+packed blocks instead of their values."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload
+
+CASES = [("float32", "nvme"), ("bfloat16", "cpu"), ("bfloat16", "nvme")]
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Linear(40, 300).to(dtype)  # 12000 weights: several int8 blocks, a 300 bias
+
+
+def _step(m, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    m(torch.randn(4, 40, generator=g).to(m.weight.dtype)).float().square().mean().backward()
+    opt.step()
+
+
+def _opt(m, offload_kind, state_dtype, tmp_path, name):
+    kw = {}
+    if offload_kind == "nvme":
+        (tmp_path / name).mkdir()
+        kw["swap_dir"] = str(tmp_path / name)
+    return offload.AdamW(m.parameters(), lr=1e-2, offload=offload_kind, state_dtype=state_dtype, **kw)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype,offload_kind", CASES, ids=[f"{d}-{o}" for d, o in CASES])
+def test_an_assigned_state_is_the_one_the_next_step_reads(dtype, offload_kind, state_dtype, tmp_path):
+    dtype = getattr(torch, dtype)
+    m1, m2 = _model(dtype), _model(dtype)
+    a, b = _opt(m1, offload_kind, state_dtype, tmp_path, "a"), _opt(m2, offload_kind, state_dtype, tmp_path, "b")
+    try:
+        _step(m1, a, 1)
+        _step(m2, b, 1)
+        new = torch.linspace(-1e-3, 1e-3, m1.weight.numel()).view_as(m1.weight)
+        a.state[m1.weight]["exp_avg"] = new
+        sd = b.state_dict()
+        sd["state"][0]["exp_avg"] = new.clone()
+        b.load_state_dict(sd)
+        got = a.state[m1.weight]["exp_avg"]
+        assert got.shape == m1.weight.shape and got.dtype in (torch.float32, torch.bfloat16)
+        assert torch.equal(got.float(), b.state[m2.weight]["exp_avg"].float())
+        assert torch.allclose(got.float(), new, atol=1e-5, rtol=0.02)  # as stored: bf16 / int8 rounding
+        _step(m1, a, 2)
+        _step(m2, b, 2)
+        assert torch.equal(m1.weight, m2.weight) and torch.equal(m1.bias, m2.bias)
+        assert torch.equal(a.state_dict()["state"][0]["exp_avg"], b.state_dict()["state"][0]["exp_avg"])
+    finally:
+        del got
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("dtype,offload_kind", CASES, ids=[f"{d}-{o}" for d, o in CASES])
+def test_a_state_of_the_wrong_size_is_refused_and_changes_nothing(dtype, offload_kind, tmp_path):
+    m = _model(getattr(torch, dtype))
+    opt = _opt(m, offload_kind, "float32", tmp_path, "a")
+    try:
+        _step(m, opt, 1)
+        before = opt.state_dict()["state"][0]["exp_avg"].clone()
+        with pytest.raises(ValueError, match="12000 elements"):
+            opt.state[m.weight]["exp_avg"] = torch.zeros(3)
+        with pytest.raises(TypeError, match="must be a tensor"):
+            opt.state[m.weight]["exp_avg_sq"] = 0.5
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before)
+        opt.state[m.weight]["note"] = "kept"  # keys the store does not keep are the dict's, as in torch
+        assert opt.state[m.weight]["note"] == "kept"
+    finally:
+        opt.close()
+
+
+def test_flat_int8_states_read_as_their_values(tmp_path):
+    m = _model(torch.bfloat16)
+    opt = _opt(m, "cpu", "int8", tmp_path, "a")
+    try:
+        _step(m, opt, 1)
+        sd = opt.state_dict()["state"][0]
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = opt.state[m.weight][key]
+            assert got.dtype == torch.float32 and got.shape == m.weight.shape
+            assert torch.equal(got, sd[key])
+    finally:
+        opt.close()
