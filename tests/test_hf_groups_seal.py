@@ -81,3 +81,22 @@ def test_a_missing_groups_file_loads_nothing(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_trainer_checkpoint(str(tmp_path), new, None)
     assert _untouched(new)
+
+
+def test_a_damaged_scheduler_file_loads_nothing(tmp_path):
+    from offload.integrations.hf_checkpoint import SCHEDULER_FILE
+
+    ps, opt = _opt(0.0125)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sched.step()
+    save_trainer_checkpoint(str(tmp_path), opt, sched, ARGS)
+    path = tmp_path / SCHEDULER_FILE
+    path.write_bytes(path.read_bytes()[:50])
+    _, new = _opt(0.5)
+    new_sched = torch.optim.lr_scheduler.LambdaLR(new, lambda s: 0.5 ** s)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: the scheduler's state cannot be read")):
+        load_trainer_checkpoint(str(tmp_path), new, new_sched)
+    assert _untouched(new) and new_sched.last_epoch == 0

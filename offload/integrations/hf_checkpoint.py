@@ -204,11 +204,18 @@ def load_trainer_checkpoint(ckpt_dir: str, opt: Any, scheduler: Any, check_param
                          "Trainer resumed (a checkpoint of another run, or of another step?): pass the directory "
                          "given to trainer.train(resume_from_checkpoint=...) as OffloadCallback(resume_from=...); "
                          "nothing was loaded")
+    sched = os.path.join(ckpt_dir, SCHEDULER_FILE)
+    sched_state = None
+    if scheduler is not None and os.path.exists(sched):
+        try:  # read before anything loads: a damaged file loads nothing
+            sched_state = torch.load(sched, weights_only=True)
+        except Exception as exc:
+            raise ValueError(f"{sched}: the scheduler's state cannot be read ({exc}): the file is damaged or "
+                             "truncated; nothing was loaded") from None
     opt.load_checkpoint(states)
     _restore_hypers(opt, saved["param_groups"], groups)
-    sched = os.path.join(ckpt_dir, SCHEDULER_FILE)
-    if scheduler is not None and os.path.exists(sched):
-        scheduler.load_state_dict(torch.load(sched, weights_only=True))
+    if sched_state is not None:
+        scheduler.load_state_dict(sched_state)
 
 
 def streamed_accelerate_checkpoints(accelerator: Any, optimizer: Any) -> tuple:
