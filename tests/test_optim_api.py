@@ -460,3 +460,16 @@ def test_optimizer_built_before_init_process_group_refuses_to_step():
         assert lines["auto"].startswith("REFUSED AdamW was built before torch.distributed was initialised"), out
         assert "build the optimizer after init_process_group()" in lines["auto"] and "stage=0" in lines["auto"]
         assert lines["explicit"] == "STEPPED", out
+
+
+@pytest.mark.parametrize("cls", [offload.AdamW, offload.SGD, offload.Adagrad, offload.Lion])
+def test_optimizer_options_in_a_param_group_are_refused(cls):
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="'state_dtype' is an option of the whole optimizer"):
+        cls([{"params": [p], "state_dtype": "int8"}, {"params": [q]}], lr=0.1)
+    opt = cls([p], lr=0.1)
+    with pytest.raises(ValueError, match="'offload', 'max_grad_norm' are options of the whole optimizer"):
+        opt.add_param_group({"params": [q], "max_grad_norm": 1.0, "offload": "cpu"})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [q], "lr": 0.5})  # a group's own hyperparameters are fine
+    assert opt.param_groups[1]["lr"] == 0.5

@@ -277,6 +277,24 @@ def check_param_dtype(index: int, p: torch.Tensor, cls_name: str = "Adam/AdamW")
             f"master of fp32, fp16 or bf16 params: use {theirs} for {p.dtype} params")
 
 
+# The optimizer's own options: one value for the whole optimizer (one store, one layout).
+OPTIMIZER_OPTIONS = ("backend", "offload", "swap_dir", "max_host_bytes", "sub_group_size", "verify", "resume",
+                     "io_engine", "num_threads", "max_grad_norm", "stage", "process_group", "state_dtype",
+                     "master_dtype", "release_grads")
+
+
+def check_group_keys(group: Any, cls_name: str) -> None:
+    """A param group that sets one of the optimizer's own options (``state_dtype`` per
+    group, say) would be kept and ignored, as torch keeps unknown keys: refused instead."""
+    if not isinstance(group, dict):
+        return  # torch's add_param_group says what a group must be
+    mine = [k for k in OPTIMIZER_OPTIONS if k in group]
+    if mine:
+        raise ValueError(f"offload.{cls_name}: {', '.join(repr(k) for k in mine)} "
+                         f"{'is an option' if len(mine) == 1 else 'are options'} of the whole optimizer, not of a "
+                         "param group (a group's value would be ignored): pass it to the constructor")
+
+
 # Flags of a loaded torch param group that say how torch ran its step, not what it computes:
 # the states they come with are the usual ones, so such a dict loads and the flags are cleared.
 EXECUTION_FLAGS = ("capturable", "differentiable")
