@@ -165,11 +165,11 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         if getattr(self._store, "kind", None) == "host":
             self._store.settle()  # encoded as the states are stored (state_dtype)
             return
-        names = self.state_names()
+        names, resumed = self.state_names(), getattr(self._store, "resumed", False)
         for p in self._all_params():
             st = self.state.get(p)
             seed = {k: st.pop(k) for k in names if st and k in st}
-            if seed:
+            if seed and not resumed:  # resumed: the swap files hold the states (a sum that grew)
                 self._store.import_state(p, seed)
 
     # ---------------------------------------------------------------- store selection

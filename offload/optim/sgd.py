@@ -60,6 +60,14 @@ class SGD(RuleOptimizer):
                         differentiable=differentiable, fused=fused)
         self._buf_started: Set[int] = set()  # id(p) of the flat / swapped stores' started buffers
         super().__init__(params, defaults, **offload_kwargs)
+        if getattr(self._store, "resumed", False):  # states from a previous run's swap files
+            self._buf_started = self._started_by_steps()
+
+    def _started_by_steps(self) -> Set[int]:
+        """What a store that keeps no "started" flag (a checkpoint, resumed swap files) says: a
+        param of a group with momentum that stepped has its buffer."""
+        return {id(p) for g in self.param_groups if g["momentum"] != 0
+                for p in g["params"] if self._ctx.steps.get(p) > 0}
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
         # A flat or swapped store keeps one rule's fields: with any group with momentum, the
@@ -154,8 +162,7 @@ class SGD(RuleOptimizer):
         a param of a group with momentum that stepped counts as started (a buffer of a group
         whose momentum went to 0 since is then dropped, as if it never started)."""
         super().load_checkpoint(directory)
-        self._buf_started = {id(p) for g in self.param_groups if g["momentum"] != 0
-                             for p in g["params"] if self._ctx.steps.get(p) > 0}
+        self._buf_started = self._started_by_steps()
         if getattr(self._store, "kind", None) == "host":  # it loaded a buffer for every param that stepped
             for p in self._params_in_order():
                 if id(p) not in self._buf_started and p in self.state:

@@ -176,6 +176,11 @@ class SwappedState:
 
     # ------------------------------------------------------------------ the core's parts
     @property
+    def resumed(self) -> bool:
+        """Whether the states came from a swap directory a previous run left (resume=)."""
+        return bool(self.core.resumed)
+
+    @property
     def store(self) -> Any:
         return self.core.store
 

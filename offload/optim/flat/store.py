@@ -71,6 +71,12 @@ class FlatState:
     """Flat fp32 master and moments on the host, sharded over data-parallel ranks."""
 
     kind = "flat"
+
+    @property
+    def resumed(self) -> bool:
+        """Whether the states came from a swap directory a previous run left (resume=)."""
+        return self._swap is not None and bool(self._swap.resumed)
+
     copy_cpu_grads = False
     """Run the hook + host-grad-buffer path for CPU params too (tests; CUDA always uses it)."""
     overlap = True
