@@ -40,3 +40,37 @@ def test_clean_refuses_an_empty_path(tmp_path, capsys, monkeypatch):
     with pytest.raises(ValueError, match="must name a directory"):
         clean_dir("")
     clean_dir(str(tmp_path))
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_clean_keeps_a_directory_holding_a_foreign_file(tmp_path, capsys, dry_run):
+    path = _left(tmp_path)
+    with open(os.path.join(path, "notes.txt"), "w") as f:
+        f.write("mine, not offload's")
+    before = sorted(os.listdir(path))
+    assert main(["clean"] + (["--dry-run"] if dry_run else []) + [str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"skipped {path}: a file the library did not write is in this swap directory; removed nothing" in out
+    assert sorted(os.listdir(path)) == before
+    os.unlink(os.path.join(path, "notes.txt"))
+    assert [p for p, _ in clean_dir(str(tmp_path))["removed"]] == [path]
+
+
+def test_close_and_discard_keep_a_foreign_file(tmp_path, caplog):
+    st = SwapStore(str(tmp_path), SwapLayout(5000, 2048, 2), state_names=["exp_avg", "exp_avg_sq"])
+    foreign = os.path.join(st.path, "notes.txt")
+    with open(foreign, "w") as f:
+        f.write("mine")
+    st.close()  # removing the directory: kept whole, with a warning naming the file
+    assert os.path.exists(foreign) and "did not write" in caplog.text
+    os.unlink(foreign)
+    clean_dir(str(tmp_path))
+
+
+def test_the_store_files_are_the_library_own():
+    from offload.swap import fsutil, store
+
+    for name in store.SLOT_FILES + (store.MANIFEST, store.RESERVE, fsutil.LOCK_NAME, ".manifest.json.tmp-123"):
+        assert fsutil.own_file(name), name
+    for name in ("notes.txt", "slot2.bin", ".manifest.json.tmp-", "manifest.json~"):
+        assert not fsutil.own_file(name), name

@@ -192,16 +192,13 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
 
 
 def _only_files(path: str) -> int:
-    """Bytes of the regular files in ``path``; OSError naming any other entry (what
+    """Bytes of the library's files in ``path``; OSError naming any other entry (what
     remove_private_dir would refuse before removing anything)."""
-    import errno as _errno
-    import stat
+    from offload.swap import fsutil
 
     total = 0
     for name in os.listdir(path):
         st = os.lstat(os.path.join(path, name))
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(_errno.EEXIST, "unexpected non-file entry in a swap directory; removed nothing",
-                          os.path.join(path, name))
+        fsutil.check_own_entry(path, name, st)
         total += st.st_blocks * 512
     return total

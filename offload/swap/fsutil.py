@@ -25,6 +25,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import stat
 import zlib
 from typing import Any, Dict, Optional, Tuple
@@ -252,16 +253,39 @@ def free_bytes(path: str) -> float:
     return st.f_bavail * st.f_frsize
 
 
+# Every file the library writes into a private directory: the swap store's (store.py: the
+# lock, two slot files, the manifest and its reserve) and the stage-3 param tier's
+# (shard/tier.py: areas.bin), plus write_json_atomic's temporary names. Anything else was put
+# there by someone else, and a directory holding it is kept whole.
+OWN_FILES = frozenset({LOCK_NAME, "slot0.bin", "slot1.bin", "manifest.json", "reserve.bin", "areas.bin"})
+_OWN_TMP = re.compile(r"^\.[A-Za-z0-9_.-]+\.tmp-[0-9]+$")
+
+
+def own_file(name: str) -> bool:
+    """Whether ``name`` in a private directory is one of the library's own files."""
+    return name in OWN_FILES or _OWN_TMP.match(name) is not None
+
+
+def check_own_entry(path: str, name: str, st: os.stat_result) -> None:
+    """OSError (EEXIST) naming the entry unless it is one of the library's own files."""
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EEXIST, "unexpected non-file entry in a swap directory; removed nothing",
+                      os.path.join(path, name))
+    if not own_file(name):
+        raise OSError(errno.EEXIST, "a file the library did not write is in this swap directory; removed "
+                      "nothing", os.path.join(path, name))
+
+
 class NotOurs(OSError):
     """The path no longer names the directory we locked (removed, and maybe made again by
     another process): nothing of it may be removed."""
 
 
 def remove_private_dir(path: str, *, lock: Optional[Lock] = None, expect: Optional[Tuple[int, int]] = None) -> int:
-    """Remove the regular files of private directory ``path``, then the directory; returns the
-    bytes freed. Only regular files directly inside are removed (the directory is 0700 and
-    holds nothing else): any other entry is reported before anything is removed, so a
-    refused directory is left whole. The lock file goes last so the directory stays claimed
+    """Remove the files of private directory ``path``, then the directory; returns the bytes
+    freed. Only the library's own files (``OWN_FILES``) directly inside are removed (the
+    directory is 0700 and holds nothing else): any other entry is reported before anything is
+    removed, so a refused directory is left whole. The lock file goes last so the directory stays claimed
     meanwhile. ``expect``: the (st_dev, st_ino) the directory had when ``lock`` was taken;
     with ``lock`` too, its lock file must still be the one ``lock`` holds (else NotOurs)."""
     st = check_private_dir(path)
@@ -272,9 +296,7 @@ def remove_private_dir(path: str, *, lock: Optional[Lock] = None, expect: Option
         entries = []
         for name in sorted(os.listdir(fd), key=lambda n: n == LOCK_NAME):
             est = os.lstat(name, dir_fd=fd)
-            if not stat.S_ISREG(est.st_mode):
-                raise OSError(errno.EEXIST, "unexpected non-file entry in a swap directory; removed nothing",
-                              os.path.join(path, name))
+            check_own_entry(path, name, est)
             entries.append((name, est.st_blocks * 512))
         for name, _ in entries:
             os.unlink(name, dir_fd=fd)
