@@ -157,6 +157,15 @@ def test_path_and_overrides(tmp_path):
     opt.close()
 
 
+def test_auto_stage_and_device_take_the_overrides_values():
+    cfg = {"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "auto"}}, "optimizer": _opt()}
+    opt = from_deepspeed_config(cfg, torch.nn.Linear(4, 4).parameters(), stage=2, offload="cpu")
+    assert opt.stage == 2 and opt.config.offload == "cpu"
+    opt.close()
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage: \"auto\""):
+        from_deepspeed_config(cfg, torch.nn.Linear(4, 4).parameters(), offload="cpu")
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(OSError) as info:
         from_deepspeed_config(tmp_path / "missing.json", [])
@@ -191,6 +200,8 @@ REFUSED = [
      r"^zero_optimization\.offload_param\.ratio: unknown key"),
     ({"optimizer": _opt(), "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0}},
      r"^zero_optimization\.stage3_max_live_parameters: must be >= 1"),
+    ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "stage3_max_live_parameter": 1e9}},
+     r"^zero_optimization\.stage3_max_live_parameter: unknown key"),  # a misspelling is not DeepSpeed's tuning
     ({"optimizer": _opt(), "zero_optimization": {"stage": 3, "cpu_offload_param": True}},
      r"^zero_optimization\.cpu_offload_param: the deprecated spelling"),
     ({"optimizer": _opt(), "zero_optimization": {"stage": 2, "cpu_offload": True}},

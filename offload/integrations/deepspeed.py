@@ -53,7 +53,7 @@ class _Reader:
     def check_keys(self, known: Tuple[str, ...]) -> None:
         for name, value in self.data.items():
             path = self.key(name)
-            if name in known or path in IGNORED or (path.startswith("zero_optimization.stage3_")):
+            if name in known or path in IGNORED:
                 continue
             if path in _REFUSED and _enabled(value):
                 raise ValueError(f"{path}: {_REFUSED[path]}")
@@ -73,6 +73,13 @@ class _Reader:
             raise ValueError(f"{self.key(name)}: \"auto\" is resolved by the HF Trainer's DeepSpeed "
                              f"integration, not here: {hint}write the value into the config")
         return _typed(value, kind, self.key(name))
+
+    def resolved(self, name: str, kind: str, default: Any, option: str) -> Any:
+        """As :meth:`get`, for a key whose value *is* the option's: an ``"auto"`` resolved by
+        the override takes the override's value (not the default, which would contradict it)."""
+        if self.data.get(name) == "auto" and option in self.overrides:
+            return _typed(self.overrides[option], kind, f"{option}= (resolving {self.key(name)})")
+        return self.get(name, kind, default, option)
 
 
 def _enabled(value: Any) -> bool:
@@ -133,7 +140,7 @@ def _zero(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Tuple[Dict[st
     z = _Reader(cfg.get("zero_optimization"), "zero_optimization", overrides)
     z.check_keys(("stage", "sub_group_size", "offload_optimizer", "offload_param", "stage3_max_live_parameters"))
     out: Dict[str, Any] = {}
-    stage = z.get("stage", "int", 0, "stage")
+    stage = z.resolved("stage", "int", 0, "stage")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_optimization.stage: expected 0, 1, 2 or 3, got {stage}")
     out["stage"] = stage
@@ -183,7 +190,7 @@ def _offload_optimizer(z: _Reader, stage: int, sub_group: Optional[int],
                        overrides: Mapping[str, Any]) -> Dict[str, Any]:
     o = _Reader(z.data.get("offload_optimizer"), "zero_optimization.offload_optimizer", overrides)
     o.check_keys(("device", "nvme_path", "buffer_count", "ratio"))
-    device = o.get("device", "str", "none", "offload")
+    device = o.resolved("device", "str", "none", "offload")
     if device not in ("none", "cpu", "nvme"):
         raise ValueError(f"zero_optimization.offload_optimizer.device: expected none, cpu or nvme, got {device!r}")
     if device != "none" and stage == 0:

@@ -60,8 +60,12 @@ IGNORED: Dict[str, str] = {
         "allgather_partitions", "allgather_bucket_size", "round_robin_gradients",
         "use_multi_rank_bucket_allreduce", "load_from_fp32_weights", "elastic_checkpoint",
         "ignore_unused_parameters", "legacy_stage1", "memory_efficient_linear", "log_trace_cache_warnings")},
-    "zero_optimization.stage3_*": "DeepSpeed's stage-3 tuning (prefetch buckets, persistence threshold, reuse "
-                                  "distance, 16-bit save): offload.shard prefetches whole units, one ahead",
+    **{f"zero_optimization.{k}": "DeepSpeed's stage-3 tuning (prefetch buckets, persistence threshold, reuse "
+                                  "distance, 16-bit save): offload.shard prefetches whole units, one ahead" for k in (
+        "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+        "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save", "stage3_use_all_reduce_for_fetch_params",
+        "stage3_module_granularity_threshold", "stage3_allgather_sequential")},
     **{f"zero_optimization.offload_optimizer.{k}": _NO_EFFECT for k in (
         "pin_memory", "pipeline_read", "pipeline_write", "fast_init")},
     **{f"zero_optimization.offload_param.{k}": _NO_EFFECT for k in (

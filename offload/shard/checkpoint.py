@@ -342,10 +342,16 @@ def _state_dict(m: Dict[str, Any], optimizer: Any, flats: List[Any], entries: Li
 
 def _apply(prepared: Tuple[List[torch.Tensor], Any], flats: List[Any], optimizer: Any) -> None:
     values, loadable = prepared
-    if loadable is not None:
-        sd, kept = loadable
-        optimizer.load_state_dict(sd)  # all or nothing, checked first: before the params change
-        for g, keys in zip(optimizer.param_groups, kept):
-            g.update(keys)
+    if loadable is not None and getattr(optimizer, "_store", None) is not None:
+        from offload.optim.state_io import check_loadable
+
+        check_loadable(optimizer, loadable[0])  # all or nothing: checked before the params change
+    # The params first: a load without masters (fp32 params) takes them from the params, so they
+    # must hold the checkpoint's values by then (the step started from the old ones)
     for (_, f), v in zip(flats, values):
         f.set_shard_values(v)
+    if loadable is not None:
+        sd, kept = loadable
+        optimizer.load_state_dict(sd)
+        for g, keys in zip(optimizer.param_groups, kept):
+            g.update(keys)

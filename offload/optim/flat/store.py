@@ -53,7 +53,7 @@ from offload.kernels.fields import ADAM, Rule
 from offload.kernels.quant import BLOCK
 from offload.memory import BufferPool
 from offload.optim.context import StepContext
-from offload.optim.flat import checkpoints, load_hooks, swapped
+from offload.optim.flat import checkpoints, load_hooks, param_sync, swapped
 from offload.optim.flat.grads import GradSource
 from offload.optim.flat.sinks import ParamSink, drain_at_collection, drain_streams
 from offload.optim.flat.steps import HostBacking, run_step
@@ -161,6 +161,7 @@ class FlatState:
             self.add_param_group(group)
         if self._nvme:
             swapped.open_swap(self, config)
+        param_sync.record(self)  # the masters are the params' values now
         if reduce_in_backward is None:
             reduce_in_backward = self.reduce_in_backward
         self._backward_reduction: Optional[BackwardReducer] = None
@@ -217,6 +218,8 @@ class FlatState:
                 pair = self._make_side_streams(device)
                 if pair is not None:
                     self._streams[device] = pair
+        if hasattr(self, "_versions"):  # a group added later: its masters are its values now
+            self._versions.update((p, p._version) for p in params)
 
     def _make_side_streams(self, device: torch.device) -> Optional[Tuple[Any, Any]]:
         # grad: D2H grad copies, overlapping the rest of backward. copy: H2D param copies,
@@ -263,6 +266,7 @@ class FlatState:
     def step(self, batches) -> Dict[str, float]:
         """[Note: one step loop] in steps.py, over the host buffers or the swap files."""
         t0 = time.perf_counter()
+        param_sync.refresh_changed(self)  # [Note: params written by others]
         self._grads.prepare()
         phases = {"grad_transfer": time.perf_counter() - t0, "kernel": 0.0, "h2d": 0.0, "allgather": 0.0}
         self._sink.begin()
@@ -270,7 +274,10 @@ class FlatState:
             backing: Any = swapped.SwapBacking(self)
         else:
             backing = HostBacking(self, get_backend(self._backend), phases)
-        return run_step(self, backing, batches, phases)
+        try:
+            return run_step(self, backing, batches, phases)
+        finally:
+            param_sync.record(self)  # the params as this step wrote them
 
     def _params_from_swap(self) -> None:
         swapped.params_from_swap(self)
@@ -300,6 +307,7 @@ class FlatState:
     def after_load(self) -> None:
         """torch's load_state_dict is done: masters from the loaded dict, or from the params."""
         load_hooks.post_load(self)
+        param_sync.record(self)
 
     def end_load(self) -> None:
         """The load is over (done or failed): drop what ``before_load`` kept for import_state."""
@@ -330,6 +338,7 @@ class FlatState:
         second read (or a file changed between the two) can still leave them half loaded, and
         the error says so."""
         checkpoints.load_checkpoint(self, directory)
+        param_sync.record(self)  # the params follow the loaded masters
 
     # ------------------------------------------------------------------ reports
     def memory_report(self) -> Dict[str, int]:
