@@ -268,3 +268,27 @@ def test_a_later_handler_that_chains_back_to_ours_runs_each_handler_once(tmp_pat
     err = _terminate_gracefully(_CHAINED_LATER, tmp_path)
     assert [ln for ln in err.splitlines() if ln in ("h1", "h2")] == ["h2", "h1"], err
     assert sorted(os.listdir(tmp_path)) == ["offload-a.rank0", "offload-b.rank0"]
+
+
+_CRASH = """
+import sys
+from offload.swap import SwapLayout, SwapStore
+st = SwapStore(sys.argv[1], SwapLayout(5000, 2048, 2), state_names=["exp_avg", "exp_avg_sq"])
+st.commit({0: None})
+if sys.argv[2] == "crash":
+    raise RuntimeError("a peer rank died")  # e.g. a collective's error, nobody catches it
+"""
+
+
+@pytest.mark.parametrize("how", ["crash", "normal"])
+def test_an_uncaught_exception_keeps_the_swap_dir_normal_exit_removes_it(tmp_path, how):
+    proc = run_python(_CRASH, str(tmp_path), how)
+    rc, err = proc.wait(timeout=60), proc.stderr.read()
+    if how == "normal":
+        assert rc == 0 and os.listdir(tmp_path) == [], err
+        return
+    assert rc == 1 and "RuntimeError: a peer rank died" in err  # the traceback as before
+    assert "kept after an uncaught RuntimeError (step 1" in err
+    st = _store(tmp_path, resume=True)  # the survivors' states are there for the restart
+    assert st.step == 1
+    st.close()

@@ -1,4 +1,4 @@
-"""Remove swap files on close and on normal interpreter exit; keep them after SIGTERM.
+"""Remove swap files on close and on normal interpreter exit; keep them after SIGTERM or a crash.
 
 A swap directory holds as many bytes as the optimizer states, so a forgotten one costs real
 disk. Open stores register here and ``atexit`` closes them (removing their directories).
@@ -30,6 +30,7 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any, Dict, List
 
@@ -50,11 +51,35 @@ _installed = False
 _wrapped: List[Any] = []
 _depth = 0
 _terminating = False
+_why_kept = ""  # what ends the process: "SIGTERM", or the uncaught exception's type
 
 
 def terminating() -> bool:
-    """True once this process received SIGTERM: swap directories are then kept (see the note)."""
+    """True once this process received SIGTERM or is dying of an uncaught exception: swap
+    directories are then kept (see the notes)."""
     return _terminating
+
+
+def why_kept() -> str:
+    """Why :func:`terminating` is true, for the log line of a directory kept."""
+    return _why_kept or "SIGTERM"
+
+
+# [Note: a crash keeps the swap files] An exception nobody catches ends the process as a
+# kill would (a collective that failed because another rank died, an OOM, a CUDA error): its
+# swap directory holds the last finished step, which resume=True needs, and the atexit
+# cleanup removed it (so a job of several ranks lost the survivors' states too). Python calls
+# sys.excepthook for such an exception in the main thread before the atexit handlers run:
+# ours marks the process as terminating, then calls the hook it replaced. A close() reached
+# while the exception unwinds (a with-block, a finally) still removes, as asked.
+def _on_uncaught(kind: Any, value: Any, tb: Any) -> None:
+    global _terminating, _why_kept
+    if _open:
+        _terminating, _why_kept = True, f"an uncaught {getattr(kind, '__name__', kind)}"
+    _previous_excepthook(kind, value, tb)
+
+
+_previous_excepthook: Any = sys.excepthook
 
 
 def _forget_in_child() -> None:
@@ -131,10 +156,12 @@ def _install() -> None:
     """Register the atexit hook once; wrap the SIGTERM handler when it is a Python one (see
     [Note: SIGTERM keeps the swap files]). Called at each register: a framework's handler set
     after the first store opened is wrapped by the next."""
-    global _installed
+    global _installed, _previous_excepthook
     if not _installed:
         _installed = True
         atexit.register(close_all)
+        # once: a hook set later that chains to ours would otherwise be wrapped in a loop
+        _previous_excepthook, sys.excepthook = sys.excepthook, _on_uncaught  # [Note: a crash keeps ...]
     if threading.current_thread() is not threading.main_thread():
         log.debug("swap store opened outside the main thread: no SIGTERM cleanup handler")
         return

@@ -468,8 +468,8 @@ class SwapStore:
         if self._lock is not None:
             try:
                 if remove and cleanup.terminating():
-                    log.warning("%s: kept after SIGTERM (step %d, resumable with resume=True; `offload clean %s` "
-                                "removes it)", self.path, self.step, self.parent)
+                    log.warning("%s: kept after %s (step %d, resumable with resume=True; `offload clean %s` "
+                                "removes it)", self.path, cleanup.why_kept(), self.step, self.parent)
                 elif remove:
                     self._remove_dir()
             finally:
