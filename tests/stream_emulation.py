@@ -165,10 +165,12 @@ class Emulation:
     """``all_device``: every tensor stands for device memory (stage 3: the gathers' and
     reductions' temporaries are made anywhere), and a backward's read of a saved tensor is a
     compute-stream op too (autograd's engine runs no Python op the mode could see: a
-    saved-tensors hook stands in). ``version_at_issue``: a queued copy bumps its destination's
-    version counter when issued, as torch does on a GPU, not when it runs."""
+    saved-tensors hook stands in). ``version_at_issue`` (the default): a queued copy bumps its
+    destination's version counter when issued, as torch does on a GPU, not when it runs (the
+    flat store records the params' versions after its step's copies are issued: [Note: params
+    written by others])."""
 
-    def __init__(self, all_device: bool = False, version_at_issue: bool = False) -> None:
+    def __init__(self, all_device: bool = False, version_at_issue: bool = True) -> None:
         self.all_device, self.version_at_issue = all_device, version_at_issue
         self.tls = threading.local()
         self.streams: List[EmulatedStream] = []

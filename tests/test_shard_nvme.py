@@ -27,10 +27,11 @@ def _swap_parent():
 
 
 def job_tiers(group, *, offload_params, states="none", dtype="float32", accumulate=1, max_grad_norm=None,
-              zero_keep=False, state_dtype="float32", steps=STEPS):
-    """Train the test model; the gathered params, and what the param tier saw."""
+              zero_keep=False, state_dtype="float32", steps=STEPS, shared_parent=None):
+    """Train the test model; the gathered params, and what the param tier saw. ``shared_parent``:
+    one swap_dir for every rank (else one each)."""
     world, rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
-    parent = _swap_parent()
+    parent = shared_parent or _swap_parent()
     try:
         m = base._model()
         if dtype == "bfloat16":
@@ -63,7 +64,8 @@ def job_tiers(group, *, offload_params, states="none", dtype="float32", accumula
             out["removed"] = not os.path.exists(path)
         return out
     finally:
-        shutil.rmtree(parent, ignore_errors=True)
+        if shared_parent is None:
+            shutil.rmtree(parent, ignore_errors=True)
 
 
 def _run(pools, world, **kw):
@@ -107,6 +109,16 @@ def test_params_on_nvme_equal_params_in_ram(pools, world, case):
         assert d["read"] > 0
         # between steps (after zero_grad) nothing of the shards stays in RAM but partial edge pages
         assert max(d["resident"][1::2]) <= 4096 * 4 * len(d["params"]), d["resident"]
+
+
+def test_ranks_can_share_one_swap_dir(pools, tmp_path):
+    """Params and states on NVMe, two ranks, one swap_dir (a DeepSpeed config's one nvme_path):
+    each rank's optimizer directory is named by its rank (both took rank 0's: rank 1 failed)."""
+    ram = _run(pools, 2, offload_params="cpu", states="nvme")
+    shared = _run(pools, 2, offload_params="nvme", states="nvme", shared_parent=str(tmp_path))
+    for r, d in zip(ram, shared):
+        _same(d["params"], r["params"])
+    assert os.listdir(tmp_path) == []  # every rank removed its own directories
 
 
 def test_the_contract_holds_with_params_on_nvme():

@@ -20,6 +20,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
+import torch
+
 from offload.memory import heap, paging
 from offload.swap.pipeline import idle_votes, paged_bound
 from offload.zero import comm
@@ -52,7 +54,7 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
                                                             _paged_bytes(st), cfg.sub_group_size),
                                  sub_group_size=cfg.sub_group_size,
                                  verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
-                                 backend=st._backend, num_threads=st._threads, rank=st.rank,
+                                 backend=st._backend, num_threads=st._threads, rank=_dir_rank(st),
                                  run_name="flat", vote=st._swap_vote, fields=swap_fields(st),
                                  rule=st.rule, stochastic_states=getattr(st, "stochastic_states", False),
                                  padded_ends=any(f.blocked for f in st.rule.fields))  # params on whole blocks
@@ -73,6 +75,15 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
             st._swap.close(remove=not st._swap.resumed)  # keep what we were asked to resume
             st._swap = None
         raise
+
+
+def _dir_rank(st: "FlatState") -> int:
+    """The rank in the swap directory's name: the store's own, or for an unpartitioned store
+    in a job of several ranks (stage 3's shards, stage 0) the job's, so ranks that share a
+    swap_dir do not all take rank 0's directory (rank 1 then found it busy)."""
+    if st.world == 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return st.rank
 
 
 def _paged_bytes(st: "FlatState") -> int:
