@@ -216,6 +216,31 @@ def test_commit_failing_here_votes_false_in_the_second_vote(tmp_path, monkeypatc
     store.close()
 
 
+def test_a_second_vote_that_fails_undoes_this_rank_commit(tmp_path):
+    """A peer died between the votes (gloo raises in the collective): this rank undoes its
+    commit rather than stay a step ahead of the dead rank's files."""
+    from offload.swap import SwapStepError
+
+    store, pipe = _voting_store(tmp_path)
+    pipe.run(range(3), _bump)
+    manifest = next(tmp_path.glob("offload-*/manifest.json"))
+    before = manifest.read_bytes()
+    calls = []
+
+    def vote(ok):
+        calls.append(ok)
+        if len(calls) == 2:
+            raise RuntimeError("[gloo] Connection closed by peer")
+        return []
+
+    with pytest.raises(SwapStepError, match=r"swap step 2 was applied on no rank: the ranks' vote on it failed "
+                                            r"\(RuntimeError: a rank died\?\); this rank's commit was undone"):
+        pipe.run(range(3), _bump, vote=vote)
+    assert store.step == 1 and manifest.read_bytes() == before
+    pipe.close()
+    store.close()
+
+
 def test_a_peer_that_could_not_commit_makes_this_rank_undo_its_commit(tmp_path):
     from offload.swap import SwapStepError
 

@@ -409,6 +409,13 @@ def job_error_of(group, job, **kwargs):
     return None
 
 
+def job_check_steps(group, steps):
+    """comm.check_same_step with this rank's entry of ``steps``."""
+    from offload.zero import comm
+
+    comm.check_same_step(steps[dist.get_rank(group)], "resuming", group)
+
+
 def job_bf16_locked(group, stage, steps, swap_dir=None):
     """bf16 params; a reference AdamW on fp32 masters fed the exact averaged grads each step."""
     model = _model(torch.bfloat16)
@@ -822,6 +829,14 @@ def test_resume_failing_on_one_rank_raises_on_every_rank(pool, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["offload-flat.rank0", "offload-flat.rank2"]
     # the pool still answers: no rank was left inside a collective
     assert len(pool.run("job_train", 3, stage=1, steps=1)) == 3
+
+
+def test_ranks_whose_swap_files_hold_different_steps_are_refused_together(pool):
+    # a job killed between two ranks' commits: resuming would mix steps, then hang on a collective
+    res = pool.run("job_error_of", 3, job="job_check_steps", steps=[2, 3, None])
+    assert all(r.startswith("ValueError: resuming: the ranks' swap files hold different steps "
+                            "(rank 0: step 2, rank 1: step 3)") for r in res), res
+    assert pool.run("job_error_of", 3, job="job_check_steps", steps=[4, None, 4]) == [None] * 3
 
 
 def test_ddp_wrapped_model_with_grads_already_averaged(pool):

@@ -64,6 +64,8 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
         inner = opt._make_store(0, None)
     finally:
         opt._in_stage3 = False
+    if opt.config.resume is True and comm.world_and_rank(group)[0] > 1:
+        _check_resumed_steps(inner, group, opt.config.swap_dir)
     opt.stage = 3
     for rt in {id(i.runtime): i.runtime for i in (getattr(p, "_offload_shard", None) for p in params)
                if i is not None and getattr(i, "runtime", None) is not None}.values():
@@ -73,6 +75,18 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
     opt._stage_auto_single = False
     opt._process_group = group
     return Stage3Store(inner, group, opt._ctx, backend=opt.backend, num_threads=opt.num_threads)
+
+
+def _check_resumed_steps(inner: Any, group: Any, swap_dir: Any) -> None:
+    """The ranks' resumed swap files must hold one step (each rank's store is its own here:
+    nothing else compares them); else every rank raises, the directories kept."""
+    swap = getattr(inner, "_swap", None)  # the flat store's; SwappedState's is its store
+    store = swap.store if swap is not None else getattr(inner, "store", None)
+    try:
+        comm.check_same_step(getattr(store, "step", None), f"resuming the swap files in {swap_dir!r}", group)
+    except BaseException:
+        inner.close(keep_swap=True) if store is not None else inner.close()
+        raise
 
 
 def _device_sumsq(work, backend: Optional[str], threads: Optional[int]) -> Tuple[float, bool]:

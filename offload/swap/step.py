@@ -121,10 +121,20 @@ class StepSession(SwapSession):
                 store.commit(self.written, extra() if callable(extra) else extra, synced=self.agreement.several)
         except OSError as exc:
             raise self._error(exc, "could not be committed") from exc
-        if self.agreement.several and self.agreement.committed():
-            raise self._undo(self.agreement.ranks())
+        if not self.agreement.several:
+            return
+        try:
+            failed = self.agreement.committed()
+        except Exception as exc:
+            # The vote itself failed (a peer died: the collective's error): this rank cannot
+            # know whether the others committed. A peer that died before its commit is the
+            # likely case, and leaves the step before on its files: undo ours to match (a resume
+            # refuses ranks whose steps still differ: comm.check_same_step).
+            raise self._undo(f"the ranks' vote on it failed ({type(exc).__name__}: a rank died?)") from exc
+        if failed:
+            raise self._undo(f"rank {self.agreement.ranks()} could not commit it")
 
-    def _undo(self, ranks: str) -> SwapStepError:
+    def _undo(self, why: str) -> SwapStepError:
         store = self.store
         step = store.step
         try:
@@ -133,5 +143,5 @@ class StepSession(SwapSession):
         except OSError as exc:
             held = (f"undoing this rank's commit failed too ({exc.strerror or exc}): its swap files "
                     f"hold step {step}, the other rank's the step before")
-        msg = f"swap step {step} was applied on no rank: rank {ranks} could not commit it; {held}"
+        msg = f"swap step {step} was applied on no rank: {why}; {held}"
         return SwapStepError(errno.ECANCELED, msg, store.path, self.computed)

@@ -137,6 +137,26 @@ def failed_ranks(ok: bool, group: Any = None) -> List[int]:
     return [r for r, bad in enumerate(flags.tolist()) if bad]
 
 
+def check_same_step(step: Optional[int], what: str, group: Any = None) -> None:
+    """Every rank gives the step its swap files resumed at (None: it holds none); a
+    ValueError on every rank when two differ. A job killed between two ranks' commits of a
+    step left one rank a step ahead: resuming it would mix steps (and hang later on a
+    collective one rank takes and the other does not). A collective."""
+    world, rank = world_and_rank(group)
+    if world == 1:
+        return
+    steps = torch.full((world,), -1, dtype=torch.int64, device=comm_device(group))
+    steps[rank] = -1 if step is None else int(step)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)  # each rank wrote only its own slot (-1 elsewhere)
+    known = {r: s for r, s in enumerate(steps.tolist()) if s >= 0}
+    if len(set(known.values())) > 1:
+        held = ", ".join(f"rank {r}: step {s}" for r, s in known.items())
+        raise ValueError(f"{what}: the ranks' swap files hold different steps ({held}): "
+                         "the job died between two ranks' commits, so they cannot resume together; restart "
+                         "from a checkpoint (resume='discard', then load_checkpoint) - the swap directories "
+                         "are left as they are")
+
+
 def on_every_rank(fn: Callable[[], T], what: str, group: Any = None, world: Optional[int] = None) -> T:
     """Run ``fn`` on this rank, then agree with the others of ``group`` (a collective, and a
     barrier; see :func:`offload.swap.agreement.on_every_rank`). ``world``: the caller's own

@@ -68,6 +68,9 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
         # Several ranks agree before anything collective follows: a rank that cannot open
         # or resume its swap files (a full disk, a missing directory) makes every rank raise.
         comm.on_every_rank(open_local, f"opening the swap files in {cfg.swap_dir!r}", st.group, st.world)
+        if cfg.resume is True and st.world > 1:
+            comm.check_same_step(st._swap.store.step if st._swap is not None else None,
+                                 f"resuming the swap files in {cfg.swap_dir!r}", st.group)
         if cfg.resume is True or (st._swap is not None and st._swap.resumed):  # "auto": one rank only
             params_from_swap(st)  # every rank: an all-gather when partitioned
     except BaseException:
