@@ -143,6 +143,18 @@ def test_bf16_enabled_with_bf16_params():
         opt.step()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_auto_precision_follows_the_params(dtype):
+    model = torch.nn.Linear(8, 4).to(dtype)
+    cfg = {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}, "optimizer": _opt(),
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    from_deepspeed_config(cfg, model.parameters()).close()
+    cfg["fp16"]["enabled"] = True  # one set: the params must be that
+    if dtype != torch.float16:
+        with pytest.raises(ValueError, match="but fp16.enabled is true"):
+            from_deepspeed_config(cfg, model.parameters())
+
+
 def test_path_and_overrides(tmp_path):
     path = tmp_path / "ds.json"
     cfg = _cfg(offload_optimizer={"device": "cpu"})
@@ -239,7 +251,6 @@ REFUSED = [
     ({"optimizer": _opt(), "gradient_clipping": "auto"}, r"^gradient_clipping: \"auto\" .*pass max_grad_norm="),
     ({"optimizer": _opt(), "gradient_clipping": -1}, r"^gradient_clipping: must be >= 0"),
     ({"optimizer": _opt(), "bf16": {"enabled": True}, "fp16": {"enabled": True}}, r"^bf16\.enabled and fp16\.enabled"),
-    ({"optimizer": _opt(), "bf16": {"enabled": "auto"}}, r"^bf16\.enabled: \"auto\""),
     ({"optimizer": _opt(), "fp16": {"enabled": False, "auto_cast": True}}, r"^fp16\.auto_cast: true"),
     ({"optimizer": _opt(), "fp16": {"enabled": False, "loss_scael": 0}}, r"^fp16\.loss_scael: unknown key"),
     ({"optimizer": _opt(), "amp": {"enabled": True}}, r"^amp: apex AMP"),

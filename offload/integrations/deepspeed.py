@@ -305,18 +305,23 @@ def _clipping(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Dict[str,
     return {"max_grad_norm": clip} if clip > 0 else {}
 
 
-def _precision(cfg: Mapping[str, Any]) -> torch.dtype:
-    enabled = {}
+def _precision(cfg: Mapping[str, Any]) -> Optional[torch.dtype]:
+    """The params' dtype the config says (float32 when neither is enabled); None when an
+    ``enabled`` is ``"auto"`` (the HF template: the Trainer's bf16/fp16 flags decide; here the
+    params' own dtype does) and none is true."""
+    enabled, auto = {}, False
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         r = _Reader(cfg.get(name), name, {})
         r.check_keys(("enabled",))
         if r.get("auto_cast", "bool", False):
             raise ValueError("fp16.auto_cast: true is not supported; cast the model to float16 yourself")
-        if r.get("enabled", "bool", False):
+        if r.data.get("enabled") == "auto":
+            auto = True
+        elif r.get("enabled", "bool", False):
             enabled[name] = dtype
     if len(enabled) > 1:
         raise ValueError("bf16.enabled and fp16.enabled: both true; enable one of them")
-    return next(iter(enabled.values()), torch.float32)
+    return next(iter(enabled.values()), None if auto else torch.float32)
 
 
 def _check_top(cfg: Mapping[str, Any]) -> None:
@@ -330,7 +335,8 @@ def _check_top(cfg: Mapping[str, Any]) -> None:
         raise ValueError(f"{name}: unknown top-level key (see offload.integrations.deepspeed.MAPPED and IGNORED)")
 
 
-def _translate(config: Any, overrides: Mapping[str, Any]) -> Tuple[type, Dict[str, Any], torch.dtype, Dict[str, Any]]:
+def _translate(config: Any, overrides: Mapping[str, Any]) -> Tuple[type, Dict[str, Any], Optional[torch.dtype],
+                                                                 Dict[str, Any]]:
     cfg = _load(config)
     _check_top(cfg)
     kwargs, shard = _zero(cfg, overrides)
@@ -374,7 +380,9 @@ def _sharded(params: list) -> bool:
     return any(hasattr(p, "_offload_shard") for p in _flat(params))
 
 
-def _check_dtypes(params: list, dtype: torch.dtype) -> None:
+def _check_dtypes(params: list, dtype: Optional[torch.dtype]) -> None:
+    if dtype is None:  # "auto": the params' dtype is the precision
+        return
     flat = _flat(params)
     for i, p in enumerate(flat):
         if isinstance(p, torch.Tensor) and p.is_floating_point() and p.dtype != dtype:
