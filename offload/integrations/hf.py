@@ -171,28 +171,10 @@ def _make_callback_class() -> type:
                 self._sync = AccumulationSync(self._opt, model)
             if self.checkpoint:
                 self._resume(args, state, kwargs.get("lr_scheduler"))
-                self._take_rotation(args)
-
-        def _take_rotation(self, args) -> None:
-            # The Trainer deletes old checkpoints (save_total_limit) before on_save: a job that
-            # died while the optimizer was being saved here kept only a checkpoint without it.
-            # The callback deletes them itself once the optimizer is saved (see on_save).
-            if args.save_total_limit and args.save_total_limit > 0 and _rotate_checkpoints() is not None:
-                self._limit, args.save_total_limit = args.save_total_limit, None
+                self._limit = _hold_save_limit(args)
 
         def _resume(self, args, state, scheduler) -> None:
-            from offload.integrations.hf_checkpoint import load_trainer_checkpoint
-
-            if not args.save_only_model:
-                raise ValueError("OffloadCallback(checkpoint=True) needs TrainingArguments(save_only_model=True): "
-                                 "without it the Trainer also saves torch.save(optimizer.state_dict()), which "
-                                 "pulls every optimizer state into RAM at each save")
-            if state.global_step > 0:  # resumed: the Trainer loaded the model and its state
-                # The callback is not told which directory the Trainer resumed from; a
-                # checkpoint of the same step in output_dir from another run is caught by the
-                # params' fingerprint (load_trainer_checkpoint's check_params).
-                where = self.resume_from or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-                load_trainer_checkpoint(where, self._opt, scheduler, check_params=self.verify_weights)
+            _resume_trainer(self._opt, args, state, scheduler, self.resume_from, self.verify_weights)
 
         def on_save(self, args, state, control, lr_scheduler=None, **kwargs):
             if self.checkpoint and self._opt is not None:
@@ -223,6 +205,34 @@ def _make_callback_class() -> type:
                     last.setdefault("grad_norm", norm)
 
     return OffloadCallback
+
+
+def _resume_trainer(opt: Any, args: Any, state: Any, scheduler: Any, resume_from: Optional[str],
+                    verify_weights: bool) -> None:
+    """OffloadCallback(checkpoint=True)'s load at train begin (see the module notes)."""
+    from offload.integrations.hf_checkpoint import load_trainer_checkpoint
+
+    if not args.save_only_model:
+        raise ValueError("OffloadCallback(checkpoint=True) needs TrainingArguments(save_only_model=True): "
+                         "without it the Trainer also saves torch.save(optimizer.state_dict()), which "
+                         "pulls every optimizer state into RAM at each save")
+    if state.global_step > 0:  # resumed: the Trainer loaded the model and its state
+        # The callback is not told which directory the Trainer resumed from; a checkpoint of
+        # the same step in output_dir from another run is caught by the params' fingerprint
+        # (load_trainer_checkpoint's check_params).
+        where = resume_from or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        load_trainer_checkpoint(where, opt, scheduler, check_params=verify_weights)
+
+
+def _hold_save_limit(args: Any) -> Optional[int]:
+    """The Trainer deletes old checkpoints (save_total_limit) before on_save: a job that died
+    while the optimizer was being saved there kept only a checkpoint without it. The callback
+    holds the limit (args.save_total_limit None meanwhile) and applies it once the optimizer
+    is saved; returns it, or None where it leaves it to the Trainer."""
+    if args.save_total_limit and args.save_total_limit > 0 and _rotate_checkpoints() is not None:
+        limit, args.save_total_limit = args.save_total_limit, None
+        return limit
+    return None
 
 
 def _rotate_checkpoints() -> Any:
