@@ -30,7 +30,11 @@ def _model():
 
 
 def _run_report(model, **kw):
-    opt = offload.AdamW(model.parameters(), lr=1e-3, backend="torch", **kw)  # (the bytes are any backend's)
+    return _run_report_params(model.parameters(), **kw)
+
+
+def _run_report_params(params, **kw):
+    opt = offload.AdamW(params, lr=1e-3, backend="torch", **kw)  # (the bytes are any backend's)
     try:
         opt.step()
         return opt.memory_report()
@@ -145,3 +149,77 @@ def test_cli_flags():
     assert rc == 2 and "int4" in err
     rc, _, err = _cli("plan", "--params", "1B", "--param-dtype", "fp16", "--master-dtype", "bfloat16", "--json")
     assert rc == 1 and "needs bfloat16 params" in err
+
+
+# --------------------------------------------------------------------------- small params
+
+# fp32 CPU params of 76,800 + 300 + 24 x 300 + 5,100 + 17 elements: the host store keeps the
+# states of those under MIN_COMPRESSED_NUMEL (4096) in float32; the flat and swapped stores
+# compress every element (the swapped store starting each param on an int8 block: 24 x 212
+# elements of padding, more than a 4 KiB page of packed blocks, so that the swap files show it)
+SMALL_SIZES = (76_800, 300) + (300,) * 24 + (5_100, 17)
+
+
+def _fp32_model_with_small_params():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 300), *[torch.nn.LayerNorm(300) for _ in range(12)],
+                                torch.nn.Linear(300, 17))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    assert tuple(p.numel() for p in model.parameters()) == SMALL_SIZES
+    return model
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("store,kw", [
+    ("host", dict(offload="cpu")),
+    ("swapped", dict(offload="nvme", max_host_bytes=8 << 20)),
+    ("flat", dict(offload="cpu", stage=1)),
+    ("flat-swapped", dict(offload="nvme", stage=1, max_host_bytes=8 << 20)),
+])
+def test_plan_then_run_fp32_cpu_params_small_params(tmp_path, store, kw, state_dtype):
+    model = _fp32_model_with_small_params()
+    kw = dict(kw, state_dtype=state_dtype, **({"swap_dir": str(tmp_path)} if kw["offload"] == "nvme" else {}))
+    plan = estimate(model, **kw)
+    report = _run_report(model, **kw)
+    assert report["tiers"] == plan.optimizer_bytes
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_host_store_small_params_by_hand(state_dtype):
+    from offload.optim.host_state import MIN_COMPRESSED_NUMEL
+
+    small = [n for n in SMALL_SIZES if n < MIN_COMPRESSED_NUMEL]
+    big = [n for n in SMALL_SIZES if n >= MIN_COMPRESSED_NUMEL]
+    packed = {"bfloat16": lambda n: 2 * n, "int8": _blocks}[state_dtype]  # each param its own blocks
+    plan = estimate(_fp32_model_with_small_params(), offload="cpu", state_dtype=state_dtype)
+    b = plan.breakdown["pageable"]
+    assert b["exp_avg"] == b["exp_avg_sq"] == sum(packed(n) for n in big) + 4 * sum(small)
+    assert any("keep float32 states (counted)" in n for n in plan.notes)
+    # a count is one param: compressed whole, and the plan says what it cannot know
+    plan = estimate(sum(SMALL_SIZES), param_dtype="fp32", param_device="cpu", offload="cpu", state_dtype=state_dtype)
+    assert plan.breakdown["pageable"]["exp_avg"] == packed(sum(SMALL_SIZES))
+    assert any("counted only when a module is given" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+def test_plan_then_run_stage3_fp32_shards_under_4096_elements(state_dtype):
+    # one rank: offload.shard's units of a tiny GPT are shards of 4,864 and 3 x 3,328
+    # elements, one param each in the host store: the three under 4096 keep float32 states
+    shard_mod = pytest.importorskip("offload.shard", reason="offload.shard (issue #16) is not in this tree")
+    from offload.demo.model import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(n_layer=3, d_model=16, n_head=4, block_size=32))
+    blocks = [b for m in model.modules() if isinstance(m, torch.nn.ModuleList) for b in m]
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = sum(p.numel() for p in set(model.parameters()))
+    shard_mod.shard(model)
+    shards = [p for p in model.parameters() if p.requires_grad]
+    assert sorted(p.numel() for p in shards) == [3_328] * 3 + [4_864]
+    for p in shards:
+        p.grad = torch.randn_like(p)
+    plan = estimate(total, stage=3, param_device="cpu", param_dtype="fp32", offload="cpu", state_dtype=state_dtype,
+                    unit_params=[total - sum(sizes)] + sizes)
+    report = _run_report_params(shards, offload="cpu", state_dtype=state_dtype)
+    assert report["tiers"] == plan.optimizer_bytes

@@ -60,8 +60,8 @@ from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, test
 )
 from .result import Plan
 from .stage3 import ShardOptions, check_options, place_stage3, release_device_grads
-from .states import (StatesLayout, check_compression, kernel_bytes_ratio, listed, param_numels, state_fields,
-                     state_notes)
+from .states import (StatesLayout, check_compression, held_state_bytes, kernel_bytes_ratio, listed, param_numels,
+                     state_fields, state_notes)
 
 __all__ = [
     "Plan",
@@ -249,7 +249,7 @@ def _place_swapped(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) -
     swap = None
     if s.shard:
         try:
-            swap = swap_model(s.shard, fields, s.mhb, s.sub_group_size)
+            swap = swap_model(s.swap_numel, fields, s.mhb, s.sub_group_size)
         except ValueError as exc:
             problems.append(f"the swap pipeline refuses this configuration: {exc}")
     if swap is not None:
@@ -271,10 +271,11 @@ def _place_states(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) ->
         B[tier[MASTER.name]][MASTER.name] = MASTER.nbytes(s.shard)
     if s.offload == "nvme":
         return _place_swapped(s, B, notes, problems)
-    # HostState: moments in opt.state, ordinary tensors; flat store: pool buffers. Their
-    # bytes are the fields' (bf16: 2 B, int8: 260 B per block of 256).
-    for f in s.rule.fields:
-        B[tier[f.name]][f.name] = f.nbytes(s.shard)
+    # HostState: moments in opt.state, ordinary tensors, each param's its own (small params'
+    # float32); flat store: pool buffers. Their bytes are the fields' (bf16: 2 B, int8: 260 B
+    # per block of 256).
+    for name, nbytes in held_state_bytes(s).items():
+        B[tier[name]][name] = nbytes
     if s.separate_master and s.offload == "none" and not s.on_cpu:
         notes.append("offload='none' with device params: this engine keeps the fp32 states of device "
                      "params on the host anyway (same bytes as offload='cpu'); the ZeRO paper's "
@@ -334,7 +335,7 @@ def _predict_step(s: _Setup, swap: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     if s.offload == "nvme":
         # every sub-group of the swapped states is read from one slot and written to the
         # other once per step
-        io_bytes = swap["file_bytes"] if swap else fields_bytes(state_fields(s), s.shard)
+        io_bytes = swap["file_bytes"] if swap else fields_bytes(state_fields(s), s.swap_numel)
         step["read_bytes"] = io_bytes
         step["write_bytes"] = io_bytes
         step["io_s"] = (io_bytes / (rg * 1e9) + io_bytes / (wg * 1e9)) if (rg and wg) else None

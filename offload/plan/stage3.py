@@ -64,6 +64,7 @@ from .inputs import nonneg_bytes, parse_count
 from offload.swap.pipeline import paged_bound
 
 from .placement import buffer_tiers, swap_model
+from .states import host_state_bytes
 
 __all__ = ["ShardOptions", "check_options", "unit_layout", "live_window", "place_stage3", "release_device_grads",
            "PARAM_OFFLOADS", "DEFAULT_UNITS", "CHUNK_ALIGN"]
@@ -162,7 +163,7 @@ def unit_layout(units: Sequence[int], world_size: int) -> Dict[str, Any]:
     rc = _chunk(root, world_size)
     return {"units": len(others), "root_numel": root, "root_gathered": world_size * rc,
             "unit_numel_max": max(others, default=0), "chunk_max": max(chunks + [rc]),
-            "shard_numel": rc + sum(chunks), "gathered": [world_size * c for c in chunks],
+            "shard_numel": rc + sum(chunks), "gathered": [world_size * c for c in chunks], "chunks": [rc] + chunks,
             "gathered_max": world_size * max(chunks, default=0)}
 
 
@@ -258,13 +259,21 @@ def _place_shards(s: Any, opts: ShardOptions, lay: Dict[str, Any], w: _Where, B:
         B[w.tier["lowp_buffers"]]["lowp_buffers"] = S * s.pb   # staging of the update to the device shards
 
 
-def _place_states3(s: Any, S: int, w: _Where, B: Any, problems: List[str],
+def _place_states3(s: Any, chunks: Sequence[int], w: _Where, B: Any, problems: List[str],
                    opts: Any = None) -> Optional[Dict[str, Any]]:
-    """The optimizer's states of the shard: host buffers, or swap files for offload='nvme'."""
+    """The optimizer's states of the shard (``chunks``: this rank's elements of each unit, the
+    root's first): host buffers, or swap files for offload='nvme'."""
+    S = sum(chunks)
     fields = _fields(s, w.own_master)
     if s.offload != "nvme":
-        for f in fields:
-            B[w.tier[f.name]][f.name] = f.nbytes(S)
+        if w.own_master:
+            # the host store: each unit's shard is one param, stepped on its own (a shard of
+            # fewer than 4096 elements keeps float32 states)
+            for name, nbytes in host_state_bytes(s, chunks).items():
+                B[w.tier[name]][name] = nbytes
+        else:
+            for f in fields:
+                B[w.tier[f.name]][f.name] = f.nbytes(S)
         return None
     if not S:
         return None
@@ -328,12 +337,12 @@ def place_stage3(s: Any, opts: ShardOptions, B: Any, notes: List[str],
                      "for one unit per layer)")
     window = _place_window(s, opts, lay, w, B, notes)
     _place_shards(s, opts, lay, w, B, notes)
-    swap = _place_states3(s, lay["shard_numel"], w, B, problems, opts)
+    swap = _place_states3(s, lay["chunks"], w, B, problems, opts)
     step, io = _step3(s, opts, lay["shard_numel"], w, swap)
     info = {"offload_params": opts.offload_params, "release_grads": True, "prefetch": opts.prefetch,
             "max_live_params": _max_live(s, opts), "units_assumed": assumed, "own_master": w.own_master,
             "nvme_slots": {"params": 1, "grads": 1},
-            **{k: v for k, v in lay.items() if k != "gathered"}, **window, "io": io}
+            **{k: v for k, v in lay.items() if k not in ("gathered", "chunks")}, **window, "io": io}
     return swap, step, info
 
 

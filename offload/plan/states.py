@@ -5,21 +5,27 @@ The bytes come from the typed fields (offload/kernels/fields.py: bf16 2 B per el
 states the flat store starts every param on a block and cuts shards at whole blocks ([Note:
 block-aligned flat layout] in offload/zero/partition.py), which a plan counts exactly when it
 is given the module (each param's size), and else as one param.
+
+Each store compresses as it really does: the flat store and the swapped stores every element;
+the host store (fp32 CPU params with offload "none"/"cpu") each param on its own, and a param
+of fewer than ``MIN_COMPRESSED_NUMEL`` (4096) elements in float32 states (``HostState.compressed``),
+also counted per param when the module is given (``host_state_bytes``).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from offload.kernels.fields import ADAM, ADAM_AMSGRAD, STATE_DTYPES, Rule
 from offload.kernels.quant import BLOCK
+from offload.optim.host_state import MIN_COMPRESSED_NUMEL
 from offload.zero.partition import FlatLayout
 
 from .inputs import dtype_name
 
 __all__ = ["StatesLayout", "check_compression", "param_numels", "state_fields", "state_notes",
-           "kernel_bytes_ratio", "listed"]
+           "host_state_bytes", "held_state_bytes", "kernel_bytes_ratio", "listed"]
 
 _ADAM_BYTES, _AMSGRAD_BYTES = 28, 36  # bytes the fp32 step moves per element (reads + writes)
 
@@ -41,10 +47,14 @@ class StatesLayout:
     (fields ``n``, ``ranks``, ``in_place``, ``numels``, ``state_dtype``, ``master_dtype``)."""
 
     @property
+    def float32_rule(self) -> Rule:
+        """Adam (with ``amsgrad``, its third state max_exp_avg_sq), float32 states."""
+        return ADAM_AMSGRAD if getattr(self, "amsgrad", False) else ADAM
+
+    @property
     def rule(self) -> Rule:
-        """Adam (with ``amsgrad``, its third state max_exp_avg_sq) with its states stored as
-        ``state_dtype`` says (the fields' bytes)."""
-        return (ADAM_AMSGRAD if getattr(self, "amsgrad", False) else ADAM).with_state_dtype(self.state_dtype)
+        """``float32_rule`` with its states stored as ``state_dtype`` says (the fields' bytes)."""
+        return self.float32_rule.with_state_dtype(self.state_dtype)
 
     @property
     def master_lowp(self) -> bool:
@@ -69,6 +79,15 @@ class StatesLayout:
         return -(-self.n // self.ranks) if self.n else 0
 
     @property
+    def swap_numel(self) -> int:
+        """Elements of this rank's swap space (offload="nvme"): the shard; the in-place
+        store (SwappedState) starts each param on a block with int8 states (its blocks its
+        own, offload/optim/swapped_state.py) and pads nothing after the last."""
+        if self.in_place and any(f.blocked for f in self.rule.fields):
+            return FlatLayout(self.numels or (self.n,), 1, 0, BLOCK).total if self.n else 0
+        return self.shard
+
+    @property
     def flat_total(self) -> int:
         """Elements of the flat range (the params and the padding between them)."""
         return self.n if self.align == 1 else self.layout.total
@@ -79,6 +98,25 @@ def state_fields(s: Any):
     master (the in-place store, or bf16 params with ``master_dtype="bfloat16"``), then the
     rule's (Adam's moments, stored as ``state_dtype`` says)."""
     return s.rule.with_master() if s.separate_master else s.rule.fields
+
+
+def host_state_bytes(s: Any, numels: Sequence[int]) -> Dict[str, int]:
+    """Bytes of each state in the host store (HostState, offload/optim/host_state.py) for
+    params of ``numels`` elements: each param's states are tensors of their own (int8: its own
+    blocks), and a param of fewer than ``MIN_COMPRESSED_NUMEL`` elements keeps float32 states
+    whatever ``state_dtype`` says (``HostState.compressed``)."""
+    out = {}
+    for f, f32 in zip(s.rule.fields, s.float32_rule.fields):
+        out[f.name] = sum(f.nbytes(k) if k >= MIN_COMPRESSED_NUMEL else f32.nbytes(k) for k in numels)
+    return out
+
+
+def held_state_bytes(s: Any) -> Dict[str, int]:
+    """Bytes of each of the rule's states held in host memory (offload "none"/"cpu", stages
+    0-2): the host store's per param (``host_state_bytes``), the flat store's over the shard."""
+    if s.in_place:
+        return host_state_bytes(s, s.numels or (s.n,))
+    return {f.name: f.nbytes(s.shard) for f in s.rule.fields}
 
 
 def check_compression(state_dtype: Any, master_dtype: Any, pdt: torch.dtype) -> None:
@@ -107,11 +145,16 @@ def param_numels(module: Optional[torch.nn.Module]) -> Optional[Tuple[int, ...]]
 def state_notes(s: Any) -> List[str]:
     """What a plan with compressed states or a bf16 master should say about its counts."""
     notes = []
-    if s.in_place and s.state_dtype != "float32":
-        notes.append(f"{s.state_dtype} states in the host store: counted for all params; the host store "
-                     "may keep small params' states in float32")
-    if s.align > 1 and s.numels is None:
-        notes.append("int8 states in the flat store start each param on a block of 256 elements: up to "
+    if s.in_place and s.offload != "nvme" and s.state_dtype != "float32":
+        if s.numels is None:
+            notes.append(f"{s.state_dtype} states in the host store: counted as one param; params of fewer than "
+                         f"{MIN_COMPRESSED_NUMEL} elements keep float32 states, counted only when a module is given")
+        else:
+            notes.append(f"{s.state_dtype} states in the host store: params of fewer than {MIN_COMPRESSED_NUMEL} "
+                         "elements keep float32 states (counted)")
+    if s.numels is None and (s.align > 1 or (s.in_place and s.offload == "nvme" and s.state_dtype == "int8")):
+        store = "flat store" if s.align > 1 else "swap files"
+        notes.append(f"int8 states in the {store} start each param on a block of 256 elements: up to "
                      "255 elements more per param, counted only when a module is given")
     if s.master_lowp:
         notes.append("master_dtype='bfloat16': the bf16 params are their own master (no fp32 copy)")
