@@ -63,3 +63,50 @@ def test_no_slot_column_without_swap_files(offload):
     text = _table("--params", "1B", "--offload", offload)
     assert "slot" not in text
     assert all(len(_row(text, c)) == 5 for c in ("params", "exp_avg", "total"))
+
+
+# --------------------------------------------------------------------------- sub-groups in closed form
+
+def _state_disk_bytes_by_loop(numel, states, sub_group_size):
+    """The per-state disk bytes as swap_model summed them before, one sub-group at a time."""
+    from offload.swap import SwapLayout
+
+    layout = SwapLayout(numel, sub_group_size, states)
+    spans = [layout.group_range(g) for g in range(layout.num_groups)]
+    return [SWAP_SLOTS * sum(layout.padded_bytes(k, e - s) for s, e in spans) for k in range(layout.nstates)]
+
+
+def _int8_adam():
+    from offload.kernels.fields import ADAM
+
+    return tuple(ADAM.with_state_dtype("int8").with_master())
+
+
+@pytest.mark.parametrize("numel,states,sub_group_size", [
+    (1, 2, 1024),                        # one sub-group of one element
+    (1024, 2, 1024),                     # exactly one full sub-group
+    (1025, 3, 1024),                     # a last sub-group of one element
+    (3_000_001, 3, 262_144),             # several sub-groups, a short last one
+    (5 * 262_144, 2, 262_144),           # all sub-groups full
+    (123_457, ("exp_avg", "exp_avg_sq"), 2048),
+    (1_000_003, "int8", 262_144),        # packed int8 moments beside an fp32 master
+    (600_000, "int8", 1 << 20),          # a sub-group larger than the states
+])
+def test_swap_model_disk_bytes_equal_the_sub_group_loop(numel, states, sub_group_size):
+    from offload.plan.placement import swap_model
+
+    states = _int8_adam() if states == "int8" else states
+    got = swap_model(numel, states, 1 << 30, sub_group_size)
+    assert got["state_disk_bytes"] == _state_disk_bytes_by_loop(numel, states, got["sub_group_size"])
+    assert sum(got["state_disk_bytes"]) == got["disk_bytes"]
+
+
+def test_a_tiny_sub_group_size_plans_a_large_model_quickly():
+    import time
+
+    t0 = time.perf_counter()
+    plan = estimate("175B", offload="nvme", sub_group_size=1)  # rounded up to 1024: ~171M sub-groups
+    assert time.perf_counter() - t0 < 2.0
+    assert plan.inputs["swap"]["num_groups"] == -(-175 * 10**9 // 1024)
+    # fp32: full sub-groups of 1024 x 4 B are whole pages, the last padded to one
+    assert plan.breakdown["nvme"]["exp_avg"] == SWAP_SLOTS * -(-4 * 175 * 10**9 // 4096) * 4096

@@ -49,8 +49,11 @@ def swap_model(numel: int, nstates: Any, max_host_bytes: Optional[int], sub_grou
 
     sg, nbuf = plan_sub_groups(numel, nstates, max_host_bytes, sub_group_size)
     layout = SwapLayout(numel, sg, nstates)
-    spans = [layout.group_range(g) for g in range(layout.num_groups)]
-    per_state = [SWAP_SLOTS * sum(layout.padded_bytes(k, e - s) for s, e in spans)
+    # Every sub-group but the last is full: its padded bytes times their count, plus the last
+    # (closed form: a tiny sub_group_size makes millions of sub-groups).
+    g, full = layout.num_groups, layout.sub_group_size
+    first, last = layout.group_range(g - 1)
+    per_state = [SWAP_SLOTS * ((g - 1) * layout.padded_bytes(k, full) + layout.padded_bytes(k, last - first))
                  for k in range(layout.nstates)]
     # The pipeline maps one pool region for its buffers, rounded up to 2 MiB (huge pages).
     return {
