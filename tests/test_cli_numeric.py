@@ -28,6 +28,9 @@ PLAN_BAD = [
     ("--params", "inf", "invalid parameter count"),
     ("--params", "-1", ">= 0"),
     ("--params", "abc", "invalid parameter count"),
+    ("--params", "1.5", "whole number"),              # was rounded to 2 params
+    ("--params", "1.0000000001B", "whole number"),    # was rounded to 1,000,000,000
+    ("--unit-params", "2.5", "whole number"),
     ("--world-size", "0", ">= 1"),
     ("--world-size", "-1", ">= 1"),
     ("--world-size", "1e400", "whole number"),
@@ -113,6 +116,22 @@ def test_good_values_still_reach_the_plan():
         (1_500_000_000, 4, 2, 2, 2 << 30)
     assert doc["capacity"] == {"device": 80 << 30, "host": (256 << 30) // 2, "nvme": 10 ** 12 // 2}
     assert doc["step"]["kernel_gparams"] == 2.5 and doc["step"]["disk_write_gbps"] == 1.5
+
+
+@pytest.mark.parametrize("value,count", [("1.1B", 1_100_000_000), ("7.5B", 7_500_000_000), ("1.5k", 1_500),
+                                         ("1.23456789e9", 1_234_567_890), (7.5e9, 7_500_000_000), ("0.5k", 500)])
+def test_parse_count_takes_decimals_that_are_whole_counts(value, count):
+    from offload.plan import parse_count
+
+    assert parse_count(value) == count
+
+
+@pytest.mark.parametrize("value", ["1.5", 1.5, "0.0001k"])
+def test_parse_count_refuses_a_fraction_of_a_param(value):
+    from offload.plan import parse_count
+
+    with pytest.raises(ValueError, match="whole number"):
+        parse_count(value)
 
 
 def test_parse_count_refuses_a_count_too_large_to_hold():

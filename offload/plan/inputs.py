@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from fractions import Fraction
 from typing import Any, Optional, Tuple, Union
 
 import torch
@@ -24,7 +25,8 @@ _COUNT_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "b": 10 ** 9, "t": 10 ** 12}
 
 def parse_count(value: Union[int, str]) -> int:
     """``"7.5B"`` -> 7_500_000_000, ``"125M"`` -> 125_000_000, ``42`` -> 42 (decimal units:
-    parameter counts are quoted in powers of ten)."""
+    parameter counts are quoted in powers of ten). A count that is not a whole number of
+    params (``"1.5"``, ``"1.0000000001B"``) is refused, not rounded."""
     if isinstance(value, bool):
         raise ValueError(f"invalid parameter count: {value!r}")
     if isinstance(value, int):
@@ -34,16 +36,21 @@ def parse_count(value: Union[int, str]) -> int:
     if isinstance(value, float):
         if value < 0 or not math.isfinite(value):
             raise ValueError(f"parameter count must be a finite number >= 0, got {value}")
-        return int(round(value))
+        if not value.is_integer():
+            raise ValueError(f"parameter count must be a whole number, got {value!r}")
+        return int(value)
     m = _COUNT_RE.match(str(value))
     if not m:
         if str(value).strip().startswith("-"):
             raise ValueError(f"parameter count must be >= 0, got {value!r}")
         raise ValueError(f"invalid parameter count: {value!r} (examples: 125M, 7.5B, 1e9)")
-    n = float(m.group(1)) * _COUNT_UNITS[m.group(2).lower()]
-    if not math.isfinite(n):  # "1e400": float() gives inf, which int() cannot hold
+    unit = _COUNT_UNITS[m.group(2).lower()]
+    if not math.isfinite(float(m.group(1)) * unit):  # "1e400": float() gives inf, which int() cannot hold
         raise ValueError(f"parameter count {value!r} is too large")
-    return int(round(n))
+    n = Fraction(m.group(1)) * unit  # exact: "1.1B" is 1,100,000,000, "1.5" is not a count
+    if n.denominator != 1:
+        raise ValueError(f"parameter count must be a whole number, got {value!r} ({float(n):,.15g} params)")
+    return int(n)
 
 
 _DTYPES = {
