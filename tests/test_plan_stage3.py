@@ -362,6 +362,7 @@ def test_cli_stage3_table_numbers(tmp_path):
     (dict(stage=3, prefetch=True), ValueError, "True"),
     (dict(stage=2, release_grads="yes"), TypeError, "bool"),
     (dict(stage=2, release_grads=True, param_device="cpu"), ValueError, "param_device='cpu'"),
+    (dict(stage=3, release_grads=True), ValueError, "release_grads is for stages 0-2"),  # as the optimizer says
 ])
 def test_bad_values_are_clear_errors(kwargs, exc, fragment):
     with pytest.raises(exc, match=re.escape(fragment)):
@@ -371,6 +372,8 @@ def test_bad_values_are_clear_errors(kwargs, exc, fragment):
 def test_cli_bad_values():
     rc, _, err = _cli("plan", "--params", "1B", "--stage", "3", "--offload-params", "disk", "--no-probe")
     assert rc == 1 and "disk" in err
+    rc, _, err = _cli("plan", "--params", "1B", "--world-size", "2", "--stage", "3", "--release-grads", "--no-probe")
+    assert rc == 1 and "release_grads is for stages 0-2" in err
     rc, _, err = _cli("plan", "--params", "1B", "--offload-params", "cpu", "--no-probe")
     assert rc == 1 and "stage 3 only" in err
     with contextlib.redirect_stderr(io.StringIO()) as err:
@@ -428,6 +431,10 @@ def test_cheapest_fitting_tries_stage3_when_asked():
     assert best is None and {p.inputs["stage"] for p in tried} == {0, 1, 2}
     best, tried = cheapest_fitting(PSI, stages=(0, 1, 2, 3), **kw)
     assert best is not None and best.inputs["stage"] == 3 and best.fits["device"] is True
+    # release_grads is for stages 0-2; stage 3 frees its grads itself and is planned without it
+    best, tried = cheapest_fitting(PSI, stages=(0, 1, 2, 3), release_grads=True, **kw)
+    assert best is not None and best.inputs["stage"] == 3
+    assert [p.sharding["release_grads"] for p in tried if p.inputs["stage"] < 3] == [True] * 3 * 2
     # one rank: nothing to partition, stage 3 skipped as stages 1 and 2 are
     _, tried = cheapest_fitting(1000, stages=(0, 3), kernel_gparams=1.0)
     assert {p.inputs["stage"] for p in tried} == {0}

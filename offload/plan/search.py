@@ -36,7 +36,9 @@ def cheapest_fitting(
         for st in stages:
             if st > 0 and world == 1:
                 continue
-            tried.append(estimate(num_params, stage=st, offload=off, **kwargs))
+            # stage 3 frees the grads itself and refuses release_grads: its plan is the same without
+            kw = {k: v for k, v in kwargs.items() if not (st == 3 and k == "release_grads")}
+            tried.append(estimate(num_params, stage=st, offload=off, **kw))
 
     def cost(p: Plan) -> Tuple[Any, ...]:
         t = p.step_time_s

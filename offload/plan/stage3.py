@@ -121,6 +121,10 @@ def check_options(*, stage: int, num_params: int, offload_params: Any, unit_para
         raise ValueError(f"unknown offload_params {offload_params!r}; expected 'none', 'cpu' or 'nvme'")
     if not isinstance(release_grads, bool):
         raise TypeError(f"release_grads must be a bool, got {type(release_grads).__name__}")
+    if release_grads and stage == 3:  # as the optimizer refuses it (offload/optim/options.py)
+        raise ValueError("release_grads is for stages 0-2: at stage 3 offload.shard frees each unit's full grads "
+                         "once reduce-scattered already (the optimizer refuses release_grads=True for its params); "
+                         "drop release_grads")
     units, unit = _unit_sizes(unit_params)
     if units is not None and sum(units) != num_params:
         raise ValueError(f"unit_params: the unit sizes sum to {sum(units):,} params, the model has {num_params:,}")
