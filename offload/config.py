@@ -22,6 +22,10 @@ _UNITS = {
     "t": 1 << 40, "tib": 1 << 40, "tb": 1000 ** 4,
 }
 
+# 4 EiB: more than any file system or memory holds, and below the 2**63 at which the OS's
+# off_t / size_t arguments overflow (posix_fallocate raised OverflowError on --size 1e30).
+MAX_BYTES = 1 << 62
+
 
 def parse_bytes(value: "int | str") -> int:
     """``"4GiB"`` -> 4294967296, ``"1M"`` -> 1048576, ``"2GB"`` -> 2000000000, ``123`` -> 123.
@@ -33,7 +37,7 @@ def parse_bytes(value: "int | str") -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"byte size must be >= 0, got {value}")
-        return value
+        return _bounded(value, value)
     text = str(value).strip().lower().replace(" ", "")
     num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(num):]
@@ -47,7 +51,16 @@ def parse_bytes(value: "int | str") -> int:
         raise ValueError(f"invalid byte size: {value!r} (not a finite number: too large, nan or inf)")
     if number < 0:
         raise ValueError(f"byte size must be >= 0, got {value!r}")
-    return int(number * _UNITS[unit])
+    # Whole numbers exactly: float("9223372036854775807") rounds up to 2**63.
+    whole = int(num) if num.isdigit() else number
+    return _bounded(int(whole * _UNITS[unit]), value)
+
+
+def _bounded(n: int, value: "int | str") -> int:
+    if n > MAX_BYTES:
+        raise ValueError(f"byte size {value!r} is too large: more than 2**62 bytes (4 EiB), "
+                         "larger than any file system or memory can hold")
+    return n
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,8 @@ BENCH_BAD = [
     ("--size", "-1", ">= 0"),
     ("--size", "abc", "invalid byte size"),
     ("--size", "0", "> 0"),
+    ("--size", "1e30", "more than 2**62 bytes"),  # was an OverflowError from posix_fallocate
+    ("--size", "9223372036854775807", "more than 2**62 bytes"),
     ("--block-size", "1e400", "too large"),
     ("--block-size", "1M,-1", ">= 0"),
     ("--block-size", "0", "> 0"),

@@ -87,6 +87,15 @@ def test_parse_bytes_refuses_non_finite():
     assert parse_bytes("1.5K") == 1536
 
 
+def test_parse_bytes_is_exact_and_bounded():
+    # float() would round 2**62 - 1 up to 2**62 and 2**63 - 1 up to 2**63
+    assert parse_bytes(str((1 << 62) - 1)) == (1 << 62) - 1
+    assert parse_bytes("4194304T") == 1 << 62
+    for too_large in ("1e30", str((1 << 63) - 1), "4194305T", (1 << 62) + 1):
+        with pytest.raises(ValueError, match=r"more than 2\*\*62 bytes"):
+            parse_bytes(too_large)
+
+
 @pytest.mark.parametrize("kind", ["bytes", "pathlib"])
 def test_swap_dir_accepts_bytes_and_pathlike(tmp_path, kind):
     swap = os.fsencode(str(tmp_path)) if kind == "bytes" else tmp_path
