@@ -156,3 +156,45 @@ def test_engines_that_cannot_run_here_are_skipped_and_said(bench_dir, tmp_path, 
     assert rc != 0
     assert "none of the engines asked for can run here: uring: blocked by a seccomp filter" in capsys.readouterr().err
     assert not os.listdir(bench_dir)  # nothing created before the refusal
+
+
+def _stop_in_the_sweep(monkeypatch, stop):
+    """Make the first measurement call ``stop()`` while it holds a view of a buffer, as an
+    engine's requests do (the traceback keeps it alive)."""
+    import torch
+
+    def measure_one(args, contender, f, path, rw, bs, qd, bufs, *rest):
+        view = bufs[0].tensor(torch.uint8)  # noqa: F841
+        stop()
+    monkeypatch.setattr(bench_io, "_measure_one", measure_one)
+
+
+def test_ctrl_c_says_interrupted_and_removes_the_test_file(bench_dir, capsys, monkeypatch):
+    # The pool's close() in the cleanup refused the regions the interrupted frames still viewed,
+    # and its BufferError replaced the KeyboardInterrupt: a traceback and exit 1.
+    def ctrl_c():
+        raise KeyboardInterrupt
+    _stop_in_the_sweep(monkeypatch, ctrl_c)
+    rc = main(["bench-io", "--dir", str(bench_dir), "--size", "4MiB", "--engine", "threads"])
+    err = capsys.readouterr().err
+    assert rc == 130 and "offload bench-io: interrupted" in err and "BufferError" not in err, err
+    assert not os.listdir(bench_dir)
+
+
+def test_sigterm_removes_the_test_file_and_exits_143(bench_dir, capsys, monkeypatch):
+    # SIGTERM's default action ended the process with the --size test file left in --dir.
+    # A handler of the test's own stands in for that default (which would end pytest), and
+    # must be back in place after.
+    import signal
+
+    received = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        _stop_in_the_sweep(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGTERM))
+        rc = main(["bench-io", "--dir", str(bench_dir), "--size", "4MiB", "--engine", "threads"])
+        assert rc == 143 and "offload bench-io: terminated" in capsys.readouterr().err
+        assert not os.listdir(bench_dir) and not received
+        os.kill(os.getpid(), signal.SIGTERM)  # outside bench-io, the handler before it
+        assert received == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)

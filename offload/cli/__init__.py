@@ -47,6 +47,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    from ._signals import Terminated
+
     try:
         return int(args.run(args) or 0)
     except (OSError, ValueError, RuntimeError, NotImplementedError) as exc:
@@ -55,3 +57,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"offload {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:  # SIGTERM, in a command that turns it into an exception (cli/_signals.py)
+        print(f"offload {args.command}: terminated", file=sys.stderr)
+        return 143

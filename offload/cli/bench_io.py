@@ -356,16 +356,35 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
                     for b in bufs:
                         pool.release(b)
         progress.close()
-    finally:
-        if f is not None:
-            f.close()
-        if not args.keep and os.path.exists(path):
-            os.unlink(path)
-        pool.close()
+    except BaseException:
+        _remove_data_file(f, path, args.keep)
+        _close_pool_after_error(pool)
+        raise
+    _remove_data_file(f, path, args.keep)
+    pool.close()
     _annotate(rows)
     context = {"dir": directory, "size": size, "direct": args.direct, "kept": path if args.keep else None,
                "fio": bool(fio_variants), "skipped_engines": skipped}
     return rows, context
+
+
+def _remove_data_file(f, path: str, keep: bool) -> None:
+    if f is not None:
+        f.close()
+    if not keep and os.path.exists(path):
+        os.unlink(path)
+
+
+def _close_pool_after_error(pool) -> None:
+    """Close the pool while an exception (Ctrl-C, SIGTERM, an I/O error) unwinds the sweep.
+    Its traceback's frames still hold views of the buffers, so close() refuses the regions they
+    map; that BufferError must not replace the exception that says what happened (Ctrl-C was
+    a BufferError traceback and exit 1, not "interrupted" and 130). The pool unmaps them when
+    it is collected after the views, or the process exits."""
+    try:
+        pool.close()
+    except BufferError as exc:
+        log.debug("bench-io buffers still viewed while unwinding: %s", exc)
 
 
 def _drop_unavailable_engines(args) -> Dict[str, str]:
@@ -437,6 +456,13 @@ def best_config(rows: Sequence[dict]):
 
 
 def run(args) -> int:
+    from ._signals import sigterm_raises
+
+    with sigterm_raises():  # SIGTERM removes the test file too, as Ctrl-C does
+        return _run(args)
+
+
+def _run(args) -> int:
     from offload.io import save_tuning
 
     rows, ctx = sweep(args)
