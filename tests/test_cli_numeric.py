@@ -98,6 +98,16 @@ def test_bench_io_numeric_options_are_usage_errors(tmp_path, option, value, frag
     ("--params", "1e400", "too large"),
     ("--params", "-5", ">= 0"),
     ("--max-host-bytes", "1e400GiB", "too large"),
+    # `args.x or default` made these 0s the defaults: a 30-step run, a 10M model, ...
+    ("--steps", "0", ">= 1"),
+    ("--params", "0", ">= 10,000"),
+    ("--batch-size", "0", ">= 1"),
+    ("--seq-len", "0", ">= 1"),
+    ("--threads", "0", ">= 1"),
+    ("--compare-steps", "-1", ">= 0"),
+    ("--rtol", "-1", "finite number >= 0"),
+    ("--rtol", "nan", "finite number >= 0"),
+    ("--lr", "inf", "finite number > 0"),
 ])
 def test_demo_numeric_options_are_usage_errors(option, value, fragment):
     rc, out, err = _cli("demo", f"{option}={value}")

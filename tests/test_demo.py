@@ -76,6 +76,16 @@ def test_demo_missing_swap_dir_is_a_clear_error(tmp_path, capsys):
     assert "offload demo: error:" in err and str(missing) in err
 
 
+@pytest.mark.parametrize("option", ["--json", "--plot", "--step-log"])
+def test_demo_output_file_in_a_missing_directory_fails_before_training(tmp_path, capsys, option):
+    # --json was opened only after training and comparing: minutes lost, then an error.
+    target = tmp_path / "nope" / "out"
+    rc = main(["demo", "--quick", "--no-progress", "--swap-dir", str(tmp_path), option, str(target)])
+    captured = capsys.readouterr()
+    assert rc == 1 and f"offload demo: error: [Errno 2] {option}: " in captured.err and str(target) in captured.err
+    assert "trained" not in captured.out and os.listdir(tmp_path) == []
+
+
 def test_compare_losses_detects_drift_and_nan():
     ref = [5.5, 4.0, 3.0]
     assert compare_losses(ref, list(ref)) == (0.0, True)

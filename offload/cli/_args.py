@@ -11,7 +11,7 @@ import argparse
 import math
 from typing import Callable, Optional, Union
 
-__all__ = ["byte_size", "count", "integer", "rate"]
+__all__ = ["byte_size", "count", "integer", "rate", "tolerance"]
 
 
 def _named(fn: Callable, name: str) -> Callable:
@@ -41,15 +41,18 @@ def byte_size(*, minimum: int = 0, auto: bool = False) -> Callable[[str], Union[
     return _named(parse, "byte size")
 
 
-def count() -> Callable[[str], int]:
+def count(minimum: int = 0, why_minimum: str = "") -> Callable[[str], int]:
     """A parameter count in decimal units: ``125M``, ``7.5B``, ``1e9``."""
     def parse(text: str) -> int:
         from offload.plan.inputs import parse_count
 
         try:
-            return parse_count(text)
+            n = parse_count(text)
         except (OverflowError, TypeError, ValueError) as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum:,}{why_minimum}, got {text!r}")
+        return n
     return _named(parse, "count")
 
 
@@ -80,3 +83,16 @@ def rate() -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
         return v
     return _named(parse, "rate")
+
+
+def tolerance() -> Callable[[str], float]:
+    """A finite number >= 0 (a relative tolerance; 0 asks for equality)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (math.isfinite(v) and v >= 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+        return v
+    return _named(parse, "tolerance")

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ._args import byte_size, count
+from ._args import byte_size, count, integer, rate, tolerance
 
 __all__ = ["add_parser", "run"]
 
@@ -38,8 +38,9 @@ def add_parser(sub, name: str) -> None:
                     "steps with torch.optim.AdamW from the same seed and compare the losses. "
                     "Exit status 1 if they differ by more than --rtol.",
     )
-    p.add_argument("--steps", type=int, default=None, help="training steps (default 30; --quick: 6)")
-    p.add_argument("--params", type=count(), default=None, metavar="N",
+    p.add_argument("--steps", type=integer(1), default=None, help="training steps (default 30; --quick: 6)")
+    p.add_argument("--params", type=count(10_000, " (the smallest decoder the demo builds)"), default=None,
+                   metavar="N",
                    help="model size, e.g. 5M, 50M, 1e8 (default 10M; --quick: 500K)")
     p.add_argument("--offload", choices=("nvme", "cpu"), default="nvme",
                    help="where the optimizer states live (default nvme)")
@@ -51,19 +52,19 @@ def add_parser(sub, name: str) -> None:
                    help="bound on the optimizer's host buffers, e.g. 64MiB "
                         "(default a quarter of the optimizer states)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 8)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    p.add_argument("--compare-steps", type=int, default=None, metavar="N",
+    p.add_argument("--batch-size", type=integer(1), default=None, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=integer(1), default=None, help="tokens per sequence (default 128)")
+    p.add_argument("--lr", type=rate(), default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--compare-steps", type=integer(0), default=None, metavar="N",
                    help="first steps rerun with torch.optim.AdamW for the comparison (default 10, at most "
                         "--steps; 0: skip). Later steps drift apart by amplified rounding (a loss spike "
                         "turns 1e-7 into 1e-5), which says nothing about the optimizer")
-    p.add_argument("--rtol", type=float, default=1e-5, help="tolerance of the loss comparison (default 1e-5)")
+    p.add_argument("--rtol", type=tolerance(), default=1e-5, help="tolerance of the loss comparison (default 1e-5)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw loss and memory per step (matplotlib)")
     p.add_argument("--step-log", default=None, metavar="FILE",
                    help="write one JSON line per step (read by `offload report FILE`)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the summary as JSON to FILE")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
+    p.add_argument("--threads", type=integer(1), default=None, metavar="N",
                    help="torch intra-op threads (default torch's own; --quick: 1)")
     p.add_argument("--quick", action="store_true",
                    help="a tiny model for a few steps (a few seconds; what the tests run)")
@@ -180,23 +181,25 @@ def run(args) -> int:
 
     from offload.demo.train import DemoConfig
 
-    quick = QUICK if args.quick else {}
+    steps = _chosen(args, "steps")
     cfg = DemoConfig(
-        params=args.params or quick.get("params", DemoConfig.params),
-        steps=args.steps or quick.get("steps", DemoConfig.steps),
-        batch_size=args.batch_size or quick.get("batch_size", DemoConfig.batch_size),
-        seq_len=args.seq_len or quick.get("seq_len", DemoConfig.seq_len),
+        params=_chosen(args, "params"),
+        steps=steps,
+        batch_size=_chosen(args, "batch_size"),
+        seq_len=_chosen(args, "seq_len"),
         lr=args.lr,
-        warmup=min(DemoConfig.warmup, max(1, (args.steps or quick.get("steps", DemoConfig.steps)) // 3)),
+        warmup=min(DemoConfig.warmup, max(1, steps // 3)),
         offload=args.offload,
         device=args.device,
         swap_parent=args.swap_dir,
         max_host_bytes=args.max_host_bytes,
         seed=args.seed,
-        threads=args.threads or quick.get("threads"),
+        threads=_chosen(args, "threads"),
     )
     if args.swap_dir is not None and not os.path.isdir(args.swap_dir):
         raise FileNotFoundError(2, "--swap-dir does not exist or is not a directory", args.swap_dir)
+    for option, path in (("--json", args.json), ("--plot", args.plot), ("--step-log", args.step_log)):
+        _check_writable_target(option, path)
     compare_steps = min(cfg.steps, DEFAULT_COMPARE) if args.compare_steps is None else args.compare_steps
     if not 0 <= compare_steps <= cfg.steps:
         raise ValueError(f"--compare-steps must be between 0 and --steps ({cfg.steps}), got {compare_steps}")
@@ -208,6 +211,33 @@ def run(args) -> int:
         return _run(args, cfg)
     finally:
         torch.set_num_threads(threads_before)  # the demo may run in-process (tests)
+
+
+def _chosen(args, name: str):
+    """The option as given, else --quick's value, else DemoConfig's default. Tested against
+    None: ``args.x or default`` turned ``--steps 0`` into a 30-step run."""
+    from offload.demo.train import DemoConfig
+
+    value = getattr(args, name)
+    if value is not None:
+        return value
+    return (QUICK if args.quick else {}).get(name, getattr(DemoConfig, name))
+
+
+def _check_writable_target(option: str, path: Optional[str]) -> None:
+    """Refuse an output file whose directory is missing or read-only before training, not
+    after minutes of it (``--json /nonexistent/x.json`` failed only at the end)."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise IsADirectoryError(21, f"{option}: a directory; name a file", path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(2, f"{option}: the directory for this file does not exist; create it "
+                                   "or name a file in an existing directory", path)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(13, f"{option}: cannot write in this file's directory; name a file in a "
+                                  "writable directory", path)
 
 
 def _run(args, cfg) -> int:
