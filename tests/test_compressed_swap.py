@@ -57,6 +57,19 @@ def test_plan_counts_packed_bytes():
         plan_sub_groups(10 * BIG, i8, 3 * 2 * packed_nbytes(BIG) - 1, BIG)
 
 
+@pytest.mark.parametrize("sub_group_size", [None, 4096, BIG])
+def test_host_budget_error_advises_no_smaller_int8_sub_group(sub_group_size):
+    # int8 sub-groups are at least BIG elements (a smaller one is rounded up), so the advice
+    # "or lower sub_group_size" failed the same way when followed
+    i8 = ADAM.with_state_dtype("int8").fields
+    with pytest.raises(ValueError, match=rf"raise max_host_bytes to at least \d+ \(sub_group_size is already "
+                                         rf"the smallest, {BIG} elements") as err:
+        plan_sub_groups(10 * BIG, i8, 1 << 20, sub_group_size)
+    assert "lower sub_group_size" not in str(err.value)
+    with pytest.raises(ValueError, match="or lower sub_group_size"):  # where a smaller one exists
+        plan_sub_groups(10 * BIG, i8, 1 << 20, 2 * BIG)
+
+
 # ---------------------------------------------------------------------------- the steps
 def _reference_step(kernel, rule, params, states, grads, step, hyper, stochastic=False):
     """The host store's scheme per param: whole params, seed of (step, param index), offset 0."""

@@ -95,8 +95,17 @@ def plan_sub_groups(numel: int, nstates: Union[int, Sequence[Union[str, StateFie
         raise ValueError(
             f"max_host_bytes={bound} cannot hold {need} pipeline buffers of one sub-group "
             f"({sg} elements x {len(fields)} {kinds} states = {region} bytes each, {need * region} in all); "
-            f"raise max_host_bytes to at least {need * region} or lower sub_group_size")
+            f"raise max_host_bytes to at least {need * region}{_smaller_sub_group_advice(sg, page)}")
     return sg, nbuf
+
+
+def _smaller_sub_group_advice(sg: int, page: int) -> str:
+    """Suggest a smaller sub_group_size only where there is one: a value under ``page`` is
+    rounded up to it (262144 elements with int8 states, so that advice failed the same way)."""
+    if sg > page:
+        return " or lower sub_group_size"
+    return (f" (sub_group_size is already the smallest, {page} elements: a smaller one is rounded up "
+            f"to keep transfers O_DIRECT-aligned)")
 
 
 def zero_state(field: StateField, t: torch.Tensor) -> None:
