@@ -87,6 +87,13 @@ def test_parse_bytes_refuses_non_finite():
     assert parse_bytes("1.5K") == 1536
 
 
+def test_load_tuning_names_a_binary_file(tmp_path):
+    path = tmp_path / "tune.json"
+    path.write_bytes(b"\xa1\xff\x00binary")
+    with pytest.raises(ValueError, match=f"{path}: not a JSON tuning file: not UTF-8 text"):
+        load_tuning(path)
+
+
 def test_parse_bytes_is_exact_and_bounded():
     # float() would round 2**62 - 1 up to 2**62 and 2**63 - 1 up to 2**63
     assert parse_bytes(str((1 << 62) - 1)) == (1 << 62) - 1

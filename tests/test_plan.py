@@ -856,3 +856,17 @@ def test_pinned_split_in_the_plan_follows_buffer_tiers():
     # planning a CPU-only host: the same bytes, all pageable
     plan = estimate(n, offload="cpu", param_dtype="bf16", cuda=False)
     assert plan.optimizer_bytes == {"device": 0, "pinned": 0, "pageable": 16 * n, "nvme": 0}
+
+
+@pytest.mark.parametrize("option,expected", [
+    ("--model-config", "not a JSON text file"),
+    ("--adam-bench", "not a text file"),
+    ("--io-tune", "not a text file"),
+])
+def test_plan_names_an_input_file_that_is_not_text(tmp_path, option, expected):
+    # A UnicodeDecodeError alone: "error: 'utf-8' codec can't decode byte 0xa1 ...", no file named.
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\xa1\xff\x00binary")
+    params = [] if option == "--model-config" else ["--params", "1B"]
+    rc, _, err = _cli("plan", "--no-probe", "--offload", "nvme", *params, option, str(path))
+    assert rc == 1 and f"{path}: {expected}" in err, err

@@ -118,3 +118,11 @@ def test_summary_of_rows_read_back_is_unchanged_by_the_checks(tmp_path):
     s = summarize_step_log(rows)
     assert s["step_s_mean"] == pytest.approx(0.012, rel=1e-12)
     assert s["peak_bytes"]["nvme"] == 1 << 20
+
+
+def test_a_binary_file_is_named_as_not_a_step_log(tmp_path):
+    # A UnicodeDecodeError alone: "error: 'utf-8' codec can't decode byte 0xa1 ...", no file named.
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\xa1\xff\x00binary")
+    rc, _, err = _cli("report", str(path))
+    assert rc == 1 and f"{path}: not a step log: not UTF-8 text" in err and "Traceback" not in err, err

@@ -68,6 +68,9 @@ def load_tuning(path: "str | os.PathLike[str]") -> IOConfig:
             data = json.load(fh)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not a JSON tuning file: {exc}") from None
+        except UnicodeDecodeError as exc:  # alone it named neither the file nor what it should be
+            raise ValueError(f"{path}: not a JSON tuning file: not UTF-8 text ({exc.reason} at byte "
+                             f"{exc.start}); write one with `offload bench-io --tune FILE`") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a tuning file is a JSON object, got {type(data).__name__}")
     unknown = sorted(set(data) - set(_REQUIRED) - set(_OPTIONAL))

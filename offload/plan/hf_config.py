@@ -38,6 +38,9 @@ def load_hf_config(path: Union[str, "os.PathLike[str]"]) -> dict:
             data = json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    except UnicodeDecodeError as exc:  # alone it named neither the file nor what it should be
+        raise ValueError(f"{path}: not a JSON text file ({exc.reason} at byte {exc.start}); expected a "
+                         "Hugging Face config.json") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

@@ -46,8 +46,12 @@ def _read_json_any(path: str) -> Any:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "rates file not found", path)
-    with open(path, "r", encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:  # alone it named neither the file nor what it should be
+        raise ValueError(f"{path}: not a text file ({exc.reason} at byte {exc.start}); expected JSON, "
+                         "or a benchmark's output ending with a JSON line") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError:

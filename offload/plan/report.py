@@ -292,11 +292,15 @@ def read_step_log(path: "str | os.PathLike[str]") -> List[Dict[str, Any]]:
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "step log not found", path)
     rows = []
-    with open(path, "r", encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, 1):
-            row = _parse_line(path, lineno, raw)
-            if row is not None:
-                rows.append(row)
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            for lineno, raw in enumerate(f, 1):
+                row = _parse_line(path, lineno, raw)
+                if row is not None:
+                    rows.append(row)
+    except UnicodeDecodeError as exc:  # alone it named neither the file nor what it should be
+        raise ValueError(f"{path}: not a step log: not UTF-8 text ({exc.reason}); "
+                         "expected the JSON lines written by StepLogger or `offload demo --step-log`") from None
     return rows
 
 
