@@ -109,16 +109,15 @@ inline void q8_search(const float *tree, const __m256 (&r)[4], const __m256 (&xn
     }
 }
 
-// 8 codes by the bucket table ([Note: bucketed encoder] in q8_buckets.h): the key and the
-// bucket's word gathered, one unsigned compare (max + equal: AVX2 has no unsigned compare);
-// quant_scalar.h's q8_code_bucket lane-wise. The low byte of each lane is the code.
-inline __m256i bucket_codes(const Q8Buckets &bk, __m256 xn) {
-    const __m256i xb = _mm256_castps_si256(xn);
-    __m256i ac = _mm256_and_si256(xb, _mm256_set1_epi32(0x7FFFFFFF));
-    ac = _mm256_min_epu32(_mm256_max_epu32(ac, _mm256_set1_epi32(96 << 23)), _mm256_set1_epi32(0x3FFFFFFF));
-    const __m256i ki = _mm256_add_epi32(_mm256_sub_epi32(_mm256_srli_epi32(ac, 23), _mm256_set1_epi32(96)),
-                                        _mm256_slli_epi32(_mm256_srli_epi32(xb, 31), 5));
-    const __m256i kw = lookup8(bk.key, ki);
+// |xn|'s bits held to [2^-31, 2): what indexes the tables (quant_scalar.h's q8_code_bucket).
+inline __m256i held_magnitude(__m256i xb) {
+    const __m256i ac = _mm256_and_si256(xb, _mm256_set1_epi32(0x7FFFFFFF));
+    return _mm256_min_epu32(_mm256_max_epu32(ac, _mm256_set1_epi32(96 << 23)), _mm256_set1_epi32(0x3FFFFFFF));
+}
+
+// The codes of xn (bits xb, held magnitude ac) from their keys kw: the bucket's word loaded,
+// one unsigned compare of rel(xn) with its cut (max + equal: AVX2 has no unsigned compare).
+inline __m256i codes_of_keys(const Q8Buckets &bk, __m256i xb, __m256i ac, __m256i kw) {
     const __m256i shift = _mm256_and_si256(kw, _mm256_set1_epi32(31));
     const __m256i b = _mm256_add_epi32(_mm256_srlv_epi32(ac, shift), _mm256_srai_epi32(kw, 5));
     const __m256i w = lookup8(reinterpret_cast<const int32_t *>(bk.word), b);
@@ -127,6 +126,15 @@ inline __m256i bucket_codes(const Q8Buckets &bk, __m256 xn) {
     const __m256i cut = _mm256_andnot_si256(_mm256_set1_epi32(0xFF), w);
     const __m256i up = _mm256_cmpeq_epi32(_mm256_max_epu32(rel, cut), rel);  // rel >= cut: -1
     return _mm256_sub_epi32(w, up);
+}
+
+// 8 codes by the bucket table ([Note: bucketed encoder] in q8_buckets.h): the key looked up, then
+// codes_of_keys; // quant_scalar.h's q8_code_bucket lane-wise. The low byte of each lane is the code.
+inline __m256i bucket_codes(const Q8Buckets &bk, __m256 xn) {
+    const __m256i xb = _mm256_castps_si256(xn), ac = held_magnitude(xb);
+    const __m256i ki = _mm256_add_epi32(_mm256_sub_epi32(_mm256_srli_epi32(ac, 23), _mm256_set1_epi32(96)),
+                                        _mm256_slli_epi32(_mm256_srli_epi32(xb, 31), 5));
+    return codes_of_keys(bk, xb, ac, lookup8(bk.key, ki));
 }
 
 // The shared table's 32 positive keys in 4 registers ([Note: sign-shared keys] in
@@ -148,9 +156,7 @@ inline __m256i blend_by_sign(__m256i a, __m256i b, __m256i sign) {
 // (bits 0-2 by the permute, bits 3 and 4 by blends), plus neg_key where xn < 0; the same
 // words, so the same codes.
 inline __m256i shared_bucket_codes(const Q8Buckets &bk, const Q8SharedKeys &keys, __m256 xn) {
-    const __m256i xb = _mm256_castps_si256(xn);
-    __m256i ac = _mm256_and_si256(xb, _mm256_set1_epi32(0x7FFFFFFF));
-    ac = _mm256_min_epu32(_mm256_max_epu32(ac, _mm256_set1_epi32(96 << 23)), _mm256_set1_epi32(0x3FFFFFFF));
+    const __m256i xb = _mm256_castps_si256(xn), ac = held_magnitude(xb);
     const __m256i e = _mm256_srli_epi32(ac, 23);  // 96..127: the permute reads its low 3 bits
     const __m256i b3 = _mm256_slli_epi32(e, 28), b4 = _mm256_slli_epi32(e, 27);
     const __m256i lo = blend_by_sign(_mm256_permutevar8x32_epi32(keys.k[0], e),
@@ -159,14 +165,7 @@ inline __m256i shared_bucket_codes(const Q8Buckets &bk, const Q8SharedKeys &keys
                                      _mm256_permutevar8x32_epi32(keys.k[3], e), b3);
     const __m256i kw = _mm256_add_epi32(blend_by_sign(lo, hi, b4),
                                         _mm256_and_si256(_mm256_srai_epi32(xb, 31), keys.neg));
-    const __m256i shift = _mm256_and_si256(kw, _mm256_set1_epi32(31));
-    const __m256i b = _mm256_add_epi32(_mm256_srlv_epi32(ac, shift), _mm256_srai_epi32(kw, 5));
-    const __m256i w = lookup8(reinterpret_cast<const int32_t *>(bk.word), b);
-    const __m256i rel = _mm256_sllv_epi32(_mm256_xor_si256(xb, _mm256_srai_epi32(xb, 31)),
-                                          _mm256_sub_epi32(_mm256_set1_epi32(32), shift));
-    const __m256i cut = _mm256_andnot_si256(_mm256_set1_epi32(0xFF), w);
-    const __m256i up = _mm256_cmpeq_epi32(_mm256_max_epu32(rel, cut), rel);  // rel >= cut: -1
-    return _mm256_sub_epi32(w, up);
+    return codes_of_keys(bk, xb, ac, kw);
 }
 
 inline __m128i low_bytes(__m256i c) {
