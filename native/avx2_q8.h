@@ -128,8 +128,8 @@ inline __m256i codes_of_keys(const Q8Buckets &bk, __m256i xb, __m256i ac, __m256
     return _mm256_sub_epi32(w, up);
 }
 
-// 8 codes by the bucket table ([Note: bucketed encoder] in q8_buckets.h): the key looked up, then
-// codes_of_keys; // quant_scalar.h's q8_code_bucket lane-wise. The low byte of each lane is the code.
+// 8 codes by the bucket table ([Note: bucketed encoder] in q8_buckets.h): the key looked up,
+// then codes_of_keys (quant_scalar.h's q8_code_bucket lane-wise; the low byte is the code).
 inline __m256i bucket_codes(const Q8Buckets &bk, __m256 xn) {
     const __m256i xb = _mm256_castps_si256(xn), ac = held_magnitude(xb);
     const __m256i ki = _mm256_add_epi32(_mm256_sub_epi32(_mm256_srli_epi32(ac, 23), _mm256_set1_epi32(96)),
