@@ -165,7 +165,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         if getattr(self._store, "kind", None) == "host":
             self._store.settle()  # encoded as the states are stored (state_dtype)
             return
-        names, resumed = self.state_names(), getattr(self._store, "resumed", False)
+        names, resumed = self.state_names(), bool(optional(self._store, "resumed"))
         for p in self._all_params():
             st = self.state.get(p)
             seed = {k: st.pop(k) for k in names if st and k in st}

@@ -81,6 +81,8 @@ OPTIONAL: Dict[str, str] = {
     "end_load": "() -> None: load_state_dict is over, done or failed: drop what before_load kept",
     "drop_released_grads": "() -> None: forget the grads backward released to the host (release_grads): "
                            "called by opt.zero_grad() and after each step()",
+    "resumed": "bool (a property): the states came from a swap directory a previous run left (resume=); "
+               "the constructor's initial states then do not replace them",
 }
 """The methods only some stores have, and the contract of each (the optimizer falls back
 to torch's behaviour, or refuses with a clear error, where a store lacks one)."""

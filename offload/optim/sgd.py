@@ -25,6 +25,7 @@ import torch
 
 from offload.kernels.fields import SGD as SGD_RULE, SGD_PLAIN, Rule
 from offload.optim.base import RuleOptimizer
+from offload.optim.protocol import optional
 from offload.optim.rule_options import check_flags, check_lr, check_nonneg, to_float
 from offload.optim.step_guard import store_step
 
@@ -60,7 +61,7 @@ class SGD(RuleOptimizer):
                         differentiable=differentiable, fused=fused)
         self._buf_started: Set[int] = set()  # id(p) of the flat / swapped stores' started buffers
         super().__init__(params, defaults, **offload_kwargs)
-        if getattr(self._store, "resumed", False):  # states from a previous run's swap files
+        if optional(self._store, "resumed"):  # states from a previous run's swap files
             self._buf_started = self._started_by_steps()
 
     def _started_by_steps(self) -> Set[int]:
