@@ -92,7 +92,8 @@ def params_fingerprint(opt: Any) -> str:
     for group in opt.param_groups:
         for p in group["params"]:
             flat = p.detach().reshape(-1)
-            n = flat.numel()
+            n = flat.numel() if flat.device.type != "meta" else 0  # a placeholder has no values
+            flat = flat if n else flat.new_empty(0, device="cpu")
             idx = torch.linspace(0, max(n - 1, 0), steps=min(n, 16)).round().long().to(flat.device)
             sample = flat[idx].to(device="cpu", dtype=torch.float32).numpy().tobytes()
             crc = zlib.crc32(struct.pack("<q", n) + sample, crc)
