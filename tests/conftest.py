@@ -38,7 +38,7 @@ _NO_KERNEL = {
     "test_plan", "test_plan_slots", "test_readme", "test_report_cli", "test_report_robust",
     "test_swap_clean", "test_swap_pipeline", "test_swap_store", "test_wheel",
     "test_agreement", "test_swap_session", "test_state_fields", "test_step_context", "test_report_append",
-    "test_kernel_bits",
+    "test_kernel_bits", "test_uring_native",
 }
 
 
@@ -65,6 +65,7 @@ _KERNEL_INCIDENTAL = {
     "test_host_checkpoint_packed", "test_stateless_checkpoint", "test_manifest_checksum", "test_swap_manifest_seal", "test_hf_groups_seal",
     "test_shard_cuda",  # stage 3's emulated streams; each gloo rank would JIT the numba kernels again (~25 s)
     "test_state_dict_hooks", "test_exact_reencode",  # state_dict layouts and the load encoder (torch code)
+    "test_hf_checkpoint_crash", "test_rules_resume", "test_params_written", "test_state_assign",
 }
 # ...and the numba kernels' own compressed tests, which pick numba by name: the numba pass only.
 _NUMBA_BY_NAME = {"test_numba_compressed", "test_numba_zero_division"}

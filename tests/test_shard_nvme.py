@@ -114,8 +114,8 @@ def test_params_on_nvme_equal_params_in_ram(pools, world, case):
 def test_ranks_can_share_one_swap_dir(pools, tmp_path):
     """Params and states on NVMe, two ranks, one swap_dir (a DeepSpeed config's one nvme_path):
     each rank's optimizer directory is named by its rank (both took rank 0's: rank 1 failed)."""
-    ram = _run(pools, 2, offload_params="cpu", states="nvme")
-    shared = _run(pools, 2, offload_params="nvme", states="nvme", shared_parent=str(tmp_path))
+    ram = _run(pools, 2, offload_params="cpu", states="nvme", steps=2)
+    shared = _run(pools, 2, offload_params="nvme", states="nvme", shared_parent=str(tmp_path), steps=2)
     for r, d in zip(ram, shared):
         _same(d["params"], r["params"])
     assert os.listdir(tmp_path) == []  # every rank removed its own directories
