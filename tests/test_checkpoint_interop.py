@@ -85,6 +85,9 @@ def test_a_checkpoint_of_the_other_kind_is_named_in_the_error(tmp_path):
         with pytest.raises(ValueError, match=r"the checkpoint holds (master \(float32\), )?exp_avg \(float32\), "
                            r"exp_avg_sq \(float32\): .*this optimizer keeps"):
             target.load_checkpoint(str(tmp_path / source))
+    # the flat store's checkpoint of fp32 CPU params into a stage-0 optimizer: says how to load it
+    with pytest.raises(ValueError, match=r"fp32 CPU params: pass stage=1 or 2"):
+        plain.load_checkpoint(str(tmp_path / "flat"))
     flat.load_checkpoint(str(tmp_path / "flat"))  # each still loads its own
     plain.load_checkpoint(str(tmp_path / "plain"))
     flat.close()

@@ -80,6 +80,10 @@ BENCH_BAD = [
     ("--queue-depth", "0", ">= 1"),
     ("--queue-depth", "8,1e400", "whole number"),
     ("--queue-depth", "99999999999", "io_uring's largest ring"),
+    ("--queue-depth", "8,32,8", "8 given more than once"),  # a row twice in one table
+    ("--block-size", "1M,1024K", "1048576 given more than once"),
+    ("--engine", "uring,threads,uring", "uring given more than once"),
+    ("--rw", "read,read", "read given more than once"),
     ("--loops", "0", ">= 1"),
     ("--loops", "abc", "whole number"),
 ]
@@ -92,6 +96,13 @@ def test_bench_io_numeric_options_are_usage_errors(tmp_path, option, value, frag
     assert f"argument {option}: " in err and fragment in err, err
     assert "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # refused before the test file was made
+
+
+def test_bench_io_refuses_an_empty_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _cli("bench-io", "--dir", "", "--size", "1M")
+    assert rc == 2 and "argument --dir: an empty path" in err, (rc, err)
+    assert list(tmp_path.iterdir()) == []  # the current directory was not measured
 
 
 @pytest.mark.parametrize("option,value,fragment", [

@@ -33,10 +33,20 @@ def _list(parse):
         if not items:
             raise argparse.ArgumentTypeError("empty list")
         try:
-            return [parse(x.strip()) for x in items]
+            values = [parse(x.strip()) for x in items]
         except (ValueError, argparse.ArgumentTypeError) as exc:
             raise argparse.ArgumentTypeError(str(exc))
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:  # a row measured twice in one table is a typo, not a measurement
+            raise argparse.ArgumentTypeError(f"{', '.join(twice)} given more than once")
+        return values
     return f
+
+
+def _directory(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: name the directory to measure")
+    return text
 
 
 # io_uring refuses rings of more entries (IORING_MAX_ENTRIES), and the sweep keeps 2 x QD
@@ -60,7 +70,8 @@ def _engine(x: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", required=True, help="directory to measure (the test file is created there)")
+    p.add_argument("--dir", required=True, type=_directory,
+                   help="directory to measure (the test file is created there)")
     p.add_argument("--size", type=byte_size(minimum=1), default=1 << 30, help="test file size, e.g. 4GiB (default 1GiB)")
     p.add_argument("--rw", type=_list(_rw), default=["read", "write"], help="read,write (default both)")
     p.add_argument("--block-size", type=_list(byte_size(minimum=1)), default=[1 << 20], help="e.g. 128K,1M,8M (default 1M)")

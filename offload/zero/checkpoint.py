@@ -143,9 +143,14 @@ def _flat_meta(directory: str, mine: List[List[int]],
     theirs = checkpoint_fields(manifest)
     # first: the other kind of store groups its params otherwise too
     if theirs != tuple(fields) and not recodes(theirs, fields):
+        hint = ""
+        if any(f.name == "master" for f in theirs) and not any(f.name == "master" for f in fields):
+            # fp32 CPU params at stage 0 keep no master; stage 1 or 2 takes the flat store,
+            # whatever the world size (one process included)
+            hint = " (fp32 CPU params: pass stage=1 or 2, as the job that saved it ran, in any world size)"
         raise ValueError(f"{directory}: the checkpoint holds {_describe(theirs)}; this optimizer keeps "
-                         f"{_describe(fields)}: load it with an optimizer of the kind that saved it (the same "
-                         "state_dtype / master_dtype); to convert, move its state_dict() (float32, torch's "
+                         f"{_describe(fields)}: load it with an optimizer of the kind that saved it{hint} (the "
+                         "same state_dtype / master_dtype); to convert, move its state_dict() (float32, torch's "
                          "layout) into this one with load_state_dict()")
     first = manifest.get("meta", {})
     old_world = int(first.get("world", 0))
