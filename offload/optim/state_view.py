@@ -97,12 +97,16 @@ def _piece(store: Any, p: torch.Tensor):
     return fg, piece, piece.lo - start, piece.hi - start
 
 
+def _closed_store(st: Any, param: Any) -> bool:
+    return st is None or param is None or getattr(st, "_closed", False)
+
+
 def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[torch.Tensor]]:
     ref, pref = weakref.ref(store), weakref.ref(p)
 
     def read(key: str) -> Optional[torch.Tensor]:
         st, param = ref(), pref()
-        if st is None or param is None or getattr(st, "_closed", False):
+        if _closed_store(st, param):
             return None
         if param.numel() == 0:  # no bytes in the swap files; torch's state holds empty moments
             return torch.zeros(param.shape, dtype=torch.float32)
@@ -115,10 +119,6 @@ def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[tor
         return vals.view(param.shape) if piece.numel == param.numel() else vals
 
     return read
-
-
-def _closed_store(st: Any, param: Any) -> bool:
-    return st is None or param is None or getattr(st, "_closed", False)
 
 
 def _swapped_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
