@@ -6,6 +6,7 @@ p.grad's stand-in follows torch's zero_grad rules; bad input.
 offload/shard/tier.py say what is checked here."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -198,6 +199,48 @@ def test_shard_values_round_trip(tmp_path):
 
 
 # ---------------------------------------------------------------------- kill -9 and resume
+def job_resumable(group, *, parent, first, steps, resume, leave):
+    """Params and states on NVMe in one swap_dir for every rank; train steps [first, first +
+    steps); the gathered params. ``leave``: the states' directories stay as a kill leaves them."""
+    import _internals as internals
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    model = offload.shard(base._model(), process_group=group, offload_params="nvme", swap_dir=parent)
+    opt = offload.AdamW(model.parameters(), offload="nvme", swap_dir=parent, resume=resume, **base.HP)
+    for step in range(first, first + steps):
+        base._loss(model, step, 0, world, rank, {}).float().backward()
+        opt.step()
+        opt.zero_grad()
+    out = gathered_params(model)
+    if leave:
+        sw = opt._store._inner._swap
+        sw._finalizer.detach()
+        sw.pipeline.close()
+        sw.store.close(remove=False)
+    else:
+        opt.close()
+    runtime_of(model).tier.close()
+    return out
+
+
+def test_stage3_ranks_killed_between_their_commits_resume_at_the_step_all_hold(pools, tmp_path):
+    # [Note: a rank one step ahead]: rank 1's states as a kill before its commit of step 3
+    # left them (step 2), rank 0 committed step 3 and goes back to step 2
+    parent = tmp_path / "swap"
+    parent.mkdir()
+    run = functools.partial(pools(2).run, "test_shard_nvme:job_resumable", parent=str(parent))
+    whole = run(first=0, steps=4, resume=False, leave=False)
+    run(first=0, steps=2, resume=False, leave=True)
+    shutil.copytree(parent / "offload-flat.rank1", tmp_path / "rank1-at-step-2")
+    run(first=2, steps=1, resume=True, leave=True)
+    shutil.rmtree(parent / "offload-flat.rank1")
+    os.rename(tmp_path / "rank1-at-step-2", parent / "offload-flat.rank1")
+    resumed = run(first=2, steps=2, resume=True, leave=False)
+    for got, ref in zip(resumed, whole):
+        _same(got, ref)
+    assert os.listdir(parent) == []
+
+
 _TRAIN = r"""
 import os, signal, sys, torch
 sys.path.insert(0, {tests!r})

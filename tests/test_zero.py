@@ -410,10 +410,12 @@ def job_error_of(group, job, **kwargs):
 
 
 def job_check_steps(group, steps):
-    """comm.check_same_step with this rank's entry of ``steps``."""
+    """comm.agree_on_step with this rank's entry of ``steps``: its step, or (step, previous step)."""
     from offload.zero import comm
 
-    comm.check_same_step(steps[dist.get_rank(group)], "resuming", group)
+    mine = steps[dist.get_rank(group)]
+    step, previous = mine if isinstance(mine, (tuple, list)) else (mine, None)
+    return comm.agree_on_step(step, previous, "resuming", group)
 
 
 def job_bf16_locked(group, stage, steps, swap_dir=None):
@@ -704,6 +706,25 @@ def test_nvme_resume_on_3_ranks(pool, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_job_killed_between_the_ranks_commits_resumes_at_the_step_all_ranks_hold(pool, tmp_path, caplog):
+    # [Note: a rank one step ahead]: rank 1's directory as a kill before its commit of step 3
+    # left it (step 2), ranks 0 and 2 committed step 3; they go back to step 2 and the run
+    # goes on as if step 3 had never been taken.
+    import shutil
+
+    pool.run("job_train", 3, stage=2, steps=2, swap_dir=str(tmp_path), leave_swap=True)
+    shutil.copytree(tmp_path / "offload-flat.rank1", tmp_path / "rank1-at-step-2")
+    pool.run("job_train", 3, stage=2, steps=1, first_step=2, swap_dir=str(tmp_path), resume=True, leave_swap=True)
+    shutil.rmtree(tmp_path / "offload-flat.rank1")
+    os.rename(tmp_path / "rank1-at-step-2", tmp_path / "offload-flat.rank1")
+    res = pool.run("job_train", 3, stage=2, steps=2, first_step=2, swap_dir=str(tmp_path), resume=True,
+                   start_model=_model(seed=7).state_dict())
+    ref, _ = _reference(4, world=3)
+    for r in res:
+        _assert_params(r["params"], ref)
+    assert os.listdir(tmp_path) == []
+
+
 def test_swap_failure_on_one_rank_applies_the_step_on_no_rank(pool, tmp_path):
     # [Note: ranks vote before commit]: rank 1's disk fails mid-step; ranks 0 and 2 must not
     # hang in the all-gather nor commit a step rank 1 lost. All three raise, keep the params
@@ -837,6 +858,17 @@ def test_ranks_whose_swap_files_hold_different_steps_are_refused_together(pool):
     assert all(r.startswith("ValueError: resuming: the ranks' swap files hold different steps "
                             "(rank 0: step 2, rank 1: step 3)") for r in res), res
     assert pool.run("job_error_of", 3, job="job_check_steps", steps=[4, None, 4]) == [None] * 3
+    # a rank ahead by one that no longer holds the others' step, or ranks two steps apart: refused
+    for steps in ([(2, None), (3, 1), None], [(2, 1), (4, 3), (2, 1)], [(3, 2), (2, None), (1, 0)]):
+        res = pool.run("job_error_of", 3, job="job_check_steps", steps=steps)
+        assert all(r and "hold different steps" in r for r in res), (steps, res)
+
+
+def test_a_rank_one_step_ahead_that_still_holds_the_step_before_goes_back(pool):
+    # killed between the ranks' commits: the ranks ahead agree on the step the others hold
+    assert pool.run("job_check_steps", 3, steps=[(3, 2), (2, 1), None]) == [2, 2, None]
+    assert pool.run("job_check_steps", 3, steps=[(2, 1), (3, 2), (3, 2)]) == [2, 2, 2]
+    assert pool.run("job_check_steps", 3, steps=[(5, 4), (5, 4), (5, 5)]) == [5, 5, 5]  # same step: as they are
 
 
 def test_ddp_wrapped_model_with_grads_already_averaged(pool):

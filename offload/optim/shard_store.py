@@ -79,13 +79,24 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
 
 def _check_resumed_steps(inner: Any, group: Any, swap_dir: Any) -> None:
     """The ranks' resumed swap files must hold one step (each rank's store is its own here:
-    nothing else compares them); else every rank raises, the directories kept."""
-    swap = getattr(inner, "_swap", None)  # the flat store's; SwappedState's is its store
-    store = swap.store if swap is not None else getattr(inner, "store", None)
+    nothing else compares them), a rank one step ahead going back to the others' ([Note: a
+    rank one step ahead] in swap/agreement.py); else every rank raises, the directories kept."""
+    from offload.optim.flat.swapped import agree_on_resumed_step, params_from_swap
+
+    flat = hasattr(inner, "_swap")  # the flat store's SwappedShards; SwappedState's is its core
+    swap = inner._swap if flat else getattr(inner, "core", None)
+
+    def reset() -> None:  # what the inner store read from the step it went back from
+        if flat:
+            inner._set_steps(swap.resumed_extra.get("steps") or [])
+            params_from_swap(inner)  # this rank's shards only (the inner store is one rank's)
+        else:
+            inner._set_counts(swap.store.extra["steps"])
+
     try:
-        comm.check_same_step(getattr(store, "step", None), f"resuming the swap files in {swap_dir!r}", group)
+        agree_on_resumed_step(swap, group, swap_dir, reset)
     except BaseException:
-        inner.close(keep_swap=True) if store is not None else inner.close()
+        inner.close(keep_swap=True) if swap is not None else inner.close()
         raise
 
 

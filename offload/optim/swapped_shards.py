@@ -47,7 +47,7 @@ from offload.swap.manifest_check import check_committed, check_steps
 from offload.swap.runs import make_identity, open_store
 from offload.zero.checkpoint import IN_PLACE_FIELDS, SHARD_FIELDS
 
-__all__ = ["SwappedShards", "WorkItem", "Output", "flat_identity", "SHARD_FIELDS", "IN_PLACE_FIELDS"]
+__all__ = ["SwappedShards", "WorkItem", "Output", "SHARD_FIELDS", "IN_PLACE_FIELDS"]
 
 
 class WorkItem(NamedTuple):
@@ -92,12 +92,6 @@ def close_quietly(pipeline: SwapPipeline, store: SwapStore) -> None:
         pipeline.close()
     finally:
         store.close()
-
-
-def flat_identity(world: int, rank: int, groups: Sequence[Any]) -> Dict[str, Any]:
-    """What must match on resume (world, rank, each param's numel, shape and dtype): runs.py."""
-    return {"kind": "flat", "world": world, "rank": rank, "groups": [list(fg.layout.numels) for fg in groups],
-            "shapes": [[[*p.shape, str(p.dtype)] for p in fg.params] for fg in groups]}
 
 
 class SwappedShards:
@@ -478,6 +472,12 @@ class SwappedShards:
             return f"this rank's commit was undone: the swap files still hold step {self.store.step}"
 
         all_or_none(prepare, commit, undo, "load_checkpoint", vote)
+
+    def roll_back(self) -> None:
+        """Back to the commit before the last, whose data the free slots still hold: at resume,
+        when the other ranks hold that step ([Note: a rank one step ahead] in swap/agreement.py)."""
+        self._cache.invalidate()
+        self.store.undo_commit()
 
     # ------------------------------------------------------------------ reporting, closing
     def memory_report(self) -> Dict[str, int]:

@@ -19,6 +19,17 @@ data is still in the other slots). Every rank votes the same number of times: on
 first vote fails, twice otherwise, and a rank with nothing to do votes the same way
 (:func:`idle_votes`).
 
+[Note: a rank one step ahead] The votes make a step all-or-none against failures that raise;
+a ``kill -9`` (or a power loss) between two ranks' commits still leaves one rank's manifest at
+step N+1 and another's at N. The rank ahead cannot have written anything since: it waits in
+the second vote (stages 1-2), or in the next forward's all-gather (stage 3), for the rank that
+died. So its free slots still hold step N, and each manifest also records the commit before
+its last (``previous``: slots, valid, checksums, step, extra) for as long as nothing has been
+written into the free slots (``SwapStore.write_requests`` forgets it). At resume the ranks
+compare their steps (``offload.zero.comm.agree_on_step``): when they differ by one and every
+rank ahead still holds the others' step, those ranks go back to it (``SwapStore.undo_commit``,
+with a warning) and every rank resumes at N; any other difference is refused on every rank.
+
 The collective itself (``offload.zero.comm.failed_ranks`` bound to a process group) stays
 with the layer that owns ``torch.distributed``; this layer takes it as a ``Vote`` callable,
 ``None`` for a single rank (then every vote trivially passes and nothing is exchanged).

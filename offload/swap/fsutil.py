@@ -33,10 +33,21 @@ from typing import Any, Dict, Optional, Tuple
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
     "write_json_atomic", "read_json", "SEAL", "sealed", "unsealed", "LOAD_ADVICE", "SAVE_ADVICE", "RESUME_ADVICE", "fsync_dir", "remove_private_dir", "free_bytes",
-    "DirectoryBusy", "NotOurs",
+    "DirectoryBusy", "NotOurs", "private_dir_name",
 ]
 
 LOCK_NAME = "lock"
+DIR_PREFIX = "offload-"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def private_dir_name(run_name: str, rank: int) -> str:
+    """The name of run ``run_name``'s private swap directory for ``rank``."""
+    if not _NAME_RE.match(run_name) or run_name.startswith("."):
+        raise ValueError(f"run_name must be 1-64 characters of [A-Za-z0-9_.-], got {run_name!r}")
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    return f"{DIR_PREFIX}{run_name}.rank{rank}"
 SEAL = "manifest_crc32"
 """The key of a manifest's own crc32 ([Note: sealed manifests])."""
 

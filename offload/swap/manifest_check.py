@@ -8,16 +8,24 @@ KeyError at resume or an IndexError deep inside a later step.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from offload.kernels.fields import StateField
 
-__all__ = ["check_manifest", "check_steps", "check_committed"]
+__all__ = ["VERIFY_BLOCK", "block_checksums", "check_manifest", "check_steps", "check_committed", "previous_commit", "previous_json"]
 
 _UINT32 = 1 << 32
+VERIFY_BLOCK = 1 << 20
 _FP32 = StateField("state").itemsize  # a manifest written before typed fields holds fp32 states only
+
+
+def block_checksums(view: memoryview, nbytes: int) -> List[int]:
+    """crc32 of each VERIFY_BLOCK piece of the first ``nbytes`` of ``view`` (zlib releases the
+    GIL on large buffers): what a manifest's checksums hold."""
+    return [zlib.crc32(view[i:min(i + VERIFY_BLOCK, nbytes)]) for i in range(0, nbytes, VERIFY_BLOCK)]
 
 
 def _bad(path: str, field: str, what: str) -> ValueError:
@@ -73,6 +81,44 @@ def check_manifest(m: Any, path: str, *, nstates: int, verify_block: int,
     ident = m.get("identity")
     if ident is not None and not (isinstance(ident, dict) and isinstance(ident.get("digest"), str)):
         raise _bad(path, "identity", f"must be an object with a digest, got {ident!r:.80}")
+    if m.get("previous") is not None:
+        _check_previous(m, path, list(fields), verify_block)
+
+
+def _check_previous(m: Dict[str, Any], path: str, fields: List[StateField], verify_block: int) -> None:
+    """The commit before the last ([Note: a rank one step ahead] in agreement.py): the same
+    fields as the manifest's own, for the same sub-groups, at most its step."""
+    prev = m["previous"]
+    if not isinstance(prev, dict):
+        raise _bad(path, "previous", f"must be an object or null, got {type(prev).__name__}")
+    for field, kind, what in (("step", int, "an integer"), ("slots", list, "a list"), ("valid", list, "a list"),
+                              ("extra", dict, "an object")):
+        if not (_is_int(prev.get(field)) if kind is int else isinstance(prev.get(field), kind)):
+            raise _bad(path, f"previous.{field}", f"must be {what}, got {prev.get(field)!r:.80}")
+    if not 0 <= prev["step"] <= m["step"]:
+        raise _bad(path, "previous.step", f"must be in [0, {m['step']}], got {prev['step']}")
+    groups = len(m["ranges"])
+    _check_list(prev["slots"], groups, path, "previous.slots", lambda s: _is_int(s) and s in (0, 1), "0 or 1")
+    _check_list(prev["valid"], groups, path, "previous.valid", lambda v: isinstance(v, bool), "true or false")
+    _check_checksums(prev.get("checksums"), m["ranges"], path, fields, verify_block)
+
+
+def previous_commit(m: Dict[str, Any]) -> Optional[Tuple[List[int], List[bool], Dict[int, Any], int, Dict[str, Any]]]:
+    """(slots, valid, checksums, step, extra) of a checked manifest's commit before the last,
+    or None (none recorded, or its data overwritten since)."""
+    prev = m.get("previous")
+    if prev is None:
+        return None
+    sums = {int(k): v for k, v in (prev.get("checksums") or {}).items()}
+    return list(prev["slots"]), list(prev["valid"]), sums, prev["step"], dict(prev["extra"])
+
+
+def previous_json(before: Tuple[List[int], List[bool], Dict[int, Any], int, Dict[str, Any]],
+                  verify: bool) -> Dict[str, Any]:
+    """The manifest's ``previous`` for :func:`previous_commit`."""
+    slots, valid, sums, step, extra = before
+    return {"step": step, "slots": slots, "valid": valid, "extra": extra,
+            "checksums": {str(k): v for k, v in sums.items()} if verify else None}
 
 
 def _check_list(xs: List[Any], n: int, path: str, field: str, ok: Any, what: str) -> None:

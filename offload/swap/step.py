@@ -129,7 +129,7 @@ class StepSession(SwapSession):
             # The vote itself failed (a peer died: the collective's error): this rank cannot
             # know whether the others committed. A peer that died before its commit is the
             # likely case, and leaves the step before on its files: undo ours to match (a resume
-            # refuses ranks whose steps still differ: comm.check_same_step).
+            # goes back or refuses: [Note: a rank one step ahead] in agreement.py).
             raise self._undo(f"the ranks' vote on it failed ({type(exc).__name__}: a rank died?)") from exc
         if failed:
             raise self._undo(f"rank {self.agreement.ranks()} could not commit it")

@@ -35,18 +35,18 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import threading
 import warnings
-import zlib
 from typing import Any, Dict, List, Optional, Sequence
 
 from offload.io import IORequest, open_file
 from offload.io.auto import resolve_engine
 from offload.swap import cleanup, fsutil
+from offload.swap.fsutil import private_dir_name
 from offload.kernels.fields import field_names
 from offload.swap.layout import SwapLayout
-from offload.swap.manifest_check import check_codes, check_manifest
+from offload.swap.manifest_check import (VERIFY_BLOCK, block_checksums, check_codes, check_manifest, previous_commit,
+                                         previous_json)
 
 __all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir_name", "resolve_engine"]
 
@@ -58,23 +58,6 @@ MANIFEST = "manifest.json"
 RESERVE = "reserve.bin"
 _RESERVE_MIN = 1 << 20
 SLOT_FILES = ("slot0.bin", "slot1.bin")
-VERIFY_BLOCK = 1 << 20
-DIR_PREFIX = "offload-"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-def private_dir_name(run_name: str, rank: int) -> str:
-    if not _NAME_RE.match(run_name) or run_name.startswith("."):
-        raise ValueError(f"run_name must be 1-64 characters of [A-Za-z0-9_.-], got {run_name!r}")
-    if rank < 0:
-        raise ValueError(f"rank must be >= 0, got {rank}")
-    return f"{DIR_PREFIX}{run_name}.rank{rank}"
-
-
-def block_checksums(view: memoryview, nbytes: int) -> List[int]:
-    """crc32 of each VERIFY_BLOCK piece of the first ``nbytes`` of ``view`` (zlib releases the
-    GIL on large buffers)."""
-    return [zlib.crc32(view[i:min(i + VERIFY_BLOCK, nbytes)]) for i in range(0, nbytes, VERIFY_BLOCK)]
 
 
 class SwapStore:
@@ -111,6 +94,9 @@ class SwapStore:
         self.pending_error: Optional[BaseException] = None
         self._reserve_bytes = 0  # what reserve.bin is known to hold ([Note: manifest reserve])
         self._reserve_warned = self._full_warned = False
+        # The commit before the last while its data is still in the free slots, in each
+        # manifest ([Note: a rank one step ahead] in agreement.py); None once a write went there.
+        self._before_commit: Optional[tuple] = None
         try:
             self._open(resume, io_engine, direct)
         except BaseException:
@@ -236,6 +222,7 @@ class SwapStore:
         self.valid = list(m["valid"])
         self.checksums = {int(k): v for k, v in (m.get("checksums") or {}).items()}
         self.extra = dict(m["extra"])
+        self._before_commit = previous_commit(m)
         if self.identity is None:
             self.identity = found  # keep it in the next manifests
 
@@ -249,6 +236,7 @@ class SwapStore:
             "verify": self.verify, "verify_block": VERIFY_BLOCK,
             "checksums": {str(k): v for k, v in self.checksums.items()} if self.verify else None,
             "extra": self.extra, **({"identity": self.identity} if self.identity is not None else {}),
+            **({"previous": previous_json(self._before_commit, self.verify)} if self._before_commit else {}),
             # packed int8 blocks ([Note: block-wise 8-bit states] in kernels/quant.py); absent: none
             **({"blocks": [f.block for f in self.fields], "codes": [f.code for f in self.fields]}
                if any(f.blocked for f in self.fields) else {}),
@@ -318,6 +306,7 @@ class SwapStore:
     def write_requests(self, g: int, buf: Any) -> List[Any]:
         """Requests that write ``buf`` into the slot of ``g`` that the manifest does *not* use."""
         self._check_open()
+        self._before_commit = None  # its data may be overwritten from now on
         return self._requests("write", 1 - self.slots[g], g, buf)
 
     def read_back_requests(self, g: int, buf: Any) -> List[Any]:
@@ -389,32 +378,41 @@ class SwapStore:
                 self.checksums.pop(g, None)
         if advance:
             self.step += 1
-        old_extra = self.extra
+        old_extra, old_before = self.extra, self._before_commit
         if extra is not None:
             self.extra = extra
+        self._before_commit = (slots, valid, checksums, step, old_extra)
         try:
             self._write_manifest()
         except BaseException:
             self.slots, self.valid, self.checksums, self.step, self.extra = slots, valid, checksums, step, old_extra
+            self._before_commit = old_before
             raise
-        self._before_commit = (slots, valid, checksums, step, old_extra)
 
     def undo_commit(self) -> None:
         """Go back to the state before the last :meth:`commit` (its data is still in the
         other slots: nothing has written there since) and rewrite the manifest. For several
-        ranks, when another rank could not commit the same step."""
+        ranks, when another rank could not commit the same step, or at resume, when the others
+        hold the step before ([Note: a rank one step ahead] in agreement.py)."""
         self._check_open()
-        before = getattr(self, "_before_commit", None)
+        before = self._before_commit
         if before is None:
             raise RuntimeError(f"{self.path}: no commit to undo")
         now = (self.slots, self.valid, self.checksums, self.step, self.extra)
         self.slots, self.valid, self.checksums, self.step, self.extra = before
+        self._before_commit = None
         try:
             self._write_manifest()
         except BaseException:
             self.slots, self.valid, self.checksums, self.step, self.extra = now
+            self._before_commit = before
             raise
-        self._before_commit = None
+
+    @property
+    def previous_step(self) -> Optional[int]:
+        """The step of the commit before the last while the free slots still hold its data
+        (nothing was written there since), else None: what :meth:`undo_commit` goes back to."""
+        return None if self._before_commit is None else self._before_commit[3]
 
     # ------------------------------------------------------------------ closing
     def disk_bytes(self) -> int:

@@ -137,24 +137,33 @@ def failed_ranks(ok: bool, group: Any = None) -> List[int]:
     return [r for r, bad in enumerate(flags.tolist()) if bad]
 
 
-def check_same_step(step: Optional[int], what: str, group: Any = None) -> None:
-    """Every rank gives the step its swap files resumed at (None: it holds none); a
-    ValueError on every rank when two differ. A job killed between two ranks' commits of a
-    step left one rank a step ahead: resuming it would mix steps (and hang later on a
-    collective one rank takes and the other does not). A collective."""
+def agree_on_step(step: Optional[int], previous: Optional[int], what: str, group: Any = None) -> Optional[int]:
+    """Every rank gives the step its swap files resumed at (None: it holds none) and the step
+    their free slots still hold (``SwapStore.previous_step``); returns the step every rank
+    resumes at: the common one, or, after a job killed between two ranks' commits, the step
+    before when each rank a step ahead still holds it, which that rank must then go back to
+    ([Note: a rank one step ahead] in offload/swap/agreement.py). Else a ValueError on every
+    rank: resuming would mix steps (and hang later on a collective one rank takes and the
+    other does not). A collective."""
     world, rank = world_and_rank(group)
     if world == 1:
-        return
-    steps = torch.full((world,), -1, dtype=torch.int64, device=comm_device(group))
-    steps[rank] = -1 if step is None else int(step)
-    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)  # each rank wrote only its own slot (-1 elsewhere)
-    known = {r: s for r, s in enumerate(steps.tolist()) if s >= 0}
-    if len(set(known.values())) > 1:
-        held = ", ".join(f"rank {r}: step {s}" for r, s in known.items())
-        raise ValueError(f"{what}: the ranks' swap files hold different steps ({held}): "
-                         "the job died between two ranks' commits, so they cannot resume together; restart "
-                         "from a checkpoint (resume='discard', then load_checkpoint) - the swap directories "
-                         "are left as they are")
+        return step
+    facts = torch.full((2 * world,), -1, dtype=torch.int64, device=comm_device(group))
+    facts[2 * rank] = -1 if step is None else int(step)
+    facts[2 * rank + 1] = -1 if previous is None else int(previous)
+    dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=group)  # each rank wrote only its own slots (-1 elsewhere)
+    got = facts.tolist()
+    known = {r: s for r, s in enumerate(got[0::2]) if s >= 0}
+    if len(set(known.values())) <= 1:
+        return step
+    low = min(known.values())
+    if all(s == low or (s == low + 1 and got[2 * r + 1] == low) for r, s in known.items()):
+        return None if step is None else low
+    held = ", ".join(f"rank {r}: step {s}" for r, s in known.items())
+    raise ValueError(f"{what}: the ranks' swap files hold different steps ({held}): "
+                     "the job died between two ranks' commits, and no rank ahead still holds the step of the others "
+                     "to go back to, so they cannot resume together; restart from a checkpoint (resume='discard', "
+                     "then load_checkpoint) - the swap directories are left as they are")
 
 
 def on_every_rank(fn: Callable[[], T], what: str, group: Any = None, world: Optional[int] = None) -> T:

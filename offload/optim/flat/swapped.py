@@ -16,6 +16,7 @@ traffic than updating them in place; the in-place path is the stage-0 SwappedSta
 from __future__ import annotations
 
 import functools
+import logging
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
     from offload.optim.swapped_shards import WorkItem
     from offload.optim.flat.store import FlatState
 
-__all__ = ["open_swap", "params_from_swap", "SwapBacking", "swap_fields"]
+__all__ = ["open_swap", "params_from_swap", "SwapBacking", "swap_fields", "flat_identity", "agree_on_resumed_step"]
+
+log = logging.getLogger(__name__)
 
 
 def open_swap(st: "FlatState", cfg: Any) -> None:
@@ -41,7 +44,7 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
     st._swap_vote = functools.partial(comm.failed_ranks, group=st.group) if st.world > 1 else None
 
     def open_local() -> None:
-        from offload.optim.swapped_shards import SwappedShards, flat_identity
+        from offload.optim.swapped_shards import SwappedShards
 
         sizes = [fg.layout.shard for fg in st._groups]
         if not sum(sizes):
@@ -68,9 +71,9 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
         # Several ranks agree before anything collective follows: a rank that cannot open
         # or resume its swap files (a full disk, a missing directory) makes every rank raise.
         comm.on_every_rank(open_local, f"opening the swap files in {cfg.swap_dir!r}", st.group, st.world)
-        if cfg.resume is True and st.world > 1:
-            comm.check_same_step(st._swap.store.step if st._swap is not None else None,
-                                 f"resuming the swap files in {cfg.swap_dir!r}", st.group)
+        if cfg.resume is True and st.world > 1:  # the params follow, from the step agreed on
+            agree_on_resumed_step(st._swap, st.group, cfg.swap_dir,
+                                  lambda: st._set_steps(st._swap.resumed_extra.get("steps") or []))
         if cfg.resume is True or (st._swap is not None and st._swap.resumed):  # "auto": one rank only
             params_from_swap(st)  # every rank: an all-gather when partitioned
     except BaseException:
@@ -78,6 +81,34 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
             st._swap.close(remove=not st._swap.resumed)  # keep what we were asked to resume
             st._swap = None
         raise
+
+
+def flat_identity(world: int, rank: int, groups: Any) -> Dict[str, Any]:
+    """What must match on resume (world, rank, each param's numel, shape and dtype): runs.py."""
+    return {"kind": "flat", "world": world, "rank": rank, "groups": [list(fg.layout.numels) for fg in groups],
+            "shapes": [[[*p.shape, str(p.dtype)] for p in fg.params] for fg in groups]}
+
+
+def agree_on_resumed_step(swap: Any, group: Any, swap_dir: Any, reset: Callable[[], None]) -> None:
+    """The ranks' resumed swap files (``swap``: this rank's SwappedShards, or None when it holds
+    none) must hold one step. A rank one step ahead whose free slots still hold the others' step
+    goes back to it and ``reset()`` re-reads what follows the files (the step counts, the
+    params) ([Note: a rank one step ahead] in swap/agreement.py); else every rank raises. A
+    collective: every rank of ``group`` calls it."""
+    store = swap.store if swap is not None else None
+    what = f"resuming the swap files in {swap_dir!r}"
+    want = comm.agree_on_step(None if store is None else store.step, None if store is None else store.previous_step,
+                              what, group)
+
+    def go_back() -> None:
+        if store is not None and want != store.step:
+            ahead = store.step
+            swap.roll_back()
+            log.warning("%s: went back from step %d to step %d, the other ranks' (the job died between the ranks' "
+                        "commits; the swap files still held step %d)", store.path, ahead, store.step, store.step)
+            reset()
+
+    comm.on_every_rank(go_back, what, group)  # a rank whose manifest write fails: every rank raises
 
 
 def _dir_rank(st: "FlatState") -> int:
