@@ -292,3 +292,32 @@ def test_an_uncaught_exception_keeps_the_swap_dir_normal_exit_removes_it(tmp_pat
     st = _store(tmp_path, resume=True)  # the survivors' states are there for the restart
     assert st.step == 1
     st.close()
+
+
+@pytest.mark.parametrize("unwinding", [KeyboardInterrupt, ValueError, None])
+def test_a_close_while_ctrl_c_propagates_keeps_the_swap_dir(tmp_path, unwinding, caplog):
+    # `try: train() finally: opt.close()` (or `with opt:`) hit by Ctrl-C: the states stay for
+    # resume=True, as after SIGTERM; any other exception, or none, removes them as asked
+    import torch
+
+    import offload
+
+    p = torch.zeros(3000, requires_grad=True)
+    opt = offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path))
+    p.grad = torch.ones(3000)
+    opt.step()
+    try:
+        with opt:
+            if unwinding is not None:
+                raise unwinding()
+    except (KeyboardInterrupt, ValueError):
+        pass
+    if unwinding is not KeyboardInterrupt:
+        assert os.listdir(tmp_path) == []
+        return
+    assert "kept after Ctrl-C (closed while its KeyboardInterrupt propagated) (step 1" in caplog.text
+    q = p.detach().clone().requires_grad_()  # fp32 CPU params are their own master: the same values
+    again = offload.AdamW([q], offload="nvme", swap_dir=str(tmp_path), resume=True)
+    assert int(again.state_dict()["state"][0]["step"]) == 1
+    again.close()
+    assert os.listdir(tmp_path) == []

@@ -55,14 +55,17 @@ _why_kept = ""  # what ends the process: "SIGTERM", or the uncaught exception's 
 
 
 def terminating() -> bool:
-    """True once this process received SIGTERM or is dying of an uncaught exception: swap
-    directories are then kept (see the notes)."""
-    return _terminating
+    """True once this process received SIGTERM or is dying of an uncaught exception, and
+    while a Ctrl-C's KeyboardInterrupt propagates: swap directories are then kept (see the
+    notes)."""
+    return _terminating or isinstance(sys.exc_info()[1], KeyboardInterrupt)
 
 
 def why_kept() -> str:
     """Why :func:`terminating` is true, for the log line of a directory kept."""
-    return _why_kept or "SIGTERM"
+    if _terminating:
+        return _why_kept or "SIGTERM"
+    return "Ctrl-C (closed while its KeyboardInterrupt propagated)"
 
 
 # [Note: a crash keeps the swap files] An exception nobody catches ends the process as a
@@ -71,7 +74,10 @@ def why_kept() -> str:
 # cleanup removed it (so a job of several ranks lost the survivors' states too). Python calls
 # sys.excepthook for such an exception in the main thread before the atexit handlers run:
 # ours marks the process as terminating, then calls the hook it replaced. A close() reached
-# while the exception unwinds (a with-block, a finally) still removes, as asked.
+# while the exception unwinds (a with-block, a finally) still removes, as asked, unless it is
+# a Ctrl-C's KeyboardInterrupt: a `finally: opt.close()` around the training loop would
+# otherwise remove the states the run was stopped to keep (Ctrl-C ends a run as SIGTERM does;
+# a KeyboardInterrupt caught and handled before close() is over: the directory goes).
 def _on_uncaught(kind: Any, value: Any, tb: Any) -> None:
     global _terminating, _why_kept
     if _open:
