@@ -330,6 +330,12 @@ def test_zero3_shard_kwargs(tmp_path):
         "offload_params": "cpu", "max_live_params": 10 ** 9}
     nvme = _zero3({"device": "nvme", "nvme_path": str(tmp_path)}, stage3_max_live_parameters="auto")
     assert deepspeed_shard_kwargs(nvme) == {"offload_params": "nvme", "swap_dir": str(tmp_path)}
+    # aio is read when the params alone go to NVMe too: their files use the states' engine settings
+    tuned = dict(nvme, aio={"block_size": 262144, "queue_depth": 4})
+    io = deepspeed_shard_kwargs(tuned)["io"]
+    assert (io.block_size, io.queue_depth) == (262144, 4) and "io_engine" not in deepspeed_kwargs(tuned)[1]
+    cpu_params = _zero3({"device": "cpu"}, stage3_max_live_parameters="auto")
+    assert "io" not in deepspeed_shard_kwargs(dict(cpu_params, aio={"block_size": 262144}))
     cls, kw = deepspeed_kwargs(nvme)
     assert cls is offload.AdamW and kw["stage"] == 3 and kw["offload"] == "cpu"
     with pytest.raises(ValueError, match=r"Invalid stage: 3 for these params: .*offload\.shard\(model\)"):

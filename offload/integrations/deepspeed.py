@@ -220,6 +220,8 @@ def _offload_optimizer(z: _Reader, stage: int, sub_group: Optional[int],
 
 
 def _aio(cfg: Mapping[str, Any], offload: str, overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    """``{"io_engine": IOConfig}`` of the aio section when ``offload`` is "nvme" (and the
+    section differs from the defaults), else {}."""
     if "aio" not in cfg:
         return {}
     a = _Reader(cfg.get("aio"), "aio", overrides)
@@ -236,6 +238,13 @@ def _aio(cfg: Mapping[str, Any], offload: str, overrides: Mapping[str, Any]) -> 
     except ValueError as e:
         raise ValueError(f"aio: {e}") from None
     return {} if io == base else {"io_engine": io}
+
+
+def _shard_aio(cfg: Mapping[str, Any], shard: Mapping[str, Any], overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    """``{"io": IOConfig}`` for ``offload.shard`` when the param shards go to NVMe and the aio
+    section differs from the defaults: their files are read and written as the states' are."""
+    io = _aio(cfg, shard.get("offload_params", "none"), overrides)
+    return {"io": io["io_engine"]} if io else {}
 
 
 def _optimizer(cfg: Mapping[str, Any], overrides: Mapping[str, Any]) -> Tuple[type, Dict[str, Any]]:
@@ -341,6 +350,7 @@ def _translate(config: Any, overrides: Mapping[str, Any]) -> Tuple[type, Dict[st
     _check_top(cfg)
     kwargs, shard = _zero(cfg, overrides)
     kwargs.update(_aio(cfg, kwargs["offload"], overrides))
+    shard.update(_shard_aio(cfg, shard, overrides))
     cls, opt_kwargs = _optimizer(cfg, overrides)
     kwargs.update(opt_kwargs)
     kwargs.update(_clipping(cfg, overrides))
@@ -363,11 +373,12 @@ def deepspeed_kwargs(config: Any, **overrides: Any) -> Tuple[type, Dict[str, Any
 def deepspeed_shard_kwargs(config: Any) -> Optional[Dict[str, Any]]:
     """The kwargs of ``offload.shard(model, **kwargs)`` for a stage-3 DeepSpeed config
     (``offload_params``, ``swap_dir`` from ``offload_param``, ``max_live_params`` from
-    ``stage3_max_live_parameters``); None below stage 3."""
+    ``stage3_max_live_parameters``, ``io`` from ``aio`` with the params on NVMe); None below
+    stage 3."""
     cfg = _load(config)
     _check_top(cfg)
     kwargs, shard = _zero(cfg, {})
-    return shard if kwargs["stage"] == 3 else None
+    return dict(shard, **_shard_aio(cfg, shard, {})) if kwargs["stage"] == 3 else None
 
 
 def _flat(params: list) -> list:
