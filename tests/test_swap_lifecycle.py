@@ -321,3 +321,21 @@ def test_a_close_while_ctrl_c_propagates_keeps_the_swap_dir(tmp_path, unwinding,
     assert int(again.state_dict()["state"][0]["step"]) == 1
     again.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_inside_removing_a_close_while_ctrl_c_propagates_removes(tmp_path):
+    # for a caller that removes its temporary swap_dir next (the demo): no "kept" warning
+    import torch
+
+    import offload
+    from offload.swap import cleanup
+
+    p = torch.zeros(3000, requires_grad=True)
+    opt = offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            with cleanup.removing():
+                opt.close()
+    assert os.listdir(tmp_path) == [] and not cleanup.terminating()

@@ -24,6 +24,7 @@ import torch
 
 from offload.demo.corpus import Batches
 from offload.demo.model import GPTConfig, TinyGPT, config_for_params
+from offload.swap import cleanup
 
 __all__ = [
     "DemoConfig", "StepRecord", "RunResult", "run", "compare_losses", "default_swap_parent",
@@ -307,7 +308,8 @@ def run(cfg: DemoConfig, optimizer: str = "offload", *, steps: Optional[int] = N
     finally:
         torch.set_num_threads(threads_before)
         if opt is not None and hasattr(opt, "close"):
-            opt.close()
+            with cleanup.removing():  # its temporary swap_dir goes next, Ctrl-C or not
+                opt.close()
         if swap_dir is not None:
             _, result.leftover_files = _dir_bytes(swap_dir)
             result.leftover_files += [os.path.relpath(os.path.join(r, d), swap_dir)

@@ -27,16 +27,17 @@ nothing to its files, lock, buffers or io_uring when closed in another process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 from offload.memory.reentry import FinalizerSafeLock
 
-__all__ = ["register", "unregister", "close_all", "terminating"]
+__all__ = ["register", "unregister", "close_all", "terminating", "removing"]
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +53,26 @@ _wrapped: List[Any] = []
 _depth = 0
 _terminating = False
 _why_kept = ""  # what ends the process: "SIGTERM", or the uncaught exception's type
+_removing = False  # inside removing(): a propagating KeyboardInterrupt keeps nothing
 
 
 def terminating() -> bool:
     """True once this process received SIGTERM or is dying of an uncaught exception, and
-    while a Ctrl-C's KeyboardInterrupt propagates: swap directories are then kept (see the
-    notes)."""
-    return _terminating or isinstance(sys.exc_info()[1], KeyboardInterrupt)
+    while a Ctrl-C's KeyboardInterrupt propagates (outside :func:`removing`): swap
+    directories are then kept (see the notes)."""
+    return _terminating or (isinstance(sys.exc_info()[1], KeyboardInterrupt) and not _removing)
+
+
+@contextlib.contextmanager
+def removing() -> Iterator[None]:
+    """Stores closed in the block remove their directories while a Ctrl-C propagates: for a
+    caller that removes the whole swap_dir next (the demo's temporary one)."""
+    global _removing
+    before, _removing = _removing, True
+    try:
+        yield
+    finally:
+        _removing = before
 
 
 def why_kept() -> str:
