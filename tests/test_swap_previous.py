@@ -123,3 +123,18 @@ def test_a_damaged_step_before_is_refused_naming_the_field(tmp_path, pool, field
         json.dump(fsutil.sealed(m), f)  # sealed again: damaged by a writer, not by the disk
     with pytest.raises(ValueError, match="damaged swap manifest: " + says):
         _store(tmp_path, resume=True)
+
+
+def test_the_step_before_keeps_only_what_changed_of_its_metadata(tmp_path, pool):
+    # the params' facts stay the same from step to step: the manifest does not repeat them
+    st = _store(tmp_path)
+    facts = {"shapes": [[7, 3]] * 50, "kind": "flat"}
+    st.commit({g: _write(st, pool, g, 0x11) for g in range(3)}, dict(facts, steps=[1], old=1))
+    st.commit({g: _write(st, pool, g, 0x22) for g in range(3)}, dict(facts, steps=[2], new=2))
+    prev = _manifest(st)["previous"]
+    assert prev["extra"] == {"steps": [1], "old": 1} and prev["extra_dropped"] == ["new"]
+    st.close(remove=False)
+    st = _store(tmp_path, resume=True)
+    st.undo_commit()
+    assert st.extra == dict(facts, steps=[1], old=1)
+    st.close()

@@ -95,6 +95,9 @@ def _check_previous(m: Dict[str, Any], path: str, fields: List[StateField], veri
                               ("extra", dict, "an object")):
         if not (_is_int(prev.get(field)) if kind is int else isinstance(prev.get(field), kind)):
             raise _bad(path, f"previous.{field}", f"must be {what}, got {prev.get(field)!r:.80}")
+    dropped = prev.get("extra_dropped", [])
+    if not (isinstance(dropped, list) and all(isinstance(k, str) for k in dropped)):
+        raise _bad(path, "previous.extra_dropped", f"must be a list of keys, got {dropped!r:.80}")
     if not 0 <= prev["step"] <= m["step"]:
         raise _bad(path, "previous.step", f"must be in [0, {m['step']}], got {prev['step']}")
     groups = len(m["ranges"])
@@ -110,15 +113,24 @@ def previous_commit(m: Dict[str, Any]) -> Optional[Tuple[List[int], List[bool], 
     if prev is None:
         return None
     sums = {int(k): v for k, v in (prev.get("checksums") or {}).items()}
-    return list(prev["slots"]), list(prev["valid"]), sums, prev["step"], dict(prev["extra"])
+    extra = {k: v for k, v in m["extra"].items() if k not in prev.get("extra_dropped", [])}
+    extra.update(prev["extra"])
+    return list(prev["slots"]), list(prev["valid"]), sums, prev["step"], extra
 
 
 def previous_json(before: Tuple[List[int], List[bool], Dict[int, Any], int, Dict[str, Any]],
-                  verify: bool) -> Dict[str, Any]:
-    """The manifest's ``previous`` for :func:`previous_commit`."""
+                  verify: bool, extra_now: Dict[str, Any]) -> Dict[str, Any]:
+    """The manifest's ``previous`` for :func:`previous_commit`; of its ``extra`` only what
+    differs from ``extra_now`` (the step counts; the params' facts stay the same), so the
+    manifest does not double in size."""
     slots, valid, sums, step, extra = before
-    return {"step": step, "slots": slots, "valid": valid, "extra": extra,
-            "checksums": {str(k): v for k, v in sums.items()} if verify else None}
+    changed = {k: v for k, v in extra.items() if k not in extra_now or extra_now[k] != v}
+    out = {"step": step, "slots": slots, "valid": valid, "extra": changed,
+           "checksums": {str(k): v for k, v in sums.items()} if verify else None}
+    dropped = sorted(set(extra_now) - set(extra))
+    if dropped:
+        out["extra_dropped"] = dropped
+    return out
 
 
 def _check_list(xs: List[Any], n: int, path: str, field: str, ok: Any, what: str) -> None:

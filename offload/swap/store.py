@@ -236,7 +236,7 @@ class SwapStore:
             "verify": self.verify, "verify_block": VERIFY_BLOCK,
             "checksums": {str(k): v for k, v in self.checksums.items()} if self.verify else None,
             "extra": self.extra, **({"identity": self.identity} if self.identity is not None else {}),
-            **({"previous": previous_json(self._before_commit, self.verify)} if self._before_commit else {}),
+            **({"previous": previous_json(self._before_commit, self.verify, self.extra)} if self._before_commit else {}),
             # packed int8 blocks ([Note: block-wise 8-bit states] in kernels/quant.py); absent: none
             **({"blocks": [f.block for f in self.fields], "codes": [f.code for f in self.fields]}
                if any(f.blocked for f in self.fields) else {}),
