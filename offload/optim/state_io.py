@@ -17,7 +17,7 @@ import contextlib
 import math
 from collections import OrderedDict
 from itertools import chain
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Set
 
 import torch
 
@@ -165,11 +165,14 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
     swap = store if hasattr(store, "atomic_writes") else getattr(store, "_swap", None)
     batch = swap.atomic_writes() if swap is not None else contextlib.nullcontext()
     old_state, old_groups = opt.state, opt.param_groups
+    # the params that hold moments now, asked before torch's load replaces opt.state (the
+    # step counts live there): only those need their moments zeroed when the dict has none
+    held = {id(p) for p in opt._all_params() if opt._ctx.steps.get(p) > 0}
     try:
         with batch:
             base(state_dict)
             if getattr(store, "kind", None) != "host":
-                _import_all(opt, store)
+                _import_all(opt, store, held)
             elif hasattr(store, "settle"):
                 store.settle()  # the loaded float32 states, encoded as state_dtype stores them
     except BaseException:
@@ -185,14 +188,14 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
     attach(opt)
 
 
-def _import_all(opt: Any, store: Any) -> None:
+def _import_all(opt: Any, store: Any, held: Set[int]) -> None:
     params: List[torch.Tensor] = [p for g in opt.param_groups for p in g["params"]]
     for p in params:
         st = opt.state.get(p) or {}
         moments = {k: st.pop(k) for k in names_of(opt) if k in st}
         if moments:
             store.import_state(p, moments)
-        else:
+        elif id(p) in held:
             # As torch: a param without state in the loaded dict starts afresh (zero
             # moments, step 0), not with the moments this optimizer held before.
             store.reset_state(p)

@@ -406,8 +406,6 @@ class SwappedState:
 
     def reset_state(self, p: torch.Tensor) -> None:
         """Zero moments and step 0 for ``p`` (loading a state_dict without state for it)."""
-        if self.step_of(p) == 0:
-            return  # never stepped: its moments are zeros already
         z = torch.zeros(p.numel(), dtype=torch.float32)
         self.write_state(p, *[z] * len(self.names), step=0)
 
