@@ -198,5 +198,13 @@ def _import_all(opt: Any, store: Any, held: Set[int]) -> None:
         elif id(p) in held:
             # As torch: a param without state in the loaded dict starts afresh (zero
             # moments, step 0), not with the moments this optimizer held before.
-            store.reset_state(p)
+            _start_afresh(opt, store, p)
+
+
+def _start_afresh(opt: Any, store: Any, p: torch.Tensor) -> None:
+    fill = {k: opt.state_fill(k) for k in names_of(opt)} if hasattr(opt, "state_fill") else {}
+    if any(fill.values()):  # Adagrad's sum: torch starts it at initial_accumulator_value
+        store.import_state(p, {k: torch.full_like(p, v, dtype=torch.float32) for k, v in fill.items()})
+    else:
+        store.reset_state(p)
 
