@@ -82,3 +82,28 @@ def test_loaded_dict_without_state_for_a_stepped_param_starts_it_afresh(name, st
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     assert opt.state_dict()["state"][1].get("step") == ref.state_dict()["state"][1].get("step")
     opt.close()
+
+
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_sgd_takes_a_tensor_weight_decay_as_torch(store):
+    # torch.optim.SGD's signature: weight_decay: float | Tensor
+    ours, theirs = _pair()
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=torch.tensor(0.1))
+    opt, ref = offload.SGD(ours, **kw, **store), torch.optim.SGD(theirs, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        _grads(ours, theirs, g)
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    ref.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _grads(ours, theirs, g)
+    opt.step()
+    ref.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    for cls in (torch.optim.SGD, offload.SGD):  # torch's words: the 0-dim tensor formats as a float
+        with pytest.raises(ValueError, match="^Invalid weight_decay value: -0.10000000149011612$"):
+            cls(ours, lr=0.1, weight_decay=torch.tensor(-0.1))
+    opt.close()

@@ -20,9 +20,10 @@ def check_lr(lr: Any) -> None:
     _check_lr(lr, None, False)
 
 
-def check_nonneg(name: str, value: Any, label: str) -> None:
-    """``Invalid {label}: {value}`` (torch's words) for a negative or NaN ``value``."""
-    _check_scalar(name, value, tensor_ok=False)
+def check_nonneg(name: str, value: Any, label: str, *, tensor_ok: bool = False) -> None:
+    """``Invalid {label}: {value}`` (torch's words) for a negative or NaN ``value``;
+    ``tensor_ok`` where torch's signature takes a Tensor too (SGD's weight_decay)."""
+    _check_scalar(name, value, tensor_ok=tensor_ok)
     if not 0.0 <= value:
         raise ValueError(f"Invalid {label}: {value}")
 

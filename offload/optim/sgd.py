@@ -52,7 +52,7 @@ class SGD(RuleOptimizer):
                  maximize=False, foreach=None, differentiable=False, fused=None, **offload_kwargs: Any) -> None:
         check_lr(lr)
         check_nonneg("momentum", momentum, "momentum value")
-        check_nonneg("weight_decay", weight_decay, "weight_decay value")
+        check_nonneg("weight_decay", weight_decay, "weight_decay value", tensor_ok=True)  # float | Tensor, as torch
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         check_flags("SGD", foreach=foreach, differentiable=differentiable, fused=fused)
