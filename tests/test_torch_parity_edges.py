@@ -107,3 +107,54 @@ def test_sgd_takes_a_tensor_weight_decay_as_torch(store):
         with pytest.raises(ValueError, match="^Invalid weight_decay value: -0.10000000149011612$"):
             cls(ours, lr=0.1, weight_decay=torch.tensor(-0.1))
     opt.close()
+
+
+def _halved(sd):
+    sd = copy.deepcopy(sd)
+    for st in sd["state"].values():
+        for k, v in st.items():
+            if k != "step":
+                st[k] = v * 0.5
+    return sd
+
+
+@pytest.mark.parametrize("store", STORES, indirect=True)
+@pytest.mark.parametrize("name", sorted(TORCH))
+def test_a_load_pre_hook_that_returns_a_new_dict_is_what_loads(name, store):
+    # torch loads the dict a load_state_dict pre hook returns; the flat store (stage 1 here)
+    # kept the tensors of the dict as given, from before the user's hook ran
+    ours, theirs = _pair()
+    opt, ref = getattr(offload, name)(ours, **HP[name], **store), TORCH[name](theirs, **HP[name])
+    for o in (opt, ref):
+        o.register_load_state_dict_pre_hook(lambda o, sd: _halved(sd))
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        if step == 2:
+            opt.load_state_dict(opt.state_dict())
+            ref.load_state_dict(ref.state_dict())
+        _grads(ours, theirs, g)
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    opt.close()
+
+
+@pytest.mark.parametrize("kw", [{}, {"state_dtype": "int8"}], ids=["fp32", "int8"])
+def test_a_load_pre_hook_that_returns_a_new_dict_is_what_loads_bf16_params(kw):
+    # bf16 params: the flat store keeps the loaded fp32 states (torch casts them to bf16);
+    # those of the hook's dict, as loading that dict without the hook gives
+    params = [torch.nn.Parameter(torch.randn(n).to(torch.bfloat16)) for n in SIZES]
+    opt = offload.AdamW(params, lr=1e-2, offload="cpu", **kw)
+    for p in params:
+        p.grad = torch.randn(p.shape).to(torch.bfloat16)
+    opt.step()
+    sd = opt.state_dict()
+    plain = offload.AdamW(params, lr=1e-2, offload="cpu", **kw)
+    plain.load_state_dict(_halved(sd))
+    hooked = offload.AdamW(params, lr=1e-2, offload="cpu", **kw)
+    hooked.register_load_state_dict_pre_hook(lambda o, sd: _halved(sd))
+    hooked.load_state_dict(sd)
+    for want, got in zip(plain.state_dict()["state"].values(), hooked.state_dict()["state"].values()):
+        for k in want:
+            assert torch.equal(want[k], got[k]), k

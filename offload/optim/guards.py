@@ -17,7 +17,7 @@ import torch
 
 from offload.optim.protocol import optional
 
-__all__ = ["eager", "register_guards", "register_store_hooks", "step_sigs"]
+__all__ = ["eager", "register_guards", "register_store_hooks", "before_load", "step_sigs"]
 
 
 def eager(fn):
@@ -36,10 +36,11 @@ def register_guards(opt: torch.optim.Optimizer) -> None:
 
 def register_store_hooks(opt: torch.optim.Optimizer) -> None:
     """The optimizer's load_state_dict hooks that hand torch's load to the store (its
-    ``before_load`` / ``after_load``, when it has them): the optimizer registers them, so
-    the store never touches the optimizer. Registered right after the store is built,
-    before any hook of the user's, so they run first, as the store's own hooks did."""
-    opt.register_load_state_dict_pre_hook(before_load)
+    ``after_load``, when it has one): the optimizer registers them, so the store never
+    touches the optimizer. Registered right after the store is built, before any hook of the
+    user's, so they run first, as the store's own hooks did. ``before_load`` is registered by
+    each load instead (state_io.load_state_dict_into), after the user's pre hooks: it keeps
+    the loaded tensors, which must be those of the dict a user's hook returned."""
     opt.register_load_state_dict_post_hook(after_load)
     opt.register_step_post_hook(after_step)
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Set
 
 import torch
 
+from offload.optim.guards import before_load
 from offload.optim.options import check_loaded_groups, loaded_group_rule
 from offload.optim.protocol import optional
 from offload.optim.state_view import attach
@@ -168,6 +169,8 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
     # the params that hold moments now, asked before torch's load replaces opt.state (the
     # step counts live there): only those need their moments zeroed when the dict has none
     held = {id(p) for p in opt._all_params() if opt._ctx.steps.get(p) > 0}
+    # the last pre hook: the store keeps the tensors of the dict the user's hooks returned
+    last_pre_hook = opt.register_load_state_dict_pre_hook(before_load)
     try:
         with batch:
             base(state_dict)
@@ -179,6 +182,7 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
         opt.state, opt.param_groups = old_state, old_groups  # the step counts with them (ctx.steps)
         raise
     finally:
+        last_pre_hook.remove()
         # the flat store's before_load keeps the loaded fp32 tensors for import_state: drop them
         end = optional(store, "end_load")
         if end is not None:
