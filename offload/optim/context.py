@@ -27,7 +27,7 @@ plain containers with it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
@@ -61,6 +61,9 @@ class StepCounts:
 
     def __init__(self, state_of: Callable[[], Dict[torch.Tensor, Dict[str, Any]]]) -> None:
         self._state_of = state_of
+        # ids of the params given a count here: cleared() finds those whose count went since
+        # (a stale id after unpickling only costs a restart of a param that holds fill values)
+        self._counted: Set[int] = set()
 
     def get(self, p: torch.Tensor) -> int:
         """``p``'s step count; 0 before its first step."""
@@ -77,16 +80,30 @@ class StepCounts:
         couple two optimizers loaded from one dict."""
         state = self._state_of()
         if n > 0:
+            self._counted.add(id(p))
             entry = state.setdefault(p, {})
             old = entry.get("step")
             if torch.is_tensor(old) and old.is_floating_point():  # keep a loaded step's dtype and device
                 entry["step"] = torch.tensor(float(n), dtype=old.dtype, device=old.device)
             else:
                 entry["step"] = torch.tensor(float(n), dtype=_get_scalar_dtype())
-        elif p in state:  # do not create entries in the defaultdict
+            return
+        self._counted.discard(id(p))
+        if p in state:  # do not create entries in the defaultdict
             state[p].pop("step", None)
             if not state[p]:
                 del state[p]
+
+    def cleared(self, params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+        """Those of ``params`` given a count here that have none now: their state was cleared
+        (``del opt.state[p]``, ``opt.state[p].clear()``, a new ``opt.state``)."""
+        state = self._state_of()
+        return [p for p in params if id(p) in self._counted and "step" not in state.get(p, {})]
+
+    def recount(self, params: Iterable[torch.Tensor]) -> None:
+        """torch's load replaced the counts: those of ``params`` that have one now are counted."""
+        state = self._state_of()
+        self._counted = {id(p) for p in params if "step" in state.get(p, {})}
 
     def all(self, params: Sequence[torch.Tensor]) -> List[int]:
         """The counts of ``params``, in order (0 for one that never stepped)."""

@@ -26,7 +26,7 @@ from offload.optim.options import check_loaded_groups, loaded_group_rule
 from offload.optim.protocol import optional
 from offload.optim.state_view import attach
 
-__all__ = ["state_dict_of", "load_state_dict_into", "check_loadable"]
+__all__ = ["state_dict_of", "load_state_dict_into", "check_loadable", "restart_cleared"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Adam's states: the names of an optimizer without ``state_names()`` (a store's own tests)."""
@@ -189,6 +189,7 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
             end()
     if hasattr(store, "clear_failure"):
         store._broken = None  # every state was replaced: see step_guard [Note: failed steps]
+    opt._ctx.steps.recount(opt._all_params())  # the loaded counts (restart_cleared)
     attach(opt)
 
 
@@ -212,3 +213,14 @@ def _start_afresh(opt: Any, store: Any, p: torch.Tensor) -> None:
     else:
         store.reset_state(p)
 
+
+def restart_cleared(opt: Any, params: List[torch.Tensor]) -> None:
+    """``params``, whose state the user cleared since their last step (``del opt.state[p]``,
+    ``opt.state[p].clear()``, a new ``opt.state``: their step counts went), start afresh as
+    torch's would: the moments a store keeps outside ``opt.state`` go back to their initial
+    values (zeros; Adagrad's initial_accumulator_value). The host store's went with the entry."""
+    if getattr(opt._store, "kind", None) == "host":
+        return
+    fill = {k: float(opt.state_fill(k)) if hasattr(opt, "state_fill") else 0.0 for k in names_of(opt)}
+    for p in params:
+        opt._store.import_state(p, {k: torch.full(p.shape, v, dtype=torch.float32) for k, v in fill.items()})

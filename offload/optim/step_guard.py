@@ -154,6 +154,11 @@ def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torc
     batches: List[Any] = []
     before: List[Tuple[torch.Tensor, Any]] = []
     for hyper, items in work:
+        cleared = steps.cleared(p for p, _ in items)
+        if cleared:  # as torch: a param whose state the user cleared starts afresh
+            from offload.optim.state_io import restart_cleared
+
+            restart_cleared(opt, cleared)
         before += steps.advance(p for p, _ in items)
         batches.append((hyper, [(p, g, steps.get(p)) for p, g in items]))
     try:
