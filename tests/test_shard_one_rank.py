@@ -2,8 +2,9 @@
 its shard] in offload/shard/flat_unit.py) and its grads go straight into the shard grads
 ([Note: one rank's grads] in offload/shard/grads.py). Checked here: no copy of the params
 exists, an eviction by someone else does not drop a live unit's pages, an in-place op between
-forward and backward raises torch's error, and a view without a grad leaves zeros (not
-stale bytes) in a fresh shard grad."""
+forward and backward raises torch's error, a view without a grad leaves zeros (not
+stale bytes) in a fresh shard grad, and a backward interrupted part-way leaves no grads behind
+once zero_grad() ran."""
 from __future__ import annotations
 
 import tempfile
@@ -147,3 +148,41 @@ def test_an_inplace_op_between_forward_and_backward_raises_as_in_torch():
         _flat(model, 1).shard.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("offload_params", ["none", "nvme"])
+def test_a_backward_interrupted_then_zero_grad_leaves_no_partial_grads(offload_params):
+    """A Ctrl-C in the middle of a backward (here a KeyboardInterrupt from a grad hook, after
+    the head's grads were accumulated into its views), zero_grad() and the step again: as in
+    torch, nothing of the interrupted backward reaches the step."""
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        ref, model = _pair(offload_params, tmp)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        opt = offload.AdamW(model.parameters(), lr=1e-2, offload="nvme" if offload_params == "nvme" else "none",
+                            swap_dir=tmp if offload_params == "nvme" else None)
+
+        def interrupt(_m, _args, out):
+            def raise_(_g):
+                raise KeyboardInterrupt
+
+            out.register_hook(raise_)
+
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            x = torch.randn(7, 33, generator=g)
+            if step == 1:
+                h = model.blocks[1].register_forward_hook(interrupt)
+                loss = model(x).square().mean()
+                h.remove()
+                with pytest.raises(KeyboardInterrupt):
+                    loss.backward()
+                opt.zero_grad()
+            for m, o in ((ref, opt_ref), (model, opt)):
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad()
+        got = gathered_params(model)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6)
+        opt.close()
+        del model

@@ -126,6 +126,8 @@ class ShardRuntime:
                 raise RuntimeError("offload.shard: the root module was called inside its own forward or backward "
                                    "(activation checkpointing of sharded units is not supported yet), or after a "
                                    "forward or backward that raised: with several ranks, start over")
+            if self.in_backward:  # one rank: a backward that raised (a Ctrl-C) never reached final()
+                self._drop_unfinished_backward()
             self.in_forward = self.in_backward = False  # one rank: an earlier forward that raised
             self._drop_stale()
             self.schedule.begin("fwd")
@@ -165,6 +167,21 @@ class ShardRuntime:
             u.uses = 0
             if u.live:
                 self.schedule.release(u)
+
+    def _drop_unfinished_backward(self) -> None:
+        """A backward that raised part-way left grads in the units' views (the params autograd
+        accumulates into, which ``zero_grad()`` cannot see: it clears the shards) and the
+        param tier in its deferred-store mode. torch's ``zero_grad()`` after such a backward
+        leaves no grad anywhere; the views' partial grads kept would be added to the next
+        backward's. So they go here, as the next forward starts (one rank only: with several
+        the forward refuses), and the tier's writes are waited for."""
+        for u in self.units:
+            for flat in u.flats:
+                for leaf in flat.leaves:
+                    leaf.grad = None
+        if self.tier is not None:
+            self.tier.defer_stores = False
+            self.tier.flush()
 
     # ------------------------------------------------------------------ backward
     def _begin_backward(self) -> None:
