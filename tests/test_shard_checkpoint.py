@@ -5,7 +5,7 @@ last 3): params and both moments, element by element (the numerics contract), pa
 bit for bit with the uninterrupted run when N == M. States on cpu and on nvme, an int8-state
 round trip, and the refusals: a flipped byte (on every rank, also those that never read the
 file), a missing or truncated file, another model, another optimizer; a save killed (kill -9)
-before its manifest leaves the previous checkpoint loadable.
+before its manifest, or one that runs out of disk, leaves the previous checkpoint loadable.
 
 The session's gloo ranks (tests/_ranks.py group) for worlds 2 and 3; world 1 runs in this process."""
 from __future__ import annotations
@@ -383,3 +383,49 @@ def test_a_save_killed_before_its_manifest_leaves_the_previous_checkpoint(tmp_pa
     _assert_equal(_assemble([out["loaded"]]), _assemble([torch.load(d + ".expected", weights_only=True)]))
     job_save(d, steps=1)  # the next save removes what the killed one left, and the previous generation
     assert sorted(os.listdir(d)) == ["offload-ckpt.lock", "offload-shard.3.rank0.pt", MANIFEST]
+
+
+def test_a_full_disk_names_the_file_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A rank file's write that fails (ENOSPC) is an OSError naming the file, not torch.save's
+    "unexpected pos" RuntimeError; the partial file is removed at once (on a full disk it held
+    the room a retry needs) and the previous checkpoint loads."""
+    import errno
+
+    from offload.shard import checkpoint
+
+    d = str(tmp_path / "ckpt")
+    model, opt, swap = _build()
+    _train(model, opt, 0, 2)
+    save_checkpoint(model, opt, d)
+    want = _chunks(model, opt)
+    _train(model, opt, 2, 3)
+
+    class Full:
+        def __init__(self, f):
+            self.f, self.left = f, 4096
+
+        def write(self, b):
+            n = len(memoryview(b).cast("B"))
+            if n > self.left:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.left -= n
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(checkpoint, "open", lambda *a, **k: Full(open(*a, **k)), raising=False)
+    with pytest.raises(OSError) as info:
+        save_checkpoint(model, opt, d)
+    assert info.value.errno == errno.ENOSPC and info.value.filename.endswith(".offload-shard.2.rank0.pt.tmp")
+    monkeypatch.undo()
+    assert not os.path.exists(info.value.filename)
+    _close(opt, swap)
+    out = job_resume(d, start=2, stop=2)
+    _assert_equal(_assemble([out["loaded"]]), _assemble([want]))

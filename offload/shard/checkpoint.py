@@ -101,15 +101,22 @@ def _sharded(model: nn.Module) -> Tuple[List[Any], Any, int, int]:
 
 
 class _Crc:
-    """A file object that sums the crc32 and the bytes of what goes through it."""
+    """A file object that sums the crc32 and the bytes of what goes through it, and keeps the
+    OSError a write raised: torch.save's writer turns it into a RuntimeError without errno or
+    path ("unexpected pos ..."), which is all a full disk would show."""
 
     def __init__(self, f: Any) -> None:
         self.f, self.crc, self.n = f, 0, 0
+        self.error: Optional[OSError] = None
 
     def write(self, b: Any) -> int:
         self.crc = zlib.crc32(b, self.crc)
         self.n += len(memoryview(b).cast("B"))
-        return self.f.write(b)
+        try:
+            return self.f.write(b)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -166,11 +173,19 @@ def _write_rank(directory: str, gen: int, rank: int, flats: List[Any], entries: 
     """This rank's file: written as a tmp file, fsynced, renamed to its final name."""
     payload = {"format": FORMAT, "rank": rank, "params": [f.shard_values() for _, f in flats], "states": entries}
     tmp, final = os.path.join(directory, _tmp_name(gen, rank)), os.path.join(directory, _rank_name(gen, rank))
-    with open(tmp, "wb") as f:
-        w = _Crc(f)
-        torch.save(payload, w)
-        f.flush()
-        os.fsync(f.fileno())
+    w = None
+    try:
+        with open(tmp, "wb") as f:
+            w = _Crc(f)
+            torch.save(payload, w)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as exc:
+        remove_quiet(tmp)  # a full disk: free what the partial file took (the pending record names it too)
+        err = w.error if w is not None and w.error is not None else exc
+        if not isinstance(err, OSError):
+            raise
+        raise OSError(err.errno, f"writing the checkpoint file failed: {err.strerror}", tmp) from exc
     os.rename(tmp, final)
     fsutil.fsync_dir(directory)
     scalars = [None if e is None else {k: scalar_of(v) for k, v in e.items() if k not in element_keys(e, f.chunk)}
