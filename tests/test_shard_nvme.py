@@ -1,6 +1,6 @@
 """Stage 3 with the params on NVMe (``offload.shard(..., offload_params="nvme")``): the same
 bits as params in RAM, every store, 1 and 2 gloo ranks; the pages leave RAM between uses;
-p.grad's stand-in follows torch's zero_grad rules; bad input.
+p.grad's stand-in follows torch's zero_grad rules; bad input; two models in one swap_dir.
 
 [Note: paged tensors] in offload/memory/paging.py and [Note: the param tier] in
 offload/shard/tier.py say what is checked here."""
@@ -423,4 +423,25 @@ def test_offload_clean_leaves_a_live_param_dir_and_the_next_run_removes_a_dead_o
     assert not os.path.exists(dead) and os.path.isdir(live.path)
     again.close()
     live.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_two_models_with_params_on_nvme_share_one_swap_dir_in_one_process(tmp_path):
+    """Each model's tier has a directory of its own (a second one had the first's name, pid and
+    rank, and failed on its lock with a bare BlockingIOError); the grads-on-disk tier of a
+    model in RAM with its states on NVMe too."""
+    a = offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path))
+    b = offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path))
+    c = offload.shard(base._model())
+    opts = [offload.AdamW(m.parameters(), offload="nvme", swap_dir=str(tmp_path), **base.HP) for m in (a, b, c)]
+    paths = {runtime_of(m).tier.path for m in (a, b, c)}
+    assert len(paths) == 3 and all(os.path.isdir(p) for p in paths)
+    for m, opt in zip((a, b, c), opts):
+        base._loss(m, 0, 0, 1, 0, {}).backward()
+        opt.step()
+    _same(gathered_params(a), gathered_params(b))
+    _same(gathered_params(a), gathered_params(c))
+    for m, opt in zip((a, b, c), opts):
+        opt.close()
+        runtime_of(m).tier.close()
     assert os.listdir(tmp_path) == []

@@ -2,7 +2,8 @@
 
 [Note: the param tier] Each shard (and its grad) is an *area*: a tensor over its own private
 anonymous mapping, mirrored at a page-aligned offset of one file per rank
-(``SWAP_DIR/offload-params.<pid>.rank<r>/areas.bin``). Its pages are evicted (``MADV_DONTNEED``)
+(``SWAP_DIR/offload-params.<pid>.rank<r>/areas.bin``; ``<pid>-<n>`` for the n-th after the first in
+one process). Its pages are evicted (``MADV_DONTNEED``)
 except while in use, so RAM holds only what is being gathered, reduced or stepped; who
 touches the bytes says so through ``offload.memory.paging`` ([Note: paged tensors]). This
 module is the pager: per page a state (on disk only, in memory and valid, being read),
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -67,7 +69,8 @@ __all__ = ["ParamTier"]
 log = logging.getLogger("offload.shard")
 
 _ON_DISK, _VALID, _READING = 0, 1, 2
-_DIR_RE = re.compile(r"^offload-params\.\d+\.rank\d+$")
+_DIR_RE = re.compile(r"^offload-params\.\d+(-\d+)?\.rank\d+$")
+_SEQ = itertools.count()  # this process's tiers: a second model in one swap_dir gets a name of its own
 
 
 class _Area:
@@ -127,7 +130,8 @@ class ParamTier:
     def __init__(self, swap_dir: str, rank: int, *, io: Any = "auto") -> None:
         parent = fsutil.check_parent_dir(swap_dir)
         _remove_orphans(parent)
-        self.path = os.path.join(parent, f"offload-params.{os.getpid()}.rank{rank}")
+        n = next(_SEQ)
+        self.path = os.path.join(parent, f"offload-params.{os.getpid()}{f'-{n}' if n else ''}.rank{rank}")
         fsutil.make_private_dir(self.path)
         self._engine = None
         self._file = None
