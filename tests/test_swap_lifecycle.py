@@ -233,6 +233,30 @@ for _ in range(6000):
 """
 
 
+_HANDLER_AFTER_THE_OPTIMIZER = """
+import signal, sys, time
+import torch, offload
+p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+opt = offload.AdamW([p], offload="nvme", swap_dir=sys.argv[1])
+def graceful(s, f):  # a framework's handler, set after the optimizer was built
+    sys.exit(3)
+signal.signal(signal.SIGTERM, graceful)
+p.grad = torch.ones_like(p)
+opt.step()
+assert signal.getsignal(signal.SIGTERM) is not graceful  # wrapped by the step
+print("ready", flush=True)
+for _ in range(6000):
+    time.sleep(0.01)
+"""
+
+
+def test_a_handler_set_after_the_optimizer_is_wrapped_by_the_next_step(tmp_path):
+    # No store registers after it: the handler went unwrapped, exited through atexit, and that
+    # removed the directory the preempted job would resume from.
+    assert "kept after SIGTERM" in _terminate_gracefully(_HANDLER_AFTER_THE_OPTIMIZER, tmp_path)
+    assert len(os.listdir(tmp_path)) == 1
+
+
 def test_a_handler_set_later_is_wrapped_by_the_next_store(tmp_path):
     _terminate_gracefully(_LATE_HANDLER, tmp_path)
     # graceful exited through atexit, yet both directories stay for resume

@@ -22,6 +22,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from offload.swap import cleanup
+
 __all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "mark_consistent", "is_consistent",
            "failure_text", "store_step", "clear_failure"]
 
@@ -83,7 +85,9 @@ def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
 @contextlib.contextmanager
 def defer_sigint() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT with Python's default handler, main thread only) until the
-    block ends, then raise KeyboardInterrupt; a second Ctrl-C raises at once."""
+    block ends, then raise KeyboardInterrupt; a second Ctrl-C raises at once. Also wraps a
+    SIGTERM handler set since the swap stores opened (swap/cleanup.py watch_sigterm)."""
+    cleanup.watch_sigterm()
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield

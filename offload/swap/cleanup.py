@@ -14,7 +14,8 @@ Only when a Python handler is there (a framework's graceful shutdown, which may 
 atexit) do we wrap it: ours records that the process is being terminated and calls it
 untouched. From then on no store of this process removes its directory, at exit or in
 close(): it is left unlocked and resumable, and ``offload clean`` removes it. A handler set
-after a store opened is wrapped when the next store registers (if it chains to the handler it
+after a store opened is wrapped when the next store registers or the next step starts
+(``watch_sigterm``; if it chains to the handler it
 replaced, ours, that goes on to the handler wrapped before: each runs once). ``kill -9`` cannot be caught
 either: its directory keeps its files and its lock dies with the process, which is how
 ``offload clean`` and ``resume=True`` recognise it.
@@ -37,7 +38,7 @@ from typing import Any, Dict, Iterator, List
 
 from offload.memory.reentry import FinalizerSafeLock
 
-__all__ = ["register", "unregister", "close_all", "terminating", "removing"]
+__all__ = ["register", "unregister", "close_all", "terminating", "removing", "watch_sigterm"]
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,14 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         handler(signum, frame)
     finally:
         _depth -= 1
+
+
+def watch_sigterm() -> None:
+    """Wrap a Python SIGTERM handler set since the last store opened (called by each step):
+    a framework that installs its graceful-shutdown handler after building the optimizer
+    then exits through atexit, which removed the directory a preempted job resumes from."""
+    if _open:
+        _install()
 
 
 def _install() -> None:
