@@ -1,6 +1,7 @@
 """Stage 3 with the params on NVMe (``offload.shard(..., offload_params="nvme")``): the same
 bits as params in RAM, every store, 1 and 2 gloo ranks; the pages leave RAM between uses;
-p.grad's stand-in follows torch's zero_grad rules; bad input; two models in one swap_dir.
+p.grad's stand-in follows torch's zero_grad rules; bad input; two models in one swap_dir; a
+stage 3 checkpoint loaded into params and states on NVMe.
 
 [Note: paged tensors] in offload/memory/paging.py and [Note: the param tier] in
 offload/shard/tier.py say what is checked here."""
@@ -445,3 +446,34 @@ def test_two_models_with_params_on_nvme_share_one_swap_dir_in_one_process(tmp_pa
         opt.close()
         runtime_of(m).tier.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_stage3_checkpoint_loads_into_params_and_states_on_nvme(tmp_path):
+    """fp32 params on NVMe, states on NVMe: the load takes the masters from the params it just
+    wrote, whose pages are on disk (it read them as zeros, and the next step trained on from
+    zero masters)."""
+    def build(tag):
+        d = tmp_path / tag
+        d.mkdir()
+        model = offload.shard(base._model(), offload_params="nvme", swap_dir=str(d))
+        return model, offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(d), **base.HP)
+
+    def train(model, opt, start, stop):
+        for step in range(start, stop):
+            base._loss(model, step, 0, 1, 0, {}).backward()
+            opt.step()
+            opt.zero_grad()
+
+    ckpt = str(tmp_path / "ckpt")
+    model, opt = build("a")
+    train(model, opt, 0, 2)
+    offload.shard.save_checkpoint(model, opt, ckpt)
+    train(model, opt, 2, 3)
+    want = gathered_params(model)
+    again, opt2 = build("b")
+    offload.shard.load_checkpoint(again, opt2, ckpt)
+    train(again, opt2, 2, 3)
+    _same(gathered_params(again), want)
+    for m, o in ((model, opt), (again, opt2)):
+        o.close()
+        runtime_of(m).tier.close()

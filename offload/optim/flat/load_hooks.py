@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 import torch
 
 from offload.kernels.compressed_ref import decode_state, encode_state
+from offload.memory import paging
 from offload.zero import comm
 from offload.zero.flat_group import FlatGroup, fill_zero_state
 
@@ -165,8 +166,11 @@ def post_load(st: "FlatState") -> None:
             s = slice(pc.lo - start, pc.hi - start)
             if m is not None:
                 m = m.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel].float()
-            elif fg.swapped:
-                m = p.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel].float()
+            elif fg.swapped:  # params on NVMe read zeros where their pages are out: load them first
+                src = p.detach().reshape(-1)[pc.param_offset:pc.param_offset + pc.numel]
+                paging.load([src])
+                m = src.to(dtype=torch.float32, copy=True)
+                paging.evict([src])
             if m is None or fg.master_lowp:  # a bf16 master: the params are the master
                 continue
             if fg.swapped:
