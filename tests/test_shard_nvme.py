@@ -1,7 +1,7 @@
 """Stage 3 with the params on NVMe (``offload.shard(..., offload_params="nvme")``): the same
 bits as params in RAM, every store, 1 and 2 gloo ranks; the pages leave RAM between uses;
-p.grad's stand-in follows torch's zero_grad rules; bad input; two models in one swap_dir; a
-stage 3 checkpoint loaded into params and states on NVMe.
+p.grad's stand-in follows torch's zero_grad rules; bad input; two models in one swap_dir;
+checkpoints loaded into params on NVMe.
 
 [Note: paged tensors] in offload/memory/paging.py and [Note: the param tier] in
 offload/shard/tier.py say what is checked here."""
@@ -448,15 +448,24 @@ def test_two_models_with_params_on_nvme_share_one_swap_dir_in_one_process(tmp_pa
     assert os.listdir(tmp_path) == []
 
 
-def test_a_stage3_checkpoint_loads_into_params_and_states_on_nvme(tmp_path):
-    """fp32 params on NVMe, states on NVMe: the load takes the masters from the params it just
-    wrote, whose pages are on disk (it read them as zeros, and the next step trained on from
-    zero masters)."""
+@pytest.mark.parametrize("states,kind", [("nvme", "shard"), ("cpu", "optimizer")])
+def test_a_checkpoint_loads_into_params_on_nvme(tmp_path, states, kind):
+    """fp32 params on NVMe. States on NVMe, offload.shard's checkpoint: the load takes the
+    masters from the params it just wrote, whose pages are on disk (it read them as zeros, and
+    the next step trained on from zero masters). States in RAM, the optimizer's checkpoint: the
+    params rewritten from the loaded masters went past the pager (lost at the next read)."""
     def build(tag):
         d = tmp_path / tag
         d.mkdir()
         model = offload.shard(base._model(), offload_params="nvme", swap_dir=str(d))
-        return model, offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(d), **base.HP)
+        return model, offload.AdamW(model.parameters(), offload=states, swap_dir=str(d) if states == "nvme" else None,
+                                    **base.HP)
+
+    def save(model, opt):
+        (offload.shard.save_checkpoint(model, opt, ckpt) if kind == "shard" else opt.save_checkpoint(ckpt))
+
+    def load(model, opt):
+        (offload.shard.load_checkpoint(model, opt, ckpt) if kind == "shard" else opt.load_checkpoint(ckpt))
 
     def train(model, opt, start, stop):
         for step in range(start, stop):
@@ -467,11 +476,11 @@ def test_a_stage3_checkpoint_loads_into_params_and_states_on_nvme(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     model, opt = build("a")
     train(model, opt, 0, 2)
-    offload.shard.save_checkpoint(model, opt, ckpt)
+    save(model, opt)
     train(model, opt, 2, 3)
     want = gathered_params(model)
     again, opt2 = build("b")
-    offload.shard.load_checkpoint(again, opt2, ckpt)
+    load(again, opt2)
     train(again, opt2, 2, 3)
     _same(gathered_params(again), want)
     for m, o in ((model, opt), (again, opt2)):

@@ -370,7 +370,11 @@ class FlatGroup:
             return  # bf16 master: the params (or the staging that mirrors them) are the master
         for i, p in enumerate(self.params):
             lo, hi = self.layout.slot(i)
-            p.detach().copy_(self.master[lo:hi].view_as(p))
+            dst = p.detach()
+            paging.will_write([dst])  # params on NVMe: bytes written past the pager are lost at the next load
+            dst.copy_(self.master[lo:hi].view_as(p))
+            paging.store([dst])
+            paging.evict([dst])
 
 
 class _AllWork:
