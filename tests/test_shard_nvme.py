@@ -486,3 +486,20 @@ def test_a_checkpoint_loads_into_params_on_nvme(tmp_path, states, kind):
     for m, o in ((model, opt), (again, opt2)):
         o.close()
         runtime_of(m).tier.close()
+
+
+@pytest.mark.parametrize("offload_params", ["cpu", "nvme"])
+def test_a_later_optimizer_without_nvme_states_is_refused_where_the_grads_went_to_disk(tmp_path, offload_params):
+    # an optimizer with offload="nvme" sends the grad shards to swap files for good: one
+    # built after it that keeps its states elsewhere would step on p.grad's stand-ins
+    swap = str(tmp_path) if offload_params == "nvme" else None
+    model = offload.shard(base._model(), offload_params=offload_params, swap_dir=swap)
+    offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), **base.HP).close()
+    for where in ("cpu", "none"):
+        with pytest.raises(ValueError, match=f"offload='{where}' on a model whose grad shards an earlier optimizer"):
+            offload.AdamW(model.parameters(), offload=where, **base.HP)
+    again = offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), **base.HP)
+    base._loss(model, 0, 0, 1, 0, {}).float().backward()
+    again.step()
+    again.close()
+    runtime_of(model).tier.close()

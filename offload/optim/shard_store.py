@@ -59,6 +59,9 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
         raise ValueError("master_dtype='bfloat16' with offload.shard(offload_params='nvme'): the params would be the "
                          "only copy of the master, in a file that is not crash-safe; keep the fp32 master "
                          "(master_dtype=None)")
+    runtimes = {id(i.runtime): i.runtime for i in (getattr(p, "_offload_shard", None) for p in params)
+                if i is not None and getattr(i, "runtime", None) is not None}.values()
+    _check_grads_placed(runtimes, opt.config.offload)
     opt._in_stage3 = True
     try:
         inner = opt._make_store(0, None)
@@ -67,14 +70,25 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
     if opt.config.resume is True and comm.world_and_rank(group)[0] > 1:
         _check_resumed_steps(inner, group, opt.config.swap_dir)
     opt.stage = 3
-    for rt in {id(i.runtime): i.runtime for i in (getattr(p, "_offload_shard", None) for p in params)
-               if i is not None and getattr(i, "runtime", None) is not None}.values():
+    for rt in runtimes:
         rt.ctx = opt._ctx  # the shard hooks follow opt.no_sync()
         if opt.config.offload == "nvme":  # the grad shards live where the states do
             rt.place_grads(opt.config.swap_dir, opt.config.io)
     opt._stage_auto_single = False
     opt._process_group = group
     return Stage3Store(inner, group, opt._ctx, backend=opt.backend, num_threads=opt.num_threads)
+
+
+def _check_grads_placed(runtimes: Any, offload: str) -> None:
+    """An earlier optimizer with offload="nvme" sent the model's grad shards to swap files
+    (``p.grad`` a one-element stand-in); one that keeps its states elsewhere would step on the
+    stand-ins: refused, until the grads can be placed back (a model sharded anew)."""
+    if offload == "nvme":
+        return
+    if any(flat.grad_area is not None for rt in runtimes for u in rt.units for flat in u.flats):
+        raise ValueError(f"offload={offload!r} on a model whose grad shards an earlier optimizer with "
+                         "offload='nvme' placed in swap files (they stay there): build this optimizer with "
+                         "offload='nvme' too, or shard a new model")
 
 
 def _check_resumed_steps(inner: Any, group: Any, swap_dir: Any) -> None:
