@@ -503,3 +503,26 @@ def test_a_later_optimizer_without_nvme_states_is_refused_where_the_grads_went_t
     again.step()
     again.close()
     runtime_of(model).tier.close()
+
+
+def test_a_live_processs_param_dir_not_locked_yet_is_not_an_orphan(tmp_path):
+    # ranks sharing a swap_dir: one rank's directory exists a moment before its lock does,
+    # and another rank's orphan sweep must not take it (it removed it in a 2-rank run)
+    import subprocess
+    import sys
+
+    from offload.shard.tier import ParamTier
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    try:
+        made = {}
+        for who, pid in (("live", live.pid), ("dead", int(gone.stdout))):
+            made[who] = tmp_path / f"offload-params.{pid}.rank1"
+            made[who].mkdir(mode=0o700)
+        tier = ParamTier(str(tmp_path), 0)
+        assert made["live"].is_dir() and not made["dead"].exists()
+        tier.close()
+    finally:
+        live.kill()
+        live.wait()
