@@ -321,3 +321,13 @@ def test_state_error_rows(capsys):
         state_error.main(["--decades", "x"])
     with pytest.raises(SystemExit):
         state_error.main(["--size", "10"])
+
+
+def test_manifest_write_measures_a_real_manifest(tmp_path):
+    # bench/manifest_write.py: bytes grow with the params, each write takes time, nothing left
+    proc = run_script("manifest_write.py", "--params", "3,300", "--reps", "3", "--dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if "params: manifest" in line]
+    sizes = [int(r[3].replace(",", "")) for r in rows]
+    assert [int(r[0]) for r in rows] == [3, 300] and 0 < sizes[0] < sizes[1]
+    assert all(float(r[6]) > 0 for r in rows) and os.listdir(tmp_path) == []
