@@ -260,3 +260,24 @@ def test_no_o_direct_falls_back_to_buffered_with_warning(tmp_path):
         if mounted:
             os.system(f"umount {d}")
         os.rmdir(d)
+
+
+def test_an_atomic_write_removes_the_temporary_files_of_killed_writers(tmp_path):
+    # a kill -9 inside write_json_atomic leaves .<name>.tmp-<pid>: the next write of that name
+    # removes those of pids that no longer run (a checkpoint directory otherwise kept them)
+    import subprocess
+    import sys
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    try:
+        for n in (f".m.json.tmp-{gone}", f".m.json.tmp-{live.pid}", f".other.json.tmp-{gone}", f".m.json.tmp-x"):
+            (tmp_path / n).write_text("{")
+        fsutil.write_json_atomic(str(tmp_path), "m.json", {"a": 1})
+        assert sorted(os.listdir(tmp_path)) == sorted(["m.json", f".m.json.tmp-{live.pid}", f".other.json.tmp-{gone}",
+                                                       ".m.json.tmp-x"])
+        assert json.loads((tmp_path / "m.json").read_text()) == {"a": 1}
+    finally:
+        live.kill()
+        live.wait()

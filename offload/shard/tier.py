@@ -82,26 +82,12 @@ class _Area:
         self.drop = np.zeros(self.pages, dtype=bool)  # evicted while its write flies: drop when done
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` (from a directory's name) runs here: this one, or another that
-    a signal 0 reaches (one we may not signal runs too)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def _remove_orphans(parent: str) -> None:
     """The directories of processes that died without closing (kill -9; their lock is free):
     nothing in them is ever read again (the params' truth is the optimizer's), so they go."""
     for name in os.listdir(parent):
         m = _DIR_RE.match(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or fsutil.pid_alive(int(m.group(1))):
             continue  # a live process's (another rank's may not hold its lock yet: made, then locked)
         path = os.path.join(parent, name)
         try:

@@ -33,7 +33,7 @@ from typing import Any, Dict, Optional, Tuple
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
     "write_json_atomic", "read_json", "SEAL", "sealed", "unsealed", "LOAD_ADVICE", "SAVE_ADVICE", "RESUME_ADVICE", "fsync_dir", "remove_private_dir", "free_bytes",
-    "DirectoryBusy", "NotOurs", "private_dir_name",
+    "DirectoryBusy", "NotOurs", "private_dir_name", "pid_alive",
 ]
 
 LOCK_NAME = "lock"
@@ -218,10 +218,7 @@ def write_json_atomic(directory: str, name: str, obj: Any) -> int:
     data = _dumps(obj) + b"\n"
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-    try:
-        os.unlink(tmp)  # a leftover of this same pid (pid reuse after a crash)
-    except FileNotFoundError:
-        pass
+    _drop_stale_tmp(directory, name)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
@@ -237,6 +234,33 @@ def write_json_atomic(directory: str, name: str, obj: Any) -> int:
     os.rename(tmp, final)
     fsync_dir(directory)
     return len(data)
+
+
+def _drop_stale_tmp(directory: str, name: str) -> None:
+    """Remove the temporary files of ``name`` that a process killed in write_json_atomic left:
+    this pid's (pid reuse after a crash) and those of pids that no longer run."""
+    prefix = f".{name}.tmp-"
+    for entry in os.listdir(directory):
+        pid = entry[len(prefix):]
+        if entry.startswith(prefix) and pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid))):
+            try:
+                os.unlink(os.path.join(directory, entry))
+            except FileNotFoundError:
+                pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs here: this one, or another that a signal 0 reaches (one
+    we may not signal runs too)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def read_json(path: str) -> Any:
