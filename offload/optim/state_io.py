@@ -206,10 +206,19 @@ def _import_all(opt: Any, store: Any, held: Set[int]) -> None:
             _start_afresh(opt, store, p)
 
 
+def _fills(opt: Any) -> Dict[str, float]:
+    """Each state's value at a fresh start (zeros; Adagrad's sum: initial_accumulator_value)."""
+    return {k: float(opt.state_fill(k)) if hasattr(opt, "state_fill") else 0.0 for k in names_of(opt)}
+
+
+def _filled(p: torch.Tensor, fill: Dict[str, float]) -> Dict[str, torch.Tensor]:
+    return {k: torch.full_like(p, v, dtype=torch.float32) for k, v in fill.items()}
+
+
 def _start_afresh(opt: Any, store: Any, p: torch.Tensor) -> None:
-    fill = {k: opt.state_fill(k) for k in names_of(opt)} if hasattr(opt, "state_fill") else {}
+    fill = _fills(opt)
     if any(fill.values()):  # Adagrad's sum: torch starts it at initial_accumulator_value
-        store.import_state(p, {k: torch.full_like(p, v, dtype=torch.float32) for k, v in fill.items()})
+        store.import_state(p, _filled(p, fill))
     else:
         store.reset_state(p)
 
@@ -221,6 +230,6 @@ def restart_cleared(opt: Any, params: List[torch.Tensor]) -> None:
     values (zeros; Adagrad's initial_accumulator_value). The host store's went with the entry."""
     if getattr(opt._store, "kind", None) == "host":
         return
-    fill = {k: float(opt.state_fill(k)) if hasattr(opt, "state_fill") else 0.0 for k in names_of(opt)}
-    for p in params:
-        opt._store.import_state(p, {k: torch.full(p.shape, v, dtype=torch.float32) for k, v in fill.items()})
+    fill = _fills(opt)
+    for p in params:  # import_state, not reset_state: the flat store's resets only within a load
+        opt._store.import_state(p, _filled(p, fill))
