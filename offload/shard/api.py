@@ -22,6 +22,7 @@ import torch.nn as nn
 from offload.config import parse_bytes
 from offload.memory import paging
 from offload.shard import device as device_mod
+from offload.shard import guards
 from offload.shard.flat_unit import FlatParam, ShardInfo, Unit
 from offload.shard.hooks import ShardRuntime
 from offload.shard.materialize import check_inits, has_meta, materialize
@@ -168,11 +169,11 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
                            prefetch=prefetch, budget=budget, budget_in_bytes=in_bytes, own_reduce=world > 1)
     runtime.tier, runtime.params_on_disk = tier, tier is not None
     runtime.install()
-    for u in units:
-        for flat in u.flats:
-            flat.shard._offload_shard.runtime = runtime
+    for flat in (f for u in units for f in u.flats):
+        flat.shard._offload_shard.runtime = runtime
     module.__dict__[_RUNTIME] = runtime
     attach(module, runtime, keys)
+    guards.install(module, runtime)  # torch's calls that would break the layout: [Note: calls on a sharded model]
     if weights is not None:
         load_weights(module, weights)
     return module

@@ -46,6 +46,7 @@ import torch.nn as nn
 from offload.memory import HUGE_PAGE, paging
 from offload.memory.region import Region
 from offload.shard import device as device_mod
+from offload.shard.guards import refuse_copy
 from offload.zero import comm
 
 __all__ = ["BLOCK", "ShardInfo", "FlatParam", "chunk_for"]
@@ -94,12 +95,17 @@ class ShardInfo:
         self.runtime: Any = None  # the ShardRuntime (offload/shard/hooks.py), set by shard()
         self.flat: Any = None  # the FlatParam whose shard this is
 
+    # deepcopy / pickle of a shard: guards.py [Note: calls on a sharded model]
+    __reduce_ex__ = refuse_copy
+
     def __repr__(self) -> str:
         return f"ShardInfo(unit={self.unit!r}, world={self.world}, rank={self.rank})"
 
 
 class FlatParam:
     """The flat buffer, the shard and the views of one unit's params of one dtype."""
+
+    __reduce_ex__ = refuse_copy  # guards.py [Note: calls on a sharded model]
 
     def __init__(self, members: List[Tuple[nn.Parameter, List[Tuple[nn.Module, str]]]], *,
                  info: ShardInfo, holder: nn.Module, attr: str, names: List[str], tier: Any = None,

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload.shard.grads import GradReducer
+from offload.shard.guards import refuse_copy
 from offload.shard.schedule import GatherSchedule, order_hash
 
 __all__ = ["ShardRuntime"]
@@ -100,6 +101,8 @@ class ShardRuntime:
         self._group_end: Optional[Any] = None  # the reduce group's destroyer, when it is ours
         if own_reduce:
             self.own_group(reduce_group)
+
+    __reduce_ex__ = refuse_copy  # deepcopy / pickle of the model: guards.py [Note: calls on a sharded model]
 
     def own_group(self, group: Any) -> None:
         """``group`` was made for this runtime alone: see [Note: the reduce group's end]."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import zipfile
+from collections.abc import Mapping
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -24,7 +25,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from offload.memory import heap
 
-__all__ = ["record_keys", "attach", "load_weights", "key_sources", "whole_tensor"]
+__all__ = ["record_keys", "attach", "load_weights", "key_sources", "whole_tensor", "full_keys"]
 
 _KEYS = "_offload_shard_keys"
 
@@ -55,6 +56,11 @@ def key_sources(model: nn.Module) -> Tuple[Any, List[Tuple[str, Optional[str]]],
     return runtime, keys, slots
 
 
+def full_keys(model: nn.Module) -> set:
+    """The keys of the sharded params in ``model.state_dict()`` before ``shard()`` (guards.py)."""
+    return {k for k, src in model.__dict__[_KEYS][1] if src is not None}
+
+
 def whole_tensor(model: nn.Module, key: str) -> torch.Tensor:
     """The frozen param or buffer under ``key`` (left whole by ``shard()``)."""
     prefix, _, attr = key.rpartition(".")
@@ -67,9 +73,11 @@ def whole_tensor(model: nn.Module, key: str) -> torch.Tensor:
 class _Reader:
     """One opening of a checkpoint: keys, shapes, and flat element ranges of a tensor."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: Any) -> None:
         self.path = path
-        if zipfile.is_zipfile(path):
+        if isinstance(path, Mapping):  # a state_dict in memory (model.load_state_dict: guards.py)
+            self.sd, self.st = path, None
+        elif zipfile.is_zipfile(path):
             sd = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
             if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
                 raise TypeError(f"{path}: expected a dict of tensors (a state_dict), got {type(sd).__name__}")
@@ -169,14 +177,15 @@ def _load_flat(flat: Any, source: Dict[str, str], reader: _Reader) -> None:
 @torch.no_grad()
 def load_weights(model: nn.Module, path: Any, *, strict: bool = True):
     """Load a checkpoint of the model as it was before ``shard()`` (a torch file, loaded with
-    ``mmap=True``, or a safetensors file) into a sharded model, unit by unit, each rank its own
+    ``mmap=True``, a safetensors file, or such a state_dict itself) into a sharded model, unit by unit, each rank its own
     slices only (see the note). Keys as ``model.state_dict()`` before ``shard()``; a tied param
     loads from either of its names. ``strict``: missing or unexpected keys raise, as
     ``load_state_dict`` (a size mismatch always raises; nothing is written then). Returns
     ``(missing_keys, unexpected_keys)``. Not a collective."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no checkpoint at {path!r}")
+    if not isinstance(path, Mapping):  # else a state_dict itself (model.load_state_dict: guards.py)
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no checkpoint at {path!r}")
     runtime, keys, slots = key_sources(model)
     reader = _Reader(path)
     try:

@@ -1,0 +1,238 @@
+"""Plain torch calls on a sharded model: each one works as it would on the model before
+``shard()``, or is refused before it changes anything.
+
+[Note: calls on a sharded model] ``shard()`` moves a trainable param's values into its unit's
+shard (an ``nn.Parameter`` of the unit module) and leaves, under the names the param had, plain
+tensors that are views of the unit's full buffer (flat_unit.py [Note: flat unit layout]). torch's
+own module methods know nothing of that, and some of them did something silently wrong:
+
+- ``_apply`` (``to``, ``half``, ``float``, ``double``, ``bfloat16``, ``cuda``, ``cpu``,
+  ``to_empty``, ``share_memory``, ``type``): it rebinds the shard to a new tensor (``p.data =``)
+  while the views, which the forward reads, keep the old buffer, so the optimizer then steps a
+  copy the forward never sees (``.to("meta")`` left meta shards and a model that still ran).
+  Here every module whose subtree holds a sharded param's shard or view gets an ``_apply`` that
+  first tries the function on a one-element tensor of each shard's dtype and compute device:
+  when it returns that tensor itself (``model.to("cpu")``, ``.float()`` of an fp32 model) it is
+  a no-op for the shards, which it then leaves alone; a new tensor (a cast, a move, ``to_empty``),
+  a tensor now in shared memory, or an error (``.cuda()`` without CUDA) is refused with a
+  ``RuntimeError`` before anything changed. Buffers and frozen params are then converted as
+  torch does.
+- ``apply(fn)`` (an init writing params in place): on one CPU rank with the params in RAM the
+  views are the shard itself and the writes land; elsewhere they went into a released buffer
+  (or evicted pages of the swap file) and were lost. Here ``apply`` gathers each unit for the
+  time its modules are visited (unit by unit, the root unit for the whole call: never the
+  whole model at once; a collective with several ranks, as ``shard()`` is) and writes this
+  rank's chunk back; a write into a unit that was not gathered then (an ancestor's init
+  looping over its descendants) raises once the walk is over, naming the unit.
+- ``load_state_dict``: the root's takes the keys the model had before ``shard()`` too and loads
+  them as ``offload.shard.load_weights`` does (each rank its own slices); a submodule given those
+  keys refuses (they were silently ignored with ``strict=False``).
+- ``copy.deepcopy``, ``pickle`` and ``torch.save(model)`` refuse (``__reduce_ex__`` of the
+  runtime, its flats and the shards' info): a copy shared the swap files and process groups of
+  the original, or lost the views' aliasing of the shard and trained nothing.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, Set
+
+import torch
+import torch.nn as nn
+
+from offload.memory import paging
+
+__all__ = ["install", "refuse_copy"]
+
+def refuse_copy(self: Any, protocol: Any = None) -> Any:
+    """``__reduce_ex__`` of what a sharded model holds: deepcopy, pickle, torch.save refuse."""
+    raise TypeError("copy.deepcopy / pickle / torch.save of a model sharded by offload.shard() (or of its shard "
+                    "params) is not supported: its shards are this rank's, tied to its process groups and swap "
+                    "files. Save the weights with offload.shard.full_state_dict(model, path) (or "
+                    "offload.shard.save_checkpoint) and shard a newly built model with weights=path")
+
+
+class _SkipShards:
+    """``fn`` for everything but the shards and their grads (left as they are)."""
+
+    def __init__(self, fn: Any, skip: Set[int]) -> None:
+        self.fn, self.skip = fn, skip
+
+    def __call__(self, t: Any) -> Any:
+        return t if id(t) in self.skip else self.fn(t)
+
+
+def _check_apply_fn(fn: Any, flats: List[Any]) -> None:
+    """Refuse ``fn`` (what ``nn.Module._apply`` maps over the tensors) unless it leaves every
+    shard as it is (see the note)."""
+    for dtype, device in {(f.dtype, f.full.device) for f in flats}:
+        probe = torch.empty(1, dtype=dtype, device=device)
+        was = f"{str(dtype).replace('torch.', '')} on {device}"
+        try:
+            out = fn(probe)
+        except Exception as e:
+            raise RuntimeError(f"offload.shard: this conversion of the model (.to(), .cuda(), .half(), ...) fails on "
+                               f"its sharded params ({was}): {type(e).__name__}: {e}. The shards keep the dtype and "
+                               "device they were sharded with: move or cast the model before offload.shard()") from e
+        if out is probe and device.type == "cpu" and probe.is_shared():
+            raise RuntimeError("offload.shard: model.share_memory() on a sharded model: its shards live in this "
+                               "process's buffers (or swap file) and are gathered over its process group, so no "
+                               "other process can use them; train with torch.distributed ranks instead")
+        if out is not probe:
+            now = f"{str(out.dtype).replace('torch.', '')} on {out.device}" if isinstance(out, torch.Tensor) else "?"
+            what = f"{was} -> {now}" if now != was else f"{was}: new tensors (.to_empty())"
+            raise RuntimeError(f"offload.shard: .to() / .half() / .float() / .bfloat16() / .double() / .cuda() / "
+                               f".cpu() / .to_empty() on a sharded model would change its sharded params ({what}), "
+                               "which the forward would then no longer read. Cast or move the model before "
+                               "offload.shard() (the shards keep the dtype and device they were sharded with)")
+
+
+def _guarded_apply(module: nn.Module, flats: List[Any], fn: Any, recurse: bool = True) -> nn.Module:
+    _check_apply_fn(fn, flats)
+    skip = {id(f.shard) for f in flats} | {id(f.shard.grad) for f in flats if f.shard.grad is not None}
+    return type(module)._apply(module, _SkipShards(fn, skip), recurse)
+
+
+class _ApplyWalk:
+    """The units ``apply`` holds gathered while it visits their modules (see the note)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.depth: Dict[int, int] = {}  # unit index -> nesting of the applies holding it
+        self.outer = 0
+        self.seen: Dict[int, int] = {}  # id(flat) -> full._version once written back
+
+    def bring_in(self, unit: Any) -> None:
+        handles = unit.gather(self.runtime.schedule.group)
+        for h, _ in handles:
+            h.wait()
+
+    def write_back(self, unit: Any) -> None:
+        for flat in unit.flats:
+            if flat._alias and flat.tier is None:
+                pass  # the views are the shard (flat_unit.py [Note: one rank's full buffer is its shard])
+            elif flat._alias:
+                paging.store([flat.full])  # the swap file's pages, written
+            else:
+                lo = flat.rank * flat.chunk
+                flat.set_shard_values(flat.full[lo:lo + flat.chunk])
+            flat.free()
+            self.seen[id(flat)] = flat.full._version
+
+    def lost_writes(self, before: Dict[int, int]) -> List[str]:
+        out = []
+        for u in self.runtime.units:
+            for flat in u.flats:
+                if flat._alias and flat.tier is None:
+                    continue
+                if flat.full._version != self.seen.get(id(flat), before[id(flat)]):
+                    out.append(u.name or "<root>")
+        return sorted(set(out))
+
+
+def _guarded_module_apply(module: nn.Module, units: List[Any], walk: _ApplyWalk, fn: Any) -> nn.Module:
+    runtime = walk.runtime
+    if runtime.in_forward or runtime.in_backward:
+        raise RuntimeError("offload.shard: module.apply() inside the forward or backward of a sharded model")
+    outer = walk.outer == 0
+    if outer:
+        runtime._drop_stale()  # a forward whose backward never ran: its gathered units released
+        walk.seen = {}
+        before = {id(f): f.full._version for u in runtime.units for f in u.flats}
+    walk.outer += 1
+    mine = [u for u in units if walk.depth.get(u.index, 0) == 0]
+    try:
+        for u in units:
+            walk.depth[u.index] = walk.depth.get(u.index, 0) + 1
+        for u in mine:
+            walk.bring_in(u)
+        type(module).apply(module, fn)
+        for u in mine:
+            walk.write_back(u)
+    finally:
+        for u in units:
+            walk.depth[u.index] -= 1
+        walk.outer -= 1
+    if outer:
+        lost = walk.lost_writes(before)
+        if lost:
+            raise RuntimeError(f"offload.shard: apply(fn) wrote into params of units {lost} while they were not "
+                               "gathered (a unit is gathered while apply visits its own modules): those writes are "
+                               "lost. Write a module's own params from fn(module), or initialise before "
+                               "offload.shard() (or with shard(init_fn=) on a meta model)")
+    return module
+
+
+def _full_load(module: nn.Module, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+    """The root's load_state_dict: the keys of the model before shard() load as load_weights does."""
+    from offload.shard.weights import full_keys, load_weights
+
+    if set(state_dict) & full_keys(module):
+        if assign:
+            raise RuntimeError("offload.shard: load_state_dict(assign=True) on a sharded model: its params cannot "
+                               "be replaced by the dict's tensors; load without assign=")
+        return load_weights(module, state_dict, strict=strict)
+    return type(module).load_state_dict(module, state_dict, strict=strict, assign=assign)
+
+
+def _refuse_full_keys(names: Set[str], shard_key: str, module: nn.Module, state_dict: Any, prefix: str,
+                      *args: Any) -> None:
+    hits = [k for k in state_dict if k.startswith(prefix) and k[len(prefix):] in names]
+    if hits:
+        raise RuntimeError(f"offload.shard: load_state_dict() on a submodule of a sharded model got the names of "
+                           f"its params before offload.shard() ({hits[:3]}): it holds this rank's shards now "
+                           f"({shard_key!r}). Load the whole model's dict into the model passed to offload.shard() "
+                           "(or offload.shard.load_weights(model, path))")
+
+
+def install(root: nn.Module, runtime: Any) -> None:
+    """The guards on every module whose subtree holds a shard or a view of one (see the note)."""
+    from offload.shard.weights import full_keys
+
+    leaf_of: Dict[int, Any] = {}
+    for u in runtime.units:
+        for flat in u.flats:
+            for leaf in flat.leaves:
+                leaf_of[id(leaf)] = (u, flat)
+    unit_of_module = {id(u.module): u for u in runtime.units}
+    sub: Dict[int, Dict[int, Any]] = {}  # id(module) -> {id(flat): (unit, flat)} of its subtree
+    below: Dict[int, Set[int]] = {}  # id(module) -> ids of the modules strictly below it
+
+    def walk(m: nn.Module) -> None:
+        if id(m) in sub:
+            return
+        own: Dict[int, Any] = {}
+        for v in m.__dict__.values():  # the views: plain attributes
+            hit = leaf_of.get(id(v))
+            if hit is not None:
+                own[id(hit[1])] = hit
+        for p in m._parameters.values():  # the shards
+            if getattr(p, "_offload_shard", None) is not None:
+                own[id(p._offload_shard.flat)] = (unit_of_module[id(m)], p._offload_shard.flat)
+        under: Set[int] = set()
+        for c in m.children():
+            walk(c)
+            own.update(sub[id(c)])
+            under |= below[id(c)] | {id(c)}
+        sub[id(m)], below[id(m)] = own, under
+
+    walk(root)
+    full = full_keys(root)
+    names = {id(m): n for n, m in root.named_modules()}
+    walk_state = _ApplyWalk(runtime)
+    for m in root.modules():
+        found = sub.get(id(m))
+        if not found:
+            continue
+        flats = [f for _, f in found.values()]
+        units = list({u.index: u for u, _ in found.values() if id(u.module) not in below[id(m)]}.values())
+        # instance attributes: found before the class's methods, which they call (the note)
+        m.__dict__["_apply"] = functools.partial(_guarded_apply, m, flats)
+        m.__dict__["apply"] = functools.partial(_guarded_module_apply, m, units, walk_state)
+        if m is root:
+            m.__dict__["load_state_dict"] = functools.partial(_full_load, m)
+        else:
+            n = names[id(m)]
+            mine = {k[len(n) + 1:] for k in full if k.startswith(n + ".")}
+            shard_key = next((n + "." + k for k, p in m.named_parameters() if hasattr(p, "_offload_shard")), n)
+            m._register_load_state_dict_pre_hook(functools.partial(_refuse_full_keys, mine, shard_key),
+                                                 with_module=True)

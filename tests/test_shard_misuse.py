@@ -1,0 +1,177 @@
+"""torch's own calls on a model after ``offload.shard()``: each works as on the model before
+it, or is refused before it changes anything (offload/shard/guards.py [Note: calls on a
+sharded model]). Before these guards, ``.half()`` / ``.to("meta")`` rebound the shards while
+the forward kept reading the old buffer, ``apply(init)`` writes were lost on NVMe and on
+several ranks, a full ``load_state_dict(strict=False)`` loaded nothing, and a deep copy
+trained nothing."""
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+
+import offload
+from offload.shard import gathered_params
+from tests._ranks import free_port, run_ranks
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.fixture(params=["none", "nvme"])
+def model(request):
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        torch.manual_seed(0)
+        nvme = request.param == "nvme"
+        yield offload.shard(_Net(), offload_params=request.param, swap_dir=tmp if nvme else None)
+
+
+def _fill(value):
+    def init(m):
+        if isinstance(m, nn.Linear):
+            with torch.no_grad():
+                m.weight.fill_(value)
+    return init
+
+
+@pytest.mark.parametrize("call", [lambda m: m.half(), lambda m: m.double(), lambda m: m.to(torch.bfloat16),
+                                  lambda m: m.to("meta"), lambda m: m.blocks[0].half(),
+                                  lambda m: m.blocks[0].a.to(torch.float16), lambda m: m.share_memory(),
+                                  lambda m: m.to_empty(device="cpu")],
+                         ids=["half", "double", "bf16", "meta", "unit-half", "leaf-module-half", "share_memory",
+                              "to_empty"])
+def test_casts_and_moves_are_refused_unchanged(model, call):
+    before = gathered_params(model)
+    with pytest.raises(RuntimeError, match="offload.shard"):
+        call(model)
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
+    after = gathered_params(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_cuda_without_cuda_is_refused_clearly(model):
+    with pytest.raises(RuntimeError, match="offload.shard.*sharded params.*CUDA"):
+        model.cuda()
+
+
+def test_noop_conversions_still_train(model):
+    model.to("cpu").float()
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    before = gathered_params(model)
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    after = gathered_params(model)
+    assert all(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_apply_init_writes_the_shards(model):
+    model.apply(_fill(0.5))
+    got = gathered_params(model)
+    for k, v in got.items():
+        if k.endswith("weight"):
+            assert torch.equal(v, torch.full_like(v, 0.5)), k
+
+
+def test_apply_writing_another_unit_is_refused(model):
+    def bad(m):
+        if m is model:  # the root's turn comes last: blocks.0 is released by then
+            with torch.no_grad():
+                model.blocks[0].a.weight.fill_(1.0)
+    if runtime_is_alias_ram(model):
+        model.apply(bad)  # the views are the shard itself: the write lands
+        assert torch.equal(gathered_params(model)["blocks.0.a.weight"], torch.ones(8, 8))
+        return
+    with pytest.raises(RuntimeError, match=r"apply\(fn\) wrote into params of units \['blocks.0'\]"):
+        model.apply(bad)
+
+
+def runtime_is_alias_ram(model):
+    flat = offload.shard.runtime_of(model).units[0].flats[0]
+    return flat._alias and flat.tier is None
+
+
+def test_load_state_dict_of_the_model_before_shard(model):
+    torch.manual_seed(5)
+    full = _Net().state_dict()
+    assert not model.load_state_dict(full).missing_keys
+    got = gathered_params(model)
+    assert all(torch.equal(got[k], full[k]) for k in got)
+    torch.manual_seed(6)
+    part = {k: v for k, v in _Net().state_dict().items() if k.startswith("head.")}
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict(part)
+    res = model.load_state_dict(part, strict=False)
+    assert "blocks.0.a.weight" in res.missing_keys
+    assert torch.equal(gathered_params(model)["head.weight"], part["head.weight"])
+    with pytest.raises(RuntimeError, match="load_state_dict.*submodule"):
+        model.blocks[0].load_state_dict({k[len("blocks.0."):]: v for k, v in full.items()
+                                         if k.startswith("blocks.0.")}, strict=False)
+    assert model.load_state_dict(model.state_dict()).missing_keys == []  # the shards' own keys still load
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copies_are_refused(model, how):
+    save = {"deepcopy": copy.deepcopy, "pickle": pickle.dumps, "torch.save": lambda m: torch.save(m, io.BytesIO())}
+    with pytest.raises(TypeError, match="not supported.*full_state_dict"):
+        save[how](model)
+    torch.save(model.state_dict(), io.BytesIO())  # the state_dict is plain tensors
+
+
+def _two_ranks(rank, port, offload_params, out):
+    import traceback
+
+    import torch.distributed as dist
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+            torch.manual_seed(0)
+            m = offload.shard(_Net(), offload_params=offload_params,
+                              swap_dir=tmp if offload_params == "nvme" else None)
+            m.apply(_fill(0.25))
+            filled = all(torch.equal(v, torch.full_like(v, 0.25)) for k, v in gathered_params(m).items()
+                         if k.endswith("weight"))
+            torch.manual_seed(5)
+            full = _Net().state_dict()
+            m.load_state_dict(full)
+            loaded = all(torch.equal(v, full[k]) for k, v in gathered_params(m).items())
+            try:
+                m.half()
+                refused = False
+            except RuntimeError:
+                refused = True
+            out.put((rank, True, (filled, loaded, refused)))
+            dist.barrier()
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+    os._exit(0)
+
+
+@pytest.mark.parametrize("offload_params", ["none", "nvme"])
+def test_two_ranks_apply_load_and_cast(offload_params):
+    got = run_ranks(_two_ranks, 2, (offload_params,), timeout=180)
+    assert got == {0: (True, True, True), 1: (True, True, True)}
