@@ -15,6 +15,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.utils.parametrize as parametrize
 
 import offload
 from offload.shard import gathered_params
@@ -140,6 +141,23 @@ def test_copies_are_refused(model, how):
     with pytest.raises(TypeError, match="not supported.*full_state_dict"):
         save[how](model)
     torch.save(model.state_dict(), io.BytesIO())  # the state_dict is plain tensors
+
+
+def test_a_rebound_or_parametrized_shard_is_refused_at_the_forward(model):
+    class Neg(nn.Module):
+        def forward(self, x):
+            return -x
+
+    parametrize.register_parametrization(model.blocks[0], "_shard_float32", Neg())
+    with pytest.raises(RuntimeError, match="'blocks.0._shard_float32' was replaced"):
+        model(torch.randn(4, 8))
+
+
+def test_a_shard_rebound_with_data_is_refused_at_the_forward(model):
+    model.head.weight  # noqa: B018  (reads work)
+    model._shard_float32.data = torch.zeros_like(model._shard_float32)
+    with pytest.raises(RuntimeError, match="'_shard_float32' was replaced"):
+        model(torch.randn(4, 8))
 
 
 def _two_ranks(rank, port, offload_params, out):

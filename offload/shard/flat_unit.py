@@ -175,6 +175,7 @@ class FlatParam:
             holder._register_state_dict_hook(self._state_dict_hook)
             holder._register_load_state_dict_pre_hook(self._load_hook)
         self._attr = attr
+        self.shard_ptr = self.shard.data_ptr()  # checked at each forward (hooks.py _check_shards)
         self.leaves: List[torch.Tensor] = []
         for (p, owners), (o, n) in zip(members, self.slots):
             leaf = self.full[o:o + n].view(p.shape).detach().requires_grad_(True)

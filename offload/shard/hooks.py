@@ -129,6 +129,7 @@ class ShardRuntime:
                 raise RuntimeError("offload.shard: the root module was called inside its own forward or backward "
                                    "(activation checkpointing of sharded units is not supported yet), or after a "
                                    "forward or backward that raised: with several ranks, start over")
+            self._check_shards()
             if self.in_backward:  # one rank: a backward that raised (a Ctrl-C) never reached final()
                 self._drop_unfinished_backward()
             self.in_forward = self.in_backward = False  # one rank: an earlier forward that raised
@@ -163,6 +164,21 @@ class ShardRuntime:
         if not outs:  # no backward will come
             self.schedule.release(u)
         return None
+
+    def _check_shards(self) -> None:
+        """The shards are still the params the views alias (a few attribute reads per unit): a
+        shard rebound (``p.data = ...``), replaced, deleted or parametrized after ``shard()`` would
+        be stepped by the optimizer while the forward reads the old buffer (guards.py [Note:
+        calls on a sharded model] refuses the module calls that did it; this catches the rest)."""
+        for u in self.units:
+            for flat in u.flats:
+                p = u.module._parameters.get(flat._attr)
+                if p is not flat.shard or p.dtype != flat.dtype or p.data_ptr() != flat.shard_ptr:
+                    where = f"{u.name + '.' if u.name else ''}{flat._attr}"
+                    raise RuntimeError(f"offload.shard: the shard param {where!r} was replaced, rebound (.data =), "
+                                       "deleted or parametrized after offload.shard(): the forward reads the "
+                                       "buffer it was sharded into. Change the model (parametrizations, weight "
+                                       "norm, casts) before offload.shard()")
 
     def _drop_stale(self) -> None:
         """A forward whose backward never ran: forget its uses, release what it held."""
