@@ -186,6 +186,9 @@ def _two_ranks(rank, port, offload_params, out):
             dist.barrier()
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
+    # put() hands the result to the queue's feeder thread: let it write before os._exit
+    out.close()
+    out.join_thread()
     os._exit(0)
 
 
