@@ -68,7 +68,7 @@ inline void adam_math(const VConsts &c, __m256 g, __m256 &p, __m256 &m, __m256 &
     v = _mm256_mul_ps(v, c.b2);
     v = _mm256_fmadd_ps(_mm256_mul_ps(c.w2, g), g, v);
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2s), c.eps);
-    p = _mm256_fmadd_ps(p, c.decay, _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));
+    p = _mm256_add_ps(_mm256_mul_ps(p, c.decay), _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));
 }
 
 // One vector of 8 at index i of the (possibly staged) buffers in b.

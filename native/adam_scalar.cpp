@@ -41,7 +41,7 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
         mi = std::fma(c.lerp_coeff, g - mi, FROM_END ? g : mi);
         float vi = std::fma(c.one_minus_beta2 * g, g, v[i] * c.beta2);
         float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
-        pi = std::fma(pi, c.decay, (c.neg_step_size * mi) / denom);
+        pi = pi * c.decay + (c.neg_step_size * mi) / denom;  // two roundings, as torch (-ffp-contract=off)
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;

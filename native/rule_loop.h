@@ -109,7 +109,7 @@ struct AmsgradBody {
         const VF v = vfmadd(vmul(w2, g), g, vmul(vload(b.state1 + i), b2));
         const VF vmax = vmax_nan(vload(b.state2 + i), v);  // torch.maximum(max_exp_avg_sq, exp_avg_sq)
         const VF denom = vadd(vdiv(vsqrt(vmax), bc2s), eps);
-        p = vfmadd(p, decay, vdiv(vmul(nss, m), denom));
+        p = vadd(vmul(p, decay), vdiv(vmul(nss, m), denom));  // torch's mul_ then addcdiv_: no FMA
         vstore(b.state + i, m);
         vstore(b.state1 + i, v);
         vstore(b.state2 + i, vmax);

@@ -48,9 +48,9 @@ def adam_update(g, p, m, v, use_l2, l2, decay, coeff, from_end, b2, w2, bc2s, ep
     m = fma32(coeff, g - m, g if from_end else m)
     v = fma32(w2 * g, g, v * b2)
     denom = np.sqrt(v) / bc2s + eps
-    # the decay's product fused into the step's sum, as GCC contracts the native units'
-    # ``p * decay`` then ``p + step``
-    p = fma32(p, decay, (nss * m) / denom)
+    # torch's param.mul_(decay) then param.addcdiv_(...): two roundings, no FMA (the native
+    # units' adam_math, [Note: explicit FMAs])
+    p = p * decay + (nss * m) / denom
     return p, m, v
 
 
@@ -75,7 +75,7 @@ def amsgrad_update(g, p, m, v, vmax, use_l2, l2, decay, coeff, from_end, b2, w2,
     v = fma32(w2 * g, g, v * b2)
     vmax = max_nan(vmax, v)
     denom = np.sqrt(vmax) / bc2s + eps
-    p = fma32(p, decay, (nss * m) / denom)
+    p = p * decay + (nss * m) / denom
     return p, m, v, vmax
 
 
