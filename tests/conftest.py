@@ -38,7 +38,7 @@ _NO_KERNEL = {
     "test_plan", "test_plan_slots", "test_readme", "test_report_cli", "test_report_robust",
     "test_swap_clean", "test_swap_pipeline", "test_swap_store", "test_wheel",
     "test_agreement", "test_swap_session", "test_state_fields", "test_step_context", "test_report_append",
-    "test_kernel_bits", "test_uring_native", "test_swap_previous",
+    "test_kernel_bits", "test_uring_native", "test_swap_previous", "test_numba_cache",
 }
 
 

@@ -13,6 +13,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from . import _numba_cache
+
 __all__ = ["f32_from_bits", "bits_from_f32", "half_to_float", "float_to_half",
            "bf16_to_float", "float_to_bf16", "u16_to_float", "lowp_bits", "fma32"]
 
@@ -125,3 +127,8 @@ def fma32(typingctx, a, b, c):
                 for v, t in zip(args, signature.args)]
         return builder.call(fn, vals)
     return sig, codegen
+
+
+# Before any kernel is loaded from numba's cache: drop it when a source of this folder
+# changed since it was compiled (numba checks only the file defining each kernel).
+_numba_cache.drop_stale(lowp_bits)
