@@ -9,10 +9,11 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.offload-installed
-# Two pytest workers (pytest-xdist), a test module each at a time: alone the suite keeps
-# about one of CI's two cores busy (subprocesses, gloo ranks and disk waits), and it must
-# fit its 10-minute budget. WORKERS=0 runs it in one process.
-WORKERS ?= 2
+# Three pytest workers (pytest-xdist, a test module each at a time) on CI's two cores: with
+# two the suite kept about 1.5 cores busy (subprocesses, gloo ranks, disk waits, spawned
+# interpreters importing torch), and it must fit its 10-minute budget. WORKERS=0 runs it in
+# one process.
+WORKERS ?= 3
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
 
 .PHONY: setup demo test test-native test-numba bench clean
