@@ -12,9 +12,10 @@ STAMP  := $(VENV)/.offload-installed
 # Three pytest workers (pytest-xdist, a test module each at a time) on CI's two cores: with
 # two the suite kept about 1.5 cores busy (subprocesses, gloo ranks, disk waits, spawned
 # interpreters importing torch), and it must fit its 10-minute budget. WORKERS=0 runs it in
-# one process.
+# one process. OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning, which
+# ate about half of the CPU with three workers (tests/conftest.py).
 WORKERS ?= 3
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
+PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
 
 .PHONY: setup demo test test-native test-numba bench clean
 
