@@ -11,7 +11,10 @@
 #   5. stage 3 (offload.shard of a CUDA model): tests/test_shard_cuda.py's CUDA tests (1 rank;
 #      NCCL on 2 ranks when there are 2 GPUs) and bench/shard_gpu.py: forward + backward of a
 #      GPT-2-sized TinyGPT, offload_params="cpu", gathers on their side stream vs. on the
-#      compute stream (the overlap ratio).
+#      compute stream (the overlap ratio);
+#   6. the host CPU's SIMD units (AVX-512 where it has it, which this project's CPU-only
+#      machines so far lacked): the units' bits against each other and AdamW's bits against
+#      torch's ops (tests/test_kernel_bits.py, test_torch_parity_edges.py's decay test).
 # Usage: bash bench/gpu_check.sh [extra args for bench/offload_step.py --gpu]
 # Environment: it reuses .venv if its torch sees CUDA (else .venv-gpu, else python3). Only when
 # none does, and only with OFFLOAD_GPU_CHECK_PIP=1, it pip-installs torch into .venv-gpu (an
@@ -93,6 +96,11 @@ PYTHONPATH=. timeout 75 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests
 
 say "stage 3 on the GPU: offload_params='cpu', gathers on a side stream vs on the compute stream"
 PYTHONPATH=. timeout 75 "$PY" bench/shard_gpu.py || fails=$((fails + 1))
+
+say "the host CPU's SIMD units: bits of every unit, AdamW against torch's ops"
+if grep -q -w avx512f /proc/cpuinfo; then echo "host CPU has AVX-512"; else echo "no AVX-512 on this host"; fi
+OFFLOAD_BACKEND=native PYTHONPATH=. timeout 60 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_bits.py \
+  "tests/test_torch_parity_edges.py::test_adamw_decay_is_rounded_before_the_step_is_added" || fails=$((fails + 1))
 
 say "done: $fails failed stage(s)"
 exit "$fails"
