@@ -43,6 +43,7 @@ from offload.memory import paging
 
 __all__ = ["install", "refuse_copy"]
 
+
 def refuse_copy(self: Any, protocol: Any = None) -> Any:
     """``__reduce_ex__`` of what a sharded model holds: deepcopy, pickle, torch.save refuse."""
     raise TypeError("copy.deepcopy / pickle / torch.save of a model sharded by offload.shard() (or of its shard "

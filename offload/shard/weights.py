@@ -177,11 +177,11 @@ def _load_flat(flat: Any, source: Dict[str, str], reader: _Reader) -> None:
 @torch.no_grad()
 def load_weights(model: nn.Module, path: Any, *, strict: bool = True):
     """Load a checkpoint of the model as it was before ``shard()`` (a torch file, loaded with
-    ``mmap=True``, a safetensors file, or such a state_dict itself) into a sharded model, unit by unit, each rank its own
-    slices only (see the note). Keys as ``model.state_dict()`` before ``shard()``; a tied param
-    loads from either of its names. ``strict``: missing or unexpected keys raise, as
-    ``load_state_dict`` (a size mismatch always raises; nothing is written then). Returns
-    ``(missing_keys, unexpected_keys)``. Not a collective."""
+    ``mmap=True``, a safetensors file, or such a state_dict itself) into a sharded model, unit
+    by unit, each rank its own slices only (see the note). Keys as ``model.state_dict()``
+    before ``shard()``; a tied param loads from either of its names. ``strict``: missing or
+    unexpected keys raise, as ``load_state_dict`` (a size mismatch always raises; nothing is
+    written then). Returns ``(missing_keys, unexpected_keys)``. Not a collective."""
     if not isinstance(path, Mapping):  # else a state_dict itself (model.load_state_dict: guards.py)
         path = os.fspath(path)
         if not os.path.isfile(path):
