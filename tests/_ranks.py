@@ -1,7 +1,31 @@
 """Spawned gloo ranks for the multi-rank tests: one place for the port, the processes, the
 result queue and the clean-up (a rank that fails reports its traceback; a hung rank is killed)."""
-import torch.multiprocessing as mp
+import os
 import socket
+
+import torch.multiprocessing as mp
+
+
+def _context():
+    """multiprocessing's forkserver with torch and offload imported once per test process: a
+    rank is forked from it instead of being a fresh interpreter importing them again (~3 s of
+    CPU each, about twenty per suite pass, on CI's two cores). The server imports and runs no
+    torch op, so a fork of it holds no thread pool or lock (as tests/_forkserver.py's zygote)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "offload"])
+    return ctx
+
+
+def _in_env(env: dict, target, *args) -> None:
+    """``target(*args)`` under the caller's environment: the fork server's is the one it
+    started with, and a rank must see what the test set since (as a spawned one would)."""
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
+
+
+def _process(ctx, target, args):
+    return ctx.Process(target=_in_env, args=(dict(os.environ), target) + tuple(args), daemon=True)
 
 
 def free_port() -> int:
@@ -29,13 +53,12 @@ def _stop(procs, timeout: float) -> None:
 
 
 def run_ranks(target, world: int, args: tuple = (), timeout: float = 300) -> dict:
-    """Run ``target(rank, port, *args, out)`` on ``world`` spawned processes once; the values
+    """Run ``target(rank, port, *args, out)`` on ``world`` new processes once; the values
     each put as (rank, ok, value) into ``out``, by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port) + tuple(args) + (out,), daemon=True)
-             for r in range(world)]
+    procs = [_process(ctx, target, (r, port) + tuple(args) + (out,)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -45,17 +68,16 @@ def run_ranks(target, world: int, args: tuple = (), timeout: float = 300) -> dic
 
 
 class Workers:
-    """``world`` spawned processes running ``target(rank, world, port, inq, outq)``: each job
+    """``world`` processes running ``target(rank, world, port, inq, outq)``: each job
     sent with ``send`` goes to every rank, ``collect`` gathers their results; ``None`` ends them."""
 
     def __init__(self, target, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
         self.world = world
         self.inq = [ctx.Queue() for _ in range(world)]
         self.outq = ctx.Queue()
-        self.procs = [ctx.Process(target=target, args=(r, world, port, self.inq[r], self.outq), daemon=True)
-                      for r in range(world)]
+        self.procs = [_process(ctx, target, (r, world, port, self.inq[r], self.outq)) for r in range(world)]
         for p in self.procs:
             p.start()
 
@@ -112,7 +134,7 @@ def serve(rank: int, world: int, port: int, inq, outq) -> None:
 
 
 class Group:
-    """``world`` spawned gloo ranks kept for the whole session (spawning them costs seconds:
+    """``world`` gloo ranks kept for the whole session (starting them costs seconds:
     two interpreters importing torch), running jobs in turn. A job that fails on any rank
     throws the processes away (a rank may be stuck in a collective, or hold a stale result),
     the next job spawns fresh ones.
