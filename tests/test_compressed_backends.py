@@ -39,8 +39,12 @@ def test_native_equals_numba_bit_for_bit(cfg, state_dtype, stochastic, param_dty
     rule, hp = CONFIGS[cfg]
     for k, n in enumerate(SIZES):
         lowp = torch.bfloat16 if param_dtype == torch.float32 and k % 2 else None
+        # Every grad dtype among the serial sizes; float32 grads at the parallel one (70001),
+        # whose kernel the numba pass compiles too: a 16-bit grad there was a numba
+        # specialization of this test alone, ~5 s of CI's CPU each. The parallel kernel runs
+        # the serial one over chunks, so the 16-bit grads are covered there.
         kw = dict(state_dtype=state_dtype, stochastic=stochastic, param_dtype=param_dtype,
-                  grad_dtype=(torch.float32, torch.bfloat16, torch.float16)[k % 3],
+                  grad_dtype=(torch.float16, torch.float32, torch.bfloat16)[k % 3] if k < 4 else torch.float32,
                   lowp_dtype=lowp, offset=1000 * k)
         assert_same_bits(run(native, rule, hp, n, **kw), run(NUMBA, rule, hp, n, **kw),
                          f"{cfg} {state_dtype} n={n}")
