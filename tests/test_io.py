@@ -536,6 +536,23 @@ def test_a_binding_that_kills_its_probe_is_a_reason_not_a_crash(binding_probe):
     assert ring._binding_crash_reason() is None
 
 
+def test_a_probe_child_that_cannot_start_keeps_the_binding_out_of_this_process(binding_probe, monkeypatch):
+    # Run as a user who may not exec sys.executable (a venv whose python lives under /root), the
+    # child could not start and the binding was then probed in this process: SIGILL on a CPU
+    # without AVX-512. Without a child to sacrifice the binding is not used at all.
+    ring = binding_probe("pass")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/root/venv/bin/python")
+
+    monkeypatch.setattr(ring.subprocess, "run", refuse)
+    why = ring._binding_crash_reason()
+    assert why is not None and "not probed" in why and "Permission denied" in why
+    assert ring.uring_unavailable_reason() == why
+    with pytest.raises(RuntimeError, match="not probed"):
+        ring._liburing()
+
+
 def test_the_real_binding_probe_agrees_with_the_engine():
     from offload.io import uring_ring
 

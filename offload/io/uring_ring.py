@@ -269,9 +269,10 @@ def _binding_crash_reason() -> Optional[str]:
         proc = subprocess.run([sys.executable, "-c", _BINDING_PROBE], env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:
-        # No child to sacrifice (an embedded interpreter, a process limit): probe in this process.
-        log.debug("python-liburing child probe could not run (%s); probing in-process", exc)
-        return None
+        # No child to sacrifice (an embedded interpreter, a process limit, a sys.executable this
+        # user may not run): an in-process probe would be the very SIGILL the child exists to take,
+        # so the binding is not used (the native ring serves instead).
+        return f"python-liburing was not probed: no child interpreter could run its calls ({exc})"
     if proc.returncode == 0:
         return None
     try:
