@@ -138,6 +138,20 @@ def test_errors(tmp_path, capsys):
     assert not os.path.exists(tmp_path / bench_io.DATA_NAME)
 
 
+@pytest.mark.parametrize("flag", ["--json", "--plot", "--tune"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_sweep(tmp_path, capsys, monkeypatch, flag):
+    # The sweep ran for minutes and only then failed to open --json / --tune ("Is a
+    # directory", a missing folder): the measurements behind them were lost.
+    def no_sweep(args):
+        raise AssertionError("the sweep ran")
+    monkeypatch.setattr(bench_io, "sweep", no_sweep)
+    assert main(["bench-io", "--dir", str(tmp_path), "--size", "4MiB", flag, str(tmp_path / "no" / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"{flag}: no such directory" in err and str(tmp_path / "no") in err
+    assert main(["bench-io", "--dir", str(tmp_path), "--size", "4MiB", flag, str(tmp_path)]) == 1
+    assert f"{flag}: is a directory" in capsys.readouterr().err
+
+
 def test_engines_that_cannot_run_here_are_skipped_and_said(bench_dir, tmp_path, capsys, monkeypatch):
     # The default sweep lists uring; where python-liburing cannot run (an AVX2-only CPU) or the
     # kernel blocks io_uring, bench-io measures the others and says what it skipped.

@@ -10,6 +10,7 @@ rate is flagged as probably cached.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -473,9 +474,33 @@ def run(args) -> int:
         return _run(args)
 
 
+def _check_outputs(args) -> None:
+    """Refuse, before the sweep, an output file that could not be written after it: a sweep
+    of a few GiB takes minutes, and its --json, --plot and --tune were lost to a typo."""
+    for flag in ("json", "plot", "tune"):
+        path = getattr(args, flag)
+        if not path:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise OSError(errno.EISDIR, f"--{flag}: is a directory, expected a file name", path)
+        if not os.path.isdir(parent):
+            raise OSError(errno.ENOENT, f"--{flag}: no such directory", parent)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise OSError(errno.EACCES, f"--{flag}: cannot create a file in directory", parent)
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise OSError(errno.EACCES, f"--{flag}: cannot write the file", path)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
+
+
 def _run(args) -> int:
     from offload.io import save_tuning
 
+    _check_outputs(args)
     rows, ctx = sweep(args)
     print(f"offload bench-io: {ctx['dir']}, file {_human(ctx['size'])}, "
           f"{'O_DIRECT' if ctx['direct'] else 'buffered'}, loops {args.loops}")
