@@ -112,6 +112,22 @@ def test_report_plot_of_a_long_log(tmp_path):
     assert (tmp_path / "long.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_report_plot_goes_to_the_path_it_names(tmp_path):
+    # matplotlib adds ".png" to a name without a suffix: `--plot DIR` wrote DIR.png beside the
+    # directory, and `--plot out` wrote out.png, each while saying "plot written to" the path given.
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "steps.jsonl"
+    _synthetic_log(path)
+    rc, out, err = _cli("report", str(path), "--plot", str(tmp_path / "out"))
+    assert rc == 0, err
+    assert (tmp_path / "out").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "out.png").exists()
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    rc, out, err = _cli("report", str(path), "--plot", str(folder))
+    assert rc == 1 and "Is a directory" in err and str(folder) in err
+    assert not (tmp_path / "plots.png").exists()
+
+
 def test_report_cli_errors(tmp_path):
     rc, _, err = _cli("report", str(tmp_path / "missing.jsonl"))
     assert rc == 1 and "missing.jsonl" in err

@@ -1,6 +1,7 @@
 """What ``offload bench-io`` prints and draws: the table of rows and the throughput plot."""
 from __future__ import annotations
 
+import os
 from typing import Dict, Sequence
 
 __all__ = ["format_table", "plot"]
@@ -66,5 +67,6 @@ def plot(rows: Sequence[dict], path: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # savefig would add ".png" to a name without a suffix, writing beside the path given
+    fig.savefig(path, dpi=120, format=None if os.path.splitext(os.fspath(path))[1] else "png")
     plt.close(fig)

@@ -58,6 +58,8 @@ def plot_step_log(rows: List[Mapping[str, Any]], out: "str | os.PathLike[str]") 
     ax2.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     out = os.fspath(out)
-    fig.savefig(out, dpi=100)
+    # savefig would add ".png" to a name without a suffix (a directory's name too), writing
+    # beside the path it was given while the report named that path
+    fig.savefig(out, dpi=100, format=None if os.path.splitext(out)[1] else "png")
     plt.close(fig)
     return out
