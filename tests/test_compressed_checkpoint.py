@@ -129,6 +129,22 @@ def test_other_state_dtype_converts_at_stage_0_and_the_flat_store_refuses(tmp_pa
     f32.close()
 
 
+def test_a_refused_bf16_master_checkpoint_is_not_called_one_of_fp32_params(tmp_path):
+    # bf16 params with master_dtype="bfloat16" keep no master, and the refusal described their
+    # checkpoint as "fp32 CPU params updated in place (stage 0 ...)", which it is not.
+    bf = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in _params()]
+    kw = dict(HP, offload="cpu", state_dtype="int8", backend=BACKEND)
+    own = offload.AdamW(bf, master_dtype="bfloat16", **kw)
+    _steps(own, bf, 0, 1)
+    own.save_checkpoint(str(tmp_path / "ck"))
+    fp32_master = offload.AdamW([torch.nn.Parameter(p.detach().clone()) for p in bf], **kw)
+    with pytest.raises(ValueError, match=r"exp_avg_sq \(uint8 in blocks of 256, sqrt code\): no fp32 master .*"
+                                         r"or bf16 params with master_dtype='bfloat16'\); this optimizer keeps master"):
+        fp32_master.load_checkpoint(str(tmp_path / "ck"))
+    own.close()
+    fp32_master.close()
+
+
 def test_corrupt_or_truncated_packed_file_is_detected(tmp_path):
     params = _params()
     opt = _opt(params, tmp_path / "a", "int8")

@@ -65,7 +65,9 @@ def _describe(fields: Sequence[StateField]) -> str:
         names = "no state (a rule that keeps none, as SGD without momentum)"
     if any(f.name == "master" for f in fields):
         return f"{names}: the flat store's (fp16/bf16 or device params, or stage 1/2)"
-    return f"{names}: fp32 CPU params updated in place (stage 0, offload='none', 'cpu' or 'nvme')"
+    # no master: fp32 CPU params are their own, and bf16 params with master_dtype="bfloat16" too
+    return (f"{names}: no fp32 master (fp32 CPU params updated in place at stage 0, offload='none', 'cpu' or "
+            "'nvme'; or bf16 params with master_dtype='bfloat16')")
 
 
 def save_shards(directory: str, groups: List[FlatGroup], *, world: int, rank: int, meta: Dict[str, Any],
