@@ -302,6 +302,22 @@ def test_a_checkpoint_of_other_param_groups_is_refused_before_anything_loads(tmp
         o.close()
 
 
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_a_directory_in_the_manifests_place_is_named(tmp_path, kind):
+    # os.read's EISDIR carried no file name: "[Errno 21] Is a directory", nothing else
+    model = _model()
+    opt = _opt(model, kind, tmp_path)
+    _train(model, opt, 1)
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    manifest = tmp_path / "ck" / "rank0" / "offload-ckpt.json"
+    manifest.unlink()
+    manifest.mkdir()
+    with pytest.raises(IsADirectoryError) as info:
+        opt.load_checkpoint(str(tmp_path / "ck"))
+    assert info.value.filename == str(manifest)
+    opt.close()
+
+
 # ------------------------------------------------------------------ several ranks, one DIR
 def _rank_job(rank, world, ck, swap, out):
     """On the session's two gloo ranks (tests/_ranks.py group)."""

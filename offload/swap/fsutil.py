@@ -268,7 +268,10 @@ def read_json(path: str) -> Any:
     try:
         chunks = []
         while True:
-            b = os.read(fd, 1 << 20)
+            try:
+                b = os.read(fd, 1 << 20)
+            except OSError as exc:  # os.read names no file (EISDIR: a directory where the manifest was)
+                raise OSError(exc.errno, exc.strerror, path) from None
             if not b:
                 break
             chunks.append(b)
