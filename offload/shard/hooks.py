@@ -33,6 +33,13 @@ from offload.shard.schedule import GatherSchedule, order_hash
 __all__ = ["ShardRuntime"]
 
 
+def _in_autograd_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a reentrant activation
+    checkpoint recomputes there before any of our backward hooks has run)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runtime, unit, *inputs):
@@ -137,6 +144,11 @@ class ShardRuntime:
             self.schedule.begin("fwd")
             self.in_forward = True
         elif not self.in_forward:
+            if self.in_backward or _in_autograd_backward():
+                raise RuntimeError(f"offload.shard: unit {u.name!r} was called during a backward: activation "
+                                   "checkpointing (torch.utils.checkpoint, a Hugging Face model's "
+                                   "gradient_checkpointing_enable()) recomputes the units' forwards there, which "
+                                   "offload.shard does not support yet; turn it off for a sharded model")
             raise RuntimeError(f"offload.shard: unit {u.name!r} was called outside the forward of the module "
                                "passed to offload.shard(); call that module")
         self.schedule.acquire(u)
