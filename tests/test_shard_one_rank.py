@@ -186,3 +186,31 @@ def test_a_backward_interrupted_then_zero_grad_leaves_no_partial_grads(offload_p
             torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6)
         opt.close()
         del model
+
+
+@pytest.mark.parametrize("how", ["two_forwards", "no_grad_forward_between", "retain_graph"])
+def test_a_backward_whose_units_were_spent_raises_instead_of_losing_grads(how):
+    """[Note: one backward per forward] in offload/shard/hooks.py: these backwards found the
+    units' uses spent and left their grads unreduced (a step then differed from torch's by
+    ~3e-2, silently); they raise, nothing changes, and training goes on as torch's."""
+    ref, model = _pair("none", None)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(7, 33, generator=torch.Generator().manual_seed(1))
+    loss = model(x).square().mean()
+    if how == "retain_graph":
+        loss.backward(retain_graph=True)
+    elif how == "two_forwards":
+        loss = loss + model(x).square().mean()
+    else:
+        with torch.no_grad():
+            model(x)
+    with pytest.raises(RuntimeError, match="before this backward" if how != "retain_graph" else "retain_graph"):
+        loss.backward()
+    opt.zero_grad()
+    for m, o in ((ref, opt_ref), (model, opt)):
+        m(x).square().mean().backward()
+        o.step()
+    got = gathered_params(model)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6)

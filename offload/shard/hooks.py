@@ -42,14 +42,14 @@ def _in_autograd_backward() -> bool:
 
 class _PostBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, runtime, unit, *inputs):
-        ctx.runtime, ctx.unit = runtime, unit
+    def forward(ctx, runtime, unit, gen, *inputs):
+        ctx.runtime, ctx.unit, ctx.gen = runtime, unit, gen
         return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.runtime.post_backward(ctx.unit)
-        return (None, None) + grads
+        ctx.runtime.post_backward(ctx.unit, ctx.gen)
+        return (None, None, None) + grads
 
 
 def _grad_tensors(obj: Any) -> List[torch.Tensor]:
@@ -100,6 +100,14 @@ class ShardRuntime:
         self.reducer = GradReducer(units, reduce_group, world)
         self.in_forward = False
         self.in_backward = False
+        # [Note: one backward per forward] the root forward's number, and the last one whose
+        # backward finished: a backward through an older forward's graph (two forwards, then
+        # one backward of both; a forward, even under no_grad, between a forward and its
+        # backward) or through a finished one's again (retain_graph=True) would find the units'
+        # uses spent (``_drop_stale``, ``post_backward``) and its grads never reduced: wrong
+        # grads, silently. It raises instead.
+        self.fwd_gen = 0
+        self.bwd_done_gen = -1
         self.sync_grads = True  # False: accumulate the full grads locally (no_sync)
         self.ctx: Optional[Any] = None  # an optimizer's StepContext, whose no_sync we follow
         self._handles: List[Any] = []
@@ -141,6 +149,7 @@ class ShardRuntime:
                 self._drop_unfinished_backward()
             self.in_forward = self.in_backward = False  # one rank: an earlier forward that raised
             self._drop_stale()
+            self.fwd_gen += 1
             self.schedule.begin("fwd")
             self.in_forward = True
         elif not self.in_forward:
@@ -158,7 +167,7 @@ class ShardRuntime:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return None
-        routed = _PostBackward.apply(self, u, *[flat[i] for i in idx])
+        routed = _PostBackward.apply(self, u, self.fwd_gen, *[flat[i] for i in idx])
         for i, t in zip(idx, routed):
             flat[i] = t
         return tree_unflatten(flat, spec)
@@ -167,7 +176,8 @@ class ShardRuntime:
         outs = _grad_tensors(output) if torch.is_grad_enabled() else []
         if outs:
             u.uses += 1
-            torch.autograd.graph.register_multi_grad_hook(outs, lambda _g, u=u: self.pre_backward(u), mode="any")
+            torch.autograd.graph.register_multi_grad_hook(outs, lambda _g, u=u, gen=self.fwd_gen: self.pre_backward(u, gen),
+                                                          mode="any")
         if not u.is_root:
             self.schedule.release(u)
             return None
@@ -225,12 +235,26 @@ class ShardRuntime:
         self.reducer.begin()
         torch.autograd.Variable._execution_engine.queue_callback(self.final)
 
-    def pre_backward(self, u: Any) -> None:
+    def _check_gen(self, gen: int) -> None:
+        """[Note: one backward per forward]"""
+        if gen != self.fwd_gen:
+            raise RuntimeError("offload.shard: a backward through the graph of a forward that was followed by "
+                               "another forward of the sharded model (also one under torch.no_grad()) before this "
+                               "backward: its grads would be wrong. Run each forward's backward before the next "
+                               "forward (sum the losses of one forward, or call backward once per forward)")
+        if gen == self.bwd_done_gen:
+            raise RuntimeError("offload.shard: a second backward through the same forward's graph "
+                               "(retain_graph=True) is not supported: its grads would not be reduced. Run the "
+                               "forward again for each backward")
+
+    def pre_backward(self, u: Any, gen: int) -> None:
+        self._check_gen(gen)
         self._begin_backward()
         self.schedule.acquire(u)
         self.reducer.pump()  # buckets queued behind a full window (grads.py [Note: reduce buckets])
 
-    def post_backward(self, u: Any) -> None:
+    def post_backward(self, u: Any, gen: int) -> None:
+        self._check_gen(gen)
         self._begin_backward()
         if u.uses == 0:
             return
@@ -258,6 +282,7 @@ class ShardRuntime:
             anywhere, agreed = self.schedule.end(flags, order_hash(self.reducer.order) if sync else 0)
             if sync:
                 self.reducer.finish(anywhere, agreed)
+            self.bwd_done_gen = self.fwd_gen
         finally:
             self.in_backward = False
             if self.tier is not None:
