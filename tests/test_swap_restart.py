@@ -391,3 +391,31 @@ def test_offload_config_checks_resume_too(value):
     with pytest.raises(ValueError, match=r"resume must be True, False, 'auto' or 'discard', got"):
         from_dict(OffloadConfig, dict(offload="nvme", swap_dir="/var/tmp", resume=value))
     assert from_dict(OffloadConfig, dict(offload="nvme", swap_dir="/var/tmp", resume="discard")).resume == "discard"
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_auto_starts_afresh_over_a_directory_never_committed(workdir, dtype_name):
+    """A Ctrl-C or a kill while the optimizer was built (after the store's first manifest,
+    before the commit of step 0, whose "extra" it fills) left a directory no resume can open
+    (manifest_check.check_committed); resume="auto" refused it ("build the optimizer without
+    resume=True"), though nothing was left: it starts afresh, as over a half-made directory."""
+    import json
+
+    from offload.swap import fsutil
+
+    params = make_params(dtype_name)
+    make_opt(params, workdir).close(keep_swap=True)
+    (left,) = [workdir / n for n in os.listdir(workdir)]
+    m = json.loads((left / "manifest.json").read_text())
+    m["extra"] = {}
+    (left / "manifest.json").write_text(json.dumps(fsutil.sealed(m)))
+    opt = make_opt(params, workdir, resume="auto")
+    assert not opt.state_dict()["state"]
+    train(params, opt, 1, 2)
+    ref_params = make_params(dtype_name)
+    (workdir / "ref").mkdir()
+    ref_opt = make_opt(ref_params, workdir / "ref")
+    train(ref_params, ref_opt, 1, 2)
+    _assert_same(params, opt, ref_params, ref_opt)
+    opt.close()
+    ref_opt.close()

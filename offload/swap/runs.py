@@ -69,7 +69,8 @@ def open_store(swap_dir: str, numel: int, state_names: Sequence[Union[str, State
     fields = as_fields(list(state_names))
     discard = resume == "discard"
     if resume == "auto":
-        resume = _auto_resume(swap_dir, run_name, rank, identity)
+        resume, unfinished = _auto_resume(swap_dir, run_name, rank, identity)
+        discard = discard or unfinished  # a directory never committed goes, as a half-made one does
     if discard or not resume:
         sg, nbuf = plan_sub_groups(numel, fields, max_host_bytes, sub_group_size)
         store = open_run_store(swap_dir, SwapLayout(numel, sg, fields), fields, run_name=run_name, rank=rank,
@@ -101,9 +102,12 @@ def open_store(swap_dir: str, numel: int, state_names: Sequence[Union[str, State
     raise FileNotFoundError(errno.ENOENT, "resume=True but there is no swap directory to resume from", first)
 
 
-def _auto_resume(swap_dir: str, run_name: str, rank: int, identity: Dict[str, str]) -> bool:
+def _auto_resume(swap_dir: str, run_name: str, rank: int, identity: Dict[str, str]) -> Tuple[bool, bool]:
     """``resume="auto"``: whether a directory left by a dead run holds these params' states
-    (True), nothing was left (False), or only other params' states were (ValueError)."""
+    (True), nothing was left (False), or only other params' states were (ValueError); and
+    whether a directory left was never committed (its process died while building the
+    optimizer, before the commit of step 0: manifest_check.check_committed), which no resume
+    can open and a fresh store must replace."""
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         raise ValueError("resume='auto' decides on each rank alone, so ranks could disagree (one resuming, "
@@ -111,22 +115,28 @@ def _auto_resume(swap_dir: str, run_name: str, rank: int, identity: Dict[str, st
                          "when a checkpoint restores the optimizer")
     parent = fsutil.check_parent_dir(swap_dir)
     other: List[str] = []
+    unfinished = False
     for path in _left_dirs(parent, run_name, rank):
         try:
             m = fsutil.read_json(os.path.join(path, MANIFEST))
         except FileNotFoundError:
             continue  # a creation that died half-way: nothing to resume
         except (OSError, ValueError):
-            return True  # resume=True names what is wrong with it
+            return True, False  # resume=True names what is wrong with it
+        if isinstance(m, dict) and not m.get("extra"):
+            # its first manifest, written before the optimizer's commit of step 0 (a Ctrl-C or a
+            # kill while the masters were first written): nothing to resume either
+            unfinished = True
+            continue
         found = m.get("identity") if isinstance(m, dict) else None
         if not isinstance(found, dict) or found.get("digest") == identity["digest"]:
-            return True  # a match, or a manifest of an older offload (without identity): resume=True checks it
+            return True, False  # a match, or a manifest of an older offload (without identity): resume=True checks it
         other.append(f"{path} holds step {m.get('step', '?')} of other params ({found.get('summary')})")
     if other:
         raise ValueError(f"{parent}: resume='auto' found no swap directory of these params ({identity['summary']}) "
                          f"but {'; '.join(other)}: pass resume='discard' to remove it and start afresh, or "
                          "another swap_dir or run name")
-    return False
+    return False, unfinished
 
 
 def _left_dirs(parent: str, run_name: str, rank: int) -> List[str]:
