@@ -526,3 +526,26 @@ def test_a_live_processs_param_dir_not_locked_yet_is_not_an_orphan(tmp_path):
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_param_dir_of_our_name_held_by_another_process_is_left_to_it(tmp_path, monkeypatch):
+    # two containers on one host directory, each job its pid namespace's pid 1: the other's
+    # directory has our name and its lock is held; ParamTier failed with a bare
+    # "BlockingIOError: [Errno 11] Resource temporarily unavailable" (no path, no reason)
+    import fcntl
+    import itertools
+
+    from offload.shard import tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "_SEQ", itertools.count(1000))
+    theirs = tmp_path / f"offload-params.{os.getpid()}-1000.rank0"
+    theirs.mkdir(mode=0o700)
+    fd = os.open(theirs / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file: flock conflicts as another process's
+        t = tier_mod.ParamTier(str(tmp_path), 0)
+        assert t.path == str(tmp_path / f"offload-params.{os.getpid()}-1001.rank0")
+        t.close()
+        assert os.listdir(tmp_path) == [theirs.name] and os.listdir(theirs) == ["lock"]
+    finally:
+        os.close(fd)

@@ -46,6 +46,7 @@ huge pages too (flat_unit.py).
 from __future__ import annotations
 
 import bisect
+import errno
 import fcntl
 import itertools
 import logging
@@ -71,6 +72,7 @@ log = logging.getLogger("offload.shard")
 _ON_DISK, _VALID, _READING = 0, 1, 2
 _DIR_RE = re.compile(r"^offload-params\.(\d+)(-\d+)?\.rank\d+$")
 _SEQ = itertools.count()  # this process's tiers: a second model in one swap_dir gets a name of its own
+_MAX_BUSY = 64  # names tried past those another process of our pid holds
 
 
 class _Area:
@@ -131,12 +133,23 @@ class ParamTier:
     def __init__(self, swap_dir: str, rank: int, *, io: Any = "auto") -> None:
         parent = fsutil.check_parent_dir(swap_dir)
         _remove_orphans(parent)
-        n = next(_SEQ)
-        self.path = os.path.join(parent, f"offload-params.{os.getpid()}{f'-{n}' if n else ''}.rank{rank}")
-        fsutil.make_private_dir(self.path)
+        for _ in range(_MAX_BUSY):
+            n = next(_SEQ)
+            self.path = os.path.join(parent, f"offload-params.{os.getpid()}{f'-{n}' if n else ''}.rank{rank}")
+            fsutil.make_private_dir(self.path)
+            try:
+                self._lock_fd = _lock(self.path)
+                break
+            except BlockingIOError:
+                # held by a live process that has our pid in another pid namespace (two containers,
+                # each its job's pid 1, on one host directory): its directory, not ours; the next name
+                log.info("%s is in use by another process with this pid; taking the next name", self.path)
+        else:
+            raise fsutil.DirectoryBusy(errno.EWOULDBLOCK, f"the last {_MAX_BUSY} param swap directories named after "
+                                       "this process are in use by other processes (their flock is held)",
+                                       self.path, None)
         self._engine = None
         self._file = None
-        self._lock_fd = _lock(self.path)
         try:
             self._engine = open_engine(io, directory=self.path)
             self._file = self._engine.open(os.path.join(self.path, "areas.bin"), write=True, create=True)
