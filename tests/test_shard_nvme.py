@@ -178,9 +178,13 @@ def test_grad_standin_follows_torch_rules(tmp_path):
     rt.tier.close()
 
 
-def test_bad_arguments(tmp_path):
+def test_bad_arguments(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="swap_dir"):
         offload.shard(base._model(), offload_params="nvme")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="swap_dir"):  # an unset variable: it took the cwd, as the optimizer does not
+        offload.shard(base._model(), offload_params="nvme", swap_dir="")
+    assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="swap_dir"):
         offload.shard(base._model(), offload_params="cpu", swap_dir=str(tmp_path))
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -47,7 +47,7 @@ def _check(module: Any, offload_params: Any, prefetch: Any, swap_dir: Any = None
         raise TypeError(f"offload.shard() expects an nn.Module, but got {type(module).__name__}")
     if offload_params not in OFFLOAD_PARAMS:
         raise ValueError(f"offload_params must be one of {OFFLOAD_PARAMS}, got {offload_params!r}")
-    if offload_params == "nvme" and swap_dir is None:
+    if offload_params == "nvme" and not swap_dir:  # "" too (an unset variable): abspath would make it the cwd
         raise ValueError("offload_params='nvme' needs swap_dir= (a directory on a local disk)")
     if offload_params != "nvme" and swap_dir is not None:
         raise ValueError(f"swap_dir= is for offload_params='nvme' (got offload_params={offload_params!r})")
