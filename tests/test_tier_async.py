@@ -137,3 +137,24 @@ def test_evict_widens_over_pages_on_disk_within_its_huge_pages(tmp_path):
     assert t._widen(area, per + 10, per + 15)[1:] == (per + 4, per + 20)
     del a
     t.close()
+
+
+@pytest.mark.parametrize("how", ["load", "prefetch"])
+def test_a_read_cut_short_by_a_truncated_file_raises(tmp_path, how):
+    # the engines stop a read at end of file and report the bytes they got; the tier ignored
+    # the count, and a forward over areas.bin truncated under it computed on zeros (loss 0.0)
+    import errno
+    import os
+
+    t = _tier(tmp_path)
+    try:
+        view = t.area(3 * PAGE // 4, torch.float32)  # three pages
+        _write(t, view, torch.arange(view.numel(), dtype=torch.float32))
+        os.truncate(os.path.join(t.path, "areas.bin"), PAGE)
+        if how == "prefetch":
+            paging.prefetch([view])
+        with pytest.raises(OSError, match="short read: 4096 of 12288 bytes at offset 0") as e:
+            paging.load([view])
+        assert e.value.errno == errno.EIO and e.value.filename.endswith("areas.bin")
+    finally:
+        t.close()

@@ -224,7 +224,7 @@ class ParamTier:
         for entry in self._inflight:
             b, runs, ticket = entry
             if b is a and any(q0 < p1 and p0 < q1 for q0, q1 in runs):
-                self._engine.wait(ticket)
+                self._check_read(b, runs, self._engine.wait(ticket))
                 for q0, q1 in runs:  # only the pages this read brought in (not the gaps between)
                     b.state[q0:q1] = _VALID
             else:
@@ -297,10 +297,21 @@ class ParamTier:
         runs = self._runs(a, p0, p1, _ON_DISK)
         if not runs:
             return
-        self._engine.wait(self._engine.submit([self._request("read", a, q0, q1) for q0, q1 in runs]))
+        self._check_read(a, runs, self._engine.wait(self._engine.submit([self._request("read", a, q0, q1)
+                                                                         for q0, q1 in runs])))
         for q0, q1 in runs:
             a.state[q0:q1] = _VALID
             self.bytes_read += (q1 - q0) * PAGE
+
+    def _check_read(self, a: _Area, runs: List[Tuple[int, int]], done: List[int]) -> None:
+        """The engines stop a read at end of file and report the bytes they got; every page here
+        is inside the preallocated file, so fewer is an error (the file was truncated under us):
+        the pages would keep the zeros MADV_DONTNEED left, read as the params or grads."""
+        for (q0, q1), n in zip(runs, done):
+            if n != (q1 - q0) * PAGE:
+                raise OSError(errno.EIO, f"short read: {n} of {(q1 - q0) * PAGE} bytes at offset "
+                              f"{a.offset + q0 * PAGE} (the file was truncated while in use?)",
+                              os.path.join(self.path, "areas.bin"))
 
     # ------------------------------------------------------------------ the pager ([Note: paged tensors])
     def load(self, ranges: List[Tuple[int, int]]) -> None:
