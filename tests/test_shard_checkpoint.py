@@ -429,3 +429,30 @@ def test_a_full_disk_names_the_file_and_leaves_the_previous_checkpoint(tmp_path,
     _close(opt, swap)
     out = job_resume(d, start=2, stop=2)
     _assert_equal(_assemble([out["loaded"]]), _assemble([want]))
+
+
+def test_a_save_killed_after_its_manifest_leaves_no_file_behind(tmp_path, monkeypatch):
+    """Killed after the new manifest, before the previous generation's files went: the next
+    save removed what the pending record named (only the killed save's new files), and the
+    previous generation's rank files stayed in DIR for good (a whole checkpoint's bytes)."""
+    from offload.shard import checkpoint
+
+    d = str(tmp_path / "ckpt")
+    model, opt, _ = _build()
+    _train(model, opt, 0, 1)
+    save_checkpoint(model, opt, d)
+    _train(model, opt, 1, 2)
+
+    def killed(path):
+        raise KeyboardInterrupt  # as a kill -9 there: nothing after it runs
+
+    monkeypatch.setattr(checkpoint, "remove_quiet", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(model, opt, d)
+    monkeypatch.undo()
+    assert "offload-shard.1.rank0.pt" in os.listdir(d)  # the retired generation, still there
+    want = _chunks(model, opt)
+    load_checkpoint(model, opt, d)  # the new one is the checkpoint
+    assert _same_chunks(_chunks(model, opt), want)
+    save_checkpoint(model, opt, d)
+    assert sorted(os.listdir(d)) == ["offload-ckpt.lock", "offload-shard.3.rank0.pt", MANIFEST]

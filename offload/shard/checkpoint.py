@@ -160,11 +160,14 @@ def _begin(directory: str, world: int, held: Dict[str, Any]) -> int:
     except (FileNotFoundError, ValueError):
         pending = None
     keep = set(old["files"]) if old else set()
-    left = [n for n in (pending.get("files") or []) if isinstance(n, str) and os.path.basename(n) == n
-            and n not in keep] if isinstance(pending, dict) else []
+    # a save that died left its new files (killed before its manifest) or the ones it retires
+    # (after it, before their removal: "old", as swap/ckpt_dir.py records them)
+    named = list(pending.get("files") or []) + list(pending.get("old") or []) if isinstance(pending, dict) else []
+    left = [n for n in named if isinstance(n, str) and os.path.basename(n) == n and n not in keep]
     gen = max(int(old["gen"]) if old else 0, int(pending.get("gen", 0)) if isinstance(pending, dict) else 0) + 1
     mine = [_rank_name(gen, r) for r in range(world)] + [_tmp_name(gen, r) for r in range(world)]
-    fsutil.write_json_atomic(directory, PENDING, {"gen": gen, "files": sorted(set(mine + left))})
+    fsutil.write_json_atomic(directory, PENDING, {"gen": gen, "files": sorted(set(mine + left)),
+                                                  "old": sorted(keep)})
     held.update(old=old, left=left)
     return gen
 
