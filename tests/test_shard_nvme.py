@@ -553,3 +553,19 @@ def test_a_param_dir_of_our_name_held_by_another_process_is_left_to_it(tmp_path,
         assert os.listdir(tmp_path) == [theirs.name] and os.listdir(theirs) == ["lock"]
     finally:
         os.close(fd)
+
+
+def test_a_budget_too_small_names_the_max_host_bytes_that_works(tmp_path):
+    # with params on NVMe the pipeline gets a part of max_host_bytes (paged_bound); the error
+    # named that part as "max_host_bytes=3276" and asked for "at least 36864", which failed
+    # again (29491 of it left to the buffers)
+    import re
+
+    model = offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"^max_host_bytes=4096 is too small with the params on NVMe") as e:
+        offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), max_host_bytes=4096)
+    least = int(re.search(r"pass max_host_bytes >= (\d+)$", str(e.value)).group(1))
+    with pytest.raises(ValueError, match=f"pass max_host_bytes >= {least}$"):
+        offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), max_host_bytes=least - 1)
+    offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), max_host_bytes=least).close()
+    runtime_of(model).tier.close()

@@ -20,7 +20,7 @@ from offload.swap import agreement
 from offload.swap.layout import ALIGN, SwapLayout, as_fields, elems_per_page, round_up
 from offload.swap.step import Extra, StepSession, SwapStepError, peers_failed
 
-__all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "paged_bound", "pipeline_host_bytes", "zero_state", "MIN_BUFFERS",
+__all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "paged_bound", "unpaged_bound", "pipeline_host_bytes", "zero_state", "MIN_BUFFERS",
            "MAX_BUFFERS"]
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,16 @@ def paged_bound(max_host_bytes: Optional[int], nstates: Union[int, Sequence[Unio
         return max_host_bytes
     bound = DEFAULT_MAX_HOST_BYTES if max_host_bytes is None else int(max_host_bytes)
     per = 4 * fields_bytes(as_fields(nstates), 1 << 18) / float(1 << 18)
-    return int(bound * per / (per + paged_bytes))
+    return max(1, int(bound * per / (per + paged_bytes))) if bound > 0 else bound  # 0: plan_sub_groups says
+
+
+def unpaged_bound(buffer_bytes: int, nstates: Union[int, Sequence[Union[str, StateField]]], paged_bytes: int) -> int:
+    """The least ``max_host_bytes`` whose ``paged_bound`` leaves ``buffer_bytes`` to the buffers."""
+    per = 4 * fields_bytes(as_fields(nstates), 1 << 18) / float(1 << 18)
+    b = int(buffer_bytes * (per + paged_bytes) / per)
+    while int(b * per / (per + paged_bytes)) < buffer_bytes:
+        b += 1
+    return b
 
 
 def plan_sub_groups(numel: int, nstates: Union[int, Sequence[Union[str, StateField]]],
@@ -92,10 +101,12 @@ def plan_sub_groups(numel: int, nstates: Union[int, Sequence[Union[str, StateFie
     nbuf = min(bound // region, MAX_BUFFERS, groups)
     if nbuf < need:
         kinds = "/".join(sorted({f.dtype_name for f in fields}))
-        raise ValueError(
+        err = ValueError(
             f"max_host_bytes={bound} cannot hold {need} pipeline buffers of one sub-group "
             f"({sg} elements x {len(fields)} {kinds} states = {region} bytes each, {need * region} in all); "
             f"raise max_host_bytes to at least {need * region}{_smaller_sub_group_advice(sg, page)}")
+        err.buffer_bytes = need * region  # what the buffers need: a caller that shrank the bound restates it
+        raise err
     return sg, nbuf
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 import torch
 
 from offload.memory import heap, paging
-from offload.swap.pipeline import idle_votes, paged_bound
+from offload.swap.pipeline import DEFAULT_MAX_HOST_BYTES, idle_votes, paged_bound, unpaged_bound
 from offload.zero import comm
 
 if TYPE_CHECKING:
@@ -51,16 +51,26 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
             return  # no element at all on this rank
         me = weakref.ref(st)
         identity = flat_identity(st.world, st.rank, st._groups)
-        st._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
-                                 extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
-                                 max_host_bytes=paged_bound(cfg.max_host_bytes, swap_fields(st),
-                                                            _paged_bytes(st), cfg.sub_group_size),
-                                 sub_group_size=cfg.sub_group_size,
-                                 verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
-                                 backend=st._backend, num_threads=st._threads, rank=_dir_rank(st),
-                                 run_name="flat", vote=st._swap_vote, fields=swap_fields(st),
-                                 rule=st.rule, stochastic_states=getattr(st, "stochastic_states", False),
-                                 padded_ends=any(f.blocked for f in st.rule.fields))  # params on whole blocks
+        bound = paged_bound(cfg.max_host_bytes, swap_fields(st), _paged_bytes(st), cfg.sub_group_size)
+        try:
+            st._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
+                                     extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
+                                     max_host_bytes=bound, sub_group_size=cfg.sub_group_size,
+                                     verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
+                                     backend=st._backend, num_threads=st._threads, rank=_dir_rank(st),
+                                     run_name="flat", vote=st._swap_vote, fields=swap_fields(st),
+                                     rule=st.rule, stochastic_states=getattr(st, "stochastic_states", False),
+                                     padded_ends=any(f.blocked for f in st.rule.fields))  # params on whole blocks
+        except ValueError as exc:
+            asked = DEFAULT_MAX_HOST_BYTES if cfg.max_host_bytes is None else int(cfg.max_host_bytes)
+            need = getattr(exc, "buffer_bytes", None)
+            if need is None or not _paged_bytes(st) or cfg.sub_group_size is not None:
+                raise  # the bound was not shrunk (paged_bound): the message names the caller's
+            # the message named the shrunk bound, and its "at least" was shrunk again when passed
+            least = unpaged_bound(need, swap_fields(st), _paged_bytes(st))
+            raise ValueError(f"max_host_bytes={asked} is too small with the params on NVMe: {bound} of it is left to "
+                             f"the pipeline buffers (the rest holds the paged grads and params of the sub-group "
+                             f"being stepped), which need {need}; pass max_host_bytes >= {least}") from exc
         if st._swap.resumed:  # resume="auto" chose, "discard" never resumes ([Note: restarts] in swap/runs)
             # The master of the last finished step is the truth: steps and params follow it.
             st._set_steps(st._swap.resumed_extra.get("steps") or [])
