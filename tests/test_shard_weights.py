@@ -105,6 +105,24 @@ def test_full_state_dict_round_trip(tmp_path, fmt):
         assert torch.equal(v, sd[k])
 
 
+def test_full_state_dict_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    # a file object's write raises OSError(ENOSPC) without a filename: it reached the caller
+    # as a bare "[Errno 28] No space left on device"
+    import errno
+
+    from offload.shard import fullstate
+
+    def full(f, t):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fullstate, "_write", full)
+    path = tmp_path / "full.safetensors"
+    with pytest.raises(OSError, match="writing the state dict failed") as e:
+        full_state_dict(offload.shard(_ref()), path)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == f"{path}.partial"
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_load_weights_one_rank(tmp_path, fmt):
     sd = _ref().state_dict()

@@ -93,7 +93,7 @@ class _Sink:
 
     def __init__(self, path: Optional[str], head: bytes) -> None:
         self.out: Optional[Dict[str, torch.Tensor]] = None if path else {}
-        self.f, self.error = None, None
+        self.f, self.error, self.path = None, None, path
         if path:
             self._try(lambda: setattr(self, "f", open(path, "wb")))
             self._try(lambda: self.f.write(head))
@@ -103,8 +103,8 @@ class _Sink:
             return
         try:
             fn()
-        except OSError as e:
-            self.error = e
+        except OSError as e:  # a file's write error says neither which file nor what was written
+            self.error = e if e.filename else OSError(e.errno, f"writing the state dict failed: {e.strerror}", self.path)
 
     def put(self, keys: List[str], t: torch.Tensor) -> None:
         if self.out is not None:
