@@ -104,7 +104,8 @@ class _Sink:
         try:
             fn()
         except OSError as e:  # a file's write error says neither which file nor what was written
-            self.error = e if e.filename else OSError(e.errno, f"writing the state dict failed: {e.strerror}", self.path)
+            self.error = e if e.filename else OSError(e.errno, f"writing the state dict failed: {e.strerror}",
+                                                      self.path)
 
     def put(self, keys: List[str], t: torch.Tensor) -> None:
         if self.out is not None:

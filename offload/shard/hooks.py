@@ -176,8 +176,8 @@ class ShardRuntime:
         outs = _grad_tensors(output) if torch.is_grad_enabled() else []
         if outs:
             u.uses += 1
-            torch.autograd.graph.register_multi_grad_hook(outs, lambda _g, u=u, gen=self.fwd_gen: self.pre_backward(u, gen),
-                                                          mode="any")
+            torch.autograd.graph.register_multi_grad_hook(
+                outs, lambda _g, u=u, gen=self.fwd_gen: self.pre_backward(u, gen), mode="any")
         if not u.is_root:
             self.schedule.release(u)
             return None
