@@ -10,16 +10,15 @@ rate is flagged as probably cached.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
 import sys
-import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._args import byte_size, integer
-from .bench_io_output import _human, format_table, plot  # noqa: F401  (bench/io.py uses them here)
+# bench/io.py uses _human, format_table and plot from here
+from .bench_io_output import Progress, _human, check_outputs, format_table, plot  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -105,55 +104,6 @@ def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
     add_arguments(p)
     p.set_defaults(run=run)
     return p
-
-
-# -- progress -----------------------------------------------------------------------------------
-
-class Progress:
-    """A progress bar with ETA on stderr (one line per step when stderr is not a terminal)."""
-
-    def __init__(self, total: int, stream=None) -> None:
-        self.total = max(1, total)
-        self.done = 0
-        self.label = ""
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.t0 = time.monotonic()
-        self._last = 0.0
-
-    def step(self, label: str) -> None:
-        self.label = label
-        if not self.tty:
-            self._draw(force=True)
-
-    def advance(self, n: int) -> None:
-        self.done = min(self.total, self.done + n)
-        if self.tty:
-            self._draw()
-
-    def _draw(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < 0.1 and self.done < self.total:
-            return
-        self._last = now
-        frac = self.done / self.total
-        elapsed = now - self.t0
-        eta = elapsed / frac - elapsed if frac > 0 else float("nan")
-        eta_s = "--:--" if eta != eta else f"{int(eta) // 60}:{int(eta) % 60:02d}"
-        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
-        text = f"[{bar}] {100 * frac:3.0f}% ETA {eta_s}  {self.label}"
-        if self.tty:
-            self.stream.write("\r" + text[:150].ljust(150))
-        else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.done = self.total
-            self._draw(force=True)
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -474,33 +424,10 @@ def run(args) -> int:
         return _run(args)
 
 
-def _check_outputs(args) -> None:
-    """Refuse, before the sweep, an output file that could not be written after it: a sweep
-    of a few GiB takes minutes, and its --json, --plot and --tune were lost to a typo."""
-    for flag in ("json", "plot", "tune"):
-        path = getattr(args, flag)
-        if not path:
-            continue
-        parent = os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path):
-            raise OSError(errno.EISDIR, f"--{flag}: is a directory, expected a file name", path)
-        if not os.path.isdir(parent):
-            raise OSError(errno.ENOENT, f"--{flag}: no such directory", parent)
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise OSError(errno.EACCES, f"--{flag}: cannot create a file in directory", parent)
-        if os.path.exists(path) and not os.access(path, os.W_OK):
-            raise OSError(errno.EACCES, f"--{flag}: cannot write the file", path)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as exc:
-            raise RuntimeError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
-
-
 def _run(args) -> int:
     from offload.io import save_tuning
 
-    _check_outputs(args)
+    check_outputs(args)
     rows, ctx = sweep(args)
     print(f"offload bench-io: {ctx['dir']}, file {_human(ctx['size'])}, "
           f"{'O_DIRECT' if ctx['direct'] else 'buffered'}, loops {args.loops}")

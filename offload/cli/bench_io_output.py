@@ -1,10 +1,14 @@
-"""What ``offload bench-io`` prints and draws: the table of rows and the throughput plot."""
+"""What ``offload bench-io`` prints and draws: the progress bar, the table of rows and the
+throughput plot; and the check, before the sweep, that its output files can be written."""
 from __future__ import annotations
 
+import errno
 import os
+import sys
+import time
 from typing import Dict, Sequence
 
-__all__ = ["format_table", "plot"]
+__all__ = ["Progress", "check_outputs", "format_table", "plot"]
 
 
 def _human(n: int) -> str:
@@ -70,3 +74,73 @@ def plot(rows: Sequence[dict], path: str) -> None:
     # savefig would add ".png" to a name without a suffix, writing beside the path given
     fig.savefig(path, dpi=120, format=None if os.path.splitext(os.fspath(path))[1] else "png")
     plt.close(fig)
+
+
+def check_outputs(args) -> None:
+    """Refuse, before the sweep, an output file that could not be written after it: a sweep
+    of a few GiB takes minutes, and its --json, --plot and --tune were lost to a typo."""
+    for flag in ("json", "plot", "tune"):
+        path = getattr(args, flag)
+        if not path:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise OSError(errno.EISDIR, f"--{flag}: is a directory, expected a file name", path)
+        if not os.path.isdir(parent):
+            raise OSError(errno.ENOENT, f"--{flag}: no such directory", parent)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise OSError(errno.EACCES, f"--{flag}: cannot create a file in directory", parent)
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            raise OSError(errno.EACCES, f"--{flag}: cannot write the file", path)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
+
+
+class Progress:
+    """A progress bar with ETA on stderr (one line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, stream=None) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.label = ""
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def step(self, label: str) -> None:
+        self.label = label
+        if not self.tty:
+            self._draw(force=True)
+
+    def advance(self, n: int) -> None:
+        self.done = min(self.total, self.done + n)
+        if self.tty:
+            self._draw()
+
+    def _draw(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < 0.1 and self.done < self.total:
+            return
+        self._last = now
+        frac = self.done / self.total
+        elapsed = now - self.t0
+        eta = elapsed / frac - elapsed if frac > 0 else float("nan")
+        eta_s = "--:--" if eta != eta else f"{int(eta) // 60}:{int(eta) % 60:02d}"
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        text = f"[{bar}] {100 * frac:3.0f}% ETA {eta_s}  {self.label}"
+        if self.tty:
+            self.stream.write("\r" + text[:150].ljust(150))
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.done = self.total
+            self._draw(force=True)
+            self.stream.write("\n")
+            self.stream.flush()
