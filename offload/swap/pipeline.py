@@ -20,8 +20,8 @@ from offload.swap import agreement
 from offload.swap.layout import ALIGN, SwapLayout, as_fields, elems_per_page, round_up
 from offload.swap.step import Extra, StepSession, SwapStepError, peers_failed
 
-__all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "paged_bound", "unpaged_bound", "pipeline_host_bytes", "zero_state", "MIN_BUFFERS",
-           "MAX_BUFFERS"]
+__all__ = ["SwapPipeline", "SwapStepError", "plan_sub_groups", "paged_bound", "unpaged_bound", "pipeline_host_bytes",
+           "zero_state", "MIN_BUFFERS", "MAX_BUFFERS"]
 
 log = logging.getLogger(__name__)
 
