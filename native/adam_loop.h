@@ -14,6 +14,17 @@
 // Each unit compiles its own copy with its own flags (see kernel.h); elements are
 // independent, so how the range is cut never changes a value.
 
+// [Note: software prefetch] in kernel.h: the four streams' lines kPrefetchAhead elements on.
+template <int G>
+inline void adam_prefetch(const AdamBuffers &b, int64_t i, int64_t end) {
+    const int64_t j = i + kPrefetchAhead;
+    if (j >= end) return;
+    prefetch_write(b.param, j * 4);
+    prefetch_write(b.exp_avg, j * 4);
+    prefetch_write(b.exp_avg_sq, j * 4);
+    prefetch_read(b.grad, j * grad_bytes(G));
+}
+
 template <int G, int L, bool L2, bool FROM_END>
 void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t end) {
     const VConsts vc(c);
@@ -27,12 +38,18 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
                 adam_part<G, L, L2, FROM_END>(vc, b, i, i + peel);
                 i += peel;
             }
-            for (; i + kLanes <= end; i += kLanes) adam_full<G, L, L2, FROM_END, true>(vc, b, i);
+            for (const int64_t start = i; i + kLanes <= end; i += kLanes) {
+                if (((i - start) & 15) == 0) adam_prefetch<G>(b, i, end);
+                adam_full<G, L, L2, FROM_END, true>(vc, b, i);
+            }
             if (i < end) adam_part<G, L, L2, FROM_END>(vc, b, i, end);
             _mm_sfence();  // streamed stores are weakly ordered: visible before we return
             return;
         }
     }
-    for (; i + kLanes <= end; i += kLanes) adam_full<G, L, L2, FROM_END, false>(vc, b, i);
+    for (const int64_t start = i; i + kLanes <= end; i += kLanes) {
+        if (((i - start) & 15) == 0) adam_prefetch<G>(b, i, end);
+        adam_full<G, L, L2, FROM_END, false>(vc, b, i);
+    }
     if (i < end) adam_part<G, L, L2, FROM_END>(vc, b, i, end);
 }

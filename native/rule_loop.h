@@ -142,6 +142,19 @@ void rule_part(const Body &body, const RuleBuffers &b, int64_t i, int64_t end) {
     if (L >= 0) memcpy(static_cast<uint16_t *>(b.lowp) + i, lowp, left * 2);
 }
 
+// [Note: software prefetch] in kernel.h: param, state and grad lines kPrefetchAhead elements
+// on (AMSGrad's other two states too); not in the scalar unit (kLanes 1), a reference.
+template <int G>
+inline void rule_prefetch(const RuleBuffers &b, int64_t i, int64_t end) {
+    const int64_t j = i + kPrefetchAhead;
+    if (kLanes == 1 || j >= end) return;
+    prefetch_write(b.param, j * 4);
+    if (b.state) prefetch_write(b.state, j * 4);
+    if (b.state1) prefetch_write(b.state1, j * 4);
+    if (b.state2) prefetch_write(b.state2, j * 4);
+    prefetch_read(b.grad, j * grad_bytes(G));
+}
+
 template <int G, int L, class Body>
 void rule_loop(const Body &body, const RuleBuffers &b, int64_t begin, int64_t end) {
     int64_t i = begin;
@@ -155,13 +168,19 @@ void rule_loop(const Body &body, const RuleBuffers &b, int64_t begin, int64_t en
                 rule_part<G, L>(body, b, i, i + peel);
                 i += peel;
             }
-            for (; i + kLanes <= end; i += kLanes) body.template vec<G, L, true>(b, i);
+            for (const int64_t start = i; i + kLanes <= end; i += kLanes) {
+                if (((i - start) & 15) == 0) rule_prefetch<G>(b, i, end);
+                body.template vec<G, L, true>(b, i);
+            }
             if (i < end) rule_part<G, L>(body, b, i, end);
             vfence();  // streamed stores are weakly ordered: visible before we return
             return;
         }
     }
-    for (; i + kLanes <= end; i += kLanes) body.template vec<G, L, false>(b, i);
+    for (const int64_t start = i; i + kLanes <= end; i += kLanes) {
+        if (((i - start) & 15) == 0) rule_prefetch<G>(b, i, end);
+        body.template vec<G, L, false>(b, i);
+    }
     if (i < end) rule_part<G, L>(body, b, i, end);
 }
 
