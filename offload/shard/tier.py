@@ -47,12 +47,10 @@ from __future__ import annotations
 
 import bisect
 import errno
-import fcntl
 import itertools
 import logging
 import mmap
 import os
-import re
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -63,6 +61,7 @@ import torch
 from offload.io import IORequest, open_engine
 from offload.memory import HUGE_PAGE, PAGE, default_accounting, paging
 from offload.memory.region import Region
+from offload.shard.tier_dir import lock_dir, remove_orphans
 from offload.swap import fsutil
 
 __all__ = ["ParamTier"]
@@ -70,7 +69,6 @@ __all__ = ["ParamTier"]
 log = logging.getLogger("offload.shard")
 
 _ON_DISK, _VALID, _READING = 0, 1, 2
-_DIR_RE = re.compile(r"^offload-params\.(\d+)(-\d+)?\.rank\d+$")
 _SEQ = itertools.count()  # this process's tiers: a second model in one swap_dir gets a name of its own
 _MAX_BUSY = 64  # names tried past those another process of our pid holds
 
@@ -82,42 +80,6 @@ class _Area:
         self.pages = -(-nbytes // PAGE)
         self.state = np.zeros(self.pages, dtype=np.int8)
         self.drop = np.zeros(self.pages, dtype=bool)  # evicted while its write flies: drop when done
-
-
-def _remove_orphans(parent: str) -> None:
-    """The directories of processes that died without closing (kill -9; their lock is free):
-    nothing in them is ever read again (the params' truth is the optimizer's), so they go."""
-    for name in os.listdir(parent):
-        m = _DIR_RE.match(name)
-        if m is None or fsutil.pid_alive(int(m.group(1))):
-            continue  # a live process's (another rank's may not hold its lock yet: made, then locked)
-        path = os.path.join(parent, name)
-        try:
-            fsutil.check_private_dir(path)
-            fd, _pid = fsutil.try_lock(path)
-            if fd is None and _pid is not None:
-                continue  # in use
-            try:
-                fsutil.remove_private_dir(path)
-            finally:
-                if fd is not None:
-                    os.close(fd)
-            log.info("removed %s, left by a process that is gone", path)
-        except OSError as exc:
-            log.warning("could not remove %s: %s", path, exc)
-
-
-def _lock(path: str) -> int:
-    """The directory's lock, held while this process uses it (``offload clean`` and the next
-    run leave a held one alone)."""
-    fd = os.open(os.path.join(path, fsutil.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, str(os.getpid()).encode())
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class ParamTier:
@@ -132,13 +94,13 @@ class ParamTier:
 
     def __init__(self, swap_dir: str, rank: int, *, io: Any = "auto") -> None:
         parent = fsutil.check_parent_dir(swap_dir)
-        _remove_orphans(parent)
+        remove_orphans(parent)
         for _ in range(_MAX_BUSY):
             n = next(_SEQ)
             self.path = os.path.join(parent, f"offload-params.{os.getpid()}{f'-{n}' if n else ''}.rank{rank}")
             fsutil.make_private_dir(self.path)
             try:
-                self._lock_fd = _lock(self.path)
+                self._lock_fd = lock_dir(self.path)
                 break
             except BlockingIOError:
                 # held by a live process that has our pid in another pid namespace (two containers,
