@@ -10,7 +10,9 @@ touches:
 - ``load(views)`` before reading (the bytes are read from disk where not in memory);
 - ``will_write(views)`` before overwriting every element of the views (only the pages
   the views share with their neighbours are read);
-- ``store(views)`` after writing (to disk), ``evict(views)`` when done (RAM returned).
+- ``store(views)`` after writing (to disk), ``evict(views)`` when done (RAM returned);
+- ``check(views)`` before a job that will touch them (an optimizer's step): a write that
+  bypassed these calls raises now, before the job changed anything (offload/shard/tier_writes.py).
 
 The owner of such tensors (``offload/shard/tier.py``) registers their address ranges here
 with a *pager* that does the work; a view of any other tensor is ignored, so the calls cost
@@ -29,7 +31,7 @@ import torch
 
 from offload.memory.reentry import FinalizerSafeLock
 
-__all__ = ["register", "unregister", "paged", "load", "will_write", "store", "evict", "prefetch", "active"]
+__all__ = ["register", "unregister", "paged", "load", "will_write", "store", "evict", "prefetch", "check", "active"]
 
 _lock = FinalizerSafeLock()  # unregister runs in the tier's finalizer: [Note: finalizers re-enter]
 _starts: List[int] = []
@@ -121,3 +123,8 @@ def evict(views: Sequence[Any]) -> None:
 def prefetch(views: Sequence[Any]) -> None:
     """A hint: start reading ``views`` from disk now; a later ``load`` waits for it."""
     _call("prefetch", views)
+
+
+def check(views: Sequence[Any]) -> None:
+    """Before a job on ``views``: a write into them that bypassed these calls raises now."""
+    _call("check", views)

@@ -21,7 +21,7 @@ import mmap
 import re
 from typing import Any, Optional
 
-__all__ = ["HUGE_PAGE", "PAGE", "Region", "anon_huge_bytes", "cuda_pin_available"]
+__all__ = ["HUGE_PAGE", "PAGE", "Region", "anon_huge_bytes", "cuda_pin_available", "resident_pages"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,29 @@ def cuda_pin_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:  # torch without CUDA support raises various errors here
         return False
+
+
+_MINCORE: list = []  # libc's mincore, looked up once (None where there is none)
+
+
+def resident_pages(address: int, nbytes: int) -> Optional[bytes]:
+    """Per 4 KiB page of ``[address, address + nbytes)`` (``address`` page-aligned), whether it
+    is mapped in RAM (``mincore(2)``: a page read since it was dropped, which maps the zero
+    page, counts too); None where that cannot be told (no mincore, pages of another size)."""
+    if not _MINCORE:
+        try:
+            f = ctypes.CDLL(None, use_errno=True).mincore
+            f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+            f.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            f = None
+        _MINCORE.append(f if mmap.PAGESIZE == PAGE else None)
+    if _MINCORE[0] is None or nbytes <= 0:
+        return None
+    vec = (ctypes.c_ubyte * (-(-nbytes // PAGE)))()
+    if _MINCORE[0](ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) != 0:
+        return None
+    return bytes(vec)
 
 
 def _cudart():

@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from offload.memory import paging
 from offload.swap import cleanup
 
 __all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "mark_consistent", "is_consistent",
@@ -74,12 +75,15 @@ def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
                sparse_message: str = "Adam does not support sparse gradients, please consider SparseAdam instead") -> None:
     """Raise before the step changes anything if a param is no longer what it was registered
     as, or its grad does not fit it (a store's own stand-in for a grad held on another rank,
-    which is not ``p.grad``, is the store's to check)."""
+    which is not ``p.grad``, is the store's to check), or a param on NVMe was written past
+    its swap file (offload/shard/tier_writes.py)."""
     for _, items in work:
         for p, g in items:
             i = _check_param(p, sigs)
             if g is p.grad:
                 _check_grad(i, p, g, sparse_message)
+    if paging.active():
+        paging.check([p.detach() for _, items in work for p, _ in items])
 
 
 @contextlib.contextmanager

@@ -106,6 +106,7 @@ class FlatParam:
     """The flat buffer, the shard and the views of one unit's params of one dtype."""
 
     __reduce_ex__ = refuse_copy  # guards.py [Note: calls on a sharded model]
+    _loading = False  # between load_state_dict's hooks (_load_hook)
 
     def __init__(self, members: List[Tuple[nn.Parameter, List[Tuple[nn.Module, str]]]], *,
                  info: ShardInfo, holder: nn.Module, attr: str, names: List[str], tier: Any = None,
@@ -126,9 +127,10 @@ class FlatParam:
         self._live = True
         # [Note: one rank's full buffer is its shard] on the CPU with one rank
         self._alias = streams is None and self.world == 1
+        self.where = f"{info.unit + '.' if info.unit else ''}{attr}"  # the shard's name in model.named_parameters()
         with torch.no_grad():
             if self._alias:
-                self.full = (tier.area(self.chunk, self.dtype) if tier is not None
+                self.full = (tier.area(self.chunk, self.dtype, name=self._label()) if tier is not None
                              else torch.zeros(self.chunk, dtype=self.dtype))
                 if tier is not None:
                     paging.will_write([self.full])
@@ -162,7 +164,7 @@ class FlatParam:
             elif tier is None:
                 self.shard = nn.Parameter(self.full[lo:lo + self.chunk].clone())
             else:  # [Note: the param tier] in tier.py: the chunk and its grad in the swap file
-                area = tier.area(self.chunk, self.dtype)
+                area = tier.area(self.chunk, self.dtype, name=self._label())
                 paging.will_write([area])
                 area.copy_(self.full[lo:lo + self.chunk])
                 paging.store([area])
@@ -174,6 +176,7 @@ class FlatParam:
         if tier is not None:  # module.state_dict() / load_state_dict() see the values on disk
             holder._register_state_dict_hook(self._state_dict_hook)
             holder._register_load_state_dict_pre_hook(self._load_hook)
+            holder.register_load_state_dict_post_hook(self._loaded_hook)
         self._attr = attr
         self.shard_ptr = self.shard.data_ptr()  # checked at each forward (hooks.py _check_shards)
         self.leaves: List[torch.Tensor] = []
@@ -184,6 +187,11 @@ class FlatParam:
                 del m._parameters[name]
                 setattr(m, name, leaf)  # a plain attribute now (see the note)
         self.free()
+
+    def _label(self) -> str:
+        """The shard in errors ([Note: writes past the pager] in tier_writes.py)."""
+        more = ", ..." if len(self.names) > 3 else ""
+        return f"the shard param {self.where!r} (of {', '.join(self.names[:3])}{more})"
 
     # ------------------------------------------------------------------ storage
     @property
@@ -259,9 +267,20 @@ class FlatParam:
             state_dict[key] = self.shard_values()
 
     def _load_hook(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        """torch's own copy of the dict's value into the shard follows: its pages in RAM for it
+        (the bytes on disk: a copy that does not happen stores them again), stored after it
+        (``_loaded_hook``). Written past the pager, the copy was lost (tier_writes.py)."""
         value = state_dict.get(prefix + self._attr)
         if isinstance(value, torch.Tensor) and value.numel() == self.chunk:
-            self.set_shard_values(value)  # torch's own copy into the param follows: the same values
+            paging.load([self.shard.detach()])
+            self._loading = True
+
+    def _loaded_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        if self._loading:
+            self._loading = False
+            dst = self.shard.detach()
+            paging.store([dst])
+            paging.evict([dst])
 
     def set_shard_values(self, values: torch.Tensor) -> None:
         """This rank's chunk <- ``values`` (``chunk`` elements; cast to the params' dtype),
@@ -327,7 +346,7 @@ class FlatParam:
         NVMe: the grads live where the states do)."""
         if self.grad_area is not None:
             return
-        self.grad_area = tier.area(self.chunk, self.dtype, "grads")
+        self.grad_area = tier.area(self.chunk, self.dtype, "grads", name=f"the grad on disk of {self.where!r}")
         # p.grad of the shard while its grad is in the swap file
         self.grad_standin = torch.zeros(1, dtype=self.dtype).expand(self.chunk)
         self._standin_version = self.grad_standin._version

@@ -10,7 +10,9 @@ module is the pager: per page a state (on disk only, in memory and valid, being 
 reads and writes of whole pages through the io engines (O_DIRECT where the file system
 allows), async reads for prefetch (``prefetch``; a later ``load`` of the same pages waits for
 them). A page a view shares with its neighbour is read before it is partly overwritten, so
-a write never loses the neighbour's bytes.
+a write never loses the neighbour's bytes. A write that bypasses these calls (a torch optimizer
+over the shards) is kept where sound, else refused by name ([Note: writes past the pager] in
+tier_writes.py).
 
 [Note: async stores] During a backward (``defer_stores``, set by the runtime's hooks)
 ``store`` submits its writes and returns; an ``evict`` of pages whose write is still in
@@ -62,6 +64,7 @@ from offload.io import IORequest, open_engine
 from offload.memory import HUGE_PAGE, PAGE, default_accounting, paging
 from offload.memory.region import Region
 from offload.shard.tier_dir import lock_dir, remove_orphans
+from offload.shard.tier_writes import lost_write_error, written_on_disk
 from offload.swap import fsutil
 
 __all__ = ["ParamTier"]
@@ -80,6 +83,10 @@ class _Area:
         self.pages = -(-nbytes // PAGE)
         self.state = np.zeros(self.pages, dtype=np.int8)
         self.drop = np.zeros(self.pages, dtype=bool)  # evicted while its write flies: drop when done
+        # [Note: writes past the pager] in tier_writes.py: the tensor, its version at the last
+        # store, its name in errors, and whether a page on disk was found written and dropped
+        self.tensor: Optional[torch.Tensor] = None
+        self.version, self.name, self.lost = 0, "", False
 
 
 class ParamTier:
@@ -133,9 +140,9 @@ class ParamTier:
                                            self.path, self._owner, os.getpid(), self._lock_fd)
 
     # ------------------------------------------------------------------ areas
-    def area(self, numel: int, dtype: torch.dtype, kind: str = "params") -> torch.Tensor:
+    def area(self, numel: int, dtype: torch.dtype, kind: str = "params", name: str = "") -> torch.Tensor:
         """A new paged 1-D tensor of ``numel`` elements (zeros, on disk), with a file range;
-        ``kind`` ("params" or "grads") for the report."""
+        ``kind`` ("params" or "grads") for the report, ``name`` for errors."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         rounded = -(-max(nbytes, 1) // PAGE) * PAGE
         region = Region(rounded, huge=rounded >= HUGE_PAGE, prefault=False)  # [Note: huge pages for areas]
@@ -155,6 +162,7 @@ class ParamTier:
         default_accounting().add("nvme", self._owner, rounded)
         # state _ON_DISK: the file's fresh blocks read as zeros, as the untouched pages do
         t = torch.frombuffer(region.view(0, nbytes), dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
+        a.tensor, a.version, a.name = t, t._version, name
         return t
 
     def _area_of(self, addr: int) -> _Area:
@@ -241,6 +249,8 @@ class ParamTier:
     def _drop(self, a: _Area, q0: int, q1: int) -> None:
         # the last page's drop takes the region's tail too: a fault on the area's last huge
         # page brought it in, and nothing else ever drops it ([Note: huge pages for areas])
+        if not a.lost and written_on_disk(a, q0, q1, a.state[q0:q1] == _ON_DISK):
+            a.lost = True  # raised at the area's next call ([Note: writes past the pager])
         end = a.region.size if q1 >= a.pages else q1 * PAGE
         a.region._mmap.madvise(mmap.MADV_DONTNEED, a.region.skip + q0 * PAGE, end - q0 * PAGE)
         a.state[q0:q1] = _ON_DISK
@@ -281,6 +291,7 @@ class ParamTier:
             self._reap()
             for addr, n in ranges:
                 a, p0, p1, _, _ = self._pages(addr, n)
+                self._guard(a, p0, p1)
                 a.drop[p0:p1] = False  # in memory still: used again, not dropped
                 self._read(a, p0, p1)
 
@@ -288,6 +299,7 @@ class ParamTier:
         with self._lock:
             for addr, n in ranges:
                 a, p0, p1, _, _ = self._pages(addr, n)
+                self._guard(a, p0, p1)
                 a.drop[p0:p1] = False  # wanted again: kept, not dropped and re-read
                 runs = self._runs(a, p0, p1, _ON_DISK)
                 if not runs:
@@ -303,6 +315,7 @@ class ParamTier:
             self._reap()
             for addr, n in ranges:
                 a, p0, p1, off, end = self._pages(addr, n)
+                self._guard(a, p0, p1)
                 self._wait_reads(a, p0, p1)
                 self._wait_writes(a, p0, p1)  # the disk must not read bytes being overwritten
                 a.drop[p0:p1] = False
@@ -328,8 +341,15 @@ class ParamTier:
                     self._reap(upto=1)
                 self._writes.append((a, p0, p1, self._engine.submit([self._request("write", a, p0, p1)])))
                 self.bytes_written += (p1 - p0) * PAGE
+                a.version = a.tensor._version  # its writer's bytes are stored ([Note: writes past the pager])
             if not self.defer_stores:
                 self._reap(upto=len(self._writes))
+
+    def check(self, ranges: List[Tuple[int, int]]) -> None:
+        """``paging.check``: the guard of every call, alone ([Note: writes past the pager])."""
+        with self._lock:
+            for addr, n in ranges:
+                self._guard(*self._pages(addr, n)[:3])
 
     def _write_bytes(self) -> int:
         return sum((q1 - q0) * PAGE for _a, q0, q1, _t in self._writes)
@@ -347,8 +367,10 @@ class ParamTier:
 
     def evict(self, ranges: List[Tuple[int, int]]) -> None:
         with self._lock:
+            lost = []
             for addr, n in ranges:
-                a, _, _, off, end = self._pages(addr, n)
+                a, p0, p1, off, end = self._pages(addr, n)
+                self._guard(a, p0, p1)
                 if id(a) in self._held:
                     continue
                 q0, q1 = -(-off // PAGE), end // PAGE  # whole pages only: the edges may be a neighbour's
@@ -361,7 +383,37 @@ class ParamTier:
                     a.drop[q0:q1] = True  # dropped once its write is done ([Note: async stores])
                 else:
                     self._drop(*self._widen(a, q0, q1))
+                if a.lost:
+                    lost.append(a)
             self._reap()
+            for a in lost:
+                self._lost(a)
+
+    # ------------------------------------------------------------------ writes past the pager
+    def _moved(self, a: _Area) -> bool:
+        return a.used > 0 and a.tensor._version != a.version
+
+    def _guard(self, a: _Area, p0: int, p1: int) -> None:
+        """Before a call on pages [p0, p1) of ``a``: a write that bypassed the pager is kept
+        where sound, else refused by name ([Note: writes past the pager] in tier_writes.py)."""
+        if self._moved(a):
+            if (a.state == _VALID).all():  # it read the true values: stored as the pager's own
+                self.store([(a.start, a.used)])
+            else:
+                self._lost(a)
+        if a.lost or written_on_disk(a, p0, p1, a.state[p0:p1] == _ON_DISK):
+            self._lost(a)
+
+    def _lost(self, a: _Area) -> None:
+        """Back to the values on disk (a held area keeps its valid pages: a unit computes with
+        them), then the error that names the tensor."""
+        self._wait_reads(a, 0, a.pages)
+        self._wait_writes(a, 0, a.pages)
+        runs = self._bool_runs(a.state == _ON_DISK) if id(a) in self._held else [(0, a.pages)]
+        for q0, q1 in runs:
+            self._drop(a, q0, q1)
+        a.lost, a.version = False, a.tensor._version
+        raise lost_write_error(a, self.path)
 
     @staticmethod
     def _widen(a: _Area, q0: int, q1: int) -> Tuple[_Area, int, int]:
