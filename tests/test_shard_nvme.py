@@ -569,3 +569,27 @@ def test_a_budget_too_small_names_the_max_host_bytes_that_works(tmp_path):
         offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), max_host_bytes=least - 1)
     offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), max_host_bytes=least).close()
     runtime_of(model).tier.close()
+
+
+def test_a_budget_too_small_to_resume_names_the_max_host_bytes_that_works(tmp_path):
+    # the resume path's own message (the layout of the directory to resume) still named the
+    # shrunk bound, "max_host_bytes=1638 ... pass max_host_bytes >= <the buffers' bytes>",
+    # for max_host_bytes=4096: a value that fails again
+    import re
+
+    model = offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path))
+    opt = offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), **base.HP)
+    base._loss(model, 0, 0, 1, 0, {}).float().backward()
+    opt.step()
+    opt.close(keep_swap=True)
+    kw = dict(offload="nvme", swap_dir=str(tmp_path), resume=True, **base.HP)
+    with pytest.raises(ValueError, match=r"^max_host_bytes=4096 is too small with the params on NVMe.* of the swap "
+                                         r"directory to resume \(written with sub_group_size=\d+\)") as e:
+        offload.AdamW(model.parameters(), max_host_bytes=4096, **kw)
+    least = int(re.search(r"pass max_host_bytes >= (\d+) to resume it", str(e.value)).group(1))
+    with pytest.raises(ValueError, match=f"pass max_host_bytes >= {least} to resume it"):
+        offload.AdamW(model.parameters(), max_host_bytes=least - 1, **kw)
+    resumed = offload.AdamW(model.parameters(), max_host_bytes=least, **kw)
+    assert int(resumed.state_dict()["state"][0]["step"]) == 1
+    resumed.close()
+    runtime_of(model).tier.close()

@@ -46,7 +46,7 @@ import torch
 from offload.swap import fsutil
 from offload.kernels.fields import StateField
 from offload.swap.layout import ALIGN, SwapLayout, as_fields, elems_per_page, round_up
-from offload.swap.pipeline import MIN_BUFFERS, plan_sub_groups
+from offload.swap.pipeline import DEFAULT_MAX_HOST_BYTES, MIN_BUFFERS, plan_sub_groups
 from offload.swap.store import MANIFEST, SwapStore, private_dir_name
 
 __all__ = ["make_identity", "open_store", "open_run_store"]
@@ -195,10 +195,13 @@ def _resume_plan(manifest: Dict[str, Any], numel: int, fields: Sequence[StateFie
     except ValueError:
         groups = -(-numel // kept)
         need = min(MIN_BUFFERS, groups) * sum(round_up(f.nbytes(kept), ALIGN) for f in fields)
-        raise ValueError(f"max_host_bytes={max_host_bytes} cannot hold the pipeline buffers of the swap directory "
-                         f"to resume, written with sub_group_size={kept}: pass max_host_bytes >= {need} to "
-                         "resume it; to change the layout, save_checkpoint() and load_checkpoint() into a new "
-                         "run") from None
+        bound = DEFAULT_MAX_HOST_BYTES if max_host_bytes is None else max_host_bytes
+        err = ValueError(f"max_host_bytes={bound} cannot hold the pipeline buffers of the swap directory to resume, "
+                         f"written with sub_group_size={kept}: pass max_host_bytes >= {need} to resume it; to "
+                         "change the layout, save_checkpoint() and load_checkpoint() into a new run")
+        # as plan_sub_groups' error: a caller that shrank the bound (paged_bound) restates it
+        err.buffer_bytes, err.resume_sub_group = need, kept
+        raise err from None
 
 
 def open_run_store(swap_dir: str, layout: SwapLayout, state_names: Sequence[Union[str, StateField]], *,

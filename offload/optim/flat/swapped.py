@@ -68,9 +68,13 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
                 raise  # the bound was not shrunk (paged_bound): the message names the caller's
             # the message named the shrunk bound, and its "at least" was shrunk again when passed
             least = unpaged_bound(need, swap_fields(st), _paged_bytes(st))
+            kept = getattr(exc, "resume_sub_group", None)  # the resume path's layout (swap/runs.py)
+            of = "" if kept is None else f" of the swap directory to resume (written with sub_group_size={kept})"
+            then = "" if kept is None else (" to resume it; to change the layout, save_checkpoint() and "
+                                            "load_checkpoint() into a new run")
             raise ValueError(f"max_host_bytes={asked} is too small with the params on NVMe: {bound} of it is left to "
-                             f"the pipeline buffers (the rest holds the paged grads and params of the sub-group "
-                             f"being stepped), which need {need}; pass max_host_bytes >= {least}") from exc
+                             f"the pipeline buffers{of} (the rest holds the paged grads and params of the sub-group "
+                             f"being stepped), which need {need}; pass max_host_bytes >= {least}{then}") from exc
         if st._swap.resumed:  # resume="auto" chose, "discard" never resumes ([Note: restarts] in swap/runs)
             # The master of the last finished step is the truth: steps and params follow it.
             st._set_steps(st._swap.resumed_extra.get("steps") or [])
