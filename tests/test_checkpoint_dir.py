@@ -318,6 +318,24 @@ def test_a_directory_in_the_manifests_place_is_named(tmp_path, kind):
     opt.close()
 
 
+@pytest.mark.parametrize("kind", ["cpu", "nvme", "flat", "flat-nvme"])
+@pytest.mark.parametrize("under", [False, True], ids=["the-file", "under-the-file"])
+def test_a_checkpoint_path_that_is_a_file_is_refused_by_name(tmp_path, kind, under):
+    # a bare "[Errno 17] File exists" (or "Not a directory: .../rank0"): a checkpoint is a directory
+    model = _model()
+    opt = _opt(model, kind, tmp_path)
+    _train(model, opt, 1)
+    f = tmp_path / "ckpt"
+    f.write_text("the user's")
+    path = str(f / "sub" if under else f)
+    for call in (opt.save_checkpoint, opt.load_checkpoint):
+        with pytest.raises(NotADirectoryError, match="this path is a file, and a checkpoint is a directory") as info:
+            call(path)
+        assert info.value.filename == str(f)
+    assert f.read_text() == "the user's"
+    opt.close()
+
+
 # ------------------------------------------------------------------ several ranks, one DIR
 def _rank_job(rank, world, ck, swap, out):
     """On the session's two gloo ranks (tests/_ranks.py group)."""

@@ -342,6 +342,22 @@ def test_params_only(tmp_path):
     _close(opt, swap)
 
 
+@pytest.mark.parametrize("under", [False, True], ids=["the-file", "under-the-file"])
+def test_a_checkpoint_path_that_is_a_file_is_refused_by_name(tmp_path, under):
+    # save: a bare "[Errno 17] File exists"; load: "Not a directory: .../offload-shard.json"
+    f = tmp_path / "ckpt"
+    f.write_text("the user's")
+    path = str(f / "sub" if under else f)
+    model, opt, swap = _build()
+    _train(model, opt, 0, 1)
+    for call in (save_checkpoint, load_checkpoint):
+        with pytest.raises(NotADirectoryError, match="this path is a file, and a checkpoint is a directory") as info:
+            call(model, opt, path)
+        assert info.value.filename == str(f)
+    assert f.read_text() == "the user's"
+    _close(opt, swap)
+
+
 def test_the_saved_hyperparameters_come_back(tmp_path):
     d = str(tmp_path / "ckpt")
     job_save(d, steps=1)

@@ -152,7 +152,7 @@ def save_checkpoint(model: nn.Module, optimizer: Any, directory: str) -> str:
 def _begin(directory: str, world: int, held: Dict[str, Any]) -> int:
     """Rank 0: the lock, the generation, the pending record (what this save will create,
     and what an earlier save that died left) before any rank file exists."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    fsutil.make_checkpoint_dir(directory)
     held["lock"] = DirLock(directory, exclusive=True)
     old = read_manifest(directory, fsutil.SAVE_ADVICE) if os.path.lexists(os.path.join(directory, MANIFEST)) else None
     try:
@@ -233,6 +233,8 @@ def read_manifest(directory: str, advice: str = fsutil.LOAD_ADVICE) -> Dict[str,
         m = fsutil.unsealed(fsutil.read_json(path), path, advice)
     except FileNotFoundError:
         raise FileNotFoundError(2, "no stage 3 checkpoint here (its manifest is missing)", path) from None
+    except NotADirectoryError:
+        raise fsutil.not_a_checkpoint_dir(directory, "load") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise ValueError(f"{path}: not a stage 3 checkpoint manifest")
     if m.get("version") != VERSION:

@@ -63,6 +63,8 @@ def read_manifest(directory: str, advice: str = fsutil.LOAD_ADVICE) -> Dict[str,
         m = fsutil.unsealed(fsutil.read_json(path), path, advice)
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, "no offload checkpoint here (manifest missing)", path) from None
+    except NotADirectoryError:
+        raise fsutil.not_a_checkpoint_dir(directory, "load") from None
     if not isinstance(m, dict) or m.get("format") != CKPT_FORMAT:
         raise ValueError(f"{path}: not an offload checkpoint manifest")
     if m.get("version") != CKPT_VERSION:
@@ -160,7 +162,7 @@ class NewGeneration:
         self.recorded = False  # our pending record is written: abort() may remove it
 
     def open(self) -> "NewGeneration":
-        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        fsutil.make_checkpoint_dir(self.directory)
         self.lock = DirLock(self.directory, exclusive=True)
         exists = os.path.lexists(os.path.join(self.directory, CKPT_MANIFEST))
         self.old = read_manifest(self.directory, fsutil.SAVE_ADVICE) if exists else None

@@ -33,6 +33,7 @@ from typing import Any, Dict, Optional, Tuple
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
     "write_json_atomic", "read_json", "SEAL", "sealed", "unsealed", "LOAD_ADVICE", "SAVE_ADVICE", "RESUME_ADVICE", "fsync_dir", "remove_private_dir", "free_bytes",
+    "make_checkpoint_dir", "not_a_checkpoint_dir",
     "DirectoryBusy", "NotOurs", "private_dir_name", "pid_alive",
 ]
 
@@ -134,6 +135,27 @@ def make_private_dir(path: str) -> bool:
     os.chmod(path, 0o700, follow_symlinks=False)  # umask may have cleared bits we asked for
     check_private_dir(path)
     return True
+
+
+def not_a_checkpoint_dir(directory: str, doing: str) -> NotADirectoryError:
+    """The error for a checkpoint ``directory`` that is a file or lies under one (``doing``:
+    "save" or "load"), naming that file."""
+    path = os.path.abspath(os.fspath(directory))
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    then = "the path of a directory, new or existing" if doing == "save" else "the directory it was saved into"
+    return NotADirectoryError(errno.ENOTDIR, f"cannot {doing} a checkpoint there: this path is a file, and a "
+                              f"checkpoint is a directory (offload writes its manifest and state files into it); pass "
+                              f"{then}", path)
+
+
+def make_checkpoint_dir(directory: str) -> None:
+    """``directory`` and its parents made (0700) for a checkpoint's save, or refused by name
+    where it is a file or lies under one (a bare "File exists" before)."""
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise not_a_checkpoint_dir(directory, "save") from None
 
 
 def fsync_dir(path: str) -> None:
