@@ -870,3 +870,31 @@ def test_plan_names_an_input_file_that_is_not_text(tmp_path, option, expected):
     params = [] if option == "--model-config" else ["--params", "1B"]
     rc, _, err = _cli("plan", "--no-probe", "--offload", "nvme", *params, option, str(path))
     assert rc == 1 and f"{path}: {expected}" in err, err
+
+
+_FILE_CASES = [["--no-probe"], ["--kernel-gparams", "1"], ["--no-probe", "--nvme-capacity", "1GiB"]]
+
+
+@pytest.mark.parametrize("probe", _FILE_CASES,
+                         ids=["no-probe", "disk-probe", "capacity-given"])
+def test_cli_swap_dir_that_is_a_file_is_refused(tmp_path, probe):
+    # --no-probe took the free space of the file's file system; the probe said "does not exist"
+    f = tmp_path / "swap"
+    f.write_text("")
+    rc, out, err = _cli("plan", "--params", "10M", "--offload", "nvme", "--swap-dir", str(f), *probe)
+    assert rc == 1 and "swap directory is a file, not a directory" in err and str(f) in err, (rc, out, err)
+    assert f.read_text() == ""
+
+
+def test_estimate_refuses_a_swap_dir_that_is_a_file(tmp_path):
+    f = tmp_path / "swap"
+    f.write_text("")
+    for kw in ({}, {"nvme_capacity": "1GiB"}):
+        with pytest.raises(NotADirectoryError, match="swap directory is a file, not a directory"):
+            estimate("10M", offload="nvme", swap_dir=str(f), **kw)
+    with pytest.raises(FileNotFoundError, match="swap directory does not exist"):
+        estimate("10M", offload="nvme", swap_dir=str(tmp_path / "nope"))
+    from offload.plan import probe_disk_rate
+
+    with pytest.raises(NotADirectoryError, match="disk probe directory is a file"):
+        probe_disk_rate(str(f))

@@ -186,6 +186,7 @@ def _zero_table(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from offload.plan import cheapest_fitting, estimate
+    from offload.plan.inputs import swap_dir_path
     from offload.plan.render import gib
 
     if args.zero_table:
@@ -195,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         # A config path must never be mistaken for a count; resolve it here.
         from offload.plan import params_from_hf_config
         source = params_from_hf_config(args.model_config)
+    swap_dir_path(args.swap_dir)  # a file or a missing directory refused before any probe
     need_kernel = True  # this engine runs the update on the CPU whatever the offload target
     need_disk = args.offload == "nvme" or args.offload_params == "nvme" or args.cheapest
     rates = _rates(args, need_kernel, need_disk)

@@ -48,7 +48,7 @@ import torch
 
 from offload.kernels.fields import ADAM, ADAM_AMSGRAD, MASTER, bytes_per_element, fields_bytes
 
-from .inputs import dtype_name, nonneg_bytes, parse_dtype, positive_rate, resolve_params
+from .inputs import dtype_name, nonneg_bytes, parse_dtype, positive_rate, resolve_params, swap_dir_path
 from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, tests import it here)
     COMPONENTS,
     OPTIMIZER_COMPONENTS,
@@ -210,11 +210,9 @@ def _sizes(device_memory: Any, host_memory: Any, max_host_bytes: Any, sub_group_
         raise ValueError(f"ranks_per_node must be an integer >= 1, got {ranks_per_node!r}")
     out["ranks_per_node"] = ranks_per_node
     nvme_cap = nonneg_bytes("nvme_capacity", nvme_capacity)
+    swap_dir = swap_dir_path(swap_dir)  # checked also where the capacity is given
     if nvme_cap is None and swap_dir is not None:
-        try:
-            nvme_cap = shutil.disk_usage(os.fspath(swap_dir)).free
-        except FileNotFoundError:
-            raise FileNotFoundError(2, "swap directory does not exist", os.fspath(swap_dir)) from None
+        nvme_cap = shutil.disk_usage(swap_dir).free
     out["nvme_cap"] = nvme_cap
     return out
 

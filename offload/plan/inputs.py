@@ -5,6 +5,7 @@ Bad input is a ``ValueError`` carrying the bad value (a config file that is miss
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -16,7 +17,7 @@ import torch
 from .hf_config import params_from_hf_config
 
 __all__ = ["parse_count", "parse_dtype", "dtype_name", "count_params", "resolve_params",
-           "nonneg_bytes", "positive_rate"]
+           "nonneg_bytes", "positive_rate", "swap_dir_path"]
 
 
 _COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
@@ -130,3 +131,17 @@ def positive_rate(name: str, value: Any) -> Optional[float]:
     if not (v > 0 and math.isfinite(v)):
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     return v
+
+
+def swap_dir_path(swap_dir: Any) -> Optional[str]:
+    """``swap_dir`` as a path (None: not given), refused by name unless it is a directory
+    that exists (a file there was planned for with its file system's free space)."""
+    if swap_dir is None:
+        return None
+    path = os.fspath(swap_dir)
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, "swap directory does not exist", path)
+    if not os.path.isdir(path):
+        raise NotADirectoryError(errno.ENOTDIR, "swap directory is a file, not a directory (the optimizers make "
+                                 "their swap files in a directory there)", path)
+    return path

@@ -202,6 +202,8 @@ class DiskProbe:
 
     def __init__(self, directory: str, *, nbytes: int = 256 << 20, chunk: int = 8 << 20, buffers: int = 4) -> None:
         directory = os.fspath(directory)
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise NotADirectoryError(errno.ENOTDIR, "disk probe directory is a file, not a directory", directory)
         if not os.path.isdir(directory):
             raise FileNotFoundError(errno.ENOENT, "disk probe directory does not exist", directory)
         try:
