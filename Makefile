@@ -14,8 +14,11 @@ STAMP  := $(VENV)/.offload-installed
 # interpreters importing torch), and it must fit its 10-minute budget. WORKERS=0 runs it in
 # one process. OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning, which
 # ate about half of the CPU with three workers (tests/conftest.py).
+# PYTHONDONTWRITEBYTECODE= (empty: off), where the environment sets it: the workers and the
+# interpreters the tests start then reuse the compiled test modules (their asserts rewritten
+# by pytest) and offload's, instead of compiling them again in each (~5 CPU-s per worker).
 WORKERS ?= 3
-PYTEST := OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
+PYTEST := OMP_WAIT_POLICY=PASSIVE PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
 
 .PHONY: setup demo test test-native test-numba bench clean
 

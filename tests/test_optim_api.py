@@ -13,7 +13,6 @@ import textwrap
 import pytest
 import torch
 from torch import nn
-from torch._dynamo.utils import counters
 
 import offload
 from offload.config import IOConfig, parse_bytes
@@ -288,6 +287,8 @@ def test_compiled_step_runs_eagerly_and_matches(tmp_path, store):
     params = _params()
     ref_params = _clone(params)
     ref = offload.AdamW(ref_params, lr=0.01, max_grad_norm=1.0)
+    from torch._dynamo.utils import counters  # here, not at collection: dynamo's import is ~1.4 s
+
     torch._dynamo.reset()
     counters.clear()
     with offload.AdamW(params, lr=0.01, max_grad_norm=1.0, **kw) as opt:
