@@ -7,6 +7,7 @@ trained nothing."""
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import os
 import pickle
@@ -59,30 +60,117 @@ def _fill(value):
     return init
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_activation_checkpointing_is_refused_by_name_and_training_goes_on(model, reentrant):
-    """torch.utils.checkpoint repeats a unit's forward during backward (not supported yet): the
-    error says so, instead of "called outside the forward", and a plain step still trains."""
+class _OtherCheckpoint(torch.autograd.Function):
+    """A reentrant checkpoint that is not torch's (recompute.py tells torch's by its node's name)."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.saved_tensors[0].detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = ctx.fn(x)
+        torch.autograd.backward(y, grad)
+        return None, x.grad
+
+
+def _checkpointed(how, blocks):
+    """The root's forward (as a model's own checkpointing flag sets it) with ``blocks`` (indices)
+    each in a checkpoint: "non_reentrant", "reentrant" (torch's), "other" (_OtherCheckpoint)."""
     from torch.utils.checkpoint import checkpoint
 
-    def checkpointed(x):
-        for b in model.blocks:
-            x = checkpoint(b, x, use_reentrant=reentrant)
-        return model.head(x)
+    def forward(m, x):
+        for i in blocks:
+            b = m.blocks[i]
+            x = _OtherCheckpoint.apply(b, x) if how == "other" else checkpoint(b, x, use_reentrant=how == "reentrant")
+        return m.head(x)
+    return forward
 
-    model.forward = checkpointed  # the root's forward, as a model's own checkpointing flag does
-    opt = offload.AdamW(model.parameters(), lr=0.1)
-    x = torch.randn(4, 8, requires_grad=reentrant)  # a reentrant checkpoint needs an input that does
-    with pytest.raises(RuntimeError, match="activation checkpointing"):
+
+def _train_step(model, how, blocks, x):
+    model.forward = functools.partial(_checkpointed(how, blocks), model)  # an instance attribute: del restores
+    try:
         model(x).sum().backward()
-    del model.forward
+    finally:
+        del model.forward
+
+
+@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "other"])
+def test_activation_checkpointing_trains_as_unsharded(model, how):
+    """Each block in its own checkpoint (non-reentrant: block 0 twice, as layers sharing weights;
+    reentrant: see the next test): the sharded model's steps equal torch's on the model before
+    shard()."""
+    torch.manual_seed(0)
+    ref = _Net()
+    blocks = [0, 1, 0] if how == "non_reentrant" else [0, 1]
+    x = torch.randn(4, 8, requires_grad=True)  # a reentrant checkpoint needs an input that does
+    opt = offload.AdamW(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, foreach=False)
+    for _ in range(2):
+        _train_step(model, how, blocks, x)
+        opt.step()
+        opt.zero_grad()
+        _checkpointed(how, blocks)(ref, x).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got = gathered_params(model)
+    for k, v in ref.named_parameters():
+        torch.testing.assert_close(got[k], v.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("how", ["reentrant", "other"])
+def test_a_unit_in_two_reentrant_checkpoints_is_refused_and_training_goes_on(model, how):
+    """A reentrant checkpoint's uses of a unit are known only when its backward recomputes them:
+    block 0 twice is recomputed again after its grads were reduced. Refused by name (torch's:
+    before the recompute; another scheme's: at the end of the backward), and a plain step
+    still trains."""
+    x = torch.randn(4, 8, requires_grad=True)
+    opt = offload.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        _train_step(model, how, [0, 1, 0], x)
     opt.zero_grad()
     before = gathered_params(model)
     model(x.detach()).sum().backward()
     opt.step()
     after = gathered_params(model)
     assert all(torch.isfinite(after[k]).all() for k in after)
-    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_the_whole_model_in_a_checkpoint(model, reentrant):
+    """checkpoint(model, x): the root's forward is recomputed too (reentrant: before any hook of
+    ours ran in that backward, since the forward ran under no_grad) and trains as unsharded; a
+    second backward through it (retain_graph=True) is refused ([Note: one backward per forward],
+    reentrant: by the recompute itself), and training goes on."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    ref = _Net()
+    x = torch.randn(4, 8, requires_grad=True)
+    opt = offload.AdamW(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, foreach=False)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(2):
+            checkpoint(m, x, use_reentrant=reentrant).sum().backward()
+            o.step()
+            o.zero_grad()
+    got = gathered_params(model)
+    for k, v in ref.named_parameters():
+        torch.testing.assert_close(got[k], v.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    loss = checkpoint(model, x, use_reentrant=reentrant).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same forward"):
+        loss.backward()
+    opt.zero_grad()
+    checkpoint(model, x, use_reentrant=reentrant).sum().backward()
+    opt.step()
+    assert any(not torch.equal(got[k], v) for k, v in gathered_params(model).items())
 
 
 @pytest.mark.parametrize("call", [lambda m: m.half(), lambda m: m.double(), lambda m: m.to(torch.bfloat16),

@@ -14,13 +14,15 @@ grads when its backward is done (FSDP2's pre/post forward and backward, on the C
 - final callback: the units whose backward never reached ``_PostBackward`` (inputs that do
   not require grad, e.g. token ids) are done now; the phase's final round; the remaining
   reductions (grads.py [Note: reduce order]).
+- a unit's forward run again during the backward (activation checkpointing): recompute.py
+  [Note: activation checkpointing].
 """
 from __future__ import annotations
 
 import functools
 import weakref
 from collections.abc import Mapping
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -28,16 +30,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload.shard.grads import GradReducer
 from offload.shard.guards import refuse_copy
+from offload.shard.recompute import Recomputes, in_autograd_backward, reentrant_recompute
 from offload.shard.schedule import GatherSchedule, order_hash
 
 __all__ = ["ShardRuntime"]
-
-
-def _in_autograd_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (a reentrant activation
-    checkpoint recomputes there before any of our backward hooks has run)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
 
 
 class _PostBackward(torch.autograd.Function):
@@ -98,6 +94,8 @@ class ShardRuntime:
         self.schedule = GatherSchedule(units, group, world, rank, prefetch=prefetch, budget=budget,
                                        in_bytes=budget_in_bytes)
         self.reducer = GradReducer(units, reduce_group, world)
+        self.recomputes = Recomputes(self.schedule)  # [Note: activation checkpointing] in recompute.py
+        self.done: Set[int] = set()  # the units whose uses were all done in this backward
         self.in_forward = False
         self.in_backward = False
         # [Note: one backward per forward] the root forward's number, and the last one whose
@@ -132,17 +130,21 @@ class ShardRuntime:
             self._handles.append(u.module.register_forward_pre_hook(
                 functools.partial(self.pre_forward, u), with_kwargs=True))
             self._handles.append(u.module.register_forward_hook(functools.partial(self.post_forward, u)))
+            # after post_forward, and also when the forward raised (a recompute stopped early)
+            self._handles.append(u.module.register_forward_hook(functools.partial(self.recompute_exit, u),
+                                                                always_call=True))
 
     def syncing(self) -> bool:
         return self.sync_grads and not (self.ctx is not None and self.ctx.no_sync)
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, u: Any, module: Any, args: Any, kwargs: Any):
+        if not self.in_forward and in_autograd_backward():
+            return self.recompute_enter(u, args, kwargs)
         if u.is_root:
             if (self.in_forward or self.in_backward) and self.world > 1:
                 # One rank cannot tell the others' collectives apart from here on.
-                raise RuntimeError("offload.shard: the root module was called inside its own forward or backward "
-                                   "(activation checkpointing of sharded units is not supported yet), or after a "
+                raise RuntimeError("offload.shard: the root module was called inside its own forward, or after a "
                                    "forward or backward that raised: with several ranks, start over")
             self._check_shards()
             if self.in_backward:  # one rank: a backward that raised (a Ctrl-C) never reached final()
@@ -153,14 +155,13 @@ class ShardRuntime:
             self.schedule.begin("fwd")
             self.in_forward = True
         elif not self.in_forward:
-            if self.in_backward or _in_autograd_backward():
-                raise RuntimeError(f"offload.shard: unit {u.name!r} was called during a backward: activation "
-                                   "checkpointing (torch.utils.checkpoint, a Hugging Face model's "
-                                   "gradient_checkpointing_enable()) recomputes the units' forwards there, which "
-                                   "offload.shard does not support yet; turn it off for a sharded model")
             raise RuntimeError(f"offload.shard: unit {u.name!r} was called outside the forward of the module "
                                "passed to offload.shard(); call that module")
         self.schedule.acquire(u)
+        return self._route(u, args, kwargs)
+
+    def _route(self, u: Any, args: Any, kwargs: Any):
+        """The inputs that require grad, through ``_PostBackward`` (a use whose backward is awaited)."""
         if not torch.is_grad_enabled():
             return None
         flat, spec = tree_flatten((args, kwargs))
@@ -173,11 +174,9 @@ class ShardRuntime:
         return tree_unflatten(flat, spec)
 
     def post_forward(self, u: Any, module: Any, args: Any, output: Any):
-        outs = _grad_tensors(output) if torch.is_grad_enabled() else []
-        if outs:
-            u.uses += 1
-            torch.autograd.graph.register_multi_grad_hook(
-                outs, lambda _g, u=u, gen=self.fwd_gen: self.pre_backward(u, gen), mode="any")
+        if self.recomputes.current(u):
+            return None  # recompute_exit's
+        outs = self._count_use(u, output)
         if not u.is_root:
             self.schedule.release(u)
             return None
@@ -186,6 +185,35 @@ class ShardRuntime:
         if not outs:  # no backward will come
             self.schedule.release(u)
         return None
+
+    def _count_use(self, u: Any, output: Any) -> List[torch.Tensor]:
+        """A use whose backward is awaited: the pre-backward hook on ``output``'s tensors."""
+        outs = _grad_tensors(output) if torch.is_grad_enabled() else []
+        if outs:
+            u.uses += 1
+            torch.autograd.graph.register_multi_grad_hook(
+                outs, lambda _g, u=u, gen=self.fwd_gen: self.pre_backward(u, gen), mode="any")
+        return outs
+
+    # ------------------------------------------------------------------ recompute
+    def recompute_enter(self, u: Any, args: Any, kwargs: Any):
+        """A unit's forward during a backward: recompute.py [Note: activation checkpointing]."""
+        if not self.in_backward:  # a recompute before any pre-backward hook ran
+            self._check_gen(self.fwd_gen)
+            self._begin_backward()
+        reentrant = reentrant_recompute()
+        track = torch.is_grad_enabled() and (reentrant or u.uses == 0)
+        if track and reentrant and u.index in self.done and self.syncing():
+            raise RuntimeError(f"offload.shard: unit {u.name or '<root>'!r} is recomputed by a reentrant activation "
+                               "checkpoint (use_reentrant=True) after its grads of this backward were reduced: it is "
+                               "called more than once in the forward, inside a reentrant checkpoint. Use "
+                               "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), which counts every use")
+        self.recomputes.enter(u, track)
+        return self._route(u, args, kwargs) if track else None
+
+    def recompute_exit(self, u: Any, module: Any, args: Any, output: Any) -> None:
+        if self.recomputes.exit(u):
+            self._count_use(u, output)
 
     def _check_shards(self) -> None:
         """The shards are still the params the views alias (a few attribute reads per unit): a
@@ -204,6 +232,7 @@ class ShardRuntime:
 
     def _drop_stale(self) -> None:
         """A forward whose backward never ran: forget its uses, release what it held."""
+        self.recomputes.reset()
         for u in self.units:
             u.uses = 0
             if u.live:
@@ -229,6 +258,8 @@ class ShardRuntime:
         if self.in_backward:
             return
         self.in_backward = True
+        self.done = set()
+        self.recomputes.reset()
         if self.tier is not None:
             self.tier.defer_stores = True  # grads leave while the next unit computes ([Note: async stores])
         self.schedule.begin("bwd")
@@ -250,6 +281,8 @@ class ShardRuntime:
     def pre_backward(self, u: Any, gen: int) -> None:
         self._check_gen(gen)
         self._begin_backward()
+        if self.recomputes.held:
+            self.recomputes.drop(claim=u)
         self.schedule.acquire(u)
         self.reducer.pump()  # buckets queued behind a full window (grads.py [Note: reduce buckets])
 
@@ -263,13 +296,17 @@ class ShardRuntime:
             self._unit_done(u)
 
     def _unit_done(self, u: Any) -> None:
+        if u in self.recomputes.held:
+            self.recomputes.held.remove(u)
         if not u.is_root and u.live:
             self.schedule.release(u)
-        if self.syncing():
+        if self.syncing() and u.index not in self.done:  # a use counted by a recompute may come after
+            self.done.add(u.index)
             self.reducer.ready(u)
 
     def final(self) -> None:
         try:
+            self.recomputes.drop()
             for u in self.units[1:] + self.units[:1]:  # the root's backward ends last
                 if u.uses:
                     u.uses = 0
@@ -282,12 +319,28 @@ class ShardRuntime:
             anywhere, agreed = self.schedule.end(flags, order_hash(self.reducer.order) if sync else 0)
             if sync:
                 self.reducer.finish(anywhere, agreed)
+                self._check_late_grads()
             self.bwd_done_gen = self.fwd_gen
         finally:
             self.in_backward = False
             if self.tier is not None:
                 self.tier.defer_stores = False
                 self.tier.flush()  # the grads on disk before the step reads them ([Note: async stores])
+
+    def _check_late_grads(self) -> None:
+        """Every unit that was reduced holds no grads now (see recompute.py's note): grads that came
+        after the reduction (a recompute's nested backward) would be lost or added to the next step's."""
+        late = [u for u in self.units if u.index in self.done and u.has_grads()]
+        if not late:
+            return
+        for u in late:
+            for flat in u.flats:
+                for leaf in flat.leaves:
+                    leaf.grad = None
+        raise RuntimeError(f"offload.shard: units {[u.name or '<root>' for u in late]} got grads after they were "
+                           "reduced in this backward (a unit recomputed by a reentrant activation checkpoint after "
+                           "its other uses were done?): the grads are incomplete. Use "
+                           "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
 
     def place_grads(self, swap_dir: str, io: Any = "auto") -> None:
         """Grad shards into a swap file (the optimizer's states are on NVMe): the params' file
