@@ -75,6 +75,7 @@ _KERNEL_INCIDENTAL = {
     "test_state_dict_hooks", "test_exact_reencode",  # state_dict layouts and the load encoder (torch code)
     "test_hf_checkpoint_crash", "test_rules_resume", "test_params_written", "test_state_assign",
     "test_shard_misuse",  # torch's module calls on a sharded model: the guards, not the kernel
+    "test_shard_checkpointing",  # the recompute's gathers and hooks (activation checkpointing)
 }
 # ...and the numba kernels' own compressed tests, which pick numba by name: the numba pass only.
 _NUMBA_BY_NAME = {"test_numba_compressed", "test_numba_zero_division"}

@@ -31,7 +31,8 @@ no Python op the mode could see), a queued copy moves its destination's version 
 when issued (``version_at_issue``, as torch does on a GPU), a unit's buffer released before
 its queued copies ran drops them (on a GPU they write the memory ``record_stream`` kept),
 and a copy whose source an earlier copy of the same queue writes is ordered by the stream,
-not torn.
+not torn. In a backward, the copies the compute stream is made to wait for run at that wait:
+the ops of a forward recomputed there (activation checkpointing) are not seen by the mode.
 
 What it cannot show: the host running ahead of the device. Compute-stream ops run here when
 the host issues them, so a host write racing device work that a GPU would still have queued
@@ -94,6 +95,11 @@ class EmulatedStream:
 
     def current_waits(self) -> None:
         self.waited = len(self.queue)
+        if torch._C._current_graph_task_id() != -1:
+            # in a backward the compute stream's next ops may be a forward recomputed there
+            # (activation checkpointing), which the mode does not see: autograd's engine runs
+            # without the thread's torch function modes. They come after this wait: run now.
+            self.emu.run_waited()
 
     def keep_alive(self, t: torch.Tensor) -> None:
         self.kept.append(t)
