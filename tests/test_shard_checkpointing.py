@@ -8,6 +8,7 @@ gathered again and released: the live window stays a few units, not the whole mo
 Hugging Face model with its activation checkpointing on trains as well."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 import tempfile
@@ -81,14 +82,15 @@ def _world():
     return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
 
 
-def _loss(model, step, world, rank):
-    x, y = _batch(step, 0)
+def _loss(model, step, world, rank, micro=0):
+    x, y = _batch(step, micro)
     n = base.GLOBAL_BATCH // world
     return model(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
 
 
-def _reference(world, how, reentrant):
-    """torch.optim.AdamW over the unsharded model, on the grads the ranks average."""
+def _reference(world, how, reentrant, accumulate=1):
+    """torch.optim.AdamW over the unsharded model, on the grads the ranks average (each rank's
+    summed over ``accumulate`` micro-batches)."""
     model = _model(how, reentrant)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, foreach=False, **HP)
@@ -96,7 +98,8 @@ def _reference(world, how, reentrant):
         total = [torch.zeros_like(p) for p in params]
         for rank in range(world):
             model.zero_grad(set_to_none=True)
-            _loss(model, step, world, rank).backward()
+            for micro in range(accumulate):
+                _loss(model, step, world, rank, micro).backward()
             total = [t + p.grad for t, p in zip(total, params)]
         for p, t in zip(params, total):
             p.grad = t * (1.0 / world)
@@ -104,18 +107,28 @@ def _reference(world, how, reentrant):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def job_ckpt(group, how, reentrant, offload_params, n_layer=3, steps=STEPS):
+def job_ckpt(group, how, reentrant, offload_params, n_layer=3, steps=STEPS, accumulate=1, budget_blocks=None):
+    """``accumulate`` micro-batches a step, all but the last under ``opt.no_sync()``;
+    ``budget_blocks``: max_live_bytes of the root and that many blocks."""
     world, rank = _world()
     swap = tempfile.mkdtemp(prefix="shard-ckpt-", dir="/var/tmp") if offload_params == "nvme" else None
     try:
-        model = offload.shard(_model(how, reentrant, n_layer), process_group=group, offload_params=offload_params,
-                              swap_dir=swap)
+        model = _model(how, reentrant, n_layer)
+        cap = None
+        if budget_blocks is not None:
+            sizes = [sum(f.nbytes for f in u.flats) for u in runtime_of(offload.shard(_model(how, reentrant, n_layer),
+                                                                                     process_group=group)).units]
+            cap = sizes[0] + budget_blocks * sizes[1]
+        model = offload.shard(model, process_group=group, offload_params=offload_params, swap_dir=swap,
+                              max_live_bytes=cap)
         opt = offload.AdamW(model.parameters(), **HP)
         rt = runtime_of(model)
         between = []
         for step in range(steps):
-            _loss(model, step, world, rank).backward()
-            between.append(rt.live_bytes())
+            for micro in range(accumulate):
+                with opt.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+                    _loss(model, step, world, rank, micro).backward()
+                between.append(rt.live_bytes())
             opt.step()
             opt.zero_grad()
         out = {"params": gathered_params(model), "peak": rt.schedule.peak_live, "between": between,
@@ -162,6 +175,27 @@ def test_checkpointed_training_matches_torch_adamw(pools, world, how, reentrant,
             assert torch.equal(out["params"][k], v), k
         assert all(b == 0 for b in out["between"])  # nothing stays gathered after a backward
         assert out["replans"] == 0  # every step's recompute in the same order: the plan holds
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("how,reentrant", [("all", False), ("all", True)])
+def test_the_live_window_budget_holds_nothing_more(pools, world, how, reentrant):
+    """max_live_bytes of the root and one block: the recompute keeps no unit for its backward;
+    the peak is the unit recomputed and (non-reentrant) the one whose backward waits for it."""
+    ref = _reference(world, how, reentrant)
+    outs = _run(pools, world, how=how, reentrant=reentrant, offload_params="nvme", budget_blocks=1)
+    for out in outs:
+        _assert_params(out["params"], ref)
+        root, block = out["units"][0], out["units"][1]
+        assert out["peak"] <= root + (1 if reentrant else 2) * block, out
+
+
+@pytest.mark.parametrize("how,reentrant", [("span", False), ("blocks", True)])
+def test_accumulation_without_sync(pools, how, reentrant):
+    """Two micro-batches a step, the first under no_sync (its grads stay whole in the units)."""
+    ref = _reference(2, how, reentrant, accumulate=2)
+    for out in _run(pools, 2, how=how, reentrant=reentrant, offload_params="nvme", accumulate=2):
+        _assert_params(out["params"], ref)
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -12,11 +12,14 @@ of them. A unit's forward hooks (hooks.py) then run inside the autograd engine
   collectives in the same order, and the next backward prefetches them by plan;
 - a unit the recompute gathered (it was not live) is *held* once its recomputed forward is
   over: the backward of that same unit often comes next, and its pre-backward claims it
-  (no second gather). Held units are released when the recompute gathers another unit, when
-  another unit's backward starts, and at the end of the backward: so the units in use, the
-  ones a recompute is inside of, one held and what prefetch gathers ahead are live, not the
-  whole region. A unit gathered before the recompute (its pre-backward did) is left to its
-  backward;
+  (no second gather). Held units are released before the recompute gathers another unit,
+  before another unit's backward starts, and at the end of the backward: holding never adds
+  a unit to what is gathered at once (the live window's budget, ``max_live_bytes``, counts
+  it as gathered). So the units in use, the ones a recompute is inside of and what prefetch
+  gathers ahead are live, not the whole region. A unit gathered before the recompute (its
+  pre-backward did) is left to its backward: during the recompute of a region of several
+  units two are gathered (the one recomputed, and the one whose backward waits for it),
+  even under a budget of one;
 - whether the recomputed graph is the one the grads flow through decides the rest.
   Non-reentrant (``use_reentrant=False``, torch's advice and Hugging Face's default): the
   original forward's graph is backwarded, with the recomputed tensors put in for the saved
