@@ -424,7 +424,6 @@ class Unit:
         self.is_root = index == 0
         self.live = False  # gathered for use (schedule.py)
         self.uses = 0      # forward uses whose backward has not run yet
-        self.reduced = False
 
     def gather(self, group: Any, scratch: bool = False):
         return [flat.gather_async(group, scratch) for flat in self.flats]
