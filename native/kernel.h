@@ -19,8 +19,9 @@ namespace offload {
 // hash) the out-of-order window fills with arithmetic and too few loads are in flight for
 // one core to reach its memory bandwidth; the hardware prefetchers of the Intel Xeon
 // (Sapphire Rapids, 2 vCPUs) measured here did not make up for it. There, 100M elements, one
-// thread: AdamW over bf16 moments 113 -> 94 ms, SGD / Adagrad / Lion ~8 % faster, fp32 Adam
-// within noise; on Zen 4 (thirteenth session) 512 ahead changed nothing measurable. A
+// thread: AdamW over bf16 moments 127-142 -> 104-112 ms, fp32 Adam 141-150 -> 132-135 ms,
+// SGD / Adagrad / Lion ~8 % faster; on Zen 4 (thirteenth session, the bf16 loop alone) 512
+// ahead changed nothing measurable. A
 // prefetch never faults and changes no value; past the range's end it is not issued.
 constexpr int64_t kPrefetchAhead = 512;
 inline void prefetch_read(const void *p, int64_t byte_offset) {

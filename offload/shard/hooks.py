@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Mapping
-from typing import Any, List, Optional, Set
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,6 @@ class ShardRuntime:
                                        in_bytes=budget_in_bytes)
         self.reducer = GradReducer(units, reduce_group, world)
         self.recomputes = Recomputes(self.schedule)  # [Note: activation checkpointing] in recompute.py
-        self.done: Set[int] = set()  # the units whose uses were all done in this backward
         self.in_forward = False
         self.in_backward = False
         # [Note: one backward per forward] the root forward's number, and the last one whose
@@ -203,7 +202,7 @@ class ShardRuntime:
             self._begin_backward()
         reentrant = reentrant_recompute()
         track = torch.is_grad_enabled() and (reentrant or u.uses == 0)
-        if track and reentrant and u.index in self.done and self.syncing():
+        if track and reentrant and u.index in self.reducer.ready_set and self.syncing():
             raise RuntimeError(f"offload.shard: unit {u.name or '<root>'!r} is recomputed by a reentrant activation "
                                "checkpoint (use_reentrant=True) after its grads of this backward were reduced: it is "
                                "called more than once in the forward, inside a reentrant checkpoint. Use "
@@ -224,7 +223,7 @@ class ShardRuntime:
             for flat in u.flats:
                 p = u.module._parameters.get(flat._attr)
                 if p is not flat.shard or p.dtype != flat.dtype or p.data_ptr() != flat.shard_ptr:
-                    where = f"{u.name + '.' if u.name else ''}{flat._attr}"
+                    where = flat.where
                     raise RuntimeError(f"offload.shard: the shard param {where!r} was replaced, rebound (.data =), "
                                        "deleted or parametrized after offload.shard(): the forward reads the "
                                        "buffer it was sharded into. Change the model (parametrizations, weight "
@@ -258,7 +257,6 @@ class ShardRuntime:
         if self.in_backward:
             return
         self.in_backward = True
-        self.done = set()
         self.recomputes.reset()
         if self.tier is not None:
             self.tier.defer_stores = True  # grads leave while the next unit computes ([Note: async stores])
@@ -300,8 +298,7 @@ class ShardRuntime:
             self.recomputes.held.remove(u)
         if not u.is_root and u.live:
             self.schedule.release(u)
-        if self.syncing() and u.index not in self.done:  # a use counted by a recompute may come after
-            self.done.add(u.index)
+        if self.syncing():  # once per backward (a use counted by a recompute may come after): ready() keeps a set
             self.reducer.ready(u)
 
     def final(self) -> None:
@@ -330,7 +327,7 @@ class ShardRuntime:
     def _check_late_grads(self) -> None:
         """Every unit that was reduced holds no grads now (see recompute.py's note): grads that came
         after the reduction (a recompute's nested backward) would be lost or added to the next step's."""
-        late = [u for u in self.units if u.index in self.done and u.has_grads()]
+        late = [u for u in self.units if u.index in self.reducer.ready_set and u.has_grads()]
         if not late:
             return
         for u in late:
