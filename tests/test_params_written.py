@@ -87,3 +87,75 @@ def test_stage3_checkpoint_with_params_on_disk_steps_from_the_loaded_weights(tmp
     assert all(torch.equal(a[k], b[k]) for k in a)
     opt.close()
     opt2.close()
+
+
+# ------------------------------------------- [Note: stepped params are marked written] (step_guard.py)
+OWN_MASTER = [("float32", "none"), ("float32", "cpu"), ("float32", "nvme"), ("bfloat16", "none"),
+              ("bfloat16", "cpu"), ("bfloat16", "nvme")]
+
+
+def _make(params, where, tmp_path, name, **kw):
+    if where == "nvme":
+        (tmp_path / name).mkdir()
+        kw["swap_dir"] = str(tmp_path / name)
+    return offload.AdamW(params, offload=where, **kw)
+
+
+@pytest.mark.parametrize("dtype,where", OWN_MASTER, ids=[f"{d}-{w}" for d, w in OWN_MASTER])
+def test_backward_through_a_graph_from_before_the_step_raises_as_with_torch(dtype, where, tmp_path):
+    """torch's in-place update bumps the params' versions, so a backward that saved a param
+    before the step refuses; the kernels' pointer writes must count the same."""
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: _make(ps, where, tmp_path, "a", lr=1e-2)):
+        m = _net(0, getattr(torch, dtype))
+        opt = make(m.parameters())
+        x = torch.randn(4, 8).to(getattr(torch, dtype))
+        m(x).float().square().mean().backward()
+        loss = m(x).float().square().mean()  # saves the weights as they are now
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        getattr(opt, "close", lambda: None)()
+
+
+@pytest.mark.parametrize("where", ["none", "cpu", "nvme"])
+def test_two_optimizers_over_the_same_bf16_params_both_land(where, tmp_path):
+    """Each optimizer keeps an fp32 master of the bf16 params. The second used to step from
+    its own master and overwrite the first one's update (it moved the params by nothing
+    when both computed the same update); now each sees the other's write and starts from
+    the param, as torch's optimizers do over params they share."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4097).bfloat16())
+    ours = [_make([p], where, tmp_path, f"o{k}", lr=lr, weight_decay=0.1) for k, lr in enumerate((1e-2, 3e-2))]
+    ref_p = p.detach().clone()
+    refs = [torch.nn.Parameter(ref_p.float()) for _ in range(2)]
+    ref_opts = [torch.optim.AdamW([r], lr=lr, weight_decay=0.1, foreach=False) for r, lr in zip(refs, (1e-2, 3e-2))]
+    for s in range(4):
+        g = torch.randn(4097, generator=torch.Generator().manual_seed(s)).bfloat16()
+        p.grad = g
+        for k, opt in enumerate(ours):
+            opt.step()
+            # the reference: each optimizer steps from the shared bf16 value, rounds back
+            with torch.no_grad():
+                refs[k].copy_(ref_p.float())
+            refs[k].grad = g.float()
+            ref_opts[k].step()
+            ref_p = refs[k].detach().bfloat16()
+            # at most one bf16 ulp apart (an fp32 ulp of difference may round either way)
+            assert torch.allclose(p.detach().float(), ref_p.float(), rtol=2 ** -7, atol=0), (s, k)
+    moved = (p.detach().float() - torch.randn(4097, generator=torch.Generator().manual_seed(0)).bfloat16().float())
+    assert moved.abs().mean() > 0.05  # both updates landed (one alone moves ~0.04 in 4 steps)
+    for opt in ours:
+        opt.close()
+
+
+def test_a_single_optimizer_never_reads_back_its_own_rounded_params():
+    """The mark must not make the store take its own write for another's: the fp32 master
+    would be replaced by the rounded param at every step."""
+    m = _net(0, torch.bfloat16)
+    opt = offload.AdamW(m.parameters(), lr=1e-2, offload="cpu")
+    versions = [p._version for p in m.parameters()]
+    for s in range(3):
+        _step(m, opt, s)
+        assert param_sync.changed(opt._store) == []
+    assert [p._version for p in m.parameters()] == [v + 3 for v in versions]
+    opt.close()

@@ -78,6 +78,8 @@ OPTIONAL: Dict[str, str] = {
     "before_load": "(state_dict, params) -> None: torch's load_state_dict is about to replace opt.state "
                    "(params: the optimizer's, in the dict's numbering)",
     "after_load": "() -> None: torch's load_state_dict is done (before the user's post hooks)",
+    "params_written": "() -> None: the step's params were marked written (their _version bumped, "
+                      "[Note: stepped params are marked written] in step_guard.py): record their versions",
     "end_load": "() -> None: load_state_dict is over, done or failed: drop what before_load kept",
     "drop_released_grads": "() -> None: forget the grads backward released to the host (release_grads): "
                            "called by opt.zero_grad() and after each step()",

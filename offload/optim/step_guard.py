@@ -23,10 +23,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from offload.memory import paging
+from offload.optim.protocol import optional
 from offload.swap import cleanup
 
 __all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "mark_consistent", "is_consistent",
-           "failure_text", "store_step", "clear_failure"]
+           "failure_text", "store_step", "mark_written", "clear_failure"]
 
 # What a param was when the optimizer was built: its states are laid out for exactly this.
 ParamSig = Tuple[Tuple[int, ...], torch.dtype, torch.device]
@@ -170,7 +171,7 @@ def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torc
         before += steps.advance(p for p, _ in items)
         batches.append((hyper, [(p, g, steps.get(p)) for p, g in items]))
     try:
-        return dict(opt._store.step(batches))
+        phases = dict(opt._store.step(batches))
     except BaseException as exc:
         # The states (swap files, or what the store put back) are at the previous step: so
         # are the counts, or a retry would use the bias correction of a step that never happened.
@@ -179,6 +180,28 @@ def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torc
             kind = "flat-nvme" if getattr(opt._store, "_swap", None) is not None else opt._store.kind
             opt._failure = getattr(opt._store, "_broken", None) or failure_text(exc, kind)
         raise
+    mark_written(opt._store, batches)
+    return phases
+
+
+def mark_written(store: Any, batches: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor, int]]]]) -> None:
+    """[Note: stepped params are marked written] Each stepped param's ``_version`` goes up by
+    one, as torch's in-place ``p.add_`` bumps it; the kernels and copies that wrote it read
+    and write through pointers, which torch cannot count. Two things need it: autograd's
+    check (a backward through a graph that saved a param from before the step raises
+    "modified by an inplace operation", as with torch's optimizers, instead of computing
+    with the new values) and [Note: params written by others] in flat/param_sync.py (a
+    second optimizer over the same params sees this one's update, where it stepped from its
+    own master and overwrote it). The store then records the versions (``params_written``),
+    so it does not take its own write for another's. Stage 3 shards are not marked: their
+    pager tracks versions of its own ([Note: writes past the pager] in shard/tier_writes.py),
+    and forward never reads them."""
+    params = [p for _, items in batches for p, _, _ in items if getattr(p, "_offload_shard", None) is None]
+    if params:
+        torch.autograd.graph.increment_version(params)
+    written = optional(store, "params_written")
+    if written is not None:
+        written()
 
 
 def clear_failure(opt: Any, accept_params: bool) -> None:

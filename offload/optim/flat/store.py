@@ -279,6 +279,10 @@ class FlatState:
         finally:
             param_sync.record(self)  # the params as this step wrote them
 
+    def params_written(self) -> None:
+        """The step's params were marked written (step_guard.mark_written): not another's write."""
+        param_sync.record(self)
+
     def _params_from_swap(self) -> None:
         swapped.params_from_swap(self)
 
