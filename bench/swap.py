@@ -469,7 +469,9 @@ def main() -> int:
     ap.add_argument("--swap-dir", default="/var/tmp/offload-bench-swap",
                     help="on a real disk (not tmpfs): O_DIRECT and no page cache")
     ap.add_argument("--engine", default="auto")
-    ap.add_argument("--threads", type=int, default=1, help="kernel threads (1 leaves a core to I/O)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="kernel threads (default: offload's own, offload.get_num_threads(): what a user's "
+                         "step runs with; 1 leaves a core to I/O)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--verify", action="store_true", help="per-block crc32 of every read and write")
     ap.add_argument("--deepspeed", action="store_true",
@@ -477,6 +479,8 @@ def main() -> int:
                          "(needs deepspeed and its AsyncIOBuilder op: Debian libaio-dev)")
     add_row_args(ap)
     args = ap.parse_args()
+    if args.threads is None:
+        args.threads = offload.get_num_threads()
 
     os.makedirs(args.swap_dir, exist_ok=True)
     bound = parse_bytes(args.max_host_bytes)
