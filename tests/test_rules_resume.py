@@ -69,3 +69,93 @@ def test_resume_continues_as_the_uninterrupted_run(rule, dtype, state_dtype, tmp
                 assert torch.equal(v, got[k][name]), (k, name)
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("rule", ["adamw", "lion", "sgd"])
+def test_resume_with_a_bf16_master_needs_the_params_of_that_step(rule, state_dtype, tmp_path):
+    """[Note: own-master fingerprint] (offload/optim/flat/own_master.py): with
+    master_dtype="bfloat16" the swap files hold no params. A resume used to go on from the
+    new process's initial weights with the states of step 3, silently; now it is refused
+    (the directory kept), and with the params of step 3 loaded it goes on bit for bit."""
+    make = RULES[rule]
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "run").mkdir()
+    kw = dict(offload="nvme", state_dtype=state_dtype, master_dtype="bfloat16")
+    ref = _model(torch.bfloat16)
+    opt = make(ref.parameters(), swap_dir=str(tmp_path / "ref"), **kw)
+    for i in range(4):
+        _grads(ref, i)
+        opt.step()
+    opt.close()
+    m = _model(torch.bfloat16)
+    opt = make(m.parameters(), swap_dir=str(tmp_path / "run"), **kw)
+    for i in range(3):
+        _grads(m, i)
+        opt.step()
+    step3 = [p.detach().clone() for p in m.parameters()]
+    opt.close(keep_swap=True)  # as a kill -9 leaves it: the params die with the process
+    fresh = _model(torch.bfloat16)
+    with pytest.raises(ValueError, match="not those of step 3 .* load the params of that step first"):
+        make(fresh.parameters(), swap_dir=str(tmp_path / "run"), resume=True, **kw)
+    with torch.no_grad():  # one element of step 3 off by one bf16 ulp: still refused
+        fresh.weight.copy_(step3[0])
+        fresh.bias.copy_(step3[1])
+        fresh.weight.view(-1).view(torch.int16)[0] += 1  # the next bf16 value (sampled: an end of the param)
+    with pytest.raises(ValueError, match="not those of step 3"):
+        make(fresh.parameters(), swap_dir=str(tmp_path / "run"), resume=True, **kw)
+    with torch.no_grad():
+        fresh.weight.copy_(step3[0])
+    opt = make(fresh.parameters(), swap_dir=str(tmp_path / "run"), resume=True, **kw)
+    try:
+        _grads(fresh, 3)
+        opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), ref.parameters()))
+    finally:
+        opt.close()
+
+
+def _two_rank_resume(rank, world, root, state_dtype):
+    """Stage 2 over 2 ranks: each rank's bf16 shard is what its step writes (all-gathered
+    after the commit); the fingerprint samples it, and a resume checks the loaded params."""
+    import os
+
+    kw = dict(offload="nvme", state_dtype=state_dtype, master_dtype="bfloat16", stage=2)
+
+    def run(tag, steps, resume=False, start=None):
+        d = os.path.join(root, tag)
+        os.makedirs(d, exist_ok=True)
+        m = _model(torch.bfloat16)
+        if start is not None:
+            with torch.no_grad():
+                for p, v in zip(m.parameters(), start):
+                    p.copy_(v)
+        opt = offload.AdamW(m.parameters(), lr=0.01, swap_dir=d, resume=resume, **kw)
+        for i in steps:
+            _grads(m, 10 * i + rank)  # each rank its own grads: averaged
+            opt.step()
+        return m, opt
+
+    ref, opt = run("ref", range(4))
+    want = [p.detach().clone() for p in ref.parameters()]
+    opt.close()
+    m, opt = run("run", range(3))
+    step3 = [p.detach().clone() for p in m.parameters()]
+    opt.close(keep_swap=True)
+    try:
+        run("run", [], resume=True)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    m, opt = run("run", [3], resume=True, start=step3)
+    same = all(torch.equal(a, b) for a, b in zip(m.parameters(), want))
+    opt.close()
+    return refused is not None and "not those of step 3" in refused, same
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_two_ranks_resume_with_a_bf16_master_checks_the_params(state_dtype, tmp_path):
+    from _ranks import group
+
+    got = group(2).run(_two_rank_resume, str(tmp_path), state_dtype, timeout=300)
+    assert got == {0: (True, True), 1: (True, True)}

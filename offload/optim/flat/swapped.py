@@ -19,11 +19,12 @@ import functools
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from offload.memory import heap, paging
+from offload.optim.flat import own_master
 from offload.swap.pipeline import DEFAULT_MAX_HOST_BYTES, idle_votes, paged_bound, unpaged_bound
 from offload.zero import comm
 
@@ -54,7 +55,7 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
         bound = paged_bound(cfg.max_host_bytes, swap_fields(st), _paged_bytes(st), cfg.sub_group_size)
         try:
             st._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
-                                     extra=lambda: {"steps": me()._ckpt_steps() if me() is not None else []},
+                                     extra=lambda: _extra(me()),
                                      max_host_bytes=bound, sub_group_size=cfg.sub_group_size,
                                      verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
                                      backend=st._backend, num_threads=st._threads, rank=_dir_rank(st),
@@ -90,11 +91,25 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
                                   lambda: st._set_steps(st._swap.resumed_extra.get("steps") or []))
         if cfg.resume is True or (st._swap is not None and st._swap.resumed):  # "auto": one rank only
             params_from_swap(st)  # every rank: an all-gather when partitioned
+            comm.on_every_rank(lambda: own_master.check_resumed(st, cfg.swap_dir), "checking the resumed params",
+                               st.group, st.world)  # [Note: own-master fingerprint]
     except BaseException:
         if st._swap is not None:
             st._swap.close(remove=not st._swap.resumed)  # keep what we were asked to resume
             st._swap = None
         raise
+
+
+def _extra(st: Optional["FlatState"]) -> Dict[str, Any]:
+    """What each commit records with the data: the per-param steps, and the fingerprint of
+    params that are their own master ([Note: own-master fingerprint] in own_master.py)."""
+    if st is None:
+        return {"steps": []}
+    out: Dict[str, Any] = {"steps": st._ckpt_steps()}
+    own = own_master.fingerprint(st)
+    if own is not None:
+        out[own_master.KEY] = own
+    return out
 
 
 def flat_identity(world: int, rank: int, groups: Any) -> Dict[str, Any]:
