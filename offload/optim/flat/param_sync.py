@@ -8,7 +8,8 @@ optimizer is built or a state_dict without masters is loaded. torch's optimizers
 here the next step started from the old master and silently undid it. Every in-place write
 to a tensor bumps its ``_version`` (shared by its views and ``detach()``): the store records
 the versions after its own writes (construction, each step's copy back, a load), and a step
-that finds one changed takes that param's master piece from the param first. Writes through
+that finds one changed takes that param's master piece from the param first (the elements
+whose value is still the master's rounding keep the master). Writes through
 ``p.data`` are not counted by torch (a new version counter), and are not seen here either.
 """
 from __future__ import annotations
@@ -50,8 +51,15 @@ def refresh_changed(st: "FlatState") -> None:
         lo, hi = piece.lo - start, piece.hi - start
         src = p.detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
         paging.load([src])  # params on NVMe ([Note: paged tensors] in offload/memory/paging.py)
-        vals = src.to(device="cpu", dtype=torch.float32, copy=True)
+        low = src.to(device="cpu", copy=True)
         paging.evict([src])
+        # An element the write left at the master's rounding keeps its master: a write of the
+        # same values (p.copy_(same), a clamp_ that clips nothing, torch's test_optim copying
+        # equal params back) would otherwise round an fp16/bf16 param's fp32 master to the
+        # param's precision and lose the small updates the master is there to keep.
+        cur = st._swap.read(st._groups.index(fg), lo, hi, ["master"])["master"] if fg.swapped \
+            else fg.master[lo:hi]
+        vals = torch.where(low == cur.to(low.dtype), cur, low.to(torch.float32))
         if fg.swapped:
             st._swap.write(st._groups.index(fg), lo, hi, {"master": vals})
             if fg.lowp_shard is not None:
