@@ -166,7 +166,7 @@ def test_two_optimizers_over_the_same_bf16_params_both_land(where, tmp_path):
     """Each optimizer keeps an fp32 master of the bf16 params. The second used to step from
     its own master and overwrite the first one's update (it moved the params by nothing
     when both computed the same update); now each sees the other's write and starts from
-    the param, as torch's optimizers do over params they share."""
+    the param where it changed, as torch's optimizers do over params they share."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(4097).bfloat16())
     ours = [_make([p], where, tmp_path, f"o{k}", lr=lr, weight_decay=0.1) for k, lr in enumerate((1e-2, 3e-2))]
@@ -178,9 +178,10 @@ def test_two_optimizers_over_the_same_bf16_params_both_land(where, tmp_path):
         p.grad = g
         for k, opt in enumerate(ours):
             opt.step()
-            # the reference: each optimizer steps from the shared bf16 value, rounds back
+            # the reference: each optimizer steps from the shared bf16 value where the other
+            # one changed it, from its own fp32 master where the value is still its rounding
             with torch.no_grad():
-                refs[k].copy_(ref_p.float())
+                refs[k].copy_(torch.where(refs[k].bfloat16() == ref_p, refs[k], ref_p.float()))
             refs[k].grad = g.float()
             ref_opts[k].step()
             ref_p = refs[k].detach().bfloat16()
