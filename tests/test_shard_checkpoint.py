@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import pytest
 import torch
@@ -251,6 +252,39 @@ def _equal_all(a, b):
     except AssertionError:
         return False
     return True
+
+
+def job_back_to_back(directory):
+    """save, load, save, load into one directory, each right after the other, with each rank's
+    release of the directory lock slowed (rank r by (r + 1) * 0.3 s, as a loaded machine may)."""
+    from offload.shard import checkpoint
+
+    release, pause = checkpoint.DirLock.release, (_world()[1] + 1) * 0.3
+
+    def slow(self):
+        if self.fd >= 0:
+            time.sleep(pause)
+        release(self)
+
+    model, opt, swap = _build()
+    _train(model, opt, 0, 1)
+    want = _chunks(model, opt)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checkpoint.DirLock, "release", slow)
+        for _ in range(2):
+            save_checkpoint(model, opt, directory)
+            load_checkpoint(model, opt, directory)
+    got = _chunks(model, opt)
+    _close(opt, swap)
+    return _same_chunks(got, want)
+
+
+def test_a_load_right_after_a_save_meets_no_lock(run, tmp_path):
+    """A rank left save_checkpoint while rank 0 still held the directory's lock (released after
+    the last agreement), so its load right after was refused (CheckpointBusy: "in use by
+    process ... (a save)"); a load left a shared lock that refused rank 0's save the same way.
+    Each rank now lets go of the lock before the last agreement."""
+    assert run(2, "job_back_to_back", directory=str(tmp_path / "ckpt")) == [True, True]
 
 
 # ---------------------------------------------------------------------- refusals

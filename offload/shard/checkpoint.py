@@ -91,6 +91,21 @@ def _agree(fn: Callable[[], Any], what: str, group: Any, world: int, share: bool
     return [v for _, v in got] if share else [out]
 
 
+def _releasing(fn: Callable[[], Any], held: Dict[str, Any]) -> Callable[[], Any]:
+    """``fn``, then this rank's directory lock released, both before the last agreement: a
+    rank leaves save_checkpoint / load_checkpoint only once every rank's lock is gone, so its
+    next call on the directory (a load right after the save, a save right after the load)
+    never meets the lock another rank has not yet let go of (CheckpointBusy)."""
+    def run() -> Any:
+        try:
+            return fn()
+        finally:
+            lock = held.pop("lock", None)
+            if lock is not None:
+                lock.release()
+    return run
+
+
 def _sharded(model: nn.Module) -> Tuple[List[Any], Any, int, int]:
     runtime = runtime_of(model)
     if runtime is None:
@@ -140,8 +155,8 @@ def save_checkpoint(model: nn.Module, optimizer: Any, directory: str) -> str:
                      f"starting a checkpoint in {directory}", group, world, share=True)[0]
         infos = _agree(lambda: _write_rank(directory, gen, rank, flats, entries),
                        f"writing the checkpoint files in {directory}", group, world, share=True)
-        _agree(lambda: _commit(directory, gen, world, flats, optimizer, infos, held) if rank == 0 else None,
-               f"writing the checkpoint manifest in {directory}", group, world)
+        _agree(_releasing(lambda: _commit(directory, gen, world, flats, optimizer, infos, held) if rank == 0
+                          else None, held), f"writing the checkpoint manifest in {directory}", group, world)
     finally:
         lock = held.pop("lock", None)
         if lock is not None:
@@ -263,7 +278,8 @@ def load_checkpoint(model: nn.Module, optimizer: Any, directory: str) -> None:
     try:
         prepared = _agree(lambda: _prepare(directory, flats, optimizer, world, rank, held),
                           f"loading the checkpoint in {directory}", group, world)[0]
-        _agree(lambda: _apply(prepared, flats, optimizer), f"loading the checkpoint in {directory}", group, world)
+        _agree(_releasing(lambda: _apply(prepared, flats, optimizer), held), f"loading the checkpoint in {directory}",
+               group, world)
     finally:
         lock = held.pop("lock", None)
         if lock is not None:
