@@ -59,6 +59,24 @@ def _grad_tensors(obj: Any) -> List[torch.Tensor]:
     return out
 
 
+def _eager(hook: Any) -> Any:
+    """``hook``, never traced by ``torch.compile``: a compiled module (``block.compile()``,
+    ``torch.compile(block)``) compiles its hooks with its forward, and dynamo then traced the
+    gather schedule, the collectives and the param tier frame by frame (numpy over a swap
+    file's pages failed inside dynamo with an AssertionError, offload_params="nvme"). A hook
+    changes the runtime's state and issues I/O and collectives: it runs eagerly, a graph break
+    on each side of it, and the forward between the hooks is compiled. Eager calls pay one
+    flag read (torch._dynamo is imported only by a compile)."""
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            import torch._dynamo as dynamo
+
+            return dynamo.disable(hook, recursive=True)(*args, **kwargs)
+        return hook(*args, **kwargs)
+    return run
+
+
 def _destroy_group(group: Any) -> None:
     """Destroy a process group made for one sharded model ([Note: the reduce group's end]).
     Nothing when torch.distributed went first (``destroy_process_group()`` destroys every
@@ -127,10 +145,10 @@ class ShardRuntime:
     def install(self) -> None:
         for u in self.units:
             self._handles.append(u.module.register_forward_pre_hook(
-                functools.partial(self.pre_forward, u), with_kwargs=True))
-            self._handles.append(u.module.register_forward_hook(functools.partial(self.post_forward, u)))
+                _eager(functools.partial(self.pre_forward, u)), with_kwargs=True))
+            self._handles.append(u.module.register_forward_hook(_eager(functools.partial(self.post_forward, u))))
             # after post_forward, and also when the forward raised (a recompute stopped early)
-            self._handles.append(u.module.register_forward_hook(functools.partial(self.recompute_exit, u),
+            self._handles.append(u.module.register_forward_hook(_eager(functools.partial(self.recompute_exit, u)),
                                                                 always_call=True))
 
     def syncing(self) -> bool:
