@@ -16,8 +16,6 @@ replaced), or ``close(keep_swap=True)`` and a new optimizer with ``resume=True``
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,6 +23,7 @@ import torch
 from offload.memory import paging
 from offload.optim.protocol import optional
 from offload.swap import cleanup
+from offload.swap.sigint import sigint_held
 
 __all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "mark_consistent", "is_consistent",
            "failure_text", "store_step", "mark_written", "clear_failure"]
@@ -93,24 +92,8 @@ def defer_sigint() -> Iterator[None]:
     block ends, then raise KeyboardInterrupt; a second Ctrl-C raises at once. Also wraps a
     SIGTERM handler set since the swap stores opened (swap/cleanup.py watch_sigterm)."""
     cleanup.watch_sigterm()
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    with sigint_held():
         yield
-        return
-    pending: List[Any] = []
-
-    def hold(signum: int, frame: Any) -> None:
-        if pending:
-            raise KeyboardInterrupt
-        pending.append(signum)
-
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if pending:
-        raise KeyboardInterrupt
 
 
 def mark_consistent(exc: BaseException) -> BaseException:

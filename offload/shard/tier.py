@@ -12,7 +12,8 @@ allows), async reads for prefetch (``prefetch``; a later ``load`` of the same pa
 them). A page a view shares with its neighbour is read before it is partly overwritten, so
 a write never loses the neighbour's bytes. A write that bypasses these calls (a torch optimizer
 over the shards) is kept where sound, else refused by name ([Note: writes past the pager] in
-tier_writes.py).
+tier_writes.py). A Ctrl-C is held until a call is done (offload/swap/sigint.py): a page and its
+state change in two statements that a KeyboardInterrupt must not separate.
 
 [Note: async stores] During a backward (``defer_stores``, set by the runtime's hooks)
 ``store`` submits its writes and returns; an ``evict`` of pages whose write is still in
@@ -66,6 +67,7 @@ from offload.memory.region import Region
 from offload.shard.tier_dir import lock_dir, remove_orphans
 from offload.shard.tier_writes import lost_write_error, written_on_disk
 from offload.swap import fsutil
+from offload.swap.sigint import sigint_held
 
 __all__ = ["ParamTier"]
 
@@ -261,7 +263,7 @@ class ParamTier:
 
     def flush(self) -> None:
         """Wait for every write in flight and drop the pages evicted meanwhile."""
-        with self._lock:
+        with sigint_held(False), self._lock:  # offload/swap/sigint.py
             self._reap(upto=len(self._writes))
 
     def _read(self, a: _Area, p0: int, p1: int) -> None:
@@ -287,7 +289,7 @@ class ParamTier:
 
     # ------------------------------------------------------------------ the pager ([Note: paged tensors])
     def load(self, ranges: List[Tuple[int, int]]) -> None:
-        with self._lock:
+        with sigint_held(False), self._lock:  # offload/swap/sigint.py
             self._reap()
             for addr, n in ranges:
                 a, p0, p1, _, _ = self._pages(addr, n)
@@ -296,7 +298,7 @@ class ParamTier:
                 self._read(a, p0, p1)
 
     def prefetch(self, ranges: List[Tuple[int, int]]) -> None:
-        with self._lock:
+        with sigint_held(False), self._lock:  # offload/swap/sigint.py
             for addr, n in ranges:
                 a, p0, p1, _, _ = self._pages(addr, n)
                 self._guard(a, p0, p1)
@@ -311,7 +313,7 @@ class ParamTier:
                 self._inflight.append((a, runs, ticket))
 
     def will_write(self, ranges: List[Tuple[int, int]]) -> None:
-        with self._lock:
+        with sigint_held(False), self._lock:  # offload/swap/sigint.py
             self._reap()
             for addr, n in ranges:
                 a, p0, p1, off, end = self._pages(addr, n)
@@ -327,7 +329,7 @@ class ParamTier:
 
     def store(self, ranges: List[Tuple[int, int]]) -> None:
         """Submit the writes ([Note: async stores]); ``flush`` waits for them."""
-        with self._lock:
+        with sigint_held(False), self._lock:  # offload/swap/sigint.py
             self._reap()
             for addr, n in ranges:
                 a, p0, p1, _, _ = self._pages(addr, n)
@@ -347,7 +349,7 @@ class ParamTier:
 
     def check(self, ranges: List[Tuple[int, int]]) -> None:
         """``paging.check``: the guard of every call, alone ([Note: writes past the pager])."""
-        with self._lock:
+        with sigint_held(False), self._lock:  # offload/swap/sigint.py
             for addr, n in ranges:
                 self._guard(*self._pages(addr, n)[:3])
 
@@ -358,7 +360,7 @@ class ParamTier:
         """While ``held``, the area of ``t`` stays in memory whoever evicts it: a unit computes
         with it (flat_unit.py [Note: one rank's full buffer is its shard]); the optimizer or a
         checkpoint that loads and evicts the shard meanwhile must not drop its pages."""
-        with self._lock:
+        with sigint_held(False), self._lock:  # offload/swap/sigint.py
             a = self._area_of(t.data_ptr())
             if held:
                 self._held.add(id(a))
@@ -366,7 +368,7 @@ class ParamTier:
                 self._held.discard(id(a))
 
     def evict(self, ranges: List[Tuple[int, int]]) -> None:
-        with self._lock:
+        with sigint_held(False), self._lock:  # offload/swap/sigint.py
             lost = []
             for addr, n in ranges:
                 a, p0, p1, off, end = self._pages(addr, n)

@@ -1,0 +1,46 @@
+"""A Ctrl-C held until a block is over: the optimizer's step (step_guard.py [Note: failed
+steps]) and each call of the NVMe param pager (offload/shard/tier.py), whose bookkeeping of a
+page and the page itself change in two statements that a KeyboardInterrupt must not separate.
+
+Python raises KeyboardInterrupt in the main thread between any two bytecodes. In the pager,
+one landing after ``madvise(MADV_DONTNEED)`` and before the page was marked on disk left a
+page of zeros marked valid: the params read as zeros from then on, and training went on
+with them, silently; one landing after a read and before its pages were marked valid left
+the params' bytes in pages marked on disk, which the next call took for a write past the
+pager and refused with an error that blamed the user ([Note: writes past the pager]).
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from typing import Any, Iterator, List
+
+__all__ = ["sigint_held"]
+
+
+@contextlib.contextmanager
+def sigint_held(second_raises: bool = True) -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT with Python's default handler, main thread only) until the
+    block ends, then raise KeyboardInterrupt; with ``second_raises``, a second Ctrl-C raises
+    at once. Left alone: another thread (Python runs handlers in the main one only, so none
+    lands there), or a handler that is not Python's default (the program's own, or an outer
+    block's hold: nested blocks are held by the outermost)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pending: List[Any] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if pending and second_raises:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
