@@ -219,7 +219,8 @@ def _commit(directory: str, gen: int, world: int, flats: List[Any], optimizer: A
     for r, info in enumerate(infos[1:], 1):
         if info["scalars"] != infos[0]["scalars"] or info["states"] != infos[0]["states"]:
             raise ValueError(f"rank {r}'s optimizer states differ from rank 0's in their steps or names "
-                             f"({info['scalars']} against {infos[0]['scalars']}): not one stage 3 optimizer")
+                             f"({info['scalars']} against {infos[0]['scalars']}): a step that ran on some ranks "
+                             "only (one interrupted on the others), or not one stage 3 optimizer")
     desc = describe_flats(flats)
     for d, sc, st, (_, f) in zip(desc, infos[0]["scalars"], infos[0]["states"], flats):
         d.update(scalars=sc, states=st, group=None if optimizer is None else group_of(optimizer, f.shard))
