@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 
+import os
+
 import pytest
 import torch
 
@@ -151,10 +153,29 @@ def test_large_param_matches(tmp_path):
         _check(opt, ours, ref, False)
 
 
-def test_momentum_free_sgd_on_nvme_says_why(tmp_path):
-    p = torch.zeros(10)
-    with pytest.raises(ValueError, match="keeps no state per element: offload='nvme' would swap nothing"):
-        offload.SGD([p], lr=0.1, offload="nvme", swap_dir=str(tmp_path))
+def test_momentum_free_sgd_on_nvme_steps_in_place_as_torch(tmp_path, caplog):
+    """fp32 CPU params and no state to swap: the host store steps them, with a log line,
+    instead of the ValueError that failed every SGD case of torch's test_optim.py under
+    offload="nvme"; no swap file is written, and a momentum set later keeps its buffers."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4097))
+    q = p.detach().clone().requires_grad_()
+    with caplog.at_level("WARNING", logger="offload.optim.host_state"):
+        opt = offload.SGD([p], lr=0.1, weight_decay=0.01, offload="nvme", swap_dir=str(tmp_path))
+    assert "no state to swap" in caplog.text
+    ref = torch.optim.SGD([q], lr=0.1, weight_decay=0.01, foreach=False)
+    for i in range(5):
+        if i == 3:
+            opt.param_groups[0]["momentum"] = ref.param_groups[0]["momentum"] = 0.9
+        g = torch.randn(4097, generator=torch.Generator().manual_seed(i))
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert opt.memory_report()["store"] == "host" and os.listdir(tmp_path) == []
+    torch.testing.assert_close(opt.state_dict()["state"][0]["momentum_buffer"], ref.state[q]["momentum_buffer"],
+                               rtol=1e-6, atol=1e-7)
+    opt.close()
 
 
 @pytest.mark.parametrize("case", ["sgd-momentum", "sgd-mixed", "adagrad", "amsgrad"])

@@ -28,11 +28,6 @@ def _make(cls, kwargs, store, tmp_path, params):
     return cls(params, lr=0.1, **kwargs, **extra)
 
 
-def _skip_refused(rule, store):
-    if rule == "sgd_plain" and store == "nvme":
-        pytest.skip("SGD without momentum keeps no state: offload='nvme' refuses it (tested elsewhere)")
-
-
 def _two_groups(kwargs):
     """Two params in two groups; the second group never steps (torch: no state for it)."""
     torch.manual_seed(0)
@@ -44,7 +39,6 @@ def _two_groups(kwargs):
 @pytest.mark.parametrize("store", sorted(STORES))
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_a_pre_hooks_non_param_entry_passes_through(rule, store, tmp_path):
-    _skip_refused(rule, store)
     ours, theirs, kwargs = RULES[rule]
 
     def note(opt):
@@ -68,7 +62,6 @@ def test_a_pre_hooks_non_param_entry_passes_through(rule, store, tmp_path):
 @pytest.mark.parametrize("store", sorted(STORES))
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_a_post_hook_sees_torchs_layout_and_keeps_what_it_adds(rule, store, tmp_path):
-    _skip_refused(rule, store)
     ours, theirs, kwargs = RULES[rule]
     seen = {}
 

@@ -32,7 +32,7 @@ from offload.optim.context import StepContext
 from offload.optim.context_attrs import ContextAttributes
 from offload.optim.functional import RuleHyper
 from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
-from offload.optim.host_state import HostState
+from offload.optim.host_state import HostState, nothing_to_swap
 from offload.optim.options import (check_compression, check_extras, check_group_keys, check_group_rule,
                                    check_master_dtype, check_param_dtype, check_release_grads, clear_execution_flags,
                                    make_config, refuse_release_grads)
@@ -195,7 +195,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         self.stage = stage
         host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 and not paging.paged(p) for p in params)
         refuse_release_grads(self.release_grads, stage == 0 and host_ok, getattr(self, "_in_stage3", False))
-        if stage == 0 and host_ok and self.config.offload in ("none", "cpu"):
+        if stage == 0 and host_ok and (self.config.offload in ("none", "cpu") or nothing_to_swap(self)):
             if self.config.sub_group_size is not None:
                 raise ValueError(
                     f"sub_group_size={self.config.sub_group_size} would be ignored: fp32 CPU params with "

@@ -13,6 +13,7 @@ class drives them the same way.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -24,7 +25,9 @@ from offload.optim.context import StepContext
 from offload.optim.functional import rule_step
 from offload.optim.state_codec import from_torch_layout, is_stored_form, stored_nbytes, to_torch_layout
 
-__all__ = ["HostState", "StepBatch", "MIN_COMPRESSED_NUMEL"]
+log = logging.getLogger(__name__)
+
+__all__ = ["HostState", "StepBatch", "MIN_COMPRESSED_NUMEL", "nothing_to_swap"]
 
 MIN_COMPRESSED_NUMEL = 4096
 """A param of fewer elements keeps float32 states whatever ``state_dtype`` says."""
@@ -290,3 +293,20 @@ class HostState:
 
     def close(self) -> None:
         pass
+
+
+def nothing_to_swap(opt: Any) -> bool:
+    """``offload="nvme"`` for fp32 CPU params at stage 0 whose rules keep no state per
+    element (SGD without momentum): the swap files would hold nothing, so the host store
+    steps the params in place, as ``offload="cpu"`` does (the swap-only options then act on
+    nothing), with a log line saying so. torch's optimizer tests and a loop that passes
+    ``offload="nvme"`` to every optimizer train on instead of meeting a ValueError. A
+    momentum switched on later keeps its buffers in host memory (the host store steps each
+    group by its own rule)."""
+    if opt.config.offload != "nvme" or any(rule.names for rule in opt.rules()):
+        return False
+    log.warning("%s: no state to swap (the rule keeps none per element, as SGD without momentum): "
+                "offload='nvme' steps the params in place as offload='cpu' does, and writes no swap files",
+                type(opt).__name__)
+    return True
+
