@@ -35,8 +35,17 @@ KEY = "own_master_fingerprint"
 _SPREAD = 8
 
 
-def _samples(fg) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
-    """(param index, shard-local indices, param-local indices) of each sampled piece of ``fg``."""
+def _samples(st: "FlatState", fg) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
+    """(param index, shard-local indices, param-local indices) of each sampled piece of ``fg``;
+    built once per group (the layout, the params and their paging do not change), as each
+    commit reads them."""
+    cache = st.__dict__.setdefault("_own_master_samples", {})
+    if id(fg) not in cache:
+        cache[id(fg)] = _build_samples(fg)
+    return cache[id(fg)]
+
+
+def _build_samples(fg) -> List[Tuple[int, torch.Tensor, torch.Tensor]]:
     start = fg.layout.shard_range()[0]
     out = []
     for pc in fg.layout.pieces(start, start + fg.layout.shard):
@@ -61,7 +70,7 @@ def fingerprint(st: "FlatState", from_params: bool = False) -> Optional[str]:
     with torch.no_grad():
         for fg in groups:
             written = None if from_params else (fg.lowp_shard if fg.lowp_shard is not None else fg.stage)
-            for i, shard_idx, param_idx in _samples(fg):
+            for i, shard_idx, param_idx in _samples(st, fg):
                 if written is not None:
                     vals = written[shard_idx]
                 else:
