@@ -26,12 +26,12 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels import get_backend
 from offload.kernels.fields import Rule, StateField, field_names
-from offload.memory import paging
 from offload.optim.clip import grad_multiplier
 from offload.optim.context import StepContext
 from offload.optim.context_attrs import ContextAttributes
 from offload.optim.functional import RuleHyper
 from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
+from offload.optim.complex_params import host_params
 from offload.optim.host_state import HostState, nothing_to_swap
 from offload.optim.options import (check_compression, check_extras, check_group_keys, check_group_rule,
                                    check_master_dtype, check_param_dtype, check_release_grads, clear_execution_flags,
@@ -193,7 +193,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         if stage is None:
             stage = 2 if world > 1 else 0
         self.stage = stage
-        host_ok = all(p.device.type == "cpu" and p.dtype == torch.float32 and not paging.paged(p) for p in params)
+        host_ok = host_params(params, stage=stage, offload=self.config.offload, cls_name=self.TORCH_NAME)
         refuse_release_grads(self.release_grads, stage == 0 and host_ok, getattr(self, "_in_stage3", False))
         if stage == 0 and host_ok and (self.config.offload in ("none", "cpu") or nothing_to_swap(self)):
             if self.config.sub_group_size is not None:

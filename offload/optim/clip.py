@@ -9,6 +9,7 @@ from typing import Any, Optional, Tuple
 
 from offload.kernels import get_backend
 from offload.memory import paging
+from offload.optim.complex_params import real_view
 from offload.optim.context import StepContext
 from offload.optim.protocol import optional
 
@@ -59,6 +60,7 @@ def _sumsq(work: Any, backend: Optional[str], num_threads: Optional[int]) -> Tup
     for _, items in work:
         for _, g in items:
             if g.numel():
+                g = real_view(g)  # a complex grad's norm is its pairs' ([Note: complex params])
                 flat = g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1)
                 # a grad in a swap file (params on NVMe) is read in pieces: [Note: paged tensors]
                 step = _PAGED_PIECE if paging.active() and paging.paged(flat) else flat.numel()

@@ -21,6 +21,7 @@ import torch
 
 from offload.kernels.fields import ADAM, Rule, StateField, field_names
 from offload.kernels.quant import rounding_seed
+from offload.optim.complex_params import COMPLEX_DTYPES, as_param_layout, fill_value, real_numel, real_view
 from offload.optim.context import StepContext
 from offload.optim.functional import rule_step
 from offload.optim.state_codec import from_torch_layout, is_stored_form, stored_nbytes, to_torch_layout
@@ -89,7 +90,7 @@ class HostState:
                 f"parameter {index} is on {p.device}; this optimizer updates fp32 CPU params in "
                 "place: pass device params when the optimizer is built (they get a flat fp32 master)"
             )
-        if p.dtype != torch.float32:
+        if p.dtype not in (torch.float32,) + COMPLEX_DTYPES:
             raise ValueError(
                 f"parameter {index} has dtype {p.dtype}; this optimizer updates fp32 CPU params in "
                 "place: pass fp16/bf16 params when the optimizer is built (they get a flat fp32 master)"
@@ -97,8 +98,9 @@ class HostState:
 
     # ---------------------------------------------------------------- stored forms
     def compressed(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s states are stored as ``state_dtype`` (else float32)."""
-        return self.state_dtype != "float32" and p.numel() >= MIN_COMPRESSED_NUMEL
+        """Whether ``p``'s states are stored as ``state_dtype`` (else float32; a complex
+        param's stay complex64, torch's layout: [Note: complex params])."""
+        return self.state_dtype != "float32" and p.numel() >= MIN_COMPRESSED_NUMEL and not p.is_complex()
 
     def rule_for(self, rule: Rule, p: torch.Tensor) -> Rule:
         """``rule`` with its states stored as ``p``'s are."""
@@ -112,8 +114,8 @@ class HostState:
         """``t`` (an entry of opt.state[p], or None) in ``field``'s storage form."""
         n = p.numel()
         if field.dtype == torch.float32:  # torch's own layout, as it always was
-            return torch.full_like(p, self._fill.get(field.name, 0.0), memory_format=torch.preserve_format) \
-                if t is None else t
+            return torch.full_like(p, fill_value(p, self._fill.get(field.name, 0.0)),
+                                   memory_format=torch.preserve_format) if t is None else t
         if t is None:
             t = torch.full(p.shape, self._fill.get(field.name, 0.0), dtype=torch.float32)
         if is_stored_form(field, t, n) and (field.blocked or t.shape == p.shape):
@@ -165,7 +167,9 @@ class HostState:
         if rule != hyper.rule:
             extra = dict(rule=rule, stochastic_states=self.stochastic_states,
                          rounding_seeds=[rounding_seed(s, index[id(p)]) for p, _, s in items])
-        rule_step(params, [g for _, g, _ in items], {k: [s[j] for s in states] for j, k in enumerate(rule.names)},
+        # complex params, their grads and states as float32 pairs: [Note: complex params]
+        rule_step([real_view(p) for p in params], [real_view(g) for _, g, _ in items],
+                  {k: [real_view(s[j]) for s in states] for j, k in enumerate(rule.names)},
                   [s for _, _, s in items], hyper, backend=self._backend, num_threads=self._num_threads, **extra)
 
     def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -199,8 +203,9 @@ class HostState:
             st = self._torch.state.get(p, {})
             for key in states:
                 t = st.get(key)
-                states[key].append(torch.full((p.numel(),), self._fill.get(key, 0.0), dtype=torch.float32)
-                                   if t is None else t.detach().reshape(-1).contiguous())
+                if t is None:  # (its values are never read back: a param at step 0 loads no state)
+                    t = torch.full_like(p, fill_value(p, self._fill.get(key, 0.0)))
+                states[key].append(real_view(t.detach()).reshape(-1).contiguous())
         return states
 
     def _stored_tensors(self, params: List[torch.Tensor]) -> Tuple[Dict[str, List[torch.Tensor]],
@@ -212,7 +217,8 @@ class HostState:
         for p in params:
             st = self._torch.state.get(p, {})
             for f in self.stored_fields(p):
-                states[f.name].append(self._stored(f, p, st.get(f.name)))
+                t = self._stored(f, p, st.get(f.name))
+                states[f.name].append(real_view(t).reshape(-1) if t.is_complex() else t)
                 forms[f.name].append(f)
         return states, forms
 
@@ -226,7 +232,7 @@ class HostState:
         from offload.zero.ckpt_states import save_states
 
         params = self._torch.params()
-        numels = [p.numel() for p in params]
+        numels = [real_numel(p) for p in params]
         meta = dict(extra or {}, steps=self.ctx.steps.all(params), shapes=[list(p.shape) for p in params])
         if self.state_dtype == "float32":
             return save_states(directory, numels, self._checkpoint_tensors(params), meta)
@@ -242,7 +248,7 @@ class HostState:
         from offload.zero.ckpt_packed import read_packed
         from offload.zero.ckpt_states import load_states
 
-        numels = [p.numel() for p in params]
+        numels = [real_numel(p) for p in params]
         packed = read_packed(directory, numels, self.names)  # [Note: packed host checkpoints]
         if packed is not None:
             meta, forms, stored = packed
@@ -254,14 +260,14 @@ class HostState:
         else:
             scratch = {k: [torch.empty(n, dtype=torch.float32) for n in numels] for k in self.names}
             meta = load_states(directory, numels, scratch, self.fields)
-        return meta, {k: [t.view(p.shape) for t, p in zip(v, params)] for k, v in scratch.items()}
+        return meta, {k: [as_param_layout(t, p) for t, p in zip(v, params)] for k, v in scratch.items()}
 
     def _kept(self, form: StateField, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """State ``t`` of ``p`` read as ``form``: as it is when ``p`` keeps that form, else
         decoded to float32 of p's shape."""
         mine = next((f for f in self.stored_fields(p) if f.name == form.name), None)
         if form == mine:
-            return t if form.blocked else t.view(p.shape)
+            return t if form.blocked else as_param_layout(t, p)
         return to_torch_layout(form, t, p.numel(), p.shape)
 
     def load_checkpoint(self, directory: str) -> None:

@@ -133,8 +133,10 @@ def _check_entry(k: Any, p: torch.Tensor, st: Any, names: tuple, required: tuple
         _check_step(k, st["step"])
     for key in present + (["master"] if "master" in st else []):
         t = st[key]
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.is_sparse:
-            raise ValueError(f"load_state_dict: state[{k}][{key!r}] is not a dense floating-point tensor")
+        if not isinstance(t, torch.Tensor) or t.is_sparse or not (t.dtype == torch.complex64 if p.is_complex()
+                                                                   else t.is_floating_point()):
+            kind = "complex64" if p.is_complex() else "floating-point"  # as the param: [Note: complex params]
+            raise ValueError(f"load_state_dict: state[{k}][{key!r}] is not a dense {kind} tensor")
         if tuple(t.shape) != tuple(p.shape):
             raise ValueError(f"load_state_dict: state[{k}][{key!r}] has shape {list(t.shape)}, its param "
                              f"{list(p.shape)}")
