@@ -115,6 +115,18 @@ def test_swap_dir_accepts_bytes_and_pathlike(tmp_path, kind):
         _assert_same(params, ref_params)
 
 
+def test_swap_dir_expands_the_home_directory(tmp_path, monkeypatch):
+    """"~/swap" (as written in a config file, where no shell expands it) is the home
+    directory's, not a directory named "~" under the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "swap").mkdir()
+    with offload.AdamW(_params(), lr=0.01, offload="nvme", swap_dir="~/swap") as opt:
+        assert opt.config.swap_dir == str(tmp_path / "swap")
+        assert os.listdir(tmp_path / "swap")
+    assert not (tmp_path / "~").exists()
+
+
 @pytest.mark.parametrize("target", ["none", "cpu"])
 @pytest.mark.parametrize("option, value", [
     ("swap_dir", "/var/tmp"), ("resume", True), ("verify", True), ("max_host_bytes", "1GiB"),

@@ -191,6 +191,15 @@ def test_bad_arguments(tmp_path, monkeypatch):
         offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path / "missing"))
 
 
+def test_swap_dir_expands_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "swap").mkdir()
+    model = offload.shard(base._model(), offload_params="nvme", swap_dir="~/swap")
+    assert os.listdir(tmp_path / "swap") and not (tmp_path / "~").exists()
+    runtime_of(model).tier.close()
+
+
 def test_shard_values_round_trip(tmp_path):
     model = offload.shard(base._model(), offload_params="nvme", swap_dir=str(tmp_path))
     rt = runtime_of(model)

@@ -228,7 +228,9 @@ def _swap_dir(value: Any) -> Optional[str]:
         return None
     if not isinstance(value, (str, bytes, os.PathLike)):
         raise TypeError(f"swap_dir must be a path (str, bytes or os.PathLike), got {type(value).__name__} {value!r}")
-    return os.fsdecode(value)
+    # "~/nvme" as a shell and DeepSpeed's users write it (a config file's path is not expanded
+    # by any shell): else it would name a directory "~" under the working directory
+    return os.path.expanduser(os.fsdecode(value))
 
 
 def _check_resume(value: Any) -> None:

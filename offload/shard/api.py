@@ -139,7 +139,7 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
             raise FileNotFoundError(f"offload.shard: no checkpoint at weights={weights!r}")
     world, rank = comm.world_and_rank(process_group)
     streams = _device_streams(module)  # None: the CPU path; else [Note: stage 3 on a device]
-    tier = ParamTier(swap_dir, rank, io=io) if offload_params == "nvme" else None
+    tier = ParamTier(os.path.expanduser(os.fsdecode(swap_dir)), rank, io=io) if offload_params == "nvme" else None
     reduce_group = _reduce_group(process_group, world)
     unit_modules = choose_units(module, unit)
     members, _frozen = assign_params(module, unit_modules)
