@@ -168,8 +168,9 @@ class HostState:
             extra = dict(rule=rule, stochastic_states=self.stochastic_states,
                          rounding_seeds=[rounding_seed(s, index[id(p)]) for p, _, s in items])
         # complex params, their grads and states as float32 pairs: [Note: complex params]
-        rule_step([real_view(p) for p in params], [real_view(g) for _, g, _ in items],
-                  {k: [real_view(s[j]) for s in states] for j, k in enumerate(rule.names)},
+        real = real_view if any(p.is_complex() for p in params) else _same
+        rule_step([real(p) for p in params], [real(g) for _, g, _ in items],
+                  {k: [real(s[j]) for s in states] for j, k in enumerate(rule.names)},
                   [s for _, _, s in items], hyper, backend=self._backend, num_threads=self._num_threads, **extra)
 
     def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -299,6 +300,10 @@ class HostState:
 
     def close(self) -> None:
         pass
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def nothing_to_swap(opt: Any) -> bool:
