@@ -1,4 +1,4 @@
-"""complex64 params ([Note: complex params] in offload/optim/complex_params.py): Adam, AdamW,
+"""complex64 params ([Note: complex params] in offload/optim/host_dtypes.py): Adam, AdamW,
 SGD and Adagrad step them as torch's optimizers do (each as its float32 real view), in the
 host store (offload="none" / "cpu"), against torch's (foreach=False) element by element at
 DESIGN.md's tolerances, states complex64 in opt.state and state_dict; clipping, checkpoints

@@ -194,8 +194,10 @@ def test_load_without_master_takes_params(monkeypatch):
 
 
 def test_rejects_unsupported_param_dtype():
-    with pytest.raises(NotImplementedError, match="float64.*torch.optim.AdamW"):
-        offload.AdamW([nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    with pytest.raises(NotImplementedError, match="complex128.*torch.optim.AdamW"):
+        offload.AdamW([nn.Parameter(torch.zeros(3, dtype=torch.complex128))])
+    with pytest.raises(NotImplementedError, match="parameter 1 is torch.float64"):  # beside a flat master
+        offload.AdamW([nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)), nn.Parameter(torch.zeros(3, dtype=torch.float64))])
 
 
 def test_bf16_moments_on_nvme_match_adamw(monkeypatch, tmp_path):

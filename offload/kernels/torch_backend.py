@@ -10,12 +10,13 @@ not thread-safe.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from ._checks import check_tensor, check_threads, GRAD_DTYPES
-from ._rule_step import RuleStepFace
+from ._rule_step import _KERNELS, RuleStepFace, _bind
+from .fields import Rule
 from .compressed_ref import compose_step
 
 __all__ = ["TorchBackend"]
@@ -33,7 +34,7 @@ class TorchBackend(RuleStepFace):
             grad_scale = hyper
         exp_avg, exp_avg_sq = states[:2]
         p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
-        g = grad.view(-1).float()
+        g = grad.view(-1).to(p.dtype)  # float32 (float64 for a float64 param: float64_step)
         if grad_scale != 1.0:
             g = g * grad_scale
         if maximize:
@@ -69,7 +70,7 @@ class TorchBackend(RuleStepFace):
         """torch's _single_tensor_sgd; the first step's buffer is a copy of d_p."""
         lr, momentum, dampening, weight_decay, nesterov, maximize, grad_scale, step = hyper
         p = param.view(-1)
-        g = _scaled_grad(grad, grad_scale, maximize)
+        g = _scaled_grad(grad, grad_scale, maximize, p.dtype)
         if weight_decay != 0:
             g = g.add(p, alpha=weight_decay)
         if momentum != 0:
@@ -86,7 +87,7 @@ class TorchBackend(RuleStepFace):
         """torch's _single_tensor_adagrad (dense, real)."""
         lr, lr_decay, weight_decay, eps, maximize, grad_scale, step = hyper
         p, state_sum = param.view(-1), states[0].view(-1)
-        g = _scaled_grad(grad, grad_scale, maximize)
+        g = _scaled_grad(grad, grad_scale, maximize, p.dtype)
         if weight_decay != 0:
             g = g.add(p, alpha=weight_decay)
         clr = lr / (1 + (float(step) - 1) * lr_decay)  # torch's step is a float tensor
@@ -99,12 +100,33 @@ class TorchBackend(RuleStepFace):
         """lion-pytorch's update_fn (its lerp form)."""
         lr, beta1, beta2, weight_decay, maximize, grad_scale = hyper
         p, exp_avg = param.view(-1), states[0].view(-1)
-        g = _scaled_grad(grad, grad_scale, maximize)
+        g = _scaled_grad(grad, grad_scale, maximize, p.dtype)
         p.mul_(1 - lr * weight_decay)
         update = exp_avg.clone().lerp_(g, 1 - beta1).sign_()
         p.add_(update, alpha=-lr)
         exp_avg.lerp_(g, 1 - beta2)
         _copy_lowp(p, param_lowp)
+
+    def float64_step(self, rule: Rule, param: torch.Tensor, grad: torch.Tensor,
+                     states: Sequence[torch.Tensor], *, step: int, **hyper) -> None:
+        """One step of ``rule`` (its float32-state form) on a float64 ``param``, ``grad`` and
+        ``states`` (1-D, contiguous, in field order), in float64: the same statements as the
+        float32 reference, for params the float32 kernels do not take ([Note: float64
+        params] in offload/optim/host_dtypes.py)."""
+        k = _KERNELS.get(rule)
+        if k is None:
+            raise ValueError(f"float64_step: {getattr(rule, 'name', rule)!r} is not a rule with float32 states")
+        if len(states) != len(k.names):
+            raise ValueError(f"float64_step: rule {rule.name!r} keeps {list(k.names)}, got {len(states)} states")
+        n = param.numel()
+        for name, t in (("param", param), ("grad", grad)) + tuple(zip(k.names, states)):
+            if t.dtype != torch.float64 or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() \
+                    or t.numel() != n:
+                raise ValueError(f"float64_step: {name} must be a 1-D contiguous float64 CPU tensor of {n} "
+                                 f"elements, got {t.dtype} {list(t.shape)} on {t.device}")
+        args = _bind(k, step, hyper)
+        if n:
+            getattr(self, k.method)(param, grad, tuple(states), None, None, args)
 
     def _compressed(self, method, fields, param, grad, states, param_lowp, num_threads, hyper,
                     q) -> None:
@@ -127,10 +149,10 @@ class TorchBackend(RuleStepFace):
         return total, not math.isfinite(total)
 
 
-def _scaled_grad(grad: torch.Tensor, grad_scale: float, maximize: bool) -> torch.Tensor:
-    """float(grad) * grad_scale, negated when maximizing; a new tensor whenever it differs
-    from ``grad`` (the caller never writes into it)."""
-    g = grad.view(-1).float()
+def _scaled_grad(grad: torch.Tensor, grad_scale: float, maximize: bool, dtype: torch.dtype) -> torch.Tensor:
+    """grad in the param's ``dtype`` (float32, or float64) times grad_scale, negated when
+    maximizing; a new tensor whenever it differs from ``grad`` (the caller never writes into it)."""
+    g = grad.view(-1).to(dtype)
     if grad_scale != 1.0:
         g = g * grad_scale
     return -g if maximize else g

@@ -17,7 +17,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels.fields import ADAGRAD, Rule
 from offload.optim.base import RuleOptimizer
-from offload.optim.complex_params import fill_value
+from offload.optim.host_dtypes import fill_value, state_dtype_of
 from offload.optim.rule_options import check_flags, check_lr, check_nonneg, to_float
 from offload.optim.state_view import attach as attach_state_views
 
@@ -71,10 +71,9 @@ class Adagrad(RuleOptimizer):
                 state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
                 # fp32 whatever p's dtype: the stores keep fp32 states, and a bf16 seed
                 # would round the fill (0.1 -> 0.10009765625) before the flat store copies it;
-                # complex64 for a complex param, every float32 of its pairs filled, as torch's
-                # (complex(v, v)): [Note: complex params]
-                state["sum"] = torch.full_like(p, fill_value(p, self.state_fill("sum")),
-                                               dtype=torch.complex64 if p.is_complex() else torch.float32,
+                # complex64 or float64 for such a param, as torch's (a complex sum filled with
+                # complex(v, v)): [Note: complex params]
+                state["sum"] = torch.full_like(p, fill_value(p, self.state_fill("sum")), dtype=state_dtype_of(p),
                                                memory_format=torch.preserve_format)
 
     def _host(self) -> bool:

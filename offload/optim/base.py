@@ -31,7 +31,7 @@ from offload.optim.context import StepContext
 from offload.optim.context_attrs import ContextAttributes
 from offload.optim.functional import RuleHyper
 from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
-from offload.optim.complex_params import host_params
+from offload.optim.host_dtypes import host_params
 from offload.optim.host_state import HostState, nothing_to_swap
 from offload.optim.options import (check_compression, check_extras, check_group_keys, check_group_rule,
                                    check_master_dtype, check_param_dtype, check_release_grads, clear_execution_flags,

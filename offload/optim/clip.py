@@ -7,9 +7,11 @@ import math
 import time
 from typing import Any, Optional, Tuple
 
+import torch
+
 from offload.kernels import get_backend
 from offload.memory import paging
-from offload.optim.complex_params import real_view
+from offload.optim.host_dtypes import real_view
 from offload.optim.context import StepContext
 from offload.optim.protocol import optional
 
@@ -62,6 +64,11 @@ def _sumsq(work: Any, backend: Optional[str], num_threads: Optional[int]) -> Tup
             if g.numel():
                 g = real_view(g)  # a complex grad's norm is its pairs' ([Note: complex params])
                 flat = g.reshape(-1) if g.is_contiguous() else g.contiguous().view(-1)
+                if flat.dtype == torch.float64:  # no float32 kernel takes it: [Note: float64 params]
+                    s = float(torch.dot(flat, flat))
+                    sumsq += s
+                    nonfinite |= not math.isfinite(s)
+                    continue
                 # a grad in a swap file (params on NVMe) is read in pieces: [Note: paged tensors]
                 step = _PAGED_PIECE if paging.active() and paging.paged(flat) else flat.numel()
                 for a in range(0, flat.numel(), step):

@@ -21,7 +21,8 @@ import torch
 
 from offload.kernels.fields import ADAM, Rule, StateField, field_names
 from offload.kernels.quant import rounding_seed
-from offload.optim.complex_params import COMPLEX_DTYPES, as_param_layout, fill_value, real_numel, real_view
+from offload.optim.host_dtypes import (HOST_ONLY_DTYPES, as_param_layout, fill_value, float64_step, real_numel,
+                                       real_view, refuse_float64)
 from offload.optim.context import StepContext
 from offload.optim.functional import rule_step
 from offload.optim.state_codec import from_torch_layout, is_stored_form, stored_nbytes, to_torch_layout
@@ -90,7 +91,7 @@ class HostState:
                 f"parameter {index} is on {p.device}; this optimizer updates fp32 CPU params in "
                 "place: pass device params when the optimizer is built (they get a flat fp32 master)"
             )
-        if p.dtype not in (torch.float32,) + COMPLEX_DTYPES:
+        if p.dtype not in (torch.float32,) + HOST_ONLY_DTYPES:
             raise ValueError(
                 f"parameter {index} has dtype {p.dtype}; this optimizer updates fp32 CPU params in "
                 "place: pass fp16/bf16 params when the optimizer is built (they get a flat fp32 master)"
@@ -98,9 +99,9 @@ class HostState:
 
     # ---------------------------------------------------------------- stored forms
     def compressed(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s states are stored as ``state_dtype`` (else float32; a complex
-        param's stay complex64, torch's layout: [Note: complex params])."""
-        return self.state_dtype != "float32" and p.numel() >= MIN_COMPRESSED_NUMEL and not p.is_complex()
+        """Whether ``p``'s states are stored as ``state_dtype`` (else float32; a complex or
+        float64 param's stay complex64 or float64, torch's layout: [Note: complex params])."""
+        return self.state_dtype != "float32" and p.numel() >= MIN_COMPRESSED_NUMEL and p.dtype == torch.float32
 
     def rule_for(self, rule: Rule, p: torch.Tensor) -> Rule:
         """``rule`` with its states stored as ``p``'s are."""
@@ -161,6 +162,13 @@ class HostState:
     def _step_part(self, hyper: Any, rule: Rule, items: List[Tuple[torch.Tensor, torch.Tensor, int]],
                    index: Dict[int, int]) -> None:
         """One rule_step call over ``items``, whose states are all stored as ``rule``'s."""
+        wide = [it for it in items if it[0].dtype == torch.float64]
+        if wide:  # torch's arithmetic in float64: [Note: float64 params]
+            float64_step(rule, hyper, [p for p, _, _ in wide], [g for _, g, _ in wide],
+                         [tuple(self._states(p, rule.fields)) for p, _, _ in wide], [s for _, _, s in wide])
+            items = [it for it in items if it[0].dtype != torch.float64]
+            if not items:
+                return
         params = [p for p, _, _ in items]
         states = [self._states(p, rule.fields) for p in params]
         extra: Dict[str, Any] = {}
@@ -233,6 +241,7 @@ class HostState:
         from offload.zero.ckpt_states import save_states
 
         params = self._torch.params()
+        refuse_float64(params, "save_checkpoint")
         numels = [real_numel(p) for p in params]
         meta = dict(extra or {}, steps=self.ctx.steps.all(params), shapes=[list(p.shape) for p in params])
         if self.state_dtype == "float32":
@@ -273,6 +282,7 @@ class HostState:
 
     def load_checkpoint(self, directory: str) -> None:
         params = self._torch.params()
+        refuse_float64(params, "load_checkpoint")
         meta, scratch = self._read_checkpoint(directory, params)
         if meta.get("shapes") != [list(p.shape) for p in params]:
             raise ValueError(f"{directory}: checkpoint of params with other shapes")

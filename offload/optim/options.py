@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from offload.config import IOConfig, OffloadConfig, parse_bytes
-from offload.optim.complex_params import COMPLEX_DTYPES, COMPLEX_RULE_CLASSES
+from offload.optim.host_dtypes import COMPLEX_DTYPES, COMPLEX_RULE_CLASSES
 
 __all__ = ["check_group_rule", "check_hyper", "check_extras", "check_compression", "check_master_dtype", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
            "clear_execution_flags", "check_release_grads", "refuse_release_grads"]
@@ -271,23 +271,23 @@ def make_config(*, offload: Any, swap_dir: Any, max_host_bytes: Any, sub_group_s
 
 
 def check_param_dtype(index: int, p: torch.Tensor, cls_name: str = "Adam/AdamW") -> None:
-    """float64 and complex128 params: the kernels keep fp32 masters, which would silently
-    lose precision; complex64 is taken by the optimizers torch steps it for, as float32 pairs
-    ([Note: complex params]). ``cls_name``: the optimizer's."""
-    if isinstance(p, torch.Tensor) and p.dtype in COMPLEX_DTYPES and cls_name in COMPLEX_RULE_CLASSES:
+    """The param dtypes some store steps: fp32, fp16, bf16; float64 and complex64 in the host
+    store ([Note: float64 params], [Note: complex params]: complex64 not with Lion). Others
+    (complex128, integers) raise NotImplementedError. ``cls_name``: the optimizer's."""
+    if not isinstance(p, torch.Tensor) or p.dtype in PARAM_DTYPES + (torch.float64,):
         return
-    if isinstance(p, torch.Tensor) and p.dtype not in PARAM_DTYPES:
-        if p.dtype in COMPLEX_DTYPES:  # Lion: torch.sign refuses complex, and torch has no Lion
-            raise NotImplementedError(
-                f"offload.{cls_name}: parameter {index} has dtype {p.dtype}; {cls_name}'s update is sign(...), "
-                "which has no complex form: pass real params (torch.view_as_real(p) steps each part alone)")
-        theirs = "torch.optim.AdamW (or torch.optim.Adam)" if cls_name == "Adam/AdamW" else f"torch.optim.{cls_name}"
-        if cls_name not in COMPLEX_RULE_CLASSES:
-            theirs = f"a {cls_name} that keeps {p.dtype} states"
-        complex_ok = " (complex64 with offload='none' or 'cpu')" if cls_name in COMPLEX_RULE_CLASSES else ""
+    if p.dtype in COMPLEX_DTYPES and cls_name in COMPLEX_RULE_CLASSES:
+        return
+    if p.dtype in COMPLEX_DTYPES:  # Lion: torch.sign refuses complex, and torch has no Lion
         raise NotImplementedError(
-            f"offload.{cls_name}: parameter {index} has dtype {p.dtype}; the kernels update an fp32 "
-            f"master of fp32, fp16 or bf16 params{complex_ok}: use {theirs} for {p.dtype} params")
+            f"offload.{cls_name}: parameter {index} has dtype {p.dtype}; {cls_name}'s update is sign(...), "
+            "which has no complex form: pass real params (torch.view_as_real(p) steps each part alone)")
+    theirs = "torch.optim.AdamW (or torch.optim.Adam)" if cls_name == "Adam/AdamW" else f"torch.optim.{cls_name}"
+    if cls_name not in COMPLEX_RULE_CLASSES:
+        theirs = f"a {cls_name} that keeps {p.dtype} states"
+    raise NotImplementedError(
+        f"offload.{cls_name}: parameter {index} has dtype {p.dtype}; the stores step fp32, fp16, bf16, float64 "
+        f"and complex64 params: use {theirs} for {p.dtype} params")
 
 
 # The optimizer's own options: one value for the whole optimizer (one store, one layout).
