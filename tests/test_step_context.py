@@ -12,7 +12,8 @@ def test_step_counts_live_in_torch_state_layout():
     p, q = torch.zeros(3), torch.zeros(2)
     assert counts.get(p) == 0 and not counts.has(p)
     assert p not in state  # reading creates no entry
-    counts.advance([p, p, q])
+    before, new = counts.advance([p, p, q])
+    assert new == [1, 2, 1] and [b for _, b in before][:1] == [None]  # each count as it comes
     assert counts.get(p) == 2 and counts.get(q) == 1
     held = state[p]["step"]
     assert torch.is_tensor(held) and held.dtype == torch.float32 and held.shape == ()

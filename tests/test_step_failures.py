@@ -233,9 +233,13 @@ class _Kernel:
         self._call()
         return self.inner.adam_step(*a, **kw)
 
-    def rule_step(self, *a, **kw):  # the face offload.optim.functional calls
+    def rule_step(self, *a, **kw):  # the faces offload.optim.functional calls
         self._call()
         return self.inner.rule_step(*a, **kw)
+
+    def checked_rule_step(self, *a, **kw):
+        self._call()
+        return self.inner.checked_rule_step(*a, **kw)
 
 
 def _patch_kernel(monkeypatch, opt, kernel_factory):
@@ -244,10 +248,12 @@ def _patch_kernel(monkeypatch, opt, kernel_factory):
     from offload.kernels import get_backend
 
     backend = get_backend(opt.backend)
-    inner = types.SimpleNamespace(adam_step=backend.adam_step, rule_step=backend.rule_step)
+    inner = types.SimpleNamespace(adam_step=backend.adam_step, rule_step=backend.rule_step,
+                                  checked_rule_step=backend.checked_rule_step)
     wrapped = kernel_factory(inner)
     monkeypatch.setattr(backend, "adam_step", wrapped.adam_step)
     monkeypatch.setattr(backend, "rule_step", wrapped.rule_step)
+    monkeypatch.setattr(backend, "checked_rule_step", wrapped.checked_rule_step)
     return wrapped
 
 

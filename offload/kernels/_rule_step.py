@@ -149,6 +149,19 @@ class RuleStepFace:
         if n:
             getattr(self, k.method)(param, grad, ordered, param_lowp, num_threads, args)
 
+    def checked_rule_step(self, rule: Rule, param: torch.Tensor, grad: torch.Tensor,
+                          states: Tuple[torch.Tensor, ...], *, step: int,
+                          param_lowp: Optional[torch.Tensor] = None, num_threads: Optional[int] = None,
+                          **hyper) -> None:
+        """``rule_step`` of a float32 ``rule`` whose 1-D contiguous tensors (``states`` in
+        field order) the caller has checked already, as ``functional.rule_step`` does for
+        every tensor before the first is updated: the per-tensor checks are not run twice
+        (they were a tenth of a small param's step)."""
+        k = _ADAM_KERNEL if rule is ADAM else _KERNELS[rule]
+        args = _bind(k, step, hyper)
+        if param.numel():
+            getattr(self, k.method)(param, grad, states, param_lowp, num_threads, args)
+
     def _rule_step_compressed(self, rule, param, grad, states, step, param_lowp, num_threads,
                               q: QuantArgs, hyper) -> None:
         known = _RESOLVED.get(rule) if isinstance(rule, Rule) else None

@@ -116,15 +116,19 @@ class StepCounts:
         for p, n in zip(params, counts):
             self.set(p, int(n))
 
-    def advance(self, params: Iterable[torch.Tensor]) -> List[Tuple[torch.Tensor, Any]]:
+    def advance(self, params: Iterable[torch.Tensor]) -> Tuple[List[Tuple[torch.Tensor, Any]], List[int]]:
         """One more step for each of ``params``; returns what ``restore`` needs to undo it
-        (the step tensors as they were, the very objects)."""
+        (the step tensors as they were, the very objects) and the new counts, in order."""
         state = self._state_of()
         before: List[Tuple[torch.Tensor, Any]] = []
+        counts: List[int] = []
         for p in params:
-            before.append((p, state.get(p, {}).get("step")))
-            self.set(p, self.get(p) + 1)
-        return before
+            step = state.get(p, {}).get("step")
+            before.append((p, step))
+            n = 1 + (0 if step is None else int(step.item() if torch.is_tensor(step) else step))
+            self.set(p, n)
+            counts.append(n)
+        return before, counts
 
     def restore(self, before: List[Tuple[torch.Tensor, Any]]) -> None:
         """Undo ``advance``: each param's step entry as it was."""

@@ -128,10 +128,13 @@ def rule_step(
         fp, fg = _flat(p), _flat(g)
         fstates = [_flat(lst[i]) for lst in lists]
         flat_lowp = _flat(lowp) if lowp is not None else None
-        extra = {} if quant is None else dict(rounding_seed=quant[i].seed,
-                                              stochastic_states=quant[i].stochastic_states)
-        kernel.rule_step(rule, fp, fg, dict(zip(names, fstates)), param_lowp=flat_lowp,
-                         num_threads=num_threads, **extra, **hyper.kernel_kwargs(int(steps[i])))
+        if quant is None:  # checked above (_check_all): not again per tensor
+            kernel.checked_rule_step(rule, fp, fg, tuple(fstates), param_lowp=flat_lowp, num_threads=num_threads,
+                                     **hyper.kernel_kwargs(int(steps[i])))
+        else:
+            kernel.rule_step(rule, fp, fg, dict(zip(names, fstates)), param_lowp=flat_lowp, num_threads=num_threads,
+                             rounding_seed=quant[i].seed, stochastic_states=quant[i].stochastic_states,
+                             **hyper.kernel_kwargs(int(steps[i])))
         # A non-contiguous tensor was updated through a copy: write it back.
         for orig, tmp in [(p, fp)] + [(lst[i], t) for lst, t in zip(lists, fstates)]:
             if not _shares_storage(orig, tmp):

@@ -151,8 +151,9 @@ def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torc
             from offload.optim.state_io import restart_cleared
 
             restart_cleared(opt, cleared)
-        before += steps.advance(p for p, _ in items)
-        batches.append((hyper, [(p, g, steps.get(p)) for p, g in items]))
+        undo, counts = steps.advance(p for p, _ in items)
+        before += undo
+        batches.append((hyper, [(p, g, n) for (p, g), n in zip(items, counts)]))
     try:
         phases = dict(opt._store.step(batches))
     except BaseException as exc:
