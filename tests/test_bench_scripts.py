@@ -331,3 +331,19 @@ def test_manifest_write_measures_a_real_manifest(tmp_path):
     sizes = [int(r[3].replace(",", "")) for r in rows]
     assert [int(r[0]) for r in rows] == [3, 300] and 0 < sizes[0] < sizes[1]
     assert all(float(r[6]) > 0 for r in rows) and os.listdir(tmp_path) == []
+
+
+def test_model_step_shapes_and_rows():
+    """bench/model_step.py: its model layouts have the real models' tensor and param counts,
+    and a tiny run times every contender."""
+    from bench import model_step
+
+    assert (len(model_step.resnet50_sizes()), sum(model_step.resnet50_sizes())) == (161, 25_557_032)
+    assert (len(model_step.gpt2_sizes()), sum(model_step.gpt2_sizes())) == (148, 124_439_808)
+    out = last_json(run_script("model_step.py", "--shapes", "small", "--threads", "1", "--steps", "2", "--warmup", "0",
+                               timeout=120))
+    (row,) = out["rows"]
+    assert row["tensors"] == 2000 and set(row["median_ms"]) == {"ours", "torch_fused", "torch_foreach",
+                                                                "torch_forloop"}
+    assert all(v > 0 for v in row["median_ms"].values())
+    assert run_script("model_step.py", "--shapes", "vgg", timeout=60).returncode == 2
