@@ -212,3 +212,39 @@ def test_sigterm_removes_the_test_file_and_exits_143(bench_dir, capsys, monkeypa
         assert received == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def _fake_fio(tmp_path, body: str) -> str:
+    """An executable named fio that runs ``body`` (a Python script) instead of fio."""
+    import sys
+
+    exe = tmp_path / "fake-bin" / "fio"
+    exe.parent.mkdir(exist_ok=True)
+    exe.write_text(f"#!{sys.executable}\n{body}\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_fio_past_its_time_limit_is_a_runtime_error_and_bench_io_sets_none(tmp_path, monkeypatch):
+    # subprocess.TimeoutExpired escaped run_fio: a traceback from `offload bench-io --fio`
+    # whose fio ran longer than 600 s (a large --size on a slow disk), the sweep lost.
+    exe = _fake_fio(tmp_path, "import time; time.sleep(30)")
+    monkeypatch.setattr(io_fio, "fio_path", lambda: exe)
+    with pytest.raises(RuntimeError, match="limit"):
+        io_fio.run_fio(str(tmp_path / "x"), rw="read", size=1 << 20, block_size=1 << 20, queue_depth=1,
+                       direct=True, timeout=0.5)
+    seen = {}
+
+    def spy(path, **kw):
+        seen.update(kw)
+        raise KeyboardInterrupt  # enough: the call's arguments are what this checks
+
+    monkeypatch.setattr(io_fio, "run_fio", spy)
+    monkeypatch.setattr(bench_io, "_fio_variants", lambda args: [(False, "io_uring")])
+    d = tmp_path / "disk"
+    d.mkdir()
+    if not probe_direct(d)[0]:
+        pytest.skip(f"{d} refuses O_DIRECT")
+    assert main(["bench-io", "--dir", str(d), "--size", "1M", "--engine", AVAILABLE[0], "--rw", "read",
+                 "--fio"]) == 130
+    assert seen["timeout"] is None

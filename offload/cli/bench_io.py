@@ -249,8 +249,10 @@ def _measure_one(args, contender, f, path: str, rw: str, bs: int, qd: int, bufs,
         m = extra[name](path, rw=rw, size=args.size, block_size=bs, queue_depth=qd, direct=args.direct)
     else:
         progress.step(f"fio {name}{' +THP' if hp else ''} {label}")
+        # No time limit, as for our engines and fio itself: a large --size on a slow disk runs
+        # longer than any fixed bound (600 s ended a sweep of 1 TiB at 1 GB/s with a traceback).
         m = run_fio(path, rw=rw, size=args.size, block_size=bs, queue_depth=qd, direct=args.direct, hugepages=hp,
-                    ioengine=name)
+                    ioengine=name, timeout=None)
     progress.advance(args.size)
     return m, []
 

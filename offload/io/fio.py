@@ -26,8 +26,9 @@ def fio_path() -> Optional[str]:
 
 
 def run_fio(path: str, *, rw: str, size: int, block_size: int, queue_depth: int, direct: bool, loops: int = 1,
-            hugepages: bool = False, ioengine: str = "io_uring", timeout: float = 600.0) -> Measurement:
-    """One fio job over ``size`` bytes of the existing file ``path``; raises RuntimeError on failure."""
+            hugepages: bool = False, ioengine: str = "io_uring", timeout: Optional[float] = 600.0) -> Measurement:
+    """One fio job over ``size`` bytes of the existing file ``path``; raises RuntimeError on failure
+    (a run past ``timeout`` seconds too; None: no limit)."""
     exe = fio_path()
     if exe is None:
         raise RuntimeError(FIO_HINT)
@@ -40,7 +41,11 @@ def run_fio(path: str, *, rw: str, size: int, block_size: int, queue_depth: int,
     if not direct and rw == "read":
         # Buffered reads would be served from the page cache fio itself just filled.
         cmd.append("--invalidate=1")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # subprocess.run killed fio; a SubprocessError is none of the errors callers (the CLI) report
+        raise RuntimeError(f"fio ran past its {timeout:g} s limit and was stopped: {' '.join(cmd)}") from None
     if r.returncode != 0:
         raise RuntimeError(f"fio failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr.strip()[-2000:]}")
     out = r.stdout[r.stdout.find("{"):]
