@@ -248,3 +248,28 @@ def test_fio_past_its_time_limit_is_a_runtime_error_and_bench_io_sets_none(tmp_p
     assert main(["bench-io", "--dir", str(d), "--size", "1M", "--engine", AVAILABLE[0], "--rw", "read",
                  "--fio"]) == 130
     assert seen["timeout"] is None
+
+
+def test_a_fio_ioengine_that_fails_is_dropped_and_the_sweep_goes_on(bench_dir, tmp_path, monkeypatch, capsys):
+    # fio built without libaio (or io_uring refused in a container) failed one variant, and
+    # that RuntimeError ended the whole sweep: exit 1, no rows.
+    exe = _fake_fio(tmp_path, r'''
+import json, sys
+a = dict(x.lstrip("-").split("=", 1) for x in sys.argv[1:] if "=" in x)
+if a["ioengine"] == "libaio":
+    sys.exit("fio: engine libaio not loadable")
+side = {"io_bytes": int(a["size"]), "bw_bytes": 1e9, "runtime": 1, "iops": 1e9 / int(a["bs"]),
+        "lat_ns": {"percentile": {"50.000000": 1e6, "99.000000": 2e6, "99.900000": 3e6}}, "clat_ns": {}}
+print(json.dumps({"jobs": [{a["rw"]: side, "usr_cpu": 1.0, "sys_cpu": 2.0}]}))''')
+    monkeypatch.setattr(io_fio, "fio_path", lambda: exe)
+    out_json = tmp_path / "rows.json"
+    rc = main(["bench-io", "--dir", str(bench_dir), "--size", "2M", "--rw", "read,write", "--engine", AVAILABLE[0],
+               "--fio", "--json", str(out_json)])
+    assert rc == 0
+    assert "dropping fio libaio" in capsys.readouterr().err
+    rows = json.loads(out_json.read_text())
+    fio = [r for r in rows if r["tool"] == "fio"]
+    assert {r["engine"] for r in fio} == {"io_uring"} and len(fio) == 4  # two variants x read, write
+    ours = [r for r in rows if r["tool"] == "offload"]
+    assert len(ours) == 2 and all(r["vs_fio"] == pytest.approx(r["gbps"]) for r in ours)
+    assert not (bench_dir / bench_io.DATA_NAME).exists()
