@@ -273,3 +273,15 @@ print(json.dumps({"jobs": [{a["rw"]: side, "usr_cpu": 1.0, "sys_cpu": 2.0}]}))''
     ours = [r for r in rows if r["tool"] == "offload"]
     assert len(ours) == 2 and all(r["vs_fio"] == pytest.approx(r["gbps"]) for r in ours)
     assert not (bench_dir / bench_io.DATA_NAME).exists()
+
+
+def test_buffers_larger_than_the_memory_available_are_refused_before_the_sweep(bench_dir, monkeypatch, capsys):
+    # 2 x QD buffers of the block size are filled with random data: --block-size 8M
+    # --queue-depth 1024 asks for 16 GiB, more than many hosts have: refused before the test file is made.
+    monkeypatch.setattr(bench_io, "_mem_available", lambda: 512 << 20)
+    rc = main(["bench-io", "--dir", str(bench_dir), "--size", "16M", "--block-size", "8M",
+               "--queue-depth", "1,64", "--engine", AVAILABLE[0]])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "--queue-depth 64 x --block-size 8M needs 1.0 GiB" in err and "0.5 GiB of memory available" in err
+    assert not (bench_dir / bench_io.DATA_NAME).exists()

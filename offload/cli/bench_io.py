@@ -212,7 +212,27 @@ def _checked_dir(args) -> str:
             raise ValueError(f"--block-size must be a multiple of 4096, got {bs}")
         if args.size % bs:
             raise ValueError(f"--size {args.size} is not a multiple of --block-size {bs}")
+    # The sweep fills 2 x QD buffers of each block size with random data: --block-size 8M
+    # --queue-depth 1024 asks for 16 GiB; past the memory there is, the OOM killer's SIGKILL
+    # (no cleanup) would end the run and leave the test file. Refused before the file is made.
+    need, avail = 2 * max(args.queue_depth) * max(args.block_size), _mem_available()
+    if avail is not None and need > avail:
+        raise ValueError(f"--queue-depth {max(args.queue_depth)} x --block-size {_human(max(args.block_size))} "
+                         f"needs {need / 2**30:.1f} GiB of buffers (2 x QD blocks), more than the "
+                         f"{avail / 2**30:.1f} GiB of memory available")
     return directory
+
+
+def _mem_available() -> Optional[int]:
+    """MemAvailable from /proc/meminfo in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _fio_variants(args) -> List[Tuple[bool, str]]:
