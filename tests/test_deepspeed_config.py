@@ -391,6 +391,23 @@ def test_zero3_bad_options_fail_before_the_model_is_sharded(override, error):
     assert offload.shard.runtime_of(model) is None and "blocks.0.weight" in dict(model.named_parameters())
 
 
+@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
+def test_a_missing_nvme_path_fails_by_its_key_before_the_model_is_sharded(tmp_path, section):
+    # The optimizer's own swap_dir check came after offload.shard had changed the model in
+    # place, and named swap_dir rather than the config's key.
+    model = _Blocks()
+    cfg = _zero3({"device": "cpu"})
+    cfg["zero_optimization"][section] = {"device": "nvme", "nvme_path": str(tmp_path / "missing")}
+    with pytest.raises(FileNotFoundError, match=rf"^\[Errno 2\] zero_optimization\.{section}\.nvme_path: no such "
+                                                r"directory") as info:
+        from_deepspeed_config(cfg, model)
+    assert info.value.filename == str(tmp_path / "missing")
+    assert offload.shard.runtime_of(model) is None and "blocks.0.weight" in dict(model.named_parameters())
+    with pytest.raises(FileNotFoundError, match=r"^\[Errno 2\] swap_dir=: no such directory"):
+        from_deepspeed_config(_cfg(offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)}),
+                              torch.nn.Linear(2, 2).parameters(), swap_dir=str(tmp_path / "missing"))
+
+
 def test_zero3_a_failure_after_sharding_says_so_and_a_retry_must_match(tmp_path):
     model = _Blocks()
     bad = _zero3({"device": "nvme", "nvme_path": str(tmp_path / "p")}, sub_group_size=1)

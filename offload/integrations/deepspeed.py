@@ -24,6 +24,7 @@ lion-pytorch's); ``SGD``, which DeepSpeed builds as ``torch.optim.SGD``, torch's
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -423,6 +424,14 @@ def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
     any other key, an unsupported value or an inconsistent combination is a ``ValueError``
     naming the key path. ``overrides`` are offload options that win over the config."""
     cls, kwargs, dtype, shard_kwargs = _translate(config, overrides)
+    # Checked before a stage-3 model is sharded in place (the optimizer's own check of swap_dir
+    # came after the shard), and named by the config's key.
+    for key, where in (("offload_optimizer", kwargs), ("offload_param", shard_kwargs or {})):
+        path = where.get("swap_dir")
+        if path is not None and not os.path.isdir(path):
+            name = (f"zero_optimization.{key}.nvme_path" if where is not kwargs or "swap_dir" not in overrides
+                    else "swap_dir=")
+            raise FileNotFoundError(errno.ENOENT, f"{name}: no such directory (create it on a local disk)", path)
     stage3 = kwargs.get("stage") == 3
     sharded_here = False
     if isinstance(params, torch.nn.Module):
