@@ -102,6 +102,37 @@ def test_accelerate_accumulate_copies_each_grad_once(emu):
         assert torch.equal(a, b)  # the same accumulated grads reach the step
 
 
+def test_two_followers_of_one_optimizer_leave_no_sync_as_one_does(emu):
+    # Each no_sync() restores the flag it found: two followers (follow_accumulation twice, the
+    # callback attached twice) left it in the order they entered it, and the optimizer stayed
+    # inside no_sync() for good: no grad copied in backward any more, after the first window.
+    from accelerate import Accelerator
+
+    acc = Accelerator(gradient_accumulation_steps=4, cpu=True)
+    model = Net()
+    opt = offload.AdamW(model.parameters(), lr=1e-2, offload="cpu")
+    model, opt = acc.prepare(model, opt)
+    followers = [hf.follow_accumulation(opt, model), hf.follow_accumulation(opt, model)]
+    trainable = len(list(model.parameters()))
+    before = emu.queued["grad"]
+    for i, (x, y) in enumerate(_batches(8)):  # two accumulation windows of 4 micro-batches
+        with acc.accumulate(model):
+            acc.backward(model(x, y)["loss"])
+            assert emu.queued["grad"] - before == trainable * ((i + 1) // 4)  # copied by the window's last
+            opt.step()
+            opt.zero_grad()
+    for f in followers:
+        f.remove()
+    x, y = _batches(1)[0]
+    model(x, y)["loss"].backward()  # outside accumulate and without followers: copied at once
+    assert emu.queued["grad"] - before == 3 * trainable
+    params = [p.detach().clone() for p in model.parameters()]  # (the backward above was not stepped)
+    hf.offload_optimizer(opt).close()
+    _reset_accelerate()
+    for a, b in zip(params, _accelerate_run(True, emu)):  # one follower
+        assert torch.equal(a, b)
+
+
 def _trainer(callbacks, tmp_path, accumulation=4, max_steps=2):
     from transformers import Trainer, TrainingArguments
 

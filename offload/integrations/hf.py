@@ -49,6 +49,9 @@ def _sync_gradients() -> bool:
     return bool(GradientState().sync_gradients)
 
 
+_FOLLOWER: "weakref.WeakKeyDictionary[Any, AccumulationSync]" = weakref.WeakKeyDictionary()
+
+
 class AccumulationSync:
     """A forward pre-hook that keeps ``opt`` inside ``opt.no_sync()`` while accelerate's
     ``sync_gradients`` is false. Made by :func:`follow_accumulation`; ``remove()`` ends it."""
@@ -63,6 +66,12 @@ class AccumulationSync:
             return  # evaluation: no backward follows, nothing to decide
         opt = self._opt()
         if opt is None:
+            return
+        # One follower per optimizer (the callback attached twice, follow_accumulation called
+        # again): each no_sync() restores the flag it found on leaving, so two followers left
+        # in the order they entered put it back to True, and the optimizer stayed in no_sync()
+        # for good. The first one to run drives it; the others do nothing.
+        if _FOLLOWER.setdefault(opt, self) is not self:
             return
         accumulate = not _sync_gradients()
         if accumulate and self._inside is None:
@@ -86,6 +95,9 @@ class AccumulationSync:
         grads still on the device itself)."""
         self._handle.remove()
         self._leave()
+        opt = self._opt()
+        if opt is not None and _FOLLOWER.get(opt) is self:
+            del _FOLLOWER[opt]  # another follower of it may take over
 
 
 def _ddp_world() -> int:
