@@ -178,6 +178,20 @@ def test_auto_stage_and_device_take_the_overrides_values():
         from_deepspeed_config(cfg, torch.nn.Linear(4, 4).parameters(), offload="cpu")
 
 
+def test_a_key_given_twice_in_a_file_is_refused(tmp_path):
+    # json.load kept the last of two equal keys: the second "lr" (or a second "optimizer"
+    # block) replaced the first without a word; DeepSpeed's own loader refuses it.
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},\n'
+                    ' "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "lr": 1e-4}}}')
+    with pytest.raises(ValueError, match=r"^lr: given twice in one JSON object"):
+        from_deepspeed_config(path, torch.nn.Linear(2, 2).parameters())
+    path.write_text('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0}')
+    opt = from_deepspeed_config(path, torch.nn.Linear(2, 2).parameters())  # nested objects, no duplicate
+    assert opt.defaults["lr"] == 1e-3 and opt.max_grad_norm == 1.0
+    opt.close()
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(OSError) as info:
         from_deepspeed_config(tmp_path / "missing.json", [])

@@ -32,7 +32,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 
 from offload.config import IOConfig
-from offload.integrations.deepspeed_keys import IGNORED, MAPPED, _REFUSED, _SECTIONS
+from offload.integrations.deepspeed_keys import IGNORED, MAPPED, _REFUSED, _SECTIONS, _no_duplicate_keys
 
 __all__ = ["from_deepspeed_config", "deepspeed_kwargs", "deepspeed_shard_kwargs", "MAPPED", "IGNORED"]
 
@@ -125,7 +125,7 @@ def _load(config: Any) -> Mapping[str, Any]:
         path = os.fsdecode(config)
         try:
             with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+                data = json.load(f, object_pairs_hook=_no_duplicate_keys)
         except OSError as e:
             raise OSError(e.errno, f"cannot read the DeepSpeed config: {e.strerror}", path) from e
         except json.JSONDecodeError as e:

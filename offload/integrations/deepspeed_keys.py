@@ -3,7 +3,7 @@
 The tables are public (``MAPPED``, ``IGNORED``) so that a user can look a key up."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, List, Tuple
 
 __all__ = ["MAPPED", "IGNORED"]
 
@@ -91,3 +91,14 @@ _REFUSED: Dict[str, str] = {
 }
 
 _SECTIONS = ("zero_optimization", "aio", "optimizer", "gradient_clipping", "bf16", "fp16")
+
+
+def _no_duplicate_keys(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
+    """json.load's object_pairs_hook for a config file: json keeps the last of two equal keys
+    silently (a second "optimizer" block would replace the first); DeepSpeed refuses them."""
+    out: Dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"{key}: given twice in one JSON object (DeepSpeed refuses that too); keep one")
+        out[key] = value
+    return out
