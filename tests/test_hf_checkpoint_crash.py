@@ -106,3 +106,35 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
     trainer, opt = _trainer(tmp_path / "b", verify_weights=False)
     trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-4"))
     opt.close()
+
+
+def test_a_train_interrupted_in_the_process_gives_its_held_limit_back_on_the_next(tmp_path):
+    # The callback holds save_total_limit for a run and gives it back in on_train_end, which a
+    # train() that raised (Ctrl-C in a notebook) never reached: the next train() of the same
+    # Trainer found None, and kept every checkpoint.
+    from transformers import TrainerCallback
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    trainer, opt = _trainer(out, limit=2)
+    interrupt = Interrupt()
+    trainer.add_callback(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    trainer.remove_callback(interrupt)
+    trainer.train(resume_from_checkpoint=True)  # from checkpoint-2, in the same process
+    assert trainer.state.global_step == 6 and trainer.args.save_total_limit == 2
+    assert sorted(os.listdir(out)) == ["checkpoint-4", "checkpoint-6"]
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, hf.OffloadCallback))
+    assert cb._limit is None and cb._sync is None
+    resumed = [p.detach().clone() for p in trainer.model.parameters()]
+    opt.close()
+    trainer, opt = _trainer(tmp_path / "straight", limit=2)
+    trainer.train()
+    for a, b in zip(resumed, trainer.model.parameters()):
+        assert torch.equal(a, b)
+    opt.close()

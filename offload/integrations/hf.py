@@ -172,6 +172,7 @@ def _make_callback_class() -> type:
             return callback
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self._limit, self._sync = _end_interrupted_run(args, self._limit, self._sync)
             self._opt = offload_optimizer(self.optimizer if self.optimizer is not None else optimizer)
             if self._opt is None:
                 warnings.warn("OffloadCallback: the Trainer's optimizer is not an offload.Adam/AdamW; "
@@ -217,6 +218,17 @@ def _make_callback_class() -> type:
                     last.setdefault("grad_norm", norm)
 
     return OffloadCallback
+
+
+def _end_interrupted_run(args: Any, limit: Optional[int], sync: Optional[AccumulationSync]) -> tuple:
+    """What a train() that raised (a KeyboardInterrupt in a notebook) left, its on_train_end
+    never run: give back the save_total_limit it held (or this and every later train() of the
+    process would keep every checkpoint), and end its accumulation hook. Returns (None, None)."""
+    if limit is not None:
+        args.save_total_limit = limit
+    if sync is not None:
+        sync.remove()
+    return None, None
 
 
 def _resume_trainer(opt: Any, args: Any, state: Any, scheduler: Any, resume_from: Optional[str],
