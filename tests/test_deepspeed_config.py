@@ -422,6 +422,17 @@ def test_a_missing_nvme_path_fails_by_its_key_before_the_model_is_sharded(tmp_pa
                               torch.nn.Linear(2, 2).parameters(), swap_dir=str(tmp_path / "missing"))
 
 
+def test_nvme_path_under_the_home_directory(tmp_path, monkeypatch):
+    """"~/nvme" in a config file (no shell expands it) is the home directory's, in the
+    config's own check as in the optimizer's."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "nvme").mkdir()
+    opt = from_deepspeed_config(_cfg(offload_optimizer={"device": "nvme", "nvme_path": "~/nvme"}),
+                                torch.nn.Linear(2, 2).parameters())
+    assert opt.config.swap_dir == str(tmp_path / "nvme")
+    opt.close()
+
+
 def test_zero3_a_failure_after_sharding_says_so_and_a_retry_must_match(tmp_path):
     model = _Blocks()
     bad = _zero3({"device": "nvme", "nvme_path": str(tmp_path / "p")}, sub_group_size=1)

@@ -428,7 +428,7 @@ def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
     # came after the shard), and named by the config's key.
     for key, where in (("offload_optimizer", kwargs), ("offload_param", shard_kwargs or {})):
         path = where.get("swap_dir")
-        if path is not None and not os.path.isdir(path):
+        if path is not None and not os.path.isdir(os.path.expanduser(os.fsdecode(path))):  # "~/nvme" as the optimizer takes it
             name = (f"zero_optimization.{key}.nvme_path" if where is not kwargs or "swap_dir" not in overrides
                     else "swap_dir=")
             raise FileNotFoundError(errno.ENOENT, f"{name}: no such directory (create it on a local disk)", path)
