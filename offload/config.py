@@ -51,6 +51,10 @@ def parse_bytes(value: "int | str") -> int:
         raise ValueError(f"invalid byte size: {value!r} (not a finite number: too large, nan or inf)")
     if number < 0:
         raise ValueError(f"byte size must be >= 0, got {value!r}")
+    if _UNITS[unit] == 1 and number != math.floor(number):
+        # "4096.5" bytes: truncating would size a buffer or a budget other than the one
+        # written (a fraction of a larger unit, "0.9GiB", is floored to the byte below)
+        raise ValueError(f"invalid byte size: {value!r} (not a whole number of bytes)")
     # Whole numbers exactly: float("9223372036854775807") rounds up to 2**63.
     whole = int(num) if num.isdigit() else number
     return _bounded(int(whole * _UNITS[unit]), value)

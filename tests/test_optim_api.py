@@ -84,6 +84,10 @@ def test_parse_bytes_refuses_non_finite():
     with pytest.raises(ValueError, match="not a finite number"):
         parse_bytes("1e400")
     assert parse_bytes("1.5K") == 1536
+    assert parse_bytes("1e3") == 1000 and parse_bytes("4096.0B") == 4096
+    for fractional in ("4096.5", "0.5b", "1.25"):  # bytes are whole: not truncated to fewer
+        with pytest.raises(ValueError, match="not a whole number of bytes"):
+            parse_bytes(fractional)
 
 
 def test_load_tuning_names_a_binary_file(tmp_path):
