@@ -369,14 +369,14 @@ int64_t adam_bf16_loop(const CompressedStep &s, int64_t begin, int64_t end) {
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
         // [Note: software prefetch] (kernel.h): this loop gained the most from it
-        if (((i - begin) & 31) == 0 && i + kPrefetchAhead < end) {
+        if (r.prefetch && ((i - begin) & 31) == 0 && i + kPrefetchAhead < end) {
             const int64_t j = i + kPrefetchAhead;
             prefetch_read(r.grad, j * grad_bytes(G));
             prefetch_write(r.param, j * pbytes);
             prefetch_write(r.m, j * 2);
             prefetch_write(r.v, j * 2);
         }
-        if (((i - begin) & 31) == 16 && i + kPrefetchAhead < end) {  // the 4-byte streams' second line
+        if (r.prefetch && ((i - begin) & 31) == 16 && i + kPrefetchAhead < end) {  // the 4-byte streams' second line
             const int64_t j = i + kPrefetchAhead;
             if (G == OFFLOAD_F32) prefetch_read(r.grad, j * 4);
             if (!PB16) prefetch_write(r.param, j * 4);

@@ -39,7 +39,7 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
                 i += peel;
             }
             for (const int64_t start = i; i + kLanes <= end; i += kLanes) {
-                if (((i - start) & 15) == 0) adam_prefetch<G>(b, i, end);
+                if (b.prefetch && ((i - start) & 15) == 0) adam_prefetch<G>(b, i, end);
                 adam_full<G, L, L2, FROM_END, true>(vc, b, i);
             }
             if (i < end) adam_part<G, L, L2, FROM_END>(vc, b, i, end);
@@ -48,7 +48,7 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
         }
     }
     for (const int64_t start = i; i + kLanes <= end; i += kLanes) {
-        if (((i - start) & 15) == 0) adam_prefetch<G>(b, i, end);
+        if (b.prefetch && ((i - start) & 15) == 0) adam_prefetch<G>(b, i, end);
         adam_full<G, L, L2, FROM_END, false>(vc, b, i);
     }
     if (i < end) adam_part<G, L, L2, FROM_END>(vc, b, i, end);

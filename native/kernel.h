@@ -20,9 +20,13 @@ namespace offload {
 // one core to reach its memory bandwidth; the hardware prefetchers of the Intel Xeon
 // (Sapphire Rapids, 2 vCPUs) measured here did not make up for it. There, 100M elements, one
 // thread: AdamW over bf16 moments 127-142 -> 104-112 ms, fp32 Adam 141-150 -> 132-135 ms,
-// SGD / Adagrad / Lion ~8 % faster; on Zen 4 (thirteenth session, the bf16 loop alone) 512
-// ahead changed nothing measurable. A
-// prefetch never faults and changes no value; past the range's end it is not issued.
+// SGD / Adagrad / Lion ~8 % faster. On an AMD EPYC (Zen 4, 2 vCPUs; twenty-eighth session,
+// two builds alternated in one process, 100M elements) the same prefetches made fp32 AdamW
+// 15-30 % slower on one thread and 8-15 % on two, bf16 moments 2-6 %: there the hardware
+// prefetchers keep up, and the extra requests only compete with them. So the loops prefetch
+// where the step asks (offload_step_args.prefetch), by default on Intel CPUs only
+// (dispatch.cpp). A prefetch never faults and changes no value; past the range's end it is
+// not issued.
 constexpr int64_t kPrefetchAhead = 512;
 inline void prefetch_read(const void *p, int64_t byte_offset) {
     __builtin_prefetch(static_cast<const char *>(p) + byte_offset, 0, 3);
@@ -59,6 +63,7 @@ struct AdamBuffers {
     // Nonzero: write the lowp copy with non-temporal stores (see [Note: streamed lowp copy]
     // in dispatch.cpp). A hint only: the scalar unit ignores it, and the values are the same.
     int stream_lowp;
+    int prefetch;  // nonzero: software prefetch ([Note: software prefetch]); a hint as well
 };
 
 // Update elements [begin, end). Returns 0 or -EINVAL for an unknown dtype.
@@ -77,6 +82,7 @@ struct RuleBuffers {
     int stream_lowp;  // as in AdamBuffers
     float *state1 = nullptr;  // AMSGrad's exp_avg_sq
     float *state2 = nullptr;  // AMSGrad's max_exp_avg_sq
+    int prefetch = 0;         // as in AdamBuffers
 };
 
 // Update elements [begin, end) by the rule's step. Returns 0 or -EINVAL (unknown dtype or
@@ -173,6 +179,7 @@ struct CompressedStep {
     Q8Tables q8[OFFLOAD_MAX_STATES]; // Q8S / Q8U states only
     int64_t offset;                  // random stream index of element 0
     uint32_t seed;
+    int prefetch;                    // as in AdamBuffers (the fused bf16 Adam loop's)
 };
 
 // AdamW over two BF16 states in one loop ([Note: fused bf16 Adam] in adam_avx512.cpp): the
@@ -187,6 +194,7 @@ struct Bf16AdamStep {
     bool sp, sm, sv;           // stochastic: param (when bf16), exp_avg, exp_avg_sq
     uint32_t kp, kmv;          // stream keys: the param's; the moments' (one hash, two halves)
     uint32_t offset;           // stream index of element 0, mod 2**32
+    bool prefetch;
     explicit Bf16AdamStep(const CompressedStep &s)
         : param(s.param.data), grad(s.grad), m(static_cast<uint16_t *>(s.states[0].data)),
           v(static_cast<uint16_t *>(s.states[1].data)), lowp(s.lowp),
@@ -194,7 +202,7 @@ struct Bf16AdamStep {
           sm(s.states[0].rounding == OFFLOAD_ROUND_STOCHASTIC),
           sv(s.states[1].rounding == OFFLOAD_ROUND_STOCHASTIC),
           kp(stream_key(s.seed, 0)), kmv(stream_key(s.seed, 1)),
-          offset(static_cast<uint32_t>(static_cast<uint64_t>(s.offset))) {}
+          offset(static_cast<uint32_t>(static_cast<uint64_t>(s.offset))), prefetch(s.prefetch != 0) {}
 };
 
 // Elements [begin, end) of a compressed step, begin a multiple of kTile. Returns 0 or -EINVAL.

@@ -22,6 +22,9 @@ extern "C" {
 enum { OFFLOAD_F32 = 0, OFFLOAD_F16 = 1, OFFLOAD_BF16 = 2, OFFLOAD_Q8S = 3, OFFLOAD_Q8U = 4 };
 #define OFFLOAD_Q8_BLOCK 256
 #define OFFLOAD_Q8_PACKED 260
+/* software prefetch in the kernels' streaming loops: AUTO takes the machine's default (on for
+ * Intel CPUs, off for the others: [Note: software prefetch] in native/kernel.h) */
+enum { OFFLOAD_PREFETCH_AUTO = 0, OFFLOAD_PREFETCH_ON = 1, OFFLOAD_PREFETCH_OFF = 2 };
 /* how a BF16 param or state is rounded after its update */
 enum { OFFLOAD_ROUND_NEAREST = 0, OFFLOAD_ROUND_STOCHASTIC = 1 };
 /* instruction sets; -1 asks for the best one the CPU supports. AVX512VBMI is the AVX-512
@@ -34,7 +37,8 @@ enum { OFFLOAD_ISA_BEST = -1, OFFLOAD_ISA_SCALAR = 0, OFFLOAD_ISA_AVX2 = 1, OFFL
 OFFLOAD_API int offload_isa_supported(int isa);
 /* The ISA that OFFLOAD_ISA_BEST selects. */
 OFFLOAD_API int offload_isa_best(void);
-/* ABI version of this face (3: Q8 / BF16 states, BF16 params, struct offload_quant; 4: Q8U codes square roots); the Python side refuses a library whose version differs. */
+/* ABI version of this face (3: Q8 / BF16 states, BF16 params, struct offload_quant; 4: Q8U codes
+ * square roots; 5: offload_rule_steps, the prefetch switch); the Python side refuses a library whose version differs. */
 OFFLOAD_API int offload_abi_version(void);
 
 /* Optimizer rules a step can apply; the codes of offload.kernels.fields.RULES. */
@@ -163,8 +167,12 @@ struct offload_step_args {
     int32_t isa;                   /* OFFLOAD_ISA_* */
     int32_t num_threads;           /* >= 1; threads are spawned for this call only, when n is
                                       large enough (a thread's range starts at a multiple of
-                                      OFFLOAD_Q8_BLOCK when a state is Q8) */
+                                      OFFLOAD_Q8_BLOCK when a state is Q8); offload_rule_steps
+                                      takes its own count instead */
     struct offload_quant quant;
+    int32_t prefetch;              /* OFFLOAD_PREFETCH_*: software prefetch in the streaming
+                                      loops, a hint that never changes a value */
+    int32_t reserved;              /* 0 */
 };
 
 /* sizeof(struct offload_step_args) as this library was compiled. */
@@ -175,6 +183,15 @@ OFFLOAD_API int64_t offload_step_args_size(void);
  * Returns 0, -EINVAL (bad argument: unknown rule, state count, dtype, n < 0, NULL pointer),
  * -ENOTSUP (isa not supported by this CPU). */
 OFFLOAD_API int offload_rule_step(const struct offload_step_args *a);
+
+/* The steps of args[0..count) in one call, as offload_rule_step would run each, the elements
+ * of all of them spread over up to num_threads threads together (each struct's num_threads
+ * is checked, not used). Every struct is checked before any memory is touched: on a bad one
+ * nothing is updated, its index goes to *out_bad (when not NULL; else -1) and its error is
+ * returned. No array a struct writes may overlap an array of another struct.
+ * Returns 0, -EINVAL, -ENOTSUP or -ENOMEM (before anything ran). */
+OFFLOAD_API int offload_rule_steps(const struct offload_step_args *args, int64_t count,
+                                   int num_threads, int64_t *out_bad);
 
 /* Sum of squares of float(grad[0..n)) accumulated in double, and whether any element is
  * NaN or Inf, in one pass. */

@@ -169,7 +169,7 @@ void rule_loop(const Body &body, const RuleBuffers &b, int64_t begin, int64_t en
                 i += peel;
             }
             for (const int64_t start = i; i + kLanes <= end; i += kLanes) {
-                if (((i - start) & 15) == 0) rule_prefetch<G>(b, i, end);
+                if (b.prefetch && ((i - start) & 15) == 0) rule_prefetch<G>(b, i, end);
                 body.template vec<G, L, true>(b, i);
             }
             if (i < end) rule_part<G, L>(body, b, i, end);
@@ -178,7 +178,7 @@ void rule_loop(const Body &body, const RuleBuffers &b, int64_t begin, int64_t en
         }
     }
     for (const int64_t start = i; i + kLanes <= end; i += kLanes) {
-        if (((i - start) & 15) == 0) rule_prefetch<G>(b, i, end);
+        if (b.prefetch && ((i - start) & 15) == 0) rule_prefetch<G>(b, i, end);
         body.template vec<G, L, false>(b, i);
     }
     if (i < end) rule_part<G, L>(body, b, i, end);

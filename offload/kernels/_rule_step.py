@@ -9,7 +9,7 @@ neither pays for the other's argument form on the per-param hot path.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -18,7 +18,7 @@ from .fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, RULES, SGD, SGD_PLAIN, Ru
 from .quant import QuantArgs
 from .rule_consts import adagrad_args, lion_args, sgd_args, sgd_plain_args
 
-__all__ = ["RULE_CODES", "RuleStepFace", "resolve_rule"]
+__all__ = ["RULE_CODES", "RuleStepFace", "StepEntry", "batch_plan", "resolve_rule"]
 
 # rule -> its code in the native face (OFFLOAD_RULE_* in native/offload_native.h); a new
 # rule is one entry here and one in _KERNELS, plus its method on each backend
@@ -120,6 +120,50 @@ def _bind(k: _Kernel, step, hyper: Mapping[str, object]) -> tuple:
         raise err from None
 
 
+class StepEntry(NamedTuple):
+    """One tensor of a batched step (``RuleStepFace.checked_rule_steps``): contiguous tensors
+    of any shape, checked by the caller."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    states: Tuple[torch.Tensor, ...]
+    """In the field order of the rule as stored."""
+    param_lowp: Optional[torch.Tensor]
+    step: int
+    quant: Optional[QuantArgs]
+    """None: a float32 rule over a float32 param (``checked_rule_step``); else the rounding
+    of compressed states or a bfloat16 param (``rule_step``'s compressed path)."""
+
+
+def _resolved(rule: Rule) -> Rule:
+    known = _RESOLVED.get(rule)
+    if known is None:  # resolving builds the rule's three forms: once per rule, not per call
+        known = _RESOLVED[rule] = resolve_rule(rule)
+    return known
+
+
+def batch_plan(rule: Rule, entries: Sequence[StepEntry], hyper: Any
+               ) -> Iterator[Tuple[_Kernel, Rule, tuple, Optional[QuantArgs], tuple]]:
+    """(kernel, rule as stored, (param, grad, states, param_lowp), quant, hyperparameters as
+    the kernel's method takes them) of each non-empty entry; ``hyper.kernel_kwargs(step)``
+    is bound once per distinct step."""
+    bound: Dict[int, tuple] = {}
+    for e in entries:
+        if not e.param.numel():
+            continue
+        if e.quant is None:
+            k, stored = (_ADAM_KERNEL if rule is ADAM else _KERNELS[rule]), rule
+        else:
+            stored = _resolved(rule)
+            k = _KERNELS[stored.base]
+        args = bound.get(e.step)
+        if args is None:
+            kwargs = hyper.kernel_kwargs(e.step)
+            kwargs.pop("step", None)  # (bound positionally)
+            args = bound[e.step] = _bind(k, e.step, kwargs)
+        yield k, stored, (e.param, e.grad, e.states, e.param_lowp), e.quant, args
+
+
 class RuleStepFace:
     """Mixin: a backend defines each rule's method, for Adam ``_adam(param, grad, states,
     param_lowp, num_threads, hyper)``, called with checked, non-empty tensors, ``states`` in
@@ -162,14 +206,27 @@ class RuleStepFace:
         if param.numel():
             getattr(self, k.method)(param, grad, states, param_lowp, num_threads, args)
 
+    def checked_rule_steps(self, rule: Rule, entries: Sequence[StepEntry], hyper: Any,
+                           num_threads: Optional[int] = None) -> None:
+        """One step of ``rule`` (as ``functional.rule_step`` passes it) over every entry,
+        whose tensors the caller has checked; ``hyper.kernel_kwargs(step)`` gives each
+        entry's hyperparameters. This default steps them one by one through the flat forms;
+        the native backend runs the whole batch in one call."""
+        names = rule.names
+        for e in entries:
+            fp, fg, fs = e.param.view(-1), e.grad.view(-1), tuple(t.view(-1) for t in e.states)
+            fl = None if e.param_lowp is None else e.param_lowp.view(-1)
+            if e.quant is None:
+                self.checked_rule_step(rule, fp, fg, fs, param_lowp=fl, num_threads=num_threads,
+                                       **hyper.kernel_kwargs(e.step))
+            else:
+                self.rule_step(rule, fp, fg, dict(zip(names, fs)), param_lowp=fl, num_threads=num_threads,
+                               rounding_seed=e.quant.seed, element_offset=e.quant.offset,
+                               stochastic_states=e.quant.stochastic_states, **hyper.kernel_kwargs(e.step))
+
     def _rule_step_compressed(self, rule, param, grad, states, step, param_lowp, num_threads,
                               q: QuantArgs, hyper) -> None:
-        known = _RESOLVED.get(rule) if isinstance(rule, Rule) else None
-        if known is None:  # resolving builds the rule's three forms: once per rule, not per call
-            known = resolve_rule(rule)
-            if isinstance(rule, Rule):
-                _RESOLVED[rule] = known
-        rule = known
+        rule = _resolved(rule) if isinstance(rule, Rule) else resolve_rule(rule)
         k = _KERNELS[rule.base]
         ordered = check_states(rule, states, k.names)
         n = check_compressed_args(param, grad, rule.fields, ordered, param_lowp, step,

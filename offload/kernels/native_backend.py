@@ -20,7 +20,7 @@ from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
 from . import quant
 from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, AMSGRAD_STEP, COMPRESSED_STEP, LION_CONSTS,
                           SGD_CONSTS, STEP_STATES, StepArgs)
-from ._rule_step import RULE_CODES, RuleStepFace
+from ._rule_step import RULE_CODES, RuleStepFace, batch_plan
 from ._threads import resolve_threads
 from .adam_consts import FoldCache
 from .fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, SGD
@@ -31,7 +31,7 @@ __all__ = ["NativeBackend", "LIB_PATH", "ISA_CODES", "load_library"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_PATH = os.path.join(HERE, "liboffload_native.so")
 ERROR_PATH = os.path.join(HERE, "native_build_error.txt")
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # avx512vbmi: the avx512 unit with VBMI byte permutes for int8 states (the same bits, faster;
 # native/q8_avx512vbmi.cpp); supported only where the CPU has VBMI
@@ -41,6 +41,7 @@ _ADAM_CODE, _AMSGRAD_CODE = RULE_CODES[ADAM], RULE_CODES[ADAM_AMSGRAD]
 _F32 = GRAD_DTYPES[torch.float32]
 _BF16, _Q8S, _Q8U = GRAD_DTYPES[torch.bfloat16], 3, 4  # OFFLOAD_BF16 / OFFLOAD_Q8S / OFFLOAD_Q8U
 _NEAREST, _STOCHASTIC = 0, 1  # OFFLOAD_ROUND_*
+_PREFETCH_CODES = {"": 0, "auto": 0, "1": 1, "on": 1, "0": 2, "off": 2}  # OFFLOAD_PREFETCH_*
 # quant.py's tables, the ones every backend encodes with; the library reads them through raw
 # pointers, so this module holds them (contiguous float32) for the life of the process
 _TABLES = tuple(t.to(torch.float32).contiguous()
@@ -81,6 +82,8 @@ def load_library() -> ctypes.CDLL:
                       f"{ctypes.sizeof(StepArgs)}; rebuild the library", LIB_PATH)
     lib.offload_rule_step.restype = _c_int
     lib.offload_rule_step.argtypes = [ctypes.c_char_p]  # the packed bytes of one StepArgs
+    lib.offload_rule_steps.restype = _c_int
+    lib.offload_rule_steps.argtypes = [ctypes.c_char_p, _c_i64, _c_int, ctypes.POINTER(_c_i64)]
     lib.offload_grad_sumsq.restype = _c_int
     lib.offload_grad_sumsq.argtypes = [_vp, _c_int, _c_i64, ctypes.POINTER(_c_dbl),
                                        ctypes.POINTER(_c_int), _c_int, _c_int]
@@ -109,6 +112,7 @@ class NativeBackend(RuleStepFace):
         self.supported = [n for n, c in ISA_CODES.items() if self._lib.offload_isa_supported(c)]
         self.best = ISA_NAMES[self._lib.offload_isa_best()]
         self._isa_cache = None  # (raw $OFFLOAD_ISA, resolved name): re-resolved when it changes
+        self._prefetch_cache = None  # (raw $OFFLOAD_PREFETCH, OFFLOAD_PREFETCH_* code)
         self._fold = FoldCache(lambda c: ADAM_CONSTS.pack(*c))  # the struct's bytes
         self._folds = {  # method name -> (rule code, fold to the consts struct's bytes)
             "sgd": (RULE_CODES[SGD], RuleFoldCache(fold_sgd, 8, lambda c: SGD_CONSTS.pack(*c))),
@@ -145,26 +149,93 @@ class NativeBackend(RuleStepFace):
         if rc != 0:
             raise OSError(-rc, f"{what} failed: {os.strerror(-rc)}")
 
-    def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        consts = self._fold(hyper)
+    # Each rule's struct is packed by a _pack_* method (isa: its OFFLOAD_ISA code, threads
+    # resolved); _adam & co. run one, checked_rule_steps a batch ([Note: batched steps] in
+    # native/dispatch.cpp).
+    def _pack_adam(self, param, grad, states, param_lowp, threads, hyper, isa) -> bytes:
         m, v = states
         lowp_ptr, lowp_code = _lowp(param_lowp)
-        args = ADAM_STEP.pack(
+        return ADAM_STEP.pack(
             _ADAM_CODE, 2, param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
             GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, m.data_ptr(), _F32, v.data_ptr(), _F32,
-            consts, ISA_CODES[self.isa()], resolve_threads(num_threads))
+            self._fold(hyper), isa, threads, self._prefetch())
+
+    def _pack_adam_amsgrad(self, param, grad, states, param_lowp, threads, hyper, isa) -> bytes:
+        m, v, vmax = states
+        lowp_ptr, lowp_code = _lowp(param_lowp)
+        return AMSGRAD_STEP.pack(
+            _AMSGRAD_CODE, 3, param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
+            GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, m.data_ptr(), _F32, v.data_ptr(), _F32,
+            vmax.data_ptr(), _F32, self._fold(hyper), isa, threads, self._prefetch())
+
+    def _pack_one_state(self, rule: str, param, grad, states, param_lowp, threads, hyper, isa) -> bytes:
+        """A rule with at most one state (SGD's buffer, Adagrad's sum, Lion's exp_avg), in
+        the same struct as Adam's."""
+        code, fold = self._folds[rule]
+        lowp_ptr, lowp_code = _lowp(param_lowp)
+        state = tuple(x for s in states for x in (s.data_ptr(), _F32))
+        return STEP_STATES[len(states)].pack(
+            code, len(states), param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
+            GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, *state, fold(hyper), isa, threads,
+            self._prefetch())
+
+    def _pack_sgd(self, *args) -> bytes:
+        return self._pack_one_state("sgd", *args)
+
+    def _pack_adagrad(self, *args) -> bytes:
+        return self._pack_one_state("adagrad", *args)
+
+    def _pack_lion(self, *args) -> bytes:
+        return self._pack_one_state("lion", *args)
+
+    def _pack_compressed(self, method, fields, param, grad, states, param_lowp, threads, hyper,
+                         q, isa) -> bytes:
+        """A step with bfloat16 / packed int8 states and/or a bfloat16 param, for the fused
+        kernel ([Note: fused tiles] in native/compressed_tile.h), the constants folded as the
+        float32 methods fold them."""
+        if method in ("_adam", "_adam_amsgrad"):
+            code, consts = (_ADAM_CODE if method == "_adam" else _AMSGRAD_CODE), self._fold(hyper)
+        else:
+            code, fold = self._folds[method[1:]]
+            consts = fold(hyper)
+        codes = _state_codes(fields, q.stochastic_states)
+        arrays = [x for t, (dtype, rounding) in zip(states, codes)
+                  for x in (t.data_ptr(), dtype, rounding)]
+        # a bfloat16 param is its own master: always rounded stochastically
+        p_code, p_round = (_BF16, _STOCHASTIC) if param.dtype == torch.bfloat16 else (_F32, 0)
+        lowp_ptr, lowp_code = _lowp(param_lowp)
+        return COMPRESSED_STEP[len(states)].pack(
+            code, len(states), param.numel(), param.data_ptr(), p_code, p_round, grad.data_ptr(),
+            GRAD_DTYPES[grad.dtype], 0, lowp_ptr, lowp_code, 0, *arrays, consts,
+            isa, threads, *_TABLE_PTRS, q.offset, q.seed, 0, self._prefetch())
+
+    def _isa_code(self) -> int:
+        return ISA_CODES[self.isa()]
+
+    def _prefetch(self) -> int:
+        """OFFLOAD_PREFETCH_* from $OFFLOAD_PREFETCH: unset or "auto", the library's choice
+        for this CPU ([Note: software prefetch] in native/kernel.h); "1"/"on" or "0"/"off"
+        force it (benchmarks, and the test that holds both to the same bits)."""
+        raw = os.environ.get("OFFLOAD_PREFETCH", "")
+        cached = self._prefetch_cache
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        want = raw.strip().lower()
+        if want not in _PREFETCH_CODES:
+            raise ValueError(f"OFFLOAD_PREFETCH={raw!r} is not one of auto, on, off (or 1, 0)")
+        self._prefetch_cache = (raw, _PREFETCH_CODES[want])
+        return _PREFETCH_CODES[want]
+
+    def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        args = self._pack_adam(param, grad, states, param_lowp, resolve_threads(num_threads), hyper,
+                               self._isa_code())
         rc = self._lib.offload_rule_step(args)
         if rc != 0:
             self._check(rc, "offload_rule_step")
 
     def _adam_amsgrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        m, v, vmax = states
-        lowp_ptr, lowp_code = _lowp(param_lowp)
-        args = AMSGRAD_STEP.pack(
-            _AMSGRAD_CODE, 3, param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
-            GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, m.data_ptr(), _F32, v.data_ptr(), _F32,
-            vmax.data_ptr(), _F32, self._fold(hyper), ISA_CODES[self.isa()],
-            resolve_threads(num_threads))
+        args = self._pack_adam_amsgrad(param, grad, states, param_lowp, resolve_threads(num_threads),
+                                       hyper, self._isa_code())
         self._rule_rc(self._lib.offload_rule_step(args), "adam_amsgrad")
 
     def _rule_rc(self, rc: int, rule: str) -> None:
@@ -177,15 +248,8 @@ class NativeBackend(RuleStepFace):
             self._check(rc, "offload_rule_step")
 
     def _one_state(self, rule: str, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        """A step of a rule with at most one state (SGD's buffer, Adagrad's sum, Lion's
-        exp_avg), through the same struct as Adam's."""
-        code, fold = self._folds[rule]
-        lowp_ptr, lowp_code = _lowp(param_lowp)
-        state = tuple(x for s in states for x in (s.data_ptr(), _F32))
-        args = STEP_STATES[len(states)].pack(
-            code, len(states), param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
-            GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, *state, fold(hyper),
-            ISA_CODES[self.isa()], resolve_threads(num_threads))
+        args = self._pack_one_state(rule, param, grad, states, param_lowp, resolve_threads(num_threads),
+                                    hyper, self._isa_code())
         self._rule_rc(self._lib.offload_rule_step(args), rule)
 
     def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
@@ -199,27 +263,33 @@ class NativeBackend(RuleStepFace):
 
     def _compressed(self, method, fields, param, grad, states, param_lowp, num_threads, hyper,
                     q) -> None:
-        """A step with bfloat16 / packed int8 states and/or a bfloat16 param: one call of the
-        fused kernel ([Note: fused tiles] in native/compressed_tile.h), the constants folded
-        as the float32 methods fold them."""
-        if method in ("_adam", "_adam_amsgrad"):
-            code, consts = (_ADAM_CODE if method == "_adam" else _AMSGRAD_CODE), self._fold(hyper)
-        else:
-            code, fold = self._folds[method[1:]]
-            consts = fold(hyper)
-        codes = _state_codes(fields, q.stochastic_states)
-        arrays = [x for t, (dtype, rounding) in zip(states, codes)
-                  for x in (t.data_ptr(), dtype, rounding)]
-        # a bfloat16 param is its own master: always rounded stochastically
-        p_code, p_round = (_BF16, _STOCHASTIC) if param.dtype == torch.bfloat16 else (_F32, 0)
-        lowp_ptr, lowp_code = _lowp(param_lowp)
-        args = COMPRESSED_STEP[len(states)].pack(
-            code, len(states), param.numel(), param.data_ptr(), p_code, p_round, grad.data_ptr(),
-            GRAD_DTYPES[grad.dtype], 0, lowp_ptr, lowp_code, 0, *arrays, consts,
-            ISA_CODES[self.isa()], resolve_threads(num_threads), *_TABLE_PTRS, q.offset, q.seed, 0)
+        args = self._pack_compressed(method, fields, param, grad, states, param_lowp,
+                                     resolve_threads(num_threads), hyper, q, self._isa_code())
         rc = self._lib.offload_rule_step(args)
         if rc != 0:
             self._check(rc, "offload_rule_step (compressed states)")
+
+    def checked_rule_steps(self, rule, entries, hyper, num_threads=None) -> None:
+        """``RuleStepFace.checked_rule_steps`` in one call of ``offload_rule_steps``: every
+        struct packed first, then all the tensors' blocks spread over one set of threads."""
+        if not entries:
+            return
+        threads, isa = resolve_threads(num_threads), self._isa_code()
+        packed = []
+        for k, stored, tensors, q, args in batch_plan(rule, entries, hyper):
+            if q is None:
+                packed.append(getattr(self, "_pack" + k.method)(*tensors, threads, args, isa))
+            else:
+                packed.append(self._pack_compressed(k.method, stored.fields, *tensors, threads,
+                                                    args, q, isa))
+        bad = _c_i64(-1)
+        rc = self._lib.offload_rule_steps(b"".join(packed), len(packed), threads, ctypes.byref(bad))
+        if rc != 0:
+            what = f"offload_rule_steps ({rule.name}, tensor {bad.value} of the batch)"
+            if rc == -errno.EINVAL:
+                raise OSError(errno.EINVAL, f"{LIB_PATH} refused {what} (Invalid argument): a "
+                              "library built before this rule? rebuild it", LIB_PATH)
+            self._check(rc, what)
 
     def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from offload.kernels import get_backend
+from offload.kernels._rule_step import StepEntry
 from offload.kernels._checks import check_compressed_args, check_grad_scale, check_states, check_step_args
 from offload.kernels.fields import ADAM, Rule
 from offload.kernels.quant import QuantArgs
@@ -120,27 +121,26 @@ def rule_step(
     kernel = get_backend(backend)
     quant = _quant_args(rule, n, rounding_seeds, stochastic_states)
     _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_threads, quant)
+    entries, copied = [], []
     for i in range(n):
-        p, g = params[i], grads[i]
+        p = params[i]
         if p.numel() == 0:
             continue
         lowp = params_lowp[i] if params_lowp is not None else None
-        fp, fg = _flat(p), _flat(g)
-        fstates = [_flat(lst[i]) for lst in lists]
-        flat_lowp = _flat(lowp) if lowp is not None else None
-        if quant is None:  # checked above (_check_all): not again per tensor
-            kernel.checked_rule_step(rule, fp, fg, tuple(fstates), param_lowp=flat_lowp, num_threads=num_threads,
-                                     **hyper.kernel_kwargs(int(steps[i])))
-        else:
-            kernel.rule_step(rule, fp, fg, dict(zip(names, fstates)), param_lowp=flat_lowp, num_threads=num_threads,
-                             rounding_seed=quant[i].seed, stochastic_states=quant[i].stochastic_states,
-                             **hyper.kernel_kwargs(int(steps[i])))
-        # A non-contiguous tensor was updated through a copy: write it back.
-        for orig, tmp in [(p, fp)] + [(lst[i], t) for lst, t in zip(lists, fstates)]:
-            if not _shares_storage(orig, tmp):
+        tensors = (p, grads[i], *(lst[i] for lst in lists)) + (() if lowp is None else (lowp,))
+        dense = tuple(t if t.is_contiguous() else t.contiguous() for t in tensors)
+        if any(a is not b for a, b in zip(dense, tensors)):
+            copied.append((tensors, dense))
+        k = 2 + len(lists)
+        entries.append(StepEntry(dense[0], dense[1], dense[2:k], dense[k] if lowp is not None else None,
+                                 int(steps[i]), None if quant is None else quant[i]))
+    # checked above (_check_all): the kernel does not check each tensor again
+    kernel.checked_rule_steps(rule, entries, hyper, num_threads)
+    # A non-contiguous tensor was updated through a copy: write it back (the grad was only read).
+    for tensors, dense in copied:
+        for j, (orig, tmp) in enumerate(zip(tensors, dense)):
+            if j != 1 and orig is not tmp:
                 orig.copy_(tmp.view_as(orig))
-        if lowp is not None and not _shares_storage(lowp, flat_lowp):
-            lowp.copy_(flat_lowp.view_as(lowp))
 
 
 def _rule_of(hyper: Any, rule: Optional[Rule]) -> Rule:
@@ -198,7 +198,3 @@ def _who(rule: Rule) -> str:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
-
-
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.numel() == 0 or a.data_ptr() == b.data_ptr()
