@@ -128,6 +128,7 @@ def test_a_failed_step_leaves_the_counts_as_they_were(tmp_path, monkeypatch):
     # the store keeps the shared backend object: patching its face reaches the store's step
     monkeypatch.setattr(get_backend(None), "rule_step", boom)
     monkeypatch.setattr(get_backend(None), "checked_rule_step", boom)
+    monkeypatch.setattr(get_backend(None), "checked_rule_steps", boom)
     with pytest.raises(RuntimeError, match="no kernel today"):
         st.step(batches_for(params, list(steps), 2, SPLIT))
     monkeypatch.undo()

@@ -339,6 +339,73 @@ def test_two_optimizers_loaded_from_one_state_dict_keep_their_own_steps():
     assert float(sd["state"][0]["step"]) == 2.0
 
 
+def test_step_tensors_handed_out_are_never_counted_up_in_place():
+    """[Note: step tensors] in offload/optim/context.py: counted up in place until
+    state_dict() hands them out or a load brings another dict's; the values always torch's."""
+    model = make_model()
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    p = next(model.parameters())
+    train(model, opt, batches(2))
+    held = opt.state[p]["step"]
+    train(model, opt, batches(1))
+    assert held is opt.state[p]["step"] and float(held) == 3.0  # as torch's Adam: in place
+    handed = opt.state_dict()["state"][0]["step"]
+    assert handed is held
+    train(model, opt, batches(2))
+    assert float(handed) == 3.0 and float(opt.state[p]["step"]) == 5.0
+    own = torch.tensor(7.0)  # a step tensor the user put there
+    opt.state[p]["step"] = own
+    train(model, opt, batches(1))
+    assert float(own) == 7.0 and float(opt.state[p]["step"]) == 8.0
+
+
+def test_a_failed_step_puts_back_counts_counted_in_place(monkeypatch):
+    model = make_model()
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, batches(2))
+    steps = {id(p): opt.state[p]["step"] for p in model.parameters()}
+    from offload.kernels import get_backend
+
+    def boom(*a, **kw):
+        raise MemoryError("injected")
+
+    backend = get_backend(opt.backend)
+    for name in ("checked_rule_steps", "checked_rule_step", "rule_step"):
+        monkeypatch.setattr(backend, name, boom)
+    with pytest.raises(MemoryError):
+        train(model, opt, batches(1))
+    monkeypatch.undo()
+    for p in model.parameters():
+        assert float(opt.state[p]["step"]) == 2.0, "a count the failed step raised stayed raised"
+        assert opt.state[p]["step"] is steps[id(p)]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_as_the_user_left_it_after_a_step(monkeypatch, enabled):
+    """[Note: no collection inside a step] in offload/optim/step_guard.py."""
+    import gc
+
+    model = make_model()
+    opt = offload.AdamW(model.parameters(), lr=1e-2)
+    seen = []
+    monkeypatch.setattr(opt, "_store_step", lambda work, m: seen.append(gc.isenabled()) or {})
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        train(model, opt, batches(1))
+        assert seen == [False] and gc.isenabled() is enabled
+
+        def fail(work, m):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(opt, "_store_step", fail)
+        with pytest.raises(RuntimeError, match="injected"):
+            train(model, opt, batches(1))
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 def test_add_param_group_of_another_kind_after_construction_is_a_clear_error():
     opt = offload.AdamW([torch.nn.Parameter(torch.zeros(3))])
     opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(5))], "lr": 0.1})  # fp32: fine

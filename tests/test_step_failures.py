@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import offload
+from offload.kernels._rule_step import RuleStepFace
 from offload.swap import SwapStepError
 from test_swap_util import faulty_swap_engines
 import _internals as internals
@@ -241,6 +242,11 @@ class _Kernel:
         self._call()
         return self.inner.checked_rule_step(*a, **kw)
 
+    def checked_rule_steps(self, rule, entries, hyper, num_threads=None):
+        # one call per tensor, as the default face steps a batch (the native backend's one
+        # call cannot fail half-way): the injected failure lands in the middle of the batch
+        return RuleStepFace.checked_rule_steps(self, rule, entries, hyper, num_threads)
+
 
 def _patch_kernel(monkeypatch, opt, kernel_factory):
     """Wrap the kernel backend every store of ``opt`` steps with (the backend object is shared:
@@ -254,6 +260,7 @@ def _patch_kernel(monkeypatch, opt, kernel_factory):
     monkeypatch.setattr(backend, "adam_step", wrapped.adam_step)
     monkeypatch.setattr(backend, "rule_step", wrapped.rule_step)
     monkeypatch.setattr(backend, "checked_rule_step", wrapped.checked_rule_step)
+    monkeypatch.setattr(backend, "checked_rule_steps", wrapped.checked_rule_steps)
     return wrapped
 
 

@@ -41,6 +41,7 @@ _ADAM_CODE, _AMSGRAD_CODE = RULE_CODES[ADAM], RULE_CODES[ADAM_AMSGRAD]
 _F32 = GRAD_DTYPES[torch.float32]
 _BF16, _Q8S, _Q8U = GRAD_DTYPES[torch.bfloat16], 3, 4  # OFFLOAD_BF16 / OFFLOAD_Q8S / OFFLOAD_Q8U
 _NEAREST, _STOCHASTIC = 0, 1  # OFFLOAD_ROUND_*
+_F32_PACKERS = {_ADAM_CODE: ADAM_STEP, _AMSGRAD_CODE: AMSGRAD_STEP}  # the others: STEP_STATES
 _PREFETCH_CODES = {"": 0, "auto": 0, "1": 1, "on": 1, "0": 2, "off": 2}  # OFFLOAD_PREFETCH_*
 # quant.py's tables, the ones every backend encodes with; the library reads them through raw
 # pointers, so this module holds them (contiguous float32) for the life of the process
@@ -149,68 +150,113 @@ class NativeBackend(RuleStepFace):
         if rc != 0:
             raise OSError(-rc, f"{what} failed: {os.strerror(-rc)}")
 
-    # Each rule's struct is packed by a _pack_* method (isa: its OFFLOAD_ISA code, threads
-    # resolved); _adam & co. run one, checked_rule_steps a batch ([Note: batched steps] in
+    # [Note: packing a step] Each struct is packed by _pack_f32 or _pack_compressed from
+    # the rule's folded constants (_consts: its code and bytes) and the call's tail (isa
+    # code, threads, prefetch code); _adam & co. run one, checked_rule_steps a batch, which
+    # folds the constants once per distinct step ([Note: batched steps] in
     # native/dispatch.cpp).
-    def _pack_adam(self, param, grad, states, param_lowp, threads, hyper, isa) -> bytes:
-        m, v = states
-        lowp_ptr, lowp_code = _lowp(param_lowp)
-        return ADAM_STEP.pack(
-            _ADAM_CODE, 2, param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
-            GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, m.data_ptr(), _F32, v.data_ptr(), _F32,
-            self._fold(hyper), isa, threads, self._prefetch())
+    def _consts(self, method: str, hyper: tuple) -> Tuple[int, bytes]:
+        """(OFFLOAD_RULE_* code, the consts struct's bytes) of the rule whose float32 method
+        is ``method`` ("_adam", "_sgd", ...)."""
+        if method == "_adam":
+            return _ADAM_CODE, self._fold(hyper)
+        if method == "_adam_amsgrad":
+            return _AMSGRAD_CODE, self._fold(hyper)
+        code, fold = self._folds[method[1:]]
+        return code, fold(hyper)
 
-    def _pack_adam_amsgrad(self, param, grad, states, param_lowp, threads, hyper, isa) -> bytes:
-        m, v, vmax = states
-        lowp_ptr, lowp_code = _lowp(param_lowp)
-        return AMSGRAD_STEP.pack(
-            _AMSGRAD_CODE, 3, param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
-            GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, m.data_ptr(), _F32, v.data_ptr(), _F32,
-            vmax.data_ptr(), _F32, self._fold(hyper), isa, threads, self._prefetch())
+    def _tail(self, num_threads) -> Tuple[int, int, int]:
+        return ISA_CODES[self.isa()], resolve_threads(num_threads), self._prefetch()
 
-    def _pack_one_state(self, rule: str, param, grad, states, param_lowp, threads, hyper, isa) -> bytes:
-        """A rule with at most one state (SGD's buffer, Adagrad's sum, Lion's exp_avg), in
-        the same struct as Adam's."""
-        code, fold = self._folds[rule]
-        lowp_ptr, lowp_code = _lowp(param_lowp)
-        state = tuple(x for s in states for x in (s.data_ptr(), _F32))
-        return STEP_STATES[len(states)].pack(
-            code, len(states), param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
-            GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, *state, fold(hyper), isa, threads,
-            self._prefetch())
+    @staticmethod
+    def _pack_f32(code, consts, param, grad, states, param_lowp, tail) -> bytes:
+        """A float32 step: Adam's two states, AMSGrad's three, or the one state at most of
+        SGD (its buffer), Adagrad (its sum) and Lion (exp_avg), each with its packer."""
+        lowp_ptr, lowp_code = (0, -1) if param_lowp is None else (param_lowp.data_ptr(),
+                                                                  LOWP_DTYPES[param_lowp.dtype])
+        packer = _F32_PACKERS.get(code) or STEP_STATES[len(states)]
+        arrays = [x for t in states for x in (t.data_ptr(), _F32)]
+        return packer.pack(code, len(states), param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
+                           GRAD_DTYPES[grad.dtype], lowp_ptr, lowp_code, *arrays, consts, *tail)
 
-    def _pack_sgd(self, *args) -> bytes:
-        return self._pack_one_state("sgd", *args)
-
-    def _pack_adagrad(self, *args) -> bytes:
-        return self._pack_one_state("adagrad", *args)
-
-    def _pack_lion(self, *args) -> bytes:
-        return self._pack_one_state("lion", *args)
-
-    def _pack_compressed(self, method, fields, param, grad, states, param_lowp, threads, hyper,
-                         q, isa) -> bytes:
+    @staticmethod
+    def _pack_compressed(code, consts, fields, param, grad, states, param_lowp, q, tail) -> bytes:
         """A step with bfloat16 / packed int8 states and/or a bfloat16 param, for the fused
         kernel ([Note: fused tiles] in native/compressed_tile.h), the constants folded as the
-        float32 methods fold them."""
-        if method in ("_adam", "_adam_amsgrad"):
-            code, consts = (_ADAM_CODE if method == "_adam" else _AMSGRAD_CODE), self._fold(hyper)
-        else:
-            code, fold = self._folds[method[1:]]
-            consts = fold(hyper)
+        float32 steps fold them."""
         codes = _state_codes(fields, q.stochastic_states)
         arrays = [x for t, (dtype, rounding) in zip(states, codes)
                   for x in (t.data_ptr(), dtype, rounding)]
         # a bfloat16 param is its own master: always rounded stochastically
         p_code, p_round = (_BF16, _STOCHASTIC) if param.dtype == torch.bfloat16 else (_F32, 0)
         lowp_ptr, lowp_code = _lowp(param_lowp)
+        isa, threads, prefetch = tail
         return COMPRESSED_STEP[len(states)].pack(
             code, len(states), param.numel(), param.data_ptr(), p_code, p_round, grad.data_ptr(),
             GRAD_DTYPES[grad.dtype], 0, lowp_ptr, lowp_code, 0, *arrays, consts,
-            isa, threads, *_TABLE_PTRS, q.offset, q.seed, 0, self._prefetch())
+            isa, threads, *_TABLE_PTRS, q.offset, q.seed, 0, prefetch)
 
-    def _isa_code(self) -> int:
-        return ISA_CODES[self.isa()]
+    def _run_one(self, method, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        code, consts = self._consts(method, hyper)
+        rc = self._lib.offload_rule_step(self._pack_f32(code, consts, param, grad, states, param_lowp,
+                                                        self._tail(num_threads)))
+        if rc == 0:
+            return
+        if rc == -errno.EINVAL and method != "_adam":
+            # every argument was checked above: a library of the same ABI built before the
+            # rule existed (the union had room, so the struct and ABI did not change)
+            raise OSError(errno.EINVAL, f"{LIB_PATH} refused the {method[1:]} step (Invalid "
+                          "argument): a library built before this rule? rebuild it", LIB_PATH)
+        self._check(rc, "offload_rule_step")
+
+    def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        self._run_one("_adam", param, grad, states, param_lowp, num_threads, hyper)
+
+    def _adam_amsgrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        self._run_one("_adam_amsgrad", param, grad, states, param_lowp, num_threads, hyper)
+
+    def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        self._run_one("_sgd", param, grad, states, param_lowp, num_threads, hyper)
+
+    def _adagrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        self._run_one("_adagrad", param, grad, states, param_lowp, num_threads, hyper)
+
+    def _lion(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
+        self._run_one("_lion", param, grad, states, param_lowp, num_threads, hyper)
+
+    def _compressed(self, method, fields, param, grad, states, param_lowp, num_threads, hyper,
+                    q) -> None:
+        code, consts = self._consts(method, hyper)
+        args = self._pack_compressed(code, consts, fields, param, grad, states, param_lowp, q,
+                                     self._tail(num_threads))
+        rc = self._lib.offload_rule_step(args)
+        if rc != 0:
+            self._check(rc, "offload_rule_step (compressed states)")
+
+    def checked_rule_steps(self, rule, entries, hyper, num_threads=None) -> None:
+        """``RuleStepFace.checked_rule_steps`` in one call of ``offload_rule_steps``: every
+        struct packed first, then all the tensors' blocks spread over one set of threads."""
+        if not entries:
+            return
+        tail = self._tail(num_threads)
+        packed, folded = [], {}  # folded: id(bound args) -> (code, consts bytes)
+        pack_f32, pack_compressed = self._pack_f32, self._pack_compressed
+        for k, stored, (p, g, states, lowp), q, args in batch_plan(rule, entries, hyper):
+            c = folded.get(id(args))
+            if c is None:  # (args are bound once per step and kept alive by batch_plan)
+                c = folded[id(args)] = self._consts(k.method, args)
+            if q is None:
+                packed.append(pack_f32(c[0], c[1], p, g, states, lowp, tail))
+            else:
+                packed.append(pack_compressed(c[0], c[1], stored.fields, p, g, states, lowp, q, tail))
+        bad = _c_i64(-1)
+        rc = self._lib.offload_rule_steps(b"".join(packed), len(packed), tail[1], ctypes.byref(bad))
+        if rc != 0:
+            what = f"offload_rule_steps ({rule.name}, tensor {bad.value} of the batch)"
+            if rc == -errno.EINVAL:
+                raise OSError(errno.EINVAL, f"{LIB_PATH} refused {what} (Invalid argument): a "
+                              "library built before this rule? rebuild it", LIB_PATH)
+            self._check(rc, what)
 
     def _prefetch(self) -> int:
         """OFFLOAD_PREFETCH_* from $OFFLOAD_PREFETCH: unset or "auto", the library's choice
@@ -225,71 +271,6 @@ class NativeBackend(RuleStepFace):
             raise ValueError(f"OFFLOAD_PREFETCH={raw!r} is not one of auto, on, off (or 1, 0)")
         self._prefetch_cache = (raw, _PREFETCH_CODES[want])
         return _PREFETCH_CODES[want]
-
-    def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        args = self._pack_adam(param, grad, states, param_lowp, resolve_threads(num_threads), hyper,
-                               self._isa_code())
-        rc = self._lib.offload_rule_step(args)
-        if rc != 0:
-            self._check(rc, "offload_rule_step")
-
-    def _adam_amsgrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        args = self._pack_adam_amsgrad(param, grad, states, param_lowp, resolve_threads(num_threads),
-                                       hyper, self._isa_code())
-        self._rule_rc(self._lib.offload_rule_step(args), "adam_amsgrad")
-
-    def _rule_rc(self, rc: int, rule: str) -> None:
-        if rc == -errno.EINVAL:
-            # every argument was checked above: a library of the same ABI built before the
-            # rule existed (the union had room, so the struct and ABI did not change)
-            raise OSError(errno.EINVAL, f"{LIB_PATH} refused the {rule} step (Invalid "
-                          "argument): a library built before this rule? rebuild it", LIB_PATH)
-        if rc != 0:
-            self._check(rc, "offload_rule_step")
-
-    def _one_state(self, rule: str, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        args = self._pack_one_state(rule, param, grad, states, param_lowp, resolve_threads(num_threads),
-                                    hyper, self._isa_code())
-        self._rule_rc(self._lib.offload_rule_step(args), rule)
-
-    def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        self._one_state("sgd", param, grad, states, param_lowp, num_threads, hyper)
-
-    def _adagrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        self._one_state("adagrad", param, grad, states, param_lowp, num_threads, hyper)
-
-    def _lion(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
-        self._one_state("lion", param, grad, states, param_lowp, num_threads, hyper)
-
-    def _compressed(self, method, fields, param, grad, states, param_lowp, num_threads, hyper,
-                    q) -> None:
-        args = self._pack_compressed(method, fields, param, grad, states, param_lowp,
-                                     resolve_threads(num_threads), hyper, q, self._isa_code())
-        rc = self._lib.offload_rule_step(args)
-        if rc != 0:
-            self._check(rc, "offload_rule_step (compressed states)")
-
-    def checked_rule_steps(self, rule, entries, hyper, num_threads=None) -> None:
-        """``RuleStepFace.checked_rule_steps`` in one call of ``offload_rule_steps``: every
-        struct packed first, then all the tensors' blocks spread over one set of threads."""
-        if not entries:
-            return
-        threads, isa = resolve_threads(num_threads), self._isa_code()
-        packed = []
-        for k, stored, tensors, q, args in batch_plan(rule, entries, hyper):
-            if q is None:
-                packed.append(getattr(self, "_pack" + k.method)(*tensors, threads, args, isa))
-            else:
-                packed.append(self._pack_compressed(k.method, stored.fields, *tensors, threads,
-                                                    args, q, isa))
-        bad = _c_i64(-1)
-        rc = self._lib.offload_rule_steps(b"".join(packed), len(packed), threads, ctypes.byref(bad))
-        if rc != 0:
-            what = f"offload_rule_steps ({rule.name}, tensor {bad.value} of the batch)"
-            if rc == -errno.EINVAL:
-                raise OSError(errno.EINVAL, f"{LIB_PATH} refused {what} (Invalid argument): a "
-                              "library built before this rule? rebuild it", LIB_PATH)
-            self._check(rc, what)
 
     def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)

@@ -40,7 +40,7 @@ from offload.optim.protocol import optional
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
-from offload.optim.step_guard import check_work, clear_failure, defer_sigint, snapshot, store_step
+from offload.optim.step_guard import check_work, clear_failure, defer_sigint, gc_paused, snapshot, store_step
 from offload.optim.stats import StepStats, process_rss_bytes
 
 __all__ = ["RuleOptimizer"]
@@ -366,7 +366,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
             self._stats.record({"unscale_clip": t_clip, "grad_transfer": self._t_prepare},
                                time.perf_counter() - t0, skipped=True)
             return loss
-        with defer_sigint():  # a Ctrl-C lands after the step, never in the middle of it
+        with defer_sigint(), gc_paused():  # a Ctrl-C lands after the step, never in the middle of it
             phases = self._store_step(work, multiplier)
             attach_state_views(self)  # opt.state[p]["exp_avg"] of params that stepped first now
             phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip

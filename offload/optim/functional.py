@@ -122,18 +122,23 @@ def rule_step(
     quant = _quant_args(rule, n, rounding_seeds, stochastic_states)
     _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_threads, quant)
     entries, copied = [], []
+    per_param = list(zip(*lists)) if lists else [()] * n  # each param's states
     for i in range(n):
-        p = params[i]
-        if p.numel() == 0:
+        p, g, st = params[i], grads[i], per_param[i]
+        if not p.numel():
             continue
         lowp = params_lowp[i] if params_lowp is not None else None
-        tensors = (p, grads[i], *(lst[i] for lst in lists)) + (() if lowp is None else (lowp,))
-        dense = tuple(t if t.is_contiguous() else t.contiguous() for t in tensors)
-        if any(a is not b for a, b in zip(dense, tensors)):
-            copied.append((tensors, dense))
-        k = 2 + len(lists)
+        q = None if quant is None else quant[i]
+        if p.is_contiguous() and g.is_contiguous() and _all_contiguous(st) \
+                and (lowp is None or lowp.is_contiguous()):
+            entries.append(StepEntry(p, g, st, lowp, int(steps[i]), q))
+            continue
+        tensors = (p, g, *st) + (() if lowp is None else (lowp,))
+        dense = tuple(t.contiguous() for t in tensors)
+        copied.append((tensors, dense))
+        k = 2 + len(st)
         entries.append(StepEntry(dense[0], dense[1], dense[2:k], dense[k] if lowp is not None else None,
-                                 int(steps[i]), None if quant is None else quant[i]))
+                                 int(steps[i]), q))
     # checked above (_check_all): the kernel does not check each tensor again
     kernel.checked_rule_steps(rule, entries, hyper, num_threads)
     # A non-contiguous tensor was updated through a copy: write it back (the grad was only read).
@@ -194,6 +199,13 @@ def _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_thread
 
 def _who(rule: Rule) -> str:
     return "adam_step" if rule is ADAM else f"rule_step({rule.name!r})"
+
+
+def _all_contiguous(ts: Tuple[torch.Tensor, ...]) -> bool:
+    for t in ts:
+        if not t.is_contiguous():
+            return False
+    return True
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ replaced), or ``close(keep_swap=True)`` and a new optimizer with ``resume=True``
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,7 +26,7 @@ from offload.optim.protocol import optional
 from offload.swap import cleanup
 from offload.swap.sigint import sigint_held
 
-__all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "mark_consistent", "is_consistent",
+__all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "gc_paused", "mark_consistent", "is_consistent",
            "failure_text", "store_step", "mark_written", "clear_failure"]
 
 # What a param was when the optimizer was built: its states are laid out for exactly this.
@@ -94,6 +95,25 @@ def defer_sigint() -> Iterator[None]:
     cleanup.watch_sigterm()
     with sigint_held():
         yield
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """[Note: no collection inside a step] A step makes a few short-lived objects per param
+    (work items, packed structs, undo records); with thousands of params, collections fired
+    in the middle of the step find them alive and promote them, and Python's full
+    collections, each over every object of the process (~300K with torch loaded), then come
+    every few steps: 13.6 ms of a 44 ms step over 2000 small params (twenty-eighth session,
+    bench/model_step.py "small"). Paused for the step, they die uncollected by refcount and
+    nothing is promoted. A collector the user disabled stays disabled."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def mark_consistent(exc: BaseException) -> BaseException:
