@@ -347,3 +347,18 @@ def test_model_step_shapes_and_rows():
                                                                 "torch_forloop"}
     assert all(v > 0 for v in row["median_ms"].values())
     assert run_script("model_step.py", "--shapes", "vgg", timeout=60).returncode == 2
+
+
+def test_prefetch_bench_times_both_modes():
+    """bench/prefetch.py: a tiny run times each case with prefetch on and off; bad sizes are
+    usage errors."""
+    from offload.kernels import get_backend
+
+    try:
+        get_backend("native")
+    except RuntimeError:
+        pytest.skip("native library not built")
+    out = last_json(run_script("prefetch.py", "--quick", timeout=120))
+    assert {r["case"] for r in out["rows"]} == {"adamw_fp32", "adamw_bf16_states", "sgd_momentum"}
+    assert all(r["on_ms"] > 0 and r["off_ms"] > 0 for r in out["rows"])
+    assert run_script("prefetch.py", "--size", "0", timeout=60).returncode == 2
