@@ -13,7 +13,7 @@ def test_step_counts_live_in_torch_state_layout():
     assert counts.get(p) == 0 and not counts.has(p)
     assert p not in state  # reading creates no entry
     before, new = counts.advance([p, p, q])
-    assert new == [1, 2, 1] and [b for _, b in before][:1] == [None]  # each count as it comes
+    assert new == [1, 2, 1] and [b[1] for b in before][:1] == [None]  # each count as it comes
     assert counts.get(p) == 2 and counts.get(q) == 1
     held = state[p]["step"]
     assert torch.is_tensor(held) and held.dtype == torch.float32 and held.shape == ()
@@ -22,6 +22,11 @@ def test_step_counts_live_in_torch_state_layout():
     # a new tensor, never an in-place change: a state_dict taken (or loaded) earlier shares
     # the old one and must not change under its holder
     assert float(held) == 2.0 and state[p]["step"] is not held
+    # a param listed twice counts twice, also when its count goes up in place
+    before, new = counts.advance([p, q, p])
+    assert new == [8, 2, 9] and counts.get(p) == 9 and counts.get(q) == 2
+    counts.restore(before)
+    assert counts.get(p) == 7 and counts.get(q) == 1
     counts.set(q, 0)
     assert q not in state  # a count of 0 leaves no entry, as torch before the first step
     state[p]["exp_avg"] = torch.zeros(3)

@@ -129,13 +129,17 @@ class StepCounts:
         counts: List[int] = []
         bump: List[torch.Tensor] = []
         counted, made, dtype = self._counted, self._made, _get_scalar_dtype()
+        seen: Dict[int, int] = {}  # id(p) -> its new count: a param listed twice counts twice
         for p in params:  # (set()'s work inlined: this runs per param per step)
             entry = state.get(p)
             if entry is None:
                 entry = state[p] = {}
             step = entry.get("step")
-            n = 1 + (0 if step is None else int(step.item() if torch.is_tensor(step) else step))
-            if step is not None and made.get(id(p)) is step and step.is_cpu:
+            again = seen.get(id(p))
+            n = 1 + (again if again is not None else
+                     0 if step is None else int(step.item() if torch.is_tensor(step) else step))
+            seen[id(p)] = n
+            if again is None and step is not None and made.get(id(p)) is step and step.is_cpu:
                 bump.append(step)
                 before.append((p, step, n - 1))  # counted up in place: undone in place
             else:
