@@ -187,9 +187,7 @@ int prepare_adam(const offload_step_args &a, PreparedStep &p) {
 
 // ---- SGD, Adagrad, Lion: one state at most (rule_loop.h in each ISA unit).
 
-template <class C>
-using RuleRange = int (*)(const C &, const RuleBuffers &, int64_t, int64_t);
-
+// The unit's range function of a step at ISA isa (VBMI runs compressed steps only).
 template <class F>
 F pick(int isa, F avx512, F avx2, F scalar) {
     return isa == OFFLOAD_ISA_AVX512 ? avx512 : isa == OFFLOAD_ISA_AVX2 ? avx2 : scalar;

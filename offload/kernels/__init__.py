@@ -14,6 +14,10 @@ Every backend has the same entry points (the contract every caller relies on):
   decoupled, bias_correction=True, maximize=False, grad_scale=1.0, param_lowp=None,
   num_threads=None)``: the same Adam step with the moments in field order.
 - ``grad_sumsq(grad, *, num_threads=None) -> (sumsq, nonfinite)``.
+- ``checked_rule_steps(rule, entries, hyper, num_threads=None)``: one step over a list of
+  ``_rule_step.StepEntry`` (tensors the caller checked, as ``optim.functional.rule_step``
+  does): one tensor at a time by default, the whole list in one native call
+  (``offload_rule_steps``: [Note: batched steps] in native/dispatch.cpp) on the native backend.
 
 Adam's float32 constants are folded once, in ``adam_consts.fold_adam`` (the other rules':
 ``rule_consts``), for the native library (one ``struct offload_step_args``,

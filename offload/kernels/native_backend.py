@@ -2,9 +2,11 @@
 
 ctypes releases the GIL for the duration of each call, so I/O threads keep running while a
 sub-group is updated. The library holds no state; this wrapper only validates arguments,
-resolves the ISA (``OFFLOAD_ISA``) and the thread count, and hands one step struct (raw
-pointers, dtypes and the folded constants: ``_native_abi``) to ``offload_rule_step``. A
-library whose ABI version or struct size differs from this package's is refused at load.
+resolves the ISA (``OFFLOAD_ISA``), the prefetch switch (``OFFLOAD_PREFETCH``) and the
+thread count, and hands one step struct (raw pointers, dtypes and the folded constants:
+``_native_abi``) to ``offload_rule_step``, or a param group's structs at once to
+``offload_rule_steps`` (``checked_rule_steps``). A library whose ABI version or struct size
+differs from this package's is refused at load.
 """
 from __future__ import annotations
 
