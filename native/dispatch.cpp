@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cpuid.h>
 #include <cstring>
+#include <deque>
 #include <thread>
 #include <vector>
 
@@ -163,7 +164,8 @@ struct PreparedStep {
     offload_rule_consts consts{};  // kSgd, kAdagrad, kLion
     AdamBuffers ab{};              // kAdam
     RuleBuffers rb{};              // kAmsgrad, kSgd, kAdagrad, kLion
-    CompressedStep cs{};           // kCompressed: its Q8 tables point into the caller's Q8Built
+    const CompressedStep *cs = nullptr;  // kCompressed: the caller's (528 bytes: kept out of
+                                         // line, a batch holds one PreparedStep per tensor)
 };
 
 int prepare_adam(const offload_step_args &a, PreparedStep &p) {
@@ -340,27 +342,32 @@ bool vbmi_runs(const CompressedStep &s) {
     return q8;
 }
 
-int prepare_compressed(const offload_step_args &a, Q8Built &q, PreparedStep &p) {
+int prepare_compressed(const offload_step_args &a, Q8Built &q, CompressedStep &cs, PreparedStep &p) {
     if (!compressed_args_valid(a)) return -EINVAL;
     int run_isa = resolve_isa(a.isa);
     if (run_isa < 0) return run_isa;
     if (a.n == 0) return 0;
-    int rc = fill_compressed(a, states_wanted(a), q, p.cs);
+    int rc = fill_compressed(a, states_wanted(a), q, cs);
     if (rc != 0) return rc;
-    p.cs.prefetch = prefetch_of(a);
-    if (run_isa == OFFLOAD_ISA_AVX512VBMI && !vbmi_runs(p.cs)) run_isa = OFFLOAD_ISA_AVX512;
+    cs.prefetch = prefetch_of(a);
+    if (run_isa == OFFLOAD_ISA_AVX512VBMI && !vbmi_runs(cs)) run_isa = OFFLOAD_ISA_AVX512;
+    p.cs = &cs;
     p.kind = PreparedStep::kCompressed;
     p.isa = run_isa;
     p.n = a.n;
     return 0;
 }
 
-// Checks and converts struct a into p (p.n == 0: nothing to run). q holds the Q8 tables of
-// a compressed step and must outlive p.
-int prepare_step(const offload_step_args &a, Q8Built &q, PreparedStep &p) {
+// Whether struct a runs the fused tiles of compressed_tile.h.
+bool takes_compressed(const offload_step_args &a) {
+    return a.num_states >= 0 && a.num_states <= OFFLOAD_MAX_STATES && is_compressed(a);
+}
+
+// Checks and converts struct a into p (p.n == 0: nothing to run). A compressed step
+// (takes_compressed) is written into *cs, its Q8 tables into q; both must outlive p.
+int prepare_step(const offload_step_args &a, Q8Built &q, CompressedStep *cs, PreparedStep &p) {
     if (a.n < 0 || a.num_threads < 1 || prefetch_of(a) < 0) return -EINVAL;
-    if (a.num_states >= 0 && a.num_states <= OFFLOAD_MAX_STATES && is_compressed(a))
-        return prepare_compressed(a, q, p);
+    if (takes_compressed(a)) return cs ? prepare_compressed(a, q, *cs, p) : -EINVAL;
     switch (a.rule) {
         case OFFLOAD_RULE_ADAM: return prepare_adam(a, p);
         case OFFLOAD_RULE_ADAM_AMSGRAD: return prepare_amsgrad(a, p);
@@ -388,17 +395,18 @@ int run_range(const PreparedStep &p, int64_t begin, int64_t end) {
         case PreparedStep::kLion:
             return pick(isa, lion_range_avx512, lion_range_avx2, lion_range_scalar)(p.consts.lion, p.rb, begin, end);
         case PreparedStep::kCompressed:
-            if (isa == OFFLOAD_ISA_AVX512VBMI) return compressed_range_avx512vbmi(p.cs, begin, end);
+            if (isa == OFFLOAD_ISA_AVX512VBMI) return compressed_range_avx512vbmi(*p.cs, begin, end);
             return pick(isa, compressed_range_avx512, compressed_range_avx2,
-                        compressed_range_scalar)(p.cs, begin, end);
+                        compressed_range_scalar)(*p.cs, begin, end);
     }
     return -EINVAL;
 }
 
 int rule_step_one(const offload_step_args &a) {
     Q8Built q;
+    CompressedStep cs{};
     PreparedStep p;
-    const int rc = prepare_step(a, q, p);
+    const int rc = prepare_step(a, q, &cs, p);
     if (rc != 0 || p.n == 0) return rc;
     auto fn = [&p](int64_t begin, int64_t end, int64_t) -> int { return run_range(p, begin, end); };
     return parallel_blocks(p.n, threads_for(p.n, a.num_threads), fn);
@@ -436,10 +444,12 @@ struct TableCache {
 
 int rule_steps(const offload_step_args *args, int64_t count, int num_threads, int64_t *bad) {
     std::vector<PreparedStep> steps(static_cast<size_t>(count));
+    std::deque<CompressedStep> compressed;  // (a deque: its elements never move)
     TableCache tables;
     int64_t total = 0;
     for (int64_t i = 0; i < count; ++i) {
-        const int rc = prepare_step(args[i], tables.get(args[i].quant), steps[i]);
+        CompressedStep *cs = takes_compressed(args[i]) ? &compressed.emplace_back() : nullptr;
+        const int rc = prepare_step(args[i], tables.get(args[i].quant), cs, steps[i]);
         if (rc != 0) {
             if (bad) *bad = i;
             return rc;
