@@ -285,3 +285,30 @@ def test_buffers_larger_than_the_memory_available_are_refused_before_the_sweep(b
     err = capsys.readouterr().err
     assert "--queue-depth 64 x --block-size 8M needs 1.0 GiB" in err and "0.5 GiB of memory available" in err
     assert not (bench_dir / bench_io.DATA_NAME).exists()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_running_test_file_is_this_process_own_and_locked(bench_dir, monkeypatch, keep):
+    """[Note: the test file while it runs]: offload-bench-io.<pid>.dat, flock-ed while the
+    sweep runs (what `offload clean` tells from a killed run's), renamed by --keep."""
+    import fcntl
+
+    running = bench_dir / bench_io.RUNNING_NAME.format(pid=os.getpid())
+    seen = []
+    settle = bench_io._settle
+
+    def check(f, size, pool, progress):
+        fd = os.open(running, os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        seen.append(sorted(os.listdir(bench_dir)))
+        return settle(f, size, pool, progress)
+
+    monkeypatch.setattr(bench_io, "_settle", check)
+    argv = ["bench-io", "--dir", str(bench_dir), "--size", "4MiB", "--rw", "read", "--engine", "threads"]
+    assert main(argv + (["--keep"] if keep else [])) == 0
+    assert seen == [[running.name]]
+    assert sorted(os.listdir(bench_dir)) == ([bench_io.DATA_NAME] if keep else [])

@@ -74,3 +74,43 @@ def test_the_store_files_are_the_library_own():
         assert fsutil.own_file(name), name
     for name in ("notes.txt", "slot2.bin", ".manifest.json.tmp-", "manifest.json~"):
         assert not fsutil.own_file(name), name
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_clean_removes_the_test_file_of_a_killed_bench_io(tmp_path, capsys, dry_run):
+    """[Note: the test file while it runs] in offload/cli/bench_io.py: an unlocked
+    offload-bench-io.<pid>.dat goes, a locked one (a live run) and a kept one stay."""
+    import fcntl
+    import subprocess
+    import sys
+
+
+    dead = tmp_path / "offload-bench-io.424242.dat"
+    dead.write_bytes(b"\0" * 8192)
+    kept = tmp_path / "offload-bench-io.dat"  # what --keep leaves
+    kept.write_bytes(b"x")
+    live = tmp_path / "offload-bench-io.1.dat"
+    live.write_bytes(b"y")
+    # a live run holds its file's flock: another process, as bench-io holds it
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(live)!r}, os.O_RDWR)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        args = ["clean", str(tmp_path)] + (["--dry-run"] if dry_run else [])
+        assert main(args) == 0
+        out = capsys.readouterr().out
+    finally:
+        holder.kill()
+        holder.wait()
+    assert dead.exists() is dry_run and kept.exists() and live.exists()
+    verb = "would remove" if dry_run else "removed"
+    assert f"{verb} {dead}" in out and f"kept {live}: in use by live process 1" in out
+    assert f"{verb} 0 directories and 1 bench-io test file" in out
+    fd = os.open(live, os.O_RDONLY)  # the lock went with the holder: the next clean removes it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)

@@ -23,6 +23,11 @@ from .bench_io_output import Progress, _human, check_outputs, format_table, plot
 log = logging.getLogger(__name__)
 
 DATA_NAME = "offload-bench-io.dat"
+# [Note: the test file while it runs] The sweep's file is this process's own,
+# offload-bench-io.<pid>.dat, flock-ed for as long as it is open: two runs in one directory do
+# not unlink each other's file, and the file a kill -9 leaves (its lock free) is one
+# ``offload clean DIR`` removes. ``--keep`` renames it to DATA_NAME at the end.
+RUNNING_NAME = "offload-bench-io.{pid}.dat"
 
 
 # -- argument parsing -------------------------------------------------------------------------
@@ -118,6 +123,9 @@ def _create_data_file(path: str, size: int, direct: bool, pool, progress: Progre
         os.unlink(path)
     f = open_file(path, write=True, create=True, exclusive=True, direct=direct)
     try:
+        import fcntl
+
+        fcntl.flock(f.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ([Note: the test file while it runs])
         f.preallocate(size)  # ENOSPC now, not half-way
         chunk = 8 << 20
         gen = torch.Generator().manual_seed(size)
@@ -333,7 +341,7 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
     nconf = len(args.block_size) * len(args.queue_depth) * len(args.rw)
     total = 2 * size + nconf * args.loops * size * (len(args.engine) + len(fio_variants) + len(extra))
     progress = Progress(total)
-    path = os.path.join(directory, DATA_NAME)
+    path = os.path.join(directory, RUNNING_NAME.format(pid=os.getpid()))
     rows: List[dict] = []
     pool = BufferPool(pin=False, region_bytes=64 << 20)  # disk I/O only (and registered with io_uring)
     f = None
@@ -353,10 +361,10 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
                         pool.release(b)
         progress.close()
     except BaseException:
-        _remove_data_file(f, path, args.keep)
+        path = _remove_data_file(f, path, args.keep)
         _close_pool_after_error(pool)
         raise
-    _remove_data_file(f, path, args.keep)
+    path = _remove_data_file(f, path, args.keep)
     pool.close()
     _annotate(rows)
     context = {"dir": directory, "size": size, "direct": args.direct, "kept": path if args.keep else None,
@@ -364,11 +372,18 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
     return rows, context
 
 
-def _remove_data_file(f, path: str, keep: bool) -> None:
+def _remove_data_file(f, path: str, keep: bool) -> str:
+    """Close the test file (its lock goes with it) and remove it, or with ``keep`` rename it
+    to DATA_NAME; returns where it is now."""
+    if keep and os.path.exists(path):
+        kept = os.path.join(os.path.dirname(path), DATA_NAME)
+        os.replace(path, kept)  # (while still locked: clean never sees it unlocked under the old name)
+        path = kept
     if f is not None:
         f.close()
     if not keep and os.path.exists(path):
         os.unlink(path)
+    return path
 
 
 def _close_pool_after_error(pool) -> None:

@@ -2,11 +2,13 @@
 
 A swap directory whose ``flock`` is free belongs to no live process (``kill -9``, a crash, a
 lost node); it still holds a full copy of the optimizer states. Directories in use are
-listed with the pid holding them and left alone.
+listed with the pid holding them and left alone. So are the test files a killed ``offload
+bench-io`` left (``offload-bench-io.<pid>.dat``, unlocked); a file kept with ``--keep`` is not.
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 __all__ = ["add_parser", "run"]
 
@@ -36,8 +38,10 @@ def run(args: argparse.Namespace) -> int:
     for path, why in res["skipped"]:
         print(f"skipped {path}: {why}")
     if not any(res.values()):
-        print(f"no offload swap directories in {args.swap_dir}")
+        print(f"no offload swap directories or bench-io test files in {args.swap_dir}")
     total = sum(n for _, n in res["removed"])
-    print(f"{verb} {len(res['removed'])} director{'y' if len(res['removed']) == 1 else 'ies'}, {_gib(total)}; "
-          f"{len(res['held'])} in use")
+    files = sum(1 for path, _ in res["removed"] if os.path.basename(path).startswith("offload-bench-io."))
+    dirs = len(res["removed"]) - files
+    also = f" and {files} bench-io test file{'' if files == 1 else 's'}" if files else ""
+    print(f"{verb} {dirs} director{'y' if dirs == 1 else 'ies'}{also}, {_gib(total)}; {len(res['held'])} in use")
     return 0
