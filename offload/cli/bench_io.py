@@ -23,10 +23,8 @@ from .bench_io_output import Progress, _human, check_outputs, format_table, plot
 log = logging.getLogger(__name__)
 
 DATA_NAME = "offload-bench-io.dat"
-# [Note: the test file while it runs] The sweep's file is this process's own,
-# offload-bench-io.<pid>.dat, flock-ed for as long as it is open: two runs in one directory do
-# not unlink each other's file, and the file a kill -9 leaves (its lock free) is one
-# ``offload clean DIR`` removes. ``--keep`` renames it to DATA_NAME at the end.
+# [Note: the test file while it runs] offload-bench-io.<pid>.dat, flock-ed while open: two runs in
+# one directory keep apart, and `offload clean` removes what a kill -9 left. --keep renames it.
 RUNNING_NAME = "offload-bench-io.{pid}.dat"
 
 
