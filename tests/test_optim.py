@@ -349,8 +349,10 @@ def test_step_tensors_handed_out_are_never_counted_up_in_place():
     held = opt.state[p]["step"]
     train(model, opt, batches(1))
     assert held is opt.state[p]["step"] and float(held) == 3.0  # as torch's Adam: in place
-    handed = opt.state_dict()["state"][0]["step"]
-    assert handed is held
+    sd = opt.state_dict()
+    handed = sd["state"][0]["step"]
+    assert handed is held and sd["state"][0] is not opt.state[p]  # new entry dicts, the very tensors
+    assert sd["state"][0]["exp_avg"] is opt.state[p]["exp_avg"]
     train(model, opt, batches(2))
     assert float(handed) == 3.0 and float(opt.state[p]["step"]) == 5.0
     own = torch.tensor(7.0)  # a step tensor the user put there

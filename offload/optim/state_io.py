@@ -50,6 +50,8 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
     export = getattr(opt._store, "export_state", None)
     if getattr(opt._store, "kind", None) == "host" and getattr(opt._store, "state_dtype", "float32") != "float32":
         sd["state"] = _host_torch_layout(opt, sd["state"], export)
+    elif getattr(opt._store, "kind", None) == "host":  # new entry dicts, holding the very tensors
+        sd["state"] = {k: dict(v) if isinstance(v, dict) else v for k, v in sd["state"].items()}
     elif getattr(opt._store, "kind", None) != "host":
         # New entry dicts (the ones torch returns are opt.state's own), without the views
         # into the store's buffers that state_view.attach put there: full tensors instead.
