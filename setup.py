@@ -41,6 +41,7 @@ ERROR_NAME = "native_build_error.txt"
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden", "-Wall"]
 UNITS = {
     "dispatch.cpp": [],
+    "machine.cpp": [],
     "uring_ring.cpp": [],
     "adam_scalar.cpp": [],
     "adam_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],

@@ -54,7 +54,7 @@ def test_no_native_arch_flags():
         assert not any(f.startswith(("-march", "-mtune=native")) for f in flags), flags
 
 
-@pytest.mark.parametrize("unit", ["dispatch.cpp", "adam_scalar.cpp", "uring_ring.cpp"])
+@pytest.mark.parametrize("unit", ["dispatch.cpp", "machine.cpp", "adam_scalar.cpp", "uring_ring.cpp"])
 def test_baseline_units_have_no_vex_instructions(unit, tmp_path):
     common, units = _setup_constants()
     obj = str(tmp_path / (unit + ".o"))
