@@ -139,13 +139,15 @@ def rule_step(
         k = 2 + len(st)
         entries.append(StepEntry(dense[0], dense[1], dense[2:k], dense[k] if lowp is not None else None,
                                  int(steps[i]), q))
-    # checked above (_check_all): the kernel does not check each tensor again
-    kernel.checked_rule_steps(rule, entries, hyper, num_threads)
-    # A non-contiguous tensor was updated through a copy: write it back (the grad was only read).
-    for tensors, dense in copied:
-        for j, (orig, tmp) in enumerate(zip(tensors, dense)):
-            if j != 1 and orig is not tmp:
-                orig.copy_(tmp.view_as(orig))
+    try:  # checked above (_check_all): the kernel does not check each tensor again
+        kernel.checked_rule_steps(rule, entries, hyper, num_threads)
+    finally:
+        # A non-contiguous tensor was updated through a copy: write it back (the grad was only
+        # read), also when a later tensor's step raised (the default loop steps one by one).
+        for tensors, dense in copied:
+            for j, (orig, tmp) in enumerate(zip(tensors, dense)):
+                if j != 1 and orig is not tmp:
+                    orig.copy_(tmp.view_as(orig))
 
 
 def _rule_of(hyper: Any, rule: Optional[Rule]) -> Rule:
