@@ -13,7 +13,7 @@ def test_step_counts_live_in_torch_state_layout():
     assert counts.get(p) == 0 and not counts.has(p)
     assert p not in state  # reading creates no entry
     before, new = counts.advance([p, p, q])
-    assert new == [1, 2, 1] and [b[1] for b in before][:1] == [None]  # each count as it comes
+    assert new == [1, 2, 1] and [b for _, b in before][:1] == [None]  # each count as it comes
     assert counts.get(p) == 2 and counts.get(q) == 1
     held = state[p]["step"]
     assert torch.is_tensor(held) and held.dtype == torch.float32 and held.shape == ()
@@ -22,7 +22,7 @@ def test_step_counts_live_in_torch_state_layout():
     # a new tensor, never an in-place change: a state_dict taken (or loaded) earlier shares
     # the old one and must not change under its holder
     assert float(held) == 2.0 and state[p]["step"] is not held
-    # a param listed twice counts twice, also when its count goes up in place
+    # a param listed twice counts twice, and restore undoes both
     before, new = counts.advance([p, q, p])
     assert new == [8, 2, 9] and counts.get(p) == 9 and counts.get(q) == 2
     counts.restore(before)

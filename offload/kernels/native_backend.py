@@ -174,8 +174,7 @@ class NativeBackend(RuleStepFace):
     def _pack_f32(code, consts, param, grad, states, param_lowp, tail) -> bytes:
         """A float32 step: Adam's two states, AMSGrad's three, or the one state at most of
         SGD (its buffer), Adagrad (its sum) and Lion (exp_avg), each with its packer."""
-        lowp_ptr, lowp_code = (0, -1) if param_lowp is None else (param_lowp.data_ptr(),
-                                                                  LOWP_DTYPES[param_lowp.dtype])
+        lowp_ptr, lowp_code = _lowp(param_lowp)
         packer = _F32_PACKERS.get(code) or STEP_STATES[len(states)]
         arrays = [x for t in states for x in (t.data_ptr(), _F32)]
         return packer.pack(code, len(states), param.numel(), param.data_ptr(), _F32, grad.data_ptr(),
@@ -202,14 +201,8 @@ class NativeBackend(RuleStepFace):
         code, consts = self._consts(method, hyper)
         rc = self._lib.offload_rule_step(self._pack_f32(code, consts, param, grad, states, param_lowp,
                                                         self._tail(num_threads)))
-        if rc == 0:
-            return
-        if rc == -errno.EINVAL and method != "_adam":
-            # every argument was checked above: a library of the same ABI built before the
-            # rule existed (the union had room, so the struct and ABI did not change)
-            raise OSError(errno.EINVAL, f"{LIB_PATH} refused the {method[1:]} step (Invalid "
-                          "argument): a library built before this rule? rebuild it", LIB_PATH)
-        self._check(rc, "offload_rule_step")
+        if rc != 0:
+            self._check(rc, f"offload_rule_step ({method[1:]})")
 
     def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         self._run_one("_adam", param, grad, states, param_lowp, num_threads, hyper)
@@ -253,12 +246,8 @@ class NativeBackend(RuleStepFace):
                 packed.append(pack_compressed(c[0], c[1], stored.fields, p, g, states, lowp, q, tail))
         bad = _c_i64(-1)
         rc = self._lib.offload_rule_steps(b"".join(packed), len(packed), tail[1], ctypes.byref(bad))
-        if rc != 0:
-            what = f"offload_rule_steps ({rule.name}, tensor {bad.value} of the batch)"
-            if rc == -errno.EINVAL:
-                raise OSError(errno.EINVAL, f"{LIB_PATH} refused {what} (Invalid argument): a "
-                              "library built before this rule? rebuild it", LIB_PATH)
-            self._check(rc, what)
+        if rc != 0:  # (every rule is in every library of this ABI: load_library checked it)
+            self._check(rc, f"offload_rule_steps ({rule.name}, tensor {bad.value} of the batch)")
 
     def _prefetch(self) -> int:
         """OFFLOAD_PREFETCH_* from $OFFLOAD_PREFETCH: unset or "auto", the library's choice

@@ -64,8 +64,6 @@ class StepCounts:
         # ids of the params given a count here: cleared() finds those whose count went since
         # (a stale id after unpickling only costs a restart of a param that holds fill values)
         self._counted: Set[int] = set()
-        # id(p) -> the step tensor made here for p and not shared since: [Note: step tensors]
-        self._made: Dict[int, torch.Tensor] = {}
 
     def get(self, p: torch.Tensor) -> int:
         """``p``'s step count; 0 before its first step."""
@@ -84,10 +82,9 @@ class StepCounts:
         if n > 0:
             self._counted.add(id(p))
             entry = state.setdefault(p, {})
-            entry["step"] = self._made[id(p)] = _step_tensor(n, entry.get("step"), _get_scalar_dtype())
+            entry["step"] = _step_tensor(n, entry.get("step"), _get_scalar_dtype())
             return
         self._counted.discard(id(p))
-        self._made.pop(id(p), None)
         if p in state:  # do not create entries in the defaultdict
             state[p].pop("step", None)
             if not state[p]:
@@ -103,12 +100,6 @@ class StepCounts:
         """torch's load replaced the counts: those of ``params`` that have one now are counted."""
         state = self._state_of()
         self._counted = {id(p) for p in params if "step" in state.get(p, {})}
-        self.release()
-
-    def release(self) -> None:
-        """The step tensors may be shared from now on (``state_dict()`` hands them out, a
-        load put another dict's in place): the next step makes new ones ([Note: step tensors])."""
-        self._made.clear()
 
     def all(self, params: Sequence[torch.Tensor]) -> List[int]:
         """The counts of ``params``, in order (0 for one that never stepped)."""
@@ -121,43 +112,30 @@ class StepCounts:
         for p, n in zip(params, counts):
             self.set(p, int(n))
 
-    def advance(self, params: Iterable[torch.Tensor]) -> Tuple[List[Tuple[torch.Tensor, Any, Optional[int]]], List[int]]:
+    def advance(self, params: Iterable[torch.Tensor]) -> Tuple[List[Tuple[torch.Tensor, Any]], List[int]]:
         """One more step for each of ``params``; returns what ``restore`` needs to undo it
-        and the new counts, in order."""
+        (the step tensors as they were, the very objects) and the new counts, in order."""
         state = self._state_of()
-        before: List[Tuple[torch.Tensor, Any, Optional[int]]] = []
+        before: List[Tuple[torch.Tensor, Any]] = []
         counts: List[int] = []
-        bump: List[torch.Tensor] = []
-        counted, made, dtype = self._counted, self._made, _get_scalar_dtype()
-        seen: Dict[int, int] = {}  # id(p) -> its new count: a param listed twice counts twice
+        counted, dtype = self._counted, _get_scalar_dtype()
         for p in params:  # (set()'s work inlined: this runs per param per step)
             entry = state.get(p)
             if entry is None:
                 entry = state[p] = {}
             step = entry.get("step")
-            again = seen.get(id(p))
-            n = 1 + (again if again is not None else
-                     0 if step is None else int(step.item() if torch.is_tensor(step) else step))
-            seen[id(p)] = n
-            if again is None and step is not None and made.get(id(p)) is step and step.is_cpu:
-                bump.append(step)
-                before.append((p, step, n - 1))  # counted up in place: undone in place
-            else:
-                entry["step"] = made[id(p)] = _step_tensor(n, step, dtype)
-                before.append((p, step, None))  # replaced: undone by putting it back
+            before.append((p, step))
+            n = 1 + (0 if step is None else int(step.item() if torch.is_tensor(step) else step))
+            entry["step"] = _step_tensor(n, step, dtype)  # a new tensor: see set()
             counted.add(id(p))
             counts.append(n)
-        if bump:
-            torch._foreach_add_(bump, 1.0)
         return before, counts
 
-    def restore(self, before: List[Tuple[torch.Tensor, Any, Optional[int]]]) -> None:
+    def restore(self, before: List[Tuple[torch.Tensor, Any]]) -> None:
         """Undo ``advance``: each param's step entry as it was."""
         state = self._state_of()
-        for p, step, was in reversed(before):
-            if was is not None:
-                step.fill_(float(was))
-            elif step is not None:
+        for p, step in reversed(before):
+            if step is not None:
                 state.setdefault(p, {})["step"] = step
             elif p in state:
                 state[p].pop("step", None)
@@ -170,18 +148,6 @@ def _step_tensor(n: int, old: Any, dtype: torch.dtype) -> torch.Tensor:
     if torch.is_tensor(old) and old.is_floating_point():
         return torch.scalar_tensor(float(n), dtype=old.dtype, device=old.device)
     return torch.scalar_tensor(float(n), dtype=dtype)
-
-
-# [Note: step tensors]
-# A param's count lives in opt.state[p]["step"], a scalar tensor as torch keeps it. torch's
-# Adam counts up in place, and a step tensor torch's load_state_dict took from a dict is
-# that dict's very tensor, so two optimizers loaded from one dict would count each other's
-# steps. Making a new tensor each step avoided that, but 2000 small params made 2000 tensors
-# a step, and Python's garbage collector, triggered by them, cost 13 ms of a 43 ms step
-# (bench/model_step.py's "small" shape, twenty-eighth session). So a tensor made here is
-# counted up in place (one foreach add for all) until it may be shared: state_dict() hands
-# it out, or a load replaces the counts (release()); the next step then makes a new one.
-# A step tensor the user put in opt.state is never changed in place.
 
 
 @dataclass

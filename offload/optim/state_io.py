@@ -46,7 +46,6 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
         sd = base()
     finally:
         opt._optimizer_state_dict_post_hooks = hooks
-    opt._ctx.steps.release()  # sd holds the step tensors: no longer counted up in place
     export = getattr(opt._store, "export_state", None)
     if getattr(opt._store, "kind", None) == "host" and getattr(opt._store, "state_dtype", "float32") != "float32":
         sd["state"] = _host_torch_layout(opt, sd["state"], export)
