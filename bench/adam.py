@@ -5,6 +5,7 @@
     .venv/bin/python bench/adam.py --rules --sizes 10M   # SGD, Adagrad, Lion instead
     .venv/bin/python bench/adam.py --sizes 100M --state-dtype float32,bfloat16,int8 \
         --master-dtype float32,bfloat16                  # compressed states, side by side
+    .venv/bin/python bench/adam.py --sizes 100M --first-step 20000   # late in a long run
 
 Two contests, each timed in one process with the contenders interleaved step by step (in
 a fresh random order each step) after a warm-up, sharing one set of buffers, so no contender pays
@@ -34,6 +35,10 @@ step time.
    its fp32 row. bf16 states round stochastically, as the optimizers always round them
    (offload/optim/state_codec.py says why); ``--nearest-states``: the kernel's round to
    nearest even instead.
+
+``--first-step N`` starts the Adam contests (1 to 3) at step N: past step 16,628 (beta2
+0.999) beta2's bias correction rounds to one, and the native units skip a division
+([Note: a bias correction of one] in native/kernel.h), as they do for most of a long run.
 
 4. ``--rules`` (instead of 1 and 2): SGD (momentum 0.9, weight decay), Adagrad and Lion,
    ours native against torch's fastest CPU code of each: SGD and Adagrad foreach and
@@ -117,7 +122,7 @@ class Buffers:
     def torch_optim(self, **kw):
         opt = torch.optim.AdamW([self.param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
         # share our moments: torch reads exp_avg/exp_avg_sq from its state dict
-        opt.state[self.param] = {"step": torch.tensor(0.0), "exp_avg": self.exp_avg,
+        opt.state[self.param] = {"step": torch.tensor(float(FIRST_STEP - 1)), "exp_avg": self.exp_avg,
                                  "exp_avg_sq": self.exp_avg_sq}
         return opt
 
@@ -125,7 +130,7 @@ class Buffers:
 def plain_contenders(buf: Buffers, threads: int, ds_cls):
     p, g, m, v = buf.param.data, buf.param.grad, buf.exp_avg, buf.exp_avg_sq
     native, numba = get_backend("native"), get_backend("numba")
-    counter = {"native": 0, "numba": 0}
+    counter = {"native": FIRST_STEP - 1, "numba": FIRST_STEP - 1}
 
     def ours(backend):
         def run():
@@ -144,7 +149,7 @@ def plain_contenders(buf: Buffers, threads: int, ds_cls):
         with contextlib.redirect_stdout(io.StringIO()):
             ds = ds_cls([buf.param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                         adamw_mode=True)
-        ds.state[buf.param] = {"step": 0, "exp_avg": m, "exp_avg_sq": v}
+        ds.state[buf.param] = {"step": FIRST_STEP - 1, "exp_avg": m, "exp_avg_sq": v}
         out["deepspeed"] = ds.step
     dst = buf.copy_dst
     out["copy_probe"] = lambda: dst.copy_(p)
@@ -156,7 +161,7 @@ def mixed_contenders(buf: Buffers, threads: int):
     p, g, m, v, lowp = buf.param.data, buf.param.grad, buf.exp_avg, buf.exp_avg_sq, buf.lowp
     native = get_backend("native")
     max_norm = 1e9  # never clips: grads stay unchanged step after step (no denormal drift)
-    counter = [0]
+    counter = [FIRST_STEP - 1]
 
     def ours():
         counter[0] += 1
@@ -182,6 +187,7 @@ def mixed_contenders(buf: Buffers, threads: int):
     return {"ours_fused": ours, "torch_sequence": torch_seq}
 
 
+FIRST_STEP = 1  # --first-step
 RULE_BYTES = 20
 RULE_HP = {"sgd": dict(lr=1e-2, momentum=0.9, weight_decay=1e-4),
            "adagrad": dict(lr=1e-2, weight_decay=1e-4),
@@ -338,7 +344,7 @@ def state_contenders(buf: Buffers, sbuf: StateBuffers, backends, rows, threads: 
 
 
 def _state_step(backend, rule, param, grad, states, lowp, threads, stochastic):
-    count = [0]
+    count = [FIRST_STEP - 1]
 
     def run():
         count[0] += 1
@@ -429,7 +435,7 @@ def states_main(ap: argparse.ArgumentParser, args, sizes, thread_list) -> int:
         torch.set_num_threads(torch_threads)
     print(json.dumps({"bench": "adam_states", "cpu": cpu_model(), "torch": torch.__version__,
                       "steps": args.steps, "stochastic_states": not args.nearest_states,
-                      "results": results}))
+                      "first_step": FIRST_STEP, "results": results}))
     return 0
 
 
@@ -462,6 +468,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=7, help="timed steps (median taken)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="N=4M, 5 steps")
+    ap.add_argument("--first-step", type=int, default=1,
+                    help="the Adam contests' first step number (e.g. 20000: past the step where "
+                         "beta2's bias correction rounds to one, as in most of a long run)")
     ap.add_argument("--rules", action="store_true",
                     help="SGD, Adagrad and Lion instead of the Adam contests")
     add_state_args(ap)
@@ -472,6 +481,10 @@ def main() -> int:
     thread_list = [int(t) for t in args.threads.split(",")]
     if args.steps < 5:
         ap.error(f"--steps must be >= 5, got {args.steps}")
+    if args.first_step < 1:
+        ap.error(f"--first-step must be >= 1, got {args.first_step}")
+    global FIRST_STEP
+    FIRST_STEP = args.first_step
 
     if args.state_dtype or args.master_dtype:
         return states_main(ap, args, sizes, thread_list)
@@ -490,10 +503,10 @@ def main() -> int:
            "deepspeed": "available" if ds_cls else f"unavailable: {ds_reason}",
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            # other jobs on a shared machine skew 2-thread figures most: say how busy it was
-           "loadavg_start": round(os.getloadavg()[0], 1)}
+           "loadavg_start": round(os.getloadavg()[0], 1), "first_step": FIRST_STEP}
     print(f"# {env['cpu']}, {env['cpus']} CPUs, torch {env['torch']}, native ISA "
           f"{env['native_isa']}, DeepSpeedCPUAdam {env['deepspeed']}, {env['date']}, "
-          f"load average {env['loadavg_start']}")
+          f"load average {env['loadavg_start']}, first step {FIRST_STEP}")
     results = []
     torch_threads = torch.get_num_threads()
     hdr = (f"{'N':>6} {'thr':>3} {'contender':<15} {'ms/step':>9} {'Gparam/s':>9} "

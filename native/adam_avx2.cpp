@@ -51,12 +51,13 @@ inline void store_lowp(void *dst, int64_t i, __m256 x) {
 
 struct VConsts {
     __m256 gs, l2, decay, coeff, b2, w2, bc2s, eps, nss;
+    bool bc2_one;  // [Note: a bias correction of one] (kernel.h)
     explicit VConsts(const AdamConsts &c)
         : gs(_mm256_set1_ps(c.grad_scale)), l2(_mm256_set1_ps(c.l2)),
           decay(_mm256_set1_ps(c.decay)), coeff(_mm256_set1_ps(c.lerp_coeff)),
           b2(_mm256_set1_ps(c.beta2)), w2(_mm256_set1_ps(c.one_minus_beta2)),
           bc2s(_mm256_set1_ps(c.bc2_sqrt)), eps(_mm256_set1_ps(c.eps)),
-          nss(_mm256_set1_ps(c.neg_step_size)) {}
+          nss(_mm256_set1_ps(c.neg_step_size)), bc2_one(bias_correction_one(c.bc2_sqrt)) {}
 };
 
 // One vector of Adam on registers (g already scaled), as avx512_adam.h's adam_math: the FMAs
@@ -67,7 +68,8 @@ inline void adam_math(const VConsts &c, __m256 g, __m256 &p, __m256 &m, __m256 &
     m = _mm256_fmadd_ps(c.coeff, _mm256_sub_ps(g, m), FROM_END ? g : m);
     v = _mm256_mul_ps(v, c.b2);
     v = _mm256_fmadd_ps(_mm256_mul_ps(c.w2, g), g, v);
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2s), c.eps);
+    const __m256 root = _mm256_sqrt_ps(v);
+    __m256 denom = _mm256_add_ps(c.bc2_one ? root : _mm256_div_ps(root, c.bc2s), c.eps);
     p = _mm256_add_ps(_mm256_mul_ps(p, c.decay), _mm256_div_ps(_mm256_mul_ps(c.nss, m), denom));
 }
 

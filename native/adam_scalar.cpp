@@ -33,6 +33,7 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
     float *__restrict m = b.exp_avg;
     float *__restrict v = b.exp_avg_sq;
     uint16_t *__restrict lowp = static_cast<uint16_t *>(b.lowp);
+    const bool bc2_one = bias_correction_one(c.bc2_sqrt);
     for (int64_t i = begin; i < end; ++i) {
         float g = load_grad<G>(b.grad, i) * c.grad_scale;
         float pi = p[i];
@@ -40,7 +41,8 @@ void adam_loop(const AdamConsts &c, const AdamBuffers &b, int64_t begin, int64_t
         float mi = m[i];
         mi = std::fma(c.lerp_coeff, g - mi, FROM_END ? g : mi);
         float vi = std::fma(c.one_minus_beta2 * g, g, v[i] * c.beta2);
-        float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
+        const float root = std::sqrt(vi);  // [Note: a bias correction of one] (kernel.h)
+        float denom = (bc2_one ? root : root / c.bc2_sqrt) + c.eps;
         pi = pi * c.decay + (c.neg_step_size * mi) / denom;  // two roundings, as torch (-ffp-contract=off)
         p[i] = pi;
         m[i] = mi;

@@ -45,12 +45,13 @@ inline void store_lowp(void *dst, int64_t i, __m512 x, __mmask16 k) {
 
 struct VConsts {
     __m512 gs, l2, decay, coeff, b2, w2, bc2s, eps, nss;
+    bool bc2_one;  // [Note: a bias correction of one] (kernel.h)
     explicit VConsts(const AdamConsts &c)
         : gs(_mm512_set1_ps(c.grad_scale)), l2(_mm512_set1_ps(c.l2)),
           decay(_mm512_set1_ps(c.decay)), coeff(_mm512_set1_ps(c.lerp_coeff)),
           b2(_mm512_set1_ps(c.beta2)), w2(_mm512_set1_ps(c.one_minus_beta2)),
           bc2s(_mm512_set1_ps(c.bc2_sqrt)), eps(_mm512_set1_ps(c.eps)),
-          nss(_mm512_set1_ps(c.neg_step_size)) {}
+          nss(_mm512_set1_ps(c.neg_step_size)), bc2_one(bias_correction_one(c.bc2_sqrt)) {}
 };
 
 // One vector of Adam on registers: torch's formula as built (fmadd in lerp, in the L2 add and
@@ -67,7 +68,8 @@ inline void adam_math(const VConsts &c, __m512 g, __m512 &p, __m512 &m, __m512 &
     m = _mm512_fmadd_ps(c.coeff, _mm512_sub_ps(g, m), FROM_END ? g : m);
     v = _mm512_mul_ps(v, c.b2);
     v = _mm512_fmadd_ps(_mm512_mul_ps(c.w2, g), g, v);
-    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2s), c.eps);
+    const __m512 root = _mm512_sqrt_ps(v);
+    __m512 denom = _mm512_add_ps(c.bc2_one ? root : _mm512_div_ps(root, c.bc2s), c.eps);
     p = _mm512_add_ps(_mm512_mul_ps(p, c.decay), _mm512_div_ps(_mm512_mul_ps(c.nss, m), denom));
 }
 

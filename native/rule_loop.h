@@ -94,10 +94,12 @@ struct LionBody {
 template <bool L2, bool FROM_END>
 struct AmsgradBody {
     VF gs, l2, decay, coeff, b2, w2, bc2s, eps, nss;
+    bool bc2_one;  // [Note: a bias correction of one] (kernel.h)
     explicit AmsgradBody(const AdamConsts &c)
         : gs(vset1(c.grad_scale)), l2(vset1(c.l2)), decay(vset1(c.decay)),
           coeff(vset1(c.lerp_coeff)), b2(vset1(c.beta2)), w2(vset1(c.one_minus_beta2)),
-          bc2s(vset1(c.bc2_sqrt)), eps(vset1(c.eps)), nss(vset1(c.neg_step_size)) {}
+          bc2s(vset1(c.bc2_sqrt)), eps(vset1(c.eps)), nss(vset1(c.neg_step_size)),
+          bc2_one(bias_correction_one(c.bc2_sqrt)) {}
 
     template <int G, int L, bool STREAM>
     inline void vec(const RuleBuffers &b, int64_t i) const {
@@ -108,7 +110,8 @@ struct AmsgradBody {
         m = vfmadd(coeff, vsub(g, m), FROM_END ? g : m);
         const VF v = vfmadd(vmul(w2, g), g, vmul(vload(b.state1 + i), b2));
         const VF vmax = vmax_nan(vload(b.state2 + i), v);  // torch.maximum(max_exp_avg_sq, exp_avg_sq)
-        const VF denom = vadd(vdiv(vsqrt(vmax), bc2s), eps);
+        const VF root = vsqrt(vmax);
+        const VF denom = vadd(bc2_one ? root : vdiv(root, bc2s), eps);
         p = vadd(vmul(p, decay), vdiv(vmul(nss, m), denom));  // torch's mul_ then addcdiv_: no FMA
         vstore(b.state + i, m);
         vstore(b.state1 + i, v);
