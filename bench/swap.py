@@ -20,7 +20,8 @@ Prints a table, then one JSON line.
 
 ``--state-dtype float32,bfloat16,int8`` (and, with ``--dtype bf16``, ``--master-dtype
 float32,bfloat16``): one row per combination instead, each an ``offload.AdamW(offload="nvme",
-state_dtype=..., master_dtype=...)`` over params and grads sharing one storage, stepped in
+state_dtype=..., master_dtype=...)`` over its own copy of the params (OptimRow says why) and
+grads sharing one storage, stepped in
 turn rep by rep (rotated order): step, I/O alone (the row's pipeline with a no-op compute),
 kernel alone (the row's compressed rule over the same sub-group ranges, states in RAM), the
 swap files' bytes per param (measured: the files / 2 slots / N), and the speedup over the
@@ -247,12 +248,19 @@ ROW_TARGETS = {("fp32", "int8", None): 2.5, ("bf16", "int8", None): 1.7, ("bf16"
 
 
 class OptimRow:
-    """One row: offload.AdamW(offload="nvme", state_dtype=..., master_dtype=...) over params and
-    grads that share the storage of every other row's (one copy of the model in RAM)."""
+    """One row: offload.AdamW(offload="nvme", state_dtype=..., master_dtype=...) over params of
+    its own (copies of the same values) and the grads every row shares.
+
+    Not params shared between the rows: each row's step writes them, and a store with an
+    fp32 master takes a param another row wrote as the user's new weights ([Note: params
+    written by others] in offload/optim/flat/param_sync.py): a synchronous read, merge and
+    write of that master on every step. Until the twenty-ninth session the rows shared one
+    copy, and the fp32-master rows timed that (4-5x their ideal on an AMD EPYC with a fast
+    disk) instead of a training step."""
 
     def __init__(self, base_params, grads, args, bound: int, state_dtype: str, master_dtype) -> None:
         self.state_dtype, self.master_dtype = state_dtype, master_dtype
-        self.params = [torch.nn.Parameter(p) for p in base_params]  # same storage as base_params
+        self.params = [torch.nn.Parameter(p.clone()) for p in base_params]
         for p, g in zip(self.params, grads):
             p.grad = g
         extra = {"master_dtype": master_dtype} if master_dtype is not None else {}

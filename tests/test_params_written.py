@@ -204,3 +204,38 @@ def test_a_single_optimizer_never_reads_back_its_own_rounded_params():
         assert param_sync.changed(opt._store) == []
     assert [p._version for p in m.parameters()] == [v + 3 for v in versions]
     opt.close()
+
+
+@pytest.mark.parametrize("where", ["cpu", "nvme"])
+def test_a_param_of_many_sub_groups_is_merged_chunk_by_chunk(where, tmp_path, monkeypatch):
+    # refresh_changed takes a changed param a sub-group of the swap files at a time (in RAM,
+    # HOST_CHUNK elements): every chunk must merge as the whole did, the elements written on
+    # either side of each boundary taking the write and the rest keeping their fp32 master.
+    monkeypatch.setattr(param_sync, "HOST_CHUNK", 1000)
+    n = 4096 * 3 + 77
+    torch.manual_seed(5)
+    p = torch.nn.Parameter(torch.randn(n).to(torch.bfloat16))
+    kw = dict(swap_dir=str(tmp_path), sub_group_size=4096) if where == "nvme" else {}
+    opt = offload.AdamW([p], lr=1e-4, offload=where, **kw)
+    if where == "nvme":
+        assert opt._store._swap.layout.num_groups >= 4  # the test crosses sub-groups
+    for s in range(4):
+        p.grad = torch.randn(n, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16)
+        opt.step()
+    before = opt.state_dict()["state"][0]["master"].clone()
+    assert not torch.equal(before, before.to(torch.bfloat16).float())  # bits below the ulp
+    idx = [0, 999, 1000, 4095, 4096, 8191, 8192, 12287, 12288, n - 1]
+    with torch.no_grad():
+        p.copy_(p.clone())  # the same values everywhere...
+        p[idx] = 0.5  # ...but these
+    assert param_sync.changed(opt._store) == [p]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    opt.step()
+    master = opt.state_dict()["state"][0]["master"]
+    assert torch.equal(master[idx], torch.full((len(idx),), 0.5))
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[idx] = False
+    assert torch.equal(master[rest], before[rest])
+    assert torch.equal(p.detach(), master.to(torch.bfloat16))
+    opt.close()

@@ -35,8 +35,19 @@ def changed(st: "FlatState") -> List[torch.Tensor]:
     return [p for p in st._order if p in seen and p._version != seen[p]]
 
 
+# The piece of a param taken at a time in RAM (the swapped store's pieces are cut at its
+# sub-groups instead): the temporaries of a merge stay a few of these, whatever the param's size.
+HOST_CHUNK = 1 << 22
+
+
 def refresh_changed(st: "FlatState") -> None:
-    """The master pieces of the changed params <- their values (this rank's pieces)."""
+    """The master pieces of the changed params <- their values (this rank's pieces).
+
+    Chunk by chunk (a sub-group of the swap files at a time, each read once and written
+    once; in RAM HOST_CHUNK elements): the temporaries stay within a sub-group however large
+    the param, and the swap files are not read twice. (Before the twenty-ninth session a
+    piece was read whole, then written whole: a param of 1G elements took 10 GB of
+    temporaries, and every sub-group was loaded twice.)"""
     params = changed(st)
     if not params:
         return
@@ -51,22 +62,46 @@ def refresh_changed(st: "FlatState") -> None:
         lo, hi = piece.lo - start, piece.hi - start
         src = p.detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
         paging.load([src])  # params on NVMe ([Note: paged tensors] in offload/memory/paging.py)
-        low = src.to(device="cpu", copy=True)
-        paging.evict([src])
-        # An element the write left at the master's rounding keeps its master: a write of the
-        # same values (p.copy_(same), a clamp_ that clips nothing, torch's test_optim copying
-        # equal params back) would otherwise round an fp16/bf16 param's fp32 master to the
-        # param's precision and lose the small updates the master is there to keep.
-        cur = st._swap.read(st._groups.index(fg), lo, hi, ["master"])["master"] if fg.swapped \
-            else fg.master[lo:hi]
-        vals = torch.where(low == cur.to(low.dtype), cur, low.to(torch.float32))
-        if fg.swapped:
-            st._swap.write(st._groups.index(fg), lo, hi, {"master": vals})
-            if fg.lowp_shard is not None:
-                fg.lowp_shard[lo:hi].copy_(vals)
-        else:
-            fg.master[lo:hi].copy_(vals)
+        try:
+            k = st._groups.index(fg) if fg.swapped else -1
+            for a, b in _chunks(st, k, lo, hi):
+                low = src[a - lo:b - lo].to(device="cpu", copy=True)
+                if fg.swapped:
+                    vals = _merged(low, st._swap.read(k, a, b, ["master"])["master"])
+                    st._swap.write(k, a, b, {"master": vals})
+                    if fg.lowp_shard is not None:
+                        fg.lowp_shard[a:b].copy_(vals)
+                else:
+                    cur = fg.master[a:b]
+                    cur.copy_(_merged(low, cur))
+        finally:
+            paging.evict([src])
+        if not fg.swapped:
             touched.add(fg)
     for fg in touched:
         fg.refresh_lowp_shard()
     record(st)
+
+
+def _merged(low: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
+    """The master ``cur`` where the param ``low`` still holds its rounding, else ``low``.
+
+    An element the write left at the master's rounding keeps its master: a write of the
+    same values (p.copy_(same), a clamp_ that clips nothing, torch's test_optim copying
+    equal params back) would otherwise round an fp16/bf16 param's fp32 master to the
+    param's precision and lose the small updates the master is there to keep."""
+    return torch.where(low == cur.to(low.dtype), cur, low.to(torch.float32))
+
+
+def _chunks(st: "FlatState", k: int, lo: int, hi: int):
+    """[a, b) pieces of shard ``k``'s [lo, hi): one per sub-group of the swap files (``k`` >=
+    0), else of HOST_CHUNK elements."""
+    if k < 0:
+        for a in range(lo, hi, HOST_CHUNK):
+            yield a, min(hi, a + HOST_CHUNK)
+        return
+    sw = st._swap
+    a0, b0 = sw.base[k] + lo, sw.base[k] + hi
+    for g in sw.layout.groups_overlapping(a0, b0):
+        s, e = sw.layout.group_range(g)
+        yield max(s, a0) - sw.base[k], min(e, b0) - sw.base[k]
