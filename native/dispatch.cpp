@@ -14,6 +14,7 @@
 #include "kernel.h"
 #include "machine.h"
 #include "offload_native.h"
+#include "batch_alias.h"
 #include "parallel.h"
 #include "q8_tables.h"
 
@@ -296,7 +297,7 @@ bool takes_compressed(const offload_step_args &a) {
 // Checks and converts struct a into p (p.n == 0: nothing to run). A compressed step
 // (takes_compressed) is written into *cs, its Q8 tables into q; both must outlive p.
 int prepare_step(const offload_step_args &a, Q8Built &q, CompressedStep *cs, PreparedStep &p) {
-    if (a.n < 0 || a.num_threads < 1 || prefetch_of(a) < 0) return -EINVAL;
+    if (a.n < 0 || a.num_threads < 1 || prefetch_of(a) < 0 || struct_overlaps_itself(a)) return -EINVAL;
     if (takes_compressed(a)) return cs ? prepare_compressed(a, q, *cs, p) : -EINVAL;
     switch (a.rule) {
         case OFFLOAD_RULE_ADAM: return prepare_adam(a, p);
@@ -417,7 +418,9 @@ int rule_steps(const offload_step_args *args, int64_t count, int num_threads, in
         }
         return first_rc;
     };
-    return parallel_items(static_cast<int64_t>(items.size()), threads_for(total, num_threads), fn);
+    int threads = threads_for(total, num_threads);
+    if (threads > 1 && batch_aliases(args, count)) threads = 1;  // [Note: aliased entries]
+    return parallel_items(static_cast<int64_t>(items.size()), threads, fn);
 }
 
 }  // namespace

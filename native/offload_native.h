@@ -188,7 +188,8 @@ OFFLOAD_API int offload_rule_step(const struct offload_step_args *a);
  * of all of them spread over up to num_threads threads together (each struct's num_threads
  * is checked, not used). Every struct is checked before any memory is touched: on a bad one
  * nothing is updated, its index goes to *out_bad (when not NULL; else -1) and its error is
- * returned. No array a struct writes may overlap an array of another struct.
+ * returned. Structs whose arrays overlap (the same param twice) run in struct order on
+ * one thread: the result of the calls one after another ([Note: aliased entries]).
  * Returns 0, -EINVAL, -ENOTSUP or -ENOMEM (before anything ran). */
 OFFLOAD_API int offload_rule_steps(const struct offload_step_args *args, int64_t count,
                                    int num_threads, int64_t *out_bad);

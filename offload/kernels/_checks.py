@@ -11,10 +11,11 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ._threads import MAX_THREADS
 from .fields import ADAM, Rule, StateField
 
 __all__ = ["GRAD_DTYPES", "LOWP_DTYPES", "check_adam_args", "check_compressed_args", "check_grad_scale", "check_states",
-           "check_step_args", "check_tensor", "check_threads"]
+           "check_step_args", "check_tensor", "check_threads", "written_overlap"]
 
 # dtype -> code understood by native/ and the numba backend (keep in sync with offload_native.h)
 GRAD_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -38,11 +39,25 @@ def check_tensor(name: str, t: object, dtypes, *, contiguous: bool = True) -> to
     return t
 
 
+def written_overlap(param: torch.Tensor, states: Sequence[torch.Tensor], names: Sequence[str],
+                    param_lowp: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why the tensors one step writes (contiguous: param, its states, the low-precision
+    copy) cannot be stepped, if two of them overlap (a param that is its own exp_avg: each
+    backend would store last a different one, native/batch_alias.h); else None."""
+    spans = [("param", param)] + list(zip(names, states)) + ([] if param_lowp is None else [("param_lowp", param_lowp)])
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for name, t in spans if t.numel()]
+    for i, (a, lo, hi) in enumerate(spans):
+        for b, lo2, hi2 in spans[:i]:
+            if lo < hi2 and lo2 < hi:
+                return f"{a} overlaps {b} in memory: a step writes each of them"
+    return None
+
+
 def check_threads(num_threads: Optional[int]) -> None:
     if num_threads is None:
         return
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or not 1 <= num_threads <= MAX_THREADS:
+        raise ValueError(f"num_threads must be a positive int (at most {MAX_THREADS}) or None, got {num_threads!r}")
 
 
 def check_grad_scale(grad_scale: object) -> None:

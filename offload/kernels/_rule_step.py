@@ -13,7 +13,8 @@ from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional,
 
 import torch
 
-from ._checks import check_adam_args, check_compressed_args, check_states, check_step_args
+from ._checks import (check_adam_args, check_compressed_args, check_states, check_step_args, check_threads,
+                      written_overlap)
 from .fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, RULES, SGD, SGD_PLAIN, Rule, StateField
 from .quant import QuantArgs
 from .rule_consts import adagrad_args, lion_args, sgd_args, sgd_plain_args
@@ -164,10 +165,23 @@ def batch_plan(rule: Rule, entries: Sequence[StepEntry], hyper: Any
         yield k, stored, (e.param, e.grad, e.states, e.param_lowp), e.quant, args
 
 
+def _refuse_overlap(param, states, names, param_lowp) -> None:
+    why = param.numel() and written_overlap(param, states, names, param_lowp)
+    if why:
+        raise ValueError(why)
+
+
 class RuleStepFace:
     """Mixin: a backend defines each rule's method, for Adam ``_adam(param, grad, states,
     param_lowp, num_threads, hyper)``, called with checked, non-empty tensors, ``states`` in
     field order and ``hyper`` in ``fold_adam``'s argument order."""
+
+    def preflight(self, num_threads: Optional[int] = None) -> None:
+        """Raise what a step would raise about its setting (the thread count; the native
+        backend: OFFLOAD_ISA, OFFLOAD_PREFETCH), before anything is updated: the optimizers
+        call it with the step's other checks, so a typo in the environment is refused as
+        bad input, not met halfway through a step ([Note: failed steps] in step_guard.py)."""
+        check_threads(num_threads)
 
     def rule_step(self, rule: Union[Rule, str], param: torch.Tensor, grad: torch.Tensor,
                   states: Mapping[str, torch.Tensor], *, step: int,
@@ -189,6 +203,7 @@ class RuleStepFace:
                                                                      bool(stochastic_states)), hyper)
         ordered = check_states(k.rule, states, k.names)
         n = check_step_args(param, grad, k.fields, ordered, param_lowp, step, num_threads)
+        _refuse_overlap(param, ordered, k.names, param_lowp)
         args = _bind(k, step, hyper)
         if n:
             getattr(self, k.method)(param, grad, ordered, param_lowp, num_threads, args)
@@ -213,6 +228,10 @@ class RuleStepFace:
         entry's hyperparameters. This default steps them one by one through the flat forms;
         the native backend runs the whole batch in one call."""
         names = rule.names
+        for i, e in enumerate(entries):  # refused before any entry is stepped, as the native batch
+            why = e.param.numel() and written_overlap(e.param, e.states, names, e.param_lowp)
+            if why:
+                raise ValueError(f"tensor {i}: {why}")
         for e in entries:
             fp, fg, fs = e.param.view(-1), e.grad.view(-1), tuple(t.view(-1) for t in e.states)
             fl = None if e.param_lowp is None else e.param_lowp.view(-1)
@@ -231,6 +250,7 @@ class RuleStepFace:
         ordered = check_states(rule, states, k.names)
         n = check_compressed_args(param, grad, rule.fields, ordered, param_lowp, step,
                                   num_threads, q)
+        _refuse_overlap(param, ordered, k.names, param_lowp)
         args = _bind(k, step, hyper)
         if n:
             self._compressed(k.method, rule.fields, param, grad, ordered, param_lowp,
@@ -255,6 +275,7 @@ class RuleStepFace:
                   num_threads: Optional[int] = None) -> None:
         """``rule_step(ADAM, param, grad, {"exp_avg": ..., "exp_avg_sq": ...}, ...)``."""
         n = check_adam_args(param, grad, exp_avg, exp_avg_sq, param_lowp, step, num_threads)
+        _refuse_overlap(param, (exp_avg, exp_avg_sq), ADAM.names, param_lowp)
         if n:
             self._adam(param, grad, (exp_avg, exp_avg_sq), param_lowp, num_threads,
                        (lr, beta1, beta2, eps, weight_decay, step, decoupled, bias_correction,

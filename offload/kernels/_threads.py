@@ -17,7 +17,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["set_num_threads", "get_num_threads", "resolve_threads"]
+__all__ = ["MAX_THREADS", "set_num_threads", "get_num_threads", "resolve_threads"]
+
+# The native kernels take the count as a C int: a larger one was refused by the packer with
+# struct.error, on every step, long after set_num_threads had taken it.
+MAX_THREADS = 2**31 - 1
 
 _num_threads: Optional[int] = None
 
@@ -39,8 +43,8 @@ def _cpu_count() -> int:
 def set_num_threads(n: Optional[int]) -> None:
     """Set the kernel thread count; ``None`` restores the default."""
     global _num_threads
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"num_threads must be a positive int or None, got {n!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_THREADS):
+        raise ValueError(f"num_threads must be a positive int (at most {MAX_THREADS}) or None, got {n!r}")
     _num_threads = n
 
 

@@ -18,7 +18,7 @@ from typing import Tuple
 
 import torch
 
-from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
+from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads, written_overlap
 from . import quant
 from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, AMSGRAD_STEP, COMPRESSED_STEP, LION_CONSTS,
                           SGD_CONSTS, STEP_STATES, StepArgs)
@@ -170,6 +170,10 @@ class NativeBackend(RuleStepFace):
     def _tail(self, num_threads) -> Tuple[int, int, int]:
         return ISA_CODES[self.isa()], resolve_threads(num_threads), self._prefetch()
 
+    def preflight(self, num_threads=None) -> None:
+        check_threads(num_threads)
+        self._tail(num_threads)  # OFFLOAD_ISA and OFFLOAD_PREFETCH read and checked
+
     @staticmethod
     def _pack_f32(code, consts, param, grad, states, param_lowp, tail) -> bytes:
         """A float32 step: Adam's two states, AMSGrad's three, or the one state at most of
@@ -247,7 +251,15 @@ class NativeBackend(RuleStepFace):
         bad = _c_i64(-1)
         rc = self._lib.offload_rule_steps(b"".join(packed), len(packed), tail[1], ctypes.byref(bad))
         if rc != 0:  # (every rule is in every library of this ABI: load_library checked it)
-            self._check(rc, f"offload_rule_steps ({rule.name}, tensor {bad.value} of the batch)")
+            # the struct's index among the non-empty entries batch_plan packed -> the caller's
+            packed_at = [i for i, e in enumerate(entries) if e.param.numel()]
+            where = packed_at[bad.value] if 0 <= bad.value < len(packed_at) else bad.value
+            if 0 <= bad.value < len(packed_at):  # the one bad input the Python checks leave to C
+                e = entries[where]
+                why = written_overlap(e.param, e.states, rule.names, e.param_lowp)
+                if why:
+                    raise ValueError(f"tensor {where}: {why}")
+            self._check(rc, f"offload_rule_steps ({rule.name}, tensor {where} of the batch)")
 
     def _prefetch(self) -> int:
         """OFFLOAD_PREFETCH_* from $OFFLOAD_PREFETCH: unset or "auto", the library's choice

@@ -356,6 +356,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         work = self._grads_with_params()
         # Everything is checked before anything changes (see [Note: failed steps] in step_guard.py).
         check_work(work, step_sigs(self), self.SPARSE_MESSAGE)
+        get_backend(self.backend).preflight(self.num_threads)  # the environment, too
         self._t_prepare = 0.0
         t_clip = time.perf_counter()
         multiplier = self._grad_multiplier(work)

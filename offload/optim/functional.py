@@ -123,6 +123,15 @@ def rule_step(
     _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_threads, quant)
     entries, copied = [], []
     per_param = list(zip(*lists)) if lists else [()] * n  # each param's states
+    if _copies_share_memory(params, grads, per_param, params_lowp):
+        # [Note: aliased copies] (_copies_share_memory): one param at a time, in order
+        for i in range(n):
+            rule_step(*_one_param(i, params, grads, names, lists, steps), hyper,
+                      params_lowp=None if params_lowp is None else [params_lowp[i]], backend=backend,
+                      num_threads=num_threads, rule=rule if rule != hyper.rule else None,
+                      rounding_seeds=None if rounding_seeds is None else [rounding_seeds[i]],
+                      stochastic_states=stochastic_states)
+        return
     for i in range(n):
         p, g, st = params[i], grads[i], per_param[i]
         if not p.numel():
@@ -134,6 +143,7 @@ def rule_step(
             entries.append(StepEntry(p, g, st, lowp, int(steps[i]), q))
             continue
         tensors = (p, g, *st) + (() if lowp is None else (lowp,))
+        _no_shared_elements(i, rule, tensors)
         dense = tuple(t.contiguous() for t in tensors)
         copied.append((tensors, dense))
         k = 2 + len(st)
@@ -197,6 +207,48 @@ def _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_thread
                                       None if lowp is None else _flat(lowp), step, num_threads, quant[i])
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{_who(rule)}: tensor {i}: {exc}") from None
+
+
+def _one_param(i, params, grads, names, lists, steps) -> tuple:
+    """rule_step's first four arguments for param ``i`` alone."""
+    return [params[i]], [grads[i]], {k: [lst[i]] for k, lst in zip(names, lists)}, [steps[i]]
+
+
+def _no_shared_elements(i: int, rule: Rule, tensors: Tuple[torch.Tensor, ...]) -> None:
+    """Before a param is stepped through copies: no tensor the step writes back (all but
+    the grad) has elements sharing memory (an expand()ed param). Its write-back would fail
+    after the kernel ran, the group half stepped. (Contiguous tensors cannot share.)"""
+    names = ("param", "grad") + rule.names + ("param_lowp",)
+    for j, t in enumerate(tensors):
+        if j != 1 and not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
+            raise ValueError(f"{_who(rule)}: tensor {i}: {names[j]} has elements that share memory (strides "
+                             f"{tuple(t.stride())}, as expand() makes): a step would write each of them more than once")
+
+
+def _copies_share_memory(params, grads, per_param, params_lowp) -> bool:
+    """Whether a param with a non-contiguous tensor (stepped through copies) has a tensor
+    whose storage another param's tensors use too. (Storages, not byte ranges: this runs
+    only when a copy is made, the slow path, and a false alarm costs speed only.)
+
+    [Note: aliased copies] Such a param (one transposed param listed twice, as torch allows
+    with a warning) would be stepped in the batch from the same values as the other, and the
+    last copy written back over the first: a step lost. rule_step then steps one param at a
+    time, in order: the result of the calls one after another, as for contiguous tensors
+    ([Note: aliased entries] in native/batch_alias.h)."""
+    tensors = [(params[i], grads[i], *per_param[i]) + (() if params_lowp is None or params_lowp[i] is None
+                                                        else (params_lowp[i],))
+               for i in range(len(params)) if params[i].numel()]
+    if all(_all_contiguous(ts) for ts in tensors):
+        return False
+    owner: dict = {}
+    for i, ts in enumerate(tensors):
+        copied = not _all_contiguous(ts)
+        for t in ts:
+            key = t.untyped_storage().data_ptr()
+            first = owner.setdefault(key, (i, copied))
+            if first[0] != i and (copied or first[1]):
+                return True
+    return False
 
 
 def _who(rule: Rule) -> str:

@@ -20,6 +20,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from offload.config import IOConfig, OffloadConfig, parse_bytes
+from offload.kernels._threads import MAX_THREADS
 from offload.optim.host_dtypes import COMPLEX_DTYPES, COMPLEX_RULE_CLASSES
 
 __all__ = ["check_group_rule", "check_hyper", "check_extras", "check_compression", "check_master_dtype", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
@@ -128,8 +129,8 @@ def check_extras(*, max_grad_norm: Any, num_threads: Any, stage: Any, bias_corre
         if isinstance(num_threads, bool) or not isinstance(num_threads, int):
             raise TypeError(f"num_threads must be an int >= 1 or None, got {type(num_threads).__name__} "
                             f"{num_threads!r}")
-        if num_threads < 1:
-            raise ValueError(f"Invalid num_threads: {num_threads}")
+        if not 1 <= num_threads <= MAX_THREADS:
+            raise ValueError(f"Invalid num_threads: {num_threads} (1 to {MAX_THREADS})")
     if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
         raise ValueError(f"Invalid stage: {stage!r} (0, 1, 2, or 3 over the params of offload.shard(model))")
     _check_bool("bias_correction", bias_correction)
