@@ -312,3 +312,40 @@ def test_the_running_test_file_is_this_process_own_and_locked(bench_dir, monkeyp
     assert main(argv + (["--keep"] if keep else [])) == 0
     assert seen == [[running.name]]
     assert sorted(os.listdir(bench_dir)) == ([bench_io.DATA_NAME] if keep else [])
+
+
+def test_the_test_file_removed_before_its_lock_is_made_again(tmp_path, monkeypatch):
+    """An ``offload clean`` between the test file's creation and its flock removes it (an
+    unlocked test file is a killed run's to clean); the run then made its sweep over an
+    unlinked file and --keep kept nothing. The name must be the locked file: made again."""
+    import fcntl
+
+    from offload.cli import bench_io_file
+    from offload.io import open_file
+
+    path = str(tmp_path / bench_io.RUNNING_NAME.format(pid=os.getpid()))
+    real, calls = fcntl.flock, []
+
+    def clean_first(fd, op):  # the first lock comes after a clean unlinked the file
+        if not calls:
+            os.unlink(path)
+        calls.append(op)
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", clean_first)
+    f = bench_io_file.locked_new_file(path, False, open_file)
+    try:
+        assert len(calls) == 2 and all(op == fcntl.LOCK_EX for op in calls)  # a blocking lock, twice
+        assert os.stat(path).st_ino == os.fstat(f.fd).st_ino
+    finally:
+        f.close()
+
+
+def test_keep_into_a_directory_is_refused_before_the_sweep(tmp_path, capsys):
+    d = tmp_path / "disk"
+    (d / bench_io.DATA_NAME).mkdir(parents=True)
+    rc = main(["bench-io", "--dir", str(d), "--size", "4MiB", "--engine", "threads", "--block-size", "1M",
+               "--queue-depth", "1", "--keep"])
+    assert rc == 1
+    assert "is a directory" in capsys.readouterr().err
+    assert sorted(os.listdir(d)) == [bench_io.DATA_NAME]  # no test file made, none left

@@ -42,3 +42,12 @@ def test_info_reports_a_bad_isa_request_instead_of_failing():
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert "bogus" in info["isa_selected"]
+
+
+def test_info_shows_the_prefetch_setting_and_a_bad_one(capsys, monkeypatch):
+    if not backend_status()["native"][0]:
+        return  # (no native library: nothing to prefetch; the line says why)
+    for raw, want in (("", "auto"), ("off", "off"), ("on_", "unavailable (OFFLOAD_PREFETCH='on_'")):
+        monkeypatch.setenv("OFFLOAD_PREFETCH", raw)
+        assert main(["info", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["prefetch"].startswith(want), raw

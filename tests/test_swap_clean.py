@@ -87,6 +87,8 @@ def test_clean_removes_the_test_file_of_a_killed_bench_io(tmp_path, capsys, dry_
 
     dead = tmp_path / "offload-bench-io.424242.dat"
     dead.write_bytes(b"\0" * 8192)
+    user = tmp_path / "offload-bench-io.05.dat"  # no pid has a leading zero: a user's file
+    user.write_bytes(b"z")
     kept = tmp_path / "offload-bench-io.dat"  # what --keep leaves
     kept.write_bytes(b"x")
     live = tmp_path / "offload-bench-io.1.dat"
@@ -105,7 +107,7 @@ def test_clean_removes_the_test_file_of_a_killed_bench_io(tmp_path, capsys, dry_
     finally:
         holder.kill()
         holder.wait()
-    assert dead.exists() is dry_run and kept.exists() and live.exists()
+    assert dead.exists() is dry_run and kept.exists() and live.exists() and user.exists()
     verb = "would remove" if dry_run else "removed"
     assert f"{verb} {dead}" in out and f"kept {live}: in use by live process 1" in out
     assert f"{verb} 0 directories and 1 bench-io test file" in out

@@ -22,10 +22,8 @@ from .bench_io_output import Progress, _human, check_outputs, format_table, plot
 
 log = logging.getLogger(__name__)
 
-DATA_NAME = "offload-bench-io.dat"
-# [Note: the test file while it runs] offload-bench-io.<pid>.dat, flock-ed while open: two runs in
-# one directory keep apart, and `offload clean` removes what a kill -9 left. --keep renames it.
-RUNNING_NAME = "offload-bench-io.{pid}.dat"
+# the test file's names and life ([Note: the test file while it runs] there)
+from .bench_io_file import DATA_NAME, RUNNING_NAME, create_data_file, kept_name_problem, remove_data_file  # noqa: F401
 
 
 # -- argument parsing -------------------------------------------------------------------------
@@ -110,48 +108,6 @@ def add_parser(subparsers, name: str) -> argparse.ArgumentParser:
 
 
 # -- the run ----------------------------------------------------------------------------------
-
-def _create_data_file(path: str, size: int, direct: bool, pool, progress: Progress):
-    """A fresh file of random bytes (not zeros: compressing or deduplicating devices would lie)."""
-    import torch
-
-    from offload.io import IORequest, open_engine, open_file
-
-    if os.path.lexists(path):
-        os.unlink(path)
-    f = open_file(path, write=True, create=True, exclusive=True, direct=direct)
-    try:
-        import fcntl
-
-        fcntl.flock(f.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ([Note: the test file while it runs])
-        f.preallocate(size)  # ENOSPC now, not half-way
-        chunk = 8 << 20
-        gen = torch.Generator().manual_seed(size)
-        bufs = [pool.acquire(chunk) for _ in range(4)]
-        try:
-            with open_engine("threads", queue_depth=8, block_size=1 << 20) as eng:
-                progress.step(f"creating {_human(size)} test file of random data")
-                off = 0
-                while off < size:
-                    reqs = []
-                    for b in bufs:
-                        if off >= size:
-                            break
-                        n = min(chunk, size - off)
-                        b.tensor(torch.int64).random_(generator=gen)
-                        reqs.append(IORequest("write", f, off, b[0:n]))
-                        off += n
-                    eng.wait(eng.submit(reqs))
-                    progress.advance(sum(len(r.buf) for r in reqs))
-            f.fsync()
-        finally:
-            for b in bufs:
-                pool.release(b)
-    except BaseException:
-        f.close()
-        raise
-    return f
-
 
 def _settle(f, size: int, pool, progress: Progress) -> None:
     """One untimed read pass after creating the file: on virtual disks the host is still
@@ -332,6 +288,9 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
     from offload.memory import BufferPool
 
     directory = _checked_dir(args)
+    problem = args.keep and kept_name_problem(directory)
+    if problem:
+        raise ValueError(problem)
     skipped = _drop_unavailable_engines(args)
     size = args.size
     fio_variants = _fio_variants(args)
@@ -344,7 +303,7 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
     pool = BufferPool(pin=False, region_bytes=64 << 20)  # disk I/O only (and registered with io_uring)
     f = None
     try:
-        f = _create_data_file(path, size, args.direct, pool, progress)
+        f = create_data_file(path, size, args.direct, pool, progress)
         _settle(f, size, pool, progress)
         for bs in args.block_size:
             for qd in args.queue_depth:
@@ -359,29 +318,15 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
                         pool.release(b)
         progress.close()
     except BaseException:
-        path = _remove_data_file(f, path, args.keep)
+        path = remove_data_file(f, path, args.keep)
         _close_pool_after_error(pool)
         raise
-    path = _remove_data_file(f, path, args.keep)
+    path = remove_data_file(f, path, args.keep)
     pool.close()
     _annotate(rows)
     context = {"dir": directory, "size": size, "direct": args.direct, "kept": path if args.keep else None,
                "fio": bool(fio_variants), "skipped_engines": skipped}
     return rows, context
-
-
-def _remove_data_file(f, path: str, keep: bool) -> str:
-    """Close the test file (its lock goes with it) and remove it, or with ``keep`` rename it
-    to DATA_NAME; returns where it is now."""
-    if keep and os.path.exists(path):
-        kept = os.path.join(os.path.dirname(path), DATA_NAME)
-        os.replace(path, kept)  # (while still locked: clean never sees it unlocked under the old name)
-        path = kept
-    if f is not None:
-        f.close()
-    if not keep and os.path.exists(path):
-        os.unlink(path)
-    return path
 
 
 def _close_pool_after_error(pool) -> None:

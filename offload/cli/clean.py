@@ -2,8 +2,9 @@
 
 A swap directory whose ``flock`` is free belongs to no live process (``kill -9``, a crash, a
 lost node); it still holds a full copy of the optimizer states. Directories in use are
-listed with the pid holding them and left alone. So are the test files a killed ``offload
-bench-io`` left (``offload-bench-io.<pid>.dat``, unlocked); a file kept with ``--keep`` is not.
+listed with the pid holding them and left alone. The test files a killed ``offload
+bench-io`` left (``offload-bench-io.<pid>.dat``, unlocked) are removed too; one in use is
+left alone, and a file kept with ``--keep`` (another name) is not touched.
 """
 from __future__ import annotations
 

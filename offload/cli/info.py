@@ -70,6 +70,10 @@ def collect() -> Dict[str, Any]:
         isa = native_isa()
     except (RuntimeError, ValueError) as exc:  # no native library, or a bad OFFLOAD_ISA
         isa = f"unavailable ({exc})"
+    try:
+        prefetch = get_backend("native").prefetch_setting()
+    except (RuntimeError, ValueError) as exc:  # no native library, or a bad OFFLOAD_PREFETCH
+        prefetch = f"unavailable ({exc})"
     cuda = torch.cuda.is_available()
     return {
         "offload": __version__,
@@ -80,6 +84,7 @@ def collect() -> Dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "isa_supported": list(supported_isas()),
         "isa_selected": isa,
+        "prefetch": prefetch,
         "backend_selected": selected,
         "backends": backends,
         "num_threads": get_num_threads(),
@@ -104,6 +109,7 @@ def _render(info: Dict[str, Any]) -> str:
         ("cpu", f"{info['cpu']} ({info['cpu_count']} logical CPUs)"),
         ("ISA supported", ", ".join(info["isa_supported"]) or "none"),
         ("ISA selected", info["isa_selected"]),
+        ("software prefetch", info["prefetch"]),
         ("kernel backend", info["backend_selected"]),
     ]
     for name, st in info["backends"].items():

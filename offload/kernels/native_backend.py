@@ -170,6 +170,10 @@ class NativeBackend(RuleStepFace):
     def _tail(self, num_threads) -> Tuple[int, int, int]:
         return ISA_CODES[self.isa()], resolve_threads(num_threads), self._prefetch()
 
+    def prefetch_setting(self) -> str:
+        """OFFLOAD_PREFETCH as the kernels take it (``offload info``); ValueError if bad."""
+        return ("auto (on for Intel CPUs only)", "on", "off")[self._prefetch()]
+
     def preflight(self, num_threads=None) -> None:
         check_threads(num_threads)
         self._tail(num_threads)  # OFFLOAD_ISA and OFFLOAD_PREFETCH read and checked

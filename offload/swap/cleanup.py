@@ -256,7 +256,7 @@ def _clean_bench_files(directory: str, dry_run: bool, out: Dict[str, List[Any]])
     import re
     import stat
 
-    pattern = re.compile(r"^offload-bench-io\.(\d+)\.dat$")
+    pattern = re.compile(r"^offload-bench-io\.([1-9]\d*)\.dat$")  # (a pid: no leading zero)
     for name in sorted(os.listdir(directory)):
         m = pattern.match(name)
         if not m:
@@ -277,6 +277,9 @@ def _clean_bench_files(directory: str, dry_run: bool, out: Dict[str, List[Any]])
             except BlockingIOError:
                 out["held"].append((path, int(m.group(1))))
                 continue
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                continue  # replaced since it was opened: a new run's file, not this one
             if not dry_run:
                 os.unlink(path)  # (under the lock: a run that starts now makes a new file)
             out["removed"].append((path, st.st_blocks * 512))
