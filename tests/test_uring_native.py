@@ -280,12 +280,20 @@ def test_ctrl_c_during_close_leaves_the_ring_to_the_reaper(native, tmp_path):
     f = open_file(fifo, write=False, direct=False)  # a read that waits for the writer below
     buf = bytearray(4096)
     ticket = eng.submit([IORequest("read", f, 0, buf)])
-    time.sleep(0.1)
-    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        eng.close()
-    os.write(wfd, b"w" * 4096)  # the read in flight completes; the reaper finishes and tears down
+    real_join = eng._thread.join
+
+    def ctrl_c_in_join(*a, **k):  # the Ctrl-C lands in close()'s wait for the reaper, every time
+        signal.raise_signal(signal.SIGINT)
+        return real_join(*a, **k)
+
+    # (A timer's SIGINT once landed before close() under load: outside pytest.raises, with
+    # the read still in flight, and the worker hung at exit waiting for the reaper.)
+    eng._thread.join = ctrl_c_in_join
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            eng.close()
+    finally:
+        os.write(wfd, b"w" * 4096)  # the read in flight completes; the reaper finishes and tears down
     assert ticket._event.wait(10)
     # (not eng._thread.join(): a join interrupted by KeyboardInterrupt marks the thread stopped
     # while it still runs, CPython's bpo-45274 handling; wait for what the reaper does instead)
