@@ -289,10 +289,12 @@ def test_ctrl_c_during_close_leaves_the_ring_to_the_reaper(native, tmp_path):
     # (A timer's SIGINT once landed before close() under load: outside pytest.raises, with
     # the read still in flight, and the worker hung at exit waiting for the reaper.)
     eng._thread.join = ctrl_c_in_join
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's Ctrl-C, whatever ran before
     try:
         with pytest.raises(KeyboardInterrupt):
             eng.close()
     finally:
+        signal.signal(signal.SIGINT, before)
         os.write(wfd, b"w" * 4096)  # the read in flight completes; the reaper finishes and tears down
     assert ticket._event.wait(10)
     # (not eng._thread.join(): a join interrupted by KeyboardInterrupt marks the thread stopped
