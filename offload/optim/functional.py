@@ -123,15 +123,6 @@ def rule_step(
     _check_all(rule, params, grads, lists, steps, hyper, params_lowp, num_threads, quant)
     entries, copied = [], []
     per_param = list(zip(*lists)) if lists else [()] * n  # each param's states
-    if _copies_share_memory(params, grads, per_param, params_lowp):
-        # [Note: aliased copies] (_copies_share_memory): one param at a time, in order
-        for i in range(n):
-            rule_step(*_one_param(i, params, grads, names, lists, steps), hyper,
-                      params_lowp=None if params_lowp is None else [params_lowp[i]], backend=backend,
-                      num_threads=num_threads, rule=rule if rule != hyper.rule else None,
-                      rounding_seeds=None if rounding_seeds is None else [rounding_seeds[i]],
-                      stochastic_states=stochastic_states)
-        return
     for i in range(n):
         p, g, st = params[i], grads[i], per_param[i]
         if not p.numel():
@@ -149,6 +140,15 @@ def rule_step(
         k = 2 + len(st)
         entries.append(StepEntry(dense[0], dense[1], dense[2:k], dense[k] if lowp is not None else None,
                                  int(steps[i]), q))
+    if copied and _copies_share_memory(params, grads, per_param, params_lowp):
+        # [Note: aliased copies] (_copies_share_memory): one param at a time, in order
+        for i in range(n):
+            rule_step(*_one_param(i, params, grads, names, lists, steps), hyper,
+                      params_lowp=None if params_lowp is None else [params_lowp[i]], backend=backend,
+                      num_threads=num_threads, rule=rule if rule != hyper.rule else None,
+                      rounding_seeds=None if rounding_seeds is None else [rounding_seeds[i]],
+                      stochastic_states=stochastic_states)
+        return
     try:  # checked above (_check_all): the kernel does not check each tensor again
         kernel.checked_rule_steps(rule, entries, hyper, num_threads)
     finally:
@@ -238,8 +238,6 @@ def _copies_share_memory(params, grads, per_param, params_lowp) -> bool:
     tensors = [(params[i], grads[i], *per_param[i]) + (() if params_lowp is None or params_lowp[i] is None
                                                         else (params_lowp[i],))
                for i in range(len(params)) if params[i].numel()]
-    if all(_all_contiguous(ts) for ts in tensors):
-        return False
     owner: dict = {}
     for i, ts in enumerate(tensors):
         copied = not _all_contiguous(ts)
