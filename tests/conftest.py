@@ -97,3 +97,26 @@ def pytest_collection_modifyitems(config, items):
         elif numba_pass and item.get_closest_marker("backends_by_name") is not None:
             # one test of a module the numba pass keeps (_BACKENDS_BY_NAME, for a single test)
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _python_sigint_handler():
+    """Every test starts with Python's own Ctrl-C handler. The Ctrl-C tests (the pager's,
+    the uring engine's close) raise SIGINT and expect a KeyboardInterrupt; under xdist on a
+    busy machine two of them once saw none (twenty-ninth session, not reproduced in one
+    process), as if an earlier test in the same worker had left another handler. A test
+    that leaves one is reported here instead of failing a later one."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGINT)
+    if before is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        pytest.fail(f"the test left SIGINT's handler as {after!r}", pytrace=False)
