@@ -59,7 +59,7 @@ struct AdamConsts {
 // (NaN, inf and -0 included; a square root is never subnormal, so not even flush-to-zero
 // modes differ), so the units skip that division then, with the same bits as torch's. It
 // was one of three divider operations per element: measured on Zen 4 (twenty-ninth
-// session), a cache-resident fp32 step 17-28 % faster, int8 states 6-7 %, bf16 states 2-4 %;
+// session), a cache-resident fp32 step ~30 % faster, int8 states 3-6 %, bf16 states ~3 %;
 // fp32 states in memory are bound by the bandwidth and gain nothing.
 inline bool bias_correction_one(float bc2_sqrt) { return bc2_sqrt == 1.0f; }
 

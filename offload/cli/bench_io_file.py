@@ -22,7 +22,7 @@ def kept_name_problem(directory: str) -> "str | None":
     before the sweep, not after it: a rename failing at the end lost the whole run's
     results), or None."""
     kept = os.path.join(directory, DATA_NAME)
-    if os.path.lexists(kept) and (os.path.isdir(kept) and not os.path.islink(kept)):
+    if os.path.isdir(kept) and not os.path.islink(kept):
         return f"--keep: {kept} is a directory; the test file could not be kept under that name"
     return None
 

@@ -170,6 +170,8 @@ class NativeBackend(RuleStepFace):
     def _tail(self, num_threads) -> Tuple[int, int, int]:
         return ISA_CODES[self.isa()], resolve_threads(num_threads), self._prefetch()
 
+    refuses_overlap = True  # struct_overlaps_itself in native/batch_alias.h
+
     def prefetch_setting(self) -> str:
         """OFFLOAD_PREFETCH as the kernels take it (``offload info``); ValueError if bad."""
         return ("auto (on for Intel CPUs only)", "on", "off")[self._prefetch()]

@@ -46,7 +46,7 @@ def refresh_changed(st: "FlatState") -> None:
     Chunk by chunk (a sub-group of the swap files at a time, each read once and written
     once; in RAM HOST_CHUNK elements): the temporaries stay within a sub-group however large
     the param, and the swap files are not read twice. (Before the twenty-ninth session a
-    piece was read whole, then written whole: a param of 1G elements took 10 GB of
+    piece was read whole, then written whole: a bf16 param of 1G elements took ~17 GB of
     temporaries, and every sub-group was loaded twice.)"""
     params = changed(st)
     if not params:
