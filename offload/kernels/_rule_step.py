@@ -20,7 +20,7 @@ from .fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, RULES, SGD, SGD_PLAIN, Ru
 from .quant import QuantArgs
 from .rule_consts import adagrad_args, lion_args, sgd_args, sgd_plain_args
 
-__all__ = ["RULE_CODES", "RuleStepFace", "StepEntry", "batch_plan", "resolve_rule"]
+__all__ = ["RULE_CODES", "RuleStepFace", "StepEntry", "batch_plan", "bound_args", "resolve_rule"]
 
 # rule -> its code in the native face (OFFLOAD_RULE_* in native/offload_native.h); a new
 # rule is one entry here and one in _KERNELS, plus its method on each backend
@@ -160,10 +160,21 @@ def batch_plan(rule: Rule, entries: Sequence[StepEntry], hyper: Any
             k = _KERNELS[stored.base]
         args = bound.get(e.step)
         if args is None:
-            kwargs = hyper.kernel_kwargs(e.step)
-            kwargs.pop("step", None)  # (bound positionally)
-            args = bound[e.step] = _bind(k, e.step, kwargs)
+            args = bound[e.step] = _bound(k, hyper, e.step)
         yield k, stored, (e.param, e.grad, e.states, e.param_lowp), e.quant, args
+
+
+def _bound(k: _Kernel, hyper: Any, step: int) -> tuple:
+    kwargs = hyper.kernel_kwargs(step)
+    kwargs.pop("step", None)  # (bound positionally)
+    return _bind(k, step, kwargs)
+
+
+def bound_args(rule: Rule, hyper: Any, step: int) -> Tuple[_Kernel, tuple]:
+    """(kernel, hyperparameters as its method takes them) of float32 ``rule`` at ``step``,
+    as ``batch_plan`` binds them."""
+    k = _ADAM_KERNEL if rule is ADAM else _KERNELS[rule]
+    return k, _bound(k, hyper, step)
 
 
 def _refuse_overlap(param, states, names, param_lowp) -> None:

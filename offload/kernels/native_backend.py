@@ -14,7 +14,7 @@ import ctypes
 import errno
 import functools
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -22,7 +22,8 @@ from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads, writ
 from . import quant
 from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, AMSGRAD_STEP, COMPRESSED_STEP, LION_CONSTS,
                           SGD_CONSTS, STEP_STATES, StepArgs)
-from ._rule_step import RULE_CODES, RuleStepFace, batch_plan
+from ._rule_step import RULE_CODES, RuleStepFace, batch_plan, bound_args
+from .native_prepared import PreparedBatch
 from ._threads import resolve_threads
 from .adam_consts import FoldCache
 from .fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, SGD
@@ -244,6 +245,11 @@ class NativeBackend(RuleStepFace):
         if not entries:
             return
         tail = self._tail(num_threads)
+        packed = self._pack_batch(rule, entries, hyper, tail)
+        self._run_batch(rule, b"".join(packed), len(packed), tail, entries)
+
+    def _pack_batch(self, rule, entries, hyper, tail) -> list:
+        """The struct of each non-empty entry, in order."""
         packed, folded = [], {}  # folded: id(bound args) -> (code, consts bytes)
         pack_f32, pack_compressed = self._pack_f32, self._pack_compressed
         for k, stored, (p, g, states, lowp), q, args in batch_plan(rule, entries, hyper):
@@ -254,18 +260,45 @@ class NativeBackend(RuleStepFace):
                 packed.append(pack_f32(c[0], c[1], p, g, states, lowp, tail))
             else:
                 packed.append(pack_compressed(c[0], c[1], stored.fields, p, g, states, lowp, q, tail))
-        bad = _c_i64(-1)
-        rc = self._lib.offload_rule_steps(b"".join(packed), len(packed), tail[1], ctypes.byref(bad))
+        return packed
+
+    def _run_batch(self, rule, structs: bytes, count: int, tail, entries) -> None:
+        """``offload_rule_steps`` over the ``count`` packed structs of ``entries``' non-empty
+        ones; an error names the caller's index."""
+        rc, bad = self.run_structs(structs, count, tail[1])
         if rc != 0:  # (every rule is in every library of this ABI: load_library checked it)
             # the struct's index among the non-empty entries batch_plan packed -> the caller's
             packed_at = [i for i, e in enumerate(entries) if e.param.numel()]
-            where = packed_at[bad.value] if 0 <= bad.value < len(packed_at) else bad.value
-            if 0 <= bad.value < len(packed_at):  # the one bad input the Python checks leave to C
+            where = packed_at[bad] if 0 <= bad < len(packed_at) else bad
+            if 0 <= bad < len(packed_at):  # the one bad input the Python checks leave to C
                 e = entries[where]
                 why = written_overlap(e.param, e.states, rule.names, e.param_lowp)
                 if why:
                     raise ValueError(f"tensor {where}: {why}")
             self._check(rc, f"offload_rule_steps ({rule.name}, tensor {where} of the batch)")
+
+    def run_structs(self, structs, count: int, threads: int) -> Tuple[int, int]:
+        """(rc, index of the struct the library refused or -1) of one ``offload_rule_steps``."""
+        bad = _c_i64(-1)
+        rc = self._lib.offload_rule_steps(structs, count, threads, ctypes.byref(bad))
+        return rc, bad.value
+
+    def check_rc(self, rc: int, what: str) -> None:
+        self._check(rc, what)
+
+    def prepare_rule_steps(self, rule, entries, hyper, num_threads=None) -> Optional[PreparedBatch]:
+        """``entries`` (float32 rule, float32 params, every one non-empty, checked by the
+        caller) packed into a ``PreparedBatch`` that steps them again with new grads and a new
+        step: [Note: prepared batches] in native_prepared.py. None when they do not qualify."""
+        if not entries or any(e.quant is not None or not e.param.numel() for e in entries):
+            return None
+        tail = self._tail(num_threads)
+        return PreparedBatch(self, rule, self._pack_batch(rule, entries, hyper, tail), tail, entries)
+
+    def step_consts(self, rule, hyper, step: int) -> bytes:
+        """The consts bytes of a float32 ``rule``'s struct at ``step`` (as ``_pack_f32`` packs them)."""
+        k, args = bound_args(rule, hyper, step)
+        return self._consts(k.method, args)[1]
 
     def _prefetch(self) -> int:
         """OFFLOAD_PREFETCH_* from $OFFLOAD_PREFETCH: unset or "auto", the library's choice

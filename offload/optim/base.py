@@ -40,7 +40,7 @@ from offload.optim.protocol import optional
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
-from offload.optim.step_guard import check_work, clear_failure, defer_sigint, gc_paused, snapshot, store_step
+from offload.optim.step_guard import canonical_sig, check_work, clear_failure, defer_sigint, gc_paused, snapshot, store_step
 from offload.optim.stats import StepStats, process_rss_bytes
 
 __all__ = ["RuleOptimizer"]
@@ -294,7 +294,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         if sigs is not None:
             # A copy holds new param objects: the registered signatures are keyed by id(p),
             # so re-key them by position (keeping what was registered, not what is now).
-            by_index = {i: sig for i, sig in sigs.values()}
+            by_index = {i: canonical_sig(sig) for i, sig in sigs.values()}
             self._param_sigs = {id(p): (i, by_index[i]) for i, p in enumerate(self._all_params())}
         for group in self.param_groups:
             for key, default in self.GROUP_DEFAULTS:

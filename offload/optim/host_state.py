@@ -25,6 +25,7 @@ from offload.optim.host_dtypes import (HOST_ONLY_DTYPES, as_param_layout, fill_v
                                        real_view, refuse_float64)
 from offload.optim.context import StepContext
 from offload.optim.functional import rule_step
+from offload.optim.host_prepared import PreparedGroups
 from offload.optim.state_codec import from_torch_layout, is_stored_form, stored_nbytes, to_torch_layout
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class HostState:
     # (class defaults: an optimizer pickled before compressed states existed unpickles as float32)
     state_dtype = "float32"
     stochastic_states = True
+    _prepared: Optional[PreparedGroups] = None
 
     def __init__(self, *, ctx: StepContext, backend: Optional[str], num_threads: Optional[int],
                  fields: Sequence[StateField] = ADAM.fields, fill: Optional[Dict[str, float]] = None,
@@ -83,6 +85,7 @@ class HostState:
         Rule("fields", self.fields).with_state_dtype(state_dtype)  # refuses an unknown state_dtype
         self.state_dtype = state_dtype
         self.stochastic_states = bool(stochastic_states)
+        self._prepared = PreparedGroups()  # [Note: prepared batches]
 
     @staticmethod
     def check_param(index: int, p: torch.Tensor) -> None:
@@ -151,12 +154,20 @@ class HostState:
     def step(self, batches: List[StepBatch]) -> Dict[str, float]:
         t0 = time.perf_counter()
         index = {id(p): i for i, p in enumerate(self._torch.params())} if self.state_dtype != "float32" else {}
-        for hyper, items in batches:
-            plain = [it for it in items if not self.compressed(it[0])]
-            packed = [it for it in items if self.compressed(it[0])]
-            for part, rule in ((plain, hyper.rule), (packed, hyper.rule.with_state_dtype(self.state_dtype))):
-                if part:
-                    self._step_part(hyper, rule, part, index)
+        if self._prepared is None:  # (an optimizer pickled before it existed)
+            self._prepared = PreparedGroups()
+        for slot, (hyper, items) in enumerate(batches):
+            if self.state_dtype == "float32":
+                plain, packed = items, []
+            else:
+                plain = [it for it in items if not self.compressed(it[0])]
+                packed = [it for it in items if self.compressed(it[0])]
+            if plain and not self._prepared.step(slot, self._backend, self._num_threads, self._torch.state,
+                                                 hyper, plain):
+                self._step_part(hyper, hyper.rule, plain, index)
+                self._prepared.remember(slot, self._backend, self._num_threads, self._torch.state, hyper, plain)
+            if packed:
+                self._step_part(hyper, hyper.rule.with_state_dtype(self.state_dtype), packed, index)
         return {"kernel": time.perf_counter() - t0}
 
     def _step_part(self, hyper: Any, rule: Rule, items: List[Tuple[torch.Tensor, torch.Tensor, int]],
@@ -309,7 +320,8 @@ class HostState:
         return report
 
     def close(self) -> None:
-        pass
+        if self._prepared is not None:
+            self._prepared.clear()
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from offload.optim.protocol import optional
 from offload.swap import cleanup
 from offload.swap.sigint import sigint_held
 
-__all__ = ["ParamSig", "snapshot", "check_work", "defer_sigint", "gc_paused", "mark_consistent", "is_consistent",
+__all__ = ["ParamSig", "canonical_sig", "snapshot", "check_work", "defer_sigint", "gc_paused", "mark_consistent", "is_consistent",
            "failure_text", "store_step", "mark_written", "clear_failure"]
 
 # What a param was when the optimizer was built: its states are laid out for exactly this.
@@ -35,9 +35,19 @@ ParamSig = Tuple[Tuple[int, ...], torch.dtype, torch.device]
 _CONSISTENT = "_offload_step_consistent"
 
 
+_CPU = torch.device("cpu")
+
+
 def snapshot(params: Sequence[torch.Tensor]) -> Dict[int, Tuple[int, ParamSig]]:
-    """id(param) -> (index, (shape, dtype, device)) of the params as registered."""
-    return {id(p): (i, (tuple(p.shape), p.dtype, p.device)) for i, p in enumerate(params)}
+    """id(param) -> (index, (shape, dtype, device)) of the params as registered (a CPU
+    param's device is ``_CPU`` itself, which ``check_work`` tells by identity)."""
+    return {id(p): (i, canonical_sig((tuple(p.shape), p.dtype, p.device))) for i, p in enumerate(params)}
+
+
+def canonical_sig(sig: ParamSig) -> ParamSig:
+    """``sig`` with a CPU device as ``_CPU`` itself (an unpickled one is another object)."""
+    shape, dtype, device = sig
+    return (shape, dtype, _CPU) if device == _CPU else sig
 
 
 def _describe(sig: ParamSig) -> str:
@@ -78,11 +88,21 @@ def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
     as, or its grad does not fit it (a store's own stand-in for a grad held on another rank,
     which is not ``p.grad``, is the store's to check), or a param on NVMe was written past
     its swap file (offload/shard/tier_writes.py)."""
+    strided, cpu = torch.strided, _CPU
     for _, items in work:
         for p, g in items:
-            i = _check_param(p, sigs)
-            if g is p.grad:
-                _check_grad(i, p, g, sparse_message)
+            # the common case, CPU params, in a few attribute reads (this runs per param per
+            # step; a device's .type alone costs 0.25 us); anything else goes through the full
+            # checks, which raise with the whole story
+            entry = sigs.get(id(p))
+            sig = None if entry is None else entry[1]
+            if sig is None or sig[2] is not cpu or p.dtype is not sig[1] or p.shape != sig[0] or not p.is_cpu:
+                i = _check_param(p, sigs)
+                if g is p.grad:
+                    _check_grad(i, p, g, sparse_message)
+            elif g is p.grad and (g.layout is not strided or g.dtype is not p.dtype or g.shape != p.shape
+                                  or not g.is_cpu):
+                _check_grad(entry[0], p, g, sparse_message)
     if paging.active():
         paging.check([p.detach() for _, items in work for p, _ in items])
 
