@@ -231,9 +231,8 @@ def restart_cleared(opt: Any, params: List[torch.Tensor]) -> None:
     """``params``, whose state the user cleared since their last step (``del opt.state[p]``,
     ``opt.state[p].clear()``, a new ``opt.state``: their step counts went), start afresh as
     torch's would: the moments a store keeps outside ``opt.state`` go back to their initial
-    values (zeros; Adagrad's initial_accumulator_value). The host store's went with the entry."""
-    if getattr(opt._store, "kind", None) == "host":
-        return
+    values (zeros; Adagrad's initial_accumulator_value). The host store's went with the entry
+    (``store_step`` does not look for them there)."""
     fill = _fills(opt)
     for p in params:  # import_state, not reset_state: the flat store's resets only within a load
         opt._store.import_state(p, _filled(p, fill))

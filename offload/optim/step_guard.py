@@ -185,8 +185,10 @@ def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torc
     steps = opt._ctx.steps
     batches: List[Any] = []
     before: List[Tuple[torch.Tensor, Any]] = []
+    # (the host store's states live in the entries a clear removed: nothing else to restart)
+    restarts = getattr(opt._store, "kind", None) != "host"
     for hyper, items in work:
-        cleared = steps.cleared(p for p, _ in items)
+        cleared = steps.cleared(p for p, _ in items) if restarts else None
         if cleared:  # as torch: a param whose state the user cleared starts afresh
             from offload.optim.state_io import restart_cleared
 
