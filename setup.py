@@ -79,7 +79,7 @@ def compile_native(out_dir: str) -> "str | None":
         # has the old library mapped keeps it intact (a copy over it, which shutil.move does
         # across file systems, would rewrite the pages under a running process).
         tmp_lib = os.path.join(out_dir, f".{LIB_NAME}.{os.getpid()}.tmp")
-        err = _run(cxx + ["-shared", "-o", tmp_lib] + objects + ["-pthread"])
+        err = _run(cxx + ["-shared", "-o", tmp_lib] + objects + ["-pthread", "-ldl"])
         if err:
             if os.path.exists(tmp_lib):
                 os.remove(tmp_lib)

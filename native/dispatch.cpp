@@ -297,7 +297,8 @@ bool takes_compressed(const offload_step_args &a) {
 // Checks and converts struct a into p (p.n == 0: nothing to run). A compressed step
 // (takes_compressed) is written into *cs, its Q8 tables into q; both must outlive p.
 int prepare_step(const offload_step_args &a, Q8Built &q, CompressedStep *cs, PreparedStep &p) {
-    if (a.n < 0 || a.num_threads < 1 || prefetch_of(a) < 0 || struct_overlaps_itself(a)) return -EINVAL;
+    if (a.n < 0 || a.num_threads < 1 || prefetch_of(a) < 0 || !valid_pool(a.pool) || struct_overlaps_itself(a))
+        return -EINVAL;
     if (takes_compressed(a)) return cs ? prepare_compressed(a, q, *cs, p) : -EINVAL;
     switch (a.rule) {
         case OFFLOAD_RULE_ADAM: return prepare_adam(a, p);
@@ -340,7 +341,7 @@ int rule_step_one(const offload_step_args &a) {
     const int rc = prepare_step(a, q, &cs, p);
     if (rc != 0 || p.n == 0) return rc;
     auto fn = [&p](int64_t begin, int64_t end, int64_t) -> int { return run_range(p, begin, end); };
-    return parallel_blocks(p.n, threads_for(p.n, a.num_threads), fn);
+    return parallel_blocks(p.n, threads_for(p.n, a.num_threads), fn, a.pool);
 }
 
 // [Note: batched steps]
@@ -420,14 +421,19 @@ int rule_steps(const offload_step_args *args, int64_t count, int num_threads, in
     };
     int threads = threads_for(total, num_threads);
     if (threads > 1 && batch_aliases(args, count)) threads = 1;  // [Note: aliased entries]
-    return parallel_items(static_cast<int64_t>(items.size()), threads, fn);
+    int pool = OFFLOAD_POOL_AUTO;
+    for (int64_t i = 0; i < count; ++i)
+        if (args[i].pool == OFFLOAD_POOL_OWN) pool = OFFLOAD_POOL_OWN;
+    return parallel_items(static_cast<int64_t>(items.size()), threads, fn, pool);
 }
 
 }  // namespace
 
 extern "C" {
 
-int offload_abi_version(void) { return 5; }
+int offload_abi_version(void) { return 6; }
+
+int offload_omp_pool(void) { return loaded_omp_pool() ? 1 : 0; }
 
 int64_t offload_step_args_size(void) { return static_cast<int64_t>(sizeof(offload_step_args)); }
 
@@ -452,8 +458,8 @@ int offload_rule_steps(const offload_step_args *args, int64_t count, int num_thr
 }
 
 int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_sumsq,
-                       int *out_nonfinite, int isa, int num_threads) {
-    if (n < 0 || num_threads < 1 || !valid_dtype(grad_dtype) || !out_sumsq || !out_nonfinite)
+                       int *out_nonfinite, int isa, int num_threads, int pool) {
+    if (n < 0 || num_threads < 1 || !valid_dtype(grad_dtype) || !valid_pool(pool) || !out_sumsq || !out_nonfinite)
         return -EINVAL;
     int run_isa = resolve_isa(isa);
     if (run_isa < 0) return run_isa;
@@ -478,7 +484,7 @@ int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_
             default: return sumsq_range_scalar(grad, grad_dtype, begin, end, out);
         }
     };
-    int rc = parallel_blocks(n, threads_for(n, num_threads), fn);
+    int rc = parallel_blocks(n, threads_for(n, num_threads), fn, pool);
     if (rc != 0) return rc;
     double total = 0.0;
     for (double s : partial) total += s;

@@ -25,6 +25,11 @@ enum { OFFLOAD_F32 = 0, OFFLOAD_F16 = 1, OFFLOAD_BF16 = 2, OFFLOAD_Q8S = 3, OFFL
 /* software prefetch in the kernels' streaming loops: AUTO takes the machine's default (on for
  * Intel CPUs, off for the others: [Note: software prefetch] in native/kernel.h) */
 enum { OFFLOAD_PREFETCH_AUTO = 0, OFFLOAD_PREFETCH_ON = 1, OFFLOAD_PREFETCH_OFF = 2 };
+/* the threads a parallel call runs on: AUTO, the OpenMP pool (libgomp) the process already
+ * loaded, torch's, when there is one and the process has not forked since this library was
+ * loaded, else threads of the call's own; OWN, always the call's own ([Note: torch's OpenMP
+ * pool] in native/parallel.h) */
+enum { OFFLOAD_POOL_AUTO = 0, OFFLOAD_POOL_OWN = 1 };
 /* how a BF16 param or state is rounded after its update */
 enum { OFFLOAD_ROUND_NEAREST = 0, OFFLOAD_ROUND_STOCHASTIC = 1 };
 /* instruction sets; -1 asks for the best one the CPU supports. AVX512VBMI is the AVX-512
@@ -38,8 +43,11 @@ OFFLOAD_API int offload_isa_supported(int isa);
 /* The ISA that OFFLOAD_ISA_BEST selects. */
 OFFLOAD_API int offload_isa_best(void);
 /* ABI version of this face (3: Q8 / BF16 states, BF16 params, struct offload_quant; 4: Q8U codes
- * square roots; 5: offload_rule_steps, the prefetch switch); the Python side refuses a library whose version differs. */
+ * square roots; 5: offload_rule_steps, the prefetch switch; 6: the pool switch); the Python side
+ * refuses a library whose version differs. */
 OFFLOAD_API int offload_abi_version(void);
+/* 1 if OFFLOAD_POOL_AUTO would run on an OpenMP pool now (libgomp loaded, no fork since), else 0. */
+OFFLOAD_API int offload_omp_pool(void);
 
 /* Optimizer rules a step can apply; the codes of offload.kernels.fields.RULES. */
 enum { OFFLOAD_RULE_ADAM = 0, OFFLOAD_RULE_SGD = 1, OFFLOAD_RULE_ADAGRAD = 2, OFFLOAD_RULE_LION = 3,
@@ -165,14 +173,15 @@ struct offload_step_args {
                                       updated in place */
     union offload_rule_consts consts;
     int32_t isa;                   /* OFFLOAD_ISA_* */
-    int32_t num_threads;           /* >= 1; threads are spawned for this call only, when n is
-                                      large enough (a thread's range starts at a multiple of
-                                      OFFLOAD_Q8_BLOCK when a state is Q8); offload_rule_steps
-                                      takes its own count instead */
+    int32_t num_threads;           /* >= 1; threads are used when n is large enough (a thread's
+                                      range starts at a multiple of OFFLOAD_Q8_BLOCK when a
+                                      state is Q8); offload_rule_steps takes its own count
+                                      instead */
     struct offload_quant quant;
     int32_t prefetch;              /* OFFLOAD_PREFETCH_*: software prefetch in the streaming
                                       loops, a hint that never changes a value */
-    int32_t reserved;              /* 0 */
+    int32_t pool;                  /* OFFLOAD_POOL_*: the threads it runs on (offload_rule_steps:
+                                      OWN if any struct asks for it) */
 };
 
 /* sizeof(struct offload_step_args) as this library was compiled. */
@@ -198,7 +207,7 @@ OFFLOAD_API int offload_rule_steps(const struct offload_step_args *args, int64_t
  * NaN or Inf, in one pass. */
 OFFLOAD_API int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n,
                                    double *out_sumsq, int *out_nonfinite, int isa,
-                                   int num_threads);
+                                   int num_threads, int pool);
 
 /* A minimal io_uring ring over raw syscalls (native/uring_ring.cpp), the ring of the `uring`
  * io engine where python-liburing cannot run. offload_uring_open: a ring of `entries` SQEs

@@ -10,8 +10,11 @@
 #include <memory>
 #include <stdint.h>
 #include <thread>
+#include <dlfcn.h>
+#include <pthread.h>
 
 #include "kernel.h"
+#include "offload_native.h"
 
 namespace {
 
@@ -42,6 +45,45 @@ struct WorkQueue {
     int64_t items = 0;
 };
 
+// [Note: torch's OpenMP pool]
+// torch runs its CPU ops on an OpenMP pool (the libgomp.so.1 of its wheel), whose threads
+// spin for a while after each parallel op. A step right after backward (CPU params) or
+// right after torch's own fused step then found the other core busy with a spinning pool
+// thread, and its own helper thread got half of it: SGD's step over 25M params at two
+// threads took 11.5 ms after a torch op against 7.4 ms alone (2026-12-05, this VM). So a
+// parallel call runs on that pool when the process has loaded it: its threads are awake and
+// nothing competes. The library does not link libgomp: it looks for one already loaded
+// (dlopen RTLD_NOLOAD), and without one (no torch) it spawns its own threads as before.
+// libgomp does not survive fork(): a child's first parallel region waits for the parent's
+// threads, which it does not have (torch's own ops hang there, measured). A child of a
+// process that loaded this library therefore never uses the pool (pthread_atfork); nor
+// does one the Python side knows forked (OFFLOAD_POOL_OWN).
+using GompParallel = void (*)(void (*)(void *), void *, unsigned, unsigned);
+
+inline std::atomic<bool> &forked_since_load() {
+    static std::atomic<bool> forked{false};
+    return forked;
+}
+
+inline void mark_forked() { forked_since_load().store(true); }
+
+// A child forked after this library was loaded never runs on the pool: registered at load
+// (parallel.h is dispatch.cpp's alone, so this object is constructed once).
+const struct ForkWatch {
+    ForkWatch() { pthread_atfork(nullptr, nullptr, mark_forked); }
+} fork_watch;
+
+bool valid_pool(int pool) { return pool == OFFLOAD_POOL_AUTO || pool == OFFLOAD_POOL_OWN; }
+
+// GOMP_parallel of the libgomp the process has loaded (nullptr: none, or forked since).
+inline GompParallel loaded_omp_pool() {
+    static const GompParallel fn = [] {
+        void *h = dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD);
+        return h ? reinterpret_cast<GompParallel>(dlsym(h, "GOMP_parallel")) : nullptr;
+    }();
+    return forked_since_load().load(std::memory_order_relaxed) ? nullptr : fn;
+}
+
 template <typename Fn>
 void drain(WorkQueue &q, Fn &fn) {
     for (;;) {
@@ -65,9 +107,26 @@ void drain(WorkQueue &q, Fn &fn) {
 // outlives the work it claimed and none is kept between calls, so a fork() between two
 // calls finds no pool to rebuild.
 template <typename Fn>
-int parallel_items_impl(int64_t items, int threads, Fn &fn) {
+struct OmpJob {
+    WorkQueue *q;
+    Fn *fn;
+    static void run(void *data) {  // on each thread of the team, the caller's included
+        auto *job = static_cast<OmpJob *>(data);
+        drain(*job->q, *job->fn);
+    }
+};
+
+template <typename Fn>
+int parallel_items_impl(int64_t items, int threads, Fn &fn, int pool) {
     auto q = std::make_shared<WorkQueue>();
     q->items = items;
+    if (threads > 1 && items > 1 && pool == OFFLOAD_POOL_AUTO) {
+        if (GompParallel omp = loaded_omp_pool()) {  // [Note: torch's OpenMP pool]
+            OmpJob<Fn> job{q.get(), &fn};
+            omp(&OmpJob<Fn>::run, &job, static_cast<unsigned>(threads < items ? threads : items), 0);
+            return q->first_error.load();
+        }
+    }
     Fn *fp = &fn;
     for (int t = 1; t < threads && t < items; ++t) {
         try {
@@ -86,12 +145,12 @@ int parallel_items_impl(int64_t items, int threads, Fn &fn) {
 }
 
 // Runs fn(item) -> int for every item in [0, items) on up to `threads` threads (the caller
-// is one of them). Returns the first nonzero result; never throws (the only allocation that
+// is one of them), of the OpenMP pool or its own (pool: OFFLOAD_POOL_*). Returns the first nonzero result; never throws (the only allocation that
 // can fail is the bookkeeping, reported as -ENOMEM).
 template <typename Fn>
-int parallel_items(int64_t items, int threads, Fn fn) noexcept {
+int parallel_items(int64_t items, int threads, Fn fn, int pool) noexcept {
     try {
-        return parallel_items_impl(items, threads, fn);
+        return parallel_items_impl(items, threads, fn, pool);
     } catch (...) {
         return -ENOMEM;
     }
@@ -107,12 +166,12 @@ int threads_for(int64_t n, int requested) {
 
 // Runs fn(begin, end, block) -> int over [0, n) in kBlock blocks on up to `threads` threads.
 template <typename Fn>
-int parallel_blocks(int64_t n, int threads, Fn fn) noexcept {
+int parallel_blocks(int64_t n, int threads, Fn fn, int pool) noexcept {
     auto by_block = [n, &fn](int64_t blk) -> int {
         const int64_t begin = blk * kBlock, end = begin + kBlock < n ? begin + kBlock : n;
         return fn(begin, end, blk);
     };
-    return parallel_items(num_blocks(n), threads, by_block);
+    return parallel_items(num_blocks(n), threads, by_block, pool);
 }
 
 }  // namespace

@@ -10,7 +10,7 @@ twenty-ninth session found each of these).
 - Refused before anything is touched: an expand()ed param (its write-back failed after the
   kernel ran, half the group stepped) and a param that is its own state (each backend stored
   a different one of the two last).
-- A typo in OFFLOAD_PREFETCH / OFFLOAD_ISA, or a thread count past a C int, is bad input: the
+- A typo in OFFLOAD_PREFETCH / OFFLOAD_ISA / OFFLOAD_POOL, or a thread count past a C int, is bad input: the
   step refuses it before anything changes and the optimizer is not left failed.
 """
 from __future__ import annotations
@@ -127,13 +127,13 @@ def test_a_param_that_is_its_own_state_is_refused(backend):
 
 
 @pytest.mark.skipif(NATIVE is None, reason="native library not built")
-@pytest.mark.parametrize("var", ["OFFLOAD_PREFETCH", "OFFLOAD_ISA"])
+@pytest.mark.parametrize("var", ["OFFLOAD_PREFETCH", "OFFLOAD_ISA", "OFFLOAD_POOL"])
 def test_a_typo_in_the_environment_is_refused_as_bad_input(monkeypatch, var):
     p = torch.nn.Parameter(torch.randn(100))
     p.grad = torch.randn(100)
     p0 = p.detach().clone()
     opt = offload.AdamW([p], lr=0.1, backend="native")
-    monkeypatch.setenv(var, "on_" if var == "OFFLOAD_PREFETCH" else "avx9000")
+    monkeypatch.setenv(var, {"OFFLOAD_PREFETCH": "on_", "OFFLOAD_ISA": "avx9000", "OFFLOAD_POOL": "owned"}[var])
     with pytest.raises(ValueError, match=var):
         opt.step()
     assert torch.equal(p.detach(), p0) and not opt.state[p]

@@ -51,3 +51,13 @@ def test_info_shows_the_prefetch_setting_and_a_bad_one(capsys, monkeypatch):
         monkeypatch.setenv("OFFLOAD_PREFETCH", raw)
         assert main(["info", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["prefetch"].startswith(want), raw
+
+
+def test_info_shows_the_thread_pool_and_a_bad_setting(capsys, monkeypatch):
+    if not backend_status()["native"][0]:
+        return  # (no native library: the line says why)
+    for raw, want in (("", "auto (the OpenMP pool torch runs on)"), ("own", "own"),
+                      ("omp", "unavailable (OFFLOAD_POOL='omp'")):
+        monkeypatch.setenv("OFFLOAD_POOL", raw)
+        assert main(["info", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["thread_pool"].startswith(want), raw

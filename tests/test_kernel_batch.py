@@ -112,7 +112,7 @@ def _raw(native, p, g, m, v, grad_dtype=None):
     consts = native._fold((1e-2, 0.9, 0.999, 1e-8, 0.0, 1, True, True, False, 1.0))
     return ADAM_STEP.pack(0, 2, p.numel(), p.data_ptr(), 0, g.data_ptr(),
                           GRAD_DTYPES[g.dtype] if grad_dtype is None else grad_dtype, 0, -1,
-                          m.data_ptr(), 0, v.data_ptr(), 0, consts, ISA_CODES[native.isa()], 1, 0)
+                          m.data_ptr(), 0, v.data_ptr(), 0, consts, ISA_CODES[native.isa()], 1, 0, 0)
 
 
 def test_a_bad_struct_leaves_every_tensor_untouched():

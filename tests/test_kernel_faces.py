@@ -131,10 +131,10 @@ def test_packer_writes_the_fields_of_the_ctypes_mirror():
     c = fold_adam(lr=1e-3, beta1=0.3, beta2=0.99, eps=1e-8, weight_decay=0.1, step=5,
                   decoupled=False, maximize=True, grad_scale=0.5)
     raw = ADAM_STEP.pack(0, 2, 12345, 0x1000, 0, 0x2000, 2, 0x3000, 1, 0x4000, 0, 0x5000, 0,
-                         ADAM_CONSTS.pack(*c), 1, 3, 2)
+                         ADAM_CONSTS.pack(*c), 1, 3, 2, 1)
     assert len(raw) == ctypes.sizeof(StepArgs)
     a = StepArgs.from_buffer_copy(raw)
-    assert (a.rule, a.num_states, a.n, a.isa, a.num_threads, a.prefetch, a.reserved) == (0, 2, 12345, 1, 3, 2, 0)
+    assert (a.rule, a.num_states, a.n, a.isa, a.num_threads, a.prefetch, a.pool) == (0, 2, 12345, 1, 3, 2, 1)
     arrays = [a.param, a.grad, a.lowp] + [a.states[k] for k in range(MAX_STATES)]
     assert [(x.data or 0, x.dtype) for x in arrays] == [
         (0x1000, 0), (0x2000, 2), (0x3000, 1), (0x4000, 0), (0x5000, 0), (0, 0), (0, 0)]
@@ -167,7 +167,7 @@ def test_library_of_another_layout_is_refused(monkeypatch, change):
         match = r"struct offload_step_args has 256 bytes, this package's mirror 264; rebuild"
     else:
         monkeypatch.setattr(native_backend, "ABI_VERSION", 1)
-        match = r"has ABI 5, this package expects 1; rebuild it"
+        match = r"has ABI 6, this package expects 1; rebuild it"
     with pytest.raises(OSError, match=match) as info:
         native_backend.load_library()
     assert info.value.errno == errno.ENOEXEC

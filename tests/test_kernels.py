@@ -678,7 +678,10 @@ def test_c_face_returns_negative_errno():
     assert lib.offload_rule_step(None) == -errno.EINVAL
     out, flag = ctypes.c_double(), ctypes.c_int()
     assert lib.offload_grad_sumsq(g.data_ptr(), 5, 8, ctypes.byref(out), ctypes.byref(flag),
-                                  -1, 1) == -errno.EINVAL
+                                  -1, 1, 0) == -errno.EINVAL
+    assert lib.offload_grad_sumsq(g.data_ptr(), 0, 8, ctypes.byref(out), ctypes.byref(flag),
+                                  -1, 1, 2) == -errno.EINVAL  # no such pool
+    assert call(pool=2) == -errno.EINVAL
     for isa in range(3):
         if not lib.offload_isa_supported(isa):
             assert call(isa=isa) == -errno.ENOTSUP

@@ -74,6 +74,10 @@ def collect() -> Dict[str, Any]:
         prefetch = get_backend("native").prefetch_setting()
     except (RuntimeError, ValueError) as exc:  # no native library, or a bad OFFLOAD_PREFETCH
         prefetch = f"unavailable ({exc})"
+    try:
+        pool = get_backend("native").pool_setting()
+    except (RuntimeError, ValueError) as exc:  # no native library, or a bad OFFLOAD_POOL
+        pool = f"unavailable ({exc})"
     cuda = torch.cuda.is_available()
     return {
         "offload": __version__,
@@ -85,6 +89,7 @@ def collect() -> Dict[str, Any]:
         "isa_supported": list(supported_isas()),
         "isa_selected": isa,
         "prefetch": prefetch,
+        "thread_pool": pool,
         "backend_selected": selected,
         "backends": backends,
         "num_threads": get_num_threads(),
@@ -110,6 +115,7 @@ def _render(info: Dict[str, Any]) -> str:
         ("ISA supported", ", ".join(info["isa_supported"]) or "none"),
         ("ISA selected", info["isa_selected"]),
         ("software prefetch", info["prefetch"]),
+        ("kernel thread pool", info["thread_pool"]),
         ("kernel backend", info["backend_selected"]),
     ]
     for name, st in info["backends"].items():

@@ -66,7 +66,7 @@ class StepArgs(ctypes.Structure):
                 ("param", Array), ("grad", Array), ("lowp", Array),
                 ("states", Array * MAX_STATES), ("consts", RuleConsts),
                 ("isa", ctypes.c_int32), ("num_threads", ctypes.c_int32), ("quant", Quant),
-                ("prefetch", ctypes.c_int32), ("reserved", ctypes.c_int32)]
+                ("prefetch", ctypes.c_int32), ("pool", ctypes.c_int32)]
 
 
 _CODES = {ctypes.c_int32: "i", ctypes.c_int64: "q", ctypes.c_void_p: "Q", ctypes.c_float: "f",
@@ -80,8 +80,8 @@ def _scalars(cls, base: int) -> List[Tuple[int, str]]:
 
 def _packer(num_states: int, consts_cls) -> struct.Struct:
     """A Struct writing rule, num_states, n, param, grad, lowp (data and dtype), ``num_states``
-    states, the rule's constants (as the bytes ``consts_packer(consts_cls)`` makes), isa, num_threads
-    and prefetch, in that order, at StepArgs' offsets; the bytes it skips (padding, rounding, unused states,
+    states, the rule's constants (as the bytes ``consts_packer(consts_cls)`` makes), isa, num_threads,
+    prefetch and pool, in that order, at StepArgs' offsets; the bytes it skips (padding, rounding, unused states,
     reserved constants, the quant struct) are zero."""
     s = StepArgs
     items = [(s.rule.offset, "i"), (s.num_states.offset, "i"), (s.n.offset, "q")]
@@ -91,7 +91,7 @@ def _packer(num_states: int, consts_cls) -> struct.Struct:
     for k in range(num_states):
         items += _scalars(Array, s.states.offset + k * ctypes.sizeof(Array))[:2]
     items += [(s.consts.offset, f"{ctypes.sizeof(consts_cls)}s")]
-    items += [(s.isa.offset, "i"), (s.num_threads.offset, "i"), (s.prefetch.offset, "i")]
+    items += [(s.isa.offset, "i"), (s.num_threads.offset, "i"), (s.prefetch.offset, "i"), (s.pool.offset, "i")]
     return _struct(items, ctypes.sizeof(s))
 
 
@@ -109,7 +109,7 @@ def _compressed_packer(num_states: int) -> struct.Struct:
     items += [(s.consts.offset, f"{ctypes.sizeof(RuleConsts)}s")]
     items += [(s.isa.offset, "i"), (s.num_threads.offset, "i")]
     items += _scalars(Quant, s.quant.offset)
-    items += [(s.prefetch.offset, "i")]
+    items += [(s.prefetch.offset, "i"), (s.pool.offset, "i")]
     return _struct(items, ctypes.sizeof(s))
 
 
@@ -130,7 +130,7 @@ def _struct(items: List[Tuple[int, str]], size: int) -> struct.Struct:
 
 ADAM_STEP = _packer(2, AdamConstsC)
 """pack(rule, 2, n, param ptr, dtype, grad ptr, dtype, lowp ptr, dtype, exp_avg ptr, dtype,
-exp_avg_sq ptr, dtype, ADAM_CONSTS.pack(*AdamConsts), isa, num_threads, prefetch) -> one StepArgs."""
+exp_avg_sq ptr, dtype, ADAM_CONSTS.pack(*AdamConsts), isa, num_threads, prefetch, pool) -> one StepArgs."""
 ADAM_CONSTS = consts_packer(AdamConstsC)
 AMSGRAD_STEP = _packer(3, AdamConstsC)
 """ADAM_STEP's layout with a third state (max_exp_avg_sq): the AMSGrad rule."""
@@ -141,7 +141,7 @@ constants are the rule's packed consts bytes, zero-padded to the union's size.""
 COMPRESSED_STEP = {k: _compressed_packer(k) for k in range(4)}
 """num_states -> pack(rule, num_states, n, param ptr, dtype, rounding, grad ptr, dtype, 0, lowp
 ptr, dtype, 0, (ptr, dtype, rounding) per state, consts bytes, isa, num_threads, signed_map,
-signed_mid, unsigned_map, unsigned_mid, offset, seed, 0, prefetch)."""
+signed_mid, unsigned_map, unsigned_mid, offset, seed, 0, prefetch, pool)."""
 SGD_CONSTS = consts_packer(SgdConstsC)
 ADAGRAD_CONSTS = consts_packer(AdagradConstsC)
 LION_CONSTS = consts_packer(LionConstsC)

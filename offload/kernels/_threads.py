@@ -1,14 +1,18 @@
 """The kernel thread count, kept apart from torch's intra-op pool.
 
-The native kernels spawn their own std::threads per call and numba uses its own pool; none
-uses OpenMP, so they never oversubscribe against torch's OpenMP pool (the trap of DeepSpeed
-issue #4687). The default follows torch's setting so a user who limits torch limits us too.
+The native kernels run a parallel call on the OpenMP pool torch loaded, when there is one
+([Note: torch's OpenMP pool] in native/parallel.h; ``OFFLOAD_POOL=own``: threads of each
+call's own), and numba uses its own pool. The default count follows torch's setting so a
+user who limits torch limits us too.
 
 [Note: OpenMP spin] torch's OpenMP threads keep spinning for a few ms after each parallel
-region (libgomp's default wait policy), so a kernel that starts right after a torch op on
-the CPU shares its cores with them; measured here (bench/adam.py, RESULTS.md) that cost up
-to 2x at 10M params with 2 threads. ``OMP_WAIT_POLICY=PASSIVE`` in the environment, or one
-kernel thread, avoids it.
+region (libgomp's default wait policy), so a kernel thread of its own that starts right
+after a torch op on the CPU shares its core with one of them: measured here (bench/adam.py,
+RESULTS.md) that cost up to 2x at 10M params with 2 threads. On torch's pool the spinning
+threads are the ones that take the work.
+
+libgomp's pool does not survive fork(): ``forked()`` says whether this process is a child
+forked since offload was imported (the library itself sees forks after it was loaded).
 """
 from __future__ import annotations
 
@@ -17,7 +21,16 @@ from typing import Optional
 
 import torch
 
-__all__ = ["MAX_THREADS", "set_num_threads", "get_num_threads", "resolve_threads"]
+__all__ = ["MAX_THREADS", "set_num_threads", "get_num_threads", "resolve_threads", "forked"]
+
+_FORKED = []  # not empty in a child forked since this import
+
+
+def forked() -> bool:
+    return bool(_FORKED)
+
+
+os.register_at_fork(after_in_child=lambda: _FORKED.append(True))
 
 # The native kernels take the count as a C int: a larger one was refused by the packer with
 # struct.error, on every step, long after set_num_threads had taken it.

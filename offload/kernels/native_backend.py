@@ -2,9 +2,9 @@
 
 ctypes releases the GIL for the duration of each call, so I/O threads keep running while a
 sub-group is updated. The library holds no state; this wrapper only validates arguments,
-resolves the ISA (``OFFLOAD_ISA``), the prefetch switch (``OFFLOAD_PREFETCH``) and the
-thread count, and hands one step struct (raw pointers, dtypes and the folded constants:
-``_native_abi``) to ``offload_rule_step``, or a param group's structs at once to
+resolves the ISA (``OFFLOAD_ISA``), the prefetch switch (``OFFLOAD_PREFETCH``), the thread
+pool (``OFFLOAD_POOL``) and the thread count, and hands one step struct (raw pointers,
+dtypes and the folded constants: ``_native_abi``) to ``offload_rule_step``, or a param group's structs at once to
 ``offload_rule_steps`` (``checked_rule_steps``). A library whose ABI version or struct size
 differs from this package's is refused at load.
 """
@@ -24,7 +24,7 @@ from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, AMSGRAD_STEP, 
                           SGD_CONSTS, STEP_STATES, StepArgs)
 from ._rule_step import RULE_CODES, RuleStepFace, batch_plan, bound_args
 from .native_prepared import PreparedBatch
-from ._threads import resolve_threads
+from ._threads import forked, resolve_threads
 from .adam_consts import FoldCache
 from .fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, SGD
 from .rule_consts import RuleFoldCache, fold_adagrad, fold_lion, fold_sgd
@@ -34,7 +34,7 @@ __all__ = ["NativeBackend", "LIB_PATH", "ISA_CODES", "load_library"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_PATH = os.path.join(HERE, "liboffload_native.so")
 ERROR_PATH = os.path.join(HERE, "native_build_error.txt")
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # avx512vbmi: the avx512 unit with VBMI byte permutes for int8 states (the same bits, faster;
 # native/q8_avx512vbmi.cpp); supported only where the CPU has VBMI
@@ -46,6 +46,7 @@ _BF16, _Q8S, _Q8U = GRAD_DTYPES[torch.bfloat16], 3, 4  # OFFLOAD_BF16 / OFFLOAD_
 _NEAREST, _STOCHASTIC = 0, 1  # OFFLOAD_ROUND_*
 _F32_PACKERS = {_ADAM_CODE: ADAM_STEP, _AMSGRAD_CODE: AMSGRAD_STEP}  # the others: STEP_STATES
 _PREFETCH_CODES = {"": 0, "auto": 0, "1": 1, "on": 1, "0": 2, "off": 2}  # OFFLOAD_PREFETCH_*
+_POOL_CODES = {"": 0, "auto": 0, "own": 1}  # OFFLOAD_POOL_*
 # quant.py's tables, the ones every backend encodes with; the library reads them through raw
 # pointers, so this module holds them (contiguous float32) for the life of the process
 _TABLES = tuple(t.to(torch.float32).contiguous()
@@ -90,7 +91,9 @@ def load_library() -> ctypes.CDLL:
     lib.offload_rule_steps.argtypes = [ctypes.c_char_p, _c_i64, _c_int, ctypes.POINTER(_c_i64)]
     lib.offload_grad_sumsq.restype = _c_int
     lib.offload_grad_sumsq.argtypes = [_vp, _c_int, _c_i64, ctypes.POINTER(_c_dbl),
-                                       ctypes.POINTER(_c_int), _c_int, _c_int]
+                                       ctypes.POINTER(_c_int), _c_int, _c_int, _c_int]
+    lib.offload_omp_pool.restype = _c_int
+    lib.offload_omp_pool.argtypes = []
     return lib
 
 
@@ -117,6 +120,7 @@ class NativeBackend(RuleStepFace):
         self.best = ISA_NAMES[self._lib.offload_isa_best()]
         self._isa_cache = None  # (raw $OFFLOAD_ISA, resolved name): re-resolved when it changes
         self._prefetch_cache = None  # (raw $OFFLOAD_PREFETCH, OFFLOAD_PREFETCH_* code)
+        self._pool_cache = None  # (raw $OFFLOAD_POOL, OFFLOAD_POOL_* code)
         self._fold = FoldCache(lambda c: ADAM_CONSTS.pack(*c))  # the struct's bytes
         self._folds = {  # method name -> (rule code, fold to the consts struct's bytes)
             "sgd": (RULE_CODES[SGD], RuleFoldCache(fold_sgd, 8, lambda c: SGD_CONSTS.pack(*c))),
@@ -168,8 +172,8 @@ class NativeBackend(RuleStepFace):
         code, fold = self._folds[method[1:]]
         return code, fold(hyper)
 
-    def _tail(self, num_threads) -> Tuple[int, int, int]:
-        return ISA_CODES[self.isa()], resolve_threads(num_threads), self._prefetch()
+    def _tail(self, num_threads) -> Tuple[int, int, int, int]:
+        return ISA_CODES[self.isa()], resolve_threads(num_threads), self._prefetch(), self._pool()
 
     refuses_overlap = True  # struct_overlaps_itself in native/batch_alias.h
 
@@ -177,9 +181,17 @@ class NativeBackend(RuleStepFace):
         """OFFLOAD_PREFETCH as the kernels take it (``offload info``); ValueError if bad."""
         return ("auto (on for Intel CPUs only)", "on", "off")[self._prefetch()]
 
+    def pool_setting(self) -> str:
+        """OFFLOAD_POOL as the kernels take it, and what auto runs on now (``offload info``)."""
+        if self._pool():
+            return "own (threads of each call's own)"
+        if self._lib.offload_omp_pool():
+            return "auto (the OpenMP pool torch runs on)"
+        return "auto (threads of each call's own: no OpenMP pool loaded, or forked since)"
+
     def preflight(self, num_threads=None) -> None:
         check_threads(num_threads)
-        self._tail(num_threads)  # OFFLOAD_ISA and OFFLOAD_PREFETCH read and checked
+        self._tail(num_threads)  # OFFLOAD_ISA, OFFLOAD_PREFETCH and OFFLOAD_POOL read and checked
 
     @staticmethod
     def _pack_f32(code, consts, param, grad, states, param_lowp, tail) -> bytes:
@@ -202,11 +214,11 @@ class NativeBackend(RuleStepFace):
         # a bfloat16 param is its own master: always rounded stochastically
         p_code, p_round = (_BF16, _STOCHASTIC) if param.dtype == torch.bfloat16 else (_F32, 0)
         lowp_ptr, lowp_code = _lowp(param_lowp)
-        isa, threads, prefetch = tail
+        isa, threads, prefetch, pool = tail
         return COMPRESSED_STEP[len(states)].pack(
             code, len(states), param.numel(), param.data_ptr(), p_code, p_round, grad.data_ptr(),
             GRAD_DTYPES[grad.dtype], 0, lowp_ptr, lowp_code, 0, *arrays, consts,
-            isa, threads, *_TABLE_PTRS, q.offset, q.seed, 0, prefetch)
+            isa, threads, *_TABLE_PTRS, q.offset, q.seed, 0, prefetch, pool)
 
     def _run_one(self, method, param, grad, states, param_lowp, num_threads, hyper) -> None:
         code, consts = self._consts(method, hyper)
@@ -314,6 +326,19 @@ class NativeBackend(RuleStepFace):
         self._prefetch_cache = (raw, _PREFETCH_CODES[want])
         return _PREFETCH_CODES[want]
 
+    def _pool(self) -> int:
+        """OFFLOAD_POOL_* from $OFFLOAD_POOL: unset or "auto", the OpenMP pool torch runs on
+        when the process has one ([Note: torch's OpenMP pool] in native/parallel.h); "own",
+        each call's own threads. A child forked since offload's import: always its own."""
+        raw = os.environ.get("OFFLOAD_POOL", "")
+        cached = self._pool_cache
+        if cached is None or cached[0] != raw:
+            want = raw.strip().lower()
+            if want not in _POOL_CODES:
+                raise ValueError(f"OFFLOAD_POOL={raw!r} is not one of auto, own")
+            cached = self._pool_cache = (raw, _POOL_CODES[want])
+        return 1 if forked() else cached[1]
+
     def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)
         check_threads(num_threads)
@@ -323,6 +348,6 @@ class NativeBackend(RuleStepFace):
             return 0.0, False
         rc = self._lib.offload_grad_sumsq(
             grad.data_ptr(), GRAD_DTYPES[grad.dtype], grad.numel(), ctypes.byref(out),
-            ctypes.byref(flag), ISA_CODES[self.isa()], resolve_threads(num_threads))
+            ctypes.byref(flag), ISA_CODES[self.isa()], resolve_threads(num_threads), self._pool())
         self._check(rc, "offload_grad_sumsq")
         return out.value, bool(flag.value)

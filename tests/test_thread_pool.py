@@ -1,0 +1,104 @@
+"""The threads a native call runs on ([Note: torch's OpenMP pool] in native/parallel.h).
+
+``OFFLOAD_POOL=auto`` (the default) runs a parallel call on the OpenMP pool torch loaded,
+``own`` on threads of the call's own. Which threads run a block never changes its bits.
+libgomp's pool does not survive fork(): a child must step on its own threads, not wait
+forever for the parent's (torch's own parallel ops hang there).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from offload.kernels import get_backend
+from offload.kernels import _threads
+from offload.kernels.fields import ADAM, SGD
+from offload.kernels.native_backend import NativeBackend
+
+pytestmark = pytest.mark.skipif(not isinstance(get_backend(None), NativeBackend),
+                                reason="the pool switch is the native library's")
+
+N = 3 * (1 << 16) + 77  # three blocks and a tail: several work items for two threads
+ADAM_HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+
+
+def _inputs(seed, n=N, rule=ADAM):
+    gen = torch.Generator().manual_seed(seed)
+    p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    return p, g, {f.name: torch.rand(n, generator=gen) for f in rule.fields}
+
+
+def _run(nb, inputs, rule=ADAM, **hp):
+    """Three steps in place (no torch op: a forked child must not start torch's pool)."""
+    p, g, states = inputs
+    for step in (1, 2, 3):
+        nb.rule_step(rule, p, g, states, step=step, num_threads=2, **(hp or ADAM_HP))
+    return [p, *states.values()]
+
+
+def _step(nb, seed, rule=ADAM, **hp):
+    return _run(nb, _inputs(seed, rule=rule), rule, **hp)
+
+
+def _same(a, b) -> bool:
+    return a.numpy().tobytes() == b.numpy().tobytes()
+
+
+def test_the_pools_give_the_same_bits(monkeypatch):
+    nb = get_backend("native")
+    torch.randn(1 << 22).mul_(2.0)  # torch's pool up
+    out = {}
+    for pool in ("auto", "own"):
+        monkeypatch.setenv("OFFLOAD_POOL", pool)
+        out[pool] = (_step(nb, 0) + _step(nb, 1, rule=SGD, lr=0.1, momentum=0.9)
+                     + [torch.tensor(nb.grad_sumsq(torch.arange(N, dtype=torch.float32), num_threads=2))])
+    for a, b in zip(out["auto"], out["own"]):
+        assert torch.equal(a, b)
+    assert nb._lib.offload_omp_pool() == 1, "torch's pool was not found: auto compared own with own"
+
+
+def _run_child(body) -> None:
+    """``body()`` in a forked child, which must exit 0 within a minute (a hang fails)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            code = 0 if body() else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, "the child's step failed"
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("a forked child's two-thread step hung (it waited for the parent's OpenMP threads)")
+
+
+@pytest.mark.parametrize("who", ["python", "library"])
+def test_a_forked_child_steps_on_its_own_threads(monkeypatch, who):
+    """The parent ran torch's pool and a two-thread step on it; the child's two-thread step
+    must not wait for threads it does not have. ``library``: only the library's own
+    pthread_atfork knows (a fork the Python hook did not see)."""
+    monkeypatch.delenv("OFFLOAD_POOL", raising=False)
+    nb = get_backend("native")
+    torch.randn(1 << 22).mul_(2.0)
+    want = _step(nb, 5)  # on the pool
+    assert nb._lib.offload_omp_pool() == 1
+    inputs = _inputs(5)  # made here: the child runs no torch op of its own
+
+    def child():
+        if who == "library":
+            _threads._FORKED.clear()
+        got = _run(nb, inputs)
+        seen = nb._lib.offload_omp_pool() == 0 if who == "library" else nb.pool_setting().startswith("own")
+        return seen and all(_same(a, b) for a, b in zip(got, want))
+
+    _run_child(child)
