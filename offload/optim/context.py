@@ -119,32 +119,32 @@ class StepCounts:
         if len(set(map(id, params))) != len(params):  # a param listed twice counts twice
             return self._advance_one_by_one(params)
         state = self._state_of()
-        before: List[Tuple[torch.Tensor, Any]] = []
         counts: List[int] = []
         entries: List[Dict[str, Any]] = []
+        olds: List[Any] = []
         loaded: List[int] = []  # positions whose old step is a tensor of another dtype or device
-        counted, dtype = self._counted, _get_scalar_dtype()
+        dtype, tensor = _get_scalar_dtype(), torch.Tensor
         for p in params:  # (set()'s work inlined: this runs per param per step)
             entry = state.get(p)
             if entry is None:
                 entry = state[p] = {}
             step = entry.get("step")
-            before.append((p, step))
             entries.append(entry)
+            olds.append(step)
             if step is None:
                 counts.append(1)
-            elif torch.is_tensor(step):
+            elif isinstance(step, tensor):
                 counts.append(1 + int(step.item()))
                 if step.dtype is not dtype or not step.is_cpu:
                     loaded.append(len(counts) - 1)
             else:
                 counts.append(1 + int(step))
-            counted.add(id(p))
+        self._counted.update(map(id, params))
         for entry, t in zip(entries, _step_tensors(counts, dtype)):  # new tensors: see set()
             entry["step"] = t
         for i in loaded:
-            entries[i]["step"] = _step_tensor(counts[i], before[i][1], dtype)
-        return before, counts
+            entries[i]["step"] = _step_tensor(counts[i], olds[i], dtype)
+        return list(zip(params, olds)), counts
 
     def _advance_one_by_one(self, params: List[torch.Tensor]) -> Tuple[List[Tuple[torch.Tensor, Any]], List[int]]:
         """``advance`` of a list with a param more than once (torch warns, and steps it as

@@ -110,33 +110,29 @@ def _signature(state: Dict, names: Tuple[str, ...], items: Sequence[Tuple[torch.
     yet, or a state that is not a tensor): all a kept struct holds of them. (The kept batch
     holds the tensors it was packed for, so no tensor of another dtype can take one of their
     addresses while it is kept.)"""
-    sig: List[int] = []
-    add = sig.extend
-    try:
-        for p, _, _ in items:
-            st = state.get(p)
-            if st is None:
-                return None
-            add((p.data_ptr(), p.numel()))
-            for k in names:
-                t = st[k]
-                add((t.data_ptr(), t.numel()))
-    except (KeyError, AttributeError, TypeError, RuntimeError):
+    try:  # (column by column, in comprehensions: a third cheaper than a loop per param)
+        get = state.get
+        entries = [get(p) for p, _, _ in items]
+        tensors = [p for p, _, _ in items]
+        for k in names:
+            tensors += [st[k] for st in entries]
+        return [t.data_ptr() for t in tensors] + [t.numel() for t in tensors]
+    except (KeyError, AttributeError, TypeError, RuntimeError):  # no states yet, or not tensors
         return None
-    return sig
 
 
 def _grad_pointers(items: Sequence[Tuple[torch.Tensor, Any, int]], numels: Sequence[int]) -> Optional[List[int]]:
-    """Each grad's address, when every grad is a contiguous float32 tensor of its param's size."""
-    ptrs = []
+    """Each grad's address, when every grad is a contiguous float32 CPU tensor of its param's
+    size (column by column, as ``_signature``)."""
     try:
-        for (_, g, _), n in zip(items, numels):
-            if g.dtype is not _F32 or not g.is_contiguous() or g.numel() != n or not g.is_cpu:
-                return None
-            ptrs.append(g.data_ptr())
+        grads = [g for _, g, _ in items]
+        n = len(grads)
+        if [g.numel() for g in grads] != numels or [g.dtype for g in grads].count(_F32) != n \
+                or [g.is_contiguous() for g in grads].count(True) != n or [g.is_cpu for g in grads].count(True) != n:
+            return None
+        return [g.data_ptr() for g in grads]
     except (AttributeError, RuntimeError):
         return None
-    return ptrs
 
 
 def _entries(state: Dict, names: Tuple[str, ...], items) -> Optional[List[StepEntry]]:
