@@ -116,3 +116,52 @@ def test_clean_removes_the_test_file_of_a_killed_bench_io(tmp_path, capsys, dry_
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         os.close(fd)
+
+
+def _being_made(tmp_path, lock_file: bool):
+    path = os.path.join(str(tmp_path), "offload-run.rank0")
+    os.mkdir(path, 0o700)
+    if lock_file:
+        open(os.path.join(path, "lock"), "w").close()  # made, not yet locked: empty
+    return path
+
+
+def _age(path, seconds):
+    t = os.stat(path).st_mtime - seconds
+    os.utime(path, (t, t))
+
+
+@pytest.mark.parametrize("lock_file", [False, True])
+def test_clean_leaves_a_directory_being_made(tmp_path, capsys, lock_file):
+    """[Note: a directory being made] in offload/swap/fsutil.py: a young directory with no
+    lock, or a free empty one, is its maker's; an old one is a dead maker's and goes."""
+    path = _being_made(tmp_path, lock_file)
+    assert main(["clean", str(tmp_path)]) == 0
+    assert f"kept {path}: being made" in capsys.readouterr().out and os.path.isdir(path)
+    _age(os.path.join(path, "lock") if lock_file else path, 120)
+    assert [p for p, _ in clean_dir(str(tmp_path))["removed"]] == [path]
+
+
+def test_the_maker_waits_for_a_probe_and_refuses_a_removed_lock(tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    from offload.swap import fsutil
+
+    path = _being_made(tmp_path, lock_file=True)
+    probe = os.open(os.path.join(path, "lock"), os.O_RDWR)
+    fcntl.flock(probe, fcntl.LOCK_EX)  # a clean's try_lock at this very moment
+    threading.Timer(0.1, os.close, (probe,)).start()
+    lock = fsutil.Lock(path)  # waits for the probe, then holds it
+    assert fsutil.lock_holder(lock.path) == os.getpid()
+    lock.release()
+
+    real = fsutil._flock_briefly
+
+    def removed_first(fd, lock_path):
+        os.unlink(lock_path)  # a clean removed the directory's files in between
+        real(fd, lock_path)
+
+    monkeypatch.setattr(fsutil, "_flock_briefly", removed_first)
+    with pytest.raises(FileNotFoundError, match="lock file was removed while this process took it"):
+        fsutil.Lock(path)

@@ -35,7 +35,10 @@ def run(args: argparse.Namespace) -> int:
     for path, nbytes in res["removed"]:
         print(f"{verb} {path} ({_gib(nbytes)}; its process is gone)")
     for path, pid in res["held"]:
-        print(f"kept {path}: in use by live process {pid}")
+        if pid < 0:  # [Note: a directory being made] in offload/swap/fsutil.py
+            print(f"kept {path}: being made, or locked by a process that has not written its pid yet")
+        else:
+            print(f"kept {path}: in use by live process {pid}")
     for path, why in res["skipped"]:
         print(f"skipped {path}: {why}")
     if not any(res.values()):

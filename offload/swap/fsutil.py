@@ -27,6 +27,7 @@ import json
 import os
 import re
 import stat
+import time
 import zlib
 from typing import Any, Dict, Optional, Tuple
 
@@ -201,7 +202,7 @@ class Lock:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         self.fd = os.open(self.path, flags, 0o600)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_briefly(self.fd, self.path)
         except BlockingIOError:
             holder = lock_holder(self.path)
             os.close(self.fd)
@@ -209,6 +210,11 @@ class Lock:
             who = f"process {holder}" if holder is not None else "another process"
             raise DirectoryBusy(errno.EWOULDBLOCK, f"swap directory is in use by {who} (its flock is held); "
                                 "each run and rank needs its own directory", directory, holder) from None
+        if not _names_this_file(self.path, self.fd):
+            self.release()  # [Note: a directory being made]
+            raise FileNotFoundError(errno.ENOENT, "the swap directory's lock file was removed while this process "
+                                    "took it (an `offload clean` of the same directory at that moment?); "
+                                    "nothing was written: try again", directory)
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -218,19 +224,67 @@ class Lock:
             self.fd = -1
 
 
+CREATION_GRACE_S = 60.0
+"""A directory without its lock, or with an empty lock file, this young is being made."""
+
+
 def try_lock(directory: str) -> Tuple[Optional[int], Optional[int]]:
-    """(fd holding the lock, None) when the lock of ``directory`` is free, else (None, pid)."""
+    """(fd holding the lock, None) when the lock of ``directory`` is free, else (None, pid);
+    pid -1: held, its pid not written yet, or the directory being made; (None, None): no lock
+    file in a directory older than that, a creation that died before locking.
+
+    [Note: a directory being made] A store makes its directory, then the lock file, then
+    takes the flock and writes its pid: for a moment the directory has no lock, or a free and
+    empty one. A clean or a resume that took that for a dead run's would remove the directory
+    under its maker. So a directory in that state is taken for one in use while it is younger
+    than ``CREATION_GRACE_S`` (a maker that died there leaves it to a later clean); the maker
+    waits a moment for a lock a probe holds (``_flock_briefly``), and then checks that the
+    lock file it holds is still the one in the directory (``_names_this_file``)."""
     path = os.path.join(directory, LOCK_NAME)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None, None
+        return (None, -1) if _young(directory) else (None, None)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None, (lock_holder(path) or -1)  # held; -1: its pid is not written yet
+    if os.fstat(fd).st_size == 0 and _young(path):
+        os.close(fd)
+        return None, -1  # made, not locked yet
     return fd, None
+
+
+def _young(path: str) -> bool:
+    try:
+        return time.time() - os.lstat(path).st_mtime < CREATION_GRACE_S
+    except OSError:
+        return False
+
+
+def _flock_briefly(fd: int, path: str) -> None:
+    """flock ``fd``, waiting up to half a second while the holder has written no pid: a
+    clean's probe (``try_lock``) holds it that long at most. A holder with a pid: at once."""
+    deadline = time.monotonic() + 0.5
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if lock_holder(path) is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+
+
+def _names_this_file(path: str, fd: int) -> bool:
+    """Whether ``path`` is still the file open as ``fd`` (not removed, not replaced)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def write_json_atomic(directory: str, name: str, obj: Any) -> int:
