@@ -97,15 +97,7 @@ void drain(WorkQueue &q, Fn &fn) {
     }
 }
 
-// Helpers are spawned per call and detached; the caller works too and, once no item is
-// left, waits only for helpers that claimed one. A helper the scheduler has not started
-// yet is not waited for: on a busy machine a new thread can wait a whole scheduling
-// period before its first run (measured here: 2 threads took 2x as long as 1 while the
-// caller waited to join an idle helper). A late helper finds no item, so it never calls
-// fn, and leaves. Ordering: a helper raises `active` before claiming (seq_cst), so a
-// helper that claimed an item is counted before the caller's last failed claim. No thread
-// outlives the work it claimed and none is kept between calls, so a fork() between two
-// calls finds no pool to rebuild.
+// One parallel call's work on the OpenMP pool: each thread of the team drains the queue.
 template <typename Fn>
 struct OmpJob {
     WorkQueue *q;
@@ -116,6 +108,15 @@ struct OmpJob {
     }
 };
 
+// On its own threads (no OpenMP pool, or OFFLOAD_POOL_OWN): helpers are spawned per call
+// and detached; the caller works too and, once no item is left, waits only for helpers that
+// claimed one. A helper the scheduler has not started yet is not waited for: on a busy machine a new thread can wait a whole scheduling
+// period before its first run (measured here: 2 threads took 2x as long as 1 while the
+// caller waited to join an idle helper). A late helper finds no item, so it never calls
+// fn, and leaves. Ordering: a helper raises `active` before claiming (seq_cst), so a
+// helper that claimed an item is counted before the caller's last failed claim. No thread
+// outlives the work it claimed and none is kept between calls, so a fork() between two
+// calls finds no pool to rebuild.
 template <typename Fn>
 int parallel_items_impl(int64_t items, int threads, Fn &fn, int pool) {
     auto q = std::make_shared<WorkQueue>();
@@ -145,8 +146,9 @@ int parallel_items_impl(int64_t items, int threads, Fn &fn, int pool) {
 }
 
 // Runs fn(item) -> int for every item in [0, items) on up to `threads` threads (the caller
-// is one of them), of the OpenMP pool or its own (pool: OFFLOAD_POOL_*). Returns the first nonzero result; never throws (the only allocation that
-// can fail is the bookkeeping, reported as -ENOMEM).
+// is one of them), of the OpenMP pool or its own (pool: OFFLOAD_POOL_*). Returns the first
+// nonzero result; never throws (the only allocation that can fail is the bookkeeping,
+// reported as -ENOMEM).
 template <typename Fn>
 int parallel_items(int64_t items, int threads, Fn fn, int pool) noexcept {
     try {

@@ -26,7 +26,7 @@ def remove_orphans(parent: str) -> None:
         path = os.path.join(parent, name)
         try:
             fsutil.check_private_dir(path)
-            fd, _pid = fsutil.try_lock(path)
+            fd, _pid = fsutil.try_lock(path, grace=False)  # (its maker's pid is gone: no grace)
             if fd is None and _pid is not None:
                 continue  # in use
             try:

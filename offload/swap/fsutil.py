@@ -228,7 +228,7 @@ CREATION_GRACE_S = 60.0
 """A directory without its lock, or with an empty lock file, this young is being made."""
 
 
-def try_lock(directory: str) -> Tuple[Optional[int], Optional[int]]:
+def try_lock(directory: str, grace: bool = True) -> Tuple[Optional[int], Optional[int]]:
     """(fd holding the lock, None) when the lock of ``directory`` is free, else (None, pid);
     pid -1: held, its pid not written yet, or the directory being made; (None, None): no lock
     file in a directory older than that, a creation that died before locking.
@@ -239,18 +239,20 @@ def try_lock(directory: str) -> Tuple[Optional[int], Optional[int]]:
     under its maker. So a directory in that state is taken for one in use while it is younger
     than ``CREATION_GRACE_S`` (a maker that died there leaves it to a later clean); the maker
     waits a moment for a lock a probe holds (``_flock_briefly``), and then checks that the
-    lock file it holds is still the one in the directory (``_names_this_file``)."""
+    lock file it holds is still the one in the directory (``_names_this_file``).
+    ``grace=False``: a caller that knows the maker is gone (the param tier's directories name
+    their pid) takes such a directory at once."""
     path = os.path.join(directory, LOCK_NAME)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        return (None, -1) if _young(directory) else (None, None)
+        return (None, -1) if grace and _young(directory) else (None, None)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None, (lock_holder(path) or -1)  # held; -1: its pid is not written yet
-    if os.fstat(fd).st_size == 0 and _young(path):
+    if grace and os.fstat(fd).st_size == 0 and _young(path):
         os.close(fd)
         return None, -1  # made, not locked yet
     return fd, None
