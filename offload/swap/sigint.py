@@ -16,6 +16,11 @@ import signal
 import threading
 from typing import Any, Iterator, List
 
+try:  # signal's own functions without its enum wrappers: 0.2 us a call instead of 2-3 (a
+    import _signal as _raw_signal  # step holds Ctrl-C twice; 20 us of a 96 us small step)
+except ImportError:  # pragma: no cover - not CPython
+    _raw_signal = signal  # type: ignore[assignment]
+
 __all__ = ["sigint_held"]
 
 
@@ -27,7 +32,7 @@ def sigint_held(second_raises: bool = True) -> Iterator[None]:
     lands there), or a handler that is not Python's default (the program's own, or an outer
     block's hold: nested blocks are held by the outermost)."""
     if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            or _raw_signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
         return
     pending: List[Any] = []
@@ -37,10 +42,10 @@ def sigint_held(second_raises: bool = True) -> Iterator[None]:
             raise KeyboardInterrupt
         pending.append(signum)
 
-    signal.signal(signal.SIGINT, hold)
+    _raw_signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _raw_signal.signal(signal.SIGINT, signal.default_int_handler)
     if pending:
         raise KeyboardInterrupt
