@@ -100,6 +100,8 @@ def test_rule_step_refuses_bad_states_by_name(backend):
         _bad(backend, {"exp_avg": torch.zeros(9), "exp_avg_sq": v})
     with pytest.raises(ValueError, match=r"exp_avg_sq must be contiguous"):
         _bad(backend, {"exp_avg": m, "exp_avg_sq": torch.zeros(16)[::2]})
+    with pytest.raises(ValueError, match=r"exp_avg_sq carries torch's lazy negation"):  # memory holds -v
+        _bad(backend, {"exp_avg": m, "exp_avg_sq": torch._neg_view(v)})
     with pytest.raises(TypeError, match="states must be a mapping of state name to tensor, got tuple"):
         _bad(backend, (m, v))
 

@@ -38,6 +38,9 @@ class _NeverKept:
     def clear(self):
         pass
 
+    def keep_slots(self, count):
+        pass
+
 
 def _make(kind, params, **extra):
     groups = [{"params": params[:3]}, {"params": params[3:], "lr": 2e-3}]
@@ -82,7 +85,7 @@ class Pair:
         self.ref._store._prepared = _NeverKept()
         self.gen = torch.Generator().manual_seed(seed + 1)
 
-    def grads(self, skip=(), transpose=False):
+    def grads(self, skip=(), transpose=False, negated=False):
         for i, (pa, pb) in enumerate(zip(self.a, self.b)):
             if i in skip:
                 pa.grad = pb.grad = None
@@ -90,7 +93,8 @@ class Pair:
             g = torch.randn(pa.shape, generator=self.gen)
             if transpose and g.dim() == 2:  # a non-contiguous grad of the same shape
                 g = torch.randn(tuple(reversed(pa.shape)), generator=self.gen).t()
-            pa.grad, pb.grad = g, g.clone()
+            # torch's lazy negation: the values of g, the memory of -g (ref gets plain g)
+            pa.grad, pb.grad = (torch._neg_view(-g) if negated else g), g.clone()
 
     def step(self, **kw):
         self.grads(**kw)
@@ -276,3 +280,56 @@ def test_a_param_listed_twice_steps_twice_each_step(runs):
         ref.step()
         assert torch.equal(q, r) and float(fast.state[q]["step"]) == 2.0 * (k + 1)
     assert runs["ran"] >= 2
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "adagrad"])
+def test_the_same_memory_in_another_layout_is_seen(kind, runs):
+    """A param or state that keeps its address and size but not its layout (the same memory
+    viewed transposed) steps as its new layout, as the general path and torch do; the
+    kept structs once stepped it as the old one, silently."""
+    pair = Pair(kind)
+    for _ in range(4):
+        pair.step()
+    ran = runs["ran"]
+    assert ran > 0
+    for p in (pair.a[5], pair.b[5]):  # (33, 65): the same memory read as a (65, 33) transposed
+        p.data = p.data.reshape(65, 33).t()
+        assert not p.is_contiguous()
+    pair.step()
+    pair.step()
+    name = {"adamw": "exp_avg", "sgd": "momentum_buffer", "adagrad": "sum"}[kind]
+    for opt, ps in ((pair.fast, pair.a), (pair.ref, pair.b)):
+        st = opt.state[ps[5]]
+        st[name] = st[name].reshape(65, 33).t()
+        assert not st[name].is_contiguous()
+    pair.step()
+    pair.step()
+    assert runs["ran"] > ran, "the kept structs never ran again"
+
+
+def test_a_grad_with_a_lazy_negation_is_read_as_its_values(runs):
+    """``torch._neg_view(-g)`` holds -g in memory and reads as g: both paths step g."""
+    pair = Pair("adamw")
+    for _ in range(3):
+        pair.step()
+    for _ in range(3):
+        pair.step(negated=True)
+    assert runs["ran"] > 0
+
+
+def test_a_removed_group_keeps_no_storage(runs):
+    """A kept batch holds its tensors' storages: a group removed from ``param_groups``
+    must not keep its states alive through its kept structs."""
+    pair = Pair("adamw")
+    for _ in range(4):
+        pair.step()
+    kept = pair.fast._store._prepared._kept
+    assert 1 in kept
+    for opt, ps in ((pair.fast, pair.a), (pair.ref, pair.b)):
+        opt.param_groups.pop()
+        for p in ps[3:]:
+            opt.state.pop(p, None)
+            p.grad = None
+    pair.a, pair.b = pair.a[:3], pair.b[:3]
+    pair.step()
+    assert sorted(kept) == [0]

@@ -36,6 +36,8 @@ def check_tensor(name: str, t: object, dtypes, *, contiguous: bool = True) -> to
         raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {tuple(t.stride())}")
+    if t.is_neg():  # its memory holds -t: a kernel would read and write the wrong sign
+        raise ValueError(f"{name} carries torch's lazy negation (is_neg()); pass {name}.resolve_neg()")
     return t
 
 

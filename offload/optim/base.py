@@ -324,7 +324,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                     continue
                 if g.is_sparse:
                     raise RuntimeError(self.SPARSE_MESSAGE)
-                items.append((p, g))
+                items.append((p, g.resolve_neg() if g.is_neg() else g))  # a lazy negation: memory holds -g
             out.append((group, items))
         return out
 

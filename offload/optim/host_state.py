@@ -156,6 +156,7 @@ class HostState:
         index = {id(p): i for i, p in enumerate(self._torch.params())} if self.state_dtype != "float32" else {}
         if self._prepared is None:  # (an optimizer pickled before it existed)
             self._prepared = PreparedGroups()
+        self._prepared.keep_slots(len(batches))
         for slot, (hyper, items) in enumerate(batches):
             if self.state_dtype == "float32":
                 plain, packed = items, []
