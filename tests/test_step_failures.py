@@ -294,6 +294,36 @@ def test_ctrl_c_lands_after_the_step_is_whole(tmp_path, monkeypatch, kind):
     opt.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.usefixtures("sigint_raises")
+def test_a_child_forked_during_a_held_ctrl_c_gets_pythons_handler():
+    """A thread forks while the main thread's step holds Ctrl-C: the child inherits the
+    hold's handler but not the block that restores Python's; without the fork hook its first
+    Ctrl-C was swallowed."""
+    import threading
+
+    from offload.swap.sigint import sigint_held
+
+    status = []
+
+    def fork_and_wait():
+        pid = os.fork()
+        if pid == 0:  # the child: only this thread; Python's handler must be back
+            try:
+                os._exit(0 if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 3)
+            finally:
+                os._exit(4)
+        status.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+
+    with sigint_held():
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        t = threading.Thread(target=fork_and_wait)
+        t.start()
+        t.join(60)
+    assert status == [0], "the forked child kept the hold's SIGINT handler"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @pytest.mark.usefixtures("sigint_raises")
 def test_second_ctrl_c_interrupts_at_once_and_is_a_failed_step(tmp_path, monkeypatch):
     params, opt = _opt("nvme", tmp_path)

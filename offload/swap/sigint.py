@@ -12,6 +12,7 @@ pager and refused with an error that blamed the user ([Note: writes past the pag
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from typing import Any, Iterator, List
@@ -42,6 +43,7 @@ def sigint_held(second_raises: bool = True) -> Iterator[None]:
             raise KeyboardInterrupt
         pending.append(signum)
 
+    hold.offload_sigint_hold = True  # type: ignore[attr-defined]  (see _after_fork_in_child)
     _raw_signal.signal(signal.SIGINT, hold)
     try:
         yield
@@ -49,3 +51,18 @@ def sigint_held(second_raises: bool = True) -> Iterator[None]:
         _raw_signal.signal(signal.SIGINT, signal.default_int_handler)
     if pending:
         raise KeyboardInterrupt
+
+
+def _after_fork_in_child() -> None:
+    """A child forked (by another thread) while the main thread held a Ctrl-C inherits the
+    hold's handler, but not the block that would restore Python's: its first Ctrl-C would be
+    swallowed, and its own steps would not hold one. The child starts with Python's."""
+    try:
+        if getattr(_raw_signal.getsignal(signal.SIGINT), "offload_sigint_hold", False):
+            _raw_signal.signal(signal.SIGINT, signal.default_int_handler)
+    except (ValueError, OSError):  # pragma: no cover - not the main thread of the main interpreter
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
