@@ -102,3 +102,20 @@ def test_a_forked_child_steps_on_its_own_threads(monkeypatch, who):
         return seen and all(_same(a, b) for a, b in zip(got, want))
 
     _run_child(child)
+
+
+def test_more_threads_than_cpus_never_go_to_libgomp(monkeypatch):
+    """libgomp ends the process when it cannot start a pool thread (a pids or memory limit);
+    the library's own threads go on with fewer. A call on more threads than the machine has
+    CPUs runs on its own threads, with the same bits."""
+    nb = get_backend("native")
+    monkeypatch.delenv("OFFLOAD_POOL", raising=False)
+    cpus = os.cpu_count() or 1
+    assert nb._tail(cpus + 1)[3] == 1  # OFFLOAD_POOL_OWN
+    assert nb._tail(cpus)[3] == nb._pool()
+    inputs = _inputs(5)
+    many = [t.clone() for t in inputs[:2]], {k: v.clone() for k, v in inputs[2].items()}
+    p, g, states = many[0][0], many[0][1], many[1]
+    for step in (1, 2, 3):
+        nb.rule_step(ADAM, p, g, states, step=step, num_threads=cpus + 3, **ADAM_HP)
+    assert all(torch.equal(a, b) for a, b in zip([p, *states.values()], _run(nb, inputs)))

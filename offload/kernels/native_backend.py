@@ -47,6 +47,7 @@ _NEAREST, _STOCHASTIC = 0, 1  # OFFLOAD_ROUND_*
 _F32_PACKERS = {_ADAM_CODE: ADAM_STEP, _AMSGRAD_CODE: AMSGRAD_STEP}  # the others: STEP_STATES
 _PREFETCH_CODES = {"": 0, "auto": 0, "1": 1, "on": 1, "0": 2, "off": 2}  # OFFLOAD_PREFETCH_*
 _POOL_CODES = {"": 0, "auto": 0, "own": 1}  # OFFLOAD_POOL_*
+_CPUS = os.cpu_count() or 1  # more threads than these never go to libgomp's pool (_pool_for)
 # quant.py's tables, the ones every backend encodes with; the library reads them through raw
 # pointers, so this module holds them (contiguous float32) for the life of the process
 _TABLES = tuple(t.to(torch.float32).contiguous()
@@ -173,7 +174,8 @@ class NativeBackend(RuleStepFace):
         return code, fold(hyper)
 
     def _tail(self, num_threads) -> Tuple[int, int, int, int]:
-        return ISA_CODES[self.isa()], resolve_threads(num_threads), self._prefetch(), self._pool()
+        threads = resolve_threads(num_threads)
+        return ISA_CODES[self.isa()], threads, self._prefetch(), self._pool_for(threads)
 
     refuses_overlap = True  # struct_overlaps_itself in native/batch_alias.h
 
@@ -339,15 +341,24 @@ class NativeBackend(RuleStepFace):
             cached = self._pool_cache = (raw, _POOL_CODES[want])
         return 1 if forked() else cached[1]
 
+    def _pool_for(self, threads: int) -> int:
+        """``_pool()`` for a call on ``threads`` threads: more than the machine's CPUs run on
+        the call's own threads. libgomp ends the process (``gomp_fatal``) when it cannot
+        start a pool thread, where the library's own threads go on with fewer: a large
+        ``set_num_threads`` under a pids or memory limit killed a step on the pool and not on
+        its own threads (thirty-first session)."""
+        return 1 if threads > _CPUS else self._pool()
+
     def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)
         check_threads(num_threads)
+        threads = resolve_threads(num_threads)
         out = _c_dbl(0.0)
         flag = _c_int(0)
         if grad.numel() == 0:
             return 0.0, False
         rc = self._lib.offload_grad_sumsq(
             grad.data_ptr(), GRAD_DTYPES[grad.dtype], grad.numel(), ctypes.byref(out),
-            ctypes.byref(flag), ISA_CODES[self.isa()], resolve_threads(num_threads), self._pool())
+            ctypes.byref(flag), ISA_CODES[self.isa()], threads, self._pool_for(threads))
         self._check(rc, "offload_grad_sumsq")
         return out.value, bool(flag.value)
