@@ -146,7 +146,7 @@ def _grad_pointers(items: Sequence[Tuple[torch.Tensor, Any, int]], numels: Seque
         n = len(grads)
         if [g.numel() for g in grads] != numels or [g.dtype for g in grads].count(_F32) != n \
                 or [g.is_contiguous() for g in grads].count(True) != n or [g.is_cpu for g in grads].count(True) != n:
-            return None  # (a lazily negated grad was resolved by the step: BaseOptimizer._grads_with_params)
+            return None  # (a lazily negated grad was resolved by the step: RuleOptimizer._grads_with_params)
         return [g.data_ptr() for g in grads]
     except (AttributeError, RuntimeError):
         return None
