@@ -11,9 +11,9 @@ writes only what changes: each grad's pointer, and the folded constants of the s
 ``offload_rule_steps``, so the bits are those of the batch packed afresh.
 
 Whether the kept structs still describe the tensors is the caller's to know: the host store
-checks, each step, that every param and state is the very tensor, at the same address and of
-the same size, and that each grad is a contiguous float32 tensor of its param's size
-(``HostState._signature``). The library still checks every struct before it runs any: a
+checks, each step, that every param and state is at the same address, of the same size and
+still contiguous, and that each grad is a contiguous float32 tensor of its param's size
+(``_signature`` and ``_grad_pointers`` in offload/optim/host_prepared.py). The library still checks every struct before it runs any: a
 struct it refuses has changed nothing, and ``run`` returns False so that the caller steps
 the group the general way (which raises the error with its full text).
 """
@@ -41,7 +41,7 @@ class PreparedBatch:
             raise ValueError("a prepared batch takes one struct per (non-empty) entry")
         self.rule = rule
         self.count = len(structs)
-        self.tail = tail  # (isa code, threads, prefetch code) it was packed with
+        self.tail = tail  # (isa code, threads, prefetch code, pool code) it was packed with
         self.numels = [e.param.numel() for e in entries]
         self._backend = backend
         self._buf = np.frombuffer(bytearray(b"".join(structs)), dtype=np.uint8)

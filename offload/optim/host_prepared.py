@@ -2,8 +2,8 @@
 
 [Note: prepared batches] in offload/kernels/native_prepared.py says what is kept and why.
 This module decides when the kept structs may run: a group's float32 part, on the native
-backend, whose params and states are the very tensors they were when the structs were
-packed (same objects, addresses and sizes: ``_signature``), with float32 contiguous grads
+backend, whose params and states are where and what they were when the structs were packed
+(same addresses and sizes, still contiguous: ``_signature``), with float32 contiguous grads
 of the params' sizes. Anything else (a state replaced or cleared, ``p.data`` reassigned, a
 non-contiguous grad, another ISA or thread count, a backend whose ``checked_rule_steps`` a
 test replaced) steps the general way, which checks everything and raises what it must.
