@@ -56,7 +56,7 @@ def test_info_shows_the_prefetch_setting_and_a_bad_one(capsys, monkeypatch):
 def test_info_shows_the_thread_pool_and_a_bad_setting(capsys, monkeypatch):
     if not backend_status()["native"][0]:
         return  # (no native library: the line says why)
-    for raw, want in (("", "auto (the OpenMP pool torch runs on)"), ("own", "own"),
+    for raw, want in (("", "auto (the OpenMP pool torch runs on; a call on more threads than the"), ("own", "own"),
                       ("omp", "unavailable (OFFLOAD_POOL='omp'")):
         monkeypatch.setenv("OFFLOAD_POOL", raw)
         assert main(["info", "--json"]) == 0

@@ -188,7 +188,7 @@ class NativeBackend(RuleStepFace):
         if self._pool():
             return "own (threads of each call's own)"
         if self._lib.offload_omp_pool():
-            return "auto (the OpenMP pool torch runs on)"
+            return f"auto (the OpenMP pool torch runs on; a call on more threads than the {_CPUS} CPUs: its own)"
         return "auto (threads of each call's own: no OpenMP pool loaded, or forked since)"
 
     def preflight(self, num_threads=None) -> None:
