@@ -41,6 +41,9 @@ class _NeverKept:
     def keep_slots(self, count):
         pass
 
+    def forget(self, slot):
+        pass
+
 
 def _make(kind, params, **extra):
     groups = [{"params": params[:3]}, {"params": params[3:], "lr": 2e-3}]
@@ -333,3 +336,22 @@ def test_a_removed_group_keeps_no_storage(runs):
     pair.a, pair.b = pair.a[:3], pair.b[:3]
     pair.step()
     assert sorted(kept) == [0]
+
+
+def test_a_group_without_grads_keeps_no_storage(runs):
+    """A group none of whose params has a grad (frozen) is not stepped, so its kept batch
+    would never be checked again: its storages (the user may drop the params' data and
+    states, as torch then frees them) must not stay alive in it. Unfrozen, it steps as the
+    general path and is kept again."""
+    pair = Pair("adamw")
+    for _ in range(4):
+        pair.step()
+    kept = pair.fast._store._prepared._kept
+    assert 1 in kept
+    frozen = tuple(range(3, len(SIZES)))
+    pair.step(skip=frozen)
+    assert sorted(kept) == [0]
+    ran = runs["ran"]
+    for _ in range(4):
+        pair.step()
+    assert 1 in kept and runs["ran"] > ran

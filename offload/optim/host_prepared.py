@@ -53,6 +53,12 @@ class PreparedGroups:
         self._kept.clear()
         self._seen.clear()
 
+    def forget(self, slot: int) -> None:
+        """Drop the slot's batch: its group steps nothing this step (no grads, or no params),
+        and a kept batch holds its tensors' storages, which the user may have let go of."""
+        self._kept.pop(slot, None)
+        self._seen.pop(slot, None)
+
     def keep_slots(self, count: int) -> None:
         """Drop the batches of slots past ``count`` (groups removed from ``param_groups``):
         a kept batch holds its tensors' storages, and no step would reach it again."""

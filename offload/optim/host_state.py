@@ -163,8 +163,10 @@ class HostState:
             else:
                 plain = [it for it in items if not self.compressed(it[0])]
                 packed = [it for it in items if self.compressed(it[0])]
-            if plain and not self._prepared.step(slot, self._backend, self._num_threads, self._torch.state,
-                                                 hyper, plain):
+            if not plain:
+                self._prepared.forget(slot)  # (a group with nothing to step keeps no storages alive)
+            elif not self._prepared.step(slot, self._backend, self._num_threads, self._torch.state,
+                                         hyper, plain):
                 self._step_part(hyper, hyper.rule, plain, index)
                 self._prepared.remember(slot, self._backend, self._num_threads, self._torch.state, hyper, plain)
             if packed:
