@@ -250,3 +250,36 @@ def test_pickled_optimizer_keeps_compressed_states():
     p2 = twin.param_groups[0]["params"][0]
     assert torch.equal(twin.state[p2]["exp_avg"], opt.state[params[0]]["exp_avg"])
     assert twin._store.state_dtype == "int8"  # the copy steps as the original would
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+@pytest.mark.parametrize("kw", [dict(state_dtype="bfloat16"), dict(master_dtype="bfloat16")])
+def test_sgd_with_stochastic_rounding_goes_on_as_the_other_after_load(kw, momentum):
+    """SGD's torch layout has no "step", but bf16 states (and a bf16 own master, with or
+    without momentum) round with seeds of the step count: the dict keeps it, so a loading
+    optimizer goes on bit for bit."""
+    import copy
+    torch.manual_seed(0)
+    dt = torch.bfloat16 if "master_dtype" in kw else torch.float32
+    p = torch.nn.Parameter(torch.randn(8192).to(dt))
+    a = offload.SGD([p], lr=1e-2, momentum=momentum, **kw)
+    for _ in range(3):
+        p.grad = torch.randn(8192).to(dt)
+        a.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    b = offload.SGD([q], lr=1e-2, momentum=momentum, **kw)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    for _ in range(3):
+        g = torch.randn(8192).to(dt)
+        p.grad, q.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    assert torch.equal(p, q)
+    sa, sb = a.state_dict()["state"][0], b.state_dict()["state"][0]
+    assert sorted(sa) == sorted(sb) and float(sa["step"]) == float(sb["step"]) == 6.0
+    if momentum:
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+    ref = torch.optim.SGD([torch.nn.Parameter(p.detach().float().clone())], lr=1e-2, momentum=momentum)
+    ref.load_state_dict(a.state_dict())  # torch's SGD takes the dict (the extra "step" unused)
+    ref.param_groups[0]["params"][0].grad = torch.ones(8192)
+    ref.step()

@@ -127,6 +127,12 @@ class SGD(RuleOptimizer):
         # a param that never stepped with momentum has no buffer in torch (a flat store keeps
         # an untouched one for it); the others have their buffer and no "step"
         params = self._params_in_order()
+        # bf16 states (and a bf16 param that is its own master) round stochastically with seeds
+        # of the step count (quant.rounding_seed): each param that stepped keeps its "step"
+        # then, so that an optimizer loading this dict goes on with the same bits (torch's SGD
+        # carries the extra key along, unused; a "step" alone starts no buffer, load_state_dict
+        # below); float32 states keep torch's exact layout
+        keep_step = self.state_dtype == "bfloat16" or self.master_dtype == "bfloat16"
         state = {}
         for k, st in sd["state"].items():
             if not (isinstance(k, int) and 0 <= k < len(params) and isinstance(st, dict)):
@@ -134,6 +140,8 @@ class SGD(RuleOptimizer):
                 continue
             unborn = not self._started(params[k])
             entry = {key: v for key, v in st.items() if key != "step" and not (key == _BUF and unborn)}
+            if keep_step and "step" in st:
+                entry["step"] = st["step"]
             if entry:  # (a bf16 param keeps its fp32 "master", ours)
                 state[k] = entry
         sd["state"] = state
