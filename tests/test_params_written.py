@@ -239,3 +239,52 @@ def test_a_param_of_many_sub_groups_is_merged_chunk_by_chunk(where, tmp_path, mo
     assert torch.equal(master[rest], before[rest])
     assert torch.equal(p.detach(), master.to(torch.bfloat16))
     opt.close()
+
+
+def _own_master_job(rank, world, where, load, swap_root, ckpt):
+    """Two ranks, bf16 params that are their own master (each rank steps its bf16 shard and
+    all-gathers it): weights written after construction, then (``load``) the optimizer's
+    checkpoint or state_dict of those weights; the step starts from them."""
+    import os
+    kw = {}
+    if where == "nvme":
+        kw["swap_dir"] = os.path.join(swap_root, f"{load}-r{rank}")
+        os.makedirs(kw["swap_dir"])
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(8192).bfloat16())
+    opt = offload.AdamW([p], lr=1e-3, stage=2, master_dtype="bfloat16", offload=where, **kw)
+    try:
+        weights = torch.full_like(p, 5.0)
+        with torch.no_grad():
+            p.copy_(weights)  # model.load_state_dict after the optimizer was built
+        if load == "ckpt":
+            opt.load_checkpoint(ckpt)
+        elif load == "sd":
+            opt.load_state_dict(torch.load(os.path.join(ckpt, "sd.pt"), weights_only=False))
+        kept = torch.equal(p.detach(), weights)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        return kept, float((p.detach().float() - 5.0).abs().max())
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("where", ["cpu", "nvme"])
+def test_two_ranks_own_bf16_master_follows_weights_written_after_construction(where, tmp_path):
+    """[Note: bf16 master] on several ranks: the master is the rank's bf16 shard, taken from
+    the params when the optimizer was built. A write after that was ignored: the step started
+    from the old shard and all-gathered it over the write (and with offload="nvme" a
+    load_checkpoint or load_state_dict did the same), so a resume that loads the weights
+    into a built optimizer went on from the wrong params."""
+    from _ranks import group
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    p = torch.nn.Parameter(torch.full((8192,), 5.0).bfloat16())
+    one = offload.AdamW([p], lr=1e-3, master_dtype="bfloat16", offload="cpu")
+    one.save_checkpoint(str(ckpt))
+    torch.save(one.state_dict(), ckpt / "sd.pt")
+    for load in ("none", "ckpt", "sd"):
+        got = group(2).run(_own_master_job, where, load, str(tmp_path), str(ckpt), timeout=180)
+        for rank, (kept, moved) in got.items():
+            assert kept, (load, rank)
+            assert moved <= 0.03125, (load, rank, moved)  # one step of lr 1e-3 from 5.0: a bf16 ulp at most

@@ -179,7 +179,7 @@ def post_load(st: "FlatState") -> None:
                     fg.lowp_shard[s].copy_(m)
             else:
                 fg.master[s].copy_(m)
-        if not fg.swapped:
+        if not fg.swapped or fg.master_lowp:  # (a bf16 master: the shard <- the params as they are)
             fg.refresh_lowp_shard()
     for p in st._order:
         entry = state.get(p)

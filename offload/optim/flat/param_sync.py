@@ -56,7 +56,10 @@ def refresh_changed(st: "FlatState") -> None:
     for p in params:
         fg, i = st._where[p]
         piece = fg.layout.owned(i)
-        if piece is None or fg.master_lowp:  # another rank's piece; a bf16 master is the param
+        if piece is None:  # another rank's piece
+            continue
+        if fg.master_lowp:  # a bf16 master: the param itself at one rank, else the rank's bf16 shard
+            _own_master_from_param(fg, piece, p)
             continue
         start = fg.layout.shard_range()[0]
         lo, hi = piece.lo - start, piece.hi - start
@@ -81,6 +84,22 @@ def refresh_changed(st: "FlatState") -> None:
     for fg in touched:
         fg.refresh_lowp_shard()
     record(st)
+
+
+def _own_master_from_param(fg, piece, p: torch.Tensor) -> None:
+    """A bf16 param that is its own master, written by someone else: on several ranks the
+    master is this rank's bf16 shard (taken from the params at construction), which the step
+    reads and all-gathers over the params, so the write goes into it (one rank: the param is
+    the master, nothing to do)."""
+    if fg.lowp_shard is None:
+        return
+    start = fg.layout.shard_range()[0]
+    src = p.detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
+    paging.load([src])
+    try:
+        fg.lowp_shard[piece.lo - start:piece.hi - start].copy_(src)
+    finally:
+        paging.evict([src])
 
 
 def _merged(low: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:

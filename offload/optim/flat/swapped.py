@@ -177,6 +177,8 @@ def params_from_swap(st: "FlatState") -> None:
     comm.on_every_rank(emit, "rebuilding the params from the swap files", st.group, st.world)
     if st.world > 1:
         for fg in st._groups:
+            if fg.master_lowp:  # the params are the master: the rank's shard <- them, not the reverse
+                fg.refresh_lowp_shard()
             fg.all_gather_params(st.group)
     st._sink.end()
 
