@@ -204,3 +204,15 @@ def test_truncated_while_running_says_the_data_is_lost(tmp_path, dtype):
         opt.step()
     assert "still hold" not in str(e.value)
     opt.close()
+
+
+def test_close_keep_swap_of_a_stateless_nvme_sgd(tmp_path):
+    """SGD without momentum over fp32 params with offload="nvme" steps in place and writes no
+    swap file (the host store): close(keep_swap=True), as for every nvme optimizer, must not
+    raise TypeError."""
+    import offload as _offload
+    p = torch.nn.Parameter(torch.randn(8192))
+    opt = _offload.SGD([p], lr=1e-2, state_dtype="bfloat16", offload="nvme", swap_dir=str(tmp_path))
+    p.grad = torch.randn(8192)
+    opt.step()
+    opt.close(keep_swap=True)

@@ -322,7 +322,9 @@ class HostState:
             report["state_dtype"] = self.state_dtype
         return report
 
-    def close(self) -> None:
+    def close(self, keep_swap: bool = False) -> None:
+        # (keep_swap: offload="nvme" where nothing went to swap files, SGD without momentum's
+        # fp32 params stepped in place: there is nothing to keep)
         if self._prepared is not None:
             self._prepared.clear()
 
