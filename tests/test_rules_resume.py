@@ -159,3 +159,35 @@ def test_two_ranks_resume_with_a_bf16_master_checks_the_params(state_dtype, tmp_
 
     got = group(2).run(_two_rank_resume, str(tmp_path), state_dtype, timeout=300)
     assert got == {0: (True, True), 1: (True, True)}
+
+
+@pytest.mark.parametrize("store", ["none", "cpu", "nvme"])
+def test_sgd_without_state_and_a_bf16_master_saves_and_loads_its_steps(store, tmp_path):
+    """SGD without momentum over bf16 params that are their own master keeps nothing per
+    element, but its steps seed the master's stochastic rounding: save_checkpoint /
+    load_checkpoint carry them (the load refused a checkpoint of no state), and
+    offload="nvme" steps in RAM as "cpu" (its constructor raised: swap files of no state)."""
+    kw = dict(offload=store, swap_dir=str(tmp_path / "swap")) if store == "nvme" else dict(offload=store)
+
+    def make(m):
+        return offload.SGD(m.parameters(), lr=0.05, master_dtype="bfloat16", **kw)
+
+    a, b = _model(torch.bfloat16), _model(torch.bfloat16)
+    opt_a = make(a)
+    for i in range(3):
+        _grads(a, i)
+        opt_a.step()
+    opt_a.save_checkpoint(str(tmp_path / "ckpt"))
+    b.load_state_dict(a.state_dict())
+    opt_b = make(b)
+    opt_b.load_checkpoint(str(tmp_path / "ckpt"))
+    assert [float(opt_b.state[p]["step"]) for p in b.parameters()] == [3.0, 3.0]
+    for i in range(3, 6):
+        for m, opt in ((a, opt_a), (b, opt_b)):
+            _grads(m, i)
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    opt_a.close()
+    opt_b.close()
+    assert not list((tmp_path / "swap").rglob("*.bin"))  # (none with nvme: nothing to swap)

@@ -282,7 +282,7 @@ def _verify(directory: str, states: Sequence[Union[str, StateField]], numel: int
     ``stage``: a buffer to stream through (else one of ``stage_bytes`` is made), with ``io_engine``."""
     directory = os.path.abspath(directory)
     m = read_manifest(directory)
-    want = {f.name: f for f in as_fields(list(states))}
+    want = {f.name: f for f in as_fields(list(states))} if len(states) else {}  # (a store of no state: steps only)
     types = manifest_fields(m)
     if sorted(m.get("states", [])) != sorted(want) or m.get("numel") != numel \
             or any(types.get(k) != f for k, f in want.items()):

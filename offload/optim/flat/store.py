@@ -159,6 +159,15 @@ class FlatState:
         self._swap_vote = None
         for group in param_groups:
             self.add_param_group(group)
+        if self._nvme and self._groups and not any(fg.fields for fg in self._groups):
+            # Nothing per element to swap (SGD without momentum over bf16 params that are their
+            # own master): stepped in RAM as offload="cpu" does, as the host store does for fp32
+            # params (host_state.nothing_to_swap); checkpoints and state_dict carry the steps.
+            log.warning("no state to swap (the rule keeps none per element and the bf16 params are their own "
+                        "master): offload='nvme' steps them as offload='cpu' does, and writes no swap files")
+            self._nvme = False
+            for fg in self._groups:
+                fg.swapped = False
         if self._nvme:
             swapped.open_swap(self, config)
         param_sync.record(self)  # the masters are the params' values now
