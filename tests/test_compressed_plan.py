@@ -223,3 +223,37 @@ def test_plan_then_run_stage3_fp32_shards_under_4096_elements(state_dtype):
                     unit_params=[total - sum(sizes)] + sizes)
     report = _run_report_params(shards, offload="cpu", state_dtype=state_dtype)
     assert report["tiers"] == plan.optimizer_bytes
+
+
+_RULE_OPTIMIZERS = {
+    "sgd": (offload.SGD, dict(lr=0.1, momentum=0.9)),
+    "sgd_plain": (offload.SGD, dict(lr=0.1)),
+    "adagrad": (offload.Adagrad, dict(lr=0.1)),
+    "lion": (offload.Lion, dict(lr=1e-4)),
+}
+
+
+@pytest.mark.parametrize("name", list(_RULE_OPTIMIZERS))
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("params,kw", [
+    ("fp32", dict(offload="cpu")),
+    ("fp32", dict(offload="nvme", max_host_bytes=8 << 20)),
+    ("bf16", dict(offload="cpu")),
+    ("bf16", dict(offload="nvme", max_host_bytes=8 << 20)),
+    ("bf16", dict(offload="nvme", max_host_bytes=8 << 20, master_dtype="bfloat16")),
+])
+def test_plan_then_run_rule_optimizers(tmp_path, name, state_dtype, params, kw):
+    """SGD (with and without momentum), Adagrad and Lion are planned with their own states
+    (one per element, or none), not refused or billed as Adam's two: the plan is the report."""
+    model = _fp32_model_with_small_params() if params == "fp32" else _model()
+    cls, hyper = _RULE_OPTIMIZERS[name]
+    kw = dict(kw, state_dtype=state_dtype)
+    plan = estimate(model, optimizer=name, param_device="cpu", cuda=False, **kw)
+    if kw["offload"] == "nvme":
+        kw["swap_dir"] = str(tmp_path)
+    opt = cls(model.parameters(), **hyper, **kw)
+    try:
+        opt.step()
+        assert opt.memory_report()["tiers"] == plan.optimizer_bytes
+    finally:
+        opt.close()

@@ -429,7 +429,7 @@ def test_hf_config_errors(tmp_path):
     (dict(offload="disk"), "disk"),
     (dict(param_dtype="fp8"), "fp8"),
     (dict(grad_dtype=torch.int8), "int8"),
-    (dict(optimizer="sgd"), "sgd"),
+    (dict(optimizer="rmsprop"), "rmsprop"),
     (dict(device_memory=-1), "-1"),
     (dict(host_memory="-2GiB"), "-2GiB"),
     (dict(max_host_bytes=0), "0"),

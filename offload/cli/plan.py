@@ -53,7 +53,9 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
                    help="K of --zero-table: optimizer bytes per param (default 12, mixed-precision Adam)")
     p.add_argument("--param-dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
     p.add_argument("--grad-dtype", default=None, help="default: the param dtype")
-    p.add_argument("--optimizer", default="adamw", help="adam or adamw (default adamw)")
+    p.add_argument("--optimizer", default="adamw",
+                   help="adam, adamw, sgd (with momentum: a momentum_buffer), sgd_plain (without momentum: no "
+                        "state), adagrad or lion (default adamw)")
     p.add_argument("--amsgrad", action="store_true",
                    help="Adam's amsgrad=True: a third fp32 state per param (max_exp_avg_sq), K 16 instead of 12")
     p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "int8"),

@@ -46,7 +46,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from offload.kernels.fields import ADAM, ADAM_AMSGRAD, MASTER, bytes_per_element, fields_bytes
+from offload.kernels.fields import (ADAGRAD, ADAM, ADAM_AMSGRAD, LION, MASTER, SGD, SGD_PLAIN, bytes_per_element,
+                                   fields_bytes)
 
 from .inputs import dtype_name, nonneg_bytes, parse_dtype, positive_rate, resolve_params, swap_dir_path
 from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, tests import it here)
@@ -76,8 +77,8 @@ __all__ = [
 
 GiB = 1 << 30
 _OFFLOADS = ("none", "cpu", "nvme")
-# K of the ZeRO paper: the bytes per param of the fp32 master and the rule's states (12 for Adam)
-_OPTIMIZERS = {"adam": bytes_per_element(ADAM.with_master()), "adamw": bytes_per_element(ADAM.with_master())}
+# each optimizer's rule; K of the ZeRO paper: bytes per param of the fp32 master + its states (Adam: 12)
+_OPTIMIZERS = {"adam": ADAM, "adamw": ADAM, "sgd": SGD, "sgd_plain": SGD_PLAIN, "adagrad": ADAGRAD, "lion": LION}
 
 Bytes = Dict[str, Dict[str, int]]  # tier -> component -> bytes per rank
 
@@ -166,7 +167,7 @@ def _check_choices(world_size: Any, stage: Any, offload: Any, lowp_buffers: Any,
         raise ValueError(f"lowp_buffers must be 'shard' or 'none', got {lowp_buffers!r}")
     opt = str(optimizer).lower()
     if opt not in _OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adam' or 'adamw'")
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {', '.join(map(repr, _OPTIMIZERS))}")
     return opt
 
 
@@ -245,7 +246,9 @@ def _place_swapped(s: _Setup, B: Bytes, notes: List[str], problems: List[str]) -
     rank (the flat buffer is padded to the world size)."""
     fields = tuple(state_fields(s))
     swap = None
-    if s.shard:
+    if not fields:  # nothing per element (SGD without momentum, params their own master)
+        notes.append("offload='nvme': no state and no master to swap: stepped in host memory as with 'cpu'")
+    elif s.shard:
         try:
             swap = swap_model(s.swap_numel, fields, s.mhb, s.sub_group_size)
         except ValueError as exc:
@@ -486,9 +489,9 @@ def _setup(num_params: Any, *, world_size: Any, stage: Any, offload: Any, param_
                    nvme_capacity, swap_dir)
     rates = _rates(kernel_gparams, disk_gbps, disk_read_gbps, disk_write_gbps)
     check_compression(state_dtype, master_dtype, pdt)
-    if not isinstance(amsgrad, bool):
-        raise ValueError(f"amsgrad must be True or False, got {amsgrad!r}")
-    k = bytes_per_element(ADAM_AMSGRAD.with_master()) if amsgrad else _OPTIMIZERS[opt]
+    if not isinstance(amsgrad, bool) or (amsgrad and opt not in ("adam", "adamw")):
+        raise ValueError(f"amsgrad must be True or False (True for adam and adamw only), got {amsgrad!r} for {opt!r}")
+    k = bytes_per_element((ADAM_AMSGRAD if amsgrad else _OPTIMIZERS[opt]).with_master())
     return _Setup(state_dtype=state_dtype, master_dtype=master_dtype, numels=param_numels(module), amsgrad=amsgrad,
                   n=n, source=source_desc, world_size=world_size, stage=stage, offload=offload, optimizer=opt,
                   k=k, pdt=pdt, gdt=gdt, pdev=pdev, cuda=bool(pdev != "cpu" if cuda is None else cuda),

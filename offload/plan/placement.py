@@ -19,6 +19,8 @@ COMPONENTS = (
     "exp_avg",
     "exp_avg_sq",
     "max_exp_avg_sq",  # Adam's amsgrad only
+    "momentum_buffer",  # SGD with momentum
+    "sum",           # Adagrad
     "grad_buffers",  # host buffers the grads are copied into (device params)
     "lowp_buffers",  # host buffers holding the fp16/bf16 copy of updated params (device params)
     "io_buffers",    # swap pipeline buffers (offload="nvme")

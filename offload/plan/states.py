@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from offload.kernels.fields import ADAM, ADAM_AMSGRAD, STATE_DTYPES, Rule
+from offload.kernels.fields import ADAM, ADAM_AMSGRAD, RULES, STATE_DTYPES, Rule
 from offload.kernels.quant import BLOCK
 from offload.optim.host_state import MIN_COMPRESSED_NUMEL
 from offload.zero.partition import FlatLayout
@@ -27,13 +27,15 @@ from .inputs import dtype_name
 __all__ = ["StatesLayout", "check_compression", "param_numels", "state_fields", "state_notes",
            "host_state_bytes", "held_state_bytes", "kernel_bytes_ratio", "listed"]
 
-_ADAM_BYTES, _AMSGRAD_BYTES = 28, 36  # bytes the fp32 step moves per element (reads + writes)
+_ADAM_BYTES = 28  # bytes Adam's fp32 step moves per element (reads + writes)
 
 
 def kernel_bytes_ratio(s: Any) -> float:
-    """The kernel rate is Adam's (its probe, bench/adam.py); AMSGrad is bound by the same
-    memory wall and moves 36 B per element against 28 (bench/amsgrad.py: 1.27-1.32x)."""
-    return _AMSGRAD_BYTES / _ADAM_BYTES if getattr(s, "amsgrad", False) else 1.0
+    """The kernel rate is Adam's (its probe, bench/adam.py); the other rules are bound by the
+    same memory wall and move 12 B per element (param read and write, grad read) plus 8 per
+    float32 state: AMSGrad 36 against 28 (bench/amsgrad.py: 1.27-1.32x), SGD with momentum,
+    Adagrad and Lion 20, SGD without momentum 12."""
+    return (12 + 8 * len(s.float32_rule.fields)) / _ADAM_BYTES
 
 
 def listed(names: Any) -> str:
@@ -48,8 +50,11 @@ class StatesLayout:
 
     @property
     def float32_rule(self) -> Rule:
-        """Adam (with ``amsgrad``, its third state max_exp_avg_sq), float32 states."""
-        return ADAM_AMSGRAD if getattr(self, "amsgrad", False) else ADAM
+        """The optimizer's rule (Adam with ``amsgrad``: its third state max_exp_avg_sq), float32 states."""
+        if getattr(self, "amsgrad", False):
+            return ADAM_AMSGRAD
+        name = {"adamw": "adam"}.get(getattr(self, "optimizer", "adam"), getattr(self, "optimizer", "adam"))
+        return RULES.get(name, ADAM)
 
     @property
     def rule(self) -> Rule:
