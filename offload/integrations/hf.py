@@ -119,8 +119,8 @@ def follow_accumulation(optimizer: Any, model: torch.nn.Module) -> AccumulationS
         raise ImportError("follow_accumulation reads accelerate's GradientState: pip install accelerate") from e
     opt = offload_optimizer(optimizer)
     if opt is None:
-        raise TypeError(f"follow_accumulation needs an offload.Adam/AdamW (or accelerate's wrapper of one), "
-                        f"got {type(optimizer).__name__}")
+        raise TypeError("follow_accumulation needs an offload optimizer (offload.Adam, AdamW, SGD, Adagrad or "
+                        f"Lion) or accelerate's wrapper of one, got {type(optimizer).__name__}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if _ddp_world() > 1:
@@ -175,8 +175,8 @@ def _make_callback_class() -> type:
             self._limit, self._sync = _end_interrupted_run(args, self._limit, self._sync)
             self._opt = offload_optimizer(self.optimizer if self.optimizer is not None else optimizer)
             if self._opt is None:
-                warnings.warn("OffloadCallback: the Trainer's optimizer is not an offload.Adam/AdamW; "
-                              "the callback does nothing", stacklevel=2)
+                warnings.warn("OffloadCallback: the Trainer's optimizer is not an offload optimizer (offload.Adam, "
+                              "AdamW, SGD, Adagrad or Lion); the callback does nothing", stacklevel=2)
                 return
             if _trainer_wraps_in_ddp(args):
                 self._opt.grads_already_averaged = True

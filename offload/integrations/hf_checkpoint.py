@@ -234,8 +234,8 @@ def streamed_accelerate_checkpoints(accelerator: Any, optimizer: Any) -> tuple:
 
     opt = offload_optimizer(optimizer)
     if opt is None or opt is not optimizer:
-        raise TypeError("streamed_accelerate_checkpoints needs the offload.Adam/AdamW itself, not "
-                        f"{type(optimizer).__name__}: keep it out of accelerator.prepare")
+        raise TypeError("streamed_accelerate_checkpoints needs the offload optimizer itself (offload.Adam, AdamW, "
+                        f"SGD, Adagrad or Lion), not {type(optimizer).__name__}: keep it out of accelerator.prepare")
     # A read of accelerate's list of prepared optimizers: the one place that says whether
     # save_state would torch.save this optimizer as well.
     if any(offload_optimizer(o) is opt for o in getattr(accelerator, "_optimizers", [])):

@@ -144,7 +144,8 @@ def attach(opt: Any, *, every: int = 1, path: "Optional[str | os.PathLike[str]]"
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ValueError(f"every must be an integer >= 0, got {every!r}")
     if not hasattr(opt, "register_step_post_hook") or not hasattr(opt, "step_stats"):
-        raise TypeError(f"attach needs an offload.Adam/AdamW, got {type(opt).__name__}")
+        raise TypeError("attach needs an offload optimizer (offload.Adam, AdamW, SGD, Adagrad or Lion), "
+                        f"got {type(opt).__name__}")
     log = logger or logging.getLogger("offload.report")
     writer = StepLogger(path, append=True) if path is not None else None
     count = [0]
