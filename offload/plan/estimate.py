@@ -46,8 +46,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from offload.kernels.fields import (ADAGRAD, ADAM, ADAM_AMSGRAD, LION, MASTER, SGD, SGD_PLAIN, bytes_per_element,
-                                   fields_bytes)
+from offload.kernels.fields import ADAM_AMSGRAD, MASTER, bytes_per_element, fields_bytes
 
 from .inputs import dtype_name, nonneg_bytes, parse_dtype, positive_rate, resolve_params, swap_dir_path
 from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, tests import it here)
@@ -61,8 +60,8 @@ from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, test
 )
 from .result import Plan
 from .stage3 import ShardOptions, check_options, place_stage3, release_device_grads
-from .states import (StatesLayout, check_compression, held_state_bytes, kernel_bytes_ratio, listed, param_numels,
-                     state_fields, state_notes)
+from .states import (OPTIMIZER_RULES, StatesLayout, check_compression, held_state_bytes, kernel_bytes_ratio, listed,
+                     param_numels, state_fields, state_notes)
 
 __all__ = [
     "Plan",
@@ -78,7 +77,7 @@ __all__ = [
 GiB = 1 << 30
 _OFFLOADS = ("none", "cpu", "nvme")
 # each optimizer's rule; K of the ZeRO paper: bytes per param of the fp32 master + its states (Adam: 12)
-_OPTIMIZERS = {"adam": ADAM, "adamw": ADAM, "sgd": SGD, "sgd_plain": SGD_PLAIN, "adagrad": ADAGRAD, "lion": LION}
+_OPTIMIZERS = OPTIMIZER_RULES
 
 Bytes = Dict[str, Dict[str, int]]  # tier -> component -> bytes per rank
 

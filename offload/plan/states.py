@@ -17,17 +17,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from offload.kernels.fields import ADAM, ADAM_AMSGRAD, RULES, STATE_DTYPES, Rule
+from offload.kernels.fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, SGD, SGD_PLAIN, STATE_DTYPES, Rule
 from offload.kernels.quant import BLOCK
 from offload.optim.host_state import MIN_COMPRESSED_NUMEL
 from offload.zero.partition import FlatLayout
 
 from .inputs import dtype_name
 
-__all__ = ["StatesLayout", "check_compression", "param_numels", "state_fields", "state_notes",
+__all__ = ["OPTIMIZER_RULES", "StatesLayout", "check_compression", "param_numels", "state_fields", "state_notes",
            "host_state_bytes", "held_state_bytes", "kernel_bytes_ratio", "listed"]
 
 _ADAM_BYTES = 28  # bytes Adam's fp32 step moves per element (reads + writes)
+# the planner's optimizer names (``estimate(optimizer=)``, ``offload plan --optimizer``) -> their rules
+OPTIMIZER_RULES = {"adam": ADAM, "adamw": ADAM, "sgd": SGD, "sgd_plain": SGD_PLAIN, "adagrad": ADAGRAD, "lion": LION}
 
 
 def kernel_bytes_ratio(s: Any) -> float:
@@ -53,8 +55,7 @@ class StatesLayout:
         """The optimizer's rule (Adam with ``amsgrad``: its third state max_exp_avg_sq), float32 states."""
         if getattr(self, "amsgrad", False):
             return ADAM_AMSGRAD
-        name = {"adamw": "adam"}.get(getattr(self, "optimizer", "adam"), getattr(self, "optimizer", "adam"))
-        return RULES.get(name, ADAM)
+        return OPTIMIZER_RULES.get(getattr(self, "optimizer", "adam"), ADAM)
 
     @property
     def rule(self) -> Rule:
