@@ -309,3 +309,30 @@ def test_non_contiguous_param_steps_as_its_contiguous_copy(state_dtype):
     for name in ("exp_avg", "exp_avg_sq"):
         a, b = opts[0].state[strided][name], opts[1].state[plain][name]
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_new_states_are_encoded_chunk_by_chunk(state_dtype, monkeypatch):
+    """A param's first step makes its compressed states without a float32 copy of each
+    (``state_codec.filled``, FILL_CHUNK elements at a time), with the bits of encoding the
+    whole float32 fill: sizes across chunk and block boundaries, zero and Adagrad's fill."""
+    from offload.optim import state_codec
+
+    monkeypatch.setattr(state_codec, "FILL_CHUNK", 4 * quant.BLOCK)
+    chunk = state_codec.FILL_CHUNK
+    for rule in (ADAM, offload.kernels.fields.ADAGRAD):
+        for field in rule.with_state_dtype(state_dtype).fields:
+            for n in (1, 255, 257, chunk - 1, chunk, chunk + 1, 3 * chunk + 300):
+                for value in (0.0, 0.1, 3.0):
+                    got = state_codec.filled(field, value, (n,))
+                    want = state_codec.from_torch_layout(field, torch.full((n,), value), (n,))
+                    assert got.dtype == want.dtype and torch.equal(got, want), (field.name, n, value)
+    asked = []
+    real_full = torch.full
+    p = torch.nn.Parameter(torch.randn(70001))
+    opt = offload.AdamW([p], lr=0.1, state_dtype=state_dtype)
+    p.grad = torch.randn(70001)
+    monkeypatch.setattr(state_codec.torch, "full", lambda size, *a, **k: asked.append(size) or real_full(size, *a, **k))
+    opt.step()
+    monkeypatch.undo()
+    assert asked and max(s[0] for s in asked) <= chunk, asked

@@ -26,7 +26,7 @@ from offload.optim.host_dtypes import (HOST_ONLY_DTYPES, as_param_layout, fill_v
 from offload.optim.context import StepContext
 from offload.optim.functional import rule_step
 from offload.optim.host_prepared import PreparedGroups
-from offload.optim.state_codec import from_torch_layout, is_stored_form, stored_nbytes, to_torch_layout
+from offload.optim.state_codec import filled, from_torch_layout, is_stored_form, stored_nbytes, to_torch_layout
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +120,8 @@ class HostState:
         if field.dtype == torch.float32:  # torch's own layout, as it always was
             return torch.full_like(p, fill_value(p, self._fill.get(field.name, 0.0)),
                                    memory_format=torch.preserve_format) if t is None else t
-        if t is None:
-            t = torch.full(p.shape, self._fill.get(field.name, 0.0), dtype=torch.float32)
+        if t is None:  # encoded chunk by chunk: no float32 copy of the state
+            return filled(field, self._fill.get(field.name, 0.0), p.shape)
         if is_stored_form(field, t, n) and (field.blocked or t.shape == p.shape):
             return t
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() == n:

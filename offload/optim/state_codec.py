@@ -28,7 +28,8 @@ import torch
 from offload.kernels import quant
 from offload.kernels.fields import StateField
 
-__all__ = ["STOCHASTIC_BF16_STATES", "to_torch_layout", "from_torch_layout", "is_stored_form", "stored_nbytes"]
+__all__ = ["STOCHASTIC_BF16_STATES", "to_torch_layout", "from_torch_layout", "filled", "is_stored_form",
+           "stored_nbytes"]
 
 STOCHASTIC_BF16_STATES = True
 """bf16 states round stochastically in a step (every store passes this as the kernels'
@@ -69,6 +70,26 @@ def from_torch_layout(field: StateField, values: torch.Tensor,
     if field.dtype == torch.bfloat16:
         return quant.round_bf16_nearest(flat).view(shape)  # quant's: the kernels' NaN bits
     return flat.to(field.dtype, copy=True).view(shape)
+
+
+FILL_CHUNK = quant.BLOCK * 4096  # elements encoded at a time by ``filled`` (4 MiB of float32)
+
+
+def filled(field: StateField, value: float, shape: Sequence[int]) -> torch.Tensor:
+    """A new state of ``shape`` holding ``value`` everywhere, in ``field``'s storage form: the
+    bits ``from_torch_layout`` gives a float32 tensor full of ``value``, encoded FILL_CHUNK
+    elements at a time (blocks and elements are encoded independently, and a chunk boundary
+    is a block boundary), so a param's first step does not hold a float32 copy of each state
+    (a 50M-element param with int8 states peaked 0.4 GiB above its stored states)."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    out = torch.empty(field.storage_numel(numel), dtype=field.storage_dtype)
+    for lo in range(0, numel, FILL_CHUNK):
+        enc = from_torch_layout(field, torch.full((min(FILL_CHUNK, numel - lo),), value)).reshape(-1)
+        start = lo // quant.BLOCK * quant.PACKED_BLOCK if field.blocked else lo
+        out[start:start + enc.numel()] = enc
+    return out if field.blocked else out.view(tuple(shape))
 
 
 def is_stored_form(field: StateField, t: object, numel: int) -> bool:
