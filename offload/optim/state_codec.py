@@ -86,7 +86,8 @@ def filled(field: StateField, value: float, shape: Sequence[int]) -> torch.Tenso
         numel *= int(d)
     out = torch.empty(field.storage_numel(numel), dtype=field.storage_dtype)
     for lo in range(0, numel, FILL_CHUNK):
-        enc = from_torch_layout(field, torch.full((min(FILL_CHUNK, numel - lo),), value)).reshape(-1)
+        chunk = torch.full((min(FILL_CHUNK, numel - lo),), value, dtype=torch.float32)
+        enc = from_torch_layout(field, chunk).reshape(-1)
         start = lo // quant.BLOCK * quant.PACKED_BLOCK if field.blocked else lo
         out[start:start + enc.numel()] = enc
     return out if field.blocked else out.view(tuple(shape))
