@@ -62,9 +62,8 @@ class PreparedGroups:
     def keep_slots(self, count: int) -> None:
         """Drop the batches of slots past ``count`` (groups removed from ``param_groups``):
         a kept batch holds its tensors' storages, and no step would reach it again."""
-        for kept in (self._kept, self._seen):
-            for slot in [s for s in kept if s >= count]:
-                del kept[slot]
+        for slot in [s for s in {*self._kept, *self._seen} if s >= count]:
+            self.forget(slot)
 
     def step(self, slot: int, backend_name: Optional[str], num_threads: Optional[int], state: Dict,
              hyper: Any, items: Sequence[Tuple[torch.Tensor, torch.Tensor, int]]) -> bool:
