@@ -61,9 +61,7 @@ def refresh_changed(st: "FlatState") -> None:
         if fg.master_lowp:  # a bf16 master: the param itself at one rank, else the rank's bf16 shard
             _own_master_from_param(fg, piece, p)
             continue
-        start = fg.layout.shard_range()[0]
-        lo, hi = piece.lo - start, piece.hi - start
-        src = p.detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
+        lo, hi, src = _piece_of(fg, piece, p)
         paging.load([src])  # params on NVMe ([Note: paged tensors] in offload/memory/paging.py)
         try:
             k = st._groups.index(fg) if fg.swapped else -1
@@ -93,13 +91,19 @@ def _own_master_from_param(fg, piece, p: torch.Tensor) -> None:
     the master, nothing to do)."""
     if fg.lowp_shard is None:
         return
-    start = fg.layout.shard_range()[0]
-    src = p.detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
+    lo, hi, src = _piece_of(fg, piece, p)
     paging.load([src])
     try:
-        fg.lowp_shard[piece.lo - start:piece.hi - start].copy_(src)
+        fg.lowp_shard[lo:hi].copy_(src)
     finally:
         paging.evict([src])
+
+
+def _piece_of(fg, piece, p: torch.Tensor):
+    """``piece``'s [lo, hi) in this rank's shard of ``fg``, and its elements of ``p``."""
+    start = fg.layout.shard_range()[0]
+    src = p.detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.numel]
+    return piece.lo - start, piece.hi - start, src
 
 
 def _merged(low: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
