@@ -131,7 +131,9 @@ class FlatState:
         if any(f.blocked for f in rule.fields):  # sub-groups cut states at whole blocks
             self._sub = -(-self._sub // BLOCK) * BLOCK
         self._comm_dev = comm.comm_device(process_group) if world > 1 else torch.device("cpu")
-        self._pools = (BufferPool(pin=False, name=f"flat-state:{id(self):x}"),
+        # Not prefaulted: the pool maps 64 MiB regions, and a small model's 24 MiB of states held
+        # the whole region resident (its buffers are written at once anyway: nothing to gain).
+        self._pools = (BufferPool(pin=False, prefault=False, name=f"flat-state:{id(self):x}"),
                        BufferPool(name=f"flat-state-pinned:{id(self):x}"))  # pinned when CUDA is present
         self._groups: List[FlatGroup] = []
         self._where: Dict[torch.Tensor, Tuple[FlatGroup, int]] = {}
