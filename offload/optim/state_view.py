@@ -65,6 +65,24 @@ class SwappedEntry(dict):
         else:
             super().__setitem__(key, value)
 
+    def _refuse_drop(self, key: Any, how: str) -> None:
+        # A store's state is not the dict's to drop: deleting a view (flat store) left the
+        # store's values in place and the next step put the view back (SGD went on with its
+        # old momentum where torch's restarts it); a swapped one is not in the dict at all.
+        if key in self._names and self._writer is not None:
+            raise NotImplementedError(
+                f"{how}: this optimizer keeps {key!r} in its store, not in opt.state, and cannot drop "
+                "one state of a param; `del opt.state[p]` starts all of p's states afresh as torch "
+                f"does, or assign opt.state[p][{key!r}] = torch.zeros_like(p) to zero this one")
+
+    def __delitem__(self, key: Any) -> None:
+        self._refuse_drop(key, f"del opt.state[p][{key!r}]")
+        super().__delitem__(key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self._refuse_drop(key, f"opt.state[p].pop({key!r})")
+        return super().pop(key, *default)
+
     def get(self, key: Any, default: Any = None) -> Any:
         try:
             return self[key]
@@ -233,4 +251,4 @@ def detach(opt: Any) -> None:
     for st in opt.state.values():
         for key in names:
             if isinstance(st, dict) and key in st:
-                del st[key]
+                dict.__delitem__(st, key)  # not SwappedEntry's refusal: the store drops its own views

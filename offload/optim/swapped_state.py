@@ -114,7 +114,10 @@ class SwappedState:
             raise ValueError(f"rule {rule.name!r} keeps no state per element: offload='nvme' would swap "
                              "nothing; use offload='none' or 'cpu'")
         if not self.params:
-            raise ValueError("SwappedState needs at least one param")
+            raise ValueError("offload='nvme' needs at least one param at construction (the swap files are laid "
+                             "out for the params given then, and add_param_group() is not supported with "
+                             "offload='nvme'): pass every param group, with its params, to the constructor, "
+                             "or use offload='cpu'")
         self._index = _check_params(self.params)
         self._offsets: List[int] = []
         # packed int8 states: each param starts on a block (its blocks its own, as in the host

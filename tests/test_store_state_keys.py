@@ -1,0 +1,59 @@
+"""What a user may do to ``opt.state[p]`` and ``param_groups`` when the states live in a store:
+refusals that name what to do instead, and no silent divergence from torch when one state of
+a param is deleted (the flat store ignored the delete and put its view back at the next step,
+so SGD went on with its old momentum where torch's restarts it; a swapped entry raised a bare
+KeyError)."""
+import pytest
+import torch
+
+import offload
+
+
+def test_nvme_with_only_empty_groups_says_what_to_do(tmp_path):
+    torch.optim.AdamW([{"params": []}])  # torch takes it
+    with pytest.raises(ValueError) as exc:
+        offload.AdamW([{"params": []}], offload="nvme", swap_dir=str(tmp_path))
+    msg = str(exc.value)
+    assert "SwappedState" not in msg and "offload='nvme'" in msg and "constructor" in msg
+
+
+def test_nvme_reordered_groups_message_says_reordered(tmp_path):
+    a, b = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(4))
+    opt = offload.AdamW([{"params": [a]}, {"params": [b]}], offload="nvme", swap_dir=str(tmp_path))
+    try:
+        opt.param_groups.reverse()
+        a.grad, b.grad = torch.ones(8), torch.ones(4)
+        with pytest.raises(RuntimeError, match="another order"):
+            opt.step()
+        opt.param_groups.reverse()
+        opt.step()  # back in order: steps
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("store", ["none", "cpu", "nvme"])
+def test_del_one_state_of_a_store_param_is_refused_not_ignored(store, tmp_path):
+    # bf16 params (flat store in RAM; swap files with "nvme"); fp32 with "nvme" (swap files)
+    for dtype in (torch.bfloat16, torch.float32):
+        if dtype == torch.float32 and store != "nvme":
+            continue  # host store: opt.state is torch's own dict, del works as in torch
+        p = torch.nn.Parameter(torch.randn(64).to(dtype))
+        kw = dict(offload=store, swap_dir=str(tmp_path / str(dtype))) if store == "nvme" else dict(offload=store)
+        if store == "nvme":
+            (tmp_path / str(dtype)).mkdir()
+        opt = offload.SGD([p], lr=0.1, momentum=0.9, **kw)
+        try:
+            p.grad = torch.ones(64, dtype=dtype)
+            opt.step()
+            before = opt.state_dict()["state"][0]["momentum_buffer"].clone()
+            with pytest.raises(NotImplementedError, match=r"del opt.state\[p\]"):
+                del opt.state[p]["momentum_buffer"]
+            with pytest.raises(NotImplementedError, match=r"del opt.state\[p\]"):
+                opt.state[p].pop("momentum_buffer")
+            assert torch.equal(opt.state[p]["momentum_buffer"].float(), before)  # nothing dropped
+            del opt.state[p]  # the whole entry: starts afresh, as torch's
+            p.grad = torch.full((64,), 2.0, dtype=dtype)
+            opt.step()
+            assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], torch.full((64,), 2.0))
+        finally:
+            opt.close()
