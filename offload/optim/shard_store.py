@@ -7,10 +7,21 @@ bf16 / fp16 ones, the swapped store for fp32 with ``offload="nvme"``) on each ra
 shards, wrapped to make the step's facts global: the grad norm for ``max_grad_norm`` is the
 all-reduced sum of squares of every rank's shard grads (as the stage-2 path's), and
 GradScaler's ``found_inf`` is agreed (max over ranks) so that every rank skips or none.
+
+[Note: a param without a grad] A unit's params of one dtype are one shard, stepped as one
+tensor with one step count. A param that got no grad on any rank while others of its shard
+did (a branch not taken, an expert no token was routed to, a layer never called) is stepped
+with a zero grad: weight decay and its moments still move it, where torch.optim skips a param
+whose ``.grad`` is None (and an unused param's moments, fed zeros, do not restart either).
+Exact per-param skipping would need per-param step counts inside a shard; what is done instead
+is to say so: the backward's final round (offload/shard/schedule.py) agrees, per param, whether
+any rank had a grad for it (flags the round carries anyway, no collective of its own), and the
+step warns once per param that had none while its shard was stepped.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -185,6 +196,7 @@ class Stage3Store:
         return g
 
     def step(self, batches):
+        _warn_params_without_grads(p for _, items in batches for p, _, _ in items)
         return self._inner.step(batches)
 
     def export_state(self, p):
@@ -201,3 +213,23 @@ class Stage3Store:
 
     def close(self, keep_swap: bool = False):
         return self._inner.close(keep_swap=keep_swap) if keep_swap else self._inner.close()
+
+
+def _warn_params_without_grads(shards) -> None:
+    """[Note: a param without a grad]: once per param; the flags start afresh for the next step."""
+    for p in shards:
+        flat = getattr(getattr(p, "_offload_shard", None), "flat", None)
+        if flat is None:
+            continue
+        anywhere, flat.grads_anywhere = flat.grads_anywhere, None
+        flat.grads_taken = [False] * len(flat.leaves)
+        for name, had in zip(flat.names, anywhere or ()):
+            if not had and name not in flat.warned_no_grad:
+                flat.warned_no_grad.add(name)
+                warnings.warn(f"offload.shard: {name!r} got no grad on any rank in this step, but other params "
+                              f"of its shard ({flat.where!r}) did: stage 3 steps a shard's params as one tensor, "
+                              "so it is stepped with a zero grad (weight decay and its moments still change it), "
+                              "where torch.optim skips a param whose .grad is None. If it is never used, freeze "
+                              "it (requires_grad_(False)) before offload.shard(); if it is used on some steps "
+                              "only, make its module a unit of its own (offload.shard(..., unit=...)). Said once "
+                              "per param", RuntimeWarning, stacklevel=2)

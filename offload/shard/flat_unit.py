@@ -107,6 +107,10 @@ class FlatParam:
 
     __reduce_ex__ = refuse_copy  # guards.py [Note: calls on a sharded model]
     _loading = False  # between load_state_dict's hooks (_load_hook)
+    # [Note: a param without a grad] in offload/optim/shard_store.py: per param, whether any rank
+    # had a grad for it, agreed at the last backward (``grads_taken``: this rank's, since the last
+    # step; ``warned_no_grad``: the names warned about)
+    grads_anywhere: Optional[List[bool]] = None
 
     def __init__(self, members: List[Tuple[nn.Parameter, List[Tuple[nn.Module, str]]]], *,
                  info: ShardInfo, holder: nn.Module, attr: str, names: List[str], tier: Any = None,
@@ -186,6 +190,7 @@ class FlatParam:
             for m, name in owners:
                 del m._parameters[name]
                 setattr(m, name, leaf)  # a plain attribute now (see the note)
+        self.grads_taken, self.warned_no_grad = [False] * len(self.leaves), set()  # see grads_anywhere
         self.free()
 
     def _label(self) -> str:

@@ -61,12 +61,14 @@ def _completed(handle: Any) -> bool:
 
 
 def _take_grads(flat: Any) -> List[Tuple[torch.Tensor, int, int]]:
-    """The views' grads as (flat grad, offset, numel), dropped from the views."""
+    """The views' grads as (flat grad, offset, numel), dropped from the views (and noted in
+    ``flat.grads_taken``: [Note: a param without a grad])."""
     out = []
-    for leaf, (o, n) in zip(flat.leaves, flat.slots):
+    for i, (leaf, (o, n)) in enumerate(zip(flat.leaves, flat.slots)):
         if leaf.grad is not None:
             out.append((leaf.grad.reshape(-1), o, n))
             leaf.grad = None
+            flat.grads_taken[i] = True
     return out
 
 
@@ -137,8 +139,12 @@ class GradReducer:
             self.pos += 1
 
     def local_flags(self) -> torch.Tensor:
-        """Per unit: 1 when this rank has grads for it (reduced already or waiting)."""
-        return torch.tensor([int(u.index in self.done or u.has_grads()) for u in self.units], dtype=torch.int64)
+        """Per unit: 1 when this rank has grads for it (reduced already or waiting); then per
+        param of every unit, in order: 1 when it had a grad since the last step."""
+        units = [int(u.index in self.done or u.has_grads()) for u in self.units]
+        leaves = [int(taken or leaf.grad is not None) for u in self.units for f in u.flats
+                  for taken, leaf in zip(f.grads_taken, f.leaves)]
+        return torch.tensor(units + leaves, dtype=torch.int64)
 
     def finish(self, anywhere: torch.Tensor, agreed: bool) -> None:
         """Reduce what is left (see the note), wait for every reduction, record the plan."""
@@ -150,6 +156,11 @@ class GradReducer:
                     self._reduce(self.units[i])
         self.pump(block=True)
         self.plan = list(self.order) if agreed else None
+        k = len(self.units)
+        for u in self.units:  # [Note: a param without a grad]: the ranks' agreed flags
+            for f in u.flats:
+                f.grads_anywhere = [bool(int(x)) for x in anywhere[k:k + len(f.leaves)]]
+                k += len(f.leaves)
 
     def _reduce(self, u: Any) -> None:
         self.done.add(u.index)

@@ -198,7 +198,7 @@ class ShardRuntime:
             self.schedule.release(u)
             return None
         self.in_forward = False
-        self.schedule.end(torch.zeros(len(self.units), dtype=torch.int64))
+        self.schedule.end(torch.zeros(self.schedule.nflags, dtype=torch.int64))
         if not outs:  # no backward will come
             self.schedule.release(u)
         return None
@@ -330,7 +330,7 @@ class ShardRuntime:
             if root.live:
                 self.schedule.release(root)
             sync = self.syncing()
-            flags = self.reducer.local_flags() if sync else torch.zeros(len(self.units), dtype=torch.int64)
+            flags = self.reducer.local_flags() if sync else torch.zeros(self.schedule.nflags, dtype=torch.int64)
             anywhere, agreed = self.schedule.end(flags, order_hash(self.reducer.order) if sync else 0)
             if sync:
                 self.reducer.finish(anywhere, agreed)

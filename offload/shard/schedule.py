@@ -109,6 +109,8 @@ class GatherSchedule:
         self.prefetch = prefetch
         self.budget, self.in_bytes = budget, in_bytes  # the live window's cap, in bytes or params
         self.cost = [unit_cost(u, in_bytes) for u in units]
+        # the final round's flags: one per unit, then one per param of every unit (grads.py)
+        self.nflags = len(units) + sum(len(f.leaves) for u in units for f in u.flats)
         self._horizons: Dict[Tuple[int, ...], List[int]] = {}
         self.warned = False
         self.peak_live_params = 0
@@ -263,7 +265,7 @@ class GatherSchedule:
 
     def _round(self, want: Optional[int], flags: Optional[torch.Tensor], extra_hash: int = 0) -> torch.Tensor:
         U, W = len(self.units), self.world
-        v = torch.zeros(1 + U + 2 * W + U, dtype=torch.int64)
+        v = torch.zeros(1 + U + 2 * W + self.nflags, dtype=torch.int64)
         if want is None:
             v[0] = 1
             v[1 + U + self.rank] = order_hash(self.seen)
