@@ -43,6 +43,23 @@ class Lion(RuleOptimizer):
     def rule_of(self, group: Dict[str, Any]) -> Rule:
         return LION
 
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Ours, or lion-pytorch's layout: its entries hold ``exp_avg`` and no ``"step"``
+        (counted here as one step taken, as a loaded SGD buffer is), and its groups no
+        ``maximize`` (False). lion-pytorch's ``decoupled_weight_decay=True`` (weight decay
+        divided by the initial lr) is not this update: refused before anything is loaded."""
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+            for g in state_dict.get("param_groups") or ():
+                if isinstance(g, dict) and g.get("decoupled_weight_decay"):
+                    raise ValueError("load_state_dict: a group with lion-pytorch's decoupled_weight_decay=True "
+                                     "(weight decay divided by the initial lr); offload.Lion decays by lr * "
+                                     "weight_decay: set the group's weight_decay to weight_decay / initial lr "
+                                     "and decoupled_weight_decay to False")
+            state = {k: (dict(st, step=st.get("step", 1.0)) if isinstance(st, dict) and "exp_avg" in st else st)
+                     for k, st in state_dict["state"].items()}
+            state_dict = dict(state_dict, state=state)
+        super().load_state_dict(state_dict)
+
     def group_hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
         beta1, beta2 = group["betas"]
         return dict(lr=to_float(group, "lr"), beta1=float(beta1), beta2=float(beta2),
