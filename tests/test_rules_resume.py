@@ -191,3 +191,36 @@ def test_sgd_without_state_and_a_bf16_master_saves_and_loads_its_steps(store, tm
     opt_a.close()
     opt_b.close()
     assert not list((tmp_path / "swap").rglob("*.bin"))  # (none with nvme: nothing to swap)
+
+
+def _sgd_plain_bf16_job(rank, world, where, swap_root):
+    """SGD without momentum over bf16 params that are their own master, stage 2: two steps."""
+    import os
+    kw = {}
+    if where == "nvme":
+        kw["swap_dir"] = os.path.join(swap_root, f"r{rank}")
+        os.makedirs(kw["swap_dir"])
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (3000, 5000)]
+    opt = offload.SGD(ps, lr=0.1, stage=2, master_dtype="bfloat16", offload=where, **kw)
+    try:
+        for s in range(2):
+            g = torch.Generator().manual_seed(s)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g).bfloat16()
+            opt.step()
+        return [p.detach().float().tolist() for p in ps]
+    finally:
+        opt.close()
+
+
+def test_two_ranks_sgd_without_state_over_bf16_masters_on_nvme_gathers_the_params(tmp_path):
+    """With nothing to swap, offload="nvme" steps in RAM as "cpu" does; its param sink was
+    built before that was decided, for the swapped step's gather after the commit, which the
+    RAM step never makes: on two ranks each rank's params kept the other rank's half unstepped."""
+    from _ranks import group
+    got = {where: group(2).run(_sgd_plain_bf16_job, where, str(tmp_path / where), timeout=180)
+           for where in ("cpu", "nvme")}
+    for rank in range(2):
+        assert got["nvme"][rank] == got["cpu"][rank], rank
+    assert got["cpu"][0] == got["cpu"][1]

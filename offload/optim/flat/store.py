@@ -152,8 +152,6 @@ class FlatState:
         self._grads.release = release_grads
         self._grads.release_bound = self.inflight * self.bucket_numel  # the planner's ([Note: release grads])
         self._nvme = config.offload == "nvme"
-        self._sink = ParamSink(self._streams, world=world, group=process_group, gather_per_bucket=not self._nvme,
-                               overlap=overlap)
         self._stash: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
         self._stepped: frozenset = frozenset()  # params with moments when a load began (reset_state)
         self._closed = False
@@ -161,6 +159,17 @@ class FlatState:
         self._swap_vote = None
         for group in param_groups:
             self.add_param_group(group)
+        self._settle_nvme(config, overlap)
+        param_sync.record(self)  # the masters are the params' values now
+        if reduce_in_backward is None:
+            reduce_in_backward = self.reduce_in_backward
+        self._backward_reduction: Optional[BackwardReducer] = None
+        if reduce_in_backward and self.world > 1 and self._groups:
+            self._backward_reduction = self._grads.reducer = self._backward_reducer()
+            self._hooks.extend(self._backward_reduction.register())
+
+    def _settle_nvme(self, config: Any, overlap: Callable[[], bool]) -> None:
+        """Whether the states go to swap files after all, then the param sink for that."""
         if self._nvme and self._groups and not any(fg.fields for fg in self._groups):
             # Nothing per element to swap (SGD without momentum over bf16 params that are their
             # own master): stepped in RAM as offload="cpu" does, as the host store does for fp32
@@ -170,15 +179,13 @@ class FlatState:
             self._nvme = False
             for fg in self._groups:
                 fg.swapped = False
+        # Built once nvme is settled: in RAM, several ranks gather each bucket as it is stepped;
+        # the swapped step gathers whole shards after its commit (gather_all), and a store that
+        # fell back to RAM above has no such commit (built before, it gathered nothing at all).
+        self._sink = ParamSink(self._streams, world=self.world, group=self.group, gather_per_bucket=not self._nvme,
+                               overlap=overlap)
         if self._nvme:
             swapped.open_swap(self, config)
-        param_sync.record(self)  # the masters are the params' values now
-        if reduce_in_backward is None:
-            reduce_in_backward = self.reduce_in_backward
-        self._backward_reduction: Optional[BackwardReducer] = None
-        if reduce_in_backward and self.world > 1 and self._groups:
-            self._backward_reduction = self._grads.reducer = self._backward_reducer()
-            self._hooks.extend(self._backward_reduction.register())
 
     def _backward_reducer(self) -> BackwardReducer:
         me = weakref.ref(self)  # hooks live on the params, which outlive us: never a strong ref
