@@ -31,6 +31,7 @@ from offload.optim.context import StepContext
 from offload.optim.context_attrs import ContextAttributes
 from offload.optim.functional import RuleHyper
 from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
+from offload.optim.held_loads import held_load, load_checkpoint_into
 from offload.optim.host_dtypes import host_params
 from offload.optim.host_state import HostState, nothing_to_swap
 from offload.optim.options import (check_compression, check_extras, check_group_keys, check_group_rule,
@@ -408,8 +409,11 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         nothing), and with ``offload="nvme"`` the loaded states go to the free swap slots and
         are committed once. Ends a failed state (see ``clear_failure``)."""
         self._check_open()
-        load_state_dict_into(self, state_dict, super().load_state_dict)
-        self._failure = None
+
+        def whole() -> None:
+            load_state_dict_into(self, state_dict, super(RuleOptimizer, self).load_state_dict)
+            self._failure = None
+        held_load(self, "load_state_dict()", whole)
         clear_execution_flags(type(self).__name__, self.param_groups)
 
     @contextlib.contextmanager
@@ -460,25 +464,9 @@ class RuleOptimizer(ContextAttributes, Optimizer):
 
     def load_checkpoint(self, directory: str) -> None:
         """States, steps and (as load_state_dict) the param_groups' hyperparameters; a
-        checkpoint of other groups is refused before anything is loaded."""
-        from offload.swap.ckpt_groups import apply_groups, checkpoint_groups
-        from offload.zero.checkpoint import reading_shards
-
-        self._check_open()
-        load = optional(self._store, "load_checkpoint")
-        if load is None:
-            raise NotImplementedError(
-                f"load_checkpoint is not available for this store ({type(self._store).__name__}); use opt.load_state_dict(torch.load(...))"
-            )
-        shards = getattr(self._store, "kind", "") == "flat"
-        groups = checkpoint_groups(directory, self.param_groups, shards=shards)
-        # per-rank shards: every rank directory's lock for the whole load (check, then copy)
-        with (reading_shards(directory) if shards else contextlib.nullcontext()):
-            load(directory)
-        if groups is not None:
-            apply_groups(self.param_groups, groups)
-        self._failure = None  # every state was replaced (step_guard [Note: failed steps])
-        attach_state_views(self)
+        checkpoint of other groups is refused before anything is loaded. A Ctrl-C waits
+        until the load is whole ([Note: loads hold Ctrl-C] in held_loads.py)."""
+        load_checkpoint_into(self, directory)
 
     def close(self, keep_swap: bool = False) -> None:
         """Release host buffers and remove swap files (also done at interpreter exit).
