@@ -18,6 +18,10 @@ faults). The data files have their crc32s in the manifest; the manifest itself (
 manifest without ``SEAL`` (an older release's) loads as it is; a reader of an older
 release ignores the key. The swap store's own manifest (``manifest.json``: which slot holds
 each sub-group, the step) is sealed the same way since it names the data a resume reads.
+A damaged seal *key* must not pass for "no seal": one flipped bit in ``"manifest_crc32"``
+made the manifest an older release's, unchecked, so a second damaged byte (a step count)
+loaded silently. No older release wrote a key that close to ``SEAL``, so a manifest without
+``SEAL`` but with such a key is refused as damaged.
 """
 from __future__ import annotations
 
@@ -80,10 +84,22 @@ SAVE_ADVICE = ("nothing was saved: a save reads the manifest it replaces (its ge
                "move the damaged checkpoint away or save into another directory")
 
 
+def _near_seal(key: Any) -> bool:
+    """``key`` is ``SEAL`` with a few characters changed (a damaged seal, not an older manifest)."""
+    return (isinstance(key, str) and len(key) == len(SEAL)
+            and sum(a != b for a, b in zip(key, SEAL)) <= 3)
+
+
 def unsealed(obj: Any, path: str, advice: str = LOAD_ADVICE) -> Any:
     """``obj`` (as ``read_json(path)`` read it) less its seal, checked; as it is without one
     (an older release's manifest). ``advice``: what the caller did not do, and what to do."""
-    if not isinstance(obj, dict) or SEAL not in obj:
+    if not isinstance(obj, dict):
+        return obj
+    if SEAL not in obj:
+        near = [k for k in obj if _near_seal(k)]
+        if near:
+            raise ValueError(f"{path}: the manifest has no {SEAL} but a key {near[0]!r} close to it: its seal "
+                             f"was damaged after it was written, so its content cannot be trusted; {advice}")
         return obj
     want, got = obj.pop(SEAL), _content_crc(obj)
     if want != got:
