@@ -277,5 +277,8 @@ class SwapPipeline:
                 gc.collect()
                 try:
                     self.pool.close()
-                except BufferError as exc:
-                    log.warning("swap pipeline buffers stay mapped: %s", exc)
+                except BufferError:
+                    # Nothing for the user to do (the pool's own text says to call close()
+                    # again): the regions go with the views' last reference, a failed
+                    # constructor's traceback, say, and with the process at the latest.
+                    log.info("swap pipeline buffers stay mapped until the views of them still alive go")
