@@ -416,8 +416,9 @@ class FlatState:
         try:
             for pool in self._pools:
                 pool.close()
-        except BufferError as exc:  # a caller still holds a view; the OS reclaims it at exit
-            log.warning("flat store: %s", exc)
+        except BufferError:  # a caller still holds a view: the region goes with its last one
+            log.warning("flat store closed while tensors viewing its host buffers are alive (opt.state[p] "
+                        "entries kept after close(), say): that memory stays mapped until they go")
 
 
 def _check_param(p: torch.Tensor) -> None:
