@@ -11,7 +11,7 @@ import argparse
 import math
 from typing import Callable, Optional, Union
 
-__all__ = ["byte_size", "count", "integer", "rate", "tolerance"]
+__all__ = ["byte_size", "checked", "count", "integer", "rate", "tolerance"]
 
 
 def _named(fn: Callable, name: str) -> Callable:
@@ -96,3 +96,16 @@ def tolerance() -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
         return v
     return _named(parse, "tolerance")
+
+
+def checked(validate: Callable[[str], object], name: str) -> Callable[[str], str]:
+    """The text as given, once ``validate(text)`` accepted it: the library's own check, so the
+    command accepts exactly what the API does, and a value it refuses is a usage error (exit
+    2, ``argument --option: why``) like every other bad option value, not exit 1 after parsing."""
+    def parse(text: str) -> str:
+        try:
+            validate(text)
+        except (TypeError, ValueError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return _named(parse, name)

@@ -164,8 +164,8 @@ def _checked_dir(args) -> str:
     from offload.io import probe_direct
 
     directory = os.path.abspath(args.dir)
-    if not os.path.isdir(directory):
-        raise OSError(2, "not a directory", directory)
+    if not os.path.isdir(directory):  # (an existing file, with errno 2, read as "No such file")
+        raise OSError(20 if os.path.exists(directory) else 2, "not a directory", directory)
     ok, why = probe_direct(directory)
     if args.direct and not ok:
         raise OSError(22, f"{why}; measure with --buffered instead", directory)
@@ -318,6 +318,7 @@ def sweep(args, extra: Optional[Dict[str, Callable[..., object]]] = None) -> Tup
                         pool.release(b)
         progress.close()
     except BaseException:
+        progress.abort()
         path = remove_data_file(f, path, args.keep)
         _close_pool_after_error(pool)
         raise

@@ -8,6 +8,7 @@ in one directory keep apart, and ``offload clean`` removes what a kill -9 left
 from __future__ import annotations
 
 import os
+import sys
 
 from .bench_io_output import Progress, _human
 
@@ -97,7 +98,8 @@ def remove_data_file(f, path: str, keep: bool) -> str:
     """Close the test file (its lock goes with it) and remove it, or with ``keep`` rename it
     to DATA_NAME; returns where it is now."""
     if keep and not os.path.exists(path):
-        print(f"offload bench-io: warning: {path} is gone (removed by another process?): nothing kept")
+        print(f"offload bench-io: warning: {path} is gone (removed by another process?): nothing kept",
+              file=sys.stderr)
     if keep and os.path.exists(path):
         kept = os.path.join(os.path.dirname(path), DATA_NAME)
         os.replace(path, kept)  # (while still locked: clean never sees it unlocked under the old name)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import stat
 import sys
 import time
 from typing import Dict, Sequence
@@ -76,6 +78,21 @@ def plot(rows: Sequence[dict], path: str) -> None:
     plt.close(fig)
 
 
+def probe_writable(path: str) -> None:
+    """Raise the OSError that writing ``path`` would raise, leaving nothing behind: a new file
+    is created and removed again, an existing one opened for appending (not truncated).
+    ``os.access`` is not enough: for root it says yes under /proc and /sys (which refuse the
+    file with ENOENT or EACCES) and it does not check the name's length (ENAMETOOLONG)."""
+    if os.path.exists(path):
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return  # a device or a pipe (/dev/stdout, a FIFO): an open could block, or be its reader's EOF
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC))
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    os.close(fd)
+    os.unlink(path)
+
+
 def check_outputs(args) -> None:
     """Refuse, before the sweep, an output file that could not be written after it: a sweep
     of a few GiB takes minutes, and its --json, --plot and --tune were lost to a typo."""
@@ -88,10 +105,10 @@ def check_outputs(args) -> None:
             raise OSError(errno.EISDIR, f"--{flag}: is a directory, expected a file name", path)
         if not os.path.isdir(parent):
             raise OSError(errno.ENOENT, f"--{flag}: no such directory", parent)
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise OSError(errno.EACCES, f"--{flag}: cannot create a file in directory", parent)
-        if os.path.exists(path) and not os.access(path, os.W_OK):
-            raise OSError(errno.EACCES, f"--{flag}: cannot write the file", path)
+        try:
+            probe_writable(path)
+        except OSError as exc:
+            raise OSError(exc.errno, f"--{flag}: cannot write the file ({exc.strerror})", path) from None
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -133,7 +150,10 @@ class Progress:
         bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
         text = f"[{bar}] {100 * frac:3.0f}% ETA {eta_s}  {self.label}"
         if self.tty:
-            self.stream.write("\r" + text[:150].ljust(150))
+            # One column short of the terminal's width: a longer line wraps, and "\r" then
+            # goes back to the start of its last row only, so each redraw scrolled a new line.
+            width = max(20, shutil.get_terminal_size((151, 24)).columns - 1)
+            self.stream.write("\r" + text[:width].ljust(width))
         else:
             self.stream.write(text + "\n")
         self.stream.flush()
@@ -142,5 +162,12 @@ class Progress:
         if self.tty:
             self.done = self.total
             self._draw(force=True)
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def abort(self) -> None:
+        """End the bar's line where the sweep stopped (Ctrl-C, SIGTERM, an error), so the
+        message that follows starts a line of its own instead of being glued to the bar."""
+        if self.tty:
             self.stream.write("\n")
             self.stream.flush()

@@ -207,8 +207,13 @@ def run(args) -> int:
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    from ._signals import sigterm_raises
+
     try:
-        return _run(args, cfg)
+        # SIGTERM removes the temporary swap directory, as Ctrl-C does: with SIGTERM's default
+        # action it stayed under --swap-dir, one level below where `offload clean` looks.
+        with sigterm_raises():
+            return _run(args, cfg)
     finally:
         torch.set_num_threads(threads_before)  # the demo may run in-process (tests)
 
@@ -235,9 +240,13 @@ def _check_writable_target(option: str, path: Optional[str]) -> None:
     if not os.path.isdir(parent):
         raise FileNotFoundError(2, f"{option}: the directory for this file does not exist; create it "
                                    "or name a file in an existing directory", path)
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(13, f"{option}: cannot write in this file's directory; name a file in a "
-                                  "writable directory", path)
+    from .bench_io_output import probe_writable
+
+    try:  # os.access says yes to root under /proc and /sys, and ignores a name too long
+        probe_writable(path)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{option}: cannot write this file ({exc.strerror}); name a file in a "
+                                 "writable directory", path) from None
 
 
 def _run(args, cfg) -> int:

@@ -70,6 +70,8 @@ def collect() -> Dict[str, Any]:
         isa = native_isa()
     except (RuntimeError, ValueError) as exc:  # no native library, or a bad OFFLOAD_ISA
         isa = f"unavailable ({exc})"
+    if isa is None:  # native_isa() says None without the library: the table printed "None"
+        isa = f"unavailable ({backends.get('native', {}).get('reason') or 'no native library'})"
     try:
         prefetch = get_backend("native").prefetch_setting()
     except (RuntimeError, ValueError) as exc:  # no native library, or a bad OFFLOAD_PREFETCH

@@ -12,11 +12,27 @@ import json
 import logging
 from typing import Any, Dict, Optional
 
-from ._args import byte_size, count, integer, rate
+from ._args import byte_size, checked, count, integer, rate
 
 __all__ = ["add_parser", "run"]
 
 log = logging.getLogger("offload.plan")
+
+
+def _dtype(text: str) -> None:
+    from offload.plan.inputs import parse_dtype
+    parse_dtype(text)
+
+
+def _optimizer(text: str) -> None:
+    from offload.plan.estimate import _OPTIMIZERS
+    if text.lower() not in _OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {text!r}; expected one of {', '.join(_OPTIMIZERS)}")
+
+
+def _device(text: str) -> None:
+    from offload.plan.estimate import _device_name
+    _device_name(text)
 
 
 def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
@@ -33,9 +49,9 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=integer(1), default=1, help="data-parallel ranks N_d (default 1)")
     p.add_argument("--stage", type=integer(0, 3), default=0,
                    help="ZeRO stage 0, 1, 2 or 3 (3: params partitioned, offload.shard) (default 0)")
-    p.add_argument("--offload", default="none",
+    p.add_argument("--offload", default="none", choices=("none", "cpu", "nvme"),
                    help="where the optimizer states live: none, cpu or nvme (default none)")
-    p.add_argument("--offload-params", default="none",
+    p.add_argument("--offload-params", default="none", choices=("none", "cpu", "nvme"),
                    help="stage 3: where this rank's param shards live: none (with the compute), cpu or nvme")
     p.add_argument("--unit-params", type=count(),
                    help="stage 3: params per fetch unit (default: one unit per layer with --model-config, "
@@ -51,9 +67,9 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
                         "--world-size and --k, and nothing else")
     p.add_argument("--k", type=integer(0), default=12,
                    help="K of --zero-table: optimizer bytes per param (default 12, mixed-precision Adam)")
-    p.add_argument("--param-dtype", default="bf16", help="fp32, bf16 or fp16 (default bf16)")
-    p.add_argument("--grad-dtype", default=None, help="default: the param dtype")
-    p.add_argument("--optimizer", default="adamw",
+    p.add_argument("--param-dtype", default="bf16", type=checked(_dtype, "dtype"), help="fp32, bf16 or fp16 (default bf16)")
+    p.add_argument("--grad-dtype", default=None, type=checked(_dtype, "dtype"), help="default: the param dtype")
+    p.add_argument("--optimizer", default="adamw", type=checked(_optimizer, "optimizer"),
                    help="adam, adamw, sgd (with momentum: a momentum_buffer), sgd_plain (without momentum: no "
                         "state), adagrad or lion (default adamw)")
     p.add_argument("--amsgrad", action="store_true",
@@ -62,7 +78,7 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
                    help="how the optimizer states are stored (the optimizers' state_dtype; default float32)")
     p.add_argument("--master-dtype", default=None, choices=("float32", "bfloat16"),
                    help="bfloat16: bf16 params are their own master, no fp32 copy (default: an fp32 master)")
-    p.add_argument("--param-device", default="cuda", help="where the params live: cuda or cpu (default cuda)")
+    p.add_argument("--param-device", default="cuda", type=checked(_device, "device"), help="where the params live: cuda or cpu (default cuda)")
     p.add_argument("--device-memory", type=byte_size(auto=True), help="memory per accelerator, e.g. 80GiB, or 'auto' (this machine's GPU 0)")
     p.add_argument("--host-memory", type=byte_size(auto=True), help="host memory per node, e.g. 512GiB, or 'auto' (this machine's MemTotal)")
     p.add_argument("--ranks-per-node", type=integer(1), default=None, help="ranks sharing a node (default min(N_d, 8))")
@@ -187,6 +203,13 @@ def _zero_table(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ._signals import sigterm_raises
+
+    with sigterm_raises():  # SIGTERM removes the disk probe's file (256 MiB in --swap-dir), as Ctrl-C does
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from offload.plan import cheapest_fitting, estimate
     from offload.plan.inputs import swap_dir_path
     from offload.plan.render import gib

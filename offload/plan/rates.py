@@ -224,13 +224,15 @@ class DiskProbe:
             self._bufs = [self._pool.acquire(chunk) for _ in range(buffers)]
             for b in self._bufs:  # fresh data, not zeros (some devices compress or skip zero pages)
                 t = b.tensor(torch.uint8)
-                t.copy_(torch.randint(0, 256, (chunk,), dtype=torch.uint8))
-                del t  # no view may outlive the buffer (the pool refuses to unmap otherwise)
+                try:
+                    t.copy_(torch.randint(0, 256, (chunk,), dtype=torch.uint8))
+                finally:
+                    del t  # no view may outlive the buffer (the pool refuses to unmap otherwise), Ctrl-C or not
             self._file = open_file(self.path, write=True, create=True, exclusive=True)
             self._file.preallocate(self.nbytes)
             self._pass("write")
         except BaseException:
-            self.close()
+            self._close(unwinding=True)
             raise
         self.source = (f"probe: {self._eng.name} engine, "
                        f"{'O_DIRECT' if self._file.direct else 'buffered (page cache may flatter reads)'}, "
@@ -253,6 +255,14 @@ class DiskProbe:
         return self._pass("read"), tw
 
     def close(self) -> None:
+        self._close(unwinding=False)
+
+    def _close(self, unwinding: bool) -> None:
+        """``unwinding``: an exception (Ctrl-C, SIGTERM, an I/O error) is on its way out, and
+        its traceback's frames may still hold views of the buffers (the requests of an
+        interrupted pass); the pool then refuses to unmap them, and its BufferError must not
+        replace the exception that says what happened (Ctrl-C was a BufferError traceback and
+        exit 1). The pool unmaps them when it is collected after the views."""
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -263,16 +273,21 @@ class DiskProbe:
         for b in self._bufs:
             self._pool.release(b)
         self._bufs = []
-        self._pool.close()
-        if self._eng is not None:
-            self._eng.close()
-            self._eng = None
+        try:
+            self._pool.close()
+        except BufferError:
+            if not unwinding:
+                raise
+        finally:
+            if self._eng is not None:
+                self._eng.close()
+                self._eng = None
 
     def __enter__(self) -> "DiskProbe":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self._close(unwinding=exc_type is not None)
 
 
 def probe_disk_rate(directory: str, *, nbytes: int = 256 << 20, chunk: int = 8 << 20) -> Tuple[Rate, Rate]:

@@ -60,14 +60,16 @@ _removing = False  # inside removing(): a propagating KeyboardInterrupt keeps no
 def terminating() -> bool:
     """True once this process received SIGTERM or is dying of an uncaught exception, and
     while a Ctrl-C's KeyboardInterrupt propagates (outside :func:`removing`): swap
-    directories are then kept (see the notes)."""
-    return _terminating or (isinstance(sys.exc_info()[1], KeyboardInterrupt) and not _removing)
+    directories are then kept (see the notes). Never inside :func:`removing`: its caller
+    removes the whole swap_dir next (a SIGTERM turned into an exception there, as by the
+    demo, must not log a directory "kept" that is removed a moment later)."""
+    return not _removing and (_terminating or isinstance(sys.exc_info()[1], KeyboardInterrupt))
 
 
 @contextlib.contextmanager
 def removing() -> Iterator[None]:
-    """Stores closed in the block remove their directories while a Ctrl-C propagates: for a
-    caller that removes the whole swap_dir next (the demo's temporary one)."""
+    """Stores closed in the block remove their directories while a Ctrl-C propagates, and
+    after a SIGTERM: for a caller that removes the whole swap_dir next (the demo's temporary one)."""
     global _removing
     before, _removing = _removing, True
     try:
@@ -218,7 +220,9 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
     if not isinstance(swap_dir, (str, os.PathLike)) or not os.fspath(swap_dir):
         raise ValueError(f"swap_dir must name a directory, got {swap_dir!r}")
     swap_dir = os.path.abspath(swap_dir)
-    if not os.path.isdir(swap_dir):
+    if not os.path.isdir(swap_dir):  # (ENOTDIR said "not a directory" of a path that is nothing)
+        if not os.path.lexists(swap_dir):
+            raise FileNotFoundError(_errno.ENOENT, "no such directory", swap_dir)
         raise NotADirectoryError(_errno.ENOTDIR, "not a directory", swap_dir)
     pattern = re.compile(r"^offload-[A-Za-z0-9_.-]+\.rank\d+$")
     out: Dict[str, List[Any]] = {"removed": [], "held": [], "skipped": []}
