@@ -83,6 +83,9 @@ OPTIONAL: Dict[str, str] = {
     "end_load": "() -> None: load_state_dict is over, done or failed: drop what before_load kept",
     "drop_released_grads": "() -> None: forget the grads backward released to the host (release_grads): "
                            "called by opt.zero_grad() and after each step()",
+    "commit_writes": "() -> None: commit the states written since the last step (write_state: an assigned "
+                     "opt.state[p][k], Adagrad's initial sum, a restarted param) with the step counts as they "
+                     "are; called before a step advances them ([Note: writes before the counts] in step_guard.py)",
     "resumed": "bool (a property): the states came from a swap directory a previous run left (resume=); "
                "the constructor's initial states then do not replace them",
 }

@@ -181,7 +181,15 @@ def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torc
     """Count the step (``ctx.steps``, the one place the counts live) and let the store apply
     it (``work``: per group, its AdamHyper and (param, grad) pairs); each work item carries
     its param's new count. Any failure restores the counts and, unless the store put
-    everything back, enters the failed state."""
+    everything back, enters the failed state.
+
+    [Note: writes before the counts] States written since the last step and not yet in the
+    swap files (write_state: Adagrad's initial ``sum``, an assigned ``opt.state[p][k]``, a
+    restarted param) are committed before the counts advance: that commit records the counts
+    with the states, and made inside the store's step (as it was) it paired the step's new
+    counts with the old states, so a kill -9 before the step's own commit left a manifest one
+    step ahead of its data, and resume=True went on from it (every Adagrad run's first step
+    with offload="nvme"; found by a failing-environment sweep, thirty-third session)."""
     steps = opt._ctx.steps
     batches: List[Any] = []
     before: List[Tuple[torch.Tensor, Any]] = []
@@ -193,10 +201,14 @@ def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torc
             from offload.optim.state_io import restart_cleared
 
             restart_cleared(opt, cleared)
-        undo, counts = steps.advance(p for p, _ in items)
-        before += undo
-        batches.append((hyper, [(p, g, n) for (p, g), n in zip(items, counts)]))
+    commit = optional(opt._store, "commit_writes")
     try:
+        if commit is not None:  # [Note: writes before the counts]
+            commit()
+        for hyper, items in work:
+            undo, counts = steps.advance(p for p, _ in items)
+            before += undo
+            batches.append((hyper, [(p, g, n) for (p, g), n in zip(items, counts)]))
         phases = dict(opt._store.step(batches))
     except BaseException as exc:
         # The states (swap files, or what the store put back) are at the previous step: so

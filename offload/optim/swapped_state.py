@@ -431,6 +431,7 @@ class SwappedState:
         """Write the cached sub-group changed by write_state() into its free slot and commit
         (the manifest flips only that sub-group; the step count does not advance)."""
         self.core.flush()
+    commit_writes = flush  # the protocol's name, called before the counts advance
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str, extra: Optional[Dict[str, Any]] = None) -> str:

@@ -363,6 +363,11 @@ class FlatState:
         param_sync.record(self)  # the params follow the loaded masters
 
     # ------------------------------------------------------------------ reports
+    def commit_writes(self) -> None:
+        """The protocol's: states written since the last step, committed with the counts as they are."""
+        if self._swap is not None:
+            self._swap.flush()  # (the metadata too where it changed since the last commit)
+
     def memory_report(self) -> Dict[str, int]:
         host = {"states": 0, "grads": 0, "lowp": 0}
         device = 0
