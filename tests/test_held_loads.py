@@ -53,8 +53,19 @@ def _sigint_at_copy(monkeypatch, at):
     monkeypatch.setattr(swapped_shards, "paged_copy", paged_copy)
 
 
-@pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
-                    reason="needs Python's default SIGINT handler")
+needs_default_sigint = pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
+                                          reason="needs Python's default SIGINT handler")
+
+
+def _go_on_equal(opt, ps, ref, ref_ps):
+    """The params equal now, and after two more steps of each on the same grads."""
+    assert all(torch.equal(a, b) for a, b in zip(ps, ref_ps))
+    _train(opt, ps, 2, 3)
+    _train(ref, ref_ps, 2, 3)
+    assert all(torch.equal(a, b) for a, b in zip(ps, ref_ps))
+
+
+@needs_default_sigint
 def test_a_ctrl_c_during_load_checkpoint_is_held_until_the_params_follow(setup, monkeypatch):
     ps, opt, ref_ps, ref, ck = setup
     _sigint_at_copy(monkeypatch, {2})
@@ -62,14 +73,10 @@ def test_a_ctrl_c_during_load_checkpoint_is_held_until_the_params_follow(setup, 
         opt.load_checkpoint(ck)
     monkeypatch.undo()
     assert opt.state_dict()["state"][0]["step"].item() == 2
-    assert all(torch.equal(a, b) for a, b in zip(ps, ref_ps))   # every param follows the loaded masters
-    _train(opt, ps, 2, 3)
-    _train(ref, ref_ps, 2, 3)
-    assert all(torch.equal(a, b) for a, b in zip(ps, ref_ps))
+    _go_on_equal(opt, ps, ref, ref_ps)  # every param follows the loaded masters
 
 
-@pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
-                    reason="needs Python's default SIGINT handler")
+@needs_default_sigint
 def test_a_second_ctrl_c_during_load_checkpoint_leaves_the_failed_state(setup, monkeypatch):
     ps, opt, ref_ps, ref, ck = setup
     _sigint_at_copy(monkeypatch, {2, 3})
@@ -78,15 +85,11 @@ def test_a_second_ctrl_c_during_load_checkpoint_leaves_the_failed_state(setup, m
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="load_checkpoint"):
         _train(opt, ps, 1, 3)
-    opt.load_checkpoint(ck)                                     # loading again ends it
-    assert all(torch.equal(a, b) for a, b in zip(ps, ref_ps))
-    _train(opt, ps, 2, 3)
-    _train(ref, ref_ps, 2, 3)
-    assert all(torch.equal(a, b) for a, b in zip(ps, ref_ps))
+    opt.load_checkpoint(ck)  # loading again ends it
+    _go_on_equal(opt, ps, ref, ref_ps)
 
 
-@pytest.mark.skipif(signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
-                    reason="needs Python's default SIGINT handler")
+@needs_default_sigint
 def test_a_ctrl_c_during_load_state_dict_is_held_until_the_load_is_whole(setup, monkeypatch):
     ps, opt, ref_ps, ref, ck = setup
     sd = ref.state_dict()
@@ -108,8 +111,5 @@ def test_a_ctrl_c_during_load_state_dict_is_held_until_the_load_is_whole(setup, 
     with pytest.raises(KeyboardInterrupt):
         opt.load_state_dict(sd)
     monkeypatch.undo()
-    assert all(torch.equal(a, b) for a, b in zip(ps, clean_ps))
-    _train(opt, ps, 2, 3)
-    _train(clean, clean_ps, 2, 3)
-    assert all(torch.equal(a, b) for a, b in zip(ps, clean_ps))
+    _go_on_equal(opt, ps, clean, clean_ps)
     clean.close()
