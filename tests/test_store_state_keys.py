@@ -57,3 +57,44 @@ def test_del_one_state_of_a_store_param_is_refused_not_ignored(store, tmp_path):
             assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], torch.full((64,), 2.0))
         finally:
             opt.close()
+
+
+@pytest.mark.parametrize("store", ["none", "cpu", "nvme"])
+def test_update_of_a_store_held_state_writes_the_store(store, tmp_path):
+    # dict's update and |= bypass __setitem__: the flat store's view was replaced in the dict
+    # and the store kept its values (the next step put the view back and went on from them)
+    for dtype in (torch.bfloat16, torch.float32):
+        if dtype == torch.float32 and store != "nvme":
+            continue  # host store: opt.state is torch's own dict
+        p = torch.nn.Parameter(torch.randn(64).to(dtype))
+        d = tmp_path / str(dtype)
+        d.mkdir()
+        kw = dict(offload=store, swap_dir=str(d)) if store == "nvme" else dict(offload=store)
+        opt = offload.SGD([p], lr=0.1, momentum=0.9, **kw)
+        try:
+            p.grad = torch.ones(64, dtype=dtype)
+            opt.step()
+            opt.state[p].update({"momentum_buffer": torch.zeros(64)})
+            assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], torch.zeros(64))
+            opt.state[p] |= {"momentum_buffer": torch.full((64,), 0.25)}
+            assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], torch.full((64,), 0.25))
+            assert torch.equal(opt.state[p].setdefault("momentum_buffer", torch.ones(64)).float().reshape(-1),
+                               torch.full((64,), 0.25))
+        finally:
+            opt.close()
+
+
+@pytest.mark.parametrize("store", ["none", "cpu"])
+def test_popitem_of_a_store_held_view_is_refused(store):
+    p = torch.nn.Parameter(torch.randn(64).bfloat16())
+    opt = offload.Adam([p], lr=0.1, offload=store)
+    try:
+        p.grad = torch.ones(64, dtype=torch.bfloat16)
+        opt.step()
+        last = next(reversed(opt.state[p].keys()))
+        assert last in ("exp_avg", "exp_avg_sq")
+        with pytest.raises(NotImplementedError, match=r"popitem"):
+            opt.state[p].popitem()
+        assert last in opt.state[p]
+    finally:
+        opt.close()

@@ -83,6 +83,32 @@ class SwappedEntry(dict):
         self._refuse_drop(key, f"opt.state[p].pop({key!r})")
         return super().pop(key, *default)
 
+    def popitem(self) -> Any:
+        if self:  # dict.popitem drops the last key: refused as a del of that key is
+            key = next(reversed(self.keys()))
+            self._refuse_drop(key, f"opt.state[p].popitem() (it drops {key!r})")
+        return super().popitem()
+
+    # dict's own update, |= and setdefault bypass __setitem__: an update of a store-held
+    # state replaced the view in the dict and left the store's values (the next step put the
+    # view back and went on from them)
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, other: Any) -> "SwappedEntry":
+        self.update(other)
+        return self
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self._names or self._writer is None:
+            return super().setdefault(key, default)
+        try:
+            return self[key]
+        except KeyError:
+            self[key] = default
+            return default
+
     def get(self, key: Any, default: Any = None) -> Any:
         try:
             return self[key]
