@@ -93,14 +93,15 @@ def check_params(opt: Any, args: Any, kwargs: Any) -> None:
     current = opt._all_params()
     same = len(current) == len(registered) and all(a is b for a, b in zip(current, registered))
     if not same:
+        kind = getattr(opt._store, "kind", "store")
         if len(current) == len(registered) and {id(p) for p in current} == {id(p) for p in registered}:
-            what = (f"the same {len(current)} params in another order (param groups or params within a group "
-                    "reordered): put them back in the order they were given")
-        else:
-            what = f"{len(registered)} registered, {len(current)} now"
+            raise RuntimeError(
+                f"{type(opt).__name__}: opt.param_groups holds the same {len(current)} params in another order "
+                f"(param groups or params within a group reordered); the {kind} store laid out its fp32 states "
+                "in the order they were given: put them back in that order")
         raise RuntimeError(
             f"{type(opt).__name__}: opt.param_groups no longer holds the params this optimizer was built "
-            f"with ({what}; the {getattr(opt._store, 'kind', 'store')} "
+            f"with ({len(registered)} registered, {len(current)} now; the {kind} "
             "store laid out its fp32 states for those): add new params with add_param_group(), or build a "
             "new optimizer for the new params")
 
