@@ -165,3 +165,25 @@ def test_the_maker_waits_for_a_probe_and_refuses_a_removed_lock(tmp_path, monkey
     monkeypatch.setattr(fsutil, "_flock_briefly", removed_first)
     with pytest.raises(FileNotFoundError, match="lock file was removed while this process took it"):
         fsutil.Lock(path)
+
+
+def test_clean_finds_a_killed_demo_run_inside_its_temporary_directory(tmp_path, capsys):
+    # offload demo keeps its states in a mkdtemp directory (offload-demo-XXXX) under the swap
+    # dir: a kill -9 left the run one level below where clean looked ("no swap directories")
+    import tempfile
+
+    demo = tempfile.mkdtemp(prefix="offload-demo-", dir=str(tmp_path))
+    path = _left(demo)
+    starting = tempfile.mkdtemp(prefix="offload-demo-", dir=str(tmp_path))  # a live demo before its run
+    assert main(["clean", "--dry-run", str(tmp_path)]) == 0
+    assert os.path.isdir(path)
+    assert main(["clean", str(tmp_path)]) == 0
+    assert path in capsys.readouterr().out
+    assert not os.path.exists(demo)  # emptied: gone with its run
+    assert os.path.isdir(starting)   # empty, but nothing was removed from it: left for its demo
+    live = SwapStore(starting, SwapLayout(5000, 2048, 2), state_names=["exp_avg", "exp_avg_sq"])
+    try:
+        assert main(["clean", str(tmp_path)]) == 0
+        assert os.path.isdir(live.path) and f"{live.path}" in capsys.readouterr().out  # held, named
+    finally:
+        live.close()

@@ -213,9 +213,6 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
     the private-directory checks (real directory, ours, mode 0700) and hold only regular
     files are touched: a directory with anything else in it is skipped whole."""
     import errno as _errno
-    import re
-
-    from offload.swap import fsutil
 
     if not isinstance(swap_dir, (str, os.PathLike)) or not os.fspath(swap_dir):
         raise ValueError(f"swap_dir must name a directory, got {swap_dir!r}")
@@ -224,8 +221,23 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
         if not os.path.lexists(swap_dir):
             raise FileNotFoundError(_errno.ENOENT, "no such directory", swap_dir)
         raise NotADirectoryError(_errno.ENOTDIR, "not a directory", swap_dir)
-    pattern = re.compile(r"^offload-[A-Za-z0-9_.-]+\.rank\d+$")
     out: Dict[str, List[Any]] = {"removed": [], "held": [], "skipped": []}
+    _clean_runs(swap_dir, dry_run, out)
+    _clean_demo_dirs(swap_dir, dry_run, out)
+    _clean_bench_files(swap_dir, dry_run, out)
+    return out
+
+
+_RUN_DIR = r"^offload-[A-Za-z0-9_.-]+\.rank\d+$"
+
+
+def _clean_runs(swap_dir: str, dry_run: bool, out: Dict[str, List[Any]]) -> None:
+    """The run directories of ``swap_dir`` whose lock is free (see clean_dir)."""
+    import re
+
+    from offload.swap import fsutil
+
+    pattern = re.compile(_RUN_DIR)
     for name in sorted(os.listdir(swap_dir)):
         if not pattern.match(name):
             continue
@@ -248,8 +260,32 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
         finally:
             if fd is not None:
                 os.close(fd)
-    _clean_bench_files(swap_dir, dry_run, out)
-    return out
+
+
+def _clean_demo_dirs(swap_dir: str, dry_run: bool, out: Dict[str, List[Any]]) -> None:
+    """``offload demo``'s temporary directories (``offload-demo-*``, mkdtemp's: ours, mode
+    0700) left by a killed demo (a kill -9: Ctrl-C and SIGTERM remove them): their run
+    directories as above, one level below where the scan of ``swap_dir`` looks."""
+    from offload.swap import fsutil
+
+    for name in sorted(os.listdir(swap_dir)):
+        path = os.path.join(swap_dir, name)
+        if not name.startswith("offload-demo-"):
+            continue
+        try:
+            fsutil.check_private_dir(path)
+        except OSError as exc:
+            out["skipped"].append((path, exc.strerror or str(exc)))
+            continue
+        before = len(out["removed"])
+        _clean_runs(path, dry_run, out)
+        # Removed only when a dead run was removed from it just now, and then only if empty: an
+        # empty one may be a live demo's that has not made its run directory yet.
+        if not dry_run and len(out["removed"]) > before:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
 
 
 def _clean_bench_files(directory: str, dry_run: bool, out: Dict[str, List[Any]]) -> None:
