@@ -160,6 +160,19 @@ def test_progress_bar_fits_the_terminal_and_a_stop_ends_its_line(monkeypatch):
     assert s.getvalue().endswith("\n")
 
 
+def test_demo_progress_bar_fits_the_terminal_and_clears_what_was_longer(monkeypatch):
+    from offload.cli import demo
+
+    s = _Tty()
+    monkeypatch.setattr(demo.sys, "stderr", s)
+    monkeypatch.setattr(demo, "_columns", lambda: 60)
+    p = demo.Progress(30, "offload")
+    p.update(1, "loss 5.5432 tok/s 12345.6 with a long tail of text to wrap the line")
+    p.update(2, "short")
+    drawn = [x for x in s.getvalue().split("\r") if x]
+    assert [len(x) for x in drawn] == [59, 59], drawn  # padded: the longer line's end is overwritten
+
+
 # -- 5. `offload info` without the native library ----------------------------------------------
 
 def test_info_without_the_native_library_does_not_print_none(monkeypatch):

@@ -86,6 +86,14 @@ def _fmt_count(n: int) -> str:
     return str(n)
 
 
+def _columns() -> int:
+    """The width of the terminal on stderr (80 where it cannot be told), at least 20."""
+    try:
+        return max(20, os.get_terminal_size(sys.stderr.fileno()).columns)
+    except (OSError, ValueError, AttributeError):
+        return 80
+
+
 class Progress:
     """A one-line progress bar on stderr; on a non-terminal, a line per ~10 % instead."""
 
@@ -105,6 +113,9 @@ class Progress:
         bar = "#" * filled + "." * (width - filled)
         line = f"{self.label} [{bar}] {done}/{self.total} {text} eta {eta:4.0f}s"
         if self.tty:
+            # cut and padded to one column short of the terminal: a longer line wraps and each
+            # "\r" redraw scrolled a new row; a shorter one left the end of the one before
+            line = line[:_columns() - 1].ljust(_columns() - 1)
             sys.stderr.write("\r" + line + ("\n" if done == self.total else ""))
             sys.stderr.flush()
         elif done == self.total or done == 1 or done - self._last_printed >= max(1, self.total // 10):
