@@ -31,20 +31,27 @@ def test_nvme_reordered_groups_message_says_reordered(tmp_path):
         opt.close()
 
 
-@pytest.mark.parametrize("store", ["none", "cpu", "nvme"])
-def test_del_one_state_of_a_store_param_is_refused_not_ignored(store, tmp_path):
-    # bf16 params (flat store in RAM; swap files with "nvme"); fp32 with "nvme" (swap files)
+def _stepped_sgd(store, tmp_path):
+    """(dtype, p, SGD with momentum over p, stepped once) for each store-held case: bf16
+    params (the flat store in RAM; swap files with "nvme") and fp32 ones with "nvme" (swap
+    files); fp32 in RAM is the host store, whose opt.state is torch's own dict."""
     for dtype in (torch.bfloat16, torch.float32):
         if dtype == torch.float32 and store != "nvme":
-            continue  # host store: opt.state is torch's own dict, del works as in torch
+            continue
         p = torch.nn.Parameter(torch.randn(64).to(dtype))
-        kw = dict(offload=store, swap_dir=str(tmp_path / str(dtype))) if store == "nvme" else dict(offload=store)
-        if store == "nvme":
-            (tmp_path / str(dtype)).mkdir()
+        d = tmp_path / str(dtype)
+        d.mkdir()
+        kw = dict(offload=store, swap_dir=str(d)) if store == "nvme" else dict(offload=store)
         opt = offload.SGD([p], lr=0.1, momentum=0.9, **kw)
+        p.grad = torch.ones(64, dtype=dtype)
+        opt.step()
+        yield dtype, p, opt
+
+
+@pytest.mark.parametrize("store", ["none", "cpu", "nvme"])
+def test_del_one_state_of_a_store_param_is_refused_not_ignored(store, tmp_path):
+    for dtype, p, opt in _stepped_sgd(store, tmp_path):
         try:
-            p.grad = torch.ones(64, dtype=dtype)
-            opt.step()
             before = opt.state_dict()["state"][0]["momentum_buffer"].clone()
             with pytest.raises(NotImplementedError, match=r"del opt.state\[p\]"):
                 del opt.state[p]["momentum_buffer"]
@@ -63,17 +70,8 @@ def test_del_one_state_of_a_store_param_is_refused_not_ignored(store, tmp_path):
 def test_update_of_a_store_held_state_writes_the_store(store, tmp_path):
     # dict's update and |= bypass __setitem__: the flat store's view was replaced in the dict
     # and the store kept its values (the next step put the view back and went on from them)
-    for dtype in (torch.bfloat16, torch.float32):
-        if dtype == torch.float32 and store != "nvme":
-            continue  # host store: opt.state is torch's own dict
-        p = torch.nn.Parameter(torch.randn(64).to(dtype))
-        d = tmp_path / str(dtype)
-        d.mkdir()
-        kw = dict(offload=store, swap_dir=str(d)) if store == "nvme" else dict(offload=store)
-        opt = offload.SGD([p], lr=0.1, momentum=0.9, **kw)
+    for dtype, p, opt in _stepped_sgd(store, tmp_path):
         try:
-            p.grad = torch.ones(64, dtype=dtype)
-            opt.step()
             opt.state[p].update({"momentum_buffer": torch.zeros(64)})
             assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], torch.zeros(64))
             opt.state[p] |= {"momentum_buffer": torch.full((64,), 0.25)}
