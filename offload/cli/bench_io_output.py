@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import sys
 import time
@@ -116,6 +115,20 @@ def check_outputs(args) -> None:
             raise RuntimeError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from None
 
 
+def terminal_columns(stream) -> int:
+    """The width of the terminal ``stream`` draws on (at least 20): ``COLUMNS`` when set, as
+    shutil's, else the stream's own terminal (not stdout's: with stdout redirected, shutil's
+    fallback drew 150 columns on an 80-column stderr), else 80."""
+    try:
+        return max(20, int(os.environ["COLUMNS"]))
+    except (KeyError, ValueError):
+        pass
+    try:
+        return max(20, os.get_terminal_size(stream.fileno()).columns)
+    except (OSError, ValueError, AttributeError):
+        return 80
+
+
 class Progress:
     """A progress bar with ETA on stderr (one line per step when stderr is not a terminal)."""
 
@@ -152,7 +165,7 @@ class Progress:
         if self.tty:
             # One column short of the terminal's width: a longer line wraps, and "\r" then
             # goes back to the start of its last row only, so each redraw scrolled a new line.
-            width = max(20, shutil.get_terminal_size((151, 24)).columns - 1)
+            width = terminal_columns(self.stream) - 1
             self.stream.write("\r" + text[:width].ljust(width))
         else:
             self.stream.write(text + "\n")

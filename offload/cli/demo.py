@@ -87,11 +87,9 @@ def _fmt_count(n: int) -> str:
 
 
 def _columns() -> int:
-    """The width of the terminal on stderr (80 where it cannot be told), at least 20."""
-    try:
-        return max(20, os.get_terminal_size(sys.stderr.fileno()).columns)
-    except (OSError, ValueError, AttributeError):
-        return 80
+    from .bench_io_output import terminal_columns
+
+    return terminal_columns(sys.stderr)
 
 
 class Progress:
@@ -115,7 +113,8 @@ class Progress:
         if self.tty:
             # cut and padded to one column short of the terminal: a longer line wraps and each
             # "\r" redraw scrolled a new row; a shorter one left the end of the one before
-            line = line[:_columns() - 1].ljust(_columns() - 1)
+            width = _columns() - 1
+            line = line[:width].ljust(width)
             sys.stderr.write("\r" + line + ("\n" if done == self.total else ""))
             sys.stderr.flush()
         elif done == self.total or done == 1 or done - self._last_printed >= max(1, self.total // 10):
