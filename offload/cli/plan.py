@@ -25,9 +25,9 @@ def _dtype(text: str) -> None:
 
 
 def _optimizer(text: str) -> None:
-    from offload.plan.estimate import _OPTIMIZERS
-    if text.lower() not in _OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {text!r}; expected one of {', '.join(_OPTIMIZERS)}")
+    from offload.plan.states import OPTIMIZER_RULES
+    if text.lower() not in OPTIMIZER_RULES:
+        raise ValueError(f"unknown optimizer {text!r}; expected one of {', '.join(OPTIMIZER_RULES)}")
 
 
 def _device(text: str) -> None:
