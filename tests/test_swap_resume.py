@@ -191,6 +191,18 @@ def test_truncated_slot_files_say_their_data_is_lost(tmp_path):
     clean_dir(str(tmp_path))
 
 
+def test_deleted_slot_file_says_its_data_is_lost(tmp_path):
+    _, manifest = _fp32_left(tmp_path)
+    d = os.path.dirname(manifest)
+    os.unlink(os.path.join(d, "slot1.bin"))
+    p = torch.randn(3000, requires_grad=True)
+    with pytest.raises(FileNotFoundError, match="swap file missing: the states of step 2 it held are lost") as e:
+        offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path), resume=True, **HP)
+    assert e.value.filename == os.path.join(d, "slot1.bin")
+    assert os.path.exists(manifest)  # the failed resume removed nothing: `offload clean` decides
+    clean_dir(str(tmp_path))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_truncated_while_running_says_the_data_is_lost(tmp_path, dtype):
     p = torch.randn(3000).to(dtype).requires_grad_(True)

@@ -168,7 +168,11 @@ class SwapStore:
                               f"slots of {need}) but the file system has {free} free", self.path)
         for name in SLOT_FILES:
             full = os.path.join(self.path, name)
-            f = open_file(full, write=True, create=create, exclusive=create, direct=direct, mode=0o600, nofollow=True)
+            try:
+                f = open_file(full, write=True, create=create, exclusive=create, direct=direct, mode=0o600,
+                              nofollow=True)
+            except FileNotFoundError if not create else ():  # deleted since the commit being resumed
+                raise FileNotFoundError(errno.ENOENT, self._lost_states("swap file missing"), full) from None
             self.files.append(f)
             if create:
                 try:
@@ -179,13 +183,15 @@ class SwapStore:
                                       f"({2 * need} needed for both slots)", self.path) from exc
                     raise
             elif f.size < need:
-                raise ValueError(f"{full}: swap file truncated to {f.size} of {need} bytes: the states of step "
-                                 f"{self.step} it held are lost, nothing to resume; load a checkpoint into a new run, "
-                                 f"or `offload clean {self.parent}` and start again")
+                raise ValueError(f"{full}: " + self._lost_states(f"swap file truncated to {f.size} of {need} bytes"))
         if direct is None and not all(f.direct for f in self.files):
             warnings.warn(f"swap directory {self.path} does not support O_DIRECT (tmpfs?): using buffered I/O "
                           "with fdatasync at the end of each step; the page cache will hold a copy of the states",
                           RuntimeWarning, stacklevel=4)
+
+    def _lost_states(self, what: str) -> str:
+        return (f"{what}: the states of step {self.step} it held are lost, nothing to resume; load a checkpoint "
+                f"into a new run, or `offload clean {self.parent}` and start again")
 
     def _load_manifest(self, path: str) -> None:
         try:
@@ -420,15 +426,7 @@ class SwapStore:
 
     def _abandon(self) -> None:
         """Undo a failed open: remove what we created, release what we hold."""
-        for f in self.files:
-            try:
-                f.close()
-            except OSError:
-                pass
-        self.files = []
-        if self._owns_engine and self.engine is not None:
-            self.engine.close()
-        self.engine = None
+        self._close_files()
         if self._lock is not None and self._lock.fd >= 0:
             if getattr(self, "_created", False):
                 try:
@@ -454,15 +452,7 @@ class SwapStore:
             from offload.memory import default_accounting
 
             default_accounting().clear_owner(self._acct_owner)
-        for f in self.files:
-            try:
-                f.close()
-            except OSError as exc:
-                log.warning("closing %s: %s", f.path, exc)
-        self.files = []
-        if self._owns_engine and self.engine is not None:
-            self.engine.close()
-        self.engine = None
+        self._close_files()
         if self._lock is not None:
             try:
                 if remove and cleanup.terminating():
@@ -472,6 +462,17 @@ class SwapStore:
                     self._remove_dir()
             finally:
                 self._lock.release()  # a directory we could not remove must not stay locked by a closed store
+
+    def _close_files(self) -> None:
+        for f in self.files:
+            try:
+                f.close()
+            except OSError as exc:
+                log.warning("closing %s: %s", f.path, exc)
+        self.files = []
+        if self._owns_engine and self.engine is not None:
+            self.engine.close()
+        self.engine = None
 
     def _remove_dir(self) -> None:
         try:
