@@ -119,6 +119,23 @@ def test_failed_deferred_write_raises_at_flush(tmp_path):
     t.close()
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_short_write_raises(tmp_path, defer):
+    # an engine that reports fewer bytes written than asked: the tier ignored the count and
+    # dropped the pages as if they were on disk
+    faulty = []
+    t = _tier(tmp_path, lambda e: faulty.append(FaultyEngine(e, op="write", fail_at=1, mode="short")) or faulty[0])
+    t.defer_stores = defer
+    try:
+        a = t.area(2 * PAGE, torch.float32)  # eight pages
+        with pytest.raises(OSError, match="short write: 28672 of 32768 bytes at offset 0") as e:
+            _write(t, a, torch.ones(2 * PAGE))
+            t.flush()
+        assert e.value.filename.endswith("areas.bin")
+    finally:
+        t.close()
+
+
 def test_evict_widens_over_pages_on_disk_within_its_huge_pages(tmp_path):
     # a fault in a huge-page area brings the whole huge page in: evict drops its on-disk part
     # too, never a page in memory ([Note: huge pages for areas])

@@ -219,10 +219,10 @@ class ParamTier:
         done: List[_Area] = []
         err: Optional[BaseException] = None
         while self._writes and (upto > 0 or self._engine.poll(self._writes[0][3])):
-            a, _q0, _q1, ticket = self._writes.pop(0)
+            a, q0, q1, ticket = self._writes.pop(0)
             upto -= 1
             try:
-                self._engine.wait(ticket)
+                self._check_written(a, q0, q1, self._engine.wait(ticket))
             except BaseException as exc:  # the others still retire (no buffer left in the kernel's hands)
                 err = err or exc
             done.append(a)
@@ -286,6 +286,13 @@ class ParamTier:
                 raise OSError(errno.EIO, f"short read: {n} of {(q1 - q0) * PAGE} bytes at offset "
                               f"{a.offset + q0 * PAGE} (the file was truncated while in use?)",
                               os.path.join(self.path, "areas.bin"))
+
+    def _check_written(self, a: _Area, q0: int, q1: int, done: List[int]) -> None:
+        """The engines resubmit a short write and raise on an error, so fewer bytes than asked
+        should not come back; if they do, the pages dropped after this write would read stale."""
+        if list(done) != [(q1 - q0) * PAGE]:
+            raise OSError(errno.EIO, f"short write: {sum(done)} of {(q1 - q0) * PAGE} bytes at offset "
+                          f"{a.offset + q0 * PAGE}", os.path.join(self.path, "areas.bin"))
 
     # ------------------------------------------------------------------ the pager ([Note: paged tensors])
     def load(self, ranges: List[Tuple[int, int]]) -> None:
