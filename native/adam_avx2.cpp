@@ -185,14 +185,12 @@ inline void sumsq_tail(const void *g, int64_t begin, int64_t end, __m256 &a, __m
     sumsq_step<G>(buf, 0, a, b);
 }
 
-inline double hsum(__m256d s) {
-    alignas(32) double lanes[4];
-    _mm256_store_pd(lanes, s);
-    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-}
+#include "sumsq_m256.h"
 
-// The exact path: every element converted to double before its FMA. Only for blocks the
-// fp32 path cannot take (see the note); kept out of line so the hot loop stays small.
+// The exact path: every element converted to double before its FMA (exact products), in
+// the one order of every unit: element begin + j into double lane j % 8 (a0 holds lanes
+// 0-3, a1 lanes 4-7), joined by sumsq_dtotal. Only for blocks the fp32 path cannot take
+// (see the note); kept out of line so the hot loop stays small.
 template <int G>
 __attribute__((noinline)) double sumsq_f64(const void *g, int64_t begin, int64_t end) {
     __m256d a0 = _mm256_setzero_pd(), a1 = a0;
@@ -211,7 +209,7 @@ __attribute__((noinline)) double sumsq_f64(const void *g, int64_t begin, int64_t
         a0 = _mm256_fmadd_pd(lo, lo, a0);
         a1 = _mm256_fmadd_pd(hi, hi, a1);
     }
-    return hsum(_mm256_add_pd(a0, a1));
+    return sumsq_dtotal(a0, a1);
 }
 
 // The shared driver's primitives (see sumsq_blocks.h).
@@ -220,11 +218,11 @@ inline void sumsq_full(const void *g, int64_t i, __m256 &a, __m256 &b) {
     sumsq_step<G>(g, i, a, b);
 }
 
-inline bool lanes_all_below(__m256 t, __m256 limit) {
-    return _mm256_movemask_ps(_mm256_cmp_ps(t, limit, _CMP_LT_OQ)) == 0xFF;
+inline bool lanes_all_below(__m256 t, float limit) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(t, _mm256_set1_ps(limit), _CMP_LT_OQ)) == 0xFF;
 }
-inline bool lanes_none_at_least(__m256 t, __m256 limit) {
-    return _mm256_movemask_ps(_mm256_cmp_ps(t, limit, _CMP_GE_OQ)) == 0;
+inline bool lanes_none_at_least(__m256 t, float limit) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(t, _mm256_set1_ps(limit), _CMP_GE_OQ)) == 0;
 }
 
 #include "sumsq_blocks.h"

@@ -120,19 +120,22 @@ inline __mmask16 tail_mask(int64_t left) {
     return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1u);
 }
 
-// The exact path: every element converted to double before its FMA. Only for blocks the
-// fp32 path cannot take (see the note); kept out of line so the hot loop stays small.
+#include "sumsq_m256.h"
+
+// The exact path in the one order of every unit (adam_avx2.cpp's): element begin + j into
+// double lane j % 8, then the low and high halves added and joined by sumsq_dtotal. Eight
+// elements a step, not sixteen: sixteen double lanes would be another order, and these
+// blocks are rare. Only for blocks the fp32 path cannot take (see the note); kept out of
+// line so the hot loop stays small.
 template <int G>
 __attribute__((noinline)) double sumsq_f64(const void *g, int64_t begin, int64_t end) {
-    __m512d a0 = _mm512_setzero_pd(), a1 = a0;
-    for (int64_t i = begin; i < end; i += 16) {
-        __m512 x = load_grad<G, true>(g, i, tail_mask(end - i));
-        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-        __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-        a0 = _mm512_fmadd_pd(lo, lo, a0);
-        a1 = _mm512_fmadd_pd(hi, hi, a1);
+    __m512d a = _mm512_setzero_pd();
+    for (int64_t i = begin; i < end; i += 8) {
+        __mmask16 k = tail_mask(end - i > 8 ? 8 : end - i);
+        __m512d x = _mm512_cvtps_pd(_mm512_castps512_ps256(load_grad<G, true>(g, i, k)));
+        a = _mm512_fmadd_pd(x, x, a);
     }
-    return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+    return sumsq_dtotal(_mm512_castpd512_pd256(a), _mm512_extractf64x4_pd(a, 1));
 }
 
 // The shared driver's primitives (see sumsq_blocks.h).
@@ -146,8 +149,12 @@ inline void sumsq_tail(const void *g, int64_t i, int64_t end, __m256 &a, __m256 
     sumsq_step<G, true>(g, i, tail_mask(end - i), a, b);
 }
 
-inline bool lanes_all_below(__m256 t, __m256 limit) { return _mm256_cmp_ps_mask(t, limit, _CMP_LT_OQ) == 0xFF; }
-inline bool lanes_none_at_least(__m256 t, __m256 limit) { return _mm256_cmp_ps_mask(t, limit, _CMP_GE_OQ) == 0; }
+inline bool lanes_all_below(__m256 t, float limit) {
+    return _mm256_cmp_ps_mask(t, _mm256_set1_ps(limit), _CMP_LT_OQ) == 0xFF;
+}
+inline bool lanes_none_at_least(__m256 t, float limit) {
+    return _mm256_cmp_ps_mask(t, _mm256_set1_ps(limit), _CMP_GE_OQ) == 0;
+}
 
 #include "sumsq_blocks.h"
 

@@ -94,21 +94,81 @@ inline void vfence() {}
 
 #include "rule_loop.h"
 
-template <int G>
-double sumsq_loop(const void *g, int64_t begin, int64_t end) {
-    double acc[4] = {0.0, 0.0, 0.0, 0.0};
-    int64_t i = begin;
-    for (; i + 4 <= end; i += 4)
-        for (int k = 0; k < 4; ++k) {
-            double x = load_grad<G>(g, i + k);
-            acc[k] += x * x;
-        }
-    for (; i < end; ++i) {
-        double x = load_grad<G>(g, i);
-        acc[0] += x * x;
-    }
-    return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+// ---- sum of squares: the SIMD units' blocked fp32 sum (sumsq_blocks.h, [Note: sumsq in
+// fp32 blocks] in unit_dispatch.h) with lanes as arrays and each FMA a std::fmaf (one fp32
+// rounding, as vfmadd; glibc's is exact without FMA hardware too): the same bits as the
+// AVX2 and AVX-512 units. A double add then a cast to float would round twice.
+struct SumsqF {
+    float v[8];
+};
+struct SumsqD {
+    double v[4];
+};
+
+inline SumsqF sumsq_zero() { return SumsqF{}; }
+inline SumsqF sumsq_add(SumsqF a, SumsqF b) {
+    for (int l = 0; l < 8; ++l) a.v[l] += b.v[l];
+    return a;
 }
+inline SumsqD sumsq_dzero() { return SumsqD{}; }
+inline void sumsq_widen_add(SumsqF t, SumsqD &d0, SumsqD &d1) {
+    for (int l = 0; l < 4; ++l) {
+        d0.v[l] += static_cast<double>(t.v[l]);
+        d1.v[l] += static_cast<double>(t.v[4 + l]);
+    }
+}
+inline double sumsq_dtotal(SumsqD d0, SumsqD d1) {
+    double l[4];
+    for (int k = 0; k < 4; ++k) l[k] = d0.v[k] + d1.v[k];
+    return (l[0] + l[1]) + (l[2] + l[3]);
+}
+inline bool lanes_all_below(SumsqF t, float limit) {
+    bool all = true;
+    for (int l = 0; l < 8; ++l) all = all && t.v[l] < limit;  // false for NaN, as _CMP_LT_OQ
+    return all;
+}
+inline bool lanes_none_at_least(SumsqF t, float limit) {
+    bool none = true;
+    for (int l = 0; l < 8; ++l) none = none && !(t.v[l] >= limit);
+    return none;
+}
+
+// elements i .. i + len - 1 (len <= 16) into the lanes of sumsq_blocks.h's sumsq_full
+template <int G>
+inline void sumsq_lanes(const void *g, int64_t i, int64_t len, SumsqF &a, SumsqF &b) {
+    for (int64_t m = 0; m < len; ++m) {
+        float x = load_grad<G>(g, i + m);
+        // bf16: a takes the even elements, b the odd ones; otherwise a the first 8
+        int64_t lane = G == OFFLOAD_BF16 ? m / 2 : m % 8;
+        bool in_b = G == OFFLOAD_BF16 ? (m % 2 == 1) : (m >= 8);
+        float &acc = in_b ? b.v[lane] : a.v[lane];
+        acc = std::fmaf(x, x, acc);
+    }
+}
+template <int G>
+inline void sumsq_full(const void *g, int64_t i, SumsqF &a, SumsqF &b) {
+    sumsq_lanes<G>(g, i, 16, a, b);
+}
+// A missing element adds 0 * 0 in the SIMD units: fma(0, 0, acc) is acc, so it is skipped.
+template <int G>
+inline void sumsq_tail(const void *g, int64_t i, int64_t end, SumsqF &a, SumsqF &b) {
+    sumsq_lanes<G>(g, i, end - i, a, b);
+}
+
+// The exact path in the SIMD units' order: element begin + j into double lane j % 8
+// (products of floats are exact in double, so a multiply and an add are their FMA).
+template <int G>
+double sumsq_f64(const void *g, int64_t begin, int64_t end) {
+    SumsqD d0 = sumsq_dzero(), d1 = d0;
+    for (int64_t j = 0; j < end - begin; ++j) {
+        double x = load_grad<G>(g, begin + j);
+        double &acc = j % 8 < 4 ? d0.v[j % 4] : d1.v[j % 4];
+        acc += x * x;
+    }
+    return sumsq_dtotal(d0, d1);
+}
+
+#include "sumsq_blocks.h"
 
 // ---- compressed states: the scheme one element at a time (quant_scalar.h), the fused
 // tiles of compressed_tile.h around the loops above.

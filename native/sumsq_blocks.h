@@ -1,53 +1,61 @@
-// The blocked fp32 sum of squares shared by the SIMD units (see [Note: sumsq in fp32
-// blocks] in unit_dispatch.h): streams, sub-blocks, the fold into double and the recompute
-// of blocks the fp32 path cannot take.
+// The blocked fp32 sum of squares of every unit (see [Note: sumsq in fp32 blocks] in
+// unit_dispatch.h): streams, sub-blocks, the fold into double and the recompute of blocks
+// the fp32 path cannot take.
 //
 // Include it *inside* a unit's anonymous namespace, after the unit has defined, with its
-// own instruction set:
-//   template <int G> void sumsq_full(const void *g, int64_t i, __m256 &a, __m256 &b);
-//       squares of the 16 elements at i into two fp32 accumulators
-//   template <int G> void sumsq_tail(const void *g, int64_t i, int64_t end, __m256 &a, __m256 &b);
+// own instruction set (sumsq_m256.h does it for the AVX units, adam_scalar.cpp with arrays):
+//   SumsqF: 8 fp32 lanes;  SumsqD: 4 double lanes
+//   SumsqF sumsq_zero();   SumsqF sumsq_add(SumsqF, SumsqF);   (lane-wise fp32 add)
+//   template <int G> void sumsq_full(const void *g, int64_t i, SumsqF &a, SumsqF &b);
+//       fp32 FMAs of the squares of the 16 elements at i into a and b: lane l of a takes
+//       element i + l and lane l of b element i + 8 + l (fp32, fp16), or i + 2l and i + 2l + 1
+//       (bf16, split without widening); the join below adds a and b first, so either way
+//       lane l sums the same two elements
+//   template <int G> void sumsq_tail(const void *g, int64_t i, int64_t end, SumsqF &a, SumsqF &b);
 //       the same for the end - i < 16 elements at i (the rest read as zeros)
-//   bool lanes_all_below(__m256 t, __m256 limit);   bool lanes_none_at_least(__m256 t, __m256 limit);
-//   template <int G> double sumsq_f64(const void *g, int64_t begin, int64_t end);   the exact path
+//   bool lanes_all_below(SumsqF t, float limit);  bool lanes_none_at_least(SumsqF t, float limit);
+//   SumsqD sumsq_dzero();  void sumsq_widen_add(SumsqF t, SumsqD &d0, SumsqD &d1);
+//       d0 += lanes 0-3 of t, d1 += lanes 4-7, each converted to double
+//   double sumsq_dtotal(SumsqD d0, SumsqD d1);   ((l0 + l1) + (l2 + l3)) of l = d0 + d1
+//   template <int G> double sumsq_f64(const void *g, int64_t begin, int64_t end);
+//       the exact path, in the one order of [Note: sumsq in fp32 blocks]
 // Each unit thus compiles its own copy with its own flags (nothing leaks across units, see
 // kernel.h) while the cuts, lanes and folds, which decide the bits of the result, are
-// written once: the units return the same bits.
+// written once: the units return the same bits (and offload/kernels/_numba_sumsq.py
+// follows this file line by line).
 
 template <int G>
-inline __m256 sumsq_group(const void *g, int64_t s, int64_t stride) {
+inline SumsqF sumsq_group(const void *g, int64_t s, int64_t stride) {
     // kSumsqStreams sub-blocks of kSumsqSub elements at s + k * stride, read side by side
     static_assert(kSumsqStreams == 4, "the sum below joins 8 accumulators");
-    __m256 a[2 * kSumsqStreams];
-    for (int k = 0; k < 2 * kSumsqStreams; ++k) a[k] = _mm256_setzero_ps();
+    SumsqF a[2 * kSumsqStreams];
+    for (int k = 0; k < 2 * kSumsqStreams; ++k) a[k] = sumsq_zero();
     for (int64_t i = 0; i < kSumsqSub; i += 16)
         for (int k = 0; k < kSumsqStreams; ++k)
             sumsq_full<G>(g, s + k * stride + i, a[2 * k], a[2 * k + 1]);
-    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
-                         _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7])));
+    return sumsq_add(sumsq_add(sumsq_add(a[0], a[1]), sumsq_add(a[2], a[3])),
+                     sumsq_add(sumsq_add(a[4], a[5]), sumsq_add(a[6], a[7])));
 }
 
 template <int G>
-inline __m256 sumsq_part(const void *g, int64_t s, int64_t e) {
+inline SumsqF sumsq_part(const void *g, int64_t s, int64_t e) {
     // [s, e), e - s <= kSumsqSub: the part the streams leave over
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    SumsqF a0 = sumsq_zero(), a1 = a0;
     int64_t i = s;
     for (; i + 16 <= e; i += 16) sumsq_full<G>(g, i, a0, a1);
     if (i < e) sumsq_tail<G>(g, i, e, a0, a1);
-    return _mm256_add_ps(a0, a1);
+    return sumsq_add(a0, a1);
 }
 
 // Adds a block's fp32 sum t into the double accumulators; false (nothing added) when the
 // block must be redone in double: t not finite, or (fp32/bf16) below kSumsqTiny.
 template <int G>
-inline bool sumsq_fold(__m256 t, __m256d &d0, __m256d &d1) {
-    const __m256 inf = _mm256_set1_ps(__builtin_inff()), tiny = _mm256_set1_ps(kSumsqTiny);
+inline bool sumsq_fold(SumsqF t, SumsqD &d0, SumsqD &d1) {
     // t >= 0 lane-wise or NaN: all lanes < inf means the block's fp32 sum is finite
-    bool finite = lanes_all_below(t, inf);
-    bool tiny_sum = G != OFFLOAD_F16 && lanes_none_at_least(t, tiny);
+    bool finite = lanes_all_below(t, __builtin_inff());
+    bool tiny_sum = G != OFFLOAD_F16 && lanes_none_at_least(t, kSumsqTiny);
     if (__builtin_expect(!finite || tiny_sum, 0)) return false;
-    d0 = _mm256_add_pd(d0, _mm256_cvtps_pd(_mm256_castps256_ps128(t)));
-    d1 = _mm256_add_pd(d1, _mm256_cvtps_pd(_mm256_extractf128_ps(t, 1)));
+    sumsq_widen_add(t, d0, d1);
     return true;
 }
 
@@ -58,7 +66,7 @@ inline double sumsq_redo(const void *g, int64_t s, int64_t e) {
 
 template <int G>
 double sumsq_loop(const void *g, int64_t begin, int64_t end) {
-    __m256d d0 = _mm256_setzero_pd(), d1 = d0;
+    SumsqD d0 = sumsq_dzero(), d1 = d0;
     double redone = 0.0;  // blocks recomputed in double, in block order
     // kSumsqStreams equal runs of whole sub-blocks (16384 elements each for a full
     // dispatch block), then single sub-blocks for what is left
@@ -74,7 +82,5 @@ double sumsq_loop(const void *g, int64_t begin, int64_t end) {
         int64_t e = end - s > kSumsqSub ? s + kSumsqSub : end;
         if (!sumsq_fold<G>(sumsq_part<G>(g, s, e), d0, d1)) redone += sumsq_redo<G>(g, s, e);
     }
-    alignas(32) double lanes[4];
-    _mm256_store_pd(lanes, _mm256_add_pd(d0, d1));
-    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + redone;
+    return sumsq_dtotal(d0, d1) + redone;
 }
