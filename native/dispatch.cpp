@@ -490,7 +490,7 @@ int offload_grad_sumsq(const void *grad, int grad_dtype, int64_t n, double *out_
     for (double s : partial) total += s;
     *out_sumsq = total;
     // A double sum of squares of finite fp32/fp16/bf16 values cannot overflow
-    // (n * 2^256 << 2^1024), so the sum is non-finite exactly when an element is. The SIMD
+    // (n * 2^256 << 2^1024), so the sum is non-finite exactly when an element is. The
     // units sum short blocks in fp32 but redo in double any block whose fp32 sum is not
     // finite ([Note: sumsq in fp32 blocks] in unit_dispatch.h), which keeps this true.
     *out_nonfinite = std::isfinite(total) ? 0 : 1;

@@ -14,7 +14,10 @@
 
 // [Note: sumsq in fp32 blocks]
 // The SIMD units (AVX2, AVX-512) square and add in fp32 vector accumulators and fold into
-// double only once per short block; the scalar unit, the reference, stays all-double.
+// double only once per short block. The scalar unit (its lanes as arrays, each FMA a
+// std::fmaf) and numba (offload/kernels/_numba_sumsq.py, llvm.fma.f32) run the same
+// algorithm, so every backend but the torch reference returns the same bits, and a step
+// clipped by max_grad_norm the same params (tests/test_sumsq_bits.py).
 // Widening every element to double made the pass compute-bound for 16-bit grads: one core
 // read bf16 at ~18 GB/s that way against ~25 GB/s for a plain fp32 stream (measured here).
 // - Streams: a single sequential read stream per core stayed below what the core can read
@@ -27,8 +30,8 @@
 //   = 512 elements; a block is the kSumsqStreams sub-blocks read together (or one left-over
 //   sub-block). All cuts depend only on the range, and dispatch.cpp hands out fixed
 //   kBlock-element ranges whatever the thread count, so every rounding is the same for any
-//   thread count. Both units use the same cuts, lanes and folds: they return the same bits
-//   (unless a block is recomputed in double, below).
+//   thread count. Every unit uses the same cuts, lanes and folds (sumsq_blocks.h): they
+//   return the same bits.
 // - Bound: each square meets at most kSumsqLaneSteps FMA roundings in its lane plus 3 adds
 //   joining the 8 accumulators of a block, all on nonnegative terms, so a block's fp32 sum
 //   is within gamma_35 = 35 * 2^-24 / (1 - 35 * 2^-24) ~= 2.09e-6 relative of its exact
@@ -44,7 +47,10 @@
 // - So is a block whose fp32 sum is below 2^-100 (fp32 and bf16 only): squares of tiny
 //   values (|x| < 2^-63) lose bits to fp32 underflow, absolute error <= 2^-150 per rounding.
 //   A sum >= 2^-100 bounds that loss to < 2^-40 relative; below it the block is redone
-//   exactly. fp16 squares are >= 2^-48, never subnormal in fp32: no such recompute. A block
+//   exactly. The exact path has one order too: element begin + j into double lane j % 8,
+//   joined as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) (AVX-512 once used 16
+//   lanes and gave other last bits for tiny fp32 values). fp16 squares are >= 2^-48,
+//   never subnormal in fp32: no such recompute. A block
 //   of zeros (padding, untouched rows) also sums below 2^-100; it is only scanned for a
 //   nonzero bit (from L1/L2, a fraction of the fp32 pass), so such buffers stay fast.
 namespace offload {

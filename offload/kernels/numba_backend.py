@@ -3,7 +3,7 @@
 Same signature and semantics as the native backend, and the same arithmetic order (see
 native/adam_avx512.cpp). Kept small on purpose: four parallel (prange) Adam kernels (grads
 fp32 or 16-bit viewed as uint16, with or without the low-precision copy), two serial ones
-for small tensors, and a parallel and a serial sum of squares per grad kind; each is
+for small tensors; the sum of squares is _numba_sumsq's, the native units' bits. Each is
 compiled on first use and cached on disk (``cache=True``), because a first compile costs
 ~1-2 s and CI runs the suite with this backend too.
 
@@ -32,6 +32,7 @@ from numba import njit, prange
 
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
 from ._numba_bits import lowp_bits, u16_to_float
+from ._numba_sumsq import sumsq_parallel, sumsq_serial
 from ._rule_step import RuleStepFace
 from ._threads import resolve_threads
 from .adam_consts import AdamConsts, FoldCache
@@ -136,47 +137,6 @@ def _adam_u16_serial(p, g, grad_code, m, v, lowp, lowp_code, gs, use_l2, l2, dec
         v[i] = vi
         if lowp_code > 0:
             lowp[i] = _lowp_bits(pi, lowp_code)
-
-
-# Sum of squares: a prange reduction in double. "reassoc" lets LLVM vectorize the sum
-# (several partial sums); it does not assume finite values, so NaN/Inf still propagate.
-_SUMSQ_FASTMATH = {"reassoc", "contract"}
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=_SUMSQ_FASTMATH)
-def _sumsq_f32(g):
-    acc = 0.0
-    for i in prange(g.size):
-        x = np.float64(g[i])
-        acc += x * x
-    return acc
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=_SUMSQ_FASTMATH)
-def _sumsq_u16(g, grad_code):
-    acc = 0.0
-    for i in prange(g.size):
-        x = np.float64(_u16_to_float(g[i], grad_code))
-        acc += x * x
-    return acc
-
-
-@njit(nogil=True, cache=True, fastmath=_SUMSQ_FASTMATH)
-def _sumsq_f32_serial(g):
-    acc = 0.0
-    for i in range(g.size):
-        x = np.float64(g[i])
-        acc += x * x
-    return acc
-
-
-@njit(nogil=True, cache=True, fastmath=_SUMSQ_FASTMATH)
-def _sumsq_u16_serial(g, grad_code):
-    acc = 0.0
-    for i in range(g.size):
-        x = np.float64(_u16_to_float(g[i], grad_code))
-        acc += x * x
-    return acc
 
 
 def _u16(t: torch.Tensor) -> np.ndarray:
@@ -340,18 +300,15 @@ class NumbaBackend(RuleStepFace):
         n = grad.numel()
         if n == 0:
             return 0.0, False
+        code = GRAD_DTYPES[grad.dtype]
+        # fp32 as its bits: one element loader for every dtype (_numba_sumsq._elem)
+        g = grad.view(-1).view(torch.int32).numpy().view(np.uint32) if code == 0 else _u16(grad)
         if n <= _SERIAL_MAX:
-            if grad.dtype == torch.float32:
-                total = float(_sumsq_f32_serial(grad.view(-1).numpy()))
-            else:
-                total = float(_sumsq_u16_serial(_u16(grad), GRAD_DTYPES[grad.dtype]))
-            return total, not math.isfinite(total)
-        threads = _threads_for(n, num_threads)
-        with _launch_lock:
-            numba.set_num_threads(threads)
-            if grad.dtype == torch.float32:
-                total = float(_sumsq_f32(grad.view(-1).numpy()))
-            else:
-                total = float(_sumsq_u16(_u16(grad), GRAD_DTYPES[grad.dtype]))
-        # double accumulation of finite values cannot overflow: non-finite sum <=> element
+            total = float(sumsq_serial(g, code))
+        else:
+            with _launch_lock:
+                numba.set_num_threads(_threads_for(n, num_threads))
+                total = float(sumsq_parallel(g, code))
+        # the native units' blocked sum, bit for bit (_numba_sumsq): a block whose fp32 sum
+        # overflows is redone in double, so the sum is non-finite exactly when an element is
         return total, not math.isfinite(total)
