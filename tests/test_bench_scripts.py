@@ -343,9 +343,11 @@ def test_model_step_shapes_and_rows():
     out = last_json(run_script("model_step.py", "--shapes", "small", "--threads", "1", "--steps", "2", "--warmup", "0",
                                timeout=120))
     (row,) = out["rows"]
-    assert row["tensors"] == 2000 and set(row["median_ms"]) == {"ours", "torch_fused", "torch_foreach",
-                                                                "torch_forloop"}
+    assert row["tensors"] == 2000 and set(row["median_ms"]) == {"ours", "ours_cpu", "ours_nvme", "torch_fused",
+                                                                "torch_foreach", "torch_forloop"}
     assert all(v > 0 for v in row["median_ms"].values())
+    assert set(row["over_fused"]) == {"ours", "ours_cpu", "ours_nvme"}
+    assert model_step.shape_sizes("20x1M") == [1 << 20] * 20 and model_step.shape_sizes("3x7") == [7] * 3
     assert run_script("model_step.py", "--shapes", "vgg", timeout=60).returncode == 2
 
 
