@@ -116,9 +116,12 @@ def step_sigs(opt: Any) -> Any:
 
     if not isinstance(opt._store, HostState):
         return opt._param_sigs
-    sigs = dict(opt._param_sigs)
-    for i, p in enumerate(opt._all_params()):
-        if id(p) not in sigs:
-            opt._store.check_param(i, p)
-            sigs[id(p)] = (i, (tuple(p.shape), p.dtype, p.device))
+    registered = opt._param_sigs
+    added = [(i, p) for i, p in enumerate(opt._all_params()) if id(p) not in registered]
+    if not added:  # the usual case: no copy of the registered signatures (check_work only reads them)
+        return registered
+    sigs = dict(registered)
+    for i, p in added:
+        opt._store.check_param(i, p)
+        sigs[id(p)] = (i, (tuple(p.shape), p.dtype, p.device))
     return sigs

@@ -24,6 +24,7 @@ from offload.kernels._rule_step import StepEntry
 __all__ = ["PreparedGroups"]
 
 _F32 = torch.float32
+_T = torch.Tensor
 
 
 class _Kept:
@@ -129,16 +130,16 @@ def _signature(state: Dict, names: Tuple[str, ...], items: Sequence[Tuple[torch.
     these columns costs ~0.3-0.5 ms per step over 6000 tensors. The kept batch holds the
     tensors it was packed for, so no other tensor can take one of their addresses while it is
     kept.)"""
-    try:  # (column by column, in comprehensions: a third cheaper than a loop per param)
+    try:  # (column by column, with the methods mapped: a third cheaper than a loop per param)
         get = state.get
-        entries = [get(p) for p, _, _ in items]
+        entries = list(map(get, [p for p, _, _ in items]))
         tensors = [p for p, _, _ in items]
         for k in names:
             tensors += [st[k] for st in entries]
         n = len(tensors)
-        if [t.is_contiguous() for t in tensors].count(True) != n:
+        if list(map(_T.is_contiguous, tensors)).count(True) != n:
             return None
-        return [t.data_ptr() for t in tensors] + [t.numel() for t in tensors]
+        return list(map(_T.data_ptr, tensors)) + list(map(_T.numel, tensors))
     except (KeyError, AttributeError, TypeError, RuntimeError):  # no states yet, or not tensors
         return None
 
@@ -149,11 +150,11 @@ def _grad_pointers(items: Sequence[Tuple[torch.Tensor, Any, int]], numels: Seque
     try:
         grads = [g for _, g, _ in items]
         n = len(grads)
-        if [g.numel() for g in grads] != numels or [g.dtype for g in grads].count(_F32) != n \
-                or [g.is_contiguous() for g in grads].count(True) != n or [g.is_cpu for g in grads].count(True) != n:
+        if list(map(_T.numel, grads)) != numels or [g.dtype for g in grads].count(_F32) != n \
+                or list(map(_T.is_contiguous, grads)).count(True) != n or [g.is_cpu for g in grads].count(True) != n:
             return None  # (a lazily negated grad was resolved by the step: RuleOptimizer._grads_with_params)
-        return [g.data_ptr() for g in grads]
-    except (AttributeError, RuntimeError):
+        return list(map(_T.data_ptr, grads))
+    except (AttributeError, RuntimeError, TypeError):
         return None
 
 
