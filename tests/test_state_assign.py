@@ -91,3 +91,27 @@ def test_flat_int8_states_read_as_their_values(tmp_path):
             assert torch.equal(got, sd[key])
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype,offload_kind", CASES, ids=[f"{d}-{o}" for d, o in CASES])
+def test_an_in_place_change_of_a_read_copy_is_refused_not_dropped(dtype, offload_kind, state_dtype, tmp_path):
+    """``opt.state[p]["exp_avg"].zero_()`` on a state that is read as a copy (swap files, int8
+    blocks decoded) changed only the copy: the next step went on with the old moments, where the
+    same line with bf16 states in RAM (a live view) reset them. It raises now, the store
+    unchanged; assigning still writes through. [Note: a read copy refuses in-place changes]"""
+    m = _model(getattr(torch, dtype))
+    opt = _opt(m, offload_kind, state_dtype, tmp_path, "a")
+    _step(m, opt, 1)
+    before = opt.state_dict()["state"][0]["exp_avg"].clone()
+    got = opt.state[m.weight]["exp_avg"]
+    if got.data_ptr() and not got.is_inference():  # a live view (bf16 params in RAM, float32 or bf16 states)
+        got.zero_()
+        assert not opt.state_dict()["state"][0]["exp_avg"].any()
+    else:
+        with pytest.raises(RuntimeError, match="[Ii]nplace update to inference tensor"):
+            got.zero_()
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before)
+        opt.state[m.weight]["exp_avg"] = got * 0.5  # arithmetic on it, and assigning, work
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], opt.state[m.weight]["exp_avg"])
+    opt.close()

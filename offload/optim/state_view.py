@@ -19,7 +19,18 @@ users' monitoring code read them.
 Assigning one (``opt.state[p]["exp_avg"] = t``) writes ``t`` into the store, in every
 store (encoded as it is stored: bf16 rounded to nearest, int8 blocks re-encoded), as torch's
 next step would read a replaced state; ``t`` must have as many elements as a read gives. A
-tensor read from the swap files is a copy: changing it in place changes nothing.
+tensor read from the swap files (or decoded from int8 blocks) is a copy, so changing it in place
+would change nothing: it refuses, see [Note: a read copy refuses in-place changes].
+
+[Note: a read copy refuses in-place changes]
+``opt.state[p]["exp_avg"].zero_()`` (a reset of the moments after a loss spike, say) works on
+torch's tensors and on the views above, and was silently dropped on a copy: a run with
+``state_dtype="int8"`` (or ``offload="nvme"``) went on with the old moments where the same
+code with bf16 states reset them. A copy is made an inference tensor (``torch.inference_mode``),
+on which torch refuses any in-place change outside inference mode with a RuntimeError ("Inplace
+update to inference tensor outside InferenceMode is not allowed"); reading, ``clone()``,
+arithmetic, ``torch.save`` work as before. Assigning (``opt.state[p][key] = t``) is the way
+to change one.
 
 ``state_dict()`` never returns these views: it reads full tensors from the store.
 """
@@ -141,6 +152,13 @@ def _piece(store: Any, p: torch.Tensor):
     return fg, piece, piece.lo - start, piece.hi - start
 
 
+def _read_copy(vals: torch.Tensor, param: torch.Tensor, whole: bool) -> torch.Tensor:
+    """``vals`` as a copy that refuses in-place changes: [Note: a read copy refuses in-place changes]."""
+    with torch.inference_mode():
+        out = vals.clone()
+        return out.view(param.shape) if whole else out
+
+
 def _closed_store(st: Any, param: Any) -> bool:
     return st is None or param is None or getattr(st, "_closed", False)
 
@@ -155,12 +173,12 @@ def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[tor
         if param.numel() == 0:  # no bytes in the swap files; torch's state holds empty moments
             return torch.zeros(param.shape, dtype=torch.float32)
         if hasattr(st, "read_state"):  # SwappedState: fp32 CPU params, whole
-            return st.read_state(param)[st.names.index(key)]
+            return _read_copy(st.read_state(param)[st.names.index(key)], param, True)
         fg, piece, lo, hi = _piece(st, param)
         if piece is None or st._swap is None:
             return None
         vals = st._swap.read(st._groups.index(fg), lo, hi, (key,))[key]
-        return vals.view(param.shape) if piece.numel == param.numel() else vals
+        return _read_copy(vals, param, piece.numel == param.numel())
 
     return read
 
@@ -203,8 +221,7 @@ def _flat_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[torch.
         fg, piece, lo, hi = _piece(st, param)
         if piece is None:
             return None
-        vals = _values(fg, key, lo, hi).clone()
-        return vals.view(param.shape) if piece.numel == param.numel() else vals
+        return _read_copy(_values(fg, key, lo, hi), param, piece.numel == param.numel())
 
     return read
 
