@@ -3,13 +3,47 @@
 ``offload.AdamW(model.parameters(), lr=..., offload="nvme", swap_dir=...)`` in an unchanged
 training loop keeps the fp32 optimizer states in host memory or NVMe swap files and updates
 them with a SIMD CPU kernel.
+
+[Note: a light package import] The names below are imported on first use (PEP 562), not by
+``import offload``: that imported torch, ~1.5 s before any code of the ``offload`` command
+could run, and a Ctrl-C in that time landed inside torch's import (a traceback; one inside
+the NumPy import that torch's C++ init makes was swallowed by torch, and the command ran to
+the end). The command now holds signals while it imports them (offload/cli/_signals.py).
 """
+import importlib
+
 from offload._version import __version__
-from offload.kernels import get_num_threads, set_num_threads
-from offload.optim import SGD, Adagrad, Adam, AdamW, Lion, adam_step
-from offload.integrations.deepspeed import from_deepspeed_config
-from offload.shard import full_state_dict, shard
 
 __all__ = ["Adam", "AdamW", "SGD", "Adagrad", "Lion", "adam_step", "from_deepspeed_config", "shard", "full_state_dict",
            "set_num_threads", "get_num_threads",
            "__version__"]
+
+_HOME = {
+    "get_num_threads": "offload.kernels", "set_num_threads": "offload.kernels",
+    "SGD": "offload.optim", "Adagrad": "offload.optim", "Adam": "offload.optim", "AdamW": "offload.optim",
+    "Lion": "offload.optim", "adam_step": "offload.optim",
+    "from_deepspeed_config": "offload.integrations.deepspeed",
+    "shard": "offload.shard", "full_state_dict": "offload.shard",
+}
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):  # copy, pickle, inspect probe dunders: never a submodule
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+    else:
+        # a subpackage as an attribute (``import offload; offload.kernels.x``), as when this
+        # file imported them all; anything else is the usual AttributeError
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Iterator
+from collections.abc import Iterator  # (not typing: ~5 ms before main() holds signals)
 
-__all__ = ["Terminated", "sigterm_raises"]
+__all__ = ["CommandSignals", "Terminated", "exit_at_once", "sigterm_raises"]
 
 
 class Terminated(BaseException):
@@ -48,3 +48,62 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+class CommandSignals:
+    """[Note: signals while the command starts] From the start of ``main`` until
+    :meth:`ready`, SIGINT and SIGTERM are only recorded: the command is importing torch
+    (~1.5 s) and owns nothing yet. A KeyboardInterrupt raised there lands inside a third-party
+    import: a traceback, a C++ abort (-6) from torch's init, or nothing at all when it lands in
+    the NumPy import that torch's C++ init makes, which catches the failure, warns and goes
+    on without NumPy (the command then ran to the end: about one early Ctrl-C in eight). A
+    second signal while held ends the process at once (an import that hangs).
+
+    :meth:`ready` installs the handlers of the command proper (SIGINT: the one before,
+    Python's KeyboardInterrupt; SIGTERM: :class:`Terminated`, as :func:`sigterm_raises`) and
+    only then raises what was recorded, so a signal in between is never lost. The handlers
+    before are restored on exit. A signal ignored (``nohup``), a C handler, or another thread
+    than the main one: left alone."""
+
+    def __init__(self) -> None:
+        self.caught: list = []
+        self._before: dict = {}
+
+    def __enter__(self) -> "CommandSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                before = signal.getsignal(signum)
+                if before is not None and before != signal.SIG_IGN:
+                    self._before[signum] = before
+                    signal.signal(signum, self._hold)
+        return self
+
+    def _hold(self, signum, frame) -> None:
+        if self.caught:
+            exit_at_once(signum)
+        self.caught.append(signum)
+
+    def ready(self) -> None:
+        if signal.SIGINT in self._before:
+            signal.signal(signal.SIGINT, self._before[signal.SIGINT])
+        if signal.SIGTERM in self._before:
+            signal.signal(signal.SIGTERM, _raise_terminated)
+        if self.caught:
+            raise KeyboardInterrupt if self.caught[0] == signal.SIGINT else Terminated()
+
+    def __exit__(self, *exc) -> None:
+        for signum, before in self._before.items():
+            signal.signal(signum, before)
+
+
+def exit_at_once(signum: int) -> None:
+    """End the process now, as a signal's default action would, with the command's one line."""
+    import os
+    import sys
+
+    word = "interrupted" if signum == signal.SIGINT else "terminated"
+    try:
+        sys.stderr.write(f"offload: {word}\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(128 + signum)

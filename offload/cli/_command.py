@@ -1,0 +1,108 @@
+"""What ``offload`` does once its signals are held (offload/cli/__init__.py): parse, import
+the engine, run the command, and turn its end into an exit status (cli/_outcome.py)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import List, Optional
+
+from ._outcome import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, fail, json_requested
+from ._signals import CommandSignals, Terminated
+
+__all__ = ["SUBCOMMANDS", "build_parser", "run_held"]
+
+# subcommand -> module under offload.cli (imported lazily so `offload info` stays fast and
+# works even when an optional piece, e.g. matplotlib, is missing).
+SUBCOMMANDS = {
+    "bench-io": "bench_io",
+    "plan": "plan",
+    "report": "report",
+    "info": "info",
+    "clean": "clean",
+    "demo": "demo",
+}
+
+# What every command imports before it runs, while signals are held ([Note: signals while
+# the command starts] in cli/_signals.py): torch (and the NumPy its C++ init imports) and
+# the engine, what `import offload` imported before it became lazy.
+ENGINE_MODULES = ("torch", "offload.kernels", "offload.optim")
+
+
+class UsageError(Exception):
+    """argparse's error, raised instead of printed so that main can add the --json object."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # the subcommands' parsers are of this class too
+        raise UsageError(self, message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from offload._version import __version__
+
+    parser = _Parser(
+        prog="offload",
+        description="Train PyTorch models larger than accelerator memory.",
+    )
+    parser.add_argument("--version", action="version", version=f"offload {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(f"offload.cli.{module_name}")
+        module.add_parser(sub, name)
+    return parser
+
+
+def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
+    """The arguments; a usage error says so as argparse does (usage, then the message), adds
+    the --json object, and exits 2 (SystemExit, as argparse)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return build_parser().parse_args(argv)
+    except UsageError as exc:
+        command = next((a for a in argv if a in SUBCOMMANDS), None)
+        exc.parser.print_usage(sys.stderr)
+        print(f"{exc.parser.prog}: error: {exc}", file=sys.stderr)
+        fail(command, EXIT_USAGE, str(exc), json_requested(command, argv=argv), said=True)
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def run_held(argv: Optional[List[str]], signals: CommandSignals) -> int:
+    """``main`` within ``signals``: the command's exit status."""
+    args = None
+    try:
+        args = _parse(argv)
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.INFO,
+            format="%(levelname)s %(name)s: %(message)s",
+        )
+        if not getattr(args, "command", None):
+            build_parser().print_help()
+            return EXIT_USAGE
+        for name in ENGINE_MODULES:
+            importlib.import_module(name)
+        signals.ready()  # from here a Ctrl-C raises KeyboardInterrupt, a SIGTERM Terminated
+        return int(args.run(args) or 0)
+    except (OSError, ValueError, RuntimeError, NotImplementedError) as exc:
+        command = getattr(args, "command", None)
+        return fail(command, EXIT_FAILURE, str(exc), json_requested(command, args))
+    except KeyboardInterrupt:
+        return _stopped(args, EXIT_INTERRUPTED, "interrupted")
+    except Terminated:  # SIGTERM (cli/_signals.py)
+        return _stopped(args, EXIT_TERMINATED, "terminated")
+    except Exception as exc:  # a bug: its traceback follows; a --json reader still gets an object
+        command = getattr(args, "command", None)
+        if command:
+            fail(command, EXIT_FAILURE, f"{type(exc).__name__}: {exc}", json_requested(command, args))
+        raise
+
+
+def _stopped(args: Optional[argparse.Namespace], code: int, word: str) -> int:
+    command = getattr(args, "command", None)
+    return fail(command, code, word, json_requested(command, args) if args is not None else False)

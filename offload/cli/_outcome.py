@@ -1,0 +1,57 @@
+"""How a failed ``offload`` command ends: one line on stderr, an exit status, and with
+``--json`` one JSON object on stdout.
+
+[Note: --json on failure] ``offload info|plan|report --json`` print one JSON object on stdout.
+On failure stdout was empty, and a script piping it into ``jq`` or ``json.loads`` got a parse
+error instead of the reason. A failure (an error, a usage error, Ctrl-C, SIGTERM) now prints
+
+    {"schema": "offload.error/1", "error": {"command": ..., "exit_code": ..., "message": ...}}
+
+besides the line on stderr, and the exit status is non-zero as before. ``bench-io`` and
+``demo`` take ``--json FILE``: a failed run writes no FILE (an existing one is left as it was).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
+           "json_requested", "fail"]
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2          # argparse's own
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
+EXIT_TERMINATED = 143   # 128 + SIGTERM
+
+# the commands whose --json is a flag that prints to stdout (bench-io's and demo's name a file)
+JSON_ON_STDOUT = ("info", "plan", "report")
+
+
+def json_requested(command: Optional[str], args: object = None, argv: Sequence[str] = ()) -> bool:
+    """Whether the command prints JSON on stdout: ``args.json`` once parsed, else (a usage
+    error) ``--json`` or a prefix argparse would take for it among ``argv``."""
+    if command not in JSON_ON_STDOUT:
+        return False
+    if args is not None:
+        return getattr(args, "json", None) is True
+    return any(len(a) >= 3 and "--json".startswith(a) for a in argv)
+
+
+def fail(command: Optional[str], exit_code: int, message: str, as_json: bool, said: bool = False) -> int:
+    """Say ``message`` on stderr (``offload CMD: error: message``; ``offload CMD: interrupted``)
+    unless ``said`` already (argparse's usage error), and as the error object on stdout when
+    ``as_json``; returns ``exit_code``."""
+    prefix = f"offload {command}" if command else "offload"
+    error = "" if exit_code in (EXIT_INTERRUPTED, EXIT_TERMINATED) else "error: "
+    if not said:
+        print(f"{prefix}: {error}{message}", file=sys.stderr)
+    if as_json:
+        doc = {"schema": "offload.error/1",
+               "error": {"command": command, "exit_code": exit_code, "message": message}}
+        try:
+            print(json.dumps(doc, indent=2, sort_keys=True), flush=True)
+        except OSError:  # stdout closed (a reader that went away): stderr said it already
+            pass
+    return exit_code
