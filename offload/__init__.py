@@ -12,6 +12,7 @@ the end). The command now holds signals while it imports them (offload/cli/_sign
 """
 import importlib
 
+from offload import _fork  # noqa: F401  (forks seen from the package's import on: offload/_fork.py)
 from offload._version import __version__
 
 __all__ = ["Adam", "AdamW", "SGD", "Adagrad", "Lion", "adam_step", "from_deepspeed_config", "shard", "full_state_dict",

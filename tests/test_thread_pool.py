@@ -119,3 +119,21 @@ def test_more_threads_than_cpus_never_go_to_libgomp(monkeypatch):
     for step in (1, 2, 3):
         nb.rule_step(ADAM, p, g, states, step=step, num_threads=cpus + 3, **ADAM_HP)
     assert all(torch.equal(a, b) for a, b in zip([p, *states.values()], _run(nb, inputs)))
+
+
+def test_a_fork_after_the_light_package_import_is_seen():
+    """``import offload`` no longer imports the kernels ([Note: a light package import] in
+    offload/__init__.py): a child forked after it that loads them first must still know it
+    is a forked child (the parent's OpenMP pool did not come with it)."""
+    import subprocess
+    import sys
+
+    code = ("import os, offload\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    from offload.kernels import _threads\n"
+            "    os._exit(0 if _threads.forked() else 3)\n"
+            "_, status = os.waitpid(pid, 0)\n"
+            "from offload.kernels import _threads\n"
+            "raise SystemExit(os.waitstatus_to_exitcode(status) or (4 if _threads.forked() else 0))\n")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

@@ -23,14 +23,7 @@ import torch
 
 __all__ = ["MAX_THREADS", "set_num_threads", "get_num_threads", "resolve_threads", "forked"]
 
-_FORKED = []  # not empty in a child forked since this import
-
-
-def forked() -> bool:
-    return bool(_FORKED)
-
-
-os.register_at_fork(after_in_child=lambda: _FORKED.append(True))
+from offload._fork import _FORKED, forked  # registered at `import offload`, see offload/_fork.py
 
 # The native kernels take the count as a C int: a larger one was refused by the packer with
 # struct.error, on every step, long after set_num_threads had taken it.
