@@ -15,7 +15,7 @@
 // [Note: sumsq in fp32 blocks]
 // The SIMD units (AVX2, AVX-512) square and add in fp32 vector accumulators and fold into
 // double only once per short block. The scalar unit (its lanes as arrays, each FMA a
-// std::fmaf) and numba (offload/kernels/_numba_sumsq.py, llvm.fma.f32) run the same
+// std::fmaf) and numba (offload/kernels/_numba_sumsq.py, llvm.fma.v8f32) run the same
 // algorithm, so every backend but the torch reference returns the same bits, and a step
 // clipped by max_grad_norm the same params (tests/test_sumsq_bits.py).
 // Widening every element to double made the pass compute-bound for 16-bit grads: one core

@@ -78,7 +78,7 @@ _KERNEL_INCIDENTAL = {
     "test_shard_checkpointing",  # the recompute's gathers and hooks (activation checkpointing)
 }
 # ...and the numba kernels' own compressed tests, which pick numba by name: the numba pass only.
-_NUMBA_BY_NAME = {"test_numba_compressed", "test_numba_zero_division"}
+_NUMBA_BY_NAME = {"test_numba_compressed", "test_numba_zero_division", "test_numba_f32x8"}
 
 
 def pytest_collection_modifyitems(config, items):
