@@ -11,6 +11,8 @@ the NumPy import that torch's C++ init makes was swallowed by torch, and the com
 the end). The command now holds signals while it imports them (offload/cli/_signals.py).
 """
 import importlib
+import sys
+import types
 
 from offload import _fork  # noqa: F401  (forks seen from the package's import on: offload/_fork.py)
 from offload._version import __version__
@@ -48,3 +50,18 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """``offload.shard`` is the function (``from offload.shard import shard`` made it so when this
+    file imported everything), not the subpackage of that name, which the import system binds
+    here once it has loaded it: then its ``shard`` takes the name instead. The subpackage stays
+    in ``sys.modules`` (``import offload.shard.api``, ``from offload.shard import ...``)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "shard" and isinstance(value, types.ModuleType):
+            value = value.shard
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

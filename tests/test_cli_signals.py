@@ -109,6 +109,17 @@ def test_import_offload_does_not_import_torch_until_a_name_is_used():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_offload_shard_stays_the_function_whoever_loads_the_subpackage_first():
+    # the subpackage offload.shard, loaded by the optimizer's import (or by the user's), was
+    # bound over the function of that name once names became lazy: offload.shard(model)
+    # raised "'module' object is not callable" in 250 tests
+    code = ("import sys, offload.shard.api, offload.optim, offload; "
+            "assert offload.shard is sys.modules['offload.shard'].shard, offload.shard; "
+            "import offload.shard.units; from offload.shard import load_weights; "
+            "assert offload.shard is sys.modules['offload.shard'].shard; assert callable(offload.full_state_dict)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 # -- --json on failure: one error object on stdout, the line on stderr, the exit status --------
 
 def _error_object(out):
