@@ -181,7 +181,7 @@ def _store_overhead() -> int:
     out: reserve.bin (room for the manifest on a full disk, at least 1 MiB: offload/swap/store.py)
     and a page each for the lock and the manifest."""
     try:
-        from offload.swap.store import _RESERVE_MIN as reserve
+        from offload.swap.reserve import _RESERVE_MIN as reserve
     except ImportError:
         reserve = 1 << 20
     return reserve + 2 * 4096

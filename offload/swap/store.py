@@ -11,9 +11,16 @@ Directory ``SWAP_DIR/offload-<run>.rank<r>/`` (mode 0700)::
 
 [Note: two slots] Each sub-group lives in one slot at a time (``manifest.slots[g]``). A step
 reads ``g`` from its slot and writes the updated states into the *other* slot; only after all
-writes of the step are durable (``fdatasync`` of both files) does the manifest flip the slots
-and advance ``step``. A ``kill -9`` at any moment therefore leaves the manifest describing
+writes of the step are durable (``fdatasync`` of the files written) does the manifest flip the
+slots and advance ``step``. A ``kill -9`` at any moment therefore leaves the manifest describing
 the last finished step, whose data nobody has overwritten since.
+
+[Note: syncing the written slots] Each fdatasync costs the disk a cache flush (1-4 ms on the
+virtio disks measured, bench/RESULTS.md), whether the file was written or not. A step usually
+writes one slot file only (every sub-group flips each step, so all of them live in the same
+slot), so ``sync`` fdatasyncs the files that ``write_requests`` handed out requests for since
+their last successful fdatasync, and no other: each write is made durable by the first commit
+after it, which is all a commit needs (data of earlier commits was synced by them).
 
 [Note: manifest reserve] The slot files are preallocated, so a full disk cannot stop a step's
 data writes; the manifest, though, is a new file at each commit (tmp + rename). On a full
@@ -37,7 +44,7 @@ import logging
 import os
 import threading
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 from offload.io import IORequest, open_file
 from offload.io.auto import resolve_engine
@@ -45,6 +52,7 @@ from offload.swap import cleanup, fsutil
 from offload.swap.fsutil import private_dir_name
 from offload.kernels.fields import field_names
 from offload.swap.layout import SwapLayout
+from offload.swap.reserve import RESERVE, ManifestReserve
 from offload.swap.manifest_check import (VERIFY_BLOCK, block_checksums, check_codes, check_manifest, previous_commit,
                                          previous_json)
 
@@ -55,8 +63,6 @@ log = logging.getLogger(__name__)
 FORMAT = "offload-swap"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-RESERVE = "reserve.bin"
-_RESERVE_MIN = 1 << 20
 SLOT_FILES = ("slot0.bin", "slot1.bin")
 
 
@@ -92,8 +98,9 @@ class SwapStore:
         self._close_lock = threading.Lock()
         self._token: Optional[int] = None
         self.pending_error: Optional[BaseException] = None
-        self._reserve_bytes = 0  # what reserve.bin is known to hold ([Note: manifest reserve])
-        self._reserve_warned = self._full_warned = False
+        self._reserve = ManifestReserve(self.path)  # [Note: manifest reserve]
+        # slot files written since their last fdatasync ([Note: syncing the written slots])
+        self._unsynced: Set[int] = set()
         # The commit before the last while its data is still in the free slots, in each
         # manifest ([Note: a rank one step ahead] in agreement.py); None once a write went there.
         self._before_commit: Optional[tuple] = None
@@ -123,7 +130,7 @@ class SwapStore:
         self._dir_id = (st.st_dev, st.st_ino)
         if resume:
             self._load_manifest(manifest_path)
-            self._keep_reserve(os.path.getsize(manifest_path))  # a directory of an older offload has none
+            self._reserve.keep(os.path.getsize(manifest_path))  # a directory of an older offload has none
         self.engine, self._owns_engine = resolve_engine(io_engine, self.path)
         if direct is None and getattr(io_engine, "direct", None) is not None and hasattr(io_engine, "engine"):
             direct = io_engine.direct  # an IOConfig that says how to open files
@@ -182,6 +189,7 @@ class SwapStore:
                         raise OSError(exc.errno, f"no space to preallocate swap file of {need} bytes "
                                       f"({2 * need} needed for both slots)", self.path) from exc
                     raise
+                self._unsynced.add(len(self.files) - 1)  # its size and extents: durable with the first commit
             elif f.size < need:
                 raise ValueError(f"{full}: " + self._lost_states(f"swap file truncated to {f.size} of {need} bytes"))
         if direct is None and not all(f.direct for f in self.files):
@@ -250,46 +258,16 @@ class SwapStore:
         try:
             n = fsutil.write_json_atomic(self.path, MANIFEST, fsutil.sealed(m))
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._drop_reserve():
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._reserve.drop():
                 raise
             n = fsutil.write_json_atomic(self.path, MANIFEST, fsutil.sealed(m))
-            if not self._full_warned:  # once until the reserve is whole again
-                self._full_warned = True
+            if not self._reserve.full_warned:  # once until the reserve is whole again
+                self._reserve.full_warned = True
                 log.warning("%s: the file system is full: the manifest of step %d went into the room kept in %s "
                             "(training goes on: the preallocated swap files need no new space, except on a "
                             "copy-on-write file system; checkpoints on this disk fail until space is freed)",
                             self.path, self.step, RESERVE)
-        self._keep_reserve(n)
-
-    def _keep_reserve(self, manifest_bytes: int) -> None:
-        want = max(_RESERVE_MIN, -(-2 * manifest_bytes // _RESERVE_MIN) * _RESERVE_MIN)
-        if self._reserve_bytes >= want:
-            return
-        try:
-            fd = os.open(os.path.join(self.path, RESERVE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
-            try:
-                os.posix_fallocate(fd, 0, want)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            # Whatever it could allocate stays: the next full-disk commit can still use it.
-            if not self._reserve_warned:
-                self._reserve_warned = True
-                log.warning("%s: no room to keep %d bytes in reserve for the manifest (%s)", self.path, want,
-                            exc.strerror or exc)
-            return
-        self._reserve_bytes = want
-        self._reserve_warned = self._full_warned = False
-
-    def _drop_reserve(self) -> bool:
-        try:
-            os.unlink(os.path.join(self.path, RESERVE))
-        except FileNotFoundError:
-            return False
-        self._reserve_bytes = 0
-        fsutil.fsync_dir(self.path)
-        return True
+        self._reserve.keep(n)
 
     # ------------------------------------------------------------------ requests
     def _check_open(self) -> None:
@@ -299,6 +277,8 @@ class SwapStore:
     def _requests(self, op: str, slot: int, g: int, buf: Any) -> List[Any]:
         nbytes = self.layout.group_bytes(g)
         view = buf.memoryview if hasattr(buf, "memoryview") else buf
+        if op == "write":  # before the write can be issued: the next sync must cover it
+            self._unsynced.add(slot)
         return [IORequest(op=op, file=self.files[slot], offset=self.layout.group_offset(g), buf=view[:nbytes])]
 
     def read_requests(self, g: int, buf: Any) -> List[Any]:
@@ -360,15 +340,18 @@ class SwapStore:
 
     # ------------------------------------------------------------------ commit
     def sync(self) -> None:
-        """fdatasync both slot files: every completed write is durable (the first half of commit)."""
+        """fdatasync the slot files written since their last sync: every completed write is
+        durable (the first half of commit; [Note: syncing the written slots]). A file whose
+        sync fails stays to be synced."""
         self._check_open()
-        for f in self.files:
-            f.fsync()
+        for slot in sorted(self._unsynced):
+            self.files[slot].fsync()
+            self._unsynced.discard(slot)
 
     def commit(self, written: Dict[int, Optional[List[List[int]]]], extra: Optional[Dict[str, Any]] = None,
                *, advance: bool = True, synced: bool = False) -> None:
         """Make the writes of ``written`` (g -> checksums or None) the new consistent state:
-        fdatasync both slot files, flip the slots of those groups, advance ``step`` (when
+        fdatasync the slot files written, flip the slots of those groups, advance ``step`` (when
         ``advance``) and replace the manifest atomically. The caller must have waited for
         every write to complete. ``synced``: the caller ran :meth:`sync` after the last write."""
         self._check_open()

@@ -1,0 +1,62 @@
+"""The room kept for a swap store's manifest on a full disk ([Note: manifest reserve] in store.py).
+
+``reserve.bin`` is a preallocated file of at least twice the largest manifest written (1 MiB
+at least). A manifest write that hits ENOSPC or EDQUOT gives it up (``drop``) and writes
+again; the next commits take back what room there is (``keep``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from offload.swap import fsutil
+
+__all__ = ["ManifestReserve", "RESERVE"]
+
+log = logging.getLogger(__name__)
+
+RESERVE = "reserve.bin"
+_RESERVE_MIN = 1 << 20
+
+
+class ManifestReserve:
+    """``reserve.bin`` of the swap directory ``path``, and whether a full disk was reported."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.bytes = 0  # what reserve.bin is known to hold
+        self.warned = False  # no room to keep it: said once
+        self.full_warned = False  # a manifest went into it: said once until it is whole again
+
+    def keep(self, manifest_bytes: int) -> None:
+        """Make reserve.bin hold at least twice ``manifest_bytes`` (whatever fits, warning once)."""
+        want = max(_RESERVE_MIN, -(-2 * manifest_bytes // _RESERVE_MIN) * _RESERVE_MIN)
+        if self.bytes >= want:
+            return
+        try:
+            fd = os.open(os.path.join(self.path, RESERVE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+            try:
+                os.posix_fallocate(fd, 0, want)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            # Whatever it could allocate stays: the next full-disk commit can still use it.
+            if not self.warned:
+                self.warned = True
+                log.warning("%s: no room to keep %d bytes in reserve for the manifest (%s)", self.path, want,
+                            exc.strerror or exc)
+            return
+        self.bytes = want
+        self.warned = self.full_warned = False
+
+    def drop(self) -> bool:
+        """Give the room up (False: there was none); the directory is synced, as ext4 reuses
+        freed blocks only once the unlink is committed."""
+        try:
+            os.unlink(os.path.join(self.path, RESERVE))
+        except FileNotFoundError:
+            return False
+        self.bytes = 0
+        fsutil.fsync_dir(self.path)
+        return True
