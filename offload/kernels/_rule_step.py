@@ -20,7 +20,7 @@ from .fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, RULES, SGD, SGD_PLAIN, Ru
 from .quant import QuantArgs
 from .rule_consts import adagrad_args, lion_args, sgd_args, sgd_plain_args
 
-__all__ = ["RULE_CODES", "RuleStepFace", "StepEntry", "batch_plan", "bound_args", "resolve_rule"]
+__all__ = ["RULE_CODES", "RuleStepFace", "StepEntry", "batch_plan", "batchable", "bound_args", "resolve_rule"]
 
 # rule -> its code in the native face (OFFLOAD_RULE_* in native/offload_native.h); a new
 # rule is one entry here and one in _KERNELS, plus its method on each backend
@@ -168,6 +168,12 @@ def _bound(k: _Kernel, hyper: Any, step: int) -> tuple:
     kwargs = hyper.kernel_kwargs(step)
     kwargs.pop("step", None)  # (bound positionally)
     return _bind(k, step, kwargs)
+
+
+def batchable(rule: Rule) -> bool:
+    """Whether ``checked_rule_steps`` takes ``rule`` with float32 entries (``quant`` None):
+    a float32 rule of its own kernel, as ``rule_step`` steps it without its compressed path."""
+    return rule is ADAM or rule in _KERNELS
 
 
 def bound_args(rule: Rule, hyper: Any, step: int) -> Tuple[_Kernel, tuple]:

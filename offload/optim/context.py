@@ -90,6 +90,18 @@ class StepCounts:
             if not state[p]:
                 del state[p]
 
+    def settle(self, pairs: Iterable[Tuple[torch.Tensor, int]]) -> None:
+        """``set(p, n)`` for each pair whose count is not ``n`` already: after a swapped
+        store's step, whose optimizer advanced the counts before it (``advance``), only a
+        store's own counts change (re-making 2000 equal step tensors cost 10 ms a step)."""
+        state = self._state_of()
+        for p, n in pairs:
+            step = state.get(p, {}).get("step")
+            if step is None or n < 1 or (step.item() if torch.is_tensor(step) else step) != n:
+                self.set(p, n)
+            else:
+                self._counted.add(id(p))
+
     def cleared(self, params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
         """Those of ``params`` given a count here that have none now: their state was cleared
         (``del opt.state[p]``, ``opt.state[p].clear()``, a new ``opt.state``)."""

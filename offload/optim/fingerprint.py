@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from typing import Any, List, Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["sample_indices", "fingerprint"]
@@ -36,11 +37,14 @@ def sample_indices(params: Sequence[torch.Tensor], offsets: Sequence[int], layou
 
 
 def fingerprint(params: Sequence[torch.Tensor], samples: Sequence[torch.Tensor]) -> str:
-    """crc32 of the params' shapes and of their sampled elements, as 8 hex digits."""
+    """crc32 of the params' shapes and of their sampled elements, as 8 hex digits.
+
+    The samples are gathered through numpy and summed at once (crc32 of the concatenation is
+    the crc32 chained over the pieces, so the value is the same as summing each param's
+    samples in turn): a torch index per param cost ~4 us, 8 ms a step over 2000 params."""
     crc = zlib.crc32(repr([tuple(p.shape) for p in params]).encode())
-    with torch.no_grad():
-        for p, idx in zip(params, samples):
-            if idx.numel():
-                flat = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1)  # logical order
-                crc = zlib.crc32(flat[idx].numpy().tobytes(), crc)
+    parts = [p.detach().numpy().reshape(-1).take(idx.numpy())  # reshape: logical order, a copy if strided
+             for p, idx in zip(params, samples) if idx.numel()]
+    if parts:
+        crc = zlib.crc32(np.concatenate(parts).tobytes(), crc)
     return f"{crc:08x}"

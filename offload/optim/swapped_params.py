@@ -1,12 +1,16 @@
-"""The per-param checks of SwappedState (fp32 CPU params updated in place) and the kernel
-keywords of a step's hyperparameters (an ``AdamHyper``/``RuleHyper`` or a dict of Adam's)."""
+"""The per-param checks of SwappedState (fp32 CPU params updated in place), the kernel
+keywords of a step's hyperparameters (an ``AdamHyper``/``RuleHyper`` or a dict of Adam's) and
+a step's work items."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-__all__ = ["check_params", "kernel_kwargs"]
+from offload.kernels.quant import rounding_seed
+from offload.optim.swapped_shards import WorkItem
+
+__all__ = ["check_params", "kernel_kwargs", "work_items"]
 
 _HYPER_KEYS = {"lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "bias_correction", "maximize",
                "grad_scale"}
@@ -40,3 +44,41 @@ def check_params(params: List[torch.Tensor]) -> Dict[int, int]:
                              "needs each param once: remove the duplicate")
         index[id(p)] = i
     return index
+
+
+def work_items(batches: Sequence[Tuple[Any, Sequence[Tuple[torch.Tensor, torch.Tensor, int]]]],
+               params: List[torch.Tensor], index: Dict[int, int], offsets: List[int], rule: Any, rounds: bool,
+               param_index: Callable[[torch.Tensor], int]) -> Dict[int, WorkItem]:
+    """SwappedState's work item of each param that has a grad (param ``i`` at ``offsets[i]``
+    of its one shard): its whole range, its output the param. The params of a group at one
+    step share one kwargs dict: the core steps them in one kernel call ([Note: one kernel call
+    per sub-group] in swapped_compute.py). ``param_index(p)`` raises for a foreign tensor."""
+    work: Dict[int, WorkItem] = {}
+    for hyper, items in batches:
+        if getattr(hyper, "rule", rule.base) is not rule.base:
+            raise ValueError(f"a step of rule {hyper.rule.name!r} in a swap store of rule {rule.name!r} "
+                             f"(states {list(rule.names)}); build a new optimizer after changing "
+                             "what the groups need (e.g. SGD's momentum from or to 0)")
+        shared: Dict[int, Dict[str, Any]] = {}  # step -> its kwargs
+        for p, grad, step in items:
+            i = index.get(id(p))
+            if i is None or params[i] is not p:
+                i = param_index(p)
+            if i in work:
+                raise ValueError(f"param {i} appears twice in one step")
+            n, step = p.numel(), int(step)
+            if grad.numel() != n or not grad.is_cpu:
+                raise ValueError(f"param {i}: grad of {grad.numel()} elements on {grad.device}, expected {n} on cpu")
+            if step < 1:
+                raise ValueError(f"param {i}: step must be >= 1, got {step}")
+            kw = shared.get(step)
+            if kw is None or rounds:
+                kw = shared[step] = kernel_kwargs(hyper, step)
+            if rounds:  # the host store's streams: the param's index, its own elements
+                kw.update(rounding_seed=rounding_seed(step, i), element_offset=0)
+            # a non-contiguous param steps through a contiguous copy, written back once the
+            # step went through (a failed step leaves it as it was)
+            out = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).contiguous()  # one copy
+            g = grad.detach().view(-1) if grad.is_contiguous() else grad.detach().reshape(-1).contiguous()
+            work[i] = WorkItem(0, offsets[i], offsets[i] + n, g, kw, out, "master")
+    return work

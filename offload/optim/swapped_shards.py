@@ -36,9 +36,10 @@ import torch
 
 from offload.kernels.fields import ADAM, MASTER, Rule, StateField, field_names
 from offload.kernels.quant import BLOCK
-from offload.optim.swapped_ranges import (DecodedBlocks, compressed, page_in, page_out, paged_copy, read_values,
-                                          rounding_kwargs, storage_slice, whole_blocks, write_values)
+from offload.optim.swapped_ranges import (DecodedBlocks, compressed, paged_copy, read_values, rounding_kwargs,
+                                          whole_blocks, write_values)
 from offload.optim.stats import swap_phases
+from offload.optim.swapped_compute import make_compute
 from offload.optim.step_guard import mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
 from offload.swap.pipeline import Vote, idle_votes, vote_failed
@@ -360,43 +361,13 @@ class SwappedShards:
         self.computed = []
         try:
             with torch.no_grad():
-                stats = self.pipeline.run(sorted(by_group), self._compute(by_group), extra=self._meta, vote=vote)
+                stats = self.pipeline.run(sorted(by_group), make_compute(self, by_group), extra=self._meta, vote=vote)
         except SwapStepError as exc:
             if not self.has_master:
                 raise  # the params are the master: nothing here to restore them from (SwappedState says so)
             raise self._restored(exc, items) from exc
         self.last_stats = stats
         return swap_phases(stats)
-
-    def _compute(self, by_group: Dict[int, List[Tuple[int, int, int, WorkItem]]]):
-        """The pipeline's compute: the kernel over each range of sub-group ``g``."""
-        kernel, threads, computed = self._kernel, self._threads, self.computed
-        jm = self._field(MASTER.name) if self.has_master else -1
-        rule = self.rule
-        states = [(name, self._field(name), self.fields[self._field(name)]) for name in rule.names]
-        rounding = self._rounding
-
-        def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
-            touched = page_in(by_group, g)  # params on NVMe: [Note: paged tensors]
-            computed.append(g)  # before the kernel: an exception inside it may have changed params
-            dense = self._decoded(by_group[g], s, e, tensors)  # ranges across blocks: [Note: steps across blocks]
-            step_rule = rule if dense is None else rule.base
-            for a, b, start, it in by_group[g]:
-                grad, kw, out, mode = it.grad, it.kwargs, it.out, it.mode
-                x, y = slice(a - s, b - s), slice(a - start, b - start)
-                master = out[y] if mode == "master" else tensors[jm][x]
-                lowp = out[y] if (out is not None and mode == "lowp") else None
-                views = {name: storage_slice(f, tensors[j], a - s, b - s) if dense is None
-                         else dense.view(j, a - s, b - s) for name, j, f in states}
-                kernel.rule_step(step_rule, master, grad[y], views, param_lowp=lowp, num_threads=threads,
-                                 **rounding(it, a - start, kw))
-                if out is not None and mode == "copy":
-                    out[y].copy_(master)
-            if dense is not None:
-                dense.store()
-            page_out(touched)
-
-        return compute
 
     def _decoded(self, pieces, s: int, e: int, tensors: List[torch.Tensor]) -> Optional[DecodedBlocks]:
         """The sub-group's blocked states decoded, when some range of it does not cover whole

@@ -84,11 +84,11 @@ import torch
 from offload.optim.context import StepContext, StepCounts
 from offload.optim.fingerprint import fingerprint, sample_indices
 from offload.optim.step_guard import failure_text, mark_consistent
-from offload.optim.swapped_params import check_params as _check_params, kernel_kwargs as _kernel_kwargs
+from offload.optim.swapped_params import check_params as _check_params, work_items as _work_items
 from offload.optim.swapped_ranges import compressed
 from offload.optim.swapped_shards import IN_PLACE_FIELDS, SwappedShards, WorkItem
 from offload.kernels.fields import ADAM, Rule, field_names
-from offload.kernels.quant import BLOCK, rounding_seed
+from offload.kernels.quant import BLOCK
 from offload.swap import SwapStepError
 from offload.swap.manifest_check import check_steps
 
@@ -249,8 +249,8 @@ class SwappedState:
 
     def _extra(self) -> Dict[str, Any]:
         """What each commit records with the moments (the core adds the identity)."""
-        return {"steps": self._counts(), "fingerprint": self.fingerprint(),
-                "shapes": [list(p.shape) for p in self.params]}
+        # (the shapes too, in the identity: made once, not at each commit)
+        return {"steps": self._counts(), "fingerprint": self.fingerprint()}
 
     def add_param_group(self, group: Dict[str, Any]) -> None:
         """Refused: the swap files are laid out for the params given at construction."""
@@ -285,31 +285,9 @@ class SwappedState:
     # ------------------------------------------------------------------ the step
     def _work(self, batches: Sequence[Tuple[Any, Sequence[Tuple[torch.Tensor, torch.Tensor, int]]]]
               ) -> Dict[int, WorkItem]:
-        """One work item per param that has a grad: its whole range, its output the param."""
-        work: Dict[int, WorkItem] = {}
-        for hyper, items in batches:
-            if getattr(hyper, "rule", self.rule.base) is not self.rule.base:
-                raise ValueError(f"a step of rule {hyper.rule.name!r} in a swap store of rule {self.rule.name!r} "
-                                 f"(states {list(self.names)}); build a new optimizer after changing "
-                                 "what the groups need (e.g. SGD's momentum from or to 0)")
-            for p, grad, step in items:
-                i = self._param_index(p)
-                if i in work:
-                    raise ValueError(f"param {i} appears twice in one step")
-                if grad.numel() != p.numel() or grad.device.type != "cpu":
-                    raise ValueError(f"param {i}: grad of {grad.numel()} elements on {grad.device}, "
-                                     f"expected {p.numel()} on cpu")
-                if int(step) < 1:
-                    raise ValueError(f"param {i}: step must be >= 1, got {step}")
-                off, kw = self._offsets[i], _kernel_kwargs(hyper, int(step))
-                if self.core.rounds:  # the host store's streams: the param's index, its own elements
-                    kw.update(rounding_seed=rounding_seed(int(step), i), element_offset=0)
-                # a non-contiguous param steps through a contiguous copy, written back once the
-                # step went through (a failed step leaves it as it was)
-                out = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).contiguous()  # one copy
-                work[i] = WorkItem(0, off, off + p.numel(), grad.detach().reshape(-1).contiguous(),
-                                   kw, out, "master")
-        return work
+        """One work item per param that has a grad (``swapped_params.work_items``)."""
+        return _work_items(batches, self.params, self._index, self._offsets, self.rule, self.core.rounds,
+                           self._param_index)
 
     def step(self, batches: Sequence[Tuple[Any, Sequence[Tuple[torch.Tensor, torch.Tensor, int]]]]) -> Dict[str, float]:
         if self._broken:
@@ -331,8 +309,7 @@ class SwappedState:
             p = self.params[i]
             if not p.is_contiguous():
                 p.detach().copy_(it.out.view(p.shape))
-        for i, n in pending.items():
-            self.ctx.steps.set(self.params[i], n)
+        self.ctx.steps.settle((self.params[i], n) for i, n in pending.items())
         return phases
 
     def _groups_of(self, i: int) -> range:

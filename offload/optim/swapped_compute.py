@@ -1,0 +1,126 @@
+"""The swapped store's compute: the kernel over each range of a sub-group (the pipeline's
+callback, see ``SwappedShards._step``).
+
+[Note: one kernel call per sub-group] A step of many small params (2000 of 64 elements) is
+2000 ranges in one sub-group. Each through ``rule_step`` costs its checks, its packing and a
+ctypes call (~20 us, 40 ms of a 60 ms step, bench/model_step.py 2000x64); the ranges of the
+float32 path are checked here in a few attribute reads and stepped by one
+``checked_rule_steps`` per distinct hyperparameters (the native backend: one
+``offload_rule_steps`` call; another backend steps them one by one without checking them
+again). The kernel and its constants are the same, so the bits are too. A range that needs
+more (compressed states, ranges across blocks, rounding keywords, a bf16 master, another
+dtype) goes through ``rule_step`` as before.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from offload.kernels._checks import GRAD_DTYPES, LOWP_DTYPES, check_threads
+from offload.kernels._rule_step import StepEntry, batchable
+from offload.kernels.fields import MASTER
+from offload.optim.swapped_ranges import page_in, page_out, storage_slice
+
+__all__ = ["make_compute"]
+
+_ROUNDING_KEYS = ("rounding_seed", "element_offset", "stochastic_states")
+_F32 = torch.float32
+
+
+class _Fixed:
+    """The ``hyper`` of ``checked_rule_steps`` for entries that share one kwargs dict."""
+
+    __slots__ = ("kw",)
+
+    def __init__(self, kw: Dict[str, Any]) -> None:
+        self.kw = kw
+
+    def kernel_kwargs(self, step: int) -> Dict[str, Any]:
+        return dict(self.kw)
+
+
+def _batched(kw: Dict[str, Any], master: torch.Tensor, grad: torch.Tensor, lowp: Optional[torch.Tensor]) -> bool:
+    """Whether a range can join the sub-group's batch: what ``rule_step`` would check of it
+    (the states are the buffer's own contiguous float32 slices of its size)."""
+    step = kw.get("step")
+    return (type(step) is int and step >= 1 and master.dtype is _F32 and grad.dtype in GRAD_DTYPES
+            and master.is_contiguous() and grad.is_contiguous()
+            and (lowp is None or (lowp.dtype in LOWP_DTYPES and lowp.is_contiguous()))
+            and not any(k in kw for k in _ROUNDING_KEYS))
+
+
+def _split_views(pieces, s: int, n: int, tensors: List[torch.Tensor], idx: List[int]) -> Optional[List[tuple]]:
+    """Each piece's views of the float32 states ``idx`` of a sub-group of ``n`` elements from
+    ``s``, cut by one ``split`` per state (a slice each cost ~1.5 us a range); None when
+    the pieces overlap (then each is sliced on its own)."""
+    order = sorted(range(len(pieces)), key=lambda k: pieces[k][0])
+    sizes, where, at = [], [0] * len(pieces), s
+    for k in order:
+        a, b = pieces[k][0], pieces[k][1]
+        if a < at:
+            return None
+        if a > at:
+            sizes.append(a - at)  # a gap: no range of this step
+        where[k] = len(sizes)
+        sizes.append(b - a)
+        at = b
+    if at < s + n:
+        sizes.append(s + n - at)
+    cut = [t.split(sizes) for t in (tensors[j] for j in idx)]
+    return [tuple(c[w] for c in cut) for w in where]
+
+
+def _whole(t: torch.Tensor, y: slice, n: int) -> torch.Tensor:
+    return t if y.start == 0 and y.stop == n else t[y]
+
+
+def make_compute(shards: Any, by_group: Dict[int, List[Tuple[int, int, int, Any]]]) -> Callable[..., None]:
+    """``compute(g, s, e, tensors)`` of the pipeline for ``shards`` (a SwappedShards) over the
+    ranges of ``by_group``; ``shards.computed`` lists the sub-groups it entered."""
+    kernel, threads, computed = shards._kernel, shards._threads, shards.computed
+    jm = shards._field(MASTER.name) if shards.has_master else -1
+    rule = shards.rule
+    states = [(name, shards._field(name), shards.fields[shards._field(name)]) for name in rule.names]
+    rounding = shards._rounding
+    fast = batchable(rule) and not shards.rounds
+    if fast:
+        check_threads(threads)  # (rule_step checks it per range)
+
+    def compute(g: int, s: int, e: int, tensors: List[torch.Tensor]) -> None:
+        touched = page_in(by_group, g)  # params on NVMe: [Note: paged tensors]
+        computed.append(g)  # before the kernel: an exception inside it may have changed params
+        dense = shards._decoded(by_group[g], s, e, tensors)  # ranges across blocks: [Note: steps across blocks]
+        step_rule = rule if dense is None else rule.base
+        batches: Dict[int, Tuple[Dict[str, Any], List[StepEntry]]] = {}
+        copies = []
+        pieces = by_group[g]
+        cut = _split_views(pieces, s, e - s, tensors, [j for _, j, _ in states]) if fast and dense is None else None
+        for k, (a, b, start, it) in enumerate(pieces):
+            grad, out, mode = it.grad, it.out, it.mode
+            x, y = slice(a - s, b - s), slice(a - start, b - start)
+            master = _whole(out, y, grad.numel()) if mode == "master" else tensors[jm][x]
+            lowp = _whole(out, y, grad.numel()) if (out is not None and mode == "lowp") else None
+            kw = rounding(it, a - start, it.kwargs)
+            if fast and dense is None and _batched(kw, master, grad, lowp):
+                # float32: the slice is the storage
+                views = cut[k] if cut is not None else tuple(tensors[j][x] for _, j, _ in states)
+                batch = batches.get(id(kw))
+                if batch is None:
+                    batch = batches[id(kw)] = (kw, [])
+                batch[1].append(StepEntry(master, _whole(grad, y, grad.numel()), views, lowp, kw["step"], None))
+            else:
+                views = {name: storage_slice(f, tensors[j], a - s, b - s) if dense is None
+                         else dense.view(j, a - s, b - s) for name, j, f in states}
+                kernel.rule_step(step_rule, master, grad[y], views, param_lowp=lowp, num_threads=threads, **kw)
+            if out is not None and mode == "copy":
+                copies.append((out[y], master))
+        for kw, entries in batches.values():
+            kernel.checked_rule_steps(rule, entries, _Fixed(kw), threads)
+        for dst, master in copies:  # after the kernel that updated master
+            dst.copy_(master)
+        if dense is not None:
+            dense.store()
+        page_out(touched)
+
+    return compute
