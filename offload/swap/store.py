@@ -178,7 +178,10 @@ class SwapStore:
             try:
                 f = open_file(full, write=True, create=create, exclusive=create, direct=direct, mode=0o600,
                               nofollow=True)
-            except FileNotFoundError if not create else ():  # deleted since the commit being resumed
+            except FileNotFoundError:
+                if create:
+                    raise
+                # deleted since the commit being resumed
                 raise FileNotFoundError(errno.ENOENT, self._lost_states("swap file missing"), full) from None
             self.files.append(f)
             if create:
