@@ -101,6 +101,30 @@ def test_a_second_ctrl_c_ends_an_import_that_hangs_at_once(tmp_path):
     assert rc == 130 and err.strip() == "offload: interrupted", (rc, err)
 
 
+def test_a_ctrl_c_held_in_process_goes_to_the_callers_own_sigint_handler(monkeypatch, capsys):
+    # offload.cli.main([...]) in a process with a SIGINT handler of its own (a notebook, a loop
+    # that stops at the end of its step): a Ctrl-C while the command was held became a
+    # KeyboardInterrupt and exit status 130, and the caller's handler never ran
+    from offload.cli import _command
+
+    seen = []
+    parse = _command._parse
+
+    def ctrl_c_while_held(argv):
+        os.kill(os.getpid(), signal.SIGINT)  # recorded by the hold, not yet handled
+        assert seen == []
+        return parse(argv)
+    monkeypatch.setattr(_command, "_parse", ctrl_c_while_held)
+    before = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        handler = signal.getsignal(signal.SIGINT)
+        assert main(PLAN) == 0
+        assert seen == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert "predicted optimizer step" in capsys.readouterr().out
+
+
 def test_import_offload_does_not_import_torch_until_a_name_is_used():
     code = ("import sys, offload; assert 'torch' not in sys.modules, 'torch imported'; "
             "assert offload.AdamW.__module__ == 'offload.optim.adam'; assert 'torch' in sys.modules; "

@@ -61,9 +61,14 @@ class CommandSignals:
 
     :meth:`ready` installs the handlers of the command proper (SIGINT: the one before,
     Python's KeyboardInterrupt; SIGTERM: :class:`Terminated`, as :func:`sigterm_raises`) and
-    only then raises what was recorded, so a signal in between is never lost. The handlers
-    before are restored on exit. A signal ignored (``nohup``), a C handler, or another thread
-    than the main one: left alone."""
+    only then delivers what was recorded to them, so a signal in between is never lost. The
+    handlers before are restored on exit. A signal ignored (``nohup``), a C handler, or another
+    thread than the main one: left alone.
+
+    Delivered, not raised: ``offload.cli.main([...])`` called in a process with a SIGINT
+    handler of its own (a notebook, a training loop that stops at the end of its step) got a
+    KeyboardInterrupt and exit status 130 for a Ctrl-C held here, and that handler never ran,
+    where the same Ctrl-C a moment later went to it."""
 
     def __init__(self) -> None:
         self.caught: list = []
@@ -89,7 +94,9 @@ class CommandSignals:
         if signal.SIGTERM in self._before:
             signal.signal(signal.SIGTERM, _raise_terminated)
         if self.caught:
-            raise KeyboardInterrupt if self.caught[0] == signal.SIGINT else Terminated()
+            # raise_signal runs the handler now (it checks for signals before it returns):
+            # Python's raises KeyboardInterrupt, ours Terminated, one of the caller's its own
+            signal.raise_signal(self.caught[0])
 
     def __exit__(self, *exc) -> None:
         for signum, before in self._before.items():
