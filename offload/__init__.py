@@ -21,6 +21,16 @@ __all__ = ["Adam", "AdamW", "SGD", "Adagrad", "Lion", "adam_step", "from_deepspe
            "set_num_threads", "get_num_threads",
            "__version__"]
 
+# What type checkers and IDEs read (never executed; ``typing`` is not imported for it, as the
+# command imports this file before it holds its signals): without it, the package ships py.typed
+# and mypy saw ``offload.AdamW`` as Any, IDEs neither completed nor went to these names.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from offload.integrations.deepspeed import from_deepspeed_config
+    from offload.kernels import get_num_threads, set_num_threads
+    from offload.optim import SGD, Adagrad, Adam, AdamW, Lion, adam_step
+    from offload.shard import full_state_dict, shard
+
 _HOME = {
     "get_num_threads": "offload.kernels", "set_num_threads": "offload.kernels",
     "SGD": "offload.optim", "Adagrad": "offload.optim", "Adam": "offload.optim", "AdamW": "offload.optim",
