@@ -26,11 +26,11 @@ would change nothing: it refuses, see [Note: a read copy refuses in-place change
 ``opt.state[p]["exp_avg"].zero_()`` (a reset of the moments after a loss spike, say) works on
 torch's tensors and on the views above, and was silently dropped on a copy: a run with
 ``state_dtype="int8"`` (or ``offload="nvme"``) went on with the old moments where the same
-code with bf16 states reset them. A copy is made an inference tensor (``torch.inference_mode``),
-on which torch refuses any in-place change outside inference mode with a RuntimeError ("Inplace
-update to inference tensor outside InferenceMode is not allowed"); reading, ``clone()``,
-arithmetic, ``torch.save`` work as before. Assigning (``opt.state[p][key] = t``) is the way
-to change one.
+code with bf16 states reset them. A copy is a ``ReadCopy`` (read_copy.py), which refuses an
+in-place change, also through ``.data``, ``.detach()`` or a view, with a RuntimeError; reading,
+``clone()``, arithmetic, autograd, ``torch.save`` work as before and give plain tensors.
+Assigning (``opt.state[p][key] = t``) is the way to change one. (An inference tensor first:
+it also refused autograd, and not ``.data.zero_()``.)
 
 ``state_dict()`` never returns these views: it reads full tensors from the store.
 """
@@ -40,6 +40,8 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
+
+from offload.optim.read_copy import read_copy
 
 __all__ = ["SwappedEntry", "attach", "detach"]
 
@@ -154,9 +156,8 @@ def _piece(store: Any, p: torch.Tensor):
 
 def _read_copy(vals: torch.Tensor, param: torch.Tensor, whole: bool) -> torch.Tensor:
     """``vals`` as a copy that refuses in-place changes: [Note: a read copy refuses in-place changes]."""
-    with torch.inference_mode():
-        out = vals.clone()
-        return out.view(param.shape) if whole else out
+    out = vals.clone()
+    return read_copy(out.view(param.shape) if whole else out)
 
 
 def _closed_store(st: Any, param: Any) -> bool:

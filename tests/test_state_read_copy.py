@@ -1,0 +1,92 @@
+"""A state read as a copy (``offload="nvme"``, int8 states decoded) refuses an in-place change
+and nothing else ([Note: a read copy refuses in-place changes] in offload/optim/state_view.py,
+offload/optim/read_copy.py).
+
+It was an inference tensor at first, which refused more: a penalty weighted by Adam's second
+moment, ``(opt.state[p]["exp_avg_sq"] * (w - w0) ** 2).sum().backward()``, raised "Inference
+tensors cannot be saved for backward" where the same line on torch's states ran; and less:
+``.data.zero_()`` and ``.detach().zero_()`` went through and were silently lost."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import offload
+
+# (param dtype, offload, state_dtype): read from the swap files; decoded from int8 blocks in RAM
+CASES = [("float32", "nvme", "float32"), ("bfloat16", "nvme", "bfloat16"), ("bfloat16", "cpu", "int8")]
+IDS = ["-".join(c) for c in CASES]
+
+
+def _stepped(tmp_path, dtype, kind, state_dtype):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(40, 300).to(getattr(torch, dtype))  # 12000 weights: several int8 blocks
+    kw = {"swap_dir": str(tmp_path)} if kind == "nvme" else {}
+    opt = offload.AdamW(m.parameters(), lr=1e-2, offload=kind, state_dtype=state_dtype, **kw)
+    m(torch.randn(4, 40).to(m.weight.dtype)).float().square().mean().backward()
+    opt.step()
+    return m, opt
+
+
+@pytest.mark.parametrize("dtype,kind,state_dtype", CASES, ids=IDS)
+def test_a_read_copy_takes_part_in_autograd_as_torchs_state_does(tmp_path, dtype, kind, state_dtype):
+    m, opt = _stepped(tmp_path, dtype, kind, state_dtype)
+    try:
+        v = opt.state[m.weight]["exp_avg_sq"]
+        plain = opt.state_dict()["state"][0]["exp_avg_sq"]
+        w0 = torch.randn(m.weight.shape)
+        w = torch.randn(m.weight.shape, requires_grad=True)
+        (v * (w - w0) ** 2).sum().backward()  # an EWC-like penalty: v is saved for backward
+        assert type(w.grad) is torch.Tensor
+        assert torch.equal(w.grad, 2 * plain * (w.detach() - w0))
+        assert torch.equal(v, plain)  # and the read itself is the stored state
+    finally:
+        opt.close()
+
+
+CHANGES = {
+    "zero_": lambda t: t.zero_(),
+    "data.zero_": lambda t: t.data.zero_(),
+    "detach.zero_": lambda t: t.detach().zero_(),
+    "view.fill_": lambda t: t.view(-1)[:5].fill_(1.0),
+    "iadd": lambda t: t.__iadd__(1.0),
+    "setitem": lambda t: t.__setitem__(0, 1.0),
+    "out=": lambda t: torch.mul(t, 2.0, out=t),
+    "relu inplace": lambda t: torch.nn.functional.relu(t, inplace=True),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("dtype,kind,state_dtype", CASES, ids=IDS)
+def test_an_in_place_change_of_a_read_copy_is_refused_however_spelled(tmp_path, dtype, kind, state_dtype, change):
+    m, opt = _stepped(tmp_path, dtype, kind, state_dtype)
+    try:
+        got = opt.state[m.weight]["exp_avg"]
+        was = got.clone()
+        with pytest.raises(RuntimeError):  # ours says why and what to do instead
+            CHANGES[change](got)
+        assert torch.equal(got, was)  # not even the copy changed
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], was)
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("dtype,kind,state_dtype", CASES, ids=IDS)
+def test_a_read_copy_saves_and_copies_as_a_plain_tensor(tmp_path, dtype, kind, state_dtype):
+    m, opt = _stepped(tmp_path, dtype, kind, state_dtype)
+    try:
+        got = opt.state[m.weight]["exp_avg"]
+        buf = io.BytesIO()
+        torch.save({"exp_avg": got}, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=True)["exp_avg"]  # knows no class of ours
+        mine = copy.deepcopy(got)
+        for t in (loaded, mine, got * 1.0, got.clone()):
+            assert type(t) is torch.Tensor and torch.equal(t, got)
+        mine.zero_()  # a tensor of the user's own
+        assert repr(got).startswith("tensor(")
+    finally:
+        opt.close()
