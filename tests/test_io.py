@@ -664,3 +664,24 @@ def test_dropped_engine_releases_its_threads(workdir):
             break
         time.sleep(0.05)
     assert not extra, [t.name for t in extra]
+
+
+def test_a_ring_made_with_stdin_closed():
+    """With fd 0 closed (a daemon, ``cmd <&-``) python-liburing's ring landed on fd 0, which it
+    takes for a ring never set up: `offload info` failed ("io_uring_queue_exit(ring) not
+    initialized") and so would the engine. /dev/null holds fd 0 while a ring is made."""
+    import sys
+
+    from offload.io import uring_ring
+
+    why = uring_ring.uring_unavailable_reason()
+    if why is not None:
+        pytest.skip(f"io_uring unavailable here: {why}")
+    code = ("import os\n"
+            "os.close(0)\n"
+            "from offload.io.uring_ring import uring_unavailable_reason\n"
+            "assert uring_unavailable_reason() is None, uring_unavailable_reason()\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "offload", "info"], timeout=120, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, preexec_fn=lambda: os.close(0))
+    assert out.returncode == 0 and "not initialized" not in out.stderr, out.stderr

@@ -38,6 +38,7 @@ child (a DataLoader worker) at once.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import errno
 import functools
@@ -304,6 +305,24 @@ def _liburing():
     return liburing
 
 
+@contextlib.contextmanager
+def fd0_taken():
+    """With fd 0 closed (a daemon, ``cmd <&-``) the next file opened is fd 0, and python-liburing
+    takes a ring on fd 0 for one never set up (``io_uring_queue_exit(ring)`` "not initialized",
+    so `offload info` failed and the engine could not be made): /dev/null holds fd 0 while a
+    ring is made, and is closed after."""
+    held = -1
+    try:
+        os.fstat(0)
+    except OSError:
+        held = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        yield
+    finally:
+        if held >= 0:
+            os.close(held)
+
+
 def uring_unavailable_reason() -> Optional[str]:
     """None if an io_uring ring can be set up here, else why not (probed, not guessed)."""
     if not hasattr(os, "eventfd"):
@@ -314,7 +333,8 @@ def uring_unavailable_reason() -> Optional[str]:
         return str(exc)
     ring = L.Ring()
     try:
-        L.io_uring_queue_init(2, ring)
+        with fd0_taken():
+            L.io_uring_queue_init(2, ring)
     except OSError as exc:
         return (f"io_uring_queue_init failed: {os.strerror(exc.errno or errno.ENOSYS)} "
                 "(io_uring disabled by sysctl kernel.io_uring_disabled, or blocked by a seccomp filter)")
@@ -332,7 +352,8 @@ class LiburingRing:
         L = self._L = _liburing()
         self._ring = L.Ring()
         try:
-            L.io_uring_queue_init(entries, self._ring)
+            with fd0_taken():
+                L.io_uring_queue_init(entries, self._ring)
         except OSError as exc:
             err = exc.errno or errno.ENOSYS
             raise OSError(err, f"io_uring_queue_init({entries}) failed: {os.strerror(err)} (io_uring disabled "
