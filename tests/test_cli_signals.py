@@ -125,23 +125,27 @@ def test_a_ctrl_c_held_in_process_goes_to_the_callers_own_sigint_handler(monkeyp
     assert "predicted optimizer step" in capsys.readouterr().out
 
 
+def _in_a_fresh_interpreter(*statements: str) -> None:
+    subprocess.run([sys.executable, "-c", "; ".join(statements)], check=True, timeout=120)
+
+
 def test_import_offload_does_not_import_torch_until_a_name_is_used():
-    code = ("import sys, offload; assert 'torch' not in sys.modules, 'torch imported'; "
-            "assert offload.AdamW.__module__ == 'offload.optim.adam'; assert 'torch' in sys.modules; "
-            "assert offload.kernels.get_backend; assert 'AdamW' in dir(offload); "
-            "import pytest; pytest.raises(AttributeError, getattr, offload, 'no_such_name')")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    _in_a_fresh_interpreter(
+        "import sys, offload", "assert 'torch' not in sys.modules, 'torch imported'",
+        "assert offload.AdamW.__module__ == 'offload.optim.adam'", "assert 'torch' in sys.modules",
+        "assert offload.kernels.get_backend", "assert 'AdamW' in dir(offload)",
+        "import pytest", "pytest.raises(AttributeError, getattr, offload, 'no_such_name')")
 
 
 def test_offload_shard_stays_the_function_whoever_loads_the_subpackage_first():
     # the subpackage offload.shard, loaded by the optimizer's import (or by the user's), was
     # bound over the function of that name once names became lazy: offload.shard(model)
     # raised "'module' object is not callable" in 250 tests
-    code = ("import sys, offload.shard.api, offload.optim, offload; "
-            "assert offload.shard is sys.modules['offload.shard'].shard, offload.shard; "
-            "import offload.shard.units; from offload.shard import load_weights; "
-            "assert offload.shard is sys.modules['offload.shard'].shard; assert callable(offload.full_state_dict)")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    _in_a_fresh_interpreter(
+        "import sys, offload.shard.api, offload.optim, offload",
+        "assert offload.shard is sys.modules['offload.shard'].shard, offload.shard",
+        "import offload.shard.units", "from offload.shard import load_weights",
+        "assert offload.shard is sys.modules['offload.shard'].shard", "assert callable(offload.full_state_dict)")
 
 
 # -- --json on failure: one error object on stdout, the line on stderr, the exit status --------
