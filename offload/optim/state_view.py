@@ -154,9 +154,10 @@ def _piece(store: Any, p: torch.Tensor):
     return fg, piece, piece.lo - start, piece.hi - start
 
 
-def _read_copy(vals: torch.Tensor, param: torch.Tensor, whole: bool) -> torch.Tensor:
-    """``vals`` as a copy that refuses in-place changes: [Note: a read copy refuses in-place changes]."""
-    out = vals.clone()
+def _read_copy(vals: torch.Tensor, param: torch.Tensor, whole: bool, fresh: bool) -> torch.Tensor:
+    """``vals`` as a copy that refuses in-place changes: [Note: a read copy refuses in-place changes].
+    ``fresh``: ``vals`` is a new tensor nobody else holds (a swap read, a decode), not copied again."""
+    out = vals if fresh else vals.clone()
     return read_copy(out.view(param.shape) if whole else out)
 
 
@@ -174,12 +175,12 @@ def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[tor
         if param.numel() == 0:  # no bytes in the swap files; torch's state holds empty moments
             return torch.zeros(param.shape, dtype=torch.float32)
         if hasattr(st, "read_state"):  # SwappedState: fp32 CPU params, whole
-            return _read_copy(st.read_state(param)[st.names.index(key)], param, True)
+            return _read_copy(st.read_state(param)[st.names.index(key)], param, True, fresh=True)
         fg, piece, lo, hi = _piece(st, param)
         if piece is None or st._swap is None:
             return None
         vals = st._swap.read(st._groups.index(fg), lo, hi, (key,))[key]
-        return _read_copy(vals, param, piece.numel == param.numel())
+        return _read_copy(vals, param, piece.numel == param.numel(), fresh=True)  # read into new tensors
 
     return read
 
@@ -222,7 +223,8 @@ def _flat_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[torch.
         fg, piece, lo, hi = _piece(st, param)
         if piece is None:
             return None
-        return _read_copy(_values(fg, key, lo, hi), param, piece.numel == param.numel())
+        fresh = fg.field(key).dtype != torch.float32  # decoded into a new tensor, else the buffer itself
+        return _read_copy(_values(fg, key, lo, hi), param, piece.numel == param.numel(), fresh)
 
     return read
 
