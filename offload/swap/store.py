@@ -143,6 +143,10 @@ class SwapStore:
             self.valid = [False] * self.layout.num_groups
             self.checksums: Dict[int, List[List[int]]] = {}
             self.extra: Dict[str, Any] = {}
+            # The preallocated files' sizes and extents are durable before any manifest names
+            # them: a power cut between the two must not leave a manifest whose files look
+            # truncated ("step 0 lost" on resume, when nothing was held).
+            self.sync()
             self._write_manifest()
 
     def _replace_left_over(self, manifest_path: str) -> None:
@@ -192,7 +196,7 @@ class SwapStore:
                         raise OSError(exc.errno, f"no space to preallocate swap file of {need} bytes "
                                       f"({2 * need} needed for both slots)", self.path) from exc
                     raise
-                self._unsynced.add(len(self.files) - 1)  # its size and extents: durable with the first commit
+                self._unsynced.add(len(self.files) - 1)  # its size and extents: synced before the first manifest
             elif f.size < need:
                 raise ValueError(f"{full}: " + self._lost_states(f"swap file truncated to {f.size} of {need} bytes"))
         if direct is None and not all(f.direct for f in self.files):
