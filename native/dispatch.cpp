@@ -431,7 +431,9 @@ int rule_steps(const offload_step_args *args, int64_t count, int num_threads, in
 
 extern "C" {
 
-int offload_abi_version(void) { return 6; }
+int offload_abi_version(void) { return 7; }
+
+int64_t offload_block_elems(void) { return kBlock; }
 
 int offload_omp_pool(void) { return loaded_omp_pool() ? 1 : 0; }
 

@@ -43,9 +43,13 @@ OFFLOAD_API int offload_isa_supported(int isa);
 /* The ISA that OFFLOAD_ISA_BEST selects. */
 OFFLOAD_API int offload_isa_best(void);
 /* ABI version of this face (3: Q8 / BF16 states, BF16 params, struct offload_quant; 4: Q8U codes
- * square roots; 5: offload_rule_steps, the prefetch switch; 6: the pool switch); the Python side
- * refuses a library whose version differs. */
+ * square roots; 5: offload_rule_steps, the prefetch switch; 6: the pool switch; 7:
+ * offload_block_elems); the Python side refuses a library whose version differs. */
 OFFLOAD_API int offload_abi_version(void);
+/* The element count of the ranges a step and offload_grad_sumsq hand to threads
+ * (OFFLOAD_BLOCK_ELEMS). The grad norm's bits depend on it, and the numba backend cuts the same
+ * ranges, so the Python side refuses a library built with another. */
+OFFLOAD_API int64_t offload_block_elems(void);
 /* 1 if OFFLOAD_POOL_AUTO would run on an OpenMP pool now (libgomp loaded, no fork since), else 0. */
 OFFLOAD_API int offload_omp_pool(void);
 

@@ -14,14 +14,14 @@ import errno
 import pytest
 import torch
 
-from offload.kernels._native_abi import ADAM_STEP
+from offload.kernels._native_abi import ADAM_STEP, BLOCK_ELEMS
 from offload.kernels.fields import ADAGRAD, ADAM, ADAM_AMSGRAD, LION, SGD
 from offload.kernels.quant import encode_blocks, rounding_seed
 from offload.optim.functional import RuleHyper, rule_step
 
 from test_kernels import backend, _native_or_none  # noqa: F401  (the backend fixture)
 
-BLOCK = 1 << 16  # OFFLOAD_BLOCK_ELEMS
+BLOCK = BLOCK_ELEMS  # OFFLOAD_BLOCK_ELEMS
 SIZES = [300, BLOCK + 5, 7, 0, 17, 2 * BLOCK, 1, BLOCK - 1, BLOCK + BLOCK // 2, 4096, 5000, 3]
 STEPS = [3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]
 

@@ -160,16 +160,19 @@ class _Wider(ctypes.Structure):
     _fields_ = StepArgs._fields_ + [("extra", ctypes.c_int64)]
 
 
-@pytest.mark.parametrize("change", ["layout", "abi"])
+@pytest.mark.parametrize("change", ["layout", "abi", "block"])
 def test_library_of_another_layout_is_refused(monkeypatch, change):
     if _native() is None:
         pytest.skip("native library not built")
     if change == "layout":
         monkeypatch.setattr(native_backend, "StepArgs", _Wider)
         match = r"struct offload_step_args has 256 bytes, this package's mirror 264; rebuild"
+    elif change == "block":  # a library built with -DOFFLOAD_BLOCK_ELEMS=...: numba's grad norm would differ
+        monkeypatch.setattr(native_backend, "BLOCK_ELEMS", 1 << 15)
+        match = r"hands threads ranges of 65536 elements \(OFFLOAD_BLOCK_ELEMS\), this package's backends 32768"
     else:
         monkeypatch.setattr(native_backend, "ABI_VERSION", 1)
-        match = r"has ABI 6, this package expects 1; rebuild it"
+        match = r"has ABI 7, this package expects 1; rebuild it"
     with pytest.raises(OSError, match=match) as info:
         native_backend.load_library()
     assert info.value.errno == errno.ENOEXEC

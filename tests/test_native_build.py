@@ -86,6 +86,7 @@ def test_library_exports_only_the_c_face():
     assert names == {"offload_abi_version", "offload_isa_supported", "offload_isa_best",
                      "offload_step_args_size", "offload_rule_step", "offload_rule_steps", "offload_grad_sumsq",
                      "offload_omp_pool",  # [Note: torch's OpenMP pool]
+                     "offload_block_elems",
                      # the io engine's ring (native/uring_ring.cpp)
                      "offload_uring_open", "offload_uring_queue", "offload_uring_submit",
                      "offload_uring_reap", "offload_uring_fd", "offload_uring_close"}

@@ -15,11 +15,12 @@ import torch
 
 import offload
 import offload.kernels as K
+from offload.kernels._native_abi import BLOCK_ELEMS
 
 pytestmark = pytest.mark.backends_by_name
 
 SUB = 512  # kSumsqSub
-BLOCK = 1 << 16  # the dispatch ranges (OFFLOAD_BLOCK_ELEMS)
+BLOCK = BLOCK_ELEMS  # the dispatch ranges (OFFLOAD_BLOCK_ELEMS)
 # every cut: steps of 16, sub-blocks, the 4 streams of sub-blocks, the dispatch ranges
 SIZES = [1, 15, 16, 17, 511, 512, 513, 2047, 2048, 2049, 3 * 4 * SUB - 1, 3 * 4 * SUB + 17,
          BLOCK - 1, BLOCK, BLOCK + 1, BLOCK + 4 * SUB - 1, 2 * BLOCK + 2049, 2**20 + 3]

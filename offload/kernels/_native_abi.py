@@ -17,10 +17,13 @@ from typing import List, Tuple
 from .adam_consts import AdamConsts
 from .rule_consts import AdagradConsts, LionConsts, SgdConsts
 
-__all__ = ["Array", "Quant", "COMPRESSED_STEP", "AdamConstsC", "RuleConsts", "StepArgs", "MAX_STATES", "ADAM_STEP", "ADAM_CONSTS",
+__all__ = ["BLOCK_ELEMS", "Array", "Quant", "COMPRESSED_STEP", "AdamConstsC", "RuleConsts", "StepArgs", "MAX_STATES", "ADAM_STEP", "ADAM_CONSTS",
            "STEP_STATES", "AMSGRAD_STEP", "SGD_CONSTS", "ADAGRAD_CONSTS", "LION_CONSTS"]
 
 MAX_STATES = 4  # OFFLOAD_MAX_STATES
+# OFFLOAD_BLOCK_ELEMS (native/parallel.h): the ranges the library hands to threads, which the
+# numba grad norm cuts too (same bits); load_library refuses a library that reports another.
+BLOCK_ELEMS = 1 << 16
 
 
 class Array(ctypes.Structure):

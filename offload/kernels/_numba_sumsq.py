@@ -27,11 +27,12 @@ import numpy as np
 from numba import njit, prange
 
 from . import _numba_f32x8 as v8
+from ._native_abi import BLOCK_ELEMS
 from ._numba_bits import bf16_to_float, f32_from_bits, half_to_float
 
 __all__ = ["SUMSQ_BLOCK", "sumsq_parallel", "sumsq_serial"]
 
-SUMSQ_BLOCK = 1 << 16  # native/parallel.h OFFLOAD_BLOCK_ELEMS: the ranges dispatch.cpp hands out
+SUMSQ_BLOCK = BLOCK_ELEMS  # the ranges dispatch.cpp hands out (checked against the library at its load)
 _SUB = 512  # kSumsqSub: 2 accumulators x 8 lanes x 32 steps
 _STREAMS = 4  # kSumsqStreams
 _TINY = np.float32(2.0 ** -100)  # kSumsqTiny

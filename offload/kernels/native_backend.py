@@ -20,7 +20,7 @@ import torch
 
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads, written_overlap
 from . import quant
-from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, AMSGRAD_STEP, COMPRESSED_STEP, LION_CONSTS,
+from ._native_abi import (ADAGRAD_CONSTS, BLOCK_ELEMS, ADAM_CONSTS, ADAM_STEP, AMSGRAD_STEP, COMPRESSED_STEP, LION_CONSTS,
                           SGD_CONSTS, STEP_STATES, StepArgs)
 from ._rule_step import RULE_CODES, RuleStepFace, batch_plan, bound_args
 from .native_prepared import PreparedBatch
@@ -34,7 +34,7 @@ __all__ = ["NativeBackend", "LIB_PATH", "ISA_CODES", "load_library"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_PATH = os.path.join(HERE, "liboffload_native.so")
 ERROR_PATH = os.path.join(HERE, "native_build_error.txt")
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # avx512vbmi: the avx512 unit with VBMI byte permutes for int8 states (the same bits, faster;
 # native/q8_avx512vbmi.cpp); supported only where the CPU has VBMI
@@ -76,6 +76,12 @@ def load_library() -> ctypes.CDLL:
     if lib.offload_abi_version() != ABI_VERSION:
         raise OSError(errno.ENOEXEC, f"{LIB_PATH} has ABI {lib.offload_abi_version()}, "
                       f"this package expects {ABI_VERSION}; rebuild it", LIB_PATH)
+    lib.offload_block_elems.restype = _c_i64
+    lib.offload_block_elems.argtypes = []
+    if lib.offload_block_elems() != BLOCK_ELEMS:  # the numba backend's sumsq cuts these ranges too
+        raise OSError(errno.ENOEXEC, f"{LIB_PATH} hands threads ranges of {lib.offload_block_elems()} elements "
+                      f"(OFFLOAD_BLOCK_ELEMS), this package's backends {BLOCK_ELEMS}; rebuild it without "
+                      "-DOFFLOAD_BLOCK_ELEMS", LIB_PATH)
     lib.offload_isa_supported.restype = _c_int
     lib.offload_isa_supported.argtypes = [_c_int]
     lib.offload_isa_best.restype = _c_int
