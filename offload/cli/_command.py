@@ -8,7 +8,8 @@ import logging
 import sys
 from typing import List, Optional
 
-from ._outcome import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USAGE, fail, json_requested
+from ._outcome import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, EXIT_TERMINATED, EXIT_USAGE, drop_stdout,
+                       fail, json_requested, stdout_reader_gone)
 from ._signals import CommandSignals, Terminated
 
 __all__ = ["SUBCOMMANDS", "build_parser", "run_held"]
@@ -88,8 +89,13 @@ def run_held(argv: Optional[List[str]], signals: CommandSignals) -> int:
         for name in ENGINE_MODULES:
             importlib.import_module(name)
         signals.ready()  # from here a Ctrl-C raises KeyboardInterrupt, a SIGTERM Terminated
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit
+        return code
     except (OSError, ValueError, RuntimeError, NotImplementedError) as exc:
+        if isinstance(exc, BrokenPipeError) and stdout_reader_gone():  # [Note: a reader that went away]
+            drop_stdout()
+            return EXIT_PIPE_CLOSED
         command = getattr(args, "command", None)
         return fail(command, EXIT_FAILURE, str(exc), json_requested(command, args))
     except KeyboardInterrupt:

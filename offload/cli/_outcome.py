@@ -9,21 +9,33 @@ error instead of the reason. A failure (an error, a usage error, Ctrl-C, SIGTERM
 
 besides the line on stderr, and the exit status is non-zero as before. ``bench-io`` and
 ``demo`` take ``--json FILE``: a failed run writes no FILE (an existing one is left as it was).
+
+[Note: a reader that went away] ``offload info --json | head -c1``: the reader closes the pipe,
+and the next write to stdout raised BrokenPipeError, which ended the command as a failure
+("error: [Errno 32] Broken pipe", exit 1), or, when the output was still in Python's buffer,
+as "Exception ignored ... BrokenPipeError" at the interpreter's exit. A reader closing early
+chose to read no more, as with any Unix filter: the command ends quietly with the status a
+shell reports for a process SIGPIPE ended (141, what coreutils give), stdout pointed at
+/dev/null so that nothing is written there again. Only when stdout's reader is gone: a
+BrokenPipeError from another pipe stays an error.
 """
 from __future__ import annotations
 
 import json
+import os
+import select
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_TERMINATED",
-           "json_requested", "fail"]
+__all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "EXIT_PIPE_CLOSED",
+           "json_requested", "fail", "stdout_reader_gone", "drop_stdout"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2          # argparse's own
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
 EXIT_TERMINATED = 143   # 128 + SIGTERM
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: stdout's reader went away ([Note: a reader that went away])
 
 # the commands whose --json is a flag that prints to stdout (bench-io's and demo's name a file)
 JSON_ON_STDOUT = ("info", "plan", "report")
@@ -53,5 +65,30 @@ def fail(command: Optional[str], exit_code: int, message: str, as_json: bool, sa
         try:
             print(json.dumps(doc, indent=2, sort_keys=True), flush=True)
         except OSError:  # stdout closed (a reader that went away): stderr said it already
-            pass
+            drop_stdout()
     return exit_code
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe (or socket) whose reading end is closed: poll reports POLLERR
+    for the write end of a pipe without readers."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, 0)  # POLLERR and POLLHUP are reported whatever the mask
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def drop_stdout() -> None:
+    """Point stdout's descriptor at /dev/null: what Python still buffers for it goes there at
+    the interpreter's exit, not into a second BrokenPipeError ([Note: a reader that went away])."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
