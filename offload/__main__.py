@@ -1,5 +1,3 @@
-import sys
+from offload.cli import command
 
-from offload.cli import main
-
-sys.exit(main())
+command()

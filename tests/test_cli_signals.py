@@ -39,19 +39,23 @@ _CHILD = textwrap.dedent("""
             return None
 
     sys.meta_path.insert(0, Stop())
-    from offload.cli import main
-    sys.exit(main())
+    from offload.cli import command
+    command()
 """)
+# offload.cli.main([...]) called by a program that goes on after it (a notebook)
+_IN_PROCESS_CHILD = _CHILD.replace("from offload.cli import command\ncommand()\n",
+                                   "from offload.cli import main\nprint('alive after', main(sys.argv[1:]))\n")
+assert _IN_PROCESS_CHILD != _CHILD
 
 PLAN = ["plan", "--params", "1B", "--no-probe"]
 
 
-def _stopped_child(tmp_path, module, argv, signums, go=True):
+def _stopped_child(tmp_path, module, argv, signums, go=True, child=_CHILD):
     """Run the command, send ``signums`` while it waits in the import of ``module``, let it
     go on (``go``); returns (returncode, stdout, stderr)."""
     blocked, gofile = tmp_path / "blocked", tmp_path / "go"
     env = dict(os.environ, T_BLOCKED=str(blocked), T_GO=str(gofile), T_MODULE=module)
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, *argv], env=env, cwd=str(tmp_path),
+    proc = subprocess.Popen([sys.executable, "-c", child, *argv], env=env, cwd=str(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -99,6 +103,14 @@ def test_a_second_ctrl_c_ends_an_import_that_hangs_at_once(tmp_path):
     # no "go": the import would wait forever; the second Ctrl-C must not
     rc, out, err = _stopped_child(tmp_path, "torch", PLAN, [signal.SIGINT, signal.SIGINT], go=False)
     assert rc == 130 and err.strip() == "offload: interrupted", (rc, err)
+
+
+def test_a_second_ctrl_c_in_process_interrupts_the_import_and_leaves_the_caller_alive(tmp_path):
+    # offload.cli.main([...]) in a notebook: the second Ctrl-C called os._exit and ended the kernel
+    rc, out, err = _stopped_child(tmp_path, "torch", PLAN, [signal.SIGINT, signal.SIGINT], go=False,
+                                  child=_IN_PROCESS_CHILD)
+    assert rc == 0 and out.strip() == "alive after 130", (rc, out, err)
+    assert err.strip().endswith(": interrupted") and "Traceback" not in err, err
 
 
 def test_a_ctrl_c_held_in_process_goes_to_the_callers_own_sigint_handler(monkeypatch, capsys):

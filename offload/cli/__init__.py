@@ -11,14 +11,24 @@ from __future__ import annotations
 
 from ._signals import CommandSignals
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "command", "build_parser"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    with CommandSignals() as signals:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """Run ``offload ARGV...`` and return its exit status. ``own_process``: this process is
+    the command (the console script, ``python -m offload``), so that a second Ctrl-C while it
+    starts may end it ([Note: signals while the command starts] in cli/_signals.py)."""
+    with CommandSignals(own_process) as signals:
         from ._command import run_held
 
         return run_held(argv, signals)
+
+
+def command() -> None:
+    """The ``offload`` console script: ``main`` in a process of its own, then exit."""
+    import sys
+
+    sys.exit(main(own_process=True))
 
 
 def build_parser():

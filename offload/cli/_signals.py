@@ -57,7 +57,11 @@ class CommandSignals:
     import: a traceback, a C++ abort (-6) from torch's init, or nothing at all when it lands in
     the NumPy import that torch's C++ init makes, which catches the failure, warns and goes
     on without NumPy (the command then ran to the end: about one early Ctrl-C in eight). A
-    second signal while held ends the process at once (an import that hangs).
+    second signal while held stops the wait at once (an import that hangs): the ``offload``
+    command (``own_process``) exits with its one line; ``offload.cli.main([...])`` called in a
+    process of its own (a notebook) hands it to the handler before, now (Python's raises
+    KeyboardInterrupt in the import), and exits only where that is the signal's default action:
+    ending the caller's interpreter was not ours to do.
 
     :meth:`ready` installs the handlers of the command proper (SIGINT: the one before,
     Python's KeyboardInterrupt; SIGTERM: :class:`Terminated`, as :func:`sigterm_raises`) and
@@ -70,9 +74,10 @@ class CommandSignals:
     KeyboardInterrupt and exit status 130 for a Ctrl-C held here, and that handler never ran,
     where the same Ctrl-C a moment later went to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, own_process: bool = False) -> None:
         self.caught: list = []
         self._before: dict = {}
+        self._own_process = own_process
 
     def __enter__(self) -> "CommandSignals":
         if threading.current_thread() is threading.main_thread():
@@ -84,9 +89,16 @@ class CommandSignals:
         return self
 
     def _hold(self, signum, frame) -> None:
-        if self.caught:
+        if not self.caught:
+            self.caught.append(signum)
+            return
+        before = self._before[signum]
+        if self._own_process or not callable(before):
             exit_at_once(signum)
-        self.caught.append(signum)
+        # in-process: the handlers before, back now, and this signal to its own
+        for held, handler in self._before.items():
+            signal.signal(held, handler)
+        before(signum, frame)
 
     def ready(self) -> None:
         if signal.SIGINT in self._before:
