@@ -90,3 +90,25 @@ def test_a_read_copy_saves_and_copies_as_a_plain_tensor(tmp_path, dtype, kind, s
         assert repr(got).startswith("tensor(")
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("dtype,kind,state_dtype", CASES, ids=IDS)
+def test_a_read_copy_is_a_read_only_numpy_array(tmp_path, dtype, kind, state_dtype):
+    np = pytest.importorskip("numpy")
+    m, opt = _stepped(tmp_path, dtype, kind, state_dtype)
+    try:
+        got = opt.state[m.weight]["exp_avg"]
+        if got.dtype == torch.bfloat16:  # NumPy has no bf16: .numpy() refuses it anyway
+            with pytest.raises(TypeError):
+                got.numpy()
+            return
+        was = got.clone()
+        for arr in (got.numpy(), np.asarray(got), got.detach().numpy(), got.view(-1)[:5].numpy()):
+            with pytest.raises(ValueError, match="read-only"):
+                arr[0] = 1.0  # the write went into the copy and was silently lost
+            assert np.array_equal(arr.reshape(-1), was.view(-1)[:arr.size].numpy())  # reads work
+        assert torch.equal(got, was)
+        mine = got.clone().numpy()  # a copy of the user's own stays writable
+        mine[0] = 1.0
+    finally:
+        opt.close()

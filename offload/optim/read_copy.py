@@ -13,7 +13,9 @@ So a copy is this subclass (``__torch_function__``): an in-place op on it, on a 
 sharing its memory (``.data``, ``.detach()``, a view, an index) or with it as ``out=`` raises
 RuntimeError; every other op runs as on a plain tensor, autograd included, and what it returns
 is a plain tensor unless it shares the copy's memory. ``torch.save``, pickle and deepcopy
-give plain tensors (``torch.load(weights_only=True)`` knows no other class).
+give plain tensors (``torch.load(weights_only=True)`` knows no other class). ``.numpy()`` and
+``np.asarray`` give a read-only array over its memory (numpy then refuses writes: "assignment
+destination is read-only"); a raw pointer (``data_ptr``, DLPack) is not guarded.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import torch
 
 __all__ = ["ReadCopy", "read_copy"]
 
+# What hands out the copy's memory as a NumPy array: made read-only.
+_TO_NUMPY = frozenset({"numpy", "__array__"})
 # In-place by name (``zero_``, ``add_``, ``torch.relu_``, ``nn.init.zeros_``), less the ones
 # that change no values; the operators and item assignment by their dunders.
 _NOT_A_CHANGE = frozenset({"requires_grad_", "share_memory_", "detach_", "rename_"})
@@ -80,6 +84,8 @@ class ReadCopy(torch.Tensor):
             memories = {_memory(t) for a in (*args, *kwargs.values()) for t in _tensors(a)
                         if isinstance(t, ReadCopy)}
             memories.discard(0)  # no elements: nothing to lose
+            if getattr(func, "__name__", "") in _TO_NUMPY and hasattr(out, "flags"):
+                out.flags.writeable = False
             return _kept(out, memories)
 
     def __repr__(self, *, tensor_contents=None) -> str:  # tensor(...), as a state read before
