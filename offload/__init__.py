@@ -10,9 +10,9 @@ could run, and a Ctrl-C in that time landed inside torch's import (a traceback; 
 the NumPy import that torch's C++ init makes was swallowed by torch, and the command ran to
 the end). The command now holds signals while it imports them (offload/cli/_signals.py).
 """
-import importlib
-import sys
-import types
+import importlib as _importlib
+import sys as _sys
+import types as _types
 
 from offload import _fork  # noqa: F401  (forks seen from the package's import on: offload/_fork.py)
 from offload._version import __version__
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from offload.kernels import get_num_threads, set_num_threads
     from offload.optim import SGD, Adagrad, Adam, AdamW, Lion, adam_step
     from offload.shard import full_state_dict, shard
+del TYPE_CHECKING  # (only the checkers' name: not one of the package's)
 
 _HOME = {
     "get_num_threads": "offload.kernels", "set_num_threads": "offload.kernels",
@@ -44,12 +45,12 @@ def __getattr__(name: str):
     if name.startswith("__"):  # copy, pickle, inspect probe dunders: never a submodule
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if name in _HOME:
-        value = getattr(importlib.import_module(_HOME[name]), name)
+        value = getattr(_importlib.import_module(_HOME[name]), name)
     else:
         # a subpackage as an attribute (``import offload; offload.kernels.x``), as when this
         # file imported them all; anything else is the usual AttributeError
         try:
-            value = importlib.import_module(f"{__name__}.{name}")
+            value = _importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as exc:
             if exc.name != f"{__name__}.{name}":
                 raise
@@ -59,19 +60,19 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    return sorted({n for n in globals() if not n.startswith("_") or n.startswith("__")} | set(__all__))
 
 
-class _Package(types.ModuleType):
+class _Package(_types.ModuleType):
     """``offload.shard`` is the function (``from offload.shard import shard`` made it so when this
     file imported everything), not the subpackage of that name, which the import system binds
     here once it has loaded it: then its ``shard`` takes the name instead. The subpackage stays
     in ``sys.modules`` (``import offload.shard.api``, ``from offload.shard import ...``)."""
 
     def __setattr__(self, name: str, value) -> None:
-        if name == "shard" and isinstance(value, types.ModuleType):
+        if name == "shard" and isinstance(value, _types.ModuleType):
             value = value.shard
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Package
+_sys.modules[__name__].__class__ = _Package

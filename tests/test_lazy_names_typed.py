@@ -27,6 +27,8 @@ def _type_checking_imports() -> dict:
 def test_every_lazy_name_is_imported_for_type_checkers_from_where_it_lives():
     assert set(offload._HOME) == set(offload.__all__) - {"__version__"}
     assert _type_checking_imports() == offload._HOME
-    assert offload.TYPE_CHECKING is False  # the block never runs: torch stays unimported
+    # the block never runs (torch stays unimported), and its flag is not a name of the package
+    assert "TYPE_CHECKING" not in vars(offload)
+    assert not {"TYPE_CHECKING", "importlib", "sys", "types"} & set(dir(offload))
     for name, module in offload._HOME.items():
         assert getattr(offload, name) is getattr(importlib.import_module(module), name), name
