@@ -1,8 +1,18 @@
-"""The room kept for a swap store's manifest on a full disk ([Note: manifest reserve] in store.py).
+"""The room kept for a swap store's manifest on a full disk.
 
-``reserve.bin`` is a preallocated file of at least twice the largest manifest written (1 MiB
-at least). A manifest write that hits ENOSPC or EDQUOT gives it up (``drop``) and writes
-again; the next commits take back what room there is (``keep``).
+[Note: manifest reserve] The slot files are preallocated, so a full disk cannot stop a step's
+data writes; the manifest, though, is a new file at each commit (tmp + rename). On a full
+disk that commit failed, and on several ranks the undo of the others' commits (a manifest
+write too) could fail the same way. So each store keeps ``reserve.bin``, a preallocated file
+of at least twice the largest manifest it wrote (1 MiB at least): a manifest write that hits
+ENOSPC or EDQUOT deletes it, syncs the directory (ext4 reuses freed blocks only once the
+unlink is committed) and writes again, with a warning; the next commits take back what room
+there is (the old manifest's, at least), so on a full disk training goes on: the data needs
+no new space (except on a copy-on-write file system, btrfs or ZFS, where overwriting the
+preallocated slots allocates: there a full disk still fails the step, undone as any I/O
+error). ``SwapStore.disk_bytes`` does not count it (metadata, as the manifest and the lock).
+
+Here: ``drop`` gives the room up, ``keep`` takes back what room there is.
 """
 from __future__ import annotations
 

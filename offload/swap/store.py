@@ -22,16 +22,7 @@ slot), so ``sync`` fdatasyncs the files that ``write_requests`` handed out reque
 their last successful fdatasync, and no other: each write is made durable by the first commit
 after it, which is all a commit needs (data of earlier commits was synced by them).
 
-[Note: manifest reserve] The slot files are preallocated, so a full disk cannot stop a step's
-data writes; the manifest, though, is a new file at each commit (tmp + rename). On a full
-disk that commit failed, and on several ranks the undo of the others' commits (a manifest
-write too) could fail the same way. So each store keeps ``reserve.bin``, a preallocated file
-of at least twice the largest manifest it wrote (1 MiB at least): a manifest write that hits
-ENOSPC or EDQUOT deletes it, syncs the directory (ext4 reuses freed blocks only once the
-unlink is committed) and writes again, with a warning; the next commits take back what room
-there is (the old manifest's, at least), so on a full disk training goes on: the data needs
-no new space (except on a copy-on-write file system, btrfs or ZFS, where overwriting the
-preallocated slots allocates: there a full disk still fails the step, undone as any I/O error). ``disk_bytes`` does not count it (metadata, as the manifest and the lock).
+A full disk: [Note: manifest reserve] in swap/reserve.py.
 
 Nothing here knows optimizer math; ``extra`` is an opaque JSON dict the user of the store
 commits together with each step (the optimizer keeps per-param step counts and a parameter
@@ -98,7 +89,7 @@ class SwapStore:
         self._close_lock = threading.Lock()
         self._token: Optional[int] = None
         self.pending_error: Optional[BaseException] = None
-        self._reserve = ManifestReserve(self.path)  # [Note: manifest reserve]
+        self._reserve = ManifestReserve(self.path)  # [Note: manifest reserve] in reserve.py
         # slot files written since their last fdatasync ([Note: syncing the written slots])
         self._unsynced: Set[int] = set()
         # The commit before the last while its data is still in the free slots, in each
