@@ -37,7 +37,7 @@ from typing import Any, Dict, Optional, Tuple
 
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
-    "write_json_atomic", "read_json", "SEAL", "sealed", "unsealed", "LOAD_ADVICE", "SAVE_ADVICE", "RESUME_ADVICE", "fsync_dir", "remove_private_dir", "free_bytes",
+    "write_json_atomic", "ReplacedNotDurable", "read_json", "SEAL", "sealed", "unsealed", "LOAD_ADVICE", "SAVE_ADVICE", "RESUME_ADVICE", "fsync_dir", "remove_private_dir", "free_bytes",
     "make_checkpoint_dir", "not_a_checkpoint_dir",
     "DirectoryBusy", "NotOurs", "private_dir_name", "pid_alive",
 ]
@@ -305,10 +305,22 @@ def _names_this_file(path: str, fd: int) -> bool:
     return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
 
+class ReplacedNotDurable(OSError):
+    """``write_json_atomic`` failed after its rename: the new content is in place (every reader
+    sees it) but may not survive a power cut.
+
+    [Note: a manifest replaced, not synced] A swap commit whose manifest was renamed into place
+    but whose directory fsync failed (EIO) used to keep that manifest while the step's error
+    said the files hold the previous step: a resume then took the failed step as done (bf16
+    params: applied twice once the loop retried it), and a retry wrote into the slots the new
+    manifest names. ``SwapStore.commit`` puts the previous manifest back; where that fails too,
+    the store writes no more until it is reopened, and its error names the step on disk."""
+
+
 def write_json_atomic(directory: str, name: str, obj: Any) -> int:
     """Write ``directory/name`` so that a reader sees the old or the new content, never a mix:
     a temporary file (O_EXCL, O_NOFOLLOW, 0600), fsync, rename over, fsync of the directory.
-    Returns the bytes written."""
+    Returns the bytes written; a failure after the rename is :class:`ReplacedNotDurable`."""
     data = _dumps(obj) + b"\n"
     final = os.path.join(directory, name)
     tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
@@ -326,7 +338,13 @@ def write_json_atomic(directory: str, name: str, obj: Any) -> int:
         raise OSError(exc.errno, f"writing {len(data)} bytes of metadata failed: {exc.strerror}", tmp) from exc
     os.close(fd)
     os.rename(tmp, final)
-    fsync_dir(directory)
+    try:
+        fsync_dir(directory)
+    except OSError as exc:
+        # Past the rename every reader sees the new content: a caller that treats this like
+        # a failure before it must first put the old content back (SwapStore.commit does).
+        raise ReplacedNotDurable(exc.errno or errno.EIO, f"{name} was replaced, but syncing its directory "
+                                 f"failed: {exc.strerror or exc}", directory) from exc
     return len(data)
 
 

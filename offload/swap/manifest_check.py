@@ -7,6 +7,7 @@ KeyError at resume or an IndexError deep inside a later step.
 """
 from __future__ import annotations
 
+import errno
 import os
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -15,7 +16,7 @@ import torch
 
 from offload.kernels.fields import StateField
 
-__all__ = ["VERIFY_BLOCK", "block_checksums", "check_manifest", "check_steps", "check_committed", "previous_commit", "previous_json"]
+__all__ = ["VERIFY_BLOCK", "block_checksums", "check_manifest", "check_group_sums", "check_steps", "check_committed", "previous_commit", "previous_json"]
 
 _UINT32 = 1 << 32
 VERIFY_BLOCK = 1 << 20
@@ -26,6 +27,19 @@ def block_checksums(view: memoryview, nbytes: int) -> List[int]:
     """crc32 of each VERIFY_BLOCK piece of the first ``nbytes`` of ``view`` (zlib releases the
     GIL on large buffers): what a manifest's checksums hold."""
     return [zlib.crc32(view[i:min(i + VERIFY_BLOCK, nbytes)]) for i in range(0, nbytes, VERIFY_BLOCK)]
+
+
+def check_group_sums(got: List[List[int]], want: List[List[int]], *, g: int, step: int, names: Sequence[str],
+                     base: int, spans: Sequence[Tuple[int, int, int]], path: str) -> None:
+    """OSError EIO naming the first block of sub-group ``g`` (at file offset ``base``, its
+    states at ``spans``) whose crc32 in ``got`` is not the manifest's (``want``)."""
+    for k, (gk, wk) in enumerate(zip(got, want)):
+        for b, (x, y) in enumerate(zip(gk, wk)):
+            if x != y:
+                offset = base + spans[k][0] + b * VERIFY_BLOCK
+                raise OSError(errno.EIO, f"checksum mismatch in block {b} ({VERIFY_BLOCK} bytes at file offset "
+                              f"{offset}) of {names[k]} of sub-group {g} (step {step}): crc32 {x:08x}, manifest "
+                              f"{y:08x}", path)
 
 
 def _bad(path: str, field: str, what: str) -> ValueError:

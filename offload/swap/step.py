@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 
 import torch
 
+from offload.swap import fsutil
 from offload.swap.agreement import Agreement, Vote
 from offload.swap.session import SwapSession
 
@@ -99,7 +100,7 @@ class StepSession(SwapSession):
 
     def _error(self, exc: OSError, what: str) -> SwapStepError:
         store = self.store
-        msg = f"swap step {store.step + 1} {what}: {exc.strerror or exc}; the swap files still hold step {store.step}"
+        msg = f"swap step {store.step + 1} {what}: {exc.strerror or exc}; {store.held()}"
         return SwapStepError(exc.errno or errno.EIO, msg, exc.filename or store.path, self.computed)
 
     def _prepare(self) -> None:
@@ -140,6 +141,8 @@ class StepSession(SwapSession):
         try:
             store.undo_commit()
             held = f"this rank's commit was undone: the swap files still hold step {store.step}"
+        except fsutil.ReplacedNotDurable as exc:  # undone for every reader, maybe not for a power cut
+            held = f"this rank's commit was undone ({exc.strerror}): the swap files still hold step {store.step}"
         except OSError as exc:
             held = (f"undoing this rank's commit failed too ({exc.strerror or exc}): its swap files "
                     f"hold step {step}, the other rank's the step before")

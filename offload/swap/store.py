@@ -44,8 +44,8 @@ from offload.swap.fsutil import private_dir_name
 from offload.kernels.fields import field_names
 from offload.swap.layout import SwapLayout
 from offload.swap.reserve import RESERVE, ManifestReserve
-from offload.swap.manifest_check import (VERIFY_BLOCK, block_checksums, check_codes, check_manifest, previous_commit,
-                                         previous_json)
+from offload.swap.manifest_check import (VERIFY_BLOCK, block_checksums, check_codes, check_group_sums, check_manifest,
+                                         previous_commit, previous_json)
 
 __all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir_name", "resolve_engine"]
 
@@ -90,6 +90,7 @@ class SwapStore:
         self._token: Optional[int] = None
         self.pending_error: Optional[BaseException] = None
         self._reserve = ManifestReserve(self.path)  # [Note: manifest reserve] in reserve.py
+        self.diverged: Optional[str] = None  # what the files hold after a failed _put_back
         # slot files written since their last fdatasync ([Note: syncing the written slots])
         self._unsynced: Set[int] = set()
         # The commit before the last while its data is still in the free slots, in each
@@ -290,6 +291,8 @@ class SwapStore:
     def write_requests(self, g: int, buf: Any) -> List[Any]:
         """Requests that write ``buf`` into the slot of ``g`` that the manifest does *not* use."""
         self._check_open()
+        if self.diverged:  # that slot may be the one the manifest on disk uses
+            raise OSError(errno.EIO, self.diverged, self.path)
         self._before_commit = None  # its data may be overwritten from now on
         return self._requests("write", 1 - self.slots[g], g, buf)
 
@@ -302,6 +305,8 @@ class SwapStore:
     def held(self) -> str:
         """What the swap files hold, for an error after a failed step: the last finished step,
         or, when a slot file lost bytes since it was made (truncated), that its data is gone."""
+        if self.diverged:
+            return self.diverged
         for f in self.files:
             try:
                 size = f.size
@@ -326,15 +331,8 @@ class SwapStore:
         """With ``verify``: compare ``buf`` (just read) with the committed checksums of ``g``."""
         if not self.verify or not self.valid[g] or g not in self.checksums:
             return
-        got = self.checksum(g, buf)
-        want = self.checksums[g]
-        for k, (gk, wk) in enumerate(zip(got, want)):
-            for b, (x, y) in enumerate(zip(gk, wk)):
-                if x != y:
-                    offset = self.layout.group_offset(g) + self.layout.state_spans(g)[k][0] + b * VERIFY_BLOCK
-                    raise OSError(errno.EIO, f"checksum mismatch in block {b} ({VERIFY_BLOCK} bytes at file offset "
-                                  f"{offset}) of {self.state_names[k]} of sub-group {g} (step {self.step}): "
-                                  f"crc32 {x:08x}, manifest {y:08x}", self.read_slot_file(g))
+        check_group_sums(self.checksum(g, buf), self.checksums[g], g=g, step=self.step, names=self.state_names,
+                         base=self.layout.group_offset(g), spans=self.layout.state_spans(g), path=self.read_slot_file(g))
 
     # ------------------------------------------------------------------ commit
     def sync(self) -> None:
@@ -371,10 +369,24 @@ class SwapStore:
         self._before_commit = (slots, valid, checksums, step, old_extra)
         try:
             self._write_manifest()
-        except BaseException:
+        except BaseException as exc:
             self.slots, self.valid, self.checksums, self.step, self.extra = slots, valid, checksums, step, old_extra
             self._before_commit = old_before
+            if isinstance(exc, fsutil.ReplacedNotDurable):
+                self._put_back(exc)
             raise
+
+    def _put_back(self, exc: OSError) -> None:
+        """Put the previous manifest back after ``exc`` (see [Note: a manifest replaced, not
+        synced] in fsutil.py); where that fails too, write no more (``diverged``)."""
+        try:
+            self._write_manifest()
+        except fsutil.ReplacedNotDurable:
+            return  # the previous manifest is back in place: what every reader sees
+        except OSError as again:  # the caller raises exc; held() says this
+            self.diverged = (f"putting back the manifest of step {self.step} failed too ({again.strerror or again}): "
+                             f"the swap files hold step {self.step + 1}; this store writes no more: "
+                             "close(keep_swap=True) and resume=True from there")
 
     def undo_commit(self) -> None:
         """Go back to the state before the last :meth:`commit` (its data is still in the
@@ -390,6 +402,8 @@ class SwapStore:
         self._before_commit = None
         try:
             self._write_manifest()
+        except fsutil.ReplacedNotDurable:
+            raise  # the undone manifest is in place: so it stays here too
         except BaseException:
             self.slots, self.valid, self.checksums, self.step, self.extra = now
             self._before_commit = before
