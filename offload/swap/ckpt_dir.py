@@ -110,8 +110,13 @@ class DirLock:
             raise CheckpointBusy(f"checkpoint directory is in use by {who}, which holds its lock {CKPT_LOCK}; "
                                  "save each checkpoint from one job at a time, or into another directory",
                                  directory, pid) from None
-        os.ftruncate(self.fd, 0)  # for the message of whoever meets the lock next
-        os.pwrite(self.fd, f"{os.getpid()} {'save' if exclusive else 'load'}\n".encode(), 0)
+        try:
+            os.ftruncate(self.fd, 0)  # for the message of whoever meets the lock next
+            os.pwrite(self.fd, f"{os.getpid()} {'save' if exclusive else 'load'}\n".encode(), 0)
+        except OSError as exc:  # (EIO, ENOSPC) held on, every later save or load here was "busy"
+            self.release()
+            raise OSError(exc.errno, f"cannot write this process's pid into the lock: {exc.strerror}",
+                          self.path) from exc
 
     def release(self) -> None:
         if self.fd >= 0:

@@ -180,6 +180,8 @@ def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
+    except OSError as exc:  # fsync's own error names no file
+        raise OSError(exc.errno, f"syncing the directory failed: {exc.strerror}", path) from exc
     finally:
         os.close(fd)
 
@@ -343,8 +345,9 @@ def write_json_atomic(directory: str, name: str, obj: Any) -> int:
     except OSError as exc:
         # Past the rename every reader sees the new content: a caller that treats this like
         # a failure before it must first put the old content back (SwapStore.commit does).
-        raise ReplacedNotDurable(exc.errno or errno.EIO, f"{name} was replaced, but syncing its directory "
-                                 f"failed: {exc.strerror or exc}", directory) from exc
+        err = exc.errno or errno.EIO
+        raise ReplacedNotDurable(err, f"{name} was replaced, but syncing its directory failed: {os.strerror(err)}",
+                                 directory) from exc
     return len(data)
 
 
