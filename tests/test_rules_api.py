@@ -99,3 +99,22 @@ def test_flat_store_refuses_momentum_set_after_construction():
     opt.step()
     assert not torch.equal(p, before)
     opt.close()
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD", "Adagrad"])
+def test_an_unknown_keyword_is_torchs_type_error_naming_the_class(name):
+    # the base class's __init__ took the offload options, so Python named it ("RuleOptimizer")
+    with pytest.raises(TypeError) as theirs:
+        getattr(torch.optim, name)([torch.zeros(3, requires_grad=True)], foo=1)
+    with pytest.raises(TypeError) as ours:
+        getattr(offload, name)([torch.zeros(3, requires_grad=True)], foo=1)
+    assert str(ours.value) == str(theirs.value) == f"{name}.__init__() got an unexpected keyword argument 'foo'"
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD", "Adagrad", "Lion"])
+@pytest.mark.parametrize("typo, meant", [("swapdir", "swap_dir"), ("max_host_byte", "max_host_bytes"),
+                                         ("weight_decy", "weight_decay")])
+def test_a_misspelt_keyword_names_the_one_meant(name, typo, meant):
+    with pytest.raises(TypeError, match=rf"^{name}\.__init__\(\) got an unexpected keyword argument '{typo}'; "
+                                        rf"did you mean '{meant}'\?$"):
+        getattr(offload, name)([torch.zeros(3, requires_grad=True)], **{typo: 1})

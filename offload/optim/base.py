@@ -34,7 +34,7 @@ from offload.optim.guards import eager, register_guards, register_store_hooks, s
 from offload.optim.held_loads import held_load, load_checkpoint_into
 from offload.optim.host_dtypes import host_params
 from offload.optim.host_state import HostState, nothing_to_swap
-from offload.optim.options import (check_compression, check_extras, check_group_keys, check_group_rule,
+from offload.optim.options import (check_compression, check_extras, unexpected_keyword, check_group_keys, check_group_rule,
                                    check_master_dtype, check_param_dtype, check_release_grads, clear_execution_flags,
                                    make_config, refuse_release_grads)
 from offload.optim.protocol import optional
@@ -68,12 +68,15 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                  num_threads: Optional[int] = None, max_grad_norm: Optional[float] = None,
                  stage: Optional[int] = None, process_group: Any = None,
                  state_dtype: str = "float32", master_dtype: Optional[str] = None,
-                 release_grads: bool = False) -> None:
+                 release_grads: bool = False, **unknown: Any) -> None:
         """``defaults``: the subclass's checked hyperparameters (torch's ``defaults``); the
-        rest are the offload options, checked here before ``params`` is touched, as torch does.
+        rest are the offload options, checked here before ``params`` is touched, as torch does
+        (an unknown one is the TypeError Python gives, naming the class the user called).
         ``state_dtype`` / ``master_dtype``: how the states and the master are stored
         (offload/kernels/quant.py; the stores keep the rule's fields as ``rules()`` gives them;
         ``master_dtype="bfloat16"`` needs bfloat16 params: options.check_master_dtype)."""
+        if unknown:
+            raise unexpected_keyword(type(self).__name__, next(iter(unknown)), type(self).__init__, RuleOptimizer.__init__)
         check_extras(max_grad_norm=max_grad_norm, num_threads=num_threads, stage=stage,
                      bias_correction=getattr(self, "bias_correction", True))
         check_compression(state_dtype, master_dtype)

@@ -24,7 +24,7 @@ from offload.kernels._threads import MAX_THREADS
 from offload.optim.host_dtypes import COMPLEX_DTYPES, COMPLEX_RULE_CLASSES
 
 __all__ = ["check_group_rule", "check_hyper", "check_extras", "check_compression", "check_master_dtype", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
-           "clear_execution_flags", "check_release_grads", "refuse_release_grads"]
+           "clear_execution_flags", "check_release_grads", "refuse_release_grads", "unexpected_keyword"]
 
 # Options that act only on swap files; with offload="none" or "cpu" they would do nothing.
 NVME_ONLY = ("swap_dir", "max_host_bytes", "verify", "resume", "io_engine")
@@ -115,6 +115,21 @@ def _check_bool(name: str, value: Any) -> None:
     # what the user wrote.
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def unexpected_keyword(cls_name: str, name: str, *inits: Any) -> TypeError:
+    """Python's TypeError for an unknown keyword ``name``, naming the class the user called
+    (not the base whose ``__init__`` took the rest) and the closest known one among ``inits``'
+    keywords (a typo such as ``max_host_byte``)."""
+    import difflib
+    import inspect
+
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    known = [p.name for init in inits for p in inspect.signature(init).parameters.values()
+             if p.kind in kinds and p.name not in ("self", "params", "defaults")]
+    close = difflib.get_close_matches(name, known, n=1)
+    return TypeError(f"{cls_name}.__init__() got an unexpected keyword argument {name!r}"
+                     + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
 def check_extras(*, max_grad_norm: Any, num_threads: Any, stage: Any, bias_correction: Any) -> None:
