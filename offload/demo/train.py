@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from offload.demo.corpus import Batches
+from offload.swap.fstype import filesystem_type
 from offload.demo.model import GPTConfig, TinyGPT, config_for_params
 from offload.swap import cleanup
 
@@ -140,25 +141,6 @@ class RunResult:
         """Throughput over the steps after the first (which pays for warm-up and file creation)."""
         rows = self.records[1:] or self.records
         return sum(r.tokens_per_s * r.seconds for r in rows) / max(sum(r.seconds for r in rows), 1e-12)
-
-
-def filesystem_type(path: str) -> str:
-    """File system type of the mount holding ``path`` (from /proc/self/mounts; "" if unknown)."""
-    path = os.path.realpath(path)
-    best, fstype = "", ""
-    try:
-        with open("/proc/self/mounts") as fh:
-            for line in fh:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                mnt = fields[1].replace("\\040", " ")
-                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, fstype = mnt, fields[2]
-    except OSError:
-        return ""
-    return fstype
 
 
 def default_swap_parent() -> str:

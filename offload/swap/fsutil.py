@@ -35,6 +35,8 @@ import time
 import zlib
 from typing import Any, Dict, Optional, Tuple
 
+from offload.swap.fstype import refuse_pseudo
+
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
     "write_json_atomic", "ReplacedNotDurable", "read_json", "SEAL", "sealed", "unsealed", "LOAD_ADVICE", "SAVE_ADVICE", "RESUME_ADVICE", "fsync_dir", "remove_private_dir", "free_bytes",
@@ -117,6 +119,7 @@ def check_parent_dir(path: str) -> str:
         raise FileNotFoundError(errno.ENOENT, "swap_dir does not exist (create it on a local disk first)", path) from None
     if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(errno.ENOTDIR, "swap_dir is not a directory", path)
+    refuse_pseudo(path)  # /proc, /sys, cgroup: "writable" to root, no files (swap/fstype.py)
     if os.statvfs(path).f_flag & os.ST_RDONLY:
         raise OSError(errno.EROFS, "swap_dir is on a read-only file system", path)
     if not os.access(path, os.W_OK | os.X_OK):
