@@ -73,7 +73,8 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
                    help="adam, adamw, sgd (with momentum: a momentum_buffer), sgd_plain (without momentum: no "
                         "state), adagrad or lion (default adamw)")
     p.add_argument("--amsgrad", action="store_true",
-                   help="Adam's amsgrad=True: a third fp32 state per param (max_exp_avg_sq), K 16 instead of 12")
+                   help="Adam's amsgrad=True (in any param group: the flat and swapped stores keep it for "
+                        "every param): a third fp32 state per param (max_exp_avg_sq), K 16 instead of 12")
     p.add_argument("--state-dtype", default="float32", choices=("float32", "bfloat16", "int8"),
                    help="how the optimizer states are stored (the optimizers' state_dtype; default float32)")
     p.add_argument("--master-dtype", default=None, choices=("float32", "bfloat16"),

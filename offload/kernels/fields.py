@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
-from typing import Iterable, Sequence, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,7 +22,7 @@ from . import quant
 from .quant import BLOCK, PACKED_BLOCK, packed_nbytes
 
 __all__ = ["StateField", "Rule", "MASTER", "ADAM", "ADAM_AMSGRAD", "LION", "ADAGRAD", "SGD", "SGD_PLAIN",
-           "RULES", "STATE_DTYPES", "NONNEGATIVE_STATES", "field_names", "bytes_per_element",
+           "RULES", "STATE_DTYPES", "union_rule", "NONNEGATIVE_STATES", "field_names", "bytes_per_element",
            "fields_bytes", "dtype_from_name", "dtype_name"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -212,6 +212,23 @@ class Rule:
         """The rule with float32 states (the kernels' identity of the rule)."""
         return RULES[self.name]
 
+    def holds(self, other: "Rule") -> bool:
+        """Whether this rule's fields include every field ``other`` steps (by name, its
+        float32 form's names): a store of this rule can step ``other`` on a subset of them."""
+        return set(other.base.names) <= set(self.names)
+
+    def narrowed(self, other: "Rule") -> "Rule":
+        """``other`` over this rule's fields as they are stored (``other``'s names, this
+        rule's dtypes): what a store of this rule steps a group of rule ``other`` with."""
+        if not self.holds(other):
+            raise ValueError(f"rule {self.name!r} {list(self.names)} does not hold rule {other.name!r}'s "
+                             f"states {list(other.names)}")
+        if other.base is self.base:
+            return self  # (the very object: callers compare rules with `is`)
+        mine = {f.name: f for f in self.fields}
+        rule = Rule(other.base.name, tuple(mine[n] for n in other.base.names))
+        return other.base if rule == other.base else rule
+
     def with_master(self) -> Tuple[StateField, ...]:
         """``MASTER`` followed by the rule's fields: what a flat store of low-precision or
         device params keeps per element."""
@@ -231,6 +248,32 @@ untouched, as torch leaves an existing one)."""
 SGD_PLAIN = Rule("sgd_plain", ())
 """SGD without momentum: torch keeps no per-element state for it, so neither does this rule."""
 RULES = {r.name: r for r in (ADAM, ADAM_AMSGRAD, LION, ADAGRAD, SGD, SGD_PLAIN)}
+
+
+# [Note: groups of different rules]
+# torch's optimizers let param groups differ in rule: an Adam group with amsgrad beside one
+# without, an SGD group with momentum beside one without. The host store keeps each param's
+# own states (torch's dicts). A flat or swapped store lays out one set of fields for every
+# element (flat buffers, swap files, checkpoint files), so it keeps the union of the groups'
+# fields when one rule's fields hold all the others' (``union_rule``), and steps each group
+# with its own rule on its own fields (``Rule.narrowed``: the work item's rule); the fields a
+# group does not use stay untouched, zeros for a param that never used them. That is what
+# torch does when a group later turns to the bigger rule (its max_exp_avg_sq, or momentum
+# buffer, starts then: zeros, or the grad), and what state_dict() hides (a plain Adam
+# param shows no max_exp_avg_sq). The cost is visible: every param holds the union's
+# fields (memory_report, the planner's rule). A group that later needs a field the store
+# does not keep is refused (options.check_group_rule): the layout is fixed at construction.
+def union_rule(rules: Sequence[Rule]) -> Optional[Rule]:
+    """The rule of ``rules`` that holds every other's fields (``Rule.holds``): what one flat
+    or swapped store keeps for groups of different rules (adam within adam_amsgrad, sgd_plain
+    within sgd), each group stepped on its own rule's fields; None when no rule holds all
+    (rules with unrelated fields), or for no rules."""
+    top = max(rules, key=lambda r: len(r.fields), default=None)
+    if top is None or not all(top.holds(r) for r in rules):
+        return None
+    return top
+
+
 STATE_DTYPES = ("float32", "bfloat16", "int8")
 """What ``state_dtype=`` takes."""
 NONNEGATIVE_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum"})

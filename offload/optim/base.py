@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels import get_backend
-from offload.kernels.fields import Rule, StateField, field_names
+from offload.kernels.fields import Rule, StateField, field_names, union_rule
 from offload.optim.clip import grad_multiplier
 from offload.optim.context import StepContext
 from offload.optim.context_attrs import ContextAttributes
@@ -34,9 +34,9 @@ from offload.optim.guards import eager, register_guards, register_store_hooks, s
 from offload.optim.held_loads import held_load, load_checkpoint_into
 from offload.optim.host_dtypes import host_params
 from offload.optim.host_state import HostState, nothing_to_swap
-from offload.optim.options import (check_compression, check_extras, unexpected_keyword, check_group_keys, check_group_rule,
+from offload.optim.options import (check_compression, check_extras, check_group_keys, check_group_rule,
                                    check_master_dtype, check_param_dtype, check_release_grads, clear_execution_flags,
-                                   make_config, refuse_release_grads)
+                                   make_config, refuse_release_grads, unexpected_keyword)
 from offload.optim.protocol import optional
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
@@ -135,9 +135,11 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         return tuple(out)
 
     def state_fields(self) -> Tuple[StateField, ...]:
-        """The per-element state fields of every rule here: what state_dict entries and
-        checkpoints hold."""
-        fields: List[StateField] = []
+        """The per-element state fields of every rule here, and of a flat or swapped store's
+        rule (which holds them for every group, also after a group's rule changed since):
+        what state_dict entries and checkpoints hold."""
+        store_rule = getattr(self, "_store_rule", None)
+        fields: List[StateField] = list(store_rule.fields) if store_rule is not None else []
         for rule in self.rules():
             fields += [f for f in rule.fields if f not in fields]
         return tuple(fields)
@@ -147,14 +149,20 @@ class RuleOptimizer(ContextAttributes, Optimizer):
 
     def store_rule(self) -> Rule:
         """The one rule of a flat or swapped store (its buffers and files have one set of
-        fields); a subclass whose groups differ in rule says which one serves them all."""
+        fields): with groups of different rules, the one whose fields hold the others'
+        (``fields.union_rule``: adam within adam_amsgrad). Every param then holds the union's
+        fields, also where its group's rule leaves one unused (a plain Adam group's
+        max_exp_avg_sq: 4 bytes per element more, counted by memory_report and the planner),
+        and each group steps with its own rule on its own fields. Rules of unrelated fields
+        are refused."""
         rules = self.rules()
-        if len(rules) != 1:
+        union = union_rule(rules)
+        if union is None:
             raise ValueError(f"{type(self).__name__}: param groups of different rules "
                              f"({[r.name for r in rules]}) need the host store: fp32 CPU params at stage 0 "
-                             f"with offload='none' or 'cpu' (the flat and swapped stores keep one rule's states "
-                             f"for every group)")
-        return rules[0]
+                             f"with offload='none' or 'cpu' (the flat and swapped stores keep one set of "
+                             f"state fields for every group: a rule whose fields hold every other's)")
+        return union
 
     def state_fill(self, name: str) -> float:
         """The value a new state ``name`` starts at (Adagrad's ``initial_accumulator_value``)."""
@@ -438,7 +446,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
 
     # ---------------------------------------------------------------- reports
     def memory_report(self) -> Dict[str, Any]:
-        """Bytes this optimizer holds per tier (its own accounting) and the process RSS."""
+        """Bytes this optimizer holds per tier (its own accounting) and the process RSS; a flat or swapped
+        store counts all its fields for every param ([Note: groups of different rules] in kernels/fields.py)."""
         tiers = dict(self._store.memory_report())
         return {
             "offload": self.config.offload,

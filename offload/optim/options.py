@@ -331,14 +331,17 @@ EXECUTION_FLAGS = ("capturable", "differentiable")
 
 def check_group_rule(opt: Any, group: Dict[str, Any], what: str) -> None:
     """A flat or swapped store keeps one rule's states for every group: a group that needs
-    another rule (SGD's momentum from or to 0, amsgrad unlike the others') is refused before
-    anything changes. ``what``: "a group now" (a step), "the new group" (add_param_group)."""
+    a state it does not keep (SGD's momentum from 0 where no group had one, amsgrad where no
+    group had it) is refused before anything changes. A rule whose fields the store holds
+    steps on those (``Rule.holds``). ``what``: "a group now" (a step), "the new group"
+    (add_param_group)."""
     store_rule = getattr(opt, "_store_rule", None)
     rule = store_rule and opt.rule_of(group)
-    if rule and rule is not store_rule.base:
+    if rule and not store_rule.holds(rule):
         raise ValueError(f"{type(opt).__name__}: {what} needs rule {rule.name!r} {list(rule.names)}, but the store "
                          f"keeps the states of rule {store_rule.name!r} {list(store_rule.names)} for every group; "
-                         f"build a new optimizer (with the same amsgrad, or SGD momentum on or off, in every group)")
+                         f"build a new optimizer whose groups need them at construction (amsgrad, or SGD "
+                         f"momentum, in one group at least)")
 
 
 def loaded_group_rule(opt: Any, theirs: Any) -> Any:
@@ -359,7 +362,7 @@ def loaded_group_rule(opt: Any, theirs: Any) -> Any:
 
 def check_loaded_groups(opt: Any, state_dict: Any) -> None:
     """A flat or swapped store keeps one rule's fields for every group: a dict whose groups
-    need another rule (``amsgrad=True`` into an Adam store without it, or the reverse) is
+    need a state it does not keep (``amsgrad=True`` into an Adam store without it) is
     refused before anything is loaded, so the optimizer stays as it was (not loaded, then
     unable to step). The host store keeps each param's own states: any dict loads there."""
     store_rule = getattr(opt, "_store_rule", None)
@@ -368,7 +371,7 @@ def check_loaded_groups(opt: Any, state_dict: Any) -> None:
         return
     for i, theirs in enumerate(groups[:len(opt.param_groups)]):
         rule = loaded_group_rule(opt, theirs)
-        if rule is not None and rule is not store_rule.base:
+        if rule is not None and not store_rule.holds(rule):
             raise ValueError(
                 f"{type(opt).__name__}.load_state_dict: the state dict's param_groups[{i}] needs rule "
                 f"{rule.name!r} {list(rule.names)}, but this optimizer's {opt.config.offload!r} store keeps "

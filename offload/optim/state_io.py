@@ -26,7 +26,7 @@ from offload.optim.options import check_loaded_groups, loaded_group_rule
 from offload.optim.protocol import optional
 from offload.optim.state_view import attach
 
-__all__ = ["state_dict_of", "load_state_dict_into", "check_loadable", "restart_cleared"]
+__all__ = ["state_dict_of", "unused_names", "load_state_dict_into", "check_loadable", "restart_cleared"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Adam's states: the names of an optimizer without ``state_names()`` (a store's own tests)."""
@@ -36,6 +36,13 @@ def names_of(opt: Any) -> tuple:
     """The per-element state names of ``opt``'s rules (``RuleOptimizer.state_names``)."""
     names = getattr(opt, "state_names", None)
     return tuple(names()) if names is not None else MOMENTS
+
+
+def unused_names(opt: Any, group: Dict[str, Any]) -> Set[str]:
+    """The states a store keeps for ``group``'s params that its rule does not use (a plain
+    Adam group's max_exp_avg_sq in a store of amsgrad groups too): not torch's to see."""
+    rule_of = getattr(opt, "rule_of", None)
+    return set(names_of(opt)) - set(rule_of(group).names) if rule_of is not None else set()
 
 
 def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
@@ -60,11 +67,14 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
         names = names_of(opt)
         sd["state"] = {k: {key: t for key, t in v.items() if key not in names} if isinstance(v, dict) else v
                        for k, v in sd["state"].items() if not isinstance(v, dict) or set(v) - set(names) or not v}
-        params = [p for g in opt.param_groups for p in g["params"]]
-        for index, p in enumerate(params):
-            exported = export(p)
-            if exported:
-                sd["state"].setdefault(index, {}).update(exported)
+        index = 0
+        for group in opt.param_groups:
+            unused = unused_names(opt, group)  # [Note: groups of different rules] in kernels/fields.py
+            for p in group["params"]:
+                exported = {k: v for k, v in export(p).items() if k not in unused}
+                if exported:
+                    sd["state"].setdefault(index, {}).update(exported)
+                index += 1
     # The rule's own differences from the stores' layout (SGD's unstarted buffers, Adagrad's
     # unstepped sums), before the hooks: a post hook sees and returns torch's layout.
     layout = getattr(opt, "_torch_state_layout", None)
@@ -203,6 +213,10 @@ def _import_all(opt: Any, store: Any, held: Set[int]) -> None:
         st = opt.state.get(p) or {}
         moments = {k: st.pop(k) for k in names_of(opt) if k in st}
         if moments:
+            # the states the param's group does not use (a plain Adam param in a store of
+            # amsgrad groups too) start afresh: torch's dict holds none
+            fill = _fills(opt)
+            moments.update(_filled(p, {k: v for k, v in fill.items() if k not in moments}))
             store.import_state(p, moments)
         elif id(p) in held:
             # As torch: a param without state in the loaded dict starts afresh (zero

@@ -251,42 +251,59 @@ def _flat_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
     return write
 
 
-def _flat_views(store: Any, p: torch.Tensor, st: dict) -> None:
+def _flat_views(store: Any, p: torch.Tensor, st: dict, names: tuple) -> None:
+    """Views of ``names`` into ``st`` (those there already stay); a view of a state the
+    param's group no longer uses goes ([Note: groups of different rules] in kernels/fields.py)."""
+    for key in names_of(store):
+        if key not in names and dict.__contains__(st, key):
+            dict.__delitem__(st, key)
+    names = tuple(k for k in names if not dict.__contains__(st, k))
+    if not names:
+        return
     if p.numel() == 0:  # no bytes in the flat buffers; torch's state holds empty moments
-        for key in names_of(store):
+        for key in names:
             dict.__setitem__(st, key, torch.zeros(p.shape, dtype=torch.float32))
         return
     fg, piece, lo, hi = _piece(store, p)
     if piece is None:
         return
-    for key in names_of(store):
+    for key in names:
         if fg.field(key).blocked:
             continue  # int8 blocks: decoded by the entry's reader on access
         view = fg.state(key)[lo:hi]
         dict.__setitem__(st, key, view.view(p.shape) if piece.numel == p.numel() else view)
 
 
+def _group_names(opt: Any, group: dict, names: tuple) -> tuple:
+    """The store's states that ``group``'s rule uses (all of them for one rule)."""
+    rule_of = getattr(opt, "rule_of", None)
+    return names if rule_of is None else tuple(k for k in names if k in rule_of(group).names)
+
+
 def attach(opt: Any) -> None:
     """Put the states (views, or readers) into ``opt.state[p]`` of every param that has
-    stepped (has a ``"step"``), in entries that write assignments through to the store."""
+    stepped (has a ``"step"``), in entries that write assignments through to the store; a
+    param sees the states its group's rule uses."""
     store = opt._store
     kind = getattr(store, "kind", None)
     if kind == "host" or store is None:
         return
-    names = names_of(store)
     swapped = kind == "nvme" or getattr(store, "_nvme", False)
-    for p in [p for g in opt.param_groups for p in g["params"]]:
-        st = opt.state.get(p)
-        if not st or "step" not in st:
-            continue
-        if swapped:
-            if not isinstance(st, SwappedEntry):
-                opt.state[p] = SwappedEntry(st, _swapped_reader(store, p), names, _swapped_writer(store, p))
-        elif p in getattr(store, "_where", {}) or p.numel() == 0:
-            if not isinstance(st, SwappedEntry):
-                st = opt.state[p] = SwappedEntry(st, _flat_reader(store, p), names, _flat_writer(store, p))
-            if not any(dict.__contains__(st, k) for k in names):
-                _flat_views(store, p, st)
+    for group in opt.param_groups:
+        names = _group_names(opt, group, names_of(store))
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if not st or "step" not in st:
+                continue
+            if swapped:
+                if not isinstance(st, SwappedEntry):
+                    st = opt.state[p] = SwappedEntry(st, _swapped_reader(store, p), names, _swapped_writer(store, p))
+                st._names = names
+            elif p in getattr(store, "_where", {}) or p.numel() == 0:
+                if not isinstance(st, SwappedEntry):
+                    st = opt.state[p] = SwappedEntry(st, _flat_reader(store, p), names, _flat_writer(store, p))
+                st._names = names
+                _flat_views(store, p, st, names)
 
 
 def detach(opt: Any) -> None:

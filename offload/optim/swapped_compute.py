@@ -99,24 +99,45 @@ def _overlap(tensors: List[torch.Tensor]) -> bool:
     return bool((np.maximum.accumulate(end)[:-1] > start[1:]).any())
 
 
-def _run(kernel: Any, rule: Any, runs: List[Tuple[Optional[Dict[str, Any]], list]], threads: Any,
+def _run(kernel: Any, runs: List[Tuple[Optional[Dict[str, Any]], Any, list]], threads: Any,
          written: List[torch.Tensor]) -> None:
-    """Step ``runs`` (piece order: (kwargs, entries) of one batch, or (None, [a rule_step]))
-    with one kernel call per distinct kwargs, or in their order when pieces share memory
-    ([Note: pieces that share memory])."""
+    """Step ``runs`` (piece order: (kwargs, rule, entries) of one batch, or (None, None,
+    [a rule_step])) with one kernel call per distinct kwargs (one group's: one rule), or in
+    their order when pieces share memory ([Note: pieces that share memory])."""
     if len(runs) > 1 and not _overlap(written):
-        merged: Dict[int, Tuple[Dict[str, Any], List[StepEntry]]] = {}
-        for kw, entries in runs:
+        merged: Dict[int, Tuple[Dict[str, Any], Any, List[StepEntry]]] = {}
+        for kw, rule, entries in runs:
             if kw is None:
                 entries[0]()
             else:
-                merged.setdefault(id(kw), (kw, []))[1].extend(entries)
+                merged.setdefault(id(kw), (kw, rule, []))[2].extend(entries)
         runs = list(merged.values())
-    for kw, entries in runs:
+    for kw, rule, entries in runs:
         if kw is None:
             entries[0]()
         else:
             kernel.checked_rule_steps(rule, entries, _Fixed(kw), threads)
+
+
+class _Rules:
+    """The store's rule, and the rules of groups that step on some of its fields ([Note:
+    groups of different rules] in offload/kernels/fields.py): each with its states' (name,
+    index of the field, field) and their positions among the store's states."""
+
+    def __init__(self, shards: Any) -> None:
+        self._shards, self._store = shards, shards.rule
+        self._plans: Dict[Any, Tuple[Any, list, List[int]]] = {}
+
+    def plan(self, rule: Any) -> Tuple[Any, list, List[int]]:
+        """(rule over the store's fields, its states, their positions) of a work item's
+        ``rule`` (None: the store's)."""
+        out = self._plans.get(rule)
+        if out is None:
+            r = self._store if rule is None else self._store.narrowed(rule)
+            fields = self._shards.fields
+            states = [(name, self._shards._field(name), fields[self._shards._field(name)]) for name in r.names]
+            out = self._plans[rule] = (r, states, [self._store.names.index(name) for name in r.names])
+        return out
 
 
 def make_compute(shards: Any, by_group: Dict[int, List[Tuple[int, int, int, Any]]]) -> Callable[..., None]:
@@ -124,10 +145,10 @@ def make_compute(shards: Any, by_group: Dict[int, List[Tuple[int, int, int, Any]
     ranges of ``by_group``; ``shards.computed`` lists the sub-groups it entered."""
     kernel, threads, computed = shards._kernel, shards._threads, shards.computed
     jm = shards._field(MASTER.name) if shards.has_master else -1
-    rule = shards.rule
-    states = [(name, shards._field(name), shards.fields[shards._field(name)]) for name in rule.names]
+    rules = _Rules(shards)
+    states = rules.plan(None)[1]
     rounding = shards._rounding
-    fast = batchable(rule) and not shards.rounds
+    fast = batchable(shards.rule) and not shards.rounds
     if fast:
         check_threads(threads)  # (rule_step checks it per range)
 
@@ -135,15 +156,15 @@ def make_compute(shards: Any, by_group: Dict[int, List[Tuple[int, int, int, Any]
         touched = page_in(by_group, g)  # params on NVMe: [Note: paged tensors]
         computed.append(g)  # before the kernel: an exception inside it may have changed params
         dense = shards._decoded(by_group[g], s, e, tensors)  # ranges across blocks: [Note: steps across blocks]
-        step_rule = rule if dense is None else rule.base
         batched = fast and dense is None
-        runs: List[Tuple[Optional[Dict[str, Any]], list]] = []  # in piece order: [Note: pieces that share memory]
+        runs: List[Tuple[Optional[Dict[str, Any]], Any, list]] = []  # in piece order: [Note: pieces that share memory]
         written: List[torch.Tensor] = []  # the caller's tensors the kernels write
         copies = []
         pieces = by_group[g]
         cut = _split_views(pieces, s, e - s, tensors, [j for _, j, _ in states]) if batched else None
         for k, (a, b, start, it) in enumerate(pieces):
             grad, out, mode = it.grad, it.out, it.mode
+            rule, mine, at = rules.plan(it.rule)
             x, y = slice(a - s, b - s), slice(a - start, b - start)
             master = _whole(out, y, grad.numel()) if mode == "master" else tensors[jm][x]
             lowp = _whole(out, y, grad.numel()) if (out is not None and mode == "lowp") else None
@@ -152,24 +173,24 @@ def make_compute(shards: Any, by_group: Dict[int, List[Tuple[int, int, int, Any]
                 written.append(master if lowp is None else lowp)
             if batched and _batched(kw, master, grad, lowp):
                 # float32: the slice is the storage
-                views = cut[k] if cut is not None else tuple(tensors[j][x] for _, j, _ in states)
+                views = tuple(cut[k][i] for i in at) if cut is not None else tuple(tensors[j][x] for _, j, _ in mine)
                 entry = StepEntry(master, _whole(grad, y, grad.numel()), views, lowp, kw["step"], None)
                 if runs and runs[-1][0] is kw:
-                    runs[-1][1].append(entry)
+                    runs[-1][2].append(entry)
                 else:
-                    runs.append((kw, [entry]))
+                    runs.append((kw, rule, [entry]))
             else:
                 views = {name: storage_slice(f, tensors[j], a - s, b - s) if dense is None
-                         else dense.view(j, a - s, b - s) for name, j, f in states}
-                one = functools.partial(kernel.rule_step, step_rule, master, grad[y], views, param_lowp=lowp,
-                                        num_threads=threads, **kw)
+                         else dense.view(j, a - s, b - s) for name, j, f in mine}
+                one = functools.partial(kernel.rule_step, rule if dense is None else rule.base, master, grad[y],
+                                        views, param_lowp=lowp, num_threads=threads, **kw)
                 if batched:
-                    runs.append((None, [one]))
+                    runs.append((None, None, [one]))
                 else:
                     one()  # nothing deferred: in piece order as it comes
             if out is not None and mode == "copy":
                 copies.append((out[y], master))
-        _run(kernel, rule, runs, threads, written)
+        _run(kernel, runs, threads, written)
         for dst, master in copies:  # after the kernel that updated master
             dst.copy_(master)
         if dense is not None:

@@ -55,10 +55,12 @@ def work_items(batches: Sequence[Tuple[Any, Sequence[Tuple[torch.Tensor, torch.T
     per sub-group] in swapped_compute.py). ``param_index(p)`` raises for a foreign tensor."""
     work: Dict[int, WorkItem] = {}
     for hyper, items in batches:
-        if getattr(hyper, "rule", rule.base) is not rule.base:
-            raise ValueError(f"a step of rule {hyper.rule.name!r} in a swap store of rule {rule.name!r} "
+        mine = getattr(hyper, "rule", rule.base)
+        if not rule.holds(mine):
+            raise ValueError(f"a step of rule {mine.name!r} in a swap store of rule {rule.name!r} "
                              f"(states {list(rule.names)}); build a new optimizer after changing "
-                             "what the groups need (e.g. SGD's momentum from or to 0)")
+                             "what the groups need (e.g. SGD's momentum from 0, amsgrad)")
+        mine = None if mine is rule.base else mine  # another group's rule: on its own fields
         shared: Dict[int, Dict[str, Any]] = {}  # step -> its kwargs
         for p, grad, step in items:
             i = index.get(id(p))
@@ -80,5 +82,5 @@ def work_items(batches: Sequence[Tuple[Any, Sequence[Tuple[torch.Tensor, torch.T
             # step went through (a failed step leaves it as it was)
             out = p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1).contiguous()  # one copy
             g = grad.detach().view(-1) if grad.is_contiguous() else grad.detach().reshape(-1).contiguous()
-            work[i] = WorkItem(0, offsets[i], offsets[i] + n, g, kw, out, "master")
+            work[i] = WorkItem(0, offsets[i], offsets[i] + n, g, kw, out, "master", None, mine)
     return work

@@ -71,6 +71,10 @@ class WorkItem(NamedTuple):
     whose fields have no MASTER)."""
     then: Optional[Callable[[], None]] = None
     """The flat store's param sink's work once the range is computed (left to the caller)."""
+    rule: Optional[Rule] = None
+    """The float32 rule this range steps with, when it is not the store's (a param group of
+    plain Adam in a store of adam_amsgrad): the store's rule holds its fields, and the
+    kernel steps those only (``Rule.narrowed``). None: the store's rule."""
 
 
 class Output(NamedTuple):

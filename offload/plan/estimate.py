@@ -111,7 +111,8 @@ class _Setup(StatesLayout):
     numels: Optional[Tuple[int, ...]] = None
     """Each param's elements (a module was given): see ``StatesLayout``."""
     amsgrad: bool = False
-    """Adam's amsgrad: a third fp32 state per element (max_exp_avg_sq), K 16 instead of 12."""
+    """Adam's amsgrad: a third fp32 state per element (max_exp_avg_sq), K 16 instead of 12;
+    in one group is enough ([Note: groups of different rules] in kernels/fields.py)."""
 
     @property
     def on_cpu(self) -> bool:
@@ -434,7 +435,8 @@ def estimate(
     equal units), the live window's bound ``max_live_params``
     or ``max_live_bytes`` and its ``prefetch`` depth (default 1). ``release_grads`` (stages 0-2,
     device params): grads leave the device once copied to the host ([Note: release grads]).
-    ``amsgrad``: Adam's amsgrad=True, a third state per element (max_exp_avg_sq).
+    ``amsgrad``: Adam's amsgrad=True (in any group: flat and swapped stores keep it for all
+    params), a third state per element (max_exp_avg_sq).
     """
     s = _setup(num_params, world_size=world_size, stage=stage, offload=offload, param_dtype=param_dtype,
                grad_dtype=grad_dtype, optimizer=optimizer, param_device=param_device, cuda=cuda,

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
+from offload.kernels.fields import Rule
 from offload.kernels.quant import rounding_seed
 from offload.memory import paging
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
@@ -39,20 +40,22 @@ if TYPE_CHECKING:
 __all__ = ["WorkItem", "HostBacking", "run_step"]
 
 
-Todo = Dict[Tuple[int, int], Tuple[Dict[str, Any], torch.Tensor]]
+Todo = Dict[Tuple[int, int], Tuple[Dict[str, Any], torch.Tensor, Optional[Rule]]]
 
 
 def _todo(st: "FlatState", batches) -> Todo:
-    """(id(group), param index) -> (kernel keywords, grad) of every param stepped now; the
-    1/N of a sum over N ranks folded into the grad scale."""
+    """(id(group), param index) -> (kernel keywords, grad, rule) of every param stepped now
+    (rule: None for the store's, else a group's whose fields the store's holds); the 1/N of
+    a sum over N ranks folded into the grad scale."""
     todo: Todo = {}
     factor = st._grads.factor if st.world > 1 else 1.0
     for hyper, items in batches:
         rule = getattr(hyper, "rule", st.rule.base)  # the float32 rule; the store's keeps its states compressed
-        if items and rule is not st.rule.base:
+        if items and not st.rule.holds(rule):
             raise ValueError(f"a step of rule {rule.name!r} in a flat store of rule {st.rule.name!r} (states "
                              f"{list(st.rule.names)}); build a new optimizer after changing what the groups "
-                             "need (e.g. SGD's momentum from or to 0)")
+                             "need (e.g. SGD's momentum from 0, amsgrad)")
+        rule = None if rule is st.rule.base else rule
         if factor != 1.0:
             hyper = dataclasses.replace(hyper, grad_scale=hyper.grad_scale * factor)
         by_step: Dict[int, dict] = {}
@@ -60,12 +63,12 @@ def _todo(st: "FlatState", batches) -> Todo:
             fg, i = st._where[p]
             if step not in by_step:
                 by_step[step] = hyper.kernel_kwargs(step)
-            todo[(id(fg), i)] = (by_step[step], g)
+            todo[(id(fg), i)] = (by_step[step], g, rule)
     return todo
 
 
 def _piece_items(st: "FlatState", k: int, fg: FlatGroup, pc, start: int, kw: dict, g: torch.Tensor,
-                 cut: bool) -> Iterator[WorkItem]:
+                 rule: Optional[Rule], cut: bool) -> Iterator[WorkItem]:
     """The items of one (param ∩ segment) piece: one, or one per sub-group when ``cut`` and
     the param's copies are paced by sub-groups (device params, or a sub_group_size given)."""
     lo = pc.lo - start
@@ -76,7 +79,7 @@ def _piece_items(st: "FlatState", k: int, fg: FlatGroup, pc, start: int, kw: dic
     for a, b in subs:
         then = st._sink.after(out, send_to, a, b, finish if b == pc.numel else None)
         yield WorkItem(k, lo + a, lo + b, grad[a:b], _rounding(fg, k, lo + a, kw),
-                       None if out is None else out[a:b], mode, then)
+                       None if out is None else out[a:b], mode, then, rule)
 
 
 def _rounding(fg: FlatGroup, k: int, lo: int, kw: dict) -> dict:
@@ -104,7 +107,7 @@ def run_step(st: "FlatState", backing: Any, batches, phases: Dict[str, float]) -
                 job = todo.get((id(fg), pc.index))
                 if job is None:
                     continue  # no grad on any rank this step: not stepped (as torch)
-                for item in _piece_items(st, k, fg, pc, start, job[0], job[1], cut):
+                for item in _piece_items(st, k, fg, pc, start, *job, cut):
                     backing.compute(item)
             t = time.perf_counter()
             sink.segment_done(fg, n, a, b)
@@ -131,7 +134,7 @@ class HostBacking:
         fg = self._groups[item.shard]
         s = slice(item.lo, item.hi)
         t = time.perf_counter()
-        rule = fg.rule
+        rule = fg.rule if item.rule is None else fg.rule.narrowed(item.rule)  # a group's own fields
         paging.load([item.grad])  # params on NVMe: [Note: paged tensors] in offload/memory/paging.py
         (paging.load if fg.master_lowp else paging.will_write)([item.out])
         if fg.layout.align == 1:  # one stored element per value (fp32, bf16): plain slices
