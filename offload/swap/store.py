@@ -44,6 +44,7 @@ from offload.swap.fsutil import private_dir_name
 from offload.kernels.fields import field_names
 from offload.swap.layout import SwapLayout
 from offload.swap.reserve import RESERVE, ManifestReserve
+from offload.swap.sigint import sigint_held
 from offload.swap.manifest_check import (VERIFY_BLOCK, block_checksums, check_codes, check_group_sums, check_manifest,
                                          previous_commit, previous_json)
 
@@ -447,16 +448,20 @@ class SwapStore:
             from offload.memory import default_accounting
 
             default_accounting().clear_owner(self._acct_owner)
-        self._close_files()
-        if self._lock is not None:
-            try:
-                if remove and cleanup.terminating():
-                    log.warning("%s: kept after %s (step %d, resumable with resume=True; `offload clean %s` "
-                                "removes it)", self.path, cleanup.why_kept(), self.step, self.parent)
-                elif remove:
-                    self._remove_dir()
-            finally:
-                self._lock.release()  # a directory we could not remove must not stay locked by a closed store
+        # A Ctrl-C between two unlinks left a directory without its manifest (or some slot
+        # file): neither removed nor resumable. Held until the directory is gone (or kept
+        # whole), then raised; a second one still interrupts at once.
+        with sigint_held():
+            self._close_files()
+            if self._lock is not None:
+                try:
+                    if remove and cleanup.terminating():
+                        log.warning("%s: kept after %s (step %d, resumable with resume=True; `offload clean %s` "
+                                    "removes it)", self.path, cleanup.why_kept(), self.step, self.parent)
+                    elif remove:
+                        self._remove_dir()
+                finally:
+                    self._lock.release()  # a directory we could not remove must not stay locked by a closed store
 
     def _close_files(self) -> None:
         for f in self.files:
