@@ -217,3 +217,28 @@ def test_registered_buffers_are_left_out_of_fork(eng, pool):
     assert h is not None and eng._dontfork[h] == []
     eng.unregister_buffers(h)
     pool.release(buf)
+
+
+def test_a_forked_child_unregistering_leaves_the_parents_table_alone(eng, pool, workdir):
+    # The ring (and its table of registered buffers) is shared with a forked child: an
+    # unregister there (a child closing the parent's optimizer with keep_swap=True) emptied the
+    # parent's slots, and its next read into them failed with EFAULT ("Bad address").
+    reg = pool.acquire(64 << 10)
+    h = _fixed_available(eng, reg)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            eng.unregister_buffers(h)
+        finally:
+            os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    with open_file(workdir / "k", write=True, create=True) as f:
+        data = _fill(reg.memoryview, 3)
+        before = eng.stats()["fixed_pieces"]
+        assert eng.write(f, 0, reg) == len(data)
+        reg.memoryview[:] = bytes(len(data))
+        assert eng.read(f, 0, reg) == len(data)
+        assert eng.stats()["fixed_pieces"] == before + 2  # still through the table
+        assert bytes(reg.memoryview) == data
+    eng.unregister_buffers(h)
+    pool.release(reg)

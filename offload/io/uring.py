@@ -305,8 +305,8 @@ class UringEngine(Engine):
 
     def unregister_buffers(self, handle: Optional[int]) -> None:
         """Release what :meth:`register_buffers` pinned; requests in flight finish first."""
-        if handle is None:
-            return
+        if handle is None or os.getpid() != self._owner_pid:
+            return  # a forked child: the ring, and what is registered in it, are the parent's
         with self._lock:
             slots = self._handles.pop(handle, None)
             if slots and self._fixed is not None and not self._stop:

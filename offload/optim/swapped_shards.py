@@ -87,16 +87,17 @@ class Output(NamedTuple):
     mode: str
 
 
-def close_quietly(pipeline: SwapPipeline, store: SwapStore) -> None:
-    """Close (also from the garbage collector): buffers first, then files and directory.
-    Nothing in a forked child: the buffers' io_uring registration is the parent's too."""
+def close_quietly(pipeline: SwapPipeline, store: SwapStore, remove: bool = True) -> None:
+    """Close (also from the garbage collector): buffers first, then files and directory
+    (``remove=False``: kept). Nothing in a forked child: the buffers' io_uring registration
+    is the parent's too."""
     if getattr(store, "owner_pid", None) not in (None, os.getpid()):
         store.close()  # marks it closed; touches nothing
         return
     try:
         pipeline.close()
     finally:
-        store.close()
+        store.close(remove=remove)
 
 
 class SwappedShards:
@@ -469,7 +470,6 @@ class SwappedShards:
             self._finalizer()
             return
         if self._finalizer.detach() is not None:
-            try:
-                self.pipeline.close()
-            finally:
-                self.store.close(remove=False)
+            # through close_quietly, as the removing close: a forked child closing with
+            # keep_swap=True unregistered the buffers on the ring it shares with its parent
+            close_quietly(self.pipeline, self.store, remove=False)
