@@ -67,7 +67,7 @@ from offload.memory.region import Region
 from offload.shard.tier_dir import lock_dir, remove_orphans
 from offload.shard.tier_writes import lost_write_error, written_on_disk
 from offload.swap import fsutil
-from offload.swap.sigint import sigint_held
+from offload.swap.sigint import removal_held, sigint_held
 
 __all__ = ["ParamTier"]
 
@@ -463,6 +463,14 @@ class ParamTier:
                  lock_fd: Optional[int] = None) -> None:
         if os.getpid() != pid:
             return  # a forked child exiting: the directory is its parent's
+        # a signal is delivered once the directory is gone and its lock closed (a Ctrl-C
+        # between two unlinks left a half directory whose lock this process went on holding)
+        with removal_held():
+            ParamTier._release(areas, engine, file, path, owner, lock_fd)
+
+    @staticmethod
+    def _release(areas: List[_Area], engine: Any, file: Any, path: str, owner: Optional[str],
+                 lock_fd: Optional[int]) -> None:
         for a in areas:
             paging.unregister(a.start)
         if owner is not None:

@@ -36,6 +36,7 @@ import zlib
 from typing import Any, Dict, Optional, Tuple
 
 from offload.swap.fstype import refuse_pseudo
+from offload.swap.sigint import removal_held
 
 __all__ = [
     "check_parent_dir", "make_private_dir", "check_private_dir", "Lock", "lock_holder",
@@ -454,16 +455,20 @@ def remove_private_dir(path: str, *, lock: Optional[Lock] = None, expect: Option
             est = os.lstat(name, dir_fd=fd)
             check_own_entry(path, name, est)
             entries.append((name, est.st_blocks * 512))
-        for name, _ in entries:
-            os.unlink(name, dir_fd=fd)
+        with removal_held():  # whole or gone: [Note: a removal is whole] in sigint.py
+            for name, _ in entries:
+                os.unlink(name, dir_fd=fd)
+            os.close(fd)
+            fd = -1
+            if lock is not None:
+                lock.release()
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                raise NotOurs(errno.ESTALE, "swap directory was replaced while it was being removed; left it", path)
+            os.rmdir(path)
     finally:
-        os.close(fd)
-    if lock is not None:
-        lock.release()
-    now = os.lstat(path)
-    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-        raise NotOurs(errno.ESTALE, "swap directory was replaced while it was being removed; left it", path)
-    os.rmdir(path)
+        if fd >= 0:
+            os.close(fd)
     return sum(n for _, n in entries)
 
 
