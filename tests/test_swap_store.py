@@ -281,3 +281,20 @@ def test_an_atomic_write_removes_the_temporary_files_of_killed_writers(tmp_path)
     finally:
         live.kill()
         live.wait()
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_a_directory_kept_by_a_ctrl_c_says_whether_it_can_be_resumed(tmp_path, caplog, committed):
+    # one kept before its first commit said "step 0, resumable with resume=True", which then refused it
+    store = _store(tmp_path)
+    if committed:
+        store.commit({}, {"steps": []})
+    try:
+        raise KeyboardInterrupt  # closed while it propagates: kept
+    except KeyboardInterrupt:
+        with caplog.at_level("WARNING", logger="offload"):
+            store.close()
+    assert os.path.isdir(store.path)
+    said = "step 1, resumable with resume=True" if committed else "never committed: nothing to resume"
+    assert said in caplog.text, caplog.text
+    fsutil.remove_private_dir(store.path)

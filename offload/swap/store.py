@@ -456,8 +456,9 @@ class SwapStore:
             if self._lock is not None:
                 try:
                     if remove and cleanup.terminating():
-                        log.warning("%s: kept after %s (step %d, resumable with resume=True; `offload clean %s` "
-                                    "removes it)", self.path, cleanup.why_kept(), self.step, self.parent)
+                        log.warning("%s: kept after %s (%s; `offload clean %s` removes it)", self.path, cleanup.why_kept(),
+                                    f"step {self.step}, resumable with resume=True" if self.extra else
+                                    "never committed: nothing to resume, resume='auto' starts afresh", self.parent)
                     elif remove:
                         self._remove_dir()
                 finally:
