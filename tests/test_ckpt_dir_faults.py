@@ -81,3 +81,49 @@ def test_directory_sync_failing_names_the_directory_and_keeps_the_previous_check
     got = _states(opt)
     assert all(torch.equal(got[k][n], want[k][n]) for k in want for n in want[k])
     opt.close()
+
+
+@pytest.mark.parametrize("previous", [True, False])
+def test_manifest_and_its_put_back_both_unsynced_keep_the_previous_checkpoint(tmp_path, monkeypatch, previous):
+    # the manifest's directory sync fails (the new manifest is in place), then so does the sync
+    # after the previous one is put back (or, on a first save, the new one removed): that is in
+    # place too, so the directory holds the previous checkpoint, or none (it said "holds the new
+    # checkpoint" and removed nothing)
+    params, opt = _opt(tmp_path)
+    ck = tmp_path / "ckpt"
+    if previous:
+        opt.save_checkpoint(str(ck))
+    want = _states(opt)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    real, seen = os.fsync, [0]
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(ck / "rank0"):
+            seen[0] += 1
+            if seen[0] in (3, 4):  # the new manifest's directory sync, then the put-back's
+                raise OSError(errno.EIO, "Input/output error")
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError) as e:
+        opt.save_checkpoint(str(ck))
+    monkeypatch.undo()
+    assert seen[0] >= 4, seen
+    assert "holds the new checkpoint" not in str(e.value), e.value
+    newer = _states(opt)
+    if previous:
+        opt.load_checkpoint(str(ck))  # the previous checkpoint, whole
+        got = _states(opt)
+        assert all(torch.equal(got[k][n], want[k][n]) for k in want for n in want[k])
+    else:
+        with pytest.raises(FileNotFoundError):
+            opt.load_checkpoint(str(ck))
+    opt.load_state_dict({"state": newer, "param_groups": opt.state_dict()["param_groups"]})
+    opt.save_checkpoint(str(ck))  # a healthy disk again: the next save removes what the failed one left
+    names = sorted(os.listdir(ck / "rank0"))
+    opt.load_checkpoint(str(ck))
+    got = _states(opt)
+    assert all(torch.equal(got[k][n], newer[k][n]) for k in newer for n in newer[k])
+    assert not [n for n in names if "tmp" in n or "pending" in n], names
+    opt.close()

@@ -257,7 +257,16 @@ class NewGeneration:
                     fsutil.write_json_atomic(self.directory, CKPT_MANIFEST, fsutil.sealed(self.old))
                 else:
                     os.unlink(self._path(CKPT_MANIFEST))
-                    fsutil.fsync_dir(self.directory)
+                    try:
+                        fsutil.fsync_dir(self.directory)
+                    except OSError as exc:  # gone for every reader: as below
+                        raise fsutil.ReplacedNotDurable(exc.errno or errno.EIO, str(exc), self.directory) from exc
+            except fsutil.ReplacedNotDurable:
+                # The previous manifest is back for every reader, its directory unsynced: a
+                # power cut may still bring this save's back, so its files stay (the pending
+                # record names them: the next save removes them).
+                self.release()
+                return
             except OSError as exc:
                 self.release()
                 raise OSError(exc.errno, f"the save failed after its manifest was written, and putting the previous "
