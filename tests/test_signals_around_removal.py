@@ -142,3 +142,35 @@ def test_sigterm_default_action_during_close_ends_the_process_after_the_removal(
     assert p.returncode == -signal.SIGTERM, p.stderr[-2000:]
     assert "survived" not in p.stdout
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.usefixtures("handlers")
+def test_a_sigterm_held_through_a_removal_that_fails_is_still_delivered(tmp_path, monkeypatch):
+    # The hold delivered the SIGTERM only when the block ended normally: a removal whose next
+    # unlink failed (EIO) raised its OSError and the SIGTERM was dropped, so a process whose
+    # caller went on past that error outlived it (with SIG_DFL: never ended).
+    monkeypatch.setattr(cleanup, "_terminating", False)
+    monkeypatch.setattr(cleanup, "_wrapped", list(cleanup._wrapped))
+    got = []
+    signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    p = torch.nn.Parameter(torch.ones(3000))
+    opt = offload.AdamW([p], lr=1e-2, offload="nvme", swap_dir=str(tmp_path))
+    p.grad = torch.ones_like(p)
+    opt.step()
+    real, calls = os.unlink, []
+
+    def unlink(path, *args, **kwargs):
+        if kwargs.get("dir_fd") is None:
+            return real(path, *args, **kwargs)
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(5, "Input/output error", path)
+        real(path, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(OSError, match="Input/output error"):
+        opt.close()
+    monkeypatch.undo()
+    assert len(calls) == 2
+    assert got == [signal.SIGTERM]

@@ -58,8 +58,10 @@ def sigint_held(second_raises: bool = True) -> Iterator[None]:
 def sigterm_held() -> Iterator[None]:
     """Hold a SIGTERM until the block ends, then deliver it to the handler that was there
     (its default action ends the process; a Python one, a framework's ``sys.exit`` or the
-    CLI's ``Terminated``, raises); a second SIGTERM is delivered at once. Left alone: another
-    thread, SIG_IGN, a C handler, or an outer block's hold."""
+    CLI's ``Terminated``, raises); a second SIGTERM is delivered at once. Also when the block
+    raises: a removal that fails (EIO, a replaced directory) must not lose the SIGTERM, or
+    the process outlived it (a handler's exception then replaces the block's, chained). Left
+    alone: another thread, SIG_IGN, a C handler, or an outer block's hold."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -82,8 +84,8 @@ def sigterm_held() -> Iterator[None]:
     finally:
         if _raw_signal.getsignal(signal.SIGTERM) is hold:
             _raw_signal.signal(signal.SIGTERM, before)
-    if pending and len(pending) == 1:
-        signal.raise_signal(signal.SIGTERM)  # runs a Python handler before it returns
+        if len(pending) == 1:
+            signal.raise_signal(signal.SIGTERM)  # runs a Python handler before it returns
 
 
 @contextlib.contextmanager
