@@ -110,5 +110,10 @@ def test_a_read_copy_is_a_read_only_numpy_array(tmp_path, dtype, kind, state_dty
         assert torch.equal(got, was)
         mine = got.clone().numpy()  # a copy of the user's own stays writable
         mine[0] = 1.0
+        # so does numpy's conversion to another dtype: a new array, not the copy's memory
+        # (it was made read-only too, and `a *= 2` on it, which worked before, failed)
+        wide = np.asarray(got, dtype=np.float64)
+        wide[0] = 1.0
+        assert torch.equal(got, was)
     finally:
         opt.close()

@@ -15,7 +15,8 @@ RuntimeError; every other op runs as on a plain tensor, autograd included, and w
 is a plain tensor unless it shares the copy's memory. ``torch.save``, pickle and deepcopy
 give plain tensors (``torch.load(weights_only=True)`` knows no other class). ``.numpy()`` and
 ``np.asarray`` give a read-only array over its memory (numpy then refuses writes: "assignment
-destination is read-only"); a raw pointer (``data_ptr``, DLPack) is not guarded.
+destination is read-only"; an array converted to another dtype is a new one, writable); a raw
+pointer (``data_ptr``, DLPack) is not guarded.
 """
 from __future__ import annotations
 
@@ -84,8 +85,8 @@ class ReadCopy(torch.Tensor):
             memories = {_memory(t) for a in (*args, *kwargs.values()) for t in _tensors(a)
                         if isinstance(t, ReadCopy)}
             memories.discard(0)  # no elements: nothing to lose
-            if getattr(func, "__name__", "") in _TO_NUMPY and hasattr(out, "flags"):
-                out.flags.writeable = False
+            if getattr(func, "__name__", "") in _TO_NUMPY and hasattr(out, "flags") and not out.flags.owndata:
+                out.flags.writeable = False  # its memory; a converted one (a dtype asked for) is the caller's
             return _kept(out, memories)
 
     def __repr__(self, *, tensor_contents=None) -> str:  # tensor(...), as a state read before
