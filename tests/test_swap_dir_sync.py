@@ -151,3 +151,29 @@ def test_dir_sync_and_the_put_back_failing_refuses_to_write(tmp_path, monkeypatc
     opt = _opt(params, swap, resume=True)
     assert all(int(opt.state[p]["step"]) == 3 for p in params)
     opt.close()
+
+
+def test_a_put_back_failing_after_a_commit_that_does_not_advance_names_no_later_step(tmp_path, monkeypatch):
+    """load_state_dict's and the param cache's commits keep the step number (advance=False):
+    the error said the files hold the step after, which no manifest there names."""
+    from offload.swap import SwapLayout, SwapStore
+
+    st = SwapStore(str(tmp_path), SwapLayout(5000, 2048, 2), state_names=["exp_avg", "exp_avg_sq"])
+    st.commit({}, {"k": 1})
+    real_write, calls = fsutil.write_json_atomic, []
+
+    def write_once(directory, name, obj):
+        calls.append(name)
+        if len(calls) > 1:
+            raise OSError(errno.EIO, "Input/output error", os.path.join(directory, name))
+        return real_write(directory, name, obj)
+
+    monkeypatch.setattr(fsutil, "fsync_dir", _DirSyncFails(tmp_path, {1}))
+    monkeypatch.setattr(fsutil, "write_json_atomic", write_once)
+    with pytest.raises(fsutil.ReplacedNotDurable):
+        st.commit({0: None}, {"k": 2}, advance=False)
+    monkeypatch.undo()
+    assert _manifest_step(tmp_path) == 1
+    assert "the swap files hold the failed commit's states (step 1 too)" in st.held()
+    assert "step 2" not in st.held()
+    st.close()

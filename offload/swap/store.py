@@ -374,19 +374,19 @@ class SwapStore:
             self.slots, self.valid, self.checksums, self.step, self.extra = slots, valid, checksums, step, old_extra
             self._before_commit = old_before
             if isinstance(exc, fsutil.ReplacedNotDurable):
-                self._put_back(exc)
+                self._put_back(f"step {step + 1}" if advance else f"the failed commit's states (step {step} too)")
             raise
 
-    def _put_back(self, exc: OSError) -> None:
-        """Put the previous manifest back after ``exc`` (see [Note: a manifest replaced, not
-        synced] in fsutil.py); where that fails too, write no more (``diverged``)."""
+    def _put_back(self, failed: str) -> None:
+        """Put the previous manifest back after a commit left ``failed`` on disk unsynced ([Note:
+        a manifest replaced, not synced] in fsutil.py); where that fails too, write no more."""
         try:
             self._write_manifest()
         except fsutil.ReplacedNotDurable:
             return  # the previous manifest is back in place: what every reader sees
         except OSError as again:  # the caller raises exc; held() says this
             self.diverged = (f"putting back the manifest of step {self.step} failed too ({again.strerror or again}): "
-                             f"the swap files hold step {self.step + 1}; this store writes no more: "
+                             f"the swap files hold {failed}; this store writes no more: "
                              "close(keep_swap=True) and resume=True from there")
 
     def undo_commit(self) -> None:
