@@ -283,12 +283,15 @@ def test_an_atomic_write_removes_the_temporary_files_of_killed_writers(tmp_path)
         live.wait()
 
 
-@pytest.mark.parametrize("committed", [False, True])
+@pytest.mark.parametrize("committed", [False, "extra", "data"])
 def test_a_directory_kept_by_a_ctrl_c_says_whether_it_can_be_resumed(tmp_path, caplog, committed):
-    # one kept before its first commit said "step 0, resumable with resume=True", which then refused it
+    # one kept before its first commit said "step 0, resumable with resume=True", which then refused it;
+    # one whose commits carry no ``extra`` (it is optional) then said "never committed" at step 1
     store = _store(tmp_path)
-    if committed:
+    if committed == "extra":
         store.commit({}, {"steps": []})
+    elif committed == "data":
+        store.commit({0: None})
     try:
         raise KeyboardInterrupt  # closed while it propagates: kept
     except KeyboardInterrupt:

@@ -448,16 +448,16 @@ class SwapStore:
             from offload.memory import default_accounting
 
             default_accounting().clear_owner(self._acct_owner)
-        # A Ctrl-C between two unlinks left a directory without its manifest (or some slot
-        # file): neither removed nor resumable. Held until the directory is gone (or kept
-        # whole), then raised; a second one still interrupts at once.
+        # A Ctrl-C between two unlinks left a directory without its manifest (or a slot file): held
+        # until the directory is gone (or kept whole), then raised; a second interrupts at once.
         with sigint_held():
             self._close_files()
             if self._lock is not None:
                 try:
                     if remove and cleanup.terminating():
+                        held = self.extra or self.step or any(self.valid)  # (extra is optional: a user's commits)
                         log.warning("%s: kept after %s (%s; `offload clean %s` removes it)", self.path, cleanup.why_kept(),
-                                    f"step {self.step}, resumable with resume=True" if self.extra else
+                                    f"step {self.step}, resumable with resume=True" if held else
                                     "never committed: nothing to resume, resume='auto' starts afresh", self.parent)
                     elif remove:
                         self._remove_dir()
