@@ -43,3 +43,20 @@ def test_a_disk_directory_is_not_refused(tmp_path):
 
 def test_mount_points_are_unescaped_as_the_kernel_escapes_them():
     assert _unescape("/mnt/my\\040disk\\011x\\134y") == "/mnt/my disk\tx\\y"
+
+
+@pytest.mark.parametrize("offload_to", ["cpu", "nvme"])
+def test_a_checkpoint_directory_on_a_kernel_interface_is_refused_naming_it(tmp_path, offload_to):
+    # It failed at its mkdir with a bare "No such file or directory: '/proc/...'" (and on a
+    # writable cgroup2 mount, made a control group: /proc only here, where a mkdir cannot succeed).
+    p = torch.nn.Parameter(torch.randn(37))
+    kw = {"swap_dir": str(tmp_path)} if offload_to == "nvme" else {}
+    opt = offload.AdamW([p], lr=1e-2, offload=offload_to, **kw)
+    try:
+        p.grad = torch.ones_like(p)
+        opt.step()
+        with pytest.raises(OSError, match=r"checkpoint directory is on a proc file system") as info:
+            opt.save_checkpoint("/proc/offload-checkpoint-test")
+        assert info.value.errno == errno.EINVAL and info.value.filename.startswith("/proc/offload-checkpoint-test")
+    finally:
+        opt.close()

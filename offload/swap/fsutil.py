@@ -172,7 +172,10 @@ def not_a_checkpoint_dir(directory: str, doing: str) -> NotADirectoryError:
 
 def make_checkpoint_dir(directory: str) -> None:
     """``directory`` and its parents made (0700) for a checkpoint's save, or refused by name
-    where it is a file or lies under one (a bare "File exists" before)."""
+    where it is a file or lies under one (a bare "File exists" before), or on a kernel
+    interface file system (swap/fstype.py: under /proc a bare ENOENT; on cgroup2 the mkdir
+    made a control group)."""
+    refuse_pseudo(directory, "checkpoint directory")  # (by its mount: it need not exist yet)
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
