@@ -113,6 +113,13 @@ def test_a_second_ctrl_c_in_process_interrupts_the_import_and_leaves_the_caller_
     assert err.strip().endswith(": interrupted") and "Traceback" not in err, err
 
 
+def test_a_sigterm_held_in_process_is_not_dropped_by_a_ctrl_c_after_it(tmp_path):
+    # the Ctrl-C went to the caller's handler and the SIGTERM held before it was never delivered
+    rc, out, err = _stopped_child(tmp_path, "torch", PLAN, [signal.SIGTERM, signal.SIGINT], go=False,
+                                  child=_IN_PROCESS_CHILD)
+    assert rc == -signal.SIGTERM, (rc, out, err)  # its default action, as without the hold
+
+
 def test_a_ctrl_c_held_in_process_goes_to_the_callers_own_sigint_handler(monkeypatch, capsys):
     # offload.cli.main([...]) in a process with a SIGINT handler of its own (a notebook, a loop
     # that stops at the end of its step): a Ctrl-C while the command was held became a

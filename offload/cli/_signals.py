@@ -95,9 +95,12 @@ class CommandSignals:
         before = self._before[signum]
         if self._own_process or not callable(before):
             exit_at_once(signum)
-        # in-process: the handlers before, back now, and this signal to its own
+        # in-process: the handlers before, back now; the one held first goes to its own (a
+        # SIGTERM then a Ctrl-C: the SIGTERM's default action still ends the process), then this
         for held, handler in self._before.items():
             signal.signal(held, handler)
+        if self.caught[0] != signum:
+            signal.raise_signal(self.caught[0])
         before(signum, frame)
 
     def ready(self) -> None:
