@@ -7,7 +7,7 @@ extras choose where the fp32 states live (``offload=``) and which kernel runs
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 
@@ -15,6 +15,7 @@ from offload.kernels.fields import ADAM, ADAM_AMSGRAD, Rule
 from offload.optim.base import RuleOptimizer
 from offload.optim.functional import AdamHyper, RuleHyper
 from offload.optim.options import check_hyper
+from offload.optim.protocol import optional
 
 __all__ = ["Adam", "AdamW"]
 
@@ -51,7 +52,40 @@ class _AdamBase(RuleOptimizer):
             differentiable=differentiable, fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
+        # id(p) of the flat / swapped stores' params that hold a max_exp_avg_sq in torch's
+        # eyes (stepped with amsgrad, or loaded with one): shown also while their group has
+        # amsgrad off, as torch keeps it then (kept_states)
+        self._ams_kept: Set[int] = set()
         super().__init__(params, defaults, **offload_kwargs)
+        if optional(self._store, "resumed"):  # states from a previous run's swap files
+            self._ams_kept = self._ams_by_steps()
+
+    def _ams_by_steps(self) -> Set[int]:
+        """What a store that keeps no such flag (a checkpoint, resumed swap files) says: a
+        param of a group with amsgrad that stepped holds its max_exp_avg_sq."""
+        return {id(p) for g in self.param_groups if g.get("amsgrad")
+                for p in g["params"] if self._ctx.steps.get(p) > 0}
+
+    def kept_states(self, p: torch.Tensor) -> Tuple[str, ...]:
+        """The states ``p`` holds beyond its group's rule (state_view.seen_names): torch keeps
+        a param's max_exp_avg_sq when its group turns amsgrad off, and uses it again when
+        the group turns it back on; the flat and swapped stores keep it too ([Note: groups of
+        different rules] in kernels/fields.py), so it shows as torch's does."""
+        return ("max_exp_avg_sq",) if id(p) in self._ams_kept else ()
+
+    def _store_step(self, work, multiplier: float) -> Dict[str, float]:
+        phases = super()._store_step(work, multiplier)
+        self._ams_kept.update(id(p) for group, items in work if group.get("amsgrad") for p, *_ in items)
+        return phases
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        # torch pairs the saved groups' param ids with ours, in order: a param holds a
+        # max_exp_avg_sq when its entry had one (whatever its group's amsgrad says now)
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        state = state_dict["state"]
+        self._ams_kept = {id(p) for k, p in zip(saved, [p for g in self.param_groups for p in g["params"]])
+                          if isinstance(state.get(k), dict) and "max_exp_avg_sq" in state[k]}
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
         # amsgrad=True keeps a third state, max_exp_avg_sq (torch's); groups may differ in
@@ -82,6 +116,7 @@ class _AdamBase(RuleOptimizer):
 
     def load_checkpoint(self, directory: str) -> None:
         super().load_checkpoint(directory)
+        self._ams_kept = self._ams_by_steps()
         # A stage-0 checkpoint holds every state of the optimizer's rules for every param (a
         # max_exp_avg_sq of zeros for params of groups without amsgrad); in the host store,
         # whose opt.state is torch's, such params keep no max_exp_avg_sq, as torch's do.

@@ -24,7 +24,7 @@ import torch
 from offload.optim.guards import before_load
 from offload.optim.options import check_loaded_groups, loaded_group_rule
 from offload.optim.protocol import optional
-from offload.optim.state_view import attach
+from offload.optim.state_view import attach, seen_names
 
 __all__ = ["state_dict_of", "unused_names", "load_state_dict_into", "check_loadable", "restart_cleared"]
 
@@ -38,11 +38,11 @@ def names_of(opt: Any) -> tuple:
     return tuple(names()) if names is not None else MOMENTS
 
 
-def unused_names(opt: Any, group: Dict[str, Any]) -> Set[str]:
-    """The states a store keeps for ``group``'s params that its rule does not use (a plain
+def unused_names(opt: Any, group: Dict[str, Any], p: torch.Tensor) -> Set[str]:
+    """The states a store keeps for ``p`` (of ``group``) that torch's would not hold (a plain
     Adam group's max_exp_avg_sq in a store of amsgrad groups too): not torch's to see."""
-    rule_of = getattr(opt, "rule_of", None)
-    return set(names_of(opt)) - set(rule_of(group).names) if rule_of is not None else set()
+    names = names_of(opt)
+    return set(names) - set(seen_names(opt, group, p, names))
 
 
 def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any]:
@@ -69,8 +69,8 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
                        for k, v in sd["state"].items() if not isinstance(v, dict) or set(v) - set(names) or not v}
         index = 0
         for group in opt.param_groups:
-            unused = unused_names(opt, group)  # [Note: groups of different rules] in kernels/fields.py
             for p in group["params"]:
+                unused = unused_names(opt, group, p)  # [Note: groups of different rules] in kernels/fields.py
                 exported = {k: v for k, v in export(p).items() if k not in unused}
                 if exported:
                     sd["state"].setdefault(index, {}).update(exported)

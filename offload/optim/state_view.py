@@ -274,10 +274,19 @@ def _flat_views(store: Any, p: torch.Tensor, st: dict, names: tuple) -> None:
         dict.__setitem__(st, key, view.view(p.shape) if piece.numel == p.numel() else view)
 
 
-def _group_names(opt: Any, group: dict, names: tuple) -> tuple:
-    """The store's states that ``group``'s rule uses (all of them for one rule)."""
+def seen_names(opt: Any, group: dict, p: torch.Tensor, names: tuple) -> tuple:
+    """The store's states ``names`` that ``p`` (of ``group``) shows in ``opt.state`` and
+    state_dict(): those its group's rule uses (all of them for one rule), and those the
+    optimizer says ``p`` still holds beyond them (``kept_states``: torch keeps an Adam
+    param's max_exp_avg_sq after its group turned amsgrad off, and uses it again)."""
     rule_of = getattr(opt, "rule_of", None)
-    return names if rule_of is None else tuple(k for k in names if k in rule_of(group).names)
+    if rule_of is None:
+        return names
+    used = set(rule_of(group).names)
+    kept = getattr(opt, "kept_states", None)
+    if kept is not None:
+        used.update(kept(p))
+    return tuple(k for k in names if k in used)
 
 
 def attach(opt: Any) -> None:
@@ -290,11 +299,11 @@ def attach(opt: Any) -> None:
         return
     swapped = kind == "nvme" or getattr(store, "_nvme", False)
     for group in opt.param_groups:
-        names = _group_names(opt, group, names_of(store))
         for p in group["params"]:
             st = opt.state.get(p)
             if not st or "step" not in st:
                 continue
+            names = seen_names(opt, group, p, names_of(store))
             if swapped:
                 if not isinstance(st, SwappedEntry):
                     st = opt.state[p] = SwappedEntry(st, _swapped_reader(store, p), names, _swapped_writer(store, p))
