@@ -12,24 +12,10 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 
 import offload
 from offload.swap import SwapStepError, fsutil
-
-SIZES = [(3000,), (7,), (40, 60), (1,), (2500,)]
-HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
-
-
-def _params(dtype):
-    g = torch.Generator().manual_seed(0)
-    return [nn.Parameter(torch.randn(*s, generator=g).to(dtype)) for s in SIZES]
-
-
-def _grads(params, step):
-    g = torch.Generator().manual_seed(100 + step)
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+from test_step_failures import HP, _grads, _params  # the same params and grads as the other failed steps
 
 
 def _opt(params, swap, resume=False):
