@@ -20,8 +20,8 @@ import torch
 
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads, written_overlap
 from . import quant
-from ._native_abi import (ADAGRAD_CONSTS, BLOCK_ELEMS, ADAM_CONSTS, ADAM_STEP, AMSGRAD_STEP, COMPRESSED_STEP, LION_CONSTS,
-                          SGD_CONSTS, STEP_STATES, StepArgs)
+from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, AMSGRAD_STEP, BLOCK_ELEMS, COMPRESSED_STEP,
+                          LION_CONSTS, SGD_CONSTS, STEP_STATES, StepArgs)
 from ._rule_step import RULE_CODES, RuleStepFace, batch_plan, bound_args
 from .native_prepared import PreparedBatch
 from ._threads import forked, resolve_threads
