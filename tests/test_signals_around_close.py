@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import offload
+from _unlink_signal import signal_after_first_unlink
 
 
 @pytest.fixture
@@ -25,20 +26,6 @@ def sigint_raises():
     signal.signal(signal.SIGINT, before)
 
 
-def _ctrl_c_after_first_unlink(monkeypatch):
-    """os.unlink that removes its file, then Ctrl-C once (a second would raise at once)."""
-    real, sent = os.unlink, []
-
-    def unlink(path, *args, **kwargs):
-        real(path, *args, **kwargs)
-        if kwargs.get("dir_fd") is not None and not sent:  # the removal's unlinks, by name in a dir
-            sent.append(path)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    monkeypatch.setattr(os, "unlink", unlink)
-    return sent
-
-
 @pytest.mark.usefixtures("sigint_raises")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ctrl_c_during_close_is_held_until_the_swap_dir_is_gone(tmp_path, monkeypatch, dtype):
@@ -48,7 +35,7 @@ def test_ctrl_c_during_close_is_held_until_the_swap_dir_is_gone(tmp_path, monkey
     opt = offload.AdamW([p], lr=1e-2, offload="nvme", swap_dir=str(tmp_path))
     p.grad = torch.ones_like(p)
     opt.step()
-    sent = _ctrl_c_after_first_unlink(monkeypatch)
+    sent = signal_after_first_unlink(monkeypatch, signal.SIGINT, str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
         opt.close()
     monkeypatch.undo()

@@ -21,6 +21,7 @@ import torch
 import offload
 from offload.cli import main as offload_main
 from offload.swap import cleanup
+from _unlink_signal import signal_after_first_unlink
 
 
 @pytest.fixture
@@ -32,20 +33,6 @@ def handlers():
     yield
     for s, h in before.items():
         signal.signal(s, h)
-
-
-def _signal_after_first_unlink(monkeypatch, signum):
-    """os.unlink that removes its file, then sends ``signum`` once."""
-    real, sent = os.unlink, []
-
-    def unlink(path, *args, **kwargs):
-        real(path, *args, **kwargs)
-        if kwargs.get("dir_fd") is not None and not sent:  # the removal's unlinks, by name in a dir
-            sent.append(path)
-            os.kill(os.getpid(), signum)
-
-    monkeypatch.setattr(os, "unlink", unlink)
-    return sent
 
 
 def _dead_run(swap_dir):
@@ -65,7 +52,7 @@ def test_offload_clean_stopped_mid_removal_leaves_no_half_directory(tmp_path, mo
     # It left the run's directory without slot0.bin but with its manifest: not resumable
     # (a slot missing) and not removed.
     _dead_run(tmp_path)
-    sent = _signal_after_first_unlink(monkeypatch, signum)
+    sent = signal_after_first_unlink(monkeypatch, signum, str(tmp_path))
     assert offload_main(["clean", str(tmp_path)]) == status
     monkeypatch.undo()
     assert sent, "the removal unlinked nothing"
@@ -80,7 +67,7 @@ def test_ctrl_c_in_the_param_tier_cleanup_removes_it_whole_and_lets_go_of_its_lo
     model(torch.randn(2, 64)).sum().backward()
     tier = offload.shard.runtime_of(model).tier
     lock = os.path.join(tier.path, "lock")
-    sent = _signal_after_first_unlink(monkeypatch, signal.SIGINT)
+    sent = signal_after_first_unlink(monkeypatch, signal.SIGINT, str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
         tier.close()
     monkeypatch.undo()
@@ -107,7 +94,7 @@ def test_a_sigterm_handler_that_exits_during_close_leaves_the_swap_dir_gone(tmp_
     opt = offload.AdamW([p], lr=1e-2, offload="nvme", swap_dir=str(tmp_path))
     p.grad = torch.ones_like(p)
     opt.step()
-    sent = _signal_after_first_unlink(monkeypatch, signal.SIGTERM)
+    sent = signal_after_first_unlink(monkeypatch, signal.SIGTERM, str(tmp_path))
     with pytest.raises(SystemExit):
         opt.close()
     monkeypatch.undo()  # (the directory went before the handler ran: not kept)
