@@ -66,12 +66,13 @@ class _AdamBase(RuleOptimizer):
         return {id(p) for g in self.param_groups if g.get("amsgrad")
                 for p in g["params"] if self._ctx.steps.get(p) > 0}
 
-    def kept_states(self, p: torch.Tensor) -> Tuple[str, ...]:
-        """The states ``p`` holds beyond its group's rule (state_view.seen_names): torch keeps
-        a param's max_exp_avg_sq when its group turns amsgrad off, and uses it again when
-        the group turns it back on; the flat and swapped stores keep it too ([Note: groups of
-        different rules] in kernels/fields.py), so it shows as torch's does."""
-        return ("max_exp_avg_sq",) if id(p) in self._ams_kept else ()
+    def kept_states(self) -> Dict[int, Tuple[str, ...]]:
+        """id(p) -> the states ``p`` holds beyond its group's rule (state_view.seen_names):
+        torch keeps a param's max_exp_avg_sq when its group turns amsgrad off, and uses it
+        again when the group turns it back on; the flat and swapped stores keep it too ([Note:
+        groups of different rules] in kernels/fields.py), so it shows as torch's does. Asked
+        once per step for every param (empty without amsgrad: nothing to look up per param)."""
+        return dict.fromkeys(self._ams_kept, ("max_exp_avg_sq",))
 
     def _store_step(self, work, multiplier: float) -> Dict[str, float]:
         phases = super()._store_step(work, multiplier)

@@ -274,36 +274,53 @@ def _flat_views(store: Any, p: torch.Tensor, st: dict, names: tuple) -> None:
         dict.__setitem__(st, key, view.view(p.shape) if piece.numel == p.numel() else view)
 
 
+def _group_names(opt: Any, group: dict, names: tuple) -> tuple:
+    """The store's states ``names`` that ``group``'s rule uses (all of them for one rule)."""
+    rule_of = getattr(opt, "rule_of", None)
+    if rule_of is None:
+        return names
+    used = rule_of(group).names
+    return tuple(k for k in names if k in used)
+
+
+def _kept_map(opt: Any) -> dict:
+    """id(p) -> the states the optimizer says ``p`` still holds beyond its group's rule."""
+    kept = getattr(opt, "kept_states", None)
+    return kept() if kept is not None else {}
+
+
+def _with_kept(kept: dict, p: torch.Tensor, base: tuple, names: tuple) -> tuple:
+    """``base`` and the states ``kept`` (``_kept_map``) lists for ``p``."""
+    extra = kept.get(id(p)) if kept else None
+    return base if not extra else tuple(k for k in names if k in base or k in extra)
+
+
 def seen_names(opt: Any, group: dict, p: torch.Tensor, names: tuple) -> tuple:
     """The store's states ``names`` that ``p`` (of ``group``) shows in ``opt.state`` and
     state_dict(): those its group's rule uses (all of them for one rule), and those the
     optimizer says ``p`` still holds beyond them (``kept_states``: torch keeps an Adam
     param's max_exp_avg_sq after its group turned amsgrad off, and uses it again)."""
-    rule_of = getattr(opt, "rule_of", None)
-    if rule_of is None:
-        return names
-    used = set(rule_of(group).names)
-    kept = getattr(opt, "kept_states", None)
-    if kept is not None:
-        used.update(kept(p))
-    return tuple(k for k in names if k in used)
+    return _with_kept(_kept_map(opt), p, _group_names(opt, group, names), names)
 
 
 def attach(opt: Any) -> None:
     """Put the states (views, or readers) into ``opt.state[p]`` of every param that has
     stepped (has a ``"step"``), in entries that write assignments through to the store; a
-    param sees the states its group's rule uses."""
+    param sees the states its group's rule uses. Runs after every step: per param, only what
+    changed is redone (the group's names are worked out once per group)."""
     store = opt._store
     kind = getattr(store, "kind", None)
     if kind == "host" or store is None:
         return
     swapped = kind == "nvme" or getattr(store, "_nvme", False)
+    every, kept = names_of(store), _kept_map(opt)
     for group in opt.param_groups:
+        base = _group_names(opt, group, every)
         for p in group["params"]:
             st = opt.state.get(p)
             if not st or "step" not in st:
                 continue
-            names = seen_names(opt, group, p, names_of(store))
+            names = _with_kept(kept, p, base, every) if kept else base
             if swapped:
                 if not isinstance(st, SwappedEntry):
                     st = opt.state[p] = SwappedEntry(st, _swapped_reader(store, p), names, _swapped_writer(store, p))
@@ -311,8 +328,9 @@ def attach(opt: Any) -> None:
             elif p in getattr(store, "_where", {}) or p.numel() == 0:
                 if not isinstance(st, SwappedEntry):
                     st = opt.state[p] = SwappedEntry(st, _flat_reader(store, p), names, _flat_writer(store, p))
-                st._names = names
-                _flat_views(store, p, st, names)
+                if st._names != names or not any(dict.__contains__(st, k) for k in names):
+                    st._names = names
+                    _flat_views(store, p, st, names)
 
 
 def detach(opt: Any) -> None:

@@ -146,7 +146,8 @@ def make_compute(shards: Any, by_group: Dict[int, List[Tuple[int, int, int, Any]
     kernel, threads, computed = shards._kernel, shards._threads, shards.computed
     jm = shards._field(MASTER.name) if shards.has_master else -1
     rules = _Rules(shards)
-    states = rules.plan(None)[1]
+    own = rules.plan(None)  # the store's rule: most pieces (looked up per piece only for others)
+    states = own[1]
     rounding = shards._rounding
     fast = batchable(shards.rule) and not shards.rounds
     if fast:
@@ -164,7 +165,7 @@ def make_compute(shards: Any, by_group: Dict[int, List[Tuple[int, int, int, Any]
         cut = _split_views(pieces, s, e - s, tensors, [j for _, j, _ in states]) if batched else None
         for k, (a, b, start, it) in enumerate(pieces):
             grad, out, mode = it.grad, it.out, it.mode
-            rule, mine, at = rules.plan(it.rule)
+            rule, mine, at = own if it.rule is None else rules.plan(it.rule)
             x, y = slice(a - s, b - s), slice(a - start, b - start)
             master = _whole(out, y, grad.numel()) if mode == "master" else tensors[jm][x]
             lowp = _whole(out, y, grad.numel()) if (out is not None and mode == "lowp") else None
@@ -173,7 +174,10 @@ def make_compute(shards: Any, by_group: Dict[int, List[Tuple[int, int, int, Any]
                 written.append(master if lowp is None else lowp)
             if batched and _batched(kw, master, grad, lowp):
                 # float32: the slice is the storage
-                views = tuple(cut[k][i] for i in at) if cut is not None else tuple(tensors[j][x] for _, j, _ in mine)
+                if cut is None:
+                    views = tuple(tensors[j][x] for _, j, _ in mine)
+                else:  # the store's rule: every state, as cut; another's: its own
+                    views = cut[k] if it.rule is None else tuple(cut[k][i] for i in at)
                 entry = StepEntry(master, _whole(grad, y, grad.numel()), views, lowp, kw["step"], None)
                 if runs and runs[-1][0] is kw:
                     runs[-1][2].append(entry)
