@@ -431,16 +431,12 @@ int rule_steps(const offload_step_args *args, int64_t count, int num_threads, in
 
 extern "C" {
 
+// the face's queries (offload_native.h says what each answers)
 int offload_abi_version(void) { return 7; }
-
 int64_t offload_block_elems(void) { return kBlock; }
-
 int offload_omp_pool(void) { return loaded_omp_pool() ? 1 : 0; }
-
 int64_t offload_step_args_size(void) { return static_cast<int64_t>(sizeof(offload_step_args)); }
-
 int offload_isa_supported(int isa) { return isa_supported(isa) ? 1 : 0; }
-
 int offload_isa_best(void) { return isa_best(); }
 
 int offload_rule_step(const offload_step_args *a) {
