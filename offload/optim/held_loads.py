@@ -23,13 +23,18 @@ __all__ = ["held_load", "load_checkpoint_into"]
 
 def held_load(opt: Any, call: str, load: Callable[[], None]) -> None:
     """``load()`` with a Ctrl-C held until it returns (see the note); ``call`` names it."""
-    whole = False
+    cut = False  # a KeyboardInterrupt out of load() itself: the second Ctrl-C cut it short
     try:
         with defer_sigint():
-            load()
-            whole = True
+            try:
+                load()
+            except KeyboardInterrupt:
+                cut = True
+                raise
     except KeyboardInterrupt:
-        if not whole:
+        # (the held first Ctrl-C is raised after load() returned, or over the error it
+        # raised, which says for itself what it loaded: an all-or-nothing load changed nothing)
+        if cut:
             opt._failure = (f"{call} was interrupted by a second Ctrl-C: the states, the param_groups and the "
                             "params may be partly loaded; load again (load_checkpoint() or load_state_dict())")
         raise

@@ -30,9 +30,14 @@ __all__ = ["sigint_held", "sigterm_held", "removal_held"]
 def sigint_held(second_raises: bool = True) -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT with Python's default handler, main thread only) until the
     block ends, then raise KeyboardInterrupt; with ``second_raises``, a second Ctrl-C raises
-    at once. Left alone: another thread (Python runs handlers in the main one only, so none
-    lands there), or a handler that is not Python's default (the program's own, or an outer
-    block's hold: nested blocks are held by the outermost)."""
+    at once. Also when the block raises an Exception (a failed step, a removal's EIO): the
+    KeyboardInterrupt replaces it, chained (its ``__context__``), where it used to be dropped,
+    and a loop that caught the block's error (a retry) went on as if no Ctrl-C came. Not over
+    a BaseException (SystemExit from a SIGTERM handler, the second Ctrl-C's own
+    KeyboardInterrupt): the process is stopping already. Left alone: another thread (Python
+    runs handlers in the main one only, so none lands there), or a handler that is not
+    Python's default (the program's own, or an outer block's hold: nested blocks are held by
+    the outermost)."""
     if (threading.current_thread() is not threading.main_thread()
             or _raw_signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
@@ -48,6 +53,11 @@ def sigint_held(second_raises: bool = True) -> Iterator[None]:
     _raw_signal.signal(signal.SIGINT, hold)
     try:
         yield
+    except Exception:
+        _raw_signal.signal(signal.SIGINT, signal.default_int_handler)
+        if pending:
+            raise KeyboardInterrupt  # (raised while handling it: the block's exception is its context)
+        raise
     finally:
         _raw_signal.signal(signal.SIGINT, signal.default_int_handler)
     if pending:
