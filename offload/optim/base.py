@@ -180,7 +180,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         names, resumed = self.state_names(), bool(optional(self._store, "resumed"))
         for p in self._all_params():
             st = self.state.get(p)
-            seed = {k: st.pop(k) for k in names if st and k in st}
+            seed = {k: st.pop(k) for k in names if st and dict.__contains__(st, k)}  # (held, not read on access)
             if seed and not resumed:  # resumed: the swap files hold the states (a sum that grew)
                 self._store.import_state(p, seed)
 

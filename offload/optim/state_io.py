@@ -65,8 +65,10 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
         # (A value that is not a dict, e.g. what a pre hook put in ``opt.state["note"]``,
         # passes through as torch's state_dict passes it.)
         names = names_of(opt)
-        sd["state"] = {k: {key: t for key, t in v.items() if key not in names} if isinstance(v, dict) else v
-                       for k, v in sd["state"].items() if not isinstance(v, dict) or set(v) - set(names) or not v}
+        # (dict.items: an entry's states read on access are not read only to be dropped)
+        sd["state"] = {k: {key: t for key, t in dict.items(v) if key not in names} if isinstance(v, dict) else v
+                       for k, v in sd["state"].items()
+                       if not isinstance(v, dict) or set(dict.keys(v)) - set(names) or not dict.__len__(v)}
         index = 0
         for group in opt.param_groups:
             for p in group["params"]:
@@ -211,7 +213,7 @@ def _import_all(opt: Any, store: Any, held: Set[int]) -> None:
     params: List[torch.Tensor] = [p for g in opt.param_groups for p in g["params"]]
     for p in params:
         st = opt.state.get(p) or {}
-        moments = {k: st.pop(k) for k in names_of(opt) if k in st}
+        moments = {k: st.pop(k) for k in names_of(opt) if dict.__contains__(st, k)}  # (torch's new dicts)
         if moments:
             # the states the param's group does not use (a plain Adam param in a store of
             # amsgrad groups too) start afresh: torch's dict holds none

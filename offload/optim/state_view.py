@@ -10,15 +10,18 @@ users' monitoring code read them.
   viewed as stored; int8 states (blocks that need decoding) are read on each access, as
   below, decoded to float32.
 - In swap files (``offload="nvme"``): read from the swap files on each access (a new tensor,
-  up to ``p``'s size in RAM and one swap read each time; never a stale copy kept in RAM),
-  compressed states decoded (float32 of ``p``'s shape, not the stored bf16 or int8 blocks).
-  These keys are not stored in the dict: ``"exp_avg" in opt.state[p]`` is False and
-  ``keys()`` does not list them; ``opt.state[p]["exp_avg"]`` and ``.get("exp_avg")`` work.
-  Partitioned: this rank's slice, as above.
+  up to ``p``'s size in RAM and one swap read each time; never a stale copy kept in RAM), as
+  the RAM store of the same params holds them: float32 or bfloat16 of ``p``'s shape (fp32 CPU
+  params: int8 as the host store's 1-D uint8 packed blocks, each param's blocks its own; the
+  flat store's params: int8 decoded to float32, as in its RAM). Not stored in the dict, yet
+  listed: ``"exp_avg" in opt.state[p]``, ``keys()``, iteration, ``items()`` as on the RAM
+  stores ([Note: states an entry reads on access] in state_entry.py). Partitioned: this
+  rank's slice, as above.
 
 Assigning one (``opt.state[p]["exp_avg"] = t``) writes ``t`` into the store, in every
 store (encoded as it is stored: bf16 rounded to nearest, int8 blocks re-encoded), as torch's
-next step would read a replaced state; ``t`` must have as many elements as a read gives. A
+next step would read a replaced state; ``t`` must have as many elements as ``p`` (or be the
+packed blocks a read gives, fp32 CPU params on NVMe: written back bit for bit). A
 tensor read from the swap files (or decoded from int8 blocks) is a copy, so changing it in place
 would change nothing: it refuses, see [Note: a read copy refuses in-place changes].
 
@@ -37,99 +40,21 @@ it also refused autograd, and not ``.data.zero_()``.)
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
 from offload.optim.read_copy import read_copy
+from offload.optim.state_codec import is_stored_form, to_torch_layout
+from offload.optim.state_entry import MOMENTS, SwappedEntry
 
 __all__ = ["SwappedEntry", "attach", "detach"]
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def names_of(store: Any) -> tuple:
     """The per-element states ``store`` keeps for its rule (Adam's moments for a store without one)."""
     rule = getattr(store, "rule", None)
     return rule.names if rule is not None else MOMENTS
-
-
-class SwappedEntry(dict):
-    """``opt.state[p]`` of a param whose states live in the store: the keys that are not
-    held in the dict (swapped, or int8 blocks) are read on access, and assigning any of the
-    store's keys writes the store (``writer``)."""
-
-    def __init__(self, entry: dict, reader: Callable[[str], Optional[torch.Tensor]],
-                 names: tuple = MOMENTS, writer: Optional[Callable[[str, Any], None]] = None) -> None:
-        super().__init__(entry)
-        self._reader = reader
-        self._names = names
-        self._writer = writer
-
-    def __missing__(self, key: Any) -> torch.Tensor:
-        value = self._reader(key) if key in self._names else None
-        if value is None:
-            raise KeyError(key)
-        return value
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if key in self._names and self._writer is not None:
-            self._writer(key, value)
-        else:
-            super().__setitem__(key, value)
-
-    def _refuse_drop(self, key: Any, how: str) -> None:
-        # A store's state is not the dict's to drop: deleting a view (flat store) left the
-        # store's values in place and the next step put the view back (SGD went on with its
-        # old momentum where torch's restarts it); a swapped one is not in the dict at all.
-        if key in self._names and self._writer is not None:
-            raise NotImplementedError(
-                f"{how}: this optimizer keeps {key!r} in its store, not in opt.state, and cannot drop "
-                "one state of a param; `del opt.state[p]` starts all of p's states afresh as torch "
-                f"does, or assign opt.state[p][{key!r}] = torch.zeros_like(p) to zero this one")
-
-    def __delitem__(self, key: Any) -> None:
-        self._refuse_drop(key, f"del opt.state[p][{key!r}]")
-        super().__delitem__(key)
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        self._refuse_drop(key, f"opt.state[p].pop({key!r})")
-        return super().pop(key, *default)
-
-    def popitem(self) -> Any:
-        if self:  # dict.popitem drops the last key: refused as a del of that key is
-            key = next(reversed(self.keys()))
-            self._refuse_drop(key, f"opt.state[p].popitem() (it drops {key!r})")
-        return super().popitem()
-
-    # dict's own update, |= and setdefault bypass __setitem__: an update of a store-held
-    # state replaced the view in the dict and left the store's values (the next step put the
-    # view back and went on from them)
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-    def __ior__(self, other: Any) -> "SwappedEntry":
-        self.update(other)
-        return self
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        if key not in self._names or self._writer is None:
-            return super().setdefault(key, default)
-        try:
-            return self[key]
-        except KeyError:
-            self[key] = default
-            return default
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            return default
-
-    def __reduce__(self):  # pickled and deep-copied as the plain dict it holds (no store inside)
-        return (dict, (dict(self),))
 
 
 def _checked(p: torch.Tensor, key: str, value: Any, numel: int) -> torch.Tensor:
@@ -165,24 +90,39 @@ def _closed_store(st: Any, param: Any) -> bool:
     return st is None or param is None or getattr(st, "_closed", False)
 
 
-def _swapped_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[torch.Tensor]]:
+def _swapped_reader(store: Any, p: torch.Tensor) -> Tuple[Callable[[str], Optional[torch.Tensor]], Callable[[], bool]]:
+    """(read, holds): ``read(key)`` p's state as stored (bf16 as bf16, int8 blocks decoded),
+    a new tensor from the swap files; ``holds()`` whether there is one to read (no read)."""
     ref, pref = weakref.ref(store), weakref.ref(p)
 
-    def read(key: str) -> Optional[torch.Tensor]:
+    def holds() -> bool:
         st, param = ref(), pref()
         if _closed_store(st, param):
+            return False
+        if param.numel() == 0 or hasattr(st, "read_state"):  # SwappedState: every param, whole
+            return True
+        return _piece(st, param)[1] is not None and st._swap is not None
+
+    def read(key: str) -> Optional[torch.Tensor]:
+        if not holds():
             return None
+        st, param = ref(), pref()
         if param.numel() == 0:  # no bytes in the swap files; torch's state holds empty moments
             return torch.zeros(param.shape, dtype=torch.float32)
         if hasattr(st, "read_state"):  # SwappedState: fp32 CPU params, whole
-            return _read_copy(st.read_state(param)[st.names.index(key)], param, True, fresh=True)
+            return _read_copy(st.read_stored(param, key), param, False, fresh=True)  # (shaped as stored)
         fg, piece, lo, hi = _piece(st, param)
-        if piece is None or st._swap is None:
-            return None
-        vals = st._swap.read(st._groups.index(fg), lo, hi, (key,))[key]
+        vals = st._swap.read(st._groups.index(fg), lo, hi, (key,), stored=True)[key]
         return _read_copy(vals, param, piece.numel == param.numel(), fresh=True)  # read into new tensors
 
-    return read
+    return read, holds
+
+
+def _unpacked(store: Any, p: torch.Tensor, key: str, value: Any) -> Any:
+    """``value`` decoded when it is p's packed int8 blocks (what a read gives, as in the host
+    store), else as it is: float32 values are encoded as a step would."""
+    field = store.core.fields[store.names.index(key)]
+    return to_torch_layout(field, value, p.numel()) if field.blocked and is_stored_form(field, value, p.numel()) else value
 
 
 def _swapped_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
@@ -193,7 +133,7 @@ def _swapped_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
         if _closed_store(st, param):
             raise RuntimeError("the optimizer is closed: its states cannot be set")
         if hasattr(st, "read_state"):  # SwappedState: fp32 CPU params, whole
-            vals = _checked(param, key, value, param.numel())
+            vals = _checked(param, key, _unpacked(st, param, key, value), param.numel())
             if param.numel() == 0:
                 return
             states = list(st.read_state(param))
@@ -210,23 +150,26 @@ def _swapped_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
     return write
 
 
-def _flat_reader(store: Any, p: torch.Tensor) -> Callable[[str], Optional[torch.Tensor]]:
-    """Decoded values of a blocked (int8) field of p's piece in the flat store's RAM."""
+def _flat_reader(store: Any, p: torch.Tensor) -> Tuple[Callable[[str], Optional[torch.Tensor]], Callable[[], bool]]:
+    """(read, holds): decoded values of a blocked (int8) field of p's piece in the flat
+    store's RAM; whether this rank holds a piece of p to read (no decode)."""
     from offload.optim.flat.load_hooks import _values
 
     ref, pref = weakref.ref(store), weakref.ref(p)
 
-    def read(key: str) -> Optional[torch.Tensor]:
+    def holds() -> bool:
         st, param = ref(), pref()
-        if _closed_store(st, param):
+        return not _closed_store(st, param) and _piece(st, param)[1] is not None
+
+    def read(key: str) -> Optional[torch.Tensor]:
+        if not holds():
             return None
+        st, param = ref(), pref()
         fg, piece, lo, hi = _piece(st, param)
-        if piece is None:
-            return None
         fresh = fg.field(key).dtype != torch.float32  # decoded into a new tensor, else the buffer itself
         return _read_copy(_values(fg, key, lo, hi), param, piece.numel == param.numel(), fresh)
 
-    return read
+    return read, holds
 
 
 def _flat_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
@@ -318,16 +261,18 @@ def attach(opt: Any) -> None:
         base = _group_names(opt, group, every)
         for p in group["params"]:
             st = opt.state.get(p)
-            if not st or "step" not in st:
+            if not isinstance(st, dict) or not dict.__contains__(st, "step"):  # (dict's: no store asked per param)
                 continue
             names = _with_kept(kept, p, base, every) if kept else base
             if swapped:
                 if not isinstance(st, SwappedEntry):
-                    st = opt.state[p] = SwappedEntry(st, _swapped_reader(store, p), names, _swapped_writer(store, p))
+                    read, holds = _swapped_reader(store, p)
+                    st = opt.state[p] = SwappedEntry(st, read, names, _swapped_writer(store, p), holds)
                 st._names = names
             elif p in getattr(store, "_where", {}) or p.numel() == 0:
                 if not isinstance(st, SwappedEntry):
-                    st = opt.state[p] = SwappedEntry(st, _flat_reader(store, p), names, _flat_writer(store, p))
+                    read, holds = _flat_reader(store, p)
+                    st = opt.state[p] = SwappedEntry(st, read, names, _flat_writer(store, p), holds)
                 if st._names != names or not any(dict.__contains__(st, k) for k in names):
                     st._names = names
                     _flat_views(store, p, st, names)
@@ -340,5 +285,5 @@ def detach(opt: Any) -> None:
     names = names_of(opt._store)
     for st in opt.state.values():
         for key in names:
-            if isinstance(st, dict) and key in st:
+            if isinstance(st, dict) and dict.__contains__(st, key):  # (not the states read on access)
                 dict.__delitem__(st, key)  # not SwappedEntry's refusal: the store drops its own views

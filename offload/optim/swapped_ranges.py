@@ -31,7 +31,7 @@ from offload.kernels.fields import StateField
 from offload.kernels.quant import BLOCK, rounding_seed
 from offload.memory import paging
 
-__all__ = ["page_in", "page_out", "paged_copy", "storage_slice", "read_values", "write_values", "compressed", "DecodedBlocks", "whole_blocks",
+__all__ = ["page_in", "page_out", "paged_copy", "storage_slice", "read_values", "read_dtype", "write_values", "compressed", "DecodedBlocks", "whole_blocks",
            "rounding_kwargs"]
 
 
@@ -53,12 +53,19 @@ def _block_span(x0: int, x1: int, n: int) -> Tuple[int, int]:
     return x0 // BLOCK * BLOCK, min(-(-x1 // BLOCK) * BLOCK, n)
 
 
-def read_values(field: StateField, t: torch.Tensor, x0: int, x1: int, n: int) -> torch.Tensor:
-    """New float32 values of elements [x0, x1) of ``t`` (a sub-group of ``n`` elements)."""
+def read_values(field: StateField, t: torch.Tensor, x0: int, x1: int, n: int, stored: bool = False) -> torch.Tensor:
+    """New float32 values of elements [x0, x1) of ``t`` (a sub-group of ``n`` elements);
+    ``stored``: a per-element field's values as stored (bf16 as bf16: ``opt.state[p]``, as
+    the RAM stores give it), blocks decoded all the same (``read_dtype``)."""
     if not field.blocked:
-        return t[x0:x1].float()  # a copy for bf16; float32's slice is copied by the caller
+        return t[x0:x1] if stored else t[x0:x1].float()  # float32's slice, or a stored one, is copied by the caller
     a, b = _block_span(x0, x1, n)
     return decode_state(field, storage_slice(field, t, a, b), b - a)[x0 - a:x1 - a]
+
+
+def read_dtype(field: StateField, stored: bool) -> torch.dtype:
+    """The dtype ``read_values`` gives for ``field``."""
+    return field.dtype if stored and not field.blocked else torch.float32 if compressed(field) else field.dtype
 
 
 def write_values(field: StateField, t: torch.Tensor, x0: int, x1: int, n: int, values: torch.Tensor) -> None:

@@ -36,8 +36,8 @@ import torch
 
 from offload.kernels.fields import ADAM, MASTER, Rule, StateField, field_names
 from offload.kernels.quant import BLOCK
-from offload.optim.swapped_ranges import (DecodedBlocks, compressed, paged_copy, read_values, rounding_kwargs,
-                                          whole_blocks, write_values)
+from offload.optim.swapped_ranges import (DecodedBlocks, compressed, paged_copy, read_dtype, read_values, rounding_kwargs,
+                                          storage_slice, whole_blocks, write_values)
 from offload.optim.stats import swap_phases
 from offload.optim.swapped_compute import make_compute
 from offload.optim.step_guard import mark_consistent
@@ -267,19 +267,29 @@ class SwappedShards:
                 paged_copy(out[a - start:b - start], master[a - s:b - s])
 
     # ------------------------------------------------------------------ ranges
-    def read(self, k: int, lo: int, hi: int, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+    def read(self, k: int, lo: int, hi: int, names: Optional[Sequence[str]] = None,
+             stored: bool = False) -> Dict[str, torch.Tensor]:
         """New tensors with the committed ``names`` (default: every field) of shard ``k``'s
-        [lo, hi): of each field's dtype, float32 (decoded) for a compressed field."""
+        [lo, hi): of each field's dtype, float32 (decoded) for a compressed field; ``stored``:
+        a bf16 field as bf16 (packed blocks are decoded either way: swapped_ranges.read_values)."""
         names = self.names if names is None else tuple(names)
         idx = [self._field(n) for n in names]
-        out = {n: torch.empty(hi - lo, dtype=torch.float32 if compressed(self.fields[j]) else self.fields[j].dtype)
-               for n, j in zip(names, idx)}
+        out = {n: torch.empty(hi - lo, dtype=read_dtype(self.fields[j], stored)) for n, j in zip(names, idx)}
         start = self.base[k] + lo
         for g, s, e, a, b in self._spans(k, lo, hi):
             tensors = self._cache.load(g, self._meta)
             for n, j in zip(names, idx):
-                out[n][a - start:b - start].copy_(read_values(self.fields[j], tensors[j], a - s, b - s, e - s))
+                out[n][a - start:b - start].copy_(read_values(self.fields[j], tensors[j], a - s, b - s, e - s, stored))
         return out
+
+    def read_storage(self, k: int, lo: int, hi: int, name: str) -> torch.Tensor:
+        """A new 1-D tensor with the committed storage of ``name`` for shard ``k``'s [lo, hi):
+        the stored values, or the packed blocks of a blocked field (``lo`` on a block of its
+        sub-group: SwappedState's params start on one), as opt.state[p] shows them."""
+        j = self._field(name)
+        parts = [storage_slice(self.fields[j], self._cache.load(g, self._meta)[j], a - s, b - s).clone()
+                 for g, s, e, a, b in self._spans(k, lo, hi)]  # (copied: the next load reuses the buffer)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=self.fields[j].storage_dtype)
 
     def write(self, k: int, lo: int, hi: int, values: Dict[str, torch.Tensor]) -> None:
         """Set ``values`` (state name -> hi - lo elements; float32 values of a compressed field

@@ -353,6 +353,14 @@ class SwappedState:
         got = self.core.read(0, off, off + p.numel(), self.names)
         return tuple(got[k].view(p.shape) for k in self.names)
 
+    def read_stored(self, p: torch.Tensor, name: str) -> torch.Tensor:
+        """``p``'s state ``name`` as stored, a new tensor: what ``opt.state[p][name]`` reads
+        (state_view.py), as the host store holds it: float32 or bf16 shaped like p, int8 as
+        p's own packed blocks (1-D uint8)."""
+        off = self._offsets[self._param_index(p)]
+        t = self.core.read_storage(0, off, off + p.numel(), name)
+        return t if self.core.fields[self.names.index(name)].blocked else t.view(p.shape)
+
     def write_state(self, p: torch.Tensor, *states: torch.Tensor, step: Optional[int] = None) -> None:
         """``p``'s states, in field order (Adam: exp_avg, exp_avg_sq)."""
         i = self._param_index(p)
