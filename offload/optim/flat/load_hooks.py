@@ -141,7 +141,12 @@ def pre_load(st: "FlatState", order: List[torch.Tensor], state_dict: Dict[str, A
     # reset_state() when the loaded dict has no state for them; the others hold zeros.
     st._stepped = {p for p in st._order if has_state(st, p)}
     st._stash = {}
-    index = dict(enumerate(order))
+    # The dict's own param ids, paired with ours in order as torch's load pairs them: they
+    # are 0..n-1 in opt.state_dict(), but the FQNs ("layer.weight") in the dicts of
+    # torch.distributed.checkpoint's set_optimizer_state_dict / set_state_dict (by index,
+    # their masters were dropped and rebuilt from the bf16 params)
+    saved = [k for g in state_dict.get("param_groups", ()) for k in g.get("params", ())]
+    index = dict(zip(saved, order))
     for k, entry in state_dict.get("state", {}).items():
         p = index.get(k)
         if p is None or p not in st._where:
