@@ -34,6 +34,10 @@ __all__ = ["SGD"]
 _BUF = "momentum_buffer"
 
 
+def _is_hole(value: Any) -> bool:
+    return isinstance(value, dict) and not value
+
+
 class SGD(RuleOptimizer):
     """``torch.optim.SGD`` with offloaded states and fused SIMD kernels.
 
@@ -42,6 +46,10 @@ class SGD(RuleOptimizer):
     ``num_threads``, ``max_grad_norm``, ``stage``, ...). ``foreach`` and ``fused`` are
     accepted (every step is one fused pass per tensor); ``differentiable=True`` is refused.
     """
+
+    # a loaded entry without a buffer is a param that never stepped with momentum (torch's
+    # None): a "step" alone is no missing state here (state_io._check_not_bare)
+    BARE_STEP_STARTS_AFRESH = True
 
     GROUP_DEFAULTS = (("nesterov", False), ("maximize", False), ("foreach", None),
                       ("differentiable", False), ("fused", False))
@@ -153,9 +161,15 @@ class SGD(RuleOptimizer):
         started = set()
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
             state = {}
+            mine = self._loaded_params(state_dict)
             for k, st in state_dict["state"].items():
                 if isinstance(st, dict):
-                    st = {key: v for key, v in st.items() if not (key == _BUF and v is None)}
+                    self._refuse_lost_buffer(k, st, mine.get(k))
+                    # (a "step" that is {}: what torch.distributed.checkpoint's unflatten
+                    # gives for a key of opt.state[p] the flattened dict lacks, and ours holds
+                    # a "step" there that torch's SGD layout drops: absent, as in that layout)
+                    st = {key: v for key, v in st.items()
+                          if not (key == _BUF and v is None) and not (key == "step" and _is_hole(v))}
                     st.setdefault("step", 1.0)
                     if _BUF in st:
                         started.add(k)
@@ -165,6 +179,26 @@ class SGD(RuleOptimizer):
         # torch pairs the saved groups' param ids with ours, in order
         saved = [k for g in state_dict["param_groups"] for k in g["params"]]
         self._buf_started = {id(p) for k, p in zip(saved, self._params_in_order()) if k in started}
+
+    def _loaded_params(self, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
+        """The dict's param ids -> ours, as torch pairs them (empty for a malformed dict:
+        the checks of the load say what is wrong with it)."""
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), (list, tuple))
+                                                    for g in groups):
+            return {}
+        return dict(zip([k for g in groups for k in g["params"]], self._params_in_order()))
+
+    def _refuse_lost_buffer(self, k: Any, st: Dict[str, Any], p: Any) -> None:
+        """A "step" hole ({}) marks an entry torch.distributed.checkpoint rebuilt from the
+        keys of ``opt.state[p]`` (flatten_optimizer_state_dict=True); with offload="nvme"
+        they do not list the swapped buffer (read on access: state_view.py), so a started
+        buffer is lost there, not absent: refused, as it cannot be told from a new one."""
+        if p is None or not _is_hole(st.get("step")) or _BUF in st or not self._started(p) or _BUF in self.state.get(p, ()):
+            return
+        raise ValueError(f"load_state_dict: state[{k}] lost its {_BUF!r}: the dict was rebuilt from the keys of "
+                         f"opt.state[p] (torch.distributed.checkpoint, flatten_optimizer_state_dict=True), which "
+                         f"do not list a swapped buffer (offload='nvme'): use flatten_optimizer_state_dict=False")
 
     def load_checkpoint(self, directory: str) -> None:
         """As :meth:`RuleOptimizer.load_checkpoint`; a checkpoint keeps no "started" flag, so

@@ -1,0 +1,131 @@
+"""torch.distributed.checkpoint's state_dict helpers (``get_optimizer_state_dict`` /
+``set_optimizer_state_dict``, what FSDP2 / torchtitan users call) on offload's optimizers.
+
+Their dicts differ from ``opt.state_dict()`` in two ways that reached our load:
+- the param ids are FQNs ("0.weight"), not 0..n-1: the flat store paired a loaded
+  ``master`` (bf16 params) with its param by index, found none, and rebuilt the masters from
+  the bf16 params (the next steps drifted from an uninterrupted run);
+- with ``flatten_optimizer_state_dict=True`` each entry is rebuilt from the keys of
+  ``opt.state[p]``: a key there that the saved dict lacks comes back as ``{}`` (our SGD keeps
+  a "step" that torch's SGD layout drops: the load refused it), and a state not listed there
+  (``offload="nvme"`` reads swapped states on access) is dropped: the load started it afresh
+  under the loaded step count, silently; it now refuses.
+
+Each check trains an uninterrupted optimizer and one resumed through the helpers on the same
+grads and compares the params element by element.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import offload
+
+dcp_sd = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+StateDictOptions = dcp_sd.StateDictOptions
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).to(dtype)
+
+
+def _train(model, opt, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    for _ in range(steps):
+        model(torch.randn(4, 7, generator=gen).to(dtype)).float().pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _make(cls, kw, dtype, tmp_path, tag):
+    model = _model(dtype)
+    extra = {}
+    if kw.get("offload") == "nvme":
+        (tmp_path / tag).mkdir(exist_ok=True)
+        extra = {"swap_dir": str(tmp_path / tag)}
+    opt = cls(model.parameters(), **{**kw, **extra})
+    return model, opt
+
+
+def _resumed(cls, kw, tmp_path, dtype=torch.float32, options=None):
+    """(uninterrupted model, resumed model) after 3 steps, a save and a load through the
+    helpers into a new optimizer, and 3 more steps each."""
+    model, opt = _make(cls, kw, dtype, tmp_path, "a")
+    _train(model, opt, 3, 1)
+    saved = copy.deepcopy(dcp_sd.get_optimizer_state_dict(model, opt, options=options))
+    model2, opt2 = _make(cls, kw, dtype, tmp_path, "b")
+    model2.load_state_dict(model.state_dict())
+    dcp_sd.set_optimizer_state_dict(model2, opt2, saved, options=options)
+    _train(model, opt, 3, 2)
+    _train(model2, opt2, 3, 2)
+    opt.close()
+    opt2.close()
+    return model, model2
+
+
+def _same_params(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("offload_to", ["none", "nvme"])
+def test_bf16_params_keep_their_masters_through_fqn_keys(workdir, offload_to):
+    tmp_path = workdir
+    kw = dict(lr=1e-2, weight_decay=0.1, offload=offload_to)
+    _same_params(*_resumed(offload.AdamW, kw, tmp_path, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("offload_to", ["none", "cpu"])
+def test_sgd_flattened_dict_loads(tmp_path, offload_to):
+    kw = dict(lr=1e-2, momentum=0.9, weight_decay=0.1, offload=offload_to)
+    _same_params(*_resumed(offload.SGD, kw, tmp_path, options=FLAT))
+
+
+@pytest.mark.parametrize("cls,kw,lost", [
+    (offload.AdamW, dict(lr=1e-2), "none of \\['exp_avg', 'exp_avg_sq'\\]"),
+    (offload.Adagrad, dict(lr=1e-2), "none of \\['sum'\\]"),
+    (offload.SGD, dict(lr=1e-2, momentum=0.9), "lost its 'momentum_buffer'"),
+])
+def test_flattened_dict_without_swapped_states_is_refused(workdir, cls, kw, lost):
+    tmp_path = workdir
+    """nvme: the unflattened dict lacks the swapped states; loading it changes nothing."""
+    model, opt = _make(cls, dict(kw, offload="nvme"), torch.float32, tmp_path, "a")
+    _train(model, opt, 3, 1)
+    saved = copy.deepcopy(dcp_sd.get_optimizer_state_dict(model, opt, options=FLAT))
+    model2, opt2 = _make(cls, dict(kw, offload="nvme"), torch.float32, tmp_path, "b")
+    model2.load_state_dict(model.state_dict())
+    dcp_sd.get_optimizer_state_dict(model2, opt2)  # its fake step (zero grads, lr 0) first
+    before = copy.deepcopy(opt2.state_dict())
+    with pytest.raises(ValueError, match=f"{lost}.*flatten_optimizer_state_dict=False"):
+        dcp_sd.set_optimizer_state_dict(model2, opt2, saved, options=FLAT)
+    after = opt2.state_dict()
+    for k, entry in before["state"].items():
+        for key, t in entry.items():
+            assert torch.equal(after["state"][k][key], t), (k, key)
+    opt.close()
+    opt2.close()
+
+
+@pytest.mark.parametrize("cls,kw", [(offload.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+                                    (offload.SGD, dict(lr=1e-2, momentum=0.9))])
+def test_nvme_unflattened_dict_loads(workdir, cls, kw):
+    """The same flows without flattening keep every state (the supported way with nvme)."""
+    _same_params(*_resumed(cls, dict(kw, offload="nvme"), workdir))
+
+
+def test_bare_step_refused_by_plain_load():
+    """The check is the load's: a hand-made entry with a step and no moments (torch's Adam
+    fails on it at its next step) is refused before anything is loaded."""
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = offload.AdamW([p], lr=1e-2)
+    sd = {"state": {0: {"step": torch.tensor(4.0)}}, "param_groups": copy.deepcopy(opt.state_dict()["param_groups"])}
+    with pytest.raises(ValueError, match="state\\[0\\] has a 'step' \\(4\\) but none of"):
+        opt.load_state_dict(sd)
+    sd["state"][0]["step"] = torch.tensor(0.0)  # a count of 0: nothing to lose
+    opt.load_state_dict(sd)
