@@ -120,12 +120,18 @@ def test_nvme_unflattened_dict_loads(workdir, cls, kw):
 
 
 def test_bare_step_refused_by_plain_load():
-    """The check is the load's: a hand-made entry with a step and no moments (torch's Adam
-    fails on it at its next step) is refused before anything is loaded."""
+    """The check is the load's: a hand-made entry with a step and no moments for a param
+    whose moments the optimizer holds (torch's Adam fails on it at its next step) is refused
+    before anything is loaded; one for a param without state yet loads as before."""
     p = torch.nn.Parameter(torch.randn(5))
     opt = offload.AdamW([p], lr=1e-2)
     sd = {"state": {0: {"step": torch.tensor(4.0)}}, "param_groups": copy.deepcopy(opt.state_dict()["param_groups"])}
+    opt.load_state_dict(copy.deepcopy(sd))  # nothing held yet: nothing to lose
+    p.grad = torch.ones_like(p)
+    opt.step()
+    held = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match="state\\[0\\] has a 'step' \\(4\\) but none of"):
-        opt.load_state_dict(sd)
+        opt.load_state_dict(copy.deepcopy(sd))
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], held["state"][0]["exp_avg"])
     sd["state"][0]["step"] = torch.tensor(0.0)  # a count of 0: nothing to lose
     opt.load_state_dict(sd)

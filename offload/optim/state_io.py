@@ -156,22 +156,26 @@ def _check_entry(k: Any, p: torch.Tensor, st: Any, names: tuple, required: tuple
                              f"{list(p.shape)}")
 
 
-def _check_not_bare(k: Any, st: Any, required: tuple) -> None:
-    """An entry with a step count > 0 and none of the states its rule steps with: torch's
-    Adam fails on it at the next step (KeyError 'exp_avg'); ours started the states afresh
-    under the loaded count, silently. Such a dict comes from torch.distributed.checkpoint's
+def _check_not_bare(k: Any, st: Any, required: tuple, held: Any) -> None:
+    """An entry with a step count > 0 and none of the states its rule steps with, for a param
+    whose states this rank holds (``held``: its ``opt.state`` entry): the load would start
+    them afresh under the loaded count, silently (torch's Adam fails at its next step,
+    KeyError 'exp_avg'). Such a dict comes from torch.distributed.checkpoint's
     ``set_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True``: it rebuilds each
-    entry from the keys of ``opt.state[p]``, which with ``offload="nvme"`` list only "step"
-    (the swapped states are read on access: state_view.py)."""
+    entry from the keys of ``opt.state[p]``, which do not list the states read on access
+    (``offload="nvme"``, int8 states of the flat store: state_view.py). A rank that holds
+    none of ``p`` (stage 1/2: no view there) loses nothing: it loads as before."""
     if not (isinstance(st, dict) and required and "step" in st) or any(key in st for key in required):
         return
     step = st["step"]
-    if float(step.item() if isinstance(step, torch.Tensor) else step) > 0:
+    if float(step.item() if isinstance(step, torch.Tensor) else step) <= 0:
+        return
+    if isinstance(held, dict) and any(held.get(key) is not None for key in required):
         raise ValueError(f"load_state_dict: state[{k}] has a 'step' ({float(step):g}) but none of "
-                         f"{list(required)}: its states would start afresh (torch's optimizer fails at its next "
-                         "step). With torch.distributed.checkpoint and offload='nvme', use "
-                         "flatten_optimizer_state_dict=False: its unflattening keeps only the keys opt.state[p] "
-                         "lists, and swapped states are read on access, not listed")
+                         f"{list(required)}, which this optimizer holds: they would start afresh (torch's optimizer "
+                         "fails at its next step). With torch.distributed.checkpoint and offload='nvme' (or int8 "
+                         "states), use flatten_optimizer_state_dict=False: its unflattening keeps only the keys "
+                         "opt.state[p] lists, and these states are read on access, not listed")
 
 
 def check_loadable(opt: Any, state_dict: Dict[str, Any]) -> None:
@@ -191,7 +195,7 @@ def check_loadable(opt: Any, state_dict: Dict[str, Any]) -> None:
         if p is not None:
             _check_entry(k, p, st, names, required.get(k, names))
             if not getattr(opt, "BARE_STEP_STARTS_AFRESH", False):
-                _check_not_bare(k, st, required.get(k, names))
+                _check_not_bare(k, st, required.get(k, names), opt.state.get(p))
 
 
 def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[Dict[str, Any]], None]) -> None:
