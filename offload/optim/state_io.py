@@ -162,20 +162,21 @@ def _check_not_bare(k: Any, st: Any, required: tuple, held: Any) -> None:
     them afresh under the loaded count, silently (torch's Adam fails at its next step,
     KeyError 'exp_avg'). Such a dict comes from torch.distributed.checkpoint's
     ``set_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True``: it rebuilds each
-    entry from the keys of ``opt.state[p]``, which do not list the states read on access
-    (``offload="nvme"``, int8 states of the flat store: state_view.py). A rank that holds
-    none of ``p`` (stage 1/2: no view there) loses nothing: it loads as before."""
+    entry from the keys of ``opt.state[p]``, so a state left out of them (as the swapped ones
+    were before state_entry.py listed them) is dropped. A rank that holds none of ``p`` (stage
+    1/2: no view there) loses nothing: it loads as before. ``held`` is asked by ``in`` and,
+    for a plain dict only, its value (SGD's None buffer): a swapped entry's value is a disk read."""
     if not (isinstance(st, dict) and required and "step" in st) or any(key in st for key in required):
         return
     step = st["step"]
     if float(step.item() if isinstance(step, torch.Tensor) else step) <= 0:
         return
-    if isinstance(held, dict) and any(held.get(key) is not None for key in required):
+    if isinstance(held, dict) and any(key in held and (type(held) is not dict or held[key] is not None)
+                                      for key in required):
         raise ValueError(f"load_state_dict: state[{k}] has a 'step' ({float(step):g}) but none of "
                          f"{list(required)}, which this optimizer holds: they would start afresh (torch's optimizer "
-                         "fails at its next step). With torch.distributed.checkpoint and offload='nvme' (or int8 "
-                         "states), use flatten_optimizer_state_dict=False: its unflattening keeps only the keys "
-                         "opt.state[p] lists, and these states are read on access, not listed")
+                         "fails at its next step); a dict of torch.distributed.checkpoint's set_optimizer_state_dict: "
+                         "try flatten_optimizer_state_dict=False")
 
 
 def check_loadable(opt: Any, state_dict: Dict[str, Any]) -> None:
