@@ -13,9 +13,11 @@ import torch
 
 from offload.kernels.fields import ADAM, ADAM_AMSGRAD, Rule
 from offload.optim.base import RuleOptimizer
+from offload.optim.ckpt_holding import holding_meta, saved_holding
 from offload.optim.functional import AdamHyper, RuleHyper
 from offload.optim.options import check_hyper
 from offload.optim.protocol import optional
+from offload.optim.state_view import attach as attach_state_views
 
 __all__ = ["Adam", "AdamW"]
 
@@ -115,18 +117,35 @@ class _AdamBase(RuleOptimizer):
             grad_scale=grad_scale,
         )
 
+    def checkpoint_meta(self) -> Dict[str, Any]:
+        """The params that hold a max_exp_avg_sq ([Note: kept states in checkpoints] in
+        ckpt_holding.py): in the host store, those whose opt.state has one (torch's dicts);
+        in the others, those that stepped in a group with amsgrad now or kept one since."""
+        host = getattr(self._store, "kind", None) == "host"
+        pairs = [(g, p) for g in self.param_groups for p in g["params"]]
+        return holding_meta("max_exp_avg_sq", (
+            i for i, (g, p) in enumerate(pairs)
+            if ("max_exp_avg_sq" in self.state.get(p, {}) if host else
+                self._ctx.steps.get(p) > 0 and (g.get("amsgrad") or id(p) in self._ams_kept))))
+
     def load_checkpoint(self, directory: str) -> None:
+        params = self._all_params()
+        held = saved_holding(directory, "max_exp_avg_sq", len(params))  # (checked before anything loads)
         super().load_checkpoint(directory)
-        self._ams_kept = self._ams_by_steps()
-        # A stage-0 checkpoint holds every state of the optimizer's rules for every param (a
-        # max_exp_avg_sq of zeros for params of groups without amsgrad); in the host store,
-        # whose opt.state is torch's, such params keep no max_exp_avg_sq, as torch's do.
+        # A checkpoint holds every state of the store's fields for every param that stepped
+        # (a max_exp_avg_sq of zeros where a param has none): a param holds its
+        # max_exp_avg_sq when the meta says so, or (a checkpoint written before it said) when
+        # its group has amsgrad. The host store, whose opt.state is torch's, drops the others,
+        # as torch's dicts have none; the flat and swapped stores show the held ones.
+        holds = {id(p) for i, p in enumerate(params) if held is not None and i in held}
+        holds.update(id(p) for g in self.param_groups if g.get("amsgrad") for p in g["params"])
+        self._ams_kept = {id(p) for p in params if id(p) in holds and self._ctx.steps.get(p) > 0}
         if getattr(self._store, "kind", None) != "host":
+            attach_state_views(self)  # (attached by the load before the kept states were known)
             return
-        for group in self.param_groups:
-            if not group.get("amsgrad"):
-                for p in group["params"]:
-                    self.state.get(p, {}).pop("max_exp_avg_sq", None)
+        for p in params:
+            if id(p) not in holds:
+                self.state.get(p, {}).pop("max_exp_avg_sq", None)
 
     def group_hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
         hyper = self._adam_hyper(group, 1.0).kernel_kwargs(0)

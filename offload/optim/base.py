@@ -209,11 +209,10 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         refuse_release_grads(self.release_grads, stage == 0 and host_ok, getattr(self, "_in_stage3", False))
         if stage == 0 and host_ok and (self.config.offload in ("none", "cpu") or nothing_to_swap(self)):
             if self.config.sub_group_size is not None:
-                raise ValueError(
-                    f"sub_group_size={self.config.sub_group_size} would be ignored: fp32 CPU params with "
-                    f"offload={self.config.offload!r} are updated in place, each in one pass (sub-groups "
-                    "cut the flat master of device or fp16/bf16 params, and the swap files of "
-                    "offload='nvme'); drop it")
+                raise ValueError(f"sub_group_size={self.config.sub_group_size} would be ignored: fp32 CPU params "
+                                 f"with offload={self.config.offload!r} are updated in place, each in one pass "
+                                 "(sub-groups cut the flat master of device or fp16/bf16 params, and the swap "
+                                 "files of offload='nvme'); drop it")
             return HostState(ctx=self._ctx, backend=self.backend, num_threads=self.num_threads,
                              fields=self.state_fields(), fill={k: self.state_fill(k) for k in self.state_names()},
                              state_dtype=self.state_dtype, stochastic_states=STOCHASTIC_BF16_STATES)
@@ -271,9 +270,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
             return
         check = optional(self._store, "check_param")
         if check is None:
-            raise NotImplementedError(
-                f"add_param_group after construction is not supported with offload={self.config.offload!r}"
-            )
+            raise NotImplementedError(f"add_param_group after construction is not supported with "
+                                      f"offload={self.config.offload!r}")
         base = len(self._all_params()) - len(group["params"])
         for i, p in enumerate(group["params"]):
             check(base + i, p)
@@ -290,10 +288,9 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         flat buffers, swap files and locks that a copy cannot share or own, so they refuse."""
         if not isinstance(self._store, HostState):
             kind = getattr(self._store, "kind", type(self._store).__name__)
-            raise TypeError(
-                f"cannot pickle or copy {type(self).__name__} with offload={self.config.offload!r} "
-                f"({kind} store: its states live in flat host buffers or swap files, not in the object): "
-                "save opt.state_dict() or opt.save_checkpoint(DIR) instead, and load it into a new optimizer")
+            raise TypeError(f"cannot pickle or copy {type(self).__name__} with offload={self.config.offload!r} "
+                            f"({kind} store: its states live in flat host buffers or swap files, not in the object): "
+                            "save opt.state_dict() or opt.save_checkpoint(DIR) instead, and load it into a new optimizer")
         return dict(self.__dict__)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -469,10 +466,13 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         self._check_open()
         save = optional(self._store, "save_checkpoint")
         if save is None:
-            raise NotImplementedError(
-                f"save_checkpoint is not available for this store ({type(self._store).__name__}); use torch.save(opt.state_dict())"
-            )
-        save(directory, {"param_groups": encode_groups(self.param_groups)})
+            raise NotImplementedError(f"save_checkpoint is not available for this store ({type(self._store).__name__}); "
+                                      "use torch.save(opt.state_dict())")
+        save(directory, {"param_groups": encode_groups(self.param_groups), **self.checkpoint_meta()})
+
+    def checkpoint_meta(self) -> Dict[str, Any]:
+        """What a subclass adds to its checkpoints' meta (Adam: ckpt_holding.py)."""
+        return {}
 
     def load_checkpoint(self, directory: str) -> None:
         """States, steps and (as load_state_dict) the param_groups' hyperparameters; a

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from offload.swap.ckpt_dir import CKPT_MANIFEST, read_manifest
 
-__all__ = ["encode_groups", "decode_groups", "checkpoint_groups", "apply_groups"]
+__all__ = ["encode_groups", "decode_groups", "saved_meta", "checkpoint_groups", "apply_groups"]
 
 _NOT_SAVED = ("params", "param_names")  # the params themselves (and their names) are the optimizer's own
 
@@ -79,21 +79,29 @@ def _decode(v: Any, like: Any) -> Any:
     raise ValueError(f"unknown value {v!r}")
 
 
+def saved_meta(directory: str) -> Tuple[Dict[str, Any], str]:
+    """(the meta, the manifest's path) of checkpoint ``directory``: rank 0's (every rank's
+    holds the optimizer's own keys), or the previous release's single-directory one; an
+    empty meta when there is no manifest (the load that follows says what is missing)."""
+    where = os.path.join(directory, "rank0")
+    if not os.path.lexists(os.path.join(where, CKPT_MANIFEST)):
+        where = directory
+    path = os.path.join(where, CKPT_MANIFEST)
+    if not os.path.lexists(path):
+        return {}, path
+    return read_manifest(where).get("meta") or {}, path
+
+
 def checkpoint_groups(directory: str, param_groups: List[Dict[str, Any]], *,
                       shards: bool = True) -> Optional[List[Dict[str, Any]]]:
     """The hyperparameters of checkpoint ``directory`` (in ``rank0/``; or, for the previous
     release's single-directory format, in ``directory``: ``shards`` is no longer needed to
     tell), decoded and checked against ``param_groups``; None when it has none (or no
     manifest: the load that follows says what is missing). Raises ValueError on a mismatch."""
-    where = os.path.join(directory, "rank0")
-    if not os.path.lexists(os.path.join(where, CKPT_MANIFEST)):
-        where = directory
-    if not os.path.lexists(os.path.join(where, CKPT_MANIFEST)):
-        return None
-    saved = (read_manifest(where).get("meta") or {}).get("param_groups")
+    meta, path = saved_meta(directory)
+    saved = meta.get("param_groups")
     if saved is None:
         return None
-    path = os.path.join(where, CKPT_MANIFEST)
     if not isinstance(saved, list) or not all(isinstance(g, dict) and isinstance(g.get("hyper"), dict)
                                               and isinstance(g.get("n_params"), int) for g in saved):
         raise ValueError(f"{path}: meta.param_groups is not a list of groups")

@@ -1,0 +1,45 @@
+"""Which params hold a state beyond their group's rule, written into a checkpoint's meta.
+
+[Note: kept states in checkpoints] torch keeps an Adam param's ``max_exp_avg_sq`` once it
+exists, whatever its group's ``amsgrad`` says later: its state_dict carries it, and a group
+that turns amsgrad back on goes on from it. A checkpoint holds every state of the store's
+fields for every param that stepped (the initial values where a param holds none: the host
+store's and the swapped stores' files have one set of fields), so its files cannot tell a
+kept ``max_exp_avg_sq`` from such a filler, and the load used to decide by the group's rule:
+a group with amsgrad off lost it (the host store restarted it from zeros; the flat and
+swapped stores hid it from opt.state and state_dict). The meta now says, under ``holding``:
+``{name: [the indices, in param_groups order, of the params that hold it]}``. The key is
+optional: a checkpoint written before it has none, and the load decides by the rule as
+before.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, Optional, Set
+
+from offload.swap.ckpt_groups import saved_meta
+
+__all__ = ["HOLDING", "holding_meta", "saved_holding"]
+
+HOLDING = "holding"
+
+
+def holding_meta(name: str, indices: Iterable[int]) -> Dict[str, Any]:
+    """The meta entry saying that the params at ``indices`` hold state ``name``."""
+    return {HOLDING: {name: sorted(int(i) for i in indices)}}
+
+
+def saved_holding(directory: str, name: str, nparams: int) -> Optional[Set[int]]:
+    """The indices of the params that hold ``name`` in checkpoint ``directory``, or None when
+    its meta does not say (a checkpoint written before ``holding``, or of other params: the
+    load refuses those, saying why). Checked before anything is loaded: ValueError."""
+    meta, path = saved_meta(directory)
+    holding = meta.get(HOLDING) if isinstance(meta, dict) else None
+    if holding is None:
+        return None
+    listed: Any = holding.get(name, []) if isinstance(holding, dict) else None
+    if not isinstance(listed, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in listed):
+        raise ValueError(f"{path}: meta.{HOLDING} is not a map of state name to a list of param indices")
+    if any(not 0 <= i < nparams for i in listed):
+        return None  # a checkpoint of more params: the store's load refuses it, naming both
+    return set(listed)
+
