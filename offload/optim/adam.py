@@ -89,6 +89,7 @@ class _AdamBase(RuleOptimizer):
         state = state_dict["state"]
         self._ams_kept = {id(p) for k, p in zip(saved, [p for g in self.param_groups for p in g["params"]])
                           if isinstance(state.get(k), dict) and "max_exp_avg_sq" in state[k]}
+        attach_state_views(self)  # (attached by the load before the kept states were known)
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
         # amsgrad=True keeps a third state, max_exp_avg_sq (torch's); groups may differ in
