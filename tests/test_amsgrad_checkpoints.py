@@ -189,3 +189,49 @@ def test_torch_state_dict_with_max_exp_avg_sq_of_an_amsgrad_off_group_loads_in_e
     run.opt = offload.Adam(_groups(run.params), lr=0.5, **_kwargs(store, tmp_path, "back"))
     run.opt.load_state_dict(theirs)
     run.go_on()
+
+
+def _ranks_job(rank, world, stage, kwargs, directory):
+    """On each of two gloo ranks (the same grads on both): the run, a checkpoint saved while
+    group 1 has amsgrad off, a new optimizer loading it, two steps with amsgrad on again."""
+    params = _params("cpu")
+    opt = offload.AdamW(_groups(params), lr=1e-2, stage=stage, **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(4):
+        _flip((opt,), t < 2)
+        _step([(opt, params)], gen, t)
+    opt.save_checkpoint(directory)
+    opt.close()
+    opt = offload.AdamW(_groups(params), lr=0.5, stage=stage, **kwargs)
+    opt.load_checkpoint(directory)
+    keys = {i: sorted(set(e) - {"master"}) for i, e in opt.state_dict()["state"].items()}  # (collective)
+    _flip((opt,), True)
+    for t in range(4, 6):
+        _step([(opt, params)], gen, t)
+    sd = opt.state_dict()["state"]
+    opt.close()  # the ranks live on for the next job
+    # plain lists: a tensor sent through the queue lives in shared memory tied to its sender
+    return keys, [p.tolist() for p in params], {i: {k: v.tolist() for k, v in e.items() if k != "step"}
+                                                for i, e in sd.items()}
+
+
+@pytest.mark.parametrize("stage, store", [(1, "cpu"), (2, "cpu"), (2, "nvme")])
+def test_two_ranks_checkpoint_keeps_the_max_exp_avg_sq_of_an_amsgrad_off_group(stage, store, tmp_path):
+    from _ranks import group
+
+    got = group(2).run(_ranks_job, stage, _kwargs(store, tmp_path, "swap"), str(tmp_path / "ckpt"))
+    run = Run("cpu", tmp_path)  # torch's run (ours in one process is not needed)
+    run.opt.close()
+    want_keys = {i: sorted(e) for i, e in run.ref.state_dict()["state"].items()}
+    _flip((run.ref,), True)
+    for t in range(4, 6):
+        _step([(run.ref, run.ref_params)], run.gen, t)
+    want = run.ref.state_dict()["state"]
+    for rank in (0, 1):
+        keys, params, states = got[rank]
+        assert keys == want_keys
+        for i, (p, r) in enumerate(zip(params, run.ref_params)):
+            torch.testing.assert_close(torch.tensor(p), r.detach(), **TOL)
+            assert set(states[i]) == set(want[i]) - {"step"}
+            for k, v in states[i].items():
+                torch.testing.assert_close(torch.tensor(v), want[i][k], **TOL)
