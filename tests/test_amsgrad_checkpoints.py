@@ -235,3 +235,38 @@ def test_two_ranks_checkpoint_keeps_the_max_exp_avg_sq_of_an_amsgrad_off_group(s
             assert set(states[i]) == set(want[i]) - {"step"}
             for k, v in states[i].items():
                 torch.testing.assert_close(torch.tensor(v), want[i][k], **TOL)
+
+
+def _meta_rewritten(monkeypatch, rewrite):
+    """The checkpoints' meta as ``rewrite`` makes it, when Adam reads ``holding`` (the
+    manifest itself is sealed: an edited file is refused before its meta is read)."""
+    import offload.optim.ckpt_holding as holding
+
+    real = holding.saved_meta
+    monkeypatch.setattr(holding, "saved_meta", lambda d: (rewrite(dict(real(d)[0])), real(d)[1]))
+
+
+@pytest.mark.parametrize("store", ["cpu", "nvme"])
+def test_a_checkpoint_without_holding_loads_as_before(store, tmp_path, monkeypatch):
+    """A checkpoint written before ``holding`` existed: a param of a group with amsgrad off
+    holds no max_exp_avg_sq after the load (the group's rule decides, as it always did)."""
+    run = Run(store, tmp_path)
+    _meta_rewritten(monkeypatch, lambda meta: {k: v for k, v in meta.items() if k != "holding"})
+    _reload(run, store, tmp_path)
+    sd = run.opt.state_dict()["state"]
+    assert ["max_exp_avg_sq" in sd[i] for i in range(4)] == [True, False, False, False]
+    run.opt.close()
+
+
+@pytest.mark.parametrize("holding", [{"max_exp_avg_sq": "all"}, {"max_exp_avg_sq": [0, True]}, [1]])
+def test_a_malformed_holding_is_refused_before_anything_loads(holding, tmp_path, monkeypatch):
+    run = Run("cpu", tmp_path)
+    run.opt.save_checkpoint(str(tmp_path / "ckpt"))
+    run.steps(4, 5)  # (the states the refused load must leave)
+    before = copy.deepcopy(run.opt.state_dict())
+    _meta_rewritten(monkeypatch, lambda meta: dict(meta, holding=holding))
+    with pytest.raises(ValueError, match="meta.holding is not a map of state name to a list of param indices"):
+        run.opt.load_checkpoint(str(tmp_path / "ckpt"))
+    after = run.opt.state_dict()
+    for i, e in before["state"].items():
+        assert set(after["state"][i]) == set(e) and all(torch.equal(after["state"][i][k], v) for k, v in e.items())
