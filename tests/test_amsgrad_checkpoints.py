@@ -270,3 +270,41 @@ def test_a_malformed_holding_is_refused_before_anything_loads(holding, tmp_path,
     after = run.opt.state_dict()
     for i, e in before["state"].items():
         assert set(after["state"][i]) == set(e) and all(torch.equal(after["state"][i][k], v) for k, v in e.items())
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_the_host_store_built_without_amsgrad_keeps_a_max_exp_avg_sq_through_checkpoints(state_dtype, tmp_path):
+    """No group has amsgrad when the host store is built; group 1 turns it on for two steps,
+    then off: its checkpoint holds the max_exp_avg_sq (it was left out: the store's fields
+    were those of its first rules), a new optimizer of the same arguments loads it, and goes
+    on bit for bit as the run that was never saved (and, in float32, as torch)."""
+    params, twin_params = _params("cpu"), _params("cpu")
+    ref_params = [p.detach().clone().requires_grad_() for p in params]
+
+    def plain(ps):
+        return [dict(g, amsgrad=False) for g in _groups(ps)]
+
+    opt, twin = (offload.AdamW(plain(ps), lr=1e-2, state_dtype=state_dtype) for ps in (params, twin_params))
+    ref = torch.optim.AdamW(plain(ref_params), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(4):
+        _flip((opt, twin, ref), t < 2)
+        _step([(opt, params), (twin, twin_params), (ref, ref_params)], gen, t)
+    sd = opt.state_dict()["state"]
+    assert sd[2]["max_exp_avg_sq"].dtype == torch.float32 and sd[2]["max_exp_avg_sq"].shape == params[2].shape  # (4097: int8)
+    opt.save_checkpoint(str(tmp_path / "ckpt"))
+    opt = offload.AdamW(plain(params), lr=1e-2, state_dtype=state_dtype)
+    opt.load_checkpoint(str(tmp_path / "ckpt"))
+    got, want = opt.state_dict()["state"], twin.state_dict()["state"]
+    assert {i: list(e) for i, e in got.items()} == {i: list(e) for i, e in want.items()}
+    assert sorted(got[1]) == sorted(ref.state_dict()["state"][1])  # torch's keys
+    _flip((opt, twin, ref), True)
+    for t in range(4, 6):
+        _step([(opt, params), (twin, twin_params), (ref, ref_params)], gen, t)
+    got, want = opt.state_dict()["state"], twin.state_dict()["state"]
+    for i in want:
+        assert all(torch.equal(got[i][k], v) for k, v in want[i].items()), i
+    assert all(torch.equal(p, q) for p, q in zip(params, twin_params))
+    if state_dtype == "float32":
+        for p, r in zip(params, ref_params):
+            torch.testing.assert_close(p, r, **TOL)

@@ -59,6 +59,9 @@ class _AdamBase(RuleOptimizer):
         # amsgrad off, as torch keeps it then (kept_states)
         self._ams_kept: Set[int] = set()
         super().__init__(params, defaults, **offload_kwargs)
+        keep = optional(self._store, "keep_optional")
+        if keep is not None:  # the host store, built with no group of amsgrad: a group may turn it on
+            keep(ADAM_AMSGRAD.fields)
         if optional(self._store, "resumed"):  # states from a previous run's swap files
             self._ams_kept = self._ams_by_steps()
 

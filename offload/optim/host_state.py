@@ -61,6 +61,7 @@ class HostState:
     state_dtype = "float32"
     stochastic_states = True
     _prepared: Optional[PreparedGroups] = None
+    _optional: Tuple[StateField, ...] = ()  # (see keep_optional; a pickle from before has none)
 
     def __init__(self, *, ctx: StepContext, backend: Optional[str], num_threads: Optional[int],
                  fields: Sequence[StateField] = ADAM.fields, fill: Optional[Dict[str, float]] = None,
@@ -111,8 +112,21 @@ class HostState:
         return rule.with_state_dtype(self.state_dtype) if self.compressed(p) else rule
 
     def stored_fields(self, p: torch.Tensor) -> Tuple[StateField, ...]:
-        """Every state field of ``p`` as stored."""
-        return self.rule_for(Rule("fields", self.fields), p).fields
+        """Every state field of ``p`` as stored (an optional one where ``p`` holds it)."""
+        st = self._torch.state.get(p, {})
+        return self.rule_for(Rule("fields", self.fields + tuple(f for f in self._optional if f.name in st)), p).fields
+
+    def keep_optional(self, fields: Sequence[StateField]) -> None:
+        """States a param may hold beyond ``fields`` (its optimizer's rules when built): an
+        Adam param's max_exp_avg_sq, once a group turned amsgrad on or a load brought one.
+        Stored as the others (state_dtype), in checkpoints where a param holds one ([Note:
+        kept states in checkpoints] in ckpt_holding.py) and read from those that have it."""
+        self._optional = tuple(StateField(f.name) for f in fields if f.name not in self.names)
+
+    def _held_fields(self, params: List[torch.Tensor]) -> Tuple[StateField, ...]:
+        """``fields`` and the optional ones a param of ``params`` holds: what a checkpoint holds."""
+        held = [f for f in self._optional if any(f.name in self._torch.state.get(p, {}) for p in params)]
+        return self.fields + tuple(held)
 
     def _stored(self, field: StateField, p: torch.Tensor, t: Any) -> torch.Tensor:
         """``t`` (an entry of opt.state[p], or None) in ``field``'s storage form."""
@@ -219,9 +233,10 @@ class HostState:
     # so that one saved with offload="cpu" loads with offload="nvme" and back. Moments of
     # params that have not stepped yet are written as their initial values with step 0, as
     # SwappedState does.
-    def _checkpoint_tensors(self, params: List[torch.Tensor]) -> Dict[str, List[torch.Tensor]]:
+    def _checkpoint_tensors(self, params: List[torch.Tensor],
+                            fields: Tuple[StateField, ...]) -> Dict[str, List[torch.Tensor]]:
         """Each state of each param, float32 and 1-D (float32 states: see save_checkpoint)."""
-        states: Dict[str, List[torch.Tensor]] = {k: [] for k in self.names}
+        states: Dict[str, List[torch.Tensor]] = {f.name: [] for f in fields}
         for p in params:
             st = self._torch.state.get(p, {})
             for key in states:
@@ -231,15 +246,15 @@ class HostState:
                 states[key].append(real_view(t.detach()).reshape(-1).contiguous())
         return states
 
-    def _stored_tensors(self, params: List[torch.Tensor]) -> Tuple[Dict[str, List[torch.Tensor]],
-                                                                   Dict[str, List[StateField]]]:
+    def _stored_tensors(self, params: List[torch.Tensor], fields: Tuple[StateField, ...]
+                        ) -> Tuple[Dict[str, List[torch.Tensor]], Dict[str, List[StateField]]]:
         """Each state of each param as stored (encoded without keeping it where opt.state
         still holds torch's layout: a save changes nothing), and its field."""
-        states: Dict[str, List[torch.Tensor]] = {k: [] for k in self.names}
-        forms: Dict[str, List[StateField]] = {k: [] for k in self.names}
+        states: Dict[str, List[torch.Tensor]] = {f.name: [] for f in fields}
+        forms: Dict[str, List[StateField]] = {f.name: [] for f in fields}
         for p in params:
             st = self._torch.state.get(p, {})
-            for f in self.stored_fields(p):
+            for f in self.rule_for(Rule("fields", fields), p).fields:
                 t = self._stored(f, p, st.get(f.name))
                 states[f.name].append(real_view(t).reshape(-1) if t.is_complex() else t)
                 forms[f.name].append(f)
@@ -258,9 +273,10 @@ class HostState:
         refuse_float64(params, "save_checkpoint")
         numels = [real_numel(p) for p in params]
         meta = dict(extra or {}, steps=self.ctx.steps.all(params), shapes=[list(p.shape) for p in params])
+        fields = self._held_fields(params)
         if self.state_dtype == "float32":
-            return save_states(directory, numels, self._checkpoint_tensors(params), meta)
-        states, forms = self._stored_tensors(params)
+            return save_states(directory, numels, self._checkpoint_tensors(params, fields), meta)
+        states, forms = self._stored_tensors(params, fields)
         return save_packed(directory, numels, states, forms, meta)
 
     def _read_checkpoint(self, directory: str, params: List[torch.Tensor]
@@ -269,27 +285,31 @@ class HostState:
         this store keeps (bit for bit), else float32 of p's shape (``settle`` encodes it).
         Read into new tensors: a failed load leaves the current state untouched."""
         from offload.zero.ckpt_convert import read_converted
-        from offload.zero.ckpt_packed import read_packed
+        from offload.zero.ckpt_packed import read_packed, saved_names
         from offload.zero.ckpt_states import load_states
 
         numels = [real_numel(p) for p in params]
-        packed = read_packed(directory, numels, self.names)  # [Note: packed host checkpoints]
+        theirs = saved_names(directory) if self._optional else ()
+        fields = self.fields + tuple(f for f in self._optional if f.name in theirs)  # (keep_optional)
+        names = field_names(fields)
+        packed = read_packed(directory, numels, names)  # [Note: packed host checkpoints]
         if packed is not None:
             meta, forms, stored = packed
-            return meta, {k: [self._kept(forms[k][i], p, stored[k][i]) for i, p in enumerate(params)]
-                          for k in self.names}
-        converted = read_converted(directory, numels, self.fields)  # other state dtypes: [Note: converting loads]
+            return meta, {k: [self._kept(forms[k][i], p, stored[k][i], fields) for i, p in enumerate(params)]
+                          for k in names}
+        converted = read_converted(directory, numels, fields)  # other state dtypes: [Note: converting loads]
         if converted is not None:
             meta, scratch = converted
         else:
-            scratch = {k: [torch.empty(n, dtype=torch.float32) for n in numels] for k in self.names}
-            meta = load_states(directory, numels, scratch, self.fields)
+            scratch = {k: [torch.empty(n, dtype=torch.float32) for n in numels] for k in names}
+            meta = load_states(directory, numels, scratch, fields)
         return meta, {k: [as_param_layout(t, p) for t, p in zip(v, params)] for k, v in scratch.items()}
 
-    def _kept(self, form: StateField, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """State ``t`` of ``p`` read as ``form``: as it is when ``p`` keeps that form, else
-        decoded to float32 of p's shape."""
-        mine = next((f for f in self.stored_fields(p) if f.name == form.name), None)
+    def _kept(self, form: StateField, p: torch.Tensor, t: torch.Tensor,
+              fields: Tuple[StateField, ...]) -> torch.Tensor:
+        """State ``t`` of ``p`` read as ``form``: as it is when ``p`` keeps that form (stored
+        as ``fields`` are), else decoded to float32 of p's shape."""
+        mine = next((f for f in self.rule_for(Rule("fields", fields), p).fields if f.name == form.name), None)
         if form == mine:
             return t if form.blocked else as_param_layout(t, p)
         return to_torch_layout(form, t, p.numel(), p.shape)
@@ -306,14 +326,14 @@ class HostState:
             if int(step) == 0:
                 continue
             self.ctx.steps.set(p, int(step))  # first: torch's key order (step, exp_avg, exp_avg_sq)
-            for key in self.names:
+            for key in scratch:
                 state[p][key] = scratch[key][i]
         self.settle(params)
 
     def memory_report(self) -> Dict[str, Any]:
         nbytes = 0
         for st in self._torch.state.values():
-            for key in self.names:
+            for key in self.names + field_names(self._optional):
                 t = st.get(key)
                 if isinstance(t, torch.Tensor):
                     nbytes += stored_nbytes(t)  # as stored: bf16, packed int8 blocks or float32

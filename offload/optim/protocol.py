@@ -86,6 +86,8 @@ OPTIONAL: Dict[str, str] = {
     "commit_writes": "() -> None: commit the states written since the last step (write_state: an assigned "
                      "opt.state[p][k], Adagrad's initial sum, a restarted param) with the step counts as they "
                      "are; called before a step advances them ([Note: writes before the counts] in step_guard.py)",
+    "keep_optional": "(fields) -> None: states a param may hold beyond the store's fields (an Adam param's "
+                     "max_exp_avg_sq with no amsgrad group when built): kept, checkpointed and loaded where held",
     "resumed": "bool (a property): the states came from a swap directory a previous run left (resume=); "
                "the constructor's initial states then do not replace them",
 }

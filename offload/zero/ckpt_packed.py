@@ -30,7 +30,7 @@ from offload.swap.ckpt_dir import CKPT_MANIFEST, read_manifest
 from offload.zero.checkpoint import _flat_meta, _rank_dir, reading_shards
 from offload.zero.ckpt_states import load_states, save_states
 
-__all__ = ["TENSORS", "is_packed", "save_packed", "read_packed", "decode_packed"]
+__all__ = ["TENSORS", "is_packed", "save_packed", "read_packed", "decode_packed", "saved_names"]
 
 TENSORS = "tensors"
 """The meta key of a packed checkpoint: state name -> one ``[dtype, block]`` per param."""
@@ -145,3 +145,17 @@ def decode_packed(forms: Forms, stored: Dict[str, List[torch.Tensor]],
                   numels: Sequence[int]) -> Dict[str, List[torch.Tensor]]:
     """Name -> each param's float32 values (1-D), decoded as the stores decode them."""
     return {k: [decode_state(f, t, int(n)) for f, t, n in zip(forms[k], stored[k], numels)] for k in forms}
+
+
+def saved_names(directory: str) -> Tuple[str, ...]:
+    """The states a stage-0 checkpoint ``directory`` holds (a packed one's by their own
+    names; the previous release's single directory too); () without a manifest (the load
+    says what is missing)."""
+    path = _rank_dir(directory, 0)
+    if not os.path.lexists(os.path.join(path, CKPT_MANIFEST)):
+        path = directory
+    if not os.path.lexists(os.path.join(path, CKPT_MANIFEST)):
+        return ()
+    m = read_manifest(path)
+    names = m.get("states") or list(m.get("files") or {})
+    return tuple(n[:-len(BYTES)] if n.endswith(BYTES) else n for n in names)
