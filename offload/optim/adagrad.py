@@ -34,7 +34,8 @@ class Adagrad(RuleOptimizer):
 
     GROUP_DEFAULTS = (("foreach", None), ("maximize", False), ("differentiable", False), ("fused", None))
     TORCH_NAME = "Adagrad"
-    SPARSE_MESSAGE = "offload.Adagrad does not support sparse gradients; use torch.optim.Adagrad for them"
+    SPARSE_GRADS = True  # stepped as their dense equivalent: [Note: sparse grads] in sparse_grads.py
+    SPARSE_MESSAGE = "offload.Adagrad takes sparse grads in torch's sparse COO layout only"
 
     def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
                  foreach=None, *, maximize=False, differentiable=False, fused=None, **offload_kwargs: Any) -> None:

@@ -40,6 +40,7 @@ from offload.optim.options import (check_compression, check_extras, check_group_
 from offload.optim.protocol import optional
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
+from offload.optim.sparse_grads import dense_grad
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
 from offload.optim.step_guard import canonical_sig, check_work, clear_failure, defer_sigint, gc_paused, snapshot, store_step
 from offload.optim.stats import StepStats, process_rss_bytes
@@ -52,12 +53,11 @@ log = logging.getLogger("offload.optim")
 class RuleOptimizer(ContextAttributes, Optimizer):
     """A torch optimizer whose update is a kernel rule, over any store (see the module doc)."""
 
-    # What a subclass gives: its rule for a group (``rule_of``), the kernel's hyperparameters
-    # for a group (``group_hyper``), the param_group keys older state dicts may lack
-    # (``GROUP_DEFAULTS``), and how it refuses sparse grads (``SPARSE_MESSAGE``).
-    GROUP_DEFAULTS: Tuple[Tuple[str, Any], ...] = (("maximize", False), ("foreach", None),
-                                                   ("differentiable", False))
-    SPARSE_MESSAGE = "this optimizer does not support sparse gradients"
+    # What a subclass gives: its rule for a group (``rule_of``), the kernel's hyperparameters for a group
+    # (``group_hyper``), the param_group keys older state dicts may lack (``GROUP_DEFAULTS``), whether it
+    # steps sparse grads ([Note: sparse grads] in sparse_grads.py) or refuses them (``SPARSE_MESSAGE``).
+    GROUP_DEFAULTS: Tuple[Tuple[str, Any], ...] = (("maximize", False), ("foreach", None), ("differentiable", False))
+    SPARSE_GRADS, SPARSE_MESSAGE = False, "this optimizer does not support sparse gradients"
     TORCH_NAME = "Adam/AdamW"
     """How messages name the class (``offload.{TORCH_NAME}``) and torch's counterpart."""
 
@@ -331,8 +331,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                 g = grads_fn(p) if grads_fn is not None else p.grad
                 if g is None:
                     continue
-                if g.is_sparse:
-                    raise RuntimeError(self.SPARSE_MESSAGE)
+                if g.is_sparse:  # SGD, Adagrad: its dense equivalent; others refuse ([Note: sparse grads])
+                    g = dense_grad(self, group, p, g)
                 items.append((p, g.resolve_neg() if g.is_neg() else g))  # a lazy negation: memory holds -g
             out.append((group, items))
         return out

@@ -54,7 +54,8 @@ class SGD(RuleOptimizer):
     GROUP_DEFAULTS = (("nesterov", False), ("maximize", False), ("foreach", None),
                       ("differentiable", False), ("fused", False))
     TORCH_NAME = "SGD"
-    SPARSE_MESSAGE = "offload.SGD does not support sparse gradients; use torch.optim.SGD for them"
+    SPARSE_GRADS = True  # stepped as their dense equivalent: [Note: sparse grads] in sparse_grads.py
+    SPARSE_MESSAGE = "offload.SGD takes sparse grads in torch's sparse COO layout only"
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, **offload_kwargs: Any) -> None:
@@ -156,8 +157,9 @@ class SGD(RuleOptimizer):
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """torch's layout (or ours): a ``None`` buffer is dropped, and an entry without a
-        ``"step"`` counts one step taken (its buffer, if any, is not started afresh)."""
+        """torch's layout (or ours): a ``None`` buffer is dropped, a sparse one (torch's, after
+        sparse grads) loads as its dense equivalent, and an entry without a ``"step"`` counts
+        one step taken (its buffer, if any, is not started afresh)."""
         started = set()
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
             state = {}
@@ -167,8 +169,10 @@ class SGD(RuleOptimizer):
                     self._refuse_lost_buffer(k, st, mine.get(k))
                     # (a "step" that is {}: what torch.distributed.checkpoint's unflatten
                     # gives for a key of opt.state[p] the flattened dict lacks, and ours holds
-                    # a "step" there that torch's SGD layout drops: absent, as in that layout)
-                    st = {key: v for key, v in st.items()
+                    # a "step" there that torch's SGD layout drops: absent, as in that layout;
+                    # torch's buffer of a param with sparse grads is sparse: ours is its dense equivalent)
+                    st = {key: v.to_dense() if key == _BUF and isinstance(v, torch.Tensor) and v.is_sparse else v
+                          for key, v in st.items()
                           if not (key == _BUF and v is None) and not (key == "step" and _is_hole(v))}
                     st.setdefault("step", 1.0)
                     if _BUF in st:

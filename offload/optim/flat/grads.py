@@ -131,8 +131,10 @@ class GradSource:
     def grad_ready(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: copy the accumulated grad to the host buffer now."""
         g = p.grad
-        if g is None or self.closed or self._ctx.no_sync:
-            return  # inside opt.no_sync(): the grad stays on the device, accumulating
+        if g is None or self.closed or self._ctx.no_sync or g.is_sparse:
+            # inside opt.no_sync(): the grad stays on the device, accumulating; a sparse one is
+            # the step's to densify or refuse ([Note: sparse grads] in offload/optim/sparse_grads.py)
+            return
         if self.release:
             self._release(p, g)
             return
@@ -252,7 +254,8 @@ class GradSource:
                 "('No inf checks were recorded'); use bf16 autocast (no scaler needed) or release_grads=False")
         if self.world == 1:
             for p in self._order:
-                if p.grad is not None and p in self._where and self._where[p][0].host_grad is not None:
+                if p.grad is not None and not p.grad.is_sparse and p in self._where and \
+                        self._where[p][0].host_grad is not None:
                     self._release(p, p.grad)
 
     def agree(self) -> None:
