@@ -237,3 +237,22 @@ def test_grad_scaler_with_sparse_grads_as_torch(name, kw):
         res.append((emb.weight.detach().clone(), scaler.get_scale()))
     torch.testing.assert_close(res[1][0], res[0][0], rtol=RTOL, atol=ATOL)
     assert res[0][1] == res[1][1]
+
+
+def test_the_grad_hook_path_leaves_a_sparse_grad_to_the_step(monkeypatch):
+    """The flat store's post-accumulate-grad hook (CUDA params; here CPU ones through
+    ``copy_cpu_grads``) copies no sparse grad: the step densifies it, as without the hook."""
+    from offload.optim.flat.store import FlatState
+
+    out = []
+    for hooked in (False, True):
+        monkeypatch.setattr(FlatState, "copy_cpu_grads", hooked)
+        torch.manual_seed(2)
+        emb = torch.nn.Embedding(40, 9, sparse=True).to(torch.bfloat16)
+        opt = offload.Adagrad(emb.parameters(), lr=0.1, offload="cpu")
+        for _ in range(3):
+            opt.zero_grad()
+            emb(torch.tensor([3, 3, 17])).float().pow(2).sum().backward()
+            opt.step()
+        out.append(emb.weight.detach().clone())
+    assert torch.equal(_bits(out[0].float()), _bits(out[1].float()))
