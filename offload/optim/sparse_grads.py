@@ -4,25 +4,29 @@
 tensor; Adam, AdamW and Lion refuse it (``SPARSE_MESSAGE``, torch's words for Adam). The
 kernels read dense grads only, so a sparse grad is stepped as its dense equivalent: a buffer
 the size of the param (alive for the step), zero except at the grad's coalesced indices
-(duplicates summed, as torch's ``coalesce()``). That is torch's result element by element:
+(duplicates summed, as torch's ``coalesce()``). Everything after this sees that dense grad:
+``max_grad_norm`` takes its norm, GradScaler's 1/scale multiplies it in the kernel. That is
+torch's result element by element (within rounding where the grad names an element: torch's
+sparse ops compute ``-clr * (g / std)`` and sum buffers in another order):
 
-- Adagrad: at an element the grad does not name, a zero grad leaves the sum (``sum + 0*0``)
-  and the param (``p + (-clr) * 0 / std``) bit for bit as they are, which is what torch's
-  sparse path (only the grad's indices) does. Two exceptions: ``eps == 0`` with a sum of 0
-  (0/0 = NaN where torch leaves the param), refused with ``initial_accumulator_value == 0``;
-  and ``maximize``, where the kernel's
-  ``-g`` of a +0.0 would be -0.0 and ``-clr * -0.0`` turn a -0.0 param into +0.0: the
-  buffer is filled with -0.0 then, which the kernel negates into the +0.0 of the plain case.
-  ``weight_decay != 0`` is refused with torch's message.
-- SGD: torch refuses weight decay with a sparse grad (its ``grad.add(param)``: "add(sparse,
-  dense) is not supported", refused here in its words), and a momentum buffer that starts
-  from a sparse grad stays sparse in torch's state (ours is dense: the same values,
-  and a ``state_dict`` that torch loads and goes on from). ``fused=True`` is refused as
-  torch's ``_fused_sgd`` refuses it.
+- Where the grad names nothing, a zero grad leaves Adagrad's sum (``sum + 0*0``) and param
+  (``p + (-clr) * 0 / std``), and SGD's param (``p - lr * 0``), bit for bit, as torch's sparse
+  ops (only the grad's indices) do. Two exceptions, handled: ``maximize``, where the kernel's
+  ``-g`` of a +0.0 is -0.0 and ``-lr * -0.0`` would turn a -0.0 param into +0.0 (the buffer is
+  filled with -0.0 then, which the kernel negates into the +0.0 of the plain case); and
+  Adagrad's ``eps == 0`` over a sum of 0 (0/0 = NaN where torch leaves the param), refused
+  when ``initial_accumulator_value == 0`` (a positive one keeps every sum positive).
+- torch's refusals, in its words and types: Adagrad's ``weight_decay != 0``; SGD's
+  ``weight_decay != 0`` (its ``grad.add(param)``: "add(sparse, dense) is not supported");
+  ``fused=True`` for both. ``foreach=True`` steps them (torch falls back to a loop).
+- SGD's momentum buffer stays sparse in torch's state; ours is dense (the same values):
+  torch loads our ``state_dict`` and goes on with it dense; SGD.load_state_dict densifies
+  torch's.
 
-Only where the grad is used in place: CPU params at stage 0 (``offload`` "none", "cpu",
-"nvme"), any float dtype; stages 1-3 and device params are refused before anything changes.
-Nothing here runs for a dense grad: the step calls it only for ``g.is_sparse``.
+CPU params at stage 0 only (``offload`` "none", "cpu", "nvme"; fp32 params read it in place,
+fp16/bf16 ones through the flat store's copy, as a dense grad); stages 1-3 and device params
+are refused before anything changes. Nothing here runs for a dense grad: the step calls it
+only for ``g.is_sparse``, the check it made before sparse grads were stepped.
 """
 from __future__ import annotations
 
