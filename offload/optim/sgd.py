@@ -195,14 +195,14 @@ class SGD(RuleOptimizer):
 
     def _refuse_lost_buffer(self, k: Any, st: Dict[str, Any], p: Any) -> None:
         """A "step" hole ({}) marks an entry torch.distributed.checkpoint rebuilt from the
-        keys of ``opt.state[p]`` (flatten_optimizer_state_dict=True); with offload="nvme"
-        they do not list the swapped buffer (read on access: state_view.py), so a started
-        buffer is lost there, not absent: refused, as it cannot be told from a new one."""
+        keys of ``opt.state[p]`` (flatten_optimizer_state_dict=True): a started buffer those
+        keys did not list (offload="nvme" before state_entry.py listed the swapped states) is
+        lost, not absent: refused, as it cannot be told from a new one."""
         if p is None or not _is_hole(st.get("step")) or _BUF in st or not self._started(p) or _BUF in self.state.get(p, ()):
             return
         raise ValueError(f"load_state_dict: state[{k}] lost its {_BUF!r}: the dict was rebuilt from the keys of "
-                         f"opt.state[p] (torch.distributed.checkpoint, flatten_optimizer_state_dict=True), which "
-                         f"do not list a swapped buffer (offload='nvme'): use flatten_optimizer_state_dict=False")
+                         f"opt.state[p] (torch.distributed.checkpoint, flatten_optimizer_state_dict=True) without it: "
+                         f"use flatten_optimizer_state_dict=False")
 
     def load_checkpoint(self, directory: str) -> None:
         """As :meth:`RuleOptimizer.load_checkpoint`; a checkpoint keeps no "started" flag, so
