@@ -82,7 +82,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from offload.optim.context import StepContext, StepCounts
-from offload.optim.fingerprint import fingerprint, sample_indices
+from offload.optim.fingerprint import Samples, fingerprint, sample_indices
 from offload.optim.step_guard import failure_text, mark_consistent
 from offload.optim.swapped_params import check_params as _check_params, work_items as _work_items
 from offload.optim.swapped_ranges import compressed
@@ -137,7 +137,7 @@ class SwappedState:
         self.ctx = ctx if ctx is not None else StepContext(StepCounts(lambda s=collections.defaultdict(dict): s))
         self._pending: Dict[int, int] = {}  # a step's new counts, until its commit went through
         self._broken: Optional[str] = None
-        self._samples: List[torch.Tensor] = []
+        self._samples: Samples = Samples([])
         facts = {"kind": "fp32-in-place", "shapes": [list(p.shape) for p in self.params],
                  "dtypes": [str(p.dtype) for p in self.params]}
         # Params of 0 elements only (torch accepts them): a one-page store that no param
