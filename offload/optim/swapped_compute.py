@@ -37,6 +37,7 @@ __all__ = ["make_compute"]
 
 _ROUNDING_KEYS = ("rounding_seed", "element_offset", "stochastic_states")
 _F32 = torch.float32
+_BF16 = torch.bfloat16
 
 
 class _Fixed:
@@ -51,14 +52,19 @@ class _Fixed:
         return dict(self.kw)
 
 
-def _batched(kw: Dict[str, Any], master: torch.Tensor, grad: torch.Tensor, lowp: Optional[torch.Tensor]) -> bool:
-    """Whether a range can join the sub-group's batch: what ``rule_step`` would check of it
-    (the states are the buffer's own contiguous float32 slices of its size)."""
+def _kw_batched(kw: Dict[str, Any]) -> bool:
+    """What ``_batched`` asks of a range's kwargs (shared by the ranges of a batch: asked once
+    per kwargs dict a call)."""
     step = kw.get("step")
-    return (type(step) is int and step >= 1 and master.dtype is _F32 and grad.dtype in GRAD_DTYPES
-            and master.is_contiguous() and grad.is_contiguous()
-            and (lowp is None or (lowp.dtype in LOWP_DTYPES and lowp.is_contiguous()))
-            and not any(k in kw for k in _ROUNDING_KEYS))
+    return type(step) is int and step >= 1 and not any(k in kw for k in _ROUNDING_KEYS)
+
+
+def _batched(master: torch.Tensor, grad: torch.Tensor, lowp: Optional[torch.Tensor]) -> bool:
+    """Whether a range whose kwargs pass ``_kw_batched`` can join the sub-group's batch: what
+    ``rule_step`` would check of it (the states are the buffer's own contiguous float32 slices
+    of its size)."""
+    return (master.dtype is _F32 and grad.dtype in GRAD_DTYPES and master.is_contiguous() and grad.is_contiguous()
+            and (lowp is None or (lowp.dtype in LOWP_DTYPES and lowp.is_contiguous())))
 
 
 def _split_views(pieces, s: int, n: int, tensors: List[torch.Tensor], idx: List[int]) -> Optional[List[tuple]]:
@@ -80,10 +86,6 @@ def _split_views(pieces, s: int, n: int, tensors: List[torch.Tensor], idx: List[
         sizes.append(s + n - at)
     cut = [t.split(sizes) for t in (tensors[j] for j in idx)]
     return [tuple(c[w] for c in cut) for w in where]
-
-
-def _whole(t: torch.Tensor, y: slice, n: int) -> torch.Tensor:
-    return t if y.start == 0 and y.stop == n else t[y]
 
 
 def _overlap(tensors: List[torch.Tensor]) -> bool:
@@ -163,22 +165,31 @@ def make_compute(shards: Any, by_group: Dict[int, List[Tuple[int, int, int, Any]
         copies = []
         pieces = by_group[g]
         cut = _split_views(pieces, s, e - s, tensors, [j for _, j, _ in states]) if batched else None
+        plain = not shards.rounds  # then only a bfloat16 master rounds (shards._rounding's test)
+        joins: Dict[int, Tuple[Dict[str, Any], bool]] = {}  # id(kwargs): (kwargs, _kw_batched of them)
         for k, (a, b, start, it) in enumerate(pieces):
             grad, out, mode = it.grad, it.out, it.mode
             rule, mine, at = own if it.rule is None else rules.plan(it.rule)
-            x, y = slice(a - s, b - s), slice(a - start, b - start)
-            master = _whole(out, y, grad.numel()) if mode == "master" else tensors[jm][x]
-            lowp = _whole(out, y, grad.numel()) if (out is not None and mode == "lowp") else None
-            kw = rounding(it, a - start, it.kwargs)
+            whole = a == start and b - start == grad.numel()  # (_whole's test, once a piece)
+            y = slice(a - start, b - start)
+            master = (out if whole else out[y]) if mode == "master" else tensors[jm][a - s:b - s]
+            lowp = (out if whole else out[y]) if (out is not None and mode == "lowp") else None
+            kw = it.kwargs
+            if not plain or (mode == "master" and out.dtype is _BF16):
+                kw = rounding(it, a - start, kw)
             if out is not None and mode != "copy":
                 written.append(master if lowp is None else lowp)
-            if batched and _batched(kw, master, grad, lowp):
+            if batched:
+                known = joins.get(id(kw))
+                if known is None:  # (kept with its kwargs: the id stays theirs for the call)
+                    known = joins[id(kw)] = (kw, _kw_batched(kw))
+            if batched and known[1] and _batched(master, grad, lowp):
                 # float32: the slice is the storage
                 if cut is None:
-                    views = tuple(tensors[j][x] for _, j, _ in mine)
+                    views = tuple(tensors[j][a - s:b - s] for _, j, _ in mine)
                 else:  # the store's rule: every state, as cut; another's: its own
                     views = cut[k] if it.rule is None else tuple(cut[k][i] for i in at)
-                entry = StepEntry(master, _whole(grad, y, grad.numel()), views, lowp, kw["step"], None)
+                entry = StepEntry(master, grad if whole else grad[y], views, lowp, kw["step"], None)
                 if runs and runs[-1][0] is kw:
                     runs[-1][2].append(entry)
                 else:

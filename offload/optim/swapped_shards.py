@@ -362,17 +362,24 @@ class SwappedShards:
         self._cache.flush(self._meta)
         self._cache.invalidate()  # the pipeline reuses the cache buffer
         by_group: Dict[int, List[Tuple[int, int, int, WorkItem]]] = {}
+        has_master, base, sizes = self.has_master, self.base, self.sizes
+        size, groups, numel = self.layout.sub_group_size, self.layout.num_groups, self.layout.numel
         for it in items:
             it = it if isinstance(it, WorkItem) else WorkItem(*it)
             k, lo, hi, grad, out, mode = it.shard, it.lo, it.hi, it.grad, it.out, it.mode
             if grad.numel() != hi - lo or (out is not None and out.numel() != hi - lo):
                 raise ValueError(f"shard {k} [{lo}, {hi}): grad of {grad.numel()} and out of "
                                  f"{None if out is None else out.numel()} elements")
-            if (mode == "master") == self.has_master or (mode == "master" and out is None):
+            if (mode == "master") == has_master or (mode == "master" and out is None):
                 raise ValueError(f"shard {k} [{lo}, {hi}): mode {mode!r} in a store of fields {self.names}: "
                                  "'master' (out is the fp32 master) exactly when the fields have no master")
+            a0 = base[k] + lo
+            b0, g = a0 + hi - lo, a0 // size
+            if 0 <= lo < hi <= sizes[k] and b0 <= numel and g == (b0 - 1) // size < groups:
+                by_group.setdefault(g, []).append((a0, b0, a0, it))  # in one sub-group: _spans' one span
+                continue
             for g, s, e, a, b in self._spans(k, lo, hi):
-                by_group.setdefault(g, []).append((a, b, self.base[k] + lo, it))
+                by_group.setdefault(g, []).append((a, b, a0, it))
         self.computed = []
         try:
             with torch.no_grad():
