@@ -22,7 +22,7 @@ from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads, writ
 from . import quant
 from ._native_abi import (ADAGRAD_CONSTS, ADAM_CONSTS, ADAM_STEP, AMSGRAD_STEP, BLOCK_ELEMS, COMPRESSED_STEP,
                           LION_CONSTS, SGD_CONSTS, STEP_STATES, StepArgs)
-from ._rule_step import RULE_CODES, RuleStepFace, batch_plan, bound_args
+from ._rule_step import RULE_CODES, RuleStepFace, batch_plan, batchable, bound_args
 from .native_prepared import PreparedBatch
 from ._threads import forked, resolve_threads
 from .adam_consts import FoldCache
@@ -116,6 +116,12 @@ def _state_codes(fields, stochastic: bool) -> Tuple[Tuple[int, int], ...]:
 def _lowp(param_lowp) -> Tuple[int, int]:
     """(pointer, OFFLOAD dtype) of the low-precision copy; (0, -1) for none."""
     return (0, -1) if param_lowp is None else (param_lowp.data_ptr(), LOWP_DTYPES[param_lowp.dtype])
+
+
+def _method_args(rule, hyper, step: int) -> Tuple[str, tuple]:
+    """(kernel method, bound hyperparameters) of float32 ``rule`` at ``step``, as ``batch_plan`` binds them."""
+    k, args = bound_args(rule, hyper, step)
+    return k.method, args
 
 
 class NativeBackend(RuleStepFace):
@@ -270,6 +276,9 @@ class NativeBackend(RuleStepFace):
 
     def _pack_batch(self, rule, entries, hyper, tail) -> list:
         """The struct of each non-empty entry, in order."""
+        packed = self._pack_f32_batch(rule, entries, hyper, tail)
+        if packed is not None:
+            return packed
         packed, folded = [], {}  # folded: id(bound args) -> (code, consts bytes)
         pack_f32, pack_compressed = self._pack_f32, self._pack_compressed
         for k, stored, (p, g, states, lowp), q, args in batch_plan(rule, entries, hyper):
@@ -280,6 +289,34 @@ class NativeBackend(RuleStepFace):
                 packed.append(pack_f32(c[0], c[1], p, g, states, lowp, tail))
             else:
                 packed.append(pack_compressed(c[0], c[1], stored.fields, p, g, states, lowp, q, tail))
+        return packed
+
+    def _pack_f32_batch(self, rule, entries, hyper, tail) -> Optional[list]:
+        """``_pack_batch`` of float32 entries (``quant`` None) of a float32 rule: the structs
+        ``batch_plan`` and ``_pack_f32`` make, in one loop (their generator, nested tuples and
+        calls cost 1.6 of 3 ms over 2000 small tensors); None for any other batch."""
+        if not batchable(rule):
+            return None
+        packed, by_step = [], {}  # by_step: step -> (code, consts bytes, packer), bound once per step
+        for e in entries:
+            if e.quant is not None:
+                return None
+            p, states, lowp = e.param, e.states, e.param_lowp
+            n = p.numel()
+            if not n:
+                continue
+            c = by_step.get(e.step)
+            if c is None:
+                code, consts = self._consts(*_method_args(rule, hyper, e.step))
+                c = by_step[e.step] = (code, consts, _F32_PACKERS.get(code) or STEP_STATES[len(states)])
+            lowp_ptr, lowp_code = (0, -1) if lowp is None else _lowp(lowp)
+            g = e.grad
+            if len(states) == 2:  # Adam's (the arrays' list below costs 0.4 us a tensor)
+                arrays = (states[0].data_ptr(), _F32, states[1].data_ptr(), _F32)
+            else:
+                arrays = [x for t in states for x in (t.data_ptr(), _F32)]
+            packed.append(c[2].pack(c[0], len(states), n, p.data_ptr(), _F32, g.data_ptr(), GRAD_DTYPES[g.dtype],
+                                    lowp_ptr, lowp_code, *arrays, c[1], *tail))
         return packed
 
     def _run_batch(self, rule, structs: bytes, count: int, tail, entries) -> None:
