@@ -23,6 +23,7 @@ low-precision copies; the states are the sub-group's own disjoint slices) share 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -71,10 +72,11 @@ def _split_views(pieces, s: int, n: int, tensors: List[torch.Tensor], idx: List[
     """Each piece's views of the float32 states ``idx`` of a sub-group of ``n`` elements from
     ``s``, cut by one ``split`` per state (a slice each cost ~1.5 us a range); None when
     the pieces overlap (then each is sliced on its own)."""
-    order = sorted(range(len(pieces)), key=lambda k: pieces[k][0])
+    starts = [piece[0] for piece in pieces]
+    order = sorted(range(len(pieces)), key=starts.__getitem__)
     sizes, where, at = [], [0] * len(pieces), s
     for k in order:
-        a, b = pieces[k][0], pieces[k][1]
+        a, b = starts[k], pieces[k][1]
         if a < at:
             return None
         if a > at:
@@ -84,8 +86,11 @@ def _split_views(pieces, s: int, n: int, tensors: List[torch.Tensor], idx: List[
         at = b
     if at < s + n:
         sizes.append(s + n - at)
-    cut = [t.split(sizes) for t in (tensors[j] for j in idx)]
-    return [tuple(c[w] for c in cut) for w in where]
+    cut = [tensors[j].split(sizes) for j in idx]
+    if not cut or len(where) < 2:
+        return [tuple(c[w] for c in cut) for w in where]
+    pick = operator.itemgetter(*where)  # (in C: a tuple per state, then one per piece)
+    return list(zip(*[pick(c) for c in cut]))
 
 
 def _overlap(tensors: List[torch.Tensor]) -> bool:
