@@ -80,7 +80,7 @@ def _gathered(params: Sequence[torch.Tensor], samples: Samples) -> Optional[np.n
     ``_CAT_ELEMENTS`` elements through one ``torch.cat`` and one ``take`` (the per-param
     numpy views cost 2 of the 5 ms of a fingerprint over 2000 params); None when the
     general way must run: another dtype (its values' bytes), an index past a param's end
-    (its IndexError), another number of params, or no sample at all."""
+    (its IndexError), another number of params, no sample at all, or no small param."""
     n = len(params)
     if n != len(samples) or not samples.local.size or any(p.dtype is not _F32 for p in params):
         return None
@@ -88,14 +88,15 @@ def _gathered(params: Sequence[torch.Tensor], samples: Samples) -> Optional[np.n
     if (samples.largest >= numels).any():
         return None
     small = numels <= _CAT_ELEMENTS
+    if not small.any():  # nothing to concatenate: the general way is the same loop
+        return None
     if small.all():  # (no per-param mask: the usual case of many small params)
         return _cat(params).take(samples.local + np.repeat(np.cumsum(numels) - numels, samples.counts))
     out = np.empty(samples.local.size, np.float32)
-    if small.any():
-        at = np.repeat(small, samples.counts)
-        begins = np.cumsum(numels[small]) - numels[small]
-        flat = _cat([params[i] for i in np.flatnonzero(small)])
-        out[at] = flat.take(samples.local[at] + np.repeat(begins, samples.counts[small]))
+    at = np.repeat(small, samples.counts)
+    begins = np.cumsum(numels[small]) - numels[small]
+    flat = _cat([params[i] for i in np.flatnonzero(small)])
+    out[at] = flat.take(samples.local[at] + np.repeat(begins, samples.counts[small]))
     for i in np.flatnonzero(~small):
         a = samples.starts[i]
         out[a:a + samples.counts[i]] = params[i].detach().numpy().take(samples.arrays[i])
