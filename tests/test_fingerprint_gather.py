@@ -87,3 +87,9 @@ def test_what_the_gather_does_not_take_goes_the_general_way():
     ps[0].data = torch.randn(3, dtype=torch.float32)  # shrunk: an index past its end
     with pytest.raises(IndexError):
         fp.fingerprint(ps, samples)
+
+
+def test_large_params_only_are_sampled_one_by_one():
+    ps = [torch.randn(3000).requires_grad_(), torch.randn(40, 50).t().requires_grad_()]
+    samples = _samples(ps)
+    assert fp.fingerprint(ps, samples) == _reference(ps, samples)
