@@ -7,23 +7,20 @@ in-place store of fp32 CPU params (``SwappedState``) is its one-shard case with
 ``IN_PLACE_FIELDS`` (the moments only; each work item's output, mode ``"master"``, is the
 param itself, its own master).
 
-The flat store (``flat/store.py``) keeps, per flat group, this rank's shard of a flat fp32
-master and two moments. With ``offload="nvme"`` all three go to one swap store: its element
-space is the shards of the groups laid end to end (group ``k`` at ``base[k]``), the same
-order as a rank's checkpoint files (``offload/zero/checkpoint.py``), so a checkpoint is the
-store streamed out as it is. Host memory holds only the pipeline buffers (bounded by
-``max_host_bytes``) plus what the params need anyway (grads, the low-precision copy on its
-way out).
+The flat store (``flat/store.py``) keeps, per flat group, this rank's shard of a flat fp32 master and two
+moments. With ``offload="nvme"`` all three go to one swap store: its element space is the shards of the
+groups laid end to end (group ``k`` at ``base[k]``), the same order as a rank's checkpoint files
+(``offload/zero/checkpoint.py``), so a checkpoint is the store streamed out as it is. Host memory holds only
+the pipeline buffers (bounded by ``max_host_bytes``) plus what the params need anyway (grads, the low-
+precision copy on its way out).
 
-[Note: outputs] The master is ours, not the user's: after the kernel updates a sub-group of
-it, the new values must reach the param. Each work item names an ``out`` tensor and how to
-fill it: ``"lowp"``, the kernel writes the fp16/bf16 copy (RNE) in the same pass (the param
-itself, a staging buffer, or the shard that is all-gathered); ``"copy"``, the fp32 master is
-copied out after the kernel (fp32 device params, fp32 params of a partitioned group). The
-swap files therefore always hold the truth: after a failed step the outputs of the
-sub-groups already computed are rewritten from the previous step's master (no partial step
-is left in the params), and ``resume=True`` rewrites the params from the master of the last
-finished step.
+[Note: outputs] The master is ours, not the user's: after the kernel updates a sub-group of it, the new
+values must reach the param. Each work item names an ``out`` tensor and how to fill it: ``"lowp"``, the
+kernel writes the fp16/bf16 copy (RNE) in the same pass (the param itself, a staging buffer, or the shard
+that is all-gathered); ``"copy"``, the fp32 master is copied out after the kernel (fp32 device params, fp32
+params of a partitioned group). The swap files therefore always hold the truth: after a failed step the
+outputs of the sub-groups already computed are rewritten from the previous step's master (no partial step is
+left in the params), and ``resume=True`` rewrites the params from the master of the last finished step.
 """
 from __future__ import annotations
 
