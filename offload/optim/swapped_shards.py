@@ -40,7 +40,7 @@ from offload.optim.swapped_compute import make_compute
 from offload.optim.step_guard import mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
 from offload.swap.pipeline import Vote, idle_votes, vote_failed
-from offload.swap.cache import GroupCache
+from offload.swap.cache import GroupCache, serialized
 from offload.swap.manifest_check import check_committed, check_steps
 from offload.swap.runs import make_identity, open_store
 from offload.zero.checkpoint import IN_PLACE_FIELDS, SHARD_FIELDS
@@ -249,6 +249,7 @@ class SwappedShards:
                 lambda g, buf: [], process, self.store.write_requests)
         self.store.commit(written, self._meta(), advance=False)
 
+    @serialized
     def emit_all(self, outputs: Sequence[Output]) -> None:
         """Write the committed master of each output range into its ``out`` (resume, and the
         params after a failed step). Needs a MASTER field."""
@@ -264,6 +265,7 @@ class SwappedShards:
                 paged_copy(out[a - start:b - start], master[a - s:b - s])
 
     # ------------------------------------------------------------------ ranges
+    @serialized
     def read(self, k: int, lo: int, hi: int, names: Optional[Sequence[str]] = None,
              stored: bool = False) -> Dict[str, torch.Tensor]:
         """New tensors with the committed ``names`` (default: every field) of shard ``k``'s
@@ -279,6 +281,7 @@ class SwappedShards:
                 out[n][a - start:b - start].copy_(read_values(self.fields[j], tensors[j], a - s, b - s, e - s, stored))
         return out
 
+    @serialized
     def read_storage(self, k: int, lo: int, hi: int, name: str) -> torch.Tensor:
         """A new 1-D tensor with the committed storage of ``name`` for shard ``k``'s [lo, hi):
         the stored values, or the packed blocks of a blocked field (``lo`` on a block of its
@@ -288,6 +291,7 @@ class SwappedShards:
                  for g, s, e, a, b in self._spans(k, lo, hi)]  # (copied: the next load reuses the buffer)
         return torch.cat(parts) if parts else torch.empty(0, dtype=self.fields[j].storage_dtype)
 
+    @serialized
     def write(self, k: int, lo: int, hi: int, values: Dict[str, torch.Tensor]) -> None:
         """Set ``values`` (state name -> hi - lo elements; float32 values of a compressed field
         are encoded, see swapped_ranges.py) of shard ``k``'s [lo, hi); kept in the
@@ -309,15 +313,17 @@ class SwappedShards:
         """The write()s inside go to the free slots and are committed once at the end, with
         the metadata of that moment: a kill or an error at any point leaves every state as
         before (a whole load_state_dict)."""
-        self.flush()
-        self._cache.begin_batch()
-        try:
-            yield
-            self._cache.commit_batch(self._meta())
-        except BaseException:
-            self._cache.abort_batch()
-            raise
+        with self._cache.lock:  # (serialized: held by the block's writes too)
+            self.flush()
+            self._cache.begin_batch()
+            try:
+                yield
+                self._cache.commit_batch(self._meta())
+            except BaseException:
+                self._cache.abort_batch()
+                raise
 
+    @serialized
     def flush(self) -> None:
         """Commit pending writes, and the metadata when it changed (steps after a load):
         compared with the manifest's, or, with ``meta_dirty`` tracked, when it is set."""
@@ -330,6 +336,7 @@ class SwappedShards:
                 self.store.commit({}, self._meta(), advance=False)
 
     # ------------------------------------------------------------------ the step
+    @serialized
     def step(self, items: Sequence[WorkItem]) -> Dict[str, float]:
         """One Adam step over ``items`` (see ``WorkItem``), streamed read g+1 / compute g /
         write g-1; the outputs are filled per sub-group. On an I/O failure the swap files
@@ -424,6 +431,7 @@ class SwappedShards:
         return mark_consistent(err) if restored else err
 
     # ------------------------------------------------------------------ checkpoints
+    @serialized
     def save(self, save_fn: Callable[[Any, List[Any]], Any]) -> Any:
         """Commit pending changes, then let ``save_fn(store, buffers)`` stream the committed
         states out (``offload.zero.checkpoint.save_shards_from_store``)."""
@@ -431,6 +439,7 @@ class SwappedShards:
         self._cache.invalidate()
         return save_fn(self.store, self.pipeline.buffers)
 
+    @serialized
     def load_checkpoint(self, fill: Callable[[Any, List[Any]], Tuple[Dict[str, Any], Dict[int, Any]]],
                         apply_meta: Callable[[Dict[str, Any]], None], vote: Optional[Vote] = None) -> None:
         """Replace every state with what ``fill(store, buffers)`` streams into the free slots
@@ -463,6 +472,7 @@ class SwappedShards:
 
         all_or_none(prepare, commit, undo, "load_checkpoint", vote)
 
+    @serialized
     def roll_back(self) -> None:
         """Back to the commit before the last, whose data the free slots still hold: at resume,
         when the other ranks hold that step ([Note: a rank one step ahead] in swap/agreement.py)."""
@@ -475,6 +485,7 @@ class SwappedShards:
         return {"device": 0, "pinned": pinned, "pageable": pageable, "nvme": self.store.disk_bytes(),
                 "io_locked_bytes": self.pipeline.io_locked_bytes}
 
+    @serialized
     def close(self, *, remove: bool = True) -> None:
         """Release the buffers and remove the swap directory (``remove=False``: keep it,
         unlocked, e.g. after a resume that failed: it still holds the last finished step)."""

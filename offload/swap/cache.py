@@ -19,6 +19,8 @@ cache buffer: the same route, checks, checksums and typed views as a step's.
 from __future__ import annotations
 
 import errno
+import functools
+import threading
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -26,7 +28,7 @@ import torch
 from offload.swap.pipeline import SwapPipeline
 from offload.swap.session import SwapSession
 
-__all__ = ["GroupCache"]
+__all__ = ["GroupCache", "serialized"]
 
 
 class GroupCache:
@@ -38,6 +40,7 @@ class GroupCache:
         self.group: Optional[int] = None
         self.dirty = False
         self.pending: Optional[Dict[int, Any]] = None  # in a batch: g -> checksums, written, not committed
+        self.lock = threading.RLock()  # see serialized()
 
     @property
     def _buf(self) -> Any:
@@ -125,3 +128,17 @@ class GroupCache:
         if self.dirty:
             raise RuntimeError("internal error: dropping a changed sub-group that was not flushed")
         self.group = None
+
+
+def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of an owner of ``_cache`` (a GroupCache) run under the cache's lock. A step
+    streams through the cache's buffer, which a read of ``opt.state[p]`` (or ``state_dict()``)
+    in another thread loaded a sub-group into: the step then computed on and committed that
+    sub-group's states in place of its own (a monitoring thread reading the moments changed the
+    training; torch's reads never do). One at a time; the owner's own calls nest (RLock)."""
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._cache.lock:
+            return method(self, *args, **kwargs)
+    return locked
+

@@ -1,0 +1,62 @@
+"""``opt.state[p]`` of ``offload="nvme"`` read by another thread while the main thread steps
+(a monitoring thread logging the moments): the read loads a sub-group into the swap cache's
+buffer, which the step streams through. Unserialized, the step computed on and committed
+the states the read had put there (params off by 0.1 after ten steps); torch's reads never
+change the training. Now the reads wait for the step (swap/cache.py ``serialized``): the run
+is bit for bit the run without the reader."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import offload
+
+
+def _run(tmp_path, dtype, read):
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4096).to(dtype)) for _ in range(32)]
+    opt = offload.Adam(ps, lr=1e-2, offload="nvme", swap_dir=str(tmp_path), sub_group_size=16384)
+    stop, errors = threading.Event(), []
+
+    def reader():
+        while not stop.is_set():
+            try:
+                for p in ps:
+                    st = opt.state.get(p)
+                    if st is not None:
+                        read(st)
+            except Exception as exc:  # (a failed read must fail the test, not vanish in the thread)
+                errors.append(exc)
+                return
+
+    thread = threading.Thread(target=reader) if read is not None else None
+    for i in range(8):
+        if i == 1 and thread is not None:
+            thread.start()  # (after the first step: the entries exist)
+        for p in ps:
+            p.grad = torch.sin(p.detach().float() * (i + 1)).to(dtype)
+        opt.step()
+    stop.set()
+    if thread is not None:
+        thread.join()
+    out = [p.detach().clone() for p in ps], opt.state_dict()["state"]
+    opt.close()
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-swapped", "bf16-flat"])
+@pytest.mark.parametrize("how", ["get", "dict"])
+def test_a_thread_reading_the_states_does_not_change_the_steps(tmp_path, dtype, how):
+    read = (lambda st: st.get("exp_avg")) if how == "get" else dict  # a read; a copy of the whole entry
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    want_params, want_states = _run(tmp_path / "a", dtype, None)
+    got_params, got_states = _run(tmp_path / "b", dtype, read)
+    for a, b in zip(got_params, want_params):
+        assert torch.equal(a, b)
+    for i, st in want_states.items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(got_states[i][k]), torch.as_tensor(v)), (i, k)
