@@ -209,3 +209,20 @@ def test_packed_blocks_of_a_param_across_sub_groups_read_as_the_host_store_holds
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("dtype,state_dtype", CASES, ids=IDS)
+def test_a_closed_store_lists_and_reads_no_state(tmp_path, dtype, state_dtype):
+    """After close() an entry lists only its "step" ([Note: states an entry reads on access]):
+    the fp32 params' store (SwappedState) listed its swapped states still, and reading one
+    (``get``, ``dict(st)``, ``copy.deepcopy(opt.state)``) raised IndexError from the closed
+    swap files; the flat store's said nothing already."""
+    (nv,), (b,) = _pair(tmp_path, dtype, state_dtype, kinds=("nvme",))
+    b.close()
+    for p in nv.parameters():
+        st = b.state[p]
+        assert list(st) == ["step"] and "exp_avg" not in st and len(st) == 1
+        assert st.get("exp_avg") is None
+        with pytest.raises(KeyError):
+            st["exp_avg"]
+        assert list(copy.deepcopy(st)) == ["step"] and list(pickle.loads(pickle.dumps(st))) == ["step"]

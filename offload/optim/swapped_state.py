@@ -188,6 +188,10 @@ class SwappedState:
         return self.core.store
 
     @property
+    def _closed(self) -> bool:  # (as the flat store's: opt.state[p] of a closed store lists and reads none)
+        return bool(self.core.store.closed)
+
+    @property
     def pipeline(self) -> Any:
         return self.core.pipeline
 
