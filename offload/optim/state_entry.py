@@ -24,6 +24,7 @@ import torch
 __all__ = ["SwappedEntry", "MOMENTS"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+_ABSENT = object()
 
 
 def _holds_all() -> bool:
@@ -151,9 +152,23 @@ class SwappedEntry(dict):
     # dict's own update, |= and setdefault bypass __setitem__: an update of a store-held
     # state replaced the view in the dict and left the store's values (the next step put the
     # view back and went on from them)
+    # All or nothing, as a load: a value the store refuses (a wrong size, say) raised after the
+    # states before it were written, so a caller that caught the error went on with those.
     def update(self, *args: Any, **kwargs: Any) -> None:
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
+        done = []  # (key, its value before), in the order written
+        try:
+            for key, value in dict(*args, **kwargs).items():
+                before = self.get(key, _ABSENT) if key in self._names else dict.get(self, key, _ABSENT)
+                # (a store's state may be a live view into its buffers: the write changes it)
+                done.append((key, before.clone() if key in self._names and isinstance(before, torch.Tensor) else before))
+                self[key] = value
+        except BaseException:
+            for key, before in reversed(done[:-1]):  # (the last one was refused: nothing written)
+                if before is not _ABSENT:
+                    self[key] = before  # (a read written back is bit for bit: state_view.py)
+                elif not (key in self._names and self._writer is not None):
+                    dict.pop(self, key, None)
+            raise
 
     def __ior__(self, other: Any) -> "SwappedEntry":
         self.update(other)
