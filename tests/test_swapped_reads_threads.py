@@ -6,6 +6,7 @@ change the training. Now the reads wait for the step (swap/cache.py ``serialized
 is bit for bit the run without the reader."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -60,3 +61,34 @@ def test_a_thread_reading_the_states_does_not_change_the_steps(tmp_path, dtype, 
     for i, st in want_states.items():
         for k, v in st.items():
             assert torch.equal(torch.as_tensor(got_states[i][k]), torch.as_tensor(v)), (i, k)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_thread_holds_the_lock_gets_its_own(tmp_path):
+    """Another thread holds a cache's lock (its step, its read) when the main thread forks:
+    the child's own use of the lock must not wait for a thread it does not have."""
+    from offload.swap import cache as cache_mod
+
+    held, go = threading.Event(), threading.Event()
+    caches = list(cache_mod._CACHES)
+    params = [torch.nn.Parameter(torch.randn(5000))]
+    opt = offload.AdamW(params, lr=1e-2, offload="nvme", swap_dir=str(tmp_path))
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    caches = [c for c in cache_mod._CACHES if c not in caches]
+    assert caches, "the nvme store made no GroupCache"
+
+    def hold():
+        with caches[0].lock:
+            held.set()
+            go.wait(30)
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: the lock must be free (acquire without waiting)
+        os._exit(0 if caches[0].lock.acquire(timeout=5) else 3)
+    go.set()
+    t.join(30)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    opt.close()

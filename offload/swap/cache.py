@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -29,6 +31,10 @@ from offload.swap.pipeline import SwapPipeline
 from offload.swap.session import SwapSession
 
 __all__ = ["GroupCache", "serialized"]
+
+
+# Every cache, for the fork hook below.
+_CACHES: "weakref.WeakSet[GroupCache]" = weakref.WeakSet()
 
 
 class GroupCache:
@@ -41,6 +47,7 @@ class GroupCache:
         self.dirty = False
         self.pending: Optional[Dict[int, Any]] = None  # in a batch: g -> checksums, written, not committed
         self.lock = threading.RLock()  # see serialized()
+        _CACHES.add(self)
 
     @property
     def _buf(self) -> Any:
@@ -142,3 +149,14 @@ def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, *args, **kwargs)
     return locked
 
+
+
+def _new_locks_in_child() -> None:
+    """A child forked while another thread of the parent held a cache's lock (its step, a
+    read) would wait on it forever at its first read of ``opt.state[p]``: its own locks."""
+    for cache in list(_CACHES):
+        cache.lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_in_child)
