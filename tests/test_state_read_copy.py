@@ -1,5 +1,5 @@
-"""A state read as a copy (``offload="nvme"``, int8 states decoded) refuses an in-place change
-and nothing else ([Note: a read copy refuses in-place changes] in offload/optim/state_view.py,
+"""A state read as a copy (``offload="nvme"``, int8 states decoded) writes an in-place change
+back to its store (or refuses it, test_state_write_back.py) and is otherwise a plain tensor ([Note: a read copy refuses in-place changes] in offload/optim/state_view.py,
 offload/optim/read_copy.py).
 
 It was an inference tensor at first, which refused more: a penalty weighted by Adam's second
@@ -61,17 +61,23 @@ CHANGES = {
 
 @pytest.mark.parametrize("change", list(CHANGES))
 @pytest.mark.parametrize("dtype,kind,state_dtype", CASES, ids=IDS)
-def test_an_in_place_change_of_a_read_copy_is_refused_however_spelled(tmp_path, dtype, kind, state_dtype, change):
-    m, opt = _stepped(tmp_path, dtype, kind, state_dtype)
+def test_an_in_place_change_of_a_read_copy_is_written_back_however_spelled(tmp_path, dtype, kind, state_dtype, change):
+    """The store then holds what assigning the changed copy stores (int8: re-encoded), bit for
+    bit ([Note: an in-place change of a read copy is written back] in write_back.py)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    m, opt = _stepped(tmp_path / "a", dtype, kind, state_dtype)
+    m2, opt2 = _stepped(tmp_path / "b", dtype, kind, state_dtype)
     try:
         got = opt.state[m.weight]["exp_avg"]
         was = got.clone()
-        with pytest.raises(RuntimeError):  # ours says why and what to do instead
-            CHANGES[change](got)
-        assert torch.equal(got, was)  # not even the copy changed
-        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], was)
+        CHANGES[change](got)
+        assert not torch.equal(got, was)  # the copy changed
+        opt2.state[m2.weight]["exp_avg"] = got.clone()
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], opt2.state_dict()["state"][0]["exp_avg"])
     finally:
         opt.close()
+        opt2.close()
 
 
 @pytest.mark.parametrize("dtype,kind,state_dtype", CASES, ids=IDS)

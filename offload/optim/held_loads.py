@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from offload.optim.protocol import optional
 from offload.optim.state_view import attach as attach_state_views
+from offload.optim.state_versions import bump
 from offload.optim.step_guard import defer_sigint
 
 __all__ = ["held_load", "load_checkpoint_into"]
@@ -24,6 +25,7 @@ __all__ = ["held_load", "load_checkpoint_into"]
 def held_load(opt: Any, call: str, load: Callable[[], None]) -> None:
     """``load()`` with a Ctrl-C held until it returns (see the note); ``call`` names it."""
     cut = False  # a KeyboardInterrupt out of load() itself: the second Ctrl-C cut it short
+    bump(opt._store)  # copies read before are stale, loaded or not ([Note: state versions])
     try:
         with defer_sigint():
             try:

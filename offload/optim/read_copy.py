@@ -1,7 +1,9 @@
-"""A state read as a copy (swap files, decoded int8 blocks) that refuses in-place changes.
+"""A state read as a copy (swap files, decoded int8 blocks) whose in-place changes are written
+back to its store, or refused.
 
-[Note: a read copy refuses in-place changes] in state_view.py says why a copy must refuse
-them. It was an inference tensor first (``torch.inference_mode``), which refuses more than
+[Note: a read copy refuses in-place changes] in state_view.py says why a copy must not take
+them silently; [Note: an in-place change of a read copy is written back] in write_back.py when
+it writes them back and when it refuses. It was an inference tensor first (``torch.inference_mode``), which refuses more than
 that: autograd cannot save one for backward, so ``(opt.state[p]["exp_avg_sq"] * (w - w0) ** 2)
 .sum().backward()`` (a penalty weighted by Adam's second moment) raised "Inference tensors
 cannot be saved for backward", ``torch.nn.Parameter(...)`` / ``requires_grad_()`` of one
@@ -10,8 +12,9 @@ same copy before ran. And it refused only on the tensor itself: ``.data.zero_()`
 ``.detach().zero_()`` changed a tensor sharing its memory, silently lost as before.
 
 So a copy is this subclass (``__torch_function__``): an in-place op on it, on a tensor
-sharing its memory (``.data``, ``.detach()``, a view, an index) or with it as ``out=`` raises
-RuntimeError; every other op runs as on a plain tensor, autograd included, and what it returns
+sharing its memory (``.data``, ``.detach()``, a view, an index) or with it as ``out=`` is
+checked first (RuntimeError, nothing changed, when it cannot be written back: a stale copy,
+another thread...), then run and the whole copy written back; every other op runs as on a plain tensor, autograd included, and what it returns
 is a plain tensor unless it shares the copy's memory. ``torch.save``, pickle and deepcopy
 give plain tensors (``torch.load(weights_only=True)`` knows no other class). ``.numpy()`` and
 ``np.asarray`` give a read-only array over its memory (numpy then refuses writes: "assignment
@@ -24,7 +27,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["ReadCopy", "read_copy"]
+__all__ = ["ReadCopy", "plain", "read_copy"]
 
 # What hands out the copy's memory as a NumPy array: made read-only.
 _TO_NUMPY = frozenset({"numpy", "__array__"})
@@ -40,13 +43,30 @@ def _tensors(x: Any) -> Iterable[Any]:
     return x if isinstance(x, (list, tuple)) else (x,)  # (torch._foreach_*_ take lists)
 
 
-def _changes_a_copy(func: Any, args: tuple, kwargs: dict) -> bool:
+def _changed_copies(func: Any, args: tuple, kwargs: dict) -> list:
+    """The read copies ``func`` changes in place (as ``args[0]`` of an in-place op, or ``out=``)."""
     name = getattr(func, "__name__", "")
     in_place = (name in _CHANGING_DUNDERS or kwargs.get("inplace") is True  # (F.relu(t, inplace=True))
                 or (name.endswith("_") and not name.endswith("__") and name not in _NOT_A_CHANGE))
-    if in_place and args and any(isinstance(t, ReadCopy) for t in _tensors(args[0])):
-        return True
-    return any(isinstance(t, ReadCopy) for t in _tensors(kwargs.get("out")))
+    changed = [t for t in _tensors(args[0]) if isinstance(t, ReadCopy)] if in_place and args else []
+    return changed + [t for t in _tensors(kwargs.get("out")) if isinstance(t, ReadCopy)]
+
+
+def _check_writable(func: Any, changed: list) -> None:
+    """RuntimeError, before anything changes, unless every copy in ``changed`` can be written back."""
+    backs = {id(b): b for b in (getattr(t, "_write_back", None) for t in changed)}
+    if None in backs.values():
+        why = "it has no store to write back to"
+    elif len({(id(b._entry()), b.key) for b in backs.values()}) < len(backs):
+        why = "two copies of one state changed by one op"  # (the second write-back would undo the first)
+    else:
+        why = next(filter(None, (b.refusal() for b in backs.values())), None)
+    if why is not None:
+        raise RuntimeError(
+            f"{getattr(func, '__name__', func)}: this tensor is a copy of an optimizer state read from "
+            f"its store (offload='nvme', or int8 states decoded) and this in-place change cannot be written back: "
+            f"{why}; assign instead (opt.state[p][key] = opt.state[p][key] * 0.5, or = torch.zeros_like(p)), "
+            "or .clone() it to get a tensor of your own")
 
 
 def _memory(t: torch.Tensor) -> int:
@@ -54,49 +74,52 @@ def _memory(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr() if t.layout == torch.strided else 0
 
 
-def _kept(out: Any, memories: set) -> Any:
-    """``out`` with the plain tensors among it that share a copy's memory made copies too."""
+def _kept(out: Any, backs: dict) -> Any:
+    """``out`` with the plain tensors among it that share a copy's memory (``backs``: memory ->
+    that copy's write-back) made copies too, with the same write-back."""
     if isinstance(out, (list, tuple)) and type(out) in (list, tuple):
-        return type(out)(_kept(o, memories) for o in out)
-    if type(out) is torch.Tensor and _memory(out) in memories:
-        return out.as_subclass(ReadCopy)
+        return type(out)(_kept(o, backs) for o in out)
+    if type(out) is torch.Tensor and _memory(out) in backs:
+        back = backs[_memory(out)]
+        out = out.as_subclass(ReadCopy)
+        out._write_back = back
     return out
 
 
-def _plain(t: "ReadCopy") -> torch.Tensor:
+def plain(t: "ReadCopy") -> torch.Tensor:
     with torch._C.DisableTorchFunctionSubclass():
         return t.as_subclass(torch.Tensor)
 
 
 class ReadCopy(torch.Tensor):
-    """A copy of a state that refuses in-place changes (module docstring)."""
+    """A copy of a state: an in-place change is written back to its store, or refused (module docstring)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _changes_a_copy(func, args, kwargs):
-            raise RuntimeError(
-                f"{getattr(func, '__name__', func)}: this tensor is a copy of an optimizer state read from "
-                "its store (offload='nvme', or int8 states decoded), so an in-place change would change only "
-                "the copy; assign instead (opt.state[p][key] = opt.state[p][key] * 0.5, or = torch.zeros_like(p)), "
-                "or .clone() it to get a tensor of your own")
+        changed = _changed_copies(func, args, kwargs)
+        if changed:
+            _check_writable(func, changed)
         with torch._C.DisableTorchFunctionSubclass():  # (and no recursion through _memory)
             out = func(*args, **kwargs)
-            memories = {_memory(t) for a in (*args, *kwargs.values()) for t in _tensors(a)
-                        if isinstance(t, ReadCopy)}
-            memories.discard(0)  # no elements: nothing to lose
+            backs = {_memory(t): getattr(t, "_write_back", None) for a in (*args, *kwargs.values())
+                     for t in _tensors(a) if isinstance(t, ReadCopy)}
+            backs.pop(0, None)  # no elements: nothing to lose
             if getattr(func, "__name__", "") in _TO_NUMPY and hasattr(out, "flags") and not out.flags.owndata:
                 out.flags.writeable = False  # its memory; a converted one (a dtype asked for) is the caller's
-            return _kept(out, memories)
+            out = _kept(out, backs)
+        for back in {id(b): b for b in (t._write_back for t in changed)}.values():
+            back.write()  # (outside: the writer's own ops on the copy's memory are plain ones)
+        return out
 
     def __repr__(self, *, tensor_contents=None) -> str:  # tensor(...), as a state read before
-        return repr(_plain(self))
+        return repr(plain(self))
 
     def __reduce_ex__(self, proto):
-        return _plain(self).__reduce_ex__(proto)
+        return plain(self).__reduce_ex__(proto)
 
     def __deepcopy__(self, memo):
-        return _plain(self).clone()
+        return plain(self).clone()
 
 
 def read_copy(values: torch.Tensor) -> ReadCopy:

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from offload.optim.write_back import bind
+
 __all__ = ["SwappedEntry", "MOMENTS"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -50,12 +52,16 @@ class SwappedEntry(dict):
     """``opt.state[p]`` of a param whose states live in the store: the keys that are not
     held in the dict (swapped, or int8 blocks) are read on access and listed (module
     docstring), and assigning any of the store's keys writes the store (``writer``).
-    ``holds()``: whether the store holds p's states (no read)."""
+    ``holds()``: whether the store holds p's states (no read); ``version(key)``: the version of
+    that state a copy records to write an in-place change back ([Note: state versions]; None:
+    no write-back, the copy refuses in-place changes)."""
 
     def __init__(self, entry: dict, reader: Callable[[str], Optional[torch.Tensor]],
                  names: tuple = MOMENTS, writer: Optional[Callable[[str, Any], None]] = None,
-                 holds: Callable[[], bool] = _holds_all) -> None:
+                 holds: Callable[[], bool] = _holds_all,
+                 version: Optional[Callable[[str], Any]] = None) -> None:
         super().__init__(entry)
+        self._version = version
         self._reader = reader
         self._names = names
         self._writer = writer
@@ -69,9 +75,14 @@ class SwappedEntry(dict):
         return keys if keys and self._holds() else ()
 
     def __missing__(self, key: Any) -> torch.Tensor:
-        value = self._reader(key) if key in self._read_keys() else None
+        if key not in self._read_keys():
+            raise KeyError(key)
+        since = self._version(key) if self._version is not None else None  # (before the read)
+        value = self._reader(key)
         if value is None:
             raise KeyError(key)
+        if self._version is not None:  # [Note: an in-place change of a read copy is written back]
+            bind(value, self, key, since)
         return value
 
     # --- listing: the dict's own keys, then the states read on access (no read)

@@ -39,6 +39,7 @@ it also refused autograd, and not ``.data.zero_()``.)
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Optional, Tuple
 
@@ -47,6 +48,7 @@ import torch
 from offload.optim.read_copy import read_copy
 from offload.optim.state_codec import is_stored_form, to_torch_layout
 from offload.optim.state_entry import MOMENTS, SwappedEntry
+from offload.optim.state_versions import bump, bump_key, version_of
 
 __all__ = ["SwappedEntry", "attach", "detach"]
 
@@ -139,6 +141,7 @@ def _swapped_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
             states = list(st.read_state(param))
             states[st.names.index(key)] = vals
             st.write_state(param, *states)
+            bump_key(st, param, key)
             return
         fg, piece, lo, hi = _piece(st, param)
         if piece is None or st._swap is None:
@@ -146,6 +149,7 @@ def _swapped_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
             return
         st._drain()  # a step's write-back still in flight must land first
         st._swap.write(st._groups.index(fg), lo, hi, {key: _checked(param, key, value, hi - lo)})
+        bump_key(st, param, key)
 
     return write
 
@@ -190,8 +194,23 @@ def _flat_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
             return
         st._drain()
         _store_values(fg, key, lo, _checked(param, key, value, hi - lo))
+        bump_key(st, param, key)
 
     return write
+
+
+def _versions(store: Any, p: torch.Tensor) -> Callable[[str], Optional[tuple]]:
+    """``version(key)``: [Note: state versions] of ``p``'s ``key``; None in a process forked
+    from the one that made the entry (the store and its swap files are that process's)."""
+    ref, pref, pid = weakref.ref(store), weakref.ref(p), os.getpid()
+
+    def version(key: str) -> Optional[tuple]:
+        st, param = ref(), pref()
+        if os.getpid() != pid or st is None or param is None:
+            return None
+        return version_of(st, param, key)
+
+    return version
 
 
 def _flat_views(store: Any, p: torch.Tensor, st: dict, names: tuple) -> None:
@@ -267,19 +286,23 @@ def attach(opt: Any) -> None:
             if swapped:
                 if not isinstance(st, SwappedEntry):
                     read, holds = _swapped_reader(store, p)
-                    st = opt.state[p] = SwappedEntry(st, read, names, _swapped_writer(store, p), holds)
+                    st = opt.state[p] = SwappedEntry(st, read, names, _swapped_writer(store, p), holds,
+                                                          _versions(store, p))
                 st._names = names
             elif p in getattr(store, "_where", {}) or p.numel() == 0:
                 if not isinstance(st, SwappedEntry):
                     read, holds = _flat_reader(store, p)
-                    st = opt.state[p] = SwappedEntry(st, read, names, _flat_writer(store, p), holds)
+                    st = opt.state[p] = SwappedEntry(st, read, names, _flat_writer(store, p), holds,
+                                                          _versions(store, p))
                 if st._names != names or not any(dict.__contains__(st, k) for k in names):
                     st._names = names
                     _flat_views(store, p, st, names)
 
 
 def detach(opt: Any) -> None:
-    """Drop the views into the store's buffers (before they are freed)."""
+    """Drop the views into the store's buffers (before they are freed); copies read before
+    are stale from now on ([Note: state versions])."""
+    bump(opt._store)
     if getattr(opt._store, "kind", None) == "host":
         return
     names = names_of(opt._store)

@@ -23,6 +23,7 @@ import torch
 
 from offload.memory import paging
 from offload.optim.protocol import optional
+from offload.optim.state_versions import bump
 from offload.swap import cleanup
 from offload.swap.sigint import sigint_held
 
@@ -190,6 +191,14 @@ def store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torc
     counts with the old states, so a kill -9 before the step's own commit left a manifest one
     step ahead of its data, and resume=True went on from it (every Adagrad run's first step
     with offload="nvme"; found by a failing-environment sweep, thirty-third session)."""
+    bump(opt._store)  # copies read before are stale, even if the step fails ([Note: state versions])
+    try:
+        return _store_step(opt, work)
+    finally:
+        bump(opt._store)  # (and those read during it, by a hook)
+
+
+def _store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor]]]]) -> Dict[str, float]:
     steps = opt._ctx.steps
     batches: List[Any] = []
     before: List[Tuple[torch.Tensor, Any]] = []
@@ -246,6 +255,7 @@ def clear_failure(opt: Any, accept_params: bool) -> None:
     """``opt.clear_failure()``: see its docstring and [Note: failed steps]."""
     if not getattr(opt, "_failure", None):
         return
+    bump(opt._store)  # (a restore writes the states back)
     clear = getattr(opt._store, "clear_failure", None)
     if clear is not None:
         clear(accept_params=accept_params)
