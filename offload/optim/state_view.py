@@ -23,7 +23,7 @@ store (encoded as it is stored: bf16 rounded to nearest, int8 blocks re-encoded)
 next step would read a replaced state; ``t`` must have as many elements as ``p`` (or be the
 packed blocks a read gives, fp32 CPU params on NVMe: written back bit for bit). A
 tensor read from the swap files (or decoded from int8 blocks) is a copy, so changing it in place
-would change nothing: it refuses, see [Note: a read copy refuses in-place changes].
+would change nothing: [Note: a read copy refuses in-place changes].
 
 [Note: a read copy refuses in-place changes]
 ``opt.state[p]["exp_avg"].zero_()`` (a reset of the moments after a loss spike, say) works on
@@ -32,8 +32,10 @@ torch's tensors and on the views above, and was silently dropped on a copy: a ru
 code with bf16 states reset them. A copy is a ``ReadCopy`` (read_copy.py), which refuses an
 in-place change, also through ``.data``, ``.detach()`` or a view, with a RuntimeError; reading,
 ``clone()``, arithmetic, autograd, ``torch.save`` work as before and give plain tensors.
-Assigning (``opt.state[p][key] = t``) is the way to change one. (An inference tensor first:
-it also refused autograd, and not ``.data.zero_()``.)
+(An inference tensor first: it also refused autograd, and not ``.data.zero_()``.) Since, a
+change that can be written back is: [Note: an in-place change of a read copy is written back]
+in write_back.py (the entry's ``version``, ``_versions`` here); only a stale copy (or one in
+another thread, a forked child, a closed optimizer) still refuses.
 
 ``state_dict()`` never returns these views: it reads full tensors from the store.
 """
