@@ -178,8 +178,27 @@ def test_a_cleared_entry_or_closed_optimizer_refuses(tmp_path):
     with pytest.raises(RuntimeError, match="no longer listed"):
         a.zero_()
     opt.close()
-    with pytest.raises(RuntimeError, match="cannot be written back"):
+    with pytest.raises(RuntimeError, match="no longer listed"):
         b.zero_()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # SwappedState; the flat store's swap files
+def test_a_copy_from_before_a_resume_refuses(tmp_path, dtype):
+    opt, _, ours, _ = _pair(tmp_path, dtype)
+    a = opt.state[ours[0]]["exp_avg"]
+    was = a.clone()
+    opt.close(keep_swap=True)
+    opt2 = offload.AdamW(ours, lr=1e-2, offload="nvme", swap_dir=str(tmp_path), resume=True)
+    try:
+        with pytest.raises(RuntimeError, match="no longer listed"):
+            a.zero_()
+        _step([(opt2, ours)], 2)  # (attaches opt2's entries)
+        a2 = opt2.state[ours[0]]["exp_avg"]
+        with pytest.raises(RuntimeError, match="no longer listed"):
+            a.zero_()
+        assert torch.equal(opt2.state[ours[0]]["exp_avg"], a2) and torch.equal(a, was)
+    finally:
+        opt2.close()
 
 
 def test_a_copy_changed_in_another_thread_refuses(tmp_path):

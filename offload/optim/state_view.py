@@ -91,7 +91,8 @@ def _read_copy(vals: torch.Tensor, param: torch.Tensor, whole: bool, fresh: bool
 
 
 def _closed_store(st: Any, param: Any) -> bool:
-    return st is None or param is None or getattr(st, "_closed", False)
+    # (SwappedState keeps no flag of its own: its swap store's; a read of it closed raised IndexError)
+    return st is None or param is None or getattr(st, "_closed", False) or getattr(getattr(st, "store", None), "closed", False)
 
 
 def _swapped_reader(store: Any, p: torch.Tensor) -> Tuple[Callable[[str], Optional[torch.Tensor]], Callable[[], bool]]:
