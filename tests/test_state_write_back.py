@@ -248,3 +248,19 @@ def test_a_forked_child_refuses_to_write_the_parents_files(tmp_path, read_in):
         assert torch.equal(opt.state[ours[0]]["exp_avg"], torch.zeros_like(was))
     finally:
         opt.close()
+
+
+def test_one_op_over_two_params_states_writes_both_back(tmp_path):
+    opt, ref, ours, theirs = _pair(tmp_path)
+    try:
+        torch._foreach_mul_([opt.state[p]["exp_avg"] for p in ours], 0.5)  # as torch's foreach code
+        torch._foreach_mul_([ref.state[p]["exp_avg"] for p in theirs], 0.5)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(opt.state[a]["exp_avg"], ref.state[b]["exp_avg"], rtol=0, atol=0)
+        a, a2 = opt.state[ours[0]]["exp_avg"], opt.state[ours[0]]["exp_avg"]
+        was = a.clone()
+        with pytest.raises(RuntimeError, match="two copies of one state"):
+            torch._foreach_zero_([a, a2])  # (the second write-back would undo the first)
+        assert torch.equal(a, was) and torch.equal(opt.state[ours[0]]["exp_avg"], was)
+    finally:
+        opt.close()
