@@ -92,3 +92,29 @@ def test_a_child_forked_while_a_thread_holds_the_lock_gets_its_own(tmp_path):
     t.join(30)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     opt.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_forked_child_reading_a_swapped_state_gets_an_error_not_a_crash(tmp_path, cached):
+    """The cache buffer is registered with io_uring, so not mapped in a forked child: a child
+    reading a sub-group the parent had cached (``cached``) died of SIGSEGV."""
+    params = [torch.nn.Parameter(torch.randn(5000))]
+    opt = offload.AdamW(params, lr=1e-2, offload="nvme", swap_dir=str(tmp_path))
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    if cached:
+        opt.state[params[0]]["exp_avg"]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            opt.state[params[0]]["exp_avg"]
+            os._exit(3)
+        except RuntimeError as exc:
+            os._exit(0 if "a child forked from it" in str(exc) else 4)
+        finally:
+            os._exit(5)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()  # the parent's store is untouched
+    opt.close()

@@ -65,6 +65,7 @@ class GroupCache:
     def load(self, g: int, extra: Optional[Callable[[], Dict[str, Any]]] = None) -> List[torch.Tensor]:
         """The state tensors of sub-group ``g`` (views into the cache buffer). A different
         dirty sub-group is flushed first, committing ``extra()`` with it."""
+        _refuse_in_forked_child(self.store)
         if self.group == g:
             return self.pipeline.tensors(g, self._buf)
         self.flush(extra)
@@ -149,6 +150,19 @@ def serialized(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, *args, **kwargs)
     return locked
 
+
+
+def _refuse_in_forked_child(store: Any) -> None:
+    """The cache buffer is the pipeline's, registered with io_uring and so not mapped in a
+    forked child (MADV_DONTFORK): a child reading ``opt.state[p]`` of a sub-group the parent
+    had cached died of SIGSEGV. It gets the engine's error instead (the optimizer is the
+    parent's)."""
+    owner = getattr(store, "owner_pid", None)
+    if owner is not None and owner != os.getpid():
+        raise RuntimeError(f"swap cache: opened by process {owner}, used in process {os.getpid()}, a child forked "
+                           "from it, which has none of its buffers, completion threads or ring; an offloaded "
+                           "optimizer belongs to the process that made it: make a new one in the child, or fork "
+                           "before making it")
 
 
 def _new_locks_in_child() -> None:
