@@ -13,7 +13,7 @@ import torch
 
 from offload.kernels.fields import ADAM, ADAM_AMSGRAD, Rule
 from offload.optim.base import RuleOptimizer
-from offload.optim.ckpt_holding import holding_meta, saved_holding
+from offload.optim.ckpt_holding import holding_in, holding_meta, saved_holding
 from offload.optim.functional import AdamHyper, RuleHyper
 from offload.optim.options import check_hyper
 from offload.optim.protocol import optional
@@ -63,13 +63,26 @@ class _AdamBase(RuleOptimizer):
         if keep is not None:  # the host store, built with no group of amsgrad: a group may turn it on
             keep(ADAM_AMSGRAD.fields)
         if optional(self._store, "resumed"):  # states from a previous run's swap files
-            self._ams_kept = self._ams_by_steps()
+            # (their last commit says which params hold one, as a checkpoint's meta does)
+            params = self._all_params()
+            held = holding_in(self._ctx.commit_meta, "max_exp_avg_sq", len(params), "the resumed swap files")
+            self._set_kept(self._ams_by_steps() if held is None else {id(params[i]) for i in held})
+            attach_state_views(self)  # opt.state[p] shows the resumed states, as after a load
 
     def _ams_by_steps(self) -> Set[int]:
         """What a store that keeps no such flag (a checkpoint, resumed swap files) says: a
         param of a group with amsgrad that stepped holds its max_exp_avg_sq."""
         return {id(p) for g in self.param_groups if g.get("amsgrad")
                 for p in g["params"] if self._ctx.steps.get(p) > 0}
+
+    def _set_kept(self, kept: Set[int]) -> None:
+        """``_ams_kept`` is now ``kept``; the swapped stores record it with each commit
+        (StepContext.commit_meta), so that a resume shows what the run showed. Called when
+        it changes only: the per-param work here is not per step."""
+        self._ams_kept = kept
+        if getattr(self._store, "kind", None) != "host":
+            self._ctx.commit_meta = holding_meta("max_exp_avg_sq", (
+                i for i, p in enumerate(self._all_params()) if id(p) in kept))
 
     def kept_states(self) -> Dict[int, Tuple[str, ...]]:
         """id(p) -> the states ``p`` holds beyond its group's rule (state_view.seen_names):
@@ -80,9 +93,11 @@ class _AdamBase(RuleOptimizer):
         return dict.fromkeys(self._ams_kept, ("max_exp_avg_sq",))
 
     def _store_step(self, work, multiplier: float) -> Dict[str, float]:
-        phases = super()._store_step(work, multiplier)
-        self._ams_kept.update(id(p) for group, items in work if group.get("amsgrad") for p, *_ in items)
-        return phases
+        # before the step: its commit records the params that hold a max_exp_avg_sq after it
+        stepped = {id(p) for group, items in work if group.get("amsgrad") for p, *_ in items}
+        if not stepped <= self._ams_kept:
+            self._set_kept(self._ams_kept | stepped)
+        return super()._store_step(work, multiplier)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -90,8 +105,8 @@ class _AdamBase(RuleOptimizer):
         # max_exp_avg_sq when its entry had one (whatever its group's amsgrad says now)
         saved = [k for g in state_dict["param_groups"] for k in g["params"]]
         state = state_dict["state"]
-        self._ams_kept = {id(p) for k, p in zip(saved, [p for g in self.param_groups for p in g["params"]])
-                          if isinstance(state.get(k), dict) and "max_exp_avg_sq" in state[k]}
+        self._set_kept({id(p) for k, p in zip(saved, self._all_params())
+                        if isinstance(state.get(k), dict) and "max_exp_avg_sq" in state[k]})
         attach_state_views(self)  # (attached by the load before the kept states were known)
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
@@ -143,7 +158,7 @@ class _AdamBase(RuleOptimizer):
         # as torch's dicts have none; the flat and swapped stores show the held ones.
         holds = {id(p) for i, p in enumerate(params) if held is not None and i in held}
         holds.update(id(p) for g in self.param_groups if g.get("amsgrad") for p in g["params"])
-        self._ams_kept = {id(p) for p in params if id(p) in holds and self._ctx.steps.get(p) > 0}
+        self._set_kept({id(p) for p in params if id(p) in holds and self._ctx.steps.get(p) > 0})
         if getattr(self._store, "kind", None) != "host":
             attach_state_views(self)  # (attached by the load before the kept states were known)
             return

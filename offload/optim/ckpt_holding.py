@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterable, Optional, Set
 
 from offload.swap.ckpt_groups import saved_meta
 
-__all__ = ["HOLDING", "holding_meta", "saved_holding"]
+__all__ = ["HOLDING", "holding_in", "holding_meta", "saved_holding"]
 
 HOLDING = "holding"
 
@@ -33,6 +33,12 @@ def saved_holding(directory: str, name: str, nparams: int) -> Optional[Set[int]]
     its meta does not say (a checkpoint written before ``holding``, or of other params: the
     load refuses those, saying why). Checked before anything is loaded: ValueError."""
     meta, path = saved_meta(directory)
+    return holding_in(meta, name, nparams, path)
+
+
+def holding_in(meta: Any, name: str, nparams: int, path: str) -> Optional[Set[int]]:
+    """``saved_holding`` of a meta dict already read (``path`` names it in the error); also
+    what a resumed swap commit recorded (StepContext.commit_meta)."""
     holding = meta.get(HOLDING) if isinstance(meta, dict) else None
     if holding is None:
         return None
@@ -42,4 +48,3 @@ def saved_holding(directory: str, name: str, nparams: int) -> Optional[Set[int]]
     if any(not 0 <= i < nparams for i in listed):
         return None  # a checkpoint of more params: the store's load refuses it, naming both
     return set(listed)
-

@@ -26,13 +26,16 @@ plain containers with it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
 __all__ = ["StepContext", "StepCounts", "TorchState"]
+
+OPT_META = "optimizer"
+"""The key of a swap commit's metadata that holds ``StepContext.commit_meta``."""
 
 
 class TorchState:
@@ -228,6 +231,11 @@ class StepContext:
     """GradScaler's scale for this step (None when the grads are unscaled)."""
     found_inf: Optional[torch.Tensor] = None
     """GradScaler's found-inf flag for this step; a store may replace it by the ranks' agreed one."""
+    commit_meta: Dict[str, Any] = field(default_factory=dict)
+    """What the optimizer says of its states beyond the store's fields, JSON (Adam: which
+    params hold a max_exp_avg_sq, ckpt_holding's ``holding``): a swapped store records it
+    with each commit (``commit_extra``) and gives it back on resume (``resumed_from``), as
+    it does the step counts. Replaced (never changed in place) when it changes."""
 
     @classmethod
     def fresh(cls, **flags: Any) -> "StepContext":
@@ -244,6 +252,17 @@ class StepContext:
             self.torch_state.state = state
         if param_groups is not None:
             self.torch_state.param_groups = param_groups
+
+    def commit_extra(self) -> Dict[str, Any]:
+        """What a swap commit records of ``commit_meta`` (nothing while it is empty: the
+        manifests of optimizers that say nothing stay as they were)."""
+        return {OPT_META: self.commit_meta} if self.commit_meta else {}
+
+    def resumed_from(self, extra: Dict[str, Any]) -> None:
+        """A swapped store resumed a commit whose metadata is ``extra``: its ``commit_meta``
+        (none in a manifest written before it was recorded)."""
+        meta = extra.get(OPT_META)
+        self.commit_meta = dict(meta) if isinstance(meta, dict) else {}
 
     def begin_step(self, grad_scale: Any, found_inf: Any) -> None:
         """This step's facts as GradScaler handed them over (None when it did not)."""

@@ -106,17 +106,17 @@ def _check_resumed_steps(inner: Any, group: Any, swap_dir: Any) -> None:
     """The ranks' resumed swap files must hold one step (each rank's store is its own here:
     nothing else compares them), a rank one step ahead going back to the others' ([Note: a
     rank one step ahead] in swap/agreement.py); else every rank raises, the directories kept."""
-    from offload.optim.flat.swapped import agree_on_resumed_step, params_from_swap
+    from offload.optim.flat.swapped import agree_on_resumed_step, params_from_swap, resume_steps
 
     flat = hasattr(inner, "_swap")  # the flat store's SwappedShards; SwappedState's is its core
     swap = inner._swap if flat else getattr(inner, "core", None)
 
     def reset() -> None:  # what the inner store read from the step it went back from
         if flat:
-            inner._set_steps(swap.resumed_extra.get("steps") or [])
+            resume_steps(inner)
             params_from_swap(inner)  # this rank's shards only (the inner store is one rank's)
         else:
-            inner._set_counts(swap.store.extra["steps"])
+            inner.resume_counts()
 
     try:
         agree_on_resumed_step(swap, group, swap_dir, reset)

@@ -153,7 +153,7 @@ class SwappedState:
         self._samples = sample_indices(self.params, self._offsets, self.core.layout)
         self._group_params = self._params_per_group()
         if self.core.resumed:  # resume="auto" chose; "discard" never resumes ([Note: restarts] in swap/runs)
-            self._set_counts(self.core.store.extra["steps"])
+            self.resume_counts()
             return
         try:
             self.core.initialise(None)
@@ -251,10 +251,15 @@ class SwappedState:
             self.ctx.steps.set(p, 0)
             self.ctx.steps.set(p, int(n))
 
+    def resume_counts(self) -> None:
+        """The step counts (and the optimizer's commit_meta) of the resumed commit."""
+        self._set_counts(self.core.store.extra["steps"])
+        self.ctx.resumed_from(self.core.store.extra)
+
     def _extra(self) -> Dict[str, Any]:
         """What each commit records with the moments (the core adds the identity)."""
         # (the shapes too, in the identity: made once, not at each commit)
-        return {"steps": self._counts(), "fingerprint": self.fingerprint()}
+        return {"steps": self._counts(), "fingerprint": self.fingerprint(), **self.ctx.commit_extra()}
 
     def add_param_group(self, group: Dict[str, Any]) -> None:
         """Refused: the swap files are laid out for the params given at construction."""

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from offload.optim.swapped_shards import WorkItem
     from offload.optim.flat.store import FlatState
 
-__all__ = ["open_swap", "params_from_swap", "SwapBacking", "swap_fields", "flat_identity", "agree_on_resumed_step"]
+__all__ = ["open_swap", "params_from_swap", "SwapBacking", "swap_fields", "flat_identity", "agree_on_resumed_step",
+           "resume_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
                              f"being stepped), which need {need}; pass max_host_bytes >= {least}{then}") from exc
         if st._swap.resumed:  # resume="auto" chose, "discard" never resumes ([Note: restarts] in swap/runs)
             # The master of the last finished step is the truth: steps and params follow it.
-            st._set_steps(st._swap.resumed_extra.get("steps") or [])
+            resume_steps(st)
         else:
             st._swap.initialise(lambda k, lo, hi, out: st._groups[k].shard_values(lo, hi, out))
 
@@ -87,8 +88,7 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
         # or resume its swap files (a full disk, a missing directory) makes every rank raise.
         comm.on_every_rank(open_local, f"opening the swap files in {cfg.swap_dir!r}", st.group, st.world)
         if cfg.resume is True and st.world > 1:  # the params follow, from the step agreed on
-            agree_on_resumed_step(st._swap, st.group, cfg.swap_dir,
-                                  lambda: st._set_steps(st._swap.resumed_extra.get("steps") or []))
+            agree_on_resumed_step(st._swap, st.group, cfg.swap_dir, lambda: resume_steps(st))
         if cfg.resume is True or (st._swap is not None and st._swap.resumed):  # "auto": one rank only
             params_from_swap(st)  # every rank: an all-gather when partitioned
             comm.on_every_rank(lambda: own_master.check_resumed(st, cfg.swap_dir), "checking the resumed params",
@@ -100,12 +100,19 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
         raise
 
 
+def resume_steps(st: "FlatState") -> None:
+    """The step counts (and the optimizer's commit_meta) of the resumed commit."""
+    extra = st._swap.resumed_extra
+    st._set_steps(extra.get("steps") or [])
+    st.ctx.resumed_from(extra)
+
+
 def _extra(st: Optional["FlatState"]) -> Dict[str, Any]:
     """What each commit records with the data: the per-param steps, and the fingerprint of
     params that are their own master ([Note: own-master fingerprint] in own_master.py)."""
     if st is None:
         return {"steps": []}
-    out: Dict[str, Any] = {"steps": st._ckpt_steps()}
+    out: Dict[str, Any] = {"steps": st._ckpt_steps(), **st.ctx.commit_extra()}
     own = own_master.fingerprint(st)
     if own is not None:
         out[own_master.KEY] = own

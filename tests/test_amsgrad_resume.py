@@ -1,0 +1,40 @@
+"""``offload="nvme"`` with ``resume=True`` after groups that differ in amsgrad: the swap
+files hold the max_exp_avg_sq of a group whose amsgrad went off (torch keeps it), and each
+commit records which params hold one (StepContext.commit_meta, ckpt_holding's "holding"), so
+the resumed optimizer shows it in opt.state and state_dict() and goes on from it, as torch's
+uninterrupted run does, element by element."""
+from __future__ import annotations
+
+import pytest
+
+import offload
+from offload.optim.context import StepContext
+from test_amsgrad_checkpoints import Run, _groups, _kwargs, _shows
+
+
+def _resume(run, store, tmp_path):
+    """Close with the swap files kept; a new optimizer resumes them, built with the groups
+    as they are now (group 1 with amsgrad off)."""
+    run.opt.close(keep_swap=True)
+    run.opt = offload.AdamW(_groups(run.params, middle=False), lr=1e-2, resume=True,
+                            **_kwargs(store, tmp_path, "run"))
+
+
+@pytest.mark.parametrize("store", ["nvme", "flat-nvme"])
+def test_a_resumed_run_shows_the_max_exp_avg_sq_of_an_amsgrad_off_group(store, tmp_path):
+    run = Run(store, tmp_path)
+    _resume(run, store, tmp_path)
+    run.check_keys()  # opt.state and state_dict() right after the resume: torch's keys
+    run.check_values()
+    run.go_on()  # group 1 turns amsgrad on again: from the kept max_exp_avg_sq, as torch
+
+
+@pytest.mark.parametrize("store", ["nvme", "flat-nvme"])
+def test_swap_files_written_before_the_record_resume_as_before(store, tmp_path, monkeypatch):
+    """A manifest without the optimizer's record (an older run): a param holds a
+    max_exp_avg_sq when its group has amsgrad now and it stepped."""
+    monkeypatch.setattr(StepContext, "commit_extra", lambda self: {})
+    run = Run(store, tmp_path)
+    _resume(run, store, tmp_path)
+    assert [_shows(run.opt.state[p], "max_exp_avg_sq") for p in run.params] == [True, False, False, False]
+    run.opt.close()
