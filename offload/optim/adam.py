@@ -13,7 +13,7 @@ import torch
 
 from offload.kernels.fields import ADAM, ADAM_AMSGRAD, Rule
 from offload.optim.base import RuleOptimizer
-from offload.optim.ckpt_holding import holding_in, holding_meta, saved_holding
+from offload.optim.ckpt_holding import holding_ids, holding_meta, holding_of, saved_holding
 from offload.optim.functional import AdamHyper, RuleHyper
 from offload.optim.options import check_hyper
 from offload.optim.protocol import optional
@@ -64,9 +64,8 @@ class _AdamBase(RuleOptimizer):
             keep(ADAM_AMSGRAD.fields)
         if optional(self._store, "resumed"):  # states from a previous run's swap files
             # (their last commit says which params hold one, as a checkpoint's meta does)
-            params = self._all_params()
-            held = holding_in(self._ctx.commit_meta, "max_exp_avg_sq", len(params), "the resumed swap files")
-            self._set_kept(self._ams_by_steps() if held is None else {id(params[i]) for i in held})
+            held = holding_ids(self._ctx.commit_meta, "max_exp_avg_sq", self._all_params(), "the resumed swap files")
+            self._set_kept(self._ams_by_steps() if held is None else held)
             attach_state_views(self)  # opt.state[p] shows the resumed states, as after a load
 
     def _ams_by_steps(self) -> Set[int]:
@@ -81,8 +80,7 @@ class _AdamBase(RuleOptimizer):
         it changes only: the per-param work here is not per step."""
         self._ams_kept = kept
         if getattr(self._store, "kind", None) != "host":
-            self._ctx.commit_meta = holding_meta("max_exp_avg_sq", (
-                i for i, p in enumerate(self._all_params()) if id(p) in kept))
+            self._ctx.commit_meta = holding_of("max_exp_avg_sq", self._all_params(), kept)
 
     def kept_states(self) -> Dict[int, Tuple[str, ...]]:
         """id(p) -> the states ``p`` holds beyond its group's rule (state_view.seen_names):
@@ -94,10 +92,16 @@ class _AdamBase(RuleOptimizer):
 
     def _store_step(self, work, multiplier: float) -> Dict[str, float]:
         # before the step: its commit records the params that hold a max_exp_avg_sq after it
+        before = self._ams_kept
         stepped = {id(p) for group, items in work if group.get("amsgrad") for p, *_ in items}
-        if not stepped <= self._ams_kept:
-            self._set_kept(self._ams_kept | stepped)
-        return super()._store_step(work, multiplier)
+        if not stepped <= before:
+            self._set_kept(before | stepped)
+        try:
+            return super()._store_step(work, multiplier)
+        except BaseException:  # a step that failed (swap files at the step before): as before it
+            if self._ams_kept is not before:
+                self._set_kept(before)
+            raise
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)

@@ -10,15 +10,18 @@ a group with amsgrad off lost it (the host store restarted it from zeros; the fl
 swapped stores hid it from opt.state and state_dict). The meta now says, under ``holding``:
 ``{name: [the indices, in param_groups order, of the params that hold it]}``. The key is
 optional: a checkpoint written before it has none, and the load decides by the rule as
-before.
+before. SGD's ``momentum_buffer`` is the same case (torch keeps it when a group's momentum
+goes to 0, and goes on from it when momentum comes back): its checkpoints say which params
+hold one too. ``offload="nvme"`` records the same map with each swap commit
+(``StepContext.commit_meta``), so that ``resume=True`` shows what the run showed.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Set
+from typing import Any, Dict, Iterable, Optional, Sequence, Set
 
 from offload.swap.ckpt_groups import saved_meta
 
-__all__ = ["HOLDING", "holding_in", "holding_meta", "saved_holding"]
+__all__ = ["HOLDING", "holding_ids", "holding_in", "holding_meta", "holding_of", "saved_holding"]
 
 HOLDING = "holding"
 
@@ -26,6 +29,18 @@ HOLDING = "holding"
 def holding_meta(name: str, indices: Iterable[int]) -> Dict[str, Any]:
     """The meta entry saying that the params at ``indices`` hold state ``name``."""
     return {HOLDING: {name: sorted(int(i) for i in indices)}}
+
+
+def holding_of(name: str, params: Sequence[Any], kept: Set[int]) -> Dict[str, Any]:
+    """``holding_meta`` of the ``params`` (in param_groups order) whose id is in ``kept``."""
+    return holding_meta(name, (i for i, p in enumerate(params) if id(p) in kept))
+
+
+def holding_ids(meta: Any, name: str, params: Sequence[Any], path: str) -> Optional[Set[int]]:
+    """id(p) of the ``params`` that ``meta`` (a resumed swap commit's: StepContext.commit_meta)
+    says hold ``name``; None when it does not say (swap files written before it did)."""
+    held = holding_in(meta, name, len(params), path)
+    return None if held is None else {id(params[i]) for i in held}
 
 
 def saved_holding(directory: str, name: str, nparams: int) -> Optional[Set[int]]:

@@ -14,19 +14,24 @@ flat store's buffer kept for a group without momentum. Such a param is stepped w
 dampening 0 over its still-zero buffer (``0 * m + d_p`` is ``d_p`` exactly), which leaves
 the counts alone (the swap stores commit them from each work item). Which buffers started:
 the host store's ``opt.state`` says (torch's own); the other stores keep a set, refilled by
-``load_state_dict`` (an entry with a buffer) and ``load_checkpoint`` (a param of a group
-with momentum that stepped).
+``load_state_dict`` (an entry with a buffer), ``load_checkpoint`` (the checkpoint's meta
+``holding``: [Note: kept states in checkpoints] in ckpt_holding.py) and ``resume=True`` (the
+same map, recorded with each swap commit). Their ``opt.state[p]`` shows a buffer where it
+started only (``hidden_states``): a param that never stepped with momentum has none, as in
+torch, though the store keeps one for every param once any group has momentum.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from offload.kernels.fields import SGD as SGD_RULE, SGD_PLAIN, Rule
 from offload.optim.base import RuleOptimizer
+from offload.optim.ckpt_holding import holding_ids, holding_of, saved_holding
 from offload.optim.protocol import optional
 from offload.optim.rule_options import check_flags, check_lr, check_nonneg, to_float
+from offload.optim.state_view import attach as attach_state_views
 from offload.optim.step_guard import store_step
 
 __all__ = ["SGD"]
@@ -69,9 +74,30 @@ class SGD(RuleOptimizer):
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused)
         self._buf_started: Set[int] = set()  # id(p) of the flat / swapped stores' started buffers
+        self._hidden: Optional[Dict[int, Tuple[str, ...]]] = None  # hidden_states, made when _buf_started changes
         super().__init__(params, defaults, **offload_kwargs)
         if optional(self._store, "resumed"):  # states from a previous run's swap files
-            self._buf_started = self._started_by_steps()
+            # (their last commit says which buffers started, as a checkpoint's meta does)
+            held = holding_ids(self._ctx.commit_meta, _BUF, self._params_in_order(), "the resumed swap files")
+            self._set_started(self._started_by_steps() if held is None else held)
+            attach_state_views(self)  # opt.state[p] shows the resumed states, as after a load
+
+    def _set_started(self, started: Set[int]) -> None:
+        """``_buf_started`` is now ``started`` (a new set: kept_states is made again); the
+        swapped stores record it with each commit (StepContext.commit_meta). Called when it
+        changes only: the per-param work here is not per step."""
+        self._buf_started, self._hidden = started, None
+        if getattr(self._store, "kind", None) != "host":
+            self._ctx.commit_meta = holding_of(_BUF, self._params_in_order(), started)
+
+    def hidden_states(self) -> Dict[int, Tuple[str, ...]]:
+        """id(p) -> the buffer, for the params whose buffer did not start (state_view.seen_names):
+        a flat or swapped store keeps one for every param (the union of the groups' fields),
+        torch's state has none there. Empty once every param started (a run with momentum
+        in every group): attach then looks nothing up per param."""
+        if self._hidden is None:
+            self._hidden = dict.fromkeys({id(p) for p in self._params_in_order()} - self._buf_started, (_BUF,))
+        return self._hidden
 
     def _started_by_steps(self) -> Set[int]:
         """What a store that keeps no "started" flag (a checkpoint, resumed swap files) says: a
@@ -123,9 +149,17 @@ class SGD(RuleOptimizer):
                     batches.append((self._hyper(dict(group, dampening=0.0), multiplier), fresh))
                     items = [it for it in items if self._started(it[0])]
             batches.append((self._hyper(group, multiplier), items))
-        phases = store_step(self, batches)
-        self._buf_started.update(id(p) for group, items in work if group["momentum"] != 0 for p, _ in items)
-        return phases
+        # before the step: its commit records the buffers started after it
+        before = self._buf_started
+        stepped = {id(p) for group, items in work if group["momentum"] != 0 for p, _ in items}
+        if not stepped <= before:
+            self._set_started(before | stepped)
+        try:
+            return store_step(self, batches)
+        except BaseException:  # a step that failed (swap files at the step before): as before it
+            if self._buf_started is not before:
+                self._set_started(before)
+            raise
 
     def _params_in_order(self) -> List[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -182,7 +216,8 @@ class SGD(RuleOptimizer):
         super().load_state_dict(state_dict)
         # torch pairs the saved groups' param ids with ours, in order
         saved = [k for g in state_dict["param_groups"] for k in g["params"]]
-        self._buf_started = {id(p) for k, p in zip(saved, self._params_in_order()) if k in started}
+        self._set_started({id(p) for k, p in zip(saved, self._params_in_order()) if k in started})
+        attach_state_views(self)  # (attached by the load before the started buffers were known)
 
     def _loaded_params(self, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
         """The dict's param ids -> ours, as torch pairs them (empty for a malformed dict:
@@ -204,13 +239,25 @@ class SGD(RuleOptimizer):
                          f"opt.state[p] (torch.distributed.checkpoint, flatten_optimizer_state_dict=True) without it: "
                          f"use flatten_optimizer_state_dict=False")
 
+    def checkpoint_meta(self) -> Dict[str, Any]:
+        """The params whose buffer started ([Note: kept states in checkpoints] in
+        ckpt_holding.py): a checkpoint holds a buffer for every param that stepped."""
+        return holding_of(_BUF, self._params_in_order(), {id(p) for p in self._params_in_order() if self._started(p)})
+
     def load_checkpoint(self, directory: str) -> None:
-        """As :meth:`RuleOptimizer.load_checkpoint`; a checkpoint keeps no "started" flag, so
-        a param of a group with momentum that stepped counts as started (a buffer of a group
-        whose momentum went to 0 since is then dropped, as if it never started)."""
+        """As :meth:`RuleOptimizer.load_checkpoint`; the buffers that started are those the
+        meta lists (a buffer kept while its group's momentum is 0 too, as torch keeps it), or
+        (a checkpoint written before it said) those of the params of a group with momentum
+        that stepped."""
+        params = self._params_in_order()
+        held = saved_holding(directory, _BUF, len(params))  # (checked before anything loads)
         super().load_checkpoint(directory)
-        self._buf_started = self._started_by_steps()
-        if getattr(self._store, "kind", None) == "host":  # it loaded a buffer for every param that stepped
-            for p in self._params_in_order():
-                if id(p) not in self._buf_started and p in self.state:
-                    self.state[p].pop(_BUF, None)
+        started = self._started_by_steps() if held is None else {
+            id(params[i]) for i in held if self._ctx.steps.get(params[i]) > 0}
+        self._set_started(started)
+        if getattr(self._store, "kind", None) != "host":
+            attach_state_views(self)  # (attached by the load before the started buffers were known)
+            return
+        for p in params:  # it loaded a buffer for every param that stepped
+            if id(p) not in started and p in self.state:
+                self.state[p].pop(_BUF, None)

@@ -254,18 +254,31 @@ def _kept_map(opt: Any) -> dict:
     return kept() if kept is not None else {}
 
 
-def _with_kept(kept: dict, p: torch.Tensor, base: tuple, names: tuple) -> tuple:
-    """``base`` and the states ``kept`` (``_kept_map``) lists for ``p``."""
-    extra = kept.get(id(p)) if kept else None
-    return base if not extra else tuple(k for k in names if k in base or k in extra)
+def _hidden_map(opt: Any) -> dict:
+    """id(p) -> the states of its group's rule the optimizer says ``p`` does not hold (SGD:
+    a buffer that never started, which torch's state has not)."""
+    hidden = getattr(opt, "hidden_states", None)
+    return hidden() if hidden is not None else {}
+
+
+def _adjusted(base: tuple, names: tuple, extra: Any, gone: Any) -> tuple:
+    """``base``, with the states ``extra`` lists and without those ``gone`` lists, in ``names``' order."""
+    return tuple(k for k in names if (k in base or (extra and k in extra)) and not (gone and k in gone))
+
+
+def _with_kept(kept: dict, hidden: dict, p: torch.Tensor, base: tuple, names: tuple) -> tuple:
+    """``base`` adjusted for ``p`` by ``kept`` (``_kept_map``) and ``hidden`` (``_hidden_map``)."""
+    extra, gone = kept.get(id(p)) if kept else None, hidden.get(id(p)) if hidden else None
+    return base if not (extra or gone) else _adjusted(base, names, extra, gone)
 
 
 def seen_names(opt: Any, group: dict, p: torch.Tensor, names: tuple) -> tuple:
     """The store's states ``names`` that ``p`` (of ``group``) shows in ``opt.state`` and
     state_dict(): those its group's rule uses (all of them for one rule), and those the
     optimizer says ``p`` still holds beyond them (``kept_states``: torch keeps an Adam
-    param's max_exp_avg_sq after its group turned amsgrad off, and uses it again)."""
-    return _with_kept(_kept_map(opt), p, _group_names(opt, group, names), names)
+    param's max_exp_avg_sq after its group turned amsgrad off, and uses it again), less
+    those it says ``p`` does not hold (``hidden_states``: an SGD buffer that never started)."""
+    return _with_kept(_kept_map(opt), _hidden_map(opt), p, _group_names(opt, group, names), names)
 
 
 def attach(opt: Any) -> None:
@@ -278,14 +291,19 @@ def attach(opt: Any) -> None:
     if kind == "host" or store is None:
         return
     swapped = kind == "nvme" or getattr(store, "_nvme", False)
-    every, kept = names_of(store), _kept_map(opt)
+    every, kept, hidden = names_of(store), _kept_map(opt), _hidden_map(opt)
     for group in opt.param_groups:
         base = _group_names(opt, group, every)
+        shown: dict = {}  # (kept, hidden) of a param -> its names: the same few for every param
         for p in group["params"]:
             st = opt.state.get(p)
             if not isinstance(st, dict) or not dict.__contains__(st, "step"):  # (dict's: no store asked per param)
                 continue
-            names = _with_kept(kept, p, base, every) if kept else base
+            names = base
+            if kept or hidden:  # (empty for most runs: nothing looked up per param)
+                key = (kept.get(id(p)), hidden.get(id(p)))
+                if key != (None, None):
+                    names = shown.get(key) or shown.setdefault(key, _adjusted(base, every, *key))
             if swapped:
                 if not isinstance(st, SwappedEntry):
                     read, holds = _swapped_reader(store, p)
