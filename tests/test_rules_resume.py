@@ -51,9 +51,11 @@ def test_resume_continues_as_the_uninterrupted_run(rule, dtype, state_dtype, tmp
         _grads(m, i)
         opt.step()
     before = opt.state_dict()["state"]
+    shown = [sorted(opt.state[p]) for p in m.parameters()]
     opt.close(keep_swap=True)
     opt = make(m.parameters(), swap_dir=str(tmp_path / "run"), resume=True, **kw)
     try:
+        assert [sorted(opt.state[p]) for p in m.parameters()] == shown  # opt.state lists the resumed states
         after = opt.state_dict()["state"]
         assert before.keys() == after.keys()
         for k in before:

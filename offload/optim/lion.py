@@ -13,7 +13,9 @@ from typing import Any, Dict
 from offload.kernels.fields import LION, Rule
 from offload.optim.base import RuleOptimizer
 from offload.optim.options import _check_scalar
+from offload.optim.protocol import optional
 from offload.optim.rule_options import check_lr, check_nonneg, to_float
+from offload.optim.state_view import attach as attach_state_views
 
 __all__ = ["Lion"]
 
@@ -39,6 +41,8 @@ class Lion(RuleOptimizer):
         check_nonneg("weight_decay", weight_decay, "weight_decay value")
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, **offload_kwargs)
+        if optional(self._store, "resumed"):  # states from a previous run's swap files
+            attach_state_views(self)  # opt.state[p] shows them now, as after a load, not after the next step
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
         return LION
