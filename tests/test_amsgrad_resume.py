@@ -5,6 +5,8 @@ the resumed optimizer shows it in opt.state and state_dict() and goes on from it
 uninterrupted run does, element by element."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 import offload
@@ -38,3 +40,19 @@ def test_swap_files_written_before_the_record_resume_as_before(store, tmp_path, 
     _resume(run, store, tmp_path)
     assert [_shows(run.opt.state[p], "max_exp_avg_sq") for p in run.params] == [True, False, False, False]
     run.opt.close()
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+@pytest.mark.parametrize("store", ["nvme", "flat-nvme"])
+def test_a_run_resumed_right_after_a_load_shows_what_the_load_gave(store, how, tmp_path):
+    """The load's own commit recorded the optimizer's record as it was before: the new one
+    is committed once known, so a resume before any step shows the loaded max_exp_avg_sq."""
+    run = Run(store, tmp_path)
+    sd = copy.deepcopy(run.opt.state_dict())
+    run.opt.save_checkpoint(str(tmp_path / "ckpt"))
+    run.opt.close()
+    opt = offload.AdamW(_groups(run.params, middle=False), lr=1e-2, **_kwargs(store, tmp_path, "back"))
+    opt.load_checkpoint(str(tmp_path / "ckpt")) if how == "checkpoint" else opt.load_state_dict(sd)
+    opt.close(keep_swap=True)
+    run.opt = offload.AdamW(_groups(run.params, middle=False), lr=1e-2, resume=True, **_kwargs(store, tmp_path, "back"))
+    run.go_on()

@@ -99,14 +99,19 @@ def _reload(run, store, tmp_path, how):
         run.opt.close()
         run.opt = offload.SGD(_groups(run.params), lr=0.5, **_kwargs(store, tmp_path, "back"))
         run.opt.load_state_dict(sd)
-    else:  # resume: the groups as they are now come with the new optimizer
+    elif how == "resume":  # the groups as they are now come with the new optimizer
         groups = [{**g, "params": list(g["params"])} for g in run.opt.param_groups]
         run.opt.close(keep_swap=True)
         run.opt = offload.SGD(groups, resume=True, **_kwargs(store, tmp_path, "run"))
+    else:  # a checkpoint loaded, then resumed before any step: the load's record was committed
+        _reload(run, store, tmp_path, "checkpoint")
+        groups = [{**g, "params": list(g["params"])} for g in run.opt.param_groups]
+        run.opt.close(keep_swap=True)
+        run.opt = offload.SGD(groups, resume=True, **_kwargs(store, tmp_path, "back"))
 
 
 @pytest.mark.parametrize("how, store", [(h, s) for h in ("checkpoint", "state_dict") for s in STORES] +
-                         [("resume", "nvme"), ("resume", "flat-nvme")])
+                         [(h, s) for h in ("resume", "load-resume") for s in ("nvme", "flat-nvme")])
 def test_a_buffer_kept_while_momentum_is_0_goes_through_a_reload_as_torch(how, store, tmp_path):
     run = Run(store, tmp_path)
     run.steps(0, 4)

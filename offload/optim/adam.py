@@ -13,7 +13,7 @@ import torch
 
 from offload.kernels.fields import ADAM, ADAM_AMSGRAD, Rule
 from offload.optim.base import RuleOptimizer
-from offload.optim.ckpt_holding import holding_ids, holding_meta, holding_of, saved_holding
+from offload.optim.ckpt_holding import holding_ids, holding_meta, holding_of, record_now, saved_holding
 from offload.optim.functional import AdamHyper, RuleHyper
 from offload.optim.options import check_hyper
 from offload.optim.protocol import optional
@@ -111,6 +111,7 @@ class _AdamBase(RuleOptimizer):
         state = state_dict["state"]
         self._set_kept({id(p) for k, p in zip(saved, self._all_params())
                         if isinstance(state.get(k), dict) and "max_exp_avg_sq" in state[k]})
+        record_now(self._store)
         attach_state_views(self)  # (attached by the load before the kept states were known)
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
@@ -163,6 +164,7 @@ class _AdamBase(RuleOptimizer):
         holds = {id(p) for i, p in enumerate(params) if held is not None and i in held}
         holds.update(id(p) for g in self.param_groups if g.get("amsgrad") for p in g["params"])
         self._set_kept({id(p) for p in params if id(p) in holds and self._ctx.steps.get(p) > 0})
+        record_now(self._store)
         if getattr(self._store, "kind", None) != "host":
             attach_state_views(self)  # (attached by the load before the kept states were known)
             return

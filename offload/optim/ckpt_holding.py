@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Sequence, Set
 
+from offload.optim.protocol import optional
 from offload.swap.ckpt_groups import saved_meta
 
-__all__ = ["HOLDING", "holding_ids", "holding_in", "holding_meta", "holding_of", "saved_holding"]
+__all__ = ["HOLDING", "holding_ids", "holding_in", "holding_meta", "holding_of", "record_now", "saved_holding"]
 
 HOLDING = "holding"
 
@@ -34,6 +35,14 @@ def holding_meta(name: str, indices: Iterable[int]) -> Dict[str, Any]:
 def holding_of(name: str, params: Sequence[Any], kept: Set[int]) -> Dict[str, Any]:
     """``holding_meta`` of the ``params`` (in param_groups order) whose id is in ``kept``."""
     return holding_meta(name, (i for i, p in enumerate(params) if id(p) in kept))
+
+
+def record_now(store: Any) -> None:
+    """A swapped store commits the optimizer's changed commit_meta now: after a load, whose
+    own commit recorded the one before it, so that a resume before the next step sees it."""
+    commit = optional(store, "commit_writes")
+    if commit is not None:
+        commit()
 
 
 def holding_ids(meta: Any, name: str, params: Sequence[Any], path: str) -> Optional[Set[int]]:

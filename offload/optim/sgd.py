@@ -17,8 +17,9 @@ the host store's ``opt.state`` says (torch's own); the other stores keep a set, 
 ``load_state_dict`` (an entry with a buffer), ``load_checkpoint`` (the checkpoint's meta
 ``holding``: [Note: kept states in checkpoints] in ckpt_holding.py) and ``resume=True`` (the
 same map, recorded with each swap commit). Their ``opt.state[p]`` shows a buffer where it
-started only (``hidden_states``): a param that never stepped with momentum has none, as in
-torch, though the store keeps one for every param once any group has momentum.
+started only (``shown_rule``, ``kept_states``, ``hidden_states``): a param that never stepped
+with momentum has none, as in torch, though the store keeps one for every param once any
+group has momentum.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 
 from offload.kernels.fields import SGD as SGD_RULE, SGD_PLAIN, Rule
 from offload.optim.base import RuleOptimizer
-from offload.optim.ckpt_holding import holding_ids, holding_of, saved_holding
+from offload.optim.ckpt_holding import holding_ids, holding_of, record_now, saved_holding
 from offload.optim.protocol import optional
 from offload.optim.rule_options import check_flags, check_lr, check_nonneg, to_float
 from offload.optim.state_view import attach as attach_state_views
@@ -74,7 +75,9 @@ class SGD(RuleOptimizer):
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused)
         self._buf_started: Set[int] = set()  # id(p) of the flat / swapped stores' started buffers
-        self._hidden: Optional[Dict[int, Tuple[str, ...]]] = None  # hidden_states, made when _buf_started changes
+        # (the groups' momentum flags, kept_states, hidden_states): made again when _buf_started
+        # or a group's momentum changes, not per step
+        self._shown: Optional[Tuple[Any, Dict[int, Tuple[str, ...]], Dict[int, Tuple[str, ...]]]] = None
         super().__init__(params, defaults, **offload_kwargs)
         if optional(self._store, "resumed"):  # states from a previous run's swap files
             # (their last commit says which buffers started, as a checkpoint's meta does)
@@ -86,18 +89,38 @@ class SGD(RuleOptimizer):
         """``_buf_started`` is now ``started`` (a new set: kept_states is made again); the
         swapped stores record it with each commit (StepContext.commit_meta). Called when it
         changes only: the per-param work here is not per step."""
-        self._buf_started, self._hidden = started, None
+        self._buf_started, self._shown = started, None
         if getattr(self._store, "kind", None) != "host":
             self._ctx.commit_meta = holding_of(_BUF, self._params_in_order(), started)
 
+    def shown_rule(self, group: Dict[str, Any]) -> Rule:
+        """The states a param of ``group`` shows (state_view): its own rule's, where rule_of
+        gives the store's (a buffer for every param once any group has momentum)."""
+        return SGD_RULE if group["momentum"] != 0 else SGD_PLAIN
+
+    def _shown_maps(self) -> Tuple[Dict[int, Tuple[str, ...]], Dict[int, Tuple[str, ...]]]:
+        """(kept_states, hidden_states): the started buffers of groups without momentum, the
+        buffers not started of groups with momentum; both empty in most runs (attach then
+        looks nothing up per param)."""
+        flags = tuple(g["momentum"] != 0 for g in self.param_groups)
+        if self._shown is None or self._shown[0] != flags:
+            started, kept, hidden = self._buf_started, {}, {}
+            for on, group in zip(flags, self.param_groups):
+                for p in group["params"]:
+                    if on != (id(p) in started):
+                        (hidden if on else kept)[id(p)] = (_BUF,)
+            self._shown = (flags, kept, hidden)
+        return self._shown[1], self._shown[2]
+
+    def kept_states(self) -> Dict[int, Tuple[str, ...]]:
+        """id(p) -> the buffer, for a param of a group without momentum whose buffer started
+        (torch keeps it while momentum is 0): state_view.seen_names."""
+        return self._shown_maps()[0]
+
     def hidden_states(self) -> Dict[int, Tuple[str, ...]]:
-        """id(p) -> the buffer, for the params whose buffer did not start (state_view.seen_names):
-        a flat or swapped store keeps one for every param (the union of the groups' fields),
-        torch's state has none there. Empty once every param started (a run with momentum
-        in every group): attach then looks nothing up per param."""
-        if self._hidden is None:
-            self._hidden = dict.fromkeys({id(p) for p in self._params_in_order()} - self._buf_started, (_BUF,))
-        return self._hidden
+        """id(p) -> the buffer, for a param of a group with momentum whose buffer did not start
+        (torch's state has none yet): state_view.seen_names."""
+        return self._shown_maps()[1]
 
     def _started_by_steps(self) -> Set[int]:
         """What a store that keeps no "started" flag (a checkpoint, resumed swap files) says: a
@@ -217,6 +240,7 @@ class SGD(RuleOptimizer):
         # torch pairs the saved groups' param ids with ours, in order
         saved = [k for g in state_dict["param_groups"] for k in g["params"]]
         self._set_started({id(p) for k, p in zip(saved, self._params_in_order()) if k in started})
+        record_now(self._store)
         attach_state_views(self)  # (attached by the load before the started buffers were known)
 
     def _loaded_params(self, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
@@ -255,6 +279,7 @@ class SGD(RuleOptimizer):
         started = self._started_by_steps() if held is None else {
             id(params[i]) for i in held if self._ctx.steps.get(params[i]) > 0}
         self._set_started(started)
+        record_now(self._store)
         if getattr(self._store, "kind", None) != "host":
             attach_state_views(self)  # (attached by the load before the started buffers were known)
             return

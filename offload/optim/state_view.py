@@ -241,7 +241,8 @@ def _flat_views(store: Any, p: torch.Tensor, st: dict, names: tuple) -> None:
 
 def _group_names(opt: Any, group: dict, names: tuple) -> tuple:
     """The store's states ``names`` that ``group``'s rule uses (all of them for one rule)."""
-    rule_of = getattr(opt, "rule_of", None)
+    # (SGD's shown_rule: the group's own rule, where rule_of gives the store's union of fields)
+    rule_of = getattr(opt, "shown_rule", None) or getattr(opt, "rule_of", None)
     if rule_of is None:
         return names
     used = rule_of(group).names

@@ -81,7 +81,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from offload.optim.context import StepContext, StepCounts
+from offload.optim.context import OPT_META, StepContext, StepCounts
 from offload.optim.fingerprint import Samples, fingerprint, sample_indices
 from offload.optim.step_guard import failure_text, mark_consistent
 from offload.optim.swapped_params import check_params as _check_params, work_items as _work_items
@@ -424,6 +424,8 @@ class SwappedState:
     def flush(self) -> None:
         """Write the cached sub-group changed by write_state() into its free slot and commit
         (the manifest flips only that sub-group; the step count does not advance)."""
+        if self.core.store.extra.get(OPT_META) != (self.ctx.commit_meta or None):
+            self.core.meta_dirty = True  # the optimizer's record changed (a load): committed too
         self.core.flush()
     commit_writes = flush  # the protocol's name, called before the counts advance
 
