@@ -150,10 +150,14 @@ def _flat_meta(directory: str, mine: List[List[int]],
             # fp32 CPU params at stage 0 keep no master; stage 1 or 2 takes the flat store,
             # whatever the world size (one process included)
             hint = " (fp32 CPU params: pass stage=1 or 2, as the job that saved it ran, in any world size)"
+        how = ("the same state_dtype / master_dtype); to convert, move its state_dict() (float32, torch's layout) "
+               "into this one with load_state_dict()")
+        if {f.name for f in theirs} - {f.name for f in fields} == {"max_exp_avg_sq"}:
+            # (a store built without amsgrad keeps no third field; its load_state_dict refuses too)
+            how = ("amsgrad=True in at least one param group: a group may turn it off after, and its params keep "
+                   "their max_exp_avg_sq, as torch's)")
         raise ValueError(f"{directory}: the checkpoint holds {_describe(theirs)}; this optimizer keeps "
-                         f"{_describe(fields)}: load it with an optimizer of the kind that saved it{hint} (the "
-                         "same state_dtype / master_dtype); to convert, move its state_dict() (float32, torch's "
-                         "layout) into this one with load_state_dict()")
+                         f"{_describe(fields)}: load it with an optimizer of the kind that saved it{hint} ({how}")
     first = manifest.get("meta", {})
     old_world = int(first.get("world", 0))
     if first.get("kind") != "flat" or first.get("groups") != mine or old_world < 1:
