@@ -32,6 +32,7 @@ from offload.optim.base import RuleOptimizer
 from offload.optim.ckpt_holding import holding_ids, holding_of, record_now, saved_holding
 from offload.optim.protocol import optional
 from offload.optim.rule_options import check_flags, check_lr, check_nonneg, to_float
+from offload.optim.state_io import id_map
 from offload.optim.state_view import attach as attach_state_views
 from offload.optim.step_guard import store_step
 
@@ -185,7 +186,7 @@ class SGD(RuleOptimizer):
             raise
 
     def _params_in_order(self) -> List[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
+        return self._all_params()
 
     def _torch_state_layout(self, sd: Dict[str, Any]) -> Dict[str, Any]:
         """torch's layout: ``{"momentum_buffer": tensor}`` per param whose buffer started
@@ -246,11 +247,10 @@ class SGD(RuleOptimizer):
     def _loaded_params(self, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
         """The dict's param ids -> ours, as torch pairs them (empty for a malformed dict:
         the checks of the load say what is wrong with it)."""
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), (list, tuple))
-                                                    for g in groups):
+        try:
+            return id_map(self, state_dict)
+        except ValueError:
             return {}
-        return dict(zip([k for g in groups for k in g["params"]], self._params_in_order()))
 
     def _refuse_lost_buffer(self, k: Any, st: Dict[str, Any], p: Any) -> None:
         """A "step" hole ({}) marks an entry torch.distributed.checkpoint rebuilt from the

@@ -26,7 +26,7 @@ from offload.optim.options import check_loaded_groups, loaded_group_rule
 from offload.optim.protocol import optional
 from offload.optim.state_view import attach, seen_names
 
-__all__ = ["state_dict_of", "unused_names", "load_state_dict_into", "check_loadable", "restart_cleared"]
+__all__ = ["state_dict_of", "unused_names", "load_state_dict_into", "check_loadable", "restart_cleared", "id_map"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Adam's states: the names of an optimizer without ``state_names()`` (a store's own tests)."""
@@ -104,7 +104,7 @@ def _host_torch_layout(opt: Any, state: Dict[Any, Any], export: Callable) -> Dic
     return out
 
 
-def _id_map(opt: Any, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
+def id_map(opt: Any, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
     """Saved param ids -> this optimizer's params, as torch's load_state_dict pairs them."""
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) \
             or not isinstance(state_dict.get("state"), dict):
@@ -182,7 +182,7 @@ def _check_not_bare(k: Any, st: Any, required: tuple, held: Any) -> None:
 def check_loadable(opt: Any, state_dict: Dict[str, Any]) -> None:
     """Raise (ValueError) before anything is loaded if any part of ``state_dict`` cannot be."""
     check_loaded_groups(opt, state_dict)
-    id_map = _id_map(opt, state_dict)
+    ours = id_map(opt, state_dict)
     names = names_of(opt)
     # each entry against the rule of its group in the dict (torch's load takes the dict's
     # groups: with amsgrad in some groups only, the others hold no max_exp_avg_sq)
@@ -192,7 +192,7 @@ def check_loadable(opt: Any, state_dict: Dict[str, Any]) -> None:
         for k in theirs["params"]:
             required[k] = rule.names if rule is not None else names
     for k, st in state_dict["state"].items():
-        p = id_map.get(k)
+        p = ours.get(k)
         if p is not None:
             _check_entry(k, p, st, names, required.get(k, names))
             if not getattr(opt, "BARE_STEP_STARTS_AFRESH", False):
