@@ -3,6 +3,8 @@
 #
 # torch==2.13.0 is pinned for set-up because on a machine without a GPU pip takes the local
 # CPU wheel for exactly that release; an unpinned `torch` would pull a multi-GB CUDA build.
+# tools/install_torch.py installs it: where pip would still take a CUDA build on a machine
+# without a GPU (a Python the local wheel is not for), it takes PyTorch's CPU index or stops.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -27,7 +29,7 @@ setup: $(STAMP)
 $(STAMP): setup.py setup.cfg pyproject.toml $(wildcard native/*.cpp native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q "$(TORCH)"
+	$(PY) tools/install_torch.py "$(TORCH)"
 	$(PIP) install -q --no-build-isolation -e ".[test,plot]"
 	touch $(STAMP)
 
