@@ -31,6 +31,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from offload._notes import add_note
 from offload.config import IOConfig
 from offload.integrations.deepspeed_keys import IGNORED, MAPPED, _REFUSED, _SECTIONS, _no_duplicate_keys
 
@@ -470,9 +471,9 @@ def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
             raise
     except Exception as e:
         if sharded_here:
-            e.add_note("offload.shard() had sharded the model in this call before the optimizer failed, and a "
-                       "shard is not undone: the model stays sharded. Fix the config and pass the same model "
-                       "again (its shards are taken as they are), or build the model anew.")
+            add_note(e, "offload.shard() had sharded the model in this call before the optimizer failed, and a "
+                     "shard is not undone: the model stays sharded. Fix the config and pass the same model "
+                     "again (its shards are taken as they are), or build the model anew.")
         raise
 
 
