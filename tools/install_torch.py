@@ -92,8 +92,8 @@ def main(argv: List[str]) -> int:
                       f"and the set-up does not download the CUDA build onto a machine without a GPU. Either "
                       f"install a CPU build into this environment yourself ({sys.executable} -m pip install "
                       f"'{spec}' --index-url {CPU_INDEX}) and run make again, "
-                      f"use the Python the CPU wheel is for (make PYTHON=python3.11 ...), or take the CUDA "
-                      f"build anyway with {ALLOW_ENV}=1.", file=sys.stderr)
+                      f"use the Python the CPU wheel is for (rm -r {sys.prefix}, then make PYTHON=python3.11 ...), or "
+                      f"take the CUDA build anyway with {ALLOW_ENV}=1.", file=sys.stderr)
                 return 1
     # torch's own requirements (and torch itself where the CPU build above did not install it)
     return _pip(["install", "--quiet", spec]).returncode
