@@ -61,6 +61,17 @@ def _same(opt, model, ref_opt, ref_model):
         assert torch.equal(p.detach(), r.detach())
 
 
+def _same_then_and_two_steps_on(opt, model, ref, ref_model):
+    """The restored run equals the run never interrupted now and after two more steps (steps
+    4 and 5); both optimizers are closed after."""
+    _same(opt, model, ref, ref_model)
+    _train(model, opt, 4, 6)
+    _train(ref_model, ref, 4, 6)
+    _same(opt, model, ref, ref_model)
+    opt.close()
+    ref.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_resumed_stage3_run_keeps_the_max_exp_avg_sq_of_an_amsgrad_off_group(dtype, tmp_path):
     ref_model, ref = _build(dtype, "nvme", tmp_path, "ref")
@@ -71,12 +82,7 @@ def test_a_resumed_stage3_run_keeps_the_max_exp_avg_sq_of_an_amsgrad_off_group(d
     opt = offload.AdamW([{**g, "params": list(g["params"])} for g in opt.param_groups], resume=True,
                         offload="nvme", swap_dir=str(tmp_path / "run"))
     assert "max_exp_avg_sq" in opt.state_dict()["state"][1]  # as the run never interrupted
-    _same(opt, model, ref, ref_model)
-    _train(model, opt, 4, 6)
-    _train(ref_model, ref, 4, 6)
-    _same(opt, model, ref, ref_model)
-    opt.close()
-    ref.close()
+    _same_then_and_two_steps_on(opt, model, ref, ref_model)
 
 
 @pytest.mark.parametrize("dtype, store", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"), (torch.float32, "nvme")])
@@ -87,9 +93,4 @@ def test_a_stage3_checkpoint_keeps_the_max_exp_avg_sq_of_an_amsgrad_off_group(dt
     model, opt = _build(dtype, store, tmp_path, "run", middle=True)
     load_checkpoint(model, opt, str(tmp_path / "ckpt"))
     assert [g["amsgrad"] for g in opt.param_groups] == [True, False, False]
-    _same(opt, model, ref, ref_model)
-    _train(model, opt, 4, 6)
-    _train(ref_model, ref, 4, 6)
-    _same(opt, model, ref, ref_model)
-    opt.close()
-    ref.close()
+    _same_then_and_two_steps_on(opt, model, ref, ref_model)
