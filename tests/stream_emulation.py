@@ -49,6 +49,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from offload.shard.device import set_version
+
 _REAL_COPY = torch.Tensor.copy_
 
 
@@ -203,14 +205,14 @@ class Emulation:
             stream.queue.append((dst, src, None if chained else src.detach().clone()))
             self.queued[stream.name] += 1
             if self.version_at_issue:
-                torch._C._autograd._unsafe_set_version_counter((dst,), (dst._version + 1,))
+                set_version(dst, dst._version + 1)
             return dst
         return _REAL_COPY(dst, src, non_blocking)
 
     def ran(self, dst: torch.Tensor, version: int) -> None:
         """A queued copy into ``dst`` ran (its version moved at issue: ``version_at_issue``)."""
         if self.version_at_issue:
-            torch._C._autograd._unsafe_set_version_counter((dst,), (version,))
+            set_version(dst, version)
 
     def run_waited(self) -> None:
         """A compute-stream op: the copies it was made to wait for run first."""

@@ -41,6 +41,24 @@ from offload.zero import SideStream, comm
 
 __all__ = ["Streams", "streams_for", "gather", "issue_bucket", "retire_bucket"]
 
+
+_TUPLE_FORM = [True]  # tuples in the torch releases after 2.6 (2.13: tuples); 2.6: a tensor and an int
+
+
+def set_version(t: torch.Tensor, version: int) -> None:
+    """Set ``t``'s autograd version counter (``torch._C._autograd._unsafe_set_version_counter``,
+    whose arguments are tuples of tensors and versions in today's torch, one tensor and an int in
+    torch 2.6: a stage-3 forward failed there with a TypeError)."""
+    setter = torch._C._autograd._unsafe_set_version_counter
+    if _TUPLE_FORM[0]:
+        try:
+            setter((t,), (version,))
+            return
+        except TypeError:  # pybind's argument check: nothing was set
+            _TUPLE_FORM[0] = False
+    setter(t, version)
+
+
 overlap = True
 """False: the gathers' copies and collectives go on the compute stream, in order (no side
 stream): the baseline bench/shard_gpu.py measures the overlap against; read at each gather."""
@@ -154,7 +172,7 @@ class _OnDevice:
         if self.out is not None:
             compute_waits(side, self.event)
         if self.out is self.flat.full:  # the values autograd saved: as flat_unit._Kept does
-            torch._C._autograd._unsafe_set_version_counter((self.flat.full,), (self.version,))
+            set_version(self.flat.full, self.version)
         return done
 
 

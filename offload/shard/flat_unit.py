@@ -72,7 +72,7 @@ class _Kept:
     def wait(self) -> bool:
         done = self.handle.wait()
         if self.full is not None:
-            torch._C._autograd._unsafe_set_version_counter((self.full,), (self.version,))
+            device_mod.set_version(self.full, self.version)
         if self.after is not None:  # the paged shard was read: its pages may leave RAM now
             after, self.after = self.after, None
             after()
