@@ -22,12 +22,18 @@ import copy
 import pytest
 import torch
 
+import _torch_compat
 import offload
 
 dcp_sd = pytest.importorskip("torch.distributed.checkpoint.state_dict")
 StateDictOptions = dcp_sd.StateDictOptions
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# torch 2.6's unflatten looks up every key opt.state[p] lists: our SGD's "step", which its
+# torch-layout dict leaves out, is a KeyError there (README, torch row). Later releases
+# rebuild a missing key.
+SGD_FLAT_GAP = pytest.mark.xfail(not _torch_compat.dcp_unflatten_tolerates_missing_keys(), raises=KeyError,
+                                 strict=True, reason="torch 2.6's DCP unflatten and SGD's 'step' (README)")
 
 
 def _model(dtype=torch.float32):
@@ -83,6 +89,7 @@ def test_bf16_params_keep_their_masters_through_fqn_keys(workdir, offload_to):
 
 
 @pytest.mark.parametrize("offload_to", ["none", "cpu"])
+@SGD_FLAT_GAP
 def test_sgd_flattened_dict_loads(tmp_path, offload_to):
     kw = dict(lr=1e-2, momentum=0.9, weight_decay=0.1, offload=offload_to)
     _same_params(*_resumed(offload.SGD, kw, tmp_path, options=FLAT))
@@ -93,6 +100,10 @@ def test_sgd_flattened_dict_loads(tmp_path, offload_to):
 def test_nvme_flattened_dict_loads(workdir, cls, kw):
     """nvme: opt.state[p] lists the swapped states (read on access), so the flattened dict
     carries them; before, it lost them and the load started them afresh, silently."""
+    if cls is offload.SGD and not _torch_compat.dcp_unflatten_tolerates_missing_keys():
+        with pytest.raises(KeyError, match="step"):  # torch 2.6's DCP unflatten (SGD_FLAT_GAP)
+            _resumed(cls, dict(kw, offload="nvme"), workdir, options=FLAT)
+        return
     _same_params(*_resumed(cls, dict(kw, offload="nvme"), workdir, options=FLAT))
 
 

@@ -11,6 +11,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+import _torch_compat
 import offload
 from test_torch_parity_edges import HP, TORCH, _grads, _pair, store  # noqa: F401 (the fixture)
 
@@ -30,6 +31,8 @@ def _clear(opt, params, how):
 @pytest.mark.parametrize("store", STORES, indirect=True)
 @pytest.mark.parametrize("name", sorted(TORCH))
 def test_a_param_whose_state_was_cleared_starts_afresh(name, store, how):
+    if name == "Adagrad" and not _torch_compat.adagrad_steps_a_param_without_sum():
+        pytest.skip("torch's Adagrad here (2.6) fails on a param without a 'sum' itself: no reference")
     ours, theirs = _pair()
     opt, ref = getattr(offload, name)(ours, **HP[name], **store), TORCH[name](theirs, **HP[name])
     g = torch.Generator().manual_seed(1)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import _torch_compat
 import offload
 
 TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD,
@@ -54,6 +55,8 @@ def _grads(ours, theirs, g, skip=()):
 @pytest.mark.parametrize("store", STORES, indirect=True)
 @pytest.mark.parametrize("name", sorted(TORCH))
 def test_loaded_dict_without_state_for_a_stepped_param_starts_it_afresh(name, store):
+    if name == "Adagrad" and not _torch_compat.adagrad_steps_a_param_without_sum():
+        pytest.skip("torch's Adagrad here (2.6) fails on a param without a 'sum' itself: no reference")
     # torch's load_state_dict replaces opt.state: a param the dict has no entry for starts
     # with zero moments (Adagrad: its sum at initial_accumulator_value) and step 0, not with
     # the states the optimizer held before the load.
