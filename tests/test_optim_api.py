@@ -219,7 +219,8 @@ def test_tensor_betas_are_squeezed_and_step_as_torch():
     opt = offload.AdamW(params, lr=0.01, betas=betas)
     ref = torch.optim.AdamW(ref_params, lr=0.01, betas=betas, foreach=False)
     for ours, theirs in zip(opt.defaults["betas"], ref.defaults["betas"]):
-        # (torch squeezes them as we do since after 2.6, whose theirs keep the shape given)
+        # (torch after 2.6 squeezes them as we do; 2.6 keeps the shapes given and cannot step
+        # with them, so its reference below steps with their floats)
         assert ours.dim() == 0 and torch.equal(ours, theirs.reshape(()))
     ref = torch.optim.AdamW(ref_params, foreach=False, **_torch_compat.plain_hyperparameters(dict(lr=0.01, betas=betas)))
     for s in range(3):
