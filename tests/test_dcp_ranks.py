@@ -3,7 +3,8 @@ on a partitioned optimizer (stage 1 and 2 over two gloo ranks), plain and flatte
 that holds no slice of a param has no state view of it in ``opt.state[p]``, so the flattened
 dict it rebuilds lacks that param's moments; it loses nothing (the owner loads them) and must
 load (state_io._check_not_bare refuses only where the rank holds the states). Every rank gives
-the same grads, so the run matches one ``torch.optim.AdamW`` on them element by element."""
+the same grads, so the run matches one ``torch.optim.AdamW`` on them element by element. With
+bf16 params the fp32 masters come back too: the resumed run is the uninterrupted one."""
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,9 @@ def _model():
 
 def _train(model, opt, steps, seed):
     gen = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
     for _ in range(steps):
-        model(torch.randn(4, 7, generator=gen)).pow(2).sum().backward()
+        model(torch.randn(4, 7, generator=gen).to(dtype)).float().pow(2).sum().backward()
         opt.step()
         opt.zero_grad()
 
@@ -57,3 +59,32 @@ def test_two_ranks_resume_through_dcp_helpers(stage, flatten):
     for rank in range(2):
         for value, p in zip(got[rank], ref_model.parameters()):
             torch.testing.assert_close(torch.tensor(value), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _bf16_resume_job(rank, world, stage):
+    """bf16 params: (uninterrupted, resumed through a flattened dict) params after 3 + 3 steps."""
+    options = dcp_sd.StateDictOptions(flatten_optimizer_state_dict=True)
+    model = _model().to(torch.bfloat16)
+    opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage)
+    _train(model, opt, 3, 1)
+    saved = copy.deepcopy(dcp_sd.get_optimizer_state_dict(model, opt, options=options))  # collective
+    model2 = _model().to(torch.bfloat16)
+    model2.load_state_dict(model.state_dict())
+    opt2 = offload.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1, stage=stage)
+    dcp_sd.set_optimizer_state_dict(model2, opt2, saved, options=options)
+    _train(model, opt, 3, 2)
+    _train(model2, opt2, 3, 2)
+    opt.close()
+    opt2.close()
+    return [(p.detach().float().tolist(), q.detach().float().tolist())
+            for p, q in zip(model.parameters(), model2.parameters())]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_ranks_bf16_masters_through_flattened_dict(stage):
+    """Each rank lists the master of its slices only ([Note: the master in opt.state]); the
+    flattened dict brings every slice's master back: the resumed run is the uninterrupted one."""
+    got = group(2).run(_bf16_resume_job, stage)
+    for rank in range(2):
+        for uninterrupted, resumed in got[rank]:
+            assert resumed == uninterrupted

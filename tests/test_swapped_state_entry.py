@@ -22,6 +22,11 @@ IDS = [f"{d}-{s}" for d, s in CASES]
 STORED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.uint8}
 
 
+def _keys(dtype):
+    """An entry's keys: a bf16 param's fp32 master is listed too ([Note: the master in opt.state])."""
+    return ["step", "exp_avg", "exp_avg_sq"] + (["master"] if dtype == "bfloat16" else [])
+
+
 class _Params:
     """A 300x40 weight (compressed in RAM too) and a 300 bias, with grads of their own: a
     bias the host store keeps float32 and the swap files compress does not move the weight."""
@@ -73,7 +78,7 @@ def test_a_swapped_state_reads_as_the_ram_store_holds_it(tmp_path, dtype, state_
     # (sub-groups of 1024: the 12000 weights span 12 of them, each read into the same buffer)
     (ram, nv), (a, b) = _pair(tmp_path, dtype, state_dtype, sub_group_size=sub_group_size)
     try:
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in _keys(dtype)[1:]:  # (the master too: float32 in both)
             _same(b.state[nv.weight][key], a.state[ram.weight][key])
             bias = b.state[nv.bias][key]
             if dtype == "bfloat16":  # the flat store: the same in RAM
@@ -90,11 +95,11 @@ def test_a_swapped_state_reads_as_the_ram_store_holds_it(tmp_path, dtype, state_
 def test_a_read_state_written_back_changes_nothing(tmp_path, dtype, state_dtype):
     (ref, nv), (a, b) = _pair(tmp_path, dtype, state_dtype, kinds=("nvme", "nvme"))
     try:
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in _keys(dtype)[1:]:
             b.state[nv.weight][key] = b.state[nv.weight][key]  # bf16, or packed blocks: bit for bit
             b.state[nv.bias][key] = b.state[nv.bias][key]
         for k, p in enumerate(nv.parameters()):
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in _keys(dtype)[1:]:
                 _same(b.state[p][key], a.state[ref.parameters()[k]][key])
         _step(ref, a, 5)
         _step(nv, b, 5)
@@ -120,15 +125,15 @@ def test_swapped_states_are_listed_without_a_read(tmp_path, dtype, state_dtype, 
             mp.setattr(SwappedShards, "read_storage", refuse)
             for p, q in ((ram.weight, nv.weight), (ram.bias, nv.bias)):
                 st, ref = b.state[q], a.state[p]
-                assert list(st) == list(ref) == ["step", "exp_avg", "exp_avg_sq"]
-                assert list(st.keys()) == list(ref.keys()) and len(st) == len(ref) == 3
+                assert list(st) == list(ref) == _keys(dtype)
+                assert list(st.keys()) == list(ref.keys()) and len(st) == len(ref) == len(_keys(dtype))
                 assert "exp_avg" in st and "exp_avg_sq" in st.keys() and "max_exp_avg_sq" not in st
                 assert list(reversed(st.keys())) == list(reversed(ref.keys()))
         st, ref = b.state[nv.weight], a.state[ram.weight]
         for got in (dict(st), {**st}, st.copy(), dict(st.items()), pickle.loads(pickle.dumps(st)),
                     list(copy.deepcopy(b.state).values())[0]):
             assert type(got) is dict and list(got) == list(ref)
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in _keys(dtype)[1:]:
                 _same(got[key], ref[key])
         assert [v.dtype for v in st.values()] == [v.dtype for v in ref.values()]
         assert st == st and "'exp_avg_sq': tensor(" in repr(st)
@@ -143,9 +148,9 @@ def test_dict_changes_of_a_swapped_entry(tmp_path, dtype, state_dtype):
     try:
         st = b.state[nv.weight]
         for drop in (lambda: st.pop("exp_avg"), lambda: st.__delitem__("exp_avg_sq"), st.popitem):
-            with pytest.raises(NotImplementedError, match="keeps 'exp_avg"):
+            with pytest.raises(NotImplementedError, match="keeps '(exp_avg|master)"):
                 drop()
-        assert list(st) == ["step", "exp_avg", "exp_avg_sq"]  # nothing dropped
+        assert list(st) == _keys(dtype)  # nothing dropped
         _same(st.setdefault("exp_avg", None), a.state[ram.weight]["exp_avg"])
         st.update(exp_avg=torch.zeros_like(nv.weight))
         assert not b.state_dict()["state"][0]["exp_avg"].any()
@@ -154,7 +159,7 @@ def test_dict_changes_of_a_swapped_entry(tmp_path, dtype, state_dtype):
         assert list(st) == [] and len(st) == 0 and "exp_avg" not in st and st.get("exp_avg") is None
         _step(ram, a, 7)
         _step(nv, b, 7)
-        assert float(st["step"]) == 1 and list(st) == ["step", "exp_avg", "exp_avg_sq"]
+        assert float(st["step"]) == 1 and list(st) == _keys(dtype)
         assert torch.equal(ram.weight, nv.weight)
         _same(st["exp_avg"], a.state[ram.weight]["exp_avg"])
     finally:

@@ -24,7 +24,7 @@ import torch
 from offload.optim.guards import before_load
 from offload.optim.options import check_loaded_groups, loaded_group_rule
 from offload.optim.protocol import optional
-from offload.optim.state_view import attach, seen_names
+from offload.optim.state_view import MASTER, attach, seen_names
 
 __all__ = ["state_dict_of", "unused_names", "load_state_dict_into", "check_loadable", "restart_cleared", "id_map"]
 
@@ -64,7 +64,7 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
         # (An entry that held nothing else, e.g. after load_checkpoint set its step to 0, goes.)
         # (A value that is not a dict, e.g. what a pre hook put in ``opt.state["note"]``,
         # passes through as torch's state_dict passes it.)
-        names = names_of(opt)
+        names = names_of(opt) + MASTER  # (the master's view too: [Note: the master in opt.state])
         # (dict.items: an entry's states read on access are not read only to be dropped)
         sd["state"] = {k: {key: t for key, t in dict.items(v) if key not in names} if isinstance(v, dict) else v
                        for k, v in sd["state"].items()

@@ -38,6 +38,16 @@ in write_back.py (the entry's ``version``, ``_versions`` here); only a stale cop
 another thread, a forked child, a closed optimizer) still refuses.
 
 ``state_dict()`` never returns these views: it reads full tensors from the store.
+
+[Note: the master in opt.state] An fp16/bf16 param with an fp32 master (the flat store, no
+``master_dtype="bfloat16"``) lists ``"master"`` in ``opt.state[p]`` beside its states, as
+``state_dict()`` holds it: a view of the flat buffer in RAM, a read of the swap files with
+``offload="nvme"``, this rank's slice when partitioned; assigning it sets the master the next
+step starts from (and writes the param from). torch.distributed.checkpoint's
+``set_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` rebuilds each entry from
+the keys ``opt.state[p]`` lists: before, it dropped the master and the load rebuilt it from
+the rounded param, so a resumed run drifted from an uninterrupted one (Transformer Engine's
+FusedAdam keeps its ``master_param`` in ``opt.state`` for the same reason).
 """
 from __future__ import annotations
 
@@ -52,7 +62,11 @@ from offload.optim.state_codec import is_stored_form, to_torch_layout
 from offload.optim.state_entry import MOMENTS, SwappedEntry
 from offload.optim.state_versions import bump, bump_key, version_of
 
-__all__ = ["SwappedEntry", "attach", "detach"]
+__all__ = ["SwappedEntry", "attach", "detach", "MASTER"]
+
+MASTER = ("master",)
+"""The key of the fp32 master that ``opt.state[p]`` lists beside a param's states: [Note: the
+master in opt.state]."""
 
 
 def names_of(store: Any) -> tuple:
@@ -151,7 +165,10 @@ def _swapped_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
             _checked(param, key, value, 0)
             return
         st._drain()  # a step's write-back still in flight must land first
-        st._swap.write(st._groups.index(fg), lo, hi, {key: _checked(param, key, value, hi - lo)})
+        vals = _checked(param, key, value, hi - lo)
+        st._swap.write(st._groups.index(fg), lo, hi, {key: vals})
+        if key in MASTER and fg.lowp_shard is not None:  # (as a load of a master: load_hooks.post_load)
+            fg.lowp_shard[lo:hi].copy_(vals)
         bump_key(st, param, key)
 
     return write
@@ -197,6 +214,8 @@ def _flat_writer(store: Any, p: torch.Tensor) -> Callable[[str, Any], None]:
             return
         st._drain()
         _store_values(fg, key, lo, _checked(param, key, value, hi - lo))
+        if key in MASTER and fg.lowp_shard is not None:  # (as a load of a master: load_hooks.post_load)
+            fg.lowp_shard[lo:hi].copy_(fg.master[lo:hi])
         bump_key(st, param, key)
 
     return write
@@ -234,7 +253,10 @@ def _flat_views(store: Any, p: torch.Tensor, st: dict, names: tuple) -> None:
         return
     for key in names:
         if fg.field(key).blocked:
-            continue  # int8 blocks: decoded by the entry's reader on access
+            # int8 blocks: decoded by the entry's reader on access, and so are the states
+            # after them (the master of int8 states): the entry lists its dict's keys first,
+            # so a view after them would be listed out of the states' order
+            break
         view = fg.state(key)[lo:hi]
         dict.__setitem__(st, key, view.view(p.shape) if piece.numel == p.numel() else view)
 
@@ -282,6 +304,13 @@ def seen_names(opt: Any, group: dict, p: torch.Tensor, names: tuple) -> tuple:
     return _with_kept(_kept_map(opt), _hidden_map(opt), p, _group_names(opt, group, names), names)
 
 
+def _with_master(store: Any) -> set:
+    """ids of the params whose flat group keeps an fp32 master apart from them (fp16/bf16
+    params without a bf16 master): their entries list it ([Note: the master in opt.state])."""
+    return {id(p) for fg in getattr(store, "_groups", ()) if getattr(fg, "lowp", False) and not fg.master_lowp
+            for p in fg.params}
+
+
 def attach(opt: Any) -> None:
     """Put the states (views, or readers) into ``opt.state[p]`` of every param that has
     stepped (has a ``"step"``), in entries that write assignments through to the store; a
@@ -293,6 +322,7 @@ def attach(opt: Any) -> None:
         return
     swapped = kind == "nvme" or getattr(store, "_nvme", False)
     every, kept, hidden = names_of(store), _kept_map(opt), _hidden_map(opt)
+    masters = _with_master(store)
     for group in opt.param_groups:
         base = _group_names(opt, group, every)
         shown: dict = {}  # (kept, hidden) of a param -> its names: the same few for every param
@@ -305,6 +335,8 @@ def attach(opt: Any) -> None:
                 key = (kept.get(id(p)), hidden.get(id(p)))
                 if key != (None, None):
                     names = shown.get(key) or shown.setdefault(key, _adjusted(base, every, *key))
+            if masters and id(p) in masters:
+                names = names + MASTER
             if swapped:
                 if not isinstance(st, SwappedEntry):
                     read, holds = _swapped_reader(store, p)
@@ -327,7 +359,7 @@ def detach(opt: Any) -> None:
     bump(opt._store)
     if getattr(opt._store, "kind", None) == "host":
         return
-    names = names_of(opt._store)
+    names = names_of(opt._store) + MASTER
     for st in opt.state.values():
         for key in names:
             if isinstance(st, dict) and dict.__contains__(st, key):  # (not the states read on access)
