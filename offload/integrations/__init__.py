@@ -2,6 +2,8 @@
 
 - :mod:`offload.integrations.deepspeed`: ``from_deepspeed_config(config, params)`` builds the
   optimizer from a ZeRO-Offload / ZeRO-Infinity JSON.
+- :mod:`offload.integrations.deepspeed_ops`: ``DeepSpeedCPUAdam``, ``DeepSpeedCPUAdagrad``,
+  ``DeepSpeedCPULion`` with DeepSpeed's arguments, on offload's optimizers.
 - :mod:`offload.integrations.hf`: Trainer callbacks (grad norm in the logs, gradient
   accumulation without a grad copy per micro-batch) and accelerate's accumulation.
 
