@@ -16,9 +16,13 @@ SIZES = [(3000,), (7,), (40, 61), (1,)]  # (a SIMD tail, a param smaller than a 
 STORES = ["none", "cpu", "nvme"]
 
 
-def _opt(tmp_path, store, dtype=torch.bfloat16, **kw):
+def _params(dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(0)
-    params = [nn.Parameter(torch.randn(*s, generator=g).to(dtype)) for s in SIZES]
+    return [nn.Parameter(torch.randn(*s, generator=g).to(dtype)) for s in SIZES]
+
+
+def _opt(tmp_path, store, dtype=torch.bfloat16, **kw):
+    params = _params(dtype)
     if store == "nvme":
         tmp_path.mkdir(exist_ok=True)
         kw.update(swap_dir=str(tmp_path), max_host_bytes=8 << 20)
@@ -137,3 +141,29 @@ def test_master_through_load_state_dict(workdir):
         assert torch.equal(opt2.state[p]["master"], sd["state"][i]["master"])
     opt.close()
     opt2.close()
+
+
+@pytest.mark.parametrize("store", ["cpu", "nvme"])
+def test_master_after_load_checkpoint_and_resume(workdir, store):
+    """The entries are rebuilt after a load_checkpoint (and, on nvme, a resume=True) and list
+    the loaded masters, not the params' rounding."""
+    params, opt = _opt(workdir / "a", store)
+    for s in range(3):
+        _step(opt, params, s)
+    masters = [opt.state[p]["master"].clone() for p in params]
+    opt.save_checkpoint(str(workdir / "ck"))
+    params2, opt2 = _opt(workdir / "b", store)
+    opt2.load_checkpoint(str(workdir / "ck"))
+    assert all(torch.equal(opt2.state[p]["master"], m) for p, m in zip(params2, masters))
+    opt2.close()
+    if store == "nvme":
+        opt.close(keep_swap=True)
+        params3 = _params()
+        for p, q in zip(params3, params):
+            p.data.copy_(q.detach())
+        opt3 = offload.AdamW(params3, lr=1e-2, weight_decay=0.1, offload="nvme", swap_dir=str(workdir / "a"),
+                             max_host_bytes=8 << 20, resume=True)
+        assert all(torch.equal(opt3.state[p]["master"], m) for p, m in zip(params3, masters))
+        opt3.close()
+    else:
+        opt.close()
