@@ -4,6 +4,8 @@
   optimizer from a ZeRO-Offload / ZeRO-Infinity JSON.
 - :mod:`offload.integrations.deepspeed_ops`: ``DeepSpeedCPUAdam``, ``DeepSpeedCPUAdagrad``,
   ``DeepSpeedCPULion`` with DeepSpeed's arguments, on offload's optimizers.
+- :mod:`offload.integrations.torchao`: torchao's ``CPUOffloadOptimizer(params, optimizer_class,
+  ...)`` call, answered by the offload optimizer of that rule.
 - :mod:`offload.integrations.hf`: Trainer callbacks (grad norm in the logs, gradient
   accumulation without a grad copy per micro-batch) and accelerate's accumulation.
 

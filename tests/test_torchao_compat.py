@@ -1,0 +1,92 @@
+"""torchao's ``CPUOffloadOptimizer(params, optimizer_class, *, offload_gradients, **kwargs)`` call
+answered by offload's optimizers (offload/integrations/torchao.py): the rule each
+``optimizer_class`` (a class or a torchtune config's dotted path) picks, the keywords it adds,
+the steps against the offload optimizer built directly (bit for bit) and against torch's, and
+the refusals. torchao itself is not needed: its classes are named by their paths."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload
+from offload.integrations.torchao import CPUOffloadOptimizer
+
+
+def _params(dtype=torch.float32, n=4097):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)), torch.nn.Parameter(torch.randn(7, generator=g).to(dtype))]
+
+
+def _steps(params, opt, steps=4):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+
+
+@pytest.mark.parametrize("cls, ours", [(torch.optim.AdamW, offload.AdamW), ("torch.optim.AdamW", offload.AdamW),
+                                       (torch.optim.Adam, offload.Adam), (torch.optim.SGD, offload.SGD),
+                                       ("torch.optim.Adagrad", offload.Adagrad), (offload.Lion, offload.Lion)])
+def test_optimizer_class_picks_the_rule(cls, ours):
+    kw = dict(lr=1e-2, momentum=0.9) if ours is offload.SGD else dict(lr=1e-2)
+    a, b = _params(torch.bfloat16), _params(torch.bfloat16)
+    opt = CPUOffloadOptimizer(a, cls, **kw)
+    ref = ours(b, offload="cpu", **kw)
+    assert type(opt) is ours and opt.config.offload == "cpu"
+    _steps(a, opt)
+    _steps(b, ref)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    opt.close()
+    ref.close()
+
+
+def test_default_is_adamw_and_steps_as_torchs():
+    a, b = _params(), _params()
+    opt = CPUOffloadOptimizer(a, lr=1e-2, fused=True)  # (torchtune passes fused=True)
+    ref = torch.optim.AdamW(b, lr=1e-2, foreach=False)
+    _steps(a, opt)
+    _steps(b, ref)
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    opt.close()
+
+
+def test_torchao_classes_by_path():
+    opt = CPUOffloadOptimizer(_params(), "torchao.optim.AdamW8bit", lr=1e-3, block_size=256)
+    assert type(opt) is offload.AdamW and opt.state_dtype == "int8"
+    opt.close()
+    opt = CPUOffloadOptimizer(_params(torch.bfloat16), "torchao.prototype.low_bit_optim.AdamW8bit",
+                              bf16_stochastic_round=True)
+    assert opt.state_dtype == "int8" and opt.master_dtype == "bfloat16"
+    opt.close()
+    opt = CPUOffloadOptimizer(_params(torch.bfloat16), "torchao.optim.AdamW", bf16_stochastic_round=True)
+    assert opt.state_dtype == "float32" and opt.master_dtype == "bfloat16"
+    opt.close()
+
+
+def test_offload_gradients_is_release_grads(workdir):
+    """(release_grads frees CUDA params' grads: with CPU params, whose grads are on the host
+    already, it is refused; no GPU here to build one)"""
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(ValueError, match="release_grads=True frees device grads"):
+            CPUOffloadOptimizer(_params(dtype), torch.optim.AdamW, offload_gradients=True)
+    opt = CPUOffloadOptimizer(_params(), torch.optim.AdamW, offload="nvme", swap_dir=str(workdir))
+    assert opt.config.offload == "nvme"
+    opt.close()
+
+
+def test_refusals_name_what_is_supported():
+    for cls in ("torchao.optim.AdamW4bit", "torchao.optim.AdamWFp8", torch.optim.RMSprop, "bitsandbytes.optim.AdamW8bit"):
+        with pytest.raises(ValueError, match="supported: torch.optim.AdamW"):
+            CPUOffloadOptimizer(_params(), cls)
+    with pytest.raises(TypeError, match="optimizer_class"):
+        CPUOffloadOptimizer(_params(), 3)
+    with pytest.raises(TypeError, match="offload_gradients"):
+        CPUOffloadOptimizer(_params(), offload_gradients="yes")
+    with pytest.raises(ValueError, match="blocks of 256"):
+        CPUOffloadOptimizer(_params(), "torchao.optim.AdamW8bit", block_size=128)
+    with pytest.raises(ValueError, match="contradicts"):
+        CPUOffloadOptimizer(_params(), "torchao.optim.AdamW8bit", state_dtype="bfloat16")
+    with pytest.raises(ValueError, match="master_dtype='bfloat16' makes no sense for fp32"):
+        CPUOffloadOptimizer(_params(), "torchao.optim.AdamW", bf16_stochastic_round=True)
