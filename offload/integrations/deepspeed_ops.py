@@ -21,9 +21,9 @@ betas=(0.9, 0.999)``), and every keyword of the offload optimizer it is (``offlo
   in place with nothing kept between steps but the rounded param); ``master_dtype="bfloat16"``
   keeps none, rounding stochastically.
 - ``amsgrad=True`` is Adam's AMSGrad (DeepSpeed's CPU Adam accepts the flag and ignores it);
-  ``bias_correction`` is the optimizer's, for every group (DeepSpeed's may differ per group: a
-  group that asks for another value is refused);
-  DeepSpeedCPUAdagrad's ``amsgrad`` is not used by DeepSpeed either, and must stay False here.
+  DeepSpeedCPUAdagrad's ``amsgrad``, which DeepSpeed ignores too, must stay False here.
+- ``bias_correction`` is the optimizer's, for every group (DeepSpeed's may differ per group: a
+  group that asks for another value is refused).
 - the states are torch's: Adagrad's is ``"sum"`` (DeepSpeed's ``"exp_avg_sq"``), every
   ``"step"`` a tensor, ``state_dict()`` torch's layout; params on a GPU are stepped (their
   states on the host), where DeepSpeed's CPU optimizers assert.

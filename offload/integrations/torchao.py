@@ -8,9 +8,9 @@ script that names it changes its import only::
     from offload.integrations.torchao import CPUOffloadOptimizer
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-4, fused=True)
 
-and gets the offload optimizer of that rule (states in pinned host memory, ``offload="cpu"``,
-unless ``offload=`` / ``swap_dir=`` among the keywords say NVMe; SIMD kernels; device grads
-copied by backward hooks). ``optimizer_class`` (a class or its dotted path, as torchtune's
+and gets the offload optimizer of that rule (states in host memory, ``offload="cpu"``, unless
+``offload="nvme"`` and ``swap_dir=`` among the keywords put them on disk; SIMD kernels; the
+grads of CUDA params copied to pinned host buffers by backward hooks). ``optimizer_class`` (a class or its dotted path, as torchtune's
 configs give it) picks the rule:
 
 | optimizer_class | offload |
