@@ -23,7 +23,7 @@ configs give it) picks the rule:
 Anything else (torchao's 4-bit and FP8 states, another library's optimizer) is a ``ValueError``
 naming what is supported: offload runs its own kernels, not ``optimizer_class``.
 ``offload_gradients=True`` is ``release_grads=True`` (each device grad is freed once it is on the
-host; gradient accumulation works, where torchao's refuses it). The return value is the offload
+host; gradient accumulation works with it, which torchao's does not support). The return value is the offload
 optimizer itself (a ``torch.optim.Optimizer``: LR schedulers, ``state_dict`` in torch's layout),
 not a wrapper of one optimizer per param, so its ``state_dict()`` is not torchao's list of dicts.
 """
