@@ -37,7 +37,8 @@ import offload
 
 __all__ = ["CPUOffloadOptimizer"]
 
-_TORCH = {"AdamW": "AdamW", "Adam": "Adam", "SGD": "SGD", "Adagrad": "Adagrad", "Lion": "Lion"}
+_TORCH = ("AdamW", "Adam", "SGD", "Adagrad")  # torch.optim's classes offload has, by the same names
+_OURS = _TORCH + ("Lion",)
 _TORCHAO_8BIT = {"AdamW8bit": "AdamW", "Adam8bit": "Adam"}
 _TORCHAO_PLAIN = {"AdamW": "AdamW", "Adam": "Adam", "_AdamW": "AdamW", "_Adam": "Adam"}
 _SUPPORTED = ("torch.optim.AdamW, Adam, SGD, Adagrad; offload's optimizers; torchao's AdamW8bit, Adam8bit, "
@@ -59,9 +60,7 @@ def _rule(optimizer_class: Any, kwargs: Dict[str, Any]) -> Tuple[type, Dict[str,
     """The offload class for ``optimizer_class`` and the keywords it adds (module docstring's table)."""
     module, name = _name_of(optimizer_class)
     root = module.split(".")[0]
-    if root == "torch" and module.startswith("torch.optim") and name in _TORCH and name != "Lion":
-        return getattr(offload, _TORCH[name]), {}
-    if root == "offload" and name in _TORCH:
+    if (module.startswith("torch.optim") and name in _TORCH) or (root == "offload" and name in _OURS):
         return getattr(offload, name), {}
     if root == "torchao" and (name in _TORCHAO_8BIT or name in _TORCHAO_PLAIN):
         extra = {"master_dtype": "bfloat16"} if kwargs.get("bf16_stochastic_round", False) else {}
