@@ -25,6 +25,7 @@ from offload.optim.guards import before_load
 from offload.optim.options import check_loaded_groups, loaded_group_rule
 from offload.optim.protocol import optional
 from offload.optim.state_view import MASTER, attach, seen_names
+from offload.shard.dcp_chunks import mark_param_states, unmarked
 
 __all__ = ["state_dict_of", "unused_names", "load_state_dict_into", "check_loadable", "restart_cleared", "id_map"]
 
@@ -82,6 +83,11 @@ def state_dict_of(opt: Any, base: Callable[[], Dict[str, Any]]) -> Dict[str, Any
     layout = getattr(opt, "_torch_state_layout", None)
     if layout is not None:
         sd = layout(sd)
+    if getattr(opt, "stage", None) == 3:  # each rank's chunk for DCP ([Note: shards in DCP])
+        params = [p for g in opt.param_groups for p in g["params"]]
+        sd["state"] = {k: mark_param_states(v, params[k])
+                       if isinstance(v, dict) and isinstance(k, int) and 0 <= k < len(params) else v
+                       for k, v in sd["state"].items()}
     for hook in list(hooks.values()):
         out = hook(opt, sd)
         if out is not None:
@@ -202,6 +208,7 @@ def check_loadable(opt: Any, state_dict: Dict[str, Any]) -> None:
 def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[Dict[str, Any]], None]) -> None:
     """``base`` is torch's ``Optimizer.load_state_dict``: it replaces ``opt.state`` and
     ``opt.param_groups``, which are put back if the load fails after the checks."""
+    state_dict = unmarked(state_dict)  # a stage-3 dict's DCP chunks ([Note: shards in DCP])
     check_loadable(opt, state_dict)
     store = opt._store
     swap = store if hasattr(store, "atomic_writes") else getattr(store, "_swap", None)

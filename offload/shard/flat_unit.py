@@ -46,6 +46,7 @@ import torch.nn as nn
 from offload.memory import HUGE_PAGE, paging
 from offload.memory.region import Region
 from offload.shard import device as device_mod
+from offload.shard.dcp_chunks import chunk_of, mark_chunk
 from offload.shard.guards import refuse_copy
 from offload.zero import comm
 
@@ -177,8 +178,8 @@ class FlatParam:
         self.shard._offload_shard = info  # type: ignore[attr-defined]
         info.flat = self
         holder.register_parameter(attr, self.shard)
-        if tier is not None:  # module.state_dict() / load_state_dict() see the values on disk
-            holder._register_state_dict_hook(self._state_dict_hook)
+        holder._register_state_dict_hook(self._state_dict_hook)  # a DCP chunk ([Note: shards in DCP])
+        if tier is not None:  # load_state_dict() writes the values on disk
             holder._register_load_state_dict_pre_hook(self._load_hook)
             holder.register_load_state_dict_post_hook(self._loaded_hook)
         self._attr = attr
@@ -267,9 +268,15 @@ class FlatParam:
             paging.evict([src])
 
     def _state_dict_hook(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        """The shard in ``module.state_dict()`` as this rank's chunk for DCP ([Note: shards in
+        DCP] in dcp_chunks.py): with params on NVMe, the values on disk."""
         key = prefix + self._attr
-        if key in state_dict:
-            state_dict[key] = self.shard_values()
+        value = state_dict.get(key)
+        if self.tier is not None and key in state_dict:
+            value = self.shard_values()
+        elif not isinstance(value, torch.Tensor) or value is self.shard:
+            return  # keep_vars=True: the Parameter itself, unmarked
+        state_dict[key] = mark_chunk(value, *chunk_of(self))
 
     def _load_hook(self, state_dict: Any, prefix: str, *args: Any) -> None:
         """torch's own copy of the dict's value into the shard follows: its pages in RAM for it
