@@ -166,6 +166,8 @@ def test_a_shard_chunk_is_the_shards_memory_and_pickles_as_a_plain_tensor():
     assert isinstance(value, ShardChunk) and value.data_ptr() == shard.data_ptr()
     assert value.shape == value.size() == shard.shape == (512,) and value._chunk == (272, 0, 272)
     assert type(value + 1) is torch.Tensor and torch.equal(value.local(), shard.detach())
+    for copied in (value.clone(), value.detach(), value.to("cpu"), value.to(torch.float64)):
+        assert isinstance(copied, ShardChunk) and copied._chunk == value._chunk and torch.equal(copied, value)
     assert model.state_dict(keep_vars=True)[key] is shard  # keep_vars: the Parameter itself
     state = opt.state_dict()["state"][0]
     assert isinstance(state["exp_avg"], ShardChunk) and not isinstance(state["step"], ShardChunk)

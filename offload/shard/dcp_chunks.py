@@ -20,8 +20,8 @@ answers the whole tensor's size, as a DTensor does; everywhere else its own (``_
 
 Only the tensors handed out are ``ShardChunk``s, never the param or the store's own. One
 pickles as a plain tensor, so ``torch.save`` and ``torch.load(weights_only=True)`` see
-nothing of it; ``copy.deepcopy`` and DCP's async stager (``dcp.async_save``) copy it as a
-``ShardChunk``. DCP's ``full_state_dict=True`` option gathers DTensors only: it would give
+nothing of it; its copies (``clone``, ``to``, ``copy.deepcopy``, DCP's async stager and
+``cpu_offload``) are ``ShardChunk``s too, as a DTensor's are DTensors. DCP's ``full_state_dict=True`` option gathers DTensors only: it would give
 each rank's chunks (the README says so; ``offload.shard.full_state_dict`` gathers).
 """
 from __future__ import annotations
@@ -53,9 +53,10 @@ class ShardChunk(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
-        if func is torch.Tensor.new_empty:
-            # DCP's async stager copies a tensor as new_empty, set_ to the staged storage, then
-            # the __dict__: the copy stays a chunk (as a DTensor's stays a DTensor)
+        if func in _COPIES and isinstance(out, torch.Tensor) and type(out) is not cls:
+            # a copy of the chunk stays one, as a DTensor's stays a DTensor: DCP's async stager
+            # (new_empty, set_ to the staged storage, then the __dict__), get_state_dict's
+            # cpu_offload of a device shard (to), a user's clone
             out = out.as_subclass(cls)
             out._chunk = args[0]._chunk
         return out
@@ -102,15 +103,17 @@ class ShardChunk(torch.Tensor):
         return self.local().__reduce_ex__(proto)
 
     def __deepcopy__(self, memo: dict) -> "ShardChunk":
-        if id(self) in memo:
-            return memo[id(self)]
-        out = mark_chunk(self.local().clone(), *self._chunk)
-        memo[id(self)] = out
-        return out
+        if id(self) not in memo:
+            memo[id(self)] = self.clone()
+        return memo[id(self)]
 
     def __repr__(self, **kwargs: Any) -> str:
         total, lo, live = self._chunk
         return f"ShardChunk(elements [{lo}, {lo + live}) of {total}: {self.local()!r})"
+
+
+_COPIES = frozenset({torch.Tensor.new_empty, torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda,
+                     torch.Tensor.clone, torch.Tensor.detach, torch.Tensor.contiguous, torch.Tensor.pin_memory})
 
 
 def _asked_by_dcp_load() -> bool:
