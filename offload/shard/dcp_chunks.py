@@ -44,8 +44,9 @@ def chunk_of(flat: Any) -> tuple:
 class ShardChunk(torch.Tensor):
     """This rank's shard (or a state of it) as DCP sees it: elements ``[lo, lo + live)`` of a
     1-D tensor of ``total`` (see the note). It is the shard's memory (``_make_subclass``: no
-    copy) and computes as a plain tensor (ops return plain tensors, ``size()`` and ``.shape``
-    are this rank's), with the three methods DCP looks up on a sharded tensor."""
+    copy) and computes as a plain tensor (ops return plain tensors, its copies are chunks;
+    ``size()`` and ``.shape`` are this rank's), with the three methods DCP looks up on a
+    sharded tensor."""
 
     _chunk: tuple
 
@@ -121,7 +122,10 @@ def _asked_by_dcp_load() -> bool:
     tensor, the whole tensor's (DTensor's ``size()``). Every other caller (DCP's async stager,
     which views the staged storage at ``size()``, torch.save, the user) gets this rank's. Were
     torch to move that check, a load would fail loudly ("Size mismatch"), never load wrong bytes."""
-    caller = sys._getframe(2)
+    try:
+        caller = sys._getframe(2)
+    except ValueError:  # called with no Python frame above size() (from C)
+        return False
     return caller.f_code.co_name == "create_default_local_load_plan" and \
         caller.f_globals.get("__name__") == "torch.distributed.checkpoint.default_planner"
 
