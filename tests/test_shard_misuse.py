@@ -2,8 +2,8 @@
 it, or is refused before it changes anything (offload/shard/guards.py [Note: calls on a
 sharded model]). Before these guards, ``.half()`` / ``.to("meta")`` rebound the shards while
 the forward kept reading the old buffer, ``apply(init)`` writes were lost on NVMe and on
-several ranks, a full ``load_state_dict(strict=False)`` loaded nothing, and a deep copy
-trained nothing."""
+several ranks, a full ``load_state_dict(strict=False)`` loaded nothing, a deep copy
+trained nothing, and ``DistributedDataParallel`` overwrote every rank's shards with rank 0's."""
 from __future__ import annotations
 
 import copy
@@ -298,7 +298,17 @@ def _two_ranks(rank, port, offload_params, out):
                 refused = False
             except RuntimeError:
                 refused = True
-            out.put((rank, True, (filled, loaded, refused)))
+            # DDP broadcast rank 0's shards over rank 1's, silently, then averaged unlike grads
+            before = [p.detach().clone() for p in m.parameters()]
+            ddp_refused = []
+            for wrapped in (m, m.blocks[0]):
+                try:
+                    torch.nn.parallel.DistributedDataParallel(wrapped)
+                    ddp_refused.append(False)
+                except RuntimeError as e:
+                    ddp_refused.append("offload.shard() sharded" in str(e))
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+            out.put((rank, True, (filled, loaded, refused, all(ddp_refused) and unchanged)))
             dist.barrier()
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
@@ -311,4 +321,4 @@ def _two_ranks(rank, port, offload_params, out):
 @pytest.mark.parametrize("offload_params", ["none", "nvme"])
 def test_two_ranks_apply_load_and_cast(offload_params):
     got = run_ranks(_two_ranks, 2, (offload_params,), timeout=180)
-    assert got == {0: (True, True, True), 1: (True, True, True)}
+    assert got == {0: (True, True, True, True), 1: (True, True, True, True)}

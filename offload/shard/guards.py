@@ -30,6 +30,10 @@ own module methods know nothing of that, and some of them did something silently
 - ``copy.deepcopy``, ``pickle`` and ``torch.save(model)`` refuse (``__reduce_ex__`` of the
   runtime, its flats and the shards' info): a copy shared the swap files and process groups of
   the original, or lost the views' aliasing of the shard and trained nothing.
+- ``DistributedDataParallel(model)`` refuses (``RuntimeError``, from the list of names DDP
+  reads first, ``_ddp_params_and_buffers_to_ignore``): it broadcast rank 0's shards over every
+  other rank's at construction, and then averaged grads of shards that are not the same
+  elements, silently. The shards' grads are reduce-scattered by offload itself (hooks.py).
 """
 from __future__ import annotations
 
@@ -42,6 +46,21 @@ import torch.nn as nn
 from offload.memory import paging
 
 __all__ = ["install", "refuse_copy"]
+
+
+class _RefuseDDP:
+    """A sharded module's ``_ddp_params_and_buffers_to_ignore``: DDP's constructor reads it
+    (``set(...)``) before it touches a param (see the note)."""
+
+    def __iter__(self) -> Any:
+        raise RuntimeError(
+            "DistributedDataParallel over a model offload.shard() sharded (ZeRO stage 3): its params are "
+            "this rank's shards, whose grads offload reduce-scatters itself; DDP would broadcast rank 0's "
+            "shards over every other rank's and average grads of different elements. Train the sharded "
+            "model without DDP (accelerate and the Hugging Face Trainer wrap the model in DDP under torchrun)")
+
+
+_REFUSE_DDP = _RefuseDDP()
 
 
 def refuse_copy(self: Any, protocol: Any = None) -> Any:
@@ -229,6 +248,7 @@ def install(root: nn.Module, runtime: Any) -> None:
         # instance attributes: found before the class's methods, which they call (the note)
         m.__dict__["_apply"] = functools.partial(_guarded_apply, m, flats)
         m.__dict__["apply"] = functools.partial(_guarded_module_apply, m, units, walk_state)
+        m.__dict__["_ddp_params_and_buffers_to_ignore"] = _REFUSE_DDP
         if m is root:
             m.__dict__["load_state_dict"] = functools.partial(_full_load, m)
         else:
