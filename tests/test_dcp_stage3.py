@@ -75,6 +75,16 @@ def _whole(model, opt, world):
     return out
 
 
+def _whole_then_two_steps(model, opt, world, rank):
+    """(the whole state now, the params after two more steps on this rank's data); ends both."""
+    whole = _whole(model, opt, world)
+    _train(model, opt, 2, 2, rank)
+    after = [p.detach().float().tolist() for p in model.parameters()]
+    opt.close()
+    offload.shard.runtime_of(model).remove()
+    return whole, after
+
+
 def _options(flatten):
     return dcp_sd.StateDictOptions(flatten_optimizer_state_dict=flatten)
 
@@ -90,12 +100,7 @@ def save_job(rank, world, path, cfg, flatten, swap_dir=None, how="save"):
     else:
         dcp.save(copy.deepcopy({"model": msd, "optim": osd}) if how == "deepcopy" else {"model": msd, "optim": osd},
                  checkpoint_id=path)
-    saved = _whole(model, opt, world)
-    _train(model, opt, 2, 2, rank)
-    after = [p.detach().float().tolist() for p in model.parameters()]
-    opt.close()
-    offload.shard.runtime_of(model).remove()
-    return saved, after
+    return _whole_then_two_steps(model, opt, world, rank)
 
 
 def load_job(rank, world, path, cfg, flatten, swap_dir=None):
@@ -106,12 +111,7 @@ def load_job(rank, world, path, cfg, flatten, swap_dir=None):
     dcp.load(sd, checkpoint_id=path)
     dcp_sd.set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                           options=_options(flatten))
-    loaded = _whole(model, opt, world)
-    _train(model, opt, 2, 2, rank)
-    after = [p.detach().float().tolist() for p in model.parameters()]
-    opt.close()
-    offload.shard.runtime_of(model).remove()
-    return loaded, after
+    return _whole_then_two_steps(model, opt, world, rank)
 
 
 def _on(world, fn, *args):
