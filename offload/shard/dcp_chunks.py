@@ -21,8 +21,9 @@ answers the whole tensor's size, as a DTensor does; everywhere else its own (``_
 Only the tensors handed out are ``ShardChunk``s, never the param or the store's own. One
 pickles as a plain tensor, so ``torch.save`` and ``torch.load(weights_only=True)`` see
 nothing of it; its copies (``clone``, ``to``, ``copy.deepcopy``, DCP's async stager and
-``cpu_offload``) are ``ShardChunk``s too, as a DTensor's are DTensors. DCP's ``full_state_dict=True`` option gathers DTensors only: it would give
-each rank's chunks (the README says so; ``offload.shard.full_state_dict`` gathers).
+``cpu_offload``) are ``ShardChunk``s too, as a DTensor's are DTensors. DCP's
+``full_state_dict=True`` option gathers DTensors only: it would give each rank's chunks (the
+README says so; ``offload.shard.full_state_dict`` gathers).
 """
 from __future__ import annotations
 
