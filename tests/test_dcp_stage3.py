@@ -22,6 +22,8 @@ from offload.shard.dcp_chunks import ShardChunk, mark_chunk
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 dcp_sd = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+# one rank runs in this process, without a process group: DCP says so, as it should
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 CONFIGS = {
     "fp32": (torch.float32, {}),
