@@ -197,7 +197,7 @@ def test_cuda_without_cuda_is_refused_clearly(model):
 
 
 def test_noop_conversions_still_train(model):
-    model.to("cpu").float()
+    model.to("cpu").float().to("cpu:0").to(torch.device("cpu", 0))  # cpu:0: accelerate's device on CPU ranks
     opt = offload.AdamW(model.parameters(), lr=1e-2)
     before = gathered_params(model)
     model(torch.randn(4, 8)).square().mean().backward()

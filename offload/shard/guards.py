@@ -12,7 +12,8 @@ own module methods know nothing of that, and some of them did something silently
   copy the forward never sees (``.to("meta")`` left meta shards and a model that still ran).
   Here every module whose subtree holds a sharded param's shard or view gets an ``_apply`` that
   first tries the function on a one-element tensor of each shard's dtype and compute device:
-  when it returns that tensor itself (``model.to("cpu")``, ``.float()`` of an fp32 model) it is
+  when it returns that tensor itself (``model.to("cpu")``, ``.float()`` of an fp32 model), or a
+  copy of it where it was (``.to("cpu:0")``, which accelerate does on several CPU ranks), it is
   a no-op for the shards, which it then leaves alone; a new tensor (a cast, a move, ``to_empty``),
   a tensor now in shared memory, or an error (``.cuda()`` without CUDA) is refused with a
   ``RuntimeError`` before anything changed. Buffers and frozen params are then converted as
@@ -85,7 +86,7 @@ def _check_apply_fn(fn: Any, flats: List[Any]) -> None:
     """Refuse ``fn`` (what ``nn.Module._apply`` maps over the tensors) unless it leaves every
     shard as it is (see the note)."""
     for dtype, device in {(f.dtype, f.full.device) for f in flats}:
-        probe = torch.empty(1, dtype=dtype, device=device)
+        probe = torch.tensor([1.25, -3.5], dtype=dtype, device=device)  # values a copy keeps, to_empty() not
         was = f"{str(dtype).replace('torch.', '')} on {device}"
         try:
             out = fn(probe)
@@ -97,6 +98,8 @@ def _check_apply_fn(fn: Any, flats: List[Any]) -> None:
             raise RuntimeError("offload.shard: model.share_memory() on a sharded model: its shards live in this "
                                "process's buffers (or swap file) and are gathered over its process group, so no "
                                "other process can use them; train with torch.distributed ranks instead")
+        if out is not probe and _a_copy_in_place(out, probe):
+            continue  # .to("cpu:0") of a CPU tensor (accelerate's device on several CPU ranks): the shards stay
         if out is not probe:
             now = f"{str(out.dtype).replace('torch.', '')} on {out.device}" if isinstance(out, torch.Tensor) else "?"
             what = f"{was} -> {now}" if now != was else f"{was}: new tensors (.to_empty())"
@@ -104,6 +107,14 @@ def _check_apply_fn(fn: Any, flats: List[Any]) -> None:
                                f".cpu() / .to_empty() on a sharded model would change its sharded params ({what}), "
                                "which the forward would then no longer read. Cast or move the model before "
                                "offload.shard() (the shards keep the dtype and device they were sharded with)")
+
+
+def _a_copy_in_place(out: Any, probe: torch.Tensor) -> bool:
+    """Whether ``out`` is ``probe`` copied where it was (same dtype, device and values): what
+    ``.to("cpu:0")`` gives for a CPU tensor, whose device has no index. Left to the shards it
+    would only have replaced them by copies (the views would keep the old buffer)."""
+    return isinstance(out, torch.Tensor) and out.dtype == probe.dtype and out.device == probe.device and \
+        out.shape == probe.shape and not out.is_meta and bool(torch.equal(out, probe))
 
 
 def _guarded_apply(module: nn.Module, flats: List[Any], fn: Any, recurse: bool = True) -> nn.Module:
