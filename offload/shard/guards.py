@@ -11,7 +11,7 @@ own module methods know nothing of that, and some of them did something silently
   while the views, which the forward reads, keep the old buffer, so the optimizer then steps a
   copy the forward never sees (``.to("meta")`` left meta shards and a model that still ran).
   Here every module whose subtree holds a sharded param's shard or view gets an ``_apply`` that
-  first tries the function on a one-element tensor of each shard's dtype and compute device:
+  first tries the function on a small tensor of each shard's dtype and compute device:
   when it returns that tensor itself (``model.to("cpu")``, ``.float()`` of an fp32 model), or a
   copy of it where it was (``.to("cpu:0")``, which accelerate does on several CPU ranks), it is
   a no-op for the shards, which it then leaves alone; a new tensor (a cast, a move, ``to_empty``),
@@ -114,7 +114,7 @@ def _a_copy_in_place(out: Any, probe: torch.Tensor) -> bool:
     ``.to("cpu:0")`` gives for a CPU tensor, whose device has no index. Left to the shards it
     would only have replaced them by copies (the views would keep the old buffer)."""
     return isinstance(out, torch.Tensor) and out.dtype == probe.dtype and out.device == probe.device and \
-        out.shape == probe.shape and not out.is_meta and bool(torch.equal(out, probe))
+        torch.equal(out, probe)
 
 
 def _guarded_apply(module: nn.Module, flats: List[Any], fn: Any, recurse: bool = True) -> nn.Module:
