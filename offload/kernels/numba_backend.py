@@ -33,6 +33,7 @@ from numba import njit, prange
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
 from ._numba_bits import lowp_bits, u16_to_float
 from ._numba_sumsq import sumsq_parallel, sumsq_serial
+from ._numba_tiles_pool import run_tiles
 from ._rule_step import RuleStepFace
 from ._threads import resolve_threads
 from .adam_consts import AdamConsts, FoldCache
@@ -276,11 +277,8 @@ class NumbaBackend(RuleStepFace):
         if n <= _SERIAL_MAX:
             nc.run_serial(0, nb, *args)
             return
-        threads = _threads_for(n, num_threads)
-        with _launch_lock:
-            numba.set_num_threads(threads)
-            # a few runs per thread: even ends when the threads' shares are uneven
-            nc.run_parallel(min(nb, 4 * threads), *args)
+        # Python threads over runs of tiles, not a prange wrapper (_numba_tiles_pool)
+        run_tiles(nc.run_serial, nb, _threads_for(n, num_threads), args)
 
     def _rule_args(self, method: str, hyper: tuple):
         """The rule's folded scalars as the namedtuple that picks its element function."""

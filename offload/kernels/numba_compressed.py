@@ -9,7 +9,9 @@ array, and then each array is written back in a loop of its own kind: rounded to
 encoded (#midpoints below x/absmax, by the bucket table of native/q8_buckets.h, or a binary
 search over the 255 midpoints). No full-size float32 temporary: a thread's scratch is three
 tiles. The result equals ``compressed_ref.compose_step`` around the numba float32 method bit
-for bit (tests/test_numba_compressed.py).
+for bit (tests/test_numba_compressed.py). There is no ``prange`` wrapper: the backend runs
+``run_serial`` (``nogil``) over runs of tiles on Python threads (_numba_tiles_pool), which
+spares a second compile of each specialisation.
 
 [Note: numba's error model]
 Every numba kernel of the library is compiled with ``error_model="numpy"``. With numba's
@@ -36,14 +38,14 @@ from __future__ import annotations
 from collections import namedtuple
 
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import overload
 
 from ._numba_bits import bf16_to_float, bits_from_f32, f32_from_bits, float_to_bf16, lowp_bits
 from . import numba_rules as nr
 from .quant import BLOCK, PACKED_BLOCK, stream_key, stream_shift
 
-__all__ = ["AdamArgs", "SgdArgs", "AdagradArgs", "LionArgs", "run_serial", "run_parallel"]
+__all__ = ["AdamArgs", "SgdArgs", "AdagradArgs", "LionArgs", "run_serial"]
 
 _FASTMATH = False  # every FMA is an explicit fma32 in the element functions: none other may fuse
 
@@ -333,13 +335,3 @@ def run_serial(b_lo, b_hi, p, g, grad_code, s0, s1, lowp, lowp_code, r, q):
         finish_param(p, bufp, b, n_live, q)
         finish_state(s0, buf0, b, n_live, q, _K1, _H1)
         finish_state(s1, buf1, b, n_live, q, _K2, _H2)
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
-def run_parallel(chunks, p, g, grad_code, s0, s1, lowp, lowp_code, r, q):
-    """The call's tiles in ``chunks`` contiguous runs, one prange iteration each (a run
-    allocates its two scratch tiles once)."""
-    nb = (g.size + BLOCK - 1) // BLOCK
-    for c in prange(chunks):
-        run_serial(c * nb // chunks, (c + 1) * nb // chunks, p, g, grad_code, s0, s1, lowp,
-                   lowp_code, r, q)

@@ -1,0 +1,116 @@
+"""The Python threads that run the numba compressed kernel over runs of tiles
+(offload/kernels/_numba_tiles_pool.py): every tile once, on several threads, an interrupt
+held until the helpers are done, a helper's error raised, and a pool again after a fork.
+The kernels here are plain Python functions with the kernel's calling convention; the bits
+of the real kernel on 1 and 2 threads are test_numba_compressed's."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from offload.kernels._numba_tiles_pool import run_tiles
+
+
+class Recorder:
+    """A kernel that notes the runs it was given and the threads that ran them."""
+
+    def __init__(self, delay=0.0):
+        self.delay = delay
+        self.runs, self.threads = [], set()
+        self.active = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, lo, hi, tag):
+        assert tag == "args"
+        with self.lock:
+            self.active += 1
+        try:
+            time.sleep(self.delay)
+            with self.lock:
+                self.runs.append((lo, hi))
+                self.threads.add(threading.get_ident())
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def tiles(self):
+        return sorted(t for lo, hi in self.runs for t in range(lo, hi))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("nb", [1, 2, 3, 7, 64, 1001])
+def test_every_tile_is_run_once(threads, nb):
+    k = Recorder()
+    run_tiles(k, nb, threads, ("args",))
+    assert k.tiles() == list(range(nb))
+    assert all(lo < hi for lo, hi in k.runs)
+    assert len(k.runs) == (1 if threads == 1 else min(nb, 4 * threads))
+
+
+def test_the_work_is_spread_over_threads():
+    """Each thread's first run waits for the other two at a barrier: the call finishes only
+    if three threads, the caller one of them, take runs at once."""
+    barrier, seen = threading.Barrier(3, timeout=30), set()
+    k = Recorder()
+
+    def kernel(lo, hi, tag):
+        if threading.get_ident() not in seen:
+            seen.add(threading.get_ident())
+            barrier.wait()
+        k(lo, hi, tag)
+
+    run_tiles(kernel, 64, 3, ("args",))
+    assert k.tiles() == list(range(64))
+    assert len(k.threads) == 3 and threading.get_ident() in k.threads
+
+
+def test_an_interrupt_waits_for_the_helpers():
+    """A Ctrl-C while the call runs is raised after every helper has returned: nothing
+    writes the arrays once the caller sees the interrupt."""
+    k = Recorder(delay=0.05)
+    timer = threading.Timer(0.03, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_tiles(k, 32, 3, ("args",))
+        assert k.active == 0
+    finally:
+        timer.cancel()
+
+
+def test_a_helpers_error_is_raised():
+    def kernel(lo, hi, tag):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.01)
+            raise ValueError(f"tiles {lo}..{hi}")
+        time.sleep(0.05)
+
+    with pytest.raises(ValueError, match="tiles"):
+        run_tiles(kernel, 16, 2, ("args",))
+
+
+def test_a_forked_child_gets_a_pool_of_its_own():
+    run_tiles(Recorder(), 16, 3, ("args",))  # the parent's pool exists before the fork
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's pool threads are not here
+        code = 1
+        try:
+            k = Recorder(delay=0.01)
+            run_tiles(k, 16, 3, ("args",))
+            code = 0 if k.tiles() == list(range(16)) and len(k.threads) > 1 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's call did not finish in 60 s (a pool thread that is not there)")
