@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from offload.kernels import _numba_tiles_pool as pool_module
 from offload.kernels._numba_tiles_pool import run_tiles
 
 
@@ -93,10 +94,12 @@ def test_a_helpers_error_is_raised():
         run_tiles(kernel, 16, 2, ("args",))
 
 
-def test_a_forked_child_gets_a_pool_of_its_own():
-    run_tiles(Recorder(), 16, 3, ("args",))  # the parent's pool exists before the fork
+def _in_a_forked_child_runs_tiles() -> None:
+    """Fork; the child runs a call on 3 threads and exits 0 when every tile ran on more than
+    one thread; the parent waits up to 60 s (a child waiting for a thread or a lock that did
+    not come with the fork hangs)."""
     pid = os.fork()
-    if pid == 0:  # the child: the parent's pool threads are not here
+    if pid == 0:
         code = 1
         try:
             k = Recorder(delay=0.01)
@@ -113,4 +116,16 @@ def test_a_forked_child_gets_a_pool_of_its_own():
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    pytest.fail("the forked child's call did not finish in 60 s (a pool thread that is not there)")
+    pytest.fail("the forked child's call did not finish in 60 s")
+
+
+def test_a_forked_child_gets_a_pool_of_its_own():
+    run_tiles(Recorder(), 16, 3, ("args",))  # the parent's pool exists before the fork
+    _in_a_forked_child_runs_tiles()
+
+
+def test_a_fork_while_the_pool_lock_is_held():
+    """Another thread of the parent may hold the pool's lock when it forks: the child's
+    copy stays taken, so the child must make a lock of its own."""
+    with pool_module._pool_lock:
+        _in_a_forked_child_runs_tiles()

@@ -9,7 +9,8 @@ elements and their indices only), so the bits do not depend on how the runs are 
 
 The calling thread works too: ``threads`` - 1 pool threads join it, each taking the next
 run from a shared counter (even ends when the threads' shares are uneven). The pool is
-started on first use and again in a forked child (a fork keeps no other thread).
+started on first use and again in a forked child (a fork keeps no other thread, and the
+child's copy of the pool's lock may have been taken by one of them: it gets a new one).
 
 [Note: an interrupt during a parallel call] A Ctrl-C (or a signal handler's exception) that
 arrives while the caller waits for the pool threads is held until every run has finished,
@@ -30,6 +31,14 @@ _pool: Optional[ThreadPoolExecutor] = None
 _pool_pid = -1
 _pool_size = 0
 _pool_lock = threading.Lock()
+
+
+def _forget_parent_pool() -> None:
+    global _pool, _pool_pid, _pool_size, _pool_lock
+    _pool, _pool_pid, _pool_size, _pool_lock = None, -1, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parent_pool)
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
