@@ -7,23 +7,29 @@ for no arithmetic of its own. The serial kernel is ``nogil``, so plain threads r
 parallel just as well, and the tiles are independent (each tile's bits depend on its own
 elements and their indices only), so the bits do not depend on how the runs are cut.
 
-The calling thread works too: ``threads`` - 1 pool threads join it, each taking the next
-run from a shared counter (even ends when the threads' shares are uneven). The pool is
-started on first use and again in a forked child (a fork keeps no other thread, and the
-child's copy of the pool's lock may have been taken by one of them: it gets a new one).
+``threads`` pool threads each take the next run from a shared counter (even ends when the
+threads' shares are uneven) while the calling thread waits: a signal's exception (Ctrl-C)
+is raised in the calling thread only, between any two bytecodes, so a caller taking runs too
+could drop the run it had just taken. The pool is started on first use and again in a
+forked child (a fork keeps no other thread, and the child's copy of the pool's lock may
+have been taken by one of them: it gets a new one).
 
 [Note: an interrupt during a parallel call] A Ctrl-C (or a signal handler's exception) that
 arrives while the caller waits for the pool threads is held until every run has finished,
 then raised: a kernel call is never left half-done by the caller while threads still write
-its arrays, as with a native call, whose interrupt Python raises after it returns.
+its arrays, as with a native call, whose interrupt Python raises after it returns. One that
+lands while the takers are being submitted is held too, as those submitted take every run;
+left is the instant between a submit and the note of its future (a taker then unwaited
+for). The optimizers hold a first Ctrl-C for the whole step anyway (step_guard.py); this is
+for the second one, which fails the step, and for a signal handler's own exception.
 """
 from __future__ import annotations
 
 import itertools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Callable, Optional
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Callable, List, Optional
 
 __all__ = ["run_tiles"]
 
@@ -63,28 +69,28 @@ def _take_runs(kernel: Callable, runs, counter, nb: int, args: tuple) -> None:
 
 
 def run_tiles(kernel: Callable, nb: int, threads: int, args: tuple) -> None:
-    """``kernel(lo, hi, *args)`` over tiles 0 .. ``nb`` - 1 on ``threads`` threads, the
-    calling thread one of them; a few runs per thread."""
+    """``kernel(lo, hi, *args)`` over tiles 0 .. ``nb`` - 1 on ``threads`` threads, a few
+    runs per thread; on one thread (or one tile) in the calling thread."""
     if threads <= 1 or nb <= 1:
-        kernel(0, nb, *args)
+        kernel(0, nb, *args)  # a numba call: an interrupt is raised after it returns
         return
     runs = min(nb, 4 * threads)
     counter = itertools.count()
-    pool = _executor(threads - 1)
-    helpers = [pool.submit(_take_runs, kernel, runs, counter, nb, args)
-               for _ in range(min(threads, runs) - 1)]
+    pool = _executor(threads)
+    takers: List[Future] = []
     held: Optional[BaseException] = None
     try:
-        _take_runs(kernel, runs, counter, nb, args)
-    except BaseException as e:  # the helpers still write the arrays: wait first
+        for _ in range(min(threads, runs)):
+            takers.append(pool.submit(_take_runs, kernel, runs, counter, nb, args))
+    except BaseException as e:  # the takers submitted so far take every run: wait for them
         held = e
-    while True:
+    while takers:
         try:
-            wait(helpers)
+            wait(takers)
             break
         except BaseException as e:  # [Note: an interrupt during a parallel call]
             held = held or e
-    for f in helpers:
-        f.result()  # a helper's own error, if any
+    for f in takers:
+        f.result()  # a taker's own error, if any
     if held is not None:
         raise held
