@@ -307,6 +307,17 @@ def _two_ranks(rank, port, offload_params, out):
                     ddp_refused.append(False)
                 except RuntimeError as e:
                     ddp_refused.append("offload.shard() sharded" in str(e))
+            # FSDP2's fully_shard put DTensors in place of the shards: a step failed on one rank
+            # and hung the other; replicate is DDP's composable form
+            from torch.distributed._composable import replicate
+            from torch.distributed.fsdp import fully_shard
+            for api in (fully_shard, replicate):
+                for wrapped in (m, m.blocks[0]):
+                    try:
+                        api(wrapped)
+                        ddp_refused.append(False)
+                    except RuntimeError as e:
+                        ddp_refused.append("offload.shard() sharded" in str(e))
             unchanged = all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
             out.put((rank, True, (filled, loaded, refused, all(ddp_refused) and unchanged)))
             dist.barrier()

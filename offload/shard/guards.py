@@ -35,6 +35,11 @@ own module methods know nothing of that, and some of them did something silently
   reads first, ``_ddp_params_and_buffers_to_ignore``): it broadcast rank 0's shards over every
   other rank's at construction, and then averaged grads of shards that are not the same
   elements, silently. The shards' grads are reduce-scattered by offload itself (hooks.py).
+- torch's composable ``fully_shard`` (FSDP2) and ``replicate`` refuse too (``RuntimeError``,
+  from their registry on the module, ``_RefuseComposable``): ``fully_shard`` put DTensors in
+  place of the shards, which offload's hooks and the optimizer do not read; on two ranks the
+  first step failed on one rank ("mixed torch.Tensor and DTensor") and hung the other until
+  gloo's timeout.
 """
 from __future__ import annotations
 
@@ -62,6 +67,41 @@ class _RefuseDDP:
 
 
 _REFUSE_DDP = _RefuseDDP()
+
+
+def _composable_refusal(api: str) -> RuntimeError:
+    return RuntimeError(
+        f"torch's {api}() over a model offload.shard() sharded (ZeRO stage 3): its params are already this "
+        "rank's shards, which offload gathers and whose grads it reduce-scatters itself; sharding or "
+        "replicating them again would leave offload's gathers and the optimizer on other tensors than "
+        f"{api}'s. Use one of the two (offload.shard with an offload optimizer, or {api} with its own)")
+
+
+class _RefuseComposable(dict):
+    """A sharded module's entry in torch's registry of composable distributed APIs
+    (``fully_shard``, ``replicate``; torch.distributed._composable.contract): before either
+    touches a param, it asks whether ``fully_shard`` is there (``"fully_shard" in registry``,
+    by fully_shard's contract and by replicate) and adds its own name (``setdefault``), both
+    refused here. Other lookups answer as an empty registry: FSDP's module walk, which
+    torch.distributed.checkpoint's state_dict helpers run, asks for ``"replicate"``."""
+
+    def __contains__(self, name: object) -> bool:
+        if name == "fully_shard":
+            raise _composable_refusal("fully_shard")
+        return dict.__contains__(self, name)
+
+    def setdefault(self, name: Any, default: Any = None) -> Any:
+        raise _composable_refusal(str(name))
+
+
+def _composable_registry_key() -> Any:
+    """The module attribute torch's composable APIs keep their registry under (a name made at
+    import), or None where this torch has none."""
+    try:
+        from torch.distributed._composable.contract import REGISTRY_KEY
+    except (ImportError, AttributeError):
+        return None
+    return REGISTRY_KEY if isinstance(REGISTRY_KEY, str) else None
 
 
 def refuse_copy(self: Any, protocol: Any = None) -> Any:
@@ -247,6 +287,7 @@ def install(root: nn.Module, runtime: Any) -> None:
         sub[id(m)], below[id(m)] = own, under
 
     walk(root)
+    registry_key = _composable_registry_key()
     full = full_keys(root)
     names = {id(m): n for n, m in root.named_modules()}
     walk_state = _ApplyWalk(runtime)
@@ -260,6 +301,8 @@ def install(root: nn.Module, runtime: Any) -> None:
         m.__dict__["_apply"] = functools.partial(_guarded_apply, m, flats)
         m.__dict__["apply"] = functools.partial(_guarded_module_apply, m, units, walk_state)
         m.__dict__["_ddp_params_and_buffers_to_ignore"] = _REFUSE_DDP
+        if registry_key is not None and registry_key not in m.__dict__:
+            m.__dict__[registry_key] = _RefuseComposable()
         if m is root:
             m.__dict__["load_state_dict"] = functools.partial(_full_load, m)
         else:
