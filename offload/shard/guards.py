@@ -28,6 +28,9 @@ own module methods know nothing of that, and some of them did something silently
 - ``load_state_dict``: the root's takes the keys the model had before ``shard()`` too and loads
   them as ``offload.shard.load_weights`` does (each rank its own slices); a submodule given those
   keys refuses (they were silently ignored with ``strict=False``).
+- ``save_pretrained`` (transformers, the root only) writes the whole model's weights under
+  their names (save_pretrained.py [Note: save_pretrained of a sharded model]): it wrote the
+  shards, which ``from_pretrained`` then took for missing weights.
 - ``copy.deepcopy``, ``pickle`` and ``torch.save(model)`` refuse (``__reduce_ex__`` of the
   runtime, its flats and the shards' info): a copy shared the swap files and process groups of
   the original, or lost the views' aliasing of the shard and trained nothing.
@@ -50,6 +53,7 @@ import torch
 import torch.nn as nn
 
 from offload.memory import paging
+from offload.shard.save_pretrained import sharded_save_pretrained
 
 __all__ = ["install", "refuse_copy"]
 
@@ -305,6 +309,8 @@ def install(root: nn.Module, runtime: Any) -> None:
             m.__dict__[registry_key] = _RefuseComposable()
         if m is root:
             m.__dict__["load_state_dict"] = functools.partial(_full_load, m)
+            if callable(getattr(type(m), "save_pretrained", None)):  # transformers' (save_pretrained.py)
+                m.__dict__["save_pretrained"] = functools.partial(sharded_save_pretrained, m, runtime.rank)
         else:
             n = names[id(m)]
             mine = {k[len(n) + 1:] for k in full if k.startswith(n + ".")}
