@@ -11,13 +11,15 @@ and the optimizer's states reshard N -> M (checkpoint.py)."""
 from offload.shard.api import OFFLOAD_PARAMS, gathered_params, runtime_of, shard
 from offload.shard.checkpoint import load_checkpoint, save_checkpoint
 from offload.shard.fullstate import full_state_dict
+from offload.shard.splits import split_no_decay
 from offload.shard.weights import load_weights
 
 # ``offload.shard`` is the function (offload/__init__.py imports it over this package's name),
 # so the helpers the docs call ``offload.shard.<name>`` hang on it too.
-for _f in (gathered_params, runtime_of, load_weights, full_state_dict, save_checkpoint, load_checkpoint):
+for _f in (gathered_params, runtime_of, load_weights, full_state_dict, save_checkpoint, load_checkpoint,
+           split_no_decay):
     setattr(shard, _f.__name__, _f)
 del _f
 
 __all__ = ["shard", "runtime_of", "gathered_params", "load_weights", "full_state_dict", "save_checkpoint",
-           "load_checkpoint", "OFFLOAD_PARAMS"]
+           "load_checkpoint", "split_no_decay", "OFFLOAD_PARAMS"]

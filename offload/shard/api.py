@@ -26,6 +26,7 @@ from offload.shard import guards
 from offload.shard.flat_unit import FlatParam, ShardInfo, Unit
 from offload.shard.hooks import ShardRuntime
 from offload.shard.materialize import check_inits, has_meta, materialize
+from offload.shard.splits import check_split, flat_groups
 from offload.shard.tier import ParamTier
 from offload.shard.units import UnitPolicy, assign_params, choose_units
 from offload.shard.weights import attach, load_weights, record_keys
@@ -42,7 +43,8 @@ def runtime_of(module: nn.Module) -> Optional[ShardRuntime]:
     return module.__dict__.get(_RUNTIME)
 
 
-def _check(module: Any, offload_params: Any, prefetch: Any, swap_dir: Any = None) -> None:
+def _check(module: Any, offload_params: Any, prefetch: Any, swap_dir: Any = None, split: Any = None) -> None:
+    check_split(split)
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload.shard() expects an nn.Module, but got {type(module).__name__}")
     if offload_params not in OFFLOAD_PARAMS:
@@ -100,14 +102,15 @@ def _reduce_group(group: Any, world: int) -> Any:
 def shard(module: nn.Module, *, process_group: Any = None, offload_params: str = "none",
           unit: UnitPolicy = None, prefetch: int = 1, swap_dir: Optional[str] = None, io: Any = "auto",
           init_fn: Optional[Callable[[nn.Module], Any]] = None, weights: Any = None,
-          max_live_params: Optional[int] = None, max_live_bytes: Any = None) -> nn.Module:
+          max_live_params: Optional[int] = None, max_live_bytes: Any = None, split: Any = None) -> nn.Module:
     """Shard ``module``'s trainable params over the ranks of ``process_group`` (ZeRO stage 3),
     in place; returns ``module``.
 
     ``unit``: which modules are fetch units (units.py: None = the elements of every
     ``nn.ModuleList``, a set of module classes, or an int: params per unit at least). The
     rest, and params tied across units, form the root unit, gathered for the whole forward
-    and backward. ``prefetch``: how many units' gathers run ahead of the one in use, once
+    and backward; ``split``: a unit's params kept in separate flats (param groups) by key
+    (splits.py [Note: split flats]; ``split_no_decay``: the HF Trainer's). ``prefetch``: how many units' gathers run ahead of the one in use, once
     the order is known (schedule.py). ``max_live_params`` / ``max_live_bytes`` (one of them;
     bytes as an int or "512MiB"): prefetch never takes the gathered units (the root
     included) over it; the unit in use is gathered even when it alone is over (a warning,
@@ -126,7 +129,7 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     rank the same. ``weights``: a torch or safetensors checkpoint path loaded right after,
     unit by unit, each rank its own slices (``load_weights``, strict); with it, only the
     non-persistent buffers of a meta model are initialised (the checkpoint has the rest)."""
-    _check(module, offload_params, prefetch, swap_dir)
+    _check(module, offload_params, prefetch, swap_dir, split)
     budget, in_bytes = _live_budget(max_live_params, max_live_bytes)
     meta = has_meta(module)
     if init_fn is not None and not meta:
@@ -148,15 +151,14 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     keys = record_keys(module, members)
     names: Dict[int, str] = {id(m): n for n, m in module.named_modules()}
     qual: Dict[int, str] = {id(p): n for n, p in reversed(list(module.named_parameters(remove_duplicate=False)))}
-    plans = [_dtype_groups(ms, qual) for ms in members]  # names by position: materializing changes ids
+    plans = [flat_groups(ms, qual, split) for ms in members]  # names by position: materializing changes ids
     flats: Dict[int, List[FlatParam]] = {}
 
     def build(i: int) -> None:
         m, ms = unit_modules[i], members[i]
         flats[i] = [FlatParam([ms[j] for j in idx], info=ShardInfo(process_group, world, rank, names.get(id(m), "")),
-                              holder=m, attr=f"_shard_{str(dt).replace('torch.', '')}", names=nm, tier=tier,
-                              streams=streams, host_shard=offload_params != "none")
-                    for dt, idx, nm in plans[i]]
+                              holder=m, attr=attr, names=nm, tier=tier, streams=streams,
+                              host_shard=offload_params != "none") for _dt, attr, idx, nm in plans[i]]
 
     if meta:
         materialize(module, unit_modules, members, build, init_fn, loading=weights is not None)
@@ -185,14 +187,6 @@ def _device_streams(module: nn.Module) -> Any:
     if p is None:
         return None
     return device_mod.streams_for(p.device)
-
-
-def _dtype_groups(ms: list, qual: Dict[int, str]) -> List[Tuple[torch.dtype, List[int], List[str]]]:
-    """A unit's members split by dtype: (dtype, their positions in ``ms``, their names)."""
-    by_dtype: Dict[torch.dtype, List[int]] = {}
-    for j, (p, _owners) in enumerate(ms):
-        by_dtype.setdefault(p.dtype, []).append(j)
-    return [(dt, idx, [qual[id(ms[j][0])] for j in idx]) for dt, idx in by_dtype.items()]
 
 
 @torch.no_grad()

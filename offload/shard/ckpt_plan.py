@@ -50,8 +50,8 @@ def check_model(m: Dict[str, Any], flats: List[Tuple[str, Any]], path: str) -> N
     layout = [(d["unit"], d["dtype"], [(p[0], p[2], p[3]) for p in d["params"]]) for d in saved]
     if layout != [(d["unit"], d["dtype"], [(p[0], p[2], p[3]) for p in d["params"]]) for d in here]:
         units = [d["unit"] or "<root>" for d in saved]
-        raise ValueError(f"{path}: the checkpoint has the same params in other fetch units ({_listed(units)}) than "
-                         "this model: shard it with the same unit= as the model that was saved")
+        raise ValueError(f"{path}: the checkpoint has the same params in other fetch units or flats ({_listed(units)}) "
+                         "than this model: shard it with the same unit= and split= as the model that was saved")
 
 
 def group_of(optimizer: Any, shard: torch.Tensor) -> Optional[int]:

@@ -1,0 +1,143 @@
+"""``offload.shard(model, split=...)``: a unit's params in separate flats by key, so that they
+can take different hyperparameters (offload/shard/splits.py [Note: split flats]). With one
+flat per unit and dtype, the Hugging Face Trainer's no-decay group (biases, norm weights)
+was empty and they decayed with the rest, silently."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+import offload
+from _ranks import group
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _batches(n=4):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 64, (4, 16), generator=g) for _ in range(n)]
+
+
+def _trainer_run(model, tmp):
+    data = [{"input_ids": x, "labels": x} for b in _batches() for x in b]
+    args = transformers.TrainingArguments(
+        output_dir=tmp, max_steps=3, per_device_train_batch_size=4, report_to=[], use_cpu=True, max_grad_norm=0,
+        lr_scheduler_type="constant", weight_decay=0.5, learning_rate=1e-2, seed=0, data_seed=0, save_strategy="no")
+    t = transformers.Trainer(model=model, args=args, train_dataset=data, optimizer_cls_and_kwargs=(offload.AdamW, {}))
+    t.train()
+    return t
+
+
+def _max_diff(model, plain):
+    whole = offload.shard.full_state_dict(model)
+    return max(float((whole[k] - v).abs().max()) for k, v in plain.state_dict().items())
+
+
+def test_the_trainers_no_decay_group_takes_the_split_flats(tmp_path):
+    plain = _gpt2()
+    _trainer_run(plain, str(tmp_path / "plain"))
+    whole_flats = offload.shard(_gpt2())
+    _trainer_run(whole_flats, str(tmp_path / "one"))
+    assert _max_diff(whole_flats, plain) > 1e-4  # biases and norms decayed: why split exists
+    split = offload.shard(_gpt2(), split=offload.shard.split_no_decay)
+    t = _trainer_run(split, str(tmp_path / "split"))
+    assert [(len(g["params"]), g["weight_decay"]) for g in t.optimizer.param_groups] == [(3, 0.5), (3, 0.0)]
+    assert _max_diff(split, plain) == 0.0
+
+
+def test_flat_names_and_the_whole_model_are_kept(tmp_path):
+    model = offload.shard(_gpt2(), split=lambda name, p, m: "vectors" if p.dim() == 1 else None)
+    names = [n for n, _ in model.named_parameters()]
+    assert "transformer.h.0._shard_float32" in names and "transformer.h.0._shard_float32_vectors" in names
+    plain = _gpt2()
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in offload.shard.full_state_dict(model).items())
+    path = str(tmp_path / "w.safetensors")
+    offload.shard.full_state_dict(model, path)
+    again = offload.shard(_gpt2(), split=offload.shard.split_no_decay, weights=path)
+    assert _max_diff(again, plain) == 0.0
+
+
+def test_a_checkpoint_resumes_with_the_same_split_only(tmp_path):
+    def build(split):
+        model = offload.shard(_gpt2(), split=split)
+        return model, offload.AdamW(_groups(model), lr=1e-2)
+
+    model, opt = build(offload.shard.split_no_decay)
+    for x in _batches(2):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    offload.shard.save_checkpoint(model, opt, str(tmp_path))
+    again, opt2 = build(offload.shard.split_no_decay)
+    offload.shard.load_checkpoint(again, opt2, str(tmp_path))
+    x = _batches(3)[2]
+    for m, o in ((model, opt), (again, opt2)):
+        m(input_ids=x, labels=x).loss.backward()
+        o.step()
+    assert _max_diff(again, _plain_of(model)) == 0.0
+    other, opt3 = build(None)
+    with pytest.raises(ValueError, match="split="):
+        offload.shard.load_checkpoint(other, opt3, str(tmp_path))
+
+
+def _plain_of(model):
+    """An unsharded GPT-2 holding ``model``'s whole weights."""
+    plain = _gpt2()
+    plain.load_state_dict(offload.shard.full_state_dict(model))
+    return plain
+
+
+@pytest.mark.parametrize("split,error", [
+    ("bias", TypeError),
+    (lambda name, p, m: "a-b", ValueError),
+    (lambda name, p, m: 3, ValueError),
+    (lambda name, p, m: "", ValueError),
+])
+def test_bad_splits_are_refused_before_anything_changes(split, error):
+    model = _gpt2()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match="split"):
+        offload.shard(model, split=split)
+    assert not hasattr(model, "_offload_shard_runtime")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def _groups(model):
+    """AdamW groups as the Trainer makes them: a no-decay group by the Trainer's name rule."""
+    decay = transformers.trainer_pt_utils.get_parameter_names(
+        model, [torch.nn.LayerNorm], [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"])
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": 0.5},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
+def _steps(model):
+    opt = offload.AdamW(_groups(model), lr=1e-2)
+    for x in _batches(3):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def split_rank(rank, world):
+    """Each rank the same batches: the averaged grads equal one rank's, so the sharded model
+    must end where the unsharded one does in this process (same threads, same GEMM bits)."""
+    plain = _gpt2()
+    _steps(plain)
+    model = offload.shard(_gpt2(), split=offload.shard.split_no_decay)
+    _steps(model)
+    whole = offload.shard.full_state_dict(model, rank0_only=False)
+    return sorted(k for k, v in plain.state_dict().items() if not torch.equal(whole[k], v))
+
+
+def test_two_ranks_with_split_flats_equal_the_unsharded_model():
+    assert group(2).run(split_rank, timeout=240) == {0: [], 1: []}
