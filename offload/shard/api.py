@@ -109,10 +109,10 @@ def shard(module: nn.Module, *, process_group: Any = None, offload_params: str =
     ``unit``: which modules are fetch units (units.py: None = the elements of every
     ``nn.ModuleList``, a set of module classes, or an int: params per unit at least). The
     rest, and params tied across units, form the root unit, gathered for the whole forward
-    and backward; ``split``: a unit's params kept in separate flats (param groups) by key
-    (splits.py [Note: split flats]; ``split_no_decay``: the HF Trainer's). ``prefetch``: how many units' gathers run ahead of the one in use, once
-    the order is known (schedule.py). ``max_live_params`` / ``max_live_bytes`` (one of them;
-    bytes as an int or "512MiB"): prefetch never takes the gathered units (the root
+    and backward; ``split``: flats (param groups) by key (splits.py [Note: split flats]).
+    ``prefetch``: how many units' gathers run ahead of the one in use, once the order is
+    known (schedule.py). ``max_live_params`` / ``max_live_bytes`` (one of them; bytes as an
+    int or "512MiB"): prefetch never takes the gathered units (the root
     included) over it; the unit in use is gathered even when it alone is over (a warning,
     once). ``offload_params``: "none" and "cpu" (a CPU model's shards live in host memory; on
     CUDA "none": on the device, "cpu": pinned, device.py [Note: stage 3 on a device]); "nvme":
