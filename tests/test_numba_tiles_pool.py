@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from _fork_child import run_child
 from offload.kernels import _numba_tiles_pool as pool_module
 from offload.kernels._numba_tiles_pool import run_tiles
 
@@ -107,28 +108,13 @@ def test_a_runs_error_is_raised_after_the_others():
 
 
 def _in_a_forked_child_runs_tiles() -> None:
-    """Fork; the child runs a call on 3 threads and exits 0 when every tile ran on more than
-    one thread; the parent waits up to 60 s (a child waiting for a thread or a lock that did
-    not come with the fork hangs)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            k = Recorder(delay=0.01)
-            run_tiles(k, 16, 3, ("args",))
-            code = 0 if k.tiles() == list(range(16)) and len(k.threads) > 1 else 2
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail("the forked child's call did not finish in 60 s")
+    """A call on 3 threads in a forked child: every tile, on more than one thread."""
+    def body():
+        k = Recorder(delay=0.01)
+        run_tiles(k, 16, 3, ("args",))
+        return k.tiles() == list(range(16)) and len(k.threads) > 1
+
+    run_child(body, "the forked child's call did not finish in 60 s (a pool thread or lock of the parent's)")
 
 
 def test_a_forked_child_gets_a_pool_of_its_own():

@@ -8,12 +8,11 @@ forever for the parent's (torch's own parallel ops hang there).
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import pytest
 import torch
 
+from _fork_child import run_child
 from offload.kernels import get_backend
 from offload.kernels import _threads
 from offload.kernels.fields import ADAM, SGD
@@ -61,27 +60,6 @@ def test_the_pools_give_the_same_bits(monkeypatch):
     assert nb._lib.offload_omp_pool() == 1, "torch's pool was not found: auto compared own with own"
 
 
-def _run_child(body) -> None:
-    """``body()`` in a forked child, which must exit 0 within a minute (a hang fails)."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (the child)
-        code = 1
-        try:
-            code = 0 if body() else 3
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0, "the child's step failed"
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail("a forked child's two-thread step hung (it waited for the parent's OpenMP threads)")
-
-
 @pytest.mark.parametrize("who", ["python", "library"])
 def test_a_forked_child_steps_on_its_own_threads(monkeypatch, who):
     """The parent ran torch's pool and a two-thread step on it; the child's two-thread step
@@ -101,7 +79,7 @@ def test_a_forked_child_steps_on_its_own_threads(monkeypatch, who):
         seen = nb._lib.offload_omp_pool() == 0 if who == "library" else nb.pool_setting().startswith("own")
         return seen and all(_same(a, b) for a, b in zip(got, want))
 
-    _run_child(child)
+    run_child(child, "a forked child's two-thread step hung (it waited for the parent's OpenMP threads)")
 
 
 def test_more_threads_than_cpus_never_go_to_libgomp(monkeypatch):
