@@ -58,7 +58,7 @@ _BACKENDS_BY_NAME = {
     "test_native_compressed", "test_compressed_backends", "test_compressed_flat", "test_bench_scripts",
     "test_shard_train", "test_shard_models", "test_plan_stage3", "test_compressed_plan", "test_quant_scheme",
     "test_rule_step_names", "test_shard_buckets", "test_shard_window", "test_shard_llama",
-    "test_shard_bf16_accumulate", "test_q8_buckets",
+    "test_shard_bf16_accumulate", "test_q8_buckets", "test_numba_signals",
 }
 # Lifecycle, faults, ranks and streams of the stores (restarts after kill, forks, checkpoints
 # across ranks, emulated CUDA streams, the native build): the kernel in them is incidental,

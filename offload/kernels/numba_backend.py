@@ -20,6 +20,7 @@ numba_compressed, the same element functions.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -32,6 +33,8 @@ from numba import njit, prange
 
 from ._checks import GRAD_DTYPES, LOWP_DTYPES, check_tensor, check_threads
 from ._numba_bits import lowp_bits, u16_to_float
+from . import _numba_signals
+from ._numba_signals import signals_held
 from ._numba_sumsq import sumsq_parallel, sumsq_serial
 from ._numba_tiles_pool import run_tiles
 from ._rule_step import RuleStepFace
@@ -45,6 +48,8 @@ from .quant import BLOCK, default_code, quant_map, zero_code
 from .rule_consts import RuleFoldCache, fold_adagrad, fold_lion, fold_sgd
 
 __all__ = ["NumbaBackend"]
+
+_numba_signals.install()  # signals that land in llvmlite's callbacks: [Note: signals in llvmlite's callbacks]
 
 if not os.environ.get("NUMBA_THREADING_LAYER"):
     numba.config.THREADING_LAYER = "workqueue"
@@ -180,6 +185,16 @@ def _kernel_scalars(c: AdamConsts) -> tuple:
             f32(c.neg_step_size))
 
 
+def _held(method):
+    """``method`` with SIGINT and SIGTERM held while it runs its numba kernels
+    ([Note: signals in llvmlite's callbacks] in _numba_signals.py)."""
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        with signals_held():
+            return method(*args, **kwargs)
+    return call
+
+
 class NumbaBackend(RuleStepFace):
     name = "numba"
 
@@ -192,15 +207,18 @@ class NumbaBackend(RuleStepFace):
         self._adagrad_fold = RuleFoldCache(fold_adagrad, 7, nr.adagrad_scalars)
         self._lion_fold = RuleFoldCache(fold_lion, 6, nr.lion_scalars)
 
+    @_held
     def _sgd(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         # without a buffer the param stands in for it: mode 0 never writes it
         self._run_rule(nr.sgd_serial, (nr.sgd_parallel, nr.sgd_parallel_lowp), param, grad,
                        states[:1] or (param,), param_lowp, num_threads, self._sgd_fold(hyper))
 
+    @_held
     def _adagrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         self._run_rule(nr.adagrad_serial, (nr.adagrad_parallel, nr.adagrad_parallel_lowp),
                        param, grad, states, param_lowp, num_threads, self._adagrad_fold(hyper))
 
+    @_held
     def _lion(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         self._run_rule(nr.lion_serial, (nr.lion_parallel, nr.lion_parallel_lowp), param,
                        grad, states, param_lowp, num_threads, self._lion_fold(hyper))
@@ -225,6 +243,7 @@ class NumbaBackend(RuleStepFace):
             numba.set_num_threads(threads)
             parallel[param_lowp is not None](*args)
 
+    @_held
     def _adam(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         args = self._fold(hyper)
         exp_avg, exp_avg_sq = states
@@ -248,10 +267,12 @@ class NumbaBackend(RuleStepFace):
             numba.set_num_threads(threads)
             kernel(*kargs, *args)
 
+    @_held
     def _adam_amsgrad(self, param, grad, states, param_lowp, num_threads, hyper) -> None:
         self._run_rule(nr.amsgrad_serial, (nr.amsgrad_parallel, nr.amsgrad_parallel_lowp), param, grad, states,
                        param_lowp, num_threads, self._fold(hyper))
 
+    @_held
     def _compressed(self, method, fields, param, grad, states, param_lowp, num_threads, hyper,
                     q) -> None:
         """One pass of numba_compressed's kernel: states decoded per 256-element tile, the
@@ -292,6 +313,7 @@ class NumbaBackend(RuleStepFace):
             return nc.LionArgs(*self._lion_fold(hyper))
         raise ValueError(f"no compressed kernel for rule method {method!r}")
 
+    @_held
     def grad_sumsq(self, grad, *, num_threads=None) -> Tuple[float, bool]:
         check_tensor("grad", grad, GRAD_DTYPES)
         check_threads(num_threads)
