@@ -130,3 +130,17 @@ def test_another_thread_is_left_alone(sigterm_raises):
     t.start()
     t.join()
     assert seen == ["raise_terminated"]
+
+
+def test_a_child_forked_inside_a_hold_has_its_handlers_back():
+    from _fork_child import run_child
+    from offload.kernels import _numba_signals
+
+    _numba_signals.hold()  # as llvmlite's lock does
+    try:
+        assert signal.getsignal(signal.SIGINT).__name__ == "_note"
+        run_child(lambda: signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                  "the forked child hung")
+    finally:
+        _numba_signals.release()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

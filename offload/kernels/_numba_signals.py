@@ -22,6 +22,7 @@ Python. Main thread only: handlers run there.
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any, List, Tuple
@@ -37,6 +38,19 @@ _HELD = (signal.SIGINT, signal.SIGTERM)
 _pending: List[int] = []
 _saved: List[Tuple[int, Any]] = []
 _state = {"lock_depth": 0, "calls": 0}
+
+
+def _after_fork_in_child() -> None:
+    """A child forked by another thread while the main one held llvmlite's lock: its main
+    thread holds no lock, so its handlers go back and the count starts over."""
+    while _saved:
+        sig, h = _saved.pop()
+        _raw_signal.signal(sig, h)
+    _state["lock_depth"] = _state["calls"] = 0
+    del _pending[:]  # the parent's, not for the child
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _main() -> bool:
