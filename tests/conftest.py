@@ -79,7 +79,7 @@ _KERNEL_INCIDENTAL = {
     "test_shard_checkpointing",  # the recompute's gathers and hooks (activation checkpointing)
     "test_master_in_state", "test_dcp_state_dict", "test_dcp_ranks", "test_dcp_stage3",  # the store's entries and DCP's dicts
     "test_deepspeed_ops", "test_torchao_compat",  # other libraries' calls mapped to our classes
-    "test_shard_save_pretrained", "test_shard_split",  # transformers' save and groups over a sharded model
+    "test_shard_transformers",  # transformers' save and groups over a sharded model
 }
 # ...and the numba kernels' own compressed tests, which pick numba by name: the numba pass only.
 _NUMBA_BY_NAME = {"test_numba_compressed", "test_numba_zero_division", "test_numba_f32x8"}
