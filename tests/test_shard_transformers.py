@@ -18,6 +18,7 @@ import tempfile
 import pytest
 import torch
 
+import _shard_rank_jobs
 import offload
 from _ranks import group
 
@@ -137,19 +138,8 @@ def _steps(model):
         opt.zero_grad()
 
 
-def split_rank(rank, world):
-    """Each rank the same batches: the averaged grads equal one rank's, so the sharded model
-    must end where the unsharded one does in this process (same threads, same GEMM bits)."""
-    plain = _gpt2()
-    _steps(plain)
-    model = offload.shard(_gpt2(), split=offload.shard.split_no_decay)
-    _steps(model)
-    whole = offload.shard.full_state_dict(model, rank0_only=False)
-    return sorted(k for k, v in plain.state_dict().items() if not torch.equal(whole[k], v))
-
-
 def test_two_ranks_with_split_flats_equal_the_unsharded_model():
-    assert group(2).run(split_rank, timeout=240) == {0: [], 1: []}
+    assert group(2).run(_shard_rank_jobs.split_rank, timeout=240) == {0: [], 1: []}
 
 
 # -- save_pretrained
@@ -213,16 +203,10 @@ def test_the_trainers_save_model_is_loadable(tmp_path):
     _assert_whole(tmp_path / "final", offload.shard.full_state_dict(model))
 
 
-def save_on_ranks(rank, world, path):
-    """Every rank calls save_pretrained (transformers' convention: is_main_process on rank
-    0); rank 0's gathered dict is what the file must hold."""
-    model, _ = _model()
-    whole = offload.shard.full_state_dict(model)
-    model.save_pretrained(path, is_main_process=rank == 0)
-    return {k: v.clone() for k, v in whole.items()} if rank == 0 else sorted(os.listdir(path))
-
-
 def test_two_ranks_write_one_whole_model():
+    """Rank 0 writes the whole model; rank 1 takes part in the gathers and writes nothing."""
     with tempfile.TemporaryDirectory(dir="/var/tmp") as path:
-        got = group(2).run(save_on_ranks, path, timeout=240)
-        _assert_whole(path, got[0])
+        got = group(2).run(_shard_rank_jobs.save_on_ranks, path, timeout=240)
+        (whole, written), (whole1, nothing) = got[0], got[1]
+        assert nothing is None and set(written) == set(whole)
+        assert all(torch.equal(written[k], v) and torch.equal(whole1[k], v) for k, v in whole.items())
