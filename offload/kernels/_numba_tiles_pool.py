@@ -34,14 +34,13 @@ from typing import Callable, List, Optional
 __all__ = ["run_tiles"]
 
 _pool: Optional[ThreadPoolExecutor] = None
-_pool_pid = -1
 _pool_size = 0
 _pool_lock = threading.Lock()
 
 
 def _forget_parent_pool() -> None:
-    global _pool, _pool_pid, _pool_size, _pool_lock
-    _pool, _pool_pid, _pool_size, _pool_lock = None, -1, 0, threading.Lock()
+    global _pool, _pool_size, _pool_lock
+    _pool, _pool_size, _pool_lock = None, 0, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_parent_pool)
@@ -49,12 +48,12 @@ os.register_at_fork(after_in_child=_forget_parent_pool)
 
 def _executor(workers: int) -> ThreadPoolExecutor:
     """The pool, with at least ``workers`` threads, in this process."""
-    global _pool, _pool_pid, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid() or _pool_size < workers:
-            old = _pool if _pool_pid == os.getpid() else None
+    global _pool, _pool_size
+    with _pool_lock:  # a forked child starts with none (_forget_parent_pool)
+        if _pool is None or _pool_size < workers:
+            old = _pool
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="offload-numba")
-            _pool_pid, _pool_size = os.getpid(), workers
+            _pool_size = workers
             if old is not None:
                 old.shutdown(wait=False)  # its threads finish what they hold, then exit
         return _pool
