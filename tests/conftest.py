@@ -48,6 +48,7 @@ _NO_KERNEL = {
     "test_agreement", "test_swap_session", "test_state_fields", "test_step_context", "test_report_append",
     "test_kernel_bits", "test_uring_native", "test_swap_previous", "test_numba_cache",
     "test_numba_tiles_pool",  # the threads that run the numba kernel, driven with Python stand-ins
+    "test_no_compiler", "test_native_cache",  # setup.py's build with stand-in compilers
 }
 
 
@@ -80,13 +81,36 @@ _KERNEL_INCIDENTAL = {
     "test_master_in_state", "test_dcp_state_dict", "test_dcp_ranks", "test_dcp_stage3",  # the store's entries and DCP's dicts
     "test_deepspeed_ops", "test_torchao_compat",  # other libraries' calls mapped to our classes
     "test_shard_transformers",  # transformers' save and groups over a sharded model
+    # kill -9 after a commit, a forked child's close, signals between unlinks and while the
+    # command imports torch, a closed stdout pipe: the store's commits and the process's
+    # handling, in subprocesses that would each compile the numba kernels again (~70 s of
+    # the numba pass, forty-second session). The numba kernels under a signal are kept:
+    # test_cli_adversarial (the demo's SIGTERM) and test_numba_signals.
+    "test_commit_before_counts", "test_fork_keep_swap", "test_signals_around_removal", "test_cli_signals",
+    "test_cli_pipe",
 }
 # ...and the numba kernels' own compressed tests, which pick numba by name: the numba pass only.
 _NUMBA_BY_NAME = {"test_numba_compressed", "test_numba_zero_division", "test_numba_f32x8"}
 
 
+def _numba_pass() -> bool:
+    return os.environ.get("OFFLOAD_BACKEND", "").strip().lower() == "numba"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The pass that would only skip a module (see the sets above) does not import it either,
+    unless the module was named on the command line (where it then shows as skipped)."""
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    skipped = (_NO_KERNEL | _BACKENDS_BY_NAME | _KERNEL_INCIDENTAL) if _numba_pass() else _NUMBA_BY_NAME
+    if collection_path.stem not in skipped:
+        return None
+    named = {pathlib.Path(a.split("::", 1)[0]).resolve() for a in config.args}
+    return None if collection_path.resolve() in named else True
+
+
 def pytest_collection_modifyitems(config, items):
-    numba_pass = os.environ.get("OFFLOAD_BACKEND", "").strip().lower() == "numba"
+    numba_pass = _numba_pass()
     if numba_pass:
         skipped = _NO_KERNEL | _BACKENDS_BY_NAME | _KERNEL_INCIDENTAL
         skip = pytest.mark.skip(reason="runs no kernel, or picks its backends by name: covered by the "
