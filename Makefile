@@ -20,6 +20,10 @@ STAMP  := $(VENV)/.offload-installed
 # interpreters the tests start then reuse the compiled test modules (their asserts rewritten
 # by pytest) and offload's, instead of compiling them again in each (~5 CPU-s per worker).
 WORKERS ?= 3
+# Each native unit's object is kept under a digest of its sources, flags and compiler
+# ([Note: native object cache] in setup.py): the wheel test's `pip wheel` of a copy of the
+# tree links what set-up compiled instead of compiling it again. `make clean` drops it.
+export OFFLOAD_NATIVE_CACHE ?= $(CURDIR)/build/native-objects
 PYTEST := OMP_WAIT_POLICY=PASSIVE PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadscope)
 
 .PHONY: setup demo test test-native test-numba bench clean
