@@ -31,6 +31,7 @@ import time
 _ZYGOTE = r'''
 import builtins, json, os, socket, sys, types
 import torch, offload  # what every child would import again
+import torch._dynamo  # imported by torch.optim.Optimizer.add_param_group at a child's first optimizer (~1.7 s)
 
 def serve(sock):
     while True:

@@ -10,9 +10,12 @@ def _context():
     """multiprocessing's forkserver with torch and offload imported once per test process: a
     rank is forked from it instead of being a fresh interpreter importing them again (~3 s of
     CPU each, about twenty per suite pass, on CI's two cores). The server imports and runs no
-    torch op, so a fork of it holds no thread pool or lock (as tests/_forkserver.py's zygote)."""
+    torch op, so a fork of it holds no thread pool or lock (as tests/_forkserver.py's zygote).
+    torch._dynamo too: torch imports it at the first ``add_param_group`` of any optimizer
+    (``torch._disable_dynamo``), ~1.7 s of CPU in every rank (forty-second session: ~100 s of
+    the ranks' CPU in the native pass)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "offload"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "offload"])
     return ctx
 
 
