@@ -276,6 +276,31 @@ def test_a_shard_rebound_with_data_is_refused_at_the_forward(model):
         model(torch.randn(4, 8))
 
 
+def _ddp_above(m):
+    """DDP over a module holding the sharded one reads that module's ignore list, not the
+    sharded one's: it broadcast rank 0's shards over rank 1's, silently. Its first forward
+    refuses now, on both ranks; a DDP told to ignore the shards trains the rest."""
+    ignoring = nn.Sequential(m, nn.Linear(3, 3))
+    shard_names = [n for n, _ in ignoring.named_parameters() if "_shard_" in n]
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ignoring, shard_names)
+    ddp = torch.nn.parallel.DistributedDataParallel(ignoring)
+    ddp(torch.randn(4, 8)).sum().backward()
+    let_be = all(p.grad is not None for p in ignoring.parameters())
+    from torch.distributed.fsdp import fully_shard
+    try:
+        fully_shard(nn.Sequential(m))  # its module walk took the shards, as fully_shard(m) did
+        return False
+    except RuntimeError as e:
+        fsdp_refused = "offload.shard() sharded" in str(e)
+    ddp = torch.nn.parallel.DistributedDataParallel(nn.Sequential(m))
+    try:
+        ddp(torch.randn(4, 8))
+        return False
+    except RuntimeError as e:
+        return let_be and fsdp_refused and "DistributedDataParallel over a module holding" in str(e) and \
+            "_shard_" in str(e)
+
+
 def _two_ranks(rank, port, offload_params, out):
     import traceback
 
@@ -319,7 +344,7 @@ def _two_ranks(rank, port, offload_params, out):
                     except RuntimeError as e:
                         ddp_refused.append("offload.shard() sharded" in str(e))
             unchanged = all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
-            out.put((rank, True, (filled, loaded, refused, all(ddp_refused) and unchanged)))
+            out.put((rank, True, (filled, loaded, refused, all(ddp_refused) and unchanged, _ddp_above(m))))
             dist.barrier()
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
@@ -332,4 +357,4 @@ def _two_ranks(rank, port, offload_params, out):
 @pytest.mark.parametrize("offload_params", ["none", "nvme"])
 def test_two_ranks_apply_load_and_cast(offload_params):
     got = run_ranks(_two_ranks, 2, (offload_params,), timeout=180)
-    assert got == {0: (True, True, True, True), 1: (True, True, True, True)}
+    assert got == {0: (True,) * 5, 1: (True,) * 5}

@@ -38,6 +38,14 @@ own module methods know nothing of that, and some of them did something silently
   reads first, ``_ddp_params_and_buffers_to_ignore``): it broadcast rank 0's shards over every
   other rank's at construction, and then averaged grads of shards that are not the same
   elements, silently. The shards' grads are reduce-scattered by offload itself (hooks.py).
+- ``DistributedDataParallel`` over a module *above* the one ``shard()`` was given (a wrapper
+  holding the sharded model) reads that wrapper's ignore list, not the sharded module's, and
+  was accepted: its constructor had already broadcast rank 0's shards over the others' (and
+  its reducer would wait for shard grads autograd never gives). The root unit's first forward
+  under it raises (``refuse_ddp_above``: DDP marks the forward it runs, ``_active_ddp_module``),
+  on every rank alike, before any step; a DDP told to ignore the shards' names is let be.
+  ``fully_shard`` over such a wrapper is refused before it takes a param, from the registry
+  lookup of its module walk (``_RefuseComposable._taken_from_above``).
 - torch's composable ``fully_shard`` (FSDP2) and ``replicate`` refuse too (``RuntimeError``,
   from their registry on the module, ``_RefuseComposable``): ``fully_shard`` put DTensors in
   place of the shards, which offload's hooks and the optimizer do not read; on two ranks the
@@ -47,6 +55,8 @@ own module methods know nothing of that, and some of them did something silently
 from __future__ import annotations
 
 import functools
+import sys
+import weakref
 from typing import Any, Dict, List, Set
 
 import torch
@@ -55,7 +65,7 @@ import torch.nn as nn
 from offload.memory import paging
 from offload.shard.save_pretrained import sharded_save_pretrained
 
-__all__ = ["install", "refuse_copy"]
+__all__ = ["install", "refuse_copy", "refuse_ddp_above"]
 
 
 class _RefuseDDP:
@@ -73,6 +83,25 @@ class _RefuseDDP:
 _REFUSE_DDP = _RefuseDDP()
 
 
+def refuse_ddp_above(units: List[Any], passed: "weakref.WeakSet[Any]") -> None:
+    """Raise when the running forward is a ``DistributedDataParallel``'s that manages a shard
+    (see the note); ``passed`` holds the DDP modules already found not to (checked once)."""
+    ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+    if ddp is None or ddp in passed:
+        return
+    managed = {id(p) for p in getattr(ddp, "_module_parameters", ())}
+    names = [flat.where for u in units for flat in u.flats if id(flat.shard) in managed]
+    if not names:
+        passed.add(ddp)
+        return
+    raise RuntimeError(
+        "DistributedDataParallel over a module holding a model offload.shard() sharded (ZeRO stage 3), "
+        f"whose shard params it manages ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): its "
+        "constructor has already broadcast rank 0's shards over every other rank's, and it would average "
+        "grads of different elements. Build the model again and train it without DDP (offload reduce-scatters "
+        "the shards' grads itself)")
+
+
 def _composable_refusal(api: str) -> RuntimeError:
     return RuntimeError(
         f"torch's {api}() over a model offload.shard() sharded (ZeRO stage 3): its params are already this "
@@ -87,12 +116,28 @@ class _RefuseComposable(dict):
     touches a param, it asks whether ``fully_shard`` is there (``"fully_shard" in registry``,
     by fully_shard's contract and by replicate) and adds its own name (``setdefault``), both
     refused here. Other lookups answer as an empty registry: FSDP's module walk, which
-    torch.distributed.checkpoint's state_dict helpers run, asks for ``"replicate"``."""
+    torch.distributed.checkpoint's state_dict helpers run, asks for ``"replicate"``. That same
+    walk is how ``fully_shard`` over a module *above* a sharded one finds the params it takes
+    (``_get_managed_modules``, whose frame is then on the stack): refused there too, unless
+    every shard below is in its ``ignored_params``."""
+
+    def __init__(self, flats: List[Any]) -> None:
+        super().__init__()
+        self.flats = flats
 
     def __contains__(self, name: object) -> bool:
-        if name == "fully_shard":
+        if name == "fully_shard" or (name == "replicate" and self._taken_from_above()):
             raise _composable_refusal("fully_shard")
         return dict.__contains__(self, name)
+
+    def _taken_from_above(self) -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:  # as deep as the module walk's recursion (the model's nesting)
+            if frame.f_code.co_name == "_get_managed_modules" and "fsdp" in frame.f_globals.get("__name__", ""):
+                ignored = {id(p) for p in frame.f_locals.get("ignored_params") or ()}
+                return any(id(f.shard) not in ignored for f in self.flats)
+            frame = frame.f_back
+        return False
 
     def setdefault(self, name: Any, default: Any = None) -> Any:
         raise _composable_refusal(str(name))
@@ -306,7 +351,7 @@ def install(root: nn.Module, runtime: Any) -> None:
         m.__dict__["apply"] = functools.partial(_guarded_module_apply, m, units, walk_state)
         m.__dict__["_ddp_params_and_buffers_to_ignore"] = _REFUSE_DDP
         if registry_key is not None and registry_key not in m.__dict__:
-            m.__dict__[registry_key] = _RefuseComposable()
+            m.__dict__[registry_key] = _RefuseComposable(flats)
         if m is root:
             m.__dict__["load_state_dict"] = functools.partial(_full_load, m)
             if callable(getattr(type(m), "save_pretrained", None)):  # transformers' (save_pretrained.py)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload.shard.grads import GradReducer
-from offload.shard.guards import refuse_copy
+from offload.shard.guards import refuse_copy, refuse_ddp_above
 from offload.shard.recompute import Recomputes, in_autograd_backward, reentrant_recompute
 from offload.shard.schedule import GatherSchedule, order_hash
 
@@ -126,6 +126,7 @@ class ShardRuntime:
         self.sync_grads = True  # False: accumulate the full grads locally (no_sync)
         self.ctx: Optional[Any] = None  # an optimizer's StepContext, whose no_sync we follow
         self._handles: List[Any] = []
+        self._ddp_passed: "weakref.WeakSet[Any]" = weakref.WeakSet()  # guards.refuse_ddp_above
         self.tier: Optional[Any] = None  # the ParamTier (tier.py): params on NVMe, or grads with states there
         self.params_on_disk = False
         self._group_end: Optional[Any] = None  # the reduce group's destroyer, when it is ours
@@ -164,6 +165,7 @@ class ShardRuntime:
                 raise RuntimeError("offload.shard: the root module was called inside its own forward, or after a "
                                    "forward or backward that raised: with several ranks, start over")
             self._check_shards()
+            refuse_ddp_above(self.units, self._ddp_passed)
             if self.in_backward:  # one rank: a backward that raised (a Ctrl-C) never reached final()
                 self._drop_unfinished_backward()
             self.in_forward = self.in_backward = False  # one rank: an earlier forward that raised
