@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -52,16 +53,48 @@ def _max_diff(model, plain):
     return max(float((whole[k] - v).abs().max()) for k, v in plain.state_dict().items())
 
 
+_LOST = "weight_decay=0 is empty"  # splits.py [Note: an empty no-decay group]
+
+
 def test_the_trainers_no_decay_group_takes_the_split_flats(tmp_path):
     plain = _gpt2()
     _trainer_run(plain, str(tmp_path / "plain"))
     whole_flats = offload.shard(_gpt2())
-    _trainer_run(whole_flats, str(tmp_path / "one"))
+    with pytest.warns(UserWarning, match=_LOST) as said:
+        _trainer_run(whole_flats, str(tmp_path / "one"))
+    assert "transformer.h.0.ln_1.weight" in str(said[0].message)  # a LayerNorm's, by module type
     assert _max_diff(whole_flats, plain) > 1e-4  # biases and norms decayed: why split exists
     split = offload.shard(_gpt2(), split=offload.shard.split_no_decay)
-    t = _trainer_run(split, str(tmp_path / "split"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        t = _trainer_run(split, str(tmp_path / "split"))
+    assert not [w for w in seen if _LOST in str(w.message)]
     assert [(len(g["params"]), g["weight_decay"]) for g in t.optimizer.param_groups] == [(3, 0.5), (3, 0.0)]
     assert _max_diff(split, plain) == 0.0
+
+
+def _by_name(model, decay):
+    named = dict(model.named_parameters())
+    return [{"params": [p for n, p in named.items() if decay(n)], "weight_decay": 0.1},
+            {"params": [p for n, p in named.items() if not decay(n)], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("split,groups,warned", [
+    (None, "by_name", True),  # the shards' names: the no-decay group comes out empty
+    (None, "one", False),  # one group decaying everything: torch's own meaning, nothing lost
+    (offload.shard.split_no_decay, "by_name", False),
+    (None, "by_name_no_decay_off", False),  # an empty group that decays is no no-decay group
+])
+def test_groups_made_by_name_over_whole_flats_warn(split, groups, warned):
+    model = offload.shard(_gpt2(), split=split)
+    decay = lambda n: "bias" not in n and "norm" not in n  # noqa: E731
+    params = {"one": lambda: [{"params": list(model.parameters()), "weight_decay": 0.1}],
+              "by_name": lambda: _by_name(model, decay),
+              "by_name_no_decay_off": lambda: [dict(g, weight_decay=0.1) for g in _by_name(model, decay)]}[groups]()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        offload.AdamW(params, lr=1e-3).close()
+    assert bool([w for w in seen if _LOST in str(w.message)]) == warned
 
 
 def test_flat_names_and_the_whole_model_are_kept(tmp_path):
@@ -94,7 +127,8 @@ def test_a_checkpoint_resumes_with_the_same_split_only(tmp_path):
         m(input_ids=x, labels=x).loss.backward()
         o.step()
     assert _max_diff(again, _plain_of(model)) == 0.0
-    other, opt3 = build(None)
+    with pytest.warns(UserWarning, match=_LOST):  # groups by name over whole flats
+        other, opt3 = build(None)
     with pytest.raises(ValueError, match="split="):
         offload.shard.load_checkpoint(other, opt3, str(tmp_path))
 

@@ -73,6 +73,8 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
     runtimes = {id(i.runtime): i.runtime for i in (getattr(p, "_offload_shard", None) for p in params)
                 if i is not None and getattr(i, "runtime", None) is not None}.values()
     _check_grads_placed(runtimes, opt.config.offload)
+    for runtime in runtimes:
+        runtime.warn_no_decay_lost(opt.param_groups)
     opt._in_stage3 = True
     try:
         inner = opt._make_store(0, None)

@@ -32,6 +32,7 @@ from offload.shard.grads import GradReducer
 from offload.shard.guards import refuse_copy, refuse_ddp_above
 from offload.shard.recompute import Recomputes, in_autograd_backward, reentrant_recompute
 from offload.shard.schedule import GatherSchedule, order_hash
+from offload.shard.splits import warn_no_decay_lost
 
 __all__ = ["ShardRuntime"]
 
@@ -154,6 +155,10 @@ class ShardRuntime:
 
     def syncing(self) -> bool:
         return self.sync_grads and not (self.ctx is not None and self.ctx.no_sync)
+
+    def warn_no_decay_lost(self, param_groups: List[Any]) -> None:
+        """An optimizer's groups made by name over these shards (splits.py [Note: an empty no-decay group])."""
+        warn_no_decay_lost(self.units, param_groups)
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, u: Any, module: Any, args: Any, kwargs: Any):

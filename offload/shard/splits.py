@@ -16,12 +16,13 @@ gathered and reduce-scattered on its own (one more collective per unit and key).
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-__all__ = ["split_no_decay", "flat_groups", "check_split"]
+__all__ = ["split_no_decay", "flat_groups", "check_split", "warn_no_decay_lost"]
 
 SplitFn = Callable[[str, nn.Parameter, nn.Module], Optional[str]]
 _KEY = re.compile(r"[A-Za-z0-9_]+\Z")
@@ -66,3 +67,32 @@ def flat_groups(ms: List[Tuple[nn.Parameter, List[Tuple[nn.Module, str]]]], qual
         attr = f"_shard_{str(dt).replace('torch.', '')}" + ("" if key is None else f"_{key}")
         out.append((dt, attr, idx, [qual[id(ms[j][0])] for j in idx]))
     return out
+
+
+def _holder(root: Optional[nn.Module], name: str) -> nn.Module:
+    try:
+        return root.get_submodule(name.rpartition(".")[0]) if root is not None else nn.Module()
+    except AttributeError:
+        return nn.Module()
+
+
+def warn_no_decay_lost(units: List[Any], param_groups: List[Dict[str, Any]]) -> None:
+    """[Note: an empty no-decay group] An optimizer over the shards whose groups include one
+    with ``weight_decay`` 0 and no params, beside groups that decay shards holding biases or
+    norm weights: the groups were made by name (the Hugging Face Trainer's ``create_optimizer``,
+    or a loop over ``named_parameters()``), saw only the shards' names, and so every bias and
+    norm weight decays, silently. Warned once, at the optimizer's construction, naming some."""
+    if not any(not g["params"] and not g.get("weight_decay") for g in param_groups):
+        return
+    decayed = {id(p) for g in param_groups if g.get("weight_decay") for p in g["params"]}
+    root = next((u.module for u in units if u.is_root), None)
+    lost = [name for u in units for flat in u.flats if id(flat.shard) in decayed for name in flat.names
+            if split_no_decay(name, flat.shard, _holder(root, name)) is not None]
+    if lost:
+        more = ", ..." if len(lost) > 3 else ""
+        warnings.warn(
+            f"offload.shard: the optimizer's param group with weight_decay=0 is empty, while {len(lost)} biases and "
+            f"norm weights ({', '.join(lost[:3])}{more}) are in shards of a group that decays them: a unit's params "
+            "of one dtype are one flat shard, so groups made by name (the Hugging Face Trainer's decay / no-decay "
+            "groups) see only the shards' names. Shard with split=offload.shard.split_no_decay to keep them apart",
+            UserWarning, stacklevel=2)
