@@ -108,7 +108,9 @@ class ObjectCache:
     test's ``pip wheel`` of a copy of the tree then links what ``make setup`` compiled, ~45 s
     of CPU less on CI's two cores. Unset, nothing is cached; a cache that cannot be read or
     written only costs the compile, never the build. A missing compiler is still reported:
-    the cache is consulted only once the compiler was found and answered ``--version``."""
+    the cache is consulted only once the compiler was found and answered ``--version``.
+    System headers are not in the digest (a compiler upgrade changes ``--version``; libc
+    headers changed alone would not): ``make clean`` drops the cache with ``build/``."""
 
     def __init__(self, folder: str, digest: "hashlib._Hash") -> None:
         self.folder, self.digest = folder, digest
