@@ -97,13 +97,16 @@ def _numba_pass() -> bool:
     return os.environ.get("OFFLOAD_BACKEND", "").strip().lower() == "numba"
 
 
+def _skipped_in_this_pass() -> set:
+    return (_NO_KERNEL | _BACKENDS_BY_NAME | _KERNEL_INCIDENTAL) if _numba_pass() else _NUMBA_BY_NAME
+
+
 def pytest_ignore_collect(collection_path, config):
     """The pass that would only skip a module (see the sets above) does not import it either,
     unless the module was named on the command line (where it then shows as skipped)."""
     if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
         return None
-    skipped = (_NO_KERNEL | _BACKENDS_BY_NAME | _KERNEL_INCIDENTAL) if _numba_pass() else _NUMBA_BY_NAME
-    if collection_path.stem not in skipped:
+    if collection_path.stem not in _skipped_in_this_pass():
         return None
     named = {pathlib.Path(a.split("::", 1)[0]).resolve() for a in config.args}
     return None if collection_path.resolve() in named else True
@@ -111,12 +114,11 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_collection_modifyitems(config, items):
     numba_pass = _numba_pass()
+    skipped = _skipped_in_this_pass()
     if numba_pass:
-        skipped = _NO_KERNEL | _BACKENDS_BY_NAME | _KERNEL_INCIDENTAL
         skip = pytest.mark.skip(reason="runs no kernel, or picks its backends by name: covered by the "
                                        "native pass of `make test`")
     else:
-        skipped = _NUMBA_BY_NAME
         skip = pytest.mark.skip(reason="tests the numba kernels by name: covered by the numba pass of "
                                        "`make test`")
     for item in items:
