@@ -292,6 +292,12 @@ def _ddp_above(m):
         return False
     except RuntimeError as e:
         fsdp_refused = "offload.shard() sharded" in str(e)
+    from torch.distributed._composable import replicate
+    try:
+        replicate(nn.Sequential(m))(torch.randn(4, 8))  # replicate's init waits for the first forward
+        return False
+    except RuntimeError as e:
+        fsdp_refused = fsdp_refused and "offload.shard() sharded" in str(e) and "replicate()" in str(e)
     ddp = torch.nn.parallel.DistributedDataParallel(nn.Sequential(m))
     try:
         ddp(torch.randn(4, 8))

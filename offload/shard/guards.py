@@ -103,11 +103,14 @@ def refuse_ddp_above(units: List[Any], passed: "weakref.WeakSet[Any]") -> None:
 
 
 def _composable_refusal(api: str) -> RuntimeError:
+    """``api``: the API's name, or None where the lookup cannot tell (both ask the registry)."""
+    named = f"{api}()" if api else "fully_shard() or replicate()"
     return RuntimeError(
-        f"torch's {api}() over a model offload.shard() sharded (ZeRO stage 3): its params are already this "
-        "rank's shards, which offload gathers and whose grads it reduce-scatters itself; sharding or "
-        "replicating them again would leave offload's gathers and the optimizer on other tensors than "
-        f"{api}'s. Use one of the two (offload.shard with an offload optimizer, or {api} with its own)")
+        f"torch's {named} over a model offload.shard() sharded (ZeRO stage 3), or over a module holding one: "
+        "its params are already this rank's shards, which offload gathers and whose grads it reduce-scatters "
+        "itself; sharding or replicating them again would leave offload's gathers and the optimizer on other "
+        f"tensors than {api or 'torch'}'s. Use one of the two (offload.shard with an offload optimizer, or "
+        f"{api or 'torch'}'s API with its own)")
 
 
 class _RefuseComposable(dict):
@@ -127,7 +130,7 @@ class _RefuseComposable(dict):
 
     def __contains__(self, name: object) -> bool:
         if name == "fully_shard" or (name == "replicate" and self._taken_from_above()):
-            raise _composable_refusal("fully_shard")
+            raise _composable_refusal(None)  # asked by fully_shard's contract and by replicate alike
         return dict.__contains__(self, name)
 
     def _taken_from_above(self) -> bool:
