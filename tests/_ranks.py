@@ -12,8 +12,8 @@ def _context():
     CPU each, about twenty per suite pass, on CI's two cores). The server imports and runs no
     torch op, so a fork of it holds no thread pool or lock (as tests/_forkserver.py's zygote).
     torch._dynamo too: torch imports it at the first ``add_param_group`` of any optimizer
-    (``torch._disable_dynamo``), ~1.7 s of CPU in every rank (forty-second session: ~100 s of
-    the ranks' CPU in the native pass)."""
+    (``torch._disable_dynamo``), ~1.7 s of CPU in every rank (forty-second session: the ranks
+    of eight rank-heavy modules took 71 CPU-s instead of 106)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "offload"])
     return ctx

@@ -279,7 +279,8 @@ def test_a_shard_rebound_with_data_is_refused_at_the_forward(model):
 def _ddp_above(m):
     """DDP over a module holding the sharded one reads that module's ignore list, not the
     sharded one's: it broadcast rank 0's shards over rank 1's, silently. Its first forward
-    refuses now, on both ranks; a DDP told to ignore the shards trains the rest."""
+    refuses now, on both ranks; a DDP told to ignore the shards trains the rest. fully_shard
+    over such a module refuses at once, replicate at its first forward."""
     ignoring = nn.Sequential(m, nn.Linear(3, 3))
     shard_names = [n for n, _ in ignoring.named_parameters() if "_shard_" in n]
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ignoring, shard_names)
@@ -291,19 +292,19 @@ def _ddp_above(m):
         fully_shard(nn.Sequential(m))  # its module walk took the shards, as fully_shard(m) did
         return False
     except RuntimeError as e:
-        fsdp_refused = "offload.shard() sharded" in str(e)
+        composable_refused = "offload.shard() sharded" in str(e)
     from torch.distributed._composable import replicate
     try:
         replicate(nn.Sequential(m))(torch.randn(4, 8))  # replicate's init waits for the first forward
         return False
     except RuntimeError as e:
-        fsdp_refused = fsdp_refused and "offload.shard() sharded" in str(e) and "replicate()" in str(e)
+        composable_refused = composable_refused and "offload.shard() sharded" in str(e) and "replicate()" in str(e)
     ddp = torch.nn.parallel.DistributedDataParallel(nn.Sequential(m))
     try:
         ddp(torch.randn(4, 8))
         return False
     except RuntimeError as e:
-        return let_be and fsdp_refused and "DistributedDataParallel over a module holding" in str(e) and \
+        return let_be and composable_refused and "DistributedDataParallel over a module holding" in str(e) and \
             "_shard_" in str(e)
 
 
