@@ -24,9 +24,13 @@ betas=(0.9, 0.999)``), and every keyword of the offload optimizer it is (``offlo
   DeepSpeedCPUAdagrad's ``amsgrad``, which DeepSpeed ignores too, must stay False here.
 - ``bias_correction`` is the optimizer's, for every group (DeepSpeed's may differ per group: a
   group that asks for another value is refused).
-- the states are torch's: Adagrad's is ``"sum"`` (DeepSpeed's ``"exp_avg_sq"``), every
-  ``"step"`` a tensor, ``state_dict()`` torch's layout; params on a GPU are stepped (their
-  states on the host), where DeepSpeed's CPU optimizers assert.
+- the states are torch's: every ``"step"`` a tensor, ``state_dict()`` torch's layout (Adagrad's
+  ``"sum"``, which ``opt.state[p]["exp_avg_sq"]`` reads too, and ``load_state_dict`` takes
+  DeepSpeed's layout: [Note: DeepSpeed's state names] in deepspeed_names.py); params on a GPU
+  are stepped (their states on the host), where DeepSpeed's CPU optimizers assert.
+
+``DeepSpeedCPUAdam.step_subgroup`` / ``rollback_subgroup`` are DeepSpeed's sub-group calls:
+[Note: DeepSpeed's sub-group steps] in deepspeed_subgroups.py.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ from typing import Any, Iterable, Tuple
 
 import torch
 
+from offload.integrations.deepspeed_names import NamedState, deepspeed_layout_to_torch
+from offload.integrations.deepspeed_subgroups import SubgroupSteps
 from offload.optim import Adagrad, Adam, Lion
 
 __all__ = ["DeepSpeedCPUAdam", "DeepSpeedCPUAdagrad", "DeepSpeedCPULion"]
@@ -100,7 +106,7 @@ def _one_bias_correction(params: Any, bias_correction: Any) -> None:
                              "group: build one optimizer per setting")
 
 
-class DeepSpeedCPUAdam(Adam):
+class DeepSpeedCPUAdam(SubgroupSteps, Adam):
     """``deepspeed.ops.adam.DeepSpeedCPUAdam``'s arguments on :class:`offload.Adam`
     (``adamw_mode=True``: AdamW); the module docstring says where it differs."""
 
@@ -129,6 +135,20 @@ class DeepSpeedCPUAdagrad(Adagrad):
         params, offload_kwargs = _states("DeepSpeedCPUAdagrad", model_params, fp32_optimizer_states, offload_kwargs)
         super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay, **offload_kwargs)
         self.fp32_optimizer_states = fp32_optimizer_states
+
+    # [Note: DeepSpeed's state names]: opt.state is a NamedState wherever torch sets it
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state" and isinstance(value, dict) and not isinstance(value, NamedState):
+            value = NamedState(value)
+        super().__setattr__(name, value)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)  # (torch's __dict__.update: __setattr__ did not see it)
+        if not isinstance(self.__dict__.get("state"), NamedState):
+            self.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(deepspeed_layout_to_torch(state_dict))
 
 
 class DeepSpeedCPULion(Lion):

@@ -360,7 +360,9 @@ def detach(opt: Any) -> None:
     if getattr(opt._store, "kind", None) == "host":
         return
     names = names_of(opt._store) + MASTER
-    for st in opt.state.values():
+    for p, st in opt.state.items():
+        if not isinstance(p, torch.Tensor):  # (not a param's: DeepSpeedCPUAdam's sub-group states)
+            continue
         for key in names:
             if isinstance(st, dict) and dict.__contains__(st, key):  # (not the states read on access)
                 dict.__delitem__(st, key)  # not SwappedEntry's refusal: the store drops its own views
