@@ -501,7 +501,7 @@ def test_optimizer_built_before_init_process_group_refuses_to_step():
 
 
 @pytest.mark.parametrize("cls", [offload.AdamW, offload.SGD, offload.Adagrad, offload.Lion])
-def test_optimizer_options_in_a_param_group_are_refused(cls):
+def test_optimizer_options_in_a_param_group_are_refused(cls, tmp_path):
     p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
     with pytest.raises(ValueError, match="'state_dtype' is an option of the whole optimizer"):
         cls([{"params": [p], "state_dtype": "int8"}, {"params": [q]}], lr=0.1)
@@ -511,3 +511,12 @@ def test_optimizer_options_in_a_param_group_are_refused(cls):
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [q], "lr": 0.5})  # a group's own hyperparameters are fine
     assert opt.param_groups[1]["lr"] == 0.5
+    # a group that repeats the constructor's value is taken (torch's ZeroRedundancyOptimizer
+    # puts its keywords into every group of the optimizer it builds)
+    r = torch.nn.Parameter(torch.randn(3))
+    again = cls([{"params": [r], "offload": "cpu", "max_grad_norm": 1.0}], lr=0.1, offload="cpu", max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="'max_grad_norm' is an option of the whole optimizer"):
+        again.add_param_group({"params": [p], "offload": "cpu", "max_grad_norm": 2.0})
+    with pytest.raises(ValueError, match="'max_host_bytes' is an option"):  # the same bytes, another type
+        cls([{"params": [r], "max_host_bytes": 1 << 20}], lr=0.1, offload="nvme", swap_dir=str(tmp_path),
+            max_host_bytes="1MiB")

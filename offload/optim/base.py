@@ -34,9 +34,9 @@ from offload.optim.guards import eager, register_guards, register_store_hooks, s
 from offload.optim.held_loads import held_load, load_checkpoint_into
 from offload.optim.host_dtypes import host_params
 from offload.optim.host_state import HostState, nothing_to_swap
-from offload.optim.options import (check_compression, check_extras, check_group_keys, check_group_rule,
-                                   check_master_dtype, check_param_dtype, check_release_grads, clear_execution_flags,
-                                   make_config, refuse_release_grads, unexpected_keyword)
+from offload.optim.options import (OPTIMIZER_OPTIONS, check_compression, check_extras, check_group_keys,
+                                   check_group_rule, check_master_dtype, check_param_dtype, check_release_grads,
+                                   clear_execution_flags, make_config, refuse_release_grads, unexpected_keyword)
 from offload.optim.protocol import optional
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
@@ -77,6 +77,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         ``master_dtype="bfloat16"`` needs bfloat16 params: options.check_master_dtype)."""
         if unknown:
             raise unexpected_keyword(type(self).__name__, next(iter(unknown)), type(self).__init__, RuleOptimizer.__init__)
+        self._given_options = {k: v for k, v in locals().items() if k in OPTIMIZER_OPTIONS}  # (check_group_keys)
         check_extras(max_grad_norm=max_grad_norm, num_threads=num_threads, stage=stage,
                      bias_correction=getattr(self, "bias_correction", True))
         check_compression(state_dtype, master_dtype)
@@ -241,7 +242,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                          master_dtype=getattr(self, "master_dtype", None), release_grads=self.release_grads)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        check_group_keys(param_group, self.TORCH_NAME)
+        check_group_keys(param_group, self.TORCH_NAME, getattr(self, "_given_options", None))
         super().add_param_group(param_group)
         try:
             base = len(self._all_params()) - len(self.param_groups[-1]["params"])
@@ -294,9 +295,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         return dict(self.__dict__)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        # Also called by torch's load_state_dict with {"state", "param_groups"}: as torch's
-        # Adam.__setstate__, fill the flags older checkpoints lack and turn a float step
-        # (torch < 1.12) into a tensor of torch's dtype.
+        # Also called by torch's load_state_dict with {"state", "param_groups"}: as torch's Adam.__setstate__,
+        # fill the flags older checkpoints lack and turn a float step (torch < 1.12) into a tensor of torch's dtype.
         sigs = state.get("_param_sigs")  # present only in a pickle's full __dict__
         super().__setstate__(state)  # a __dict__.update: __setattr__ does not see it
         self._ctx.rebind(state=self.state, param_groups=self.param_groups)

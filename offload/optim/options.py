@@ -15,7 +15,7 @@ import math
 import numbers
 import os
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -312,12 +312,23 @@ OPTIMIZER_OPTIONS = ("backend", "offload", "swap_dir", "max_host_bytes", "sub_gr
                      "master_dtype", "release_grads")
 
 
-def check_group_keys(group: Any, cls_name: str) -> None:
+def _same_option(a: Any, b: Any) -> bool:
+    try:
+        return a is b or (type(a) is type(b) and bool(a == b))
+    except Exception:  # (an option whose == raises or is not a truth value)
+        return False
+
+
+def check_group_keys(group: Any, cls_name: str, given: Optional[Dict[str, Any]] = None) -> None:
     """A param group that sets one of the optimizer's own options (``state_dtype`` per
-    group, say) would be kept and ignored, as torch keeps unknown keys: refused instead."""
+    group, say) to another value than the constructor's would be kept and ignored, as torch
+    keeps unknown keys: refused instead. ``given``: the constructor's options as passed; a
+    group that repeats one of them is taken (torch's ZeroRedundancyOptimizer puts its
+    keywords, ``offload=`` and the rest, into every group of the optimizer it builds)."""
     if not isinstance(group, dict):
         return  # torch's add_param_group says what a group must be
-    mine = [k for k in OPTIMIZER_OPTIONS if k in group]
+    given = given or {}
+    mine = [k for k in OPTIMIZER_OPTIONS if k in group and not (k in given and _same_option(group[k], given[k]))]
     if mine:
         raise ValueError(f"offload.{cls_name}: {', '.join(repr(k) for k in mine)} "
                          f"{'is an option' if len(mine) == 1 else 'are options'} of the whole optimizer, not of a "

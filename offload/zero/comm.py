@@ -13,8 +13,9 @@ by taking this rank's slice: the same result, twice the bytes on the wire.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
-from typing import Any, Callable, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from offload.swap import agreement
 from offload.swap.agreement import all_or_none
 
-__all__ = ["world_and_rank", "failed_ranks", "on_every_rank", "all_or_none", "reduce_scatter", "all_reduce", "all_gather", "broadcast", "reduce_async",
+__all__ = ["world_and_rank", "failed_ranks", "agree_on_params", "on_every_rank", "all_or_none", "reduce_scatter", "all_reduce", "all_gather", "broadcast", "reduce_async",
            "comm_device", "reduce_scatter_supported", "reduce_scatter_async", "all_reduce_async"]
 
 log = logging.getLogger("offload.zero")
@@ -164,6 +165,35 @@ def agree_on_step(step: Optional[int], previous: Optional[int], what: str, group
                      "the job died between two ranks' commits, and no rank ahead still holds the step of the others "
                      "to go back to, so they cannot resume together; restart from a checkpoint (resume='discard', "
                      "then load_checkpoint) - the swap directories are left as they are")
+
+
+def agree_on_params(param_groups: Sequence[Sequence[torch.Tensor]], stage: int, group: Any = None) -> None:
+    """[Note: the same params on every rank] Partitioning (stages 1-2) lays every rank's
+    params out alike and gives each rank a shard of the whole: each rank must pass the same
+    params (shapes, dtypes, devices), in the same groups and order. A rank that passed others
+    (a model built differently per rank; torch's ZeroRedundancyOptimizer, which gives each
+    rank a part of the params and builds the optimizer over it) made the collectives of the
+    first step mismatch: a hang, or shards reduced into the wrong elements. Checked when the
+    store is built, a collective: a ValueError on every rank, naming what each passed."""
+    world, rank = world_and_rank(group)
+    if world == 1:
+        return
+    shapes = [[(tuple(p.shape), str(p.dtype), p.device.type) for p in params] for params in param_groups]
+    digest = hashlib.sha256(repr(shapes).encode()).digest()
+    row = [int.from_bytes(digest[:8], "little") >> 1, len(shapes), sum(map(len, shapes)),
+           sum(p.numel() for params in param_groups for p in params)]
+    facts = torch.zeros((world, len(row)), dtype=torch.int64, device=comm_device(group))
+    facts[rank] = torch.tensor(row, dtype=torch.int64)
+    dist.all_reduce(facts, op=dist.ReduceOp.SUM, group=group)  # each rank wrote only its own row
+    rows = facts.tolist()
+    if all(r == rows[0] for r in rows):
+        return
+    each = "; ".join(f"rank {r}: {g} group(s), {n} params, {e:,} elements" for r, (_, g, n, e) in enumerate(rows))
+    raise ValueError(f"offload optimizer (stage {stage}, {world} ranks): the ranks passed different params ({each}"
+                     f"{'' if len({tuple(r[1:]) for r in rows}) > 1 else ', of other shapes, dtypes or devices'}). "
+                     "Stages 1-2 give each rank a shard of the same params: build the optimizer over the same params, "
+                     "in the same groups and order, on every rank; to step each rank's own params (torch's "
+                     "ZeroRedundancyOptimizer builds the optimizer over a part of them per rank), pass stage=0")
 
 
 def on_every_rank(fn: Callable[[], T], what: str, group: Any = None, world: Optional[int] = None) -> T:

@@ -117,6 +117,8 @@ class FlatState:
         self.group = process_group
         world, rank = comm.world_and_rank(process_group) if stage > 0 else (1, 0)
         self.world, self.rank = world, rank
+        if world > 1:  # before anything is laid out: [Note: the same params on every rank] (comm.py)
+            comm.agree_on_params([g["params"] for g in param_groups], stage, process_group)
         self.release_grads = release_grads
         if release_grads:
             self._check_release([p for g in param_groups for p in g["params"]])
