@@ -160,6 +160,42 @@ def test_params_and_states_swapped_to_nvme(tmp_path):
         assert loaded[rank] == saved[rank]
 
 
+def full_state_job(rank, world):
+    """DCP's getters with full_state_dict=True: refused on several ranks (they would return each
+    rank's chunks as the whole), the whole units in one process; full_state_dict=False as before."""
+    model, opt = _build("fp32")
+    _train(model, opt, 1, 1, rank)
+    full = dcp_sd.StateDictOptions(full_state_dict=True)
+    got = {}
+    for name, call in [("model", lambda: dcp_sd.get_model_state_dict(model, options=full)),
+                       ("optim", lambda: dcp_sd.get_optimizer_state_dict(model, opt, options=full)),
+                       ("both", lambda: dcp_sd.get_state_dict(model, opt, options=full))]:
+        try:
+            out = call()
+            got[name] = sorted(out) if name == "model" else "returned"
+        except RuntimeError as exc:
+            got[name] = str(exc)
+    msd = dcp_sd.get_model_state_dict(model)
+    got["chunked"] = sorted(msd) == sorted(model.state_dict())
+    offload.shard.runtime_of(model).remove()
+    return got
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_full_state_dict_true_is_refused_on_several_ranks(world):
+    got = _on(world, full_state_job)
+    for rank in range(world):
+        assert got[rank]["chunked"], got
+        if world == 1:
+            assert got[rank]["optim"] == got[rank]["both"] == "returned", got
+            assert got[rank]["model"] == sorted(dcp_sd.get_model_state_dict(_build("fp32")[0]))
+            continue
+        for name in ("model", "optim", "both"):
+            assert got[rank][name].startswith("torch.distributed.checkpoint's full_state_dict=True gathers "
+                                              "DTensors only: on a model offload.shard sharded over 2 ranks"), got
+            assert "offload.shard.full_state_dict(model, path)" in got[rank][name]
+
+
 def test_a_shard_chunk_is_the_shards_memory_and_pickles_as_a_plain_tensor():
     model, opt = _build("fp32")
     _train(model, opt, 1, 1, 0)
