@@ -244,3 +244,22 @@ def test_two_ranks_write_one_whole_model():
         (whole, written), (whole1, nothing) = got[0], got[1]
         assert nothing is None and set(written) == set(whole)
         assert all(torch.equal(written[k], v) and torch.equal(whole1[k], v) for k, v in whole.items())
+
+
+def test_accelerates_save_model_refuses_the_shards(tmp_path):
+    """[Note: accelerate's get_state_dict on shards]: accelerate takes model.state_dict() of any
+    model it did not shard itself, which wrote this rank's shards under the units' names; it
+    raises, naming what saves the whole weights, and writes nothing. Those still save."""
+    accelerate = pytest.importorskip("accelerate")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    plain = {k: v.clone() for k, v in model.state_dict().items()}
+    offload.shard(model, unit={torch.nn.Linear})
+    acc = accelerate.Accelerator(cpu=True)
+    with pytest.raises(RuntimeError, match=r"offload\.shard\.full_state_dict\(model, path\)"):
+        acc.save_model(model, str(tmp_path / "acc"))
+    with pytest.raises(RuntimeError, match="accelerate's get_state_dict / save_model"):
+        acc.get_state_dict(model)
+    assert not os.path.exists(tmp_path / "acc") or not os.listdir(tmp_path / "acc")
+    whole = offload.shard.full_state_dict(model)
+    assert sorted(whole) == sorted(plain) and all(torch.equal(whole[k], plain[k]) for k in plain)
+    assert sorted(model.state_dict()) != sorted(plain)  # a plain state_dict() stays the shards

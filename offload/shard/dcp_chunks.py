@@ -28,7 +28,7 @@ nothing of it; its copies (``clone``, ``to``, ``copy.deepcopy``, DCP's async sta
 DTensors only: on several ranks they returned each rank's chunk of every unit and of its
 states as if it were the whole, silently. Asked that way (its getter's frame above, its
 ``info.full_state_dict``), a chunk on several ranks refuses with a RuntimeError on every rank
-(``check_not_gathered``), pointing at ``offload.shard.full_state_dict`` (the whole weights,
+(``callers.check_not_gathered``), pointing at ``offload.shard.full_state_dict`` (the whole weights,
 gathered) and at ``full_state_dict=False`` for ``dcp.save`` / ``dcp.load``. In one process a
 chunk is the whole unit, as ``model.state_dict()`` gives it, and is let be.
 """
@@ -39,7 +39,9 @@ from typing import Any, List
 
 import torch
 
-__all__ = ["ShardChunk", "mark_chunk", "chunk_of", "mark_param_states", "unmarked", "check_not_gathered"]
+from offload.shard.callers import check_not_gathered
+
+__all__ = ["ShardChunk", "mark_chunk", "chunk_of", "mark_param_states", "unmarked"]
 
 
 def chunk_of(flat: Any) -> tuple:
@@ -136,34 +138,6 @@ def _asked_by_dcp_load() -> bool:
         return False
     return caller.f_code.co_name == "create_default_local_load_plan" and \
         caller.f_globals.get("__name__") == "torch.distributed.checkpoint.default_planner"
-
-
-_DCP_GETTERS = frozenset({"_get_model_state_dict", "_get_optim_state_dict"})
-
-
-def _dcp_wants_full_state() -> bool:
-    """Whether DCP's state-dict getter above asked for ``full_state_dict=True``."""
-    frame = sys._getframe(1)
-    for _ in range(256):  # (the module tree's state_dict calls, torch's wrappers, ours)
-        if frame is None:
-            return False
-        if frame.f_code.co_name in _DCP_GETTERS and \
-                frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict":
-            return bool(getattr(frame.f_locals.get("info"), "full_state_dict", False))
-        frame = frame.f_back
-    return False
-
-
-def check_not_gathered(world: int) -> None:
-    """[Note: DCP's full_state_dict on shards]: a RuntimeError where DCP would take this
-    rank's chunk (of ``world`` ranks' shards) for the whole tensor."""
-    if world > 1 and _dcp_wants_full_state():
-        raise RuntimeError(
-            f"torch.distributed.checkpoint's full_state_dict=True gathers DTensors only: on a model offload.shard "
-            f"sharded over {world} ranks it would return this rank's chunk of each unit (and of its optimizer "
-            "states) as the whole. Save the whole weights with offload.shard.full_state_dict(model, path) (a "
-            "collective), or keep full_state_dict=False: dcp.save and dcp.load then save and load every rank's "
-            "chunk, at any world size")
 
 
 def mark_chunk(t: torch.Tensor, total: int, lo: int, live: int) -> ShardChunk:

@@ -46,7 +46,8 @@ import torch.nn as nn
 from offload.memory import HUGE_PAGE, paging
 from offload.memory.region import Region
 from offload.shard import device as device_mod
-from offload.shard.dcp_chunks import check_not_gathered, chunk_of, mark_chunk
+from offload.shard.callers import check_not_accelerate, check_not_gathered
+from offload.shard.dcp_chunks import chunk_of, mark_chunk
 from offload.shard.guards import refuse_copy
 from offload.zero import comm
 
@@ -276,7 +277,8 @@ class FlatParam:
             value = self.shard_values()
         elif not isinstance(value, torch.Tensor) or value is self.shard:
             return  # keep_vars=True: the Parameter itself, unmarked
-        check_not_gathered(self.world)  # [Note: DCP's full_state_dict on shards]
+        check_not_gathered(self.world)  # [Note: DCP's full_state_dict on shards] (callers.py)
+        check_not_accelerate()  # [Note: accelerate's get_state_dict on shards]
         state_dict[key] = mark_chunk(value, *chunk_of(self))
 
     def _load_hook(self, state_dict: Any, prefix: str, *args: Any) -> None:
