@@ -57,6 +57,8 @@ def two_ranks(monkeypatch):
 def test_grads_is_never_a_collective_and_agree_is_one_per_step(two_ranks):
     a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(6))
     opt = offload.AdamW([a, b], stage=2)
+    assert len(two_ranks) == 1  # building it: the ranks agree on the params (comm.agree_on_params)
+    two_ranks.clear()
     store = internals.store(opt)
     assert isinstance(store, FlatState) and store.world == 2
     a.grad = torch.full((4,), 2.0)
