@@ -212,7 +212,8 @@ def test_subgroup_bf16_states_and_errors(workdir):
     x = torch.nn.Parameter(torch.randn(8))
     x.grad = torch.ones(8)
     for kw, match in [(dict(offload="nvme", swap_dir=str(workdir)), "offload='nvme'"),
-                      (dict(max_grad_norm=1.0), "max_grad_norm"), (dict(state_dtype="int8"), "int8")]:
+                      (dict(max_grad_norm=1.0), "max_grad_norm"), (dict(state_dtype="int8"), "int8"),
+                      (dict(stage=1), "stage=1")]:
         other = DeepSpeedCPUAdam([x], **kw)
         with pytest.raises(NotImplementedError, match=match):
             other.step_subgroup(0)
