@@ -18,8 +18,10 @@ call them on ``DeepSpeedCPUAdam``; here they are the same calls, states and coun
   as DeepSpeed keeps none;
 - one param with a grad per call: DeepSpeed shapes the sub-group's state like the param it
   first sees, so a second param would be stepped on another's moments;
-- ``state_dict()`` holds them under their int keys, as DeepSpeed's does (where one may meet
-  a param's index: DeepSpeed's engine saves its sub-groups' states itself);
+- ``state_dict()`` is not their checkpoint (DeepSpeed's engine saves its sub-groups' states
+  itself): over fp32 params (the host store) it lists them under their int keys, where one
+  may meet a param's index, as DeepSpeed's does; over bf16/fp16 params (a flat store) it
+  keeps their ``"step"`` only;
 - refused, before anything changes: ``offload="nvme"`` (the states would sit in RAM beside the
   swap files), ``stage >= 1``, ``max_grad_norm`` (these calls do not clip; DeepSpeed's engine
   clips before them), ``state_dtype="int8"``, params or grads off the CPU, sparse grads.
