@@ -679,3 +679,42 @@ def test_params_replaced_in_param_groups_with_the_host_store(name):
     with pytest.raises(ValueError, match="parameter 0 has dtype torch.bfloat16; this optimizer updates fp32 CPU params"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(low, before))
+
+
+@pytest.mark.parametrize("ours,theirs,kw", [(offload.Adam, torch.optim.Adam, {}), (offload.AdamW, torch.optim.AdamW, {}),
+                                            (offload.SGD, torch.optim.SGD, {"lr": 0.1}),
+                                            (offload.Adagrad, torch.optim.Adagrad, {})])
+def test_fused_error_on_params_on_meta(ours, theirs, kw, tmp_path):
+    """torch's test_fused_error_on_params_on_meta ([Note: params on the meta device] in
+    step_guard.py): an optimizer over a model built on meta is taken; a step with grads on meta
+    raises torch's fused message, changing nothing; after ``to_empty()`` (new params: the old
+    ones stay on meta, without grads once zeroed) a step goes through. Without ``fused`` the
+    refusal is ours (torch's for-loop steps nothing there). The stores that copy the params
+    when built refuse meta ones then, saying to materialize first."""
+    for cls in (theirs, ours):
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1))
+        opt = cls(model.parameters(), fused=True, **kw)
+        with torch.device("meta"):
+            for p in model.parameters():
+                p.grad = torch.rand_like(p)
+        with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating point Tensors"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.to_empty(device="cpu")
+        for p in model.parameters():
+            p.grad = torch.rand_like(p)
+        opt.step()
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 3)
+    opt = ours(model.parameters(), **kw)
+    for p in model.parameters():
+        p.grad = torch.ones(p.shape, device="meta")
+    with pytest.raises(RuntimeError, match="param 0 is on the meta device .no values to step.: materialize"):
+        opt.step()
+    assert all(float(st.get("step", 0)) == 0 for st in opt.state.values())
+    for extra in ({"offload": "nvme", "swap_dir": str(tmp_path)}, {"stage": 1}):
+        with pytest.raises(ValueError, match="parameter on meta .no values.: this store copies the params"):
+            ours(model.parameters(), **kw, **extra)
+    with pytest.raises(ValueError, match="parameter on meta"):
+        ours(model.to(torch.bfloat16).parameters(), **kw)

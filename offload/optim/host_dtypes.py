@@ -77,7 +77,10 @@ def host_params(params: Sequence[torch.Tensor], *, stage: int, offload: str, cls
     complex64 CPU params, not paged); float64 and complex params where the host store will
     not be the one (another offload or stage, device or fp16/bf16 params beside them) are
     refused, naming the first."""
-    host = all(p.device.type == "cpu" and p.dtype in (torch.float32,) + HOST_ONLY_DTYPES and not paging.paged(p)
+    # (a param on the meta device, where nothing copies it now: [Note: params on the meta
+    # device] in step_guard.py; the other stores copy the params when built, and refuse it)
+    lazy = ("cpu", "meta") if stage == 0 and offload in ("none", "cpu") else ("cpu",)
+    host = all(p.device.type in lazy and p.dtype in (torch.float32,) + HOST_ONLY_DTYPES and not paging.paged(p)
                for p in params)
     if host and stage == 0 and offload in ("none", "cpu"):
         return True

@@ -71,6 +71,21 @@ def _check_param(p: torch.Tensor, sigs: Dict[int, Tuple[int, ParamSig]]) -> int:
     return i
 
 
+def _refuse_meta(i: int, group: Any) -> None:
+    """[Note: params on the meta device] A param built on the meta device (a model made under
+    ``torch.device("meta")``) has no values. The optimizer takes it, as torch's do (the host
+    store keeps nothing per param until a step), but refuses to step it, before anything
+    changes: torch's fused path raises the same way (its message, where the group asked for
+    ``fused=True``), and its for-loop would step nothing at all. ``module.to_empty()`` makes new
+    params: build the optimizer over those."""
+    where = (f"param {i} is on the meta device (no values to step): materialize the model "
+             "(module.to_empty(device=...), then its init or a load) and build the optimizer over its new params")
+    if isinstance(group, dict) and group.get("fused"):
+        raise RuntimeError(f"`fused=True` requires all the params to be floating point Tensors of supported devices: "
+                           f"['cpu', 'cuda']; {where}")
+    raise RuntimeError(where)
+
+
 def _check_grad(i: int, p: torch.Tensor, g: Any, sparse_message: str) -> None:
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"param {i}: grad is a {type(g).__name__}, not a tensor")
@@ -90,7 +105,7 @@ def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
     which is not ``p.grad``, is the store's to check), or a param on NVMe was written past
     its swap file (offload/shard/tier_writes.py)."""
     strided, cpu = torch.strided, _CPU
-    for _, items in work:
+    for group, items in work:
         for p, g in items:
             # the common case, CPU params, in a few attribute reads (this runs per param per
             # step; a device's .type alone costs 0.25 us); anything else goes through the full
@@ -99,6 +114,8 @@ def check_work(work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, Any]]]],
             sig = None if entry is None else entry[1]
             if sig is None or sig[2] is not cpu or p.dtype is not sig[1] or p.shape != sig[0] or not p.is_cpu:
                 i = _check_param(p, sigs)
+                if p.is_meta:
+                    _refuse_meta(i, group)
                 if g is p.grad:
                     _check_grad(i, p, g, sparse_message)
             elif g is p.grad and (g.layout is not strided or g.dtype is not p.dtype or g.shape != p.shape

@@ -431,6 +431,10 @@ class FlatState:
 def _check_param(p: torch.Tensor) -> None:
     if p.dtype not in (torch.float32,) + LOWP:
         raise ValueError(f"parameter of dtype {p.dtype}: only float32, float16 and bfloat16 are supported")
+    if p.device.type == "meta":  # the flat store copies the params' values when it is built
+        raise ValueError("parameter on meta (no values): this store copies the params when it is built (fp16/bf16 "
+                         "or device params, stages 1-3, offload='nvme'); build the optimizer after materializing the "
+                         "model (module.to_empty(device=...), then its init or a load)")
     if p.device.type not in ("cpu", "cuda"):
         raise ValueError(f"parameter on {p.device}: only CPU and CUDA params are supported")
     if p.device.type == "cuda" and not p.is_contiguous():
