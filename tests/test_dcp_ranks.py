@@ -14,8 +14,9 @@ import torch
 
 import offload
 from _ranks import group
+from _lazy import lazy_import
 
-dcp_sd = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+dcp_sd = lazy_import("torch.distributed.checkpoint.state_dict")  # on first use: tests/_lazy.py
 
 
 def _model():

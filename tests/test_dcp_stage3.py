@@ -19,9 +19,10 @@ import torch
 import offload
 from _ranks import group
 from offload.shard.dcp_chunks import ShardChunk, mark_chunk
+from _lazy import lazy_import
 
-dcp = pytest.importorskip("torch.distributed.checkpoint")
-dcp_sd = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+dcp = lazy_import("torch.distributed.checkpoint")  # on first use: tests/_lazy.py
+dcp_sd = lazy_import("torch.distributed.checkpoint.state_dict")
 # one rank runs in this process, without a process group: DCP says so, as it should
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

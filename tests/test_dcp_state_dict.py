@@ -25,15 +25,20 @@ import torch
 
 import _torch_compat
 import offload
+from _lazy import lazy_import
 
-dcp_sd = pytest.importorskip("torch.distributed.checkpoint.state_dict")
-StateDictOptions = dcp_sd.StateDictOptions
+dcp_sd = lazy_import("torch.distributed.checkpoint.state_dict")  # on first use: tests/_lazy.py
 
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+def _flat():
+    return dcp_sd.StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 # torch 2.6's unflatten looks up every key opt.state[p] lists: our SGD's "step", which its
 # torch-layout dict leaves out, is a KeyError there (README, torch row). Later releases
 # rebuild a missing key.
-SGD_FLAT_GAP = pytest.mark.xfail(not _torch_compat.dcp_unflatten_tolerates_missing_keys(), raises=KeyError,
+# (a string condition: evaluated when the test runs, so collection does not import DCP)
+SGD_FLAT_GAP = pytest.mark.xfail("not _torch_compat.dcp_unflatten_tolerates_missing_keys()", raises=KeyError,
                                  strict=True, reason="torch 2.6's DCP unflatten and SGD's 'step' (README)")
 
 
@@ -93,7 +98,7 @@ def test_bf16_params_keep_their_masters_through_fqn_keys(workdir, offload_to):
 def test_bf16_masters_through_flattened_dict(workdir, offload_to):
     """The resumed run is the uninterrupted one bit for bit: the master came back too."""
     kw = dict(lr=1e-2, weight_decay=0.1, offload=offload_to)
-    model, model2 = _resumed(offload.AdamW, kw, workdir, dtype=torch.bfloat16, options=FLAT)
+    model, model2 = _resumed(offload.AdamW, kw, workdir, dtype=torch.bfloat16, options=_flat())
     for (name, p), q in zip(model.named_parameters(), model2.parameters()):
         assert torch.equal(q, p), name
 
@@ -102,7 +107,7 @@ def test_bf16_masters_through_flattened_dict(workdir, offload_to):
 @SGD_FLAT_GAP
 def test_sgd_flattened_dict_loads(tmp_path, offload_to):
     kw = dict(lr=1e-2, momentum=0.9, weight_decay=0.1, offload=offload_to)
-    _same_params(*_resumed(offload.SGD, kw, tmp_path, options=FLAT))
+    _same_params(*_resumed(offload.SGD, kw, tmp_path, options=_flat()))
 
 
 @pytest.mark.parametrize("cls,kw", [(offload.AdamW, dict(lr=1e-2, weight_decay=0.1)), (offload.Adagrad, dict(lr=1e-2)),
@@ -112,9 +117,9 @@ def test_nvme_flattened_dict_loads(workdir, cls, kw):
     carries them; before, it lost them and the load started them afresh, silently."""
     if cls is offload.SGD and not _torch_compat.dcp_unflatten_tolerates_missing_keys():
         with pytest.raises(KeyError, match="step"):  # torch 2.6's DCP unflatten (SGD_FLAT_GAP)
-            _resumed(cls, dict(kw, offload="nvme"), workdir, options=FLAT)
+            _resumed(cls, dict(kw, offload="nvme"), workdir, options=_flat())
         return
-    _same_params(*_resumed(cls, dict(kw, offload="nvme"), workdir, options=FLAT))
+    _same_params(*_resumed(cls, dict(kw, offload="nvme"), workdir, options=_flat()))
 
 
 @pytest.mark.parametrize("cls,kw", [(offload.AdamW, dict(lr=1e-2, weight_decay=0.1)),

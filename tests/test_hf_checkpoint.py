@@ -11,8 +11,9 @@ import offload
 from offload.integrations import hf
 from offload.integrations.hf_checkpoint import GROUPS_FILE, STATES_DIR
 from offload.swap import fsutil
+from _lazy import lazy_import
 
-transformers = pytest.importorskip("transformers")
+transformers = lazy_import("transformers")  # on first use: tests/_lazy.py
 
 
 class Net(nn.Module):

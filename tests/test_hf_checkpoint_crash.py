@@ -18,8 +18,9 @@ from offload.integrations import hf
 from offload.integrations.hf_checkpoint import GROUPS_FILE, STATES_DIR
 
 from test_hf_checkpoint import Net, _data
+from _lazy import lazy_import
 
-transformers = pytest.importorskip("transformers")
+transformers = lazy_import("transformers")  # on first use: tests/_lazy.py
 
 
 class Died(Exception):

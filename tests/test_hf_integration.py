@@ -12,9 +12,10 @@ import torch.nn as nn
 import offload
 from offload.integrations import hf
 from stream_emulation import Emulation
+from _lazy import lazy_import
 
-accelerate = pytest.importorskip("accelerate")
-transformers = pytest.importorskip("transformers")
+accelerate = lazy_import("accelerate")  # on first use: tests/_lazy.py
+transformers = lazy_import("transformers")
 
 
 def _reset_accelerate():

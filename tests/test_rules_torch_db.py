@@ -9,11 +9,13 @@ import pytest
 import torch
 
 import offload
+from _lazy import lazy_value
 from test_rules_optim import _need
 from test_torch_optim_db import CO, _expect_error, _device_only_error_inputs, _kwargs_key
 from offload.kernels.fields import ADAGRAD, SGD as SGD_RULE
 
-INFOS = {info.name: info for info in CO.optim_db if info.optim_cls in (torch.optim.SGD, torch.optim.Adagrad)}
+INFOS = lazy_value(lambda: {info.name: info for info in CO.optim_db
+                            if info.optim_cls in (torch.optim.SGD, torch.optim.Adagrad)})
 OURS = {"SGD": offload.SGD, "Adagrad": offload.Adagrad}
 RULES = {"SGD": SGD_RULE, "Adagrad": ADAGRAD}
 REFUSED = ("differentiable",)

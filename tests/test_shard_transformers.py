@@ -22,8 +22,9 @@ import torch
 import _shard_rank_jobs
 import offload
 from _ranks import group
+from _lazy import lazy_import
 
-transformers = pytest.importorskip("transformers")
+transformers = lazy_import("transformers")  # on first use: tests/_lazy.py
 
 
 def _gpt2():

@@ -29,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 import _torch_compat
 import offload
+from _lazy import lazy_value
 
 
 def _common_optimizers():
@@ -53,8 +54,10 @@ def _common_optimizers():
     return common_optimizers
 
 
-CO = _common_optimizers()
-INFOS = {info.name: info for info in CO.optim_db if info.optim_cls in (torch.optim.Adam, torch.optim.AdamW)}
+# Imported when a test first needs it (tests/_lazy.py): ~3 s of CPU in every worker otherwise.
+CO = lazy_value(_common_optimizers)
+INFOS = lazy_value(lambda: {info.name: info for info in CO.optim_db
+                            if info.optim_cls in (torch.optim.Adam, torch.optim.AdamW)})
 OURS = {"Adam": offload.Adam, "AdamW": offload.AdamW}
 TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 NAMES = sorted(OURS)

@@ -16,8 +16,9 @@ from torch import nn
 
 import offload
 from _ranks import group
+from _lazy import lazy_import
 
-zero = pytest.importorskip("torch.distributed.optim")
+zero = lazy_import("torch.distributed.optim")  # on first use: tests/_lazy.py
 
 
 def _refusal(make) -> str:
