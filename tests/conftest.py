@@ -82,6 +82,7 @@ _KERNEL_INCIDENTAL = {
     "test_master_in_state", "test_dcp_state_dict", "test_dcp_ranks", "test_dcp_stage3",  # the store's entries and DCP's dicts
     "test_deepspeed_ops", "test_deepspeed_calls", "test_torchao_compat",  # other libraries' calls mapped to our classes
     "test_shard_transformers",  # transformers' save and groups over a sharded model
+    "test_disk_refusals",  # read-only and full file systems: the probes, the preflight, close()
     # kill -9 after a commit, a forked child's close, signals between unlinks and while the
     # command imports torch, a closed stdout pipe: the store's commits and the process's
     # handling, in subprocesses that would each compile the numba kernels again (~70 s of

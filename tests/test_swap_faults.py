@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from offload.swap import SwapStepError
+from offload.swap.reserve import RESERVE_ROOM
 from test_swap_util import SIZES, SPLIT, FaultyEngine, Reference, batches_for, swapped_state, run_python, threads_engine
 
 
@@ -116,7 +117,9 @@ def test_enospc_names_directory_and_bytes(tmp_path):
         with pytest.raises(OSError) as e:
             swapped_state(swap, [torch.randn(free // 8)], sub_group_size=None, max_host_bytes=1 << 20)
         assert e.value.errno == 28 and e.value.filename == str(swap / "offload-run.rank0")
-        assert "bytes" in str(e.value) and str(2 * 2 * 4 * (-(-(free // 8) // 1024) * 1024)) in str(e.value)
+        slot = 2 * 4 * (-(-(free // 8) // 1024) * 1024)  # exp_avg and exp_avg_sq of the one param
+        assert f"swap files need {2 * slot + RESERVE_ROOM} bytes" in str(e.value)
+        assert f"two slots of {slot} and {RESERVE_ROOM} for the manifest" in str(e.value)
         assert os.listdir(swap) == []
         # room for both slots and one checkpoint, not two
         n = free // 28 // 1024 * 1024

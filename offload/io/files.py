@@ -215,8 +215,11 @@ _probe_cache: Dict[Tuple[int, int], Tuple[bool, str]] = {}
 def probe_direct(directory: "str | os.PathLike[str]", *, refresh: bool = False) -> Tuple[bool, str]:
     """Can files in ``directory`` be opened with O_DIRECT? -> ``(ok, reason)``.
 
-    Creates and removes an unnamed temporary file there (missing or unwritable directories
-    raise ``OSError`` with the path). Cached per file system (device, inode of the directory).
+    Creates and removes an unnamed temporary file there (missing directories raise ``OSError``
+    with the path). A directory that takes no new file (a read-only mount, another user's
+    checkpoint: EROFS, EACCES, EPERM) is probed on a regular file it holds, opened read-only,
+    so that reading a checkpoint never needs write access; without one, the ``OSError`` is
+    raised. Cached per file system (device, inode of the directory).
     """
     directory = os.fspath(directory)
     try:
@@ -229,9 +232,13 @@ def probe_direct(directory: "str | os.PathLike[str]", *, refresh: bool = False) 
     try:
         fd, tmp = tempfile.mkstemp(prefix=".offload-probe-", dir=directory)
     except OSError as exc:
-        raise _oserror(exc.errno or errno.EACCES, "cannot create a file in directory", directory) from None
+        fd = _existing_file(directory) if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else -1
+        if fd < 0:
+            raise _oserror(exc.errno or errno.EACCES, "cannot create a file in directory", directory) from None
+        tmp = None
     try:
-        os.unlink(tmp)
+        if tmp is not None:
+            os.unlink(tmp)
         if not _O_DIRECT:
             result = (False, "this platform has no O_DIRECT")
         else:
@@ -246,3 +253,18 @@ def probe_direct(directory: "str | os.PathLike[str]", *, refresh: bool = False) 
         os.close(fd)
     _probe_cache[key] = result
     return result
+
+
+def _existing_file(directory: str) -> int:
+    """A read-only descriptor of a regular file directly in ``directory`` (not a link), or -1."""
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    try:
+                        return os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+                    except OSError:
+                        continue
+    except OSError:
+        pass
+    return -1

@@ -34,7 +34,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from offload.memory.reentry import FinalizerSafeLock
 
@@ -340,3 +340,47 @@ def _only_files(path: str) -> int:
         fsutil.check_own_entry(path, name, st)
         total += st.st_blocks * 512
     return total
+
+
+def remove_run_dir(path: str, lock: Any, dir_id: Tuple[int, int], parent: str, step: int, *, held: bool) -> None:
+    """A store's ``close()``: its directory removed (``fsutil.remove_private_dir``), or the
+    reason it stays. Gone already, replaced, or holding an entry of someone else's: a warning
+    (kept whole, as ``offload clean`` keeps it). A removal the file system refused (a disk
+    gone read-only, EIO) raises with the whole path, the file it stopped at, and what is
+    left: a directory whose files are all there still holds step ``step`` (``held``: committed,
+    resumable), one it got partway through holds nothing to resume."""
+    import errno
+
+    from offload.swap import fsutil
+
+    try:
+        before: Optional[set] = set(os.listdir(path))
+    except OSError:
+        before = None
+    try:
+        fsutil.remove_private_dir(path, lock=lock, expect=dir_id)
+        return
+    except FileNotFoundError:
+        log.warning("%s: swap directory already removed by someone else", path)
+        return
+    except fsutil.NotOurs as exc:
+        log.warning("%s: %s", path, exc.strerror)
+        return
+    except OSError as exc:
+        if exc.errno == errno.EEXIST:  # someone put a foreign entry into our private directory
+            log.warning("%s: kept (%s: %s); remove that entry, then `offload clean %s`",
+                        path, exc.strerror, exc.filename, parent)
+            return
+        failed = exc
+    try:
+        whole = before is not None and before <= set(os.listdir(path))
+    except OSError:
+        whole = False
+    if whole:
+        left = f"it is kept whole at step {step}, resumable with resume=True" if held else \
+            "it is kept (never committed: nothing to resume)"
+    else:
+        left = "part of its files are gone: nothing to resume from it"
+    what = f" ({failed.filename})" if failed.filename and failed.filename != path else ""
+    raise OSError(failed.errno, f"could not remove the swap directory: {failed.strerror}{what}; {left}; "
+                  f"`offload clean {parent}` removes it once its file system takes writes again", path) from failed

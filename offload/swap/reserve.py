@@ -21,12 +21,15 @@ import os
 
 from offload.swap import fsutil
 
-__all__ = ["ManifestReserve", "RESERVE"]
+__all__ = ["ManifestReserve", "RESERVE", "RESERVE_ROOM"]
 
 log = logging.getLogger(__name__)
 
 RESERVE = "reserve.bin"
 _RESERVE_MIN = 1 << 20
+RESERVE_ROOM = _RESERVE_MIN + (64 << 10)
+"""What a new swap directory needs besides its slot files (checked with them before any is
+made): the reserve's least size, and the first manifest with its temporary file."""
 
 
 class ManifestReserve:
@@ -36,7 +39,7 @@ class ManifestReserve:
         self.path = path
         self.bytes = 0  # what reserve.bin is known to hold
         self.warned = False  # no room to keep it: said once
-        self.full_warned = False  # a manifest went into it: said once until it is whole again
+        self.full_warned = False  # a manifest went into it: said once until one fits without it
 
     def keep(self, manifest_bytes: int) -> None:
         """Make reserve.bin hold at least twice ``manifest_bytes`` (whatever fits, warning once)."""
@@ -58,7 +61,8 @@ class ManifestReserve:
                             exc.strerror or exc)
             return
         self.bytes = want
-        self.warned = self.full_warned = False
+        self.warned = False  # (full_warned stays: a disk that frees exactly the reserve's room each
+        # step, as ext4 without reserved clusters does, would say "full" at every step)
 
     def drop(self) -> bool:
         """Give the room up (False: there was none); the directory is synced, as ext4 reuses

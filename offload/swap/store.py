@@ -43,7 +43,7 @@ from offload.swap import cleanup, fsutil
 from offload.swap.fsutil import private_dir_name
 from offload.kernels.fields import field_names
 from offload.swap.layout import SwapLayout
-from offload.swap.reserve import RESERVE, ManifestReserve
+from offload.swap.reserve import RESERVE, RESERVE_ROOM, ManifestReserve
 from offload.swap.sigint import sigint_held
 from offload.swap.manifest_check import (VERIFY_BLOCK, block_checksums, check_codes, check_group_sums, check_manifest,
                                          previous_commit, previous_json)
@@ -166,10 +166,14 @@ class SwapStore:
     def _open_slot_files(self, *, create: bool, direct: Optional[bool]) -> None:
         need = self.layout.file_bytes
         if create:
+            # both slots, and the first manifest with the room kept for later ones (reserve.py):
+            # short of those, the manifest's own write failed, naming a temporary file
+            total = 2 * need + RESERVE_ROOM
             free = fsutil.free_bytes(self.path)
-            if free < 2 * need:
-                raise OSError(errno.ENOSPC, f"swap files need {2 * need} bytes ({2 * need / 2**30:.2f} GiB: two "
-                              f"slots of {need}) but the file system has {free} free", self.path)
+            if free < total:
+                raise OSError(errno.ENOSPC, f"swap files need {total} bytes ({total / 2**30:.2f} GiB: two slots "
+                              f"of {need} and {RESERVE_ROOM} for the manifest) but the file system has "
+                              f"{free:.0f} free", self.path)
         for name in SLOT_FILES:
             full = os.path.join(self.path, name)
             try:
@@ -257,11 +261,12 @@ class SwapStore:
         }
         try:
             n = fsutil.write_json_atomic(self.path, MANIFEST, fsutil.sealed(m))
+            self._reserve.full_warned = False  # a manifest fits without the reserve: the disk has room again
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not self._reserve.drop():
                 raise
             n = fsutil.write_json_atomic(self.path, MANIFEST, fsutil.sealed(m))
-            if not self._reserve.full_warned:  # once until the reserve is whole again
+            if not self._reserve.full_warned:  # once until a manifest fits without it again
                 self._reserve.full_warned = True
                 log.warning("%s: the file system is full: the manifest of step %d went into the room kept in %s "
                             "(training goes on: the preallocated swap files need no new space, except on a "
@@ -476,18 +481,8 @@ class SwapStore:
         self.engine = None
 
     def _remove_dir(self) -> None:
-        try:
-            fsutil.remove_private_dir(self.path, lock=self._lock, expect=self._dir_id)
-        except FileNotFoundError:
-            log.warning("%s: swap directory already removed by someone else", self.path)
-        except fsutil.NotOurs as exc:
-            log.warning("%s: %s", self.path, exc.strerror)
-        except OSError as exc:
-            if exc.errno != errno.EEXIST:
-                raise
-            # someone put a foreign entry into our private directory: keep it whole, as `offload clean` does
-            log.warning("%s: kept (%s: %s); remove that entry, then `offload clean %s`",
-                        self.path, exc.strerror, exc.filename, self.parent)
+        cleanup.remove_run_dir(self.path, self._lock, self._dir_id, self.parent, self.step,
+                               held=bool(self.extra or self.step or any(self.valid)))
 
     @property
     def closed(self) -> bool:
