@@ -89,6 +89,36 @@ def test_adagrad_loads_deepspeeds_layout(store, workdir):
     opt.close()
 
 
+@pytest.mark.parametrize("store", STORES)
+def test_adagrad_loads_deepspeeds_groups_and_the_names_take_every_dict_call(store, workdir):
+    """DeepSpeed's param groups have neither ``lr_decay`` nor ``initial_accumulator_value``:
+    loaded as they were, the next step failed with KeyError 'lr_decay' (forty-fourth session);
+    and ``setdefault``/``update``/``pop``/``del`` by DeepSpeed's name went past ``"sum"``."""
+    q = torch.nn.Parameter(torch.randn(11))
+    ref = torch.optim.Adagrad([q], lr=0.05, foreach=False)
+    q.grad = torch.ones(11)
+    ref.step()
+    theirs = {"state": {0: {"step": 1, "exp_avg_sq": ref.state[q]["sum"].clone()}},
+              "param_groups": [{"lr": 0.05, "eps": 1e-10, "weight_decay": 0, "amsgrad": False, "params": [0]}]}
+    p = torch.nn.Parameter(q.detach().clone())
+    opt = DeepSpeedCPUAdagrad([p], **_store_kwargs(store, workdir))
+    opt.load_state_dict(theirs)
+    assert opt.param_groups[0]["lr_decay"] == 0 and opt.param_groups[0]["initial_accumulator_value"] == 0
+    ref.param_groups[0]["eps"] = 1e-10
+    p.grad, q.grad = torch.full((11,), 0.5), torch.full((11,), 0.5)
+    opt.step()
+    ref.step()
+    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    st = opt.state[p]
+    assert st.setdefault("exp_avg_sq", None) is not None and "exp_avg_sq" not in list(st)
+    st.update(exp_avg_sq=torch.full((11,), 2.0))
+    assert torch.equal(st["sum"], torch.full((11,), 2.0)) and "exp_avg_sq" not in list(st)
+    assert "exp_avg_sq" not in opt.state_dict()["state"][0]
+    if store != "nvme":  # (a swapped entry's states are the store's: not removed by a pop)
+        assert torch.equal(st.pop("exp_avg_sq"), torch.full((11,), 2.0)) and "sum" not in st
+    opt.close()
+
+
 def test_adagrad_names_survive_a_copy_and_del():
     p = torch.nn.Parameter(torch.randn(9))
     opt = DeepSpeedCPUAdagrad([p])
@@ -223,3 +253,34 @@ def test_subgroup_bf16_states_and_errors(workdir):
     stuck.step_subgroup(0)
     with pytest.raises(ValueError, match="cannot be undone"):
         stuck.rollback_subgroup(0)
+
+
+def _ranks_job(rank, world):
+    # As DeepSpeed's engine: each rank a flat partition of one size, its own values and grads
+    g = torch.Generator().manual_seed(rank)
+    flat = torch.nn.Parameter(torch.randn(64, generator=g))
+    ref = torch.nn.Parameter(flat.detach().clone())
+    opt = DeepSpeedCPUAdam([flat], lr=1e-2, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(3):
+        grad = torch.randn(64, generator=g)
+        flat.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        torch_opt.step()
+    sub = torch.nn.Parameter(torch.randn(16, generator=g))
+    sub_opt = DeepSpeedCPUAdam([sub], lr=1e-2)
+    sub.grad = torch.randn(16, generator=g)
+    sub_opt.step_subgroup(0)
+    return dict(stage=opt.stage, diff=float((flat.detach() - ref.detach()).abs().max()),
+                subgroup_step=int(sub_opt.state[0]["step"]))
+
+
+def test_deepspeeds_engine_partitions_each_rank_steps_its_own():
+    """Several ranks: stage 0 unless given, as DeepSpeed's CPU optimizers talk to no rank. At the
+    default stage 2 of offload.Adam, two ranks' flat partitions of one size were averaged and
+    sharded together (silently wrong), and step_subgroup was refused (forty-fourth session)."""
+    from _ranks import group
+
+    got = group(2).run(_ranks_job)
+    for rank in (0, 1):
+        assert got[rank]["stage"] == 0 and got[rank]["diff"] < 1e-6 and got[rank]["subgroup_step"] == 1, got

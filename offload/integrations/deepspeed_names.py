@@ -6,13 +6,15 @@ torch's, and ``offload.Adagrad``'s, is ``state["sum"]``. Code written for DeepSp
 reads ``opt.state[p]["exp_avg_sq"]`` (DeepSpeed's own test of non-contiguous params does), so
 the shim's entries answer both names for the one state:
 
-- ``opt.state[p]["exp_avg_sq"]``, ``.get``, ``in`` and assignment go to ``"sum"`` (an
-  assignment writes the state the next step reads, through the store as ``"sum"``'s does);
+- ``opt.state[p]["exp_avg_sq"]``, ``.get``, ``in``, assignment, ``del``, ``pop``,
+  ``setdefault`` and ``update`` go to ``"sum"`` (an assignment writes the state the next step
+  reads, through the store as ``"sum"``'s does);
 - the entry lists ``"sum"`` only, so ``state_dict()`` keeps torch's layout and moves to and
   from ``torch.optim.Adagrad``;
 - ``load_state_dict`` also takes DeepSpeed's layout: an entry with ``"exp_avg_sq"`` and no
   ``"sum"`` loads it as the sum (its int ``"step"`` becomes torch's tensor, as torch's
-  Adagrad loads an old dict).
+  Adagrad loads an old dict), and a group without torch's ``lr_decay`` or
+  ``initial_accumulator_value`` (DeepSpeed's has neither) takes the optimizer's defaults.
 
 The entries are made so by the mapping that holds them (``NamedState``, which the shim puts
 wherever torch sets ``opt.state``: its constructor, a load, an unpickle): a plain dict put in
@@ -61,6 +63,21 @@ class _Aliased:
             return self[key]
         except KeyError:
             return default
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(ALIASES.get(key, key))
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        return super().pop(ALIASES.get(key, key), *default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
 
 
 class NamedEntry(_Aliased, dict):
@@ -114,11 +131,16 @@ class NamedState(collections.defaultdict):
         return (NamedState, (), None, None, iter(dict.items(self)))
 
 
-def deepspeed_layout_to_torch(state_dict: Any) -> Any:
+def deepspeed_layout_to_torch(state_dict: Any, defaults: Any = None) -> Any:
     """``state_dict`` with each entry that holds DeepSpeed's ``"exp_avg_sq"`` and no
-    ``"sum"`` renamed to torch's (key order kept); anything else as given."""
+    ``"sum"`` renamed to torch's (key order kept), and each param group given the keys of
+    ``defaults`` it lacks; anything else as given."""
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
         return state_dict
+    groups = state_dict.get("param_groups")
+    if isinstance(defaults, dict) and isinstance(groups, list):
+        state_dict = {**state_dict, "param_groups": [{**defaults, **g} if isinstance(g, dict) else g
+                                                      for g in groups]}
     state: Dict[Any, Any] = {}
     for k, entry in state_dict["state"].items():
         if isinstance(entry, dict) and "exp_avg_sq" in dict.keys(entry) and "sum" not in dict.keys(entry):

@@ -20,6 +20,11 @@ betas=(0.9, 0.999)``), and every keyword of the offload optimizer it is (``offlo
 - bfloat16 / float16 params get an fp32 master (DeepSpeed's CPU optimizers update such params
   in place with nothing kept between steps but the rounded param); ``master_dtype="bfloat16"``
   keeps none, rounding stochastically.
+- ``stage=0`` unless given: each rank steps the params it is given and talks to no other,
+  as DeepSpeed's CPU optimizers do under DeepSpeed's engine, which hands each rank its own
+  partition (flat tensors of one size on every rank: at the default stage 2 of several ranks
+  they were averaged and sharded together, silently wrong). Pass ``stage=2`` to have the
+  optimizer partition the states of params that every rank holds whole.
 - ``amsgrad=True`` is Adam's AMSGrad (DeepSpeed's CPU Adam accepts the flag and ignores it);
   DeepSpeedCPUAdagrad's ``amsgrad``, which DeepSpeed ignores too, must stay False here.
 - ``bias_correction`` is the optimizer's, for every group (DeepSpeed's may differ per group: a
@@ -83,6 +88,7 @@ def _states(cls_name: str, params: Any, fp32_optimizer_states: Any, kwargs: dict
     if not isinstance(fp32_optimizer_states, bool):
         raise TypeError(f"{cls_name}: fp32_optimizer_states must be True or False, got {fp32_optimizer_states!r}")
     params = _listed(params)
+    kwargs = {"stage": 0, **kwargs}  # each rank steps what it is given, as DeepSpeed's: the module docstring
     if fp32_optimizer_states:
         return params, kwargs
     if "state_dtype" in kwargs:
@@ -148,7 +154,7 @@ class DeepSpeedCPUAdagrad(Adagrad):
             self.state = self.state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(deepspeed_layout_to_torch(state_dict))
+        super().load_state_dict(deepspeed_layout_to_torch(state_dict, self.defaults))
 
 
 class DeepSpeedCPULion(Lion):

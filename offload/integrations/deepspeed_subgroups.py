@@ -72,7 +72,8 @@ class SubgroupSteps:
         if self.config.offload == "nvme":
             why = "offload='nvme' (its states would sit in RAM beside the swap files)"
         elif self.stage:
-            why = f"stage={self.stage} (each rank holds a shard of every param, not a sub-group)"
+            why = (f"stage={self.stage} (each rank holds a shard of every param, not a sub-group; stage=0, the "
+                   "default of these classes, steps each rank's own sub-groups as DeepSpeed's)")
         elif self._ctx.max_grad_norm is not None:
             why = "max_grad_norm (it does not clip: DeepSpeed's engine clips before it)"
         elif self.state_dtype not in ("float32", "bfloat16"):

@@ -44,6 +44,7 @@ from offload.optim.sparse_grads import dense_grad
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
 from offload.optim.step_guard import canonical_sig, check_work, clear_failure, defer_sigint, gc_paused, snapshot, store_step
 from offload.optim.stats import StepStats, process_rss_bytes
+from offload.zero.wrapped import default_stage
 
 __all__ = ["RuleOptimizer"]
 
@@ -203,8 +204,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         # offload.optim.guards checks that the job did not gain ranks since.
         self._stage_auto_single = stage is None and world == 1
         self._process_group = process_group
-        if stage is None:
-            stage = 2 if world > 1 else 0
+        stage = default_stage(stage, world, self._ctx.max_grad_norm, self.TORCH_NAME)  # zero/wrapped.py
         self.stage = stage
         host_ok = host_params(params, stage=stage, offload=self.config.offload, cls_name=self.TORCH_NAME)
         refuse_release_grads(self.release_grads, stage == 0 and host_ok, getattr(self, "_in_stage3", False))
