@@ -520,3 +520,13 @@ def test_optimizer_options_in_a_param_group_are_refused(cls, tmp_path):
     with pytest.raises(ValueError, match="'max_host_bytes' is an option"):  # the same bytes, another type
         cls([{"params": [r], "max_host_bytes": 1 << 20}], lr=0.1, offload="nvme", swap_dir=str(tmp_path),
             max_host_bytes="1MiB")
+    # equal values of other types are the same option (1 and 1.0, a str and a Path); the value
+    # compared is the optimizer's now (max_grad_norm may be set since), and a refusal says both
+    s = torch.nn.Parameter(torch.randn(3))
+    swap = cls([{"params": [s], "max_grad_norm": 1, "swap_dir": tmp_path}], lr=0.1, offload="nvme",
+               swap_dir=str(tmp_path), max_grad_norm=1.0)
+    swap.close()
+    again.max_grad_norm = 5.0
+    with pytest.raises(ValueError, match="the group's max_grad_norm=1.0, the optimizer's 5.0"):
+        again.add_param_group({"params": [q], "max_grad_norm": 1.0})
+    again.add_param_group({"params": [q], "max_grad_norm": 5})

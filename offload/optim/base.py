@@ -36,7 +36,7 @@ from offload.optim.host_dtypes import host_params
 from offload.optim.host_state import HostState, nothing_to_swap
 from offload.optim.options import (OPTIMIZER_OPTIONS, check_compression, check_extras, check_group_keys,
                                    check_group_rule, check_master_dtype, check_param_dtype, check_release_grads,
-                                   clear_execution_flags, make_config, refuse_release_grads, unexpected_keyword)
+                                   clear_execution_flags, make_config, options_now, refuse_release_grads, unexpected_keyword)
 from offload.optim.protocol import optional
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
@@ -242,7 +242,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                          master_dtype=getattr(self, "master_dtype", None), release_grads=self.release_grads)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        check_group_keys(param_group, self.TORCH_NAME, getattr(self, "_given_options", None))
+        check_group_keys(param_group, self.TORCH_NAME, options_now(self))
         super().add_param_group(param_group)
         try:
             base = len(self._all_params()) - len(self.param_groups[-1]["params"])

@@ -23,7 +23,7 @@ from offload.config import IOConfig, OffloadConfig, parse_bytes
 from offload.kernels._threads import MAX_THREADS
 from offload.optim.host_dtypes import COMPLEX_DTYPES, COMPLEX_RULE_CLASSES
 
-__all__ = ["check_group_rule", "check_hyper", "check_extras", "check_compression", "check_master_dtype", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
+__all__ = ["check_group_rule", "options_now", "check_hyper", "check_extras", "check_compression", "check_master_dtype", "make_config", "check_param_dtype", "io_config", "check_loaded_groups",
            "clear_execution_flags", "check_release_grads", "refuse_release_grads", "unexpected_keyword"]
 
 # Options that act only on swap files; with offload="none" or "cpu" they would do nothing.
@@ -313,10 +313,27 @@ OPTIMIZER_OPTIONS = ("backend", "offload", "swap_dir", "max_host_bytes", "sub_gr
 
 
 def _same_option(a: Any, b: Any) -> bool:
+    """The same value: of one type, or numbers (1 and 1.0), or paths (a str and a Path)."""
+    if isinstance(a, os.PathLike) or isinstance(b, os.PathLike):
+        try:
+            return os.fspath(a) == os.fspath(b)
+        except TypeError:
+            return False
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b))
     try:
-        return a is b or (type(a) is type(b) and bool(a == b))
+        return a is b or ((type(a) is type(b) or numbers) and bool(a == b))
     except Exception:  # (an option whose == raises or is not a truth value)
         return False
+
+
+def options_now(opt: Any) -> Dict[str, Any]:
+    """The constructor's options of ``opt`` (``_given_options``), with the value of those a
+    user may set since (``opt.max_grad_norm = ...``) as it is now."""
+    given = dict(getattr(opt, "_given_options", None) or {})
+    ctx = getattr(opt, "_ctx", None)
+    if "max_grad_norm" in given and ctx is not None:
+        given["max_grad_norm"] = ctx.max_grad_norm
+    return given
 
 
 def check_group_keys(group: Any, cls_name: str, given: Optional[Dict[str, Any]] = None) -> None:
@@ -330,9 +347,11 @@ def check_group_keys(group: Any, cls_name: str, given: Optional[Dict[str, Any]] 
     given = given or {}
     mine = [k for k in OPTIMIZER_OPTIONS if k in group and not (k in given and _same_option(group[k], given[k]))]
     if mine:
+        differs = [f"the group's {k}={group[k]!r}, the optimizer's {given[k]!r}" for k in mine if k in given]
         raise ValueError(f"offload.{cls_name}: {', '.join(repr(k) for k in mine)} "
                          f"{'is an option' if len(mine) == 1 else 'are options'} of the whole optimizer, not of a "
-                         "param group (a group's value would be ignored): pass it to the constructor")
+                         "param group (a group's value would be ignored): "
+                         + (f"{'; '.join(differs)}" if differs else "pass it to the constructor"))
 
 
 # Flags of a loaded torch param group that say how torch ran its step, not what it computes:
