@@ -3,7 +3,8 @@ rank's shards for something they are not: DCP's getters with ``full_state_dict=T
 DCP's full_state_dict on shards] in dcp_chunks.py) and accelerate's ``get_state_dict`` /
 ``save_model`` ([Note: accelerate's get_state_dict on shards]). Found by walking the frames
 above the hook (as guards.py finds FSDP's module walk): these libraries pass nothing down to
-``state_dict()`` that says what the dict is for.
+``state_dict()`` that says what the dict is for. ``caller()`` also finds torch's
+ZeroRedundancyOptimizer building an offload optimizer (offload/zero/wrapped.py).
 
 [Note: accelerate's get_state_dict on shards] ``Accelerator.get_state_dict(model)``, which
 ``save_model`` calls, gathers a model only where accelerate itself sharded it (DeepSpeed ZeRO-3,

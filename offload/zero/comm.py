@@ -174,7 +174,11 @@ def agree_on_params(param_groups: Sequence[Sequence[torch.Tensor]], stage: int, 
     (a model built differently per rank; torch's ZeroRedundancyOptimizer, which gives each
     rank a part of the params and builds the optimizer over it) made the collectives of the
     first step mismatch: a hang, or shards reduced into the wrong elements. Checked when the
-    store is built, a collective: a ValueError on every rank, naming what each passed."""
+    store is built, a collective: a ValueError on every rank, naming what each passed. Only
+    shapes, dtypes, devices and order are compared, not values: other params of the same
+    shapes pass (torch's ZeroRedundancyOptimizer and DeepSpeed's CPU optimizer classes, which
+    give each rank its own params, take stage 0 by default: [Note: inside
+    ZeroRedundancyOptimizer] in wrapped.py)."""
     world, rank = world_and_rank(group)
     if world == 1:
         return
