@@ -26,8 +26,22 @@ def _step(m, opt, s):
 CASES = [("bfloat16", "cpu", None), ("bfloat16", "nvme", None), ("float32", "cpu", 2), ("float32", "nvme", 1)]
 
 
+def _write(m, new, how):
+    """``new``'s weights into ``m``'s params, as users write them."""
+    if how == "load_state_dict":
+        m.load_state_dict(new.state_dict())
+        return
+    for p, q in zip(m.parameters(), new.parameters()):
+        if how == "rebind":  # p.data = t: other memory, the param's version unchanged
+            p.data = q.detach().clone()
+        else:  # an in-place write through .data (a version counter of its own), then the README's call
+            p.data.copy_(q.detach())
+            torch.autograd.graph.increment_version(p)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "rebind", "data_copy_increment_version"])
 @pytest.mark.parametrize("dtype,where,stage", CASES, ids=[f"{d}-{w}-stage{s}" for d, w, s in CASES])
-def test_weights_loaded_after_construction_are_stepped_from(dtype, where, stage, tmp_path):
+def test_weights_loaded_after_construction_are_stepped_from(dtype, where, stage, how, tmp_path):
     dtype = getattr(torch, dtype)
 
     def make(m, name):
@@ -41,7 +55,7 @@ def test_weights_loaded_after_construction_are_stepped_from(dtype, where, stage,
     opt = make(m, "a")
     assert opt._store.kind == "flat" or stage is not None
     _step(m, opt, 0)
-    m.load_state_dict(_net(1, dtype).state_dict())  # new weights, after a step even
+    _write(m, _net(1, dtype), how)  # new weights, after a step even
     ref = _net(1, dtype)
     ref_opt = make(ref, "b")  # the same optimizer, built on the new weights
     ref_opt.load_state_dict(opt.state_dict())  # the same moments and step; its masters: the dict's

@@ -9,12 +9,16 @@ here the next step started from the old master and silently undid it. Every in-p
 to a tensor bumps its ``_version`` (shared by its views and ``detach()``): the store records
 the versions after its own writes (construction, each step's copy back, a load), and a step
 that finds one changed takes that param's master piece from the param first (the elements
-whose value is still the master's rounding keep the master). Writes through
-``p.data`` are not counted by torch (a new version counter), and are not seen here either.
+whose value is still the master's rounding keep the master). A param rebound to other
+memory (``p.data = t``, which keeps the param's version) counts as written too: the store
+records each param's address beside its version. In-place writes through ``p.data``
+(``p.data.copy_(t)``) are not counted by torch (``.data`` has a version counter of its
+own), and are not seen here: the README says to write under ``torch.no_grad()`` instead,
+or to call ``torch.autograd.graph.increment_version(p)`` after such a write.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Tuple
 
 import torch
 
@@ -24,15 +28,25 @@ if TYPE_CHECKING:  # pragma: no cover
     from offload.optim.flat.store import FlatState
 
 
+def mark(p: torch.Tensor) -> Tuple[int, int]:
+    """What tells that ``p`` was written: its version, and its address (``p.data = t``
+    rebinds it to other memory without a new version); 0 for a tensor without one."""
+    try:
+        address = p.data_ptr()
+    except (RuntimeError, NotImplementedError):  # (a tensor subclass without storage of its own)
+        address = 0
+    return p._version, address
+
+
 def record(st: "FlatState") -> None:
-    """The params as the store wrote them last: their versions now."""
-    st._versions = {p: p._version for p in st._order}
+    """The params as the store wrote them last: their marks now."""
+    st._versions = {p: mark(p) for p in st._order}
 
 
 def changed(st: "FlatState") -> List[torch.Tensor]:
     """Params written by someone else since :func:`record` (new params count as unchanged)."""
     seen = getattr(st, "_versions", {})
-    return [p for p in st._order if p in seen and p._version != seen[p]]
+    return [p for p in st._order if p in seen and mark(p) != seen[p]]
 
 
 # The piece of a param taken at a time in RAM (the swapped store's pieces are cut at its

@@ -239,7 +239,7 @@ class FlatState:
                 if pair is not None:
                     self._streams[device] = pair
         if hasattr(self, "_versions"):  # a group added later: its masters are its values now
-            self._versions.update((p, p._version) for p in params)
+            self._versions.update((p, param_sync.mark(p)) for p in params)
 
     def _make_side_streams(self, device: torch.device) -> Optional[Tuple[Any, Any]]:
         # grad: D2H grad copies, overlapping the rest of backward. copy: H2D param copies,
