@@ -222,3 +222,32 @@ def test_bench_io_dir_that_is_a_file_says_enotdir(tmp_path, capsys):
 def test_clean_of_a_missing_directory_says_no_such_directory(tmp_path, capsys):
     assert main(["clean", str(tmp_path / "missing")]) == 1
     assert "[Errno 2] no such directory" in capsys.readouterr().err
+
+
+# -- 6. the README's exit statuses, as a user reads them (forty-fifth session's README audit) -----
+
+def test_a_failure_is_one_line_on_stderr_also_after_the_kernel_loaded():
+    # plan's probe loads the kernel library, whose INFO note ("kernel backend: native") came
+    # before the error line: the CLI logs warnings and errors only, unless -v
+    proc = subprocess.run([sys.executable, "-m", "offload", "plan", "--params", "1B", "--param-dtype", "fp32",
+                           "--master-dtype", "bfloat16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("offload plan: error: "), \
+        proc.stderr
+
+
+def test_no_command_is_a_usage_error_on_stderr(capsys):
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: offload") and err.rstrip().endswith(
+        "offload: error: a command is required"), (out, err)
+
+
+def test_a_plan_that_does_not_fit_points_at_cheapest(capsys):
+    base = ["plan", "--params", "7.5B", "--device-memory", "16GiB", "--host-memory", "64GiB", "--no-probe",
+            "--kernel-gparams", "1"]
+    assert main(base) == 0
+    assert "does not fit: --cheapest searches" in capsys.readouterr().out
+    assert main(["plan", "--params", "1M", "--no-probe", "--kernel-gparams", "1"]) == 0
+    assert "--cheapest" not in capsys.readouterr().out

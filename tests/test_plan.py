@@ -708,6 +708,8 @@ def test_cli_amsgrad_bills_the_third_state():
     assert plain["inputs"]["amsgrad"] is False and plain["step"]["kernel_s"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="amsgrad must be True or False"):
         estimate("1B", amsgrad="yes")
+    with pytest.raises(ValueError, match="amsgrad is Adam's option .* optimizer 'sgd' has none"):
+        estimate("1B", amsgrad=True, optimizer="sgd")
 
 
 def test_cli_swap_dir_probes_the_disk_and_takes_its_free_space(tmp_path):

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train PyTorch models larger than accelerator memory.",
     )
     parser.add_argument("--version", action="version", version=f"offload {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level (else warnings and errors only)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(f"offload.cli.{module_name}")
@@ -79,12 +79,16 @@ def run_held(argv: Optional[List[str]], signals: CommandSignals) -> int:
     args = None
     try:
         args = _parse(argv)
+        # Warnings and errors only, unless -v: a failure is one line on stderr (the README's
+        # exit statuses), not that line after the library's INFO notes (which backend loaded).
         logging.basicConfig(
-            level=logging.DEBUG if args.verbose else logging.INFO,
+            level=logging.DEBUG if args.verbose else logging.WARNING,
             format="%(levelname)s %(name)s: %(message)s",
         )
         if not getattr(args, "command", None):
-            build_parser().print_help()
+            parser = build_parser()
+            parser.print_help(sys.stderr)
+            print(f"{parser.prog}: error: a command is required", file=sys.stderr)
             return EXIT_USAGE
         for name in ENGINE_MODULES:
             importlib.import_module(name)

@@ -10,6 +10,7 @@ rate is flagged as probably cached.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -165,7 +166,9 @@ def _checked_dir(args) -> str:
 
     directory = os.path.abspath(args.dir)
     if not os.path.isdir(directory):  # (an existing file, with errno 2, read as "No such file")
-        raise OSError(20 if os.path.exists(directory) else 2, "not a directory", directory)
+        if os.path.exists(directory):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", directory)
+        raise FileNotFoundError(errno.ENOENT, "no such directory", directory)
     ok, why = probe_direct(directory)
     if args.direct and not ok:
         raise OSError(22, f"{why}; measure with --buffered instead", directory)

@@ -273,6 +273,8 @@ def _run(args: argparse.Namespace) -> int:
             print("  nothing fits: more ranks, more host memory or a bigger disk are needed")
         else:
             print(f"  -> stage {best.inputs['stage']}, offload={best.inputs['offload']}")
+    elif plan.supported and not plan.fits_all:
+        print("this configuration does not fit: --cheapest searches stage and offload for the cheapest one that does")
     if args.explain:
         print()
         print(plan.explain())

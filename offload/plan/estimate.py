@@ -48,7 +48,7 @@ import torch
 
 from offload.kernels.fields import ADAM_AMSGRAD, MASTER, bytes_per_element, fields_bytes
 
-from .inputs import dtype_name, nonneg_bytes, parse_dtype, positive_rate, resolve_params, swap_dir_path
+from .inputs import check_amsgrad, dtype_name, nonneg_bytes, parse_dtype, positive_rate, resolve_params, swap_dir_path
 from .placement import (  # noqa: F401  (OPTIMIZER_COMPONENTS: re-exported, tests import it here)
     COMPONENTS,
     OPTIMIZER_COMPONENTS,
@@ -490,8 +490,7 @@ def _setup(num_params: Any, *, world_size: Any, stage: Any, offload: Any, param_
                    nvme_capacity, swap_dir)
     rates = _rates(kernel_gparams, disk_gbps, disk_read_gbps, disk_write_gbps)
     check_compression(state_dtype, master_dtype, pdt)
-    if not isinstance(amsgrad, bool) or (amsgrad and opt not in ("adam", "adamw")):
-        raise ValueError(f"amsgrad must be True or False (True for adam and adamw only), got {amsgrad!r} for {opt!r}")
+    check_amsgrad(amsgrad, opt)
     k = bytes_per_element((ADAM_AMSGRAD if amsgrad else _OPTIMIZERS[opt]).with_master())
     return _Setup(state_dtype=state_dtype, master_dtype=master_dtype, numels=param_numels(module), amsgrad=amsgrad,
                   n=n, source=source_desc, world_size=world_size, stage=stage, offload=offload, optimizer=opt,

@@ -110,6 +110,14 @@ def resolve_params(source: Any) -> Tuple[int, str, Optional[torch.nn.Module]]:
     raise ValueError(f"num_params must be a count, a torch.nn.Module or a config.json path, got {type(source).__name__}")
 
 
+def check_amsgrad(amsgrad: Any, optimizer: str) -> None:
+    """``amsgrad`` a bool, and True only for Adam's rules."""
+    if not isinstance(amsgrad, bool):
+        raise ValueError(f"amsgrad must be True or False, got {type(amsgrad).__name__} {amsgrad!r}")
+    if amsgrad and optimizer not in ("adam", "adamw"):
+        raise ValueError(f"amsgrad is Adam's option (optimizer 'adam' or 'adamw'); optimizer {optimizer!r} has none")
+
+
 def nonneg_bytes(name: str, value: Any) -> Optional[int]:
     if value is None:
         return None
