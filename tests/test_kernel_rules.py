@@ -223,8 +223,6 @@ BAD_HYPER = [
     (SGD, dict(lr=-0.1, momentum=0.9), ValueError, "Invalid learning rate: -0.1"),
     (SGD, dict(lr=0.1, momentum=-0.5), ValueError, "Invalid momentum value: -0.5"),
     (SGD, dict(lr=0.1, momentum=0.9, weight_decay=-1.0), ValueError, "Invalid weight_decay value: -1.0"),
-    (SGD, dict(lr=0.1, momentum=0.9, nesterov=True, dampening=0.1), ValueError, "Nesterov momentum requires"),
-    (SGD, dict(lr=0.1, momentum=0.0, nesterov=True), ValueError, "Nesterov momentum requires"),
     (SGD, dict(lr=0.1), TypeError, "missing ['momentum']"),
     (SGD, dict(lr=0.1, momentum=0.9, betas=(0.9, 0.99)), TypeError, "unexpected ['betas']"),
     (SGD, dict(lr=0.1, momentum="0.9"), TypeError, "momentum must be a float"),
@@ -238,6 +236,24 @@ BAD_HYPER = [
     (LION, dict(lr=1e-4, beta2=-0.1), ValueError, "Invalid beta parameter at index 1: -0.1"),
     (LION, dict(beta1=0.9), TypeError, "missing ['lr']"),
 ]
+
+
+@pytest.mark.parametrize("edit", [dict(dampening=0.3), dict(momentum=0.0)], ids=["dampening", "no_momentum"])
+def test_sgd_nesterov_edited_past_torch_constructor_check_steps_as_torch(backend, edit):
+    # torch.optim.SGD refuses these in its constructor only; its step takes a group edited so
+    hp = dict(lr=0.05, momentum=0.9, nesterov=True, dampening=0.0, weight_decay=0.1)
+    for n in (17, 4097):
+        p0, grads = torch.randn(n, generator=torch.Generator().manual_seed(n)), _grads(n, STEPS, n)
+        ref = p0.clone().requires_grad_(True)
+        opt = torch.optim.SGD([ref], foreach=False, **hp)
+        opt.param_groups[0].update(edit)
+        for g in grads:
+            ref.grad = g.clone()
+            opt.step()
+        p, states, _ = _run(backend, SGD, {**hp, **edit}, p0, grads)
+        _assert_close(p, ref.detach(), f"sgd nesterov {edit} n={n}")
+        if edit.get("momentum", 0.9):
+            _assert_close(states["momentum_buffer"], opt.state[ref]["momentum_buffer"], f"buffer n={n}")
 
 
 @pytest.mark.parametrize("rule,hp,exc,words", BAD_HYPER, ids=[str(i) for i in range(len(BAD_HYPER))])

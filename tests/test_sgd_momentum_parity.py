@@ -135,3 +135,28 @@ def test_a_checkpoint_saved_before_a_buffer_started_loads_none(store, tmp_path):
     run.steps(2, 4)
     run.check()
     run.opt.close()
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_a_nesterov_group_edited_after_construction_steps_as_torch(store, tmp_path):
+    # torch.optim.SGD checks nesterov's momentum and dampening in its constructor only: a
+    # group edited since (a momentum warm-up from 0, a dampening set later) steps, Nesterov
+    # ignored without momentum, d_p + momentum * buf with a damped buffer. Ours refused the step.
+    gen = torch.Generator().manual_seed(1)
+    dtype = torch.bfloat16 if store.startswith("flat") else torch.float32
+    params = [torch.randn(n, generator=gen).to(dtype).requires_grad_() for n in SIZES]
+    ref_params = [p.detach().float().clone().requires_grad_() for p in params]
+    opt = offload.SGD(params, lr=1e-2, momentum=0.9, nesterov=True, **_kwargs(store, tmp_path, "run"))
+    ref = torch.optim.SGD(ref_params, lr=1e-2, momentum=0.9, nesterov=True, foreach=False)
+    edits = [{}, {"momentum": 0.0}, {"momentum": 0.0}, {"momentum": 0.5}, {"dampening": 0.3}, {"momentum": 0.9}]
+    for t, edit in enumerate(edits):
+        grads = [torch.randn(n, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16) for n in SIZES]
+        for o, ps in ((opt, params), (ref, ref_params)):
+            o.param_groups[0].update(edit)
+            for p, g in zip(ps, grads):
+                p.grad = g.to(p.dtype)
+            o.step()
+        got = opt.state_dict()["state"]
+        for i, (p, r) in enumerate(zip(params, ref_params)):
+            torch.testing.assert_close(got.get(i, {}).get("master", p.detach()).float(), r.detach(), **TOL)
+    opt.close()

@@ -138,7 +138,11 @@ def _flag(name: str, value: Any) -> None:
 
 def sgd_args(step, *, lr, momentum, dampening=0.0, weight_decay=0.0, nesterov=False,
              maximize=False, grad_scale=1.0) -> tuple:
-    """``fold_sgd``'s arguments; the checks of torch.optim.SGD."""
+    """``fold_sgd``'s arguments; the checks of torch.optim.SGD's values. Nesterov with no
+    momentum or with dampening is taken, as torch's step takes a group edited so after its
+    constructor refused it (Nesterov is then ignored without momentum, and with dampening
+    the update is d_p + momentum * buf of the damped buffer); offload.SGD's constructor
+    refuses it, as torch's."""
     lr = _nonneg("lr", lr, "learning rate")
     momentum = _nonneg("momentum", momentum, "momentum value")
     dampening = _real("dampening", dampening)
@@ -146,8 +150,6 @@ def sgd_args(step, *, lr, momentum, dampening=0.0, weight_decay=0.0, nesterov=Fa
     _flag("nesterov", nesterov)
     _flag("maximize", maximize)
     check_grad_scale(grad_scale)
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     return (lr, momentum, dampening, weight_decay, nesterov, maximize, grad_scale, step)
 
 

@@ -149,12 +149,6 @@ class SGD(RuleOptimizer):
                        nesterov=bool(group.get("nesterov", False)))
         return out
 
-    def _check_group(self, group: Dict[str, Any]) -> None:
-        # torch checks nesterov once, at construction; a group edited since is checked here,
-        # before anything changes, rather than inside the kernel call of one param
-        if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"] != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-
     def state_names(self):
         return (_BUF,)  # every group's, with or without momentum (momentum may change)
 
