@@ -228,6 +228,24 @@ def test_tensor_betas_are_squeezed_and_step_as_torch():
     _assert_same(params, ref_params)
 
 
+@pytest.mark.parametrize("cls", [offload.Adam, offload.AdamW])
+def test_tensor_eps_and_weight_decay_step_as_torch(cls):
+    # torch's constructor and step take them (a 1-element Tensor, as lr); ours said
+    # "eps must be a float"
+    hyper = dict(lr=0.01, eps=torch.tensor(1e-6), weight_decay=torch.tensor(0.1))
+    params = _params()
+    ref_params = _clone(params)
+    opt = cls(params, **hyper)
+    ref = getattr(torch.optim, cls.__name__)(ref_params, foreach=False, **hyper)
+    for s in range(3):
+        _step_both([(opt, params), (ref, ref_params)], s)
+    _assert_same(params, ref_params)
+    with pytest.raises(ValueError, match="Tensor eps must be 1-element"):
+        cls(_params(), eps=torch.tensor([1e-8, 1e-8]))
+    with pytest.raises(ValueError, match="Invalid weight_decay value"):
+        cls(_params(), weight_decay=torch.tensor(-0.1))
+
+
 def test_step_dtype_follows_torch_default_dtype():
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)

@@ -44,6 +44,12 @@ def _check_scalar(name: str, x: Any, *, tensor_ok: bool) -> None:
     raise TypeError(f"{name} must be {kind}, got {type(x).__name__} {x!r}")
 
 
+def _check_one_element(name: str, x: Any) -> None:
+    _check_scalar(name, x, tensor_ok=True)
+    if isinstance(x, torch.Tensor) and x.numel() != 1:
+        raise ValueError(f"Tensor {name} must be 1-element")
+
+
 def _check_lr(lr: Any, foreach: Optional[bool], capturable: bool) -> None:
     _check_scalar("lr", lr, tensor_ok=True)
     if isinstance(lr, torch.Tensor):
@@ -77,11 +83,11 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any, amsgrad: bool,
                 capturable: bool, differentiable: bool, fused: Optional[bool]) -> Tuple[Any, Any]:
     """torch.optim.Adam's checks, in its order; returns ``betas`` as torch stores them."""
     _check_lr(lr, foreach, capturable)
-    _check_scalar("eps", eps, tensor_ok=False)
+    _check_one_element("eps", eps)  # (a Tensor too, as torch's constructor and step take one)
     if not 0.0 <= eps:
         raise ValueError(f"Invalid epsilon value: {eps}")
     betas = _check_betas(betas, foreach, capturable)
-    _check_scalar("weight_decay", weight_decay, tensor_ok=False)
+    _check_one_element("weight_decay", weight_decay)
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     check_torch_flags(foreach=foreach, differentiable=differentiable, fused=fused)
