@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from offload.optim.protocol import optional
+from offload.optim.scaler_sync import share_found_inf
 
 __all__ = ["ContextAttributes"]
 
@@ -63,7 +64,8 @@ class ContextAttributes:
         """This step's facts into the context: GradScaler sets ``grad_scale`` and
         ``found_inf`` on the optimizer for this call only (torch/amp/grad_scaler.py). A
         store that agrees ``found_inf`` across ranks replaces it in the context, and the
-        agreed flag goes back to GradScaler, which reads it after the step."""
+        agreed flag goes into GradScaler's own flags, which its ``update()`` reads after the
+        step ([Note: GradScaler across ranks] in scaler_sync.py)."""
         found_inf = getattr(self, "found_inf", None)
         self._ctx.begin_step(getattr(self, "grad_scale", None), found_inf)
         begin = optional(self._store, "begin_step")
@@ -71,3 +73,4 @@ class ContextAttributes:
             begin()
         if self._ctx.found_inf is not found_inf:
             self.found_inf = self._ctx.found_inf
+            share_found_inf(self, self._ctx.found_inf)

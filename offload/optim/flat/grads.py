@@ -64,15 +64,10 @@ rank increments the same step counters. The answer comes from one small all-redu
 step, made by ``agree()`` (the optimizer calls it before asking for grads; ``grads(p)``
 itself is never a collective).
 
-[Note: GradScaler across ranks] GradScaler looks for inf/nan in each rank's *local* grads
-(with DDP they are already averaged, so all ranks agree). Here ``begin_step`` all-reduces
-``found_inf`` (the step context's; the optimizer hands the agreed one back to GradScaler)
-so that all ranks skip a step together and the shards stay consistent. The
-scaler's own ``update()`` still sees only the local answer: after an overflow on some ranks
-only, their loss scales differ, and the summed grads then mix scales. With fp16 and several
-ranks, either wrap the model in DDP (grads averaged before the scaler looks; set
-``grads_already_averaged``) or expect the loss scales of the ranks to drift apart after a
-rank-local overflow. bf16 needs no scaler.
+[Note: GradScaler across ranks] (offload/optim/scaler_sync.py): ``begin_step`` all-reduces
+the ``found_inf`` GradScaler hands the step, so that all ranks skip a step together and the
+shards stay consistent; the optimizer writes the agreed flag into the scaler's own, so that
+every rank's ``update()`` changes its loss scale alike.
 """
 from __future__ import annotations
 
@@ -238,8 +233,8 @@ class GradSource:
                 self.reducer.forget()
         if self.world > 1 and isinstance(found_inf, torch.Tensor):
             # GradScaler checks each rank's local grads; a step must be skipped on all
-            # ranks or on none, or the shards diverge. (The loss scale itself is still
-            # updated from the local check: see [Note: GradScaler across ranks].)
+            # ranks or on none, or the shards diverge; the loss scales too ([Note:
+            # GradScaler across ranks] in scaler_sync.py).
             flag = found_inf.detach().to(self._comm_dev, torch.float32).reshape(1).clone()
             comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MAX)
             self._ctx.found_inf = flag.to(found_inf.device).reshape(found_inf.shape)
