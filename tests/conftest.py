@@ -77,7 +77,7 @@ _KERNEL_INCIDENTAL = {
     "test_state_dict_hooks", "test_exact_reencode",  # state_dict layouts and the load encoder (torch code)
     "test_hf_checkpoint_crash", "test_rules_resume", "test_params_written", "test_state_assign",
     "test_shard_misuse",  # torch's module calls on a sharded model: the guards, not the kernel
-    "test_zero_params_agree", "test_scaler_ranks",  # the ranks' params agreed on at construction, torch's ZeroRedundancyOptimizer
+    "test_zero_params_agree", "test_scaler_ranks", "test_step_agreement",  # the ranks' params agreed on at construction, torch's ZeroRedundancyOptimizer
     "test_shard_checkpointing",  # the recompute's gathers and hooks (activation checkpointing)
     "test_master_in_state", "test_dcp_state_dict", "test_dcp_ranks", "test_dcp_stage3",  # the store's entries and DCP's dicts
     "test_deepspeed_ops", "test_deepspeed_calls", "test_torchao_compat",  # other libraries' calls mapped to our classes

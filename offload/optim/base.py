@@ -42,6 +42,7 @@ from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.sparse_grads import dense_grad
 from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
+from offload.optim.step_agreement import ranks_begin_together
 from offload.optim.step_guard import canonical_sig, check_work, clear_failure, defer_sigint, gc_paused, snapshot, store_step
 from offload.optim.stats import StepStats, process_rss_bytes
 from offload.zero.wrapped import default_stage
@@ -354,18 +355,19 @@ class RuleOptimizer(ContextAttributes, Optimizer):
     @eager
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
-        self._check_open()
-        self._check_not_failed()
-        self._begin_step()
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with ranks_begin_together(self):  # several ranks: [Note: a step the ranks agree to begin]
+            self._check_open()
+            self._check_not_failed()
+            self._begin_step()
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
         t0 = time.perf_counter()
         work = self._grads_with_params()
-        # Everything is checked before anything changes (see [Note: failed steps] in step_guard.py).
+        # Everything is checked before anything changes ([Note: failed steps] in step_guard.py), the environment too
         check_work(work, step_sigs(self), self.SPARSE_MESSAGE)
-        get_backend(self.backend).preflight(self.num_threads)  # the environment, too
+        get_backend(self.backend).preflight(self.num_threads)
         self._t_prepare = 0.0
         t_clip = time.perf_counter()
         multiplier = self._grad_multiplier(work)
@@ -398,8 +400,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         params of the step the swap files hold: they are checked against the manifest's
         fingerprint (ValueError when they differ). ``accept_params=True`` goes on from the
         params and states as they are instead (the elements already updated by the failed
-        step then get that step's update once more when it is retried). A no-op when no
-        step failed."""
+        step then get that step's update once more when it is retried). A no-op when no step failed."""
         self._check_open()
         clear_failure(self, accept_params)
 
@@ -486,8 +487,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         "nvme"``) keeps the swap directory, unlocked and at its last committed step, for a
         new optimizer with ``resume=True`` (in this process or another)."""
         if keep_swap and self.config.offload != "nvme":
-            raise ValueError(f"close(keep_swap=True) needs offload='nvme' (offload={self.config.offload!r} keeps "
-                             "no swap files)")
+            raise ValueError(f"close(keep_swap=True) needs offload='nvme' (offload={self.config.offload!r} keeps no swap files)")
         if self._store is not None and not self._closed:
             detach_state_views(self)  # before the buffers they view are freed
             self._store.close(keep_swap=keep_swap) if keep_swap else self._store.close()

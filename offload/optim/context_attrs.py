@@ -71,6 +71,11 @@ class ContextAttributes:
         begin = optional(self._store, "begin_step")
         if begin is not None:
             begin()
-        if self._ctx.found_inf is not found_inf:
+        self._found_inf_agreed(found_inf)
+
+    def _found_inf_agreed(self, local: Any) -> None:
+        """The store replaced GradScaler's ``local`` found_inf by the ranks' agreed one: it goes
+        back to the scaler ([Note: GradScaler across ranks] in scaler_sync.py)."""
+        if self._ctx.found_inf is not local:
             self.found_inf = self._ctx.found_inf
             share_found_inf(self, self._ctx.found_inf)

@@ -65,8 +65,9 @@ OPTIONAL: Dict[str, str] = {
               "a collective when partitioned",
     "add_param_group": "(group) -> None: take a param group added after construction",
     "check_param": "(index, p) -> None: raise ValueError when the store cannot hold p (no add_param_group)",
-    "agree_on_grads": "() -> None: settle, across ranks, which params have a grad this step (a collective); "
-                      "called before grads()",
+    "agree_on_grads": "(failed=False, facts=(0, 0)) -> each rank's (failed, *facts) or None: settle, across "
+                      "ranks, which params have a grad this step and GradScaler's found_inf (a collective, the "
+                      "step's first: [Note: a step the ranks agree to begin]); called before grads()",
     "grads": "(p) -> grad or None: the grad the step uses for p (p.grad when absent); never a collective",
     "prepare_grads": "() -> None: move this step's grads to where the kernel reads them (timed as grad_transfer)",
     "global_grad_sumsq": "(work) -> (sum of squares, nonfinite): the grad norm over every rank, for clipping",

@@ -231,13 +231,7 @@ class GradSource:
                 fg.grad_tag = [None] * len(fg.params)
             if self.reducer is not None:
                 self.reducer.forget()
-        if self.world > 1 and isinstance(found_inf, torch.Tensor):
-            # GradScaler checks each rank's local grads; a step must be skipped on all
-            # ranks or on none, or the shards diverge; the loss scales too ([Note:
-            # GradScaler across ranks] in scaler_sync.py).
-            flag = found_inf.detach().to(self._comm_dev, torch.float32).reshape(1).clone()
-            comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MAX)
-            self._ctx.found_inf = flag.to(found_inf.device).reshape(found_inf.shape)
+        # (Several ranks: found_inf is agreed by agree(), the step's first collective.)
 
     def _begin_released_step(self, found_inf: Any) -> None:
         """[Note: releasing grads]: refuse GradScaler before anything changes; one rank: a grad
@@ -253,17 +247,30 @@ class GradSource:
                         self._where[p][0].host_grad is not None:
                     self._release(p, p.grad)
 
-    def agree(self) -> None:
+    def agree(self, failed: bool = False, facts: Tuple[int, int] = (0, 0)) -> Optional[List[Tuple[int, int, int]]]:
         """Several ranks: one all-reduce settles which params have a grad on any rank this
-        step ([Note: a grad on some ranks only]). A collective: every rank calls it, once a
-        step, before ``grads``; later calls in the same step do nothing."""
+        step ([Note: a grad on some ranks only]) and GradScaler's found_inf (a step skipped
+        on every rank or on none, [Note: GradScaler across ranks]), and gives each rank's
+        (failed, *facts) ([Note: a step the ranks agree to begin] in step_agreement.py). A
+        collective: every rank calls it, once a step, before ``grads``; later calls in the
+        same step do nothing (None)."""
         if self.world == 1 or self._mask is not None:
-            return
+            return None
         released = self.reducer.released if self.reducer is not None else ()
-        have = torch.tensor([p.grad is not None or p in released for p in self._order], dtype=torch.int32,
-                            device=self._comm_dev)
-        comm.all_reduce(have, self.group, op=torch.distributed.ReduceOp.MAX)
-        self._mask = {p: bool(h) for p, h in zip(self._order, have.tolist())}
+        n, found_inf = len(self._order), self._ctx.found_inf
+        vec = torch.zeros(n + 1 + 3 * self.world, dtype=torch.int64)
+        vec[:n] = torch.tensor([p.grad is not None or p in released for p in self._order], dtype=torch.int64)
+        vec[n] = int(isinstance(found_inf, torch.Tensor) and bool(found_inf.detach().cpu().gt(0).any()))
+        row = n + 1 + 3 * comm.world_and_rank(self.group)[1]
+        vec[row:row + 3] = torch.tensor((int(failed),) + tuple(facts))
+        vec = vec.to(self._comm_dev)
+        comm.all_reduce(vec, self.group, op=torch.distributed.ReduceOp.MAX)  # (each rank wrote its own row)
+        got = vec.tolist()
+        self._mask = {p: bool(h) for p, h in zip(self._order, got[:n])}
+        if isinstance(found_inf, torch.Tensor):
+            self._ctx.found_inf = torch.full(found_inf.shape, float(got[n]), dtype=found_inf.dtype,
+                                             device=found_inf.device)
+        return [tuple(got[n + 1 + 3 * r: n + 4 + 3 * r]) for r in range(self.world)]  # type: ignore[misc]
 
     def grads(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         if self.world == 1:

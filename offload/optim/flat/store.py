@@ -263,9 +263,10 @@ class FlatState:
         is replaced by the ranks' agreed one (a collective, on every rank)."""
         self._grads.begin_step()
 
-    def agree_on_grads(self) -> None:
-        """Several ranks: settle which params have a grad this step (a collective, on every rank)."""
-        self._grads.agree()
+    def agree_on_grads(self, failed: bool = False, facts: Tuple[int, int] = (0, 0)) -> Optional[List[Tuple[int, ...]]]:
+        """Several ranks: settle which params have a grad this step, and found_inf; each rank's
+        (failed, *facts) (a collective, on every rank: FlatGrads.agree)."""
+        return self._grads.agree(failed, facts)
 
     def grads(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         return self._grads.grads(p)
