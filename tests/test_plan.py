@@ -594,6 +594,23 @@ def test_probe_kernel_rate_small():
     assert "200,000" in r.source
 
 
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_probe_kernel_rate_times_the_compressed_kernel_the_plan_is_for(state_dtype, monkeypatch):
+    # the plan of int8 states predicted the fp32 kernel's time: int8's runs at 0.2-0.6x its rate
+    steps = []
+    real = __import__("offload").AdamW.step
+    monkeypatch.setattr(__import__("offload").AdamW, "step", lambda self, *a: steps.append(self.state_dtype)
+                        or real(self, *a))
+    r = probe_kernel_rate(70_000, repeats=3, state_dtype=state_dtype)
+    assert r.unit == "Gparam/s" and 0.0001 < r.value < 100 and f"{state_dtype} states" in r.source
+    assert steps == [state_dtype] * 4  # the warm-up and three timed steps, over compressed states
+    import offload.plan
+    monkeypatch.setattr(offload.plan, "probe_kernel_rate", lambda **kw: probe_kernel_rate(70_000, repeats=1, **kw))
+    rc, out, _ = _cli("plan", "--params", "10M", "--state-dtype", state_dtype, "--param-dtype", "fp32",
+                      "--param-device", "cpu", "--json")
+    assert rc == 0 and f"{state_dtype} states" in json.loads(out)["rates"]["kernel"]["source"]
+
+
 # --------------------------------------------------------------------------- plan, then run
 
 def _model_with_grads():

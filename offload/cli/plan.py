@@ -91,7 +91,9 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
     p.add_argument("--disk-read-gbps", type=rate(), help="disk read rate in GB/s")
     p.add_argument("--disk-write-gbps", type=rate(), help="disk write rate in GB/s")
     p.add_argument("--io-tune", metavar="FILE", help="file written by `offload bench-io --tune` (disk rates)")
-    p.add_argument("--kernel-gparams", type=rate(), help="CPU Adam rate in 10^9 params/s")
+    p.add_argument("--kernel-gparams", type=rate(),
+                   help="CPU Adam rate in 10^9 params/s, of the kernel with the --state-dtype planned (the probe "
+                        "measures that one: compressed states' kernel is slower than the fp32 one)")
     p.add_argument("--adam-bench", metavar="FILE", help="bench/adam.py output (kernel rate)")
     p.add_argument("--no-probe", action="store_true", help="never run the short kernel/disk probes")
     p.add_argument("--cheapest", action="store_true",
@@ -113,7 +115,7 @@ def _rates(args: argparse.Namespace, need_kernel: bool, need_disk: bool) -> Dict
     elif args.adam_bench:
         out["kernel"] = kernel_rate_from_bench(args.adam_bench)
     elif need_kernel and not args.no_probe:
-        out["kernel"] = probe_kernel_rate()
+        out["kernel"] = probe_kernel_rate(state_dtype=args.state_dtype)
 
     if args.disk_gbps is not None:
         out["disk_read"] = out["disk_write"] = Rate(args.disk_gbps, "GB/s", "--disk-gbps")

@@ -96,10 +96,16 @@ class KernelProbe:
     """
 
     def __init__(self, numel: int = 10_000_000, *, num_threads: Optional[int] = None,
-                 backend: Optional[str] = None) -> None:
+                 backend: Optional[str] = None, state_dtype: str = "float32") -> None:
         if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
             raise ValueError(f"probe numel must be a positive integer, got {numel!r}")
         self.numel = numel
+        self._compressed = None
+        if state_dtype != "float32":  # the fused decode / encode kernel, through the host store
+            self._compressed = _compressed_step(numel, state_dtype, num_threads, backend)
+            self.source = f"{state_dtype} states, offload.AdamW(state_dtype={state_dtype!r}).step"
+            self.time_once()  # warm-up
+            return
         g = torch.Generator().manual_seed(0)
         self._p = torch.randn(numel, generator=g)
         self._g = torch.randn(numel, generator=g)
@@ -126,8 +132,11 @@ class KernelProbe:
         self.time_once()  # warm-up: first touch of the moments and any JIT compilation
 
     def time_once(self) -> float:
-        self._step += 1
         t0 = time.perf_counter()
+        if self._compressed is not None:
+            self._compressed()
+            return time.perf_counter() - t0
+        self._step += 1
         if self._b is not None:
             self._b.rule_step(self._rule, self._p, self._g, self._states, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                               weight_decay=0.01, step=self._step, decoupled=True, num_threads=self._threads)
@@ -136,15 +145,29 @@ class KernelProbe:
         return time.perf_counter() - t0
 
 
+def _compressed_step(numel: int, state_dtype: str, num_threads: Optional[int], backend: Optional[str]):
+    """One AdamW step over ``numel`` fp32 params with ``state_dtype`` states (their kernel is
+    compute-bound: 0.2-0.6x the fp32 one's params/s, bench/RESULTS.md), as a callable."""
+    import offload
+
+    g = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(numel, generator=g))
+    param.grad = torch.randn(numel, generator=g)
+    opt = offload.AdamW([param], lr=1e-3, weight_decay=0.01, state_dtype=state_dtype, num_threads=num_threads,
+                        backend=backend)
+    return opt.step
+
+
 def probe_kernel_rate(numel: int = 10_000_000, *, repeats: int = 5, num_threads: Optional[int] = None,
-                      backend: Optional[str] = None) -> Rate:
+                      backend: Optional[str] = None, state_dtype: str = "float32") -> Rate:
     """Gparam/s of one Adam step on ``numel`` fp32 params: median of ``repeats`` after a warm-up.
 
     Times ``offload.kernels.get_backend().rule_step(ADAM, ...)``; without the kernels package (or if it
     fails to load) torch's fused AdamW, and the source says so: the prediction then describes
-    torch, not this engine.
+    torch, not this engine. With compressed states (``state_dtype`` "bfloat16" or "int8") it
+    times their fused kernel, through ``offload.AdamW``.
     """
-    probe = KernelProbe(numel, num_threads=num_threads, backend=backend)
+    probe = KernelProbe(numel, num_threads=num_threads, backend=backend, state_dtype=state_dtype)
     t = statistics.median(probe.time_once() for _ in range(repeats))
     return Rate(numel / t / 1e9, "Gparam/s", f"probe: {probe.source}, {numel:,} fp32 params, median of {repeats}")
 
