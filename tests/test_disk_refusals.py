@@ -27,6 +27,7 @@ import _internals as internals
 import offload
 from offload.io import files as io_files
 from offload.swap import fsutil
+from offload.swap import SwapStepError, readonly
 from offload.swap.reserve import RESERVE_ROOM
 from test_swap_util import swapped_state
 
@@ -220,3 +221,35 @@ def test_a_disk_full_at_every_commit_says_so_once(tmp_path, monkeypatch, caplog)
         assert caplog.text.count("the file system is full") == 2
     opt.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_step_on_a_file_system_gone_read_only_says_what_to_do(tmp_path, monkeypatch):
+    # ext4 aborting its journal (errors=remount-ro) turns read-only without a remount on
+    # recent kernels ("emergency_ro": statvfs does not show it), and the step failed with a
+    # bare "Read-only file system": the EROFS now says that the swap files keep their step and
+    # that the file system needs repair before resume=True (forty-fifth session, a loop ext4)
+    model = _model(torch.float32)
+    opt = offload.AdamW(model.parameters(), offload="nvme", swap_dir=str(tmp_path), max_host_bytes="1MiB", **HP)
+    _train(model, opt, 2)
+    store = internals.swap(opt).store
+
+    def commit(*a, **k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), store.path)
+    monkeypatch.setattr(store, "commit", commit)
+    with pytest.raises(SwapStepError) as e:
+        _train(model, opt, 1, seed=1)
+    assert e.value.errno == errno.EROFS
+    assert "the swap files still hold step 2 [the file system of" in str(e.value)
+    assert "is read-only now" in str(e.value) and "fsck" in str(e.value) and "before resume=True" in str(e.value)
+    monkeypatch.undo()
+    opt.close(keep_swap=True)
+
+
+def test_the_read_only_hint_takes_statvfs_or_the_errno(tmp_path, monkeypatch):
+    assert readonly.read_only_now(str(tmp_path), errno.EIO) == ""
+    assert "is read-only now" in readonly.read_only_now(str(tmp_path), errno.EROFS)
+
+    class ReadOnly:
+        f_flag = os.ST_RDONLY
+    monkeypatch.setattr(readonly.os, "statvfs", lambda path: ReadOnly())
+    assert "is read-only now" in readonly.read_only_now(str(tmp_path), errno.EIO)

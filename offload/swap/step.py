@@ -28,6 +28,7 @@ import torch
 
 from offload.swap import fsutil
 from offload.swap.agreement import Agreement, Vote
+from offload.swap.readonly import read_only_now
 from offload.swap.session import SwapSession
 
 __all__ = ["StepSession", "SwapStepError", "peers_failed"]
@@ -82,7 +83,7 @@ class StepSession(SwapSession):
             if isinstance(exc, OSError) and not isinstance(exc, SwapStepError):
                 store = self.store
                 msg = (f"swap step {store.step + 1} aborted at sub-group {len(self.computed)} of "
-                       f"{len(self.groups)}: {exc.strerror or exc}; {store.held()}")
+                       f"{len(self.groups)}: {exc.strerror or exc}; {store.held()}{read_only_now(store.path, exc.errno)}")
                 raise SwapStepError(exc.errno or errno.EIO, msg, exc.filename or store.path, self.computed) from exc
             raise
 
@@ -100,7 +101,7 @@ class StepSession(SwapSession):
 
     def _error(self, exc: OSError, what: str) -> SwapStepError:
         store = self.store
-        msg = f"swap step {store.step + 1} {what}: {exc.strerror or exc}; {store.held()}"
+        msg = f"swap step {store.step + 1} {what}: {exc.strerror or exc}; {store.held()}{read_only_now(store.path, exc.errno)}"
         return SwapStepError(exc.errno or errno.EIO, msg, exc.filename or store.path, self.computed)
 
     def _prepare(self) -> None:
