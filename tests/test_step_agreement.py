@@ -1,6 +1,6 @@
 """[Note: a step the ranks agree to begin] (offload/optim/step_agreement.py): at stages 1-2
-a rank whose step failed before its first collective (its closure raised, a grad of the
-wrong dtype) left the others waiting in that collective, or, stepping again, paired its
+a rank whose step failed before its first collective (its closure raised, a sparse
+grad Adam refuses) left the others waiting in that collective, or, stepping again, paired its
 next collective with theirs (gloo aborted the process); ranks whose param_groups or step
 counts differ stepped each shard with its owner's values, silently. Now every rank raises
 before anything changed (the failing rank its own error), and the next step goes on."""
@@ -44,10 +44,8 @@ def _one_rank_fails_job(rank, world, stage, how):
             got.append(_outcome(lambda: opt.step(closure)))
             continue
         _backward(m, rank, s)
-        if s == 1 and rank == 1 and how == "grad_dtype":
-            if hasattr(m[0].bias, "grad_dtype"):  # (torch >= 2.10 refuses the assignment otherwise)
-                m[0].bias.grad_dtype = None
-            m[0].bias.grad = m[0].bias.grad.double()
+        if s == 1 and rank == 1 and how == "sparse_grad":
+            m[0].bias.grad = m[0].bias.grad.to_sparse()  # Adam refuses it, before anything changes
         got.append(_outcome(opt.step))
     params = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
     steps = [int(opt.state[p]["step"]) for p in m.parameters()]
@@ -55,14 +53,14 @@ def _one_rank_fails_job(rank, world, stage, how):
     return dict(got=got, params=params, steps=steps)
 
 
-@pytest.mark.parametrize("stage, how", [(2, "closure"), (1, "grad_dtype")])
+@pytest.mark.parametrize("stage, how", [(2, "closure"), (1, "sparse_grad")])
 def test_a_step_that_fails_on_one_rank_before_it_begins_raises_on_every_rank(stage, how):
     got = group(2).run(_one_rank_fails_job, stage, how)
     zero, one = got[0]["got"], got[1]["got"]
     assert zero[0] == one[0] == zero[2] == one[2] == "stepped", (zero, one)
     assert zero[1].startswith(f"RuntimeError: offload.Adam/AdamW step (stage {stage}, 2 ranks): it failed on "
                               "rank(s) 1 before it began"), zero
-    want = "KeyboardInterrupt: closure on rank 1" if how == "closure" else "TypeError: param 1: grad is float64"
+    want = "KeyboardInterrupt: closure on rank 1" if how == "closure" else "RuntimeError: Adam does not support sparse"
     assert one[1].startswith(want), one
     assert got[0]["steps"] == got[1]["steps"] == [2] * 4  # the failed step stepped no rank
     assert torch.equal(got[0]["params"], got[1]["params"])
