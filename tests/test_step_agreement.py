@@ -94,3 +94,36 @@ def test_ranks_whose_groups_or_steps_differ_are_refused_before_the_step(how, wor
         assert got[rank]["refused"].startswith("ValueError: offload.Adam/AdamW step (stage 2, 2 ranks): the ranks "
                                                f"differ in {words}"), got[rank]
         assert got[rank]["unchanged"], got[rank]
+
+
+def _closed_or_sparse_job(rank, world, how):
+    torch.manual_seed(0)
+    emb, lin = nn.Embedding(10, 4, sparse=how == "sparse"), nn.Linear(4, 2)
+    params = list(emb.parameters()) + list(lin.parameters())
+    opt = offload.SGD(params, lr=0.1, momentum=0.9) if how == "sparse" else offload.AdamW(params, lr=1e-2)
+    got = []
+    for s in range(2):
+        opt.zero_grad()
+        idx = torch.tensor([1, 2, 3])
+        out = lin(emb(idx)) if (how != "sparse" or s == 0 or rank == 0) else lin(torch.ones(3, 4))
+        out.square().mean().backward()
+        if how == "closed" and s == 1 and rank == 1:
+            opt.close()  # after a step: the last step's agreement is still on record
+        got.append(_outcome(opt.step))
+    opt.close()
+    return got
+
+
+def test_a_rank_closed_after_a_step_or_with_a_sparse_grad_raises_on_every_rank():
+    got = group(2).run(_closed_or_sparse_job, "closed")
+    assert got[0][0] == got[1][0] == "stepped"
+    assert got[0][1].startswith("RuntimeError: offload.Adam/AdamW step (stage 2, 2 ranks): it failed on rank(s) 1")
+    assert "closed" in got[1][1], got[1]
+    # SGD takes sparse grads at stage 0 only: refused on the rank that has one (at the first
+    # step on both ranks, at the second on rank 0 alone) before any rank's collective
+    got = group(2).run(_closed_or_sparse_job, "sparse")
+    assert got[0][0].startswith("RuntimeError: offload.SGD: sparse grads are stepped for CPU params at stage 0 only")
+    assert got[1][0].startswith("RuntimeError: offload.SGD step (stage 2, 2 ranks): it failed on rank(s) 0, 1") or \
+        got[1][0].startswith("RuntimeError: offload.SGD: sparse grads"), got
+    assert got[0][1].startswith("RuntimeError: offload.SGD: sparse grads are stepped"), got[0]
+    assert got[1][1].startswith("RuntimeError: offload.SGD step (stage 2, 2 ranks): it failed on rank(s) 0 before"), got[1]

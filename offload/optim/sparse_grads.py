@@ -40,6 +40,18 @@ __all__ = ["dense_grad"]
 def dense_grad(opt: Any, group: Dict[str, Any], p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """The dense equivalent of the sparse COO grad ``g`` of ``p`` (see the note), or the
     refusal torch (or this store) gives for it."""
+    check_sparse_grad(opt, group, p, g)
+    g = g.coalesce()
+    # -0.0 under maximize: the kernel's -g is then +0.0 where the grad names nothing (the note)
+    dense = torch.full(p.shape, -0.0 if group.get("maximize", False) else 0.0, dtype=p.dtype)
+    if g._nnz():
+        dense[tuple(g._indices())] = g._values()  # coalesced: each index once, its summed value
+    return dense
+
+
+def check_sparse_grad(opt: Any, group: Dict[str, Any], p: torch.Tensor, g: torch.Tensor) -> None:
+    """The refusal torch (or this store) gives for the sparse grad ``g`` of ``p``, if any (also
+    before the ranks agree to begin a step: step_agreement.check_local_grads)."""
     if not getattr(opt, "SPARSE_GRADS", False):
         raise RuntimeError(opt.SPARSE_MESSAGE)
     _check_torch_refusals(opt, group)
@@ -51,12 +63,6 @@ def dense_grad(opt: Any, group: Dict[str, Any], p: torch.Tensor, g: torch.Tensor
         raise RuntimeError(f"offload.{opt.TORCH_NAME}: sparse grads are stepped for CPU params at stage 0 only "
                            f"(offload='none', 'cpu' or 'nvme'); this param is on {p.device} at stage "
                            f"{getattr(opt, 'stage', 0)}: use dense grads (nn.Embedding(sparse=False))")
-    g = g.coalesce()
-    # -0.0 under maximize: the kernel's -g is then +0.0 where the grad names nothing (the note)
-    dense = torch.full(p.shape, -0.0 if group.get("maximize", False) else 0.0, dtype=p.dtype)
-    if g._nnz():
-        dense[tuple(g._indices())] = g._values()  # coalesced: each index once, its summed value
-    return dense
 
 
 def _check_torch_refusals(opt: Any, group: Dict[str, Any]) -> None:

@@ -34,7 +34,9 @@ from offload.kernels import get_backend
 from offload.optim.guards import step_sigs
 from offload.optim.options import check_group_rule
 from offload.optim.protocol import optional
+from offload.optim.sparse_grads import check_sparse_grad
 from offload.optim.step_guard import check_work
+from offload.zero import comm
 
 __all__ = ["ranks_begin_together", "step_facts"]
 
@@ -66,13 +68,18 @@ def ranks_begin_together(opt: Any) -> Iterator[None]:
 
 def check_local_grads(opt: Any) -> None:
     """The checks the step makes of each group and grad, on this rank's own grads (a sparse
-    grad of a rule that takes one is checked when made dense)."""
+    grad of a rule that takes one: the refusals of its conversion, at these stages always one)."""
     work = []
     for group in opt.param_groups:
         opt._check_group(group)
         check_group_rule(opt, group, "a group now")
-        work.append((group, [(p, p.grad) for p in group["params"]
-                             if p.grad is not None and not (p.grad.is_sparse and opt.SPARSE_GRADS)]))
+        items = []
+        for p in group["params"]:
+            if p.grad is not None and p.grad.is_sparse and opt.SPARSE_GRADS:
+                check_sparse_grad(opt, group, p, p.grad)
+            elif p.grad is not None:
+                items.append((p, p.grad))
+        work.append((group, items))
     check_work(work, step_sigs(opt), opt.SPARSE_MESSAGE)
 
 
@@ -92,7 +99,8 @@ def refuse_divergence(opt: Any, rows: Sequence[Tuple[int, int, int]]) -> None:
     what = f"offload.{opt.TORCH_NAME} step (stage {getattr(opt, 'stage', '?')}, {len(rows)} ranks)"
     # A row all zeros is a rank that did not answer: a group whose collectives do nothing
     # (torch's "fake" backend, a test's emulated ranks), where there is nothing to compare.
-    rows = [row for row in rows if any(row)]
+    if not all(any(row) for r, row in enumerate(rows) if r != comm.world_and_rank(opt._store.group)[1]):
+        return
     failed = [r for r, row in enumerate(rows) if row[0]]
     if failed:
         raise RuntimeError(f"{what}: it failed on rank(s) {', '.join(map(str, failed))} before it began (that "

@@ -254,7 +254,9 @@ class GradSource:
         (failed, *facts) ([Note: a step the ranks agree to begin] in step_agreement.py). A
         collective: every rank calls it, once a step, before ``grads``; later calls in the
         same step do nothing (None)."""
-        if self.world == 1 or self._mask is not None:
+        # (a failed rank takes the collective whatever its mask: one left from its last step
+        # when it failed before this step's begin_step, closed or in the failed state)
+        if self.world == 1 or (self._mask is not None and not failed):
             return None
         released = self.reducer.released if self.reducer is not None else ()
         n, found_inf = len(self._order), self._ctx.found_inf
