@@ -20,14 +20,16 @@ all-reduce, the one that settles which params have a grad (``agree_on_grads``), 
 GradScaler's found_inf, whether each rank failed, and each rank's facts: a fingerprint of
 every group's hyperparameters as the kernels take them (and ``max_grad_norm``) and its step
 count. A rank that failed raises its own error, the others a RuntimeError naming it; ranks
-whose facts differ all raise a ValueError; either way before anything changed (no failed
-state). A failure after the first collective (in the kernel, the all-gather) is the
+whose step counts differ all raise a ValueError, and so do ranks whose fingerprints differ
+once their values, gathered then (a second collective, only then), differ by more than a
+millionth; either way before anything changed (no failed state). A failure after the first collective (in the kernel, the all-gather) is the
 stores' (offload="nvme" votes before its commit); in RAM the others may still wait.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from typing import Any, Iterator, List, Sequence, Tuple
 
 from offload.kernels import get_backend
@@ -83,13 +85,16 @@ def check_local_grads(opt: Any) -> None:
     check_work(work, step_sigs(opt), opt.SPARSE_MESSAGE)
 
 
+def hyperparameters(opt: Any) -> List[Tuple[str, Any]]:
+    """Each group's rule and hyperparameters as the kernels take them, then max_grad_norm."""
+    return [(opt.rule_of(g).name, tuple(sorted(opt.group_hyper(g).items()))) for g in opt.param_groups] + \
+        [("max_grad_norm", opt._ctx.max_grad_norm)]
+
+
 def step_facts(opt: Any) -> Tuple[int, int]:
     """(fingerprint of the groups' hyperparameters and max_grad_norm, step count summed over
     the groups' first params): what every rank must share to step its shard."""
-    digest = hashlib.sha256()
-    for group in opt.param_groups:
-        digest.update(repr((opt.rule_of(group).name, sorted(opt.group_hyper(group).items()))).encode())
-    digest.update(repr(opt._ctx.max_grad_norm).encode())
+    digest = hashlib.sha256(repr(hyperparameters(opt)).encode())
     steps = sum(opt._ctx.steps.get(g["params"][0]) for g in opt.param_groups if g["params"])
     return (int.from_bytes(digest.digest()[:8], "little") >> (64 - _FACT_BITS)) or 1, steps  # (never 0: see below)
 
@@ -106,8 +111,10 @@ def refuse_divergence(opt: Any, rows: Sequence[Tuple[int, int, int]]) -> None:
         raise RuntimeError(f"{what}: it failed on rank(s) {', '.join(map(str, failed))} before it began (that "
                            "rank raises its error); no rank stepped: the optimizer is as it was")
     differ: List[str] = []
-    if len({row[1] for row in rows}) > 1:
-        differ.append("their param_groups' hyperparameters (or max_grad_norm): " + _classes([row[1] for row in rows]))
+    if len({row[1] for row in rows}) > 1:  # (every rank sees the same rows: all take this collective or none)
+        far = _far_values(opt)
+        if far:
+            differ.append("their param_groups' hyperparameters (or max_grad_norm): " + far)
     if len({row[2] for row in rows}) > 1:
         differ.append("their step counts: " + ", ".join(f"rank {r}: {row[2]}" for r, row in enumerate(rows)))
     if differ:
@@ -117,15 +124,29 @@ def refuse_divergence(opt: Any, rows: Sequence[Tuple[int, int, int]]) -> None:
                          "called on some ranks only); no rank stepped")
 
 
-def _classes(values: Sequence[int]) -> str:
-    """Ranks grouped by equal values: 'ranks 0, 2 | rank 1'."""
-    seen: List[Tuple[int, List[int]]] = []
-    for r, v in enumerate(values):
-        for value, ranks in seen:
-            if value == v:
-                ranks.append(r)
-                break
-        else:
-            seen.append((v, [r]))
-    return " | ".join(("ranks " if len(rs) > 1 else "rank ") + ", ".join(map(str, rs)) for _, rs in seen)
+def _far_values(opt: Any, rel_tol: float = 1e-6) -> str:
+    """The fingerprints differ: gather every rank's values and name those that differ beyond
+    ``rel_tol`` ('' when none does: an lr a cosine schedule computed with another libm on
+    another node differs in its last bits only, and is no reason to stop a job)."""
+    import torch.distributed as dist
+
+    group = opt._store.group
+    mine = hyperparameters(opt)
+    every: List[Any] = [None] * comm.world_and_rank(group)[0]
+    dist.all_gather_object(every, mine, group=group)
+    out = []
+    for i, (name, values) in enumerate(mine):
+        theirs = [dict(v[i][1]) if isinstance(v[i][1], tuple) else {name: v[i][1]} for v in every]
+        for key in sorted(set().union(*theirs)):
+            got = [t.get(key) for t in theirs]
+            if not all(_close(got[0], x, rel_tol) for x in got[1:]):
+                where = f"group {i} {key}" if isinstance(values, tuple) else key
+                out.append(f"{where}: " + ", ".join(f"rank {r}: {x!r}" for r, x in enumerate(got)))
+    return "; ".join(out)
+
+
+def _close(a: Any, b: Any, rel_tol: float) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=rel_tol, abs_tol=0.0)
+    return a == b
 
