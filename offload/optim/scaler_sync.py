@@ -1,7 +1,8 @@
 """[Note: GradScaler across ranks] torch's GradScaler looks for inf/nan in each rank's
 *local* grads (with DDP they are averaged already, so the ranks agree; here each rank reduces
 the grads inside the step). The flat store all-reduces the ``found_inf`` GradScaler hands the
-step (``begin_step`` in flat/grads.py), so every rank skips a step together. But
+step (``GradSource.agree`` in flat/grads.py; the stage-3 store in its ``begin_step``), so every
+rank skips a step together. But
 ``GradScaler.update()`` then reads its own per-device flags, not the optimizer's: after an
 overflow on some ranks only, those ranks halved their loss scale and the others did not, and
 the next steps summed grads scaled by different factors, silently (forty-fifth session).

@@ -22,8 +22,9 @@ every group's hyperparameters as the kernels take them (and ``max_grad_norm``) a
 count. A rank that failed raises its own error, the others a RuntimeError naming it; ranks
 whose step counts differ all raise a ValueError, and so do ranks whose fingerprints differ
 once their values, gathered then (a second collective, only then), differ by more than a
-millionth; either way before anything changed (no failed state). A failure after the first collective (in the kernel, the all-gather) is the
-stores' (offload="nvme" votes before its commit); in RAM the others may still wait.
+millionth; either way before anything changed (no failed state). A failure after the
+first collective (in the kernel, the all-gather) is the stores' (offload="nvme" votes
+before its commit); in RAM the others may still wait.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def step_facts(opt: Any) -> Tuple[int, int]:
     the groups' first params): what every rank must share to step its shard."""
     digest = hashlib.sha256(repr(hyperparameters(opt)).encode())
     steps = sum(opt._ctx.steps.get(g["params"][0]) for g in opt.param_groups if g["params"])
-    return (int.from_bytes(digest.digest()[:8], "little") >> (64 - _FACT_BITS)) or 1, steps  # (never 0: see below)
+    return (int.from_bytes(digest.digest()[:8], "little") >> (64 - _FACT_BITS)) or 1, steps  # (never 0: refuse_divergence)
 
 
 def refuse_divergence(opt: Any, rows: Sequence[Tuple[int, int, int]]) -> None:
@@ -134,8 +135,13 @@ def _far_values(opt: Any, rel_tol: float = 1e-6) -> str:
     mine = hyperparameters(opt)
     every: List[Any] = [None] * comm.world_and_rank(group)[0]
     dist.all_gather_object(every, mine, group=group)
+    if len({len(v) for v in every}) > 1:  # (add_param_group on some ranks only)
+        return "the number of param groups: " + ", ".join(f"rank {r}: {len(v) - 1}" for r, v in enumerate(every))
     out = []
     for i, (name, values) in enumerate(mine):
+        if len({v[i][0] for v in every}) > 1:
+            out.append(f"group {i}'s rule: " + ", ".join(f"rank {r}: {v[i][0]}" for r, v in enumerate(every)))
+            continue
         theirs = [dict(v[i][1]) if isinstance(v[i][1], tuple) else {name: v[i][1]} for v in every]
         for key in sorted(set().union(*theirs)):
             got = [t.get(key) for t in theirs]
@@ -149,4 +155,3 @@ def _close(a: Any, b: Any, rel_tol: float) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=rel_tol, abs_tol=0.0)
     return a == b
-

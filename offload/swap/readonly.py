@@ -11,7 +11,7 @@ __all__ = ["read_only_now"]
 def read_only_now(path: str, err: Optional[int]) -> str:
     """A hint for the I/O error ``err`` in ``path``: when its file system is read-only now
     (the kernel makes ext4 so on a disk error, ``errors=remount-ro``, or after aborting its
-    journal; since Linux 6.x without a remount, "emergency_ro", which statvfs does not show:
+    journal; on recent kernels without a remount, "emergency_ro", which statvfs does not show:
     the EROFS tells), what that means for the user; else ''."""
     try:
         if err != errno.EROFS and not os.statvfs(path).f_flag & os.ST_RDONLY:

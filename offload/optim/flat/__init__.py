@@ -12,8 +12,10 @@
 [Note: a step through the flat store] ``opt.step()`` (``offload/optim/adam.py``) drives the
 store through the protocol of ``offload/optim/protocol.py``:
 
-1. ``agree_on_grads()``: several ranks, one all-reduce settles which params have a grad on
-   any rank (``GradSource.agree``); then ``grads(p)`` per param, never a collective.
+1. ``agree_on_grads(failed, facts)``: several ranks, one all-reduce settles which params have
+   a grad on any rank, GradScaler's found_inf and whether every rank may step ([Note: a step
+   the ranks agree to begin] in offload/optim/step_agreement.py; ``GradSource.agree``); then
+   ``grads(p)`` per param, never a collective.
 2. ``prepare_grads()``: the grads move to where the kernel reads them (``GradSource.prepare``):
    the reduction into each group's shard buffer (or the end of the one started during
    backward), or, on one rank, the wait for the grad hook's host copies.
@@ -28,5 +30,5 @@ store through the protocol of ``offload/optim/protocol.py``:
 
 The store never reads its optimizer: what it needs comes in the step context ([Note: the
 step context] in offload/optim/protocol.py); the optimizer calls ``begin_step`` (GradScaler's
-found_inf agreed across ranks), ``before_load`` / ``after_load`` from its own hooks.
+facts in the context), ``before_load`` / ``after_load`` from its own hooks.
 """

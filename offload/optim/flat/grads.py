@@ -64,10 +64,10 @@ rank increments the same step counters. The answer comes from one small all-redu
 step, made by ``agree()`` (the optimizer calls it before asking for grads; ``grads(p)``
 itself is never a collective).
 
-[Note: GradScaler across ranks] (offload/optim/scaler_sync.py): ``begin_step`` all-reduces
-the ``found_inf`` GradScaler hands the step, so that all ranks skip a step together and the
-shards stay consistent; the optimizer writes the agreed flag into the scaler's own, so that
-every rank's ``update()`` changes its loss scale alike.
+[Note: GradScaler across ranks] (offload/optim/scaler_sync.py): ``agree()`` also takes the
+max over ranks of the ``found_inf`` GradScaler hands the step, so that all ranks skip a step
+together and the shards stay consistent; the optimizer writes the agreed flag into the
+scaler's own, so that every rank's ``update()`` changes its loss scale alike.
 """
 from __future__ import annotations
 

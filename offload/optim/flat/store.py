@@ -259,13 +259,13 @@ class FlatState:
         drain_streams(self._streams)
 
     def begin_step(self) -> None:
-        """A new step: the context holds GradScaler's facts; with several ranks its found_inf
-        is replaced by the ranks' agreed one (a collective, on every rank)."""
+        """A new step: the context holds GradScaler's facts (with several ranks its found_inf
+        is agreed by ``agree_on_grads``, the step's first collective; none here)."""
         self._grads.begin_step()
 
     def agree_on_grads(self, failed: bool = False, facts: Tuple[int, int] = (0, 0)) -> Optional[List[Tuple[int, ...]]]:
         """Several ranks: settle which params have a grad this step, and found_inf; each rank's
-        (failed, *facts) (a collective, on every rank: FlatGrads.agree)."""
+        (failed, *facts) (a collective, on every rank: GradSource.agree)."""
         return self._grads.agree(failed, facts)
 
     def grads(self, p: torch.Tensor) -> Optional[torch.Tensor]:
