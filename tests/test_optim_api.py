@@ -424,6 +424,74 @@ def test_host_store_copies_keep_everything(how):
     assert dup.state[dup_params[0]]["step"] == 4
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("cls", [offload.AdamW, offload.SGD])
+def test_a_copy_leaves_the_schedulers_step_and_the_hooks_behind(how, cls):
+    """As torch's: an LR scheduler wraps ``opt.step`` in an instance attribute holding the
+    original; copied along, the copy's step() stepped the original. Hooks stay behind too
+    (a lambda hook made pickling fail)."""
+    params = _params()
+    init = [p.detach().clone().requires_grad_() for p in params]
+    opt = cls(params, lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    calls = []
+    opt.register_step_post_hook(lambda o, a, k: calls.append(o))
+    _step_both([(opt, params)], 0)
+    sched.step()
+    dup = {"deepcopy": copy.deepcopy, "pickle": lambda o: pickle.loads(pickle.dumps(o)),
+           "torch.save": _torch_save_load}[how](opt)
+    dup_params = [p for g in dup.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in params]
+    calls.clear()
+    _step_both([(dup, dup_params)], 1)
+    assert all(torch.equal(a, b) for a, b in zip(params, before)), "the copy's step moved the original's params"
+    assert not all(torch.equal(a, b) for a, b in zip(dup_params, before))
+    assert calls == [] and dup.param_groups[0]["lr"] == 0.005
+    ref = init
+    ref_opt = torch.optim.SGD(ref, lr=0.01) if cls is offload.SGD else torch.optim.AdamW(ref, lr=0.01)
+    _step_both([(ref_opt, ref)], 0)  # the original's first step, then the copy's second one
+    ref_opt.param_groups[0]["lr"] = 0.005
+    _step_both([(ref_opt, ref)], 1)
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(dup_params, ref))
+
+
+@pytest.mark.parametrize("store", ["host", "nvme"])
+def test_a_step_running_in_another_thread_is_refused(tmp_path, store, monkeypatch):
+    """Two threads in one optimizer's step both read the same committed states: 11 calls
+    from two threads left an nvme store's step count at 9 or 10, silently."""
+    import threading
+
+    kw = dict(offload="nvme", swap_dir=str(tmp_path)) if store == "nvme" else {}
+    params = _params()
+    with offload.AdamW(params, lr=0.01, **kw) as opt:
+        inside, release = threading.Event(), threading.Event()
+        real = type(opt)._store_step
+
+        def slow(self, *a, **k):
+            inside.set()
+            release.wait(10)
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(type(opt), "_store_step", slow)
+        for p, g in zip(params, _grads(params, 0)):
+            p.grad = g
+        t = threading.Thread(target=opt.step)
+        t.start()
+        assert inside.wait(10)
+        with pytest.raises(RuntimeError, match=r"AdamW.step\(\) is already running in thread \d+: one optimizer steps "
+                                               r"in one thread at a time"):
+            opt.step()
+        release.set()
+        t.join(10)
+        monkeypatch.undo()
+        opt.step()  # the guard let go of the step that ran
+        assert int(opt.state[params[0]]["step"]) == 2
+        opt.register_step_pre_hook(lambda o, a, k: None)
+        with pytest.raises(RuntimeError, match=r"already running in this thread \(a closure that calls step"):
+            opt.step(lambda: opt.step())
+        assert int(opt.state[params[0]]["step"]) == 2
+
+
 @pytest.mark.parametrize("store", ["flat", "nvme"])
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 def test_other_stores_refuse_to_be_copied(tmp_path, store, how):

@@ -30,7 +30,7 @@ from offload.optim.clip import grad_multiplier
 from offload.optim.context import StepContext
 from offload.optim.context_attrs import ContextAttributes
 from offload.optim.functional import RuleHyper
-from offload.optim.guards import eager, register_guards, register_store_hooks, step_sigs
+from offload.optim.guards import eager, one_at_a_time, register_guards, register_store_hooks, step_sigs
 from offload.optim.held_loads import held_load, load_checkpoint_into
 from offload.optim.host_dtypes import host_params
 from offload.optim.host_state import HostState, nothing_to_swap
@@ -285,15 +285,15 @@ class RuleOptimizer(ContextAttributes, Optimizer):
 
     # ---------------------------------------------------------------- pickling, old formats
     def __getstate__(self) -> Dict[str, Any]:
-        """Pickle, ``copy.deepcopy`` and ``torch.save(opt)`` take everything for the host store
-        (fp32 CPU params, moments in ``self.state``); the other stores hold their states in
-        flat buffers, swap files and locks that a copy cannot share or own, so they refuse."""
+        """Pickle, deepcopy and ``torch.save(opt)`` take the host store's optimizer (fp32 CPU params, moments
+        in ``self.state``) without, as torch's, its hooks and an LR scheduler's ``step`` wrapper (a copy
+        stepped the original). The other stores' flat buffers, swap files and locks refuse a copy."""
         if not isinstance(self._store, HostState):
             kind = getattr(self._store, "kind", type(self._store).__name__)
             raise TypeError(f"cannot pickle or copy {type(self).__name__} with offload={self.config.offload!r} "
                             f"({kind} store: its states live in flat host buffers or swap files, not in the object): "
                             "save opt.state_dict() or opt.save_checkpoint(DIR) instead, and load it into a new optimizer")
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "step" and not k.startswith("_optimizer_")}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         # Also called by torch's load_state_dict with {"state", "param_groups"}: as torch's Adam.__setstate__,
@@ -349,11 +349,11 @@ class RuleOptimizer(ContextAttributes, Optimizer):
             self.last_grad_norm = norm
         return multiplier
 
-    # Eager under torch.compile: a step of swap I/O, locks and timers gains nothing from
-    # tracing (graph breaks at each) and the store's attributes set inside it are invisible to
-    # the traced frame.
+    # Eager under torch.compile: a step of swap I/O, locks and timers gains nothing from tracing (graph
+    # breaks at each) and the store's attributes set inside it are invisible to the traced frame.
     @eager
     @torch.no_grad()
+    @one_at_a_time
     def step(self, closure: Optional[Callable[[], Any]] = None):
         loss = None
         with ranks_begin_together(self):  # several ranks: [Note: a step the ranks agree to begin]

@@ -11,13 +11,16 @@ still can.
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+import os
+import threading
+from typing import Any, Dict
 
 import torch
 
 from offload.optim.protocol import optional
 
-__all__ = ["eager", "register_guards", "register_store_hooks", "before_load", "step_sigs"]
+__all__ = ["eager", "one_at_a_time", "register_guards", "register_store_hooks", "before_load", "step_sigs"]
 
 
 def eager(fn):
@@ -27,6 +30,46 @@ def eager(fn):
     anyway at the first ``add_param_group`` of any optimizer."""
     lazy = getattr(torch, "_disable_dynamo", None)
     return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
+_STEPPING: Dict[int, int] = {}  # id(optimizer) -> the thread in its step()
+_STEPPING_LOCK = threading.Lock()
+
+
+def _forget_steps_in_child() -> None:  # a forked child has only the thread that forked
+    global _STEPPING_LOCK
+    _STEPPING.clear()
+    _STEPPING_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_steps_in_child)
+
+
+def one_at_a_time(step):
+    """``step`` refusing to start while the same optimizer steps in another thread (or in
+    this one: a closure that calls ``step()``). Two threads in one swap step both read the
+    same committed states and each commits its own update: 11 calls from two threads left
+    the step count at 9 or 10, silently. torch's optimizers race the same way without a
+    word; a step that changes files and step counts raises instead. The registry is a
+    module-level dict, not a lock on the optimizer, so an optimizer that can be copied or
+    pickled still can."""
+    @functools.wraps(step)
+    def guarded(self, *args, **kwargs):
+        me = threading.get_ident()
+        with _STEPPING_LOCK:
+            other = _STEPPING.get(id(self))
+            if other is None:
+                _STEPPING[id(self)] = me
+        if other is not None:
+            where = "in this thread (a closure that calls step()?)" if other == me else f"in thread {other}"
+            raise RuntimeError(f"{type(self).__name__}.step() is already running {where}: one optimizer steps "
+                               "in one thread at a time; step it from one thread, or hold a lock around step()")
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            with _STEPPING_LOCK:
+                _STEPPING.pop(id(self), None)
+    return guarded
 
 
 def register_guards(opt: torch.optim.Optimizer) -> None:
