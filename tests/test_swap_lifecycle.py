@@ -304,7 +304,21 @@ if sys.argv[2] == "crash":
 """
 
 
-@pytest.mark.parametrize("how", ["crash", "normal"])
+_CRASH = _CRASH.replace("import sys\n", "import sys, threading, traceback\n", 1) + """
+if sys.argv[2] == "late_hook":  # a logging or traceback library's hook, set after the store opened
+    sys.excepthook = lambda t, v, tb: traceback.print_exception(t, v, tb)
+    raise RuntimeError("a peer rank died")
+if sys.argv[2] == "thread":  # the training loop in a worker thread dies; the main thread exits
+    def train():
+        raise RuntimeError("a peer rank died")
+    t = threading.Thread(target=train, name="trainer")
+    t.start()
+    t.join()
+    sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("how", ["crash", "normal", "late_hook", "thread"])
 def test_an_uncaught_exception_keeps_the_swap_dir_normal_exit_removes_it(tmp_path, how):
     proc = run_python(_CRASH, str(tmp_path), how)
     rc, err = proc.wait(timeout=60), proc.stderr.read()
@@ -312,7 +326,8 @@ def test_an_uncaught_exception_keeps_the_swap_dir_normal_exit_removes_it(tmp_pat
         assert rc == 0 and os.listdir(tmp_path) == [], err
         return
     assert rc == 1 and "RuntimeError: a peer rank died" in err  # the traceback as before
-    assert "kept after an uncaught RuntimeError (step 1" in err
+    where = " in thread trainer" if how == "thread" else ""
+    assert f"kept after an uncaught RuntimeError{where} (step 1" in err
     st = _store(tmp_path, resume=True)  # the survivors' states are there for the restart
     assert st.step == 1
     st.close()

@@ -105,6 +105,31 @@ def _on_uncaught(kind: Any, value: Any, tb: Any) -> None:
 _previous_excepthook: Any = sys.excepthook
 
 
+def _on_thread_uncaught(args: Any) -> None:
+    """threading.excepthook: a thread that dies of an exception (the training loop run in a
+    worker thread, whose main thread then exits) keeps the directories as the main thread's
+    crash does; keeping costs only disk (``offload clean``), removing can lose the only copy."""
+    global _terminating, _why_kept
+    if _open and args.exc_type is not SystemExit:
+        name = getattr(args.thread, "name", "?")
+        _terminating, _why_kept = True, f"an uncaught {getattr(args.exc_type, '__name__', args.exc_type)} in thread {name}"
+    _previous_thread_hook(args)
+
+
+_previous_thread_hook: Any = threading.excepthook
+
+
+def _crash_seen_at_exit() -> None:
+    """At exit: an uncaught exception whose hook was not ours (a logging or traceback library
+    replaced sys.excepthook after the first store opened) still keeps the directories. The
+    interpreter records the exception in ``sys.last_value`` (3.12: ``sys.last_exc``) before
+    it calls whatever hook is set."""
+    global _terminating, _why_kept
+    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if last is not None and not _terminating:
+        _terminating, _why_kept = True, f"an uncaught {type(last).__name__}"
+
+
 def _forget_in_child() -> None:
     """After fork, in the child: the registered stores are the parent's (see [Note: fork])."""
     global _lock, _terminating
@@ -148,6 +173,8 @@ def unregister(token: int) -> None:
 
 def close_all() -> None:
     """Close every registered store, newest first; errors are logged, not raised (exit path)."""
+    if _open:
+        _crash_seen_at_exit()
     with _lock.held():
         stores: List[Any] = [s for _, s in sorted(_open.items(), reverse=True)]
         _open.clear()
@@ -187,12 +214,13 @@ def _install() -> None:
     """Register the atexit hook once; wrap the SIGTERM handler when it is a Python one (see
     [Note: SIGTERM keeps the swap files]). Called at each register: a framework's handler set
     after the first store opened is wrapped by the next."""
-    global _installed, _previous_excepthook
+    global _installed, _previous_excepthook, _previous_thread_hook
     if not _installed:
         _installed = True
         atexit.register(close_all)
         # once: a hook set later that chains to ours would otherwise be wrapped in a loop
         _previous_excepthook, sys.excepthook = sys.excepthook, _on_uncaught  # [Note: a crash keeps ...]
+        _previous_thread_hook, threading.excepthook = threading.excepthook, _on_thread_uncaught
     if threading.current_thread() is not threading.main_thread():
         log.debug("swap store opened outside the main thread: no SIGTERM cleanup handler")
         return
