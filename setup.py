@@ -16,9 +16,11 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Iterable
 
 from setuptools import Distribution, setup
@@ -58,45 +60,56 @@ def compile_native(out_dir: str) -> "str | None":
     cxx = shlex.split(os.environ.get("CXX", "c++"))
     if shutil.which(cxx[0]) is None:
         return f"no C++ compiler: {cxx[0]!r} not found on PATH (set CXX, or install g++)"
+    for unit in UNITS:
+        if not os.path.exists(os.path.join(NATIVE, unit)):
+            return f"missing native source {os.path.join(NATIVE, unit)}"
     os.makedirs(out_dir, exist_ok=True)
     cache = ObjectCache.from_env(cxx)
+    # Link next to the target, then rename over it: an atomic replace, so a process that has
+    # the old library mapped keeps it intact (a copy over it, which shutil.move does across
+    # file systems, would rewrite the pages under a running process).
+    tmp_lib = os.path.join(out_dir, f".{LIB_NAME}.{os.getpid()}.tmp")
     with tempfile.TemporaryDirectory() as tmp:
-        objects, cmds = [], []
-        for unit, flags in UNITS.items():
-            src = os.path.join(NATIVE, unit)
-            if not os.path.exists(src):
-                return f"missing native source {src}"
-            obj = os.path.join(tmp, unit + ".o")
-            objects.append(obj)
-            key = cache.key(COMMON_FLAGS + flags + [unit]) if cache else None
-            if not (key and cache.fetch(key, obj)):
-                cmds.append((cxx + COMMON_FLAGS + flags + ["-I", NATIVE, "-c", src, "-o", obj], key))
-        # The units are independent: compile them at once, one per CPU (the AVX-512 unit alone
-        # takes most of the time), and report the first failure in unit order.
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=max(1, min(len(cmds), os.cpu_count() or 1))) as pool:
-            errors = list(pool.map(_run, [cmd for cmd, _ in cmds]))
-        if cache:
-            for (cmd, key), error in zip(cmds, errors):
-                if key and not error:
-                    cache.store(key, cmd[-1])
-            if not any(errors):
-                cache.keep_only(cache.key(COMMON_FLAGS + flags + [unit]) for unit, flags in UNITS.items())
-        err = next((e for e in errors if e), None)
+        link = cxx + ["-shared", "-o", tmp_lib]
+        objects, fresh, err = _compile_units(cxx, tmp, cache)
         if err:
             return err
-        # Link next to the target, then rename over it: an atomic replace, so a process that
-        # has the old library mapped keeps it intact (a copy over it, which shutil.move does
-        # across file systems, would rewrite the pages under a running process).
-        tmp_lib = os.path.join(out_dir, f".{LIB_NAME}.{os.getpid()}.tmp")
-        err = _run(cxx + ["-shared", "-o", tmp_lib] + objects + ["-pthread", "-ldl"])
+        err = _run_or_remove(link + objects + ["-pthread", "-ldl"], tmp_lib)
+        if err and len(fresh) < len(objects):
+            # An entry can pass its integrity check and still not link (stored by a build
+            # whose compiler misbehaved): the cache must never be what fails the build.
+            print(f"link with {len(objects) - len(fresh)} cached object(s) failed; compiling every unit fresh",
+                  file=sys.stderr)
+            objects, fresh, err = _compile_units(cxx, tmp, None)
+            err = err or _run_or_remove(link + objects + ["-pthread", "-ldl"], tmp_lib)
         if err:
-            if os.path.exists(tmp_lib):
-                os.remove(tmp_lib)
             return err
+        if cache:  # only objects that linked are kept
+            for unit, obj in fresh.items():
+                cache.store(cache.key(COMMON_FLAGS + UNITS[unit] + [unit]), obj)
+            cache.keep_only(cache.key(COMMON_FLAGS + flags + [unit]) for unit, flags in UNITS.items())
         os.replace(tmp_lib, os.path.join(out_dir, LIB_NAME))
     return None
+
+
+def _compile_units(cxx: "list[str]", tmp: str,
+                   cache: "ObjectCache | None") -> "tuple[list[str], dict[str, str], str | None]":
+    """Each unit's object in ``tmp``, from ``cache`` where it holds a sound one, else compiled.
+    Returns (every object in link order, {unit: object} of those compiled, first error)."""
+    objects, cmds = [], {}
+    for unit, flags in UNITS.items():
+        obj = os.path.join(tmp, unit + ".o")
+        objects.append(obj)
+        if not (cache and cache.fetch(cache.key(COMMON_FLAGS + flags + [unit]), obj)):
+            cmds[unit] = cxx + COMMON_FLAGS + flags + ["-I", NATIVE, "-c", os.path.join(NATIVE, unit), "-o", obj]
+    # The units are independent: compile them at once, one per CPU (the AVX-512 unit alone
+    # takes most of the time), and report the first failure in unit order.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(cmds), os.cpu_count() or 1))) as pool:
+        errors = list(pool.map(_run, cmds.values()))
+    fresh = {unit: cmd[-1] for unit, cmd in cmds.items()}
+    return objects, fresh, next((e for e in errors if e), None)
 
 
 class ObjectCache:
@@ -106,11 +119,21 @@ class ObjectCache:
     every unit). A build of the same sources with the same compiler links those objects
     instead of compiling them again. ``make`` sets it (``build/native-objects``): the wheel
     test's ``pip wheel`` of a copy of the tree then links what ``make setup`` compiled, ~45 s
-    of CPU less on CI's two cores. Unset, nothing is cached; a cache that cannot be read or
-    written only costs the compile, never the build. A missing compiler is still reported:
-    the cache is consulted only once the compiler was found and answered ``--version``.
-    System headers are not in the digest (a compiler upgrade changes ``--version``; libc
-    headers changed alone would not): ``make clean`` drops the cache with ``build/``."""
+    of CPU less on CI's two cores. Unset, nothing is cached. A missing compiler is still
+    reported: the cache is consulted only once the compiler was found and answered
+    ``--version``. System headers are not in the digest (a compiler upgrade changes
+    ``--version``; libc headers changed alone would not): ``make clean`` drops the cache with
+    ``build/``.
+
+    The cache only ever costs a compile, never the build nor the library's soundness: an
+    entry is named ``<key>-<size>-<sha256>.o``, the record of the bytes it was stored with,
+    and is written whole under a temporary name then renamed (a crash leaves no half entry).
+    A hit is used only if it is a regular file (not a link, device or FIFO) of that size and
+    hash; anything else is evicted and the unit compiled, with one line saying why. Objects
+    are stored only once the library linked, and a link with cached objects that fails
+    anyway is retried once with every unit compiled fresh (compile_native)."""
+
+    ENTRY = re.compile(r"([0-9a-f]{64})-([0-9]+)-([0-9a-f]{64})\.o")
 
     def __init__(self, folder: str, digest: "hashlib._Hash") -> None:
         self.folder, self.digest = folder, digest
@@ -141,34 +164,103 @@ class ObjectCache:
         h.update("\0".join(flags).encode())
         return h.hexdigest()
 
-    def fetch(self, key: str, obj: str) -> bool:
+    def _names(self) -> "list[str]":
         try:
-            shutil.copyfile(os.path.join(self.folder, key + ".o"), obj)
+            return os.listdir(self.folder)
         except OSError:
-            return False
-        print(f"{os.path.basename(obj)}: from {self.folder}", file=sys.stderr)
-        return True
+            return []
 
-    def keep_only(self, keys: "Iterable[str]") -> None:
-        """Remove the objects of older sources or compilers (the cache would only grow)."""
-        wanted = {key + ".o" for key in keys}
-        try:
-            for name in os.listdir(self.folder):
-                if name.endswith(".o") and name not in wanted:
-                    os.remove(os.path.join(self.folder, name))
-        except OSError:
-            pass
+    def fetch(self, key: str, obj: str) -> bool:
+        """Copy ``key``'s entry to ``obj`` if it is sound; evict it otherwise."""
+        for name in self._names():
+            entry = self.ENTRY.fullmatch(name)
+            if not entry or entry.group(1) != key:
+                continue
+            path = os.path.join(self.folder, name)
+            try:
+                data = _read_recorded(path, int(entry.group(2)), entry.group(3))
+            except (OSError, ValueError) as exc:
+                print(f"{os.path.basename(obj)}: cached {path} not used ({exc}); evicting it and compiling",
+                      file=sys.stderr)
+                _remove(path)
+                continue
+            try:
+                with open(obj, "wb") as fh:
+                    fh.write(data)
+            except OSError:
+                return False
+            print(f"{os.path.basename(obj)}: from {self.folder}", file=sys.stderr)
+            return True
+        return False
 
     def store(self, key: str, obj: str) -> None:
+        """Keep ``obj`` as ``key``'s entry, replacing any other (best effort)."""
         tmp = os.path.join(self.folder, f".{key}.{os.getpid()}.tmp")
         try:
-            shutil.copyfile(obj, tmp)
-            os.replace(tmp, os.path.join(self.folder, key + ".o"))  # whole or absent, for a build beside
+            with open(obj, "rb") as fh:
+                data = fh.read()
+            name = f"{key}-{len(data)}-{hashlib.sha256(data).hexdigest()}.o"
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, os.path.join(self.folder, name))  # whole or absent, for a build beside
         except OSError:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
+            _remove(tmp)
+            return
+        for other in self._names():
+            if other != name and other.startswith(key + "-"):
+                _remove(os.path.join(self.folder, other))
+
+    def keep_only(self, keys: "Iterable[str]") -> None:
+        """Remove the objects of older sources or compilers (the cache would only grow), and
+        what a build that died while storing left an hour ago or more."""
+        wanted, now = set(keys), time.time()
+        for name in self._names():
+            path = os.path.join(self.folder, name)
+            entry = self.ENTRY.fullmatch(name)
+            if name.endswith(".o") and not (entry and entry.group(1) in wanted):
+                _remove(path)
+            elif name.endswith(".tmp"):
+                try:
+                    if now - os.lstat(path).st_mtime > 3600:
+                        _remove(path)
+                except OSError:
+                    pass
+
+
+def _read_recorded(path: str, size: int, sha256: str) -> bytes:
+    """The bytes of ``path`` if it is a regular file of ``size`` bytes and hash ``sha256``;
+    raises OSError or ValueError saying what is wrong otherwise. Never reads more than
+    ``size`` + 1 bytes, never follows a link, never waits on a FIFO."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("not a regular file")
+    if st.st_size != size:
+        raise ValueError(f"{st.st_size} bytes, {size} recorded")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since the lstat
+            raise ValueError("not a regular file")
+        data = fh.read(size + 1)
+    if len(data) != size:
+        raise ValueError(f"{len(data)} bytes, {size} recorded")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError("sha256 differs from the one recorded")
+    return data
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _run_or_remove(cmd: "list[str]", output: str) -> "str | None":
+    """``_run(cmd)``, removing ``output`` if it failed."""
+    err = _run(cmd)
+    if err:
+        _remove(output)
+    return err
 
 
 def _run(cmd: "list[str]") -> "str | None":

@@ -1,7 +1,9 @@
 """The native build's object cache (``OFFLOAD_NATIVE_CACHE``, [Note: native object cache] in
 setup.py): a build of the same sources with the same compiler links the cached objects and
 compiles nothing; a changed source or compiler compiles again; a cache that cannot be used
-never fails the build.
+never fails the build; a damaged entry (empty, truncated, a byte changed, a link in its place)
+is evicted and its unit compiled; a link that fails with cached objects is retried with every
+unit compiled.
 
 ``setup.py build_ext`` runs in a copy of the build's files with a stand-in compiler (a script
 that logs its calls and writes an "object" derived from its source), so each build takes a
@@ -10,6 +12,7 @@ second, not the minute of the real units; the real compiler's use of the cache i
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -28,7 +31,9 @@ while [ $# -gt 0 ]; do
   case "$1" in -o) out=$2; shift;; -c) src=$2; shift;; -shared) shared=1;; *.o) objs+=("$1");; esac
   shift
 done
-if [ $shared = 1 ]; then cat "${objs[@]}" > "$out"
+if [ $shared = 1 ]; then
+  for o in "${objs[@]}"; do grep -q "^object of" "$o" || { echo "$o: file format not recognized" >&2; exit 1; }; done
+  cat "${objs[@]}" > "$out"
 else { echo "object of $(basename "$src") $FAKE_VERSION"; sha256sum < "$src"; } > "$out"; fi
 """
 
@@ -50,7 +55,9 @@ def tree(tmp_path):
     return src
 
 
-def _build(tree, tmp_path, out, cache, version="1"):
+def _build(tree, tmp_path, out, cache, version="1", stderr=None):
+    """The library built and the number of units compiled; ``stderr`` (a list) gets the
+    build's messages."""
     log = tmp_path / "calls.log"
     log.write_text("")
     env = dict(os.environ, CXX=str(tmp_path / "fake-c++"), FAKE_LOG=str(log), FAKE_VERSION=version)
@@ -63,6 +70,8 @@ def _build(tree, tmp_path, out, cache, version="1"):
     kernels = tmp_path / out / "offload" / "kernels"
     assert not (kernels / "native_build_error.txt").exists(), (kernels / "native_build_error.txt").read_text()
     compiles = [line for line in log.read_text().splitlines() if " -c " in f" {line} "]
+    if stderr is not None:
+        stderr.append(proc.stderr)
     return (kernels / "liboffload_native.so").read_bytes(), len(compiles)
 
 
@@ -113,3 +122,82 @@ def test_a_cache_that_cannot_be_written_only_costs_the_compile(tree, tmp_path):
     first, compiled = _build(tree, tmp_path, "b1", cache)
     again, compiled_again = _build(tree, tmp_path, "b2", cache)
     assert compiled == compiled_again == _units() and again == first
+
+
+def _entry(cache, unit):
+    """``unit``'s cached object (the stand-in's objects name their source)."""
+    found = [p for p in cache.glob("*.o") if p.read_bytes().startswith(f"object of {unit} ".encode())]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _forge(entry, data: bytes):
+    """Replace ``entry`` with ``data`` under a name whose integrity record matches it, where
+    the name carries one (``<key>-<size>-<sha256>.o``): an entry sound to every check that
+    the cache can make, yet not an object."""
+    key = entry.name.split("-")[0].split(".")[0]
+    entry.unlink()
+    name = f"{key}-{len(data)}-{hashlib.sha256(data).hexdigest()}.o" if "-" in entry.name else entry.name
+    (entry.parent / name).write_bytes(data)
+
+
+def _damage(entry, how, tmp_path):
+    if how == "empty":
+        entry.write_bytes(b"")
+    elif how == "truncated":
+        entry.write_bytes(entry.read_bytes()[:20])
+    elif how == "flipped byte":  # the last byte of the source's hash: still an "object"
+        data = bytearray(entry.read_bytes())
+        data[-2] ^= 0x01
+        entry.write_bytes(bytes(data))
+    elif how == "symlink to another unit's object":
+        other = tmp_path / "elsewhere.o"
+        shutil.copy(_entry(entry.parent, "machine.cpp"), other)
+        entry.unlink()
+        entry.symlink_to(other)
+    elif how == "symlink to /dev/zero":  # a reader that follows it never ends
+        entry.unlink()
+        entry.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("how", ["empty", "truncated", "flipped byte", "symlink to another unit's object",
+                                 "symlink to /dev/zero"])
+def test_a_damaged_entry_is_evicted_and_its_unit_compiled(tree, tmp_path, how):
+    cache = tmp_path / "cache"
+    first, _ = _build(tree, tmp_path, "b1", cache)
+    _damage(_entry(cache, "adam_avx2.cpp"), how, tmp_path)
+    stderr = []
+    again, compiled = _build(tree, tmp_path, "b2", cache, stderr=stderr)
+    assert compiled == 1 and again == first
+    said = [line for line in stderr[0].splitlines() if "not used" in line]
+    assert len(said) == 1 and said[0].startswith("adam_avx2.cpp.o: "), stderr[0][-2000:]
+    # the unit's sound object replaced the damaged entry: the next build compiles nothing
+    third, compiled = _build(tree, tmp_path, "b3", cache)
+    assert compiled == 0 and third == first
+    assert len(list(cache.glob("*.o"))) == _units()
+
+
+def test_a_link_that_fails_with_cached_objects_is_retried_with_every_unit_compiled(tree, tmp_path):
+    cache = tmp_path / "cache"
+    first, _ = _build(tree, tmp_path, "b1", cache)
+    _forge(_entry(cache, "adam_avx2.cpp"), b"passes every check, links nowhere\n")
+    stderr = []
+    again, compiled = _build(tree, tmp_path, "b2", cache, stderr=stderr)
+    assert compiled == _units() and again == first
+    assert "compiling every unit fresh" in stderr[0]
+    third, compiled = _build(tree, tmp_path, "b3", cache)
+    assert compiled == 0 and third == first
+
+
+def test_an_interrupted_store_leaves_no_entry_and_old_leftovers_go(tree, tmp_path):
+    cache = tmp_path / "cache"
+    first, _ = _build(tree, tmp_path, "b1", cache)
+    entry = _entry(cache, "adam_avx2.cpp")
+    stale, recent = cache / f".{entry.name[:64]}.1.tmp", cache / f".{entry.name[:64]}.2.tmp"
+    stale.write_bytes(entry.read_bytes()[:10])  # what a build killed mid-store leaves
+    recent.write_bytes(b"")  # a build beside, storing right now
+    os.utime(stale, (0, 0))
+    entry.unlink()
+    again, compiled = _build(tree, tmp_path, "b2", cache)
+    assert compiled == 1 and again == first
+    assert not stale.exists() and recent.exists()
