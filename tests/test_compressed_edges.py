@@ -87,6 +87,26 @@ def test_bf16_rounding_is_quant_rounding(stochastic):
     assert torch.equal(bits(state), bits(want))
 
 
+def test_bf16_nearest_rounding_over_the_bit_patterns():
+    """``round_bf16_nearest`` (int32 arithmetic) against the rule written out in int64, over
+    every 4099th float32 bit pattern and the edges: round half to even, carries into the
+    exponent, the largest finites rounding to inf, inf, subnormals (kept under
+    ``torch.set_flush_denormal``), every NaN to 0xFFFF."""
+    pattern = torch.arange(0, 1 << 32, 4099, dtype=torch.int64)
+    edges = torch.tensor([0, 1, 0x7FFF, 0x8000, 0x8001, 0x18000, 0x7F7FFFFF, 0x7F7F8000, 0x7F800000,
+                          0x7F800001, 0x7FFFFFFF, 0x80000000, 0x807FFFFF, 0xFF7F8000, 0xFF800000, 0xFFFFFFFF])
+    pattern = torch.cat([pattern, edges])
+    x = torch.where(pattern >= 1 << 31, pattern - (1 << 32), pattern).to(torch.int32).view(torch.float32)
+    want = ((pattern + 0x7FFF + ((pattern >> 16) & 1)) >> 16) & 0xFFFF
+    want = torch.where(torch.isnan(x), torch.full_like(want, 0xFFFF), want)
+    want = torch.where(want >= 0x8000, want - 0x10000, want).to(torch.int16)
+    torch.set_flush_denormal(True)
+    try:
+        assert torch.equal(quant.round_bf16_nearest(x).view(torch.int16), want)
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def test_bf16_param_is_rounded_on_stream_zero():
     # plain SGD with lr 0 leaves the float32 value: the param is its own value rounded
     # stochastically on stream 0 (a bf16 value plus 0 rounds to itself: use a float32 view)
