@@ -41,7 +41,7 @@ from offload.optim.step_guard import mark_consistent
 from offload.swap import SwapPipeline, SwapStepError, SwapStore
 from offload.swap.pipeline import Vote, idle_votes, vote_failed
 from offload.swap.cache import GroupCache, serialized
-from offload.swap.manifest_check import check_committed, check_steps
+from offload.swap.manifest_check import check_identity
 from offload.swap.runs import make_identity, open_store
 from offload.zero.checkpoint import IN_PLACE_FIELDS, SHARD_FIELDS
 
@@ -106,7 +106,10 @@ class SwappedShards:
     numels, world, rank; recorded with every commit). ``extra``: called at each commit, JSON
     to store with the step (the per-param step counts). ``resume``: reopen the directory of
     an earlier run (see the module note); ``check_resume(extra, store)`` replaces the check that the
-    manifest holds ``identity``. ``summary``: how messages name the params."""
+    manifest holds ``identity`` (manifest_check.check_identity): run on each directory of the
+    identity opened, it returns whether a fingerprint recognised the params and raises
+    swap.runs.ParamsMismatch for other values ([Note: same identity] in swap/runs.py).
+    ``summary``: how messages name the params."""
 
     kind = "nvme"
 
@@ -116,7 +119,7 @@ class SwappedShards:
                  io_engine: Any = None, backend: Optional[str] = None, num_threads: Optional[int] = None,
                  rank: int = 0, run_name: str = "flat", vote: Optional[Vote] = None,
                  fields: Sequence[StateField] = SHARD_FIELDS, summary: Optional[str] = None,
-                 check_resume: Optional[Callable[[Dict[str, Any], SwapStore], None]] = None, pool: Any = None,
+                 check_resume: Optional[Callable[[Dict[str, Any], SwapStore], Optional[bool]]] = None, pool: Any = None,
                  rule: Rule = ADAM, stochastic_states: bool = False, padded_ends: bool = False) -> None:
         """``padded_ends``: each item is followed by padding up to a block (the flat store's
         params): fused kernel, no decoding ([Note: steps across blocks], swapped_ranges.py)."""
@@ -156,14 +159,14 @@ class SwappedShards:
         self.computed: List[int] = []  # the sub-groups whose kernel ran in the last step, in order
         self.pipeline: Optional[SwapPipeline] = None
         summary = summary or f"{total} elements in {len(self.sizes)} flat groups of rank {rank}"
+        check = check_resume or (lambda extra, store, want=self.identity: check_identity(want, extra, store.path))
         self.store, nbuf = open_store(swap_dir, total, self.fields, identity=make_identity(self.identity, summary),
                                       max_host_bytes=max_host_bytes, sub_group_size=sub_group_size,
-                                      run_name=run_name, rank=rank, verify=verify, resume=resume, io_engine=io_engine)
+                                      run_name=run_name, rank=rank, verify=verify, resume=resume, io_engine=io_engine,
+                                      check=lambda store: check(store.extra, store))  # [Note: same identity]
         self.layout = self.store.layout  # on resume: the manifest's sub_group_size ([Note: layout on resume])
         self.resumed = resume = self.store.resumed  # resume="auto" decided ([Note: restarts] in swap/runs.py)
         try:
-            if resume:
-                (check_resume or self._check_resume)(self.store.extra, self.store)
             self.pipeline = SwapPipeline(self.store, buffers=nbuf, pool=pool)
             self._cache = GroupCache(self.pipeline)
         except BaseException:
@@ -173,18 +176,6 @@ class SwappedShards:
             raise
         self.last_stats: Dict[str, float] = {}
         self._finalizer = weakref.finalize(self, close_quietly, self.pipeline, self.store)
-
-    def _check_resume(self, extra: Dict[str, Any], store: SwapStore) -> None:
-        # "shapes" is newer than the other facts: a directory written without it is checked without it
-        check_committed(extra, os.path.join(self.store.path, "manifest.json"))
-        want = {k: v for k, v in self.identity.items() if k != "shapes" or k in extra}
-        found = {k: extra.get(k) for k in want}
-        if found != want:
-            raise ValueError(f"{self.store.path}: the swap directory holds the states of other params or "
-                             f"ranks ({found}, this optimizer {self.identity})")
-        groups = self.identity.get("groups")
-        nparams = sum(len(g) for g in groups) if isinstance(groups, list) else None
-        check_steps(extra, os.path.join(self.store.path, "manifest.json"), nparams)
 
     # ------------------------------------------------------------------ bookkeeping
     @property

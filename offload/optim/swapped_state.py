@@ -91,6 +91,7 @@ from offload.kernels.fields import ADAM, Rule, field_names
 from offload.kernels.quant import BLOCK
 from offload.swap import SwapStepError
 from offload.swap.manifest_check import check_steps
+from offload.swap.runs import ParamsMismatch
 
 __all__ = ["SwappedState", "MOMENTS"]
 
@@ -268,8 +269,10 @@ class SwappedState:
             "for the params given at construction): pass every param group to the constructor (a group can start "
             "with lr=0), or use offload='cpu'")
 
-    def _check_resume(self, extra: Dict[str, Any], store: Any) -> None:
-        """The core's resume check (called while it is built): these params, at that step."""
+    def _check_resume(self, extra: Dict[str, Any], store: Any) -> bool:
+        """The core's resume check of each directory of these shapes (called while it is built):
+        these params, at that step; ParamsMismatch for other values, and the next directory of
+        the shapes is tried ([Note: same identity] in swap/runs.py)."""
         self._samples = sample_indices(self.params, self._offsets, store.layout)
         path = store.path
         check_steps(extra, os.path.join(path, "manifest.json"), len(self.params))
@@ -278,9 +281,10 @@ class SwappedState:
             raise ValueError(f"{path}: the swap directory holds states of other params "
                              f"({len(extra.get('shapes') or [])} params of other shapes)")
         if extra.get("fingerprint") != self.fingerprint():
-            raise ValueError(f"{path}: the params given are not those of step {store.step} "
-                             f"in the swap directory (fingerprint {self.fingerprint()} != {extra.get('fingerprint')}):"
-                             " load the params saved right after it, or start afresh with resume='discard'")
+            raise ParamsMismatch(f"{path}: the params given are not those of step {store.step} in the swap directory "
+                                 f"(fingerprint {self.fingerprint()} != {extra.get('fingerprint')}): load the params "
+                                 "saved right after it, or start afresh with resume='discard'")
+        return True
 
     def _param_index(self, p: torch.Tensor) -> int:
         i = self._index.get(id(p))

@@ -16,7 +16,8 @@ import torch
 
 from offload.kernels.fields import StateField
 
-__all__ = ["VERIFY_BLOCK", "block_checksums", "check_manifest", "check_group_sums", "check_steps", "check_committed", "previous_commit", "previous_json"]
+__all__ = ["VERIFY_BLOCK", "block_checksums", "check_manifest", "check_group_sums", "check_steps", "check_committed",
+           "check_identity", "previous_commit", "previous_json"]
 
 _UINT32 = 1 << 32
 VERIFY_BLOCK = 1 << 20
@@ -198,6 +199,23 @@ def check_committed(extra: Dict[str, Any], path: str) -> None:
                          "it, before its first states were written): nothing to resume; remove it (`offload "
                          f"clean {os.path.dirname(os.path.dirname(path))}`) and build the optimizer without "
                          "resume=True")
+
+
+def check_identity(identity: Dict[str, Any], extra: Dict[str, Any], path: str) -> bool:
+    """A resumed directory ``path`` holds, in its manifest's ``extra``, the facts of the params
+    given (``identity``: a flat store's world, rank, numels, shapes) and their step counts.
+    False: nothing of the params' values is checked ([Note: same identity] in swap/runs.py)."""
+    manifest = os.path.join(path, "manifest.json")
+    check_committed(extra, manifest)
+    # "shapes" is newer than the other facts: a directory written without it is checked without it
+    want = {k: v for k, v in identity.items() if k != "shapes" or k in extra}
+    found = {k: extra.get(k) for k in want}
+    if found != want:
+        raise ValueError(f"{path}: the swap directory holds the states of other params or ranks ({found}, this "
+                         f"optimizer {identity})")
+    groups = identity.get("groups")
+    check_steps(extra, manifest, sum(len(g) for g in groups) if isinstance(groups, list) else None)
+    return False
 
 
 def check_codes(m: Dict[str, Any], path: str, fields: Sequence[StateField]) -> None:

@@ -7,8 +7,21 @@ directory, and when the two have the same number of elements nothing else would 
 each manifest records an identity of its params (a digest of their shapes, dtypes and
 numels, and a short summary for messages), and ``resume=True`` opens the directory whose
 identity matches, whatever its name; directories of older manifests, which have none, are
-tried in creation order after those. Several stores with the same identity (two identical
-models) are still told apart by creation order only.
+tried in creation order after those.
+
+[Note: same identity] Several stores with the same identity (two models of the same shapes
+and dtypes: a GAN's G and D of one architecture, two heads) are told apart by what else the
+manifest records of the params. A store whose params are their own master (fp32 params
+updated in place; bf16 params with ``master_dtype="bfloat16"`` in a one-rank job) records a
+fingerprint of their values at each commit: the caller's ``check`` compares it, raising
+``ParamsMismatch`` for other values, and the next directory of the identity is tried, so
+each store finds its own whatever the order (when none matches, the first's error is raised,
+naming the others). A store whose params are rebuilt from the master in the swap files (fp16
+or bf16 params with an fp32 master, device or partitioned params, own-master ones in a job of
+several ranks, whose ranks could be one step apart) has no such record, and its params
+are no evidence (fresh initial weights, alike for two models seeded alike, or whatever the
+user loaded), so nothing tells its directories apart and they are taken in creation order, as before: the optimizers must be built in the
+order they were created, or given separate swap_dirs.
 
 [Note: layout on resume] The sub-group size fixes where each sub-group sits in the slot
 files, so a resumed store must use the one in the manifest, whatever ``max_host_bytes`` now
@@ -39,7 +52,7 @@ import errno
 import hashlib
 import json
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -49,9 +62,15 @@ from offload.swap.layout import ALIGN, SwapLayout, as_fields, elems_per_page, ro
 from offload.swap.pipeline import DEFAULT_MAX_HOST_BYTES, MIN_BUFFERS, plan_sub_groups
 from offload.swap.store import MANIFEST, SwapStore, private_dir_name
 
-__all__ = ["make_identity", "open_store", "open_run_store"]
+__all__ = ["ParamsMismatch", "make_identity", "open_store", "open_run_store"]
 
 _MAX_STORES = 64
+
+
+class ParamsMismatch(ValueError):
+    """A resume check's refusal of a directory whose identity matches but whose recorded
+    fingerprint is not these params' values: another directory of the identity may be this
+    store's ([Note: same identity])."""
 
 
 def make_identity(facts: Dict[str, Any], summary: str) -> Dict[str, str]:
@@ -62,10 +81,14 @@ def make_identity(facts: Dict[str, Any], summary: str) -> Dict[str, str]:
 
 def open_store(swap_dir: str, numel: int, state_names: Sequence[Union[str, StateField]], *, identity: Dict[str, str],
                max_host_bytes: Optional[int], sub_group_size: Optional[int], run_name: str, rank: int,
-               verify: bool, resume: Union[bool, str], io_engine: Any) -> Tuple[SwapStore, int]:
+               verify: bool, resume: Union[bool, str], io_engine: Any,
+               check: Optional[Callable[[SwapStore], bool]] = None) -> Tuple[SwapStore, int]:
     """(store, pipeline buffers) for ``numel`` elements of ``state_names``: a new directory,
     or with ``resume`` the one whose identity matches (see the module notes); ``store.resumed``
-    says which ``resume="auto"`` chose. ``state_names``: names (fp32 states) or typed fields."""
+    says which ``resume="auto"`` chose. ``state_names``: names (fp32 states) or typed fields.
+    ``check(store)``: the caller's resume check of a directory opened, whose errors refuse it
+    (the directory stays), but for ``ParamsMismatch``, after which the next directory of the
+    identity is tried; it returns whether a fingerprint recognised these params."""
     fields = as_fields(list(state_names))
     discard = resume == "discard"
     if resume == "auto":
@@ -77,10 +100,21 @@ def open_store(swap_dir: str, numel: int, state_names: Sequence[Union[str, State
                                verify=verify, resume=False, io_engine=io_engine, identity=identity,
                                discard_stale=discard)
         return store, nbuf
-    parent = fsutil.check_parent_dir(swap_dir)
+    return _resume(fsutil.check_parent_dir(swap_dir), numel, fields, identity=identity, max_host_bytes=max_host_bytes,
+                   sub_group_size=sub_group_size, run_name=run_name, rank=rank, verify=verify, io_engine=io_engine,
+                   check=check)
+
+
+def _resume(parent: str, numel: int, fields: Sequence[StateField], *, identity: Dict[str, str],
+            max_host_bytes: Optional[int], sub_group_size: Optional[int], run_name: str, rank: int, verify: bool,
+            io_engine: Any, check: Optional[Callable[[SwapStore], bool]]) -> Tuple[SwapStore, int]:
+    """``open_store``'s resume: the directories of the identity in creation order, then those
+    without one; the first that opens and passes ``check`` ([Note: same identity])."""
     refused: List[str] = []
     ours: List[str] = []  # directories another optimizer of this process holds
-    for name, manifest in _candidates(parent, run_name, rank, identity, refused):
+    mismatched: List[Tuple[str, ParamsMismatch]] = []  # (path, error): the fingerprint names other values
+    matching, unknown = _candidates(parent, run_name, rank, identity, refused)
+    for name, manifest in matching + unknown:
         sg, nbuf = _resume_plan(manifest, numel, fields, max_host_bytes, sub_group_size)
         try:
             store = SwapStore(parent, SwapLayout(numel, sg, fields), state_names=fields, run_name=name,
@@ -90,7 +124,24 @@ def open_store(swap_dir: str, numel: int, state_names: Sequence[Union[str, State
                 raise
             ours.append(exc.filename)
             continue  # another optimizer of this process resumed it
+        try:
+            if check is not None:
+                check(store)
+        except ParamsMismatch as exc:
+            store.close(remove=False)
+            mismatched.append((store.path, exc))
+            continue  # another store's of the same shapes, maybe: ours may follow
+        except BaseException:
+            store.close(remove=False)  # a directory we were asked to resume stays
+            raise
         return store, nbuf
+    if mismatched:
+        others = [p for p, _ in mismatched[1:]] + [f"{p} (in use by another optimizer of this process)" for p in ours]
+        err = mismatched[0][1]
+        if not others:
+            raise err
+        raise ParamsMismatch(f"{err}. The other swap directories of params of these shapes and dtypes "
+                             f"({identity['summary']}) do not hold these params either: {'; '.join(others)}") from None
     first = os.path.join(parent, private_dir_name(run_name, rank))
     if ours:  # matched these params (a live directory always has its identity)
         raise fsutil.DirectoryBusy(errno.EBUSY, "resume=True but the swap directory holding these params is in "
@@ -155,8 +206,10 @@ def _left_dirs(parent: str, run_name: str, rank: int) -> List[str]:
     return out
 
 
-def _candidates(parent: str, run_name: str, rank: int, identity: Dict[str, str], refused: List[str]):
-    """(run name, manifest or {}) of the directories to try, matching identities first."""
+def _candidates(parent: str, run_name: str, rank: int, identity: Dict[str, str],
+                refused: List[str]) -> Tuple[List[Tuple[str, Dict[str, Any]]], List[Tuple[str, Dict[str, Any]]]]:
+    """(run name, manifest or {}) of the directories to try: those of this identity, and those
+    of a manifest without one (an older offload's), each in creation order."""
     matching, unknown = [], []
     for k in range(1, _MAX_STORES + 1):
         name = run_name if k == 1 else f"{run_name}-{k}"
@@ -174,7 +227,7 @@ def _candidates(parent: str, run_name: str, rank: int, identity: Dict[str, str],
             matching.append((name, m))
         else:
             refused.append(f"{path} holds the states of other params ({found.get('summary')})")
-    return matching + unknown
+    return matching, unknown
 
 
 def _resume_plan(manifest: Dict[str, Any], numel: int, fields: Sequence[StateField], max_host_bytes: Optional[int],

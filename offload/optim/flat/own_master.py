@@ -20,16 +20,17 @@ left out of both.
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
 from offload.memory import paging
+from offload.swap.runs import ParamsMismatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from offload.optim.flat.store import FlatState
 
-__all__ = ["KEY", "fingerprint", "check_resumed"]
+__all__ = ["KEY", "fingerprint", "check_at_open", "check_resumed"]
 
 KEY = "own_master_fingerprint"
 _SPREAD = 8
@@ -79,6 +80,21 @@ def fingerprint(st: "FlatState", from_params: bool = False) -> Optional[str]:
     return f"{crc:08x}"
 
 
+def check_at_open(st: "FlatState", extra: Dict[str, Any], store: Any) -> bool:
+    """A one-rank resume's check of each directory of these params' shapes as it is opened:
+    whether the fingerprint it records is these params' (False: none recorded), ParamsMismatch
+    for other values, so that the next directory of the shapes is tried ([Note: same identity]
+    in swap/runs.py). Several ranks check after agreeing on the step (check_resumed): a rank
+    one step ahead goes back, and its fingerprint with it."""
+    recorded = extra.get(KEY)
+    if recorded is None:
+        return False
+    now = fingerprint(st, from_params=True)
+    if now != recorded:
+        raise ParamsMismatch(_refusal(store.path, store.step, now, recorded))
+    return True
+
+
 def check_resumed(st: "FlatState", swap_dir: str) -> None:
     """After a resume: ValueError when the params are not those the resumed step left."""
     recorded = st._swap.resumed_extra.get(KEY) if st._swap is not None else None
@@ -86,9 +102,11 @@ def check_resumed(st: "FlatState", swap_dir: str) -> None:
         return  # no own-master group, or a manifest written before the fingerprint was kept
     now = fingerprint(st, from_params=True)
     if now != recorded:
-        step = st._swap.store.step
-        raise ValueError(f"resume: the bf16 params are not those of step {step} that the swap files in "
-                         f"{swap_dir!r} hold (fingerprint {now} != {recorded}). With master_dtype='bfloat16' the "
-                         "params are their own master and the swap files keep only the optimizer states, so a "
-                         "crash loses them: load the params of that step first (the model's checkpoint), or "
-                         "start afresh with resume='discard'")
+        raise ValueError(_refusal(swap_dir, st._swap.store.step, now, recorded))
+
+
+def _refusal(where: str, step: Any, now: Optional[str], recorded: str) -> str:
+    return (f"resume: the bf16 params are not those of step {step} that the swap files in {where!r} hold "
+            f"(fingerprint {now} != {recorded}). With master_dtype='bfloat16' the params are their own master and "
+            "the swap files keep only the optimizer states, so a crash loses them: load the params of that step "
+            "first (the model's checkpoint), or start afresh with resume='discard'")

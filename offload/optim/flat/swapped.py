@@ -25,6 +25,7 @@ import torch
 
 from offload.memory import heap, paging
 from offload.optim.flat import own_master
+from offload.swap.manifest_check import check_identity
 from offload.swap.pipeline import DEFAULT_MAX_HOST_BYTES, idle_votes, paged_bound, unpaged_bound
 from offload.zero import comm
 
@@ -54,8 +55,13 @@ def open_swap(st: "FlatState", cfg: Any) -> None:
         me = weakref.ref(st)
         identity = flat_identity(st.world, st.rank, st._groups)
         bound = paged_bound(cfg.max_host_bytes, swap_fields(st), _paged_bytes(st), cfg.sub_group_size)
+
+        def check(extra: Dict[str, Any], store: Any) -> bool:  # [Note: same identity] in swap/runs.py
+            check_identity(identity, extra, store.path)
+            return st.world == 1 and own_master.check_at_open(st, extra, store)  # several: check_resumed
+
         try:
-            st._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity,
+            st._swap = SwappedShards(sizes, swap_dir=cfg.swap_dir, identity=identity, check_resume=check,
                                      extra=lambda: _extra(me()),
                                      max_host_bytes=bound, sub_group_size=cfg.sub_group_size,
                                      verify=cfg.verify, resume=cfg.resume, io_engine=cfg.io,
