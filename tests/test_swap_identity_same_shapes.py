@@ -101,3 +101,39 @@ def test_fp32_params_of_neither_directory_are_refused_naming_both(tmp_path):
         b.copy_(left)
     _resume(b, tmp_path / "swap").close()
     assert os.listdir(tmp_path / "swap") == []
+
+
+def _dirs(swap_dir):
+    return [os.path.join(swap_dir, f"offload-{n}.rank0") for n in ("flat", "flat-2")]
+
+
+def _guesses(record):
+    return [str(w.message) for w in record if "resumed in creation order" in str(w.message)]
+
+
+def test_params_rebuilt_from_the_master_resume_in_creation_order_with_one_warning(tmp_path):
+    a, b = _left(tmp_path / "swap", torch.bfloat16)  # bf16 params, their fp32 master in the swap files
+    first, second = _dirs(tmp_path / "swap")
+    with pytest.warns(UserWarning) as record:
+        oa = _resume(a, tmp_path / "swap")  # the order of creation: each takes its own
+        ob = _resume(b, tmp_path / "swap")
+    (msg,) = _guesses(record)  # once for the pair, not once per optimizer
+    assert first in msg and second in msg and f"this optimizer takes {first}" in msg
+    _check_goes_on_as_uninterrupted(tmp_path, torch.bfloat16, [(a, oa), (b, ob)])
+
+
+def test_params_rebuilt_from_the_master_in_the_other_order_are_warned_of(tmp_path):
+    """Nothing tells the directories apart ([Note: same identity]): B, built first, takes the
+    directory created first (A's), and the warning says so and what to do."""
+    a, b = _left(tmp_path / "swap", torch.bfloat16)
+    first, second = _dirs(tmp_path / "swap")
+    with pytest.warns(UserWarning) as record:
+        ob = _resume(b, tmp_path / "swap")
+    (msg,) = _guesses(record)
+    assert first in msg and second in msg and f"this optimizer takes {first}" in msg
+    assert "Build the optimizers in the order they were first created, or give each its own swap_dir" in msg
+    assert ob.state_dict()["state"][0]["step"] == 3  # A's: the limit the warning names
+    ob.close()
+    oa = _resume(a, tmp_path / "swap")
+    oa.close()
+    assert os.listdir(tmp_path / "swap") == []

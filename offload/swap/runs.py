@@ -17,11 +17,17 @@ fingerprint of their values at each commit: the caller's ``check`` compares it, 
 ``ParamsMismatch`` for other values, and the next directory of the identity is tried, so
 each store finds its own whatever the order (when none matches, the first's error is raised,
 naming the others). A store whose params are rebuilt from the master in the swap files (fp16
-or bf16 params with an fp32 master, device or partitioned params, own-master ones in a job of
-several ranks, whose ranks could be one step apart) has no such record, and its params
-are no evidence (fresh initial weights, alike for two models seeded alike, or whatever the
-user loaded), so nothing tells its directories apart and they are taken in creation order, as before: the optimizers must be built in the
-order they were created, or given separate swap_dirs.
+or bf16 params with an fp32 master, device or partitioned params) has no such record, and its
+params are no evidence (fresh initial weights, alike for two models seeded alike, or whatever
+the user loaded); own-master params in a job of several ranks are checked only once the
+ranks agree on a step (a rank one step ahead goes back). Their directories are taken in
+creation order, as before, with a warning (once per directory set and process) naming them:
+the optimizers must be built in the order they were created, or given separate swap_dirs.
+Comparing the params with the rounding of each directory's master was considered and not
+done: it tells the directories apart only when the params hold the very step the swap files
+hold (kept in place; a restart after a crash usually loads an older model checkpoint), and
+it would read every candidate's master (sampled per piece and rank, device and paged params
+included) at each resume.
 
 [Note: layout on resume] The sub-group size fixes where each sub-group sits in the slot
 files, so a resumed store must use the one in the manifest, whatever ``max_host_bytes`` now
@@ -52,7 +58,8 @@ import errno
 import hashlib
 import json
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -65,6 +72,7 @@ from offload.swap.store import MANIFEST, SwapStore, private_dir_name
 __all__ = ["ParamsMismatch", "make_identity", "open_store", "open_run_store"]
 
 _MAX_STORES = 64
+_warned: Set[Tuple[str, ...]] = set()  # the directory sets already warned about ([Note: same identity])
 
 
 class ParamsMismatch(ValueError):
@@ -88,7 +96,8 @@ def open_store(swap_dir: str, numel: int, state_names: Sequence[Union[str, State
     says which ``resume="auto"`` chose. ``state_names``: names (fp32 states) or typed fields.
     ``check(store)``: the caller's resume check of a directory opened, whose errors refuse it
     (the directory stays), but for ``ParamsMismatch``, after which the next directory of the
-    identity is tried; it returns whether a fingerprint recognised these params."""
+    identity is tried; it returns whether a fingerprint recognised these params (False:
+    several directories of the identity are a guess, warned: [Note: same identity])."""
     fields = as_fields(list(state_names))
     discard = resume == "discard"
     if resume == "auto":
@@ -125,8 +134,7 @@ def _resume(parent: str, numel: int, fields: Sequence[StateField], *, identity: 
             ours.append(exc.filename)
             continue  # another optimizer of this process resumed it
         try:
-            if check is not None:
-                check(store)
+            known = bool(check(store)) if check is not None else False
         except ParamsMismatch as exc:
             store.close(remove=False)
             mismatched.append((store.path, exc))
@@ -134,6 +142,9 @@ def _resume(parent: str, numel: int, fields: Sequence[StateField], *, identity: 
         except BaseException:
             store.close(remove=False)  # a directory we were asked to resume stays
             raise
+        if not known and len(matching) > 1:
+            _warn_same_identity(parent, [os.path.join(parent, private_dir_name(n, rank)) for n, _ in matching],
+                                store.path, identity)
         return store, nbuf
     if mismatched:
         others = [p for p, _ in mismatched[1:]] + [f"{p} (in use by another optimizer of this process)" for p in ours]
@@ -151,6 +162,20 @@ def _resume(parent: str, numel: int, fields: Sequence[StateField], *, identity: 
         raise ValueError(f"{parent}: resume=True but no swap directory of run {run_name!r}, rank {rank} holds the "
                          f"states of these params ({identity['summary']}): {'; '.join(refused)}")
     raise FileNotFoundError(errno.ENOENT, "resume=True but there is no swap directory to resume from", first)
+
+
+def _warn_same_identity(parent: str, paths: List[str], chosen: str, identity: Dict[str, str]) -> None:
+    """Several directories of this identity and no fingerprint to tell them apart: a
+    warning, once per directory set and process ([Note: same identity])."""
+    key = (parent, identity["digest"], *paths)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(f"{parent}: {len(paths)} swap directories hold the states of params of the same shapes and dtypes "
+                  f"({identity['summary']}): {', '.join(paths)}. Nothing in them tells them apart (no fingerprint "
+                  f"of the params' values is kept with a master in the swap files), so they are resumed in creation order: this optimizer takes "
+                  f"{chosen}. Build the optimizers in the order they were first created, or give each its own "
+                  "swap_dir; in another order each would take another's states, and its params their weights")
 
 
 def _auto_resume(swap_dir: str, run_name: str, rank: int, identity: Dict[str, str]) -> Tuple[bool, bool]:
