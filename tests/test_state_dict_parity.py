@@ -144,6 +144,31 @@ def test_a_bad_entry_changes_nothing(tmp_path, kind, what):
     src.close()
 
 
+@pytest.mark.parametrize("kind", STORES)
+def test_another_optimizers_groups_are_refused_at_the_load(tmp_path, kind):
+    """An SGD state_dict (no 'betas', no 'eps') loaded into AdamW: torch's load takes it and
+    its step fails with a bare KeyError: 'betas'; ours refuses the load and changes nothing."""
+    params, opt = _opt(kind, tmp_path)
+    _train(opt, params, 0, 2)
+    before = _state_copy(opt)
+    sd = copy.deepcopy(opt.state_dict())
+    for group in sd["param_groups"]:
+        for k in ("betas", "eps", "amsgrad"):
+            group.pop(k)
+        group.update(momentum=0.9, dampening=0.0, nesterov=False)
+    with pytest.raises(ValueError, match=r"load_state_dict: param group 0 has no 'betas', 'eps', which "
+                                         r"offload.AdamW steps with \(a state_dict of another optimizer\?"):
+        opt.load_state_dict(sd)
+    _same_state(opt.state_dict(), before)
+    assert opt.param_groups[0]["betas"] == HP["betas"]
+    _train(opt, params, 2, 3)
+    ref_params, ref = _opt(kind, tmp_path, seed=0) if kind == "none" else (None, None)
+    if ref is not None:  # the same run without the failed load
+        _train(ref, ref_params, 0, 3)
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    opt.close()
+
+
 @pytest.mark.parametrize("kind", ["nvme", "bf16-nvme"])
 def test_nvme_load_state_dict_commits_once(tmp_path, kind, monkeypatch):
     src_params, src = _opt(kind, tmp_path, seed=1)

@@ -219,9 +219,11 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
     held = {id(p) for p in opt._all_params() if opt._ctx.steps.get(p) > 0}
     # the last pre hook: the store keeps the tensors of the dict the user's hooks returned
     last_pre_hook = opt.register_load_state_dict_pre_hook(before_load)
+    need = list(opt.defaults)  # (torch's __setstate__ adds "differentiable" to defaults alone)
     try:
         with batch:
             base(state_dict)
+            _check_group_keys(opt, need)
             if getattr(store, "kind", None) != "host":
                 _import_all(opt, store, held)
             elif hasattr(store, "settle"):
@@ -239,6 +241,20 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
         store._broken = None  # every state was replaced: see step_guard [Note: failed steps]
     opt._ctx.steps.recount(opt._all_params())  # the loaded counts (restart_cleared)
     attach(opt)
+
+
+def _check_group_keys(opt: Any, need: List[str]) -> None:
+    """Every loaded group has each hyperparameter the optimizer's own groups have (the flags
+    older torch releases lack were filled by ``__setstate__``). torch's load takes any groups
+    and its step fails with a bare ``KeyError: 'betas'`` (an SGD or Adagrad state_dict loaded
+    into AdamW); here the load fails and nothing changes."""
+    for i, group in enumerate(opt.param_groups):
+        missing = [k for k in need if k not in group]
+        if missing:
+            has = sorted(k for k in group if k != "params")
+            raise ValueError(f"load_state_dict: param group {i} has no {', '.join(map(repr, missing))}, which "
+                             f"offload.{type(opt).__name__} steps with (a state_dict of another optimizer? "
+                             f"the group holds {has})")
 
 
 def _import_all(opt: Any, store: Any, held: Set[int]) -> None:
