@@ -349,3 +349,34 @@ def test_keep_into_a_directory_is_refused_before_the_sweep(tmp_path, capsys):
     assert rc == 1
     assert "is a directory" in capsys.readouterr().err
     assert sorted(os.listdir(d)) == [bench_io.DATA_NAME]  # no test file made, none left
+
+
+def test_keep_refuses_an_existing_file_before_the_sweep(tmp_path, capsys):
+    """[Note: --keep never replaces a file]: a file named like the kept one was replaced by
+    the test file (a user's data lost, silently)."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    (d / bench_io.DATA_NAME).write_text("user data")
+    rc = main(["bench-io", "--dir", str(d), "--size", "4MiB", "--engine", "threads", "--block-size", "1M",
+               "--queue-depth", "1", "--keep"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"{d / bench_io.DATA_NAME} exists" in err and "remove it or pick another --dir" in err, err
+    assert (d / bench_io.DATA_NAME).read_text() == "user data"
+    assert sorted(os.listdir(d)) == [bench_io.DATA_NAME]  # no test file made, none left
+
+
+def test_keep_does_not_replace_a_file_made_during_the_sweep(bench_dir, monkeypatch, capsys):
+    settle = bench_io._settle
+
+    def user_writes(f, size, pool, progress):
+        (bench_dir / bench_io.DATA_NAME).write_text("user data")
+        return settle(f, size, pool, progress)
+
+    monkeypatch.setattr(bench_io, "_settle", user_writes)
+    running = bench_io.RUNNING_NAME.format(pid=os.getpid())
+    assert main(["bench-io", "--dir", str(bench_dir), "--size", "4MiB", "--rw", "read", "--engine", "threads",
+                 "--keep"]) == 0
+    assert (bench_dir / bench_io.DATA_NAME).read_text() == "user data"
+    assert (bench_dir / running).stat().st_size == 4 << 20  # the test file, kept under its running name
+    assert f"is not replaced; the test file is kept as {bench_dir / running}" in capsys.readouterr().err

@@ -4,6 +4,13 @@ removed or kept (``--keep``).
 [Note: the test file while it runs] offload-bench-io.<pid>.dat, flock-ed while open: two runs
 in one directory keep apart, and ``offload clean`` removes what a kill -9 left
 (offload/swap/cleanup.py). --keep renames it to DATA_NAME.
+
+[Note: --keep never replaces a file] DATA_NAME is an ordinary name a user may have given a
+file of their own; --keep replaced whatever had that name with the test file (the user's data
+lost, silently). Nothing on disk says which run made a file there (a kept file is random data
+that later runs' write passes rewrote), so an existing DATA_NAME, ours or not, is refused before
+the sweep, and the rename at the end is a hard link, which never replaces: a file given that
+name during the sweep stays, and the test file is kept under its running name instead.
 """
 from __future__ import annotations
 
@@ -25,6 +32,9 @@ def kept_name_problem(directory: str) -> "str | None":
     kept = os.path.join(directory, DATA_NAME)
     if os.path.isdir(kept) and not os.path.islink(kept):
         return f"--keep: {kept} is a directory; the test file could not be kept under that name"
+    if os.path.lexists(kept):  # [Note: --keep never replaces a file]
+        return (f"--keep: {kept} exists (a file kept by an earlier run, or someone else's) and is not replaced; "
+                "remove it or pick another --dir")
     return None
 
 
@@ -94,6 +104,34 @@ def create_data_file(path: str, size: int, direct: bool, pool, progress: Progres
     return f
 
 
+def _keep(path: str) -> str:
+    """The test file at ``path`` renamed to DATA_NAME without replacing a file of that name
+    ([Note: --keep never replaces a file]); returns where it is now."""
+    import errno
+
+    kept = os.path.join(os.path.dirname(path), DATA_NAME)
+    try:
+        os.link(path, kept)  # fails with EEXIST where rename would replace
+    except FileExistsError:
+        return _not_replaced(kept, path)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
+            raise
+        # a file system without hard links (vfat, some FUSE): checked, then renamed
+        if os.path.lexists(kept):
+            return _not_replaced(kept, path)
+        os.rename(path, kept)
+        return kept
+    os.unlink(path)
+    return kept
+
+
+def _not_replaced(kept: str, path: str) -> str:
+    print(f"offload bench-io: warning: {kept} appeared during the run and is not replaced; "
+          f"the test file is kept as {path}", file=sys.stderr)
+    return path
+
+
 def remove_data_file(f, path: str, keep: bool) -> str:
     """Close the test file (its lock goes with it) and remove it, or with ``keep`` rename it
     to DATA_NAME; returns where it is now."""
@@ -101,9 +139,7 @@ def remove_data_file(f, path: str, keep: bool) -> str:
         print(f"offload bench-io: warning: {path} is gone (removed by another process?): nothing kept",
               file=sys.stderr)
     if keep and os.path.exists(path):
-        kept = os.path.join(os.path.dirname(path), DATA_NAME)
-        os.replace(path, kept)  # (while still locked: clean never sees it unlocked under the old name)
-        path = kept
+        path = _keep(path)  # (while still locked: clean never sees it unlocked under the old name)
     if f is not None:
         f.close()
     if not keep and os.path.exists(path):
