@@ -187,3 +187,39 @@ def test_clean_finds_a_killed_demo_run_inside_its_temporary_directory(tmp_path, 
         assert os.path.isdir(live.path) and f"{live.path}" in capsys.readouterr().out  # held, named
     finally:
         live.close()
+
+
+FOREIGN = {  # [Note: a directory clean may remove] in offload/swap/own_dir.py: named, moded and filled like ours
+    "no lock file": {"manifest.json": b"my notes, not an offload manifest\n", "slot0.bin": os.urandom(4096)},
+    "its manifest.json is not JSON": {"lock": b"123\n", "manifest.json": b"my notes\n", "slot0.bin": b"x"},
+    "its manifest.json is not an offload swap manifest": {"lock": b"", "manifest.json": b'{"format": "mine"}'},
+    "its lock file holds something other than a pid": {"lock": b"my lock\n", "slot1.bin": b"data"},
+}
+
+
+@pytest.mark.parametrize("why", list(FOREIGN))
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_clean_keeps_a_directory_whose_contents_offload_did_not_write(tmp_path, capsys, why, dry_run):
+    path = os.path.join(str(tmp_path), "offload-mydata.rank0")
+    os.mkdir(path, 0o700)
+    for name, data in FOREIGN[why].items():
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+    for name in os.listdir(path) + [""]:  # old: not a directory being made
+        _age(os.path.join(path, name), 7200)
+    assert main(["clean"] + (["--dry-run"] if dry_run else []) + [str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"skipped {path}: {why}" in out and "not a directory offload made" in out, out
+    assert "removed 0 directories" in out or "would remove 0 directories" in out
+    for name, data in FOREIGN[why].items():
+        assert open(os.path.join(path, name), "rb").read() == data
+
+
+def test_clean_removes_a_left_param_tier_directory(tmp_path):
+    # what shard/tier_dir.py's lock_dir leaves: its pid without a newline, and no manifest
+    path = os.path.join(str(tmp_path), "offload-params.999999.rank0")
+    os.mkdir(path, 0o700)
+    for name, data in (("lock", b"999999"), ("areas.bin", b"\0" * 4096)):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+    assert [p for p, _ in clean_dir(str(tmp_path))["removed"]] == [path]

@@ -2,9 +2,11 @@
 
 A swap directory whose ``flock`` is free belongs to no live process (``kill -9``, a crash, a
 lost node); it still holds a full copy of the optimizer states. Directories in use are
-listed with the pid holding them and left alone. The test files a killed ``offload
-bench-io`` left (``offload-bench-io.<pid>.dat``, unlocked) are removed too; one in use is
-left alone, and a file kept with ``--keep`` (another name) is not touched.
+listed with the pid holding them and left alone, and so are directories whose contents do
+not show that offload made them (no lock file holding a pid, or a manifest.json that is not
+offload's). The test files a killed ``offload bench-io`` left (``offload-bench-io.<pid>.dat``,
+unlocked) are removed too; one in use is left alone, and a file kept with ``--keep``
+(another name) is not touched.
 """
 from __future__ import annotations
 

@@ -238,8 +238,9 @@ def clean_dir(swap_dir: str, *, dry_run: bool = False) -> Dict[str, List[Any]]:
     """Remove the swap directories under ``swap_dir`` whose lock is free (left by killed
     processes). Returns ``{"removed": [(path, bytes)], "held": [(path, pid)], "skipped":
     [(path, why)]}``. Only directories named like ours (``offload-<run>.rank<r>``) that pass
-    the private-directory checks (real directory, ours, mode 0700) and hold only regular
-    files are touched: a directory with anything else in it is skipped whole."""
+    the private-directory checks (real directory, ours, mode 0700), whose contents prove them
+    offload's (``own_dir.not_proven_ours``) and that hold only its files are touched: any
+    other is skipped whole."""
     import errno as _errno
 
     if not isinstance(swap_dir, (str, os.PathLike)) or not os.fspath(swap_dir):
@@ -264,6 +265,7 @@ def _clean_runs(swap_dir: str, dry_run: bool, out: Dict[str, List[Any]]) -> None
     import re
 
     from offload.swap import fsutil
+    from offload.swap.own_dir import not_proven_ours
 
     pattern = re.compile(_RUN_DIR)
     for name in sorted(os.listdir(swap_dir)):
@@ -279,8 +281,12 @@ def _clean_runs(swap_dir: str, dry_run: bool, out: Dict[str, List[Any]]) -> None
         if fd is None and pid is not None:
             out["held"].append((path, pid))
             continue
-        # fd None and pid None: no lock file at all (a creation that died before locking)
+        # fd None and pid None: no lock file, in a directory older than a creation takes
         try:
+            why = not_proven_ours(path)  # [Note: a directory clean may remove] in own_dir.py
+            if why is not None:
+                out["skipped"].append((path, why))
+                continue
             nbytes = _only_files(path) if dry_run else fsutil.remove_private_dir(path)
             out["removed"].append((path, nbytes))
         except OSError as exc:

@@ -43,6 +43,7 @@ from offload.swap import cleanup, fsutil
 from offload.swap.fsutil import private_dir_name
 from offload.kernels.fields import field_names
 from offload.swap.layout import SwapLayout
+from offload.swap.own_dir import SWAP_FORMAT
 from offload.swap.reserve import RESERVE, RESERVE_ROOM, ManifestReserve
 from offload.swap.sigint import sigint_held
 from offload.swap.manifest_check import (VERIFY_BLOCK, block_checksums, check_codes, check_group_sums, check_manifest,
@@ -52,7 +53,7 @@ __all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir
 
 log = logging.getLogger(__name__)
 
-FORMAT = "offload-swap"
+FORMAT = SWAP_FORMAT  # what `offload clean` looks for: [Note: a directory clean may remove]
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SLOT_FILES = ("slot0.bin", "slot1.bin")
