@@ -37,3 +37,29 @@ def test_a_broken_pipe_that_is_not_stdout_is_a_failure(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert "offload info: error: [Errno 32] Broken pipe" in err
     assert '"exit_code": 1' in out
+
+
+def test_a_closed_stdout_is_one_write_error_line_not_a_traceback():
+    # `offload info >&-`: Python makes sys.stdout None; the final flush was an AttributeError
+    # traceback, and every line before it went nowhere (clean removed directories unsaid)
+    child = subprocess.run(["sh", "-c", 'exec "$0" -m offload info >&-', sys.executable],
+                           stderr=subprocess.PIPE, text=True, timeout=120)
+    assert child.returncode == 1
+    assert child.stderr == "offload: write error: Bad file descriptor\n", child.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["plan", "--help"]])
+def test_help_that_cannot_be_written_is_a_write_error(monkeypatch, capsys, argv):
+    # `offload --help >/dev/full`: argparse swallowed the failed write and exited 0
+    import errno
+    import io
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 1
+    assert capsys.readouterr().err == "offload: write error: No space left on device\n"

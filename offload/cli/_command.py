@@ -3,13 +3,14 @@ the engine, run the command, and turn its end into an exit status (cli/_outcome.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import sys
 from typing import List, Optional
 
 from ._outcome import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, EXIT_TERMINATED, EXIT_USAGE, drop_stdout,
-                       fail, json_requested, stdout_reader_gone)
+                       fail, json_requested, stdout_reader_gone, write_error)
 from ._signals import CommandSignals, Terminated
 
 __all__ = ["SUBCOMMANDS", "build_parser", "run_held"]
@@ -42,6 +43,23 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # the subcommands' parsers are of this class too
         raise UsageError(self, message)
+
+    def _print_message(self, message: str, file=None) -> None:
+        """argparse's, without swallowing a failed write to stdout: `offload --help >/dev/full`
+        lost the help and exited 0. A reader that went away ends as in run_held (141, quietly)."""
+        if not message:
+            return
+        file = file or sys.stderr
+        try:
+            file.write(message)
+            file.flush()
+        except OSError as exc:
+            if file is not sys.stdout:
+                return  # stderr (a usage error's message): nowhere else to say it, as argparse
+            if isinstance(exc, BrokenPipeError) and stdout_reader_gone():
+                drop_stdout()
+                raise SystemExit(EXIT_PIPE_CLOSED) from None
+            raise SystemExit(write_error(exc.errno)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +95,8 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
 def run_held(argv: Optional[List[str]], signals: CommandSignals) -> int:
     """``main`` within ``signals``: the command's exit status."""
     args = None
+    if sys.stdout is None:  # Python's stdout when its descriptor was closed (`offload info >&-`)
+        return write_error(errno.EBADF)  # before any work: its output would be lost
     try:
         args = _parse(argv)
         # Warnings and errors only, unless -v: a failure is one line on stderr (the README's

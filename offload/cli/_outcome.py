@@ -28,7 +28,7 @@ import sys
 from typing import Optional, Sequence
 
 __all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "EXIT_PIPE_CLOSED",
-           "json_requested", "fail", "stdout_reader_gone", "drop_stdout"]
+           "json_requested", "fail", "stdout_reader_gone", "drop_stdout", "write_error"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -92,3 +92,15 @@ def drop_stdout() -> None:
             os.close(devnull)
     except (AttributeError, OSError, ValueError):
         pass
+
+
+def write_error(err: int) -> int:
+    """Say that stdout could not be written (``offload: write error: Bad file descriptor``, as
+    coreutils say it) and return EXIT_FAILURE: a closed stdout (``>&-``, which Python makes
+    ``sys.stdout = None``: every print went nowhere, and the final flush was an AttributeError
+    traceback) or a full one (``--help >/dev/full`` exited 0)."""
+    try:
+        print(f"offload: write error: {os.strerror(err) if err else 'unknown error'}", file=sys.stderr)
+    except (AttributeError, OSError, ValueError):
+        pass
+    return EXIT_FAILURE
