@@ -129,7 +129,8 @@ def test_buffered_mode_measures_after_dropping_the_cache(bench_dir, tmp_path):
 def test_errors(tmp_path, capsys):
     assert main(["bench-io", "--dir", str(tmp_path / "missing"), "--size", "4MiB"]) == 1
     assert "[Errno 2] no such directory" in capsys.readouterr().err
-    assert main(["bench-io", "--dir", str(tmp_path), "--size", "1000000", "--block-size", "1M"]) == 1
+    # options that disagree: a usage error, as a bad value is (the README's exit statuses)
+    assert main(["bench-io", "--dir", str(tmp_path), "--size", "1000000", "--block-size", "1M"]) == 2
     assert "not a multiple" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench-io", "--dir", str(tmp_path), "--engine", "spdk"])

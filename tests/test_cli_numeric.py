@@ -31,6 +31,8 @@ PLAN_BAD = [
     ("--params", "1.5", "whole number"),              # was rounded to 2 params
     ("--params", "1.0000000001B", "whole number"),    # was rounded to 1,000,000,000
     ("--unit-params", "2.5", "whole number"),
+    ("--unit-params", "0", ">= 1"),       # was exit 1, from the planner, after parsing
+    ("--max-live-params", "0", ">= 1"),
     ("--world-size", "0", ">= 1"),
     ("--world-size", "-1", ">= 1"),
     ("--world-size", "1e400", "whole number"),
@@ -77,6 +79,8 @@ BENCH_BAD = [
     ("--block-size", "1e400", "too large"),
     ("--block-size", "1M,-1", ">= 0"),
     ("--block-size", "0", "> 0"),
+    ("--block-size", "3", "multiple of 4096"),   # was exit 1, after parsing (while 0 was 2)
+    ("--block-size", "1M,6K", "multiple of 4096"),
     ("--queue-depth", "0", ">= 1"),
     ("--queue-depth", "8,1e400", "whole number"),
     ("--queue-depth", "99999999999", "io_uring's largest ring"),
@@ -116,6 +120,7 @@ def test_bench_io_refuses_an_empty_dir(tmp_path, monkeypatch):
     ("--seq-len", "0", ">= 1"),
     ("--threads", "0", ">= 1"),
     ("--compare-steps", "-1", ">= 0"),
+    ("--max-host-bytes", "0", "> 0"),   # was exit 1, after a "host budget:" line
     ("--rtol", "-1", "finite number >= 0"),
     ("--rtol", "nan", "finite number >= 0"),
     ("--lr", "inf", "finite number > 0"),
@@ -164,3 +169,25 @@ def test_parse_count_refuses_a_count_too_large_to_hold():
         parse_count("1e400")
     with pytest.raises(ValueError, match="too large"):
         parse_count("1e308B")
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (("bench-io", "--size", "5M", "--block-size", "2M"), "--size 5242880 is not a multiple of --block-size 2097152"),
+    (("demo", "--quick", "--compare-steps", "99"), "--compare-steps must be between 0 and --steps (6), got 99"),
+])
+def test_options_that_disagree_are_usage_errors_before_any_work(tmp_path, argv, fragment):
+    # checks that relate two options ran after parsing, as errors (status 1)
+    if argv[0] == "bench-io":
+        argv = argv[:1] + ("--dir", str(tmp_path)) + argv[1:]
+    rc, out, err = _cli(*argv)
+    assert rc == 2 and err == f"offload {argv[0]}: error: {fragment}\n", (rc, err)
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_demo_swap_dir_that_is_a_file_is_said_so(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    rc, out, err = _cli("demo", "--quick", "--swap-dir", str(f))
+    assert rc == 1 and f"--swap-dir is not a directory: {str(f)!r}" in err and "Errno 20" in err, err
+    rc, out, err = _cli("demo", "--quick", "--swap-dir", str(tmp_path / "missing"))
+    assert rc == 1 and "--swap-dir does not exist" in err and "Errno 2]" in err, err

@@ -3,7 +3,8 @@
 Each factory returns a function for ``argparse``'s ``type=``. A value it refuses (not a
 number, ``nan``, ``inf``, too large to represent, negative, out of range) becomes argparse's
 own usage error: exit status 2 and ``argument --option: why``, never a traceback. Checks that
-relate two options (``--size`` a multiple of ``--block-size``) stay with the command.
+relate two options (``--size`` a multiple of ``--block-size``) stay with the command, which
+raises ``_outcome.BadUsage`` for them before any work: status 2 too.
 """
 from __future__ import annotations
 

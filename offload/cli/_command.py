@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import List, Optional
 
-from ._outcome import (EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, EXIT_TERMINATED, EXIT_USAGE, drop_stdout,
+from ._outcome import (BadUsage, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PIPE_CLOSED, EXIT_TERMINATED, EXIT_USAGE, drop_stdout,
                        fail, json_requested, stdout_reader_gone, write_error)
 from ._signals import CommandSignals, Terminated
 
@@ -116,6 +116,9 @@ def run_held(argv: Optional[List[str]], signals: CommandSignals) -> int:
         code = int(args.run(args) or 0)
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit
         return code
+    except BadUsage as exc:
+        command = getattr(args, "command", None)
+        return fail(command, EXIT_USAGE, str(exc), json_requested(command, args))
     except (OSError, ValueError, RuntimeError, NotImplementedError) as exc:
         if isinstance(exc, BrokenPipeError) and stdout_reader_gone():  # [Note: a reader that went away]
             drop_stdout()

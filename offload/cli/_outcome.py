@@ -28,7 +28,7 @@ import sys
 from typing import Optional, Sequence
 
 __all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "EXIT_PIPE_CLOSED",
-           "json_requested", "fail", "stdout_reader_gone", "drop_stdout", "write_error"]
+           "json_requested", "fail", "stdout_reader_gone", "drop_stdout", "write_error", "BadUsage"]
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -36,6 +36,12 @@ EXIT_USAGE = 2          # argparse's own
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
 EXIT_TERMINATED = 143   # 128 + SIGTERM
 EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: stdout's reader went away ([Note: a reader that went away])
+
+class BadUsage(ValueError):
+    """A bad option value or combination that argparse cannot see (``--size`` not a multiple of
+    ``--block-size``): raised by a command before it does any work, it ends as argparse's
+    usage errors do, with status 2 (the README's table), not 1."""
+
 
 # the commands whose --json is a flag that prints to stdout (bench-io's and demo's name a file)
 JSON_ON_STDOUT = ("info", "plan", "report")

@@ -57,6 +57,13 @@ _MAX_QD = 32768
 _queue_depth = integer(1, _MAX_QD, " (io_uring's largest ring)")
 
 
+def _block_size(text: str) -> int:
+    n = byte_size(minimum=1)(text)
+    if n % 4096:  # O_DIRECT's alignment, and the swap layer's pages
+        raise argparse.ArgumentTypeError(f"must be a multiple of 4096, got {text!r}")
+    return n
+
+
 def _rw(x: str) -> str:
     if x not in ("read", "write"):
         raise ValueError(f"--rw takes read and/or write, got {x!r}")
@@ -76,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory to measure (the test file is created there)")
     p.add_argument("--size", type=byte_size(minimum=1), default=1 << 30, help="test file size, e.g. 4GiB (default 1GiB)")
     p.add_argument("--rw", type=_list(_rw), default=["read", "write"], help="read,write (default both)")
-    p.add_argument("--block-size", type=_list(byte_size(minimum=1)), default=[1 << 20], help="e.g. 128K,1M,8M (default 1M)")
+    p.add_argument("--block-size", type=_list(_block_size), default=[1 << 20],
+                   help="e.g. 128K,1M,8M, multiples of 4096 (default 1M)")
     p.add_argument("--queue-depth", type=_list(_queue_depth), default=[32], help="e.g. 1,8,32 (default 32)")
     p.add_argument("--engine", type=_list(_engine), default=["uring", "threads", "aiofiles"],
                    help="uring,threads,aiofiles (default all)")
@@ -160,10 +168,22 @@ def _measure_engine(name: str, args, f, rw: str, size: int, bs: int, qd: int, bu
     return m, lat
 
 
+def check_usage(args) -> None:
+    """The checks that relate options (``BadUsage``: status 2), before any work."""
+    from ._outcome import BadUsage
+
+    for bs in args.block_size:
+        if bs < 4096 or bs % 4096:  # (the command's parser refuses these; bench/io.py's may not)
+            raise BadUsage(f"--block-size must be a multiple of 4096, got {bs}")
+        if args.size % bs:
+            raise BadUsage(f"--size {args.size} is not a multiple of --block-size {bs}")
+
+
 def _checked_dir(args) -> str:
     """The directory to measure, after the checks that need no test file."""
     from offload.io import probe_direct
 
+    check_usage(args)
     directory = os.path.abspath(args.dir)
     if not os.path.isdir(directory):  # (an existing file, with errno 2, read as "No such file")
         if os.path.exists(directory):
@@ -172,11 +192,6 @@ def _checked_dir(args) -> str:
     ok, why = probe_direct(directory)
     if args.direct and not ok:
         raise OSError(22, f"{why}; measure with --buffered instead", directory)
-    for bs in args.block_size:
-        if bs < 4096 or bs % 4096:
-            raise ValueError(f"--block-size must be a multiple of 4096, got {bs}")
-        if args.size % bs:
-            raise ValueError(f"--size {args.size} is not a multiple of --block-size {bs}")
     # The sweep fills 2 x QD buffers of each block size with random data: --block-size 8M
     # --queue-depth 1024 asks for 16 GiB; past the memory there is, the OOM killer's SIGKILL
     # (no cleanup) would end the run and leave the test file. Refused before the file is made.
@@ -423,6 +438,7 @@ def run(args) -> int:
 def _run(args) -> int:
     from offload.io import save_tuning
 
+    check_usage(args)
     check_outputs(args)
     rows, ctx = sweep(args)
     print(f"offload bench-io: {ctx['dir']}, file {_human(ctx['size'])}, "

@@ -9,6 +9,7 @@ exit status is 1 when they disagree beyond ``--rtol``, so the demo is also a tes
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ._args import byte_size, count, integer, rate, tolerance
+from ._outcome import BadUsage
 
 __all__ = ["add_parser", "run"]
 
@@ -48,7 +50,7 @@ def add_parser(sub, name: str) -> None:
     p.add_argument("--swap-dir", default=None, metavar="DIR",
                    help="directory in which a temporary swap directory is made and removed "
                         "(default /var/tmp unless it is tmpfs, else the current directory)")
-    p.add_argument("--max-host-bytes", type=byte_size(), default=None, metavar="BYTES",
+    p.add_argument("--max-host-bytes", type=byte_size(minimum=1), default=None, metavar="BYTES",
                    help="bound on the optimizer's host buffers, e.g. 64MiB "
                         "(default a quarter of the optimizer states)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
@@ -206,13 +208,15 @@ def run(args) -> int:
         seed=args.seed,
         threads=_chosen(args, "threads"),
     )
-    if args.swap_dir is not None and not os.path.isdir(args.swap_dir):
-        raise FileNotFoundError(2, "--swap-dir does not exist or is not a directory", args.swap_dir)
-    for option, path in (("--json", args.json), ("--plot", args.plot), ("--step-log", args.step_log)):
-        _check_writable_target(option, path)
     compare_steps = min(cfg.steps, DEFAULT_COMPARE) if args.compare_steps is None else args.compare_steps
     if not 0 <= compare_steps <= cfg.steps:
-        raise ValueError(f"--compare-steps must be between 0 and --steps ({cfg.steps}), got {compare_steps}")
+        raise BadUsage(f"--compare-steps must be between 0 and --steps ({cfg.steps}), got {compare_steps}")
+    if args.swap_dir is not None and not os.path.isdir(args.swap_dir):  # (a file there was ENOENT too)
+        if os.path.exists(args.swap_dir):
+            raise NotADirectoryError(errno.ENOTDIR, "--swap-dir is not a directory", args.swap_dir)
+        raise FileNotFoundError(errno.ENOENT, "--swap-dir does not exist", args.swap_dir)
+    for option, path in (("--json", args.json), ("--plot", args.plot), ("--step-log", args.step_log)):
+        _check_writable_target(option, path)
 
     threads_before = torch.get_num_threads()
     if cfg.threads is not None:

@@ -53,10 +53,10 @@ def add_parser(subparsers: Any, name: str) -> argparse.ArgumentParser:
                    help="where the optimizer states live: none, cpu or nvme (default none)")
     p.add_argument("--offload-params", default="none", choices=("none", "cpu", "nvme"),
                    help="stage 3: where this rank's param shards live: none (with the compute), cpu or nvme")
-    p.add_argument("--unit-params", type=count(),
+    p.add_argument("--unit-params", type=count(1),
                    help="stage 3: params per fetch unit (default: one unit per layer with --model-config, "
                         "else 32 units)")
-    p.add_argument("--max-live-params", type=count(), help="stage 3: bound on the gathered params (live window)")
+    p.add_argument("--max-live-params", type=count(1), help="stage 3: bound on the gathered params (live window)")
     p.add_argument("--max-live-bytes", type=byte_size(minimum=1), help="stage 3: the same bound in bytes")
     p.add_argument("--prefetch", type=integer(0), default=None, help="stage 3: units gathered ahead (default 1)")
     p.add_argument("--release-grads", action="store_true",
