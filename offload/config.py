@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Mapping, Optional, Union
 
 __all__ = ["IOConfig", "OffloadConfig", "parse_bytes", "from_dict"]
@@ -20,7 +22,28 @@ _UNITS = {
     "m": 1 << 20, "mib": 1 << 20, "mb": 1000 ** 2,
     "g": 1 << 30, "gib": 1 << 30, "gb": 1000 ** 3,
     "t": 1 << 40, "tib": 1 << 40, "tb": 1000 ** 4,
+    "p": 1 << 50, "pib": 1 << 50, "pb": 1000 ** 5,
+    "e": 1 << 60, "eib": 1 << 60, "eb": 1000 ** 6,  # up to MAX_BYTES, 4 EiB
 }
+
+# A number as the command line and config files write it: digits, a decimal point, an
+# exponent. Not what float() takes beyond that ("1_000", "+5", non-ASCII digits, "nan"), so
+# that byte sizes and parameter counts (plan/inputs.py) read the same numbers.
+_NUMBER_RE = re.compile(r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]+))?$")
+
+
+def exact_number(text: str) -> Optional[Fraction]:
+    """``text`` (lower case, no spaces) as an exact fraction, or None when it is not a number
+    of ``_NUMBER_RE``'s form. Exact, so that a caller can refuse a value that is not whole
+    (``0.3K`` bytes is 307.2) instead of truncating it. An exponent below -400 is refused
+    (ValueError): its denominator alone would take minutes to compute."""
+    m = _NUMBER_RE.match(text)
+    if m is None:
+        return None
+    if m.group(1) is not None and int(m.group(1)) < -400:
+        raise ValueError(f"invalid number {text!r}: exponent out of range")
+    return Fraction(text)
+
 
 # 4 EiB: more than any file system or memory holds, and below the 2**63 at which the OS's
 # off_t / size_t arguments overflow (posix_fallocate raised OverflowError on --size 1e30).
@@ -30,7 +53,8 @@ MAX_BYTES = 1 << 62
 def parse_bytes(value: "int | str") -> int:
     """``"4GiB"`` -> 4294967296, ``"1M"`` -> 1048576, ``"2GB"`` -> 2000000000, ``123`` -> 123.
 
-    Single letters (K, M, G, T) are binary units, as in fio.
+    Single letters (K, M, G, T, P, E) are binary units, as in fio. A size that is not a whole
+    number of bytes (``"0.3K"``) is refused, not truncated.
     """
     if isinstance(value, bool):
         raise ValueError(f"invalid byte size: {value!r}")
@@ -43,21 +67,25 @@ def parse_bytes(value: "int | str") -> int:
     unit = text[len(num):]
     if unit not in _UNITS or not num:
         raise ValueError(f"invalid byte size: {value!r} (examples: 4096, 128K, 1MiB, 4GiB, 2GB)")
+    if num.startswith("-"):
+        raise ValueError(f"byte size must be >= 0, got {value!r}")
     try:
         number = float(num)
+        exact = exact_number(num)
     except ValueError:
         raise ValueError(f"invalid byte size: {value!r}") from None
     if not math.isfinite(number):  # "1e400" parses as inf: int() of it would be an OverflowError
         raise ValueError(f"invalid byte size: {value!r} (not a finite number: too large, nan or inf)")
-    if number < 0:
-        raise ValueError(f"byte size must be >= 0, got {value!r}")
-    if _UNITS[unit] == 1 and number != math.floor(number):
-        # "4096.5" bytes: truncating would size a buffer or a budget other than the one
-        # written (a fraction of a larger unit, "0.9GiB", is floored to the byte below)
-        raise ValueError(f"invalid byte size: {value!r} (not a whole number of bytes)")
-    # Whole numbers exactly: float("9223372036854775807") rounds up to 2**63.
-    whole = int(num) if num.isdigit() else number
-    return _bounded(int(whole * _UNITS[unit]), value)
+    if exact is None:  # "1_000", "+5": float() takes them, the grammar of sizes and counts does not
+        raise ValueError(f"invalid byte size: {value!r} (examples: 4096, 128K, 1MiB, 4GiB, 2GB)")
+    n = exact * _UNITS[unit]
+    if n > MAX_BYTES:
+        return _bounded(MAX_BYTES + 1, value)
+    if n.denominator != 1:
+        # "4096.5", "0.3K" (307.2): truncating would size a buffer or a budget other than the
+        # one written, and "0.0000001K" became 0
+        raise ValueError(f"invalid byte size: {value!r} (not a whole number of bytes: {float(n):.15g})")
+    return _bounded(int(n), value)
 
 
 def _bounded(n: int, value: "int | str") -> int:

@@ -191,3 +191,43 @@ def test_demo_swap_dir_that_is_a_file_is_said_so(tmp_path):
     assert rc == 1 and f"--swap-dir is not a directory: {str(f)!r}" in err and "Errno 20" in err, err
     rc, out, err = _cli("demo", "--quick", "--swap-dir", str(tmp_path / "missing"))
     assert rc == 1 and "--swap-dir does not exist" in err and "Errno 2]" in err, err
+
+
+@pytest.mark.parametrize("value,got", [("0.3K", "307.2"), ("1e-3K", "1.024"), ("0.0000001K", "0.0001024")])
+def test_parse_bytes_refuses_a_fraction_of_a_byte_in_any_unit(value, got):
+    # truncated before: 307, 1 and 0 bytes, while "1.3" was refused as not whole
+    from offload.config import parse_bytes
+
+    with pytest.raises(ValueError, match=rf"not a whole number of bytes: {got}\)"):
+        parse_bytes(value)
+
+
+@pytest.mark.parametrize("value,n", [("1P", 1 << 50), ("2PiB", 2 << 50), ("1PB", 10 ** 15), ("1E", 1 << 60),
+                                     ("4EiB", 1 << 62), ("0.5EiB", 1 << 59), ("1.5K", 1536), ("1024e-3K", None)])
+def test_parse_bytes_takes_peta_and_exa_units_within_the_limit(value, n):
+    from offload.config import parse_bytes
+
+    if n is None:
+        with pytest.raises(ValueError, match="not a whole number of bytes"):
+            parse_bytes(value)
+    else:
+        assert parse_bytes(value) == n
+    with pytest.raises(ValueError, match=r"more than 2\*\*62 bytes \(4 EiB\)"):
+        parse_bytes("5EiB")
+
+
+@pytest.mark.parametrize("value", ["1_000", "+5", "\u0661\u0662", "1_0K"])
+def test_byte_sizes_and_counts_read_the_same_numbers(value):
+    # float() took "1_000", "+5" and Arabic-Indic digits for parse_bytes; parse_count refused them
+    from offload.config import parse_bytes
+    from offload.plan import parse_count
+
+    with pytest.raises(ValueError, match="invalid byte size"):
+        parse_bytes(value)
+    with pytest.raises(ValueError, match="invalid parameter count"):
+        parse_count(value)
+
+
+def test_a_fractional_byte_size_is_a_usage_error(tmp_path):
+    rc, out, err = _cli("bench-io", "--dir", str(tmp_path), "--size", "0.3K")
+    assert rc == 2 and "argument --size: invalid byte size: '0.3K' (not a whole number of bytes" in err, err

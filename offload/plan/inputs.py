@@ -14,13 +14,16 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
+from offload.config import exact_number
+
 from .hf_config import params_from_hf_config
 
 __all__ = ["parse_count", "parse_dtype", "dtype_name", "count_params", "resolve_params",
            "nonneg_bytes", "positive_rate", "swap_dir_path"]
 
 
-_COUNT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
+# a number (offload.config.exact_number's grammar: no "1_000", as parse_bytes), then a unit
+_COUNT_RE = re.compile(r"^\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
 _COUNT_UNITS = {"": 1, "k": 10 ** 3, "m": 10 ** 6, "b": 10 ** 9, "t": 10 ** 12}
 
 
@@ -41,14 +44,15 @@ def parse_count(value: Union[int, str]) -> int:
             raise ValueError(f"parameter count must be a whole number, got {value!r}")
         return int(value)
     m = _COUNT_RE.match(str(value))
-    if not m:
+    number = exact_number(m.group(1).lower()) if m else None  # the numbers parse_bytes reads
+    if number is None:
         if str(value).strip().startswith("-"):
             raise ValueError(f"parameter count must be >= 0, got {value!r}")
         raise ValueError(f"invalid parameter count: {value!r} (examples: 125M, 7.5B, 1e9)")
     unit = _COUNT_UNITS[m.group(2).lower()]
     if not math.isfinite(float(m.group(1)) * unit):  # "1e400": float() gives inf, which int() cannot hold
         raise ValueError(f"parameter count {value!r} is too large")
-    n = Fraction(m.group(1)) * unit  # exact: "1.1B" is 1,100,000,000, "1.5" is not a count
+    n = number * unit  # exact: "1.1B" is 1,100,000,000, "1.5" is not a count
     if n.denominator != 1:
         raise ValueError(f"parameter count must be a whole number, got {value!r} ({float(n):,.15g} params)")
     return int(n)
