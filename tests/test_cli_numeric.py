@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 
 import pytest
 
@@ -231,3 +232,21 @@ def test_byte_sizes_and_counts_read_the_same_numbers(value):
 def test_a_fractional_byte_size_is_a_usage_error(tmp_path):
     rc, out, err = _cli("bench-io", "--dir", str(tmp_path), "--size", "0.3K")
     assert rc == 2 and "argument --size: invalid byte size: '0.3K' (not a whole number of bytes" in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ("bench-io", "--json", "{d}/x", "--tune", "{d}/x"),
+    ("bench-io", "--json", "{d}/a.png", "--plot", "{d}/./a.png"),
+    ("bench-io", "--plot", "{d}/a.png", "--tune", "{d}/link"),   # a symlink to a.png
+    ("demo", "--quick", "--json", "{d}/x", "--step-log", "{d}/x"),
+])
+def test_two_outputs_naming_one_file_are_a_usage_error(tmp_path, argv):
+    # the second output overwrote the first, silently
+    os.symlink(tmp_path / "a.png", tmp_path / "link")
+    argv = [a.format(d=tmp_path) for a in argv]
+    if argv[0] == "bench-io":
+        argv[1:1] = ["--dir", str(tmp_path), "--size", "1M"]
+    rc, out, err = _cli(*argv)
+    first, second = [a for a in argv if a.startswith("--") and a in ("--json", "--plot", "--tune", "--step-log")]
+    assert rc == 2 and f"offload {argv[0]}: error: {first} and {second} name the same file" in err, (rc, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]  # nothing measured, nothing written

@@ -12,7 +12,7 @@ import argparse
 import math
 from typing import Callable, Optional, Union
 
-__all__ = ["byte_size", "checked", "count", "integer", "rate", "tolerance"]
+__all__ = ["byte_size", "checked", "count", "distinct_outputs", "integer", "rate", "tolerance"]
 
 
 def _named(fn: Callable, name: str) -> Callable:
@@ -110,3 +110,23 @@ def checked(validate: Callable[[str], object], name: str) -> Callable[[str], str
             raise argparse.ArgumentTypeError(str(exc)) from None
         return text
     return _named(parse, name)
+
+
+def distinct_outputs(outputs: "list[tuple[str, Optional[str]]]") -> None:
+    """``BadUsage`` (status 2) when two output options (``("--json", path)``, ...) name one
+    file: ``bench-io --json X --tune X`` wrote the rows and then the tuning over them, silently.
+    Compared resolved (``./x`` and ``x``, a symlink and its target, two hard links)."""
+    import os
+
+    from ._outcome import BadUsage
+
+    seen: "list[tuple[str, str]]" = []
+    for option, path in outputs:
+        if not path:
+            continue
+        real = os.path.realpath(path)
+        for other, other_real in seen:
+            if real == other_real or (os.path.exists(real) and os.path.exists(other_real)
+                                      and os.path.samefile(real, other_real)):
+                raise BadUsage(f"{other} and {option} name the same file ({path}): each writes its own output")
+        seen.append((option, real))

@@ -170,7 +170,10 @@ def _measure_engine(name: str, args, f, rw: str, size: int, bs: int, qd: int, bu
 
 def check_usage(args) -> None:
     """The checks that relate options (``BadUsage``: status 2), before any work."""
+    from ._args import distinct_outputs
     from ._outcome import BadUsage
+
+    distinct_outputs([(f"--{flag}", getattr(args, flag, None)) for flag in ("json", "plot", "tune")])
 
     for bs in args.block_size:
         if bs < 4096 or bs % 4096:  # (the command's parser refuses these; bench/io.py's may not)

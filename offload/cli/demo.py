@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ._args import byte_size, count, integer, rate, tolerance
+from ._args import byte_size, count, distinct_outputs, integer, rate, tolerance
 from ._outcome import BadUsage
 
 __all__ = ["add_parser", "run"]
@@ -211,11 +211,13 @@ def run(args) -> int:
     compare_steps = min(cfg.steps, DEFAULT_COMPARE) if args.compare_steps is None else args.compare_steps
     if not 0 <= compare_steps <= cfg.steps:
         raise BadUsage(f"--compare-steps must be between 0 and --steps ({cfg.steps}), got {compare_steps}")
+    outputs = [("--json", args.json), ("--plot", args.plot), ("--step-log", args.step_log)]
+    distinct_outputs(outputs)
     if args.swap_dir is not None and not os.path.isdir(args.swap_dir):  # (a file there was ENOENT too)
         if os.path.exists(args.swap_dir):
             raise NotADirectoryError(errno.ENOTDIR, "--swap-dir is not a directory", args.swap_dir)
         raise FileNotFoundError(errno.ENOENT, "--swap-dir does not exist", args.swap_dir)
-    for option, path in (("--json", args.json), ("--plot", args.plot), ("--step-log", args.step_log)):
+    for option, path in outputs:
         _check_writable_target(option, path)
 
     threads_before = torch.get_num_threads()
