@@ -251,3 +251,17 @@ def test_a_plan_that_does_not_fit_points_at_cheapest(capsys):
     assert "does not fit: --cheapest searches" in capsys.readouterr().out
     assert main(["plan", "--params", "1M", "--no-probe", "--kernel-gparams", "1"]) == 0
     assert "--cheapest" not in capsys.readouterr().out
+
+
+def test_plan_json_of_a_swap_dir_that_is_not_utf8_is_valid_utf8(tmp_path, capsys):
+    # json.dumps wrote the path's undecodable byte as a lone surrogate, "\udcff": jq refuses it
+    import json
+
+    d = os.path.join(os.fsencode(str(tmp_path)), b"sw\xff")
+    os.mkdir(d)
+    assert main(["plan", "--params", "1B", "--offload", "nvme", "--swap-dir", os.fsdecode(d), "--no-probe",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "\\udcff" not in out
+    out.encode("utf-8")  # no surrogate left to refuse
+    assert json.loads(out)["inputs"]["swap_dir"] == f"{tmp_path}/sw\\xff"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from typing import Any, Dict, Optional
 
 from ._args import byte_size, checked, count, integer, rate
@@ -205,6 +206,27 @@ def _zero_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_safe(obj: Any) -> Any:
+    """``obj`` with every string JSON can carry: a path of bytes that are not UTF-8
+    (``--swap-dir $'/tmp/sw\\xff'``) is a string with lone surrogates ("\\udcff"), which
+    json.dumps wrote as such, and strict readers (jq, Go, Rust) refuse or mangle. Such a
+    string is written with its undecodable bytes as ``\\xff`` (os.fsencode, then
+    backslashreplace: what ``ls -b`` shows), readable and valid UTF-8."""
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            try:
+                return os.fsencode(obj).decode("utf-8", "backslashreplace")
+            except UnicodeError:  # a surrogate no file name decodes to
+                return obj.encode("utf-8", "backslashreplace").decode("utf-8")
+    return obj
+
+
 def run(args: argparse.Namespace) -> int:
     from ._signals import sigterm_raises
 
@@ -256,7 +278,7 @@ def _run(args: argparse.Namespace) -> int:
                     for c in tried
                 ],
             }
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        print(json.dumps(_json_safe(doc), indent=2, sort_keys=True))
         return 0
 
     print(plan.table())

@@ -43,6 +43,9 @@ class Measurement:
     cpu_sys_pct: float
     loops: int = 1
     hugepages: Optional[bool] = None
+    """fio rows: whether fio ran with glibc's huge-page malloc (``GLIBC_TUNABLES``), the
+    variant asked for, not what the kernel gave. None for offload's engines: there is no such
+    variant, their buffers always come from ``BufferPool`` regions advised ``MADV_HUGEPAGE``."""
     note: str = ""
 
     def as_dict(self) -> dict:
