@@ -445,8 +445,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
     # ---------------------------------------------------------------- reports
     def memory_report(self) -> Dict[str, Any]:
         """Bytes this optimizer holds per tier (its own accounting) and the process RSS; a flat or swapped
-        store counts all its fields for every param ([Note: groups of different rules] in kernels/fields.py)."""
-        tiers = dict(self._store.memory_report())
+        store counts all its fields for every param ([Note: groups of different rules] in kernels/fields.py); 0 once closed."""
+        tiers = {} if self._closed else dict(self._store.memory_report())
         return {
             "offload": self.config.offload,
             "store": getattr(self._store, "kind", type(self._store).__name__),
