@@ -10,9 +10,11 @@ import pytest
 import torch
 
 import offload
+from offload.io import NotRegularFile
 from offload.swap.checkpoint import CheckpointBusy
 
 from _forkserver import spawn
+from _no_hang import within
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
@@ -315,6 +317,24 @@ def test_a_directory_in_the_manifests_place_is_named(tmp_path, kind):
     with pytest.raises(IsADirectoryError) as info:
         opt.load_checkpoint(str(tmp_path / "ck"))
     assert info.value.filename == str(manifest)
+    opt.close()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme", "flat"])
+@pytest.mark.parametrize("name", ["offload-ckpt.json", "offload-ckpt.exp_avg.1.bin", "offload-ckpt.lock"])
+def test_a_fifo_in_a_files_place_is_refused_at_once_naming_it(tmp_path, kind, name):
+    # The open blocked until a writer came: forever ([Note: a FIFO where a file was] in
+    # offload/io/files.py); a FIFO lock said a bare "[Errno 22] Invalid argument".
+    model = _model()
+    opt = _opt(model, kind, tmp_path)
+    _train(model, opt, 1)
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    path = tmp_path / "ck" / "rank0" / name
+    path.unlink()
+    os.mkfifo(path)
+    with within(5), pytest.raises(NotRegularFile, match=r"not a regular file \(a FIFO\)") as info:
+        opt.load_checkpoint(str(tmp_path / "ck"))
+    assert info.value.filename == str(path)
     opt.close()
 
 

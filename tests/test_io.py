@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import gc
 import json
 import logging
@@ -16,10 +17,12 @@ import pytest
 import torch
 
 from offload.config import IOConfig
-from offload.io import (ENGINES, AsyncIO, IORequest, engine_unavailable_reason, load_tuning, open_engine,
-                        open_file, probe_direct, save_tuning)
+from offload.io import (ENGINES, AsyncIO, IORequest, NotRegularFile, engine_unavailable_reason, load_tuning,
+                        open_engine, open_file, open_regular, probe_direct, save_tuning)
 from offload.io import auto as io_auto
 from offload.memory import BufferPool
+
+from _no_hang import within
 
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -685,3 +688,47 @@ def test_a_ring_made_with_stdin_closed():
     out = subprocess.run([sys.executable, "-m", "offload", "info"], timeout=120, capture_output=True, text=True,
                          stdin=subprocess.DEVNULL, preexec_fn=lambda: os.close(0))
     assert out.returncode == 0 and "not initialized" not in out.stderr, out.stderr
+
+
+# ------------------------------------------------------------------ files that are no regular file
+@pytest.mark.parametrize("write", [False, True])
+def test_open_file_refuses_a_fifo_at_once_naming_it(tmp_path, write):
+    """A FIFO in place of a swap or checkpoint file blocked the open until a writer (a reader)
+    came: forever ([Note: a FIFO where a file was] in offload/io/files.py)."""
+    fifo = str(tmp_path / "slot0.bin")
+    os.mkfifo(fifo)
+    with within(5), pytest.raises(NotRegularFile, match=r"not a regular file \(a FIFO\)") as e:
+        open_file(fifo, write=write)
+    assert e.value.filename == fifo and e.value.errno == errno.EINVAL
+
+
+def test_open_regular_refuses_a_write_only_fifo_and_a_directory(tmp_path):
+    fifo = str(tmp_path / "reserve.bin")
+    os.mkfifo(fifo)
+    with within(5), pytest.raises(NotRegularFile, match=r"not a regular file \(a FIFO\)") as e:
+        open_regular(fifo, os.O_WRONLY | os.O_CREAT)  # no reader: ENXIO at once, told by lstat
+    assert e.value.filename == fifo
+    with pytest.raises(NotRegularFile, match=r"not a regular file \(a directory\)") as e:
+        open_regular(str(tmp_path), os.O_RDONLY)
+    assert isinstance(e.value, IsADirectoryError) and e.value.filename == str(tmp_path)
+
+
+def test_open_regular_gives_a_blocking_descriptor(tmp_path):
+    fd = open_regular(str(tmp_path / "f"), os.O_RDWR | os.O_CREAT)
+    try:
+        assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
+    finally:
+        os.close(fd)
+
+
+def test_open_file_lets_an_exception_without_errno_through(tmp_path, monkeypatch):
+    """A signal handler's TimeoutError raised inside the open was turned into EIO."""
+    from offload.io import files
+
+    def _timeout(*_a, **_k):
+        raise TimeoutError("a watchdog")
+
+    monkeypatch.setattr(files, "open_regular", _timeout)
+    with pytest.raises(TimeoutError, match="a watchdog") as e:
+        files.open_file(str(tmp_path / "f"))
+    assert e.value.errno is None

@@ -12,6 +12,8 @@ import offload
 from offload.swap import SwapLayout, SwapStore
 from offload.swap.cleanup import clean_dir
 from test_swap_util import run_python
+from _no_hang import within
+from offload.io import NotRegularFile
 import _internals as internals
 from offload.swap import fsutil
 
@@ -228,3 +230,31 @@ def test_close_keep_swap_of_a_stateless_nvme_sgd(tmp_path):
     p.grad = torch.randn(8192)
     opt.step()
     opt.close(keep_swap=True)
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "reserve.bin", "slot0.bin", "lock"])
+def test_a_fifo_in_a_swap_files_place_is_refused_at_once_naming_it(tmp_path, name):
+    """A FIFO manifest.json or reserve.bin blocked resume=True forever ([Note: a FIFO where a
+    file was] in offload/io/files.py); the reserve's warning swallowed the alarm that ended it."""
+    path = os.path.join(os.path.dirname(_left_store(tmp_path)), name)
+    os.unlink(path)
+    os.mkfifo(path)
+    with within(5), pytest.raises(NotRegularFile, match=r"not a regular file \(a FIFO\)") as e:
+        _store(tmp_path, resume=True, verify=True)
+    assert e.value.filename == path
+    os.unlink(path)  # (clean_dir keeps a directory holding what is no file of ours)
+    clean_dir(str(tmp_path))
+
+
+def test_a_fifo_reserve_while_running_is_said_and_the_step_commits(tmp_path, caplog):
+    """At a commit, past the manifest's rename, the reserve only warns: raising there undid in
+    memory a step that was on disk."""
+    st = _store(tmp_path)
+    os.unlink(os.path.join(st.path, "reserve.bin"))
+    os.mkfifo(os.path.join(st.path, "reserve.bin"))
+    st._reserve.bytes = 0  # (as after a full disk took the room)
+    with within(5):
+        st.commit({0: None}, {"steps": [1]})
+    assert st.step == 1 and "not a regular file (a FIFO)" in caplog.text
+    os.unlink(os.path.join(st.path, "reserve.bin"))
+    st.close()

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from offload.io import IORequest, open_engine, open_file
+from offload.io.files import IOFile
 from offload.io import uring as uring_mod
 from offload.io import uring_native
 from offload.memory import BufferPool
@@ -282,7 +283,8 @@ def test_ctrl_c_during_close_leaves_the_ring_to_the_reaper(native, tmp_path):
     rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     wfd = os.open(fifo, os.O_WRONLY)
     os.set_blocking(rfd, True)
-    f = open_file(fifo, write=False, direct=False)  # a read that waits for the writer below
+    # a read that waits for the writer below (open_file refuses a FIFO: [Note: a FIFO where a file was])
+    f = IOFile(os.open(fifo, os.O_RDONLY), fifo, direct=False, writable=False)
     buf = bytearray(4096)
     ticket = eng.submit([IORequest("read", f, 0, buf)])
     real_join = eng._thread.join

@@ -22,11 +22,12 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 import tempfile
 import threading
 from typing import Dict, Optional, Tuple
 
-__all__ = ["ALIGN", "IOFile", "open_file", "probe_direct"]
+__all__ = ["ALIGN", "IOFile", "NotRegularFile", "open_file", "open_regular", "probe_direct"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,58 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 def _oserror(err: int, msg: str, path: str) -> OSError:
     return OSError(err, f"{msg}: {os.strerror(err)}", path)
+
+
+class NotRegularFile(OSError):
+    """A path that names a FIFO, a directory, a socket or a device where a file should be."""
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+class _DirectoryHere(NotRegularFile, IsADirectoryError):
+    """(an ``IsADirectoryError`` too, as the read of a directory raised before)"""
+
+
+def _not_regular(mode: int, what: str, path: str) -> NotRegularFile:
+    kind = next((name for test, name in _KINDS if test(mode)), f"file type {stat.S_IFMT(mode):#o}")
+    if stat.S_ISDIR(mode):
+        return _DirectoryHere(errno.EISDIR, f"{what}: not a regular file ({kind})", path)
+    return NotRegularFile(errno.EINVAL, f"{what}: not a regular file ({kind})", path)
+
+
+def open_regular(path: str, flags: int, mode: int = 0o600, what: str = "open") -> int:
+    """``os.open(path, flags, mode)`` that refuses anything but a regular file, without blocking.
+
+    [Note: a FIFO where a file was] Opening a FIFO for reading (or writing) blocks until a
+    writer (a reader) comes: a FIFO put in place of a manifest, a checkpoint's data file or a
+    swap directory's ``reserve.bin`` hung a load or a resume forever. So the file is opened
+    with O_NONBLOCK, checked with ``fstat`` (no race: it is the file we hold) and only then
+    made blocking again. A FIFO opened write-only without a reader fails with ENXIO at once
+    (so does a socket): that one is told by ``lstat``. Refusals are :class:`NotRegularFile`
+    (an ``IsADirectoryError`` too for a directory, else EINVAL) naming the path; other errors are ``os.open``'s.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                raise exc from None
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_regular(st.st_mode, what, path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(st.st_mode, what, path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class IOFile:
@@ -178,9 +231,13 @@ def open_file(path: "str | os.PathLike[str]", *, write: bool = False, create: bo
         flags |= os.O_NOFOLLOW
     what = "open for writing" if write else "open for reading"
     try:
-        fd = os.open(path, flags, mode)
+        fd = open_regular(path, flags, mode, what)
+    except NotRegularFile:
+        raise
     except OSError as exc:
-        err = exc.errno or errno.EIO
+        if exc.errno is None:
+            raise  # not the system's: a signal handler's TimeoutError, say (was taken for EIO)
+        err = exc.errno
         msg = what
         if err == errno.ELOOP and nofollow:
             msg = f"{what} (it is a symbolic link, refused with nofollow=True)"

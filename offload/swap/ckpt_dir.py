@@ -19,6 +19,7 @@ import fcntl
 import os
 from typing import Any, Dict, List, Optional, Union
 
+from offload.io.files import open_regular
 from offload.kernels.fields import StateField
 from offload.swap import fsutil
 
@@ -94,7 +95,8 @@ class DirLock:
         if not exclusive and not any(os.path.lexists(os.path.join(directory, n)) for n in (CKPT_MANIFEST, CKPT_LOCK)):
             return  # no checkpoint here: the load's own error says so, without a lock file left behind
         try:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            self.fd = open_regular(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                   "cannot open the checkpoint's lock")
         except OSError as exc:
             if exclusive or exc.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
                 raise

@@ -274,10 +274,10 @@ def _clean_runs(swap_dir: str, dry_run: bool, out: Dict[str, List[Any]]) -> None
         path = os.path.join(swap_dir, name)
         try:
             fsutil.check_private_dir(path)
+            fd, pid = fsutil.try_lock(path)  # (a lock that is no regular file: refused, naming it)
         except OSError as exc:
             out["skipped"].append((path, exc.strerror or str(exc)))
             continue
-        fd, pid = fsutil.try_lock(path)
         if fd is None and pid is not None:
             out["held"].append((path, pid))
             continue

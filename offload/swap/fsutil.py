@@ -35,6 +35,7 @@ import time
 import zlib
 from typing import Any, Dict, Optional, Tuple
 
+from offload.io.files import open_regular
 from offload.swap.fstype import refuse_pseudo
 from offload.swap.sigint import removal_held
 
@@ -196,7 +197,7 @@ def fsync_dir(path: str) -> None:
 def lock_holder(lock_path: str) -> Optional[int]:
     """The pid written in a lock file, or None when unreadable."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_regular(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -225,7 +226,7 @@ class Lock:
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, LOCK_NAME)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        self.fd = os.open(self.path, flags, 0o600)
+        self.fd = open_regular(self.path, flags, 0o600, "cannot open the lock")
         try:
             _flock_briefly(self.fd, self.path)
         except BlockingIOError:
@@ -269,7 +270,7 @@ def try_lock(directory: str, grace: bool = True) -> Tuple[Optional[int], Optiona
     their pid) takes such a directory at once."""
     path = os.path.join(directory, LOCK_NAME)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, "cannot open the lock")
     except FileNotFoundError:
         return (None, -1) if grace and _young(directory) else (None, None)
     try:
@@ -386,7 +387,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def read_json(path: str) -> Any:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_regular(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, "cannot read")
     try:
         chunks = []
         while True:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 
+from offload.io.files import NotRegularFile, open_regular
 from offload.swap import fsutil
 
 __all__ = ["ManifestReserve", "RESERVE", "RESERVE_ROOM"]
@@ -41,23 +42,28 @@ class ManifestReserve:
         self.warned = False  # no room to keep it: said once
         self.full_warned = False  # a manifest went into it: said once until one fits without it
 
-    def keep(self, manifest_bytes: int) -> None:
-        """Make reserve.bin hold at least twice ``manifest_bytes`` (whatever fits, warning once)."""
+    def keep(self, manifest_bytes: int, *, strict: bool = False) -> None:
+        """Make reserve.bin hold at least twice ``manifest_bytes`` (whatever fits, warning once).
+        ``strict`` (a resume): a reserve.bin that is no regular file (a FIFO, which blocked the
+        open forever) is refused, naming it; at a commit, past the manifest's rename, it is
+        only said (raising there would undo a step that is on disk)."""
         want = max(_RESERVE_MIN, -(-2 * manifest_bytes // _RESERVE_MIN) * _RESERVE_MIN)
         if self.bytes >= want:
             return
         try:
-            fd = os.open(os.path.join(self.path, RESERVE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
+            fd = open_regular(os.path.join(self.path, RESERVE), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              0o600, "cannot keep the manifest's reserve")
             try:
                 os.posix_fallocate(fd, 0, want)
             finally:
                 os.close(fd)
         except OSError as exc:
+            if exc.errno is None or (strict and isinstance(exc, NotRegularFile)):
+                raise  # errno None: not the system's (a signal handler's TimeoutError), never "no room"
             # Whatever it could allocate stays: the next full-disk commit can still use it.
             if not self.warned:
                 self.warned = True
-                log.warning("%s: no room to keep %d bytes in reserve for the manifest (%s)", self.path, want,
+                log.warning("%s: cannot keep %d bytes in reserve for the manifest (%s)", self.path, want,
                             exc.strerror or exc)
             return
         self.bytes = want

@@ -124,7 +124,7 @@ class SwapStore:
         self._dir_id = (st.st_dev, st.st_ino)
         if resume:
             self._load_manifest(manifest_path)
-            self._reserve.keep(os.path.getsize(manifest_path))  # a directory of an older offload has none
+            self._reserve.keep(os.path.getsize(manifest_path), strict=True)  # an older offload's has none
         self.engine, self._owns_engine = resolve_engine(io_engine, self.path)
         if direct is None and getattr(io_engine, "direct", None) is not None and hasattr(io_engine, "engine"):
             direct = io_engine.direct  # an IOConfig that says how to open files

@@ -1,0 +1,25 @@
+"""A guard for calls that used to block forever (a FIFO where a file was): the call fails the
+test after a few seconds instead of hanging the suite."""
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Iterator
+
+
+class Hung(BaseException):
+    """Not an OSError: code that catches OSError must not swallow it."""
+
+
+@contextlib.contextmanager
+def within(seconds: int = 5) -> Iterator[None]:
+    def _raise(*_: object) -> None:
+        raise Hung(f"still blocked after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
