@@ -3,6 +3,7 @@ files are touched, a save or load holds the directory's lock, param_groups trave
 checkpoint, and checkpoints written by the previous release still load."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -11,6 +12,7 @@ import torch
 
 import offload
 from offload.io import NotRegularFile
+from offload.swap import fsutil
 from offload.swap.checkpoint import CheckpointBusy
 
 from _forkserver import spawn
@@ -317,6 +319,46 @@ def test_a_directory_in_the_manifests_place_is_named(tmp_path, kind):
     with pytest.raises(IsADirectoryError) as info:
         opt.load_checkpoint(str(tmp_path / "ck"))
     assert info.value.filename == str(manifest)
+    opt.close()
+
+
+def _edit_manifest(path, fn, seal=True):
+    """A manifest its writer got wrong: sealed again, or without a seal (an older release's)."""
+    m = json.load(open(path))
+    m.pop("manifest_crc32")
+    fn(m)
+    with open(path, "w") as f:
+        json.dump(fsutil.sealed(m) if seal else m, f)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme", "flat"])
+@pytest.mark.parametrize("edit, field, seal", [
+    (lambda s: s.__setitem__(1, "x"), r"'meta.steps\[1\]': expected an integer in \[0, 2147483647\], got 'x'", False),
+    (lambda s: s.__setitem__(1, -1), r"'meta.steps\[1\]': expected an integer in", True),
+    (lambda s: s.__setitem__(0, -2**63), r"'meta.steps\[0\]': expected an integer in", True),
+    (lambda s: s.__setitem__(0, 2**40), r"'meta.steps\[0\]': expected an integer in", True),
+    (lambda s: s.pop(), r"'meta.steps': expected 4 step counts, one per param, got \[", True),
+], ids=["x-unsealed", "-1", "-2**63", "2**40", "short"])
+def test_bad_step_counts_are_refused_before_any_state_changes(tmp_path, kind, edit, field, seal):
+    # A count "x" failed in int() after param 0 had taken the checkpoint's state and param 1's
+    # was dropped (a bare ValueError naming no file); a short list left the last params' old
+    # state; -1, -2**63 and 2**40 loaded.
+    model = _model()
+    opt = _opt(model, kind, tmp_path)
+    _train(model, opt, 1)
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    _train(model, opt, 1, seed=2)
+    before = opt.state_dict()["state"]
+    manifest = str(tmp_path / "ck" / "rank0" / "offload-ckpt.json")
+    _edit_manifest(manifest, lambda m: edit(m["meta"]["steps"]), seal)
+    with pytest.raises(ValueError, match=field) as info:
+        opt.load_checkpoint(str(tmp_path / "ck"))
+    assert str(info.value).startswith(manifest)
+    after = opt.state_dict()["state"]
+    assert sorted(after) == sorted(before)
+    for i, st in before.items():
+        for k, v in st.items():
+            assert torch.equal(after[i][k], v), (i, k)
     opt.close()
 
 

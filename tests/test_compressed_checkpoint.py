@@ -230,7 +230,8 @@ def _step_and_save_rank(tmp_path, numels, rank, fields, rule, values, grad):
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, decoupled=True, step=1, grad_scale=1.0)
     sh.step([WorkItem(k, 0, lay.shard, grad(lay.shard), hp, None, "copy") for k, lay in enumerate(lays) if lay.shard])
     stepped = [sh.read(k, 0, lay.shard) for k, lay in enumerate(lays)]
-    meta = dict(kind="flat", world=2, rank=rank, groups=[list(n) for n in numels], save_id=1, steps=[1])
+    meta = dict(kind="flat", world=2, rank=rank, groups=[list(n) for n in numels], save_id=1,
+                steps=[1] * sum(len(n) for n in numels))
     sh.save(lambda store, bufs: save_store(store, bufs, str(tmp_path / "ck" / f"rank{rank}"), meta))
     sh.close()
     return stepped
@@ -262,7 +263,8 @@ def test_reshard_world_2_to_1_and_back_bit_for_bit(tmp_path, numels):
         for name in got:
             want = torch.cat([per_rank[r][k][name] for r in range(2)])[:sum(numels[k])]
             assert torch.equal(got[name], want), (k, name)
-    meta = dict(kind="flat", world=1, rank=0, groups=[list(n) for n in numels], save_id=2, steps=[1])
+    meta = dict(kind="flat", world=1, rank=0, groups=[list(n) for n in numels], save_id=2,
+                steps=[1] * sum(len(n) for n in numels))  # (one count per param, as a store writes)
     one.save(lambda store, bufs: save_store(store, bufs, str(tmp_path / "ck1" / "rank0"), meta))
     one.close()
     for r in range(2):  # 1 -> 2: each rank gets back its own bytes

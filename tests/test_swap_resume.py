@@ -80,6 +80,7 @@ def _fp32_left(tmp_path, steps=2):
 
 @pytest.mark.parametrize("steps, msg", [([1], "has 1 step counts for 2 params"),
                                         ([1, "x"], r"extra.steps\[1\] must be an integer"),
+                                        ([1, 2**40], r"extra.steps\[1\] must be an integer in \[0, 2147483647\]"),
                                         (None, "extra.steps is missing")])
 def test_damaged_step_counts_are_refused(tmp_path, steps, msg):
     torch.manual_seed(0)

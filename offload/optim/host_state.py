@@ -27,6 +27,8 @@ from offload.optim.context import StepContext
 from offload.optim.functional import rule_step
 from offload.optim.host_prepared import PreparedGroups
 from offload.optim.state_codec import filled, from_torch_layout, is_stored_form, stored_nbytes, to_torch_layout
+from offload.swap.ckpt_dir import manifest_path
+from offload.swap.ckpt_schema import check_steps_cover
 
 log = logging.getLogger(__name__)
 
@@ -320,12 +322,14 @@ class HostState:
         meta, scratch = self._read_checkpoint(directory, params)
         if meta.get("shapes") != [list(p.shape) for p in params]:
             raise ValueError(f"{directory}: checkpoint of params with other shapes")
+        # all checked before any state changes: a failed load leaves every param's state as it was
+        check_steps_cover(meta, len(params), manifest_path(directory))
         state = self._torch.state
         for i, (p, step) in enumerate(zip(params, meta["steps"])):
             state.pop(p, None)  # a new entry, as torch's load_state_dict makes
-            if int(step) == 0:
+            if step == 0:
                 continue
-            self.ctx.steps.set(p, int(step))  # first: torch's key order (step, exp_avg, exp_avg_sq)
+            self.ctx.steps.set(p, step)  # first: torch's key order (step, exp_avg, exp_avg_sq)
             for key in scratch:
                 state[p][key] = scratch[key][i]
         self.settle(params)

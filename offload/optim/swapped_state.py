@@ -90,6 +90,7 @@ from offload.optim.swapped_shards import IN_PLACE_FIELDS, SwappedShards, WorkIte
 from offload.kernels.fields import ADAM, Rule, field_names
 from offload.kernels.quant import BLOCK
 from offload.swap import SwapStepError
+from offload.swap.ckpt_dir import check_covers
 from offload.swap.manifest_check import check_steps
 from offload.swap.runs import ParamsMismatch
 
@@ -460,8 +461,7 @@ class SwappedState:
 
         def fill(store: Any, buffers: List[Any]) -> Tuple[Dict[str, Any], Dict[int, Any]]:
             meta, written = fill_store_states(directory, numels, store, buffers, self.core.fields)
-            if meta.get("shapes") != shapes:
-                raise ValueError(f"{directory}: checkpoint of params with other shapes")
+            check_covers(meta, shapes, directory)  # (before the commit)
             return meta, written
 
         before = self._counts()
@@ -476,8 +476,7 @@ class SwappedState:
                         states: Dict[str, List[torch.Tensor]]) -> None:
         """Float32 states per param (decoded from a checkpoint of other dtypes), encoded as
         this store keeps them and committed at once."""
-        if meta.get("shapes") != shapes:
-            raise ValueError(f"{directory}: checkpoint of params with other shapes")
+        check_covers(meta, shapes, directory)
         with self.atomic_writes():
             for i, p in enumerate(self.params):
                 step = int(meta["steps"][i])

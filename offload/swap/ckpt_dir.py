@@ -22,10 +22,11 @@ from typing import Any, Dict, List, Optional, Union
 from offload.io.files import open_regular
 from offload.kernels.fields import StateField
 from offload.swap import fsutil
+from offload.swap.ckpt_schema import check_checkpoint_manifest, check_steps_cover
 
 __all__ = ["remove_quiet", "CKPT_FORMAT", "CKPT_VERSION", "CKPT_MANIFEST", "CKPT_LOCK", "CKPT_PENDING", "CheckpointBusy",
-           "DirLock", "NewGeneration", "read_manifest", "manifest_dtypes", "manifest_fields", "manifest_file_bytes",
-           "retire_single_directory"]
+           "DirLock", "NewGeneration", "manifest_path", "read_manifest", "manifest_dtypes", "manifest_fields", "manifest_file_bytes",
+           "retire_single_directory", "check_covers"]
 
 CKPT_FORMAT = "offload-ckpt"
 CKPT_VERSION = 1
@@ -58,6 +59,21 @@ def manifest_file_bytes(m: Dict[str, Any], name: str) -> int:
     return int(fb[name] if isinstance(fb, dict) else fb)
 
 
+def check_covers(meta: Dict[str, Any], shapes: List[Any], directory: str) -> None:
+    """ValueError unless checkpoint ``directory``'s ``meta`` is of params of ``shapes``, with
+    one step count each: checked before a load changes anything."""
+    if meta.get("shapes") != shapes:
+        raise ValueError(f"{directory}: checkpoint of params with other shapes")
+    check_steps_cover(meta, len(shapes), manifest_path(directory))
+
+
+def manifest_path(directory: str) -> str:
+    """The manifest a load of checkpoint ``directory`` reads first: rank 0's, or the previous
+    release's single-directory one."""
+    ranked = os.path.join(directory, "rank0", CKPT_MANIFEST)
+    return ranked if os.path.lexists(ranked) else os.path.join(directory, CKPT_MANIFEST)
+
+
 def read_manifest(directory: str, advice: str = fsutil.LOAD_ADVICE) -> Dict[str, Any]:
     path = os.path.join(directory, CKPT_MANIFEST)
     try:
@@ -73,6 +89,7 @@ def read_manifest(directory: str, advice: str = fsutil.LOAD_ADVICE) -> Dict[str,
     if not isinstance(m.get("files"), dict) or not all(isinstance(v, str) and os.path.basename(v) == v
                                                        for v in m["files"].values()):
         raise ValueError(f"{path}: the manifest's 'files' is not a map of state to a file name in this directory")
+    check_checkpoint_manifest(m, path)
     return m
 
 

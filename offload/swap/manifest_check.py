@@ -16,8 +16,8 @@ import torch
 
 from offload.kernels.fields import StateField
 
-__all__ = ["VERIFY_BLOCK", "block_checksums", "check_manifest", "check_group_sums", "check_steps", "check_committed",
-           "check_identity", "previous_commit", "previous_json"]
+__all__ = ["VERIFY_BLOCK", "block_checksums", "check_manifest", "check_group_sums", "check_steps", "step_counts_problem",
+           "MAX_STEP", "check_committed", "check_identity", "previous_commit", "previous_json"]
 
 _UINT32 = 1 << 32
 VERIFY_BLOCK = 1 << 20
@@ -176,17 +176,34 @@ def _check_checksums(sums: Any, ranges: Sequence[List[int]], path: str, fields: 
                 raise _bad(path, f"{field}[{k}]", f"must be {blocks} crc32 values")
 
 
+MAX_STEP = (1 << 31) - 1
+"""The largest per-param step count a manifest or a checkpoint may hold: 68 years at a step a
+second (a float32 step tensor, torch's, stops counting at 2**24 already); more is damage."""
+
+
+def step_counts_problem(steps: Any) -> Optional[Tuple[str, str, str]]:
+    """(index, what was expected, what is there) of the first thing wrong in per-param step
+    counts ``steps``, or None when they are a list of integers in [0, MAX_STEP]: what a swap
+    manifest's ``extra.steps`` and a checkpoint's ``meta.steps`` hold."""
+    if not isinstance(steps, list):
+        return "", "a list", f"{steps!r:.80}"
+    for i, s in enumerate(steps):
+        if not (_is_int(s) and 0 <= s <= MAX_STEP):
+            return f"[{i}]", f"an integer in [0, {MAX_STEP}]", f"{s!r:.80}"
+    return None
+
+
 def check_steps(extra: Dict[str, Any], path: str, nparams: Optional[int]) -> List[int]:
     """The per-param step counts the optimizer committed in ``extra``."""
     check_committed(extra, path)
     steps = extra.get("steps")
-    if not isinstance(steps, list):
-        raise _bad(path, "extra.steps", "is missing" if steps is None else f"must be a list, got {steps!r:.80}")
+    if steps is None:
+        raise _bad(path, "extra.steps", "is missing")
+    problem = step_counts_problem(steps)
+    if problem is not None:
+        raise _bad(path, f"extra.steps{problem[0]}", f"must be {problem[1]}, got {problem[2]}")
     if nparams is not None and len(steps) != nparams:
         raise _bad(path, "extra.steps", f"has {len(steps)} step counts for {nparams} params")
-    for i, s in enumerate(steps):
-        if not (_is_int(s) and s >= 0):
-            raise _bad(path, f"extra.steps[{i}]", f"must be an integer >= 0, got {s!r:.80}")
     return list(steps)
 
 

@@ -34,6 +34,7 @@ from offload.kernels.quant import BLOCK
 from offload.swap.checkpoint import (stream_groups, load_store, load_tensors, read_manifest, save_store, save_tensors,
                                      verify_checkpoint)
 from offload.swap.ckpt_dir import CKPT_MANIFEST, DirLock
+from offload.swap.ckpt_schema import check_steps_cover
 from offload.swap.pipeline import vote_failed
 from offload.zero.comm import all_or_none, broadcast, comm_device, failed_ranks
 from offload.zero.flat_group import FlatGroup
@@ -163,6 +164,8 @@ def _flat_meta(directory: str, mine: List[List[int]],
     if first.get("kind") != "flat" or first.get("groups") != mine or old_world < 1:
         raise ValueError(f"{directory}: not a flat-store checkpoint of these params (params of other shapes: its "
                          f"groups of numels {first.get('groups')}, ours {mine})")
+    # one count per param (the groups' numels), checked before anything is loaded
+    check_steps_cover(first, sum(len(g) for g in mine), os.path.join(where, CKPT_MANIFEST), required=False)
     return first, old_world
 
 

@@ -1,0 +1,60 @@
+"""The structure of a checkpoint manifest (``offload-ckpt.json``), checked as it is read.
+
+A sealed manifest is as its writer made it, but an older release's manifest has no seal, and
+a writer's bug (or a hand edit sealed again) may hold anything: a step count ``"x"`` made a
+load fail half way, with a bare ``ValueError`` naming no file, after some params had taken
+the checkpoint's state. So :func:`check_checkpoint_manifest` looks at every field a load
+uses, before anything is loaded, and names the file and the field:
+``<path>: field 'meta.steps[1]': expected an integer in [0, 2147483647], got 'x'``.
+Fields an older format lacks stay optional here; their readers say what is missing.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from offload.swap.manifest_check import step_counts_problem
+
+__all__ = ["check_checkpoint_manifest", "check_steps_cover", "manifest_error"]
+
+
+def manifest_error(path: str, field: str, what: str) -> ValueError:
+    return ValueError(f"{path}: field {field!r}: {what}")
+
+
+def _int_list_of_lists(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(v, list) and all(_nat(n) for n in v) for v in x)
+
+
+def _nat(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_meta(meta: Dict[str, Any], path: str) -> None:
+    if "steps" in meta:
+        problem = step_counts_problem(meta["steps"])
+        if problem is not None:
+            raise manifest_error(path, f"meta.steps{problem[0]}", f"expected {problem[1]}, got {problem[2]}")
+    for key in ("shapes", "groups"):
+        if key in meta and not _int_list_of_lists(meta[key]):
+            raise manifest_error(path, f"meta.{key}", f"expected lists of integers >= 0, got {meta[key]!r:.80}")
+
+
+def check_checkpoint_manifest(m: Dict[str, Any], path: str) -> None:
+    """ValueError naming ``path`` and the field where manifest ``m`` (a dict of the right
+    format and version) is not as a writer makes it."""
+    meta = m.get("meta", {})
+    if not isinstance(meta, dict):
+        raise manifest_error(path, "meta", f"expected an object, got {meta!r:.80}")
+    _check_meta(meta, path)
+
+
+
+def check_steps_cover(meta: Dict[str, Any], nparams: int, path: str, *, required: bool = True) -> None:
+    """ValueError naming ``path`` unless ``meta`` holds one step count per param (``nparams``);
+    their type and range were checked as the manifest was read. Called before a load changes
+    anything: a shorter list loaded the first params and left the others' old state."""
+    steps = meta.get("steps")
+    if steps is None and not required:
+        return
+    if not isinstance(steps, list) or len(steps) != nparams:
+        raise manifest_error(path, "meta.steps", f"expected {nparams} step counts, one per param, got {steps!r:.80}")
