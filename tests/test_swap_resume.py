@@ -194,6 +194,21 @@ def test_truncated_slot_files_say_their_data_is_lost(tmp_path):
     clean_dir(str(tmp_path))
 
 
+def test_a_larger_slot_file_is_refused(tmp_path):
+    # Another run's larger slot0.bin (a bigger layout, or float32 states where bfloat16 were)
+    # resumed silently with verify=False, its bytes taken for the moments; a smaller one was
+    # refused. The slots are preallocated to exactly the layout's size.
+    _, manifest = _fp32_left(tmp_path)
+    slot = os.path.join(os.path.dirname(manifest), "slot0.bin")
+    size = os.path.getsize(slot)
+    os.truncate(slot, size + 4096)
+    p = torch.randn(3000, requires_grad=True)
+    with pytest.raises(ValueError, match=f"swap file of {size + 4096} bytes, expected {size}") as e:
+        offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path), resume=True, **HP)
+    assert str(e.value).startswith(slot)
+    clean_dir(str(tmp_path))
+
+
 def test_deleted_slot_file_says_its_data_is_lost(tmp_path):
     _, manifest = _fp32_left(tmp_path)
     d = os.path.dirname(manifest)

@@ -197,6 +197,8 @@ class SwapStore:
                 self._unsynced.add(len(self.files) - 1)  # its size and extents: synced before the first manifest
             elif f.size < need:
                 raise ValueError(f"{full}: " + self._lost_states(f"swap file truncated to {f.size} of {need} bytes"))
+            elif f.size > need:  # (preallocated to exactly the layout's size: another run's file, larger)
+                raise ValueError(f"{full}: swap file of {f.size} bytes, expected {need}: not this run's")
         if direct is None and not all(f.direct for f in self.files):
             warnings.warn(f"swap directory {self.path} does not support O_DIRECT (tmpfs?): using buffered I/O "
                           "with fdatasync at the end of each step; the page cache will hold a copy of the states",
