@@ -362,6 +362,22 @@ def test_bad_step_counts_are_refused_before_any_state_changes(tmp_path, kind, ed
     opt.close()
 
 
+@pytest.mark.parametrize("kind", ["cpu", "flat"])
+@pytest.mark.parametrize("world", [2**40, 0, None])
+def test_a_damaged_world_size_is_refused_at_once(tmp_path, kind, world):
+    # world 2**40 spun at 100 % CPU looking for each rank's directory before any check
+    model = _model()
+    opt = _opt(model, kind, tmp_path, state_dtype="int8")
+    _train(model, opt, 1)
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    manifest = str(tmp_path / "ck" / "rank0" / "offload-ckpt.json")
+    _edit_manifest(manifest, lambda m: m["meta"].__setitem__("world", world))
+    with within(5), pytest.raises(ValueError, match=r"field 'meta.world': expected an integer in \[1, 1048576\]") as e:
+        opt.load_checkpoint(str(tmp_path / "ck"))
+    assert str(e.value).startswith(manifest)
+    opt.close()
+
+
 @pytest.mark.parametrize("kind", ["cpu", "nvme", "flat"])
 @pytest.mark.parametrize("name", ["offload-ckpt.json", "offload-ckpt.exp_avg.1.bin", "offload-ckpt.lock"])
 def test_a_fifo_in_a_files_place_is_refused_at_once_naming_it(tmp_path, kind, name):

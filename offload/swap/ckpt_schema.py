@@ -14,7 +14,7 @@ from typing import Any, Dict
 
 from offload.swap.manifest_check import step_counts_problem
 
-__all__ = ["check_checkpoint_manifest", "check_steps_cover", "manifest_error"]
+__all__ = ["MAX_WORLD", "check_checkpoint_manifest", "check_steps_cover", "manifest_error"]
 
 
 def manifest_error(path: str, field: str, what: str) -> ValueError:
@@ -29,7 +29,16 @@ def _nat(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+MAX_WORLD = 1 << 20
+"""The most ranks a checkpoint may name (a load looks for each one's directory)."""
+
+
 def _check_meta(meta: Dict[str, Any], path: str) -> None:
+    world = meta.get("world", 1)
+    if not (_nat(world) and 1 <= world <= MAX_WORLD):
+        raise manifest_error(path, "meta.world", f"expected an integer in [1, {MAX_WORLD}], got {world!r:.80}")
+    if "rank" in meta and not (_nat(meta["rank"]) and meta["rank"] < world):
+        raise manifest_error(path, "meta.rank", f"expected an integer in [0, {world - 1}], got {meta['rank']!r:.80}")
     if "steps" in meta:
         problem = step_counts_problem(meta["steps"])
         if problem is not None:

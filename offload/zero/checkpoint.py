@@ -299,12 +299,14 @@ def reading_shards(directory: str) -> Iterator[None]:
     """The shared lock of every rank directory of checkpoint ``directory`` for the whole of
     a load (its check and its copy), so no save slips in between ([Note: checkpoint lock])."""
     try:
-        world = int(read_manifest(_rank_dir(directory, 0)).get("meta", {}).get("world", 1))
+        world = int(read_manifest(_rank_dir(directory, 0)).get("meta", {}).get("world", 1))  # (checked: ckpt_schema)
+        # the rank directories there, not each of range(world): a world of 2**40 spun here
+        ranks = sorted(int(n[4:]) for n in os.listdir(directory) if n[4:].isdigit() and n == f"rank{int(n[4:])}")
     except (OSError, ValueError, TypeError, AttributeError):
-        world = 1  # the load's own reading says what is wrong
+        world, ranks = 1, [0]  # the load's own reading says what is wrong
     with contextlib.ExitStack() as stack:
-        for r in range(max(1, world)):
-            if os.path.isdir(_rank_dir(directory, r)):
+        for r in ranks:
+            if r < world and os.path.isdir(_rank_dir(directory, r)):
                 stack.enter_context(DirLock(_rank_dir(directory, r), exclusive=False))
         yield
 
