@@ -362,6 +362,31 @@ def test_bad_step_counts_are_refused_before_any_state_changes(tmp_path, kind, ed
     opt.close()
 
 
+@pytest.mark.parametrize("edit, field", [
+    (lambda m: m.pop("numel"), "'numel': expected an integer >= 0"),
+    (lambda m: m.__setitem__("numel", {}), "'numel': expected an integer >= 0"),
+    (lambda m: m.__setitem__("crc32", True), "'crc32': expected a crc32 per state"),
+    (lambda m: m["fields"].__setitem__(0, 0), r"'fields\[0\]': expected a state field"),
+    (lambda m: m["fields"][0].__setitem__("dtype", "float7"), r"'fields\[0\]': expected a state field .*unknown state dtype"),
+    (lambda m: m["states"].__setitem__(1, float("nan")), "'states': expected a list of state names"),
+    (lambda m: m["dtypes"].__setitem__("exp_avg", 3), r"'dtypes\['exp_avg'\]': expected a dtype name"),
+    (lambda m: m.__setitem__("meta", 0), "'meta': expected an object"),
+], ids=["no-numel", "numel-obj", "crc32-bool", "field-int", "field-dtype", "state-nan", "dtypes-int", "meta-int"])
+def test_a_damaged_manifest_field_is_named(tmp_path, edit, field):
+    # KeyError 'numel', TypeError "'bool' object is not subscriptable", AttributeError "'int'
+    # object has no attribute 'get'", ... named neither the file nor the field
+    model = _model()
+    opt = _opt(model, "cpu", tmp_path)
+    _train(model, opt, 1)
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    manifest = str(tmp_path / "ck" / "rank0" / "offload-ckpt.json")
+    _edit_manifest(manifest, edit)
+    with pytest.raises(ValueError, match=f"field {field}") as e:
+        opt.load_checkpoint(str(tmp_path / "ck"))
+    assert str(e.value).startswith(manifest)
+    opt.close()
+
+
 @pytest.mark.parametrize("kind", ["cpu", "flat"])
 @pytest.mark.parametrize("world", [2**40, 0, None])
 def test_a_damaged_world_size_is_refused_at_once(tmp_path, kind, world):

@@ -10,15 +10,18 @@ Fields an older format lacks stay optional here; their readers say what is missi
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
+from offload.kernels.fields import StateField
 from offload.swap.manifest_check import step_counts_problem
+
+_UINT32 = 1 << 32
 
 __all__ = ["MAX_WORLD", "check_checkpoint_manifest", "check_steps_cover", "manifest_error"]
 
 
 def manifest_error(path: str, field: str, what: str) -> ValueError:
-    return ValueError(f"{path}: field {field!r}: {what}")
+    return ValueError(f"{path}: field '{field}': {what}")
 
 
 def _int_list_of_lists(x: Any) -> bool:
@@ -48,9 +51,47 @@ def _check_meta(meta: Dict[str, Any], path: str) -> None:
             raise manifest_error(path, f"meta.{key}", f"expected lists of integers >= 0, got {meta[key]!r:.80}")
 
 
+def _check_states(m: Dict[str, Any], path: str) -> None:
+    """numel, states, and per state: crc32, file_bytes, dtypes, fields (StateField's own check
+    of a description, its error named)."""
+    if not _nat(m.get("numel")):
+        raise manifest_error(path, "numel", f"expected an integer >= 0, got {m.get('numel')!r:.80}")
+    states = m.get("states")
+    if not (isinstance(states, list) and all(isinstance(n, str) for n in states)):
+        raise manifest_error(path, "states", f"expected a list of state names, got {states!r:.80}")
+    crcs = m.get("crc32")
+    if not (isinstance(crcs, dict) and all(_nat(crcs.get(n)) and crcs[n] < _UINT32 for n in states)):
+        raise manifest_error(path, "crc32", f"expected a crc32 per state, got {crcs!r:.80}")
+    fb = m.get("file_bytes", 0)
+    if not (_nat(fb) or isinstance(fb, dict) and all(_nat(fb.get(n)) for n in states)):
+        raise manifest_error(path, "file_bytes", f"expected bytes (per state), got {fb!r:.80}")
+    if "dtype" in m and not isinstance(m["dtype"], str):
+        raise manifest_error(path, "dtype", f"expected a dtype name, got {m['dtype']!r:.80}")
+    dtypes = m.get("dtypes", {})
+    for key, d in (dtypes.items() if isinstance(dtypes, dict) else [("", dtypes)]):
+        if not isinstance(d, str) or _described(dict(name="x", dtype=d)) is not None:
+            raise manifest_error(path, f"dtypes{key and f'[{key!r}]'}", f"expected a dtype name, got {d!r:.80}")
+    fields = m.get("fields", [])
+    for i, d in enumerate(fields if isinstance(fields, list) else [fields]):
+        problem = _described(d) if isinstance(d, dict) and isinstance(d.get("name"), str) else "not a field"
+        if problem is not None:
+            raise manifest_error(path, f"fields[{i}]" if isinstance(fields, list) else "fields",
+                                 f"expected a state field ({{name, dtype, ...}}), got {d!r:.80} ({problem})")
+
+
+def _described(d: Dict[str, Any]) -> Optional[str]:
+    """Why StateField cannot be made of description ``d``, or None."""
+    try:
+        StateField.from_description(d)
+    except (ValueError, TypeError, KeyError) as exc:
+        return str(exc)
+    return None
+
+
 def check_checkpoint_manifest(m: Dict[str, Any], path: str) -> None:
     """ValueError naming ``path`` and the field where manifest ``m`` (a dict of the right
     format and version) is not as a writer makes it."""
+    _check_states(m, path)
     meta = m.get("meta", {})
     if not isinstance(meta, dict):
         raise manifest_error(path, "meta", f"expected an object, got {meta!r:.80}")
