@@ -269,3 +269,39 @@ def test_a_peer_that_could_not_commit_makes_this_rank_undo_its_commit(tmp_path):
     assert out == [1.0, 1.0, 1.0]  # step 1's states, read from the slots the manifest names
     pipe.close()
     store.close()
+
+
+def test_a_close_in_another_thread_waits_for_the_step_in_flight(tmp_path):
+    """[Note: a close meets a step]: the atexit cleanup closing the store while a daemon
+    thread's step runs closed the slot files under it (IndexError, EBADF; a reused descriptor
+    could take its writes). The close now waits for the step, which commits."""
+    import threading
+
+    layout = SwapLayout(4 * 1024, 1024, 1)
+    store = SwapStore(str(tmp_path), layout, state_names=["a"], io_engine=threads_engine())
+    pipe = SwapPipeline(store, buffers=3)
+    inside, errors = threading.Event(), []
+
+    def compute(g, s, e, tensors):
+        inside.set()
+        time.sleep(0.05)
+        tensors[0] += 1.0
+
+    def step():
+        try:
+            pipe.run(range(layout.num_groups), compute)
+        except BaseException as exc:  # what the step met, if anything
+            errors.append(exc)
+
+    t = threading.Thread(target=step)
+    t.start()
+    assert inside.wait(10)
+    store.close(remove=False)  # as cleanup.close_all does at exit
+    t.join(10)
+    assert errors == [] and store.step == 1
+    pipe.close()
+    with pytest.raises(RuntimeError, match=r"swap store .* is closed"):
+        pipe.run(range(layout.num_groups), compute)
+    again = SwapStore(str(tmp_path), layout, state_names=["a"], resume=True)
+    assert again.step == 1
+    again.close()

@@ -91,6 +91,7 @@ def close_quietly(pipeline: SwapPipeline, store: SwapStore, remove: bool = True)
     if getattr(store, "owner_pid", None) not in (None, os.getpid()):
         store.close()  # marks it closed; touches nothing
         return
+    store.in_flight.wait_others(store.path)  # before the buffers go ([Note: a close meets a step] in swap/in_flight.py)
     try:
         pipeline.close()
     finally:

@@ -245,14 +245,15 @@ class SwapPipeline:
         manifest), ``step_s``; and ``read_bytes``, ``write_bytes``, ``groups``. ``vote``:
         several ranks, see [Note: ranks vote before commit] in agreement.py; every rank
         votes as often as the others, whatever happens."""
-        session = self.open_session(groups, vote=vote)
-        with session.guard():
-            for g in session.groups:
-                s, e = self.layout.group_range(g)
-                compute(g, s, e, session.views(g))
-                session.finish(g)
-            session.drain()
-        self.last_stats = session.commit(extra, commit=commit)
+        with self.store.in_flight.held():  # a close() in another thread waits ([Note: a close meets a step])
+            session = self.open_session(groups, vote=vote)
+            with session.guard():
+                for g in session.groups:
+                    s, e = self.layout.group_range(g)
+                    compute(g, s, e, session.views(g))
+                    session.finish(g)
+                session.drain()
+            self.last_stats = session.commit(extra, commit=commit)
         return self.last_stats
 
     def close(self) -> None:

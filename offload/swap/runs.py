@@ -67,7 +67,8 @@ from offload.swap import fsutil
 from offload.kernels.fields import StateField
 from offload.swap.layout import ALIGN, SwapLayout, as_fields, elems_per_page, round_up
 from offload.swap.pipeline import DEFAULT_MAX_HOST_BYTES, MIN_BUFFERS, plan_sub_groups
-from offload.swap.store import MANIFEST, SwapStore, private_dir_name
+from offload.swap.fsutil import private_dir_name
+from offload.swap.store import MANIFEST, SwapStore
 
 __all__ = ["ParamsMismatch", "make_identity", "open_store", "open_run_store"]
 

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 from offload.io import IORequest, open_file
 from offload.io.auto import resolve_engine
 from offload.swap import cleanup, fsutil
-from offload.swap.fsutil import private_dir_name
+from offload.swap.in_flight import StepsInFlight
 from offload.kernels.fields import field_names
 from offload.swap.layout import SwapLayout
 from offload.swap.own_dir import SWAP_FORMAT
@@ -49,7 +49,7 @@ from offload.swap.sigint import sigint_held
 from offload.swap.manifest_check import (VERIFY_BLOCK, block_checksums, check_codes, check_group_sums, check_manifest,
                                          previous_commit, previous_json)
 
-__all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "private_dir_name", "resolve_engine"]
+__all__ = ["SwapStore", "FORMAT", "FORMAT_VERSION", "VERIFY_BLOCK", "resolve_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +80,16 @@ class SwapStore:
         self.resumed = bool(resume)  # whether the states come from an earlier run (resume="auto" decides late)
         self._discard_stale = bool(discard_stale) and not resume
         self.parent = fsutil.check_parent_dir(swap_dir)
-        self.path = os.path.join(self.parent, private_dir_name(run_name, self.rank))
+        self.path = os.path.join(self.parent, fsutil.private_dir_name(run_name, self.rank))
         self._lock: Optional[fsutil.Lock] = None
         self.owner_pid = os.getpid()  # only this process may remove the directory ([Note: fork] in cleanup)
         self._dir_id: Optional[tuple] = None  # (st_dev, st_ino) of the directory we locked
         self.files: List[Any] = []
         self.engine = None
         self._owns_engine = False
-        self._closed = False
+        self._closed = self._closing = False  # closing: no new step starts, those in flight finish
         self._close_lock = threading.Lock()
+        self.in_flight = StepsInFlight()
         self._token: Optional[int] = None
         self.pending_error: Optional[BaseException] = None
         self._reserve = ManifestReserve(self.path)  # [Note: manifest reserve] in reserve.py
@@ -440,15 +441,17 @@ class SwapStore:
             self._lock.release()
 
     def close(self, *, remove: bool = True) -> None:
-        """Close files and engine; with ``remove`` (the default) delete the directory. With
-        ``remove=False`` the directory stays (resumable) and its lock is released. The
-        directory also stays after this process received SIGTERM (see cleanup's notes), and
-        nothing at all is done in a forked child: the store is its parent's. A directory
-        that vanished or was replaced since we locked it is left alone (with a warning)."""
+        """Close files and engine (after the steps of other threads), and with ``remove`` (the default) delete
+        the directory; ``remove=False`` keeps it (resumable), unlocked. It also stays after a SIGTERM (see cleanup's
+        notes); a forked child does nothing (the store is its parent's); a directory that vanished or was
+        replaced since we locked it is left alone (with a warning)."""
         with self._close_lock:
-            if self._closed:
+            if self._closed or self._closing:
                 return
-            self._closed = True
+            self._closing = True
+        if os.getpid() == self.owner_pid:  # [Note: a close meets a step] (a child's registry: its parent's threads)
+            self.in_flight.wait_others(self.path)
+        self._closed = True
         if os.getpid() != self.owner_pid:
             return  # a forked child: files, lock, engine and accounting are the parent's
         if self._token is not None:
@@ -487,9 +490,7 @@ class SwapStore:
         cleanup.remove_run_dir(self.path, self._lock, self._dir_id, self.parent, self.step,
                                held=bool(self.extra or self.step or any(self.valid)))
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    closed = property(lambda self: self._closed or self._closing)  # (a closing store starts no step)
 
     def __enter__(self) -> "SwapStore":
         return self
