@@ -168,8 +168,11 @@ def probe_kernel_rate(numel: int = 10_000_000, *, repeats: int = 5, num_threads:
     times their fused kernel, through ``offload.AdamW``.
     """
     probe = KernelProbe(numel, num_threads=num_threads, backend=backend, state_dtype=state_dtype)
-    t = statistics.median(probe.time_once() for _ in range(repeats))
-    return Rate(numel / t / 1e9, "Gparam/s", f"probe: {probe.source}, {numel:,} fp32 params, median of {repeats}")
+    times = [probe.time_once() for _ in range(repeats)]
+    t = statistics.median(times)
+    # the spread goes with the figure: on a shared machine back-to-back plans measured 0.6 to 1.9
+    spread = f" ({numel / max(times) / 1e9:.2f}-{numel / min(times) / 1e9:.2f})" if repeats > 1 else ""
+    return Rate(numel / t / 1e9, "Gparam/s", f"probe: {probe.source}, {numel:,} fp32 params, median of {repeats}{spread}")
 
 
 def kernel_rate_from_bench(path: str, *, prefer: Iterable[str] = ("native", "numba")) -> Rate:
