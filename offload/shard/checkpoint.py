@@ -2,11 +2,12 @@
 
 [Note: stage 3 checkpoint] ``save_checkpoint(model, optimizer, DIR)`` writes one file per
 rank, ``offload-shard.<gen>.rank<r>.pt`` (``torch.save``: this rank's chunk of every unit
-flat, ``FlatParam.shard_values()``, and the optimizer's ``state_dict()`` entry of each shard
+flat, ``FlatParam.shard_values()``, the optimizer's ``state_dict()`` entry of each shard
 param: torch's layout, states of ``chunk`` elements, float32 even for int8 / bf16 states,
-and ``step``), then rank 0 writes the manifest ``offload-shard.json`` last, atomically (tmp
-file, fsync, rename: fsutil.write_json_atomic): world size, each flat's unit, dtype, chunk
-and params (names, shapes, slots), the optimizer's class, state names, param_groups'
+and ``step``, and this rank's persistent buffers: ckpt_buffers.py), then rank 0 writes the
+manifest ``offload-shard.json`` last, atomically (tmp file, fsync, rename:
+fsutil.write_json_atomic): world size, each flat's unit, dtype, chunk and params (names,
+shapes, slots), the buffers' names and shapes, the optimizer's class, state names, param_groups'
 hyperparameters (ckpt_groups), each flat's step and state names, each file's bytes and
 crc32. A generation number in the file names keeps the previous checkpoint's files until
 the new manifest names the new ones, so a save killed at any point leaves the previous
@@ -35,6 +36,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from offload.shard.api import runtime_of
+from offload.shard.ckpt_buffers import (apply_buffers, buffers_from, check_buffers, describe_buffers,
+                                        persistent_buffers, warn_without)
 from offload.shard.ckpt_plan import (check_model, check_optimizer, describe_flats, element_keys, group_of,
                                      optimizer_entries, overlaps, rebuild_scalar, scalar_of)
 from offload.swap import fsutil
@@ -146,6 +149,7 @@ def save_checkpoint(model: nn.Module, optimizer: Any, directory: str) -> str:
     (``load_checkpoint``); the previous checkpoint in ``directory`` stays loadable until the
     new one is complete. Returns the directory."""
     flats, group, world, rank = _sharded(model)
+    bufs = persistent_buffers(model)
     directory = os.path.abspath(directory)
     entries = _agree(lambda: optimizer_entries(optimizer, [f for _, f in flats]), "saving the checkpoint",
                      group, world)[0]
@@ -153,9 +157,9 @@ def save_checkpoint(model: nn.Module, optimizer: Any, directory: str) -> str:
     try:
         gen = _agree(lambda: _begin(directory, world, held) if rank == 0 else None,
                      f"starting a checkpoint in {directory}", group, world, share=True)[0]
-        infos = _agree(lambda: _write_rank(directory, gen, rank, flats, entries),
+        infos = _agree(lambda: _write_rank(directory, gen, rank, flats, entries, bufs),
                        f"writing the checkpoint files in {directory}", group, world, share=True)
-        _agree(_releasing(lambda: _commit(directory, gen, world, flats, optimizer, infos, held) if rank == 0
+        _agree(_releasing(lambda: _commit(directory, gen, world, flats, optimizer, infos, held, bufs) if rank == 0
                           else None, held), f"writing the checkpoint manifest in {directory}", group, world)
     finally:
         lock = held.pop("lock", None)
@@ -187,9 +191,11 @@ def _begin(directory: str, world: int, held: Dict[str, Any]) -> int:
     return gen
 
 
-def _write_rank(directory: str, gen: int, rank: int, flats: List[Any], entries: List[Any]) -> Dict[str, Any]:
+def _write_rank(directory: str, gen: int, rank: int, flats: List[Any], entries: List[Any],
+                bufs: Dict[str, torch.Tensor]) -> Dict[str, Any]:
     """This rank's file: written as a tmp file, fsynced, renamed to its final name."""
-    payload = {"format": FORMAT, "rank": rank, "params": [f.shard_values() for _, f in flats], "states": entries}
+    payload = {"format": FORMAT, "rank": rank, "params": [f.shard_values() for _, f in flats], "states": entries,
+               "buffers": {k: b.detach().to("cpu", copy=True) for k, b in bufs.items()}}
     tmp, final = os.path.join(directory, _tmp_name(gen, rank)), os.path.join(directory, _rank_name(gen, rank))
     w = None
     try:
@@ -213,7 +219,7 @@ def _write_rank(directory: str, gen: int, rank: int, flats: List[Any], entries: 
 
 
 def _commit(directory: str, gen: int, world: int, flats: List[Any], optimizer: Any, infos: List[Dict[str, Any]],
-            held: Dict[str, Any]) -> None:
+            held: Dict[str, Any], bufs: Dict[str, torch.Tensor]) -> None:
     """Rank 0: the manifest (the checkpoint exists from here on), then the previous
     generation's files and the leftovers of a save that died, then the pending record."""
     for r, info in enumerate(infos[1:], 1):
@@ -229,7 +235,8 @@ def _commit(directory: str, gen: int, world: int, flats: List[Any], optimizer: A
         names = getattr(optimizer, "state_names", None)
         opt = {"class": type(optimizer).__name__, "state_names": list(names()) if names is not None else None,
                "param_groups": encode_groups(optimizer.param_groups)}
-    manifest = {"format": FORMAT, "version": VERSION, "gen": gen, "world": world, "flats": desc, "optimizer": opt,
+    manifest = {"format": FORMAT, "version": VERSION, "gen": gen, "world": world, "flats": desc, "buffers": describe_buffers(bufs),
+                "optimizer": opt,
                 "files": [i["file"] for i in infos], "bytes": [i["bytes"] for i in infos],
                 "crc32": [i["crc32"] for i in infos]}
     _before_manifest()
@@ -274,26 +281,35 @@ def load_checkpoint(model: nn.Module, optimizer: Any, directory: str) -> None:
     rank calls, between steps. All or nothing on every rank: ValueError (naming what
     differs, or the file that is missing, truncated or corrupt) before anything changes."""
     flats, group, world, rank = _sharded(model)
+    bufs = persistent_buffers(model)
     directory = os.path.abspath(directory)
     held: Dict[str, Any] = {}
     try:
-        prepared = _agree(lambda: _prepare(directory, flats, optimizer, world, rank, held),
-                          f"loading the checkpoint in {directory}", group, world)[0]
-        _agree(_releasing(lambda: _apply(prepared, flats, optimizer), held), f"loading the checkpoint in {directory}",
-               group, world)
+        prepared, loaded, share = _agree(lambda: _prepare(directory, flats, bufs, optimizer, world, rank, held),
+                                         f"loading the checkpoint in {directory}", group, world)[0]
+        if share:  # saved on another number of ranks: every rank takes the old rank 0's, which rank 0 read
+            loaded = _agree(lambda: loaded if rank == 0 else None, f"loading the buffers in {directory}", group,
+                            world, share=True)[0]
+        _agree(_releasing(lambda: _apply(prepared, flats, optimizer, bufs, loaded), held),
+               f"loading the checkpoint in {directory}", group, world)
     finally:
         lock = held.pop("lock", None)
         if lock is not None:
             lock.release()
+    if loaded is None:
+        warn_without(bufs, directory)
 
 
-def _prepare(directory: str, flats: List[Any], optimizer: Any, world: int, rank: int,
-             held: Dict[str, Any]) -> Tuple[List[torch.Tensor], Any]:
-    """Check everything and build this rank's new shards and optimizer state dict (no change yet)."""
+def _prepare(directory: str, flats: List[Any], bufs: Dict[str, torch.Tensor], optimizer: Any, world: int, rank: int,
+             held: Dict[str, Any]) -> Tuple[Tuple[List[torch.Tensor], Any], Any, bool]:
+    """Check everything and build this rank's new shards and optimizer state dict (no change
+    yet); its buffers ([Note: stage 3 checkpoint buffers]: None in a checkpoint without them,
+    and on the ranks but 0 when the world size changed: ``share``, rank 0 passes them on)."""
     held["lock"] = DirLock(directory, exclusive=False)
     m = read_manifest(directory)
     path = os.path.join(directory, MANIFEST)
     check_model(m, flats, path)
+    check_buffers(m, bufs, path)
     check_optimizer(m, optimizer, flats, path)
     spans = [overlaps(d["chunk"], m["world"], f.chunk, rank) for d, (_, f) in zip(m["flats"], flats)]
     files = {q: _open_checked(directory, m, q) for q in sorted({q for s in spans for q, *_ in s})}
@@ -308,7 +324,12 @@ def _prepare(directory: str, flats: List[Any], optimizer: Any, world: int, rank:
             like = _state_like(files, i, key)
             entry[key] = _gather(span, f.chunk, like, lambda q: files[q]["states"][i][key], d["chunk"], files, m, i)
         entries.append(entry)
-    return values, (None if optimizer is None else _state_dict(m, optimizer, flats, entries, path))
+    loaded, share = None, m.get("buffers") is not None and m["world"] != world
+    src = rank if m["world"] == world else 0
+    if m.get("buffers") is not None and (src == rank or rank == 0):
+        loaded = buffers_from(m, files.get(src) or _open_checked(directory, m, src),
+                              os.path.join(directory, m["files"][src]))
+    return (values, None if optimizer is None else _state_dict(m, optimizer, flats, entries, path)), loaded, share
 
 
 def _state_like(files: Dict[int, Any], i: int, key: str) -> torch.dtype:
@@ -377,7 +398,8 @@ def _state_dict(m: Dict[str, Any], optimizer: Any, flats: List[Any], entries: Li
     return {"state": state, "param_groups": out_groups}, kept
 
 
-def _apply(prepared: Tuple[List[torch.Tensor], Any], flats: List[Any], optimizer: Any) -> None:
+def _apply(prepared: Tuple[List[torch.Tensor], Any], flats: List[Any], optimizer: Any, bufs: Dict[str, torch.Tensor],
+           loaded: Optional[Dict[str, torch.Tensor]]) -> None:
     values, loadable = prepared
     if loadable is not None and getattr(optimizer, "_store", None) is not None:
         from offload.optim.state_io import check_loadable
@@ -387,6 +409,8 @@ def _apply(prepared: Tuple[List[torch.Tensor], Any], flats: List[Any], optimizer
     # must hold the checkpoint's values by then (the step started from the old ones)
     for (_, f), v in zip(flats, values):
         f.set_shard_values(v)
+    if loaded is not None:
+        apply_buffers(bufs, loaded)
     if loadable is not None:
         sd, kept = loadable
         optimizer.load_state_dict(sd)
