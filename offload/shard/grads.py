@@ -22,6 +22,14 @@ that group every rank must issue the same reductions in the same order, so:
   none). A unit with grads on no rank is not reduced: its shard keeps ``grad=None``, as a
   param outside the graph does in torch.
 
+[Note: grads of a unit whose forward never ran] A parent that reads a unit's params itself
+(``F.linear(x, self.lin.weight)``, never calling ``self.lin``) leaves grads in the unit's views
+that no hook of the unit hands over. Several ranks reduce them in ``finish`` (with the rest).
+One rank did not: they stayed in the views, the shard was never stepped, silently. Where the
+views are the shard itself in RAM (one rank on the CPU, params not on NVMe) the parent read
+the true values, so they are reduced as any unit's; elsewhere (params on NVMe, a device) the
+unit was released, the parent read zeros, and the backward raises, naming the params.
+
 [Note: reduce buckets] A flat's reduction is cut into buckets, so that its float32
 temporary is never the whole padded flat. A reduce-scatter's input is ``world * k``
 elements, rank r's part contiguous, so bucket b is the slice ``[b*k, (b+1)*k)`` of *every*
@@ -154,6 +162,8 @@ class GradReducer:
             for i in rest + tail:
                 if int(anywhere[i]) > 0 and i not in self.done:
                     self._reduce(self.units[i])
+        else:
+            self._reduce_unhooked()
         self.pump(block=True)
         self.plan = list(self.order) if agreed else None
         k = len(self.units)
@@ -161,6 +171,24 @@ class GradReducer:
             for f in u.flats:
                 f.grads_anywhere = [bool(int(x)) for x in anywhere[k:k + len(f.leaves)]]
                 k += len(f.leaves)
+
+    def _reduce_unhooked(self) -> None:
+        """One rank: the units with grads that no hook handed over ([Note: grads of a unit
+        whose forward never ran]): reduced where the parent read the true values, else an error."""
+        for u in self.units:
+            if u.index in self.done or not u.has_grads():
+                continue
+            if all(flat._alias and flat.tier is None for flat in u.flats):
+                self._reduce(u)
+                continue
+            names = [n for f in u.flats for n, leaf in zip(f.names, f.leaves) if leaf.grad is not None]
+            for f in u.flats:
+                for leaf in f.leaves:
+                    leaf.grad = None
+            raise RuntimeError(f"offload.shard: {names} got grads though the forward of their unit {u.name!r} "
+                               "never ran: a parent module reads them directly (as nn.MultiheadAttention reads "
+                               "out_proj.weight), outside the unit's forward, where the unit is released and "
+                               "reads zeros. Make the parent the unit (unit= its class), not this module")
 
     def _reduce(self, u: Any) -> None:
         self.done.add(u.index)

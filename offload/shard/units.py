@@ -5,6 +5,13 @@ before its backward), and released after. The root module is always a unit: it o
 trainable param no other unit owns (the "small leftover params", and a param tied between
 two units: it must be one param, and only the root is gathered for the whole forward).
 Frozen params (``requires_grad=False``) belong to no unit: they stay whole on every rank.
+
+[Note: parents that read their children's params] ``nn.MultiheadAttention``'s forward reads
+``out_proj.weight`` and ``.bias`` itself (``F.multi_head_attention_forward``), never calling
+``out_proj``. A unit is gathered only around its own forward, so ``out_proj`` as a unit (the
+``unit={nn.Linear}`` policy matches its ``NonDynamicallyQuantizableLinear``) was read released:
+zeros on several ranks or with params on NVMe, and its grads, left in its views, never reduced
+on one rank. No module under such a parent is a unit: its params stay in the parent's unit.
 """
 from __future__ import annotations
 
@@ -15,6 +22,9 @@ import torch.nn as nn
 __all__ = ["UnitPolicy", "choose_units", "assign_params"]
 
 UnitPolicy = Union[None, int, Set[Type[nn.Module]], Tuple[Type[nn.Module], ...]]
+
+# modules whose forward reads their submodules' params directly (see the note)
+READS_CHILDREN: Tuple[Type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
 def _check_policy(unit: UnitPolicy) -> None:
@@ -35,7 +45,8 @@ def choose_units(module: nn.Module, unit: UnitPolicy) -> List[nn.Module]:
     ``None``: every element of an ``nn.ModuleList`` (transformer blocks, as GPT-2's ``h``);
     a set of classes: their instances; an int: a module whose own and unclaimed descendants'
     trainable params number at least that many (deepest first). Classes and ModuleList
-    elements are taken outermost: a match inside a unit is part of that unit."""
+    elements are taken outermost: a match inside a unit is part of that unit. Nothing under
+    a module of ``READS_CHILDREN`` is a unit (see the note)."""
     _check_policy(unit)
     if isinstance(unit, int):
         return [module] + _by_size(module, unit)
@@ -47,6 +58,8 @@ def choose_units(module: nn.Module, unit: UnitPolicy) -> List[nn.Module]:
         return isinstance(child, tuple(unit))
 
     def walk(m: nn.Module) -> None:
+        if isinstance(m, READS_CHILDREN):
+            return
         for child in m.children():
             if child is not module and is_unit(child, m) and child not in found:
                 found.append(child)
@@ -61,10 +74,11 @@ def _by_size(root: nn.Module, threshold: int) -> List[nn.Module]:
     out: List[nn.Module] = []
     claimed: Set[int] = set()
 
-    def count(m: nn.Module) -> int:  # post-order: children claim first
-        n = sum(count(c) for c in m.children())
+    def count(m: nn.Module, sealed: bool = False) -> int:  # post-order: children claim first
+        inner = sealed or isinstance(m, READS_CHILDREN)  # its descendants are no units (see the note)
+        n = sum(count(c, inner) for c in m.children())
         n += sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in claimed)
-        if m is not root and n >= threshold:
+        if m is not root and not sealed and n >= threshold:
             out.append(m)
             claimed.update(id(p) for p in m.parameters())
             return 0
