@@ -1,6 +1,6 @@
 """A unit's params read by its parent, never through the unit's own forward
 (offload/shard/units.py [Note: parents that read their children's params], grads.py [Note:
-grads of a unit whose forward never ran])."""
+grads of a unit whose forward never ran]), and a shard frozen after ``shard()``."""
 from __future__ import annotations
 
 import shutil
@@ -119,4 +119,35 @@ def test_params_on_nvme_refuse_a_unit_its_parent_read():
         offload.shard.runtime_of(model).remove()
     finally:
         shutil.rmtree(swap, ignore_errors=True)
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+def test_a_shard_frozen_after_shard_gets_no_grad_and_does_not_move():
+    torch.manual_seed(0)
+    model = offload.shard(_Blocks())
+    opt = offload.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    try:
+        _train(model, opt, steps=1)
+        model.blocks[0].requires_grad_(False)  # a fine-tuning schedule
+        before = {k: v.clone() for k, v in offload.shard.gathered_params(model).items()}
+        model(torch.randn(4, 16)).square().mean().backward()
+        assert model.blocks[0]._shard_float32.grad is None
+        assert model.blocks[1]._shard_float32.grad is not None
+        opt.step()
+    finally:
+        opt.close()
+    after = offload.shard.gathered_params(model)
+    assert torch.equal(after["blocks.0.weight"], before["blocks.0.weight"])
+    assert torch.equal(after["blocks.0.bias"], before["blocks.0.bias"])
+    assert not torch.equal(after["blocks.1.weight"], before["blocks.1.weight"])
 

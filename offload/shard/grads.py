@@ -192,12 +192,19 @@ class GradReducer:
 
     def _reduce(self, u: Any) -> None:
         self.done.add(u.index)
-        if self.world == 1 and all(flat.streams is None for flat in u.flats):
-            for flat in u.flats:  # [Note: one rank's grads]
+        flats = []
+        for flat in u.flats:
+            if flat.shard.requires_grad:
+                flats.append(flat)
+            else:  # frozen after shard() (``block.requires_grad_(False)``): no grad, as torch's frozen param
+                for leaf in flat.leaves:
+                    leaf.grad = None
+        if self.world == 1 and all(flat.streams is None for flat in flats):
+            for flat in flats:  # [Note: one rank's grads]
                 flat.put_grads(_take_grads(flat))
             return
         k = max(1, self.bucket_numel // self.world)
-        self.queue.extend(_FlatJob(flat, k) for flat in u.flats)
+        self.queue.extend(_FlatJob(flat, k) for flat in flats)
         self.pump()
 
     def pump(self, block: bool = False) -> None:
