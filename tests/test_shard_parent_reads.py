@@ -151,3 +151,11 @@ def test_a_shard_frozen_after_shard_gets_no_grad_and_does_not_move():
     assert torch.equal(after["blocks.0.bias"], before["blocks.0.bias"])
     assert not torch.equal(after["blocks.1.weight"], before["blocks.1.weight"])
 
+
+def test_a_gradient_penalty_is_refused_naming_create_graph():
+    model = offload.shard(_Blocks())
+    x = torch.randn(4, 16, requires_grad=True)
+    y = model(x)
+    g, = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"autograd\.grad\(\.\.\., create_graph=True\).*gradient penalty"):
+        (y.square().mean() + g.square().sum()).backward()

@@ -298,8 +298,9 @@ class ShardRuntime:
                                "forward (sum the losses of one forward, or call backward once per forward)")
         if gen == self.bwd_done_gen:
             raise RuntimeError("offload.shard: a second backward through the same forward's graph "
-                               "(retain_graph=True) is not supported: its grads would not be reduced. Run the "
-                               "forward again for each backward")
+                               "(retain_graph=True, or torch.autograd.grad(..., create_graph=True) and then a "
+                               "backward: a gradient penalty) is not supported: its grads would not be reduced. "
+                               "Run the forward again for each backward")
 
     def pre_backward(self, u: Any, gen: int) -> None:
         self._check_gen(gen)
