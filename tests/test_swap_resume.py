@@ -50,7 +50,7 @@ def _edit(path, fn):
     (lambda m: m.__setitem__("slots", [0, 1]), "slots has 2 entries for 3 sub-groups"),
     (lambda m: m["slots"].__setitem__(1, 7), r"slots\[1\] must be 0 or 1, got 7"),
     (lambda m: m["valid"].__setitem__(0, "yes"), r"valid\[0\] must be true or false"),
-    (lambda m: m.__setitem__("step", -1), "step must be >= 0"),
+    (lambda m: m.__setitem__("step", -1), r"step must be in \[0, 2147483647\], got -1"),
     (lambda m: m.__setitem__("step", "3"), "step must be an integer"),
     (lambda m: m.__setitem__("ranges", [[0, 2048], [2048, 4096], 5]), r"ranges\[2\] must be"),
     (lambda m: m["checksums"].__setitem__("9", [[0], [0]]), "names no sub-group"),

@@ -75,8 +75,8 @@ def check_manifest(m: Any, path: str, *, nstates: int, verify_block: int,
                               ("ranges", list, "a list"), ("slots", list, "a list"), ("valid", list, "a list"),
                               ("extra", dict, "an object")):
         _need(m, path, field, kind, what)
-    if m["step"] < 0:
-        raise _bad(path, "step", f"must be >= 0, got {m['step']}")
+    if not 0 <= m["step"] <= MAX_STEP:  # (ranks agree on it in an int64 tensor: comm.agree_on_step)
+        raise _bad(path, "step", f"must be in [0, {MAX_STEP}], got {m['step']}")
     groups = len(m["ranges"])
     for i, r in enumerate(m["ranges"]):
         if not (isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) and 0 <= r[0] < r[1]):
@@ -85,10 +85,8 @@ def check_manifest(m: Any, path: str, *, nstates: int, verify_block: int,
     _check_list(m["valid"], groups, path, "valid", lambda v: isinstance(v, bool), "true or false")
     if "verify" in m and not isinstance(m["verify"], bool):
         raise _bad(path, "verify", f"must be true or false, got {m['verify']!r:.80}")
-    dtypes = m.get("dtypes")
-    if dtypes is not None and not (isinstance(dtypes, list) and len(dtypes) == len(m["states"])
-                                   and all(isinstance(d, str) for d in dtypes)):
-        raise _bad(path, "dtypes", f"must be one dtype name per state, got {dtypes!r:.80}")
+    _check_per_state(m, path)
+    _check_extra(m["extra"], path, "extra")
     if fields is None:
         fields = [StateField(f"state{k}", {1: torch.uint8, 2: torch.bfloat16}.get(size, torch.float32))
                   for k, size in enumerate(itemsizes or [_FP32] * nstates)]
@@ -113,6 +111,7 @@ def _check_previous(m: Dict[str, Any], path: str, fields: List[StateField], veri
     dropped = prev.get("extra_dropped", [])
     if not (isinstance(dropped, list) and all(isinstance(k, str) for k in dropped)):
         raise _bad(path, "previous.extra_dropped", f"must be a list of keys, got {dropped!r:.80}")
+    _check_extra(prev["extra"], path, "previous.extra")
     if not 0 <= prev["step"] <= m["step"]:
         raise _bad(path, "previous.step", f"must be in [0, {m['step']}], got {prev['step']}")
     groups = len(m["ranges"])
@@ -146,6 +145,73 @@ def previous_json(before: Tuple[List[int], List[bool], Dict[int, Any], int, Dict
     if dropped:
         out["extra_dropped"] = dropped
     return out
+
+
+def _check_per_state(m: Dict[str, Any], path: str) -> None:
+    """``states`` and the lists of one entry per state: ``dtypes``, ``blocks``, ``codes``
+    (absent from older manifests, which check_codes fills in; null is damage)."""
+    states = m["states"]
+    if not all(isinstance(n, str) for n in states):
+        raise _bad(path, "states", f"must be a list of state names, got {states!r:.80}")
+    for field, ok, what in (("dtypes", lambda d: isinstance(d, str), "a dtype name"),
+                            ("blocks", lambda b: _is_int(b) and b >= 0, "an integer >= 0"),
+                            ("codes", lambda c: isinstance(c, str), "a code name")):
+        if field not in m:
+            continue
+        xs = m[field]
+        if not (isinstance(xs, list) and len(xs) == len(states)):
+            raise _bad(path, field, f"must be a list of {len(states)} entries (one per state), got {xs!r:.80}")
+        for i, x in enumerate(xs):
+            if not ok(x):
+                raise _bad(path, f"{field}[{i}]", f"must be {what}, got {x!r:.80}")
+
+
+def _nat(x: Any) -> bool:
+    return _is_int(x) and x >= 0
+
+
+def _shape_tree(x: Any, depth: int = 3) -> bool:
+    """A list whose entries are integers >= 0, dtype names or such lists: ``extra.shapes``
+    holds each param's shape ([5000]), a flat store each group's ([[5000, "torch.bfloat16"]])."""
+    return isinstance(x, list) and all(_nat(v) or isinstance(v, str) or depth > 1 and _shape_tree(v, depth - 1)
+                                       for v in x)
+
+
+def _holding(x: Any) -> bool:
+    return isinstance(x, dict) and all(isinstance(v, list) and all(_nat(i) for i in v) for v in x.values())
+
+
+# The facts a commit records in ``extra`` that a resume reads, where present (an ``extra`` of
+# the first manifest, before any commit, is empty; ``previous.extra`` holds what changed):
+# the identity of the params (swapped_state.py, flat/swapped.py, swapped_shards.py), the
+# fingerprint, and the optimizer's commit_meta (context.py OPT_META; its "holding":
+# ckpt_holding.py). Each is compared or read by code that trusts its type.
+_EXTRA: Tuple[Tuple[str, Any, str], ...] = (
+    ("kind", lambda v: isinstance(v, str), "a string"),
+    ("fingerprint", lambda v: isinstance(v, str), "a string"),
+    ("world", lambda v: _is_int(v) and 1 <= v <= 1 << 20, "an integer in [1, 1048576]"),
+    ("rank", _nat, "an integer >= 0"),
+    ("numels", lambda v: isinstance(v, list) and all(_nat(n) for n in v), "a list of integers >= 0"),
+    ("groups", lambda v: isinstance(v, list) and all(isinstance(g, list) and all(_nat(n) for n in g) for g in v),
+     "lists of integers >= 0"),
+    ("shapes", lambda v: isinstance(v, list) and all(_shape_tree(s) for s in v), "a list of shapes"),
+    ("dtypes", lambda v: isinstance(v, list) and all(isinstance(d, str) for d in v), "a list of dtype names"),
+    ("optimizer", lambda v: isinstance(v, dict) and _holding(v.get("holding", {})),
+     "an object (its holding: state name -> param indices)"),
+)
+
+
+def _check_extra(extra: Dict[str, Any], path: str, where: str) -> None:
+    for key, ok, what in _EXTRA:
+        if key in extra and not ok(extra[key]):
+            raise _bad(path, f"{where}.{key}", f"must be {what}, got {extra[key]!r:.80}")
+    world, rank = extra.get("world"), extra.get("rank")
+    if _is_int(world) and _is_int(rank) and rank >= world:
+        raise _bad(path, f"{where}.rank", f"must be below world ({world}), got {rank}")
+    if "steps" in extra:
+        problem = step_counts_problem(extra["steps"])
+        if problem is not None:
+            raise _bad(path, f"{where}.steps{problem[0]}", f"must be {problem[1]}, got {problem[2]}")
 
 
 def _check_list(xs: List[Any], n: int, path: str, field: str, ok: Any, what: str) -> None:

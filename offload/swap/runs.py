@@ -125,7 +125,8 @@ def _resume(parent: str, numel: int, fields: Sequence[StateField], *, identity: 
     mismatched: List[Tuple[str, ParamsMismatch]] = []  # (path, error): the fingerprint names other values
     matching, unknown = _candidates(parent, run_name, rank, identity, refused)
     for name, manifest in matching + unknown:
-        sg, nbuf = _resume_plan(manifest, numel, fields, max_host_bytes, sub_group_size)
+        where = os.path.join(parent, private_dir_name(name, rank), MANIFEST)
+        sg, nbuf = _resume_plan(manifest, where, numel, fields, max_host_bytes, sub_group_size)
         try:
             store = SwapStore(parent, SwapLayout(numel, sg, fields), state_names=fields, run_name=name,
                               rank=rank, verify=verify, resume=True, io_engine=io_engine, identity=identity)
@@ -256,9 +257,11 @@ def _candidates(parent: str, run_name: str, rank: int, identity: Dict[str, str],
     return matching, unknown
 
 
-def _resume_plan(manifest: Dict[str, Any], numel: int, fields: Sequence[StateField], max_host_bytes: Optional[int],
-                 sub_group_size: Optional[int]) -> Tuple[int, int]:
-    """(sub_group_size, buffers) to resume the directory of ``manifest`` (see [Note: layout on resume])."""
+def _resume_plan(manifest: Dict[str, Any], path: str, numel: int, fields: Sequence[StateField],
+                 max_host_bytes: Optional[int], sub_group_size: Optional[int]) -> Tuple[int, int]:
+    """(sub_group_size, buffers) to resume the directory of ``manifest`` (see [Note: layout on
+    resume]); the errors name ``path``, the manifest it was read from (its sub_group_size may
+    be damage)."""
     kept = manifest.get("sub_group_size")
     page = elems_per_page(fields)
     if not (isinstance(kept, int) and not isinstance(kept, bool) and kept > 0 and kept % page == 0):
@@ -266,7 +269,7 @@ def _resume_plan(manifest: Dict[str, Any], numel: int, fields: Sequence[StateFie
     if sub_group_size is not None:
         asked = min(round_up(int(sub_group_size), page), round_up(numel, page))
         if asked != kept:
-            raise ValueError(f"sub_group_size={sub_group_size} but the swap directory was written with "
+            raise ValueError(f"{path}: sub_group_size={sub_group_size} but the swap directory was written with "
                              f"sub_group_size={kept}: pass sub_group_size={kept} (or None) to resume; to change "
                              "it, save_checkpoint() and load_checkpoint() into a new run")
     try:
@@ -275,8 +278,8 @@ def _resume_plan(manifest: Dict[str, Any], numel: int, fields: Sequence[StateFie
         groups = -(-numel // kept)
         need = min(MIN_BUFFERS, groups) * sum(round_up(f.nbytes(kept), ALIGN) for f in fields)
         bound = DEFAULT_MAX_HOST_BYTES if max_host_bytes is None else max_host_bytes
-        err = ValueError(f"max_host_bytes={bound} cannot hold the pipeline buffers of the swap directory to resume, "
-                         f"written with sub_group_size={kept}: pass max_host_bytes >= {need} to resume it; to "
+        err = ValueError(f"{path}: max_host_bytes={bound} cannot hold the pipeline buffers of the swap directory to "
+                         f"resume, written with sub_group_size={kept}: pass max_host_bytes >= {need} to resume it; to "
                          "change the layout, save_checkpoint() and load_checkpoint() into a new run")
         # as plan_sub_groups' error: a caller that shrank the bound (paged_bound) restates it
         err.buffer_bytes, err.resume_sub_group = need, kept
