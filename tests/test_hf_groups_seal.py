@@ -12,7 +12,9 @@ import torch
 
 import offload
 from offload.integrations.hf_checkpoint import GROUPS_FILE, load_trainer_checkpoint, save_trainer_checkpoint
+from offload.io import NotRegularFile
 from offload.swap import fsutil
+from _no_hang import within
 
 ARGS = SimpleNamespace(process_index=0, world_size=1, should_save=True)
 
@@ -100,3 +102,26 @@ def test_a_damaged_scheduler_file_loads_nothing(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{path}: the scheduler's state cannot be read")):
         load_trainer_checkpoint(str(tmp_path), new, new_sched)
     assert _untouched(new) and new_sched.last_epoch == 0
+
+
+@pytest.mark.parametrize("what", ["FIFO", "directory"])
+def test_a_fifo_or_directory_in_the_groups_files_place_is_refused_naming_it(tmp_path, what):
+    # the groups file's open blocked forever on a FIFO ([Note: a FIFO where a file was] in
+    # offload/io/files.py); and the load said "the job died while saving it" for either
+    _, path = _saved(tmp_path)
+    os.unlink(path)
+    os.mkfifo(path) if what == "FIFO" else os.mkdir(path)
+    _, new = _opt(0.5)
+    with within(5), pytest.raises(NotRegularFile, match=f"not a regular file \\(a {what}\\)") as e:
+        load_trainer_checkpoint(str(tmp_path), new, None)
+    assert e.value.filename == str(path)
+    assert _untouched(new)
+
+
+def test_a_groups_file_of_bytes_that_are_not_text_loads_nothing(tmp_path):
+    _, path = _saved(tmp_path)
+    path.write_bytes(b"\xff\xfe\x00" + path.read_bytes())  # a bare UnicodeDecodeError, naming no file
+    _, new = _opt(0.5)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: not valid JSON")):
+        load_trainer_checkpoint(str(tmp_path), new, None)
+    assert _untouched(new)

@@ -223,3 +223,17 @@ def test_clean_removes_a_left_param_tier_directory(tmp_path):
         with open(os.path.join(path, name), "wb") as f:
             f.write(data)
     assert [p for p, _ in clean_dir(str(tmp_path))["removed"]] == [path]
+
+
+def test_a_param_tier_lock_that_is_a_fifo_is_refused_naming_it(tmp_path):
+    # a plain os.open took a FIFO as the lock (O_RDWR does not block on one), which every
+    # other lock of a directory (fsutil.Lock, try_lock: offload clean) refuses
+    from offload.io import NotRegularFile
+    from offload.shard.tier_dir import lock_dir
+    from _no_hang import within
+
+    lock = tmp_path / "lock"
+    os.mkfifo(lock)
+    with within(5), pytest.raises(NotRegularFile, match=r"cannot open the lock: not a regular file \(a FIFO\)") as e:
+        lock_dir(str(tmp_path))
+    assert e.value.filename == str(lock)

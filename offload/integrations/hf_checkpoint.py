@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from offload.io.files import open_regular
 from offload.swap import fsutil
 
 __all__ = ["STATES_DIR", "save_trainer_checkpoint", "load_trainer_checkpoint", "streamed_accelerate_checkpoints"]
@@ -149,10 +150,12 @@ def _read_groups(path: str) -> Dict[str, Any]:
     """The saved groups file (``param_groups``, ``params_fingerprint`` where saved), its seal
     checked ([Note: sealed manifests] in offload/swap/fsutil.py); a bare list is an older
     release's file (no seal)."""
-    with open(path, encoding="utf-8") as f:
+    # a FIFO there blocked the open forever ([Note: a FIFO where a file was] in offload/io/files.py)
+    fd = open_regular(path, os.O_RDONLY | os.O_CLOEXEC, 0o600, "cannot read the optimizer's param groups")
+    with os.fdopen(fd, encoding="utf-8") as f:
         try:
             data = json.load(f)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # (a UnicodeDecodeError too: bytes that are not text)
             raise ValueError(f"{path}: not valid JSON ({exc}): the file is damaged or truncated; nothing was "
                              "loaded") from None
     if isinstance(data, list):
@@ -164,8 +167,10 @@ def _read_groups(path: str) -> Dict[str, Any]:
 
 
 def complete(ckpt_dir: str) -> bool:
-    """Whether ``ckpt_dir`` holds a whole optimizer checkpoint (its groups file, written last)."""
-    return os.path.isdir(os.path.join(ckpt_dir, STATES_DIR)) and os.path.isfile(os.path.join(ckpt_dir, GROUPS_FILE))
+    """Whether ``ckpt_dir`` holds a whole optimizer checkpoint (its groups file, written last).
+    Whatever is there in the groups file's place counts: the load's read of it says what is
+    wrong with it (a FIFO, a directory), where "the job died while saving" would mislead."""
+    return os.path.isdir(os.path.join(ckpt_dir, STATES_DIR)) and os.path.lexists(os.path.join(ckpt_dir, GROUPS_FILE))
 
 
 def _newest_complete(ckpt_dir: str) -> Optional[str]:

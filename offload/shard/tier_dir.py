@@ -7,6 +7,7 @@ import logging
 import os
 import re
 
+from offload.io.files import open_regular
 from offload.swap import fsutil
 
 __all__ = ["lock_dir", "remove_orphans"]
@@ -41,8 +42,11 @@ def remove_orphans(parent: str) -> None:
 
 def lock_dir(path: str) -> int:
     """The directory's lock, held while this process uses it (``offload clean`` and the next
-    run leave a held one alone)."""
-    fd = os.open(os.path.join(path, fsutil.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    run leave a held one alone). A FIFO or a directory in its place (in a directory of this
+    pid left by another pid namespace's process) is refused naming it, as ``fsutil.Lock``
+    refuses one; a plain ``os.open`` took a FIFO as the lock."""
+    fd = open_regular(os.path.join(path, fsutil.LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      0o600, "cannot open the lock")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(fd, str(os.getpid()).encode())
