@@ -387,6 +387,26 @@ def test_a_damaged_manifest_field_is_named(tmp_path, edit, field):
     opt.close()
 
 
+@pytest.mark.parametrize("file_bytes", [0, "just-below"])
+def test_a_file_size_below_the_data_is_refused_not_read_forever(tmp_path, file_bytes):
+    # A resealed manifest whose file_bytes is below the state's bytes: the streaming read stopped
+    # at file_bytes and looped forever (the cpu store's load_checkpoint spun at 100 % CPU).
+    model = _model()
+    opt = _opt(model, "cpu", tmp_path)  # (the swap stores check the files whole first: unaffected)
+    _train(model, opt, 1)
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    manifest = str(tmp_path / "ck" / "rank0" / "offload-ckpt.json")
+    _edit_manifest(manifest, lambda m: m.__setitem__("file_bytes", 0 if file_bytes == 0 else m["numel"] * 4 - 4))
+    before = opt.state_dict()["state"]
+    with within(20), pytest.raises(ValueError, match=r"the manifest says \d+ bytes for \d+ of data"):
+        opt.load_checkpoint(str(tmp_path / "ck"))
+    after = opt.state_dict()["state"]
+    for i, st in before.items():
+        for k, v in st.items():
+            assert torch.equal(after[i][k], v), (i, k)
+    opt.close()
+
+
 @pytest.mark.parametrize("kind", ["cpu", "flat"])
 @pytest.mark.parametrize("world", [2**40, 0, None])
 def test_a_damaged_world_size_is_refused_at_once(tmp_path, kind, world):

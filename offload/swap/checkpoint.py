@@ -434,6 +434,8 @@ def _read_tensors(st: "_Staging", path: str, field: StateField, tensors: List[An
     with open_file(path, write=False) as f:
         if f.size < file_bytes:
             raise ValueError(f"{path}: {f.size} bytes, the manifest says {file_bytes}")
+        if file_bytes < field.nbytes(numel):  # (the reads below stopped there and looped forever)
+            raise ValueError(f"{path}: the manifest says {file_bytes} bytes for {field.nbytes(numel)} of data")
         for piece in _flat_pieces(tensors, field.storage_dtype, writable=True):
             pos = 0
             while pos < piece.numel():
