@@ -378,3 +378,16 @@ def test_inside_removing_a_close_while_ctrl_c_propagates_removes(tmp_path):
             with cleanup.removing():
                 opt.close()
     assert os.listdir(tmp_path) == [] and not cleanup.terminating()
+
+
+def test_an_error_shown_at_an_interactive_prompt_does_not_keep_the_swap_dir(tmp_path):
+    # sys.last_value keeps a crash's directory at exit even when a library replaced
+    # sys.excepthook; a REPL or IPython records every error shown at its prompt there, and the
+    # session went on: a normal exit still removes the directory.
+    code = _CRASH.replace('if sys.argv[2] == "crash":', 'if sys.argv[2] == "never":', 1) + """
+sys.last_value = ValueError("shown at the prompt an hour ago")
+sys.ps1 = ">>> "
+"""
+    proc = run_python(code, str(tmp_path), "normal")
+    rc, err = proc.wait(timeout=60), proc.stderr.read()
+    assert rc == 0 and os.listdir(tmp_path) == [], err

@@ -123,8 +123,11 @@ def _crash_seen_at_exit() -> None:
     """At exit: an uncaught exception whose hook was not ours (a logging or traceback library
     replaced sys.excepthook after the first store opened) still keeps the directories. The
     interpreter records the exception in ``sys.last_value`` (3.12: ``sys.last_exc``) before
-    it calls whatever hook is set."""
+    it calls whatever hook is set. Not in an interactive session (a REPL, IPython, Jupyter):
+    there it records every error shown at the prompt, and the session went on after it."""
     global _terminating, _why_kept
+    if hasattr(sys, "ps1") or "IPython" in sys.modules:
+        return
     last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     if last is not None and not _terminating:
         _terminating, _why_kept = True, f"an uncaught {type(last).__name__}"
