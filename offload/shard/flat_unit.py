@@ -313,6 +313,10 @@ class FlatParam:
     def has_grads(self) -> bool:
         return any(leaf.grad is not None for leaf in self.leaves)
 
+    def drop_grads(self) -> None:
+        for leaf in self.leaves:
+            leaf.grad = None
+
     def open_shard_grad(self, whole: bool = False) -> bool:
         """Before a reduction lands in ``shard.grad``: True when there is none (its slices are
         then copied, not added: the bits of the average itself, -0.0 included); made now
@@ -456,6 +460,10 @@ class Unit:
 
     def has_grads(self) -> bool:
         return any(flat.has_grads() for flat in self.flats)
+
+    def drop_grads(self) -> None:
+        for flat in self.flats:
+            flat.drop_grads()
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name or '<root>'}, {[f.padded for f in self.flats]})"

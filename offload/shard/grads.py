@@ -182,9 +182,7 @@ class GradReducer:
                 self._reduce(u)
                 continue
             names = [n for f in u.flats for n, leaf in zip(f.names, f.leaves) if leaf.grad is not None]
-            for f in u.flats:
-                for leaf in f.leaves:
-                    leaf.grad = None
+            u.drop_grads()
             raise RuntimeError(f"offload.shard: {names} got grads though the forward of their unit {u.name!r} "
                                "never ran: a parent module reads them directly (as nn.MultiheadAttention reads "
                                "out_proj.weight), outside the unit's forward, where the unit is released and "
@@ -197,8 +195,7 @@ class GradReducer:
             if flat.shard.requires_grad:
                 flats.append(flat)
             else:  # frozen after shard() (``block.requires_grad_(False)``): no grad, as torch's frozen param
-                for leaf in flat.leaves:
-                    leaf.grad = None
+                flat.drop_grads()
         if self.world == 1 and all(flat.streams is None for flat in flats):
             for flat in flats:  # [Note: one rank's grads]
                 flat.put_grads(_take_grads(flat))

@@ -270,9 +270,7 @@ class ShardRuntime:
         backward's. So they go here, as the next forward starts (one rank only: with several
         the forward refuses), and the tier's writes are waited for."""
         for u in self.units:
-            for flat in u.flats:
-                for leaf in flat.leaves:
-                    leaf.grad = None
+            u.drop_grads()
         if self.tier is not None:
             self.tier.defer_stores = False
             self.tier.flush()
@@ -357,9 +355,7 @@ class ShardRuntime:
         if not late:
             return
         for u in late:
-            for flat in u.flats:
-                for leaf in flat.leaves:
-                    leaf.grad = None
+            u.drop_grads()
         raise RuntimeError(f"offload.shard: units {[u.name or '<root>' for u in late]} got grads after they were "
                            "reduced in this backward (a unit recomputed by a reentrant activation checkpoint after "
                            "its other uses were done?): the grads are incomplete. Use "
