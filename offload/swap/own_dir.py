@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from typing import List, Optional
 
+from offload.io.files import NotRegularFile, open_regular
 from offload.swap import fsutil
 
 __all__ = ["SWAP_FORMAT", "not_proven_ours"]
@@ -49,14 +49,14 @@ def not_proven_ours(path: str, names: Optional[List[str]] = None) -> Optional[st
 
 def _lock_problem(lock: str) -> Optional[str]:
     try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = open_regular(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return "no lock file"
+    except NotRegularFile:
+        return "its lock is not a regular file"
     except OSError as exc:
         return f"its lock file cannot be read ({exc.strerror})"
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return "its lock is not a regular file"
         text = os.read(fd, 64)
     finally:
         os.close(fd)
