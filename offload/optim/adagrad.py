@@ -18,11 +18,22 @@ from torch.optim.optimizer import _get_scalar_dtype
 from offload.kernels.fields import ADAGRAD, Rule
 from offload.optim.base import RuleOptimizer
 from offload.optim.host_dtypes import fill_value, state_dtype_of
-from offload.optim.rule_options import check_flags, check_lr, check_nonneg, to_float
+from offload.optim.rule_options import check_flag_types, check_flags, check_lr, check_nonneg, to_float
 from offload.optim.state_view import attach as attach_state_views
 
 __all__ = ["Adagrad"]
 
+
+
+def _check_args(lr: Any, lr_decay: Any, weight_decay: Any, initial_accumulator_value: Any, eps: Any, foreach: Any,
+                differentiable: Any, fused: Any) -> None:
+    """torch.optim.Adagrad's checks, in its order."""
+    check_lr(lr)
+    check_nonneg("lr_decay", lr_decay, "lr_decay value")
+    check_nonneg("weight_decay", weight_decay, "weight_decay value")
+    check_nonneg("initial_accumulator_value", initial_accumulator_value, "initial_accumulator_value value")
+    check_nonneg("eps", eps, "epsilon value")
+    check_flags("Adagrad", foreach=foreach, differentiable=differentiable, fused=fused)
 
 class Adagrad(RuleOptimizer):
     """``torch.optim.Adagrad`` with offloaded states and fused SIMD kernels.
@@ -39,17 +50,19 @@ class Adagrad(RuleOptimizer):
 
     def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
                  foreach=None, *, maximize=False, differentiable=False, fused=None, **offload_kwargs: Any) -> None:
-        check_lr(lr)
-        check_nonneg("lr_decay", lr_decay, "lr_decay value")
-        check_nonneg("weight_decay", weight_decay, "weight_decay value")
-        check_nonneg("initial_accumulator_value", initial_accumulator_value, "initial_accumulator_value value")
-        check_nonneg("eps", eps, "epsilon value")
-        check_flags("Adagrad", foreach=foreach, differentiable=differentiable, fused=fused)
+        _check_args(lr, lr_decay, weight_decay, initial_accumulator_value, eps, foreach, differentiable, fused)
         defaults = dict(lr=lr, lr_decay=lr_decay, eps=eps, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, foreach=foreach,
                         maximize=maximize, differentiable=differentiable, fused=fused)
         super().__init__(params, defaults, **offload_kwargs)
         self._torch_entries()
+
+    @classmethod
+    def check_group(cls, group: Dict[str, Any]) -> None:
+        """The constructor's checks over a whole group's values: a checkpoint's, before it loads."""
+        check_flag_types(cls.GROUP_DEFAULTS, group)
+        _check_args(*(group[k] for k in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps",
+                                        "foreach", "differentiable", "fused")))
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
         return ADAGRAD

@@ -17,6 +17,7 @@ from offload.optim.ckpt_holding import holding_ids, holding_meta, holding_of, re
 from offload.optim.functional import AdamHyper, RuleHyper
 from offload.optim.options import check_hyper
 from offload.optim.protocol import optional
+from offload.optim.rule_options import check_flag_types
 from offload.optim.state_view import attach as attach_state_views
 
 __all__ = ["Adam", "AdamW"]
@@ -67,6 +68,14 @@ class _AdamBase(RuleOptimizer):
             held = holding_ids(self._ctx.commit_meta, "max_exp_avg_sq", self._all_params(), "the resumed swap files")
             self._set_kept(self._ams_by_steps() if held is None else held)
             attach_state_views(self)  # opt.state[p] shows the resumed states, as after a load
+
+    @classmethod
+    def check_group(cls, group: Dict[str, Any]) -> None:
+        """The constructor's checks over a whole group's values: a checkpoint's, before it loads."""
+        check_flag_types(cls.GROUP_DEFAULTS, group)
+        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["amsgrad"],
+                    foreach=group.get("foreach"), capturable=group.get("capturable", False),
+                    differentiable=group.get("differentiable", False), fused=group.get("fused"))
 
     def _ams_by_steps(self) -> Set[int]:
         """What a store that keeps no such flag (a checkpoint, resumed swap files) says: a

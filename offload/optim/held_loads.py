@@ -54,7 +54,7 @@ def load_checkpoint_into(opt: Any, directory: str) -> None:
             f"load_checkpoint is not available for this store ({type(opt._store).__name__}); use "
             "opt.load_state_dict(torch.load(...))")
     shards = getattr(opt._store, "kind", "") == "flat"
-    groups = checkpoint_groups(directory, opt.param_groups, shards=shards)
+    groups = checkpoint_groups(directory, opt.param_groups, shards=shards, check=getattr(opt, "check_group", None))
 
     def whole() -> None:
         # per-rank shards: every rank directory's lock for the whole load (check, then copy)

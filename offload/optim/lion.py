@@ -14,11 +14,22 @@ from offload.kernels.fields import LION, Rule
 from offload.optim.base import RuleOptimizer
 from offload.optim.options import _check_scalar
 from offload.optim.protocol import optional
-from offload.optim.rule_options import check_lr, check_nonneg, to_float
+from offload.optim.rule_options import check_flag_types, check_lr, check_nonneg, to_float
 from offload.optim.state_view import attach as attach_state_views
 
 __all__ = ["Lion"]
 
+
+
+def _check_args(lr: Any, betas: Any, weight_decay: Any) -> None:
+    check_lr(lr)
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        _check_scalar(f"betas[{i}]", b, tensor_ok=False)
+        if not 0.0 <= b <= 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    check_nonneg("weight_decay", weight_decay, "weight_decay value")
 
 class Lion(RuleOptimizer):
     """Lion with offloaded states and fused SIMD kernels: lion-pytorch's arguments and
@@ -31,18 +42,17 @@ class Lion(RuleOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
                  **offload_kwargs: Any) -> None:
-        check_lr(lr)
-        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        for i, b in enumerate(betas):
-            _check_scalar(f"betas[{i}]", b, tensor_ok=False)
-            if not 0.0 <= b <= 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-        check_nonneg("weight_decay", weight_decay, "weight_decay value")
+        _check_args(lr, betas, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, **offload_kwargs)
         if optional(self._store, "resumed"):  # states from a previous run's swap files
             attach_state_views(self)  # opt.state[p] shows them now, as after a load, not after the next step
+
+    @classmethod
+    def check_group(cls, group: Dict[str, Any]) -> None:
+        """The constructor's checks over a whole group's values: a checkpoint's, before it loads."""
+        check_flag_types(cls.GROUP_DEFAULTS, group)
+        _check_args(group["lr"], group["betas"], group["weight_decay"])
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
         return LION

@@ -6,13 +6,13 @@ reason, as ``options.check_hyper`` does for Adam.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from offload.optim.options import _check_lr, _check_scalar, check_torch_flags, refuse_differentiable
 
-__all__ = ["check_nonneg", "check_lr", "check_flags", "to_float"]
+__all__ = ["check_nonneg", "check_lr", "check_flags", "check_flag_types", "to_float"]
 
 
 def check_lr(lr: Any) -> None:
@@ -33,6 +33,19 @@ def check_flags(cls_name: str, *, foreach: Optional[bool], differentiable: bool,
     check_torch_flags(foreach=foreach, differentiable=differentiable, fused=fused)
     if differentiable:
         refuse_differentiable(cls_name, cls_name)
+
+
+def check_flag_types(defaults: Tuple[Tuple[str, Any], ...], group: Dict[str, Any]) -> None:
+    """TypeError unless each flag of ``defaults`` (a class's GROUP_DEFAULTS) in ``group`` is a
+    bool, or None where torch takes None (``foreach``, ``fused``). For a checkpoint's groups
+    (``check_group``): a damaged ``amsgrad: [[-1]]`` loaded, then failed every step with a
+    message about rules; torch's constructors never see such a value, so they do not check."""
+    for key, default in defaults:
+        v = group.get(key, default)
+        none_ok = default is None or key in ("foreach", "fused")
+        if not (isinstance(v, bool) or (none_ok and v is None)):
+            raise TypeError(f"{key} must be True or False{' or None' if none_ok else ''}, got {type(v).__name__} "
+                            f"{v!r:.80}")
 
 
 def to_float(group: Dict[str, Any], key: str) -> float:

@@ -31,7 +31,8 @@ from offload.kernels.fields import SGD as SGD_RULE, SGD_PLAIN, Rule
 from offload.optim.base import RuleOptimizer
 from offload.optim.ckpt_holding import holding_ids, holding_of, record_now, saved_holding
 from offload.optim.protocol import optional
-from offload.optim.rule_options import check_flags, check_lr, check_nonneg, to_float
+from offload.optim.options import _check_scalar
+from offload.optim.rule_options import check_flag_types, check_flags, check_lr, check_nonneg, to_float
 from offload.optim.state_io import id_map
 from offload.optim.state_view import attach as attach_state_views
 from offload.optim.step_guard import store_step
@@ -44,6 +45,17 @@ _BUF = "momentum_buffer"
 def _is_hole(value: Any) -> bool:
     return isinstance(value, dict) and not value
 
+
+
+def _check_args(lr: Any, momentum: Any, dampening: Any, weight_decay: Any, nesterov: Any, foreach: Any,
+                differentiable: Any, fused: Any) -> None:
+    """torch.optim.SGD's checks, in its order."""
+    check_lr(lr)
+    check_nonneg("momentum", momentum, "momentum value")
+    check_nonneg("weight_decay", weight_decay, "weight_decay value", tensor_ok=True)  # float | Tensor, as torch
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    check_flags("SGD", foreach=foreach, differentiable=differentiable, fused=fused)
 
 class SGD(RuleOptimizer):
     """``torch.optim.SGD`` with offloaded states and fused SIMD kernels.
@@ -66,12 +78,7 @@ class SGD(RuleOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, **offload_kwargs: Any) -> None:
-        check_lr(lr)
-        check_nonneg("momentum", momentum, "momentum value")
-        check_nonneg("weight_decay", weight_decay, "weight_decay value", tensor_ok=True)  # float | Tensor, as torch
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        check_flags("SGD", foreach=foreach, differentiable=differentiable, fused=fused)
+        _check_args(lr, momentum, dampening, weight_decay, nesterov, foreach, differentiable, fused)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize, foreach=foreach,
                         differentiable=differentiable, fused=fused)
@@ -85,6 +92,15 @@ class SGD(RuleOptimizer):
             held = holding_ids(self._ctx.commit_meta, _BUF, self._params_in_order(), "the resumed swap files")
             self._set_started(self._started_by_steps() if held is None else held)
             attach_state_views(self)  # opt.state[p] shows the resumed states, as after a load
+
+    @classmethod
+    def check_group(cls, group: Dict[str, Any]) -> None:
+        """The constructor's checks over a whole group's values: a checkpoint's, before it
+        loads (and dampening's type, which torch's constructor leaves to the step)."""
+        check_flag_types(cls.GROUP_DEFAULTS, group)
+        _check_scalar("dampening", group["dampening"], tensor_ok=False)
+        _check_args(*(group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "foreach",
+                                        "differentiable", "fused")))
 
     def _set_started(self, started: Set[int]) -> None:
         """``_buf_started`` is now ``started`` (a new set: kept_states is made again); the

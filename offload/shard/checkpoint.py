@@ -385,7 +385,8 @@ def _state_dict(m: Dict[str, Any], optimizer: Any, flats: List[Any], entries: Li
     their indices, the saved hyperparameters over the current groups'), and each group's
     keys the checkpoint does not hold."""
     groups = optimizer.param_groups
-    saved = decode_groups((m.get("optimizer") or {}).get("param_groups"), groups, path)
+    saved = decode_groups((m.get("optimizer") or {}).get("param_groups"), groups, path,
+                          getattr(optimizer, "check_group", None))
     index = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
     state = {index[id(f.shard)]: e for (_, f), e in zip(flats, entries) if e is not None}
     out_groups, start = [], 0

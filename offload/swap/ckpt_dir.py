@@ -86,11 +86,21 @@ def read_manifest(directory: str, advice: str = fsutil.LOAD_ADVICE) -> Dict[str,
         raise ValueError(f"{path}: not an offload checkpoint manifest")
     if m.get("version") != CKPT_VERSION:
         raise ValueError(f"{path}: checkpoint format version {m.get('version')!r}, this offload reads {CKPT_VERSION}")
-    if not isinstance(m.get("files"), dict) or not all(isinstance(v, str) and os.path.basename(v) == v
-                                                       for v in m["files"].values()):
-        raise ValueError(f"{path}: the manifest's 'files' is not a map of state to a file name in this directory")
     check_checkpoint_manifest(m, path)
+    # Only names of ours: a save removes the files its previous manifest names (finish()), so
+    # a damaged 'files' naming "model.bin" would have the next save delete the user's file.
+    files = m.get("files")
+    if not isinstance(files, dict) or not all(n in files and _ours(n, files[n], m["gen"]) for n in m["states"]) \
+            or len(files) != len(m["states"]):
+        raise ValueError(f"{path}: the manifest's 'files' is not a map of each state to a file name of ours "
+                         f"({PREFIX}<state>.<gen>.bin) in this directory, got {files!r:.120}")
     return m
+
+
+def _ours(state: str, name: object, gen: int) -> bool:
+    """Whether ``name`` is the file name a save of generation ``gen`` gives ``state``'s file
+    (the first release's, without the prefix, too)."""
+    return isinstance(name, str) and name in (f"{PREFIX}{state}.{gen}.bin", f"{state}.{gen}.bin")
 
 
 class CheckpointBusy(BlockingIOError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -92,8 +92,8 @@ def saved_meta(directory: str) -> Tuple[Dict[str, Any], str]:
     return read_manifest(where).get("meta") or {}, path
 
 
-def checkpoint_groups(directory: str, param_groups: List[Dict[str, Any]], *,
-                      shards: bool = True) -> Optional[List[Dict[str, Any]]]:
+def checkpoint_groups(directory: str, param_groups: List[Dict[str, Any]], *, shards: bool = True,
+                      check: Optional[Callable[[Dict[str, Any]], None]] = None) -> Optional[List[Dict[str, Any]]]:
     """The hyperparameters of checkpoint ``directory`` (in ``rank0/``; or, for the previous
     release's single-directory format, in ``directory``: ``shards`` is no longer needed to
     tell), decoded and checked against ``param_groups``; None when it has none (or no
@@ -105,14 +105,22 @@ def checkpoint_groups(directory: str, param_groups: List[Dict[str, Any]], *,
     if not isinstance(saved, list) or not all(isinstance(g, dict) and isinstance(g.get("hyper"), dict)
                                               and isinstance(g.get("n_params"), int) for g in saved):
         raise ValueError(f"{path}: meta.param_groups is not a list of groups")
-    if sum(g.get("n_params") or 0 for g in saved) != sum(len(g["params"]) for g in param_groups):
+    ours = sum(len(g["params"]) for g in param_groups)
+    if sum(g.get("n_params") or 0 for g in saved) != ours:
+        steps = meta.get("steps")
+        if isinstance(steps, list) and len(steps) == ours:  # the store would load it, its groups not
+            raise ValueError(f"{path}: meta.param_groups counts {[g.get('n_params') for g in saved]!r:.80} params, "
+                             f"its step counts {ours}; nothing was loaded")
         return None  # a checkpoint of other params: the store's load refuses it, saying so
-    return decode_groups(saved, param_groups, path)
+    return decode_groups(saved, param_groups, path, check)
 
 
-def decode_groups(saved: Any, param_groups: List[Dict[str, Any]], path: str) -> List[Dict[str, Any]]:
+def decode_groups(saved: Any, param_groups: List[Dict[str, Any]], path: str,
+                  check: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Dict[str, Any]]:
     """``encode_groups``' list ``saved`` decoded, each group's hyperparameters checked against
-    ``param_groups`` (as many groups, as many params in each); ValueError naming ``path``."""
+    ``param_groups`` (as many groups, as many params in each) and, each group as it would be
+    after the load, by ``check`` (the optimizer's ``check_group``: its constructor's checks;
+    a damaged ``lr: "x"`` loaded, then failed every step); ValueError naming ``path``."""
     if not isinstance(saved, list) or not all(isinstance(g, dict) and isinstance(g.get("hyper"), dict)
                                               and isinstance(g.get("n_params"), int) for g in saved):
         raise ValueError(f"{path}: param_groups is not a list of groups")
@@ -125,9 +133,12 @@ def decode_groups(saved: Any, param_groups: List[Dict[str, Any]], path: str) -> 
             raise ValueError(f"{path}: param group {i} has {g.get('n_params')} params in the checkpoint, "
                              f"{len(cur['params'])} in this optimizer; nothing was loaded")
         try:
-            out.append({k: _decode(v, cur.get(k)) for k, v in g["hyper"].items()})
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{path}: param group {i}: {exc}") from None
+            hyper = {k: _decode(v, cur.get(k)) for k, v in g["hyper"].items()}
+            if check is not None:
+                check(dict(cur, **hyper))
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+            raise ValueError(f"{path}: param group {i}: {exc}; nothing was loaded") from None
+        out.append(hyper)
     return out
 
 

@@ -59,6 +59,8 @@ def _check_states(m: Dict[str, Any], path: str) -> None:
     states = m.get("states")
     if not (isinstance(states, list) and all(isinstance(n, str) for n in states)):
         raise manifest_error(path, "states", f"expected a list of state names, got {states!r:.80}")
+    if not _nat(m.get("gen")):
+        raise manifest_error(path, "gen", f"expected an integer >= 0, got {m.get('gen')!r:.80}")
     crcs = m.get("crc32")
     if not (isinstance(crcs, dict) and all(_nat(crcs.get(n)) and crcs[n] < _UINT32 for n in states)):
         raise manifest_error(path, "crc32", f"expected a crc32 per state, got {crcs!r:.80}")

@@ -95,8 +95,9 @@ def _forms(path: str, m: Dict[str, Any], numels: Sequence[int], states: List[str
     said = (m.get("meta") or {}).get(TENSORS)
     where = os.path.join(path, CKPT_MANIFEST)
     if not isinstance(said, dict) or sorted(said) != sorted(states):
-        raise ValueError(f"{where}: the meta's {TENSORS!r} names the states {sorted(said or {})}, the "
-                         f"checkpoint holds {[k + BYTES for k in states]}")
+        raise ValueError(f"{where}: the meta's {TENSORS!r} names the states "
+                         f"{sorted(said) if isinstance(said, dict) else repr(said)[:80]}, the checkpoint holds "
+                         f"{[k + BYTES for k in states]}")
     forms: Forms = {}
     for k in states:
         entries = said[k]
