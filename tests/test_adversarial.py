@@ -220,3 +220,22 @@ def test_the_default_sigterm_action_is_left_alone(tmp_path):
     assert r.returncode == 0, err
     assert out.strip() == "default True", out + err
     assert os.listdir(tmp_path) == []
+
+
+def test_keep_swap_after_a_plain_close_says_the_files_are_gone(tmp_path):
+    # close(keep_swap=True) after close() returned silently: a caller that meant to resume
+    # later learned only at resume=True that nothing was kept
+    p = torch.nn.Parameter(torch.randn(100))
+    opt = offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path))
+    p.grad = torch.ones_like(p)
+    opt.step()
+    opt.close()
+    opt.close()  # idempotent
+    with pytest.raises(RuntimeError, match=r"close\(keep_swap=True\) after close\(\): the first close removed"):
+        opt.close(keep_swap=True)
+    kept = offload.AdamW([p], offload="nvme", swap_dir=str(tmp_path))
+    kept.step()
+    kept.close(keep_swap=True)
+    kept.close(keep_swap=True)  # kept, then kept again: nothing to say
+    kept.close()
+    assert os.listdir(tmp_path)  # the kept files stay: a later close changes nothing

@@ -463,7 +463,6 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         """Stream the states to ``directory`` (only files named ``offload-ckpt*`` and, for the
         flat store, ``rank<r>/`` are ours there) with the param_groups' hyperparameters."""
         from offload.swap.ckpt_groups import encode_groups
-
         self._check_open()
         save = optional(self._store, "save_checkpoint")
         if save is None:
@@ -482,16 +481,17 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         load_checkpoint_into(self, directory)
 
     def close(self, keep_swap: bool = False) -> None:
-        """Release host buffers and remove swap files (also done at interpreter exit).
-        Idempotent; the optimizer cannot step afterwards. ``keep_swap=True`` (``offload=
-        "nvme"``) keeps the swap directory, unlocked and at its last committed step, for a
-        new optimizer with ``resume=True`` (in this process or another)."""
+        """Release host buffers and remove swap files (also done at interpreter exit); idempotent, no step
+        after. ``keep_swap=True`` (``offload="nvme"``) keeps the swap directory, unlocked and at its last
+        committed step, for a new optimizer with ``resume=True`` (here or in another process)."""
         if keep_swap and self.config.offload != "nvme":
             raise ValueError(f"close(keep_swap=True) needs offload='nvme' (offload={self.config.offload!r} keeps no swap files)")
+        if keep_swap and self._closed is True:  # (it was silently a no-op: the caller thought the files kept)
+            raise RuntimeError("close(keep_swap=True) after close(): the first close removed the swap files")
         if self._store is not None and not self._closed:
             detach_state_views(self)  # before the buffers they view are freed
             self._store.close(keep_swap=keep_swap) if keep_swap else self._store.close()
-        self._closed = True
+        self._closed = self._closed or ("kept" if keep_swap else True)
 
     def __enter__(self):
         return self
