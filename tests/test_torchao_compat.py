@@ -123,3 +123,81 @@ def test_torchaos_smoke_flow(tmp_path, cls, kw, dtype):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
     opt.close()
     opt2.close()
+
+
+class _Wrapped(torch.Tensor):
+    """A tensor subclass that wraps its values and implements only ``detach`` and ``copy_``
+    out of itself, as torchao's ``OptimState8bit`` (AdamW8bit's states) does for a load."""
+
+    @staticmethod
+    def __new__(cls, values, copyable=True):
+        return torch.Tensor._make_wrapper_subclass(cls, values.shape, dtype=values.dtype, device=values.device)
+
+    def __init__(self, values, copyable=True):
+        self.values, self.copyable = values, copyable
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return _Wrapped(args[0].values, args[0].copyable)
+        if func is torch.ops.aten.copy_.default and type(args[1]) is _Wrapped and args[1].copyable:
+            return args[0].copy_(args[1].values)
+        raise NotImplementedError(f"_Wrapped: {func}")
+
+    def __repr__(self):
+        return "_Wrapped()"
+
+
+def _wrapped(sd, copyable=True):
+    return dict(sd, state={i: {k: (_Wrapped(v, copyable) if k.startswith("exp_avg") else v) for k, v in st.items()}
+                           for i, st in sd["state"].items()})
+
+
+@pytest.mark.parametrize("offl", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+def test_a_state_dict_of_wrapped_states_loads_as_its_values(workdir, offl, state_dtype):
+    # torchao's AdamW8bit state_dict into offload.AdamW: with offload "none"/"cpu" the load
+    # failed with torchao's NotImplementedError (aten.eq, in the int8 encode), or kept the
+    # subclass in opt.state with float32 states and every step refused it ("exp_avg_sq
+    # overlaps exp_avg in memory"); "nvme" loaded it. Now each store loads its values.
+    src = _params()
+    torch_opt = torch.optim.AdamW(src, lr=1e-2)
+    _steps(src, torch_opt, 2)
+    sd = torch_opt.state_dict()
+    kw = dict(swap_dir=str(workdir)) if offl == "nvme" else {}
+    a, b = _params(), _params()
+    plain = offload.AdamW(a, lr=1e-2, offload=offl, state_dtype=state_dtype, **kw)
+    plain.load_state_dict(copy.deepcopy(sd))
+    if offl == "nvme":
+        kw = dict(swap_dir=str(workdir / "b"))
+        (workdir / "b").mkdir()
+    wrapped = offload.AdamW(b, lr=1e-2, offload=offl, state_dtype=state_dtype, **kw)
+    wrapped.load_state_dict(_wrapped(copy.deepcopy(sd)))
+    for i, st in plain.state_dict()["state"].items():
+        got = wrapped.state_dict()["state"][i]
+        assert all(type(v) is torch.Tensor for v in got.values())
+        for k, v in st.items():
+            assert torch.equal(got[k], v), (i, k)
+    _steps(a, plain, 2)
+    _steps(b, wrapped, 2)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    plain.close()
+    wrapped.close()
+
+
+def test_wrapped_states_that_cannot_be_copied_out_are_refused_before_anything_loads():
+    src = _params()
+    torch_opt = torch.optim.AdamW(src, lr=1e-2)
+    _steps(src, torch_opt, 1)
+    ps = _params()
+    opt = offload.AdamW(ps, lr=1e-2, offload="cpu")
+    _steps(ps, opt, 1)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] is a _Wrapped whose values cannot be copied out"):
+        opt.load_state_dict(_wrapped(torch_opt.state_dict(), copyable=False))
+    after = opt.state_dict()
+    for i, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["state"][i][k], v)
+    opt.close()

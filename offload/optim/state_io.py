@@ -205,10 +205,43 @@ def check_loadable(opt: Any, state_dict: Dict[str, Any]) -> None:
                 _check_not_bare(k, st, required.get(k, names), opt.state.get(p))
 
 
+def _wrapped(v: Any) -> bool:
+    """A tensor of a subclass that wraps its values (not a Parameter; not a DTensor, whose
+    values are spread over ranks: torch's load keeps it, as here)."""
+    return (isinstance(v, torch.Tensor) and type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter)
+            and type(v).__name__ != "DTensor")
+
+
+def _plain(where: str, v: Any) -> Any:
+    if not _wrapped(v):
+        return v
+    out = torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
+    try:
+        out.copy_(v.detach())
+    except (NotImplementedError, RuntimeError, TypeError) as exc:
+        raise ValueError(f"load_state_dict: {where} is a {type(v).__name__} whose values cannot be copied out "
+                         f"({exc}); load a dict of plain tensors") from None
+    return out
+
+
+def plain_states(state_dict: Any) -> Any:
+    """``state_dict`` with each state tensor of a wrapping subclass replaced by the plain
+    tensor its own ``copy_`` gives. torchao's AdamW8bit state_dict holds ``OptimState8bit``
+    states, whose other ops are not implemented: the host stores' load failed inside the
+    int8 encode (``aten.eq``), or kept them in ``opt.state`` with float32 states, where the
+    step then refused them ("exp_avg_sq overlaps exp_avg in memory": both data pointers 0)."""
+    state = state_dict.get("state") if isinstance(state_dict, dict) else None
+    if not isinstance(state, dict) or not any(_wrapped(v) for st in state.values() if isinstance(st, dict)
+                                              for v in st.values()):
+        return state_dict
+    return dict(state_dict, state={k: ({n: _plain(f"state[{k!r}][{n!r}]", v) for n, v in st.items()}
+                                       if isinstance(st, dict) else st) for k, st in state.items()})
+
+
 def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[Dict[str, Any]], None]) -> None:
     """``base`` is torch's ``Optimizer.load_state_dict``: it replaces ``opt.state`` and
     ``opt.param_groups``, which are put back if the load fails after the checks."""
-    state_dict = unmarked(state_dict)  # a stage-3 dict's DCP chunks ([Note: shards in DCP])
+    state_dict = plain_states(unmarked(state_dict))  # a stage-3 dict's DCP chunks ([Note: shards in DCP])
     check_loadable(opt, state_dict)
     store = opt._store
     swap = store if hasattr(store, "atomic_writes") else getattr(store, "_swap", None)
