@@ -257,6 +257,7 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
         with batch:
             base(state_dict)
             _check_group_keys(opt, need)
+            _check_group_values(opt)
             if getattr(store, "kind", None) != "host":
                 _import_all(opt, store, held)
             elif hasattr(store, "settle"):
@@ -288,6 +289,24 @@ def _check_group_keys(opt: Any, need: List[str]) -> None:
             raise ValueError(f"load_state_dict: param group {i} has no {', '.join(map(repr, missing))}, which "
                              f"offload.{type(opt).__name__} steps with (a state_dict of another optimizer? "
                              f"the group holds {has})")
+
+
+def _check_group_values(opt: Any) -> None:
+    """Each loaded group passes the constructor's checks (``check_group``). torch's load takes
+    ``lr=None`` or ``betas=[]`` and its step fails (here it failed at each step too, the
+    states loaded); the flags that only pick torch's code path (``foreach``, ``fused``) and
+    those set to False after the load with a warning (``capturable``, ``differentiable``:
+    ``clear_execution_flags``) are checked for their type only."""
+    check = getattr(opt, "check_group", None)
+    if check is None:
+        return
+    for i, group in enumerate(opt.param_groups):
+        neutral = {k: (None if k in ("foreach", "fused") else False)
+                   for k in ("foreach", "fused", "capturable", "differentiable") if isinstance(group.get(k), bool)}
+        try:
+            check(dict(group, **neutral))
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
+            raise ValueError(f"load_state_dict: param group {i}: {exc}; nothing was loaded") from None
 
 
 def _import_all(opt: Any, store: Any, held: Set[int]) -> None:
