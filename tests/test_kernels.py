@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 
+import offload
 import offload.kernels as K
 from offload.kernels import registry
 
@@ -585,6 +586,14 @@ def test_empty_tensors(backend):
 def test_unknown_backend_name():
     with pytest.raises(ValueError, match="unknown kernel backend 'cuda'"):
         K.get_backend("cuda")
+
+
+@pytest.mark.parametrize("cls", [offload.AdamW, offload.SGD, offload.Adagrad, offload.Lion])
+@pytest.mark.parametrize("backend", [1, True, ["native"]])
+def test_a_backend_that_is_no_name_is_a_type_error(cls, backend):
+    # (an AttributeError "'int' object has no attribute 'strip'" named neither the option nor its values)
+    with pytest.raises(TypeError, match=r"backend must be one of native, numba, torch, auto or None, got"):
+        cls([torch.nn.Parameter(torch.randn(3))], lr=0.1, backend=backend)
 
 
 def test_forced_backend_env(monkeypatch):

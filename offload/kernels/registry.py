@@ -57,6 +57,9 @@ def get_backend(name: Optional[str] = None):
     global _auto_logged
     if name is None:
         name = os.environ.get("OFFLOAD_BACKEND", "") or "auto"
+    if not isinstance(name, str):  # (an AttributeError from .strip() named nothing)
+        raise TypeError(f"backend must be one of {', '.join(BACKENDS + ('auto',))} or None, got "
+                        f"{type(name).__name__} {name!r:.40}")
     name = name.strip().lower()
     if name == "auto":
         for candidate in BACKENDS:
