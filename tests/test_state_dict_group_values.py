@@ -89,3 +89,29 @@ def test_flags_that_pick_torchs_code_path_still_load():
     assert g["foreach"] is True and g["differentiable"] is False and torch.is_tensor(g["lr"])
     _step(opt, ps)
     opt.close()
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "adagrad", "lion"])
+@pytest.mark.parametrize("offl", ["none", "nvme", "flat"])
+def test_a_group_added_with_a_value_the_constructor_refuses_is_refused(workdir, name, offl):
+    # torch's add_param_group takes {"lr": "x"} (its step fails); here the step failed too
+    ours = MAKE[name][0]
+    kw = dict(offload="nvme", swap_dir=str(workdir)) if offl == "nvme" else dict(stage=2) if offl == "flat" else {}
+    ps = _params()
+    opt = ours(ps, **kw)
+    _step(opt, ps)
+    with pytest.raises(TypeError, match=r"param group 1: lr must be a float or a 1-element Tensor, got str 'x'"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(5))], "lr": "x"})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match=r"param group 1: Invalid learning rate: -1.0"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(5))], "lr": -1.0})
+    _step(opt, ps, 2)
+    opt.close()
+
+
+def test_a_group_given_to_the_constructor_is_checked_as_its_defaults_are():
+    # (torch checks only the keyword arguments: a group's own lr=None failed at the first step)
+    with pytest.raises(TypeError, match=r"param group 1: lr must be a float or a 1-element Tensor, got NoneType"):
+        offload.AdamW([{"params": _params()}, {"params": _params(1), "lr": None}], lr=1e-2)
+    with pytest.raises(ValueError, match=r"param group 0: Invalid momentum value: -0.5"):
+        offload.SGD([{"params": _params(), "momentum": -0.5}], lr=1e-2)

@@ -34,8 +34,8 @@ from offload.optim.guards import eager, one_at_a_time, register_guards, register
 from offload.optim.held_loads import held_load, load_checkpoint_into
 from offload.optim.host_dtypes import host_params
 from offload.optim.host_state import HostState, nothing_to_swap
-from offload.optim.options import (OPTIMIZER_OPTIONS, check_compression, check_extras, check_group_keys,
-                                   check_group_rule, check_master_dtype, check_param_dtype, check_release_grads,
+from offload.optim.options import (OPTIMIZER_OPTIONS, check_compression, check_extras, check_group_keys, check_group_rule,
+                                   check_group_values, check_master_dtype, check_param_dtype, check_release_grads,
                                    clear_execution_flags, make_config, options_now, refuse_release_grads, unexpected_keyword)
 from offload.optim.protocol import optional
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
@@ -251,9 +251,9 @@ class RuleOptimizer(ContextAttributes, Optimizer):
                 check_param_dtype(base + i, p, self.TORCH_NAME)
             if self._store is not None:
                 check_master_dtype(self.master_dtype, self.param_groups[-1]["params"], self.TORCH_NAME, base)
-            # What the states are laid out for (step_guard.check_work), also while torch's
-            # __init__ adds the first groups.
+            # What the states are laid out for (step_guard.check_work), also in torch's __init__.
             self._param_sigs = snapshot(self._all_params())
+            check_group_values(self, self.param_groups[-1], f"param group {len(self.param_groups) - 1}")
             if self._store is None:
                 return
             self._check_open()

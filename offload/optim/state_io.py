@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Set
 import torch
 
 from offload.optim.guards import before_load
-from offload.optim.options import check_loaded_groups, loaded_group_rule
+from offload.optim.options import check_group_values, check_loaded_groups, loaded_group_rule
 from offload.optim.protocol import optional
 from offload.optim.state_view import MASTER, attach, seen_names
 from offload.shard.dcp_chunks import mark_param_states, unmarked
@@ -292,21 +292,14 @@ def _check_group_keys(opt: Any, need: List[str]) -> None:
 
 
 def _check_group_values(opt: Any) -> None:
-    """Each loaded group passes the constructor's checks (``check_group``). torch's load takes
-    ``lr=None`` or ``betas=[]`` and its step fails (here it failed at each step too, the
-    states loaded); the flags that only pick torch's code path (``foreach``, ``fused``) and
-    those set to False after the load with a warning (``capturable``, ``differentiable``:
-    ``clear_execution_flags``) are checked for their type only."""
-    check = getattr(opt, "check_group", None)
-    if check is None:
-        return
+    """Each loaded group passes the constructor's checks (``options.check_group_values``):
+    torch's load takes ``lr=None`` or ``betas=[]`` and its step fails; here each step failed
+    too, after the states had been replaced."""
     for i, group in enumerate(opt.param_groups):
-        neutral = {k: (None if k in ("foreach", "fused") else False)
-                   for k in ("foreach", "fused", "capturable", "differentiable") if isinstance(group.get(k), bool)}
         try:
-            check(dict(group, **neutral))
+            check_group_values(opt, group, f"param group {i}")
         except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
-            raise ValueError(f"load_state_dict: param group {i}: {exc}; nothing was loaded") from None
+            raise ValueError(f"load_state_dict: {exc}; nothing was loaded") from None
 
 
 def _import_all(opt: Any, store: Any, held: Set[int]) -> None:
