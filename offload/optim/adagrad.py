@@ -24,7 +24,6 @@ from offload.optim.state_view import attach as attach_state_views
 __all__ = ["Adagrad"]
 
 
-
 def _check_args(lr: Any, lr_decay: Any, weight_decay: Any, initial_accumulator_value: Any, eps: Any, foreach: Any,
                 differentiable: Any, fused: Any) -> None:
     """torch.optim.Adagrad's checks, in its order."""
@@ -34,6 +33,7 @@ def _check_args(lr: Any, lr_decay: Any, weight_decay: Any, initial_accumulator_v
     check_nonneg("initial_accumulator_value", initial_accumulator_value, "initial_accumulator_value value")
     check_nonneg("eps", eps, "epsilon value")
     check_flags("Adagrad", foreach=foreach, differentiable=differentiable, fused=fused)
+
 
 class Adagrad(RuleOptimizer):
     """``torch.optim.Adagrad`` with offloaded states and fused SIMD kernels.
@@ -59,7 +59,7 @@ class Adagrad(RuleOptimizer):
 
     @classmethod
     def check_group(cls, group: Dict[str, Any]) -> None:
-        """The constructor's checks over a whole group's values: a checkpoint's, before it loads."""
+        """The constructor's checks over a whole group's values (a group added or loaded: options.check_group_values)."""
         check_flag_types(cls.GROUP_DEFAULTS, group)
         _check_args(*(group[k] for k in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps",
                                         "foreach", "differentiable", "fused")))

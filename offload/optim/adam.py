@@ -71,7 +71,7 @@ class _AdamBase(RuleOptimizer):
 
     @classmethod
     def check_group(cls, group: Dict[str, Any]) -> None:
-        """The constructor's checks over a whole group's values: a checkpoint's, before it loads."""
+        """The constructor's checks over a whole group's values (a group added or loaded: options.check_group_values)."""
         check_flag_types(cls.GROUP_DEFAULTS, group)
         check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["amsgrad"],
                     foreach=group.get("foreach"), capturable=group.get("capturable", False),

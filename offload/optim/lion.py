@@ -20,8 +20,8 @@ from offload.optim.state_view import attach as attach_state_views
 __all__ = ["Lion"]
 
 
-
 def _check_args(lr: Any, betas: Any, weight_decay: Any) -> None:
+    """lion-pytorch's asserts, as ValueErrors in torch's words."""
     check_lr(lr)
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
@@ -30,6 +30,7 @@ def _check_args(lr: Any, betas: Any, weight_decay: Any) -> None:
         if not 0.0 <= b <= 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {b}")
     check_nonneg("weight_decay", weight_decay, "weight_decay value")
+
 
 class Lion(RuleOptimizer):
     """Lion with offloaded states and fused SIMD kernels: lion-pytorch's arguments and
@@ -50,7 +51,7 @@ class Lion(RuleOptimizer):
 
     @classmethod
     def check_group(cls, group: Dict[str, Any]) -> None:
-        """The constructor's checks over a whole group's values: a checkpoint's, before it loads."""
+        """The constructor's checks over a whole group's values (a group added or loaded: options.check_group_values)."""
         check_flag_types(cls.GROUP_DEFAULTS, group)
         _check_args(group["lr"], group["betas"], group["weight_decay"])
 

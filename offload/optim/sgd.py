@@ -46,7 +46,6 @@ def _is_hole(value: Any) -> bool:
     return isinstance(value, dict) and not value
 
 
-
 def _check_args(lr: Any, momentum: Any, dampening: Any, weight_decay: Any, nesterov: Any, foreach: Any,
                 differentiable: Any, fused: Any) -> None:
     """torch.optim.SGD's checks, in its order."""
@@ -56,6 +55,7 @@ def _check_args(lr: Any, momentum: Any, dampening: Any, weight_decay: Any, neste
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     check_flags("SGD", foreach=foreach, differentiable=differentiable, fused=fused)
+
 
 class SGD(RuleOptimizer):
     """``torch.optim.SGD`` with offloaded states and fused SIMD kernels.
@@ -95,8 +95,8 @@ class SGD(RuleOptimizer):
 
     @classmethod
     def check_group(cls, group: Dict[str, Any]) -> None:
-        """The constructor's checks over a whole group's values: a checkpoint's, before it
-        loads (and dampening's type, which torch's constructor leaves to the step)."""
+        """The constructor's checks over a whole group's values (a group added or loaded:
+        options.check_group_values), and dampening's type, which torch leaves to the step."""
         check_flag_types(cls.GROUP_DEFAULTS, group)
         _check_scalar("dampening", group["dampening"], tensor_ok=False)
         _check_args(*(group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "foreach",
