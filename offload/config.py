@@ -113,8 +113,11 @@ class IOConfig:
     def __post_init__(self) -> None:
         if self.engine not in ("auto", "uring", "threads", "aiofiles"):
             raise ValueError(f"unknown io engine {self.engine!r}; expected auto, uring, threads or aiofiles")
-        if self.queue_depth < 1:
-            raise ValueError(f"queue_depth must be >= 1, got {self.queue_depth}")
+        from offload.io.engine import MAX_QUEUE_DEPTH
+
+        if isinstance(self.queue_depth, bool) or not isinstance(self.queue_depth, int) \
+                or not 1 <= self.queue_depth <= MAX_QUEUE_DEPTH:
+            raise ValueError(f"queue_depth must be an int in [1, {MAX_QUEUE_DEPTH}], got {self.queue_depth!r}")
         if self.block_size < 4096 or self.block_size % 4096:
             raise ValueError(f"block_size must be a positive multiple of 4096, got {self.block_size}")
 

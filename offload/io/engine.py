@@ -22,7 +22,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .files import ALIGN, IOFile
 
-__all__ = ["IORequest", "Ticket", "Engine", "as_bytes_view"]
+__all__ = ["IORequest", "Ticket", "Engine", "as_bytes_view", "MAX_QUEUE_DEPTH"]
+
+MAX_QUEUE_DEPTH = 32768
+"""The most requests an engine keeps in flight: the kernel's largest io_uring
+(IORING_MAX_ENTRIES). A deeper queue failed in the ring's set-up, with python-liburing as an
+OverflowError past 2**32; the thread engines would start that many threads."""
 
 _OPS = ("read", "write")
 _MAX_OFFSET = 1 << 63  # off_t: a larger offset would wrap in a 64-bit field (an SQE's) and hit offset 0
@@ -156,8 +161,8 @@ class Engine:
     name = "base"
 
     def __init__(self, *, queue_depth: int = 32, block_size: int = 1 << 20, direct: Optional[bool] = None) -> None:
-        if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
-            raise ValueError(f"queue_depth must be an int >= 1, got {queue_depth!r}")
+        if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+            raise ValueError(f"queue_depth must be an int in [1, {MAX_QUEUE_DEPTH}], got {queue_depth!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < ALIGN or block_size % ALIGN:
             raise ValueError(f"block_size must be a positive multiple of {ALIGN}, got {block_size!r}")
         self.queue_depth = queue_depth
