@@ -38,9 +38,11 @@ def test_signature_and_defaults_as_torch(name):
     assert getattr(offload, name)([p]).defaults == getattr(torch.optim, name)([p]).defaults
 
 
-def test_differentiable_is_refused_with_the_reason():
-    with pytest.raises(NotImplementedError, match="differentiable=True is not supported"):
-        offload.SGD([torch.zeros(3)], differentiable=True)
+def test_differentiable_is_torchs_own_optimizer():
+    # (offload/optim/differentiable.py: [Note: differentiable steps are torch's])
+    with pytest.warns(UserWarning, match=r"differentiable=True\) is torch.optim.SGD"):
+        opt = offload.SGD([torch.zeros(3)], differentiable=True)
+    assert type(opt) is torch.optim.SGD and opt.defaults["differentiable"] is True
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -17,6 +17,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels.fields import ADAGRAD, Rule
 from offload.optim.base import RuleOptimizer
+from offload.optim.differentiable import TorchWhenDifferentiable
 from offload.optim.host_dtypes import fill_value, state_dtype_of
 from offload.optim.rule_options import check_flag_types, check_flags, check_lr, check_nonneg, to_float
 from offload.optim.state_view import attach as attach_state_views
@@ -35,7 +36,7 @@ def _check_args(lr: Any, lr_decay: Any, weight_decay: Any, initial_accumulator_v
     check_flags("Adagrad", foreach=foreach, differentiable=differentiable, fused=fused)
 
 
-class Adagrad(RuleOptimizer):
+class Adagrad(TorchWhenDifferentiable, RuleOptimizer):
     """``torch.optim.Adagrad`` with offloaded states and fused SIMD kernels.
 
     Same arguments, defaults, validation messages and ``state_dict`` layout as torch's, plus
@@ -45,6 +46,7 @@ class Adagrad(RuleOptimizer):
 
     GROUP_DEFAULTS = (("foreach", None), ("maximize", False), ("differentiable", False), ("fused", None))
     TORCH_NAME = "Adagrad"
+    TORCH_CLASS = torch.optim.Adagrad  # differentiable=True: torch's (differentiable.py)
     SPARSE_GRADS = True  # stepped as their dense equivalent: [Note: sparse grads] in sparse_grads.py
     SPARSE_MESSAGE = "offload.Adagrad takes sparse grads in torch's sparse COO layout only"
 

@@ -14,6 +14,7 @@ import torch
 from offload.kernels.fields import ADAM, ADAM_AMSGRAD, Rule
 from offload.optim.base import RuleOptimizer
 from offload.optim.ckpt_holding import holding_ids, holding_meta, holding_of, record_now, saved_holding
+from offload.optim.differentiable import TorchWhenDifferentiable
 from offload.optim.functional import AdamHyper, RuleHyper
 from offload.optim.options import check_hyper
 from offload.optim.protocol import optional
@@ -31,7 +32,7 @@ def _to_float(x: Any, what: str) -> float:
     return float(x)
 
 
-class _AdamBase(RuleOptimizer):
+class _AdamBase(TorchWhenDifferentiable, RuleOptimizer):
     GROUP_DEFAULTS = (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
                       ("differentiable", False), ("decoupled_weight_decay", False), ("fused", None))
     SPARSE_MESSAGE = "Adam does not support sparse gradients, please consider SparseAdam instead"
@@ -211,7 +212,10 @@ class Adam(_AdamBase):
     ``opt.state[p]`` holds the states as stored (a bf16 tensor of p's shape, or 1-D uint8
     packed blocks for int8); ``state_dict()`` gives them as float32 in torch's layout, and
     ``load_state_dict()`` of a float32 (torch) dict encodes them.
+    ``differentiable=True`` returns a ``torch.optim.Adam``, with a warning (differentiable.py).
     """
+
+    TORCH_CLASS = torch.optim.Adam
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
@@ -227,6 +231,8 @@ class AdamW(_AdamBase):
     Same arguments and defaults as ``torch.optim.AdamW``, plus the options of
     :class:`offload.Adam`.
     """
+
+    TORCH_CLASS = torch.optim.AdamW
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,

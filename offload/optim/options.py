@@ -113,7 +113,8 @@ def check_torch_flags(*, foreach: Optional[bool], differentiable: bool, fused: O
 def refuse_differentiable(ours: str, torchs: str) -> None:
     raise NotImplementedError(
         f"offload.{ours}: differentiable=True is not supported: the kernels update the states in "
-        f"place outside autograd; use torch.optim.{torchs}(differentiable=True) or differentiable=False")
+        f"place outside autograd; use torch.optim.{torchs}(differentiable=True) or differentiable=False (only "
+        f"offload.{torchs} itself turns into it: offload/optim/differentiable.py)")
 
 
 def _check_bool(name: str, value: Any) -> None:

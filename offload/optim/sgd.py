@@ -30,8 +30,9 @@ import torch
 from offload.kernels.fields import SGD as SGD_RULE, SGD_PLAIN, Rule
 from offload.optim.base import RuleOptimizer
 from offload.optim.ckpt_holding import holding_ids, holding_of, record_now, saved_holding
-from offload.optim.protocol import optional
+from offload.optim.differentiable import TorchWhenDifferentiable
 from offload.optim.options import _check_scalar
+from offload.optim.protocol import optional
 from offload.optim.rule_options import check_flag_types, check_flags, check_lr, check_nonneg, to_float
 from offload.optim.state_io import id_map
 from offload.optim.state_view import attach as attach_state_views
@@ -57,7 +58,7 @@ def _check_args(lr: Any, momentum: Any, dampening: Any, weight_decay: Any, neste
     check_flags("SGD", foreach=foreach, differentiable=differentiable, fused=fused)
 
 
-class SGD(RuleOptimizer):
+class SGD(TorchWhenDifferentiable, RuleOptimizer):
     """``torch.optim.SGD`` with offloaded states and fused SIMD kernels.
 
     Same arguments, defaults, validation messages and ``state_dict`` layout as torch's, plus
@@ -73,6 +74,7 @@ class SGD(RuleOptimizer):
     GROUP_DEFAULTS = (("nesterov", False), ("maximize", False), ("foreach", None),
                       ("differentiable", False), ("fused", False))
     TORCH_NAME = "SGD"
+    TORCH_CLASS = torch.optim.SGD  # differentiable=True: torch's (differentiable.py)
     SPARSE_GRADS = True  # stepped as their dense equivalent: [Note: sparse grads] in sparse_grads.py
     SPARSE_MESSAGE = "offload.SGD takes sparse grads in torch's sparse COO layout only"
 
