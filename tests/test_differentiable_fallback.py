@@ -66,7 +66,7 @@ def test_offload_options_cannot_apply_to_torchs_step(option):
 
 def test_their_defaults_are_no_obstacle():
     opt = offload.Adam([torch.zeros(2)], differentiable=True, offload="none", state_dtype="float32",
-                       bias_correction=True, verify=False)
+                       bias_correction=True, verify=False, stage=0, num_threads=None)
     assert type(opt) is torch.optim.Adam
 
 

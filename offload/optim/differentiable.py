@@ -57,5 +57,7 @@ class TorchWhenDifferentiable:
 
 
 def _is_default(key: str, value: Any) -> bool:
+    if key == "stage" and value == 0 and type(value) is int:  # stage 0: nothing partitioned, as torch's
+        return True
     want = _DEFAULTS[key]
     return value is want or (isinstance(value, type(want)) and not isinstance(value, torch.Tensor) and value == want)
