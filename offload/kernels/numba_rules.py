@@ -21,7 +21,12 @@ __all__ = ["adam_update", "load_grad", "sgd_parallel", "sgd_parallel_lowp", "sgd
            "lion_serial", "amsgrad_parallel", "amsgrad_parallel_lowp", "amsgrad_serial",
            "sgd_scalars", "adagrad_scalars", "lion_scalars"]
 
-_FASTMATH = {"contract"}  # as numba_backend: no flag that assumes finite values
+# No fastmath flag: every FMA the native units take is written out (fma32), and "contract"
+# let LLVM fuse others too. Lion's caller scales the grad (g = grad * gs, for max_grad_norm or a
+# GradScaler) and _lion subtracts the moment (g - m): fused into fma(grad, gs, -m), numba's
+# exp_avg was one ulp off the native units' (every ISA) from the second step (forty-seventh
+# session's fuzz on AVX-512).
+_FASTMATH = False
 
 
 def load_grad(g, i, grad_code):
