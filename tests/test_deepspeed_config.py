@@ -8,7 +8,7 @@ import torch
 
 import offload
 from offload.config import IOConfig
-from offload.integrations.deepspeed import IGNORED, MAPPED, deepspeed_kwargs, from_deepspeed_config
+from offload.integrations.deepspeed import IGNORED, MAPPED, deepspeed_kwargs, deepspeed_shard_kwargs, from_deepspeed_config
 
 
 def _cfg(**zero):
@@ -448,3 +448,36 @@ def test_zero3_a_failure_after_sharding_says_so_and_a_retry_must_match(tmp_path)
     opt = from_deepspeed_config(_zero3({"device": "nvme", "nvme_path": str(tmp_path / "p")}), model)
     assert opt.stage == 3
     opt.close()
+
+
+def test_auto_clipping_resolved_to_zero_is_no_clipping():
+    # TrainingArguments(max_grad_norm=0) resolving "gradient_clipping": "auto": refused as
+    # "Invalid max_grad_norm: 0.0" where a literal 0 in the config meant no clipping
+    cfg = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": "auto"}
+    for zero in (0, 0.0):
+        opt = offload.from_deepspeed_config(cfg, [torch.nn.Parameter(torch.randn(8))], max_grad_norm=zero)
+        assert opt.max_grad_norm is None
+        opt.close()
+        cls, kw = deepspeed_kwargs(cfg, max_grad_norm=zero)
+        assert "max_grad_norm" not in kw
+    opt = offload.from_deepspeed_config(cfg, [torch.nn.Parameter(torch.randn(8))], max_grad_norm=1.5)
+    assert opt.max_grad_norm == 1.5
+    opt.close()
+
+
+def test_stage3_kwargs_with_states_in_ram_build_over_fp32_shards():
+    # HF's ZeRO-3 template (sub_group_size 1e9, offload_optimizer cpu): deepspeed_kwargs gave
+    # sub_group_size, which cls(params, **kwargs) refused for fp32 CPU shards
+    cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                                 "sub_group_size": 1e9},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    offload.shard(model, **deepspeed_shard_kwargs(cfg))
+    cls, kw = deepspeed_kwargs(cfg)
+    assert "sub_group_size" not in kw
+    opt = cls(model.parameters(), **kw)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    opt.close()
+    assert deepspeed_kwargs(cfg, sub_group_size=1000)[1]["sub_group_size"] == 1000  # an override stands

@@ -34,6 +34,8 @@ import torch
 from offload._notes import add_note
 from offload.config import IOConfig
 from offload.integrations.deepspeed_keys import IGNORED, MAPPED, _REFUSED, _SECTIONS, _no_duplicate_keys
+from offload.integrations.deepspeed_params import (check_dtypes, check_options, check_shard_matches, flat_params,
+                                                    is_sharded)
 
 __all__ = ["from_deepspeed_config", "deepspeed_kwargs", "deepspeed_shard_kwargs", "MAPPED", "IGNORED"]
 
@@ -358,6 +360,11 @@ def _translate(config: Any, overrides: Mapping[str, Any]) -> Tuple[type, Dict[st
     kwargs.update(_clipping(cfg, overrides))
     dtype = _precision(cfg)
     kwargs.update(overrides)
+    clip = overrides.get("max_grad_norm")
+    if isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip == 0:
+        # DeepSpeed's and the Trainer's 0 is "no clipping" (TrainingArguments(max_grad_norm=0)
+        # resolving "gradient_clipping": "auto"); the optimizer's max_grad_norm takes None for it
+        kwargs.pop("max_grad_norm")
     return cls, kwargs, dtype, shard
 
 
@@ -367,8 +374,14 @@ def deepspeed_kwargs(config: Any, **overrides: Any) -> Tuple[type, Dict[str, Any
     ``stage=3``, over the params of a model ``offload.shard`` changed, see
     :func:`deepspeed_shard_kwargs`; other params are refused).
     ``overrides`` are offload options that win over the config (and resolve its ``"auto"``
-    values), e.g. ``lr=``, ``swap_dir=``, ``resume=True``."""
+    values), e.g. ``lr=``, ``swap_dir=``, ``resume=True``. At stage 3 with the optimizer's
+    states in RAM (``offload_optimizer`` cpu or none), the config's ``sub_group_size`` is left
+    out: fp32 CPU shards step in place, each in one pass, and refuse it (DeepSpeed's default
+    1e9, in most stage-3 templates, would cut nothing anyway); ``from_deepspeed_config``,
+    which sees the params, drops it for those only."""
     cls, kwargs, _, _ = _translate(config, overrides)
+    if kwargs.get("stage") == 3 and kwargs.get("offload") in ("none", "cpu") and "sub_group_size" not in overrides:
+        kwargs.pop("sub_group_size", None)
     return cls, kwargs
 
 
@@ -383,27 +396,7 @@ def deepspeed_shard_kwargs(config: Any) -> Optional[Dict[str, Any]]:
     return dict(shard, **_shard_aio(cfg, shard, {})) if kwargs["stage"] == 3 else None
 
 
-def _flat(params: list) -> list:
-    """The tensors of ``params`` (tensors or param groups), in order."""
-    return [p for item in params for p in (item["params"] if isinstance(item, Mapping) else [item])]
 
-
-def _sharded(params: list) -> bool:
-    """Whether ``params`` (tensors or groups) hold params of a model ``offload.shard`` changed."""
-    return any(hasattr(p, "_offload_shard") for p in _flat(params))
-
-
-def _check_dtypes(params: list, dtype: Optional[torch.dtype]) -> None:
-    if dtype is None:  # "auto": the params' dtype is the precision
-        return
-    flat = _flat(params)
-    for i, p in enumerate(flat):
-        if isinstance(p, torch.Tensor) and p.is_floating_point() and p.dtype != dtype:
-            want = {torch.bfloat16: "bf16.enabled is true", torch.float16: "fp16.enabled is true"}.get(
-                dtype, "neither bf16.enabled nor fp16.enabled is true")
-            raise ValueError(
-                f"param {i} is {p.dtype} but {want}: DeepSpeed casts the model itself, offload does not; "
-                f"cast the model (model.to({dtype})) before building the optimizer, or change the config")
 
 
 def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
@@ -437,23 +430,23 @@ def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
     sharded_here = False
     if isinstance(params, torch.nn.Module):
         model = params
-        if stage3 and not _sharded(list(model.parameters())):
+        if stage3 and not is_sharded(list(model.parameters())):
             from offload.shard import shard
 
-            _check_dtypes(list(model.parameters()), dtype)
-            _check_options(cls, kwargs)  # a shard cannot be undone: the options' errors come first
+            check_dtypes(list(model.parameters()), dtype)
+            check_options(cls, kwargs)  # a shard cannot be undone: the options' errors come first
             shard(model, **shard_kwargs)
             sharded_here = True
         elif stage3:
-            _check_shard_matches(model, shard_kwargs)
+            check_shard_matches(model, shard_kwargs)
         params = model.parameters()
     params = list(params)
-    if stage3 and not _sharded(params):
+    if stage3 and not is_sharded(params):
         raise ValueError("zero_optimization.stage: 3 partitions the params: pass the model "
                          "(from_deepspeed_config(config, model) calls offload.shard(model) on it), or call "
                          "offload.shard(model, ...) first and pass model.parameters()")
-    _check_dtypes(params, dtype)
-    flat = _flat(params)
+    check_dtypes(params, dtype)
+    flat = flat_params(params)
     if (stage3 and "sub_group_size" not in overrides and kwargs.get("offload") in ("none", "cpu")
             and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in flat)):
         # fp32 CPU shards step in place, each in one pass: DeepSpeed's sub-groups (its
@@ -475,26 +468,3 @@ def from_deepspeed_config(config: Any, params: Any, **overrides: Any):
                      "shard is not undone: the model stays sharded. Fix the config and pass the same model "
                      "again (its shards are taken as they are), or build the model anew.")
         raise
-
-
-def _check_options(cls: type, kwargs: Dict[str, Any]) -> None:
-    """The optimizer's own checks of its hyperparameters and options (values, types, unknown
-    keywords), run on one bf16 param before anything is sharded. What depends on the params
-    (the host budget of the swap pipeline) is checked by the real constructor after."""
-    placement = ("offload", "swap_dir", "max_host_bytes", "io_engine", "stage", "resume", "verify",
-                 "process_group")
-    probe = {k: v for k, v in kwargs.items() if k not in placement}
-    cls([torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)], **probe).close()
-
-
-def _check_shard_matches(model: torch.nn.Module, shard_kwargs: Dict[str, Any]) -> None:
-    """A model sharded before keeps its settings; one the config would shard elsewhere is refused."""
-    from offload.shard import runtime_of
-
-    rt = runtime_of(model)
-    on_disk = bool(getattr(rt, "params_on_disk", False)) if rt is not None else None
-    if on_disk is not None and on_disk != (shard_kwargs.get("offload_params") == "nvme"):
-        where = "in a file (offload_params='nvme')" if on_disk else "in memory"
-        raise ValueError(f"zero_optimization.offload_param: the model was sharded already, with its param shards "
-                         f"{where}, and the config says device {shard_kwargs.get('offload_params')!r}; build the "
-                         "model anew to shard it otherwise")
