@@ -141,7 +141,7 @@ def test_swap_dir_expands_the_home_directory(tmp_path, monkeypatch):
 def test_swap_options_without_nvme_are_refused(target, option, value):
     # They act only on swap files: ignoring them silently would let a user believe they
     # resumed, or verified, when nothing happened.
-    with pytest.raises(ValueError, match=f"{option} act\\(s\\) only on swap files and need offload='nvme'"):
+    with pytest.raises(ValueError, match=f"{option} acts only on swap files and needs offload='nvme'"):
         offload.AdamW(_params(), offload=target, **{option: value})
 
 

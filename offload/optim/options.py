@@ -271,7 +271,8 @@ def _refuse_unused(offload: str, given: dict) -> None:
     unused = [name for name in NVME_ONLY if given[name] is not None and given[name] is not False]
     if offload != "nvme" and unused:
         raise ValueError(
-            f"{', '.join(unused)} act(s) only on swap files and need offload='nvme'; with "
+            f"{', '.join(unused)} {'acts' if len(unused) == 1 else 'act'} only on swap files and "
+            f"{'needs' if len(unused) == 1 else 'need'} offload='nvme'; with "
             f"offload={offload!r} {'it' if len(unused) == 1 else 'they'} would be ignored: drop "
             f"{'it' if len(unused) == 1 else 'them'} or pass offload='nvme'")
 
