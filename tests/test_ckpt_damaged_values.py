@@ -180,3 +180,23 @@ def test_a_packed_checkpoint_whose_forms_are_damaged_is_refused(tmp_path, tensor
     manifest = _saved("adamw-int8", tmp_path)
     _edit(manifest, lambda m: m["meta"].__setitem__("tensors", tensors))
     _refused_unchanged("adamw-int8", tmp_path, manifest, "the meta's 'tensors' names the states")
+
+
+def test_a_checkpoint_of_groups_loaded_from_torch_with_foreach_and_a_tensor_lr_loads(tmp_path):
+    # load_state_dict takes torch's foreach=True with a Tensor lr (foreach only picks torch's
+    # code path); the checkpoint saved after it was refused by its own load ("lr as a Tensor
+    # is not supported for capturable=False and foreach=True"): both loads check alike now
+    src = _params()
+    torch_opt = torch.optim.AdamW(src, lr=torch.tensor(0.01), foreach=False)
+    _train(torch_opt, src, 1)
+    sd = torch_opt.state_dict()
+    sd["param_groups"][0]["foreach"] = True
+    ps, opt = _make("adamw-cpu", tmp_path)
+    opt.load_state_dict(sd)
+    opt.save_checkpoint(str(tmp_path / "ck"))
+    ps2, opt2 = _make("adamw-cpu", tmp_path, seed=1)
+    opt2.load_checkpoint(str(tmp_path / "ck"))
+    assert opt2.param_groups[0]["foreach"] is True and torch.is_tensor(opt2.param_groups[0]["lr"])
+    _train(opt2, ps2, 1)
+    opt.close()
+    opt2.close()

@@ -19,7 +19,8 @@ from offload.kernels.fields import ADAGRAD, Rule
 from offload.optim.base import RuleOptimizer
 from offload.optim.differentiable import TorchWhenDifferentiable
 from offload.optim.host_dtypes import fill_value, state_dtype_of
-from offload.optim.rule_options import check_flag_types, check_flags, check_lr, check_nonneg, to_float
+from offload.optim.rule_options import (check_flag_types, check_flags, check_lr, check_nonneg, to_float,
+                                        torch_flags_off)
 from offload.optim.state_view import attach as attach_state_views
 
 __all__ = ["Adagrad"]
@@ -63,6 +64,7 @@ class Adagrad(TorchWhenDifferentiable, RuleOptimizer):
     def check_group(cls, group: Dict[str, Any]) -> None:
         """The constructor's checks over a whole group's values (a group added or loaded: options.check_group_values)."""
         check_flag_types(cls.GROUP_DEFAULTS, group)
+        group = torch_flags_off(group)
         _check_args(*(group[k] for k in ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps",
                                         "foreach", "differentiable", "fused")))
 

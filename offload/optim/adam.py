@@ -18,7 +18,7 @@ from offload.optim.differentiable import TorchWhenDifferentiable
 from offload.optim.functional import AdamHyper, RuleHyper
 from offload.optim.options import check_hyper
 from offload.optim.protocol import optional
-from offload.optim.rule_options import check_flag_types
+from offload.optim.rule_options import check_flag_types, torch_flags_off
 from offload.optim.state_view import attach as attach_state_views
 
 __all__ = ["Adam", "AdamW"]
@@ -74,6 +74,7 @@ class _AdamBase(TorchWhenDifferentiable, RuleOptimizer):
     def check_group(cls, group: Dict[str, Any]) -> None:
         """The constructor's checks over a whole group's values (a group added or loaded: options.check_group_values)."""
         check_flag_types(cls.GROUP_DEFAULTS, group)
+        group = torch_flags_off(group)
         check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["amsgrad"],
                     foreach=group.get("foreach"), capturable=group.get("capturable", False),
                     differentiable=group.get("differentiable", False), fused=group.get("fused"))

@@ -386,16 +386,12 @@ def check_group_values(opt: Any, group: Dict[str, Any], where: str) -> None:
     """``group`` passes the optimizer's constructor checks (its ``check_group``), or the
     check's own exception is raised with ``where`` (``"param group 1"``) before its message.
     torch checks only the constructor's arguments: a group added or loaded with ``lr=None``
-    was taken and every later step failed. The flags that only pick torch's code path
-    (foreach, fused) and those a load clears with a warning (capturable, differentiable:
-    ``clear_execution_flags``) are checked for their type only."""
+    was taken and every later step failed."""
     check = getattr(opt, "check_group", None)
     if check is None:
         return
-    neutral = {k: (None if k in ("foreach", "fused") else False)
-               for k in ("foreach", "fused", "capturable", "differentiable") if isinstance(group.get(k), bool)}
     try:
-        check(dict(group, **neutral))
+        check(group)
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as exc:
         raise type(exc)(f"{where}: {exc}") from None
 

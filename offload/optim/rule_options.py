@@ -12,7 +12,7 @@ import torch
 
 from offload.optim.options import _check_lr, _check_scalar, check_torch_flags, refuse_differentiable
 
-__all__ = ["check_nonneg", "check_lr", "check_flags", "check_flag_types", "to_float"]
+__all__ = ["check_nonneg", "check_lr", "check_flags", "check_flag_types", "torch_flags_off", "to_float"]
 
 
 def check_lr(lr: Any) -> None:
@@ -46,6 +46,16 @@ def check_flag_types(defaults: Tuple[Tuple[str, Any], ...], group: Dict[str, Any
         if not (isinstance(v, bool) or (none_ok and v is None)):
             raise TypeError(f"{key} must be True or False{' or None' if none_ok else ''}, got {type(v).__name__} "
                             f"{v!r:.80}")
+
+
+def torch_flags_off(group: Dict[str, Any]) -> Dict[str, Any]:
+    """``group`` with the flags that only pick torch's code path (``foreach``, ``fused``: None)
+    and those a load clears with a warning (``capturable``, ``differentiable``: False,
+    ``options.clear_execution_flags``) off: a group from outside (loaded, added) is checked
+    for their type only (``check_flag_types``), so torch's dicts with ``foreach=True`` and a
+    Tensor ``lr``, or ``differentiable=True``, still load (``check_group``)."""
+    return dict(group, **{k: (None if k in ("foreach", "fused") else False)
+                          for k in ("foreach", "fused", "capturable", "differentiable") if isinstance(group.get(k), bool)})
 
 
 def to_float(group: Dict[str, Any], key: str) -> float:

@@ -33,7 +33,8 @@ from offload.optim.ckpt_holding import holding_ids, holding_of, record_now, save
 from offload.optim.differentiable import TorchWhenDifferentiable
 from offload.optim.options import _check_scalar
 from offload.optim.protocol import optional
-from offload.optim.rule_options import check_flag_types, check_flags, check_lr, check_nonneg, to_float
+from offload.optim.rule_options import (check_flag_types, check_flags, check_lr, check_nonneg, to_float,
+                                        torch_flags_off)
 from offload.optim.state_io import id_map
 from offload.optim.state_view import attach as attach_state_views
 from offload.optim.step_guard import store_step
@@ -100,6 +101,7 @@ class SGD(TorchWhenDifferentiable, RuleOptimizer):
         """The constructor's checks over a whole group's values (a group added or loaded:
         options.check_group_values), and dampening's type, which torch leaves to the step."""
         check_flag_types(cls.GROUP_DEFAULTS, group)
+        group = torch_flags_off(group)
         _check_scalar("dampening", group["dampening"], tensor_ok=False)
         _check_args(*(group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "foreach",
                                         "differentiable", "fused")))
