@@ -189,3 +189,25 @@ def test_log_real_optimizer_if_available(tmp_path):
     assert all(r["phases"].get("kernel", 0) > 0 for r in rows)
     assert rows[-1]["bytes"]["pageable"] == 2 * 4096 * 4       # exp_avg + exp_avg_sq
     assert math.isfinite(rows[-1]["step_s"])
+
+
+def test_memory_report_text_shows_counts_as_counts_and_bytes_as_bytes():
+    """The flat store's details hold counts beside byte sizes: world, rank and stage read
+    "world: 1 B", and a shard of 3,000,000 elements "shard_numel: 2.86 MiB"."""
+    import torch
+
+    import offload
+
+    p = torch.nn.Parameter(torch.zeros(3_000_000, dtype=torch.bfloat16))
+    p.grad = torch.ones_like(p)
+    opt = offload.AdamW([p], lr=1e-3, offload="cpu")
+    try:
+        opt.step()
+        lines = format_memory_report(opt.memory_report()).splitlines()
+    finally:
+        opt.close()
+    detail = dict(line.strip().split(": ", 1) for line in lines if ": " in line)
+    assert detail["world"] == "1" and detail["rank"] == "0" and detail["stage"] == "0"
+    assert detail["shard_numel"] == "3,000,000" and detail["grad_peak_numel"] == "0"
+    assert detail["state_bytes"] == "34.33 MiB"  # fp32 master + two moments: 12 B x 3,000,000
+    assert detail["release_grads"] == "False"

@@ -363,10 +363,21 @@ def format_memory_report(report: Mapping[str, Any]) -> str:
     lines.append(f"  {'total host':<10}{_b(tiers['pinned'] + tiers['pageable']):>14}")
     detail = report.get("detail") or {}
     for k, v in detail.items():
-        lines.append(f"  {k}: {_b(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v}")
+        lines.append(f"  {k}: {_detail_value(k, v)}")
     if report.get("rss") is not None:
         lines.append(f"  process RSS {_b(report['rss'])}")
     return "\n".join(lines)
+
+
+def _detail_value(key: str, v: Any) -> str:
+    """A detail of ``memory_report()``: a byte count (``*_bytes``) in binary units, any
+    other number as itself (``world``, ``rank``, ``stage``, ``shard_numel`` are counts: shown
+    as bytes they read ``world: 1 B`` and 3,000,000 elements as ``2.86 MiB``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if key.endswith("_bytes"):
+        return _b(v)
+    return f"{v:,}" if isinstance(v, int) else f"{v:g}"
 
 
 def format_step_stats(stats: Mapping[str, Any]) -> str:
