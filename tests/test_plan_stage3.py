@@ -469,3 +469,39 @@ def test_stage3_states_follow_the_setups_rule():
     got = _fields(SimpleNamespace(rule=int8, master_lowp=False), False)
     assert [f.name for f in got] == ["master", "exp_avg", "exp_avg_sq"] and tuple(got[1:]) == tuple(int8.fields)
     assert tuple(_fields(SimpleNamespace(rule=int8, master_lowp=True), False)) == tuple(int8.fields)
+
+
+class _Blocks(torch.nn.Module):
+    """A root param (the embedding) and three blocks in a ModuleList: offload.shard's
+    default units."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Linear(16, 64)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+                                          for _ in range(3))
+
+    def forward(self, x):
+        x = self.emb(x)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_module_is_planned_with_the_units_offload_shard_makes():
+    """A module given to estimate(stage=3) was planned as 32 equal units: its live window,
+    the unit's grads and the shard (each unit padded to 256 elements) were another model's."""
+    import offload
+
+    model = _Blocks()
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    plan = estimate(model, stage=3, offload="cpu", param_device="cpu", cuda=False)
+    sh = plan.sharding
+    assert (sh["units"], sh["units_assumed"], sh["unit_numel_max"]) == (3, False, block)
+    assert sh["root_numel"] == sum(p.numel() for p in model.emb.parameters())
+    assert not any("assumed" in n for n in plan.notes)
+    assert plan.breakdown["pageable"]["live_grads"] == 4 * (sh["root_numel"] + block)
+    offload.shard(model)
+    assert sh["shard_numel"] == sum(p.numel() for p in model.parameters())  # the shards shard() made
+    # a model already sharded has lost its units: assumed, and said so
+    assert estimate(model, stage=3, param_device="cpu", cuda=False).sharding["units_assumed"]

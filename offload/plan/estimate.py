@@ -431,8 +431,8 @@ def estimate(
 
     Stage 3 ([Note: stage 3 bytes] in ``stage3``): ``offload_params`` (``"none"``, ``"cpu"``,
     ``"nvme"``: where this rank's param shards live), ``unit_params`` (the fetch units: one size,
-    the leftover being the root unit; or every unit's size, the root's first; default 32
-    equal units), the live window's bound ``max_live_params``
+    the leftover being the root unit; or every unit's size, the root's first; default: a module's
+    units as offload.shard makes them, a config's decoder layers, else 32 equal), ``max_live_params``
     or ``max_live_bytes`` and its ``prefetch`` depth (default 1). ``release_grads`` (stages 0-2,
     device params): grads leave the device once copied to the host ([Note: release grads]).
     ``amsgrad``: Adam's amsgrad=True (in any group: flat and swapped stores keep it for all
@@ -447,7 +447,7 @@ def estimate(
                state_dtype=state_dtype, master_dtype=master_dtype, amsgrad=amsgrad)
     opts = check_options(stage=s.stage, num_params=s.n, offload_params=offload_params, unit_params=unit_params,
                          max_live_params=max_live_params, max_live_bytes=max_live_bytes, prefetch=prefetch,
-                         release_grads=release_grads)
+                         release_grads=release_grads, source=num_params)
     return _bill(s, opts)
 
 

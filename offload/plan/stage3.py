@@ -53,6 +53,7 @@ after backward; clip with the optimizer's ``max_grad_norm`` instead of ``clip_gr
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -114,9 +115,30 @@ def _unit_sizes(value: Any) -> Tuple[Optional[Tuple[int, ...]], Optional[int]]:
     return None, _positive_count("unit_params", value)
 
 
+def default_unit_sizes(source: Any) -> Optional[List[int]]:
+    """The units ``offload.shard(module)`` makes of a module (its default policy: each
+    element of an ``nn.ModuleList``), the root's params first, or one unit per decoder layer
+    of a config.json path (as ``--model-config``); None for a bare count. Without this a
+    module was planned as 32 equal units: 12 blocks of 4.2M params read as 32 of 1.6M, the
+    live window, its grads and the param and grad I/O buffers 2.7x too small."""
+    if isinstance(source, torch.nn.Module):
+        if any(hasattr(p, "_offload_shard") for p in source.parameters()):
+            return None  # already sharded: its params are the flat shards, the units are gone
+        from offload.shard.units import assign_params, choose_units
+
+        owned, _ = assign_params(source, choose_units(source, None))
+        return [sum(p.numel() for p, _ in unit) for unit in owned]
+    if isinstance(source, (str, os.PathLike)) and os.path.exists(os.fspath(source)):
+        from .hf_config import unit_sizes_from_hf_config
+
+        return unit_sizes_from_hf_config(source)
+    return None
+
+
 def check_options(*, stage: int, num_params: int, offload_params: Any, unit_params: Any, max_live_params: Any,
-                  max_live_bytes: Any, prefetch: Any, release_grads: Any) -> ShardOptions:
-    """Check the options; those of stage 3 only are refused at stages 0-2 (they would do nothing)."""
+                  max_live_bytes: Any, prefetch: Any, release_grads: Any, source: Any = None) -> ShardOptions:
+    """Check the options; those of stage 3 only are refused at stages 0-2 (they would do nothing).
+    ``source``: ``estimate``'s model, whose units stage 3 takes where ``unit_params`` is None."""
     if offload_params not in PARAM_OFFLOADS:
         raise ValueError(f"unknown offload_params {offload_params!r}; expected 'none', 'cpu' or 'nvme'")
     if not isinstance(release_grads, bool):
@@ -125,6 +147,8 @@ def check_options(*, stage: int, num_params: int, offload_params: Any, unit_para
         raise ValueError("release_grads is for stages 0-2: at stage 3 offload.shard frees each unit's full grads "
                          "once reduce-scattered already (the optimizer refuses release_grads=True for its params); "
                          "drop release_grads")
+    if stage == 3 and unit_params is None:
+        unit_params = default_unit_sizes(source)
     units, unit = _unit_sizes(unit_params)
     if units is not None and sum(units) != num_params:
         raise ValueError(f"unit_params: the unit sizes sum to {sum(units):,} params, the model has {num_params:,}")
