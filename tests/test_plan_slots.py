@@ -110,3 +110,19 @@ def test_a_tiny_sub_group_size_plans_a_large_model_quickly():
     assert plan.inputs["swap"]["num_groups"] == -(-175 * 10**9 // 1024)
     # fp32: full sub-groups of 1024 x 4 B are whole pages, the last padded to one
     assert plan.breakdown["nvme"]["exp_avg"] == SWAP_SLOTS * -(-4 * 175 * 10**9 // 4096) * 4096
+
+
+def test_table_columns_stay_apart_and_the_slot_note_names_compressed_states():
+    """At 10^15 params the totals ran together ("3725290.3011175870.90"); with int8 states
+    the NVMe note said each swapped state was fp32, 4 B per element."""
+    from offload.plan import estimate
+
+    rows = estimate(10**15, param_dtype="bf16").table().splitlines()
+    total = next(r for r in rows if r.strip().startswith("total")).split()
+    assert len(total) == 5 and float(total[3]) == pytest.approx(10**15 * 12 / 2**30, rel=1e-9)
+    text = estimate(125_000_000, offload="nvme", param_dtype="bf16", param_device="cpu", state_dtype="int8",
+                    master_dtype="bfloat16").table()
+    note = next(r for r in text.splitlines() if r.strip().startswith("nvme: each swapped"))
+    assert "fp32" not in note and "4 B per element" not in note and "int8 1" in note
+    fp32 = estimate(125_000_000, offload="nvme", param_dtype="fp32", param_device="cpu").table()
+    assert "each swapped fp32 state is kept in 2 slots (4 B per element each" in fp32

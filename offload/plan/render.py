@@ -37,8 +37,11 @@ def _byte_rows(plan: Any) -> List[str]:
     fp32 state on NVMe explains itself)."""
     slots = (plan.inputs.get("swap") or {}).get("slots")
     comps = [c for c in COMPONENTS if any(plan.breakdown[t][c] for t in TIERS)]
-    head = f"  {'':<14}" + "".join(f"{t:>11}" for t in TIERS)
     b = plan.breakdown
+    # a column as wide as its widest figure: at 10^15 params the totals ran together
+    # ("3725290.3011175870.90")
+    w = 1 + max([10] + [len(gib(v)) for t in TIERS for v in list(b[t].values()) + [plan.per_rank[t]]])
+    head = f"  {'':<14}" + "".join(f"{t:>{w}}" for t in TIERS)
 
     # stage 3 keeps its param and grad shard files in fewer slots than the states (stage3.py)
     kept = {c: k for c, k in plan.sharding.get("nvme_slots", {}).items() if b["nvme"][c]}
@@ -48,15 +51,17 @@ def _byte_rows(plan: Any) -> List[str]:
 
     out = [head + (f"{'nvme = slot x slots':>22}" if slots else "")]
     for c in comps:
-        out.append((f"  {c:<14}" + "".join(f"{gib(b[t][c]):>11}" for t in TIERS)
+        out.append((f"  {c:<14}" + "".join(f"{gib(b[t][c]):>{w}}" for t in TIERS)
                     + (f"{slot_cell(b['nvme'][c], kept.get(c, slots)):>22}" if slots else "")).rstrip())
     totals = plan.per_rank
     same = all(k == slots for k in kept.values())
-    out.append((f"  {'total':<14}" + "".join(f"{gib(totals[t]):>11}" for t in TIERS)
+    out.append((f"  {'total':<14}" + "".join(f"{gib(totals[t]):>{w}}" for t in TIERS)
                 + (f"{slot_cell(totals['nvme'], slots if same else None):>22}" if slots else "")).rstrip())
     if slots:
-        out.append(f"  nvme: each swapped fp32 state is kept in {slots} slots (4 B per element each, plus padding "
-                   "to 4 KiB per sub-group),")
+        fp32 = plan.inputs.get("state_dtype", "float32") == "float32" and plan.inputs.get("master_dtype") is None
+        each = "fp32 state is kept in {} slots (4 B per element each" if fp32 else \
+            "state is kept in {} slots (each its dtype's bytes per element: bf16 2, int8 1 + 4 per 256"
+        out.append(f"  nvme: each swapped {each.format(slots)}, plus padding to 4 KiB per sub-group),")
         out.append("  written alternately so that a crash leaves one complete step: a step reads one slot and "
                    "writes the other")
     return out
