@@ -167,6 +167,12 @@ class HostState:
             if st and any(f.name in st for f in self.fields):
                 self._states(p, tuple(f for f in self.stored_fields(p) if f.name in st))
 
+    def make_states(self, p: torch.Tensor) -> None:
+        """Every state of ``p`` that ``opt.state[p]`` lacks, made as stored and filled with its
+        start value (Adagrad's initial sum at construction): a compressed one is encoded
+        from one block, never through a float32 copy of the whole state."""
+        self._states(p, self.stored_fields(p))
+
     def step(self, batches: List[StepBatch]) -> Dict[str, float]:
         t0 = time.perf_counter()
         index = {id(p): i for i, p in enumerate(self._torch.params())} if self.state_dtype != "float32" else {}
