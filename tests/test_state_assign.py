@@ -132,3 +132,29 @@ def test_an_in_place_change_of_a_read_copy_is_written_back_not_dropped(dtype, of
         assert torch.equal(opt.state_dict()["state"][0]["exp_avg"],
                            _values(opt.state[m.weight]["exp_avg"], m.weight, "exp_avg").to(before.dtype))
     opt.close()
+
+
+@pytest.mark.parametrize("how", ["assign", "in_place"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_state_written_before_close_keep_swap_is_what_resume_goes_on_from(dtype, how, tmp_path):
+    """close(keep_swap=True) commits the states written since the last step: the flat store
+    (bf16 params, whose fp32 master is in the swap files too) dropped them, so resume=True went
+    on from the step's own moments, where fp32 params' swap files kept the write (found by
+    tools/history_fuzz.py)."""
+    m = _model(getattr(torch, dtype))
+    a = _opt(m, "nvme", "float32", tmp_path, "a")
+    _step(m, a, 1)
+    keys = ["exp_avg", "exp_avg_sq"] + (["master"] if dtype == "bfloat16" else [])
+    for k in keys:
+        if how == "assign":
+            a.state[m.weight][k] = a.state[m.weight][k] * 0.5
+        else:
+            a.state[m.weight][k].mul_(0.5)
+    written = {k: a.state[m.weight][k].clone() for k in keys}
+    a.close(keep_swap=True)
+    b = offload.AdamW(m.parameters(), lr=1e-2, offload="nvme", swap_dir=str(tmp_path / "a"), resume=True)
+    try:
+        for k in keys:
+            assert torch.equal(b.state[m.weight][k], written[k]), k
+    finally:
+        b.close()

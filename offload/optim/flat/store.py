@@ -407,6 +407,10 @@ class FlatState:
     def close(self, keep_swap: bool = False) -> None:
         if self._closed:
             return
+        if keep_swap and self._swap is not None and not self._swap.store.closed:
+            # states written since the last step (an assigned or changed opt.state[p] entry)
+            # are committed first, as SwappedState.close does: resume=True goes on from them
+            self._swap.flush()
         self._closed = self._grads.closed = True
         if getattr(self, "_backward_reduction", None) is not None:
             self._backward_reduction.close()
