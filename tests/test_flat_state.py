@@ -293,6 +293,31 @@ def test_param_groups_with_own_hyperparameters_and_add_param_group():
         torch.testing.assert_close(internals.master(ours, p), m.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_adagrad_group_added_later_starts_its_sum_at_initial_accumulator_value(dtype, state_dtype):
+    # torch fills every param's sum with initial_accumulator_value, an added group's too; the
+    # flat store's new fields started at zero (found by tools/history_fuzz.py)
+    torch.manual_seed(0)
+    params = [torch.randn(n).to(dtype).requires_grad_() for n in (7, 300)]
+    masters = [p.detach().float().clone().requires_grad_() for p in params]
+    ours = offload.Adagrad(params[:1], lr=0.1, initial_accumulator_value=0.5, state_dtype=state_dtype)
+    ref = torch.optim.Adagrad(masters[:1], lr=0.1, initial_accumulator_value=0.5, foreach=False)
+    ours.add_param_group(dict(params=params[1:], lr=0.05))
+    ref.add_param_group(dict(params=masters[1:], lr=0.05))
+    assert torch.equal(ours.state_dict()["state"][1]["sum"], torch.full((300,), 0.5))  # before a step too
+    for _ in range(2):
+        for p, m in zip(params, masters):
+            p.grad = torch.randn(p.shape).to(dtype)
+            m.grad = p.grad.float()
+        ours.step()
+        ref.step()
+    rtol = 1e-5 if state_dtype == "float32" else 4e-2  # bf16 states: two stochastic roundings
+    for p, m in zip(params, masters):
+        torch.testing.assert_close(ours.state[p]["sum"].float(), ref.state[m]["sum"], rtol=rtol, atol=1e-6)
+        torch.testing.assert_close(internals.master(ours, p), m.detach(), rtol=rtol, atol=1e-6)
+
+
 class _CountingStream:
     """A side stream that only counts: stands for a CUDA stream with copies still queued."""
 

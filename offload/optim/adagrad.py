@@ -143,6 +143,16 @@ class Adagrad(TorchWhenDifferentiable, RuleOptimizer):
                              sum=torch.full(p.shape, fill, dtype=torch.float32), **rest)
         return sd
 
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if getattr(self, "_store", None) is None:  # (torch's __init__ adds the constructor's groups)
+            return
+        if not self._host():  # a flat store's new fields start at zero: its sum starts filled, as at construction
+            fill = self.state_fill("sum")
+            for p in self.param_groups[-1]["params"]:
+                self._store.import_state(p, {"sum": torch.full_like(p, fill, dtype=torch.float32)})
+        self._torch_entries()
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._torch_entries()
