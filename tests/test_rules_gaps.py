@@ -262,3 +262,43 @@ def test_sgd_checkpoint_round_trip_keeps_unstarted_buffers_unstarted(offl, dtype
         _assert_buffers_and_params_match(opt, topt, ours, ref)
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("into", [("none", 0.0, "float32"), ("cpu", 0.9, "float32"), ("nvme", 0.9, "float32"),
+                                  ("cpu", 0.0, "int8")], ids=["none-plain", "cpu-momentum", "nvme-momentum", "cpu-int8"])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_sgd_checkpoint_of_a_host_store_that_turned_momentum_on_keeps_its_buffers(state_dtype, into, tmp_path):
+    """Built without momentum, fp32 CPU params (the host store), momentum turned on mid-run:
+    the checkpoint held no buffer (the store's fields were those of SGD without momentum), so a
+    load started every buffer afresh from d_p, or was refused with momentum at construction
+    (found by tools/history_fuzz.py). Now it holds them, as Adam's checkpoints hold a
+    max_exp_avg_sq turned on mid-run, and the loaded run goes on as torch's."""
+    ours, ref = _params(torch.float32)
+    opt = offload.SGD(ours, lr=0.1, momentum=0.0, dampening=0.5, offload="cpu", state_dtype=state_dtype)
+    topt = torch.optim.SGD(ref, lr=0.1, momentum=0.0, dampening=0.5, foreach=False)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        if step == 1:
+            opt.param_groups[0]["momentum"] = topt.param_groups[0]["momentum"] = 0.9
+        _grads(ours, ref, torch.float32, gen)
+        opt.step()
+        topt.step()
+    opt.save_checkpoint(str(tmp_path / "ckpt"))
+    offl, momentum, sd = into
+    (tmp_path / "swap").mkdir()
+    new = offload.SGD(ours, lr=0.1, momentum=momentum, dampening=0.5, state_dtype=sd, **_kw(offl, tmp_path / "swap"))
+    try:
+        new.load_checkpoint(str(tmp_path / "ckpt"))
+        assert new.param_groups[0]["momentum"] == 0.9
+        assert sorted(new.state_dict()["state"]) == [0, 1, 2]
+        _grads(ours, ref, torch.float32, gen)
+        new.step()
+        topt.step()
+        if state_dtype == "float32" and sd == "float32":
+            _assert_buffers_and_params_match(new, topt, ours, ref)
+        else:  # compressed buffers: within their rounding of torch's
+            for i, p in enumerate(ours):
+                torch.testing.assert_close(p.detach(), ref[i].detach(), rtol=0.02, atol=0.02)
+    finally:
+        new.close()
+        opt.close()

@@ -90,6 +90,9 @@ class SGD(TorchWhenDifferentiable, RuleOptimizer):
         # or a group's momentum changes, not per step
         self._shown: Optional[Tuple[Any, Dict[int, Tuple[str, ...]], Dict[int, Tuple[str, ...]]]] = None
         super().__init__(params, defaults, **offload_kwargs)
+        keep = optional(self._store, "keep_optional")
+        if keep is not None:  # the host store, built with no group of momentum: a group may turn it on,
+            keep(SGD_RULE.fields)  # and its checkpoints then hold the buffers (as Adam's max_exp_avg_sq)
         if optional(self._store, "resumed"):  # states from a previous run's swap files
             # (their last commit says which buffers started, as a checkpoint's meta does)
             held = holding_ids(self._ctx.commit_meta, _BUF, self._params_in_order(), "the resumed swap files")
