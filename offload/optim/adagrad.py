@@ -148,9 +148,8 @@ class Adagrad(TorchWhenDifferentiable, RuleOptimizer):
         if getattr(self, "_store", None) is None:  # (torch's __init__ adds the constructor's groups)
             return
         if not self._host():  # a flat store's new fields start at zero: its sum starts filled, as at construction
-            fill = self.state_fill("sum")
             for p in self.param_groups[-1]["params"]:
-                self._store.import_state(p, {"sum": torch.full_like(p, fill, dtype=torch.float32)})
+                self._store.import_state(p, {"sum": self._new_sum(p)})
         self._torch_entries()
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
