@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from offload.shard.entries import entry_modules
 from offload.shard.grads import GradReducer
 from offload.shard.guards import refuse_copy, refuse_ddp_above
 from offload.shard.recompute import Recomputes, in_autograd_backward, reentrant_recompute
@@ -116,6 +117,10 @@ class ShardRuntime:
         self.recomputes = Recomputes(self.schedule)  # [Note: activation checkpointing] in recompute.py
         self.in_forward = False
         self.in_backward = False
+        # the module whose forward opened the current forward of the model: the root or an entry
+        # ([Note: forwards entered below the root] in entries.py); still set after it raised
+        self._opener: Optional[Any] = None
+        self._holders: "set[int]" = set()
         # [Note: one backward per forward] the root forward's number, and the last one whose
         # backward finished: a backward through an older forward's graph (two forwards, then
         # one backward of both; a forward, even under no_grad, between a forward and its
@@ -152,6 +157,41 @@ class ShardRuntime:
             # after post_forward, and also when the forward raised (a recompute stopped early)
             self._handles.append(u.module.register_forward_hook(_eager(functools.partial(self.recompute_exit, u)),
                                                                 always_call=True))
+        containers, holders = entry_modules(self.units)
+        self._holders = {id(m) for m in holders}
+        for m in containers + holders:
+            self._handles.append(m.register_forward_pre_hook(self.entry_enter, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self.entry_exit))
+        for m in [self.units[0].module] + containers + holders:  # after post_forward / entry_exit
+            self._handles.append(m.register_forward_hook(self.opener_raised, always_call=True))
+
+    # ------------------------------------------------------------------ entries
+    def entry_enter(self, module: Any, args: Any, kwargs: Any):
+        """A container or root holder called outside a forward opens one as the root's forward
+        would (entries.py [Note: forwards entered below the root]). Inside a forward (the
+        common case) one flag read: traced by torch.compile without a graph break."""
+        if self.in_forward and self._opener is not None:
+            return None
+        return _eager(self._open_entry)(module, args, kwargs)
+
+    def _open_entry(self, module: Any, args: Any, kwargs: Any):
+        if self.in_forward and self._opener is not None or in_autograd_backward():
+            return None  # a recompute: the root is live until the backward ends
+        if id(module) in self._holders and (torch.is_grad_enabled() or self.units[0].live):
+            return None
+        return self.pre_forward(self.units[0], module, args, kwargs)
+
+    def entry_exit(self, module: Any, args: Any, output: Any):
+        if self._opener is not module or not self.in_forward:
+            return None
+        return _eager(self.post_forward)(self.units[0], module, args, output)
+
+    def opener_raised(self, module: Any, args: Any, output: Any) -> None:
+        """The opener's forward raised (its post-forward hook, which clears ``_opener``, did not
+        run): the forward stays open (``in_forward``) for the next root or entry forward to
+        reset (one rank) or refuse (several), as after a root forward that raised."""
+        if self._opener is module:
+            self._opener = None
 
     def syncing(self) -> bool:
         return self.sync_grads and not (self.ctx is not None and self.ctx.no_sync)
@@ -178,6 +218,7 @@ class ShardRuntime:
             self.fwd_gen += 1
             self.schedule.begin("fwd")
             self.in_forward = True
+            self._opener = module
         elif not self.in_forward:
             raise RuntimeError(f"offload.shard: unit {u.name!r} was called outside the forward of the module "
                                "passed to offload.shard(); call that module")
@@ -205,6 +246,7 @@ class ShardRuntime:
             self.schedule.release(u)
             return None
         self.in_forward = False
+        self._opener = None
         self.schedule.end(torch.zeros(self.schedule.nflags, dtype=torch.int64))
         if not outs:  # no backward will come
             self.schedule.release(u)
