@@ -16,7 +16,7 @@ from offload.plan import (
     read_step_log,
     summarize_step_log,
 )
-from offload.plan.report import STEPLOG_SCHEMA
+from offload.plan.report import STEPLOG_SCHEMA, format_log_summary
 
 ROW_KEYS = {"schema", "step", "time", "step_s", "phases", "overlap_efficiency", "bytes", "rss"}
 
@@ -211,3 +211,42 @@ def test_memory_report_text_shows_counts_as_counts_and_bytes_as_bytes():
     assert detail["shard_numel"] == "3,000,000" and detail["grad_peak_numel"] == "0"
     assert detail["state_bytes"] == "34.33 MiB"  # fp32 master + two moments: 12 B x 3,000,000
     assert detail["release_grads"] == "False"
+
+
+def test_steps_with_no_grads_and_skipped_steps_stay_out_of_the_means(tmp_path):
+    """A step before any backward (no grads: nothing stepped) took a few microseconds at an
+    overlap efficiency of 0.02-0.15, counted as a step in ``step_stats()``'s means; and
+    ``offload report`` averaged skipped (inf/NaN) rows into its times. Both are counted
+    apart now, in the optimizer and in the log ``attach`` writes."""
+    import torch
+
+    import offload
+    from offload.plan import attach
+
+    p = torch.nn.Parameter(torch.randn(50_000))
+    opt = offload.AdamW([p], lr=1e-3)
+    path = tmp_path / "s.jsonl"
+    handle = attach(opt, every=0, path=path)
+    opt.step()                                  # no grad yet
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    handle.remove()
+    stats = opt.step_stats()
+    assert (stats["steps"], stats["empty"], stats["skipped"]) == (2, 1, 0)
+    rows = read_step_log(path)
+    assert [bool(r.get("empty")) for r in rows] == [True, False, False]
+    summary = summarize_step_log(rows)
+    assert summary["empty_rows"] == 1 and summary["skipped_rows"] == 0
+    timed = rows[1:]
+    assert summary["step_s_mean"] == pytest.approx(statistics.fmean(r["step_s"] for r in timed))
+    assert summary["overlap_efficiency_mean"] == pytest.approx(
+        statistics.fmean(r["overlap_efficiency"] for r in timed))
+    assert "1 with no grads: not in the times" in format_log_summary(summary)
+    assert "1 with no grads" in format_step_stats(stats)
+
+    # a skipped row (GradScaler's inf) is left out the same way
+    rows.append(dict(rows[-1], step=4, step_s=100.0, overlap_efficiency=0.0, skipped=True))
+    again = summarize_step_log(rows)
+    assert again["skipped_rows"] == 1 and again["step_s_mean"] == summary["step_s_mean"]
+    assert "1 skipped (inf/NaN grads)" in format_log_summary(again)

@@ -383,7 +383,8 @@ class RuleOptimizer(ContextAttributes, Optimizer):
             attach_state_views(self)  # opt.state[p]["exp_avg"] of params that stepped first now
             phases["unscale_clip"] = phases.get("unscale_clip", 0.0) + t_clip
             phases["grad_transfer"] = phases.get("grad_transfer", 0.0) + self._t_prepare
-            self._stats.record(phases, time.perf_counter() - t0)
+            empty = self.stage == 0 and not any(items for _, items in work)  # (stages 1-2: a shard steps anyway)
+            self._stats.record(phases, time.perf_counter() - t0, empty=empty)
         return loss
 
     def _store_step(self, work, multiplier: float) -> Dict[str, float]:
@@ -395,12 +396,11 @@ class RuleOptimizer(ContextAttributes, Optimizer):
             raise RuntimeError(f"the previous step failed and left the optimizer in the failed state: {failure}")
 
     def clear_failure(self, accept_params: bool = False) -> None:
-        """Leave the failed state a failed step put the optimizer in (see the README,
-        "When a step fails"). With ``offload="nvme"`` and fp32 CPU params, first restore the
-        params of the step the swap files hold: they are checked against the manifest's
-        fingerprint (ValueError when they differ). ``accept_params=True`` goes on from the
-        params and states as they are instead (the elements already updated by the failed
-        step then get that step's update once more when it is retried). A no-op when no step failed."""
+        """Leave the failed state a failed step put the optimizer in (see the README, "When a step fails").
+        With ``offload="nvme"`` and fp32 CPU params, first restore the params of the step the swap files
+        hold: they are checked against the manifest's fingerprint (ValueError when they differ).
+        ``accept_params=True`` goes on from the params and states as they are instead (the elements already
+        updated by the failed step then get that step's update once more when it is retried). No-op if none failed."""
         self._check_open()
         clear_failure(self, accept_params)
 
@@ -456,7 +456,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         }
 
     def step_stats(self) -> Dict[str, Any]:
-        """The last step's time per phase, the running mean, and overlap efficiency."""
+        """The last step's time per phase, the running mean, overlap efficiency (stats.StepStats)."""
         return self._stats.summary()
 
     def save_checkpoint(self, directory: str) -> None:

@@ -49,17 +49,25 @@ class StepStats:
     def __init__(self) -> None:
         self.steps = 0
         self.skipped = 0
+        self.empty = 0  # steps in which no param had a grad: nothing stepped
         self.last: Dict[str, float] = {}
         self._sum: Dict[str, float] = {}
 
-    def record(self, phases: Dict[str, float], total: float, *, skipped: bool = False) -> None:
+    def record(self, phases: Dict[str, float], total: float, *, skipped: bool = False, empty: bool = False) -> None:
+        """One step's phases. A skipped step (inf/NaN grads) and an empty one (no grads: a
+        step before the first backward, a frozen phase) are counted apart and left out of
+        the means: an empty step's few microseconds at an overlap efficiency of 0.02-0.15
+        pulled the mean of three real steps from 0.70 to 0.53."""
         row = {k: float(v) for k, v in phases.items()}
         row["step"] = float(total)
         ideal = ideal_step_seconds(row)
         row["overlap_efficiency"] = min(1.0, ideal / total) if total > 0 and ideal > 0 else 1.0
         self.last = row
-        if skipped:
-            self.skipped += 1
+        if skipped or empty:
+            if skipped:
+                self.skipped += 1
+            else:
+                self.empty += 1
             return
         self.steps += 1
         for k, v in row.items():
@@ -69,4 +77,5 @@ class StepStats:
         mean: Optional[Dict[str, float]] = None
         if self.steps:
             mean = {k: v / self.steps for k, v in self._sum.items()}
-        return {"steps": self.steps, "skipped": self.skipped, "last": dict(self.last), "mean": mean}
+        return {"steps": self.steps, "skipped": self.skipped, "empty": self.empty, "last": dict(self.last),
+                "mean": mean}

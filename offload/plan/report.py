@@ -149,11 +149,15 @@ def attach(opt: Any, *, every: int = 1, path: "Optional[str | os.PathLike[str]]"
     log = logger or logging.getLogger("offload.report")
     writer = StepLogger(path, append=True) if path is not None else None
     count = [0]
+    seen_empty = [0]
 
     def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         count[0] += 1
         if writer is not None:
-            writer.log_optimizer(count[0], optimizer, skipped=bool(getattr(optimizer, "last_step_skipped", False)))
+            empty = optimizer.step_stats().get("empty", 0)
+            writer.log_optimizer(count[0], optimizer, skipped=bool(getattr(optimizer, "last_step_skipped", False)),
+                                 **({"empty": True} if empty > seen_empty[0] else {}))
+            seen_empty[0] = empty
         if every and count[0] % every == 0:
             log.info("step %d\n%s\n%s", count[0], format_step_stats(optimizer.step_stats()),
                      format_memory_report(optimizer.memory_report()))
@@ -306,16 +310,22 @@ def read_step_log(path: "str | os.PathLike[str]") -> List[Dict[str, Any]]:
 
 
 def summarize_step_log(rows: List[Mapping[str, Any]]) -> Dict[str, Any]:
-    """Means and medians of the step and each phase, mean overlap efficiency, peak bytes."""
+    """Means and medians of the step and each phase, mean overlap efficiency, peak bytes.
+    Rows of skipped steps (inf/NaN grads) and of steps with no grads (``skipped``, ``empty``:
+    ``attach`` writes them) are counted apart and left out of the times, as ``step_stats()``
+    leaves them out of its means."""
     if not rows:
         raise ValueError("step log has no rows")
-    steps = [float(r["step_s"]) for r in rows if r.get("step_s") is not None]
-    names = sorted({k for r in rows for k in r["phases"]},
+    timed = [r for r in rows if not r.get("skipped") and not r.get("empty")]
+    steps = [float(r["step_s"]) for r in timed if r.get("step_s") is not None]
+    names = sorted({k for r in timed for k in r["phases"]},
                    key=lambda k: (PHASES.index(k) if k in PHASES else len(PHASES), k))
-    phases = {k: statistics.fmean(r["phases"].get(k, 0.0) for r in rows) for k in names}
-    eff = [float(r["overlap_efficiency"]) for r in rows if r.get("overlap_efficiency") is not None]
+    phases = {k: statistics.fmean(r["phases"].get(k, 0.0) for r in timed) for k in names}
+    eff = [float(r["overlap_efficiency"]) for r in timed if r.get("overlap_efficiency") is not None]
     return {
         "rows": len(rows),
+        "skipped_rows": sum(1 for r in rows if r.get("skipped")),
+        "empty_rows": sum(1 for r in rows if r.get("empty") and not r.get("skipped")),
         "first_step": rows[0]["step"],
         "last_step": rows[-1]["step"],
         "step_s_mean": statistics.fmean(steps) if steps else None,
@@ -333,7 +343,10 @@ def _b(n: Optional[float]) -> str:
 
 
 def format_log_summary(summary: Mapping[str, Any]) -> str:
-    lines = [f"{summary['rows']} steps logged ({summary['first_step']}..{summary['last_step']})"]
+    left = [f"{summary[k]} {what}" for k, what in (("skipped_rows", "skipped (inf/NaN grads)"),
+                                                   ("empty_rows", "with no grads")) if summary.get(k)]
+    lines = [f"{summary['rows']} steps logged ({summary['first_step']}..{summary['last_step']})"
+             + (f"; {', '.join(left)}: not in the times" if left else "")]
     if summary["step_s_mean"] is not None:
         lines.append(f"step: mean {summary['step_s_mean'] * 1e3:.2f} ms, median {summary['step_s_median'] * 1e3:.2f} ms")
     total = summary["step_s_mean"]
@@ -384,7 +397,8 @@ def format_step_stats(stats: Mapping[str, Any]) -> str:
     """Text for ``opt.step_stats()``: last step and running mean per phase, overlap efficiency."""
     last = dict(stats.get("last") or {})
     mean = dict(stats.get("mean") or {})
-    lines = [f"optimizer steps: {stats.get('steps', 0)} (skipped {stats.get('skipped', 0)})"]
+    empty = f", {stats['empty']} with no grads" if stats.get("empty") else ""
+    lines = [f"optimizer steps: {stats.get('steps', 0)} (skipped {stats.get('skipped', 0)}{empty})"]
     if not last:
         lines.append("  no step yet")
         return "\n".join(lines)
