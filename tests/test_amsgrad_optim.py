@@ -122,7 +122,9 @@ def test_the_host_store_built_without_amsgrad_loads_a_checkpoint_of_amsgrad_as_t
 def test_the_host_store_loads_dicts_whose_groups_differ_in_amsgrad():
     """Its own state_dict (an Adam group's entries hold no max_exp_avg_sq), and a plain Adam
     dict into an amsgrad optimizer (the groups follow the dict, as torch's load does); a dict
-    whose amsgrad group lacks max_exp_avg_sq is refused with nothing changed."""
+    whose amsgrad group lacks max_exp_avg_sq loads (torch's state right after the group
+    turned amsgrad on: test_amsgrad_turned_on_dicts.py), one that lacks exp_avg_sq is refused
+    with nothing changed."""
     params, ref_params = _params(), _params()
     opt = offload.AdamW(_groups(params, (True, False)), lr=1e-2)
     ref = torch.optim.AdamW(_groups(ref_params, (True, False)), lr=1e-2, foreach=False)
@@ -141,8 +143,9 @@ def test_the_host_store_loads_dicts_whose_groups_differ_in_amsgrad():
     assert [g["amsgrad"] for g in ams.param_groups] == [False, False]
     bad = copy.deepcopy(plain.state_dict())
     bad["param_groups"][0]["amsgrad"] = True
+    del bad["state"][0]["exp_avg_sq"]
     before = copy.deepcopy(opt.state_dict())
-    with pytest.raises(ValueError, match=r"state\[0\] has 'exp_avg' without 'max_exp_avg_sq'"):
+    with pytest.raises(ValueError, match=r"state\[0\] has 'exp_avg' without 'exp_avg_sq'"):
         opt.load_state_dict(bad)
     after = opt.state_dict()
     assert [g["amsgrad"] for g in opt.param_groups] == [True, False]

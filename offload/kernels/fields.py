@@ -278,4 +278,8 @@ STATE_DTYPES = ("float32", "bfloat16", "int8")
 """What ``state_dtype=`` takes."""
 NONNEGATIVE_STATES = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum"})
 """States that are never negative: the int8 form uses the unsigned map for them."""
+LATE_STATES = frozenset({"max_exp_avg_sq"})
+"""States a param may lack beside its rule's others: a group that turns amsgrad on after its
+params stepped (torch's state then holds exp_avg and exp_avg_sq alone; the step starts the
+max_exp_avg_sq at zeros). A dict with such an entry is torch's (or our) state of that moment."""
 

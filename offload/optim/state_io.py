@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Set
 
 import torch
 
+from offload.kernels.fields import LATE_STATES
 from offload.optim.guards import before_load
 from offload.optim.options import check_group_values, check_loaded_groups, loaded_group_rule
 from offload.optim.protocol import optional
@@ -144,8 +145,9 @@ def _check_entry(k: Any, p: torch.Tensor, st: Any, names: tuple, required: tuple
         raise ValueError(f"load_state_dict: state[{k}] is a {type(st).__name__}, expected a dict")
     present = [key for key in names if key in st]
     held = [key for key in required if key in st]
-    if held and len(held) < len(required):
-        missing = [key for key in required if key not in st]
+    # (a state that starts late, amsgrad's, may be missing beside the others: fields.LATE_STATES)
+    missing = [key for key in required if key not in st and key not in LATE_STATES]
+    if held and missing:
         raise ValueError(f"load_state_dict: state[{k}] has {held[0]!r} without {missing[0]!r}")
     if present and "step" not in st:
         raise ValueError(f"load_state_dict: state[{k}] has moments but no 'step'")
