@@ -13,7 +13,7 @@ import torch
 
 from offload.kernels.fields import ADAM, ADAM_AMSGRAD, Rule
 from offload.optim.base import RuleOptimizer
-from offload.optim.ckpt_holding import holding_ids, holding_meta, holding_of, record_now, saved_holding
+from offload.optim.ckpt_holding import holding_ids, holding_meta, holding_of, record_now, saved_holding, without_cleared
 from offload.optim.differentiable import TorchWhenDifferentiable
 from offload.optim.functional import AdamHyper, RuleHyper
 from offload.optim.options import check_hyper
@@ -104,9 +104,10 @@ class _AdamBase(TorchWhenDifferentiable, RuleOptimizer):
     def _store_step(self, work, multiplier: float) -> Dict[str, float]:
         # before the step: its commit records the params that hold a max_exp_avg_sq after it
         before = self._ams_kept
+        kept = without_cleared(self, before, work)  # (a cleared param holds none, as in torch)
         stepped = {id(p) for group, items in work if group.get("amsgrad") for p, *_ in items}
-        if not stepped <= before:
-            self._set_kept(before | stepped)
+        if kept is not before or not stepped <= kept:
+            self._set_kept(kept | stepped)
         try:
             return super()._store_step(work, multiplier)
         except BaseException:  # a step that failed (swap files at the step before): as before it

@@ -22,7 +22,8 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Set
 from offload.optim.protocol import optional
 from offload.swap.ckpt_groups import saved_meta
 
-__all__ = ["HOLDING", "holding_ids", "holding_in", "holding_meta", "holding_of", "record_now", "saved_holding"]
+__all__ = ["HOLDING", "holding_ids", "holding_in", "holding_meta", "holding_of", "record_now", "saved_holding",
+           "without_cleared"]
 
 HOLDING = "holding"
 
@@ -43,6 +44,18 @@ def record_now(store: Any) -> None:
     commit = optional(store, "commit_writes")
     if commit is not None:
         commit()
+
+
+def without_cleared(opt: Any, held: Set[int], work: Any) -> Set[int]:
+    """``held`` (ids of the params holding a state beyond their group's rule: Adam's
+    ``_ams_kept``, SGD's ``_buf_started``) less the params stepping in ``work`` whose state
+    the user cleared since their last step (``opt.state[p].clear()``): their step starts them
+    afresh, as torch's (step_guard's restart_cleared), holding only what their group's rule
+    makes. ``held`` itself when none was (the host store's states went with the entry)."""
+    if not held or getattr(opt._store, "kind", None) == "host":
+        return held
+    cleared = opt._ctx.steps.cleared(item[0] for _, items in work for item in items)
+    return held - {id(p) for p in cleared} if cleared else held
 
 
 def holding_ids(meta: Any, name: str, params: Sequence[Any], path: str) -> Optional[Set[int]]:

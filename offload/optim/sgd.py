@@ -29,7 +29,7 @@ import torch
 
 from offload.kernels.fields import SGD as SGD_RULE, SGD_PLAIN, Rule
 from offload.optim.base import RuleOptimizer
-from offload.optim.ckpt_holding import holding_ids, holding_of, record_now, saved_holding
+from offload.optim.ckpt_holding import holding_ids, holding_of, record_now, saved_holding, without_cleared
 from offload.optim.differentiable import TorchWhenDifferentiable
 from offload.optim.options import _check_scalar
 from offload.optim.protocol import optional
@@ -182,6 +182,10 @@ class SGD(TorchWhenDifferentiable, RuleOptimizer):
         return id(p) in self._buf_started
 
     def _store_step(self, work, multiplier: float) -> Dict[str, float]:
+        before = self._buf_started
+        kept = without_cleared(self, before, work)  # (a cleared param's buffer starts afresh, as in torch)
+        if kept is not before:
+            self._set_started(kept)
         batches = []
         for group, items in work:
             if group["momentum"] != 0 and group["dampening"] != 0:
@@ -191,10 +195,9 @@ class SGD(TorchWhenDifferentiable, RuleOptimizer):
                     items = [it for it in items if self._started(it[0])]
             batches.append((self._hyper(group, multiplier), items))
         # before the step: its commit records the buffers started after it
-        before = self._buf_started
         stepped = {id(p) for group, items in work if group["momentum"] != 0 for p, _ in items}
-        if not stepped <= before:
-            self._set_started(before | stepped)
+        if not stepped <= kept:
+            self._set_started(kept | stepped)
         try:
             return store_step(self, batches)
         except BaseException:  # a step that failed (swap files at the step before): as before it
