@@ -18,6 +18,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels.fields import ADAM, Rule, StateField, field_names
 from offload.kernels.quant import rounding_seed
@@ -64,6 +65,7 @@ class HostState:
     stochastic_states = True
     _prepared: Optional[PreparedGroups] = None
     _optional: Tuple[StateField, ...] = ()  # (see keep_optional; a pickle from before has none)
+    _unstepped = False  # states made before the first step (Adagrad's sum: make_states)
 
     def __init__(self, *, ctx: StepContext, backend: Optional[str], num_threads: Optional[int],
                  fields: Sequence[StateField] = ADAM.fields, fill: Optional[Dict[str, float]] = None,
@@ -172,6 +174,7 @@ class HostState:
         start value (Adagrad's initial sum at construction): a compressed one is encoded
         from one block, never through a float32 copy of the whole state."""
         self._states(p, self.stored_fields(p))
+        self._unstepped = True  # states before the first step: load_checkpoint loads them at step 0
 
     def step(self, batches: List[StepBatch]) -> Dict[str, float]:
         t0 = time.perf_counter()
@@ -333,9 +336,11 @@ class HostState:
         state = self._torch.state
         for i, (p, step) in enumerate(zip(params, meta["steps"])):
             state.pop(p, None)  # a new entry, as torch's load_state_dict makes
-            if step == 0:
-                continue
+            if step == 0 and not self._unstepped:
+                continue  # (Adagrad's params have their sum from the start: a written one is kept)
             self.ctx.steps.set(p, step)  # first: torch's key order (step, exp_avg, exp_avg_sq)
+            if step == 0:
+                state[p]["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
             for key in scratch:
                 state[p][key] = scratch[key][i]
         self.settle(params)

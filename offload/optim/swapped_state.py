@@ -41,7 +41,7 @@ Interface (the store behind ``offload.Adam/AdamW(..., offload="nvme")``)::
         accept_params=True) or load_checkpoint().
     st.read_state(p) -> (exp_avg, exp_avg_sq)        the rule's states (Adam's here), new tensors shaped like p
     st.write_state(p, exp_avg, exp_avg_sq, step=None)
-    st.export_state(p) -> {"exp_avg", "exp_avg_sq"} ({} before p's first step)
+    st.export_state(p) -> {"exp_avg", "exp_avg_sq"} ({} where opt.state[p] has no "step")
     st.import_state(p, {"exp_avg", "exp_avg_sq"[, "step"]})   (rule=: its fields, in order)
     st.step_of(p) -> int                             step count recorded for p (0: none yet)
     SwappedState.for_optimizer(opt, ctx=None)        built from opt.config (OffloadConfig), opt.backend,
@@ -394,7 +394,8 @@ class SwappedState:
             self.core.meta_dirty = True
 
     def export_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
-        if self.step_of(p) == 0:
+        # (by the entry's "step", as the flat store's: Adagrad's unstepped sums are torch's too)
+        if not self.ctx.steps.has(self.params[self._param_index(p)]):
             return {}
         return dict(zip(self.names, self.read_state(p)))
 
