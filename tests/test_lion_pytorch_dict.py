@@ -38,3 +38,23 @@ def test_lion_refuses_decoupled_weight_decay_group():
                                          "decoupled_weight_decay": True, "params": [0]}]}
     with pytest.raises(ValueError, match="decoupled_weight_decay"):
         opt.load_state_dict(sd)
+
+
+def test_lion_refuses_decoupled_group_given_added_or_set():
+    """The constructor, add_param_group and the step refuse it too (they took it and stepped it
+    as lr * weight_decay, 1/lr times lion-pytorch's decay), with nothing changed."""
+    p, q = torch.nn.Parameter(torch.randn(7)), torch.nn.Parameter(torch.randn(5))
+    with pytest.raises(ValueError, match="decoupled_weight_decay"):
+        offload.Lion([{"params": [p], "decoupled_weight_decay": True}], weight_decay=0.1)
+    opt = offload.Lion([p], weight_decay=0.1)
+    with pytest.raises(ValueError, match="decoupled_weight_decay"):
+        opt.add_param_group({"params": [q], "decoupled_weight_decay": True})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["decoupled_weight_decay"] = True
+    p.grad, before = torch.randn(7), p.detach().clone()
+    with pytest.raises(ValueError, match="decoupled_weight_decay"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    opt.param_groups[0]["decoupled_weight_decay"] = False
+    opt.step()
+    assert not torch.equal(p.detach(), before)

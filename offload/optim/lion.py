@@ -32,6 +32,16 @@ def _check_args(lr: Any, betas: Any, weight_decay: Any) -> None:
     check_nonneg("weight_decay", weight_decay, "weight_decay value")
 
 
+def _check_not_decoupled(group: Dict[str, Any]) -> None:
+    """lion-pytorch's ``decoupled_weight_decay=True`` (weight decay divided by the initial lr)
+    is not this update: refused by name wherever a group enters or steps (stepping it as
+    ``lr * weight_decay`` would decay the params 1/lr times as hard as lion-pytorch does)."""
+    if group.get("decoupled_weight_decay"):
+        raise ValueError("a group with lion-pytorch's decoupled_weight_decay=True (weight decay divided by "
+                         "the initial lr); offload.Lion decays by lr * weight_decay: set the group's "
+                         "weight_decay to weight_decay / initial lr and decoupled_weight_decay to False")
+
+
 class Lion(RuleOptimizer):
     """Lion with offloaded states and fused SIMD kernels: lion-pytorch's arguments and
     defaults (``lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0``; weight decay decoupled and
@@ -54,6 +64,10 @@ class Lion(RuleOptimizer):
         """The constructor's checks over a whole group's values (a group added or loaded: options.check_group_values)."""
         check_flag_types(cls.GROUP_DEFAULTS, group)
         _check_args(group["lr"], group["betas"], group["weight_decay"])
+        _check_not_decoupled(group)
+
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        _check_not_decoupled(group)  # a group changed after it entered: refused before the step changes anything
 
     def rule_of(self, group: Dict[str, Any]) -> Rule:
         return LION
@@ -65,11 +79,11 @@ class Lion(RuleOptimizer):
         divided by the initial lr) is not this update: refused before anything is loaded."""
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
             for g in state_dict.get("param_groups") or ():
-                if isinstance(g, dict) and g.get("decoupled_weight_decay"):
-                    raise ValueError("load_state_dict: a group with lion-pytorch's decoupled_weight_decay=True "
-                                     "(weight decay divided by the initial lr); offload.Lion decays by lr * "
-                                     "weight_decay: set the group's weight_decay to weight_decay / initial lr "
-                                     "and decoupled_weight_decay to False")
+                if isinstance(g, dict):
+                    try:
+                        _check_not_decoupled(g)
+                    except ValueError as exc:
+                        raise ValueError(f"load_state_dict: {exc}") from None
             state = {k: (dict(st, step=st.get("step", 1.0)) if isinstance(st, dict) and "exp_avg" in st else st)
                      for k, st in state_dict["state"].items()}
             state_dict = dict(state_dict, state=state)
