@@ -111,6 +111,10 @@ class StepCounts:
         state = self._state_of()
         return [p for p in params if id(p) in self._counted and "step" not in state.get(p, {})]
 
+    def restarted(self, params: Iterable[torch.Tensor]) -> None:
+        """``params`` (cleared) were started afresh: ``cleared()`` no longer lists them."""
+        self._counted.difference_update(id(p) for p in params)
+
     def recount(self, params: Iterable[torch.Tensor]) -> None:
         """torch's load replaced the counts: those of ``params`` that have one now are counted."""
         state = self._state_of()

@@ -219,14 +219,11 @@ def _store_step(opt: Any, work: Sequence[Tuple[Any, List[Tuple[torch.Tensor, tor
     steps = opt._ctx.steps
     batches: List[Any] = []
     before: List[Tuple[torch.Tensor, Any]] = []
-    # (the host store's states live in the entries a clear removed: nothing else to restart)
-    restarts = getattr(opt._store, "kind", None) != "host"
-    for hyper, items in work:
-        cleared = steps.cleared(p for p, _ in items) if restarts else None
-        if cleared:  # as torch: a param whose state the user cleared starts afresh
-            from offload.optim.state_io import restart_cleared
+    # as torch: a param whose state the user cleared starts afresh (also one this step does not
+    # reach: [Note: cleared before a save] in state_io.py)
+    from offload.optim.state_io import restart_all_cleared
 
-            restart_cleared(opt, cleared)
+    restart_all_cleared(opt)
     commit = optional(opt._store, "commit_writes")
     try:
         if commit is not None:  # [Note: writes before the counts]
