@@ -181,8 +181,17 @@ class Run:
         if hp_from is not None:  # the groups carry every value: the constructor's flags too
             for k in ("foreach", "fused"):
                 kw.pop(k, None)
+        later = {}
+        if resume and "amsgrad" in self.cfg["hp"]:
+            # the swap files keep the layout the run was built with (a max_exp_avg_sq for every
+            # param when a group had amsgrad): build it as then, turn amsgrad as now after
+            later = {gi: g.pop("amsgrad", None) for gi, g in enumerate(groups)}
+            kw["amsgrad"] = self.cfg["hp"]["amsgrad"]
         cls = getattr(offload, self.cfg["name"])
         opt = cls(groups, **kw)
+        for gi, v in later.items():
+            if v is not None:
+                opt.param_groups[gi]["amsgrad"] = v
         opt._fuzz_swap = kw.get("swap_dir")
         return opt
 
@@ -296,11 +305,6 @@ class Run:
 
     def _torch_step_inner(self):
         C, params = self.C, self.params(2)
-        for g in C.param_groups:  # amsgrad turned on: torch's step fails (KeyError) on a param that
-            for p in g["params"] if g.get("amsgrad") else ():  # stepped without it; ours starts it at 0
-                st = C.state.get(p)
-                if st and p.grad is not None and "exp_avg" in st and "max_exp_avg_sq" not in st:
-                    st["max_exp_avg_sq"] = torch.zeros_like(p)
         sc = self.scalers[2] if self.scalers else None
         if sc is not None:
             sc.unscale_(C)
@@ -320,6 +324,8 @@ class Run:
                 coef = min(1.0, self.cfg["max_grad_norm"] / (norm + 1e-6))
                 for g in gs:
                     g.mul_(coef)
+        if not skip:  # (not before: a skipped step starts no state)
+            self._torch_amsgrad_zeros()
         if sc is not None:
             if not skip:
                 sc.step(C)
@@ -328,6 +334,15 @@ class Run:
             with _unfused_where_torch_fails(C):
                 C.step()
         return skip
+
+    def _torch_amsgrad_zeros(self):
+        """amsgrad turned on: torch's step fails (KeyError) on a param that stepped without it;
+        ours starts it at 0. (GradScaler's step over found infs does not reach here.)"""
+        for g in self.C.param_groups:
+            for p in g["params"] if g.get("amsgrad") else ():
+                st = self.C.state.get(p)
+                if st and p.grad is not None and "exp_avg" in st and "max_exp_avg_sq" not in st:
+                    st["max_exp_avg_sq"] = torch.zeros_like(p)
 
     def _sched_step(self):
         kind = self.sched[0]
@@ -689,7 +704,8 @@ def main(argv=None):
                 print("  ops: " + " | ".join(run.log if args.verbose else run.log[-8:]))
             if args.verbose:
                 traceback.print_exc()
-            print(f"  reproduce: OFFLOAD_BACKEND={os.environ.get('OFFLOAD_BACKEND', 'native')} "
+            isa = f"OFFLOAD_ISA={os.environ['OFFLOAD_ISA']} " if os.environ.get("OFFLOAD_ISA") else ""
+            print(f"  reproduce: {isa}OFFLOAD_BACKEND={os.environ.get('OFFLOAD_BACKEND', 'native')} "
                   f"python tools/history_fuzz.py --seeds {seed}:{seed + 1} --ops {n_ops} --verbose")
         finally:
             if run is not None:
