@@ -174,7 +174,8 @@ class _AdamBase(TorchWhenDifferentiable, RuleOptimizer):
         # its group has amsgrad. The host store, whose opt.state is torch's, drops the others,
         # as torch's dicts have none; the flat and swapped stores show the held ones.
         holds = {id(p) for i, p in enumerate(params) if held is not None and i in held}
-        holds.update(id(p) for g in self.param_groups if g.get("amsgrad") for p in g["params"])
+        if held is None:  # (not beside the meta: a param stepped before its group turned amsgrad on has none)
+            holds.update(id(p) for g in self.param_groups if g.get("amsgrad") for p in g["params"])
         self._set_kept({id(p) for p in params if id(p) in holds and self._ctx.steps.get(p) > 0})
         record_now(self._store)
         if getattr(self._store, "kind", None) != "host":
