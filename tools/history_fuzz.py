@@ -538,7 +538,7 @@ class Run:
         self._replace("checkpoint", cfg, make, ck_dir=d)
 
     def op_resume(self):
-        if self.a_cfg["store"] != "nvme":
+        if self.a_cfg["store"] != "nvme" or self._no_swap_files():
             return self.op_state_dict()
         swap = self.A._fuzz_swap
 
@@ -547,6 +547,12 @@ class Run:
             self.A._fuzz_closed = True
             return self._make_offload(self.a_cfg, "A", hp_from=self.A, resume=True, swap_dir=swap)
         self._replace("resume", dict(self.a_cfg), make)
+
+    def _no_swap_files(self):
+        """SGD without momentum over params that are their own master writes no swap files
+        (README): a resume has nothing to go on from, not even the counts that seed bf16 rounding."""
+        return (self.cfg["name"] == "SGD" and not self.cfg["hp"]["momentum"]
+                and (self.cfg["pdtype"] == torch.float32 or self.a_cfg["master_dtype"] == "bfloat16"))
 
     def op_plateau_metric(self):
         self.rng_metric = self.rng.choice([1.0, 2.0, 0.5])
