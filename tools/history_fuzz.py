@@ -131,6 +131,7 @@ class Run:
         self.a_cfg = dict(self.cfg)  # A's current store / state_dtype
         self.b_cfg = dict(self.cfg)  # B's
         self.host_only = False  # a state turned on mid-run: only the host store takes it
+        self.uncommitted = False  # A's states written since its last step taken
         self.A = self._make_offload(self.a_cfg, "A")
         self.B = self._make_offload(self.a_cfg, "B")
         self.C = self._make_torch()
@@ -283,6 +284,8 @@ class Run:
                 opt.step()
             skipped_a.append(opt.last_step_skipped)
         skip_c = self._torch_step()
+        if not skipped_a[0]:
+            self.uncommitted = False
         if skipped_a[0] != skipped_a[1]:
             raise Mismatch(f"last_step_skipped A {skipped_a[0]} B {skipped_a[1]}")
         if self.c_valid and self.cfg["max_grad_norm"] is not None and skipped_a[0] != skip_c:
@@ -460,6 +463,7 @@ class Run:
         if how == "clear" and self.cfg["pdtype"] != torch.float32:
             how = "mul_"  # a master of its own: torch's twin has no master to clear
         self.log.append(f"state[{i}][{k!r}] {how} {c}" if how != "clear" else f"state[{i}].clear()")
+        self.uncommitted = True
         for opt, p in ((self.A, pa), (self.B, pb), (self.C, pc)):
             if opt is self.C and (not self.c_valid or k not in opt.state[p]):
                 continue
@@ -538,7 +542,9 @@ class Run:
         self._replace("checkpoint", cfg, make, ck_dir=d)
 
     def op_resume(self):
-        if self.a_cfg["store"] != "nvme" or self._no_swap_files():
+        if self.a_cfg["store"] != "nvme" or self._no_swap_files() or self.uncommitted:
+            # (a state written or cleared since the last step taken is not in the swap files:
+            # resume=True goes on from the last finished step, as the README says)
             return self.op_state_dict()
         swap = self.A._fuzz_swap
 
