@@ -210,6 +210,27 @@ class Stage3Store:
     def reset_state(self, p):
         return self._inner.reset_state(p)
 
+    def save_checkpoint(self, *args, **kwargs):
+        self._one_rank_only("save_checkpoint")
+        return self._inner.save_checkpoint(*args, **kwargs)
+
+    def load_checkpoint(self, *args, **kwargs):
+        self._one_rank_only("load_checkpoint")
+        return self._inner.load_checkpoint(*args, **kwargs)
+
+    def _one_rank_only(self, what: str) -> None:
+        """[Note: the optimizer's own checkpoint at stage 3] The inner store is a one-process
+        store over this rank's shards: its checkpoint is the files of a rank 0 (``DIR/rank0``).
+        On several ranks every rank wrote that one directory (a CheckpointBusy when two saves
+        met, else the last rank's shards kept as everyone's) and every rank loaded rank 0's
+        shard states into its own, same-shaped shards, silently (forty-eighth session's
+        2-rank history fuzz). The world size is the same fact on every rank: all refuse,
+        before any file is touched."""
+        if self.world > 1:
+            raise ValueError(f"opt.{what}() at stage 3 on {self.world} ranks: its files hold one rank's shards "
+                             f"(every rank would use the same DIR/rank0); use offload.shard.{what}(model, opt, DIR), "
+                             "which keeps a file per rank and reshards N -> M (a collective: every rank calls it)")
+
     def memory_report(self):
         return self._inner.memory_report()
 
