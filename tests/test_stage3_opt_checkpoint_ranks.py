@@ -50,3 +50,26 @@ def test_the_optimizers_own_checkpoint_at_stage3_on_two_ranks_is_refused(tmp_pat
         assert load.startswith("opt.load_checkpoint() at stage 3 on 2 ranks") and "offload.shard.load_checkpoint(" in load
         assert got[rank]["written"] == []  # refused before anything was written
         assert got[rank]["same"]
+
+
+def _sgd_job(rank, world, swap_dir):
+    """SGD without momentum, offload="nvme", at stage 3: nothing to swap, so the host store steps
+    the shards in place with p.grad; the grad shards were placed in a swap file anyway (p.grad
+    the zero stand-in) and no param moved, silently (forty-eighth session's history fuzz)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(2)])
+    for p in model.parameters():
+        torch.nn.init.zeros_(p)
+    offload.shard(model, unit={torch.nn.Linear})
+    opt = offload.SGD(model.parameters(), lr=1.0, offload="nvme", swap_dir=swap_dir)
+    model(torch.zeros(1, 4)).sum().backward()  # the last bias's grad: ones on every rank
+    opt.step()
+    got = {k: v.tolist() for k, v in offload.shard.gathered_params(model).items()}
+    opt.close()
+    return got
+
+
+def test_stage3_sgd_without_momentum_on_nvme_steps_on_two_ranks(tmp_path):
+    got = group(2).run(_sgd_job, str(tmp_path))
+    assert got[0] == got[1]
+    assert got[0]["1.bias"] == [-1.0] * 4, got[0]  # torch: the averaged grad of ones, lr 1

@@ -26,6 +26,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from offload.optim.host_state import HostState
 from offload.zero import comm
 
 __all__ = ["shard_group", "stage3_store", "Stage3Store"]
@@ -83,9 +84,19 @@ def stage3_store(opt: Any, stage: Optional[int], process_group: Any):
     if opt.config.resume is True and comm.world_and_rank(group)[0] > 1:
         _check_resumed_steps(inner, group, opt.config.swap_dir)
     opt.stage = 3
+    # the grad shards live where the states do; a store that swaps nothing (SGD without
+    # momentum: the host store, which steps with p.grad in place) keeps them in RAM: placed on
+    # disk, p.grad was the zero stand-in and no param ever moved, silently (forty-eighth session)
+    on_disk = opt.config.offload == "nvme" and not isinstance(inner, HostState)
+    if opt.config.offload == "nvme" and not on_disk:
+        try:
+            _check_grads_placed(runtimes, "cpu")
+        except ValueError:
+            inner.close()
+            raise
     for rt in runtimes:
         rt.ctx = opt._ctx  # the shard hooks follow opt.no_sync()
-        if opt.config.offload == "nvme":  # the grad shards live where the states do
+        if on_disk:
             rt.place_grads(opt.config.swap_dir, opt.config.io)
     opt._stage_auto_single = False
     opt._process_group = group
