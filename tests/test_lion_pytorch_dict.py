@@ -58,3 +58,23 @@ def test_lion_refuses_decoupled_group_given_added_or_set():
     opt.param_groups[0]["decoupled_weight_decay"] = False
     opt.step()
     assert not torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_lion_reloads_its_own_state_dict_after_a_load(stage):
+    """torch's __setstate__ (each load_state_dict) adds "differentiable" to Lion's defaults
+    alone; the next load of its own state_dict was refused ("param group 0 has no
+    'differentiable'", forty-eighth session's 2-rank history fuzz)."""
+    ps = [torch.nn.Parameter(torch.randn(7)) for _ in range(2)]
+    a = offload.Lion(ps, lr=1e-3, offload="cpu", stage=stage)
+    for p in ps:
+        p.grad = torch.randn(7)
+    a.step()
+    b = offload.Lion(ps, lr=1e-3, offload="cpu", stage=stage)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    b.step()
+    want = copy.deepcopy(b.state_dict())
+    b.load_state_dict(copy.deepcopy(want))
+    assert torch.equal(b.state_dict()["state"][0]["exp_avg"], want["state"][0]["exp_avg"])
+    a.close()
+    b.close()

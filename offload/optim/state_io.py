@@ -254,7 +254,10 @@ def load_state_dict_into(opt: Any, state_dict: Dict[str, Any], base: Callable[[D
     held = {id(p) for p in opt._all_params() if opt._ctx.steps.get(p) > 0}
     # the last pre hook: the store keeps the tensors of the dict the user's hooks returned
     last_pre_hook = opt.register_load_state_dict_pre_hook(before_load)
-    need = list(opt.defaults)  # (torch's __setstate__ adds "differentiable" to defaults alone)
+    # the keys its own groups step with: torch's __setstate__ (each load) adds "differentiable"
+    # to the defaults alone, so after one load of Lion's dict (which has none) the defaults
+    # asked for a key no group of it holds, and it refused its own state_dict (forty-eighth session)
+    need = [k for k in opt.defaults if all(k in g for g in opt.param_groups)]
     try:
         with batch:
             base(state_dict)
