@@ -26,6 +26,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from offload.kernels import get_backend
 from offload.kernels.fields import Rule, StateField, field_names, union_rule
+from offload.optim.cleared import close_optimizer
 from offload.optim.clip import grad_multiplier
 from offload.optim.context import StepContext
 from offload.optim.context_attrs import ContextAttributes
@@ -41,7 +42,7 @@ from offload.optim.protocol import optional
 from offload.optim.state_codec import STOCHASTIC_BF16_STATES
 from offload.optim.state_io import load_state_dict_into, state_dict_of
 from offload.optim.sparse_grads import dense_grad
-from offload.optim.state_view import attach as attach_state_views, detach as detach_state_views
+from offload.optim.state_view import attach as attach_state_views
 from offload.optim.step_agreement import ranks_begin_together
 from offload.optim.step_guard import canonical_sig, check_work, clear_failure, defer_sigint, gc_paused, snapshot, store_step
 from offload.optim.stats import StepStats, process_rss_bytes
@@ -484,14 +485,7 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         """Release host buffers and remove swap files (also done at interpreter exit); idempotent, no step
         after. ``keep_swap=True`` (``offload="nvme"``) keeps the swap directory, unlocked and at its last
         committed step, for a new optimizer with ``resume=True`` (here or in another process)."""
-        if keep_swap and self.config.offload != "nvme":
-            raise ValueError(f"close(keep_swap=True) needs offload='nvme' (offload={self.config.offload!r} keeps no swap files)")
-        if keep_swap and self._closed is True:  # (it was silently a no-op: the caller thought the files kept)
-            raise RuntimeError("close(keep_swap=True) after close(): the first close removed the swap files")
-        if self._store is not None and not self._closed:
-            detach_state_views(self)  # before the buffers they view are freed
-            self._store.close(keep_swap=keep_swap) if keep_swap else self._store.close()
-        self._closed = self._closed or ("kept" if keep_swap else True)
+        close_optimizer(self, keep_swap)  # [Note: cleared before a kept close] in cleared.py
 
     def __enter__(self):
         return self
