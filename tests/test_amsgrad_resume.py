@@ -56,3 +56,46 @@ def test_a_run_resumed_right_after_a_load_shows_what_the_load_gave(store, how, t
     opt.close(keep_swap=True)
     run.opt = offload.AdamW(_groups(run.params, middle=False), lr=1e-2, resume=True, **_kwargs(store, tmp_path, "back"))
     run.go_on()
+
+
+def test_a_run_whose_only_group_turned_amsgrad_off_resumes_built_as_it_was(tmp_path):
+    """Swap files of a store built with amsgrad hold max_exp_avg_sq also after its one group
+    turned amsgrad off: a resume built without amsgrad is refused naming the states (it named
+    only their dtypes: history fuzz seed 215); built as the run was, with the group turned off
+    again, it goes on as torch's uninterrupted run, element by element."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    vals = [torch.randn(n, generator=gen) for n in (300, 7)]
+    ours, theirs = [[torch.nn.Parameter(v.clone()) for v in vals] for _ in range(2)]
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    opt = offload.Adam(ours, lr=0.1, amsgrad=True, offload="nvme", swap_dir=str(swap))
+    ref = torch.optim.Adam(theirs, lr=0.1, amsgrad=True)
+
+    def step(seed):
+        for o, ps in ((opt, ours), (ref, theirs)):
+            g = torch.Generator().manual_seed(seed)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            o.step()
+    step(1)
+    for o in (opt, ref):
+        o.param_groups[0]["amsgrad"] = False
+    step(2)
+    opt.close(keep_swap=True)
+    with pytest.raises(ValueError, match=r"states is \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq'\]"):
+        offload.Adam(ours, lr=0.1, amsgrad=False, offload="nvme", swap_dir=str(swap), resume=True)
+    opt = offload.Adam(ours, lr=0.1, amsgrad=True, offload="nvme", swap_dir=str(swap), resume=True)
+    opt.param_groups[0]["amsgrad"] = False
+    step(3)
+    opt.param_groups[0]["amsgrad"] = ref.param_groups[0]["amsgrad"] = True
+    step(4)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-5, atol=2e-6)
+    sa, sb = opt.state_dict()["state"], ref.state_dict()["state"]
+    for k in sb:
+        assert sorted(sa[k]) == sorted(sb[k])
+        for n in sb[k]:
+            torch.testing.assert_close(sa[k][n].float(), sb[k][n].float(), rtol=2e-5, atol=2e-6)
+    opt.close()

@@ -226,9 +226,10 @@ class SwapStore:
             raise ValueError(f"{path}: swap directory holds the states of other params ({found.get('summary')}; "
                              f"this optimizer has {self.identity['summary']})")
         check_codes(m, path, self.fields)  # (fills in the typed keys older manifests lack)
-        expect = {"run": self.run_name, "rank": self.rank, "dtype": self.layout.dtype_name,
+        # (the states first: an Adam built without amsgrad on an amsgrad run's files is told which differ)
+        expect = {"run": self.run_name, "rank": self.rank, "states": self.state_names, "dtype": self.layout.dtype_name,
                   "dtypes": self.layout.dtype_names, "blocks": [f.block for f in self.fields],
-                  "numel": self.layout.numel, "states": self.state_names,
+                  "numel": self.layout.numel,
                   "sub_group_size": self.layout.sub_group_size, "ranges": self.layout.ranges()}
         for key, want in expect.items():
             if m.get(key) != want:
