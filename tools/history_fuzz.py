@@ -489,9 +489,11 @@ class Run:
         if old is not self.A and not getattr(old, "_fuzz_closed", False):
             old.close()
         bits_changed = _bits_class(new_cfg) != _bits_class(self.a_cfg)
-        # SGD's torch layout has no "step" with fp32 states and master (README): A's counts
-        # restart there, and B's follow, as they seed the rounding of a later bf16 conversion
-        sgd_counts = self.cfg["name"] == "SGD" and how.startswith("state_dict") and exact_ref(new_cfg)
+        # SGD's torch layout has no "step" unless states or master are bf16 (README; int8 states
+        # too: seed 96): A's counts restart there, and B's follow, as they seed the rounding of a
+        # later bf16 conversion
+        sgd_counts = self.cfg["name"] == "SGD" and how.startswith("state_dict") and \
+            "bfloat16" not in (new_cfg["state_dtype"], new_cfg["master_dtype"])
         self.a_cfg = new_cfg
         if bits_changed or sgd_counts:  # B follows through state_dict (what the README says a conversion equals)
             sd = copy.deepcopy(self.B.state_dict())
