@@ -462,6 +462,10 @@ class Run:
             return self.op_zero_grad()
         if how == "clear" and self.cfg["pdtype"] != torch.float32:
             how = "mul_"  # a master of its own: torch's twin has no master to clear
+        if self.c_valid and k not in self.C.state.get(pc, {}):
+            # torch has no such state yet (its Adagrad makes an added group's sums at their
+            # first step, ours at add_param_group): a write torch's user cannot make (seed 272)
+            return self.op_zero_grad()
         self.log.append(f"state[{i}][{k!r}] {how} {c}" if how != "clear" else f"state[{i}].clear()")
         self.uncommitted = True
         for opt, p in ((self.A, pa), (self.B, pb), (self.C, pc)):
@@ -547,9 +551,9 @@ class Run:
         self._replace("checkpoint", cfg, make, ck_dir=d)
 
     def op_resume(self):
-        if self.a_cfg["store"] != "nvme" or self._no_swap_files() or self.uncommitted:
-            # (a state written or cleared since the last step taken is not in the swap files:
-            # resume=True goes on from the last finished step, as the README says)
+        if self.a_cfg["store"] != "nvme" or self._no_swap_files():
+            # (a state written or cleared since the last step taken is committed by
+            # close(keep_swap=True): the resume goes on from it)
             return self.op_state_dict()
         swap = self.A._fuzz_swap
 
