@@ -461,13 +461,15 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         return self._stats.summary()
 
     def save_checkpoint(self, directory: str) -> None:
-        """Stream the states to ``directory`` (only ``offload-ckpt*`` files and the flat store's ``rank<r>/`` are ours there) with the param_groups' hyperparameters."""
+        """Stream the states to ``directory`` (only files named ``offload-ckpt*`` and, for the
+        flat store, ``rank<r>/`` are ours there) with the param_groups' hyperparameters."""
         from offload.optim.state_io import restart_all_cleared
         from offload.swap.ckpt_groups import encode_groups
         self._check_open()
         save = optional(self._store, "save_checkpoint")
         if save is None:
-            raise NotImplementedError(f"save_checkpoint is not available for this store ({type(self._store).__name__}); use torch.save(opt.state_dict())")
+            raise NotImplementedError(f"save_checkpoint is not available for this store ({type(self._store).__name__}); "
+                                      "use torch.save(opt.state_dict())")
         restart_all_cleared(self, commit=True)  # [Note: cleared before a save] in state_io.py
         save(directory, {"param_groups": encode_groups(self.param_groups), **self.checkpoint_meta()})
 

@@ -28,7 +28,8 @@ from offload.optim.protocol import optional
 from offload.optim.state_view import MASTER, attach, seen_names
 from offload.shard.dcp_chunks import mark_param_states, unmarked
 
-__all__ = ["state_dict_of", "unused_names", "load_state_dict_into", "check_loadable", "restart_cleared", "restart_all_cleared", "id_map"]
+__all__ = ["state_dict_of", "unused_names", "load_state_dict_into", "check_loadable", "restart_cleared",
+           "restart_all_cleared", "id_map"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Adam's states: the names of an optimizer without ``state_names()`` (a store's own tests)."""
