@@ -72,3 +72,49 @@ def test_a_step_not_called_by_grad_scaler_has_no_scaler_to_write():
     opt = offload.AdamW(_model().parameters(), lr=1e-2)
     assert share_found_inf(opt, torch.ones(())) is False
     opt.close()
+
+
+def _no_grads_job(rank, world, stage, bad):
+    """Rank 0 has no grad at all at steps 0-1 (GradScaler finds nothing to check there: it
+    hands the step the int 0, the sum of no flags, and records none); rank 1 overflows at
+    step ``bad``. The reference: DDP's average, rank 0's grads counting as zeros."""
+    ours, ref = _model(), _model()
+    opt = offload.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scales = []
+    for s in range(STEPS):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + s))
+        for model, o, sc in ((ours, opt, scaler), (ref, ref_opt, ref_scaler)):
+            o.zero_grad()
+            loss = sc.scale(model(x).square().mean())  # (the scaler's first scale() makes its scale)
+            if rank == 1 or s >= 2:  # (rank 0: an empty batch, no backward)
+                loss.backward()
+                if s == bad and rank == 1:
+                    model[0].weight.grad[0, 0] = float("inf")
+        for p in ref.parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(g)
+            p.grad = g / world
+        scaler.step(opt)
+        scaler.update()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        scales.append((scaler.get_scale(), ref_scaler.get_scale(), opt.last_step_skipped))
+    diff = max(float((a - b).abs().max()) for a, b in zip(ours.parameters(), ref.parameters()))
+    opt.close()
+    return dict(scales=scales, diff=diff)
+
+
+@pytest.mark.parametrize("stage, bad", [(1, 1), (2, 0)])
+def test_a_rank_without_any_grad_agrees_with_the_others_loss_scale(stage, bad):
+    # (Before: that rank's update() raised "No inf checks were recorded" after a step the
+    # others skipped, or it stepped alone; gloo then aborted on the next mismatched collective.)
+    got = group(2).run(_no_grads_job, stage, bad)
+    want = [1024.0] * bad + [512.0] * (STEPS - bad)
+    for rank in (0, 1):
+        scales = got[rank]["scales"]
+        assert [ours for ours, _, _ in scales] == [theirs for _, theirs, _ in scales] == want, (rank, scales)
+        assert [skipped for _, _, skipped in scales] == [s == bad for s in range(STEPS)], (rank, scales)
+        assert got[rank]["diff"] < 1e-6, (rank, got[rank])

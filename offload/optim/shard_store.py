@@ -27,6 +27,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from offload.optim.host_state import HostState
+from offload.optim.scaler_sync import as_flag
 from offload.zero import comm
 
 __all__ = ["shard_group", "stage3_store", "Stage3Store"]
@@ -174,8 +175,8 @@ class Stage3Store:
         begin = getattr(self._inner, "begin_step", None)
         if begin is not None:
             begin()
-        found_inf = self._ctx.found_inf
-        if self.world > 1 and isinstance(found_inf, torch.Tensor):
+        found_inf = as_flag(self._ctx.found_inf)  # (the int 0 on a rank without grads: scaler_sync.py)
+        if self.world > 1 and found_inf is not None:
             flag = found_inf.detach().to(comm.comm_device(self.group), torch.float32).reshape(1).clone()
             comm.all_reduce(flag, self.group, op=torch.distributed.ReduceOp.MAX)
             self._ctx.found_inf = flag.to(found_inf.device).reshape(found_inf.shape)

@@ -79,6 +79,7 @@ import torch
 
 from offload.kernels import get_backend
 from offload.optim.context import StepContext
+from offload.optim.scaler_sync import as_flag
 from offload.zero import comm
 from offload.zero.flat_group import FlatGroup
 
@@ -259,7 +260,7 @@ class GradSource:
         if self.world == 1 or (self._mask is not None and not failed):
             return None
         released = self.reducer.released if self.reducer is not None else ()
-        n, found_inf = len(self._order), self._ctx.found_inf
+        n, found_inf = len(self._order), as_flag(self._ctx.found_inf)  # (the int 0 on a rank without grads)
         vec = torch.zeros(n + 1 + 3 * self.world, dtype=torch.int64)
         vec[:n] = torch.tensor([p.grad is not None or p in released for p in self._order], dtype=torch.int64)
         vec[n] = int(isinstance(found_inf, torch.Tensor) and bool(found_inf.detach().cpu().gt(0).any()))
