@@ -551,6 +551,10 @@ def serve(rank, port, inq, outq, timeout):
     import logging
     import torch.distributed as dist
     torch.set_num_threads(1)
+    import faulthandler
+    faulthandler.enable()  # (gloo aborts a rank on a collective mismatch: its Python stack)
+    if os.environ.get("FUZZ_DUMP"):  # seconds: every rank's stacks, repeatedly (a hang)
+        faulthandler.dump_traceback_later(float(os.environ["FUZZ_DUMP"]), repeat=True)
     warnings.simplefilter("ignore")
     logging.getLogger("offload").setLevel(logging.ERROR)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
@@ -586,12 +590,29 @@ class Ranks:
             p.start()
 
     def run(self, job, timeout):
+        """Each rank's answer; a rank that died (gloo aborts a process on a collective
+        mismatch) answers with its exit code at once, not after ``timeout``."""
+        import time
         for q in self.inq:
             q.put(job)
-        got = {}
-        for _ in range(WORLD):
-            rank, value = self.outq.get(timeout=timeout)
-            got[rank] = value
+        got, end, dead_since = {}, time.monotonic() + timeout, None
+        while len(got) < WORLD:
+            try:
+                rank, value = self.outq.get(timeout=1)
+                got[rank] = value
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self.procs) if r not in got and p.exitcode is not None]
+            dead_since = dead_since or (time.monotonic() if dead else None)
+            if dead and time.monotonic() - dead_since > 5:  # (what it put before dying has arrived)
+                for r in dead:
+                    got[r] = (False, f"DIED: rank {r} exited with code {self.procs[r].exitcode} (its stderr "
+                                     "has the stack)", [], "")
+                if len(got) < WORLD:
+                    raise queue.Empty
+            if time.monotonic() > end:
+                raise queue.Empty
         return got
 
     def close(self):
@@ -636,8 +657,9 @@ def main(argv=None):
             own = [r for r in bad if not got[r][1].startswith("MISMATCH: the other rank")]
             first = got.get((own or bad)[0]) if bad else (False, "a rank gave no answer", [], "")
             print(f"seed {seed}: rank(s) {bad}: {first[1].splitlines()[0] if first[1] else ''}")
-            print(f"  cfg {first[3]}")
-            print("  ops: " + " | ".join(first[2] if args.verbose else first[2][-8:]))
+            info = next((got[r] for r in sorted(got) if got[r][3]), first)  # (a rank that died has no log)
+            print(f"  cfg {info[3]}")
+            print("  ops: " + " | ".join(info[2] if args.verbose else info[2][-8:]))
             if args.verbose:
                 for r in bad:
                     print(f"  --- rank {r}:\n{got[r][1]}")
