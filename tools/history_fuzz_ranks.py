@@ -462,9 +462,14 @@ class Run:
         from torch.distributed.checkpoint import state_dict as dcp_sd
         store = self._other_store()
         flatten = self.rng.random() < 0.5
-        if not any(self.B.state_dict()["state"].values()):
+        states = self.B.state_dict()["state"]
+        if not any(states.values()):
             # (not triaged: DCP's fake step on the new optimizer lists entries (step 0, masters)
             # for params that never stepped, where the uninterrupted twin lists none)
+            return self.op_state_dict()
+        if not all(states.get(i) for i in range(self.n)):
+            # a param that never had a grad has no state: DCP's set_optimizer_state_dict (strict)
+            # raises "Missing optimizer state for parameter", for torch.optim's too (torch 2.13)
             return self.op_state_dict()
         if any(p.grad is not None for p in self.pA()):
             # DCP's unflatten rebuilds each entry from the keys the new optimizer's opt.state[p]
