@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import offload
+from test_cleared_kept_states import _grads, _params  # (the same sizes and grads)
 
-SIZES = (4097, 17, 7)
 RULES = {"sgd": ("SGD", dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)),
          "adam": ("Adam", dict(lr=1e-2, amsgrad=True)),
          "adamw": ("AdamW", dict(lr=1e-2))}
@@ -20,15 +20,6 @@ STORES = {"nvme": (torch.float32, "nvme", None), "nvme-int8": (torch.float32, "n
           "flat": (torch.bfloat16, "cpu", None), "flat-nvme-bf16": (torch.bfloat16, "nvme", "bfloat16")}
 
 
-def _params(dtype):
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randn(n, generator=gen).to(dtype).requires_grad_() for n in SIZES]
-
-
-def _grads(params, seed):
-    gen = torch.Generator().manual_seed(seed)
-    for p in params:
-        p.grad = (torch.randn(p.shape, generator=gen) * 3).to(torch.bfloat16).to(p.dtype)
 
 
 def _make(rule, store, params, tmp_path, tag, **extra):

@@ -22,16 +22,22 @@ def _model(seed=0):
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def _scaler_job(rank, world, stage, unscale, swap_root):
+def _twins(stage, **kw):
+    """(ours, ref, opt, ref_opt, scaler, ref_scaler): offload's AdamW and torch's over the
+    same model, each with its own GradScaler."""
     ours, ref = _model(), _model()
+    opt = offload.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, **kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    return (ours, ref, opt, ref_opt, torch.amp.GradScaler("cpu", init_scale=1024.0),
+            torch.amp.GradScaler("cpu", init_scale=1024.0))
+
+
+def _scaler_job(rank, world, stage, unscale, swap_root):
     kw = dict(offload="nvme", swap_dir=f"{swap_root}/r{rank}") if swap_root else {}
     if swap_root:
         import os
         os.makedirs(kw["swap_dir"], exist_ok=True)
-    opt = offload.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, **kw)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ours, ref, opt, ref_opt, scaler, ref_scaler = _twins(stage, **kw)
     scales = []
     for s in range(STEPS):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + s))
@@ -78,11 +84,7 @@ def _no_grads_job(rank, world, stage, bad):
     """Rank 0 has no grad at all at steps 0-1 (GradScaler finds nothing to check there: it
     hands the step the int 0, the sum of no flags, and records none); rank 1 overflows at
     step ``bad``. The reference: DDP's average, rank 0's grads counting as zeros."""
-    ours, ref = _model(), _model()
-    opt = offload.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1, stage=stage)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ours, ref, opt, ref_opt, scaler, ref_scaler = _twins(stage)
     scales = []
     for s in range(STEPS):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + s))
