@@ -77,6 +77,11 @@ class Lion(RuleOptimizer):
         (counted here as one step taken, as a loaded SGD buffer is), and its groups no
         ``maximize`` (False). lion-pytorch's ``decoupled_weight_decay=True`` (weight decay
         divided by the initial lr) is not this update: refused before anything is loaded."""
+        super().load_state_dict(self.loadable_form(state_dict))
+
+    def loadable_form(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """``state_dict`` (ours or lion-pytorch's) in ours, as :meth:`load_state_dict` loads it
+        (state_io.check_loadable's form: a stage 3 checkpoint checks it first)."""
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
             for g in state_dict.get("param_groups") or ():
                 if isinstance(g, dict):
@@ -87,7 +92,7 @@ class Lion(RuleOptimizer):
             state = {k: (dict(st, step=st.get("step", 1.0)) if isinstance(st, dict) and "exp_avg" in st else st)
                      for k, st in state_dict["state"].items()}
             state_dict = dict(state_dict, state=state)
-        super().load_state_dict(state_dict)
+        return state_dict
 
     def group_hyper(self, group: Dict[str, Any]) -> Dict[str, Any]:
         beta1, beta2 = group["betas"]

@@ -238,31 +238,37 @@ class SGD(TorchWhenDifferentiable, RuleOptimizer):
         """torch's layout (or ours): a ``None`` buffer is dropped, a sparse one (torch's, after
         sparse grads) loads as its dense equivalent, and an entry without a ``"step"`` counts
         one step taken (its buffer, if any, is not started afresh)."""
-        started = set()
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
-            state = {}
-            mine = self._loaded_params(state_dict)
-            for k, st in state_dict["state"].items():
-                if isinstance(st, dict):
-                    self._refuse_lost_buffer(k, st, mine.get(k))
-                    # (a "step" that is {}: what torch.distributed.checkpoint's unflatten
-                    # gives for a key of opt.state[p] the flattened dict lacks, and ours holds
-                    # a "step" there that torch's SGD layout drops: absent, as in that layout;
-                    # torch's buffer of a param with sparse grads is sparse: ours is its dense equivalent)
-                    st = {key: v.to_dense() if key == _BUF and isinstance(v, torch.Tensor) and v.is_sparse else v
-                          for key, v in st.items()
-                          if not (key == _BUF and v is None) and not (key == "step" and _is_hole(v))}
-                    st.setdefault("step", 1.0)
-                    if _BUF in st:
-                        started.add(k)
-                state[k] = st
-            state_dict = dict(state_dict, state=state)
+        state_dict = self.loadable_form(state_dict)
+        started = {k for k, st in state_dict["state"].items() if isinstance(st, dict) and _BUF in st} \
+            if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict) else set()
         super().load_state_dict(state_dict)
         # torch pairs the saved groups' param ids with ours, in order
         saved = [k for g in state_dict["param_groups"] for k in g["params"]]
         self._set_started({id(p) for k, p in zip(saved, self._params_in_order()) if k in started})
         record_now(self._store)
         attach_state_views(self)  # (attached by the load before the started buffers were known)
+
+    def loadable_form(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """``state_dict`` (torch's layout or ours) in ours, as :meth:`load_state_dict` loads it:
+        each entry with its "step" (state_io.check_loadable's form; a stage 3 checkpoint checks
+        it before its params change: offload/shard/checkpoint.py)."""
+        if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)):
+            return state_dict
+        state = {}
+        mine = self._loaded_params(state_dict)
+        for k, st in state_dict["state"].items():
+            if isinstance(st, dict):
+                self._refuse_lost_buffer(k, st, mine.get(k))
+                # (a "step" that is {}: what torch.distributed.checkpoint's unflatten
+                # gives for a key of opt.state[p] the flattened dict lacks, and ours holds
+                # a "step" there that torch's SGD layout drops: absent, as in that layout;
+                # torch's buffer of a param with sparse grads is sparse: ours is its dense equivalent)
+                st = {key: v.to_dense() if key == _BUF and isinstance(v, torch.Tensor) and v.is_sparse else v
+                      for key, v in st.items()
+                      if not (key == _BUF and v is None) and not (key == "step" and _is_hole(v))}
+                st.setdefault("step", 1.0)
+            state[k] = st
+        return dict(state_dict, state=state)
 
     def _loaded_params(self, state_dict: Dict[str, Any]) -> Dict[Any, torch.Tensor]:
         """The dict's param ids -> ours, as torch pairs them (empty for a malformed dict:
