@@ -49,6 +49,7 @@ SIZES = [1, 7, 17, 300, 4097]
 SHAPES = {1: (1,), 7: (7,), 17: (17,), 300: (20, 15), 4097: (4097,)}
 SCRATCH = os.environ.get("FUZZ_SCRATCH", "/var/tmp/s48/h-scratch")
 WORLD = 2
+LION_FLIPS = 3  # sign flips allowed per element for Lion with compressed states (Run._check_compressed)
 
 
 def rand_config(rng: random.Random) -> dict:
@@ -119,6 +120,7 @@ class Run:
             offload.shard(self.mA, unit={Unit})
             offload.shard(self.mB, unit={Unit})
         self.cparams = [torch.nn.Parameter(v.float().clone()) for v in self.values]
+        self.lrs = []  # the lr of each step C took
         self.local = [[None] * self.n for _ in range(WORLD)]  # each rank's p.grad, as DDP-less ranks hold it
         self.a_store = cfg["store"]
         self.A = self._make("A", self.a_store)
@@ -191,9 +193,7 @@ class Run:
         optional = ("master", "max_exp_avg_sq")
         _same_dicts(sa, sb, exact=True, where=f"after {what}: state_dict A vs B", optional=optional)
         if not self.exact:
-            for i, (a, c) in enumerate(zip(wa, self.cparams)):
-                if not _close(a.float(), c.detach(), rtol=0.05, atol=0.05):
-                    raise Mismatch(f"after {what}: param {i} (compressed states) vs torch: {_diff(a, c)}")
+            self._check_compressed(what, wa)
             return
         tol = dict(rtol=2e-5, atol=2e-6) if self.cfg["max_grad_norm"] is None else dict(rtol=1e-4, atol=1e-5)
         lowp = self.cfg["pdtype"] != torch.float32
@@ -207,6 +207,23 @@ class Run:
                     raise Mismatch(f"after {what}: bf16 param {i} vs torch: {_diff(a, c)}")
             elif not _close(a, c.detach(), **tol):
                 raise Mismatch(f"after {what}: param {i} vs torch: {_diff(a, c)}")
+
+    def _check_compressed(self, what, wa):
+        """A ~ C with compressed states: loose tolerances (README: compressed states). Lion's
+        update is lr * sign(beta1 * m + (1 - beta1) * g): where that is near zero, the rounding
+        of a bf16/int8 ``exp_avg`` flips the sign, a step of 2 * lr against torch's (seed 155:
+        lr 0.05, torch's +0.0002 against bf16 m's -0.0001, the torch backend's reference
+        compressed step the same). Allowed per element: a few flips at the largest lrs
+        stepped; the elements beyond the plain tolerance stay few (a wrong sign or lr is in
+        most of them)."""
+        flips = 2 * sum(sorted(self.lrs)[-LION_FLIPS:]) if self.cfg["name"] == "Lion" else 0.0
+        for i, (a, c) in enumerate(zip(wa, self.cparams)):
+            a, c = a.float(), c.detach()
+            far = int(((a - c).abs() > 0.05 + 0.05 * c.abs()).sum()) if flips else 0
+            if not _close(a, c, rtol=0.05, atol=0.05 + flips) or far > max(2, c.numel() // 20):
+                raise Mismatch(f"after {what}: param {i} (compressed states) vs torch: {_diff(a, c)}"
+                               + (f"; {far} of {c.numel()} elements beyond the tolerance without sign flips"
+                                  if flips else ""))
 
     # --- operations ---------------------------------------------------------------
     def _coefs(self, scale):
@@ -317,6 +334,8 @@ class Run:
                     coef = min(1.0, self.cfg["max_grad_norm"] / (norm + 1e-6))
                     for g in gs:
                         g.mul_(coef)
+            if not skip:
+                self.lrs.append(float(C.param_groups[0]["lr"]))  # (a scaler's skipped step too: looser only)
             if sc is not None:
                 if not skip:
                     sc.step(C)
