@@ -89,3 +89,39 @@ def test_two_ranks_bf16_masters_through_flattened_dict(stage):
     for rank in range(2):
         for uninterrupted, resumed in got[rank]:
             assert resumed == uninterrupted
+
+
+def _sgd_resume_job(rank, world, stage):
+    """SGD with momentum through a flattened dict: a rank that holds no slice of a param lists
+    no buffer in ``opt.state[p]``, so its rebuilt entry is a bare "step" hole; the owner loads
+    the buffer (fuzz seed 150: that rank refused, "lost its 'momentum_buffer'", the other went on)."""
+    options = dcp_sd.StateDictOptions(flatten_optimizer_state_dict=True)
+    hp = dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.1, stage=stage)
+    model = _model()
+    opt = offload.SGD(model.parameters(), **hp)
+    _train(model, opt, 3, 1)
+    saved = copy.deepcopy(dcp_sd.get_optimizer_state_dict(model, opt, options=options))  # collective
+    model2 = _model()
+    model2.load_state_dict(model.state_dict())
+    opt2 = offload.SGD(model2.parameters(), **hp)
+    dcp_sd.set_optimizer_state_dict(model2, opt2, saved, options=options)
+    keys = [sorted(st) for st in opt2.state_dict()["state"].values()]
+    _train(model2, opt2, 3, 2)
+    opt.close()
+    opt2.close()
+    return keys, [p.detach().tolist() for p in model2.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_ranks_sgd_momentum_through_flattened_dict(stage):
+    got = group(2).run(_sgd_resume_job, stage)
+    ref_model = _model()
+    ref = torch.optim.SGD(ref_model.parameters(), lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.1,
+                          foreach=False)
+    _train(ref_model, ref, 3, 1)
+    _train(ref_model, ref, 3, 2)
+    for rank in range(2):
+        keys, params = got[rank]
+        assert keys == [["momentum_buffer"]] * 4
+        for value, p in zip(params, ref_model.parameters()):
+            torch.testing.assert_close(torch.tensor(value), p.detach(), rtol=1e-5, atol=1e-6)

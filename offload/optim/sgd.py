@@ -35,6 +35,7 @@ from offload.optim.options import _check_scalar
 from offload.optim.protocol import optional
 from offload.optim.rule_options import (check_flag_types, check_flags, check_lr, check_nonneg, to_float,
                                         torch_flags_off)
+from offload.optim.state_entry import SwappedEntry
 from offload.optim.state_io import id_map
 from offload.optim.state_view import attach as attach_state_views
 from offload.optim.step_guard import store_step
@@ -238,9 +239,12 @@ class SGD(TorchWhenDifferentiable, RuleOptimizer):
         """torch's layout (or ours): a ``None`` buffer is dropped, a sparse one (torch's, after
         sparse grads) loads as its dense equivalent, and an entry without a ``"step"`` counts
         one step taken (its buffer, if any, is not started afresh)."""
+        # (a param this rank holds no slice of keeps its buffer started: the owner loads it)
+        held_elsewhere = self._unheld_holes(state_dict)
         state_dict = self.loadable_form(state_dict)
         started = {k for k, st in state_dict["state"].items() if isinstance(st, dict) and _BUF in st} \
             if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict) else set()
+        started |= held_elsewhere
         super().load_state_dict(state_dict)
         # torch pairs the saved groups' param ids with ours, in order
         saved = [k for g in state_dict["param_groups"] for k in g["params"]]
@@ -278,12 +282,28 @@ class SGD(TorchWhenDifferentiable, RuleOptimizer):
         except ValueError:
             return {}
 
+    def _unheld_holes(self, state_dict: Any) -> set:
+        """The keys of ``state_dict``'s entries that are :meth:`_unheld_hole` s."""
+        if not (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)):
+            return set()
+        mine = self._loaded_params(state_dict)
+        return {k for k, st in state_dict["state"].items() if isinstance(st, dict) and self._unheld_hole(st, mine.get(k))}
+
+    def _unheld_hole(self, st: Dict[str, Any], p: Any) -> bool:
+        """A "step" hole without a buffer for a param whose buffer started here and whose states
+        this rank does not hold (stage 1/2: no slice of p, so ``opt.state[p]`` lists no buffer
+        and the flattened dict's buffer was left out): nothing is lost, the owner loads it."""
+        held = self.state.get(p) if p is not None else None
+        return (_is_hole(st.get("step")) and _BUF not in st and isinstance(held, SwappedEntry)
+                and not held.holds() and self._started(p))
+
     def _refuse_lost_buffer(self, k: Any, st: Dict[str, Any], p: Any) -> None:
         """A "step" hole ({}) marks an entry torch.distributed.checkpoint rebuilt from the
         keys of ``opt.state[p]`` (flatten_optimizer_state_dict=True): a started buffer those
         keys did not list (offload="nvme" before state_entry.py listed the swapped states) is
         lost, not absent: refused, as it cannot be told from a new one."""
-        if p is None or not _is_hole(st.get("step")) or _BUF in st or not self._started(p) or _BUF in self.state.get(p, ()):
+        if (p is None or not _is_hole(st.get("step")) or _BUF in st or not self._started(p)
+                or _BUF in self.state.get(p, ()) or self._unheld_hole(st, p)):
             return
         raise ValueError(f"load_state_dict: state[{k}] lost its {_BUF!r}: the dict was rebuilt from the keys of "
                          f"opt.state[p] (torch.distributed.checkpoint, flatten_optimizer_state_dict=True) without it: "

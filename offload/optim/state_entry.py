@@ -67,6 +67,10 @@ class SwappedEntry(dict):
         self._writer = writer
         self._holds = holds
 
+    def holds(self) -> bool:
+        """Whether the store holds p's states on this rank (stage 1/2: a slice of p; no read)."""
+        return self._holds()
+
     def _read_keys(self) -> tuple:
         """The store's states this entry lists but does not hold in the dict (read on access)."""
         if not dict.__contains__(self, "step"):
