@@ -503,6 +503,13 @@ class Run:
         def make():
             osd = copy.deepcopy(dcp_sd.get_optimizer_state_dict(self.mA, self.A, options=options))
             new = self._make("A", store)
+            # (the flattened form's unflatten takes the group keys the new optimizer's groups
+            # list: a key an LR scheduler added (initial_lr) comes back only where the new
+            # optimizer has it, as when its scheduler is made before the load; torch.optim's
+            # optimizer too (torch 2.13): the placeholder is overwritten from the dict)
+            for mine, saved in zip(new.param_groups, self.A.param_groups):
+                for k in saved:
+                    mine.setdefault(k, None)
             dcp_sd.set_optimizer_state_dict(self.mA, new, osd, options=options)
             return new
         self._replace(f"dcp flatten={flatten}", store, make)
