@@ -32,6 +32,19 @@ def _twins(stage, **kw):
             torch.amp.GradScaler("cpu", init_scale=1024.0))
 
 
+def _step_both(scaler, opt, ref_scaler, ref_opt, scales):
+    for sc, o in ((scaler, opt), (ref_scaler, ref_opt)):
+        sc.step(o)
+        sc.update()
+    scales.append((scaler.get_scale(), ref_scaler.get_scale(), opt.last_step_skipped))
+
+
+def _result(ours, ref, opt, scales):
+    diff = max(float((a - b).abs().max()) for a, b in zip(ours.parameters(), ref.parameters()))
+    opt.close()
+    return dict(scales=scales, diff=diff)
+
+
 def _scaler_job(rank, world, stage, unscale, swap_root):
     kw = dict(offload="nvme", swap_dir=f"{swap_root}/r{rank}") if swap_root else {}
     if swap_root:
@@ -51,14 +64,8 @@ def _scaler_job(rank, world, stage, unscale, swap_root):
             p.grad /= world
         if unscale:
             scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
-        scales.append((scaler.get_scale(), ref_scaler.get_scale(), opt.last_step_skipped))
-    diff = max(float((a - b).abs().max()) for a, b in zip(ours.parameters(), ref.parameters()))
-    opt.close()
-    return dict(scales=scales, diff=diff)
+        _step_both(scaler, opt, ref_scaler, ref_opt, scales)
+    return _result(ours, ref, opt, scales)
 
 
 @pytest.mark.parametrize("stage, unscale, where", [(2, False, "none"), (1, True, "none"), (2, False, "nvme")])
@@ -99,14 +106,8 @@ def _no_grads_job(rank, world, stage, bad):
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(g)
             p.grad = g / world
-        scaler.step(opt)
-        scaler.update()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
-        scales.append((scaler.get_scale(), ref_scaler.get_scale(), opt.last_step_skipped))
-    diff = max(float((a - b).abs().max()) for a, b in zip(ours.parameters(), ref.parameters()))
-    opt.close()
-    return dict(scales=scales, diff=diff)
+        _step_both(scaler, opt, ref_scaler, ref_opt, scales)
+    return _result(ours, ref, opt, scales)
 
 
 @pytest.mark.parametrize("stage, bad", [(1, 1), (2, 0)])

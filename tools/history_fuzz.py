@@ -73,25 +73,35 @@ class Mismatch(AssertionError):
     pass
 
 
-def rand_config(rng: random.Random) -> dict:
-    name = rng.choice(["Adam", "AdamW", "SGD", "Adagrad", "Lion"])
-    hp: dict = {}
+def rand_hyper(rng: random.Random, name: str, *, wide: bool = True) -> dict:
+    """Hyperparameters of ``name`` (torch's keywords, lion-pytorch's for Lion). ``wide=False``:
+    the two-rank fuzz's narrower draws (no lr 0.1 or betas (0, 0.99) for Adam, no maximize for
+    Adagrad and Lion), the same draws in the same order, so its seeds keep their meaning."""
     if name in ("Adam", "AdamW"):
-        hp = dict(lr=rng.choice([1e-3, 1e-2, 0.1]), betas=rng.choice([(0.9, 0.999), (0.5, 0.9), (0.0, 0.99)]),
-                  eps=rng.choice([1e-8, 1e-6]), weight_decay=rng.choice([0.0, 0.01, 0.1]),
-                  amsgrad=rng.random() < 0.3, maximize=rng.random() < 0.2)
-    elif name == "SGD":
+        lrs, betas = ([1e-3, 1e-2, 0.1], [(0.9, 0.999), (0.5, 0.9), (0.0, 0.99)]) if wide else \
+            ([1e-3, 1e-2], [(0.9, 0.999), (0.5, 0.9)])
+        return dict(lr=rng.choice(lrs), betas=rng.choice(betas), eps=rng.choice([1e-8, 1e-6]),
+                    weight_decay=rng.choice([0.0, 0.01, 0.1]), amsgrad=rng.random() < 0.3,
+                    maximize=rng.random() < 0.2)
+    if name == "SGD":
         mom = rng.choice([0.0, 0.9, 0.5])
         nest = mom > 0 and rng.random() < 0.4
-        hp = dict(lr=rng.choice([1e-2, 0.1]), momentum=mom, dampening=0.0 if nest else rng.choice([0.0, 0.1]),
-                  weight_decay=rng.choice([0.0, 0.01]), nesterov=nest, maximize=rng.random() < 0.2)
-    elif name == "Adagrad":
+        return dict(lr=rng.choice([1e-2, 0.1]), momentum=mom, dampening=0.0 if nest else rng.choice([0.0, 0.1]),
+                    weight_decay=rng.choice([0.0, 0.01]), nesterov=nest, maximize=rng.random() < 0.2)
+    if name == "Adagrad":
         hp = dict(lr=rng.choice([1e-2, 0.1]), lr_decay=rng.choice([0.0, 0.01]), weight_decay=rng.choice([0.0, 0.01]),
-                  initial_accumulator_value=rng.choice([0.0, 0.1]), eps=rng.choice([1e-10, 1e-6]),
-                  maximize=rng.random() < 0.2)
+                  initial_accumulator_value=rng.choice([0.0, 0.1]), eps=rng.choice([1e-10, 1e-6]))
     else:
         hp = dict(lr=rng.choice([1e-4, 1e-3]), betas=rng.choice([(0.9, 0.99), (0.95, 0.98)]),
-                  weight_decay=rng.choice([0.0, 0.1]), maximize=rng.random() < 0.2)
+                  weight_decay=rng.choice([0.0, 0.1]))
+    if wide:
+        hp["maximize"] = rng.random() < 0.2
+    return hp
+
+
+def rand_config(rng: random.Random) -> dict:
+    name = rng.choice(["Adam", "AdamW", "SGD", "Adagrad", "Lion"])
+    hp = rand_hyper(rng, name)
     if name != "Lion" and rng.random() < 0.3:
         hp[rng.choice(["foreach", "fused"])] = rng.choice([True, False])
     r = rng.random()
@@ -275,14 +285,7 @@ class Run:
                     gl = (g * scale).to(self.cfg["pdtype"])
                     t[k].grad = gl.clone() if k < 2 else gl.float()
         self.log.append(f"step grads={[('keep' if isinstance(g, str) else None if g is None else 'g') for g in grads]}")
-        skipped_a = []
-        for k, opt in enumerate((self.A, self.B)):
-            if self.scalers:
-                self.scalers[k].step(opt)
-                self.scalers[k].update()
-            else:
-                opt.step()
-            skipped_a.append(opt.last_step_skipped)
+        skipped_a = step_twins((self.A, self.B), self.scalers)
         skip_c = self._torch_step()
         if not skipped_a[0]:
             self.uncommitted = False
@@ -307,36 +310,8 @@ class Run:
                 p.grad = g
 
     def _torch_step_inner(self):
-        C, params = self.C, self.params(2)
         sc = self.scalers[2] if self.scalers else None
-        if sc is not None:
-            sc.unscale_(C)
-            found = sum(float(v) for v in sc._per_optimizer_states[id(C)]["found_inf_per_device"].values())
-            if found:
-                sc.step(C)
-                sc.update()
-                return True
-        skip = False
-        if self.cfg["max_grad_norm"] is not None:
-            gs = [p.grad for p in params if p.grad is not None]
-            sq = sum(float(g.double().square().sum()) for g in gs)
-            norm = math.sqrt(sq)
-            if not math.isfinite(norm):
-                skip = True
-            else:
-                coef = min(1.0, self.cfg["max_grad_norm"] / (norm + 1e-6))
-                for g in gs:
-                    g.mul_(coef)
-        if not skip:  # (not before: a skipped step starts no state)
-            self._torch_amsgrad_zeros()
-        if sc is not None:
-            if not skip:
-                sc.step(C)
-            sc.update()
-        elif not skip:
-            with _unfused_where_torch_fails(C):
-                C.step()
-        return skip
+        return torch_step(self.C, sc, self.params(2), self.cfg["max_grad_norm"], self._torch_amsgrad_zeros)
 
     def _torch_amsgrad_zeros(self):
         """amsgrad turned on: torch's step fails (KeyError) on a param that stepped without it;
@@ -589,12 +564,7 @@ class Run:
             print("\n".join(self.log))
 
     def close(self):
-        for o in (self.A, self.B):
-            try:
-                if not getattr(o, "_fuzz_closed", False):
-                    o.close()
-            except Exception:
-                pass
+        close_twins((self.A, self.B))
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
 
@@ -618,6 +588,63 @@ def _unfused_where_torch_fails(C):
     finally:
         for g in off:
             g["fused"] = True
+
+
+def torch_step(C, sc, params, max_grad_norm, before_step) -> bool:
+    """torch's loop over ``C``: GradScaler's ``unscale_`` (``sc``), ``clip_grad_norm_`` by hand
+    (a non-finite norm skips the step, as offload's ``max_grad_norm`` does), ``before_step()``
+    on a step taken only (a skipped one starts no state), the step; whether it was skipped."""
+    if sc is not None:
+        sc.unscale_(C)
+        found = sum(float(v) for v in sc._per_optimizer_states[id(C)]["found_inf_per_device"].values())
+        if found:
+            sc.step(C)
+            sc.update()
+            return True
+    skip = False
+    if max_grad_norm is not None:
+        gs = [p.grad for p in params if p.grad is not None]
+        norm = math.sqrt(sum(float(g.double().square().sum()) for g in gs))
+        if not math.isfinite(norm):
+            skip = True
+        else:
+            coef = min(1.0, max_grad_norm / (norm + 1e-6))
+            for g in gs:
+                g.mul_(coef)
+    if not skip:
+        before_step()
+    if sc is not None:
+        if not skip:
+            sc.step(C)
+        sc.update()
+    elif not skip:
+        with _unfused_where_torch_fails(C):
+            C.step()
+    return skip
+
+
+def step_twins(opts, scalers):
+    """Step each offload optimizer (through its GradScaler, ``scalers[k]``, where there are
+    some); whether each skipped its step."""
+    skipped = []
+    for k, opt in enumerate(opts):
+        if scalers:
+            scalers[k].step(opt)
+            scalers[k].update()
+        else:
+            opt.step()
+        skipped.append(opt.last_step_skipped)
+    return skipped
+
+
+def close_twins(opts) -> None:
+    """Close the offload optimizers the fuzz has not closed itself; errors are not its subject."""
+    for o in opts:
+        try:
+            if not getattr(o, "_fuzz_closed", False):
+                o.close()
+        except Exception:
+            pass
 
 
 def _bits_class(cfg):

@@ -43,7 +43,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from history_fuzz import TORCH_CLASS, Mismatch, _bits_equal, _close, _diff, _same_dicts  # noqa: E402
+from history_fuzz import TORCH_CLASS, Mismatch, _bits_equal, _close, _diff, _same_dicts, close_twins, rand_hyper, step_twins, torch_step  # noqa: E402
 
 SIZES = [1, 7, 17, 300, 4097]
 SHAPES = {1: (1,), 7: (7,), 17: (17,), 300: (20, 15), 4097: (4097,)}
@@ -54,21 +54,7 @@ LION_FLIPS = 3  # sign flips allowed per element for Lion with compressed states
 
 def rand_config(rng: random.Random) -> dict:
     name = rng.choice(["Adam", "AdamW", "SGD", "Adagrad", "Lion"])
-    if name in ("Adam", "AdamW"):
-        hp = dict(lr=rng.choice([1e-3, 1e-2]), betas=rng.choice([(0.9, 0.999), (0.5, 0.9)]),
-                  eps=rng.choice([1e-8, 1e-6]), weight_decay=rng.choice([0.0, 0.01, 0.1]),
-                  amsgrad=rng.random() < 0.3, maximize=rng.random() < 0.2)
-    elif name == "SGD":
-        mom = rng.choice([0.0, 0.9, 0.5])
-        nest = mom > 0 and rng.random() < 0.4
-        hp = dict(lr=rng.choice([1e-2, 0.1]), momentum=mom, dampening=0.0 if nest else rng.choice([0.0, 0.1]),
-                  weight_decay=rng.choice([0.0, 0.01]), nesterov=nest, maximize=rng.random() < 0.2)
-    elif name == "Adagrad":
-        hp = dict(lr=rng.choice([1e-2, 0.1]), lr_decay=rng.choice([0.0, 0.01]), weight_decay=rng.choice([0.0, 0.01]),
-                  initial_accumulator_value=rng.choice([0.0, 0.1]), eps=rng.choice([1e-10, 1e-6]))
-    else:
-        hp = dict(lr=rng.choice([1e-4, 1e-3]), betas=rng.choice([(0.9, 0.99), (0.95, 0.98)]),
-                  weight_decay=rng.choice([0.0, 0.1]))
+    hp = rand_hyper(rng, name, wide=False)
     stage = 3 if rng.random() < 0.15 else rng.choice([1, 2])
     pdtype = torch.bfloat16 if rng.random() < 0.3 else torch.float32
     store = rng.choice(["none", "cpu", "nvme"])
@@ -277,14 +263,7 @@ class Run:
         if self.scalers and not any(g is not None for r in range(WORLD) for g in self.local[r]):
             self.log.append("  (no grads: scaler step skipped)")
             return
-        skipped = []
-        for k, opt in enumerate((self.A, self.B)):
-            if self.scalers:
-                self.scalers[k].step(opt)
-                self.scalers[k].update()
-            else:
-                opt.step()
-            skipped.append(opt.last_step_skipped)
+        skipped = step_twins((self.A, self.B), self.scalers)
         skip_c = self._torch_step()
         if skipped[0] != skipped[1]:
             raise Mismatch(f"last_step_skipped A {skipped[0]} B {skipped[1]}")
@@ -312,37 +291,14 @@ class Run:
             else:
                 p.grad = sum(g.float() for g in gs if g is not None) / WORLD
         C, sc = self.C, (self.scalers[2] if self.scalers else None)
-        for p in self.cparams:  # amsgrad turned on later: torch's step needs the entry
-            st = C.state.get(p)
-            if C.param_groups[0].get("amsgrad") and st and "exp_avg" in st and "max_exp_avg_sq" not in st:
-                st["max_exp_avg_sq"] = torch.zeros_like(p)
+
+        def amsgrad_zeros():  # amsgrad turned on later: torch's step needs the entry (on a step taken)
+            for p in self.cparams:
+                st = C.state.get(p)
+                if C.param_groups[0].get("amsgrad") and st and "exp_avg" in st and "max_exp_avg_sq" not in st:
+                    st["max_exp_avg_sq"] = torch.zeros_like(p)
         try:
-            if sc is not None:
-                sc.unscale_(C)
-                found = sum(float(v) for v in sc._per_optimizer_states[id(C)]["found_inf_per_device"].values())
-                if found:
-                    sc.step(C)
-                    sc.update()
-                    return True
-            skip = False
-            if self.cfg["max_grad_norm"] is not None:
-                gs = [p.grad for p in self.cparams if p.grad is not None]
-                norm = math.sqrt(sum(float(g.double().square().sum()) for g in gs))
-                if not math.isfinite(norm):
-                    skip = True
-                else:
-                    coef = min(1.0, self.cfg["max_grad_norm"] / (norm + 1e-6))
-                    for g in gs:
-                        g.mul_(coef)
-            if not skip:
-                self.lrs.append(float(C.param_groups[0]["lr"]))  # (a scaler's skipped step too: looser only)
-            if sc is not None:
-                if not skip:
-                    sc.step(C)
-                sc.update()
-            elif not skip:
-                C.step()
-            return skip
+            return torch_step(C, sc, self.cparams, self.cfg["max_grad_norm"], amsgrad_zeros)
         finally:
             for p in self.cparams:
                 p.grad = None
@@ -540,12 +496,7 @@ class Run:
             raise Mismatch(f"the other rank failed (at {self.log[-1] if self.log else 'the start'})")
 
     def close(self):
-        for o in (self.A, self.B):
-            try:
-                if not getattr(o, "_fuzz_closed", False):
-                    o.close()
-            except Exception:
-                pass
+        close_twins((self.A, self.B))
 
 
 def describe(cfg):
