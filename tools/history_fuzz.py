@@ -37,7 +37,9 @@ import offload
 
 SIZES = [1, 7, 17, 300, 4097]
 SHAPES = {1: (1,), 7: (7,), 17: (17,), 300: (20, 15), 4097: (4097,)}
-SCRATCH = os.environ.get("FUZZ_SCRATCH", "/var/tmp/s48/c-scratch")
+# swap dirs and checkpoints: a disk file system (O_DIRECT), made if missing
+SCRATCH = os.environ.get("FUZZ_SCRATCH", "/var/tmp/offload-history-fuzz")
+os.makedirs(SCRATCH, exist_ok=True)
 
 
 class LionRef(torch.optim.Optimizer):

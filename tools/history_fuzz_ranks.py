@@ -47,7 +47,9 @@ from history_fuzz import TORCH_CLASS, Mismatch, _bits_equal, _close, _diff, _sam
 
 SIZES = [1, 7, 17, 300, 4097]
 SHAPES = {1: (1,), 7: (7,), 17: (17,), 300: (20, 15), 4097: (4097,)}
-SCRATCH = os.environ.get("FUZZ_SCRATCH", "/var/tmp/s48/h-scratch")
+# swap dirs and checkpoints: a disk file system (O_DIRECT), made if missing
+SCRATCH = os.environ.get("FUZZ_SCRATCH", "/var/tmp/offload-history-fuzz")
+os.makedirs(SCRATCH, exist_ok=True)
 WORLD = 2
 LION_FLIPS = 3  # sign flips allowed per element for Lion with compressed states (Run._check_compressed)
 
