@@ -90,6 +90,7 @@ _KERNEL_INCIDENTAL = {
     # test_cli_adversarial (the demo's SIGTERM) and test_numba_signals.
     "test_commit_before_counts", "test_fork_keep_swap", "test_signals_around_removal", "test_cli_signals",
     "test_cli_pipe",
+    "test_history_fuzz_tools",  # the fuzzers' own run: numba's seeds are run by hand (bench/RESULTS.md)
 }
 # ...and the numba kernels' own compressed tests, which pick numba by name: the numba pass only.
 _NUMBA_BY_NAME = {"test_numba_compressed", "test_numba_zero_division", "test_numba_f32x8"}
