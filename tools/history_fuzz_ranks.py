@@ -294,13 +294,14 @@ class Run:
                 p.grad = sum(g.float() for g in gs if g is not None) / WORLD
         C, sc = self.C, (self.scalers[2] if self.scalers else None)
 
-        def amsgrad_zeros():  # amsgrad turned on later: torch's step needs the entry (on a step taken)
-            for p in self.cparams:
+        def before_step():  # on a step taken only
+            self.lrs.append(float(C.param_groups[0]["lr"]))  # (Lion's sign flips: _check_compressed)
+            for p in self.cparams:  # amsgrad turned on later: torch's step needs the entry
                 st = C.state.get(p)
                 if C.param_groups[0].get("amsgrad") and st and "exp_avg" in st and "max_exp_avg_sq" not in st:
                     st["max_exp_avg_sq"] = torch.zeros_like(p)
         try:
-            return torch_step(C, sc, self.cparams, self.cfg["max_grad_norm"], amsgrad_zeros)
+            return torch_step(C, sc, self.cparams, self.cfg["max_grad_norm"], before_step)
         finally:
             for p in self.cparams:
                 p.grad = None
