@@ -104,7 +104,7 @@ class Adagrad(TorchWhenDifferentiable, RuleOptimizer):
         were held at once (a 24M-param model built with int8 states on NVMe peaked 196 MiB
         for 14 MiB of states; a model too large for RAM could not be built at all)."""
         params = self._all_params()
-        if getattr(self._store, "kind", None) == "host":
+        if self._host():
             for p in params:  # float32 as torch's, or encoded from one block (state_dtype)
                 self._store.make_states(p)
             return

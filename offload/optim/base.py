@@ -414,6 +414,10 @@ class RuleOptimizer(ContextAttributes, Optimizer):
         self._check_open()
         return state_dict_of(self, super().state_dict)
 
+    def loadable_form(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """``state_dict`` in the form this optimizer's load checks and takes (SGD's, Lion's: their own layouts)."""
+        return state_dict
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """As torch's, all or nothing: the whole dict is checked first (a bad entry changes
         nothing), and with ``offload="nvme"`` the loaded states go to the free swap slots and

@@ -407,8 +407,7 @@ def _apply(prepared: Tuple[List[torch.Tensor], Any], flats: List[Any], optimizer
 
         # all or nothing: checked before the params change, in the form the optimizer's load
         # takes it to (SGD's torch layout holds no "step": its load counts one)
-        own = getattr(optimizer, "loadable_form", None)
-        check_loadable(optimizer, loadable[0] if own is None else own(loadable[0]))
+        check_loadable(optimizer, optimizer.loadable_form(loadable[0]))
     # The params first: a load without masters (fp32 params) takes them from the params, so they
     # must hold the checkpoint's values by then (the step started from the old ones)
     for (_, f), v in zip(flats, values):
